@@ -1,0 +1,254 @@
+"""Model configuration of the embedded default (Qwen3-MoE math plus an optional DSA-style indexer).
+
+Field names are those of Hugging Face transformers' `Qwen3MoeConfig`, so `to_hf_dict()` is a
+config.json that transformers, vLLM and SGLang read as `Qwen3MoeForCausalLM`. The indexer fields
+are replayrl's own and travel in config.json under the `replayrl_indexer` key, which those
+loaders ignore.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from rollout.model.errors import ModelConfigError
+
+HF_ARCHITECTURE = "Qwen3MoeForCausalLM"
+HF_MODEL_TYPE = "qwen3_moe"
+INDEXER_KEY = "replayrl_indexer"
+_HF_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Qwen3-MoE decoder (HF `Qwen3MoeConfig` field names) plus the indexer.
+
+    Layer kinds follow HF's rule: layer `i` is MoE iff `i not in mlp_only_layers` and
+    `num_experts > 0` and `(i + 1) % decoder_sparse_step == 0`; otherwise it is a dense SiLU-gated
+    MLP of width `intermediate_size`.
+
+    Indexer (DSA-style, DeepSeek-V3.2 "lightning indexer", simplified): on every layer of
+    `index_layers`, when `index_topk > 0`, each query attends only to the `index_topk` causal keys
+    with the highest indexer score (see `rollout.model.indexer`). `index_topk = 0` turns it off.
+
+    Raises `ModelConfigError` naming the field when a value is out of range or inconsistent.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    num_experts: int
+    num_experts_per_tok: int
+    norm_topk_prob: bool
+    decoder_sparse_step: int
+    mlp_only_layers: tuple[int, ...]
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    index_topk: int = 0
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    index_layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        # Lists from JSON become tuples so the config stays hashable and read-only.
+        object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
+        object.__setattr__(self, "index_layers", tuple(int(i) for i in self.index_layers))
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "decoder_sparse_step",
+                     "max_position_embeddings", "intermediate_size"):
+            if int(getattr(self, name)) <= 0:
+                raise ModelConfigError(f"ModelConfig.{name} must be > 0, got {getattr(self, name)!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ModelConfigError(
+                f"ModelConfig.num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})")
+        if self.head_dim % 2:
+            raise ModelConfigError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}")
+        if self.num_experts < 0:
+            raise ModelConfigError(f"ModelConfig.num_experts must be >= 0, got {self.num_experts}")
+        if self.num_experts > 0:
+            if not 0 < self.num_experts_per_tok <= self.num_experts:
+                raise ModelConfigError(
+                    f"ModelConfig.num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
+                    f"got {self.num_experts_per_tok}")
+            if self.moe_intermediate_size <= 0:
+                raise ModelConfigError(
+                    f"ModelConfig.moe_intermediate_size must be > 0, got {self.moe_intermediate_size}")
+        if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
+            raise ModelConfigError("ModelConfig.rms_norm_eps and rope_theta must be > 0")
+        if self.tie_word_embeddings:
+            raise ModelConfigError("ModelConfig.tie_word_embeddings=True is not supported (untied lm_head)")
+        for name in ("mlp_only_layers", "index_layers"):
+            ids = getattr(self, name)
+            bad = [i for i in ids if not 0 <= i < self.num_hidden_layers]
+            if bad or len(set(ids)) != len(ids):
+                raise ModelConfigError(
+                    f"ModelConfig.{name} must hold distinct layer ids in [0, {self.num_hidden_layers}), "
+                    f"got {ids}")
+        if self.index_topk < 0:
+            raise ModelConfigError(f"ModelConfig.index_topk must be >= 0, got {self.index_topk}")
+        if self.index_topk > 0 and (self.index_n_heads <= 0 or self.index_head_dim <= 0
+                                    or not self.index_layers):
+            raise ModelConfigError(
+                "ModelConfig.index_topk > 0 needs index_n_heads > 0, index_head_dim > 0 and a "
+                f"non-empty index_layers, got {self.index_n_heads}, {self.index_head_dim}, "
+                f"{self.index_layers}")
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """Global ids of the MoE layers in order; position in this tuple = `L_moe` axis of traces."""
+        return tuple(
+            i for i in range(self.num_hidden_layers)
+            if i not in self.mlp_only_layers and self.num_experts > 0
+            and (i + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def indexed_layers(self) -> tuple[int, ...]:
+        """Global ids of the layers with an indexer, sorted; `()` when `index_topk == 0`.
+
+        Position in this tuple = `L_idx` axis of `indexer_topk` traces.
+        """
+        return tuple(sorted(self.index_layers)) if self.index_topk > 0 else ()
+
+    def to_hf_dict(self, torch_dtype: str = "float32") -> dict[str, Any]:
+        """Return a Hugging Face config.json dict (`Qwen3MoeForCausalLM`, model_type `qwen3_moe`).
+
+        `torch_dtype`: one of "float32", "bfloat16", "float16" (the dtype of the stored weights).
+        Both the legacy `rope_theta` and the transformers-5 `rope_parameters` are written so
+        older and newer loaders read the same RoPE. Indexer fields go under `replayrl_indexer`.
+        Raises `ModelConfigError` for an unknown dtype.
+        """
+        if torch_dtype not in _HF_DTYPES:
+            raise ModelConfigError(f"torch_dtype must be one of {_HF_DTYPES}, got {torch_dtype!r}")
+        return {
+            "architectures": [HF_ARCHITECTURE],
+            "model_type": HF_MODEL_TYPE,
+            "torch_dtype": torch_dtype,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "moe_intermediate_size": self.moe_intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "num_experts": self.num_experts,
+            "num_experts_per_tok": self.num_experts_per_tok,
+            "norm_topk_prob": self.norm_topk_prob,
+            "decoder_sparse_step": self.decoder_sparse_step,
+            "mlp_only_layers": list(self.mlp_only_layers),
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "rope_scaling": None,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "initializer_range": 0.02,
+            "output_router_logits": False,
+            "router_aux_loss_coef": 0.0,
+            "use_cache": True,
+            INDEXER_KEY: {
+                "index_topk": self.index_topk,
+                "index_n_heads": self.index_n_heads,
+                "index_head_dim": self.index_head_dim,
+                "index_layers": list(self.index_layers),
+            },
+        }
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        """Build a config from a Hugging Face config.json dict.
+
+        Accepts `rope_theta` at top level or in `rope_parameters` (default RoPE only); `head_dim`
+        defaults to hidden_size // num_attention_heads, `mlp_only_layers` to (), the indexer to off.
+        Raises `ModelConfigError` naming the key for a wrong model_type, an unsupported feature
+        (non-SiLU activation, attention bias, RoPE scaling, sliding window) or a missing field.
+        """
+        if d.get("model_type") != HF_MODEL_TYPE:
+            raise ModelConfigError(f"config.json model_type must be {HF_MODEL_TYPE!r}, got {d.get('model_type')!r}")
+        if d.get("hidden_act", "silu") != "silu":
+            raise ModelConfigError(f"config.json hidden_act must be 'silu', got {d['hidden_act']!r}")
+        if d.get("attention_bias", False):
+            raise ModelConfigError("config.json attention_bias=true is not supported")
+        if d.get("use_sliding_window", False):
+            raise ModelConfigError("config.json use_sliding_window=true is not supported")
+        rope = d.get("rope_parameters") or {}
+        if d.get("rope_scaling") or rope.get("rope_type", "default") != "default":
+            raise ModelConfigError("config.json: only the default RoPE (no rope_scaling) is supported")
+        rope_theta = d.get("rope_theta", rope.get("rope_theta"))
+        if rope_theta is None:
+            raise ModelConfigError("config.json lacks rope_theta (top level or in rope_parameters)")
+
+        def need(key: str) -> Any:
+            if key not in d:
+                raise ModelConfigError(f"config.json lacks required key {key!r}")
+            return d[key]
+
+        idx = d.get(INDEXER_KEY) or {}
+        return cls(
+            vocab_size=int(need("vocab_size")),
+            hidden_size=int(need("hidden_size")),
+            intermediate_size=int(need("intermediate_size")),
+            moe_intermediate_size=int(need("moe_intermediate_size")),
+            num_hidden_layers=int(need("num_hidden_layers")),
+            num_attention_heads=int(need("num_attention_heads")),
+            num_key_value_heads=int(d.get("num_key_value_heads", need("num_attention_heads"))),
+            head_dim=int(d.get("head_dim") or need("hidden_size") // need("num_attention_heads")),
+            num_experts=int(need("num_experts")),
+            num_experts_per_tok=int(need("num_experts_per_tok")),
+            norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+            decoder_sparse_step=int(d.get("decoder_sparse_step", 1)),
+            mlp_only_layers=tuple(d.get("mlp_only_layers") or ()),
+            rms_norm_eps=float(need("rms_norm_eps")),
+            rope_theta=float(rope_theta),
+            max_position_embeddings=int(need("max_position_embeddings")),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            index_topk=int(idx.get("index_topk", 0)),
+            index_n_heads=int(idx.get("index_n_heads", 0)),
+            index_head_dim=int(idx.get("index_head_dim", 0)),
+            index_layers=tuple(idx.get("index_layers", ())),
+        )
+
+
+def default_config(vocab_size: int) -> ModelConfig:
+    """The embedded default: ~1M parameters, small enough for RL on 2 CPU cores.
+
+    4 layers (layer 0 dense via mlp_only_layers=(0,), layers 1-3 MoE with 8 experts, top-2,
+    renormalised), hidden 128, 4 query heads x head_dim 32 (vLLM's CPU attention kernels need
+    head_dim >= 32), 2 KV heads, indexer keeping 8 keys per query on layers 1 and 3.
+    """
+    return ModelConfig(
+        vocab_size=vocab_size,
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=(0,),
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=256,
+        index_topk=8,
+        index_n_heads=2,
+        index_head_dim=16,
+        index_layers=(1, 3),
+    )
+

@@ -1,0 +1,112 @@
+"""DSA-style sparse-attention indexer (simplified DeepSeek-V3.2 "lightning indexer").
+
+Source: DeepSeek-AI, "DeepSeek-V3.2-Exp: Boosting Long-Context Efficiency with DeepSeek Sparse
+Attention" (2025). The indexer scores query token i against key token j as
+
+    I(i, j) = sum_h w_h(i) * relu(q_h(i) . k(j))
+
+with `q_h = wq(x)` split into `index_n_heads` heads of `index_head_dim`, one shared key
+`k = wk(x)` and per-head weights `w = weights_proj(x)`, where x is the attention input (after
+input_layernorm). Each query keeps the `index_topk` causal, non-padding keys with the highest score
+and the layer's attention is restricted to them. Simplifications against DeepSeek: no RoPE, no
+LayerNorm on k, no FP8 and no weight scaling (a positive scale would not change the ranking).
+
+Ties (common: relu makes many scores exactly 0) go to the more recent key, so the choice is a
+function of token order alone and agrees between left-padded (engine) and right-padded (trainer)
+layouts. Scores are computed in float32 whatever the model dtype.
+
+Top-k is not differentiable: the indexer's parameters get no gradient (requires_grad False, and
+the scores are computed under no_grad). DeepSeek trains the indexer with a separate KL loss
+against the dense attention distribution; replayrl replays the engine's picks instead.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from rollout.model.errors import ModelInputError
+
+
+class Indexer(nn.Module):
+    """Lightning-indexer scorer of one attention layer.
+
+    Parameters (HF-style names under `model.layers.{i}.self_attn.indexer.`): `wq.weight`
+    `[n_heads * head_dim, hidden]`, `wk.weight` `[head_dim, hidden]`, `weights_proj.weight`
+    `[n_heads, hidden]`; all frozen (requires_grad False).
+    """
+
+    def __init__(self, hidden_size: int, n_heads: int, head_dim: int, topk: int) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.head_dim = head_dim
+        self.topk = topk
+        self.wq = nn.Linear(hidden_size, n_heads * head_dim, bias=False)
+        self.wk = nn.Linear(hidden_size, head_dim, bias=False)
+        self.weights_proj = nn.Linear(hidden_size, n_heads, bias=False)
+        for p in self.parameters():
+            p.requires_grad_(False)
+
+    def keys(self, x: torch.Tensor) -> torch.Tensor:
+        """Indexer keys `[B, S, head_dim]` (model dtype) of attention inputs x `[B, S, hidden]`."""
+        with torch.no_grad():
+            return self.wk(x)
+
+    def scores(self, x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """Scores I(i, j), float32 `[B, S, T]`, of queries x `[B, S, hidden]` against keys `[B, T, head_dim]`."""
+        with torch.no_grad():
+            b, s, _ = x.shape
+            q = self.wq(x).view(b, s, self.n_heads, self.head_dim).float()
+            w = self.weights_proj(x).float()
+            dots = torch.einsum("bshd,btd->bsht", q, keys.float()).relu()
+            return torch.einsum("bsht,bsh->bst", dots, w)
+
+
+def select_topk(scores: torch.Tensor, candidates: torch.Tensor, k: int) -> torch.Tensor:
+    """Key slots of the top-`k` candidate keys per query, int64 `[B, S, k]`, -1 = no key.
+
+    `scores`: float `[B, S, T]`; `candidates`: bool `[B, S, T]` (causal and not padding).
+    A row lists its picks by decreasing score, ties to the larger slot (more recent key); a query
+    with fewer than `k` candidates lists all of them and fills the rest with -1.
+    """
+    b, s, t = scores.shape
+    masked = scores.masked_fill(~candidates, float("-inf"))
+    # Stable descending sort over the reversed key axis puts the later slot first among equals.
+    order = torch.sort(masked.flip(-1), dim=-1, descending=True, stable=True).indices[..., :k]
+    slots = (t - 1) - order
+    slots = torch.where(candidates.gather(-1, slots), slots, torch.full_like(slots, -1))
+    if t < k:
+        slots = torch.cat([slots, slots.new_full((b, s, k - t), -1)], dim=-1)
+    return slots
+
+
+def slots_to_mask(slots: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """Bool mask `[B, S, num_keys]`, True at every slot of `slots` (int `[B, S, k]`, -1 ignored)."""
+    b, s, _ = slots.shape
+    mask = torch.zeros(b, s, num_keys + 1, dtype=torch.bool, device=slots.device)
+    # -1 is routed to an extra column that is dropped, so no clamping of real slots happens.
+    mask.scatter_(-1, torch.where(slots >= 0, slots, num_keys).long(), True)
+    return mask[..., :num_keys]
+
+
+def resolve_replay(own: torch.Tensor, replay: torch.Tensor | None, allowed: torch.Tensor,
+                   layer: int) -> torch.Tensor:
+    """Key slots the layer attends to: the replayed ones, or `own` on all -1 replay rows.
+
+    `own`: int64 `[B, S, k]` from `select_topk`; `replay`: int `[B, S, k]` in [-1, T) (range
+    already checked by the caller) or None; `allowed`: bool `[B, S, T]` causal, non-padding keys.
+    A replay row of only -1 means "no replay for this token" (padding, observation rows).
+    Raises `ModelInputError` naming the layer if a replayed slot is padding or in the future.
+    """
+    if replay is None:
+        return own
+    replay = replay.long()
+    picked = replay >= 0
+    ok = allowed.gather(-1, torch.where(picked, replay, 0))
+    if bool((picked & ~ok).any()):
+        b, i, _ = torch.nonzero(picked & ~ok)[0].tolist()
+        raise ModelInputError(
+            f"indexer_topk replays a padding or non-causal key slot for layer {layer} at batch "
+            f"row {b}, query {i}: {replay[b, i].tolist()}")
+    use_own = ~picked.any(-1, keepdim=True)
+    return torch.where(use_own, own, replay)

@@ -1,0 +1,77 @@
+"""Per-layer key/value cache of the embedded model for incremental decoding."""
+
+from __future__ import annotations
+
+import torch
+
+from rollout.model.errors import ModelInputError
+
+
+class KVCache:
+    """Keys, values and indexer keys of every token already forwarded, per batch row.
+
+    Made by `Qwen3MoeForCausalLM.new_kv_cache()` and passed to `forward(kv_cache=...)`, which
+    appends the new tokens in place. Opaque to callers except `length` (S_past: number of key
+    slots already cached, padding slots included) and `batch_size`.
+
+    Layout (per layer, model dtype): keys and values `[B, num_key_value_heads, S_past, head_dim]`
+    after k_norm and RoPE; indexer keys `[B, S_past, index_head_dim]` on indexed layers; and the
+    key padding mask `[B, S_past]` (True = real token), used to check that the next call's
+    `key_padding_mask` starts with the same prefix. The cache grows by concatenation, which copies
+    O(S_past) per step: fine for the short sequences of the embedded model.
+    """
+
+    def __init__(self, num_layers: int, indexed_layers: tuple[int, ...]) -> None:
+        self._num_layers = num_layers
+        self._indexed_layers = tuple(indexed_layers)
+        self._keys: list[torch.Tensor | None] = [None] * num_layers
+        self._values: list[torch.Tensor | None] = [None] * num_layers
+        self._index_keys: dict[int, torch.Tensor | None] = {i: None for i in self._indexed_layers}
+        self._padding_mask: torch.Tensor | None = None
+        self._length = 0
+
+    @property
+    def length(self) -> int:
+        """Number of cached key slots S_past (padding slots included)."""
+        return self._length
+
+    @property
+    def batch_size(self) -> int | None:
+        """Batch size of the cached rows, or None while the cache is empty."""
+        return None if self._padding_mask is None else int(self._padding_mask.shape[0])
+
+    # The methods below are the model's side of the contract; callers do not use them.
+
+    def check_compatible(self, num_layers: int, indexed_layers: tuple[int, ...], batch: int,
+                         key_padding_mask: torch.Tensor) -> None:
+        """Raise `ModelInputError` unless this cache fits the model and the new call.
+
+        `key_padding_mask`: bool `[B, S_past + S]`, already defaulted by the caller.
+        """
+        if num_layers != self._num_layers or tuple(indexed_layers) != self._indexed_layers:
+            raise ModelInputError("kv_cache was made by a model with other layers; use model.new_kv_cache()")
+        if self._padding_mask is None:
+            return
+        if batch != self.batch_size:
+            raise ModelInputError(f"kv_cache holds batch size {self.batch_size}, input_ids has {batch}")
+        if not torch.equal(key_padding_mask[:, : self._length], self._padding_mask):
+            raise ModelInputError(
+                "key_padding_mask[:, :kv_cache.length] differs from the padding of the cached tokens")
+
+    def past(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+        """Cached (keys, values, indexer keys or None) of `layer`, or None while empty."""
+        if self._keys[layer] is None:
+            return None
+        return self._keys[layer], self._values[layer], self._index_keys.get(layer)
+
+    def commit(self, keys: list[torch.Tensor], values: list[torch.Tensor],
+               index_keys: dict[int, torch.Tensor], key_padding_mask: torch.Tensor) -> None:
+        """Replace the cache by the full (past + new) tensors of one finished forward.
+
+        Swapping everything at the end keeps the cache unchanged if the forward raised midway.
+        """
+        self._keys = list(keys)
+        self._values = list(values)
+        self._index_keys = {i: index_keys[i] for i in self._indexed_layers}
+        self._padding_mask = key_padding_mask
+        self._length = int(key_padding_mask.shape[1])

@@ -1,0 +1,420 @@
+"""The embedded default model: a Qwen3-MoE decoder in plain torch, with trace capture and replay.
+
+Math and parameter names follow Hugging Face transformers' `Qwen3MoeForCausalLM` (checked by
+tests/test_model_hf_parity.py): RMSNorm (normalise in float32, cast back, then scale), default
+RoPE with rotate-half, grouped-query attention with RMSNorm over head_dim on q and k before RoPE,
+softmax top-k MoE routing (softmax in float32 over the router logits, top-k, renormalise if
+norm_topk_prob, cast back) over SiLU-gated experts, dense SiLU-gated MLPs on the non-MoE layers,
+final norm and an untied lm_head. Layers listed in `config.indexed_layers` restrict attention to
+the keys chosen by a DSA-style indexer (rollout/model/indexer.py).
+
+Traces (see /work/shared/DESIGN.md): with `capture=True` the forward returns the experts every
+MoE router used (R3, Ma et al. 2025 "Stabilizing MoE RL by aligning training and inference
+routers"; as in slime / Megatron) and the key slots every indexer kept; passing them back as
+`routed_experts` / `indexer_topk` replays those discrete choices while the routing weights stay
+differentiable functions of the router logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rollout.model.config import ModelConfig
+from rollout.model.errors import ModelInputError
+from rollout.model.indexer import Indexer, resolve_replay, select_topk, slots_to_mask
+from rollout.model.kv_cache import KVCache
+
+
+@dataclass(frozen=True)
+class CausalLMOutput:
+    """Result of `Qwen3MoeForCausalLM.forward`.
+
+    logits: `[B, S, vocab_size]` in the model dtype (bf16 for the engine, fp32 for the trainer).
+    hidden: `[B, S, hidden_size]` after the final norm (model dtype) if `return_hidden`, else None.
+    routed_experts: int32 `[B, S, L_moe, K]` experts used per token and MoE layer (in
+        `config.moe_layers` order) if `capture` and the model has MoE layers, else None.
+    indexer_topk: int32 `[B, S, L_idx, index_topk]` key slots (indices into this row's
+        cache + current key sequence) used per query and indexed layer, -1 = no key, if
+        `capture` and the indexer is on, else None.
+    """
+
+    logits: torch.Tensor
+    hidden: torch.Tensor | None = None
+    routed_experts: torch.Tensor | None = None
+    indexer_topk: torch.Tensor | None = None
+
+
+class Qwen3MoeRMSNorm(nn.Module):
+    """RMSNorm over the last axis (Zhang & Sennrich 2019), HF order: normalise in fp32, cast, scale."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x `[..., dim]` -> same shape and dtype."""
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Default RoPE tables (Su et al. 2021, RoFormer), each `[B, 1, S, head_dim]` in `dtype`.
+
+    Angles are computed in float32 from the integer positions, as HF does; the frequencies are
+    recomputed per call so that `model.to(bf16)` cannot round them.
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64,
+                                             device=position_ids.device).float() / head_dim))
+    freqs = position_ids[..., None].float() * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate `x` `[B, heads, S, head_dim]` by the RoPE tables (rotate-half convention)."""
+    return x * cos + _rotate_half(x) * sin
+
+
+@dataclass(frozen=True)
+class _Masks:
+    """Attention masks of one forward, bool `[B, S, T]` with T = S_past + S key slots."""
+
+    allowed: torch.Tensor      # causal (by slot) and the key is not padding
+    dense: torch.Tensor        # allowed, plus each query's own slot so padding rows stay finite
+    candidates: torch.Tensor   # indexer candidates: allowed and the query itself is not padding
+    own_slot: torch.Tensor     # each query's own slot
+
+
+class Qwen3MoeAttention(nn.Module):
+    """GQA self-attention with q/k RMSNorm, RoPE and an optional indexer."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.layer_idx = layer_idx
+        self.n_heads = config.num_attention_heads
+        self.n_kv_heads = config.num_key_value_heads
+        self.head_dim = d
+        self.rope_theta = config.rope_theta
+        self.q_proj = nn.Linear(h, self.n_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, self.n_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, self.n_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * d, h, bias=False)
+        self.q_norm = Qwen3MoeRMSNorm(d, config.rms_norm_eps)
+        self.k_norm = Qwen3MoeRMSNorm(d, config.rms_norm_eps)
+        self.indexer = (Indexer(h, config.index_n_heads, config.index_head_dim, config.index_topk)
+                        if layer_idx in config.indexed_layers else None)
+
+    def forward(self, x, cos, sin, masks: _Masks, past, index_replay):
+        """x `[B, S, hidden]` -> (output `[B, S, hidden]`, (keys, values, indexer keys) over all
+        T slots for the cache, key slots int64 `[B, S, index_topk]` or None)."""
+        b, s, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, s, self.n_heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(b, s, self.n_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        ik = self.indexer.keys(x) if self.indexer is not None else None
+        if past is not None:
+            k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
+            if ik is not None:
+                ik = torch.cat([past[2], ik], dim=1)
+
+        slots = None
+        mask = masks.dense
+        if self.indexer is not None:
+            with torch.no_grad():
+                own = select_topk(self.indexer.scores(x, ik), masks.candidates, self.indexer.topk)
+            slots = resolve_replay(own, index_replay, masks.allowed, self.layer_idx)
+            mask = slots_to_mask(slots, k.shape[2])
+            # A query without any key (a padding query) attends to itself only: finite, unused.
+            mask = mask | (masks.own_slot & ~mask.any(-1, keepdim=True))
+
+        rep = self.n_heads // self.n_kv_heads
+        out = F.scaled_dot_product_attention(
+            q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1),
+            attn_mask=mask[:, None], scale=self.head_dim ** -0.5)
+        out = out.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim)
+        return self.o_proj(out), (k, v, ik), slots
+
+
+class Qwen3MoeMLP(nn.Module):
+    """SiLU-gated MLP: down(silu(gate(x)) * up(x)); a dense layer or one expert."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x `[..., hidden]` -> `[..., hidden]`."""
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Qwen3MoeSparseMoeBlock(nn.Module):
+    """Softmax top-k router (`gate.weight` `[E, hidden]`) over SiLU-gated experts."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = nn.ModuleList(
+            Qwen3MoeMLP(config.hidden_size, config.moe_intermediate_size)
+            for _ in range(config.num_experts))
+
+    def forward(self, x: torch.Tensor, replay: torch.Tensor | None):
+        """x `[B, S, hidden]`, replay int `[B, S, K]` or None -> (output, experts int64 `[B, S, K]`).
+
+        Under replay the weights are the router's softmax probabilities of the replayed experts
+        (renormalised if norm_topk_prob), so the router still gets gradients (R3). A replay row
+        of only -1 keeps the router's own choice.
+        """
+        b, s, h = x.shape
+        flat = x.reshape(-1, h)
+        logits = self.gate(flat)
+        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if replay is not None:
+            replay = replay.reshape(-1, self.top_k).long()
+            experts = torch.where((replay < 0).all(-1, keepdim=True), experts, replay)
+            weights = probs.gather(-1, experts)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        weights = weights.to(logits.dtype)
+
+        out = torch.zeros_like(flat)
+        # Expert by expert in ascending order, as HF accumulates, so fp32 sums agree closely.
+        for e, expert in enumerate(self.experts):
+            tok, slot = torch.where(experts == e)
+            if tok.numel() == 0:
+                continue
+            out.index_add_(0, tok, expert(flat[tok]) * weights[tok, slot, None])
+        return out.view(b, s, h), experts.view(b, s, self.top_k)
+
+
+class Qwen3MoeDecoderLayer(nn.Module):
+    """Pre-norm block: h += attn(norm(h)); h += mlp(norm(h)), the MLP dense or MoE."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.is_moe = layer_idx in config.moe_layers
+        self.input_layernorm = Qwen3MoeRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Qwen3MoeAttention(config, layer_idx)
+        self.post_attention_layernorm = Qwen3MoeRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = (Qwen3MoeSparseMoeBlock(config, layer_idx) if self.is_moe
+                    else Qwen3MoeMLP(config.hidden_size, config.intermediate_size))
+
+    def forward(self, h, cos, sin, masks, past, index_replay, expert_replay):
+        """h `[B, S, hidden]` -> (h, cache entry, key slots or None, experts or None)."""
+        a, kv, slots = self.self_attn(self.input_layernorm(h), cos, sin, masks, past, index_replay)
+        h = h + a
+        x = self.post_attention_layernorm(h)
+        if self.is_moe:
+            m, experts = self.mlp(x, expert_replay)
+        else:
+            m, experts = self.mlp(x), None
+        return h + m, kv, slots, experts
+
+
+class Qwen3MoeModel(nn.Module):
+    """Embedding, decoder layers and final norm (the `model.` prefix of HF parameter names)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Qwen3MoeDecoderLayer(config, i)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = Qwen3MoeRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class Qwen3MoeForCausalLM(nn.Module):
+    """Qwen3-MoE causal LM (HF parameter names) with R3 / indexer capture and replay.
+
+    Build with `Qwen3MoeForCausalLM(config)` then `init_weights(seed)` or load weights
+    (rollout.model.checkpoint). `model.to(torch.bfloat16)` gives the engine's bf16 model; the
+    trainer runs fp32.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Qwen3MoeModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Floating dtype of the parameters."""
+        return self.lm_head.weight.dtype
+
+    def init_weights(self, seed: int) -> None:
+        """Deterministic init from `seed`: every Linear / Embedding weight ~ N(0, 0.02), norms 1.
+
+        Values are drawn in float32 on the CPU in module order and then cast, so a seed gives the
+        same weights on any machine and (rounded) in any dtype.
+        """
+        g = torch.Generator(device="cpu").manual_seed(int(seed))
+        with torch.no_grad():
+            for module in self.modules():
+                if isinstance(module, Qwen3MoeRMSNorm):
+                    module.weight.fill_(1.0)
+                elif isinstance(module, (nn.Linear, nn.Embedding)):
+                    w = torch.empty(module.weight.shape, dtype=torch.float32).normal_(0.0, 0.02, generator=g)
+                    module.weight.copy_(w)
+
+    def new_kv_cache(self) -> KVCache:
+        """An empty `KVCache` for this model's layers."""
+        return KVCache(self.config.num_hidden_layers, self.config.indexed_layers)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, *,
+                key_padding_mask: torch.Tensor | None = None,
+                kv_cache: KVCache | None = None,
+                routed_experts: torch.Tensor | None = None,
+                indexer_topk: torch.Tensor | None = None,
+                capture: bool = False,
+                return_hidden: bool = False) -> CausalLMOutput:
+        """Forward S new tokens of B rows, after the S_past tokens in `kv_cache` (if any).
+
+        input_ids: int `[B, S]` in [0, vocab_size). position_ids: int `[B, S]` RoPE positions in
+            [0, max_position_embeddings), per row (padding tokens: any valid value, e.g. 0).
+        key_padding_mask: bool `[B, S_past + S]`, True = real token; None = all real. Its first
+            S_past columns must equal the padding of the cached tokens. Attention is causal by
+            slot order and skips padding keys; a padding query attends to itself only, so it
+            stays finite but is meaningless. Both left padding (engine) and right padding
+            (trainer) work.
+        kv_cache: from `new_kv_cache()`; the new keys/values are appended in place.
+        routed_experts: int `[B, S, L_moe, K]` experts to use instead of the router's top-k
+            (R3 replay), values in [0, num_experts); a row of only -1 keeps the router's choice.
+        indexer_topk: int `[B, S, L_idx, index_topk]` key slots (into cache + current keys of
+            the row) each query of each indexed layer attends to, -1 = none; each slot must be
+            causal and not padding; a row of only -1 keeps the indexer's own choice.
+        capture: return the experts / key slots actually used (int32) in the output.
+        return_hidden: also return the final-norm hidden states.
+
+        Returns `CausalLMOutput`. Raises `ModelInputError` naming the argument for a wrong shape,
+        dtype or value, or a cache of another model / batch / padding.
+        """
+        cfg = self.config
+        b, s, s_past, key_padding_mask = self._check_inputs(
+            input_ids, position_ids, key_padding_mask, kv_cache, routed_experts, indexer_topk)
+        t = s_past + s
+        device = input_ids.device
+
+        q_slot = torch.arange(s_past, t, device=device)
+        k_slot = torch.arange(t, device=device)
+        causal = k_slot[None, :] <= q_slot[:, None]
+        own_slot = (k_slot[None, :] == q_slot[:, None])[None]
+        allowed = causal[None] & key_padding_mask[:, None, :]
+        query_real = key_padding_mask[:, s_past:, None]
+        masks = _Masks(allowed=allowed, dense=allowed | own_slot,
+                       candidates=allowed & query_real, own_slot=own_slot)
+
+        h = self.model.embed_tokens(input_ids)
+        cos, sin = rope_cos_sin(position_ids, cfg.head_dim, cfg.rope_theta, h.dtype)
+        moe_pos = {layer: j for j, layer in enumerate(cfg.moe_layers)}
+        idx_pos = {layer: j for j, layer in enumerate(cfg.indexed_layers)}
+        keys, values, index_keys = [], [], {}
+        experts_used, slots_used = [], []
+        for i, layer in enumerate(self.model.layers):
+            past = kv_cache.past(i) if kv_cache is not None else None
+            e_rep = routed_experts[:, :, moe_pos[i]] if routed_experts is not None and i in moe_pos else None
+            i_rep = indexer_topk[:, :, idx_pos[i]] if indexer_topk is not None and i in idx_pos else None
+            h, (k, v, ik), slots, experts = layer(h, cos, sin, masks, past, i_rep, e_rep)
+            keys.append(k)
+            values.append(v)
+            if ik is not None:
+                index_keys[i] = ik
+            if experts is not None:
+                experts_used.append(experts)
+            if slots is not None:
+                slots_used.append(slots)
+        h = self.model.norm(h)
+        logits = self.lm_head(h)
+        if kv_cache is not None:
+            kv_cache.commit(keys, values, index_keys, key_padding_mask)
+        return CausalLMOutput(
+            logits=logits,
+            hidden=h if return_hidden else None,
+            routed_experts=(torch.stack(experts_used, dim=2).to(torch.int32)
+                            if capture and experts_used else None),
+            indexer_topk=(torch.stack(slots_used, dim=2).to(torch.int32)
+                          if capture and slots_used else None),
+        )
+
+    def _check_inputs(self, input_ids, position_ids, key_padding_mask, kv_cache,
+                      routed_experts, indexer_topk):
+        """Validate forward arguments; return (B, S, S_past, key_padding_mask with default)."""
+        cfg = self.config
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point:
+            raise ModelInputError(f"input_ids must be an integer tensor [B, S], got {_desc(input_ids)}")
+        b, s = input_ids.shape
+        if s == 0:
+            raise ModelInputError("input_ids has no tokens (S = 0)")
+        if int(input_ids.min()) < 0 or int(input_ids.max()) >= cfg.vocab_size:
+            raise ModelInputError(f"input_ids must lie in [0, vocab_size={cfg.vocab_size}), got "
+                                  f"[{int(input_ids.min())}, {int(input_ids.max())}]")
+        if (not isinstance(position_ids, torch.Tensor) or tuple(position_ids.shape) != (b, s)
+                or position_ids.dtype.is_floating_point):
+            raise ModelInputError(f"position_ids must be an integer tensor [{b}, {s}], got {_desc(position_ids)}")
+        if int(position_ids.min()) < 0 or int(position_ids.max()) >= cfg.max_position_embeddings:
+            raise ModelInputError(
+                f"position_ids must lie in [0, max_position_embeddings={cfg.max_position_embeddings}), "
+                f"got [{int(position_ids.min())}, {int(position_ids.max())}]")
+        if kv_cache is not None and not isinstance(kv_cache, KVCache):
+            raise ModelInputError(f"kv_cache must be a KVCache from model.new_kv_cache(), got {type(kv_cache).__name__}")
+        s_past = kv_cache.length if kv_cache is not None else 0
+        t = s_past + s
+        if key_padding_mask is None:
+            key_padding_mask = torch.ones(b, t, dtype=torch.bool, device=input_ids.device)
+        elif (not isinstance(key_padding_mask, torch.Tensor) or key_padding_mask.dtype != torch.bool
+              or tuple(key_padding_mask.shape) != (b, t)):
+            raise ModelInputError(
+                f"key_padding_mask must be a bool tensor [B={b}, S_past+S={t}], got {_desc(key_padding_mask)}")
+        if kv_cache is not None:
+            kv_cache.check_compatible(cfg.num_hidden_layers, cfg.indexed_layers, b, key_padding_mask)
+        if routed_experts is not None:
+            if not cfg.moe_layers:
+                raise ModelInputError("routed_experts given but the model has no MoE layers")
+            k = cfg.num_experts_per_tok
+            _check_trace("routed_experts", routed_experts, (b, s, len(cfg.moe_layers), k), cfg.num_experts)
+            picked = routed_experts >= 0
+            mixed = picked.any(-1) & ~picked.all(-1)
+            if bool(mixed.any()):
+                raise ModelInputError(f"routed_experts rows must be all -1 or all experts, got "
+                                      f"{routed_experts[mixed][0].tolist()}")
+            srt = routed_experts.sort(-1).values
+            dup = ((srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] >= 0)).any(-1)
+            if bool(dup.any()):
+                raise ModelInputError(f"routed_experts row repeats an expert: {routed_experts[dup][0].tolist()}")
+        if indexer_topk is not None:
+            if not cfg.indexed_layers:
+                raise ModelInputError("indexer_topk given but the indexer is off (index_topk = 0)")
+            _check_trace("indexer_topk", indexer_topk, (b, s, len(cfg.indexed_layers), cfg.index_topk), t)
+        return b, s, s_past, key_padding_mask
+
+
+def _desc(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"{x.dtype} {list(x.shape)}"
+    return type(x).__name__
+
+
+def _check_trace(name: str, x, shape: tuple[int, ...], upper: int) -> None:
+    """Raise `ModelInputError` unless x is an integer tensor of `shape` with values in [-1, upper)."""
+    if not isinstance(x, torch.Tensor) or x.dtype not in (torch.int32, torch.int64) or tuple(x.shape) != shape:
+        raise ModelInputError(f"{name} must be an int32/int64 tensor {list(shape)}, got {_desc(x)}")
+    if x.numel() and (int(x.min()) < -1 or int(x.max()) >= upper):
+        raise ModelInputError(f"{name} values must lie in [-1, {upper}), got [{int(x.min())}, {int(x.max())}]")

@@ -1,0 +1,170 @@
+"""Policy-gradient loss: decoupled PPO clip with truncated importance sampling (TIS).
+
+Per response token ``t`` with loss mask ``m_t`` (DESIGN.md "Trainer math")::
+
+    r_t = exp(logp_t - logp_prox_t)                       # policy vs proximal policy
+    w_t = min(exp(logp_prox_t - logp_rollout_t), C)       # TIS weight, detached
+    l_t = -w_t * min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t)
+
+Sources: decoupled PPO objective with a proximal policy separate from the behaviour policy,
+Hilton, Cobbe & Schulman 2022, "Batch size-invariance for policy optimization"; truncated
+importance sampling for train-inference mismatch, Yao et al. 2025, "Your efficient RL framework
+secretly brings you off-policy RL training" (as in verl and slime); asymmetric clip
+(``eps_high`` 0.28) from DAPO, Yu et al. 2025; the ``approx_kl`` metric is Schulman's k3
+estimator ("Approximating KL divergence", 2020).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+__all__ = ["LossError", "policy_loss"]
+
+Denominator = Literal["loss_tokens", "accepted_tokens"]
+
+
+class LossError(ValueError):
+    """Bad input to a loss (shapes, mask values, hyper-parameters, non-finite loss-token input)."""
+
+
+def _as_bool_mask(x: Tensor, n: int, name: str) -> Tensor:
+    if not isinstance(x, Tensor) or x.dim() != 1 or x.shape[0] != n:
+        shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+        raise LossError(f"{name} must be a 1-D tensor with {n} entries, got {shape}")
+    if x.dtype == torch.bool:
+        return x
+    bad = (x != 0) & (x != 1)
+    if bool(bad.any()):
+        raise LossError(f"{name} must hold only 0/1, bad positions {torch.nonzero(bad).flatten().tolist()[:8]}")
+    return x != 0
+
+
+def policy_loss(
+    logp: Tensor,
+    logp_prox: Tensor,
+    logp_rollout: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    tis_cap: float | None = 2.0,
+    token_accept: Tensor | None = None,
+    denominator: Denominator,
+) -> tuple[Tensor, dict[str, float]]:
+    """Decoupled-PPO clipped surrogate with TIS, averaged over tokens.
+
+    Only ``logp`` carries gradient; ``logp_prox``, ``logp_rollout`` and ``advantages`` are
+    detached. Positions with ``loss_mask`` 0 may hold NaN / inf in any input: every input is
+    passed through ``torch.where`` before ``exp`` (multiplying by the mask would turn
+    ``0 * inf`` into NaN), so the loss and the gradient stay finite.
+
+    Denominator policy when RS rejects tokens (``token_accept`` False at a loss token; a
+    rejected token always contributes 0 to the numerator):
+
+    * ``"loss_tokens"``: divide by the number of loss tokens, rejected ones included, so a
+      token's weight in the step does not depend on how many other tokens were rejected
+      (rejection acts as a zero weight, the usual masked-IS estimator);
+    * ``"accepted_tokens"``: divide by the number of accepted loss tokens (a self-normalised
+      mean over the surviving tokens).
+
+    With ``token_accept`` None both are the same. A batch whose denominator is 0 gives a loss
+    of exactly 0 with zero gradient (``max(count, 1)``).
+
+    Args:
+        logp: float tensor [N], logprobs of the response tokens under the policy being trained
+            (nats, with gradient).
+        logp_prox: float tensor [N], proximal logprobs (preflight forward at the weights the
+            step starts from).
+        logp_rollout: float tensor [N], behaviour logprobs recorded by the rollout engine.
+        advantages: float tensor [N], per-token advantage (e.g. GRPO, broadcast per sample).
+        loss_mask: tensor [N] of 0/1 (bool / integer / float): 1 = loss-bearing token.
+        eps_low, eps_high: clip range ``[1 - eps_low, 1 + eps_high]``; ``0 <= eps_low < 1``,
+            ``eps_high >= 0`` (DAPO uses ``eps_high = 0.28``).
+        tis_cap: TIS cap ``C > 0``; ``None`` disables TIS (``w = 1``).
+        token_accept: optional bool tensor [N] from token RS (``rs_gates.token_gate``).
+        denominator: ``"loss_tokens"`` or ``"accepted_tokens"`` (keyword, required: the policy
+            is always stated by the caller).
+
+    Returns:
+        ``(loss, metrics)``: ``loss`` a 0-dim tensor (float32, or float64 for float64 ``logp``);
+        ``metrics`` floats: ``clip_fraction`` (share of contributing tokens whose clipped term
+        is the active one, i.e. gradient zeroed by the clip), ``tis_weight_mean`` and
+        ``approx_kl`` (k3 of policy vs proximal) over contributing tokens (loss and accepted),
+        ``logprob_abs_diff_mean`` (mean ``|logp_prox - logp_rollout|``) over all loss tokens,
+        ``loss_tokens``, ``accepted_tokens``, ``accepted_fraction``.
+
+    Raises:
+        LossError: shape mismatch, mask values other than 0/1, bad hyper-parameters, an unknown
+            denominator, or a non-finite input at a loss token (naming the positions).
+    """
+    if not isinstance(logp, Tensor) or logp.dim() != 1 or not logp.is_floating_point():
+        raise LossError(f"logp must be a 1-D float tensor, got {type(logp).__name__}")
+    n = logp.shape[0]
+    for name, x in (("logp_prox", logp_prox), ("logp_rollout", logp_rollout), ("advantages", advantages)):
+        if not isinstance(x, Tensor) or x.dim() != 1 or x.shape[0] != n or not x.is_floating_point():
+            shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+            raise LossError(f"{name} must be a 1-D float tensor with {n} entries, got {shape}")
+    if denominator not in ("loss_tokens", "accepted_tokens"):
+        raise LossError(f"denominator must be 'loss_tokens' or 'accepted_tokens', got {denominator!r}")
+    if not (0.0 <= eps_low < 1.0) or not (eps_high >= 0.0) or math.isinf(eps_high):
+        raise LossError(f"clip range needs 0 <= eps_low < 1 and finite eps_high >= 0, got "
+                        f"eps_low={eps_low!r}, eps_high={eps_high!r}")
+    if tis_cap is not None and not (tis_cap > 0.0):
+        raise LossError(f"tis_cap must be > 0 or None, got {tis_cap!r}")
+
+    mask = _as_bool_mask(loss_mask, n, "loss_mask")
+    if token_accept is None:
+        contrib = mask
+    else:
+        if not isinstance(token_accept, Tensor) or token_accept.dtype != torch.bool:
+            raise LossError("token_accept must be a bool tensor (from rs_gates.token_gate)")
+        contrib = mask & _as_bool_mask(token_accept, n, "token_accept")
+
+    for name, x in (("logp", logp), ("logp_prox", logp_prox), ("logp_rollout", logp_rollout),
+                    ("advantages", advantages)):
+        bad = mask & ~torch.isfinite(x.detach())
+        if bool(bad.any()):
+            raise LossError(f"non-finite {name} at loss tokens {torch.nonzero(bad).flatten().tolist()[:8]}")
+
+    dtype = torch.promote_types(logp.dtype, torch.float32)
+    zero = torch.zeros((), dtype=dtype, device=logp.device)
+    # Sanitise every input outside the loss mask *before* any exp or product.
+    lp = torch.where(mask, logp.to(dtype), zero)
+    prox = torch.where(mask, logp_prox.detach().to(dtype), zero)
+    roll = torch.where(mask, logp_rollout.detach().to(dtype), zero)
+    adv = torch.where(mask, advantages.detach().to(dtype), zero)
+
+    log_r = lp - prox
+    ratio = torch.exp(log_r)
+    if tis_cap is None:
+        w = torch.ones_like(prox)
+    else:
+        w = torch.clamp(torch.exp(prox - roll), max=float(tis_cap))
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv
+    per_token = -w * torch.minimum(unclipped, clipped)
+    per_token = torch.where(contrib, per_token, zero)
+
+    n_loss = int(mask.sum())
+    n_acc = int(contrib.sum())
+    count = n_loss if denominator == "loss_tokens" else n_acc
+    loss = per_token.sum() / max(count, 1)
+
+    with torch.no_grad():
+        c = contrib.to(dtype)
+        denom_c = max(n_acc, 1)
+        metrics = {
+            "clip_fraction": float(((clipped < unclipped).to(dtype) * c).sum() / denom_c),
+            "tis_weight_mean": float((w * c).sum() / denom_c) if n_acc else 0.0,
+            "approx_kl": float((((ratio - 1.0) - log_r) * c).sum() / denom_c),
+            "logprob_abs_diff_mean": float((prox - roll).abs().sum() / max(n_loss, 1)),
+            "loss_tokens": float(n_loss),
+            "accepted_tokens": float(n_acc),
+            "accepted_fraction": n_acc / n_loss if n_loss else 0.0,
+        }
+    return loss, metrics

@@ -1,0 +1,166 @@
+"""Hugging Face checkpoint directories and weight pushes for the embedded model.
+
+A directory written by `save_pretrained` loads in transformers (`Qwen3MoeForCausalLM`,
+`AutoTokenizer`), vLLM and SGLang: config.json, model.safetensors with HF parameter names (one
+tensor per expert, `mlp.experts.{e}.{gate,up,down}_proj.weight`, as Qwen3-MoE checkpoints on the
+Hub), generation_config.json, and a word-level tokenizer (tokenizer.json, tokenizer_config.json).
+Indexer weights (`self_attn.indexer.*`) are stored too; transformers ignores them with a warning,
+and an engine without the indexer computes dense attention on those layers, i.e. another model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from rollout.model.config import ModelConfig
+from rollout.model.errors import CheckpointError
+from rollout.model.qwen3_moe import Qwen3MoeForCausalLM
+
+SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")
+WEIGHTS_NAME = "model.safetensors"
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_ARRAY_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.float64))
+
+
+def save_pretrained(model: Qwen3MoeForCausalLM, directory: str | Path, tokens: list[str]) -> Path:
+    """Write `model` and a word-level tokenizer as a Hugging Face checkpoint directory.
+
+    tokens: the whole vocabulary in id order (token id = list index); must hold `<pad>`, `<bos>`
+        and `<eos>`, no duplicates, no whitespace inside a token, and exactly
+        `config.vocab_size` entries. Text is split on whitespace and every word must be in the
+        vocabulary (no unknown token: encoding an unknown word fails loudly).
+    Weights are stored in the model's dtype. Creates `directory` if needed and returns its path.
+    Raises `CheckpointError` for a bad vocabulary or an unsupported dtype.
+    """
+    cfg = model.config
+    _check_vocab(tokens, cfg)
+    if model.dtype not in _DTYPE_NAMES:
+        raise CheckpointError(f"cannot store weights of dtype {model.dtype}")
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    ids = {name: tokens.index(name) for name in SPECIAL_TOKENS}
+
+    hf = cfg.to_hf_dict(torch_dtype=_DTYPE_NAMES[model.dtype])
+    hf.update(bos_token_id=ids["<bos>"], eos_token_id=ids["<eos>"], pad_token_id=ids["<pad>"])
+    _write_json(out / "config.json", hf)
+    _write_json(out / "generation_config.json", {
+        "bos_token_id": ids["<bos>"], "eos_token_id": ids["<eos>"], "pad_token_id": ids["<pad>"],
+    })
+    tensors = {name: t.detach().contiguous().cpu() for name, t in model.state_dict().items()}
+    save_file(tensors, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
+    _save_tokenizer(out, tokens, cfg.max_position_embeddings)
+    return out
+
+
+def load_pretrained(directory: str | Path, dtype: torch.dtype = torch.float32
+                    ) -> tuple[Qwen3MoeForCausalLM, ModelConfig]:
+    """Load a directory written by `save_pretrained` (or any matching HF Qwen3-MoE checkpoint).
+
+    Returns (model in `dtype`, config). Raises `CheckpointError` for a missing file, a missing or
+    unexpected weight (named), or a shape mismatch (name, expected and found shape);
+    `ModelConfigError` for an unusable config.json.
+    """
+    src = Path(directory)
+    try:
+        hf = json.loads((src / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"cannot read {src / 'config.json'}: {exc}") from exc
+    cfg = ModelConfig.from_hf_dict(hf)
+    try:
+        tensors = load_file(str(src / WEIGHTS_NAME))
+    except (OSError, SafetensorError) as exc:
+        raise CheckpointError(f"cannot read {src / WEIGHTS_NAME}: {exc}") from exc
+    model = Qwen3MoeForCausalLM(cfg)
+    _copy_into(model, tensors, source=str(src / WEIGHTS_NAME))
+    return model.to(dtype), cfg
+
+
+def state_dict_arrays(model: Qwen3MoeForCausalLM) -> dict[str, np.ndarray]:
+    """All weights as read-only float32 numpy arrays keyed by HF name, for a weight push.
+
+    numpy has no bfloat16, so a bf16 model's weights are widened to float32 (exact); an fp32
+    model's are copied, so the arrays stay valid while the trainer keeps updating its weights.
+    """
+    out = {}
+    for name, t in model.state_dict().items():
+        a = t.detach().to(device="cpu", dtype=torch.float32, copy=True).numpy()
+        a.setflags(write=False)
+        out[name] = a
+    return out
+
+
+def load_state_arrays(model: Qwen3MoeForCausalLM, arrays: dict[str, np.ndarray]) -> None:
+    """Copy a weight push (`state_dict_arrays` output) into `model` in place, casting to its dtype.
+
+    Arrays must be float32 / float16 / float64 numpy arrays with exactly the model's keys and
+    shapes. Checks everything before copying anything, so a bad push leaves the model unchanged.
+    Raises `CheckpointError` naming the missing / unexpected key, the shape mismatch or the dtype.
+    """
+    for name, a in arrays.items():
+        if not isinstance(a, np.ndarray) or a.dtype not in _ARRAY_DTYPES:
+            raise CheckpointError(f"weight push: {name!r} must be a float32/float16/float64 numpy array, got "
+                                  f"{getattr(a, 'dtype', type(a).__name__)}")
+    _copy_into(model, {name: torch.from_numpy(np.asarray(a)) for name, a in arrays.items()},
+               source="weight push")
+
+
+def _copy_into(model: Qwen3MoeForCausalLM, tensors: dict[str, torch.Tensor], source: str) -> None:
+    """Check key set and shapes of `tensors` against `model`, then copy them in (no_grad)."""
+    params = model.state_dict()
+    missing = sorted(set(params) - set(tensors))
+    unexpected = sorted(set(tensors) - set(params))
+    if missing:
+        raise CheckpointError(f"{source}: missing key {missing[0]!r} ({len(missing)} missing)")
+    if unexpected:
+        raise CheckpointError(f"{source}: unexpected key {unexpected[0]!r} ({len(unexpected)} unexpected)")
+    for name, p in params.items():
+        if tuple(tensors[name].shape) != tuple(p.shape):
+            raise CheckpointError(f"{source}: shape mismatch for {name!r}: model {list(p.shape)}, "
+                                  f"found {list(tensors[name].shape)}")
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(tensors[name])
+
+
+def _check_vocab(tokens: list[str], cfg: ModelConfig) -> None:
+    if len(tokens) != cfg.vocab_size:
+        raise CheckpointError(f"tokens has {len(tokens)} entries, config.vocab_size is {cfg.vocab_size}")
+    if len(set(tokens)) != len(tokens):
+        dup = next(t for t in tokens if tokens.count(t) > 1)
+        raise CheckpointError(f"tokens repeats {dup!r}")
+    for name in SPECIAL_TOKENS:
+        if name not in tokens:
+            raise CheckpointError(f"tokens lacks the special token {name!r}")
+    for t in tokens:
+        if not t or any(c.isspace() for c in t):
+            raise CheckpointError(f"token {t!r} is empty or holds whitespace (the tokenizer splits on it)")
+
+
+def _save_tokenizer(out: Path, tokens: list[str], max_length: int) -> None:
+    """Word-level `tokenizers` tokenizer: whitespace split, one id per word, specials marked special.
+
+    Without a decoder, `decode` joins the words with single spaces.
+    """
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(tokens)}, unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tok.save(str(out / "tokenizer.json"))
+    _write_json(out / "tokenizer_config.json", {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>",
+        "model_max_length": max_length,
+        "clean_up_tokenization_spaces": False,
+        "padding_side": "left",
+    })
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")

@@ -11,6 +11,7 @@ and an engine without the indexer computes dense attention on those layers, i.e.
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -106,11 +107,11 @@ def load_state_arrays(model: Qwen3MoeForCausalLM, arrays: dict[str, np.ndarray])
         if not isinstance(a, np.ndarray) or a.dtype not in _ARRAY_DTYPES:
             raise CheckpointError(f"weight push: {name!r} must be a float32/float16/float64 numpy array, got "
                                   f"{getattr(a, 'dtype', type(a).__name__)}")
-    _copy_into(model, {name: torch.from_numpy(np.asarray(a)) for name, a in arrays.items()},
-               source="weight push")
+    _copy_into(model, arrays, source="weight push")
 
 
-def _copy_into(model: Qwen3MoeForCausalLM, tensors: dict[str, torch.Tensor], source: str) -> None:
+def _copy_into(model: Qwen3MoeForCausalLM, tensors: dict[str, torch.Tensor | np.ndarray],
+               source: str) -> None:
     """Check key set and shapes of `tensors` against `model`, then copy them in (no_grad)."""
     params = model.state_dict()
     missing = sorted(set(params) - set(tensors))
@@ -123,9 +124,12 @@ def _copy_into(model: Qwen3MoeForCausalLM, tensors: dict[str, torch.Tensor], sou
         if tuple(tensors[name].shape) != tuple(p.shape):
             raise CheckpointError(f"{source}: shape mismatch for {name!r}: model {list(p.shape)}, "
                                   f"found {list(tensors[name].shape)}")
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        # Pushed arrays are read-only; torch warns on wrapping them although we only read them.
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         for name, p in params.items():
-            p.copy_(tensors[name])
+            t = tensors[name]
+            p.copy_(torch.from_numpy(t) if isinstance(t, np.ndarray) else t)
 
 
 def _check_vocab(tokens: list[str], cfg: ModelConfig) -> None:

@@ -111,7 +111,7 @@ class SamplingParams:
         return self.top_k if self.top_k > 0 else vocab_size
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # eq on tensors would be ambiguous; compare fields explicitly
 class SampleOutput:
     """Result of :func:`sample` for ``N`` rows.
 

@@ -1,0 +1,342 @@
+"""The embedded generation engine: batched sampling from the embedded model with a KV cache.
+
+The engine runs :class:`rollout.model.qwen3_moe.Qwen3MoeForCausalLM` in the rollout dtype
+(bf16 by default; the trainer runs fp32, so a real train-inference mismatch exists, DESIGN.md
+"Embedded default") and records, for every generated trajectory, the three traces the trainer
+replays: the sampler support (``sample_support``), the MoE routing (``routed_experts``, R3)
+and the sparse-attention indexer choices (``indexer_topk``).
+
+Batching: all prompts of a call are left-padded to the longest one. The padding is masked out
+of attention by ``key_padding_mask`` and every row's ``position_ids`` count ``0..`` over its real
+tokens, so a row's math is that of the same trajectory forwarded alone. Prefill runs once, then
+one decode step per new token feeds the last sampled token of every row through the KV cache.
+A row that sampled EOS is finished: it keeps being fed a pad token (masked out as a key), and
+whatever it computes is discarded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from rollout.model.checkpoint import load_state_arrays
+from rollout.model.config import ModelConfig
+from rollout.model.qwen3_moe import Qwen3MoeForCausalLM
+from rollout.sampler import SamplingParams, sample
+
+__all__ = [
+    "EngineError",
+    "EngineNotReady",
+    "EngineInputError",
+    "Generation",
+    "EmbeddedEngine",
+]
+
+# Token fed in padding slots and to finished rows; any in-vocabulary id works since those
+# slots are masked out as keys and their outputs are discarded.
+_PAD_FEED_ID = 0
+
+
+class EngineError(RuntimeError):
+    """Base class of every error raised by the embedded engine."""
+
+
+class EngineNotReady(EngineError):
+    """``generate`` was called before the first ``load_weights`` (DESIGN.md, actor contract:
+    an engine serves no request before its first weight load)."""
+
+
+class EngineInputError(EngineError, ValueError):
+    """A ``generate`` / ``load_weights`` argument is malformed (message names the field)."""
+
+
+@dataclass(frozen=True, eq=False)  # eq on arrays would be ambiguous; compare fields explicitly
+class Generation:
+    """One generated trajectory (numpy arrays, read-only).
+
+    ``P`` = prompt length, ``R`` = response length (``1 <= R <= max_new_tokens``), ``W`` =
+    ``params.support_width(vocab_size)``. Trace rows cover the ``P + R - 1`` forwarded tokens
+    (the last sampled token is never forwarded): rows ``0..P-1`` come from the prefill, row
+    ``P + k`` from the decode step that forwarded response token ``k`` (``k < R - 1``).
+
+    Fields:
+        response_ids: int32 ``[R]``; ends with EOS when ``finish_reason == "stop"``.
+        rollout_logprobs: float32 ``[R]``; behaviour logprob of each sampled token under the
+            processed distribution (``z_y - logsumexp`` over its support row), finite.
+        sample_support: int32 ``[R, 1 + W]``; col 0 sampled id, cols 1.. top-W candidates in
+            descending logit order, ``-1`` = removed by top-p / min-p.
+        routed_experts: int32 ``[P + R - 1, L_moe, K]`` expert ids per MoE layer
+            (``config.moe_layers`` order), or ``None`` when not captured / no MoE layer.
+        indexer_topk: int32 ``[P + R - 1, L_idx, index_topk]`` selected key *positions* in this
+            trajectory (0 = first prompt token), ``-1`` = no key; or ``None`` when not captured /
+            indexer off.
+        finish_reason: ``"stop"`` (EOS sampled, included in ``response_ids``) or ``"length"``
+            (``max_new_tokens`` reached without EOS).
+    """
+
+    response_ids: np.ndarray
+    rollout_logprobs: np.ndarray
+    sample_support: np.ndarray
+    routed_experts: np.ndarray | None
+    indexer_topk: np.ndarray | None
+    finish_reason: Literal["stop", "length"]
+
+
+def _read_only(t: torch.Tensor, dtype: np.dtype) -> np.ndarray:
+    arr = np.ascontiguousarray(t.detach().cpu().numpy(), dtype=dtype)
+    if not arr.flags.owndata:
+        arr = arr.copy()  # never expose a view of an engine buffer
+    arr.flags.writeable = False
+    return arr
+
+
+class EmbeddedEngine:
+    """Batched generation with the embedded Qwen3-MoE model, capturing all replay traces.
+
+    Args:
+        config: the model shape (``rollout.model.config.ModelConfig``).
+        dtype: compute and weight dtype of the rollout model (default ``torch.bfloat16``).
+        device: torch device the model runs on.
+        capture_routing: record ``routed_experts`` (R3) when the model has MoE layers.
+        capture_indexer: record ``indexer_topk`` when the model's indexer is on.
+
+    The model starts with placeholder weights and ``weights_loaded`` False; ``generate`` raises
+    :class:`EngineNotReady` until :meth:`load_weights` has been called once.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        dtype: torch.dtype = torch.bfloat16,
+        device: str | torch.device = "cpu",
+        capture_routing: bool = True,
+        capture_indexer: bool = True,
+    ) -> None:
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise EngineInputError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+        self.config = config
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.capture_routing = bool(capture_routing)
+        self.capture_indexer = bool(capture_indexer)
+        model = Qwen3MoeForCausalLM(config)
+        self.model = model.to(device=self.device, dtype=dtype).eval()
+        self.weights_loaded = False
+
+    def load_weights(self, arrays: Mapping[str, np.ndarray | torch.Tensor]) -> None:
+        """Replace every model weight by a weight push, cast to the engine dtype.
+
+        Args:
+            arrays: HF Qwen3-MoE parameter name -> float32 / float16 / float64 numpy array or a
+                floating torch tensor (e.g. ``rollout.model.checkpoint.state_dict_arrays``
+                output); exactly the model's keys and shapes.
+
+        Raises:
+            EngineInputError: a value is neither a numpy array nor a floating tensor.
+            rollout.model.errors.CheckpointError: a missing / unexpected key, a wrong shape or
+                dtype (raised by ``rollout.model.checkpoint.load_state_arrays``, which checks
+                everything before copying, so a bad push leaves the previous weights intact).
+        """
+        pushed: dict[str, np.ndarray] = {}
+        for name, value in arrays.items():
+            if isinstance(value, torch.Tensor):
+                if not value.is_floating_point():
+                    raise EngineInputError(f"load_weights: {name!r} must be floating, got {value.dtype}")
+                # numpy has no bfloat16; widening to float32 is exact for bf16 / fp16 / fp32.
+                pushed[name] = value.detach().to(device="cpu", dtype=torch.float32).numpy()
+            elif isinstance(value, np.ndarray):
+                pushed[name] = value
+            else:
+                raise EngineInputError(
+                    f"load_weights: {name!r} must be a numpy array or torch tensor, got "
+                    f"{type(value).__name__}"
+                )
+        load_state_arrays(self.model, pushed)  # copies in place, cast to the model dtype
+        self.weights_loaded = True
+
+    def _check_prompts(self, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
+        vocab = self.config.vocab_size
+        if len(prompts) == 0:
+            raise EngineInputError("prompts must hold at least one prompt")
+        checked = []
+        for i, prompt in enumerate(prompts):
+            ids = list(prompt)
+            not_int = [t for t in ids if isinstance(t, bool) or not isinstance(t, (int, np.integer))]
+            if not_int:
+                raise EngineInputError(f"prompts[{i}] holds non-integer token ids: {not_int[:8]!r}")
+            ids = [int(t) for t in ids]
+            if not ids:
+                raise EngineInputError(f"prompts[{i}] is empty")
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise EngineInputError(
+                    f"prompts[{i}] holds token ids outside [0, {vocab}): {bad[:8]}"
+                )
+            checked.append(ids)
+        return checked
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        max_new_tokens: int,
+        eos_token_id: int,
+        seed: int,
+    ) -> list[Generation]:
+        """Generate one trajectory per prompt, all prompts batched together.
+
+        Args:
+            prompts: ``B >= 1`` non-empty token-id sequences (ids in ``[0, vocab_size)``).
+            params: sampling parameters (see :mod:`rollout.sampler`).
+            max_new_tokens: response length cap, ``>= 1``.
+            eos_token_id: id whose sampling finishes a row (``finish_reason == "stop"``).
+            seed: seeds the call's single ``torch.Generator``; same seed, prompts, params and
+                weights give the same generations.
+
+        Returns:
+            ``B`` :class:`Generation` objects in prompt order.
+
+        Raises:
+            EngineNotReady: no weights loaded yet.
+            EngineInputError: empty / out-of-vocabulary prompt, ``max_new_tokens < 1``,
+                ``eos_token_id`` outside the vocabulary, or a trajectory longer than
+                ``config.max_position_embeddings``.
+            rollout.sampler.SamplingParamsError: ``top_k > vocab_size``.
+            rollout.sampler.NonFiniteLogitsError: the model produced NaN / inf logits.
+            EngineError: the model's indexer picked a padding key (a model bug; never hidden).
+        """
+        if not self.weights_loaded:
+            raise EngineNotReady("EmbeddedEngine.generate called before the first load_weights")
+        cfg = self.config
+        rows = self._check_prompts(prompts)
+        for name, value in (("max_new_tokens", max_new_tokens), ("eos_token_id", eos_token_id), ("seed", seed)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise EngineInputError(f"{name} must be an int, got {value!r}")
+        if max_new_tokens < 1:
+            raise EngineInputError(f"max_new_tokens must be >= 1, got {max_new_tokens!r}")
+        if not 0 <= int(eos_token_id) < cfg.vocab_size:
+            raise EngineInputError(
+                f"eos_token_id {eos_token_id!r} outside the vocabulary [0, {cfg.vocab_size})"
+            )
+        width = params.support_width(cfg.vocab_size)
+        lengths = [len(r) for r in rows]
+        p_max = max(lengths)
+        longest = p_max + int(max_new_tokens) - 1  # tokens forwarded for the longest row
+        if longest > cfg.max_position_embeddings:
+            raise EngineInputError(
+                f"prompt length {p_max} + max_new_tokens {max_new_tokens} - 1 = {longest} exceeds "
+                f"max_position_embeddings {cfg.max_position_embeddings}"
+            )
+        with torch.inference_mode():
+            return self._generate(rows, params, width, int(max_new_tokens), int(eos_token_id), seed)
+
+    def _generate(
+        self,
+        rows: list[list[int]],
+        params: SamplingParams,
+        width: int,
+        max_new_tokens: int,
+        eos_token_id: int,
+        seed: int,
+    ) -> list[Generation]:
+        dev = self.device
+        batch = len(rows)
+        lengths = torch.tensor([len(r) for r in rows], dtype=torch.int64, device=dev)
+        p_max = int(lengths.max())
+        pads = p_max - lengths  # left-pad count per row = key-slot offset of its first token
+
+        input_ids = torch.full((batch, p_max), _PAD_FEED_ID, dtype=torch.int64, device=dev)
+        for i, r in enumerate(rows):
+            input_ids[i, p_max - len(r):] = torch.tensor(r, dtype=torch.int64, device=dev)
+        slots = torch.arange(p_max, device=dev).unsqueeze(0)
+        key_mask = slots >= pads.unsqueeze(1)  # [B, P_max], True = real token
+        # Padding slots get position 0: they are masked out, so any in-range position works.
+        position_ids = (slots - pads.unsqueeze(1)).clamp_min(0)
+
+        want_routing = self.capture_routing and len(self.config.moe_layers) > 0
+        want_indexer = self.capture_indexer and len(self.config.indexed_layers) > 0
+        capture = want_routing or want_indexer
+
+        generator = torch.Generator(device=dev)
+        generator.manual_seed(int(seed))
+        cache = self.model.new_kv_cache()
+
+        routed_steps: list[torch.Tensor] = []  # each [B, S, L_moe, K], S over forwarded slots
+        indexer_steps: list[torch.Tensor] = []
+
+        def forward(ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            out = self.model(ids, pos, key_padding_mask=mask, kv_cache=cache, capture=capture)
+            if want_routing:
+                routed_steps.append(out.routed_experts)
+            if want_indexer:
+                indexer_steps.append(out.indexer_topk)
+            return out.logits[:, -1, :]
+
+        # Per-step outputs stay on the device and are gathered once at the end.
+        tokens = torch.full((batch, max_new_tokens), _PAD_FEED_ID, dtype=torch.int64, device=dev)
+        logprobs = torch.zeros((batch, max_new_tokens), dtype=torch.float32, device=dev)
+        support = torch.full((batch, max_new_tokens, 1 + width), -1, dtype=torch.int32, device=dev)
+        resp_len = torch.zeros(batch, dtype=torch.int64, device=dev)
+        finished = torch.zeros(batch, dtype=torch.bool, device=dev)
+        stopped = torch.zeros(batch, dtype=torch.bool, device=dev)
+
+        logits = forward(input_ids, position_ids, key_mask)
+        for step in range(max_new_tokens):
+            if step > 0:
+                active = ~finished
+                if not bool(active.any()):
+                    break
+                feed = torch.where(active, tokens[:, step - 1], _PAD_FEED_ID).unsqueeze(1)
+                pos = (lengths + step - 1).unsqueeze(1)
+                key_mask = torch.cat([key_mask, active.unsqueeze(1)], dim=1)
+                logits = forward(feed, pos, key_mask)
+            active_rows = (~finished).nonzero().flatten()
+            out = sample(logits.index_select(0, active_rows), params, generator)
+            tokens[active_rows, step] = out.ids
+            logprobs[active_rows, step] = out.logprobs
+            support[active_rows, step] = out.support
+            resp_len[active_rows] += 1
+            hit_eos = out.ids == eos_token_id
+            stopped[active_rows[hit_eos]] = True
+            finished[active_rows[hit_eos]] = True
+
+        routed = torch.cat(routed_steps, dim=1) if want_routing else None
+        indexer = torch.cat(indexer_steps, dim=1) if want_indexer else None
+
+        generations = []
+        for i in range(batch):
+            r = int(resp_len[i])
+            first, end = int(pads[i]), p_max + r - 1  # key slots of the P + R - 1 forwarded tokens
+            routed_i = None
+            if routed is not None:
+                routed_i = _read_only(routed[i, first:end], np.int32)
+            indexer_i = None
+            if indexer is not None:
+                indexer_i = _read_only(self._slots_to_positions(indexer[i, first:end], first, i), np.int32)
+            generations.append(
+                Generation(
+                    response_ids=_read_only(tokens[i, :r], np.int32),
+                    rollout_logprobs=_read_only(logprobs[i, :r], np.float32),
+                    sample_support=_read_only(support[i, :r], np.int32),
+                    routed_experts=routed_i,
+                    indexer_topk=indexer_i,
+                    finish_reason="stop" if bool(stopped[i]) else "length",
+                )
+            )
+        return generations
+
+    @staticmethod
+    def _slots_to_positions(slots: torch.Tensor, pad: int, row: int) -> torch.Tensor:
+        """Map indexer key slots (into the left-padded cache) to trajectory positions."""
+        picked = slots >= 0
+        if bool((picked & (slots < pad)).any()):
+            raise EngineError(
+                f"prompt {row}: field indexer_topk: the model's indexer selected a padding key "
+                f"slot (< {pad}); refusing to emit a trace that points outside the trajectory"
+            )
+        return torch.where(picked, slots - pad, slots)

@@ -35,8 +35,9 @@ def _model(cfg, seed):
 
 def _hf(model, tmp_path):
     save_pretrained(model, tmp_path, VOCAB)
-    hf = transformers.Qwen3MoeForCausalLM.from_pretrained(
-        tmp_path, attn_implementation="eager", dtype=torch.float32)
+    # No dtype argument: its name changed between transformers 4 and 5; both load fp32 here.
+    hf = transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
+    assert hf.dtype == torch.float32
     return hf.eval()
 
 

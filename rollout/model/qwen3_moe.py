@@ -294,9 +294,10 @@ class Qwen3MoeForCausalLM(nn.Module):
             [0, max_position_embeddings), per row (padding tokens: any valid value, e.g. 0).
         key_padding_mask: bool `[B, S_past + S]`, True = real token; None = all real. Its first
             S_past columns must equal the padding of the cached tokens. Attention is causal by
-            slot order and skips padding keys; a padding query attends to itself only, so it
-            stays finite but is meaningless. Both left padding (engine) and right padding
-            (trainer) work.
+            slot order and skips padding keys; a padding query may also attend to its own slot,
+            so no attention row is empty and padding rows stay finite (but are meaningless).
+            Both left padding (engine) and right padding (trainer) work. Padding queries get
+            all -1 indexer rows; their routed experts are whatever the router picked.
         kv_cache: from `new_kv_cache()`; the new keys/values are appended in place.
         routed_experts: int `[B, S, L_moe, K]` experts to use instead of the router's top-k
             (R3 replay), values in [0, num_experts); a row of only -1 keeps the router's choice.
@@ -306,6 +307,7 @@ class Qwen3MoeForCausalLM(nn.Module):
         capture: return the experts / key slots actually used (int32) in the output.
         return_hidden: also return the final-norm hidden states.
 
+        Experts that no token was routed to get no gradient (`grad` stays None).
         Returns `CausalLMOutput`. Raises `ModelInputError` naming the argument for a wrong shape,
         dtype or value, or a cache of another model / batch / padding.
         """
@@ -363,8 +365,8 @@ class Qwen3MoeForCausalLM(nn.Module):
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point:
             raise ModelInputError(f"input_ids must be an integer tensor [B, S], got {_desc(input_ids)}")
         b, s = input_ids.shape
-        if s == 0:
-            raise ModelInputError("input_ids has no tokens (S = 0)")
+        if b == 0 or s == 0:
+            raise ModelInputError(f"input_ids is empty: shape [{b}, {s}]")
         if int(input_ids.min()) < 0 or int(input_ids.max()) >= cfg.vocab_size:
             raise ModelInputError(f"input_ids must lie in [0, vocab_size={cfg.vocab_size}), got "
                                   f"[{int(input_ids.min())}, {int(input_ids.max())}]")

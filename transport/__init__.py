@@ -1,0 +1,42 @@
+"""ZeroMQ transport: a msgpack codec with out-of-band array frames and asyncio-driven sockets.
+
+Knows nothing of RL (DESIGN.md, "Layout"). Public names:
+
+* errors: :class:`TransportError`, :class:`EncodeError`, :class:`DecodeError`,
+  :class:`MessageTooLarge`;
+* codec: :class:`Codec`, :class:`CodecConfig`, :func:`encode`, :func:`decode`,
+  :data:`DEFAULT_INLINE_THRESHOLD`, :data:`DEFAULT_MAX_MESSAGE_BYTES`, :data:`DEFAULT_ALLOWED_DTYPES`;
+* sockets: :class:`RouterSocket`, :class:`DealerSocket`, :func:`ipc_endpoint`,
+  :func:`tcp_loopback_endpoint`.
+"""
+
+from transport.codec import (
+    DEFAULT_ALLOWED_DTYPES,
+    DEFAULT_INLINE_THRESHOLD,
+    DEFAULT_MAX_MESSAGE_BYTES,
+    Codec,
+    CodecConfig,
+    decode,
+    encode,
+)
+from transport.endpoints import ipc_endpoint, tcp_loopback_endpoint
+from transport.errors import DecodeError, EncodeError, MessageTooLarge, TransportError
+from transport.sockets import DealerSocket, RouterSocket
+
+__all__ = [
+    "TransportError",
+    "EncodeError",
+    "DecodeError",
+    "MessageTooLarge",
+    "DEFAULT_INLINE_THRESHOLD",
+    "DEFAULT_MAX_MESSAGE_BYTES",
+    "DEFAULT_ALLOWED_DTYPES",
+    "CodecConfig",
+    "Codec",
+    "encode",
+    "decode",
+    "RouterSocket",
+    "DealerSocket",
+    "ipc_endpoint",
+    "tcp_loopback_endpoint",
+]

@@ -1,0 +1,665 @@
+"""msgpack codec with out-of-band array frames.
+
+One message is a list of frames: frame 0 is a msgpack header, frames 1.. are raw array buffers
+(DESIGN.md, "Transport contract"). The scheme follows vLLM's ``vllm/v1/serial_utils.py``
+(msgpack ext types for tensors, auxiliary buffers for large ones); the code here is our own and
+uses ``msgpack`` (not msgspec).
+
+Wire format
+-----------
+Plain values map to msgpack types: ``None``, ``bool``, ``int`` (64-bit signed or unsigned),
+``float`` (float64), ``str``, ``bytes``, ``list``, ``dict`` with ``str`` or ``int`` keys. Four
+ext types carry the rest:
+
+====  ==================  ===========================================================
+code  Python value        ext payload (itself msgpack)
+====  ==================  ===========================================================
+1     ``numpy.ndarray``   ``[dtype name, shape, data]``
+2     ``torch.Tensor``    ``[dtype name, shape, data]``
+3     numpy scalar        ``[dtype name, raw little-endian bytes]``
+4     ``tuple`` marker    empty; only valid as the first element of a msgpack array,
+                          which then decodes as the tuple of the remaining elements
+====  ==================  ===========================================================
+
+Tuples are marked inside the array rather than wrapped in an ext payload because a wrapped
+payload needs one nested ``unpackb`` per level, each taking ~40 KB of C stack in msgpack: deep
+nesting would overflow the thread's stack instead of raising.
+
+``dtype name`` is numpy's / torch's name without prefix (``"float32"``, ``"bfloat16"``), ``shape``
+a list of non-negative ints, and ``data`` either the C-order little-endian bytes inline (when the
+array has fewer than ``inline_threshold`` bytes) or the int index ``i >= 1`` of the frame holding
+them. bfloat16 travels as its raw 2-byte words. Every frame 1.. is referenced by exactly one array.
+
+No pickle anywhere: an unknown type is an :class:`EncodeError`, an unknown ext code (including
+msgpack's built-in timestamp, -1) a :class:`DecodeError`.
+
+Memory and lifetime
+-------------------
+* Encoding an out-of-band array does not copy it (a non-contiguous or big-endian array is first
+  copied once into a C-contiguous little-endian one): the frame is a ``memoryview`` of the array's
+  memory. The array must not be modified until ZeroMQ has sent it; ``transport.sockets`` hands
+  such frames to ZeroMQ with ``copy=False``, so the rule is: never reuse a buffer after encoding it.
+* Decoding builds arrays over the received frames without copying (``np.frombuffer`` /
+  ``torch.frombuffer``). Decoded numpy arrays are read-only (``flags.writeable`` is False); copy
+  one to modify it. Decoded torch tensors share the frame's memory and are writable (torch has no
+  read-only tensors); writing to one writes into the received frame, which nothing else uses.
+  If a frame was given as a read-only buffer (``bytes``), the tensor still aliases it: do not
+  write to such a tensor.
+  Inline tensors are copied out of the header (they are small), so they never alias msgpack's
+  immutable ``bytes`` objects. If you decode frames that alias live objects (``decode(encode(x))``
+  in one process), the decoded arrays alias ``x``.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+import msgpack
+import numpy as np
+import zmq
+
+from transport.errors import DecodeError, EncodeError, MessageTooLarge, TransportError
+
+__all__ = [
+    "DEFAULT_INLINE_THRESHOLD",
+    "DEFAULT_MAX_MESSAGE_BYTES",
+    "DEFAULT_ALLOWED_DTYPES",
+    "CodecConfig",
+    "Codec",
+    "encode",
+    "decode",
+]
+
+# The wire is little-endian and decoding is zero copy, so a big-endian host would have to byte
+# swap every array; no supported platform is big-endian, so refuse rather than carry that path.
+if sys.byteorder != "little":  # pragma: no cover - no big-endian CI
+    raise ImportError("transport.codec requires a little-endian host")
+
+DEFAULT_INLINE_THRESHOLD = 16 * 1024
+"""Arrays with fewer bytes than this travel inline in frame 0. pyzmq copies frames under 64 KiB
+anyway and inline was measured 1.6x faster at 4 KiB (DESIGN.md); unit: bytes."""
+
+DEFAULT_MAX_MESSAGE_BYTES = 1 << 31
+"""Largest accepted message, all frames together (and largest single array); unit: bytes."""
+
+_NUMPY_DTYPE_NAMES = (
+    "bool",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "uint16",
+    "uint32",
+    "uint64",
+    "float16",
+    "float32",
+    "float64",
+)
+DEFAULT_ALLOWED_DTYPES = frozenset(_NUMPY_DTYPE_NAMES + ("bfloat16",))
+"""dtype names accepted by default; ``bfloat16`` only for torch tensors (numpy has none)."""
+
+_TORCH_ONLY_DTYPES = frozenset({"bfloat16"})
+# np.dtype.name is computed in Python (~4 us); native-order dtypes map to names through this.
+_NUMPY_NAME = {np.dtype(n): n for n in _NUMPY_DTYPE_NAMES}
+_KNOWN_DTYPES = DEFAULT_ALLOWED_DTYPES
+
+_EXT_NDARRAY = 1
+_EXT_TENSOR = 2
+_EXT_NUMPY_SCALAR = 3
+_EXT_TUPLE = 4
+
+# Nesting bound for both directions: deeper structures (or cycles) raise a typed error, well
+# inside msgpack's own limits (511 levels when packing, 1024 when unpacking).
+_MAX_DEPTH = 256
+_MAX_NDIM = 64  # numpy's limit; a longer shape is malformed, not just large
+# msgpack's default 256 KiB pack buffer is allocated per Packer; nesting two of them (header and
+# array payload) made glibc mmap/munmap and fault it on every message (34 us for a 4 KiB array).
+# Start small; the buffer grows when a message needs it.
+_PACK_BUF = 4096
+
+_TUPLE_MARKER_EXT = msgpack.ExtType(_EXT_TUPLE, b"")
+
+
+class _TupleMarker:
+    """What ext code 4 decodes to before ``list_hook`` turns its array into a tuple; seeing
+    one anywhere else in a decoded message means the message is malformed."""
+
+    __slots__ = ()
+
+
+_TUPLE_MARKER = _TupleMarker()
+
+_PLAIN_LEAVES = frozenset({type(None), bool, int, float, str, bytes})
+_CONTAINERS = frozenset({list, tuple, dict})
+_KEY_TYPES = frozenset({str, int})
+
+
+@dataclass(frozen=True)
+class CodecConfig:
+    """Limits and policy of a :class:`Codec`.
+
+    Attributes:
+        inline_threshold: arrays with ``nbytes < inline_threshold`` go inline in frame 0, larger
+            ones become their own frame; bytes, >= 0 (0 sends every array out of band).
+        max_message_bytes: largest message accepted by ``decode`` (sum of all frame lengths) and
+            produced by ``encode``, also the largest single array; bytes, > 0.
+        allowed_dtypes: dtype names that may be encoded or decoded; a subset of
+            :data:`DEFAULT_ALLOWED_DTYPES`.
+
+    Raises:
+        TransportError: on a negative threshold, non-positive size limit or
+            an unknown dtype name.
+    """
+
+    inline_threshold: int = DEFAULT_INLINE_THRESHOLD
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    allowed_dtypes: frozenset[str] = field(default=DEFAULT_ALLOWED_DTYPES)
+
+    def __post_init__(self) -> None:
+        if type(self.inline_threshold) is not int or self.inline_threshold < 0:
+            raise TransportError(f"CodecConfig.inline_threshold must be an int >= 0, got {self.inline_threshold!r}")
+        if type(self.max_message_bytes) is not int or self.max_message_bytes <= 0:
+            raise TransportError(f"CodecConfig.max_message_bytes must be an int > 0, got {self.max_message_bytes!r}")
+        if not isinstance(self.allowed_dtypes, frozenset):
+            raise TransportError(
+                f"CodecConfig.allowed_dtypes must be a frozenset, got {type(self.allowed_dtypes).__name__}"
+            )
+        unknown = self.allowed_dtypes - _KNOWN_DTYPES
+        if unknown:
+            raise TransportError(
+                f"CodecConfig.allowed_dtypes has unsupported dtypes {sorted(unknown)}; "
+                f"supported: {sorted(_KNOWN_DTYPES)}"
+            )
+
+
+def _type_name(t: type) -> str:
+    return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+
+
+def _path_str(path: tuple) -> str:
+    return "message" + "".join(f"[{k!r}]" for k in path)
+
+
+def _torch():
+    # torch is imported lazily: a process that never made a tensor cannot be sending one, and
+    # importing torch costs about a second.
+    return sys.modules.get("torch")
+
+
+def _is_ext_leaf(t: type) -> bool:
+    if t is np.ndarray or issubclass(t, np.generic):
+        return True
+    torch = _torch()
+    return torch is not None and (t is torch.Tensor or t is torch.nn.Parameter)
+
+
+def _pairs(node: Any) -> Any:
+    return node.items() if type(node) is dict else enumerate(node)
+
+
+_SMALL_CONTAINER = 16  # below this a plain loop beats building a set of element types
+
+
+def _check_encodable(obj: Any) -> None:
+    """Walk containers and reject what msgpack would pack natively but we do not support
+    (bytearray, memoryview, msgpack.Timestamp/ExtType, non str/int keys), unknown types and
+    nesting deeper than ``_MAX_DEPTH`` (cycles included).
+
+    Cost is O(container elements), at C speed for large containers (``set(map(type, ...))``);
+    bulk numbers should travel as arrays, which are leaves and not walked. This fast pass keeps
+    no key paths; on failure :func:`_explain_unencodable` walks again to name the offending path.
+    """
+    t = type(obj)
+    if t in _PLAIN_LEAVES:
+        return
+    if t not in _CONTAINERS:
+        if not _is_ext_leaf(t):
+            _explain_unencodable(obj)
+        return
+    stack = [(obj, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if depth >= _MAX_DEPTH:
+            _explain_unencodable(obj)
+        if type(node) is dict:
+            if len(node) > _SMALL_CONTAINER:
+                if not set(map(type, node)) <= _KEY_TYPES:
+                    _explain_unencodable(obj)
+            else:
+                for k in node:
+                    if type(k) is not str and type(k) is not int:
+                        _explain_unencodable(obj)
+            values: Any = node.values()
+        else:
+            values = node
+        if len(node) > _SMALL_CONTAINER:
+            odd = set(map(type, values)) - _PLAIN_LEAVES
+            if not odd:
+                continue
+            for vt in odd:
+                if vt not in _CONTAINERS and not _is_ext_leaf(vt):
+                    _explain_unencodable(obj)
+            if odd & _CONTAINERS:
+                stack.extend((v, depth + 1) for v in values if type(v) in _CONTAINERS)
+        else:
+            for v in values:
+                vt = type(v)
+                if vt in _PLAIN_LEAVES:
+                    continue
+                if vt in _CONTAINERS:
+                    stack.append((v, depth + 1))
+                elif not _is_ext_leaf(vt):
+                    _explain_unencodable(obj)
+
+
+def _explain_unencodable(obj: Any) -> NoReturn:
+    """Slow walk with key paths; raises the EncodeError naming the first problem found."""
+    stack = [(obj, ())]
+    while stack:
+        node, path = stack.pop()
+        if len(path) >= _MAX_DEPTH:
+            raise EncodeError(f"{_path_str(path[:8])}...: containers nested more than {_MAX_DEPTH} deep (or a cycle)")
+        t = type(node)
+        if t is dict:
+            key_types = set(map(type, node))
+            if not key_types <= _KEY_TYPES:
+                bad = next(k for k in node if type(k) not in _KEY_TYPES)
+                raise EncodeError(
+                    f"{_path_str(path)}: dict key {bad!r} has type {_type_name(type(bad))}; "
+                    "only str and int keys are supported"
+                )
+            value_types = set(map(type, node.values()))
+        elif t is list or t is tuple:
+            value_types = set(map(type, node))
+        else:
+            if t not in _PLAIN_LEAVES and not _is_ext_leaf(t):
+                raise EncodeError(f"{_path_str(path)}: cannot encode object of type {_type_name(t)}")
+            continue
+        odd = value_types - _PLAIN_LEAVES
+        if not odd:
+            continue
+        for vt in odd:
+            if vt not in _CONTAINERS and not _is_ext_leaf(vt):
+                key = next(k for k, v in _pairs(node) if type(v) is vt)
+                raise EncodeError(f"{_path_str(path + (key,))}: cannot encode object of type {_type_name(vt)}")
+        if odd & _CONTAINERS:
+            for k, v in _pairs(node):
+                if type(v) in _CONTAINERS:
+                    stack.append((v, path + (k,)))
+    raise EncodeError("cannot encode message")  # unreachable when called after a failed fast pass
+
+
+class _EncodeState:
+    """Per-call encoder state: the out-of-band frames collected so far."""
+
+    __slots__ = ("config", "buffers", "oob_bytes")
+
+    def __init__(self, config: CodecConfig) -> None:
+        self.config = config
+        self.buffers: list[memoryview] = []
+        self.oob_bytes = 0
+
+    def packb(self, obj: Any) -> bytes:
+        return msgpack.Packer(default=self.default, strict_types=True, use_bin_type=True, buf_size=_PACK_BUF).pack(obj)
+
+    def array_payload(self, name: str, shape: tuple[int, ...], flat_u8: np.ndarray) -> bytes:
+        # flat_u8: 1-D C-contiguous uint8 view of the array's little-endian bytes.
+        nbytes = flat_u8.nbytes
+        if nbytes > self.config.max_message_bytes:
+            raise EncodeError(
+                f"array of {nbytes} bytes ({name} x {shape}) exceeds max_message_bytes={self.config.max_message_bytes}"
+            )
+        if nbytes < self.config.inline_threshold:
+            data: bytes | int = flat_u8.tobytes()
+        else:
+            # The memoryview keeps flat_u8 (and so the array or tensor behind it) alive for as
+            # long as the frame exists; no copy is made.
+            self.buffers.append(memoryview(flat_u8))
+            self.oob_bytes += nbytes
+            data = len(self.buffers)  # frame index: frame 0 is the header
+        return msgpack.Packer(use_bin_type=True, buf_size=_PACK_BUF).pack([name, list(shape), data])
+
+    def check_dtype(self, name: str, what: str) -> None:
+        if name not in self.config.allowed_dtypes:
+            raise EncodeError(f"{what} dtype {name!r} is not in the allow-list {sorted(self.config.allowed_dtypes)}")
+
+    def default(self, obj: Any) -> msgpack.ExtType | list:
+        t = type(obj)
+        if t is tuple:
+            return [_TUPLE_MARKER_EXT, *obj]
+        if t is np.ndarray:
+            return msgpack.ExtType(_EXT_NDARRAY, self.encode_ndarray(obj))
+        if issubclass(t, np.generic):
+            name = _NUMPY_NAME.get(obj.dtype)  # numpy scalars are always native-order
+            if name is None:
+                raise EncodeError(f"numpy scalar of type {_type_name(t)} (dtype {obj.dtype}) is not supported")
+            self.check_dtype(name, "numpy scalar")
+            return msgpack.ExtType(_EXT_NUMPY_SCALAR, msgpack.packb([name, obj.tobytes()], use_bin_type=True))
+        torch = _torch()
+        if torch is not None and (t is torch.Tensor or t is torch.nn.Parameter):
+            return msgpack.ExtType(_EXT_TENSOR, self.encode_tensor(obj))
+        if t is int:
+            # msgpack hands ints outside [-2**63, 2**64) to the default hook.
+            raise EncodeError(f"int {obj} does not fit in 64 bits; send it as str or an array")
+        raise EncodeError(f"cannot encode object of type {_type_name(t)}")
+
+    def encode_ndarray(self, a: np.ndarray) -> bytes:
+        name = _NUMPY_NAME.get(a.dtype)
+        if name is None:  # big-endian, bfloat16 (ml_dtypes), or not supported at all
+            dt = a.dtype
+            if dt.kind not in "biuf" or dt.fields is not None or dt.name in _TORCH_ONLY_DTYPES:
+                raise EncodeError(
+                    f"numpy array dtype {dt} is not supported "
+                    f"(allowed: {sorted(self.config.allowed_dtypes - _TORCH_ONLY_DTYPES)}; "
+                    "bfloat16 only as a torch tensor)"
+                )
+            name = dt.name
+            self.check_dtype(name, "numpy array")
+            a = a.astype(dt.newbyteorder("="), order="C")  # the wire is little-endian
+        else:
+            self.check_dtype(name, "numpy array")
+            if not a.flags.c_contiguous:
+                a = np.ascontiguousarray(a)  # 0-d arrays are always contiguous, so ndim is kept
+        return self.array_payload(name, a.shape, a.reshape(-1).view(np.uint8))
+
+    def encode_tensor(self, t: Any) -> bytes:
+        torch = _torch()
+        name = str(t.dtype).removeprefix("torch.")
+        if t.layout is not torch.strided:
+            raise EncodeError(f"torch tensor layout {t.layout} is not supported (dense tensors only)")
+        if t.device.type != "cpu":
+            # A device-to-host copy is a synchronisation point; make it explicit at the caller.
+            raise EncodeError(f"torch tensor on device {t.device} is not supported; move it to CPU first")
+        self.check_dtype(name, "torch tensor")
+        t = t.detach()  # autograd state does not travel
+        if not t.is_contiguous():
+            t = t.contiguous()
+        # .numpy() of the uint8 view shares the tensor's memory and keeps the tensor alive.
+        flat = t.reshape(-1).view(torch.uint8).numpy()
+        return self.array_payload(name, tuple(t.shape), flat)
+
+
+class _DecodeState:
+    """Per-call decoder state: the frames as byte memoryviews and which ones were referenced."""
+
+    __slots__ = ("config", "views", "used")
+
+    def __init__(self, config: CodecConfig, views: list[memoryview]) -> None:
+        self.config = config
+        self.views = views
+        self.used: set[int] = set()
+
+    def unpackb(self, data: Any) -> Any:
+        return msgpack.unpackb(
+            data, ext_hook=self.ext_hook, list_hook=_list_hook, raw=False, strict_map_key=False, use_list=True
+        )
+
+    def ext_hook(self, code: int, data: bytes) -> Any:
+        if code == _EXT_TUPLE:
+            if data:
+                raise DecodeError(f"tuple marker (ext type {_EXT_TUPLE}) must be empty, has {len(data)} bytes")
+            return _TUPLE_MARKER
+        if code == _EXT_NDARRAY or code == _EXT_TENSOR:
+            return self.decode_array(code, data)
+        if code == _EXT_NUMPY_SCALAR:
+            return self.decode_scalar(data)
+        raise DecodeError(f"unknown ext type {code}")
+
+    def check_dtype(self, name: Any, what: str) -> str:
+        if type(name) is not str:
+            raise DecodeError(f"{what} dtype name must be a str, got {type(name).__name__}")
+        if name not in self.config.allowed_dtypes:
+            raise DecodeError(f"{what} dtype {name!r} is not in the allow-list {sorted(self.config.allowed_dtypes)}")
+        if what != "torch tensor" and name in _TORCH_ONLY_DTYPES:
+            raise DecodeError(f"{what} dtype {name!r} is only allowed for torch tensors")
+        return name
+
+    def decode_scalar(self, data: bytes) -> np.generic:
+        header = msgpack.unpackb(data, raw=False, use_list=True)
+        if type(header) is not list or len(header) != 2:
+            raise DecodeError("numpy scalar ext payload must be [dtype name, bytes]")
+        name, raw = header
+        dt = np.dtype(self.check_dtype(name, "numpy scalar"))
+        if type(raw) is not bytes or len(raw) != dt.itemsize:
+            got = len(raw) if type(raw) is bytes else type(raw).__name__
+            raise DecodeError(f"numpy scalar of dtype {name} needs {dt.itemsize} bytes, got {got}")
+        return np.frombuffer(raw, dtype=dt)[0]
+
+    def decode_array(self, code: int, data: bytes) -> Any:
+        what = "torch tensor" if code == _EXT_TENSOR else "numpy array"
+        header = msgpack.unpackb(data, raw=False, use_list=True)
+        if type(header) is not list or len(header) != 3:
+            raise DecodeError(f"{what} ext payload must be [dtype name, shape, data]")
+        name, shape, payload = header
+        self.check_dtype(name, what)
+        if type(shape) is not list or len(shape) > _MAX_NDIM or any(type(d) is not int for d in shape):
+            raise DecodeError(f"{what} shape must be a list of at most {_MAX_NDIM} ints, got {shape!r}")
+        if any(d < 0 for d in shape):
+            raise DecodeError(f"{what} shape {shape} has a negative dimension")
+        itemsize = 2 if name == "bfloat16" else np.dtype(name).itemsize
+        nbytes = math.prod(shape) * itemsize  # Python ints: no overflow on hostile shapes
+        if nbytes > self.config.max_message_bytes:
+            raise MessageTooLarge(
+                f"{what} {name} x {tuple(shape)} needs {nbytes} bytes, "
+                f"over max_message_bytes={self.config.max_message_bytes}"
+            )
+        if type(payload) is bytes:
+            buf: Any = payload
+            where = "inline data"
+        elif type(payload) is int:
+            if not 1 <= payload < len(self.views):
+                raise DecodeError(
+                    f"{what} refers to frame index {payload}, out of range for a message of {len(self.views)} frames"
+                )
+            if payload in self.used:
+                raise DecodeError(f"frame {payload} is referenced by more than one array")
+            self.used.add(payload)
+            buf = self.views[payload]
+            where = f"frame {payload}"
+        else:
+            raise DecodeError(f"{what} data must be inline bytes or a frame index, got {type(payload).__name__}")
+        if len(buf) != nbytes:
+            kind = "truncated" if len(buf) < nbytes else "too long"
+            raise DecodeError(
+                f"{what} {where} {kind}: has {len(buf)} bytes, dtype {name} x shape {tuple(shape)} needs {nbytes}"
+            )
+        if code == _EXT_NDARRAY:
+            arr = np.frombuffer(buf, dtype=np.dtype(name)).reshape(shape)
+            arr.flags.writeable = False
+            return arr
+        return _tensor_from_buffer(buf, name, shape, inline=type(payload) is bytes)
+
+
+def _list_hook(items: list) -> list | tuple:
+    if items and items[0] is _TUPLE_MARKER:
+        return tuple(items[1:])
+    return items
+
+
+def _tensor_from_buffer(buf: Any, name: str, shape: list[int], inline: bool) -> Any:
+    import torch  # an incoming tensor needs torch whether or not this process imported it yet
+
+    dtype = getattr(torch, name)
+    if len(buf) == 0:
+        return torch.empty(shape, dtype=dtype)  # torch.frombuffer refuses empty buffers
+    if inline:
+        # Small: copy out of msgpack's immutable (possibly interned, e.g. 1-byte) bytes object.
+        return torch.frombuffer(bytearray(buf), dtype=dtype).reshape(shape)
+    if not buf.readonly:  # zmq.Frame and bytearray buffers: the usual case, no warning
+        return torch.frombuffer(buf, dtype=dtype).reshape(shape)
+    with warnings.catch_warnings():
+        # Read-only frame (e.g. ``bytes`` from a copying recv): still shared, not copied, as
+        # documented in the module docstring; torch's "buffer is not writable" warning is
+        # expected here. catch_warnings is process-global, hence only on this rare path.
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(buf, dtype=dtype).reshape(shape)
+
+
+_FOREIGN_LEAVES = frozenset({msgpack.Timestamp, _TupleMarker})
+
+
+def _raise_foreign(t: type) -> NoReturn:
+    if t is msgpack.Timestamp:
+        raise DecodeError("unknown ext type -1 (msgpack timestamp)")
+    raise DecodeError(f"tuple marker (ext type {_EXT_TUPLE}) outside the first slot of an array")
+
+
+def _check_decoded(obj: Any) -> None:
+    """Reject what msgpack produced without our ext hook (timestamps, ext -1), tuple markers out
+    of place, dict keys that are not ``str``/``int`` and nesting deeper than ``_MAX_DEPTH`` (the
+    encoder produces none of these). Same fast-walk structure as :func:`_check_encodable`."""
+    t = type(obj)
+    if t in _FOREIGN_LEAVES:
+        _raise_foreign(t)
+    if t not in _CONTAINERS:
+        return
+    stack = [(obj, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if depth >= _MAX_DEPTH:
+            raise DecodeError(f"containers nested more than {_MAX_DEPTH} deep")
+        if type(node) is dict:
+            for k in node:
+                if type(k) is not str and type(k) is not int:
+                    raise DecodeError(
+                        f"dict key {k!r} has type {_type_name(type(k))}; only str and int keys are allowed"
+                    )
+            values: Any = node.values()
+        else:
+            values = node
+        if len(node) > _SMALL_CONTAINER:
+            types = set(map(type, values))
+            for ft in types & _FOREIGN_LEAVES:
+                _raise_foreign(ft)
+            if types & _CONTAINERS:
+                stack.extend((v, depth + 1) for v in values if type(v) in _CONTAINERS)
+        else:
+            for v in values:
+                vt = type(v)
+                if vt in _CONTAINERS:
+                    stack.append((v, depth + 1))
+                elif vt in _FOREIGN_LEAVES:
+                    _raise_foreign(vt)
+
+
+def _as_byte_view(frame: Any, index: int) -> memoryview:
+    try:
+        view = frame.buffer if isinstance(frame, zmq.Frame) else memoryview(frame)
+        if view.ndim != 1 or view.format != "B":
+            view = view.cast("B")
+    except TypeError as exc:
+        raise DecodeError(f"frame {index} is not a contiguous buffer: {exc}") from exc
+    return view
+
+
+class Codec:
+    """Encoder/decoder of one message <-> list of frames (see the module docstring).
+
+    Stateless between calls and safe to share across threads and sockets.
+
+    Args:
+        config: limits and dtype allow-list (:class:`CodecConfig`).
+    """
+
+    __slots__ = ("config",)
+
+    def __init__(self, config: CodecConfig = CodecConfig()) -> None:
+        if not isinstance(config, CodecConfig):
+            raise TransportError(f"config must be a CodecConfig, got {type(config).__name__}")
+        self.config = config
+
+    def encode(self, obj: Any) -> list[bytes | memoryview]:
+        """Encode ``obj`` into ZeroMQ frames.
+
+        Args:
+            obj: ``None``, ``bool``, ``int`` (fits in 64 bits), ``float``, ``str``, ``bytes``,
+                ``list``, ``tuple``, ``dict`` with ``str``/``int`` keys, numpy arrays and scalars
+                and CPU torch tensors of an allowed dtype (any shape, 0-d, empty,
+                non-contiguous), nested in any of the containers up to depth 256.
+
+        Returns:
+            ``[header, *buffers]``: frame 0 the msgpack header (``bytes``), frames 1.. one
+            ``memoryview`` (uint8, C order) per array of at least ``inline_threshold`` bytes,
+            sharing the array's memory. Do not modify those arrays until the frames are sent.
+
+        Raises:
+            EncodeError: unsupported type (named, with its key path), dtype not in the
+                allow-list, non-CPU or non-dense tensor, dict key not ``str``/``int``, int out of
+                64-bit range, nesting deeper than 256 or a cycle, or a message larger than
+                ``max_message_bytes``.
+        """
+        _check_encodable(obj)
+        state = _EncodeState(self.config)
+        try:
+            header = state.packb(obj)
+        except EncodeError:
+            raise
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise EncodeError(f"cannot encode message: {exc}") from exc
+        total = len(header) + state.oob_bytes
+        if total > self.config.max_message_bytes:
+            raise EncodeError(f"message of {total} bytes exceeds max_message_bytes={self.config.max_message_bytes}")
+        return [header, *state.buffers]
+
+    def decode(self, frames: Sequence[bytes | memoryview | zmq.Frame]) -> Any:
+        """Decode the frames of one message.
+
+        Args:
+            frames: frame 0 the msgpack header, frames 1.. the out-of-band buffers; each a
+                ``bytes``, ``memoryview`` (any C-contiguous buffer) or ``zmq.Frame``.
+
+        Returns:
+            The message. Tuples come back as tuples, numpy scalars as numpy scalars. Arrays are
+            built over the frames without copying: numpy arrays are read-only views, torch
+            tensors share the frame's memory (see the module docstring).
+
+        Raises:
+            MessageTooLarge: all frames together, or one array, exceed ``max_message_bytes``.
+            DecodeError: no frames, malformed msgpack in frame 0, unknown ext type, dtype outside
+                the allow-list, bad or negative shape, inline data or frame shorter/longer than
+                dtype x shape, frame index out of range or referenced twice, frames that no
+                array references, dict keys other than ``str``/``int``.
+        """
+        if len(frames) == 0:
+            raise DecodeError("empty message: no frames")
+        views = [_as_byte_view(f, i) for i, f in enumerate(frames)]
+        total = sum(v.nbytes for v in views)
+        if total > self.config.max_message_bytes:
+            raise MessageTooLarge(
+                f"message of {total} bytes in {len(views)} frames "
+                f"exceeds max_message_bytes={self.config.max_message_bytes}"
+            )
+        state = _DecodeState(self.config, views)
+        try:
+            obj = state.unpackb(views[0])
+        except DecodeError:
+            raise
+        except RecursionError as exc:
+            raise DecodeError("malformed header: nesting too deep") from exc
+        except Exception as exc:  # msgpack raises ValueError subclasses, TypeError, UnicodeDecodeError...
+            raise DecodeError(f"malformed msgpack header (frame 0): {type(exc).__name__}: {exc}") from exc
+        if len(state.used) != len(views) - 1:
+            unused = sorted(set(range(1, len(views))) - state.used)
+            raise DecodeError(f"message has {len(views)} frames but frames {unused} are referenced by no array")
+        _check_decoded(obj)
+        return obj
+
+
+_DEFAULT_CODEC = Codec()
+
+
+def encode(obj: Any) -> list[bytes | memoryview]:
+    """Encode ``obj`` with a default :class:`Codec` (16 KiB inline threshold, 2 GiB limit, all
+    dtypes allowed); see :meth:`Codec.encode` for types, return value and errors."""
+    return _DEFAULT_CODEC.encode(obj)
+
+
+def decode(frames: Sequence[bytes | memoryview | zmq.Frame]) -> Any:
+    """Decode one message with a default :class:`Codec`; see :meth:`Codec.decode`."""
+    return _DEFAULT_CODEC.decode(frames)

@@ -1,0 +1,30 @@
+"""Typed errors of the transport layer.
+
+Every failure the transport raises is a :class:`TransportError`, so an actor can catch one class,
+log the offending message and keep running (DESIGN.md, "Transport contract").
+"""
+
+from __future__ import annotations
+
+__all__ = ["TransportError", "EncodeError", "DecodeError", "MessageTooLarge"]
+
+
+class TransportError(Exception):
+    """Base class of every error raised by ``transport`` (bad endpoints, socket failures, codec)."""
+
+
+class EncodeError(TransportError):
+    """An object cannot be put on the wire: unsupported type, dtype outside the allow-list,
+    non-CPU tensor, dict key that is not ``str``/``int``, nesting too deep, or message too large.
+    The message names the offending type and, inside a dict, the key path."""
+
+
+class DecodeError(TransportError):
+    """A received message is malformed: bad msgpack in frame 0, unknown ext type, truncated or
+    surplus array data, frame index out of range, unreferenced frames, disallowed dtype, bad shape.
+    Raised instead of returning anything partial; the receiver can drop the message and go on."""
+
+
+class MessageTooLarge(DecodeError):
+    """A received message (all frames together) or one array in it is larger than the codec's
+    ``max_message_bytes``; raised before any array is built."""

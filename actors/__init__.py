@@ -1,0 +1,13 @@
+"""asyncio actor runtime on the ZeroMQ transport. Knows nothing of models or RL."""
+from actors.actor import Actor, ActorServer, concurrent
+from actors.directory import Directory, UnknownActor
+from actors.errors import ActorDied, ActorError, ActorTimeout, ProtocolError, RemoteError
+from actors.loop import run_event_loop
+from actors.ref import ActorRef, close_connections
+from actors.spawn import ActorSpec, Supervisor, serve_actor
+
+__all__ = [
+    "Actor", "ActorServer", "concurrent", "Directory", "UnknownActor", "ActorDied", "ActorError",
+    "ActorTimeout", "ProtocolError", "RemoteError", "run_event_loop", "ActorRef",
+    "close_connections", "ActorSpec", "Supervisor", "serve_actor",
+]

@@ -1,0 +1,173 @@
+"""Server side of the actor runtime: the :class:`Actor` base class and :class:`ActorServer`.
+
+An actor is an object whose public ``async def`` methods can be called over ZeroMQ. Calls are
+executed one at a time in arrival order (so an actor's state needs no locks), except methods
+decorated with :func:`concurrent`, which run as their own task as soon as they arrive. A
+malformed message, an unknown method or a method that raises is answered with an error reply;
+the actor keeps serving.
+"""
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import os
+import traceback
+from typing import TYPE_CHECKING, Any, Callable
+
+import msgpack
+
+from actors.envelope import CALL, err_reply, ok_reply, parse_request
+from actors.errors import ProtocolError
+from transport import Codec, RouterSocket
+
+if TYPE_CHECKING:
+    from actors.directory import Directory
+    from actors.ref import ActorRef
+
+log = logging.getLogger(__name__)
+_CONCURRENT = "_replayrl_concurrent"
+
+
+def concurrent(method: Callable) -> Callable:
+    """Mark an actor method to run as its own task instead of in arrival order.
+
+    Use it for methods that only wait (e.g. a method that awaits other actors) so they do not
+    block the actor's queue; they must not mutate state that ordered methods rely on.
+    """
+    setattr(method, _CONCURRENT, True)
+    return method
+
+
+class Actor:
+    """Base class of actors. Subclasses define ``async def`` public methods.
+
+    The runtime sets ``self.name`` and ``self.directory`` before :meth:`on_start` runs.
+    Built-in remote methods: ``__ping__`` (liveness; returns ``{"name", "pid"}``) and ``__stop__``.
+    """
+
+    name: str = ""
+    directory: "Directory | None" = None
+
+    async def on_start(self) -> None:
+        """Called once in the actor's process before it serves any call."""
+
+    async def on_stop(self) -> None:
+        """Called once when the actor stops (after ``__stop__`` or on parent exit)."""
+
+    def ref(self, name: str) -> "ActorRef":
+        """A reference to another actor of this run, looked up in the directory.
+
+        Raises:
+            actors.directory.UnknownActor: no actor of that name in the directory.
+        """
+        if self.directory is None:
+            raise RuntimeError(f"actor {self.name!r} has no directory")
+        return self.directory.ref(name)
+
+
+class ActorServer:
+    """Serves one :class:`Actor` on a ZeroMQ ROUTER socket at ``endpoint``."""
+
+    def __init__(self, actor: Actor, endpoint: str, codec: Codec | None = None) -> None:
+        self.actor = actor
+        self.endpoint = endpoint
+        self.codec = codec or Codec()
+        self.stopped = asyncio.Event()
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._tasks: set[asyncio.Task] = set()
+        self._router = RouterSocket(endpoint, self._on_message)
+        self._worker: asyncio.Task | None = None
+
+    def start(self) -> None:
+        """Bind the socket and start the in-order worker (call inside the running loop)."""
+        self._router.bind()
+        self._worker = asyncio.get_running_loop().create_task(self._run_in_order())
+
+    def close(self) -> None:
+        """Stop serving: cancel pending work and close the socket (removes an ipc file)."""
+        if self._worker is not None:
+            self._worker.cancel()
+        for task in list(self._tasks):
+            task.cancel()
+        self._router.close()
+
+    # -- receiving -------------------------------------------------------------------------
+    def _on_message(self, peer: bytes, frames: list) -> None:
+        try:
+            kind, call_id, method, args, kwargs = parse_request(self.codec.decode(frames))
+        except Exception as exc:  # malformed message: answer if we can, keep serving
+            log.error("%s: rejected malformed message: %s: %s", self.actor.name,
+                      type(exc).__name__, exc)
+            call_id = _best_effort_id(frames)
+            if call_id is not None:
+                self._send(peer, err_reply(call_id, type(exc).__name__, str(exc), ""))
+            return
+        item = (peer, kind, call_id, method, args, kwargs)
+        if method in ("__ping__", "__stop__") or getattr(
+                getattr(type(self.actor), method, None), _CONCURRENT, False):
+            task = asyncio.get_running_loop().create_task(self._invoke(*item))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        else:
+            self._queue.put_nowait(item)
+
+    async def _run_in_order(self) -> None:
+        while True:
+            item = await self._queue.get()
+            await self._invoke(*item)
+
+    # -- executing -------------------------------------------------------------------------
+    def _resolve(self, method: str) -> Callable[..., Any]:
+        if method == "__ping__":
+            return self._ping
+        if method == "__stop__":
+            return self._stop
+        fn = getattr(type(self.actor), method, None)
+        if method.startswith("_") or fn is None or not inspect.iscoroutinefunction(fn):
+            raise ProtocolError(f"actor {self.actor.name!r} ({type(self.actor).__name__}) "
+                                f"has no public async method {method!r}")
+        return getattr(self.actor, method)
+
+    async def _invoke(self, peer: bytes, kind: str, call_id: int, method: str,
+                      args: list, kwargs: dict) -> None:
+        try:
+            result = await self._resolve(method)(*args, **kwargs)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            tb = traceback.format_exc()
+            if kind != CALL:
+                log.error("%s.%s (tell) raised:\n%s", self.actor.name, method, tb)
+                return
+            self._send(peer, err_reply(call_id, type(exc).__qualname__, str(exc), tb))
+            return
+        if kind == CALL:
+            self._send(peer, ok_reply(call_id, result))
+
+    def _send(self, peer: bytes, reply: dict) -> None:
+        try:
+            frames = self.codec.encode(reply)
+        except Exception as exc:  # the result itself cannot travel: tell the caller why
+            frames = self.codec.encode(err_reply(reply["id"], type(exc).__qualname__, str(exc),
+                                                 traceback.format_exc()))
+        self._router.send(peer, frames)
+
+    async def _ping(self) -> dict:
+        return {"name": self.actor.name, "pid": os.getpid()}
+
+    async def _stop(self) -> bool:
+        self.stopped.set()
+        return True
+
+
+def _best_effort_id(frames: list) -> int | None:
+    """The call id of a message that failed validation, if its envelope can still be read."""
+    try:  # header only, ignoring array references: the full decode already failed
+        head = frames[0]
+        head = head.buffer if hasattr(head, "buffer") else head
+        msg = msgpack.unpackb(head, ext_hook=lambda code, data: None, strict_map_key=False)
+        call_id = msg.get("id") if isinstance(msg, dict) else None
+        return call_id if isinstance(call_id, int) and msg.get("k") == CALL else None
+    except Exception:
+        return None

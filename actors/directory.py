@@ -1,0 +1,86 @@
+"""The directory of a run: actor names mapped to ZeroMQ endpoints.
+
+The launcher fixes every endpoint before any process starts and hands the same immutable
+directory to each actor, so no actor needs a name server to find another. A distributed run
+writes it to a JSON file that every torchrun rank reads.
+"""
+from __future__ import annotations
+
+import json
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Iterable, Mapping
+
+from actors.errors import ActorError
+from actors.ref import ActorRef
+from transport import ipc_endpoint, tcp_loopback_endpoint
+
+
+class UnknownActor(ActorError, KeyError):
+    """No actor of that name is in the directory."""
+
+
+@dataclass(frozen=True)
+class Directory:
+    """Immutable mapping ``name -> endpoint`` (``ipc://...`` or ``tcp://host:port``)."""
+
+    endpoints: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "endpoints", MappingProxyType(dict(self.endpoints)))
+
+    @classmethod
+    def for_run(cls, run_dir: str | Path, names: Iterable[str], transport: str = "ipc",
+                base_port: int | None = None) -> "Directory":
+        """Endpoints for ``names``: ipc files under ``run_dir``, or loopback tcp ports.
+
+        Args:
+            transport: ``"ipc"`` (one node) or ``"tcp"`` (loopback; ``base_port`` + i, or a free
+                port chosen by the OS when ``base_port`` is None).
+        Raises:
+            ValueError: unknown transport.
+        """
+        names = list(names)
+        if transport == "ipc":
+            return cls({n: ipc_endpoint(run_dir, n) for n in names})
+        if transport == "tcp":
+            return cls({n: tcp_loopback_endpoint(_free_port() if base_port is None else base_port + i)
+                        for i, n in enumerate(names)})
+        raise ValueError(f"unknown transport {transport!r}; expected 'ipc' or 'tcp'")
+
+    def endpoint(self, name: str) -> str:
+        """The endpoint of ``name``. Raises :class:`UnknownActor`."""
+        try:
+            return self.endpoints[name]
+        except KeyError:
+            raise UnknownActor(f"no actor named {name!r}; known: {sorted(self.endpoints)}") from None
+
+    def ref(self, name: str) -> ActorRef:
+        """An :class:`ActorRef` to ``name``. Raises :class:`UnknownActor`."""
+        return ActorRef(name, self.endpoint(name))
+
+    def names(self) -> list[str]:
+        """Actor names in insertion order."""
+        return list(self.endpoints)
+
+    def to_dict(self) -> dict[str, str]:
+        """A plain dict, for messages and JSON."""
+        return dict(self.endpoints)
+
+    def save(self, path: str | Path) -> None:
+        """Write the directory as JSON (used by the torchrun launcher)."""
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Directory":
+        """Read a directory written by :meth:`save`."""
+        return cls(json.loads(Path(path).read_text()))
+
+
+def _free_port() -> int:
+    """A loopback TCP port that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

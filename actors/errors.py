@@ -1,0 +1,59 @@
+"""Errors raised by the actor runtime.
+
+Every error an actor call can raise on the caller's side derives from :class:`ActorError`, so a
+driver can tell "the remote method failed" (:class:`RemoteError`) from "the actor is gone"
+(:class:`ActorDied`) from "no answer in time" (:class:`ActorTimeout`).
+"""
+from __future__ import annotations
+
+
+class ActorError(Exception):
+    """Base class of every actor-runtime error."""
+
+
+class RemoteError(ActorError):
+    """A remote method raised; carries the remote exception's type name, message and traceback.
+
+    Attributes:
+        actor: name of the actor whose method raised.
+        method: the method that was called.
+        remote_type: ``type(exc).__qualname__`` on the remote side (e.g. ``"ValueError"``).
+        remote_message: ``str(exc)`` on the remote side.
+        remote_traceback: the formatted traceback text from the remote process.
+    """
+
+    def __init__(self, actor: str, method: str, remote_type: str, remote_message: str,
+                 remote_traceback: str) -> None:
+        self.actor = actor
+        self.method = method
+        self.remote_type = remote_type
+        self.remote_message = remote_message
+        self.remote_traceback = remote_traceback
+        super().__init__(f"{actor}.{method} raised {remote_type}: {remote_message}\n"
+                         f"--- remote traceback ({actor}) ---\n{remote_traceback}")
+
+    def __reduce__(self):  # keeps the error picklable for multiprocessing / pytest reports
+        return (RemoteError, (self.actor, self.method, self.remote_type, self.remote_message,
+                              self.remote_traceback))
+
+
+class ActorTimeout(ActorError, TimeoutError):
+    """No reply to ``ActorRef.call`` within its ``timeout`` (seconds)."""
+
+
+class ActorDied(ActorError):
+    """An actor process exited unexpectedly; ``traceback_text`` is what it reported, if anything."""
+
+    def __init__(self, actor: str, exitcode: int | None, traceback_text: str = "") -> None:
+        self.actor = actor
+        self.exitcode = exitcode
+        self.traceback_text = traceback_text
+        detail = f"\n--- traceback ({actor}) ---\n{traceback_text}" if traceback_text else ""
+        super().__init__(f"actor {actor!r} exited with code {exitcode}{detail}")
+
+    def __reduce__(self):
+        return (ActorDied, (self.actor, self.exitcode, self.traceback_text))
+
+
+class ProtocolError(ActorError):
+    """A message reached an actor but is not a valid call (bad envelope, unknown method, ...)."""

@@ -1,0 +1,132 @@
+"""Client side of the actor runtime: :class:`ActorRef` and the per-process connection pool.
+
+One ZeroMQ DEALER socket per peer endpoint per process (DESIGN.md: one socket per peer, not per
+request); every ``ActorRef`` to the same endpoint shares it, and replies are matched to calls by id.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from typing import Any
+
+from actors.envelope import CALL, ERR, OK, TELL, request
+from actors.errors import ActorTimeout, ProtocolError, RemoteError
+from transport import Codec, DealerSocket
+
+log = logging.getLogger(__name__)
+_CALL_IDS = itertools.count(1)
+
+
+class _Connection:
+    """One DEALER socket to one actor endpoint, bound to the event loop that created it."""
+
+    def __init__(self, endpoint: str, codec: Codec) -> None:
+        self.endpoint = endpoint
+        self.codec = codec
+        self.pending: dict[int, tuple[asyncio.Future, str, str]] = {}
+        self.socket = DealerSocket(endpoint, self._on_message)
+        self.socket.connect()
+
+    def _on_message(self, frames: list) -> None:
+        try:
+            reply = self.codec.decode(frames)
+            call_id, kind = reply["id"], reply["k"]
+        except Exception as exc:  # a malformed reply must not kill the caller's loop
+            log.error("dropping malformed reply from %s: %s", self.endpoint, exc)
+            return
+        entry = self.pending.pop(call_id, None)
+        if entry is None:  # late reply to a call that already timed out
+            return
+        future, actor, method = entry
+        if future.done():
+            return
+        if kind == OK:
+            future.set_result(reply.get("v"))
+        elif kind == ERR:
+            future.set_exception(RemoteError(actor, method, str(reply.get("t")),
+                                             str(reply.get("msg")), str(reply.get("tb"))))
+        else:
+            future.set_exception(ProtocolError(f"reply from {actor} has unknown kind {kind!r}"))
+
+    def close(self) -> None:
+        for future, actor, method in self.pending.values():
+            if not future.done():
+                future.set_exception(ProtocolError(f"connection to {actor} closed during {method}"))
+        self.pending.clear()
+        self.socket.close()
+
+
+class _Pool:
+    """The connections of the current process, one per (event loop, endpoint)."""
+
+    def __init__(self) -> None:
+        self.codec = Codec()
+        self.connections: dict[tuple[int, str], _Connection] = {}
+
+    def get(self, endpoint: str) -> _Connection:
+        key = (id(asyncio.get_running_loop()), endpoint)
+        conn = self.connections.get(key)
+        if conn is None:
+            conn = self.connections[key] = _Connection(endpoint, self.codec)
+        return conn
+
+    def close_all(self) -> None:
+        for conn in self.connections.values():
+            conn.close()
+        self.connections.clear()
+
+
+POOL = _Pool()
+
+
+def close_connections() -> None:
+    """Close every client socket of this process (call before the event loop ends)."""
+    POOL.close_all()
+
+
+class ActorRef:
+    """A handle to a named actor at a ZeroMQ endpoint; cheap to create, safe to copy.
+
+    Must be used from inside a running event loop. Calls to one actor are executed in arrival
+    order unless the remote method is marked :func:`actors.concurrent`.
+    """
+
+    __slots__ = ("name", "endpoint")
+
+    def __init__(self, name: str, endpoint: str) -> None:
+        self.name = name
+        self.endpoint = endpoint
+
+    def __repr__(self) -> str:
+        return f"ActorRef({self.name!r}, {self.endpoint!r})"
+
+    async def call(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
+        """Call ``method(*args, **kwargs)`` on the actor and return its result.
+
+        Args:
+            timeout: seconds to wait for the reply; ``None`` waits forever.
+        Raises:
+            RemoteError: the remote method raised (remote type, message and traceback attached).
+            ActorTimeout: no reply within ``timeout`` seconds; a late reply is discarded.
+            transport.EncodeError: an argument cannot be encoded (nothing was sent).
+        """
+        conn = POOL.get(self.endpoint)
+        call_id = next(_CALL_IDS)
+        frames = conn.codec.encode(request(CALL, call_id, method, args, kwargs))
+        future = asyncio.get_running_loop().create_future()
+        conn.pending[call_id] = (future, self.name, method)
+        conn.socket.send(frames)
+        try:
+            if timeout is None:
+                return await future
+            return await asyncio.wait_for(future, timeout)
+        except asyncio.TimeoutError:
+            raise ActorTimeout(f"{self.name}.{method} gave no reply within {timeout} s") from None
+        finally:
+            conn.pending.pop(call_id, None)
+
+    def tell(self, method: str, *args: Any, **kwargs: Any) -> None:
+        """Fire-and-forget ``method(*args, **kwargs)``: no reply, remote errors are only logged."""
+        conn = POOL.get(self.endpoint)
+        conn.socket.send(conn.codec.encode(request(TELL, next(_CALL_IDS), method, args, kwargs)))

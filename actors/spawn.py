@@ -1,0 +1,215 @@
+"""Start actors in their own processes and supervise them (fail fast, clean shutdown).
+
+Each actor runs in a fresh ``spawn`` process (no inherited torch / ZeroMQ state) with its own
+event loop (uvloop when installed). The child ignores SIGINT, so Ctrl-C reaches only the
+launcher, which then stops every actor in order; a child also exits by itself within about a
+second when its parent disappears, so no process outlives the run. A child that dies writes
+its traceback to ``<run_dir>/<name>.traceback`` for the supervisor to report.
+"""
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import multiprocessing as mp
+import os
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from actors.actor import Actor, ActorServer
+from actors.directory import Directory
+from actors.errors import ActorDied, ActorError
+from actors.loop import run_event_loop
+from actors.ref import close_connections
+
+log = logging.getLogger(__name__)
+_PARENT_POLL_SECONDS = 0.5
+
+
+@dataclass(frozen=True)
+class ActorSpec:
+    """What to start: ``cls`` as ``"package.module:ClassName"`` built with ``kwargs``.
+
+    ``kwargs`` must be picklable (they cross the process boundary once, at start).
+    """
+
+    name: str
+    cls: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def _import_class(path: str) -> type[Actor]:
+    module, _, qualname = path.partition(":")
+    if not qualname:
+        raise ValueError(f"actor class must be 'module:Class', got {path!r}")
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    if not (isinstance(obj, type) and issubclass(obj, Actor)):
+        raise TypeError(f"{path} is not an Actor subclass")
+    return obj
+
+
+async def serve_actor(actor: Actor, name: str, directory: Directory,
+                      parent_pid: int | None = None) -> None:
+    """Run ``actor`` under ``name`` until ``__stop__`` (or until the parent process is gone)."""
+    actor.name, actor.directory = name, directory
+    await actor.on_start()
+    server = ActorServer(actor, directory.endpoint(name))
+    server.start()
+    try:
+        while not server.stopped.is_set():
+            try:
+                await asyncio.wait_for(server.stopped.wait(), _PARENT_POLL_SECONDS)
+            except asyncio.TimeoutError:
+                if parent_pid is not None and os.getppid() != parent_pid:
+                    log.warning("%s: parent %d is gone; stopping", name, parent_pid)
+                    break
+        await asyncio.sleep(0.05)  # let the reply to __stop__ leave the socket
+    finally:
+        try:
+            await actor.on_stop()
+        finally:
+            server.close()
+            close_connections()
+
+
+def _child_main(spec: ActorSpec, directory: dict[str, str], parent_pid: int, run_dir: str,
+                log_level: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher owns Ctrl-C
+    os.environ.update(spec.env)
+    logging.basicConfig(level=log_level, format=f"%(asctime)s {spec.name} %(levelname)s %(message)s")
+    try:
+        actor = _import_class(spec.cls)(**spec.kwargs)
+        run_event_loop(serve_actor(actor, spec.name, Directory(directory), parent_pid))
+    except BaseException:
+        text = traceback.format_exc()
+        try:
+            Path(run_dir, f"{spec.name}.traceback").write_text(text)
+        finally:
+            sys.stderr.write(f"[{spec.name}] died:\n{text}")
+            sys.stderr.flush()
+            os._exit(1)
+
+
+class Supervisor:
+    """Owns the actor processes of a run: start, wait until ready, watch, stop.
+
+    Use as ``async with Supervisor(...) as sup:``; leaving the block stops every actor (a polite
+    ``__stop__``, then SIGTERM, then SIGKILL) and removes the run's ipc files.
+    """
+
+    def __init__(self, specs: list[ActorSpec], directory: Directory, run_dir: str | Path,
+                 *, ready_timeout: float = 120.0, log_level: int = logging.WARNING) -> None:
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"actor names must be unique, got {names}")
+        self.specs = specs
+        self.directory = directory
+        self.run_dir = Path(run_dir)
+        self.ready_timeout = ready_timeout
+        self.log_level = log_level
+        self.processes: dict[str, mp.process.BaseProcess] = {}
+        self._stopping = False
+
+    async def __aenter__(self) -> "Supervisor":
+        self.start()
+        try:
+            await self.wait_ready()
+        except BaseException:
+            await self.shutdown()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.shutdown()
+
+    def start(self) -> None:
+        """Start every actor process (returns at once; see :meth:`wait_ready`)."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        ctx = mp.get_context("spawn")
+        for spec in self.specs:
+            proc = ctx.Process(target=_child_main, name=f"replayrl-{spec.name}", daemon=False,
+                               args=(spec, self.directory.to_dict(), os.getpid(),
+                                     str(self.run_dir), self.log_level))
+            proc.start()
+            self.processes[spec.name] = proc
+
+    def died(self) -> ActorDied | None:
+        """An :class:`ActorDied` for the first process that exited, or None while all live."""
+        for name, proc in self.processes.items():
+            if proc.exitcode is not None:
+                tb_file = self.run_dir / f"{name}.traceback"
+                text = tb_file.read_text() if tb_file.exists() else ""
+                return ActorDied(name, proc.exitcode, text)
+        return None
+
+    async def wait_ready(self) -> None:
+        """Ping every actor until it answers.
+
+        Raises:
+            ActorDied: a process exited while starting (with its traceback).
+            ActorError: not all actors answered within ``ready_timeout`` seconds.
+        """
+        deadline = time.monotonic() + self.ready_timeout
+        for name in self.processes:
+            ref = self.directory.ref(name)
+            while True:
+                if (dead := self.died()) is not None:
+                    raise dead
+                try:
+                    await ref.call("__ping__", timeout=0.5)
+                    break
+                except ActorError:
+                    if time.monotonic() > deadline:
+                        raise ActorError(f"actor {name!r} not ready after {self.ready_timeout} s")
+
+    async def watch(self) -> None:
+        """Return never; raise :class:`ActorDied` as soon as any actor process exits."""
+        loop = asyncio.get_running_loop()
+        while True:
+            if (dead := self.died()) is not None and not self._stopping:
+                raise dead
+            waiter = loop.create_future()
+            fds = [p.sentinel for p in self.processes.values()]
+            for fd in fds:
+                loop.add_reader(fd, lambda: waiter.done() or waiter.set_result(None))
+            try:
+                await asyncio.wait_for(waiter, 1.0)
+            except asyncio.TimeoutError:
+                pass
+            finally:
+                for fd in fds:
+                    loop.remove_reader(fd)
+
+    async def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop every actor: ``__stop__`` to each live one, then SIGTERM / SIGKILL stragglers."""
+        self._stopping = True
+        live = [n for n, p in self.processes.items() if p.exitcode is None]
+        await asyncio.gather(*(self._polite_stop(n, timeout / 2) for n in live),
+                             return_exceptions=True)
+        deadline = time.monotonic() + timeout
+        for proc in self.processes.values():
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.exitcode is None:
+                proc.terminate()
+                proc.join(1.0)
+            if proc.exitcode is None:
+                proc.kill()
+                proc.join(1.0)
+        close_connections()
+        for endpoint in self.directory.endpoints.values():  # a killed actor leaves its ipc file
+            if endpoint.startswith("ipc://"):
+                Path(endpoint[len("ipc://"):]).unlink(missing_ok=True)
+
+    async def _polite_stop(self, name: str, timeout: float) -> None:
+        try:
+            await self.directory.ref(name).call("__stop__", timeout=timeout)
+        except ActorError:
+            pass

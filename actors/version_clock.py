@@ -1,0 +1,153 @@
+"""Policy versions of a run, and the rules samples must satisfy to enter an optimizer step.
+
+``trainer_version`` counts optimizer steps applied. Each engine has the version of the weights
+it last loaded. Rules (DESIGN.md, "Actor contract"):
+
+- versions never decrease: a regression raises :class:`VersionRegression` (a failover that
+  resets a counter must be loud, not silently re-admit old samples);
+- an engine serves no request before its first weight load of the run (:class:`EngineNotLoaded`);
+- a sample generated at version ``v`` may enter a step at trainer version ``t`` only if
+  ``0 <= t - v <= max_staleness`` (default 1, one-step off-policy as in slime / AReaL);
+- a replacement sample of exact refill must carry exactly the preflight version.
+
+:class:`VersionRules` holds the state and the rules with no I/O; :class:`VersionClock` is the
+actor that owns one instance per run and checkpoints it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from actors.actor import Actor
+
+
+class VersionError(ValueError):
+    """Base class of version-clock rule violations."""
+
+
+class VersionRegression(VersionError):
+    """A trainer or engine version moved backwards."""
+
+
+class EngineNotLoaded(VersionError):
+    """An engine was asked to serve before its first weight load of the run."""
+
+
+class StaleSample(VersionError):
+    """A sample's policy version is outside ``[t - max_staleness, t]``."""
+
+
+@dataclass
+class VersionRules:
+    """Version state plus the admission rules (no I/O; the actor below wraps it).
+
+    Attributes:
+        max_staleness: largest allowed ``trainer_version - sample_version`` (>= 0).
+        trainer_version: optimizer steps applied so far.
+        engine_versions: engine name -> weight version it last loaded.
+    """
+
+    max_staleness: int = 1
+    trainer_version: int = 0
+    engine_versions: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.max_staleness < 0:
+            raise VersionError(f"max_staleness must be >= 0, got {self.max_staleness}")
+
+    def set_trainer_version(self, version: int) -> None:
+        """Record the trainer's version. Raises :class:`VersionRegression` if it decreases."""
+        if version < self.trainer_version:
+            raise VersionRegression(
+                f"trainer_version would move backwards: {self.trainer_version} -> {version}")
+        self.trainer_version = version
+
+    def record_engine_load(self, engine: str, version: int) -> None:
+        """Record that ``engine`` loaded weights of ``version``.
+
+        Raises:
+            VersionRegression: below the engine's previous version.
+        """
+        previous = self.engine_versions.get(engine)
+        if previous is not None and version < previous:
+            raise VersionRegression(
+                f"engine {engine!r} version would move backwards: {previous} -> {version}")
+        self.engine_versions[engine] = version
+
+    def serving_version(self, engine: str) -> int:
+        """The version ``engine`` serves. Raises :class:`EngineNotLoaded` before its first load."""
+        if engine not in self.engine_versions:
+            raise EngineNotLoaded(f"engine {engine!r} has loaded no weights yet in this run")
+        return self.engine_versions[engine]
+
+    def staleness_ok(self, sample_version: int, trainer_version: int | None = None) -> bool:
+        """``0 <= t - v <= max_staleness`` with ``t`` = ``trainer_version`` (default: current)."""
+        t = self.trainer_version if trainer_version is None else trainer_version
+        return 0 <= t - sample_version <= self.max_staleness
+
+    @staticmethod
+    def replacement_ok(preflight_version: int, replacement_version: int) -> bool:
+        """A refill replacement must come from exactly the preflight version."""
+        return replacement_version == preflight_version
+
+    def check_samples(self, sample_ids: Iterable[int], versions: Iterable[int]) -> None:
+        """Raise :class:`StaleSample` naming every sample outside the staleness window."""
+        bad = [(s, v) for s, v in zip(sample_ids, versions) if not self.staleness_ok(v)]
+        if bad:
+            shown = ", ".join(f"sample {s} at v{v}" for s, v in bad[:8])
+            raise StaleSample(
+                f"{len(bad)} sample(s) outside staleness [0, {self.max_staleness}] at trainer "
+                f"version {self.trainer_version}: {shown}")
+
+    def state_dict(self) -> dict:
+        """Plain-dict state for checkpoints."""
+        return {"max_staleness": self.max_staleness, "trainer_version": self.trainer_version,
+                "engine_versions": dict(self.engine_versions)}
+
+    @classmethod
+    def from_state_dict(cls, state: dict) -> "VersionRules":
+        """Inverse of :meth:`state_dict`."""
+        return cls(int(state["max_staleness"]), int(state["trainer_version"]),
+                   {str(k): int(v) for k, v in state["engine_versions"].items()})
+
+
+class VersionClock(Actor):
+    """The actor that owns a run's :class:`VersionRules`; every method is ordered."""
+
+    def __init__(self, max_staleness: int = 1) -> None:
+        self.rules = VersionRules(max_staleness=max_staleness)
+
+    async def set_trainer_version(self, version: int) -> int:
+        """Record an optimizer step; returns the new trainer version."""
+        self.rules.set_trainer_version(version)
+        return self.rules.trainer_version
+
+    async def record_engine_load(self, engine: str, version: int) -> None:
+        """Record that ``engine`` now serves ``version``."""
+        self.rules.record_engine_load(engine, version)
+
+    async def serving_version(self, engine: str) -> int:
+        """The version ``engine`` serves (raises ``EngineNotLoaded`` before its first load)."""
+        return self.rules.serving_version(engine)
+
+    async def check_samples(self, sample_ids: list[int], versions: list[int]) -> int:
+        """Raise ``StaleSample`` unless every sample may enter a step now; returns ``t``."""
+        self.rules.check_samples(sample_ids, versions)
+        return self.rules.trainer_version
+
+    async def check_replacements(self, preflight_version: int, sample_ids: list[int],
+                                 versions: list[int]) -> None:
+        """Raise ``StaleSample`` unless every replacement carries exactly ``preflight_version``."""
+        bad = [(s, v) for s, v in zip(sample_ids, versions)
+               if not self.rules.replacement_ok(preflight_version, v)]
+        if bad:
+            raise StaleSample(f"replacement samples not at preflight version {preflight_version}: "
+                              + ", ".join(f"sample {s} at v{v}" for s, v in bad[:8]))
+
+    async def state(self) -> dict:
+        """The clock's state, for checkpoints and progress displays."""
+        return self.rules.state_dict()
+
+    async def load_state(self, state: dict) -> None:
+        """Restore a checkpointed state (a resumed run continues its versions)."""
+        self.rules = VersionRules.from_state_dict(state)

@@ -1,0 +1,160 @@
+"""The trajectory contract between rollout and trainer (the only rollout module trainer imports).
+
+A :class:`Sample` is one trajectory of a prompt group. It is immutable: its arrays are
+read-only numpy arrays, checked once at construction, so every later stage can trust the
+alignment instead of re-validating or copying. Shapes (DESIGN.md, "Sample contract"):
+
+==================  ======================  ==============================================
+field               dtype / shape           meaning
+==================  ======================  ==============================================
+prompt_ids          int32 [P]               prompt tokens
+response_ids        int32 [R]               generated (and observation) tokens
+loss_mask           uint8 [R]               1 = trained on, 0 = observation / tool token
+rollout_logprobs    float32 [R]             behaviour logprob of each token under the
+                                            engine's processed distribution; finite where
+                                            loss_mask is 1
+sample_support      int32 [R, 1+W] | None   col 0 sampled id, cols 1.. support, -1 excluded
+routed_experts      int32 [P+R-1, L, K]     MoE experts the engine picked (R3)
+indexer_topk        int32 [P+R-1, L, K_idx] sparse-attention keys the engine picked, -1 none
+==================  ======================  ==============================================
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import MISSING, dataclass, fields
+from typing import Any, Mapping
+
+import numpy as np
+
+STATUSES = ("completed", "truncated", "aborted")
+TRACE_FIELDS = ("sample_support", "routed_experts", "indexer_topk")
+
+
+class SampleError(ValueError):
+    """A trajectory violates the contract; the message names the sample and the field."""
+
+    def __init__(self, sample_id: Any, field_name: str, problem: str) -> None:
+        self.sample_id = sample_id
+        self.field = field_name
+        super().__init__(f"sample {sample_id}: field {field_name!r}: {problem}")
+
+
+def _frozen_array(sample_id: Any, name: str, value: Any, dtype: np.dtype, ndim: int) -> np.ndarray:
+    try:
+        arr = np.asarray(value)
+    except Exception as exc:  # e.g. ragged nested lists
+        raise SampleError(sample_id, name, f"not an array: {exc}") from None
+    if arr.ndim != ndim:
+        raise SampleError(sample_id, name, f"expected {ndim}-d, got shape {arr.shape}")
+    if arr.dtype != dtype:
+        if arr.size and not np.can_cast(arr.dtype, dtype, casting="same_kind"):
+            raise SampleError(sample_id, name, f"dtype {arr.dtype} cannot become {dtype}")
+        arr = arr.astype(dtype)
+    elif arr.flags.writeable:
+        arr = arr.copy()  # the caller keeps no handle that could mutate a frozen sample
+    arr.flags.writeable = False
+    return arr
+
+
+@dataclass(frozen=True, eq=False)
+class Sample:
+    """One trajectory; see the module docstring for every field's dtype and shape.
+
+    Raises:
+        SampleError: at construction, naming the sample and field, when a dtype, rank or length
+            disagrees with the contract, a loss-bearing logprob is not finite, or ``status`` is
+            unknown.
+    """
+
+    sample_id: int
+    group_id: int
+    rollout_id: int
+    policy_version: int
+    prompt_ids: np.ndarray
+    response_ids: np.ndarray
+    loss_mask: np.ndarray
+    rollout_logprobs: np.ndarray
+    reward: float = 0.0
+    status: str = "completed"
+    sample_support: np.ndarray | None = None
+    routed_experts: np.ndarray | None = None
+    indexer_topk: np.ndarray | None = None
+    synthetic_eos: bool = False
+
+    def __post_init__(self) -> None:
+        sid = self.sample_id
+        put = object.__setattr__
+        put(self, "prompt_ids", _frozen_array(sid, "prompt_ids", self.prompt_ids, np.int32, 1))
+        put(self, "response_ids", _frozen_array(sid, "response_ids", self.response_ids, np.int32, 1))
+        put(self, "loss_mask", _frozen_array(sid, "loss_mask", self.loss_mask, np.uint8, 1))
+        put(self, "rollout_logprobs",
+            _frozen_array(sid, "rollout_logprobs", self.rollout_logprobs, np.float32, 1))
+        P, R = len(self.prompt_ids), len(self.response_ids)
+        if P == 0:
+            raise SampleError(sid, "prompt_ids", "empty prompt")
+        for name in ("loss_mask", "rollout_logprobs"):
+            if len(getattr(self, name)) != R:
+                raise SampleError(sid, name, f"length {len(getattr(self, name))} != "
+                                             f"len(response_ids) {R}")
+        if np.any(self.loss_mask > 1):
+            raise SampleError(sid, "loss_mask", "values must be 0 or 1")
+        bad = (self.loss_mask == 1) & ~np.isfinite(self.rollout_logprobs)
+        if bad.any():
+            raise SampleError(sid, "rollout_logprobs",
+                              f"non-finite at loss-bearing positions {np.flatnonzero(bad)[:8].tolist()}")
+        if self.status not in STATUSES:
+            raise SampleError(sid, "status", f"{self.status!r} not in {STATUSES}")
+        if not math.isfinite(float(self.reward)):
+            raise SampleError(sid, "reward", f"not finite: {self.reward}")
+        put(self, "reward", float(self.reward))
+        expected_rows = {"sample_support": R, "routed_experts": P + R - 1, "indexer_topk": P + R - 1}
+        ranks = {"sample_support": 2, "routed_experts": 3, "indexer_topk": 3}
+        for name in TRACE_FIELDS:
+            value = getattr(self, name)
+            if value is None:
+                continue
+            arr = _frozen_array(sid, name, value, np.int32, ranks[name])
+            if arr.shape[0] != expected_rows[name]:
+                raise SampleError(sid, name, f"{arr.shape[0]} rows, expected {expected_rows[name]} "
+                                             f"(P={P}, R={R})")
+            put(self, name, arr)
+        if self.synthetic_eos:
+            if R == 0:
+                raise SampleError(sid, "synthetic_eos", "set on an empty response")
+            if self.sample_support is not None and (self.sample_support[-1, 1:] != -1).any():
+                raise SampleError(sid, "sample_support",
+                                  "synthetic EOS row must have no captured candidates")
+
+    @property
+    def total_length(self) -> int:
+        """``P + R`` tokens."""
+        return len(self.prompt_ids) + len(self.response_ids)
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """int32 [P+R]: prompt then response."""
+        return np.concatenate([self.prompt_ids, self.response_ids])
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict of fields (arrays shared, not copied) for the transport codec."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Sample":
+        """Rebuild from :meth:`to_dict` output (e.g. a decoded message).
+
+        Raises:
+            SampleError: a field is missing or unknown, or the contract is violated.
+        """
+        sid = data.get("sample_id", "?") if isinstance(data, Mapping) else "?"
+        if not isinstance(data, Mapping):
+            raise SampleError(sid, "<message>", f"expected a mapping, got {type(data).__name__}")
+        names = {f.name for f in fields(cls)}
+        unknown = set(data) - names
+        if unknown:
+            raise SampleError(sid, sorted(unknown)[0], "unknown field")
+        required = {f.name for f in fields(cls) if f.default is MISSING}
+        missing = required - set(data)
+        if missing:
+            raise SampleError(sid, sorted(missing)[0], "missing")
+        return cls(**data)

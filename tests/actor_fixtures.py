@@ -1,0 +1,55 @@
+"""Small actors used by the actor-runtime tests (importable by spawned processes)."""
+from __future__ import annotations
+
+import asyncio
+import os
+
+import numpy as np
+
+from actors import Actor, concurrent
+
+
+class EchoActor(Actor):
+    """Echoes, sums arrays, raises on demand, sleeps, and remembers call order."""
+
+    def __init__(self, tag: str = "echo") -> None:
+        self.tag = tag
+        self.seen: list[int] = []
+
+    async def echo(self, value):
+        return value
+
+    async def total(self, array: np.ndarray) -> float:
+        return float(np.asarray(array, dtype=np.float64).sum())
+
+    async def fail(self, message: str) -> None:
+        raise ValueError(message)
+
+    async def sleep(self, seconds: float) -> str:
+        await asyncio.sleep(seconds)
+        return "slept"
+
+    @concurrent
+    async def sleep_concurrently(self, seconds: float) -> str:
+        await asyncio.sleep(seconds)
+        return "slept"
+
+    async def record(self, i: int) -> None:
+        self.seen.append(i)
+
+    async def recorded(self) -> list[int]:
+        return self.seen
+
+    async def pid(self) -> int:
+        return os.getpid()
+
+    async def crash(self) -> None:
+        # an actor whose process dies (not a method error): the supervisor must notice
+        os._exit(3)
+
+
+class CrashOnStart(Actor):
+    """An actor whose constructor raises: the run must fail fast with this traceback."""
+
+    def __init__(self) -> None:
+        raise RuntimeError("boom in constructor of CrashOnStart")

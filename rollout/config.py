@@ -32,10 +32,10 @@ class RolloutConfig:
     rollout_batch_size: int = 16
     n_samples_per_prompt: int = 8
     temperature: float = 1.0
-    top_k: int = 20
+    top_k: int = 10
     top_p: float = 1.0
     min_p: float = 0.0
-    max_response_len: int = 4
+    max_response_len: int = 2
     num_digits: int = 4
     dataset_size: int = 4096
     generate_timeout_s: float = 300.0

@@ -93,7 +93,7 @@ class DigitTask:
             return 0.0
         distance = abs(int(VOCABULARY[int(response_ids[0])]) - int(VOCABULARY[answer_id]))
         stopped = len(response_ids) == 2 and int(response_ids[1]) == ids["<eos>"]
-        return 0.5 ** distance * (1.0 if stopped else 0.5)
+        return 0.25 ** distance * (1.0 if stopped else 0.5)
 
     def decode(self, ids: np.ndarray) -> str:
         """Token ids as a space-separated string (for logs and the REPL).

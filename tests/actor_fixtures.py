@@ -53,3 +53,4 @@ class CrashOnStart(Actor):
 
     def __init__(self) -> None:
         raise RuntimeError("boom in constructor of CrashOnStart")
+

@@ -1,0 +1,121 @@
+"""The RolloutManager actor: turns prompt groups into scored trajectories.
+
+For each ``rollout_id`` it draws ``rollout_batch_size`` prompts from the seeded data source,
+asks the engine actors for ``n_samples_per_prompt`` trajectories per prompt (groups are split
+across engines, whole groups per engine), scores them with the task's verifier and keeps the
+batch until the trainer takes it, so the trajectories cross the wire once (engine -> manager ->
+trainer), never through the driver. Its data-source state is checkpointable.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+
+from actors import Actor, concurrent
+from rollout.config import RolloutConfig
+from rollout.data_source import Prompt, PromptDataSource
+from rollout.sample import Sample
+from rollout.task import DigitTask
+
+
+class RolloutError(RuntimeError):
+    """A rollout could not be produced or handed over (names the rollout id)."""
+
+
+class RolloutManager(Actor):
+    """Actor that produces and stores rollout batches.
+
+    Args:
+        config: :meth:`RolloutConfig.to_dict` output.
+        engines: names of the engine actors in the run's directory.
+    """
+
+    def __init__(self, config: dict, engines: list[str]) -> None:
+        self.config = RolloutConfig(**config)
+        if not engines:
+            raise RolloutError("RolloutManager needs at least one engine")
+        self.engines = list(engines)
+        self.task = DigitTask(num_digits=self.config.num_digits)
+        self.data = PromptDataSource(self.task, self.config.seed, self.config.dataset_size)
+        self.batches: dict[int, list[Sample]] = {}
+        self.next_sample_id = 0
+        self.next_group_id = 0
+
+    @concurrent
+    async def generate(self, rollout_id: int) -> dict:
+        """Generate, score and store one batch; returns its summary (floats, seconds).
+
+        Raises:
+            RolloutError: a batch with this id is already stored.
+            actors.RemoteError / ActorTimeout: an engine failed or did not answer in time.
+        """
+        if rollout_id in self.batches:
+            raise RolloutError(f"rollout {rollout_id} already generated and not yet taken")
+        start = time.perf_counter()
+        cfg = self.config
+        prompts = self.data.next_batch(cfg.rollout_batch_size)  # ordered before any await: deterministic
+        group_ids = list(range(self.next_group_id, self.next_group_id + len(prompts)))
+        self.next_group_id += len(prompts)
+        chunks = [list(range(i, len(prompts), len(self.engines))) for i in range(len(self.engines))]
+        seeds = np.random.SeedSequence([cfg.seed, rollout_id]).generate_state(len(self.engines))
+        replies = await asyncio.gather(*(
+            self.ref(engine).call(
+                "generate", [prompts[g].prompt_ids for g in chunk for _ in range(cfg.n_samples_per_prompt)],
+                cfg.sampling_dict(), max_new_tokens=cfg.max_response_len,
+                eos_token_id=self.task.eos_id, seed=int(seed), timeout=cfg.generate_timeout_s)
+            for engine, chunk, seed in zip(self.engines, chunks, seeds) if chunk))
+        samples: list[Sample] = []
+        for chunk, reply in zip([c for c in chunks if c], replies):
+            gens = iter(reply["generations"])
+            for g in chunk:
+                for _ in range(cfg.n_samples_per_prompt):
+                    samples.append(self._to_sample(next(gens), prompts[g], group_ids[g],
+                                                   rollout_id, reply["version"]))
+        samples.sort(key=lambda s: (s.group_id, s.sample_id))  # groups contiguous for GRPO
+        self.batches[rollout_id] = samples
+        rewards = np.array([s.reward for s in samples])
+        return {"rollout_id": rollout_id, "samples": len(samples),
+                "reward_mean": float(rewards.mean()),
+                "response_len_mean": float(np.mean([len(s.response_ids) for s in samples])),
+                "policy_versions": sorted({s.policy_version for s in samples}),
+                "generate_seconds": time.perf_counter() - start}
+
+    def _to_sample(self, gen: dict, prompt: Prompt, group_id: int, rollout_id: int,
+                   version: int) -> Sample:
+        sample_id = self.next_sample_id
+        self.next_sample_id += 1
+        response = np.asarray(gen["response_ids"])
+        return Sample(
+            sample_id=sample_id, group_id=group_id, rollout_id=rollout_id, policy_version=version,
+            prompt_ids=prompt.prompt_ids, response_ids=response,
+            loss_mask=np.ones(len(response), np.uint8),
+            rollout_logprobs=gen["rollout_logprobs"],
+            reward=self.task.reward(response, prompt.answer_id),
+            status="completed" if gen["finish_reason"] == "stop" else "truncated",
+            sample_support=gen["sample_support"], routed_experts=gen.get("routed_experts"),
+            indexer_topk=gen.get("indexer_topk"))
+
+    async def take_batch(self, rollout_id: int) -> list[dict]:
+        """Hand over (and forget) a stored batch as sample dicts, groups contiguous.
+
+        Raises:
+            RolloutError: no batch with this id is stored.
+        """
+        try:
+            samples = self.batches.pop(rollout_id)
+        except KeyError:
+            raise RolloutError(f"rollout {rollout_id} is not stored; have {sorted(self.batches)}") from None
+        return [s.to_dict() for s in samples]
+
+    async def state(self) -> dict:
+        """Data-source state plus id counters, for checkpoints."""
+        return {"data": self.data.state_dict(), "next_sample_id": self.next_sample_id,
+                "next_group_id": self.next_group_id}
+
+    async def load_state(self, state: dict) -> None:
+        """Restore :meth:`state` output."""
+        self.data.load_state_dict(state["data"])
+        self.next_sample_id = int(state["next_sample_id"])
+        self.next_group_id = int(state["next_group_id"])

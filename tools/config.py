@@ -1,0 +1,168 @@
+"""Run configuration: slime-style flags, an optional TOML/JSON config file, validation.
+
+Precedence: built-in defaults < ``--config FILE`` < command-line flags. Every flag maps to one
+field of :class:`RunConfig` (run level), :class:`rollout.config.RolloutConfig` or
+:class:`trainer.config.TrainerConfig`; the config file uses the same names with dashes or
+underscores (``rollout-batch-size = 16`` or ``rollout_batch_size = 16``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import tomllib
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from rollout.config import RolloutConfig
+from trainer.config import TrainerConfig
+
+
+class ConfigError(ValueError):
+    """An unknown key, a bad value, or an unsupported combination (names the flags)."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Run-level settings plus the two sides' configs.
+
+    Attributes:
+        num_steps: optimizer steps (= rollouts) to run (``--num-steps``, slime ``--num-rollout``).
+        max_staleness: VersionClock window (``--max-staleness``).
+        num_engines: engine actors (``--num-engines``).
+        engine_dtype: ``bfloat16`` or ``float32`` (``--engine-dtype``).
+        output_dir: where metrics.jsonl, the plot and the checkpoint go (``--output-dir``).
+        transport: ``ipc`` (one node) or ``tcp`` (loopback) (``--transport``).
+        engine_torch_threads: intra-op threads per engine process.
+        progress: show the live progress display.
+    """
+
+    num_steps: int = 60
+    max_staleness: int = 1
+    num_engines: int = 1
+    engine_dtype: str = "bfloat16"
+    output_dir: str = "runs/default"
+    transport: str = "ipc"
+    engine_torch_threads: int = 1
+    progress: bool = True
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.num_steps >= 1, "--num-steps must be >= 1"),
+            (self.max_staleness >= 1, "--max-staleness must be >= 1: the loop overlaps generation "
+                                      "of step k+1 with training of step k (one-step off-policy)"),
+            (self.num_engines >= 1, "--num-engines must be >= 1"),
+            (self.engine_dtype in ("bfloat16", "float32"), "--engine-dtype must be bfloat16 or float32"),
+            (self.transport in ("ipc", "tcp"), "--transport must be ipc or tcp"),
+            (self.trainer.temperature == self.rollout.temperature,
+             "--rollout-temperature must reach the trainer unchanged (logprobs of logits / T)"),
+            (not self.trainer.use_support_replay or self.rollout.top_k != 0,
+             "--use-support-replay needs a support: --rollout-top-k -1 (whole vocabulary) or >= 1"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+
+    def to_dict(self) -> dict:
+        """Nested plain dict (written to ``output_dir/config.json``)."""
+        return asdict(self)
+
+
+# flag -> (section, field, type); section None = RunConfig itself
+_FLAGS: dict[str, tuple[str | None, str, Any, str]] = {
+    "num-steps": (None, "num_steps", int, "optimizer steps (one rollout each)"),
+    "max-staleness": (None, "max_staleness", int, "max trainer_version - sample policy_version"),
+    "num-engines": (None, "num_engines", int, "engine actor processes"),
+    "engine-dtype": (None, "engine_dtype", str, "engine precision: bfloat16 | float32"),
+    "output-dir": (None, "output_dir", str, "metrics, plot and checkpoint directory"),
+    "transport": (None, "transport", str, "ipc (one node) | tcp (loopback)"),
+    "engine-torch-threads": (None, "engine_torch_threads", int, "torch threads per engine"),
+    "seed": ("both", "seed", int, "seed of data, sampling and init"),
+    "rollout-batch-size": ("rollout", "rollout_batch_size", int, "prompt groups per step"),
+    "n-samples-per-prompt": ("rollout", "n_samples_per_prompt", int, "trajectories per prompt"),
+    "rollout-temperature": ("both", "temperature", float, "sampling temperature"),
+    "rollout-top-k": ("rollout", "top_k", int, "top-k (-1 = whole vocabulary)"),
+    "rollout-top-p": ("rollout", "top_p", float, "top-p (nucleus)"),
+    "rollout-min-p": ("rollout", "min_p", float, "min-p"),
+    "rollout-max-response-len": ("rollout", "max_response_len", int, "new tokens per trajectory"),
+    "rollout-timeout-seconds": ("rollout", "generate_timeout_s", float, "engine call timeout"),
+    "num-digits": ("rollout", "num_digits", int, "digits per prompt of the embedded task"),
+    "lr": ("trainer", "lr", float, "AdamW learning rate"),
+    "weight-decay": ("trainer", "weight_decay", float, "AdamW weight decay"),
+    "clip-grad": ("trainer", "clip_grad", float, "gradient-norm clip"),
+    "eps-clip": ("trainer", "eps_clip", float, "PPO clip low (1 - eps)"),
+    "eps-clip-high": ("trainer", "eps_clip_high", float, "PPO clip high (1 + eps)"),
+    "tis-cap": ("trainer", "tis_cap", float, "TIS weight cap C"),
+    "micro-batch-size": ("trainer", "micro_batch_size", int, "samples per forward/backward"),
+    "rpc-timeout-seconds": ("trainer", "rpc_timeout_s", float, "trainer's actor-call timeout"),
+    "trainer-torch-threads": ("trainer", "torch_threads", int, "torch threads of the trainer"),
+}
+_BOOL_FLAGS: dict[str, tuple[str | None, str, str]] = {
+    "use-routing-replay": ("trainer", "use_routing_replay", "R3: replay the engine's MoE routing"),
+    "use-indexer-replay": ("trainer", "use_indexer_replay", "replay the indexer's top-k keys"),
+    "use-support-replay": ("trainer", "use_support_replay", "logprobs over the sampler's support"),
+    "grpo-std-normalization": ("trainer", "normalize_advantage_std", "divide advantages by group std"),
+    "progress": (None, "progress", "live progress display"),
+}
+
+
+def add_run_flags(parser: argparse.ArgumentParser) -> None:
+    """Add every run flag (defaults suppressed, so only given flags override the config file)."""
+    parser.add_argument("--config", type=Path, help="TOML or JSON file with the same keys as the flags")
+    for flag, (_, _, typ, help_) in _FLAGS.items():
+        parser.add_argument(f"--{flag}", type=typ, default=argparse.SUPPRESS, help=help_)
+    for flag, (_, _, help_) in _BOOL_FLAGS.items():
+        parser.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction,
+                            default=argparse.SUPPRESS, help=help_)
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"--config {path}: {exc}") from None
+    try:
+        data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"--config {path}: not valid {path.suffix or 'TOML'}: {exc}") from None
+    return {k.replace("_", "-"): v for k, v in data.items()}
+
+
+def build_config(values: dict[str, Any]) -> RunConfig:
+    """A :class:`RunConfig` from flag-name -> value (dashes), over the defaults.
+
+    Raises:
+        ConfigError: unknown key, or a value any section rejects (its message names the flag).
+    """
+    sections: dict[str | None, dict[str, Any]] = {None: {}, "rollout": {}, "trainer": {}}
+    for key, value in values.items():
+        if key in _FLAGS:
+            section, name = _FLAGS[key][0], _FLAGS[key][1]
+        elif key in _BOOL_FLAGS:
+            section, name = _BOOL_FLAGS[key][0], _BOOL_FLAGS[key][1]
+        else:
+            raise ConfigError(f"unknown config key --{key}")
+        for target in (("rollout", "trainer") if section == "both" else (section,)):
+            sections[target][name] = value
+    try:
+        rollout = RolloutConfig(**sections["rollout"])
+        trainer = TrainerConfig(**sections["trainer"])
+        return RunConfig(rollout=rollout, trainer=trainer, **sections[None])
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    """Merge ``--config`` file values and the flags given on the command line."""
+    values = _read_file(args.config) if getattr(args, "config", None) else {}
+    known = set(_FLAGS) | set(_BOOL_FLAGS)
+    values.update({k.replace("_", "-"): v for k, v in vars(args).items()
+                   if k.replace("_", "-") in known})
+    return build_config(values)
+
+
+def run_field_names() -> list[str]:
+    """Names of the run-level fields (for docs)."""
+    return [f.name for f in fields(RunConfig)]

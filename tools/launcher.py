@@ -1,0 +1,99 @@
+"""Single-node multi-process launcher: one process per actor, all talking over ZeroMQ.
+
+Processes: ``version_clock``, ``rollout_manager``, ``engine_0..`` and ``trainer``; this process
+drives the loop. Any actor that dies ends the run at once with its traceback; Ctrl-C (or any
+error here) stops every actor; the run's ipc directory is removed in every case.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from actors import ActorSpec, Directory, Supervisor
+from rollout.model.checkpoint import save_pretrained
+from rollout.model.config import default_config
+from rollout.model.qwen3_moe import Qwen3MoeForCausalLM
+from rollout.task import VOCABULARY
+from tools.config import RunConfig
+from tools.metrics import MetricsRecorder
+from tools.train_loop import train_loop
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """What a finished run produced: the summary line and the files written."""
+
+    summary: str
+    metrics_path: Path
+    plot_path: Path
+    rows: list
+
+
+def write_initial_checkpoint(config: RunConfig, directory: Path) -> Path:
+    """Build the embedded default policy from ``config.rollout.seed`` and save it as an HF dir."""
+    model = Qwen3MoeForCausalLM(default_config(vocab_size=len(VOCABULARY)))
+    model.init_weights(config.trainer.seed)
+    save_pretrained(model, directory, tokens=list(VOCABULARY))
+    return directory
+
+
+def actor_specs(config: RunConfig, checkpoint_dir: Path) -> list[ActorSpec]:
+    """The processes of a run, in start order."""
+    model_config = dataclasses.asdict(default_config(vocab_size=len(VOCABULARY)))
+    engines = [f"engine_{i}" for i in range(config.num_engines)]
+    return [
+        ActorSpec("version_clock", "actors.version_clock:VersionClock",
+                  {"max_staleness": config.max_staleness}),
+        *(ActorSpec(name, "rollout.engine_actor:EngineActor",
+                    {"model_config": model_config, "dtype": config.engine_dtype,
+                     "torch_threads": config.engine_torch_threads}) for name in engines),
+        ActorSpec("rollout_manager", "rollout.manager:RolloutManager",
+                  {"config": config.rollout.to_dict(), "engines": engines}),
+        ActorSpec("trainer", "trainer.trainer_actor:TrainerActor",
+                  {"checkpoint_dir": str(checkpoint_dir), "config": config.trainer.to_dict(),
+                   "n_samples_per_prompt": config.rollout.n_samples_per_prompt,
+                   "engines": engines}),
+    ]
+
+
+async def launch(config: RunConfig, log_level: int = logging.WARNING,
+                 specs: list[ActorSpec] | None = None) -> RunResult:
+    """Start every actor, run the loop, write metrics / plot, stop everything.
+
+    ``specs`` replaces :func:`actor_specs` (tests inject failing actors this way).
+
+    Raises:
+        actors.ActorDied: an actor process exited (its traceback is in the message).
+        actors.RemoteError: an actor method raised (remote traceback in the message).
+    """
+    output = Path(config.output_dir)
+    output.mkdir(parents=True, exist_ok=True)
+    (output / "config.json").write_text(json.dumps(config.to_dict(), indent=1))
+    checkpoint = write_initial_checkpoint(config, output / "checkpoint-init")
+    run_dir = Path(tempfile.mkdtemp(prefix="replayrl-"))  # short path: AF_UNIX limit
+    try:
+        specs = specs if specs is not None else actor_specs(config, checkpoint)
+        directory = Directory.for_run(run_dir, [s.name for s in specs], config.transport)
+        with MetricsRecorder(output, config.num_steps, config.progress) as recorder:
+            async with Supervisor(specs, directory, run_dir, log_level=log_level) as supervisor:
+                loop_task = asyncio.ensure_future(train_loop(directory, config, recorder.record))
+                watch_task = asyncio.ensure_future(supervisor.watch())
+                try:
+                    await asyncio.wait({loop_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    for task in (loop_task, watch_task):
+                        task.cancel()
+                    await asyncio.gather(loop_task, watch_task, return_exceptions=True)
+                if watch_task.done() and not watch_task.cancelled() and watch_task.exception():
+                    raise watch_task.exception()
+                loop_task.result()  # re-raises the loop's error, if any
+        plot = recorder.plot()
+        return RunResult(recorder.summary(), recorder.path, plot, recorder.rows)
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)

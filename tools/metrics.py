@@ -1,0 +1,84 @@
+"""Per-step metrics: one JSONL line each, a live progress display, the reward plot, the summary."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Sequence
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+
+def edge_means(values: Sequence[float], fraction: float = 0.1) -> tuple[float, float]:
+    """Mean of the first and of the last ``ceil(fraction * len)`` values (at least one each).
+
+    Raises:
+        ValueError: ``values`` is empty.
+    """
+    if not values:
+        raise ValueError("no values")
+    k = max(1, math.ceil(fraction * len(values)))
+    return sum(values[:k]) / k, sum(values[-k:]) / k
+
+
+class MetricsRecorder:
+    """Writes ``metrics.jsonl`` under ``output_dir`` and drives a rich progress bar.
+
+    Use as a context manager; :meth:`record` is the ``on_step`` callback of the train loop.
+    """
+
+    def __init__(self, output_dir: str | Path, num_steps: int, show_progress: bool = True) -> None:
+        self.output_dir = Path(output_dir)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.output_dir / "metrics.jsonl"
+        self.rows: list[dict] = []
+        self._file = self.path.open("w")
+        self._progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                                  TextColumn("{task.fields[status]}"), TimeElapsedColumn(),
+                                  disable=not show_progress)
+        self._task = self._progress.add_task("train", total=num_steps, status="starting actors")
+
+    def __enter__(self) -> "MetricsRecorder":
+        self._progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._progress.stop()
+        self._file.close()
+
+    def record(self, metrics: dict) -> None:
+        """Append one step's metrics (a flat dict of JSON-able values)."""
+        self.rows.append(metrics)
+        self._file.write(json.dumps(metrics) + "\n")
+        self._file.flush()
+        self._progress.update(self._task, advance=1, status=(
+            f"reward {metrics['reward_mean']:.3f}  |Δlogp| {metrics['train_rollout_logprob_abs_diff']:.4f}"
+            f"  stale {metrics['staleness_mean']:.1f}  {metrics['step_seconds']:.2f}s/step"))
+
+    def plot(self) -> Path:
+        """Save ``reward.png`` (reward mean per step) and return its path."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.plot([r["step"] for r in self.rows], [r["reward_mean"] for r in self.rows], marker=".")
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("mean reward")
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+        ax.set_title("replayrl: reward on the embedded task")
+        path = self.output_dir / "reward.png"
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        return path
+
+    def summary(self) -> str:
+        """One line: first / last 10 % reward means, their ratio, steps, seconds."""
+        first, last = edge_means([r["reward_mean"] for r in self.rows])
+        ratio = last / first if first > 0 else float("inf")
+        seconds = sum(r["step_seconds"] for r in self.rows)
+        return (f"replayrl: {len(self.rows)} steps in {seconds:.0f}s  reward first10%={first:.3f} "
+                f"last10%={last:.3f} ratio={ratio:.1f}x  metrics={self.path}")

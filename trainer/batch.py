@@ -1,0 +1,105 @@
+"""Collate trajectories into right-padded trainer tensors, traces included.
+
+Right padding keeps key slot == token position, so replayed indexer key positions need no
+remapping, and causal attention makes pad columns invisible to real tokens. The logit at
+position ``p`` predicts token ``p + 1``; response token ``j`` of a sample with prompt length
+``P`` is therefore predicted at position ``P - 1 + j``. Trace rows cover positions
+``0 .. P+R-2`` (the last token is never forwarded); every other row is ``-1``, which the model
+treats as "no replay for this row".
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from rollout.sample import Sample, SampleError
+
+
+@dataclass(frozen=True)
+class TrainBatch:
+    """A microbatch of ``B`` samples padded to ``T`` tokens, with ``N`` response tokens in all.
+
+    Attributes:
+        tokens: int64 [B, T]; position_ids: int64 [B, T]; key_padding_mask: bool [B, T].
+        routed_experts: int64 [B, T, L_moe, K] or None (-1 rows = not replayed).
+        indexer_topk: int64 [B, T, L_idx, K_idx] or None (-1 = no key).
+        row, pos: int64 [N]: batch row (= sample index) and position whose logits predict each
+            response token.
+        targets: int64 [N] response token ids; support: int64 [N, 1+W] or None.
+        loss_mask: float32 [N]; rollout_logprobs: float32 [N] (NaN allowed where mask is 0).
+    """
+
+    tokens: torch.Tensor
+    position_ids: torch.Tensor
+    key_padding_mask: torch.Tensor
+    routed_experts: torch.Tensor | None
+    indexer_topk: torch.Tensor | None
+    row: torch.Tensor
+    pos: torch.Tensor
+    targets: torch.Tensor
+    support: torch.Tensor | None
+    loss_mask: torch.Tensor
+    rollout_logprobs: torch.Tensor
+
+
+def _trace(samples: Sequence[Sample], field: str, T: int) -> torch.Tensor | None:
+    present = [getattr(s, field) is not None for s in samples]
+    if not any(present):
+        return None
+    if not all(present):
+        missing = samples[present.index(False)]
+        raise SampleError(missing.sample_id, field, "missing while other samples of the batch "
+                                                    "carry it: replay would silently be partial")
+    first = getattr(samples[0], field)
+    out = np.full((len(samples), T) + first.shape[1:], -1, dtype=np.int64)
+    for b, s in enumerate(samples):
+        arr = getattr(s, field)
+        if arr.shape[1:] != first.shape[1:]:
+            raise SampleError(s.sample_id, field, f"row shape {arr.shape[1:]} != {first.shape[1:]} "
+                                                  f"of sample {samples[0].sample_id}")
+        out[b, : arr.shape[0]] = arr
+    return torch.from_numpy(out)
+
+
+def collate(samples: Sequence[Sample], *, routing: bool, indexer: bool, support: bool) -> TrainBatch:
+    """Build a :class:`TrainBatch`; ``routing`` / ``indexer`` / ``support`` select the traces.
+
+    Raises:
+        SampleError: a selected trace is missing on some sample or has a different row shape.
+        ValueError: ``samples`` is empty.
+    """
+    if not samples:
+        raise ValueError("collate needs at least one sample")
+    B, T = len(samples), max(s.total_length for s in samples)
+    tokens = np.zeros((B, T), np.int64)
+    mask = np.zeros((B, T), bool)
+    rows, pos = [], []
+    for b, s in enumerate(samples):
+        P, L = len(s.prompt_ids), s.total_length
+        tokens[b, :L] = s.tokens
+        mask[b, :L] = True
+        R = len(s.response_ids)
+        rows.append(np.full(R, b))
+        pos.append(np.arange(P - 1, P - 1 + R))
+    support_t = None
+    if support:
+        if any(s.sample_support is None for s in samples):
+            bad = next(s for s in samples if s.sample_support is None)
+            raise SampleError(bad.sample_id, "sample_support", "missing with support replay on")
+        support_t = torch.from_numpy(np.concatenate([s.sample_support for s in samples]).astype(np.int64))
+    return TrainBatch(
+        tokens=torch.from_numpy(tokens),
+        position_ids=torch.arange(T).expand(B, T).clone(),
+        key_padding_mask=torch.from_numpy(mask),
+        routed_experts=_trace(samples, "routed_experts", T) if routing else None,
+        indexer_topk=_trace(samples, "indexer_topk", T) if indexer else None,
+        row=torch.from_numpy(np.concatenate(rows)),
+        pos=torch.from_numpy(np.concatenate(pos)),
+        targets=torch.from_numpy(np.concatenate([s.response_ids for s in samples]).astype(np.int64)),
+        support=support_t,
+        loss_mask=torch.from_numpy(np.concatenate([s.loss_mask for s in samples]).astype(np.float32)),
+        rollout_logprobs=torch.from_numpy(np.concatenate([s.rollout_logprobs for s in samples])),
+    )

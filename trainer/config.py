@@ -1,0 +1,64 @@
+"""Configuration of the trainer side: optimizer, loss, replays, timeouts."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+class TrainerConfigError(ValueError):
+    """An unsupported trainer setting; the message names the flag."""
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """Everything the TrainerActor needs besides the model.
+
+    Attributes:
+        lr, weight_decay, adam_beta1, adam_beta2, clip_grad: AdamW (``--lr`` ...).
+        eps_clip, eps_clip_high: PPO clip range ``[1 - eps_clip, 1 + eps_clip_high]``.
+        tis_cap: TIS weight cap ``C`` (``--tis-cap``); ``None`` disables TIS.
+        normalize_advantage_std: GRPO divides by the group std (``--grpo-std-normalization``).
+        micro_batch_size: samples per forward/backward (gradient accumulation).
+        temperature: the rollout temperature (logprobs are of ``logits / temperature``).
+        use_routing_replay, use_indexer_replay, use_support_replay: R3, indexer replay and
+            support-replay logprobs (``--use-routing-replay`` ...).
+        rpc_timeout_s: seconds any trainer-initiated actor call may take.
+        torch_threads: intra-op threads of the trainer process.
+        seed: torch seed of the trainer process.
+    """
+
+    lr: float = 3e-3
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.98
+    clip_grad: float = 1.0
+    eps_clip: float = 0.2
+    eps_clip_high: float = 0.28
+    tis_cap: float | None = 2.0
+    normalize_advantage_std: bool = False
+    micro_batch_size: int = 64
+    temperature: float = 1.0
+    use_routing_replay: bool = True
+    use_indexer_replay: bool = True
+    use_support_replay: bool = True
+    rpc_timeout_s: float = 300.0
+    torch_threads: int = 1
+    seed: int = 1
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.lr > 0, "--lr must be > 0"),
+            (self.clip_grad > 0, "--clip-grad must be > 0"),
+            (0 < self.eps_clip < 1, "--eps-clip must be in (0, 1)"),
+            (self.eps_clip_high > 0, "--eps-clip-high must be > 0"),
+            (self.tis_cap is None or self.tis_cap > 0, "--tis-cap must be > 0"),
+            (self.micro_batch_size >= 1, "--micro-batch-size must be >= 1"),
+            (self.temperature > 0, "--rollout-temperature must be > 0"),
+            (self.rpc_timeout_s > 0, "--rpc-timeout-seconds must be > 0"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise TrainerConfigError(message)
+
+    def to_dict(self) -> dict:
+        """All fields as a plain dict (for actor kwargs and the run record)."""
+        return asdict(self)

@@ -1,0 +1,32 @@
+"""One trainer forward: per-response-token logprobs of a :class:`TrainBatch`, with replays.
+
+Which forwards use what (documented choice, DESIGN.md "Trainer math"):
+- the proximal (preflight) forward and the policy (training) forward both replay routing and
+  indexer traces and normalise over the captured support, so ``logp_prox - logp_rollout``
+  measures only numerics, not a different distribution;
+- a reference / KL forward (not used by the default GRPO loss) would use the full vocabulary,
+  because a KL to a reference policy is defined over the model's own distribution.
+"""
+from __future__ import annotations
+
+import torch
+
+from rollout.model.qwen3_moe import Qwen3MoeForCausalLM
+from trainer.batch import TrainBatch
+from trainer.logprobs import full_vocab_logprobs, support_logprobs
+
+
+def response_logprobs(model: Qwen3MoeForCausalLM, batch: TrainBatch, temperature: float,
+                      *, capture: bool = False) -> tuple[torch.Tensor, object]:
+    """Logprobs of every response token of ``batch`` (float32 [N]) and the model output.
+
+    Support replay is used when ``batch.support`` is set, else the full-vocabulary logprob.
+    Routing / indexer traces present in the batch are replayed.
+    """
+    out = model(batch.tokens, batch.position_ids, key_padding_mask=batch.key_padding_mask,
+                routed_experts=batch.routed_experts, indexer_topk=batch.indexer_topk,
+                capture=capture)
+    logits = out.logits[batch.row, batch.pos].float()
+    if batch.support is not None:
+        return support_logprobs(logits, batch.support, temperature), out
+    return full_vocab_logprobs(logits, batch.targets, temperature), out

@@ -118,12 +118,27 @@ class Sample:
                 raise SampleError(sid, name, f"{arr.shape[0]} rows, expected {expected_rows[name]} "
                                              f"(P={P}, R={R})")
             put(self, name, arr)
-        if self.synthetic_eos:
-            if R == 0:
-                raise SampleError(sid, "synthetic_eos", "set on an empty response")
-            if self.sample_support is not None and (self.sample_support[-1, 1:] != -1).any():
-                raise SampleError(sid, "sample_support",
-                                  "synthetic EOS row must have no captured candidates")
+        if self.synthetic_eos and R == 0:
+            raise SampleError(sid, "synthetic_eos", "set on an empty response")
+        if self.sample_support is not None:
+            self._check_unsupported_rows()
+
+    def _check_unsupported_rows(self) -> None:
+        # A loss-bearing row without captured candidates can only be the one synthetic EOS
+        # appended last: its logprob then uses the full-vocabulary fallback. Any other such row
+        # would silently train on a distribution the engine never sampled from.
+        sid, support = self.sample_id, self.sample_support
+        unsupported = np.flatnonzero((self.loss_mask == 1) & (support[:, 1:] == -1).all(axis=1))
+        if len(unsupported) > 1:
+            raise SampleError(sid, "sample_support",
+                              f"{len(unsupported)} loss-bearing rows without support "
+                              f"{unsupported[:8].tolist()}: at most one synthetic EOS per trajectory")
+        if self.synthetic_eos and (support[-1, 1:] != -1).any():
+            raise SampleError(sid, "sample_support", "synthetic EOS row must have no captured candidates")
+        if len(unsupported) == 1 and not (self.synthetic_eos and unsupported[0] == len(support) - 1):
+            raise SampleError(sid, "sample_support",
+                              f"row {unsupported[0]} is loss-bearing without support and is not a "
+                              f"synthetic EOS in the last row")
 
     @property
     def total_length(self) -> int:

@@ -19,7 +19,10 @@ import numpy as np
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")
 OPERATORS = ("max", "min", "first", "last")
 DIGITS = tuple(str(d) for d in range(10))
-VOCABULARY = SPECIAL_TOKENS + DIGITS + OPERATORS + ("=",)
+# Filler letters make the initial search space larger than the answer set, so a random policy
+# rarely produces a well-formed answer and the reward starts near zero.
+FILLER = tuple(chr(c) for c in range(ord("a"), ord("z") + 1))
+VOCABULARY = SPECIAL_TOKENS + DIGITS + OPERATORS + ("=",) + FILLER
 
 
 class TaskError(ValueError):
@@ -89,11 +92,14 @@ class DigitTask:
         unless the response stops right after it with ``<eos>``; 0.0 when it is not a digit.
         """
         ids = self.token_id
+        if len(response_ids) and not 0 <= int(response_ids[0]) < len(VOCABULARY):
+            raise TaskError(f"token id {int(response_ids[0])} outside the vocabulary "
+                            f"(size {len(VOCABULARY)})")
         if len(response_ids) == 0 or VOCABULARY[int(response_ids[0])] not in DIGITS:
             return 0.0
         distance = abs(int(VOCABULARY[int(response_ids[0])]) - int(VOCABULARY[answer_id]))
         stopped = len(response_ids) == 2 and int(response_ids[1]) == ids["<eos>"]
-        return 0.25 ** distance * (1.0 if stopped else 0.5)
+        return 0.5 ** distance * (1.0 if stopped else 0.5)
 
     def decode(self, ids: np.ndarray) -> str:
         """Token ids as a space-separated string (for logs and the REPL).
@@ -101,7 +107,7 @@ class DigitTask:
         Raises:
             TaskError: an id outside the vocabulary.
         """
-        try:
-            return " ".join(VOCABULARY[int(i)] for i in ids)
-        except IndexError:
-            raise TaskError(f"token id out of vocabulary (size {len(VOCABULARY)}): {list(ids)}") from None
+        bad = [int(i) for i in ids if not 0 <= int(i) < len(VOCABULARY)]
+        if bad:
+            raise TaskError(f"token ids outside the vocabulary (size {len(VOCABULARY)}): {bad}")
+        return " ".join(VOCABULARY[int(i)] for i in ids)

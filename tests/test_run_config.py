@@ -161,30 +161,18 @@ def test_missing_and_malformed_config_files(tmp_path):
         parse("--config", write(tmp_path, "broken.json", "{\"num-steps\": 3"))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "tools/config.py:140-154: config-file values are not converted with the flag's type; a string "
-    "where an int is expected reaches RolloutConfig's `>=` check and the resulting TypeError is "
-    "re-raised as ConfigError(\"'>=' not supported between instances of 'str' and 'int'\"), "
-    "which does not name --rollout-batch-size"))
 def test_wrongly_typed_file_value_names_the_flag(tmp_path):
     path = write(tmp_path, "typed.json", json.dumps({"rollout_batch_size": "16"}))
     with pytest.raises(ConfigError, match="--rollout-batch-size"):
         parse("--config", path)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "tools/config.py:140-152: a config-file value of the wrong type is accepted silently when "
-    "no check compares it: num-steps = 2.5 gives RunConfig.num_steps == 2.5 (argparse rejects "
-    "--num-steps 2.5)"))
 def test_fractional_num_steps_in_file_is_rejected(tmp_path):
     path = write(tmp_path, "frac.toml", "num-steps = 2.5\n")
     with pytest.raises(ConfigError, match="--num-steps"):
         parse("--config", path)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "tools/config.py:130: a JSON config whose top level is not an object (e.g. [1, 2]) raises "
-    "AttributeError: 'list' object has no attribute 'items' instead of ConfigError"))
 def test_json_config_that_is_not_an_object_is_a_config_error(tmp_path):
     path = write(tmp_path, "list.json", "[1, 2]")
     with pytest.raises(ConfigError, match="--config"):

@@ -365,10 +365,6 @@ def test_case_sampled_eos_keeps_its_logprob():
     assert back.synthetic_eos is False
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "trace_alignment.json two_unsupported_rows: Sample.__post_init__ (rollout/sample.py:121-126) "
-    "only checks the last row when synthetic_eos is set; a loss-bearing support row with no "
-    "candidates elsewhere is accepted, so a trajectory can carry two unsupported rows"))
 def test_case_two_unsupported_rows_is_rejected():
     # rows 1 and 3 are loss-bearing with a sampled id but no candidates
     support = [[5, 5, 6], [6, -1, -1], [2, 2, 5], [4, -1, -1]]

@@ -75,9 +75,6 @@ def test_special_token_ids_and_decode():
         task.decode([10_000])
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "rollout/task.py:105 indexes VOCABULARY with int(i), so a negative id wraps around "
-    "(-1 decodes as the last vocabulary entry) instead of raising TaskError as the docstring promises"))
 def test_decode_rejects_negative_ids():
     with pytest.raises(TaskError):
         DigitTask().decode([-1])

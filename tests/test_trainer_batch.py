@@ -170,11 +170,6 @@ def test_trace_row_shape_mismatch_is_named():
     assert info.value.sample_id == 2 and info.value.field == "routed_experts"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "trainer/batch.py:92 concatenates sample_support rows without comparing widths: samples with "
-    "support widths 2 and 3 raise numpy's bare ValueError ('all the input array dimensions ...') "
-    "instead of a SampleError naming the sample and 'sample_support', as collate's docstring and "
-    "_trace's check for routed_experts / indexer_topk do"))
 def test_support_width_mismatch_is_named():
     a = sample(1, [1, 13, 17], [5, 2], width=2)
     b = sample(2, [1, 14], [7], width=3)
@@ -280,10 +275,6 @@ def test_clear_drops_everything_but_keeps_the_peak():
     assert cache.nbytes == 4
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "trainer/proximal_cache.py:64-67: take([1, 1]) passes the missing-id check, pops entry 1, then "
-    "raises a bare KeyError on the second pop: not a ProximalCacheError, and entry 1 is already "
-    "removed (the docstring promises nothing is removed on error)"))
 def test_take_with_a_repeated_id_is_a_cache_error_and_removes_nothing():
     cache = ProximalLogprobCache()
     cache.put(1, torch.tensor([-1.0]))

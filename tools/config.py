@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import tomllib
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -127,7 +127,26 @@ def _read_file(path: Path) -> dict[str, Any]:
         data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
     except (json.JSONDecodeError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"--config {path}: not valid {path.suffix or 'TOML'}: {exc}") from None
-    return {k.replace("_", "-"): v for k, v in data.items()}
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: top level must be a table / object of flag = value")
+    return {k.replace("_", "-"): _typed(k.replace("_", "-"), v, path) for k, v in data.items()}
+
+
+def _typed(key: str, value: Any, path: Path) -> Any:
+    """A config-file value checked against its flag's type (argparse does this for flags)."""
+    if key in _BOOL_FLAGS:
+        ok = isinstance(value, bool)
+    elif key in _FLAGS:
+        typ = _FLAGS[key][2]
+        ok = (isinstance(value, typ) and not isinstance(value, bool)) or (
+            typ is float and isinstance(value, int) and not isinstance(value, bool))
+        value = float(value) if ok and typ is float else value
+    else:
+        return value  # build_config names unknown keys
+    if not ok:
+        expected = "true/false" if key in _BOOL_FLAGS else _FLAGS[key][2].__name__
+        raise ConfigError(f"--config {path}: --{key} must be {expected}, got {value!r}")
+    return value
 
 
 def build_config(values: dict[str, Any]) -> RunConfig:
@@ -161,8 +180,3 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     values.update({k.replace("_", "-"): v for k, v in vars(args).items()
                    if k.replace("_", "-") in known})
     return build_config(values)
-
-
-def run_field_names() -> list[str]:
-    """Names of the run-level fields (for docs)."""
-    return [f.name for f in fields(RunConfig)]

@@ -89,6 +89,12 @@ def collate(samples: Sequence[Sample], *, routing: bool, indexer: bool, support:
         if any(s.sample_support is None for s in samples):
             bad = next(s for s in samples if s.sample_support is None)
             raise SampleError(bad.sample_id, "sample_support", "missing with support replay on")
+        width = samples[0].sample_support.shape[1]
+        for s in samples:
+            if s.sample_support.shape[1] != width:
+                raise SampleError(s.sample_id, "sample_support",
+                                  f"{s.sample_support.shape[1]} columns, sample "
+                                  f"{samples[0].sample_id} has {width}")
         support_t = torch.from_numpy(np.concatenate([s.sample_support for s in samples]).astype(np.int64))
     return TrainBatch(
         tokens=torch.from_numpy(tokens),

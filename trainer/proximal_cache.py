@@ -59,8 +59,12 @@ class ProximalLogprobCache:
         """Remove and return the entries of ``sample_ids`` in order.
 
         Raises:
-            ProximalCacheError: a sample is not cached (nothing is removed then).
+            ProximalCacheError: a sample is not cached or is asked for twice (nothing is
+                removed then).
         """
+        if len(set(sample_ids)) != len(sample_ids):
+            dup = sorted({s for s in sample_ids if sample_ids.count(s) > 1})
+            raise ProximalCacheError(f"samples requested twice from the proximal cache: {dup[:8]}")
         missing = [s for s in sample_ids if s not in self.entries]
         if missing:
             raise ProximalCacheError(f"samples not in the proximal cache: {missing[:8]}")

@@ -40,12 +40,17 @@ class CausalLMOutput:
     indexer_topk: int32 `[B, S, L_idx, index_topk]` key slots (indices into this row's
         cache + current key sequence) used per query and indexed layer, -1 = no key, if
         `capture` and the indexer is on, else None.
+    own_routed_experts, own_indexer_topk: same shapes, what the router / indexer of THIS forward
+        would have chosen; they differ from the used ones only under replay, and the fraction of
+        rows where they differ is the routing / indexer flip rate of the replay.
     """
 
     logits: torch.Tensor
     hidden: torch.Tensor | None = None
     routed_experts: torch.Tensor | None = None
     indexer_topk: torch.Tensor | None = None
+    own_routed_experts: torch.Tensor | None = None
+    own_indexer_topk: torch.Tensor | None = None
 
 
 class Qwen3MoeRMSNorm(nn.Module):
@@ -119,7 +124,8 @@ class Qwen3MoeAttention(nn.Module):
 
     def forward(self, x, cos, sin, masks: _Masks, past, index_replay):
         """x `[B, S, hidden]` -> (output `[B, S, hidden]`, (keys, values, indexer keys) over all
-        T slots for the cache, key slots int64 `[B, S, index_topk]` or None)."""
+        T slots for the cache, key slots used int64 `[B, S, index_topk]` or None, the indexer's
+        own choice of slots (same shape) or None)."""
         b, s, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, s, self.n_heads, self.head_dim)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x).view(b, s, self.n_kv_heads, self.head_dim)).transpose(1, 2)
@@ -131,7 +137,7 @@ class Qwen3MoeAttention(nn.Module):
             if ik is not None:
                 ik = torch.cat([past[2], ik], dim=1)
 
-        slots = None
+        slots = own = None
         mask = masks.dense
         if self.indexer is not None:
             with torch.no_grad():
@@ -146,7 +152,7 @@ class Qwen3MoeAttention(nn.Module):
             q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1),
             attn_mask=mask[:, None], scale=self.head_dim ** -0.5)
         out = out.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim)
-        return self.o_proj(out), (k, v, ik), slots
+        return self.o_proj(out), (k, v, ik), slots, own
 
 
 class Qwen3MoeMLP(nn.Module):
@@ -177,7 +183,8 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
             for _ in range(config.num_experts))
 
     def forward(self, x: torch.Tensor, replay: torch.Tensor | None):
-        """x `[B, S, hidden]`, replay int `[B, S, K]` or None -> (output, experts int64 `[B, S, K]`).
+        """x `[B, S, hidden]`, replay int `[B, S, K]` or None -> (output, experts used int64
+        `[B, S, K]`, the router's own top-k int64 `[B, S, K]`).
 
         Under replay the weights are the router's softmax probabilities of the replayed experts
         (renormalised if norm_topk_prob), so the router still gets gradients (R3). A replay row
@@ -188,6 +195,7 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         logits = self.gate(flat)
         probs = F.softmax(logits, dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        own = experts
         if replay is not None:
             replay = replay.reshape(-1, self.top_k).long()
             experts = torch.where((replay < 0).all(-1, keepdim=True), experts, replay)
@@ -205,7 +213,8 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
             if tok.numel() == 0:
                 continue
             per_slot[tok, slot] = expert(flat[tok]) * weights[tok, slot, None]
-        return per_slot.sum(1).view(b, s, h), experts.view(b, s, self.top_k)
+        return (per_slot.sum(1).view(b, s, h), experts.view(b, s, self.top_k),
+                own.view(b, s, self.top_k))
 
 
 class Qwen3MoeDecoderLayer(nn.Module):
@@ -221,15 +230,17 @@ class Qwen3MoeDecoderLayer(nn.Module):
                     else Qwen3MoeMLP(config.hidden_size, config.intermediate_size))
 
     def forward(self, h, cos, sin, masks, past, index_replay, expert_replay):
-        """h `[B, S, hidden]` -> (h, cache entry, key slots or None, experts or None)."""
-        a, kv, slots = self.self_attn(self.input_layernorm(h), cos, sin, masks, past, index_replay)
+        """h `[B, S, hidden]` -> (h, cache entry, (key slots used, own key slots) or Nones,
+        (experts used, own experts) or Nones)."""
+        a, kv, slots, own_slots = self.self_attn(self.input_layernorm(h), cos, sin, masks, past,
+                                                 index_replay)
         h = h + a
         x = self.post_attention_layernorm(h)
         if self.is_moe:
-            m, experts = self.mlp(x, expert_replay)
+            m, experts, own_experts = self.mlp(x, expert_replay)
         else:
-            m, experts = self.mlp(x), None
-        return h + m, kv, slots, experts
+            m, experts, own_experts = self.mlp(x), None, None
+        return h + m, kv, (slots, own_slots), (experts, own_experts)
 
 
 class Qwen3MoeModel(nn.Module):
@@ -331,20 +342,23 @@ class Qwen3MoeForCausalLM(nn.Module):
         moe_pos = {layer: j for j, layer in enumerate(cfg.moe_layers)}
         idx_pos = {layer: j for j, layer in enumerate(cfg.indexed_layers)}
         keys, values, index_keys = [], [], {}
-        experts_used, slots_used = [], []
+        experts_used, slots_used, experts_own, slots_own = [], [], [], []
         for i, layer in enumerate(self.model.layers):
             past = kv_cache.past(i) if kv_cache is not None else None
             e_rep = routed_experts[:, :, moe_pos[i]] if routed_experts is not None and i in moe_pos else None
             i_rep = indexer_topk[:, :, idx_pos[i]] if indexer_topk is not None and i in idx_pos else None
-            h, (k, v, ik), slots, experts = layer(h, cos, sin, masks, past, i_rep, e_rep)
+            h, (k, v, ik), (slots, own_slots), (experts, own_experts) = layer(
+                h, cos, sin, masks, past, i_rep, e_rep)
             keys.append(k)
             values.append(v)
             if ik is not None:
                 index_keys[i] = ik
             if experts is not None:
                 experts_used.append(experts)
+                experts_own.append(own_experts)
             if slots is not None:
                 slots_used.append(slots)
+                slots_own.append(own_slots)
         h = self.model.norm(h)
         logits = self.lm_head(h)
         if kv_cache is not None:
@@ -356,6 +370,10 @@ class Qwen3MoeForCausalLM(nn.Module):
                             if capture and experts_used else None),
             indexer_topk=(torch.stack(slots_used, dim=2).to(torch.int32)
                           if capture and slots_used else None),
+            own_routed_experts=(torch.stack(experts_own, dim=2).to(torch.int32)
+                                if capture and experts_own else None),
+            own_indexer_topk=(torch.stack(slots_own, dim=2).to(torch.int32)
+                              if capture and slots_own else None),
         )
 
     def _check_inputs(self, input_ids, position_ids, key_padding_mask, kv_cache,

@@ -1,0 +1,452 @@
+"""``replayrl repl``: an interactive Python console on the live actors of a run.
+
+The run's actors are started exactly as ``replayrl train`` starts them (one process each, under a
+:class:`actors.Supervisor`), but nothing drives the loop: the user does, one call at a time.
+The actor runtime is asyncio and a connection belongs to the event loop that opened it, so the
+session runs one event loop in a background thread and the console (main thread) hands every
+call to it with :func:`asyncio.run_coroutine_threadsafe`, blocking until the reply.
+
+Console namespace (see :data:`HELP_TEXT`): ``actors`` (name -> :class:`ActorProxy`), one
+variable per actor (``version_clock``, ``rollout_manager``, ``engine_0``, ``trainer``, ...),
+``call``, ``tell``, ``step``, ``config`` and ``help_text``.
+
+Leaving the console (Ctrl-D, ``exit()``, or an exception) stops every actor through the
+supervisor's shutdown, joins the loop thread and removes the run's ipc directory.
+"""
+from __future__ import annotations
+
+import asyncio
+import code
+import concurrent.futures
+import importlib
+import inspect
+import json
+import logging
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Coroutine
+
+from actors import ActorSpec, Directory, Supervisor, close_connections, run_event_loop
+from tools.config import ConfigError, RunConfig, config_from_args
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CALL_TIMEOUT = 60.0
+"""Seconds a proxied call (``trainer.state()``, ``call(...)``) waits for its reply by default."""
+
+DEFAULT_STEP_TIMEOUT = 600.0
+"""Seconds each of ``step``'s three calls (generate, train, push) may take."""
+
+_STOP_JOIN_SECONDS = 60.0  # shutdown: polite stop (<= 2.5 s) + joins (<= 7 s) + margin
+
+HELP_TEXT = """\
+replayrl repl: the run's actors are live; every call blocks until the actor replies.
+
+  actors                       dict name -> proxy of every actor of the run
+  version_clock.state()        any public async method of an actor, called by attribute
+  trainer.push_weights()       (a proxy call waits {call_timeout:g} s; for longer ones use call)
+  call(name, method, *args, timeout={call_timeout:g}, **kw)   one call; timeout=None waits forever
+  tell(name, method, *args, **kw)   fire-and-forget (remote errors are only logged by the actor)
+  step(k)                      one loop iteration as in tools/train_loop.py:
+                               generate rollout k, train on it, push the new weights; returns
+                               the merged metrics (trainer.push_weights() once first: engines
+                               serve nothing before their first weight load)
+  config                       the RunConfig of this session
+  help_text                    this text
+
+A remote failure raises actors.RemoteError carrying the actor's traceback; an actor process
+that dies makes every later call raise actors.ActorDied. Ctrl-C cancels the call in flight.
+Ctrl-D or exit() stops every actor and leaves the console."""
+
+
+class ReplError(RuntimeError):
+    """Base class of the REPL's own errors."""
+
+
+class SessionClosed(ReplError):
+    """A call was made on a :class:`ReplSession` that is not started or already stopped."""
+
+
+class ReplSession:
+    """The actors of one run plus an event loop thread that talks to them.
+
+    Use as ``with ReplSession(config) as session: session.namespace["trainer"].state()``.
+    :meth:`start` writes the initial checkpoint to ``<config.output_dir>/checkpoint-init`` (only
+    when ``specs`` is None), starts every actor and waits until each answers ``__ping__``;
+    :meth:`stop` stops them all (polite ``__stop__``, then SIGTERM / SIGKILL), joins the loop
+    thread and removes the run's ipc directory. Both are idempotent.
+
+    Args:
+        config: the run's configuration (``config.transport`` picks ipc or tcp endpoints).
+        specs: actor specs replacing :func:`tools.launcher.actor_specs` (tests use small actors).
+        call_timeout: default reply timeout of proxied calls, in seconds.
+        ready_timeout: seconds every actor gets to answer its first ping.
+        log_level: logging level inside the actor processes.
+    """
+
+    def __init__(self, config: RunConfig, specs: list[ActorSpec] | None = None, *,
+                 call_timeout: float = DEFAULT_CALL_TIMEOUT, ready_timeout: float = 120.0,
+                 log_level: int = logging.WARNING) -> None:
+        self.config = config
+        self.call_timeout = call_timeout
+        self.ready_timeout = ready_timeout
+        self.log_level = log_level
+        self._specs = specs
+        self.specs: list[ActorSpec] = []
+        self.directory: Directory | None = None
+        self.supervisor: Supervisor | None = None
+        self.run_dir: Path | None = None
+        self.namespace: dict[str, Any] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stop_event: asyncio.Event | None = None
+        self._watch: asyncio.Future | None = None
+        self._ready = threading.Event()
+        self._start_error: BaseException | None = None
+        self._open = False
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def __enter__(self) -> "ReplSession":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> "ReplSession":
+        """Start every actor and fill :attr:`namespace`; returns ``self``.
+
+        Raises:
+            actors.ActorDied: an actor process exited while starting (its traceback attached).
+            actors.ActorError: an actor did not answer within ``ready_timeout`` seconds.
+            ReplError: the session was already started.
+        """
+        if self._thread is not None:
+            raise ReplError("a ReplSession can be started once")
+        specs = self._specs
+        if specs is None:
+            # imported here: the launcher pulls in the model (torch), which tests with small
+            # actors do not need
+            from tools.launcher import actor_specs, write_initial_checkpoint
+            output = Path(self.config.output_dir)
+            output.mkdir(parents=True, exist_ok=True)
+            (output / "config.json").write_text(json.dumps(self.config.to_dict(), indent=1))
+            specs = actor_specs(self.config, write_initial_checkpoint(self.config, output / "checkpoint-init"))
+        self.specs = list(specs)
+        self.run_dir = Path(tempfile.mkdtemp(prefix="replayrl-"))  # short path: AF_UNIX limit
+        self.directory = Directory.for_run(self.run_dir, [s.name for s in self.specs],
+                                           self.config.transport)
+        self._thread = threading.Thread(target=run_event_loop, args=(self._serve(),),
+                                        name="replayrl-repl-loop", daemon=True)
+        try:
+            self._thread.start()
+            self._ready.wait()  # set on success and on failure; Ctrl-C lands in the except
+            if self._start_error is not None:
+                raise self._start_error
+        except BaseException:
+            self.stop()
+            raise
+        self._open = True
+        self.namespace = self._build_namespace()
+        return self
+
+    async def _serve(self) -> None:
+        """The background loop's one coroutine: run the supervisor until :meth:`stop`."""
+        self._loop = asyncio.get_running_loop()
+        self._stop_event = asyncio.Event()
+        try:
+            supervisor = Supervisor(self.specs, self.directory, self.run_dir,
+                                    ready_timeout=self.ready_timeout, log_level=self.log_level)
+            self.supervisor = supervisor
+            async with supervisor:
+                self._watch = asyncio.ensure_future(supervisor.watch())
+                self._watch.add_done_callback(_consume_exception)
+                self._ready.set()
+                try:
+                    await self._stop_event.wait()
+                finally:
+                    self._watch.cancel()
+                    await asyncio.gather(self._watch, return_exceptions=True)
+        except BaseException as exc:
+            if not self._ready.is_set():
+                self._start_error = exc
+            else:
+                log.error("repl: actor shutdown failed: %s: %s", type(exc).__name__, exc)
+        finally:
+            close_connections()  # sockets of this loop; the supervisor closes them too
+            self._ready.set()
+
+    def stop(self) -> None:
+        """Stop every actor, join the loop thread and remove the ipc directory (idempotent)."""
+        self._open = False
+        thread, loop = self._thread, self._loop
+        if thread is not None and thread.is_alive():
+            if loop is not None and not loop.is_closed():
+                try:
+                    loop.call_soon_threadsafe(self._request_stop)
+                except RuntimeError:  # the loop finished between the checks
+                    pass
+            # bounded by the supervisor's shutdown (polite stop, SIGTERM, SIGKILL); a second
+            # Ctrl-C abandons the wait, and the actors then exit on their own once this process
+            # is gone (they poll their parent)
+            thread.join(_STOP_JOIN_SECONDS)
+            if thread.is_alive():
+                log.error("repl: event loop thread did not finish within %s s", _STOP_JOIN_SECONDS)
+        if self.run_dir is not None:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def _request_stop(self) -> None:
+        if self._stop_event is not None:
+            self._stop_event.set()
+        # a start still waiting for pings: cancel it (the supervisor shuts down on the way out)
+        if not self._ready.is_set():
+            for task in asyncio.all_tasks():
+                task.cancel()
+
+    @property
+    def processes(self) -> dict[str, Any]:
+        """The supervisor's ``multiprocessing`` process objects, by actor name."""
+        return dict(self.supervisor.processes) if self.supervisor is not None else {}
+
+    # -- calls -------------------------------------------------------------------------------
+    def run(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        """Run ``coro`` on the session's loop and block until it finishes; return its result.
+
+        The coroutine races the supervisor's watch, so an actor process that dies ends the wait
+        with :class:`actors.ActorDied` instead of a timeout. Ctrl-C (KeyboardInterrupt) cancels
+        the coroutine on the loop before propagating.
+
+        Raises:
+            SessionClosed: the session is not running.
+            whatever ``coro`` raises (e.g. :class:`actors.RemoteError`, :class:`actors.ActorTimeout`).
+        """
+        if not self._open or self._loop is None or self._loop.is_closed():
+            coro.close()
+            raise SessionClosed("the REPL session is closed; no actor is running")
+        future = asyncio.run_coroutine_threadsafe(self._guarded(coro), self._loop)
+        try:
+            return future.result()  # the timeout is enforced on the loop, by ActorRef.call
+        except concurrent.futures.CancelledError:
+            raise SessionClosed("the REPL session closed during the call") from None
+        except BaseException:
+            future.cancel()  # Ctrl-C: do not leave the call running on the loop
+            raise
+
+    async def _guarded(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        task = asyncio.ensure_future(coro)
+        watch = self._watch
+        try:
+            done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            task.cancel()
+            raise
+        if task in done:
+            return task.result()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        dead = self.supervisor.died() if self.supervisor is not None else None
+        if dead is not None:
+            raise dead
+        raise SessionClosed("the actor supervisor stopped watching; the session is closing")
+
+    def call(self, name: str, method: str, *args: Any, timeout: float | None = DEFAULT_CALL_TIMEOUT,
+             **kwargs: Any) -> Any:
+        """Blocking ``directory.ref(name).call(method, *args, timeout=timeout, **kwargs)``.
+
+        Args:
+            timeout: seconds to wait for the reply; ``None`` waits forever (Ctrl-C still cancels).
+        Raises:
+            actors.UnknownActor: no actor named ``name``.
+            actors.RemoteError: the remote method raised (remote traceback attached).
+            actors.ActorTimeout: no reply within ``timeout`` seconds.
+            actors.ActorDied: an actor process of the run exited.
+            SessionClosed: the session is not running.
+        """
+        ref = self._directory().ref(name)
+        return self.run(ref.call(method, *args, timeout=timeout, **kwargs))
+
+    def tell(self, name: str, method: str, *args: Any, **kwargs: Any) -> None:
+        """Fire-and-forget ``method`` on ``name`` (sent from the loop; no reply, no error back).
+
+        Raises:
+            actors.UnknownActor: no actor named ``name``.
+            SessionClosed: the session is not running.
+        """
+        ref = self._directory().ref(name)
+
+        async def send() -> None:
+            ref.tell(method, *args, **kwargs)
+
+        self.run(send())
+
+    def step(self, k: int, timeout: float | None = DEFAULT_STEP_TIMEOUT) -> dict:
+        """One iteration of :func:`tools.train_loop.train_loop`, without the overlap.
+
+        Generates rollout ``k`` on the engines, trains one optimizer step on it and pushes the
+        new weights to every engine. The engines must already hold weights
+        (``trainer.push_weights()`` once after start).
+
+        Args:
+            k: rollout id (each id is generated and taken once).
+            timeout: seconds each of the three calls may take; ``None`` waits forever.
+        Returns:
+            The metrics row ``train_loop`` would record: ``step`` (= ``k``), the generation
+            summary (without ``policy_versions``), the trainer's metrics (``trainer_version``,
+            ``loss_tokens``, ...), ``weight_push_seconds``, ``weight_push_bytes`` (bytes) and
+            ``step_seconds`` (wall seconds of the whole step).
+        Raises:
+            actors.RemoteError: generation, training or the push failed (e.g. ``EngineNotReady``
+                before the first push, ``RolloutError`` for a rollout id used twice).
+            actors.ActorTimeout / actors.ActorDied / SessionClosed: as for :meth:`call`.
+        """
+        directory = self._directory()
+        manager, trainer = directory.ref("rollout_manager"), directory.ref("trainer")
+
+        async def one_step() -> dict:
+            start = time.perf_counter()
+            summary = await manager.call("generate", k, timeout=timeout)
+            trained = await trainer.call("train", k, timeout=timeout)
+            push = await trainer.call("push_weights", timeout=timeout)
+            return {"step": k, **{key: v for key, v in summary.items() if key != "policy_versions"},
+                    **trained, "weight_push_seconds": push["seconds"],
+                    "weight_push_bytes": push["bytes"],
+                    "step_seconds": time.perf_counter() - start}
+
+        return self.run(one_step())
+
+    def _directory(self) -> Directory:
+        if self.directory is None or not self._open:
+            raise SessionClosed("the REPL session is closed; no actor is running")
+        return self.directory
+
+    # -- console namespace -------------------------------------------------------------------
+    def _build_namespace(self) -> dict[str, Any]:
+        proxies = {s.name: ActorProxy(self, s.name, s.cls) for s in self.specs}
+        reserved = {"actors", "call", "tell", "step", "config", "help_text"}
+        namespace: dict[str, Any] = {n: p for n, p in proxies.items()
+                                     if n.isidentifier() and n not in reserved}
+        namespace.update(
+            actors=proxies, call=self.call, tell=self.tell, step=self.step, config=self.config,
+            help_text=HELP_TEXT.format(call_timeout=self.call_timeout))
+        return namespace
+
+
+class ActorProxy:
+    """Synchronous stand-in for one actor: ``proxy.method(*args, **kw)`` blocks for the reply.
+
+    Attribute access yields a :class:`RemoteMethod` (no message is sent until it is called);
+    names starting with ``_`` are not forwarded, except ``__ping__``. The reply timeout is the
+    session's ``call_timeout``; use ``ReplSession.call`` (``call`` in the console) for another.
+    """
+
+    __slots__ = ("_session", "_name", "_cls")
+
+    def __init__(self, session: ReplSession, name: str, cls: str) -> None:
+        self._session = session
+        self._name = name
+        self._cls = cls
+
+    def __getattr__(self, method: str) -> "RemoteMethod":
+        if method.startswith("_") and method != "__ping__":
+            raise AttributeError(method)
+        return RemoteMethod(self._session, self._name, method)
+
+    def __dir__(self) -> list[str]:
+        return _public_methods(self._cls)
+
+    def __repr__(self) -> str:
+        methods = ", ".join(_public_methods(self._cls)) or "?"
+        return f"<actor {self._name} ({self._cls}); methods: {methods}>"
+
+
+class RemoteMethod:
+    """One method of one actor; calling it is ``session.call(name, method, *args, **kw)``."""
+
+    __slots__ = ("_session", "_name", "_method")
+
+    def __init__(self, session: ReplSession, name: str, method: str) -> None:
+        self._session = session
+        self._name = name
+        self._method = method
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._session.call(self._name, self._method, *args,
+                                  timeout=self._session.call_timeout, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<remote method {self._name}.{self._method}>"
+
+
+def _public_methods(cls_path: str) -> list[str]:
+    """Public ``async def`` methods of the actor class ``"module:Class"`` ([] if not importable)."""
+    module, _, qualname = cls_path.partition(":")
+    try:
+        obj: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+    except Exception:  # completion and repr only: never fail the console over it
+        return []
+    hooks = {"on_start", "on_stop"}  # lifecycle hooks of actors.Actor, not for callers
+    return sorted(n for n, fn in inspect.getmembers(obj, inspect.iscoroutinefunction)
+                  if not n.startswith("_") and n not in hooks)
+
+
+def _consume_exception(future: asyncio.Future) -> None:
+    # the watch's ActorDied is reported by the next call; keep asyncio from logging it as lost
+    if not future.cancelled():
+        future.exception()
+
+
+def _enable_completion(namespace: dict[str, Any]) -> None:
+    """Tab completion and line editing when a terminal is attached (readline is optional)."""
+    try:
+        import readline
+        import rlcompleter
+    except ImportError:
+        return
+    readline.set_completer(rlcompleter.Completer(namespace).complete)
+    readline.parse_and_bind("tab: complete")
+
+
+def main(args) -> int:
+    """Entry point of ``replayrl repl``: start the run's actors and open a console on them.
+
+    Args:
+        args: the parsed ``repl`` flags (see :func:`tools.config.add_run_flags`).
+    Returns:
+        Exit code: 0 on Ctrl-D / ``exit()`` (or the code given to ``exit(n)``), 1 when the actors
+        failed to start, 2 on a configuration error, 130 on Ctrl-C during start.
+    """
+    try:
+        config = config_from_args(args)
+    except ConfigError as exc:
+        print(f"replayrl: configuration error: {exc}", file=sys.stderr)
+        return 2
+    print(f"replayrl repl: starting {config.num_engines + 3} actors ...", file=sys.stderr)
+    session = ReplSession(config)
+    try:
+        session.start()
+    except KeyboardInterrupt:
+        print("replayrl: interrupted; all actors stopped", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        print(f"replayrl: actors failed to start: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    try:
+        if sys.stdin.isatty():
+            _enable_completion(session.namespace)
+        banner = (f"{session.namespace['help_text']}\n\nactors: "
+                  + ", ".join(session.namespace["actors"]))
+        console = code.InteractiveConsole(session.namespace, filename="<replayrl>")
+        console.interact(banner=banner, exitmsg="replayrl repl: stopping every actor")
+        return 0
+    except SystemExit as exc:  # exit() / quit() inside the console
+        if exc.code is None:
+            return 0
+        return exc.code if isinstance(exc.code, int) else 1
+    finally:
+        session.stop()

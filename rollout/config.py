@@ -24,6 +24,7 @@ class RolloutConfig:
             -1 keeps the whole vocabulary as support.
         max_response_len: new tokens per trajectory (``--rollout-max-response-len``).
         num_digits: digits per prompt of the embedded task.
+        num_values: prompt digits are drawn from ``0 .. num_values - 1``.
         dataset_size: distinct prompts in the embedded dataset.
         generate_timeout_s: seconds the manager waits for one engine call.
     """
@@ -32,11 +33,12 @@ class RolloutConfig:
     rollout_batch_size: int = 16
     n_samples_per_prompt: int = 8
     temperature: float = 1.0
-    top_k: int = 10
+    top_k: int = 20
     top_p: float = 1.0
     min_p: float = 0.0
     max_response_len: int = 2
     num_digits: int = 4
+    num_values: int = 5
     dataset_size: int = 4096
     generate_timeout_s: float = 300.0
 

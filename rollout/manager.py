@@ -37,29 +37,24 @@ class RolloutManager(Actor):
         if not engines:
             raise RolloutError("RolloutManager needs at least one engine")
         self.engines = list(engines)
-        self.task = DigitTask(num_digits=self.config.num_digits)
+        self.task = DigitTask(num_digits=self.config.num_digits, num_values=self.config.num_values)
         self.data = PromptDataSource(self.task, self.config.seed, self.config.dataset_size)
+        self.replacement_data = PromptDataSource(self.task, self.config.seed + 7919,
+                                                 self.config.dataset_size)
+        self.replacement_calls = 0
+        self.data_state_before: dict[int, dict] = {}
         self.batches: dict[int, list[Sample]] = {}
         self.next_sample_id = 0
         self.next_group_id = 0
 
-    @concurrent
-    async def generate(self, rollout_id: int) -> dict:
-        """Generate, score and store one batch; returns its summary (floats, seconds).
-
-        Raises:
-            RolloutError: a batch with this id is already stored.
-            actors.RemoteError / ActorTimeout: an engine failed or did not answer in time.
-        """
-        if rollout_id in self.batches:
-            raise RolloutError(f"rollout {rollout_id} already generated and not yet taken")
-        start = time.perf_counter()
+    async def _generate_groups(self, prompts: list[Prompt], rollout_id: int,
+                               seed_key: list[int]) -> list[Sample]:
+        """Generate ``n_samples_per_prompt`` trajectories per prompt and score them."""
         cfg = self.config
-        prompts = self.data.next_batch(cfg.rollout_batch_size)  # ordered before any await: deterministic
         group_ids = list(range(self.next_group_id, self.next_group_id + len(prompts)))
         self.next_group_id += len(prompts)
         chunks = [list(range(i, len(prompts), len(self.engines))) for i in range(len(self.engines))]
-        seeds = np.random.SeedSequence([cfg.seed, rollout_id]).generate_state(len(self.engines))
+        seeds = np.random.SeedSequence([cfg.seed, *seed_key]).generate_state(len(self.engines))
         replies = await asyncio.gather(*(
             self.ref(engine).call(
                 "generate", [prompts[g].prompt_ids for g in chunk for _ in range(cfg.n_samples_per_prompt)],
@@ -74,13 +69,47 @@ class RolloutManager(Actor):
                     samples.append(self._to_sample(next(gens), prompts[g], group_ids[g],
                                                    rollout_id, reply["version"]))
         samples.sort(key=lambda s: (s.group_id, s.sample_id))  # groups contiguous for GRPO
+        return samples
+
+    @concurrent
+    async def generate(self, rollout_id: int) -> dict:
+        """Generate, score and store one batch; returns its summary (floats, seconds).
+
+        Raises:
+            RolloutError: a batch with this id is already stored.
+            actors.RemoteError / ActorTimeout: an engine failed or did not answer in time.
+        """
+        if rollout_id in self.batches:
+            raise RolloutError(f"rollout {rollout_id} already generated and not yet taken")
+        start = time.perf_counter()
+        # The data state before this draw is what a checkpoint taken before training on this
+        # rollout must record: a prefetched batch the model never trained on is drawn again.
+        self.data_state_before[rollout_id] = self.data.state_dict()
+        prompts = self.data.next_batch(self.config.rollout_batch_size)  # before any await
+        samples = await self._generate_groups(prompts, rollout_id, [rollout_id])
         self.batches[rollout_id] = samples
         rewards = np.array([s.reward for s in samples])
         return {"rollout_id": rollout_id, "samples": len(samples),
                 "reward_mean": float(rewards.mean()),
                 "response_len_mean": float(np.mean([len(s.response_ids) for s in samples])),
                 "policy_versions": sorted({s.policy_version for s in samples}),
+                "prompt_indices": [p.index for p in prompts],
                 "generate_seconds": time.perf_counter() - start}
+
+    @concurrent
+    async def generate_replacements(self, n_groups: int) -> list[dict]:
+        """Exact refill: ``n_groups`` fresh prompt groups from the current policy, as sample dicts.
+
+        Replacement prompts come from their own seeded stream, so refill never shifts the prompts
+        of later rollouts (a resumed run sees the same batches). Samples carry the version of the
+        engine that generated them; the trainer has the VersionClock check it.
+        """
+        if n_groups < 1:
+            raise RolloutError(f"generate_replacements needs n_groups >= 1, got {n_groups}")
+        self.replacement_calls += 1
+        prompts = self.replacement_data.next_batch(n_groups)
+        samples = await self._generate_groups(prompts, -1, [1 << 20, self.replacement_calls])
+        return [s.to_dict() for s in samples]
 
     def _to_sample(self, gen: dict, prompt: Prompt, group_id: int, rollout_id: int,
                    version: int) -> Sample:
@@ -103,19 +132,33 @@ class RolloutManager(Actor):
         Raises:
             RolloutError: no batch with this id is stored.
         """
+        self.data_state_before.pop(rollout_id - 1, None)  # older snapshots are never needed
         try:
             samples = self.batches.pop(rollout_id)
         except KeyError:
             raise RolloutError(f"rollout {rollout_id} is not stored; have {sorted(self.batches)}") from None
         return [s.to_dict() for s in samples]
 
-    async def state(self) -> dict:
-        """Data-source state plus id counters, for checkpoints."""
-        return {"data": self.data.state_dict(), "next_sample_id": self.next_sample_id,
-                "next_group_id": self.next_group_id}
+    async def state(self, next_rollout_id: int | None = None) -> dict:
+        """Checkpointable state.
+
+        Args:
+            next_rollout_id: the first rollout the resumed run will generate; the data state is
+                taken from before that rollout's draw when it was already prefetched.
+        """
+        data = self.data.state_dict()
+        if next_rollout_id is not None and next_rollout_id in self.data_state_before:
+            data = self.data_state_before[next_rollout_id]
+        return {"data": data, "replacement_data": self.replacement_data.state_dict(),
+                "replacement_calls": self.replacement_calls,
+                "next_sample_id": self.next_sample_id, "next_group_id": self.next_group_id}
 
     async def load_state(self, state: dict) -> None:
-        """Restore :meth:`state` output."""
+        """Restore :meth:`state` output (drops stored, untrained batches)."""
         self.data.load_state_dict(state["data"])
+        self.replacement_data.load_state_dict(state["replacement_data"])
+        self.replacement_calls = int(state["replacement_calls"])
         self.next_sample_id = int(state["next_sample_id"])
         self.next_group_id = int(state["next_group_id"])
+        self.batches.clear()
+        self.data_state_before.clear()

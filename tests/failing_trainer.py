@@ -9,3 +9,10 @@ class FailingTrainer(TrainerActor):
         if rollout_id == 1:
             raise RuntimeError("injected failure in step 1")
         return await super().train(rollout_id)
+
+
+class FailBeforeUpdate(TrainerActor):
+    """Dies after the preflight and before any optimizer work."""
+
+    def _update(self, samples, token_accept):
+        raise RuntimeError("killed between preflight and update")

@@ -133,5 +133,9 @@ def test_ctrl_c_stops_every_process_and_removes_ipc_files(tmp_path):
     _, err = proc.communicate(timeout=30)
     assert time.monotonic() - start < 15, "shutdown took too long"
     assert proc.returncode == 130, err
+    # actors are gone at exit; multiprocessing's resource tracker follows within moments
+    deadline = time.monotonic() + 5
+    while [p for p in actors if _alive(p)] and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert not [p for p in actors if _alive(p)]
     assert [p for p in tmp.iterdir() if p.name.startswith("replayrl-")] == []  # ipc dir gone

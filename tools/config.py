@@ -35,9 +35,12 @@ class RunConfig:
         transport: ``ipc`` (one node) or ``tcp`` (loopback) (``--transport``).
         engine_torch_threads: intra-op threads per engine process.
         progress: show the live progress display.
+        save_dir: checkpoint directory (``--save``; default ``<output_dir>/checkpoints``).
+        save_interval: checkpoint every this many steps (``--save-interval``; 0 = never).
+        load: checkpoint directory to resume from (``--load``).
     """
 
-    num_steps: int = 60
+    num_steps: int = 400
     max_staleness: int = 1
     num_engines: int = 1
     engine_dtype: str = "bfloat16"
@@ -45,6 +48,9 @@ class RunConfig:
     transport: str = "ipc"
     engine_torch_threads: int = 1
     progress: bool = True
+    save_dir: str = ""
+    save_interval: int = 0
+    load: str = ""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
@@ -56,6 +62,7 @@ class RunConfig:
             (self.num_engines >= 1, "--num-engines must be >= 1"),
             (self.engine_dtype in ("bfloat16", "float32"), "--engine-dtype must be bfloat16 or float32"),
             (self.transport in ("ipc", "tcp"), "--transport must be ipc or tcp"),
+            (self.save_interval >= 0, "--save-interval must be >= 0"),
             (self.trainer.temperature == self.rollout.temperature,
              "--rollout-temperature must reach the trainer unchanged (logprobs of logits / T)"),
             (not self.trainer.use_support_replay or self.rollout.top_k != 0,
@@ -64,6 +71,8 @@ class RunConfig:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+        if not self.save_dir:
+            object.__setattr__(self, "save_dir", str(Path(self.output_dir) / "checkpoints"))
 
     def to_dict(self) -> dict:
         """Nested plain dict (written to ``output_dir/config.json``)."""
@@ -89,6 +98,7 @@ _FLAGS: dict[str, tuple[str | None, str, Any, str]] = {
     "rollout-max-response-len": ("rollout", "max_response_len", int, "new tokens per trajectory"),
     "rollout-timeout-seconds": ("rollout", "generate_timeout_s", float, "engine call timeout"),
     "num-digits": ("rollout", "num_digits", int, "digits per prompt of the embedded task"),
+    "num-values": ("rollout", "num_values", int, "prompt digits are drawn from 0..num-values-1"),
     "lr": ("trainer", "lr", float, "AdamW learning rate"),
     "weight-decay": ("trainer", "weight_decay", float, "AdamW weight decay"),
     "clip-grad": ("trainer", "clip_grad", float, "gradient-norm clip"),
@@ -98,12 +108,28 @@ _FLAGS: dict[str, tuple[str | None, str, Any, str]] = {
     "micro-batch-size": ("trainer", "micro_batch_size", int, "samples per forward/backward"),
     "rpc-timeout-seconds": ("trainer", "rpc_timeout_s", float, "trainer's actor-call timeout"),
     "trainer-torch-threads": ("trainer", "torch_threads", int, "torch threads of the trainer"),
+    "save": (None, "save_dir", str, "checkpoint directory (default <output-dir>/checkpoints)"),
+    "save-interval": (None, "save_interval", int, "checkpoint every N steps (0 = never)"),
+    "load": (None, "load", str, "resume from this checkpoint directory"),
+    "rs-mode": ("trainer", "rs_mode", str, "RS gate: none | token | sequence | geometric"),
+    "rs-lower": ("trainer", "rs_lower", float, "RS lower ratio bound"),
+    "rs-upper": ("trainer", "rs_upper", float, "RS upper ratio bound"),
+    "rs-denominator": ("trainer", "rs_denominator", str, "loss_tokens | accepted_tokens"),
+    "rs-refill-max-rounds": ("trainer", "rs_refill_max_rounds", int, "replacement rounds per step"),
+    "rs-refill-max-candidate-cache-bytes": ("trainer", "rs_refill_max_candidate_cache_bytes", int,
+                                            "proximal-logprob cache byte cap"),
+    "rs-refill-rpc-timeout-seconds": ("trainer", "rs_refill_rpc_timeout_s", float,
+                                      "timeout of every refill-path actor call"),
+    "dp-size": ("trainer", "dp_size", int, "data-parallel size (refill quantum)"),
+    "vpp-size": ("trainer", "vpp_size", int, "virtual pipeline size (refill quantum)"),
+    "microbatch-group-size": ("trainer", "microbatch_group_size", int, "VPP microbatch group"),
 }
 _BOOL_FLAGS: dict[str, tuple[str | None, str, str]] = {
     "use-routing-replay": ("trainer", "use_routing_replay", "R3: replay the engine's MoE routing"),
     "use-indexer-replay": ("trainer", "use_indexer_replay", "replay the indexer's top-k keys"),
     "use-support-replay": ("trainer", "use_support_replay", "logprobs over the sampler's support"),
     "grpo-std-normalization": ("trainer", "normalize_advantage_std", "divide advantages by group std"),
+    "rs-batch-refill": ("trainer", "rs_batch_refill", "exact refill of rejected prompt groups"),
     "progress": (None, "progress", "live progress display"),
 }
 

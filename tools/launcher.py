@@ -58,7 +58,8 @@ def actor_specs(config: RunConfig, checkpoint_dir: Path) -> list[ActorSpec]:
         ActorSpec("trainer", "trainer.trainer_actor:TrainerActor",
                   {"checkpoint_dir": str(checkpoint_dir), "config": config.trainer.to_dict(),
                    "n_samples_per_prompt": config.rollout.n_samples_per_prompt,
-                   "engines": engines}),
+                   "rollout_batch_size": config.rollout.rollout_batch_size,
+                   "vocab_tokens": list(VOCABULARY), "engines": engines}),
     ]
 
 

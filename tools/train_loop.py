@@ -2,26 +2,58 @@
 
 Generation of rollout k+1 runs on the engines while the trainer trains on rollout k; the new
 weights are pushed only after that generation finished, so every sample enters its step exactly
-one version stale (``t - v = 1``) except the very first batch (``t - v = 0``). The VersionClock
-checks that window on every step.
+one version stale (``t - v = 1``) except the first batch of a run or of a resume (``t - v = 0``).
+The VersionClock checks that window on every step.
+
+Checkpoints (``--save-interval``) are taken after a step's weight push. They hold the trainer
+(model, optimizer, version, RNG), the clock and the data source as it was *before* the
+prefetched rollout was drawn, so a resumed run draws that batch again from the restored policy.
 """
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+from pathlib import Path
 from typing import Callable
 
 from actors import Directory
 from tools.config import RunConfig
 
 
+async def save_checkpoint(directory: Directory, path: Path, next_step: int) -> None:
+    """Write the run's state after ``next_step - 1`` steps to ``path``."""
+    path.mkdir(parents=True, exist_ok=True)
+    await directory.ref("trainer").call("save_checkpoint", str(path))
+    state = {"next_step": next_step,
+             "clock": await directory.ref("version_clock").call("state"),
+             "manager": await directory.ref("rollout_manager").call("state", next_step)}
+    (path / "run_state.json").write_text(json.dumps(state, indent=1))
+
+
+async def load_checkpoint(directory: Directory, path: Path) -> int:
+    """Restore every actor from ``path``; returns the step to continue from.
+
+    Raises:
+        FileNotFoundError: ``path`` is not a replayrl checkpoint.
+    """
+    state = json.loads((path / "run_state.json").read_text())
+    await directory.ref("trainer").call("load_checkpoint", str(path))
+    await directory.ref("version_clock").call("load_state", state["clock"])
+    await directory.ref("rollout_manager").call("load_state", state["manager"])
+    return int(state["next_step"])
+
+
 async def train_loop(directory: Directory, config: RunConfig,
                      on_step: Callable[[dict], None]) -> None:
-    """Run ``config.num_steps`` optimizer steps; call ``on_step(metrics)`` after each."""
+    """Run steps up to ``config.num_steps``; call ``on_step(metrics)`` after each."""
     manager, trainer = directory.ref("rollout_manager"), directory.ref("trainer")
-    push = await trainer.call("push_weights")  # engines serve nothing before this (version 0)
-    generated = await manager.call("generate", 0)
-    for step in range(config.num_steps):
+    first = await load_checkpoint(directory, Path(config.load)) if config.load else 0
+    push = await trainer.call("push_weights")  # engines serve nothing before this
+    if first >= config.num_steps:
+        return
+    generated = await manager.call("generate", first)
+    for step in range(first, config.num_steps):
         step_start = time.perf_counter()
         next_rollout = None
         if step + 1 < config.num_steps:  # overlaps with training below
@@ -36,6 +68,8 @@ async def train_loop(directory: Directory, config: RunConfig,
         if next_rollout is not None:
             generated = await next_rollout
             push = await trainer.call("push_weights")
+        if config.save_interval and (step + 1) % config.save_interval == 0:
+            await save_checkpoint(directory, Path(config.save_dir) / f"step-{step + 1}", step + 1)
         on_step({"step": step, **{k: v for k, v in summary.items() if k != "policy_versions"},
                  **trained, "weight_push_seconds": push["seconds"], "weight_push_bytes": push["bytes"],
                  "step_seconds": time.perf_counter() - step_start})

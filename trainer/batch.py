@@ -45,6 +45,11 @@ class TrainBatch:
     rollout_logprobs: torch.Tensor
 
 
+def per_sample_tensors(samples: Sequence[Sample], field: str) -> list[torch.Tensor]:
+    """One tensor per sample of a per-token field (copies: sample arrays are read-only)."""
+    return [torch.from_numpy(np.array(getattr(s, field))) for s in samples]
+
+
 def _trace(samples: Sequence[Sample], field: str, T: int) -> torch.Tensor | None:
     present = [getattr(s, field) is not None for s in samples]
     if not any(present):

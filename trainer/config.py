@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from trainer.rs_policy import RSGate
+
 
 class TrainerConfigError(ValueError):
     """An unsupported trainer setting; the message names the flag."""
@@ -24,9 +26,19 @@ class TrainerConfig:
         rpc_timeout_s: seconds any trainer-initiated actor call may take.
         torch_threads: intra-op threads of the trainer process.
         seed: torch seed of the trainer process.
+        rs_mode, rs_lower, rs_upper: the RS gate (``--rs-mode none|token|sequence|geometric``).
+        rs_denominator: loss denominator when RS rejects tokens without refill
+            (``loss_tokens`` | ``accepted_tokens``), see :mod:`trainer.rs_policy`.
+        rs_batch_refill: exact refill (``--rs-batch-refill``): train on exactly
+            ``rollout_batch_size`` admitted groups or do not step.
+        rs_refill_max_rounds: replacement rounds before the step fails.
+        rs_refill_max_candidate_cache_bytes: byte cap of the proximal-logprob cache.
+        rs_refill_rpc_timeout_s: timeout of every actor call on the refill path.
+        dp_size, vpp_size, microbatch_group_size: the parallel layout the refill quantum is
+            computed for; this launcher runs one trainer rank, so only 1 / 1 / any is supported.
     """
 
-    lr: float = 3e-3
+    lr: float = 3e-4
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.98
@@ -43,6 +55,17 @@ class TrainerConfig:
     rpc_timeout_s: float = 300.0
     torch_threads: int = 1
     seed: int = 1
+    rs_mode: str = "none"
+    rs_lower: float = 0.0
+    rs_upper: float = float("inf")
+    rs_denominator: str = "loss_tokens"
+    rs_batch_refill: bool = False
+    rs_refill_max_rounds: int = 3
+    rs_refill_max_candidate_cache_bytes: int = 1 << 30
+    rs_refill_rpc_timeout_s: float = 300.0
+    dp_size: int = 1
+    vpp_size: int = 1
+    microbatch_group_size: int = 1
 
     def __post_init__(self) -> None:
         checks = [
@@ -54,10 +77,27 @@ class TrainerConfig:
             (self.micro_batch_size >= 1, "--micro-batch-size must be >= 1"),
             (self.temperature > 0, "--rollout-temperature must be > 0"),
             (self.rpc_timeout_s > 0, "--rpc-timeout-seconds must be > 0"),
+            (self.rs_denominator in ("loss_tokens", "accepted_tokens"),
+             "--rs-denominator must be loss_tokens or accepted_tokens"),
+            (not self.rs_batch_refill or self.rs_mode != "none",
+             "--rs-batch-refill needs --rs-mode token|sequence|geometric (nothing would be rejected)"),
+            (self.rs_refill_max_rounds >= 0, "--rs-refill-max-rounds must be >= 0"),
+            (self.rs_refill_max_candidate_cache_bytes > 0,
+             "--rs-refill-max-candidate-cache-bytes must be > 0"),
+            (self.rs_refill_rpc_timeout_s > 0, "--rs-refill-rpc-timeout-seconds must be > 0"),
+            (self.dp_size == 1, "--dp-size > 1 is not supported: this launcher runs one trainer rank"),
+            (self.vpp_size == 1, "--vpp-size > 1 is not supported: the embedded trainer has no pipeline"),
+            (self.microbatch_group_size >= 1, "--microbatch-group-size must be >= 1"),
         ]
         for ok, message in checks:
             if not ok:
                 raise TrainerConfigError(message)
+        RSGate(self.rs_mode, self.rs_lower, self.rs_upper)  # raises RSConfigError naming flags
+
+    @property
+    def rs_gate(self) -> RSGate:
+        """The RS gate these settings describe."""
+        return RSGate(self.rs_mode, self.rs_lower, self.rs_upper)
 
     def to_dict(self) -> dict:
         """All fields as a plain dict (for actor kwargs and the run record)."""

@@ -36,6 +36,7 @@ class ProximalLogprobCache:
         self.entries: dict[int, torch.Tensor] = {}
         self.nbytes = 0
         self.peak_bytes = 0
+        self.transferred_bytes = 0
 
     def put(self, sample_id: int, logprobs: torch.Tensor) -> None:
         """Store a copy of ``logprobs`` (float32 [R]) for ``sample_id``.
@@ -69,10 +70,47 @@ class ProximalLogprobCache:
         if missing:
             raise ProximalCacheError(f"samples not in the proximal cache: {missing[:8]}")
         out = [self.entries.pop(s) for s in sample_ids]
-        self.nbytes -= sum(t.numel() * 4 for t in out)
+        moved = sum(t.numel() * 4 for t in out)
+        self.nbytes -= moved
+        self.transferred_bytes += moved
         return out
 
+    def peek(self, sample_id: int) -> torch.Tensor:
+        """The cached logprobs of ``sample_id`` without removing them (read by the RS gate).
+
+        Raises:
+            ProximalCacheError: not cached.
+        """
+        try:
+            return self.entries[sample_id]
+        except KeyError:
+            raise ProximalCacheError(f"sample {sample_id} is not in the proximal cache") from None
+
+    def discard(self, sample_ids: list[int]) -> None:
+        """Drop entries that will not be trained on (rejected or surplus groups)."""
+        for s in sample_ids:
+            entry = self.entries.pop(s, None)
+            if entry is not None:
+                self.nbytes -= entry.numel() * 4
+
+    def check_bijection(self, sample_ids: list[int]) -> None:
+        """Raise unless the cache holds exactly one entry per training sample and nothing else.
+
+        Raises:
+            ProximalCacheError: naming missing, duplicate or extra sample ids.
+        """
+        wanted = set(sample_ids)
+        problems = []
+        if len(wanted) != len(sample_ids):
+            problems.append(f"duplicate training samples {sorted(s for s in wanted if sample_ids.count(s) > 1)[:8]}")
+        if missing := sorted(wanted - set(self.entries)):
+            problems.append(f"training samples without a proximal entry {missing[:8]}")
+        if extra := sorted(set(self.entries) - wanted):
+            problems.append(f"proximal entries with no training sample {extra[:8]}")
+        if problems:
+            raise ProximalCacheError("cache <-> training samples is not a bijection: " + "; ".join(problems))
+
     def clear(self) -> None:
-        """Drop every entry (used on every error path)."""
+        """Drop every entry and reset the step's counters (used after every step and error)."""
         self.entries.clear()
-        self.nbytes = 0
+        self.nbytes = self.peak_bytes = self.transferred_bytes = 0

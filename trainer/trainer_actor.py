@@ -1,14 +1,17 @@
-"""The TrainerActor: preflight, GRPO + decoupled PPO/TIS update, weight push.
+"""The TrainerActor: preflight, RS gate / exact refill, GRPO + decoupled PPO/TIS update, weight push.
 
 One call of :meth:`TrainerActor.train` is one optimizer step on one rollout batch:
 
 1. take the batch from the RolloutManager (trajectories cross the wire once);
 2. ask the VersionClock to admit every sample (``0 <= t - v <= max_staleness``);
-3. preflight forward at the current weights -> proximal logprobs, kept in the (pinned when
-   possible) :class:`ProximalLogprobCache`;
-4. GRPO advantages, then the loss forward/backward per microbatch with the same replays, the
-   decoupled PPO clipped loss with TIS, averaged over all loss tokens of the step;
-5. clip, optimizer step, ``trainer_version += 1`` recorded by the clock.
+3. preflight forward at the weights the step starts from -> proximal logprobs in the
+   (pinned when possible) :class:`ProximalLogprobCache`;
+4. RS gate (:class:`trainer.rs_policy.RSGate`); with exact refill, whole prompt groups are
+   admitted or dropped and replacements are generated at exactly the preflight version until
+   ``rollout_batch_size`` groups are admitted or ``--rs-refill-max-rounds`` is spent, in which
+   case the step raises before the optimizer is touched (:mod:`trainer.refill`);
+5. GRPO advantages over the trained groups, loss forward/backward per microbatch with the same
+   replays and the same gate re-applied, clip, optimizer step, ``trainer_version += 1``.
 
 :meth:`push_weights` sends the full weight set to every engine over the transport and records
 each engine's new version with the clock. The loop that orders these calls lives in
@@ -19,20 +22,28 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from actors import Actor
-from rollout.model.checkpoint import load_pretrained, state_dict_arrays
+from rollout.model.checkpoint import load_pretrained, save_pretrained, state_dict_arrays
 from rollout.sample import Sample
 from trainer.advantages import grpo_advantages
-from trainer.batch import collate
+from trainer.batch import collate, per_sample_tensors
 from trainer.config import TrainerConfig
 from trainer.forward import response_logprobs
 from trainer.losses import policy_loss
 from trainer.proximal_cache import ProximalLogprobCache
+from trainer.refill import RefillCoordinator
+
+
+def flip_rate(used: torch.Tensor, own: torch.Tensor, valid: torch.Tensor) -> float:
+    """TEMPORARY until trainer/replay.py lands."""
+    replayed = (used >= 0).any(-1) & valid[..., None]
+    differ = (used.sort(-1).values != own.long().sort(-1).values).any(-1) & replayed
+    return float(differ.sum()) / max(int(replayed.sum()), 1)
 
 
 class TrainStepError(RuntimeError):
@@ -46,27 +57,33 @@ class TrainerActor(Actor):
         checkpoint_dir: Hugging Face checkpoint directory of the initial policy.
         config: :meth:`TrainerConfig.to_dict` output.
         n_samples_per_prompt: group size for GRPO.
+        rollout_batch_size: prompt groups per step (the exact-refill target).
         engines: engine actor names to push weights to.
         manager: RolloutManager actor name; clock: VersionClock actor name.
+        vocab_tokens: the tokenizer vocabulary written with checkpoints.
     """
 
     def __init__(self, checkpoint_dir: str, config: dict, n_samples_per_prompt: int,
-                 engines: list[str], manager: str = "rollout_manager",
-                 clock: str = "version_clock") -> None:
+                 engines: list[str], rollout_batch_size: int, vocab_tokens: list[str],
+                 manager: str = "rollout_manager", clock: str = "version_clock") -> None:
         self.config = TrainerConfig(**config)
         torch.set_num_threads(self.config.torch_threads)
         torch.manual_seed(self.config.seed)
         self.model, self.model_config = load_pretrained(checkpoint_dir, dtype=torch.float32)
         self.model.train()
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
-            params, lr=self.config.lr, betas=(self.config.adam_beta1, self.config.adam_beta2),
+            self.params, lr=self.config.lr, betas=(self.config.adam_beta1, self.config.adam_beta2),
             weight_decay=self.config.weight_decay)
         self.n = n_samples_per_prompt
+        self.rollout_batch_size = rollout_batch_size
+        self.vocab_tokens = list(vocab_tokens)
         self.engines, self.manager_name, self.clock_name = list(engines), manager, clock
         self.version = 0
-        self.cache = ProximalLogprobCache()
+        self.cache = ProximalLogprobCache(self.config.rs_refill_max_candidate_cache_bytes)
+        self.gate = self.config.rs_gate
 
+    # -- weights -----------------------------------------------------------------------------
     async def push_weights(self) -> dict:
         """Send the current weights (version = optimizer steps applied) to every engine.
 
@@ -84,12 +101,33 @@ class TrainerActor(Actor):
         return {"version": self.version, "bytes": int(sum(a.nbytes for a in arrays.values())),
                 "seconds": time.perf_counter() - start}
 
-    def _microbatches(self, samples: list[Sample]):
+    # -- one step ----------------------------------------------------------------------------
+    def _batches(self, samples: list[Sample]):
         cfg, mbs = self.config, self.config.micro_batch_size
         for i in range(0, len(samples), mbs):
             chunk = samples[i:i + mbs]
             yield chunk, collate(chunk, routing=cfg.use_routing_replay,
                                  indexer=cfg.use_indexer_replay, support=cfg.use_support_replay)
+
+    def preflight(self, samples: list[Sample]) -> dict:
+        """Proximal logprobs of ``samples`` at the current weights into the cache.
+
+        Returns flip metrics of the replays (fraction of replayed rows where the trainer's own
+        router / indexer would have chosen differently).
+        """
+        flips = {"routing": [], "indexer": []}
+        with torch.no_grad():
+            for chunk, batch in self._batches(samples):
+                logp, out = response_logprobs(self.model, batch, self.config.temperature,
+                                              capture=True)
+                for s, part in zip(chunk, torch.split(logp, [len(s.response_ids) for s in chunk])):
+                    self.cache.put(s.sample_id, part)
+                valid = batch.key_padding_mask
+                if batch.routed_experts is not None:
+                    flips["routing"].append(flip_rate(batch.routed_experts, out.own_routed_experts, valid))
+                if batch.indexer_topk is not None:
+                    flips["indexer"].append(flip_rate(batch.indexer_topk, out.own_indexer_topk, valid))
+        return {f"{k}_flip_rate": float(np.mean(v)) for k, v in flips.items() if v}
 
     async def train(self, rollout_id: int) -> dict:
         """One optimizer step on rollout ``rollout_id``; returns float metrics.
@@ -97,9 +135,11 @@ class TrainerActor(Actor):
         Raises:
             actors.RemoteError: the clock rejected a stale sample, or the manager has no batch.
             rollout.sample.SampleError: a malformed trajectory (named).
-            TrainStepError: no loss-bearing token in the batch (nothing is applied).
+            trainer.refill_planner.RefillExhausted: too few admitted groups (nothing applied).
+            TrainStepError: no loss-bearing token, a non-finite gradient, or a training forward
+                that does not reproduce the preflight gate (nothing applied).
         """
-        cfg, timeout = self.config, self.config.rpc_timeout_s
+        timeout = self.config.rpc_timeout_s
         start = time.perf_counter()
         raw = await self.ref(self.manager_name).call("take_batch", rollout_id, timeout=timeout)
         samples = [Sample.from_dict(d) for d in raw]
@@ -110,67 +150,110 @@ class TrainerActor(Actor):
             raise TrainStepError(f"clock says trainer version {trainer_version}, trainer holds "
                                  f"{self.version}")
         try:
-            metrics = self._step(samples)
+            t0 = time.perf_counter()
+            metrics = self.preflight(samples)
+            metrics["preflight_seconds"] = time.perf_counter() - t0
+            coordinator = RefillCoordinator(self, self.gate, self.config, self.rollout_batch_size, self.n)
+            admitted, token_accept, refill_metrics = await coordinator.admit(samples)
+            metrics.update(refill_metrics)
+            metrics.update(self._update(admitted, token_accept))
         finally:
             self.cache.clear()  # nothing survives a step, on success or error
         self.version += 1
         await self.ref(self.clock_name).call("set_trainer_version", self.version, timeout=timeout)
         metrics.update(rollout_id=rollout_id, trainer_version=self.version,
-                       staleness_mean=float(np.mean([trainer_version - s.policy_version for s in samples])),
-                       staleness_max=int(max(trainer_version - s.policy_version for s in samples)),
+                       staleness_mean=float(np.mean([trainer_version - s.policy_version for s in admitted])),
+                       staleness_max=int(max(trainer_version - s.policy_version for s in admitted)),
                        train_seconds=time.perf_counter() - start)
         return metrics
 
-    def _step(self, samples: list[Sample]) -> dict:
+    def _update(self, samples: list[Sample], token_accept: dict[int, torch.Tensor]) -> dict:
         cfg = self.config
+        self.cache.check_bijection([s.sample_id for s in samples])
         loss_tokens = float(sum(int(s.loss_mask.sum()) for s in samples))
-        if loss_tokens == 0:
-            raise TrainStepError("batch has no loss-bearing token; refusing an empty step")
-        # 1) preflight: proximal logprobs at the weights this step starts from
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            for chunk, batch in self._microbatches(samples):
-                logp, _ = response_logprobs(self.model, batch, cfg.temperature)
-                for s, part in zip(chunk, torch.split(logp, [len(s.response_ids) for s in chunk])):
-                    self.cache.put(s.sample_id, part)
-        preflight_seconds = time.perf_counter() - t0
-        cache_peak = self.cache.peak_bytes
-        # 2) advantages (GRPO: reward minus group mean), one per sample, broadcast to its tokens
+        accepted = float(sum(int((token_accept[s.sample_id] & (m > 0)).sum())
+                             for s, m in zip(samples, per_sample_tensors(samples, "loss_mask"))))
+        denominator = loss_tokens if cfg.rs_denominator == "loss_tokens" else accepted
+        if denominator == 0:
+            raise TrainStepError("no loss-bearing (accepted) token in the step; refusing an empty step")
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
         adv = grpo_advantages(rewards, self.n, normalize_std=cfg.normalize_advantage_std)
-        # 3) loss forward/backward, averaged over every loss token of the step
         self.optimizer.zero_grad(set_to_none=True)
-        sums = {"abs_logprob_diff": 0.0, "clipfrac": 0.0, "tis_weight_mean": 0.0}
+        sums = {"abs_logprob_diff": 0.0, "clipfrac": 0.0, "tis_weight_mean": 0.0, "max_prox_drift": 0.0}
         offset = 0
-        for chunk, batch in self._microbatches(samples):
+        for chunk, batch in self._batches(samples):
             logp, _ = response_logprobs(self.model, batch, cfg.temperature)
             prox = torch.cat(self.cache.take([s.sample_id for s in chunk]))
-            adv_tok = torch.repeat_interleave(adv[offset:offset + len(chunk)],
-                                              torch.tensor([len(s.response_ids) for s in chunk]))
+            accept = torch.cat([token_accept[s.sample_id] for s in chunk])
+            # The same gate, re-applied to this forward, must reproduce the preflight decision:
+            # the weights have not moved yet, so logp equals the proximal logprobs up to rounding.
+            drift = float((logp.detach() - prox).abs().max())
+            sums["max_prox_drift"] = max(sums["max_prox_drift"], drift)
+            recheck = self.gate.decide(
+                list(torch.split(logp.detach(), [len(s.response_ids) for s in chunk])),
+                per_sample_tensors(chunk, "rollout_logprobs"),
+                per_sample_tensors(chunk, "loss_mask"))[1]
+            if drift > 1e-3 or not torch.equal(torch.cat(recheck), accept):
+                raise TrainStepError(f"training forward does not reproduce the preflight (max "
+                                     f"|logp - logp_prox| = {drift:.2e}); refusing the step")
+            counts = torch.tensor([len(s.response_ids) for s in chunk])
+            adv_tok = torch.repeat_interleave(adv[offset:offset + len(chunk)], counts)
             offset += len(chunk)
             loss, m = policy_loss(logp, prox, batch.rollout_logprobs, adv_tok, batch.loss_mask,
                                   eps_low=cfg.eps_clip, eps_high=cfg.eps_clip_high,
-                                  tis_cap=cfg.tis_cap, denominator="loss_tokens")
-            weight = float(batch.loss_mask.sum()) / loss_tokens
-            (loss * weight).backward()
+                                  tis_cap=cfg.tis_cap, token_accept=accept,
+                                  denominator=cfg.rs_denominator)
+            # policy_loss averages over this microbatch's denominator; rescale to the step's
+            mb_den = float(m["loss_tokens"] if cfg.rs_denominator == "loss_tokens" else m["accepted_tokens"])
+            (loss * (mb_den / denominator)).backward()
             mask = batch.loss_mask > 0
             sums["abs_logprob_diff"] += float((prox - batch.rollout_logprobs)[mask].abs().sum())
-            sums["clipfrac"] += m.get("clip_fraction", 0.0) * float(mask.sum())
-            sums["tis_weight_mean"] += m.get("tis_weight_mean", 1.0) * float(mask.sum())
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(
-            [p for p in self.model.parameters() if p.requires_grad], cfg.clip_grad))
+            sums["clipfrac"] += m["clip_fraction"] * float(mask.sum())
+            sums["tis_weight_mean"] += m["tis_weight_mean"] * float(mask.sum())
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.clip_grad))
         if not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
             raise TrainStepError(f"non-finite gradient norm {grad_norm}; step skipped, weights untouched")
         self.optimizer.step()
-        return {"loss_tokens": loss_tokens, "grad_norm": grad_norm,
+        return {"trained_groups": len(samples) // self.n, "loss_tokens": loss_tokens,
+                "accepted_tokens": accepted, "grad_norm": grad_norm,
                 "train_rollout_logprob_abs_diff": sums["abs_logprob_diff"] / loss_tokens,
                 "clipfrac": sums["clipfrac"] / loss_tokens,
                 "tis_weight_mean": sums["tis_weight_mean"] / loss_tokens,
-                "preflight_seconds": preflight_seconds, "proximal_cache_peak_bytes": cache_peak,
+                "max_prox_drift": sums["max_prox_drift"],
+                "proximal_cache_peak_bytes": self.cache.peak_bytes,
+                "proximal_cache_transferred_bytes": self.cache.transferred_bytes,
                 "proximal_cache_pinned": self.cache.pinned}
+
+    # -- checkpoints -------------------------------------------------------------------------
+    async def save_checkpoint(self, directory: str) -> str:
+        """Write model (HF format), optimizer state, version and RNG state under ``directory``."""
+        out = Path(directory)
+        save_pretrained(self.model, out / "model", tokens=self.vocab_tokens)
+        torch.save({"optimizer": self.optimizer.state_dict(), "version": self.version,
+                    "torch_rng": torch.get_rng_state()}, out / "trainer_state.pt")
+        return str(out)
+
+    async def load_checkpoint(self, directory: str) -> int:
+        """Restore :meth:`save_checkpoint` output; returns the restored trainer version."""
+        src = Path(directory)
+        model, _ = load_pretrained(src / "model", dtype=torch.float32)
+        self.model.load_state_dict(model.state_dict())
+        state = torch.load(src / "trainer_state.pt", weights_only=True)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.version = int(state["version"])
+        torch.set_rng_state(state["torch_rng"])
+        return self.version
 
     async def state(self) -> dict:
         """Trainer version and parameter count (for the REPL and checks)."""
         return {"version": self.version,
                 "parameters": int(sum(p.numel() for p in self.model.parameters()))}
+
+    async def weights_digest(self) -> dict:
+        """Per-tensor raw bytes of weights and optimizer moments (bitwise comparisons in tests)."""
+        arrays = {f"param/{k}": v for k, v in state_dict_arrays(self.model).items()}
+        for i, st in self.optimizer.state_dict()["state"].items():
+            for key in ("exp_avg", "exp_avg_sq"):
+                arrays[f"opt/{i}/{key}"] = st[key].numpy()
+        return {k: np.ascontiguousarray(v).tobytes() for k, v in arrays.items()}

@@ -1,0 +1,123 @@
+"""The exact-refill coordinator of one optimizer step (DESIGN.md, "Exact refill").
+
+Given a batch whose proximal logprobs are already cached, it applies the RS gate and decides
+what the step trains on:
+
+- RS off: everything;
+- RS on, refill off: every sample, with rejected tokens masked out of the loss (the loss
+  denominator policy is :mod:`trainer.rs_policy`'s);
+- RS on, refill on: whole prompt groups (group-atomic admission). Rejected groups are dropped
+  and ``ceil(deficit / q) * q`` replacement groups are requested from the RolloutManager, which
+  generates them from the current policy; each replacement's version must equal the preflight
+  version exactly (checked by the VersionClock). After ``--rs-refill-max-rounds`` rounds still
+  short, :class:`trainer.refill_planner.RefillExhausted` is raised, before any optimizer work.
+
+Only admitted cache entries move on; rejected and surplus entries are discarded at once.
+Every cross-actor call here has ``--rs-refill-rpc-timeout-seconds``.
+"""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from rollout.sample import Sample
+from trainer.batch import per_sample_tensors
+from trainer.config import TrainerConfig
+from trainer.refill_planner import plan_refill_rounds, refill_quantum
+from trainer.rs_gates import group_admission
+from trainer.rs_policy import RSGate
+
+if TYPE_CHECKING:
+    from trainer.trainer_actor import TrainerActor
+
+
+class RefillCoordinator:
+    """Admission and refill rounds of one step, driving a :class:`RefillPlan`.
+
+    Args:
+        trainer: the TrainerActor (its cache, preflight, refs and version are used).
+        gate: the run's RS gate; config: trainer settings; target_groups: groups per step;
+        n: samples per prompt group.
+    """
+
+    def __init__(self, trainer: "TrainerActor", gate: RSGate, config: TrainerConfig,
+                 target_groups: int, n: int) -> None:
+        self.trainer, self.gate, self.config = trainer, gate, config
+        self.target_groups, self.n = target_groups, n
+
+    def _decide(self, samples: list[Sample]) -> tuple[list[bool], dict[int, torch.Tensor]]:
+        cache = self.trainer.cache
+        accept, tokens = self.gate.decide(
+            [cache.peek(s.sample_id) for s in samples],
+            per_sample_tensors(samples, "rollout_logprobs"),
+            per_sample_tensors(samples, "loss_mask"))
+        return accept, {s.sample_id: t for s, t in zip(samples, tokens)}
+
+    async def admit(self, samples: list[Sample]) -> tuple[list[Sample], dict[int, torch.Tensor], dict]:
+        """Return ``(samples to train on, per-sample token accept masks, metrics)``.
+
+        Raises:
+            RefillExhausted: still short of ``target_groups`` after the allowed rounds.
+            actors.RemoteError / ActorTimeout: a refill call failed or timed out.
+        """
+        start = time.perf_counter()
+        accept, token_accept = self._decide(samples)
+        loss_tokens = sum(int(s.loss_mask.sum()) for s in samples)
+        accepted_tokens = sum(int((token_accept[s.sample_id] & (m > 0)).sum())
+                              for s, m in zip(samples, per_sample_tensors(samples, "loss_mask")))
+        metrics = {"generated_samples": len(samples),
+                   "rs_sample_accept_rate": sum(accept) / len(accept),
+                   "rs_token_accept_rate": accepted_tokens / max(loss_tokens, 1)}
+        if not (self.gate.active and self.config.rs_batch_refill):
+            metrics["coordinator_seconds"] = time.perf_counter() - start
+            return samples, token_accept, metrics
+
+        cfg, trainer = self.config, self.trainer
+        by_group: dict[int, list[Sample]] = {}
+        for s in samples:
+            by_group.setdefault(s.group_id, []).append(s)
+        admission = group_admission(accept, [s.group_id for s in samples], n_samples_per_prompt=self.n)
+        quantum = refill_quantum(cfg.dp_size, self.n, cfg.vpp_size, cfg.microbatch_group_size)
+        rounds = [{"round": 0, "candidate_groups": len(admission),
+                   "rejected_groups": sum(not ok for ok in admission.values())}]
+        plan = plan_refill_rounds(admission, target_groups=self.target_groups, quantum=quantum,
+                                  max_rounds=cfg.rs_refill_max_rounds)
+        replacement_seconds = replacement_preflight = 0.0
+        manager, clock = trainer.ref(trainer.manager_name), trainer.ref(trainer.clock_name)
+        while not plan.done:
+            t0 = time.perf_counter()
+            raw = await manager.call("generate_replacements", plan.request.n_groups,
+                                     timeout=cfg.rs_refill_rpc_timeout_s)
+            replacement_seconds += time.perf_counter() - t0
+            repl = [Sample.from_dict(d) for d in raw]
+            metrics["generated_samples"] += len(repl)
+            await clock.call("check_replacements", trainer.version, [s.sample_id for s in repl],
+                             [s.policy_version for s in repl], timeout=cfg.rs_refill_rpc_timeout_s)
+            t0 = time.perf_counter()
+            trainer.preflight(repl)
+            replacement_preflight += time.perf_counter() - t0
+            r_accept, r_tokens = self._decide(repl)
+            token_accept.update(r_tokens)
+            for s in repl:
+                by_group.setdefault(s.group_id, []).append(s)
+            r_admission = group_admission(r_accept, [s.group_id for s in repl], n_samples_per_prompt=self.n)
+            before = len(plan.surplus)
+            try:
+                plan = plan.record(r_admission)
+            finally:
+                rounds.append({"round": len(rounds), "candidate_groups": len(r_admission),
+                               "rejected_groups": sum(not ok for ok in r_admission.values())})
+            rounds[-1]["surplus_groups"] = len(plan.surplus) - before
+        admitted = [s for g in plan.admitted for s in by_group[g]]
+        keep = {s.sample_id for s in admitted}
+        trainer.cache.discard([s.sample_id for group in by_group.values() for s in group
+                               if s.sample_id not in keep])
+        metrics.update(refill_rounds=plan.rounds, refill_round_detail=rounds,
+                       admitted_groups=len(plan.admitted), rejected_groups=len(plan.rejected),
+                       surplus_groups=len(plan.surplus),
+                       replacement_generate_seconds=replacement_seconds,
+                       replacement_preflight_seconds=replacement_preflight,
+                       coordinator_seconds=time.perf_counter() - start)
+        return admitted, token_accept, metrics

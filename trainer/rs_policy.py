@@ -1,0 +1,73 @@
+"""The RS gate of a run, applied identically by the preflight and the training forward.
+
+One frozen :class:`RSGate` turns per-sample proximal / behaviour logprobs into per-sample and
+per-token accept decisions using the formulas in :mod:`trainer.rs_gates` (DESIGN.md, "Trainer
+math"). Modes:
+
+- ``none``: everything is accepted (plain decoupled PPO + TIS);
+- ``token``: token ``t`` is accepted iff ``exp(d_t)`` is in ``[lower, upper]``; a *sample*
+  passes (for group-atomic admission) only if every loss token passes;
+- ``sequence`` / ``geometric``: the sample's ``exp(sum m d)`` / ``exp(mean m d)`` in bounds
+  decides the sample, and all its tokens with it.
+
+Loss denominator under RS (documented choice, tested in tests/test_refill.py): with refill off,
+rejected tokens contribute 0 and the denominator is ``--rs-denominator``: ``loss_tokens`` (all
+loss tokens of the step, so rejection shrinks the update like a smaller learning rate, as in
+slime's masked RS) or ``accepted_tokens`` (only accepted ones). With exact refill on, every
+trained sample is admitted whole, so both denominators are the same number.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from trainer.rs_gates import (compute_log_ratio, geometric_gate, sequence_gate, token_gate)
+
+MODES = ("none", "token", "sequence", "geometric")
+
+
+class RSConfigError(ValueError):
+    """Unsupported RS settings; the message names the flags."""
+
+
+@dataclass(frozen=True)
+class RSGate:
+    """``mode`` in :data:`MODES` with ratio bounds ``0 < lower <= upper``."""
+
+    mode: str = "none"
+    lower: float = 0.0
+    upper: float = float("inf")
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise RSConfigError(f"--rs-mode must be one of {MODES}, got {self.mode!r}")
+        if self.mode != "none" and not (0 < self.lower <= self.upper):
+            raise RSConfigError(f"--rs-lower / --rs-upper must satisfy 0 < lower <= upper, got "
+                                f"{self.lower} / {self.upper}")
+
+    @property
+    def active(self) -> bool:
+        """False for mode ``none``."""
+        return self.mode != "none"
+
+    def decide(self, logp_prox: Sequence[torch.Tensor], logp_rollout: Sequence[torch.Tensor],
+               loss_mask: Sequence[torch.Tensor]) -> tuple[list[bool], list[torch.Tensor]]:
+        """Gate a list of samples (float32 [R_i] each).
+
+        Returns:
+            ``(sample_accept, token_accept)``: one bool per sample, and one bool tensor [R_i]
+            per sample (True = the token may contribute to the loss).
+        Raises:
+            trainer.rs_gates.RSError: non-finite ratio at a loss token (naming it).
+        """
+        if not self.active:
+            return [True] * len(logp_prox), [torch.ones(len(m), dtype=torch.bool) for m in loss_mask]
+        ratios = [compute_log_ratio(p, r, m) for p, r, m in zip(logp_prox, logp_rollout, loss_mask)]
+        if self.mode == "token":
+            tokens = [token_gate(d, m, self.lower, self.upper) for d, m in zip(ratios, loss_mask)]
+            return [bool(t.all()) for t in tokens], tokens
+        gate = sequence_gate if self.mode == "sequence" else geometric_gate
+        accept = gate(ratios, list(loss_mask), self.lower, self.upper).tolist()
+        return accept, [torch.full((len(m),), ok, dtype=torch.bool) for ok, m in zip(accept, loss_mask)]

@@ -1,0 +1,410 @@
+"""Trajectory transformations that keep every per-token array aligned.
+
+Pure functions: a :class:`rollout.sample.Sample` is frozen, so each returns a new one (or a new
+:class:`MergedTrajectory`) and never touches its input. Row spaces (DESIGN.md, "Sample
+contract"): ``response_ids``, ``loss_mask``, ``rollout_logprobs`` and ``sample_support`` have
+``R`` rows; ``routed_experts`` and ``indexer_topk`` have ``P + R - 1`` rows, one per forwarded
+position (the last token is never forwarded).
+
+* :func:`truncate` -- keep the first ``n`` response tokens and the rows that belong to them.
+* :func:`append_synthetic_eos` -- end a length-truncated response with an EOS the engine never
+  sampled (at most one per trajectory).
+* :func:`merge_turns` -- one multi-turn trajectory from engine turns and environment
+  observations, through :class:`rollout.trace.TokenMetadataTrace`.
+
+Conventions for rows nobody captured: support rows of observation tokens are all ``-1``
+(column 0 included: a padding row to the trainer, ``trainer/logprobs.py``); routing / indexer
+rows nobody computed are all ``-1``, which the model reads as "no replay, use your own choice"
+(``rollout/model/qwen3_moe.py``). Nothing is ever filled with zeros: expert 0 / key 0 would
+be replayed as if the engine had chosen them.
+
+Every error is a :class:`TrajectoryError` (a ``SampleError``) naming the sample and the field.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Collection, Literal, Mapping, Sequence
+
+import numpy as np
+
+from rollout.capture import check_route_offset, check_sampled_logprob
+from rollout.sample import TRACE_FIELDS, Sample, SampleError
+from rollout.trace import TokenMetadataTrace
+
+__all__ = [
+    "TrajectoryError",
+    "TraceGapError",
+    "MissingTraceError",
+    "OBSERVATION_LOGPROB",
+    "SYNTHETIC_EOS_LOGPROB",
+    "MergedTrajectory",
+    "truncate",
+    "append_synthetic_eos",
+    "merge_turns",
+]
+
+POSITION_FIELDS = ("routed_experts", "indexer_topk")
+# Finite placeholders in rollout_logprobs for rows the engine never sampled. Observation rows
+# have loss_mask 0 so no gate or loss reads them; 0.0 rather than NaN keeps masked arithmetic
+# (NaN * 0 = NaN) safe in any consumer. The synthetic EOS row is loss-bearing: the trainer
+# recognises it by `synthetic_eos` and its all -1 support row and uses the full-vocabulary
+# fallback; the placeholder only has to be finite to satisfy the Sample contract.
+OBSERVATION_LOGPROB = 0.0
+SYNTHETIC_EOS_LOGPROB = 0.0
+
+
+class TrajectoryError(SampleError):
+    """A trajectory transformation got inconsistent input (names the sample and the field)."""
+
+
+class TraceGapError(TrajectoryError):
+    """A turn lacks a trace that earlier turns of the same trajectory carry."""
+
+
+class MissingTraceError(TrajectoryError):
+    """A trace that is enabled (required) was not captured for this trajectory at all."""
+
+
+def _copy_rows(arr: np.ndarray | None, n: int) -> np.ndarray | None:
+    return None if arr is None else np.array(arr[:n])
+
+
+def truncate(sample: Sample, max_response_len: int) -> Sample:
+    """Keep the first ``max_response_len`` response tokens and every row that belongs to them.
+
+    ``response_ids``, ``loss_mask``, ``rollout_logprobs`` and ``sample_support`` keep
+    ``n = min(R, max_response_len)`` rows; ``routed_experts`` and ``indexer_topk`` keep
+    ``P + n - 1`` (case ``truncate_keeps_traces_aligned``: P=6, R=12, n=7 -> 7 and 12 rows).
+
+    Returns:
+        ``sample`` itself when ``R <= max_response_len`` (nothing to cut; samples are
+        immutable). Otherwise a new Sample with status ``"truncated"`` (``"aborted"`` stays
+        aborted) and ``synthetic_eos`` False (a synthetic EOS is always the last token, so
+        cutting anything removes it). ``reward`` is copied unchanged: a caller that truncates
+        after scoring must re-score.
+
+    Raises:
+        TrajectoryError (field ``max_response_len``): not an int >= 0.
+        SampleError: the result violates the contract (cannot happen for a valid input).
+    """
+    if isinstance(max_response_len, bool) or not isinstance(max_response_len, (int, np.integer)) \
+            or max_response_len < 0:
+        raise TrajectoryError(sample.sample_id, "max_response_len",
+                              f"must be an int >= 0, got {max_response_len!r}")
+    n = int(max_response_len)
+    R = len(sample.response_ids)
+    if R <= n:
+        return sample
+    per_position = len(sample.prompt_ids) + n - 1
+    return dataclasses.replace(
+        sample,
+        response_ids=np.array(sample.response_ids[:n]),
+        loss_mask=np.array(sample.loss_mask[:n]),
+        rollout_logprobs=np.array(sample.rollout_logprobs[:n]),
+        sample_support=_copy_rows(sample.sample_support, n),
+        routed_experts=_copy_rows(sample.routed_experts, per_position),
+        indexer_topk=_copy_rows(sample.indexer_topk, per_position),
+        status="aborted" if sample.status == "aborted" else "truncated",
+        synthetic_eos=False,
+    )
+
+
+def _with_row(arr: np.ndarray | None, row: Sequence[int] | int) -> np.ndarray | None:
+    if arr is None:
+        return None
+    extra = np.full((1, *arr.shape[1:]), -1, dtype=np.int32)
+    if not isinstance(row, int):
+        extra[0] = row
+    return np.concatenate([arr, extra], axis=0)
+
+
+def append_synthetic_eos(sample: Sample, eos_id: int) -> Sample:
+    """Append one EOS token the engine did not sample (DESIGN.md, "synthetic EOS").
+
+    Used when a response hit its length cap: training on the EOS teaches the policy to stop.
+    New last row of every row space:
+
+    * ``response_ids`` += ``eos_id``; ``loss_mask`` += 1; ``rollout_logprobs`` +=
+      :data:`SYNTHETIC_EOS_LOGPROB` (finite placeholder; ``synthetic_eos=True`` makes the
+      trainer use the full-vocabulary logprob for this row);
+    * ``sample_support`` += ``[eos_id, -1, ..., -1]`` (sampled id, no captured candidates);
+    * ``routed_experts`` / ``indexer_topk`` += one all ``-1`` row: it is the row of the
+      *previous* last token (position ``P + R - 1``), which the engine sampled but never
+      forwarded, so there is no choice to replay and the trainer uses its own.
+
+    Case ``truncated_then_synthetic_eos``: ``[5, 6, 7, 8]`` + EOS 2 with top_k 3 gives 5
+    support rows, the last ``[2, -1, -1, -1]``.
+
+    Raises:
+        TrajectoryError: ``synthetic_eos`` already set (field ``synthetic_eos``: at most one per
+            trajectory); ``eos_id`` not an int >= 0 (field ``eos_id``); the response already
+            ends with a sampled ``eos_id`` (field ``response_ids``).
+        SampleError: another loss-bearing row without support exists (Sample's own check:
+            case ``two_unsupported_rows``).
+    """
+    sid = sample.sample_id
+    if sample.synthetic_eos:
+        raise TrajectoryError(sid, "synthetic_eos",
+                              "already ends with a synthetic EOS: at most one per trajectory")
+    if isinstance(eos_id, bool) or not isinstance(eos_id, (int, np.integer)) or eos_id < 0:
+        raise TrajectoryError(sid, "eos_id", f"must be an int >= 0, got {eos_id!r}")
+    eos = int(eos_id)
+    if len(sample.response_ids) and int(sample.response_ids[-1]) == eos:
+        raise TrajectoryError(sid, "response_ids", f"already ends with a sampled EOS {eos}")
+    support_row: Sequence[int] | int = -1
+    if sample.sample_support is not None:
+        support_row = [eos] + [-1] * (sample.sample_support.shape[1] - 1)
+    return dataclasses.replace(
+        sample,
+        response_ids=np.append(sample.response_ids, np.int32(eos)),
+        loss_mask=np.append(sample.loss_mask, np.uint8(1)),
+        rollout_logprobs=np.append(sample.rollout_logprobs, np.float32(SYNTHETIC_EOS_LOGPROB)),
+        sample_support=_with_row(sample.sample_support, support_row),
+        routed_experts=_with_row(sample.routed_experts, -1),
+        indexer_topk=_with_row(sample.indexer_topk, -1),
+        synthetic_eos=True,
+    )
+
+
+@dataclass(frozen=True, eq=False)  # eq on arrays would be ambiguous
+class MergedTrajectory:
+    """The response side of one multi-turn trajectory (output of :func:`merge_turns`).
+
+    With ``P`` prompt tokens and ``R`` = generated plus observation tokens (read-only arrays):
+
+    Fields:
+        response_ids: int32 ``[R]``: turn 0, observation 0, turn 1, ..., last turn.
+        loss_mask: uint8 ``[R]``: 1 on generated tokens, 0 on observation tokens.
+        rollout_logprobs: float32 ``[R]``: the engine's logprobs; :data:`OBSERVATION_LOGPROB`
+            on observation tokens.
+        sample_support: int32 ``[R, 1+W]`` or None; observation rows all ``-1``.
+        routed_experts: int32 ``[P+R-1, L, K]`` or None; row ``t`` from the turn whose engine
+            forward first computed position ``t`` (see :func:`merge_turns`).
+        indexer_topk: int32 ``[P+R-1, L_idx, K_idx]`` or None; same rows as routed_experts.
+        finish_reason: the last kept turn's finish reason (e.g. ``"stop"`` / ``"length"``).
+        num_turns: turns kept.
+        dropped_turns: turns dropped at a trace gap (only with ``on_trace_gap="keep_prefix"``);
+            a caller should then mark the sample ``"truncated"``.
+    """
+
+    response_ids: np.ndarray
+    loss_mask: np.ndarray
+    rollout_logprobs: np.ndarray
+    sample_support: np.ndarray | None
+    routed_experts: np.ndarray | None
+    indexer_topk: np.ndarray | None
+    finish_reason: str
+    num_turns: int
+    dropped_turns: int = 0
+
+    def sample_fields(self) -> dict[str, np.ndarray | None]:
+        """The six per-token fields as keyword arguments of :class:`rollout.sample.Sample`."""
+        return {name: getattr(self, name) for name in
+                ("response_ids", "loss_mask", "rollout_logprobs", *TRACE_FIELDS)}
+
+
+def _get(record: Any, name: str, default: Any = None) -> Any:
+    if isinstance(record, Mapping):
+        return record.get(name, default)
+    return getattr(record, name, default)
+
+
+def _ids(sid: Any, field: str, value: Any) -> np.ndarray:
+    arr = np.asarray(value)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise TrajectoryError(sid, field, f"expected 1-d integer token ids, got {arr.dtype} {arr.shape}")
+    if arr.size and int(arr.min()) < 0:
+        raise TrajectoryError(sid, field, f"negative token id {int(arr.min())}")
+    return arr.astype(np.int32)
+
+
+def _present(turn: Any) -> set[str]:
+    return {name for name in TRACE_FIELDS if _get(turn, name) is not None}
+
+
+def merge_turns(
+    prompt_ids: Sequence[int],
+    turns: Sequence[Any],
+    observations: Sequence[Sequence[int]],
+    *,
+    sample_id: Any,
+    require: Collection[str] = (),
+    on_trace_gap: Literal["raise", "keep_prefix"] = "raise",
+) -> MergedTrajectory:
+    """Assemble one multi-turn trajectory: turn 0, observation 0, turn 1, ..., turn n-1.
+
+    Args:
+        prompt_ids: the ``P`` tokens of the original prompt.
+        turns: ``n >= 1`` engine turn records, objects or mappings with the fields of
+            :class:`rollout.engine.Generation`: ``response_ids`` int ``[R_k >= 1]``,
+            ``rollout_logprobs`` float ``[R_k]`` (finite), ``finish_reason`` str, optional
+            ``sample_support`` ``[R_k, 1+W]``, optional ``routed_experts`` / ``indexer_topk``
+            with one row per position the engine forwarded, and optional ``route_start``
+            (default 0): the context position of the first per-position row (an external
+            engine asked for rows from an offset, :func:`rollout.capture.check_route_offset`).
+            Turn ``k`` was generated from the context ``C_k`` = prompt + everything before it,
+            so it carries ``len(C_k) + R_k - 1 - route_start`` per-position rows.
+        observations: ``n - 1`` token sequences, observation ``k`` following turn ``k``.
+        sample_id: named in every error.
+        require: trace fields that are enabled and must be present (e.g. ``routed_experts``
+            with R3 on). Case ``missing_trace_when_enabled``: a trajectory without one is an
+            error here, at conversion time, never a sample silently trained without replay.
+        on_trace_gap: what to do when turn ``k > 0`` lacks a trace turn 0 carries (case
+            ``merge_stops_at_trace_gap``): ``"raise"`` (default) raises
+            :class:`TraceGapError`; ``"keep_prefix"`` keeps turns ``0..k-1`` with their traces
+            (observation ``k-1`` is dropped with turn ``k``) and reports ``dropped_turns``.
+            Neither ever fills the gap with zeros or with ``-1`` (which would silently train
+            those rows without replay).
+
+    Row assembly (each through a :class:`rollout.trace.TokenMetadataTrace`):
+
+    * response rows: turn ``k``'s ``R_k`` rows, then ``O_k`` observation rows (loss_mask 0,
+      logprob :data:`OBSERVATION_LOGPROB`, support all ``-1``);
+    * position rows: the engine re-forwards the whole context every turn, so turn ``k``
+      computes rows for positions ``0 .. len(C_k) + R_k - 2``. Positions before
+      ``offset_k`` = rows already taken from earlier turns are skipped; with
+      ``offset_0 = 0`` and ``offset_k = len(C_k) - O_{k-1} - 1``, turn ``k`` contributes
+      the last token of turn ``k-1`` (sampled but never forwarded by turn ``k-1``), the
+      observation ``k-1`` tokens and its own forwarded tokens. So each position's row is the
+      one the engine computed when it first forwarded that position: observation positions
+      get the rows of the turn that consumed them, i.e. the routing that produced the
+      key/values every later token attended to -- what the trainer's single full forward
+      must replay. (An engine with a prefix cache reuses exactly those first-forward
+      key/values; the embedded engine recomputes them, equal up to rounding.) Total
+      ``P + R - 1`` rows.
+
+    Returns:
+        :class:`MergedTrajectory`.
+
+    Raises:
+        TrajectoryError: no turn; ``len(observations) != len(turns) - 1``; an empty turn; a
+            row count or length mismatch (names the field and the turn); a turn with a trace
+            turn 0 lacks; a ``route_start`` past the rows still needed.
+        MissingTraceError: a field of ``require`` missing from turn 0.
+        TraceGapError: a later turn lacks a trace, with ``on_trace_gap="raise"``.
+        rollout.capture.CaptureError: a non-finite sampled logprob, an invalid route offset.
+        rollout.trace.TraceError: inconsistent trace shapes between turns (names the field).
+    """
+    sid = sample_id
+    if on_trace_gap not in ("raise", "keep_prefix"):
+        raise TrajectoryError(sid, "on_trace_gap", f"must be 'raise' or 'keep_prefix', got {on_trace_gap!r}")
+    unknown = set(require) - set(TRACE_FIELDS)
+    if unknown:
+        raise TrajectoryError(sid, sorted(unknown)[0], f"unknown trace; known: {TRACE_FIELDS}")
+    prompt = _ids(sid, "prompt_ids", prompt_ids)
+    if len(prompt) == 0:
+        raise TrajectoryError(sid, "prompt_ids", "empty prompt")
+    if len(turns) == 0:
+        raise TrajectoryError(sid, "turns", "no turn to merge")
+    if len(observations) != len(turns) - 1:
+        raise TrajectoryError(sid, "observations", f"{len(observations)} observations for "
+                                                   f"{len(turns)} turns; expected {len(turns) - 1}")
+
+    schema = _present(turns[0])
+    missing = [name for name in TRACE_FIELDS if name in require and name not in schema]
+    if missing:
+        raise MissingTraceError(sid, missing[0], "enabled but not captured; refusing to train "
+                                                 "this trajectory without replay")
+    kept = len(turns)
+    for k in range(1, len(turns)):
+        have = _present(turns[k])
+        extra = sorted(have - schema)
+        if extra:
+            raise TrajectoryError(sid, extra[0], f"turn {k} carries it but turn 0 does not")
+        gap = [name for name in TRACE_FIELDS if name in schema and name not in have]
+        if gap:
+            if on_trace_gap == "raise":
+                raise TraceGapError(sid, gap[0], f"turn {k} of {len(turns)} lacks it while turn 0 "
+                                                 "carries it (trace gap)")
+            kept = k
+            break
+
+    response_rows = TokenMetadataTrace(sid)
+    position_rows = TokenMetadataTrace(sid)
+    response_ids: list[np.ndarray] = []
+    loss_mask: list[np.ndarray] = []
+    logprobs: list[np.ndarray] = []
+    context_len = len(prompt)
+    for k in range(kept):
+        turn = turns[k]
+        ids = _ids(sid, "response_ids", _get(turn, "response_ids"))
+        R_k = len(ids)
+        if R_k == 0:
+            raise TrajectoryError(sid, "response_ids", f"turn {k} generated no token")
+        lp = np.asarray(_get(turn, "rollout_logprobs"), dtype=np.float64)
+        if lp.shape != (R_k,):
+            raise TrajectoryError(sid, "rollout_logprobs",
+                                  f"turn {k}: shape {lp.shape} != response length ({R_k},)")
+        base = sum(len(r) for r in response_ids)
+        for j in np.flatnonzero(~np.isfinite(lp))[:1]:
+            check_sampled_logprob(lp[j], sid, base + int(j))  # raises, naming the position
+        support = _get(turn, "sample_support")
+        if support is not None:
+            support = np.asarray(support)
+            if support.ndim != 2 or support.shape[0] != R_k:
+                raise TrajectoryError(sid, "sample_support",
+                                      f"turn {k}: shape {support.shape}, expected ({R_k}, 1+W)")
+            if (support[:, 0] != ids).any():
+                raise TrajectoryError(sid, "sample_support",
+                                      f"turn {k}: column 0 differs from the sampled response_ids")
+        response_rows.append({} if support is None else {"sample_support": support}, rows=R_k)
+        response_ids.append(ids)
+        loss_mask.append(np.ones(R_k, np.uint8))
+        logprobs.append(lp.astype(np.float32))
+
+        offset = position_rows.rows  # rows already taken = first position this turn must supply
+        check_route_offset(offset, context_len, sample_id=sid)
+        route_start = _get(turn, "route_start", 0)
+        route_start = check_route_offset(route_start, context_len, sample_id=sid)
+        if route_start > offset:
+            raise TrajectoryError(sid, "route_start",
+                                  f"turn {k}: rows start at position {route_start} but position "
+                                  f"{offset} is not covered by earlier turns")
+        forwarded = context_len + R_k - 1  # positions this turn's engine forward covered
+        chunk = {}
+        for name in POSITION_FIELDS:
+            arr = _get(turn, name)
+            if arr is None:
+                continue
+            arr = np.asarray(arr)
+            if arr.ndim < 1 or arr.shape[0] != forwarded - route_start:
+                raise TrajectoryError(
+                    sid, name, f"turn {k}: {arr.shape[0] if arr.ndim else 0} rows, expected "
+                               f"{forwarded - route_start} (context {context_len} + R_k {R_k} - 1 "
+                               f"- route_start {route_start})")
+            chunk[name] = arr[offset - route_start:]
+        position_rows.append(chunk, rows=forwarded - offset)
+        context_len += R_k
+
+        if k + 1 < kept:
+            obs = _ids(sid, "observations", observations[k])
+            response_rows.append_padding(len(obs))
+            response_ids.append(obs)
+            loss_mask.append(np.zeros(len(obs), np.uint8))
+            logprobs.append(np.full(len(obs), OBSERVATION_LOGPROB, np.float32))
+            context_len += len(obs)
+
+    finish_reason = _get(turns[kept - 1], "finish_reason")
+    if not isinstance(finish_reason, str):
+        raise TrajectoryError(sid, "finish_reason", f"turn {kept - 1}: expected a string, got "
+                                                    f"{finish_reason!r}")
+    R = context_len - len(prompt)
+    response = response_rows.finalize(R)
+    position = position_rows.finalize(len(prompt) + R - 1)
+
+    def frozen(arr: np.ndarray) -> np.ndarray:
+        arr.flags.writeable = False
+        return arr
+
+    return MergedTrajectory(
+        response_ids=frozen(np.concatenate(response_ids)),
+        loss_mask=frozen(np.concatenate(loss_mask)),
+        rollout_logprobs=frozen(np.concatenate(logprobs)),
+        sample_support=response.get("sample_support"),
+        routed_experts=position.get("routed_experts"),
+        indexer_topk=position.get("indexer_topk"),
+        finish_reason=finish_reason,
+        num_turns=kept,
+        dropped_turns=len(turns) - kept,
+    )

@@ -1,0 +1,207 @@
+"""Multi-turn tool use (rollout/tool_env.py, rollout/multi_turn.py) on the embedded default.
+
+The independent end-to-end check: for every generated multi-turn trajectory, ONE fp32 forward
+of prompt + response (the trainer's view, observations included) replaying the returned
+routed_experts / indexer_topk must reproduce, at every loss-bearing row, the engine's logprob
+through the support replay ``z_y - logsumexp_{v in S} z_v`` (written out in float64 numpy).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from rollout.engine import EmbeddedEngine
+from rollout.model.checkpoint import state_dict_arrays
+from rollout.model.config import default_config
+from rollout.model.qwen3_moe import Qwen3MoeForCausalLM
+from rollout.multi_turn import MultiTurnError, generate_multi_turn
+from rollout.sample import Sample
+from rollout.sampler import SamplingParams
+from rollout.task import VOCABULARY, DigitTask
+from rollout.tool_env import DigitToolEnv, ToolEnvError
+
+CASES = {c["name"]: c for c in json.loads((Path(__file__).parent / "cases" / "trace_alignment.json").read_text())}
+TASK = DigitTask()
+ID = {t: i for i, t in enumerate(VOCABULARY)}
+PARAMS = SamplingParams(temperature=0.9, top_k=20, top_p=0.95)
+MAX_TURNS, MAX_NEW = 3, 3
+
+
+def tokens(text: str) -> list[int]:
+    return [ID[t] for t in text.split()]
+
+
+# ------------------------------------------------------------------------------ tool env
+
+
+def test_tool_env_answers_operator_calls_by_hand():
+    env = DigitToolEnv()
+    prompt = tokens("<bos> max 3 1 4 2 =")
+    assert env.observe(prompt, tokens("min a <eos>")).tolist() == tokens("= 1")
+    assert env.observe(prompt, tokens("max")).tolist() == tokens("= 4")
+    assert env.observe(prompt, tokens("first 7")).tolist() == tokens("= 3")
+    assert env.observe(prompt, tokens("last")).tolist() == tokens("= 2")
+    assert env.observe(prompt, tokens("4 <eos>")) is None
+    assert env.observe(prompt, tokens("a max")) is None  # only a leading operator calls the tool
+    with pytest.raises(ToolEnvError):
+        env.observe(tokens("<bos> max 3 x ="), tokens("max"))
+
+
+def test_tool_env_rewards_the_final_segment():
+    env = DigitToolEnv()
+    answer = ID["4"]
+    # "max = 4 4 <eos>": tool call, observation, exact final answer -> 1.0
+    assert env.reward(tokens("max = 4 4 <eos>"), [1, 0, 0, 1, 1], answer) == 1.0
+    # final answer 3 without <eos>: 0.5 ** 1 * 0.5
+    assert env.reward(tokens("max = 4 3 a"), [1, 0, 0, 1, 1], answer) == 0.25
+    # the trajectory ended on a tool call: no answer
+    assert env.reward(tokens("min = 1 max"), [1, 0, 0, 1], answer) == 0.0
+    assert env.reward(tokens("4 <eos>"), [1, 1], answer) == 1.0
+
+
+# ------------------------------------------------------------------------------ end to end
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cfg = default_config(len(VOCABULARY))
+    model = Qwen3MoeForCausalLM(cfg)
+    model.init_weights(3)
+    model.eval()
+    engine = EmbeddedEngine(cfg, dtype=torch.float32)
+    engine.load_weights(state_dict_arrays(model))
+    rng = np.random.default_rng(0)
+    prompts = [TASK.make_prompt(rng)[0] for _ in range(16)]
+    outs = generate_multi_turn(engine, prompts, PARAMS, max_turns=MAX_TURNS, max_new_tokens=MAX_NEW,
+                               eos_token_id=TASK.eos_id, seed=1)
+    return cfg, model, engine, prompts, outs
+
+
+def observation_runs(loss_mask):
+    """(start, end) of every maximal run of loss_mask 0."""
+    runs, start = [], None
+    for j, m in enumerate(list(loss_mask) + [1]):
+        if m == 0 and start is None:
+            start = j
+        elif m == 1 and start is not None:
+            runs.append((start, j))
+            start = None
+    return runs
+
+
+def test_multi_turn_shapes_and_observations(setup):
+    cfg, _, _, prompts, outs = setup
+    assert len(outs) == len(prompts)
+    assert sum(o["num_turns"] > 1 for o in outs) >= 2  # the seed gives real multi-turn samples
+    for prompt, o in zip(prompts, outs):
+        P, R = len(prompt), len(o["response_ids"])
+        assert o["loss_mask"].shape == o["rollout_logprobs"].shape == (R,)
+        assert o["sample_support"].shape == (R, 1 + PARAMS.top_k)
+        assert o["routed_experts"].shape == (P + R - 1, len(cfg.moe_layers), cfg.num_experts_per_tok)
+        assert o["indexer_topk"].shape == (P + R - 1, len(cfg.indexed_layers), cfg.index_topk)
+        obs = o["loss_mask"] == 0
+        assert (o["sample_support"][obs] == -1).all()
+        assert (o["rollout_logprobs"][obs] == 0.0).all()
+        assert (o["sample_support"][~obs, 0] == o["response_ids"][~obs]).all()
+        # Each observation is "= d" for the operator that opened the turn before it.
+        runs = observation_runs(o["loss_mask"])
+        assert len(runs) == o["num_turns"] - 1
+        turn_start = 0
+        digits = [int(VOCABULARY[t]) for t in prompt[2:-1]]
+        for a, b in runs:
+            op = VOCABULARY[o["response_ids"][turn_start]]
+            value = {"max": max(digits), "min": min(digits), "first": digits[0], "last": digits[-1]}[op]
+            assert o["response_ids"][a:b].tolist() == tokens(f"= {value}")
+            turn_start = b
+        assert o["num_tool_calls"] in (o["num_turns"] - 1, o["num_turns"])
+        assert o["finish_reason"] in ("stop", "length", "max_turns")
+        if o["finish_reason"] == "max_turns":
+            assert o["num_turns"] == MAX_TURNS and o["num_tool_calls"] == MAX_TURNS
+        Sample(sample_id=0, group_id=0, rollout_id=0, policy_version=0, prompt_ids=prompt,
+               **{k: o[k] for k in ("response_ids", "loss_mask", "rollout_logprobs",
+                                    "sample_support", "routed_experts", "indexer_topk")})
+
+
+def test_multi_turn_observation_rows(setup):
+    """Case multi_turn_observation_rows on the real generator: support rows = R, -1 observation rows."""
+    case = CASES["multi_turn_observation_rows"]
+    _, _, _, _, outs = setup
+    multi = [o for o in outs if o["num_turns"] > 1]
+    for o in multi:
+        assert o["sample_support"].shape[0] == len(o["loss_mask"])
+        assert (o["sample_support"][o["loss_mask"] == 0] == -1).all()
+    assert case["expected_observation_rows_all_minus_one"]
+
+
+def test_one_full_forward_with_replay_reproduces_rollout_logprobs(setup):
+    cfg, model, _, prompts, outs = setup
+    checked = 0
+    for prompt, o in zip(prompts, outs):
+        P = len(prompt)
+        response = o["response_ids"]
+        ids = torch.tensor([list(prompt) + response[:-1].tolist()])
+        pos = torch.arange(ids.shape[1]).unsqueeze(0)
+        routed = torch.from_numpy(np.array(o["routed_experts"]))[None]
+        keys = torch.from_numpy(np.array(o["indexer_topk"]))[None]
+        with torch.no_grad():
+            out = model(ids, pos, routed_experts=routed, indexer_topk=keys, capture=True)
+        # Every row is what an unreplayed fp32 forward picks at that position, so the rows
+        # are aligned to the right positions (a shifted row would pick other experts).
+        assert torch.equal(out.own_routed_experts, routed)
+        assert torch.equal(out.own_indexer_topk, keys)
+        logits = out.logits[0, P - 1:].double().numpy() / PARAMS.temperature
+        for j in np.flatnonzero(o["loss_mask"] == 1):
+            z = logits[j]
+            support = [v for v in o["sample_support"][j, 1:] if v != -1]
+            m = max(z[v] for v in support)
+            expected = z[response[j]] - (m + np.log(sum(np.exp(z[v] - m) for v in support)))
+            assert abs(o["rollout_logprobs"][j] - expected) < 1e-4, (j, o["rollout_logprobs"][j], expected)
+            checked += 1
+    assert checked > 3 * len(prompts)
+
+
+def test_same_seed_same_trajectories(setup):
+    _, _, engine, prompts, outs = setup
+    again = generate_multi_turn(engine, prompts, PARAMS, max_turns=MAX_TURNS, max_new_tokens=MAX_NEW,
+                                eos_token_id=TASK.eos_id, seed=1)
+    for a, b in zip(outs, again):
+        for k in ("response_ids", "loss_mask", "rollout_logprobs", "sample_support", "routed_experts",
+                  "indexer_topk", "finish_reason", "num_turns"):
+            assert np.array_equal(a[k], b[k]), k
+
+
+def test_single_turn_budget_ends_on_tool_calls(setup):
+    _, _, engine, prompts, outs = setup
+    one = generate_multi_turn(engine, prompts, PARAMS, max_turns=1, max_new_tokens=MAX_NEW,
+                              eos_token_id=TASK.eos_id, seed=1)
+    for o in one:
+        assert o["num_turns"] == 1 and (o["loss_mask"] == 1).all()
+        called = VOCABULARY[o["response_ids"][0]] in ("max", "min", "first", "last")
+        assert (o["finish_reason"] == "max_turns") == called
+    # Turn 0 uses the same engine seed, so it matches the first turn of the 3-turn run.
+    for a, b in zip(one, outs):
+        assert np.array_equal(a["response_ids"], b["response_ids"][:len(a["response_ids"])])
+
+
+def test_capture_off_gives_no_per_position_traces(setup):
+    cfg, model, _, prompts, _ = setup
+    engine = EmbeddedEngine(cfg, dtype=torch.float32, capture_routing=False, capture_indexer=False)
+    engine.load_weights(state_dict_arrays(model))
+    outs = generate_multi_turn(engine, prompts[:4], PARAMS, max_turns=2, max_new_tokens=2,
+                               eos_token_id=TASK.eos_id, seed=1)
+    assert all(o["routed_experts"] is None and o["indexer_topk"] is None for o in outs)
+    assert all(o["sample_support"].shape[0] == len(o["response_ids"]) for o in outs)
+
+
+@pytest.mark.parametrize("kwargs", [{"max_turns": 0}, {"max_new_tokens": 0}, {"seed": -1},
+                                    {"max_turns": 2.0}])
+def test_argument_errors(setup, kwargs):
+    _, _, engine, prompts, _ = setup
+    args = {"max_turns": 2, "max_new_tokens": 2, "eos_token_id": TASK.eos_id, "seed": 0, **kwargs}
+    with pytest.raises(MultiTurnError, match=next(iter(kwargs))):
+        generate_multi_turn(engine, prompts[:1], PARAMS, **args)

@@ -22,7 +22,9 @@ class RolloutConfig:
         n_samples_per_prompt: trajectories per prompt group (``--n-samples-per-prompt``).
         temperature, top_k, top_p, min_p: sampling (``--rollout-temperature`` ...); ``top_k``
             -1 keeps the whole vocabulary as support.
-        max_response_len: new tokens per trajectory (``--rollout-max-response-len``).
+        max_response_len: new tokens per turn (``--rollout-max-response-len``).
+        max_turns: generated turns per trajectory; > 1 enables the tool environment
+            (``--rollout-max-turns``).
         num_digits: digits per prompt of the embedded task.
         num_values: prompt digits are drawn from ``0 .. num_values - 1``.
         dataset_size: distinct prompts in the embedded dataset.
@@ -37,6 +39,7 @@ class RolloutConfig:
     top_p: float = 1.0
     min_p: float = 0.0
     max_response_len: int = 2
+    max_turns: int = 1
     num_digits: int = 4
     num_values: int = 5
     dataset_size: int = 4096
@@ -51,6 +54,10 @@ class RolloutConfig:
             (0 < self.top_p <= 1, "--rollout-top-p must be in (0, 1]"),
             (0 <= self.min_p < 1, "--rollout-min-p must be in [0, 1)"),
             (self.max_response_len >= 1, "--rollout-max-response-len must be >= 1"),
+            (self.max_turns >= 1, "--rollout-max-turns must be >= 1"),
+            (self.num_digits >= 1, "--num-digits must be >= 1"),
+            (2 <= self.num_values <= 10, "--num-values must be in [2, 10]"),
+            (self.dataset_size >= 1, "dataset_size must be >= 1"),
             (self.generate_timeout_s > 0, "--rollout-timeout-seconds must be > 0"),
         ]
         for ok, message in checks:

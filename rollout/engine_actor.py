@@ -62,3 +62,19 @@ class EngineActor(Actor):
                                     eos_token_id=eos_token_id, seed=seed)
         return {"version": self.version,
                 "generations": [{f.name: getattr(g, f.name) for f in fields(g)} for g in gens]}
+
+    async def generate_multi_turn(self, prompts: list[np.ndarray], sampling: dict, *, max_turns: int,
+                                  max_new_tokens: int, eos_token_id: int, seed: int) -> dict:
+        """Multi-turn trajectories with the tool environment (:mod:`rollout.multi_turn`).
+
+        All turns of a trajectory run inside this one call, so they share one weight version.
+
+        Returns:
+            ``{"version": int, "generations": [dicts of Sample fields + finish_reason]}``.
+        """
+        from rollout.multi_turn import generate_multi_turn
+
+        outs = generate_multi_turn(self.engine, [np.asarray(p).tolist() for p in prompts],
+                                   SamplingParams(**sampling), max_turns=max_turns,
+                                   max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, seed=seed)
+        return {"version": self.version, "generations": outs}

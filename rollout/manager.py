@@ -16,8 +16,10 @@ import numpy as np
 from actors import Actor, concurrent
 from rollout.config import RolloutConfig
 from rollout.data_source import Prompt, PromptDataSource
-from rollout.sample import Sample
+from rollout.sample import Sample, SampleError
 from rollout.task import DigitTask
+from rollout.tool_env import DigitToolEnv
+from rollout.trajectory import merge_turns
 
 
 class RolloutError(RuntimeError):
@@ -30,14 +32,18 @@ class RolloutManager(Actor):
     Args:
         config: :meth:`RolloutConfig.to_dict` output.
         engines: names of the engine actors in the run's directory.
+        require_traces: trace fields the trainer replays (e.g. ``routed_experts`` with R3 on);
+            a trajectory without one is an error at conversion time, never trained silently.
     """
 
-    def __init__(self, config: dict, engines: list[str]) -> None:
+    def __init__(self, config: dict, engines: list[str], require_traces: list[str] = ()) -> None:
         self.config = RolloutConfig(**config)
         if not engines:
             raise RolloutError("RolloutManager needs at least one engine")
         self.engines = list(engines)
         self.task = DigitTask(num_digits=self.config.num_digits, num_values=self.config.num_values)
+        self.tool_env = DigitToolEnv(self.task)
+        self.require_traces = tuple(require_traces)
         self.data = PromptDataSource(self.task, self.config.seed, self.config.dataset_size)
         self.replacement_data = PromptDataSource(self.task, self.config.seed + 7919,
                                                  self.config.dataset_size)
@@ -55,11 +61,13 @@ class RolloutManager(Actor):
         self.next_group_id += len(prompts)
         chunks = [list(range(i, len(prompts), len(self.engines))) for i in range(len(self.engines))]
         seeds = np.random.SeedSequence([cfg.seed, *seed_key]).generate_state(len(self.engines))
+        method, extra = ("generate", {}) if cfg.max_turns == 1 else (
+            "generate_multi_turn", {"max_turns": cfg.max_turns})
         replies = await asyncio.gather(*(
             self.ref(engine).call(
-                "generate", [prompts[g].prompt_ids for g in chunk for _ in range(cfg.n_samples_per_prompt)],
+                method, [prompts[g].prompt_ids for g in chunk for _ in range(cfg.n_samples_per_prompt)],
                 cfg.sampling_dict(), max_new_tokens=cfg.max_response_len,
-                eos_token_id=self.task.eos_id, seed=int(seed), timeout=cfg.generate_timeout_s)
+                eos_token_id=self.task.eos_id, seed=int(seed), timeout=cfg.generate_timeout_s, **extra)
             for engine, chunk, seed in zip(self.engines, chunks, seeds) if chunk))
         samples: list[Sample] = []
         for chunk, reply in zip([c for c in chunks if c], replies):
@@ -115,16 +123,22 @@ class RolloutManager(Actor):
                    version: int) -> Sample:
         sample_id = self.next_sample_id
         self.next_sample_id += 1
-        response = np.asarray(gen["response_ids"])
-        return Sample(
-            sample_id=sample_id, group_id=group_id, rollout_id=rollout_id, policy_version=version,
-            prompt_ids=prompt.prompt_ids, response_ids=response,
-            loss_mask=np.ones(len(response), np.uint8),
-            rollout_logprobs=gen["rollout_logprobs"],
-            reward=self.task.reward(response, prompt.answer_id),
-            status="completed" if gen["finish_reason"] == "stop" else "truncated",
-            sample_support=gen["sample_support"], routed_experts=gen.get("routed_experts"),
-            indexer_topk=gen.get("indexer_topk"))
+        if self.config.max_turns == 1:  # one engine turn: assemble through the same checks
+            fields = merge_turns(prompt.prompt_ids, [gen], [], sample_id=sample_id,
+                                 require=self.require_traces).sample_fields()
+            reward = self.task.reward(fields["response_ids"], prompt.answer_id)
+        else:
+            missing = [f for f in self.require_traces if gen.get(f) is None]
+            if missing:
+                raise SampleError(sample_id, missing[0], "missing while its replay is enabled")
+            fields = {k: gen[k] for k in ("response_ids", "loss_mask", "rollout_logprobs",
+                                          "sample_support", "routed_experts", "indexer_topk")}
+            reward = self.tool_env.reward(np.asarray(gen["response_ids"]), np.asarray(gen["loss_mask"]),
+                                          prompt.answer_id)
+        return Sample(sample_id=sample_id, group_id=group_id, rollout_id=rollout_id,
+                      policy_version=version, prompt_ids=prompt.prompt_ids, reward=reward,
+                      status="completed" if gen["finish_reason"] == "stop" else "truncated",
+                      **fields)
 
     async def take_batch(self, rollout_id: int) -> list[dict]:
         """Hand over (and forget) a stored batch as sample dicts, groups contiguous.

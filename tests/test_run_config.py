@@ -28,11 +28,11 @@ def write(tmp_path, name: str, text: str):
 
 def test_defaults_without_file_or_flags():
     cfg = parse()
-    assert (cfg.num_steps, cfg.max_staleness, cfg.num_engines) == (60, 1, 1)
+    assert (cfg.num_steps, cfg.max_staleness, cfg.num_engines) == (400, 1, 1)
     assert (cfg.engine_dtype, cfg.transport, cfg.output_dir, cfg.progress) == ("bfloat16", "ipc", "runs/default", True)
-    assert (cfg.rollout.rollout_batch_size, cfg.rollout.n_samples_per_prompt, cfg.rollout.top_k) == (16, 8, 10)
+    assert (cfg.rollout.rollout_batch_size, cfg.rollout.n_samples_per_prompt, cfg.rollout.top_k) == (16, 8, 20)
     assert (cfg.rollout.temperature, cfg.trainer.temperature) == (1.0, 1.0)
-    assert (cfg.trainer.lr, cfg.trainer.tis_cap, cfg.trainer.use_support_replay) == (3e-3, 2.0, True)
+    assert (cfg.trainer.lr, cfg.trainer.tis_cap, cfg.trainer.use_support_replay) == (3e-4, 2.0, True)
 
 
 def test_build_config_from_an_empty_mapping_equals_the_defaults():
@@ -53,7 +53,7 @@ engine-dtype = "float32"
     assert cfg.rollout.rollout_batch_size == 4 and cfg.rollout.n_samples_per_prompt == 2
     assert cfg.trainer.lr == 0.01 and cfg.trainer.use_routing_replay is False
     assert cfg.engine_dtype == "float32"
-    assert cfg.rollout.top_k == 10  # untouched keys keep their defaults
+    assert cfg.rollout.top_k == 20  # untouched keys keep their defaults
 
 
 def test_json_file_with_dashes_and_underscores_overrides_defaults(tmp_path):

@@ -43,6 +43,14 @@ def write_initial_checkpoint(config: RunConfig, directory: Path) -> Path:
     return directory
 
 
+def required_traces(config: RunConfig) -> list[str]:
+    """Trace fields every trajectory must carry because the trainer replays them."""
+    t = config.trainer
+    return [name for name, on in (("sample_support", t.use_support_replay),
+                                  ("routed_experts", t.use_routing_replay),
+                                  ("indexer_topk", t.use_indexer_replay)) if on]
+
+
 def actor_specs(config: RunConfig, checkpoint_dir: Path) -> list[ActorSpec]:
     """The processes of a run, in start order."""
     model_config = dataclasses.asdict(default_config(vocab_size=len(VOCABULARY)))
@@ -54,7 +62,8 @@ def actor_specs(config: RunConfig, checkpoint_dir: Path) -> list[ActorSpec]:
                     {"model_config": model_config, "dtype": config.engine_dtype,
                      "torch_threads": config.engine_torch_threads}) for name in engines),
         ActorSpec("rollout_manager", "rollout.manager:RolloutManager",
-                  {"config": config.rollout.to_dict(), "engines": engines}),
+                  {"config": config.rollout.to_dict(), "engines": engines,
+                   "require_traces": required_traces(config)}),
         ActorSpec("trainer", "trainer.trainer_actor:TrainerActor",
                   {"checkpoint_dir": str(checkpoint_dir), "config": config.trainer.to_dict(),
                    "n_samples_per_prompt": config.rollout.n_samples_per_prompt,

@@ -17,14 +17,16 @@ from trainer.logprobs import full_vocab_logprobs, support_logprobs
 
 
 def response_logprobs(model: Qwen3MoeForCausalLM, batch: TrainBatch, temperature: float,
-                      *, capture: bool = False) -> tuple[torch.Tensor, object]:
+                      *, replay_routing: bool = True, replay_indexer: bool = True,
+                      capture: bool = False) -> tuple[torch.Tensor, object]:
     """Logprobs of every response token of ``batch`` (float32 [N]) and the model output.
 
     Support replay is used when ``batch.support`` is set, else the full-vocabulary logprob.
-    Routing / indexer traces present in the batch are replayed.
+    The batch's routing / indexer traces are replayed when present and enabled.
     """
     out = model(batch.tokens, batch.position_ids, key_padding_mask=batch.key_padding_mask,
-                routed_experts=batch.routed_experts, indexer_topk=batch.indexer_topk,
+                routed_experts=batch.routed_experts if replay_routing else None,
+                indexer_topk=batch.indexer_topk if replay_indexer else None,
                 capture=capture)
     logits = out.logits[batch.row, batch.pos].float()
     if batch.support is not None:

@@ -106,28 +106,39 @@ class TrainerActor(Actor):
         cfg, mbs = self.config, self.config.micro_batch_size
         for i in range(0, len(samples), mbs):
             chunk = samples[i:i + mbs]
-            yield chunk, collate(chunk, routing=cfg.use_routing_replay,
-                                 indexer=cfg.use_indexer_replay, support=cfg.use_support_replay)
+            # traces travel whenever captured (the flip metrics compare against them); the
+            # forward replays only the enabled ones
+            yield chunk, collate(chunk, routing=chunk[0].routed_experts is not None,
+                                 indexer=chunk[0].indexer_topk is not None,
+                                 support=cfg.use_support_replay)
+
+    def _forward(self, batch, capture: bool = False):
+        cfg = self.config
+        return response_logprobs(self.model, batch, cfg.temperature, capture=capture,
+                                 replay_routing=cfg.use_routing_replay,
+                                 replay_indexer=cfg.use_indexer_replay)
 
     def preflight(self, samples: list[Sample]) -> dict:
         """Proximal logprobs of ``samples`` at the current weights into the cache.
 
-        Returns flip metrics of the replays (fraction of replayed rows where the trainer's own
-        router / indexer would have chosen differently).
+        Returns the replay metrics: ``*_flip_rate`` = fraction of captured rows where the trainer
+        used other experts / keys than the engine (0 when the replay works), ``*_drift_rate`` =
+        where the trainer's own router / indexer would have chosen differently (numerics plus
+        policy change since the sample was generated).
         """
-        flips = {"routing": [], "indexer": []}
+        rates: dict[str, list[float]] = {}
         with torch.no_grad():
             for chunk, batch in self._batches(samples):
-                logp, out = response_logprobs(self.model, batch, self.config.temperature,
-                                              capture=True)
+                logp, out = self._forward(batch, capture=True)
                 for s, part in zip(chunk, torch.split(logp, [len(s.response_ids) for s in chunk])):
                     self.cache.put(s.sample_id, part)
-                valid = batch.key_padding_mask
-                if batch.routed_experts is not None:
-                    flips["routing"].append(flip_rate(batch.routed_experts, out.own_routed_experts, valid))
-                if batch.indexer_topk is not None:
-                    flips["indexer"].append(flip_rate(batch.indexer_topk, out.own_indexer_topk, valid))
-        return {f"{k}_flip_rate": float(np.mean(v)) for k, v in flips.items() if v}
+                for name, engine, used, own in (
+                        ("routing", batch.routed_experts, out.routed_experts, out.own_routed_experts),
+                        ("indexer", batch.indexer_topk, out.indexer_topk, out.own_indexer_topk)):
+                    if engine is not None:
+                        rates.setdefault(f"{name}_flip_rate", []).append(flip_rate(engine, used, batch.key_padding_mask))
+                        rates.setdefault(f"{name}_drift_rate", []).append(flip_rate(engine, own, batch.key_padding_mask))
+        return {k: float(np.mean(v)) for k, v in rates.items()}
 
     async def train(self, rollout_id: int) -> dict:
         """One optimizer step on rollout ``rollout_id``; returns float metrics.
@@ -182,7 +193,7 @@ class TrainerActor(Actor):
         sums = {"abs_logprob_diff": 0.0, "clipfrac": 0.0, "tis_weight_mean": 0.0, "max_prox_drift": 0.0}
         offset = 0
         for chunk, batch in self._batches(samples):
-            logp, _ = response_logprobs(self.model, batch, cfg.temperature)
+            logp, _ = self._forward(batch)
             prox = torch.cat(self.cache.take([s.sample_id for s in chunk]))
             accept = torch.cat([token_accept[s.sample_id] for s in chunk])
             # The same gate, re-applied to this forward, must reproduce the preflight decision:

@@ -1,4 +1,4 @@
-"""``replayrl`` command line: ``train``, ``repl`` and ``bench``.
+"""``replayrl`` command line: ``train``, ``repl`` and ``bench {parity,refill,logprobs,transport}``.
 
 Exit codes: 0 success, 1 a run failed (the failing actor's traceback is printed), 2 bad
 configuration, 130 interrupted by Ctrl-C.
@@ -40,6 +40,16 @@ def _repl(args: argparse.Namespace) -> int:
     return repl_main(args)
 
 
+BENCHES = {"parity": "tools.bench_parity", "refill": "tools.bench_refill",
+           "logprobs": "tools.bench_logprobs", "transport": "tools.bench_transport"}
+
+
+def _bench(args: argparse.Namespace) -> int:
+    import importlib
+
+    return importlib.import_module(BENCHES[args.bench]).main(args.bench_args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     parser = argparse.ArgumentParser(prog="replayrl", description=__doc__.splitlines()[0])
@@ -52,6 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
     repl = sub.add_parser("repl", help="interactive actor REPL on a live run")
     add_run_flags(repl)
     repl.set_defaults(func=_repl)
+    bench = sub.add_parser("bench", help="benchmarks: parity | refill | logprobs | transport "
+                                         "(flags after the name go to the benchmark)")
+    bench.add_argument("bench", choices=sorted(BENCHES))
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    bench.set_defaults(func=_bench)
     return parser
 
 

@@ -111,6 +111,11 @@ class ProximalLogprobCache:
             raise ProximalCacheError("cache <-> training samples is not a bijection: " + "; ".join(problems))
 
     def clear(self) -> None:
-        """Drop every entry and reset the step's counters (used after every step and error)."""
+        """Drop every entry (used after every step and on every error path); keeps the counters."""
         self.entries.clear()
-        self.nbytes = self.peak_bytes = self.transferred_bytes = 0
+        self.nbytes = 0
+
+    def reset_counters(self) -> None:
+        """Start a new step's ``peak_bytes`` / ``transferred_bytes`` (call on an empty cache)."""
+        self.peak_bytes = self.nbytes
+        self.transferred_bytes = 0

@@ -37,13 +37,13 @@ from trainer.forward import response_logprobs
 from trainer.losses import policy_loss
 from trainer.proximal_cache import ProximalLogprobCache
 from trainer.refill import RefillCoordinator
+from trainer.replay import flip_rate, replayed_rows
 
 
-def flip_rate(used: torch.Tensor, own: torch.Tensor, valid: torch.Tensor) -> float:
-    """TEMPORARY until trainer/replay.py lands."""
-    replayed = (used >= 0).any(-1) & valid[..., None]
-    differ = (used.sort(-1).values != own.long().sort(-1).values).any(-1) & replayed
-    return float(differ.sum()) / max(int(replayed.sum()), 1)
+def _rate(engine: torch.Tensor, other: torch.Tensor, real: torch.Tensor) -> float:
+    """Flip rate of [B, T, L, K] choices against the engine's, over captured real rows."""
+    e = engine.reshape(-1, *engine.shape[2:])
+    return flip_rate(e, other.reshape(-1, *other.shape[2:]), replayed_rows(e) & real.reshape(-1)[:, None])
 
 
 class TrainStepError(RuntimeError):
@@ -136,9 +136,9 @@ class TrainerActor(Actor):
                         ("routing", batch.routed_experts, out.routed_experts, out.own_routed_experts),
                         ("indexer", batch.indexer_topk, out.indexer_topk, out.own_indexer_topk)):
                     if engine is not None:
-                        rates.setdefault(f"{name}_flip_rate", []).append(flip_rate(engine, used, batch.key_padding_mask))
-                        rates.setdefault(f"{name}_drift_rate", []).append(flip_rate(engine, own, batch.key_padding_mask))
-        return {k: float(np.mean(v)) for k, v in rates.items()}
+                        rates.setdefault(f"{name}_flip_rate", []).append(_rate(engine, used, batch.key_padding_mask))
+                        rates.setdefault(f"{name}_drift_rate", []).append(_rate(engine, own, batch.key_padding_mask))
+        return {k: float(np.nanmean(v)) if not np.isnan(v).all() else 0.0 for k, v in rates.items()}
 
     async def train(self, rollout_id: int) -> dict:
         """One optimizer step on rollout ``rollout_id``; returns float metrics.
@@ -160,6 +160,7 @@ class TrainerActor(Actor):
         if trainer_version != self.version:
             raise TrainStepError(f"clock says trainer version {trainer_version}, trainer holds "
                                  f"{self.version}")
+        self.cache.reset_counters()
         try:
             t0 = time.perf_counter()
             metrics = self.preflight(samples)

@@ -1,0 +1,17 @@
+"""Parity targets of the issue, measured on a small run of the parity benchmark."""
+from __future__ import annotations
+
+from tools.bench_parity import run, table
+
+
+def test_replays_make_trainer_match_engine():
+    rows = {(r.precision, r.replays): r for r in run(prompts=24, seed=3, response_len=4)}
+    same = rows[("fp32 / fp32", "all on")]
+    assert same.routing_flips == 0 and same.indexer_flips == 0 and same.max_abs <= 1e-5
+    on, off = rows[("bf16 / fp32", "all on")], rows[("bf16 / fp32", "all off")]
+    assert on.routing_flips == 0 and on.indexer_flips == 0
+    assert off.mean_abs >= 10 * on.mean_abs
+    # each replay removes its own flips and no other
+    assert rows[("bf16 / fp32", "routing (R3)")].routing_flips == 0
+    assert rows[("bf16 / fp32", "indexer")].indexer_flips == 0
+    assert "| bf16 / fp32 | all on |" in table(list(rows.values()))

@@ -75,8 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rollout-batch-size", type=int, default=8)
     parser.add_argument("--n-samples-per-prompt", type=int, default=4)
     parser.add_argument("--rs-mode", default="geometric")
-    parser.add_argument("--rs-lower", type=float, default=0.98)
-    parser.add_argument("--rs-upper", type=float, default=1.02)
+    parser.add_argument("--rs-lower", type=float, default=0.9)
+    parser.add_argument("--rs-upper", type=float, default=1.1)
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args(argv)
     from actors import run_event_loop

@@ -65,8 +65,8 @@ class RunConfig:
             (self.save_interval >= 0, "--save-interval must be >= 0"),
             (self.trainer.temperature == self.rollout.temperature,
              "--rollout-temperature must reach the trainer unchanged (logprobs of logits / T)"),
-            (not self.trainer.use_support_replay or self.rollout.top_k != 0,
-             "--use-support-replay needs a support: --rollout-top-k -1 (whole vocabulary) or >= 1"),
+            (not self.load or (Path(self.load) / "run_state.json").is_file(),
+             f"--load {self.load}: not a replayrl checkpoint (no run_state.json)"),
         ]
         for ok, message in checks:
             if not ok:

@@ -44,7 +44,13 @@ class ActorSpec:
     env: dict[str, str] = field(default_factory=dict)
 
 
-def _import_class(path: str) -> type[Actor]:
+def import_actor_class(path: str) -> type[Actor]:
+    """The Actor subclass named ``"package.module:ClassName"``.
+
+    Raises:
+        ValueError: not of that form. TypeError: not an Actor subclass. ImportError /
+        AttributeError: no such module / class.
+    """
     module, _, qualname = path.partition(":")
     if not qualname:
         raise ValueError(f"actor class must be 'module:Class', got {path!r}")
@@ -86,7 +92,7 @@ def _child_main(spec: ActorSpec, directory: dict[str, str], parent_pid: int, run
     os.environ.update(spec.env)
     logging.basicConfig(level=log_level, format=f"%(asctime)s {spec.name} %(levelname)s %(message)s")
     try:
-        actor = _import_class(spec.cls)(**spec.kwargs)
+        actor = import_actor_class(spec.cls)(**spec.kwargs)
         run_event_loop(serve_actor(actor, spec.name, Directory(directory), parent_pid))
     except BaseException:
         text = traceback.format_exc()

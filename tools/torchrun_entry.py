@@ -1,0 +1,134 @@
+"""Distributed launcher: one actor per torchrun rank, the driver on rank 0.
+
+Usage::
+
+    torchrun --nproc-per-node 4 -m tools.torchrun_entry [replayrl train flags]
+
+Roles: rank 0 runs the driver loop and serves ``version_clock`` and ``rollout_manager``;
+ranks ``1 .. W-2`` serve ``engine_0 .. engine_{W-3}``; rank ``W-1`` serves the ``trainer``. Every
+actor listens on ``tcp://MASTER_ADDR:MASTER_PORT + 1 + i`` (``i`` = its index in the run's
+actor list), so the directory is known to every rank without a rendezvous. Listening on a
+non-loopback address needs CURVE authentication, which the transport does not offer yet, so
+``MASTER_ADDR`` must be a loopback address (one node, several processes) — anything else fails
+before any socket is opened.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import os
+import sys
+import time
+
+from actors import ActorError, Directory, run_event_loop
+from actors.spawn import ActorSpec, import_actor_class, serve_actor
+from tools.config import ConfigError, RunConfig, add_run_flags, config_from_args
+from tools.launcher import actor_specs, write_initial_checkpoint
+from tools.metrics import MetricsRecorder
+from tools.train_loop import train_loop
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+DRIVER_ACTORS = ("version_clock", "rollout_manager")
+
+
+def plan(world_size: int, config: RunConfig) -> tuple[list[ActorSpec], dict[int, list[str]]]:
+    """Actor specs of the run and the actor names each rank serves.
+
+    Raises:
+        ConfigError: fewer than 3 ranks (driver, one engine, trainer).
+    """
+    if world_size < 3:
+        raise ConfigError(f"torchrun needs --nproc-per-node >= 3 (driver, engine(s), trainer), "
+                          f"got {world_size}")
+    config = dataclasses.replace(config, num_engines=world_size - 2)
+    specs = actor_specs(config, _checkpoint_dir(config))
+    roles = {0: list(DRIVER_ACTORS), world_size - 1: ["trainer"]}
+    roles.update({r: [f"engine_{r - 1}"] for r in range(1, world_size - 1)})
+    return specs, roles
+
+
+def _checkpoint_dir(config: RunConfig):
+    from pathlib import Path
+
+    return Path(config.output_dir) / "checkpoint-init"
+
+
+def directory_for(specs: list[ActorSpec], host: str, base_port: int) -> Directory:
+    """``name -> tcp://host:base_port + 1 + i`` for the run's actors."""
+    return Directory({s.name: f"tcp://{host}:{base_port + 1 + i}" for i, s in enumerate(specs)})
+
+
+async def _serve_rank(names: list[str], specs: list[ActorSpec], directory: Directory) -> None:
+    by_name = {s.name: s for s in specs}
+    actors = [import_actor_class(by_name[n].cls)(**by_name[n].kwargs) for n in names]
+    await asyncio.gather(*(serve_actor(a, n, directory, parent_pid=os.getppid())
+                           for a, n in zip(actors, names)))
+
+
+async def _drive(config: RunConfig, specs: list[ActorSpec], directory: Directory,
+                 ready_timeout: float) -> str:
+    by_name = {s.name: s for s in specs}
+    local = [asyncio.ensure_future(serve_actor(import_actor_class(by_name[n].cls)(**by_name[n].kwargs), n,
+                                               directory)) for n in DRIVER_ACTORS]
+    remote = [s.name for s in specs if s.name not in DRIVER_ACTORS]
+    try:
+        deadline = time.monotonic() + ready_timeout
+        for name in remote:
+            while True:
+                try:
+                    await directory.ref(name).call("__ping__", timeout=1.0)
+                    break
+                except ActorError:
+                    if time.monotonic() > deadline:
+                        raise ActorError(f"rank serving {name!r} not ready after {ready_timeout} s")
+        with MetricsRecorder(config.output_dir, config.num_steps, config.progress) as recorder:
+            await train_loop(directory, config, recorder.record)
+        recorder.plot()
+        return recorder.summary()
+    finally:
+        for name in [*remote, *DRIVER_ACTORS]:
+            try:
+                await directory.ref(name).call("__stop__", timeout=5.0)
+            except ActorError:
+                pass
+        await asyncio.gather(*local, return_exceptions=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of one torchrun rank."""
+    parser = argparse.ArgumentParser(prog="python -m tools.torchrun_entry", description=__doc__.splitlines()[0])
+    add_run_flags(parser)
+    parser.add_argument("--ready-timeout", type=float, default=180.0)
+    args = parser.parse_args(argv)
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500"))
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s rank{rank} %(levelname)s %(message)s")
+    try:
+        if host not in LOOPBACK:
+            raise ConfigError(f"MASTER_ADDR={host}: listening beyond loopback needs CURVE "
+                              f"authentication, which is not available yet; use one node")
+        config = config_from_args(args)
+        specs, roles = plan(world, config)
+    except ConfigError as exc:
+        print(f"replayrl[rank {rank}]: configuration error: {exc}", file=sys.stderr)
+        return 2
+    directory = directory_for(specs, "127.0.0.1", port)
+    if "trainer" in roles[rank]:
+        write_initial_checkpoint(config, _checkpoint_dir(config))  # only this rank reads it
+    try:
+        if rank == 0:
+            print(run_event_loop(_drive(config, specs, directory, args.ready_timeout)))
+        else:
+            run_event_loop(_serve_rank(roles[rank], specs, directory))
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        print(f"replayrl[rank {rank}]: run failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -108,6 +108,8 @@ _FLAGS: dict[str, tuple[str | None, str, Any, str]] = {
     "eps-clip-high": ("trainer", "eps_clip_high", float, "PPO clip high (1 + eps)"),
     "tis-cap": ("trainer", "tis_cap", float, "TIS weight cap C"),
     "micro-batch-size": ("trainer", "micro_batch_size", int, "samples per forward/backward"),
+    "logprobs-chunk-size": ("trainer", "logprobs_chunk_size", int,
+                            "fused support-replay logprobs, rows per chunk (0 = from logits)"),
     "rpc-timeout-seconds": ("trainer", "rpc_timeout_s", float, "trainer's actor-call timeout"),
     "trainer-torch-threads": ("trainer", "torch_threads", int, "torch threads of the trainer"),
     "save": (None, "save_dir", str, "checkpoint directory (default <output-dir>/checkpoints)"),

@@ -23,6 +23,8 @@ class TrainerConfig:
         temperature: the rollout temperature (logprobs are of ``logits / temperature``).
         use_routing_replay, use_indexer_replay, use_support_replay: R3, indexer replay and
             support-replay logprobs (``--use-routing-replay`` ...).
+        logprobs_chunk_size: > 0 uses the fused chunked LM-head path for support replay
+            (``--logprobs-chunk-size``; peak memory bounded by the chunk, not N x V).
         rpc_timeout_s: seconds any trainer-initiated actor call may take.
         torch_threads: intra-op threads of the trainer process.
         seed: torch seed of the trainer process.
@@ -52,6 +54,7 @@ class TrainerConfig:
     use_routing_replay: bool = True
     use_indexer_replay: bool = True
     use_support_replay: bool = True
+    logprobs_chunk_size: int = 0
     rpc_timeout_s: float = 300.0
     torch_threads: int = 1
     seed: int = 1
@@ -75,6 +78,9 @@ class TrainerConfig:
             (self.eps_clip_high > 0, "--eps-clip-high must be > 0"),
             (self.tis_cap is None or self.tis_cap > 0, "--tis-cap must be > 0"),
             (self.micro_batch_size >= 1, "--micro-batch-size must be >= 1"),
+            (self.logprobs_chunk_size >= 0, "--logprobs-chunk-size must be >= 0"),
+            (self.logprobs_chunk_size == 0 or self.use_support_replay,
+             "--logprobs-chunk-size needs --use-support-replay (the fused path projects the support)"),
             (self.temperature > 0, "--rollout-temperature must be > 0"),
             (self.rpc_timeout_s > 0, "--rpc-timeout-seconds must be > 0"),
             (self.rs_denominator in ("loss_tokens", "accepted_tokens"),

@@ -116,7 +116,8 @@ class TrainerActor(Actor):
         cfg = self.config
         return response_logprobs(self.model, batch, cfg.temperature, capture=capture,
                                  replay_routing=cfg.use_routing_replay,
-                                 replay_indexer=cfg.use_indexer_replay)
+                                 replay_indexer=cfg.use_indexer_replay,
+                                 chunk_size=cfg.logprobs_chunk_size)
 
     def preflight(self, samples: list[Sample]) -> dict:
         """Proximal logprobs of ``samples`` at the current weights into the cache.

@@ -33,7 +33,8 @@ from rollout.model.kv_cache import KVCache
 class CausalLMOutput:
     """Result of `Qwen3MoeForCausalLM.forward`.
 
-    logits: `[B, S, vocab_size]` in the model dtype (bf16 for the engine, fp32 for the trainer).
+    logits: `[B, S, vocab_size]` in the model dtype (bf16 for the engine, fp32 for the trainer),
+        or None when the forward was asked not to compute them.
     hidden: `[B, S, hidden_size]` after the final norm (model dtype) if `return_hidden`, else None.
     routed_experts: int32 `[B, S, L_moe, K]` experts used per token and MoE layer (in
         `config.moe_layers` order) if `capture` and the model has MoE layers, else None.
@@ -45,7 +46,7 @@ class CausalLMOutput:
         rows where they differ is the routing / indexer flip rate of the replay.
     """
 
-    logits: torch.Tensor
+    logits: torch.Tensor | None
     hidden: torch.Tensor | None = None
     routed_experts: torch.Tensor | None = None
     indexer_topk: torch.Tensor | None = None
@@ -298,7 +299,8 @@ class Qwen3MoeForCausalLM(nn.Module):
                 routed_experts: torch.Tensor | None = None,
                 indexer_topk: torch.Tensor | None = None,
                 capture: bool = False,
-                return_hidden: bool = False) -> CausalLMOutput:
+                return_hidden: bool = False,
+                compute_logits: bool = True) -> CausalLMOutput:
         """Forward S new tokens of B rows, after the S_past tokens in `kv_cache` (if any).
 
         input_ids: int `[B, S]` in [0, vocab_size). position_ids: int `[B, S]` RoPE positions in
@@ -317,6 +319,8 @@ class Qwen3MoeForCausalLM(nn.Module):
             causal and not padding; a row of only -1 keeps the indexer's own choice.
         capture: return the experts / key slots actually used (int32) in the output.
         return_hidden: also return the final-norm hidden states.
+        compute_logits: False skips the LM head (``logits`` is None): a caller that projects
+            only candidate tokens from ``hidden`` (fused support replay) never holds [B, S, V].
 
         Experts that no token was routed to get no gradient (`grad` stays None).
         Returns `CausalLMOutput`. Raises `ModelInputError` naming the argument for a wrong shape,
@@ -360,7 +364,7 @@ class Qwen3MoeForCausalLM(nn.Module):
                 slots_used.append(slots)
                 slots_own.append(own_slots)
         h = self.model.norm(h)
-        logits = self.lm_head(h)
+        logits = self.lm_head(h) if compute_logits else None
         if kv_cache is not None:
             kv_cache.commit(keys, values, index_keys, key_padding_mask)
         return CausalLMOutput(

@@ -150,7 +150,7 @@ def _set_overlap(used: np.ndarray, own: np.ndarray) -> tuple[np.ndarray, np.ndar
     """
     shape = used.shape[:-1]
     rows = int(np.prod(shape, dtype=np.int64))
-    if rows == 0:
+    if rows == 0 or used.shape[-1] == 0:
         z = np.zeros(shape, np.int64)
         return z, z.copy(), z.copy()
     u = used.reshape(rows, -1).astype(np.int64)

@@ -139,3 +139,13 @@ def test_ctrl_c_stops_every_process_and_removes_ipc_files(tmp_path):
         time.sleep(0.1)
     assert not [p for p in actors if _alive(p)]
     assert [p for p in tmp.iterdir() if p.name.startswith("replayrl-")] == []  # ipc dir gone
+
+
+async def test_replay_check_from_config_stops_a_step_listing_mismatches(tmp_path):
+    # one optimizer step later the trainer's own routers disagree with the engine's on most
+    # tokens (see routing_drift_rate); a strict bound must stop that step, naming the rows
+    config = build_config({**SMALL, "num-steps": 3, "output-dir": str(tmp_path),
+                           "replay-max-mismatch-fraction": 0.05})
+    with pytest.raises(RemoteError, match="routing replay mismatch") as info:
+        await launch(config)
+    assert info.value.remote_type == "ReplayMismatch" and "first mismatches: token" in str(info.value)

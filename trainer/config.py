@@ -23,6 +23,10 @@ class TrainerConfig:
         temperature: the rollout temperature (logprobs are of ``logits / temperature``).
         use_routing_replay, use_indexer_replay, use_support_replay: R3, indexer replay and
             support-replay logprobs (``--use-routing-replay`` ...).
+        replay_min_overlap_ratio, replay_max_mismatch_fraction: the preflight replay check
+            (``--replay-min-overlap-ratio`` / ``--replay-max-mismatch-fraction``): the engine's
+            experts / keys against the trainer's own choice, per token; the defaults (0, 1)
+            never fail. A step that violates them raises before training, listing mismatches.
         logprobs_chunk_size: > 0 uses the fused chunked LM-head path for support replay
             (``--logprobs-chunk-size``; peak memory bounded by the chunk, not N x V).
         rpc_timeout_s: seconds any trainer-initiated actor call may take.
@@ -55,6 +59,8 @@ class TrainerConfig:
     use_indexer_replay: bool = True
     use_support_replay: bool = True
     logprobs_chunk_size: int = 0
+    replay_min_overlap_ratio: float = 0.0
+    replay_max_mismatch_fraction: float = 1.0
     rpc_timeout_s: float = 300.0
     torch_threads: int = 1
     seed: int = 1
@@ -79,6 +85,9 @@ class TrainerConfig:
             (self.tis_cap is None or self.tis_cap > 0, "--tis-cap must be > 0"),
             (self.micro_batch_size >= 1, "--micro-batch-size must be >= 1"),
             (self.logprobs_chunk_size >= 0, "--logprobs-chunk-size must be >= 0"),
+            (0 <= self.replay_min_overlap_ratio <= 1, "--replay-min-overlap-ratio must be in [0, 1]"),
+            (0 <= self.replay_max_mismatch_fraction <= 1,
+             "--replay-max-mismatch-fraction must be in [0, 1]"),
             (self.logprobs_chunk_size == 0 or self.use_support_replay,
              "--logprobs-chunk-size needs --use-support-replay (the fused path projects the support)"),
             (self.temperature > 0, "--rollout-temperature must be > 0"),

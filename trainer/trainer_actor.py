@@ -37,7 +37,7 @@ from trainer.forward import response_logprobs
 from trainer.losses import policy_loss
 from trainer.proximal_cache import ProximalLogprobCache
 from trainer.refill import RefillCoordinator
-from trainer.replay import flip_rate, replayed_rows
+from trainer.replay import check_replay, flip_rate, replayed_rows
 
 
 def _rate(engine: torch.Tensor, other: torch.Tensor, real: torch.Tensor) -> float:
@@ -137,9 +137,20 @@ class TrainerActor(Actor):
                         ("routing", batch.routed_experts, out.routed_experts, out.own_routed_experts),
                         ("indexer", batch.indexer_topk, out.indexer_topk, out.own_indexer_topk)):
                     if engine is not None:
+                        self._check_replay(name, engine, own, batch.key_padding_mask)
                         rates.setdefault(f"{name}_flip_rate", []).append(_rate(engine, used, batch.key_padding_mask))
                         rates.setdefault(f"{name}_drift_rate", []).append(_rate(engine, own, batch.key_padding_mask))
         return {k: float(np.nanmean(v)) if not np.isnan(v).all() else 0.0 for k, v in rates.items()}
+
+    def _check_replay(self, kind: str, engine: torch.Tensor, own: torch.Tensor,
+                      real: torch.Tensor) -> None:
+        cfg = self.config
+        if cfg.replay_min_overlap_ratio == 0 and cfg.replay_max_mismatch_fraction == 1:
+            return
+        layers = self.model_config.moe_layers if kind == "routing" else self.model_config.indexed_layers
+        check_replay(engine.reshape(-1, *engine.shape[2:]), own.reshape(-1, *own.shape[2:]),
+                     real.reshape(-1), cfg.replay_min_overlap_ratio, cfg.replay_max_mismatch_fraction,
+                     layer_ids=layers, kind=kind)
 
     async def train(self, rollout_id: int) -> dict:
         """One optimizer step on rollout ``rollout_id``; returns float metrics.

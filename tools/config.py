@@ -138,6 +138,7 @@ _BOOL_FLAGS: dict[str, tuple[str | None, str, str]] = {
     "use-support-replay": ("trainer", "use_support_replay", "logprobs over the sampler's support"),
     "grpo-std-normalization": ("trainer", "normalize_advantage_std", "divide advantages by group std"),
     "rs-batch-refill": ("trainer", "rs_batch_refill", "exact refill of rejected prompt groups"),
+    "use-packing": ("trainer", "use_packing", "pack each microbatch into one row (block-diagonal attention)"),
     "progress": (None, "progress", "live progress display"),
 }
 

@@ -30,6 +30,8 @@ class TrainBatch:
             response token.
         targets: int64 [N] response token ids; support: int64 [N, 1+W] or None.
         loss_mask: float32 [N]; rollout_logprobs: float32 [N] (NaN allowed where mask is 0).
+        segment_ids: int64 [1, T] for a packed batch (one row, block-diagonal attention), else
+            None.
     """
 
     tokens: torch.Tensor
@@ -43,6 +45,7 @@ class TrainBatch:
     support: torch.Tensor | None
     loss_mask: torch.Tensor
     rollout_logprobs: torch.Tensor
+    segment_ids: torch.Tensor | None = None
 
 
 def per_sample_tensors(samples: Sequence[Sample], field: str) -> list[torch.Tensor]:
@@ -50,14 +53,19 @@ def per_sample_tensors(samples: Sequence[Sample], field: str) -> list[torch.Tens
     return [torch.from_numpy(np.array(getattr(s, field))) for s in samples]
 
 
-def _trace(samples: Sequence[Sample], field: str, T: int) -> torch.Tensor | None:
+def _carried(samples: Sequence[Sample], field: str) -> bool:
+    """Whether the batch carries trace ``field``; all samples or none, else SampleError."""
     present = [getattr(s, field) is not None for s in samples]
-    if not any(present):
-        return None
-    if not all(present):
+    if any(present) and not all(present):
         missing = samples[present.index(False)]
         raise SampleError(missing.sample_id, field, "missing while other samples of the batch "
                                                     "carry it: replay would silently be partial")
+    return all(present)
+
+
+def _trace(samples: Sequence[Sample], field: str, T: int) -> torch.Tensor | None:
+    if not _carried(samples, field):
+        return None
     first = getattr(samples[0], field)
     out = np.full((len(samples), T) + first.shape[1:], -1, dtype=np.int64)
     for b, s in enumerate(samples):
@@ -67,6 +75,71 @@ def _trace(samples: Sequence[Sample], field: str, T: int) -> torch.Tensor | None
                                                   f"of sample {samples[0].sample_id}")
         out[b, : arr.shape[0]] = arr
     return torch.from_numpy(out)
+
+
+def _response_fields(samples: Sequence[Sample], support: bool) -> dict:
+    """Per-response-token tensors shared by both layouts, in sample order."""
+    support_t = None
+    if support:
+        if any(s.sample_support is None for s in samples):
+            bad = next(s for s in samples if s.sample_support is None)
+            raise SampleError(bad.sample_id, "sample_support", "missing with support replay on")
+        width = samples[0].sample_support.shape[1]
+        for s in samples:
+            if s.sample_support.shape[1] != width:
+                raise SampleError(s.sample_id, "sample_support",
+                                  f"{s.sample_support.shape[1]} columns, sample "
+                                  f"{samples[0].sample_id} has {width}")
+        support_t = torch.from_numpy(np.concatenate([s.sample_support for s in samples]).astype(np.int64))
+    return dict(
+        targets=torch.from_numpy(np.concatenate([s.response_ids for s in samples]).astype(np.int64)),
+        support=support_t,
+        loss_mask=torch.from_numpy(np.concatenate([s.loss_mask for s in samples]).astype(np.float32)),
+        rollout_logprobs=torch.from_numpy(np.concatenate([s.rollout_logprobs for s in samples])))
+
+
+def collate_packed(samples: Sequence[Sample], *, routing: bool, indexer: bool, support: bool,
+                   pad_to_multiple_of: int = 1) -> TrainBatch:
+    """Pack ``samples`` into ONE row through a single :class:`trainer.packing.PackedLayout`.
+
+    Tokens, traces (routing rows, indexer key slots shifted to packed positions) and the
+    positions predicting each response token all come from the same layout, so they cannot
+    drift apart. Position ids restart per segment and ``segment_ids`` keeps attention inside
+    each sample. The per-response-token fields are in the same order as :func:`collate`'s.
+
+    Raises:
+        SampleError / trainer.packing.PackedFieldError: as :func:`collate`, naming the sample.
+    """
+    from trainer.packing import PackedLayout
+
+    if not samples:
+        raise ValueError("collate_packed needs at least one sample")
+    layout = PackedLayout.from_lengths([s.total_length for s in samples],
+                                       pad_to_multiple_of=pad_to_multiple_of,
+                                       sample_ids=[s.sample_id for s in samples])
+    starts = layout.cu_seqlens_padded[:-1]
+    pos = np.concatenate([start + len(s.prompt_ids) - 1 + np.arange(len(s.response_ids))
+                          for start, s in zip(starts, samples)])
+
+    def trace(field: str, key_slots: bool) -> torch.Tensor | None:
+        if not _carried(samples, field):
+            return None
+        arrays = [getattr(s, field) for s in samples]
+        pack = layout.pack_key_slots if key_slots else layout.pack
+        kwargs = {"field": field, "offsets": [0] * len(arrays)}
+        packed = pack(arrays, **kwargs) if key_slots else pack(arrays, -1, **kwargs)
+        return torch.from_numpy(np.asarray(packed, dtype=np.int64))[None]
+
+    return TrainBatch(
+        tokens=torch.from_numpy(np.asarray(layout.pack([s.tokens for s in samples], 0, field="tokens"),
+                                           dtype=np.int64))[None],
+        position_ids=torch.from_numpy(np.asarray(layout.position_ids, dtype=np.int64))[None],
+        key_padding_mask=torch.from_numpy(np.array(layout.real_mask))[None],
+        routed_experts=trace("routed_experts", False) if routing else None,
+        indexer_topk=trace("indexer_topk", True) if indexer else None,
+        row=torch.zeros(len(pos), dtype=torch.int64), pos=torch.from_numpy(pos.astype(np.int64)),
+        segment_ids=torch.from_numpy(np.asarray(layout.segment_ids, dtype=np.int64))[None],
+        **_response_fields(samples, support))
 
 
 def collate(samples: Sequence[Sample], *, routing: bool, indexer: bool, support: bool) -> TrainBatch:
@@ -89,18 +162,6 @@ def collate(samples: Sequence[Sample], *, routing: bool, indexer: bool, support:
         R = len(s.response_ids)
         rows.append(np.full(R, b))
         pos.append(np.arange(P - 1, P - 1 + R))
-    support_t = None
-    if support:
-        if any(s.sample_support is None for s in samples):
-            bad = next(s for s in samples if s.sample_support is None)
-            raise SampleError(bad.sample_id, "sample_support", "missing with support replay on")
-        width = samples[0].sample_support.shape[1]
-        for s in samples:
-            if s.sample_support.shape[1] != width:
-                raise SampleError(s.sample_id, "sample_support",
-                                  f"{s.sample_support.shape[1]} columns, sample "
-                                  f"{samples[0].sample_id} has {width}")
-        support_t = torch.from_numpy(np.concatenate([s.sample_support for s in samples]).astype(np.int64))
     return TrainBatch(
         tokens=torch.from_numpy(tokens),
         position_ids=torch.arange(T).expand(B, T).clone(),
@@ -109,8 +170,5 @@ def collate(samples: Sequence[Sample], *, routing: bool, indexer: bool, support:
         indexer_topk=_trace(samples, "indexer_topk", T) if indexer else None,
         row=torch.from_numpy(np.concatenate(rows)),
         pos=torch.from_numpy(np.concatenate(pos)),
-        targets=torch.from_numpy(np.concatenate([s.response_ids for s in samples]).astype(np.int64)),
-        support=support_t,
-        loss_mask=torch.from_numpy(np.concatenate([s.loss_mask for s in samples]).astype(np.float32)),
-        rollout_logprobs=torch.from_numpy(np.concatenate([s.rollout_logprobs for s in samples])),
+        **_response_fields(samples, support),
     )

@@ -27,6 +27,8 @@ class TrainerConfig:
             (``--replay-min-overlap-ratio`` / ``--replay-max-mismatch-fraction``): the engine's
             experts / keys against the trainer's own choice, per token; the defaults (0, 1)
             never fail. A step that violates them raises before training, listing mismatches.
+        use_packing: each microbatch is one packed row (``--use-packing``) built from one
+            :class:`trainer.packing.PackedLayout`, instead of right-padded rows.
         logprobs_chunk_size: > 0 uses the fused chunked LM-head path for support replay
             (``--logprobs-chunk-size``; peak memory bounded by the chunk, not N x V).
         rpc_timeout_s: seconds any trainer-initiated actor call may take.
@@ -59,6 +61,7 @@ class TrainerConfig:
     use_indexer_replay: bool = True
     use_support_replay: bool = True
     logprobs_chunk_size: int = 0
+    use_packing: bool = False
     replay_min_overlap_ratio: float = 0.0
     replay_max_mismatch_fraction: float = 1.0
     rpc_timeout_s: float = 300.0

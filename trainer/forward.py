@@ -31,7 +31,8 @@ def response_logprobs(model: Qwen3MoeForCausalLM, batch: TrainBatch, temperature
     out = model(batch.tokens, batch.position_ids, key_padding_mask=batch.key_padding_mask,
                 routed_experts=batch.routed_experts if replay_routing else None,
                 indexer_topk=batch.indexer_topk if replay_indexer else None,
-                capture=capture, return_hidden=fused, compute_logits=not fused)
+                capture=capture, return_hidden=fused, compute_logits=not fused,
+                segment_ids=batch.segment_ids)
     if fused:
         hidden = out.hidden[batch.row, batch.pos]
         return fused_support_logprobs(hidden, model.lm_head.weight, batch.support, temperature,

@@ -31,7 +31,7 @@ from actors import Actor
 from rollout.model.checkpoint import load_pretrained, save_pretrained, state_dict_arrays
 from rollout.sample import Sample
 from trainer.advantages import grpo_advantages
-from trainer.batch import collate, per_sample_tensors
+from trainer.batch import collate, collate_packed, per_sample_tensors
 from trainer.config import TrainerConfig
 from trainer.forward import response_logprobs
 from trainer.losses import policy_loss
@@ -108,9 +108,10 @@ class TrainerActor(Actor):
             chunk = samples[i:i + mbs]
             # traces travel whenever captured (the flip metrics compare against them); the
             # forward replays only the enabled ones
-            yield chunk, collate(chunk, routing=chunk[0].routed_experts is not None,
-                                 indexer=chunk[0].indexer_topk is not None,
-                                 support=cfg.use_support_replay)
+            build = collate_packed if cfg.use_packing else collate
+            yield chunk, build(chunk, routing=chunk[0].routed_experts is not None,
+                               indexer=chunk[0].indexer_topk is not None,
+                               support=cfg.use_support_replay)
 
     def _forward(self, batch, capture: bool = False):
         cfg = self.config

@@ -300,7 +300,8 @@ class Qwen3MoeForCausalLM(nn.Module):
                 indexer_topk: torch.Tensor | None = None,
                 capture: bool = False,
                 return_hidden: bool = False,
-                compute_logits: bool = True) -> CausalLMOutput:
+                compute_logits: bool = True,
+                segment_ids: torch.Tensor | None = None) -> CausalLMOutput:
         """Forward S new tokens of B rows, after the S_past tokens in `kv_cache` (if any).
 
         input_ids: int `[B, S]` in [0, vocab_size). position_ids: int `[B, S]` RoPE positions in
@@ -319,6 +320,8 @@ class Qwen3MoeForCausalLM(nn.Module):
             causal and not padding; a row of only -1 keeps the indexer's own choice.
         capture: return the experts / key slots actually used (int32) in the output.
         return_hidden: also return the final-norm hidden states.
+        segment_ids: int `[B, S]` or None: packed rows hold several samples; a query attends
+            only to keys (and indexer candidates) of its own segment. Not with a KV cache.
         compute_logits: False skips the LM head (``logits`` is None): a caller that projects
             only candidate tokens from ``hidden`` (fused support replay) never holds [B, S, V].
 
@@ -337,6 +340,11 @@ class Qwen3MoeForCausalLM(nn.Module):
         causal = k_slot[None, :] <= q_slot[:, None]
         own_slot = (k_slot[None, :] == q_slot[:, None])[None]
         allowed = causal[None] & key_padding_mask[:, None, :]
+        if segment_ids is not None:
+            if kv_cache is not None or segment_ids.shape != input_ids.shape:
+                raise ModelInputError(f"segment_ids must be [B, S] = {tuple(input_ids.shape)} and "
+                                      f"used without a KV cache, got {tuple(segment_ids.shape)}")
+            allowed = allowed & (segment_ids[:, :, None] == segment_ids[:, None, :])
         query_real = key_padding_mask[:, s_past:, None]
         masks = _Masks(allowed=allowed, dense=allowed | own_slot,
                        candidates=allowed & query_real, own_slot=own_slot)

@@ -26,6 +26,9 @@ def _train(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("replayrl: interrupted; all actors stopped", file=sys.stderr)
         return 130
+    except ConfigError as exc:
+        print(f"replayrl: configuration error: {exc}", file=sys.stderr)
+        return 2
     except Exception as exc:  # the actor's traceback is part of the message
         print(f"replayrl: run failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

@@ -38,6 +38,8 @@ class RunConfig:
         save_dir: checkpoint directory (``--save``; default ``<output_dir>/checkpoints``).
         save_interval: checkpoint every this many steps (``--save-interval``; 0 = never).
         load: checkpoint directory to resume from (``--load``).
+        metrics_hooks: ``module:function`` loggers called after each step with the frozen
+            config and a read-only view of the metrics (``--metrics-hook``, repeatable).
     """
 
     num_steps: int = 400
@@ -51,6 +53,7 @@ class RunConfig:
     save_dir: str = ""
     save_interval: int = 0
     load: str = ""
+    metrics_hooks: tuple[str, ...] = ()
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
@@ -63,6 +66,7 @@ class RunConfig:
             (self.engine_dtype in ("bfloat16", "float32"), "--engine-dtype must be bfloat16 or float32"),
             (self.transport in ("ipc", "tcp"), "--transport must be ipc or tcp"),
             (self.save_interval >= 0, "--save-interval must be >= 0"),
+            (all(":" in h for h in self.metrics_hooks), "--metrics-hook must be module:function"),
             (self.trainer.temperature == self.rollout.temperature,
              "--rollout-temperature must reach the trainer unchanged (logprobs of logits / T)"),
             (not self.load or (Path(self.load) / "run_state.json").is_file(),
@@ -148,6 +152,9 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, help="TOML or JSON file with the same keys as the flags")
     for flag, (_, _, typ, help_) in _FLAGS.items():
         parser.add_argument(f"--{flag}", type=typ, default=argparse.SUPPRESS, help=help_)
+    parser.add_argument("--metrics-hook", dest="metrics_hook", action="append",
+                        default=argparse.SUPPRESS, metavar="MODULE:FUNCTION",
+                        help="call FUNCTION(config, metrics) after each step (repeatable)")
     for flag, (_, _, help_) in _BOOL_FLAGS.items():
         parser.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction,
                             default=argparse.SUPPRESS, help=help_)
@@ -171,6 +178,8 @@ def _typed(key: str, value: Any, path: Path) -> Any:
     """A config-file value checked against its flag's type (argparse does this for flags)."""
     if key in _BOOL_FLAGS:
         ok = isinstance(value, bool)
+    elif key == "metrics-hook":
+        return value  # checked in build_config
     elif key in _FLAGS:
         typ = _FLAGS[key][2]
         ok = (isinstance(value, typ) and not isinstance(value, bool)) or (
@@ -192,6 +201,11 @@ def build_config(values: dict[str, Any]) -> RunConfig:
     """
     sections: dict[str | None, dict[str, Any]] = {None: {}, "rollout": {}, "trainer": {}}
     for key, value in values.items():
+        if key == "metrics-hook":
+            if isinstance(value, str) or not all(isinstance(v, str) for v in value):
+                raise ConfigError("--metrics-hook must be a list of module:function strings")
+            sections[None]["metrics_hooks"] = tuple(value)
+            continue
         if key in _FLAGS:
             section, name = _FLAGS[key][0], _FLAGS[key][1]
         elif key in _BOOL_FLAGS:
@@ -211,6 +225,8 @@ def build_config(values: dict[str, Any]) -> RunConfig:
 def config_from_args(args: argparse.Namespace) -> RunConfig:
     """Merge ``--config`` file values and the flags given on the command line."""
     values = _read_file(args.config) if getattr(args, "config", None) else {}
+    if getattr(args, "metrics_hook", None):
+        values["metrics-hook"] = list(args.metrics_hook)
     known = set(_FLAGS) | set(_BOOL_FLAGS)
     values.update({k.replace("_", "-"): v for k, v in vars(args).items()
                    if k.replace("_", "-") in known})

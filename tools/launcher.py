@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib
 import json
 import logging
 import shutil
@@ -20,7 +21,7 @@ from rollout.model.checkpoint import save_pretrained
 from rollout.model.config import default_config
 from rollout.model.qwen3_moe import Qwen3MoeForCausalLM
 from rollout.task import VOCABULARY
-from tools.config import RunConfig
+from tools.config import ConfigError, RunConfig
 from tools.metrics import MetricsRecorder
 from tools.train_loop import train_loop
 
@@ -33,6 +34,22 @@ class RunResult:
     metrics_path: Path
     plot_path: Path
     rows: list
+
+
+def load_hook(path: str):
+    """The function named ``module:function`` (``--metrics-hook``).
+
+    Raises:
+        ConfigError: not importable or not callable.
+    """
+    module, _, name = path.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"--metrics-hook {path}: {exc}") from None
+    if not callable(fn):
+        raise ConfigError(f"--metrics-hook {path}: not callable")
+    return fn
 
 
 def write_initial_checkpoint(config: RunConfig, directory: Path) -> Path:
@@ -82,6 +99,7 @@ async def launch(config: RunConfig, log_level: int = logging.WARNING,
         actors.ActorDied: an actor process exited (its traceback is in the message).
         actors.RemoteError: an actor method raised (remote traceback in the message).
     """
+    hooks = [load_hook(h) for h in config.metrics_hooks]  # fail before anything starts
     output = Path(config.output_dir)
     output.mkdir(parents=True, exist_ok=True)
     (output / "config.json").write_text(json.dumps(config.to_dict(), indent=1))
@@ -90,7 +108,7 @@ async def launch(config: RunConfig, log_level: int = logging.WARNING,
     try:
         specs = specs if specs is not None else actor_specs(config, checkpoint)
         directory = Directory.for_run(run_dir, [s.name for s in specs], config.transport)
-        with MetricsRecorder(output, config.num_steps, config.progress) as recorder:
+        with MetricsRecorder(output, config.num_steps, config.progress, hooks, config) as recorder:
             async with Supervisor(specs, directory, run_dir, log_level=log_level) as supervisor:
                 loop_task = asyncio.ensure_future(train_loop(directory, config, recorder.record))
                 watch_task = asyncio.ensure_future(supervisor.watch())

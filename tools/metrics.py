@@ -4,7 +4,8 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Sequence
+from types import MappingProxyType
+from typing import Any, Callable, Mapping, Sequence
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -21,13 +22,28 @@ def edge_means(values: Sequence[float], fraction: float = 0.1) -> tuple[float, f
     return sum(values[:k]) / k, sum(values[-k:]) / k
 
 
+def frozen(value: Any) -> Any:
+    """A read-only view of JSON-like data: dicts become mappingproxies, lists tuples."""
+    if isinstance(value, dict):
+        return MappingProxyType({k: frozen(v) for k, v in value.items()})
+    if isinstance(value, (list, tuple)):
+        return tuple(frozen(v) for v in value)
+    return value
+
+
 class MetricsRecorder:
     """Writes ``metrics.jsonl`` under ``output_dir`` and drives a rich progress bar.
 
     Use as a context manager; :meth:`record` is the ``on_step`` callback of the train loop.
+    ``hooks`` (``--metrics-hook``) are called after each step as ``hook(config, metrics)`` with
+    the frozen run config and a read-only view of the step's metrics: a logger can neither change
+    the run nor what later loggers see, and nothing is copied defensively.
     """
 
-    def __init__(self, output_dir: str | Path, num_steps: int, show_progress: bool = True) -> None:
+    def __init__(self, output_dir: str | Path, num_steps: int, show_progress: bool = True,
+                 hooks: Sequence[Callable[[Any, Mapping], None]] = (), config: Any = None) -> None:
+        self.hooks = tuple(hooks)
+        self.config = config
         self.output_dir = Path(output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.output_dir / "metrics.jsonl"
@@ -51,9 +67,15 @@ class MetricsRecorder:
         self.rows.append(metrics)
         self._file.write(json.dumps(metrics) + "\n")
         self._file.flush()
+        refill = (f"  groups {metrics['admitted_groups']} in {metrics['refill_rounds']} refill rounds"
+                  if "refill_rounds" in metrics else "")
         self._progress.update(self._task, advance=1, status=(
             f"reward {metrics['reward_mean']:.3f}  |Δlogp| {metrics['train_rollout_logprob_abs_diff']:.4f}"
-            f"  stale {metrics['staleness_mean']:.1f}  {metrics['step_seconds']:.2f}s/step"))
+            f"  stale {metrics['staleness_mean']:.1f}  flips {metrics.get('routing_flip_rate', 0):.0f}"
+            f"/{metrics.get('indexer_flip_rate', 0):.0f}{refill}  {metrics['step_seconds']:.2f}s/step"))
+        view = frozen(metrics)
+        for hook in self.hooks:
+            hook(self.config, view)
 
     def plot(self) -> Path:
         """Save ``reward.png`` (reward mean per step) and return its path."""

@@ -1,0 +1,23 @@
+"""A metrics hook for tests: records what it saw and what it could not change."""
+from __future__ import annotations
+
+import dataclasses
+
+SEEN: list = []
+
+
+def record(config, metrics) -> None:
+    outcome = {"step": metrics["step"], "reward": metrics["reward_mean"]}
+    try:
+        metrics["reward_mean"] = 99.0
+    except TypeError:
+        outcome["metrics_read_only"] = True
+    try:
+        metrics["refill_round_detail" if "refill_round_detail" in metrics else "prompt_indices"].append(1)
+    except AttributeError:
+        outcome["nested_read_only"] = True
+    try:
+        config.rollout.top_k = 1
+    except dataclasses.FrozenInstanceError:
+        outcome["config_frozen"] = True
+    SEEN.append(outcome)

@@ -29,6 +29,9 @@ class RolloutConfig:
         num_values: prompt digits are drawn from ``0 .. num_values - 1``.
         dataset_size: distinct prompts in the embedded dataset.
         generate_timeout_s: seconds the manager waits for one engine call.
+        custom_reward: ``module:function`` replacing the task's verifier (``--custom-reward``),
+            called as ``fn(prompt_ids, response_ids, loss_mask, answer_id, config)`` with
+            read-only arrays and this frozen config; must return a finite float.
     """
 
     seed: int = 1
@@ -44,6 +47,7 @@ class RolloutConfig:
     num_values: int = 5
     dataset_size: int = 4096
     generate_timeout_s: float = 300.0
+    custom_reward: str = ""
 
     def __post_init__(self) -> None:
         checks = [
@@ -59,6 +63,8 @@ class RolloutConfig:
             (2 <= self.num_values <= 10, "--num-values must be in [2, 10]"),
             (self.dataset_size >= 1, "dataset_size must be >= 1"),
             (self.generate_timeout_s > 0, "--rollout-timeout-seconds must be > 0"),
+            (not self.custom_reward or ":" in self.custom_reward,
+             "--custom-reward must be module:function"),
         ]
         for ok, message in checks:
             if not ok:

@@ -9,6 +9,7 @@ trainer), never through the driver. Its data-source state is checkpointable.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import time
 
 import numpy as np
@@ -24,6 +25,22 @@ from rollout.trajectory import merge_turns
 
 class RolloutError(RuntimeError):
     """A rollout could not be produced or handed over (names the rollout id)."""
+
+
+def _load_function(path: str):
+    """The callable named ``module:function`` (``--custom-reward``).
+
+    Raises:
+        RolloutError: not importable or not callable.
+    """
+    module, _, name = path.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise RolloutError(f"--custom-reward {path}: {exc}") from None
+    if not callable(fn):
+        raise RolloutError(f"--custom-reward {path}: not callable")
+    return fn
 
 
 class RolloutManager(Actor):
@@ -43,6 +60,7 @@ class RolloutManager(Actor):
         self.engines = list(engines)
         self.task = DigitTask(num_digits=self.config.num_digits, num_values=self.config.num_values)
         self.tool_env = DigitToolEnv(self.task)
+        self.custom_reward = _load_function(self.config.custom_reward) if self.config.custom_reward else None
         self.require_traces = tuple(require_traces)
         self.data = PromptDataSource(self.task, self.config.seed, self.config.dataset_size)
         self.replacement_data = PromptDataSource(self.task, self.config.seed + 7919,
@@ -135,6 +153,9 @@ class RolloutManager(Actor):
                                           "sample_support", "routed_experts", "indexer_topk")}
             reward = self.tool_env.reward(np.asarray(gen["response_ids"]), np.asarray(gen["loss_mask"]),
                                           prompt.answer_id)
+        if self.custom_reward is not None:
+            reward = float(self.custom_reward(prompt.prompt_ids, fields["response_ids"],
+                                              fields["loss_mask"], prompt.answer_id, self.config))
         return Sample(sample_id=sample_id, group_id=group_id, rollout_id=rollout_id,
                       policy_version=version, prompt_ids=prompt.prompt_ids, reward=reward,
                       status="completed" if gen["finish_reason"] == "stop" else "truncated",

@@ -21,3 +21,23 @@ def record(config, metrics) -> None:
     except dataclasses.FrozenInstanceError:
         outcome["config_frozen"] = True
     SEEN.append(outcome)
+
+
+REWARD_CALLS: list = []
+
+
+def quarter_reward(prompt_ids, response_ids, loss_mask, answer_id, config) -> float:
+    """A custom verifier that checks it cannot change what it was given."""
+    try:
+        response_ids[0] = 0
+        writable = True
+    except ValueError:
+        writable = False
+    try:
+        config.top_k = 1
+        frozen = False
+    except dataclasses.FrozenInstanceError:
+        frozen = True
+    if writable or not frozen:
+        raise AssertionError("custom reward received mutable inputs")
+    return 0.25

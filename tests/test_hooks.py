@@ -30,3 +30,11 @@ async def test_unknown_hook_fails_before_any_process_starts(tmp_path):
     with pytest.raises(ConfigError, match="--metrics-hook tests.hook_fixtures:nope"):
         await launch(config)
     assert not (tmp_path / "x").exists()
+
+
+async def test_custom_reward_gets_read_only_inputs_and_sets_the_reward(tmp_path):
+    config = build_config({"rollout-batch-size": 2, "n-samples-per-prompt": 2, "num-steps": 1,
+                           "progress": False, "output-dir": str(tmp_path),
+                           "custom-reward": "tests.hook_fixtures:quarter_reward"})
+    result = await launch(config)
+    assert result.rows[0]["reward_mean"] == 0.25

@@ -104,6 +104,7 @@ _FLAGS: dict[str, tuple[str | None, str, Any, str]] = {
                           "generated turns per trajectory (tool environment when > 1)"),
     "rollout-timeout-seconds": ("rollout", "generate_timeout_s", float, "engine call timeout"),
     "num-digits": ("rollout", "num_digits", int, "digits per prompt of the embedded task"),
+    "custom-reward": ("rollout", "custom_reward", str, "module:function replacing the task verifier"),
     "num-values": ("rollout", "num_values", int, "prompt digits are drawn from 0..num-values-1"),
     "lr": ("trainer", "lr", float, "AdamW learning rate"),
     "weight-decay": ("trainer", "weight_decay", float, "AdamW weight decay"),

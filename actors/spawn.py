@@ -44,19 +44,32 @@ class ActorSpec:
     env: dict[str, str] = field(default_factory=dict)
 
 
+def import_object(path: str) -> Any:
+    """The object named ``"package.module:qualname"`` (actor classes, hooks, reward functions).
+
+    Raises:
+        ValueError: not of that form, or the module / attribute does not exist (the message
+            names ``path``).
+    """
+    module, _, qualname = path.partition(":")
+    if not module or not qualname:
+        raise ValueError(f"expected 'module:name', got {path!r}")
+    try:
+        obj: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    return obj
+
+
 def import_actor_class(path: str) -> type[Actor]:
     """The Actor subclass named ``"package.module:ClassName"``.
 
     Raises:
-        ValueError: not of that form. TypeError: not an Actor subclass. ImportError /
-        AttributeError: no such module / class.
+        ValueError: as :func:`import_object`. TypeError: not an Actor subclass.
     """
-    module, _, qualname = path.partition(":")
-    if not qualname:
-        raise ValueError(f"actor class must be 'module:Class', got {path!r}")
-    obj: Any = importlib.import_module(module)
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
+    obj = import_object(path)
     if not (isinstance(obj, type) and issubclass(obj, Actor)):
         raise TypeError(f"{path} is not an Actor subclass")
     return obj

@@ -9,12 +9,11 @@ trainer), never through the driver. Its data-source state is checkpointable.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import time
 
 import numpy as np
 
-from actors import Actor, concurrent
+from actors import Actor, concurrent, import_object
 from rollout.config import RolloutConfig
 from rollout.data_source import Prompt, PromptDataSource
 from rollout.sample import Sample, SampleError
@@ -33,11 +32,10 @@ def _load_function(path: str):
     Raises:
         RolloutError: not importable or not callable.
     """
-    module, _, name = path.partition(":")
     try:
-        fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as exc:
-        raise RolloutError(f"--custom-reward {path}: {exc}") from None
+        fn = import_object(path)
+    except ValueError as exc:
+        raise RolloutError(f"--custom-reward {exc}") from None
     if not callable(fn):
         raise RolloutError(f"--custom-reward {path}: not callable")
     return fn

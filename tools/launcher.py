@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import importlib
 import json
 import logging
 import shutil
@@ -16,7 +15,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from actors import ActorSpec, Directory, Supervisor
+from actors import ActorSpec, Directory, Supervisor, import_object
 from rollout.model.checkpoint import save_pretrained
 from rollout.model.config import default_config
 from rollout.model.qwen3_moe import Qwen3MoeForCausalLM
@@ -42,11 +41,10 @@ def load_hook(path: str):
     Raises:
         ConfigError: not importable or not callable.
     """
-    module, _, name = path.partition(":")
     try:
-        fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"--metrics-hook {path}: {exc}") from None
+        fn = import_object(path)
+    except ValueError as exc:
+        raise ConfigError(f"--metrics-hook {exc}") from None
     if not callable(fn):
         raise ConfigError(f"--metrics-hook {path}: not callable")
     return fn

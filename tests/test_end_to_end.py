@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from actors import ActorSpec, Directory, RemoteError, Supervisor
+from actors import Directory, RemoteError, Supervisor
 from rollout.model.config import default_config
 from rollout.sample import Sample
 from rollout.task import VOCABULARY

@@ -185,7 +185,7 @@ def test_engine_matches_full_forward(reference, params, dtype, atol):
     assert {g.finish_reason for g in gens} == {"stop", "length"}
     removed = 0
     for prompt, g in zip(PROMPTS, gens):
-        P, R = len(prompt), len(g.response_ids)
+        P = len(prompt)
         out = full_forward(model, prompt, g.response_ids)
         logits = out.logits[0, P - 1:].numpy()  # positions that predicted the response
         expected = support_replay_logprobs(logits, g.response_ids, g.sample_support, params.temperature)

@@ -186,10 +186,12 @@ class TrainerActor(Actor):
             self.cache.clear()  # nothing survives a step, on success or error
         self.version += 1
         await self.ref(self.clock_name).call("set_trainer_version", self.version, timeout=timeout)
+        seconds = time.perf_counter() - start
         metrics.update(rollout_id=rollout_id, trainer_version=self.version,
                        staleness_mean=float(np.mean([trainer_version - s.policy_version for s in admitted])),
                        staleness_max=int(max(trainer_version - s.policy_version for s in admitted)),
-                       train_seconds=time.perf_counter() - start)
+                       train_seconds=seconds,
+                       effective_tokens_per_second=metrics["accepted_tokens"] / seconds)
         return metrics
 
     def _update(self, samples: list[Sample], token_accept: dict[int, torch.Tensor]) -> dict:

@@ -52,7 +52,9 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         checks = [
             (self.rollout_batch_size >= 1, "--rollout-batch-size must be >= 1"),
-            (self.n_samples_per_prompt >= 1, "--n-samples-per-prompt must be >= 1"),
+            (self.n_samples_per_prompt >= 2, "--n-samples-per-prompt must be >= 2: GRPO's "
+                                             "group-relative advantage of a single sample is 0"),
+            (0 <= self.seed < 2 ** 32, "--seed must be in [0, 2**32)"),
             (self.temperature > 0, "--rollout-temperature must be > 0"),
             (self.top_k == -1 or self.top_k >= 1, "--rollout-top-k must be -1 (off) or >= 1"),
             (0 < self.top_p <= 1, "--rollout-top-p must be in (0, 1]"),

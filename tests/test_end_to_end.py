@@ -111,7 +111,9 @@ async def test_actor_exception_ends_run_with_its_traceback_and_leaves_nothing(tm
     assert not [p for p in set(_children(os.getpid())) - before if _alive(p)]
 
 
-def test_ctrl_c_stops_every_process_and_removes_ipc_files(tmp_path):
+@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)],
+                         ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_stops_every_process_and_removes_ipc_files(tmp_path, signum, code):
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": str(REPO)}
@@ -128,11 +130,11 @@ def test_ctrl_c_stops_every_process_and_removes_ipc_files(tmp_path):
         time.sleep(0.2)
     actors = _children(proc.pid)
     assert len([p for p in actors if _alive(p)]) >= 4  # clock, engine, manager, trainer
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signum)
     start = time.monotonic()
     _, err = proc.communicate(timeout=30)
     assert time.monotonic() - start < 15, "shutdown took too long"
-    assert proc.returncode == 130, err
+    assert proc.returncode == code, err
     # actors are gone at exit; multiprocessing's resource tracker follows within moments
     deadline = time.monotonic() + 5
     while [p for p in actors if _alive(p)] and time.monotonic() < deadline:

@@ -144,12 +144,20 @@ def run(prompts: int = 256, seed: int = 1, top_k: int = 20, response_len: int = 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry: prints the table, saves the plot."""
     parser = argparse.ArgumentParser(prog="replayrl bench parity", description=__doc__.splitlines()[0])
-    parser.add_argument("--prompts", type=int, default=256)
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--rollout-top-k", type=int, default=20)
-    parser.add_argument("--response-len", type=int, default=8)
-    parser.add_argument("--plot", default="parity.png")
+    parser.add_argument("--prompts", type=int, default=256, help="trajectories generated (>= 1)")
+    parser.add_argument("--seed", type=int, default=1, help="weights, prompts and sampling (>= 0)")
+    parser.add_argument("--rollout-top-k", type=int, default=20,
+                        help=f"sampler top-k, 1..{len(VOCABULARY)} (or -1)")
+    parser.add_argument("--response-len", type=int, default=8, help="new tokens (>= 1)")
+    parser.add_argument("--plot", default="parity.png", help="where the bar chart goes")
     args = parser.parse_args(argv)
+    for ok, message in ((args.prompts >= 1, "--prompts must be >= 1"),
+                        (args.seed >= 0, "--seed must be >= 0"),
+                        (args.rollout_top_k == -1 or 1 <= args.rollout_top_k <= len(VOCABULARY),
+                         f"--rollout-top-k must be -1 or in [1, {len(VOCABULARY)}]"),
+                        (1 <= args.response_len <= 200, "--response-len must be in [1, 200]")):
+        if not ok:
+            parser.error(message)
     torch.set_num_threads(1)
     rows = run(args.prompts, args.seed, args.rollout_top_k, args.response_len)
     print(table(rows))

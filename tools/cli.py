@@ -7,9 +7,18 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 
 from tools.config import ConfigError, add_run_flags, config_from_args
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (timeout, slurm, k8s) handled like Ctrl-C: stop every actor, then exit 143."""
+
+
+def _on_sigterm(signum, frame) -> None:
+    raise Terminated()
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -21,8 +30,12 @@ def _train(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"replayrl: configuration error: {exc}", file=sys.stderr)
         return 2
+    signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         result = run_event_loop(launch(config, log_level=getattr(logging, args.log_level)))
+    except Terminated:
+        print("replayrl: terminated; all actors stopped", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:
         print("replayrl: interrupted; all actors stopped", file=sys.stderr)
         return 130
@@ -60,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="run asynchronous GRPO on the embedded default")
     add_run_flags(train)
     train.add_argument("--log-level", default="WARNING",
-                       choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+                       choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                       help="log level of the actor processes (default: WARNING)")
     train.set_defaults(func=_train)
     repl = sub.add_parser("repl", help="interactive actor REPL on a live run")
     add_run_flags(repl)
@@ -76,7 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``replayrl`` console script."""
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:  # e.g. Ctrl-C while torch is still importing, before any actor
+        print("replayrl: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

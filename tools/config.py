@@ -15,7 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from rollout.config import RolloutConfig
+from rollout.model.config import default_config
+from rollout.task import VOCABULARY
 from trainer.config import TrainerConfig
+
+
+MAX_POSITIONS = default_config(len(VOCABULARY)).max_position_embeddings
 
 
 class ConfigError(ValueError):
@@ -66,17 +71,41 @@ class RunConfig:
             (self.engine_dtype in ("bfloat16", "float32"), "--engine-dtype must be bfloat16 or float32"),
             (self.transport in ("ipc", "tcp"), "--transport must be ipc or tcp"),
             (self.save_interval >= 0, "--save-interval must be >= 0"),
+            (self.engine_torch_threads >= 1, "--engine-torch-threads must be >= 1"),
+            (self.rollout.top_k <= len(VOCABULARY),
+             f"--rollout-top-k must be <= the vocabulary size {len(VOCABULARY)} (or -1)"),
+            (self.max_context_tokens <= MAX_POSITIONS,
+             f"--num-digits + 3 + --rollout-max-turns x (--rollout-max-response-len + 2) = "
+             f"{self.max_context_tokens} tokens exceeds the model's {MAX_POSITIONS} positions"),
             (all(":" in h for h in self.metrics_hooks), "--metrics-hook must be module:function"),
             (self.trainer.temperature == self.rollout.temperature,
              "--rollout-temperature must reach the trainer unchanged (logprobs of logits / T)"),
-            (not self.load or (Path(self.load) / "run_state.json").is_file(),
-             f"--load {self.load}: not a replayrl checkpoint (no run_state.json)"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+        if self.load:
+            self._check_checkpoint()
         if not self.save_dir:
             object.__setattr__(self, "save_dir", str(Path(self.output_dir) / "checkpoints"))
+
+    @property
+    def max_context_tokens(self) -> int:
+        """Longest trajectory the run can produce: prompt, turns and tool observations."""
+        r = self.rollout
+        return r.num_digits + 3 + r.max_turns * (r.max_response_len + 2)
+
+    def _check_checkpoint(self) -> None:
+        path = Path(self.load) / "run_state.json"
+        try:
+            state = json.loads(path.read_text())
+            next_step = int(state["next_step"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(f"--load {self.load}: not a readable replayrl checkpoint "
+                              f"({path}: {type(exc).__name__}: {exc})") from None
+        if next_step >= self.num_steps:
+            raise ConfigError(f"--load {self.load} already completed {next_step} steps; "
+                              f"--num-steps {self.num_steps} leaves nothing to do")
 
     def to_dict(self) -> dict:
         """Nested plain dict (written to ``output_dir/config.json``)."""
@@ -151,14 +180,22 @@ _BOOL_FLAGS: dict[str, tuple[str | None, str, str]] = {
 def add_run_flags(parser: argparse.ArgumentParser) -> None:
     """Add every run flag (defaults suppressed, so only given flags override the config file)."""
     parser.add_argument("--config", type=Path, help="TOML or JSON file with the same keys as the flags")
-    for flag, (_, _, typ, help_) in _FLAGS.items():
-        parser.add_argument(f"--{flag}", type=typ, default=argparse.SUPPRESS, help=help_)
+    defaults = RunConfig().to_dict()
+
+    def default(section: str | None, name: str) -> Any:
+        return defaults[name] if section is None else defaults[
+            "rollout" if section == "both" else section][name]
+
+    for flag, (section, name, typ, help_) in _FLAGS.items():
+        parser.add_argument(f"--{flag}", type=typ, default=argparse.SUPPRESS,
+                            help=f"{help_} (default: {default(section, name)!r})")
     parser.add_argument("--metrics-hook", dest="metrics_hook", action="append",
                         default=argparse.SUPPRESS, metavar="MODULE:FUNCTION",
                         help="call FUNCTION(config, metrics) after each step (repeatable)")
-    for flag, (_, _, help_) in _BOOL_FLAGS.items():
+    for flag, (section, name, help_) in _BOOL_FLAGS.items():
         parser.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction,
-                            default=argparse.SUPPRESS, help=help_)
+                            default=argparse.SUPPRESS,
+                            help=f"{help_} (default: {'on' if default(section, name) else 'off'})")
 
 
 def _read_file(path: Path) -> dict[str, Any]:
@@ -166,13 +203,23 @@ def _read_file(path: Path) -> dict[str, Any]:
         text = path.read_text()
     except OSError as exc:
         raise ConfigError(f"--config {path}: {exc}") from None
+    if path.suffix not in (".toml", ".json"):
+        raise ConfigError(f"--config {path}: use a .toml or .json file")
     try:
         data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
     except (json.JSONDecodeError, tomllib.TOMLDecodeError) as exc:
-        raise ConfigError(f"--config {path}: not valid {path.suffix or 'TOML'}: {exc}") from None
+        raise ConfigError(f"--config {path}: not valid {path.suffix[1:].upper()}: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"--config {path}: top level must be a table / object of flag = value")
-    return {k.replace("_", "-"): _typed(k.replace("_", "-"), v, path) for k, v in data.items()}
+    values: dict[str, Any] = {}
+    for raw, value in data.items():
+        key = raw.replace("_", "-")
+        if key in values:
+            raise ConfigError(f"--config {path}: --{key} is given twice (as dashes and underscores)")
+        if key not in _FLAGS and key not in _BOOL_FLAGS and key != "metrics-hook":
+            raise ConfigError(f"--config {path}: unknown key {raw!r} (no flag --{key})")
+        values[key] = _typed(key, value, path)
+    return values
 
 
 def _typed(key: str, value: Any, path: Path) -> Any:

@@ -35,19 +35,30 @@ class RunResult:
     rows: list
 
 
-def load_hook(path: str):
-    """The function named ``module:function`` (``--metrics-hook``).
+def load_hook(path: str, flag: str):
+    """The function named ``module:function`` given to ``flag``.
 
     Raises:
-        ConfigError: not importable or not callable.
+        ConfigError: not importable or not callable (names the flag).
     """
     try:
         fn = import_object(path)
     except ValueError as exc:
-        raise ConfigError(f"--metrics-hook {exc}") from None
+        raise ConfigError(f"{flag} {exc}") from None
     if not callable(fn):
-        raise ConfigError(f"--metrics-hook {path}: not callable")
+        raise ConfigError(f"{flag} {path}: not callable")
     return fn
+
+
+def check_writable(directory: Path, flag: str) -> None:
+    """Raise :class:`ConfigError` unless ``directory`` can be created and written."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / ".replayrl-write-check"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(f"{flag} {directory}: not writable: {exc}") from None
 
 
 def write_initial_checkpoint(config: RunConfig, directory: Path) -> Path:
@@ -97,7 +108,12 @@ async def launch(config: RunConfig, log_level: int = logging.WARNING,
         actors.ActorDied: an actor process exited (its traceback is in the message).
         actors.RemoteError: an actor method raised (remote traceback in the message).
     """
-    hooks = [load_hook(h) for h in config.metrics_hooks]  # fail before anything starts
+    # everything that can be checked is checked before any process starts
+    hooks = [load_hook(h, "--metrics-hook") for h in config.metrics_hooks]
+    if config.rollout.custom_reward:
+        load_hook(config.rollout.custom_reward, "--custom-reward")
+    if config.save_interval:
+        check_writable(Path(config.save_dir), "--save")
     output = Path(config.output_dir)
     output.mkdir(parents=True, exist_ok=True)
     (output / "config.json").write_text(json.dumps(config.to_dict(), indent=1))

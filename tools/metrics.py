@@ -100,7 +100,7 @@ class MetricsRecorder:
     def summary(self) -> str:
         """One line: first / last 10 % reward means, their ratio, steps, seconds."""
         first, last = edge_means([r["reward_mean"] for r in self.rows])
-        ratio = last / first if first > 0 else float("inf")
+        ratio = f"{last / first:.1f}x" if first > 0 else "n/a (first10% is 0)"
         seconds = sum(r["step_seconds"] for r in self.rows)
         return (f"replayrl: {len(self.rows)} steps in {seconds:.0f}s  reward first10%={first:.3f} "
-                f"last10%={last:.3f} ratio={ratio:.1f}x  metrics={self.path}")
+                f"last10%={last:.3f} ratio={ratio}  metrics={self.path}")

@@ -82,6 +82,11 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         checks = [
             (self.lr > 0, "--lr must be > 0"),
+            (self.weight_decay >= 0, "--weight-decay must be >= 0"),
+            (self.torch_threads >= 1, "--trainer-torch-threads must be >= 1"),
+            (0 <= self.seed < 2 ** 32, "--seed must be in [0, 2**32)"),
+            (self.rs_mode != "none" or (self.rs_lower, self.rs_upper) == (0.0, float("inf")),
+             "--rs-lower / --rs-upper need --rs-mode token|sequence|geometric"),
             (self.clip_grad > 0, "--clip-grad must be > 0"),
             (0 < self.eps_clip < 1, "--eps-clip must be in (0, 1)"),
             (self.eps_clip_high > 0, "--eps-clip-high must be > 0"),

@@ -18,6 +18,7 @@ trained sample is admitted whole, so both denominators are the same number.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -43,9 +44,9 @@ class RSGate:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise RSConfigError(f"--rs-mode must be one of {MODES}, got {self.mode!r}")
-        if self.mode != "none" and not (0 < self.lower <= self.upper):
-            raise RSConfigError(f"--rs-lower / --rs-upper must satisfy 0 < lower <= upper, got "
-                                f"{self.lower} / {self.upper}")
+        if self.mode != "none" and not (0 < self.lower <= self.upper and math.isfinite(self.lower)):
+            raise RSConfigError(f"--rs-lower / --rs-upper must satisfy 0 < lower <= upper with a "
+                                f"finite lower bound, got {self.lower} / {self.upper}")
 
     @property
     def active(self) -> bool:

@@ -1,0 +1,60 @@
+"""Values that used to get past the configuration and fail inside an actor now fail up front."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tools.config import ConfigError, build_config, config_from_args
+from tools.cli import build_parser
+
+
+@pytest.mark.parametrize("values, flag", [
+    ({"seed": -1}, "--seed"),
+    ({"seed": 2 ** 70}, "--seed"),
+    ({"engine-torch-threads": 0}, "--engine-torch-threads"),
+    ({"trainer-torch-threads": 0}, "--trainer-torch-threads"),
+    ({"weight-decay": -1.0}, "--weight-decay"),
+    ({"rs-mode": "token", "rs-lower": float("inf"), "rs-upper": float("inf")}, "--rs-lower"),
+    ({"rs-lower": 2.0, "rs-upper": 1.0}, "--rs-mode"),
+    ({"rollout-top-k": 100000}, "--rollout-top-k"),
+    ({"rollout-max-response-len": 1000}, "--rollout-max-response-len"),
+    ({"num-digits": 300}, "--num-digits"),
+    ({"n-samples-per-prompt": 1}, "--n-samples-per-prompt"),
+])
+def test_out_of_range_values_name_their_flag(values, flag):
+    with pytest.raises(ConfigError, match=flag):
+        build_config(values)
+
+
+def test_longest_context_is_exactly_the_model_limit():
+    # 250 digits + 3 prompt tokens + 1 turn x (1 token + 2) = 256 positions: accepted
+    assert build_config({"num-digits": 250, "rollout-max-response-len": 1}).max_context_tokens == 256
+    with pytest.raises(ConfigError, match="257 tokens"):
+        build_config({"num-digits": 251, "rollout-max-response-len": 1})
+
+
+def test_checkpoints_that_cannot_resume_are_rejected(tmp_path):
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    (corrupt / "run_state.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="not a readable replayrl checkpoint.*run_state.json"):
+        build_config({"load": str(corrupt)})
+    done = tmp_path / "done"
+    done.mkdir()
+    (done / "run_state.json").write_text(json.dumps({"next_step": 4}))
+    with pytest.raises(ConfigError, match="already completed 4 steps"):
+        build_config({"load": str(done), "num-steps": 4})
+    assert build_config({"load": str(done), "num-steps": 5}).load == str(done)
+
+
+@pytest.mark.parametrize("name, text, match", [
+    ("dup.json", json.dumps({"num_steps": 3, "num-steps": 4}), "given twice"),
+    ("run.yaml", "num-steps: 3\n", "use a .toml or .json"),
+    ("bad.toml", "rollout_batchsize = 4\n", "bad.toml: unknown key"),
+])
+def test_config_file_problems_name_the_file(tmp_path, name, text, match):
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=match):
+        config_from_args(build_parser().parse_args(["train", "--config", str(path)]))

@@ -58,3 +58,13 @@ def test_config_file_problems_name_the_file(tmp_path, name, text, match):
     path.write_text(text)
     with pytest.raises(ConfigError, match=match):
         config_from_args(build_parser().parse_args(["train", "--config", str(path)]))
+
+
+def test_resume_with_other_data_settings_is_rejected(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    saved = build_config({}).data_settings()
+    (ckpt / "run_state.json").write_text(json.dumps({"next_step": 2, "data_settings": saved}))
+    assert build_config({"load": str(ckpt), "lr": 1e-3}).load == str(ckpt)  # optimizer may change
+    with pytest.raises(ConfigError, match=r"--rollout-batch-size 16 -> 4"):
+        build_config({"load": str(ckpt), "rollout-batch-size": 4})

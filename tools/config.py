@@ -106,6 +106,20 @@ class RunConfig:
         if next_step >= self.num_steps:
             raise ConfigError(f"--load {self.load} already completed {next_step} steps; "
                               f"--num-steps {self.num_steps} leaves nothing to do")
+        saved = state.get("data_settings", {})
+        changed = [f"--{k.replace('_', '-')} {saved[k]!r} -> {v!r}"
+                   for k, v in self.data_settings().items() if k in saved and saved[k] != v]
+        if changed:
+            raise ConfigError(f"--load {self.load}: the checkpoint's data source was built with "
+                              f"other settings ({'; '.join(changed)}); resuming would not "
+                              f"continue the same run")
+
+    def data_settings(self) -> dict[str, Any]:
+        """The settings that define the prompt stream; a resume must keep them."""
+        r = self.rollout
+        return {"seed": r.seed, "rollout_batch_size": r.rollout_batch_size,
+                "n_samples_per_prompt": r.n_samples_per_prompt, "num_digits": r.num_digits,
+                "num_values": r.num_values, "dataset_size": r.dataset_size}
 
     def to_dict(self) -> dict:
         """Nested plain dict (written to ``output_dir/config.json``)."""

@@ -21,11 +21,12 @@ from actors import Directory
 from tools.config import RunConfig
 
 
-async def save_checkpoint(directory: Directory, path: Path, next_step: int) -> None:
+async def save_checkpoint(directory: Directory, path: Path, next_step: int,
+                          config: RunConfig) -> None:
     """Write the run's state after ``next_step - 1`` steps to ``path``."""
     path.mkdir(parents=True, exist_ok=True)
     await directory.ref("trainer").call("save_checkpoint", str(path))
-    state = {"next_step": next_step,
+    state = {"next_step": next_step, "data_settings": config.data_settings(),
              "clock": await directory.ref("version_clock").call("state"),
              "manager": await directory.ref("rollout_manager").call("state", next_step)}
     (path / "run_state.json").write_text(json.dumps(state, indent=1))
@@ -69,7 +70,8 @@ async def train_loop(directory: Directory, config: RunConfig,
             generated = await next_rollout
             push = await trainer.call("push_weights")
         if config.save_interval and (step + 1) % config.save_interval == 0:
-            await save_checkpoint(directory, Path(config.save_dir) / f"step-{step + 1}", step + 1)
+            await save_checkpoint(directory, Path(config.save_dir) / f"step-{step + 1}", step + 1,
+                                  config)
         on_step({"step": step, **{k: v for k, v in summary.items() if k != "policy_versions"},
                  **trained, "weight_push_seconds": push["seconds"], "weight_push_bytes": push["bytes"],
                  "step_seconds": time.perf_counter() - step_start})

@@ -9,8 +9,9 @@ import dataclasses
 import pytest
 import torch
 
-from rollout.model import Qwen3MoeForCausalLM, default_config
+from rollout.model import default_config
 from rollout.model.checkpoint import save_pretrained
+from tests.model_helpers import decisive_model
 
 transformers = pytest.importorskip(
     "transformers", reason="transformers is not installed: the HF parity reference is unavailable")
@@ -20,17 +21,7 @@ ATOL = 1e-5
 
 
 def _model(cfg, seed):
-    """Deterministic weights, scaled up from the 0.02 init so routing and attention are decisive."""
-    m = Qwen3MoeForCausalLM(cfg)
-    m.init_weights(seed)
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if name.endswith("norm.weight"):
-                p.add_(0.2 * torch.randn(p.shape, generator=g))
-            else:
-                p.mul_(5.0)
-    return m
+    return decisive_model(cfg, seed, norm_jitter=0.2)
 
 
 def _hf(model, tmp_path):

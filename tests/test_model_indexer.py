@@ -8,22 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from rollout.model import ModelInputError, Qwen3MoeForCausalLM, default_config
+from rollout.model import ModelInputError, default_config
+from tests.model_helpers import decisive_model
 
 V = 32
 
 
 def _model(cfg, seed):
-    m = Qwen3MoeForCausalLM(cfg)
-    m.init_weights(seed)
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if name.endswith("norm.weight"):
-                p.add_(0.2 * torch.randn(p.shape, generator=g))
-            else:
-                p.mul_(5.0)
-    return m
+    return decisive_model(cfg, seed, norm_jitter=0.2)
 
 
 def _rms(x, w, eps):

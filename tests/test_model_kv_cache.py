@@ -9,19 +9,14 @@ import pytest
 import torch
 
 from rollout.model import KVCache, ModelInputError, Qwen3MoeForCausalLM, default_config
+from tests.model_helpers import decisive_model
 
 V = 32
 ATOL = 2e-5
 
 
 def _model(seed):
-    m = Qwen3MoeForCausalLM(default_config(V))
-    m.init_weights(seed)
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if not name.endswith("norm.weight"):
-                p.mul_(5.0)
-    return m
+    return decisive_model(default_config(V), seed)
 
 
 def _slots_to_positions(slots, pad):

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from rollout.model import ModelInputError, Qwen3MoeForCausalLM, default_config
+from rollout.model import ModelInputError, default_config
+from tests.model_helpers import decisive_model
 
 V = 32
 
@@ -23,13 +24,7 @@ def _reference():
 
 
 def _model(seed):
-    m = Qwen3MoeForCausalLM(default_config(V))
-    m.init_weights(seed)
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if not name.endswith("norm.weight"):
-                p.mul_(5.0)
-    return m
+    return decisive_model(default_config(V), seed)
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,12 @@ from rollout.tool_env import DigitToolEnv
 from rollout.trajectory import merge_turns
 
 
+def observation_segments(loss_mask: np.ndarray) -> int:
+    """Number of maximal runs of observation tokens (loss mask 0): one per tool call answered."""
+    obs = np.asarray(loss_mask) == 0
+    return int(obs[0]) + int(np.count_nonzero(obs[1:] & ~obs[:-1])) if len(obs) else 0
+
+
 class RolloutError(RuntimeError):
     """A rollout could not be produced or handed over (names the rollout id)."""
 
@@ -113,12 +119,17 @@ class RolloutManager(Actor):
         samples = await self._generate_groups(prompts, rollout_id, [rollout_id])
         self.batches[rollout_id] = samples
         rewards = np.array([s.reward for s in samples])
-        return {"rollout_id": rollout_id, "samples": len(samples),
-                "reward_mean": float(rewards.mean()),
-                "response_len_mean": float(np.mean([len(s.response_ids) for s in samples])),
-                "policy_versions": sorted({s.policy_version for s in samples}),
-                "prompt_indices": [p.index for p in prompts],
-                "generate_seconds": time.perf_counter() - start}
+        summary = {"rollout_id": rollout_id, "samples": len(samples),
+                   "reward_mean": float(rewards.mean()),
+                   "response_len_mean": float(np.mean([len(s.response_ids) for s in samples])),
+                   "truncated_fraction": float(np.mean([s.status == "truncated" for s in samples])),
+                   "policy_versions": sorted({s.policy_version for s in samples}),
+                   "prompt_indices": [p.index for p in prompts],
+                   "generate_seconds": time.perf_counter() - start}
+        if self.config.max_turns > 1:
+            summary["tool_calls_mean"] = float(np.mean([observation_segments(s.loss_mask)
+                                                        for s in samples]))
+        return summary
 
     @concurrent
     async def generate_replacements(self, n_groups: int) -> list[dict]:

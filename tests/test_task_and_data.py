@@ -200,3 +200,11 @@ def test_zero_and_negative_batch_sizes():
         src.next_batch(-1)
     with pytest.raises(ValueError):
         PromptDataSource(DigitTask(), seed=0, dataset_size=0)
+
+
+def test_observation_segments_count_tool_calls_by_hand():
+    from rollout.manager import observation_segments
+    assert observation_segments(np.array([1, 1, 0, 0, 1, 0, 0, 1], np.uint8)) == 2
+    assert observation_segments(np.array([0, 1], np.uint8)) == 1
+    assert observation_segments(np.array([1, 1], np.uint8)) == 0
+    assert observation_segments(np.array([], np.uint8)) == 0

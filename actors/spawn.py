@@ -63,6 +63,18 @@ def import_object(path: str) -> Any:
     return obj
 
 
+def import_callable(path: str) -> Any:
+    """The callable named ``"package.module:qualname"`` (metrics hooks, reward functions).
+
+    Raises:
+        ValueError: as :func:`import_object`, or the object is not callable.
+    """
+    obj = import_object(path)
+    if not callable(obj):
+        raise ValueError(f"{path}: not callable")
+    return obj
+
+
 def import_actor_class(path: str) -> type[Actor]:
     """The Actor subclass named ``"package.module:ClassName"``.
 

@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from actors import Actor, concurrent, import_object
+from actors import Actor, concurrent, import_callable
 from rollout.config import RolloutConfig
 from rollout.data_source import Prompt, PromptDataSource
 from rollout.sample import Sample, SampleError
@@ -39,12 +39,9 @@ def _load_function(path: str):
         RolloutError: not importable or not callable.
     """
     try:
-        fn = import_object(path)
+        return import_callable(path)
     except ValueError as exc:
         raise RolloutError(f"--custom-reward {exc}") from None
-    if not callable(fn):
-        raise RolloutError(f"--custom-reward {path}: not callable")
-    return fn
 
 
 class RolloutManager(Actor):

@@ -29,7 +29,7 @@ from rollout.task import VOCABULARY, DigitTask
 from rollout.trajectory import merge_turns
 from trainer.batch import collate
 from trainer.forward import response_logprobs
-from trainer.replay import flip_rate, replayed_rows
+from trainer.replay import batch_flip_rate
 
 CONFIGS = [  # (name, routing, indexer, support)
     ("all off", False, False, False),
@@ -51,12 +51,6 @@ class ParityRow:
     k3_kl: float
     routing_flips: float
     indexer_flips: float
-
-
-def _rate(engine: torch.Tensor, used: torch.Tensor, real: torch.Tensor) -> float:
-    e = engine.reshape(-1, *engine.shape[2:])
-    u = used.reshape(-1, *used.shape[2:])
-    return flip_rate(e, u, replayed_rows(e) & real.reshape(-1)[:, None])
 
 
 def generate(engine_dtype: torch.dtype, prompts: int, seed: int, top_k: int,
@@ -95,8 +89,8 @@ def measure(model: Qwen3MoeForCausalLM, samples: list[Sample], precision: str) -
         rows.append(ParityRow(
             precision, name, float(r.abs().mean()), float(r.abs().max()),
             float((r.exp() - 1 - r).mean()),
-            _rate(batch.routed_experts, out.routed_experts, batch.key_padding_mask),
-            _rate(batch.indexer_topk, out.indexer_topk, batch.key_padding_mask)))
+            batch_flip_rate(batch.routed_experts, out.routed_experts, batch.key_padding_mask),
+            batch_flip_rate(batch.indexer_topk, out.indexer_topk, batch.key_padding_mask)))
     return rows
 
 

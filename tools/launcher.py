@@ -15,7 +15,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from actors import ActorSpec, Directory, Supervisor, import_object
+from actors import ActorSpec, Directory, Supervisor, import_callable
 from rollout.model.checkpoint import save_pretrained
 from rollout.model.config import default_config
 from rollout.model.qwen3_moe import Qwen3MoeForCausalLM
@@ -42,12 +42,9 @@ def load_hook(path: str, flag: str):
         ConfigError: not importable or not callable (names the flag).
     """
     try:
-        fn = import_object(path)
+        return import_callable(path)
     except ValueError as exc:
         raise ConfigError(f"{flag} {exc}") from None
-    if not callable(fn):
-        raise ConfigError(f"{flag} {path}: not callable")
-    return fn
 
 
 def check_writable(directory: Path, flag: str) -> None:

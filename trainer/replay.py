@@ -488,3 +488,18 @@ def flip_rate(used: Any, own: Any, valid_rows: Any) -> float:
     inter, n_u, n_o = _set_overlap(u, o)
     differ = (inter != n_u) | (inter != n_o)
     return float((differ & valid).sum() / n)
+
+
+def batch_flip_rate(engine: torch.Tensor, other: torch.Tensor, real: torch.Tensor) -> float:
+    """:func:`flip_rate` of batched choices against the engine's captured ones.
+
+    Args:
+        engine, other: int [B, T, L, K] (the engine's trace, -1 rows = not captured; the
+            choices to compare: used or own).
+        real: bool [B, T], real (non-padding) tokens.
+
+    Returns:
+        fraction of captured real (token, layer) rows whose sets differ; NaN if none.
+    """
+    e = engine.reshape(-1, *engine.shape[2:])
+    return flip_rate(e, other.reshape(-1, *other.shape[2:]), replayed_rows(e) & real.reshape(-1)[:, None])

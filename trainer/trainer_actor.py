@@ -37,13 +37,7 @@ from trainer.forward import response_logprobs
 from trainer.losses import policy_loss
 from trainer.proximal_cache import ProximalLogprobCache
 from trainer.refill import RefillCoordinator
-from trainer.replay import check_replay, flip_rate, replayed_rows
-
-
-def _rate(engine: torch.Tensor, other: torch.Tensor, real: torch.Tensor) -> float:
-    """Flip rate of [B, T, L, K] choices against the engine's, over captured real rows."""
-    e = engine.reshape(-1, *engine.shape[2:])
-    return flip_rate(e, other.reshape(-1, *other.shape[2:]), replayed_rows(e) & real.reshape(-1)[:, None])
+from trainer.replay import batch_flip_rate, check_replay
 
 
 class TrainStepError(RuntimeError):
@@ -139,8 +133,8 @@ class TrainerActor(Actor):
                         ("indexer", batch.indexer_topk, out.indexer_topk, out.own_indexer_topk)):
                     if engine is not None:
                         self._check_replay(name, engine, own, batch.key_padding_mask)
-                        rates.setdefault(f"{name}_flip_rate", []).append(_rate(engine, used, batch.key_padding_mask))
-                        rates.setdefault(f"{name}_drift_rate", []).append(_rate(engine, own, batch.key_padding_mask))
+                        rates.setdefault(f"{name}_flip_rate", []).append(batch_flip_rate(engine, used, batch.key_padding_mask))
+                        rates.setdefault(f"{name}_drift_rate", []).append(batch_flip_rate(engine, own, batch.key_padding_mask))
         return {k: float(np.nanmean(v)) if not np.isnan(v).all() else 0.0 for k, v in rates.items()}
 
     def _check_replay(self, kind: str, engine: torch.Tensor, own: torch.Tensor,

@@ -53,6 +53,19 @@ def per_sample_tensors(samples: Sequence[Sample], field: str) -> list[torch.Tens
     return [torch.from_numpy(np.array(getattr(s, field))) for s in samples]
 
 
+def token_counts(samples: Sequence[Sample], token_accept: dict[int, torch.Tensor]) -> tuple[int, int]:
+    """``(loss tokens, loss tokens the RS gate accepted)`` over ``samples``.
+
+    ``token_accept`` maps sample id -> bool [R] from :meth:`trainer.rs_policy.RSGate.decide`.
+    """
+    loss = accepted = 0
+    for s in samples:
+        mask = torch.from_numpy(np.array(s.loss_mask)) > 0
+        loss += int(mask.sum())
+        accepted += int((token_accept[s.sample_id] & mask).sum())
+    return loss, accepted
+
+
 def _carried(samples: Sequence[Sample], field: str) -> bool:
     """Whether the batch carries trace ``field``; all samples or none, else SampleError."""
     present = [getattr(s, field) is not None for s in samples]

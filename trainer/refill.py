@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rollout.sample import Sample
-from trainer.batch import per_sample_tensors
+from trainer.batch import per_sample_tensors, token_counts
 from trainer.config import TrainerConfig
 from trainer.refill_planner import plan_refill_rounds, refill_quantum
 from trainer.rs_gates import group_admission
@@ -64,9 +64,7 @@ class RefillCoordinator:
         """
         start = time.perf_counter()
         accept, token_accept = self._decide(samples)
-        loss_tokens = sum(int(s.loss_mask.sum()) for s in samples)
-        accepted_tokens = sum(int((token_accept[s.sample_id] & (m > 0)).sum())
-                              for s, m in zip(samples, per_sample_tensors(samples, "loss_mask")))
+        loss_tokens, accepted_tokens = token_counts(samples, token_accept)
         metrics = {"generated_samples": len(samples),
                    "rs_sample_accept_rate": sum(accept) / len(accept),
                    "rs_token_accept_rate": accepted_tokens / max(loss_tokens, 1)}

@@ -31,7 +31,7 @@ from actors import Actor
 from rollout.model.checkpoint import load_pretrained, save_pretrained, state_dict_arrays
 from rollout.sample import Sample
 from trainer.advantages import grpo_advantages
-from trainer.batch import collate, collate_packed, per_sample_tensors
+from trainer.batch import collate, collate_packed, per_sample_tensors, token_counts
 from trainer.config import TrainerConfig
 from trainer.forward import response_logprobs
 from trainer.losses import policy_loss
@@ -191,9 +191,8 @@ class TrainerActor(Actor):
     def _update(self, samples: list[Sample], token_accept: dict[int, torch.Tensor]) -> dict:
         cfg = self.config
         self.cache.check_bijection([s.sample_id for s in samples])
-        loss_tokens = float(sum(int(s.loss_mask.sum()) for s in samples))
-        accepted = float(sum(int((token_accept[s.sample_id] & (m > 0)).sum())
-                             for s, m in zip(samples, per_sample_tensors(samples, "loss_mask"))))
+        loss_count, accepted_count = token_counts(samples, token_accept)
+        loss_tokens, accepted = float(loss_count), float(accepted_count)
         denominator = loss_tokens if cfg.rs_denominator == "loss_tokens" else accepted
         if denominator == 0:
             raise TrainStepError("no loss-bearing (accepted) token in the step; refusing an empty step")

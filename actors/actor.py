@@ -19,6 +19,8 @@ import msgpack
 
 from actors.envelope import CALL, err_reply, ok_reply, parse_request
 from actors.errors import ProtocolError
+from actors.interface import LIFECYCLE_HOOKS, describe
+from actors.proxy import ActorProxy
 from transport import Codec, RouterSocket
 
 if TYPE_CHECKING:
@@ -27,6 +29,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 _CONCURRENT = "_replayrl_concurrent"
+_BUILTINS = ("__ping__", "__stop__", "__interface__")  # answered at once, outside the call order
 
 
 def concurrent(method: Callable) -> Callable:
@@ -43,7 +46,9 @@ class Actor:
     """Base class of actors. Subclasses define ``async def`` public methods.
 
     The runtime sets ``self.name`` and ``self.directory`` before :meth:`on_start` runs.
-    Built-in remote methods: ``__ping__`` (liveness; returns ``{"name", "pid"}``) and ``__stop__``.
+    Built-in remote methods: ``__ping__`` (liveness; returns ``{"name", "pid"}``), ``__stop__``
+    and ``__interface__`` (the class's public methods and signatures, :mod:`actors.interface`,
+    which typed proxies check calls against).
     """
 
     name: str = ""
@@ -64,6 +69,14 @@ class Actor:
         if self.directory is None:
             raise RuntimeError(f"actor {self.name!r} has no directory")
         return self.directory.ref(name)
+
+    def proxy(self, name: str, timeout: float | None = None) -> "ActorProxy":
+        """A typed proxy to another actor of this run (``timeout`` in seconds, ``None`` = forever).
+
+        Raises:
+            actors.directory.UnknownActor: no actor of that name in the directory.
+        """
+        return ActorProxy(self.ref(name), timeout)
 
 
 class ActorServer:
@@ -104,7 +117,7 @@ class ActorServer:
                 self._send(peer, err_reply(call_id, type(exc).__name__, str(exc), ""))
             return
         item = (peer, kind, call_id, method, args, kwargs)
-        if method in ("__ping__", "__stop__") or getattr(
+        if method in _BUILTINS or getattr(
                 getattr(type(self.actor), method, None), _CONCURRENT, False):
             task = asyncio.get_running_loop().create_task(self._invoke(*item))
             self._tasks.add(task)
@@ -123,8 +136,11 @@ class ActorServer:
             return self._ping
         if method == "__stop__":
             return self._stop
+        if method == "__interface__":
+            return self._interface
         fn = getattr(type(self.actor), method, None)
-        if method.startswith("_") or fn is None or not inspect.iscoroutinefunction(fn):
+        if (method.startswith("_") or method in LIFECYCLE_HOOKS or fn is None
+                or not inspect.iscoroutinefunction(fn)):
             raise ProtocolError(f"actor {self.actor.name!r} ({type(self.actor).__name__}) "
                                 f"has no public async method {method!r}")
         return getattr(self.actor, method)
@@ -155,6 +171,9 @@ class ActorServer:
 
     async def _ping(self) -> dict:
         return {"name": self.actor.name, "pid": os.getpid()}
+
+    async def _interface(self) -> dict:
+        return describe(type(self.actor))
 
     async def _stop(self) -> bool:
         self.stopped.set()

@@ -14,6 +14,7 @@ from types import MappingProxyType
 from typing import Iterable, Mapping
 
 from actors.errors import ActorError
+from actors.proxy import ActorProxy
 from actors.ref import ActorRef
 from transport import ipc_endpoint, tcp_loopback_endpoint
 
@@ -60,6 +61,14 @@ class Directory:
     def ref(self, name: str) -> ActorRef:
         """An :class:`ActorRef` to ``name``. Raises :class:`UnknownActor`."""
         return ActorRef(name, self.endpoint(name))
+
+    def proxy(self, name: str, timeout: float | None = None) -> ActorProxy:
+        """A typed :class:`ActorProxy` to ``name`` (``timeout`` in seconds, ``None`` = forever).
+
+        Raises:
+            UnknownActor: no actor of that name.
+        """
+        return ActorProxy(self.ref(name), timeout)
 
     def names(self) -> list[str]:
         """Actor names in insertion order."""

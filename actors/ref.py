@@ -12,6 +12,7 @@ from typing import Any
 
 from actors.envelope import CALL, ERR, OK, TELL, request
 from actors.errors import ActorTimeout, ProtocolError, RemoteError
+from actors.interface import ActorInterface
 from transport import Codec, DealerSocket
 
 log = logging.getLogger(__name__)
@@ -25,6 +26,7 @@ class _Connection:
         self.endpoint = endpoint
         self.codec = codec
         self.pending: dict[int, tuple[asyncio.Future, str, str]] = {}
+        self.interface: asyncio.Future | None = None  # the peer's ActorInterface, fetched once
         self.socket = DealerSocket(endpoint, self._on_message)
         self.socket.connect()
 
@@ -125,6 +127,23 @@ class ActorRef:
             raise ActorTimeout(f"{self.name}.{method} gave no reply within {timeout} s") from None
         finally:
             conn.pending.pop(call_id, None)
+
+    async def interface(self, timeout: float | None = None) -> ActorInterface:
+        """The actor's methods and signatures (its ``__interface__``), fetched once per connection.
+
+        Raises:
+            ActorTimeout / RemoteError / ProtocolError: as :meth:`call`; a failed fetch is not
+                cached, so the next call asks again.
+        """
+        conn = POOL.get(self.endpoint)
+        fetch = conn.interface
+        if fetch is None or (fetch.done() and (fetch.cancelled() or fetch.exception() is not None)):
+            fetch = conn.interface = asyncio.ensure_future(self._fetch_interface(timeout))
+        return await asyncio.shield(fetch)  # a cancelled caller leaves the shared fetch running
+
+    async def _fetch_interface(self, timeout: float | None) -> ActorInterface:
+        return ActorInterface.from_description(self.name, await self.call("__interface__",
+                                                                          timeout=timeout))
 
     def tell(self, method: str, *args: Any, **kwargs: Any) -> None:
         """Fire-and-forget ``method(*args, **kwargs)``: no reply, remote errors are only logged."""

@@ -1,0 +1,122 @@
+"""An actor's callable interface as plain data, so a caller can check a call before sending it.
+
+The server answers the built-in ``__interface__`` call with :func:`describe` of its actor class;
+the caller rebuilds each method's :class:`inspect.Signature` from it (:class:`ActorInterface`)
+and binds the call's arguments locally. A misspelt method or a wrong argument list then fails in
+the caller's process, at the call site, with the actor's name and the method's signature,
+instead of travelling to the other process as a string. The description is msgpack-plain data
+(names, parameter kinds, signature text), so the caller imports nothing of the actor's module:
+the import direction of the packages (``tools -> {rollout, trainer} -> actors``) holds.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Mapping
+
+from actors.errors import ActorError
+
+# Lifecycle hooks of actors.Actor: public names, but the runtime calls them, never a peer.
+LIFECYCLE_HOOKS = frozenset({"on_start", "on_stop"})
+
+
+class ActorCallError(ActorError, TypeError):
+    """A call names no method of the actor, or its arguments do not fit the method's signature.
+
+    Raised in the caller's process before anything is sent; the message names the actor, the
+    method and the signature.
+    """
+
+
+def public_methods(cls: type) -> dict[str, Any]:
+    """The remotely callable methods of an actor class: public ``async def`` methods, by name.
+
+    Lifecycle hooks (``on_start`` / ``on_stop``) are excluded: the runtime calls them.
+    """
+    return {name: fn for name, fn in inspect.getmembers(cls, inspect.iscoroutinefunction)
+            if not name.startswith("_") and name not in LIFECYCLE_HOOKS}
+
+
+class _Annotation(str):
+    """An annotation string shown as written (``int``, not ``'int'``) in signature text."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def _plain(annotation: Any) -> Any:
+    # modules with `from __future__ import annotations` hold annotations as strings
+    return _Annotation(annotation) if isinstance(annotation, str) else annotation
+
+
+def describe(cls: type) -> dict:
+    """The interface of actor class ``cls`` as msgpack-plain data.
+
+    Returns:
+        ``{"actor_class": str, "methods": {name: {"params": [[param name, kind name,
+        has default], ...], "text": "name(a: int, *, b=1) -> dict"}}}`` with ``self`` left out;
+        kind names are :class:`inspect.Parameter` kinds (``"POSITIONAL_OR_KEYWORD"``, ...).
+    """
+    methods = {}
+    for name, fn in public_methods(cls).items():
+        signature = inspect.signature(fn)
+        params = list(signature.parameters.values())[1:]  # drop self
+        text = str(signature.replace(
+            parameters=[p.replace(annotation=_plain(p.annotation)) for p in params],
+            return_annotation=_plain(signature.return_annotation)))
+        methods[name] = {"params": [[p.name, p.kind.name, p.default is not p.empty] for p in params],
+                         "text": f"{name}{text}"}
+    return {"actor_class": cls.__name__, "methods": methods}
+
+
+@dataclass(frozen=True)
+class ActorInterface:
+    """The methods of one remote actor, rebuilt from :func:`describe` output.
+
+    Attributes:
+        actor: the actor's name in the run's directory.
+        actor_class: its class name.
+        signatures: method name -> :class:`inspect.Signature` (without ``self``).
+        texts: method name -> signature text for messages (``"train(rollout_id: int) -> dict"``).
+    """
+
+    actor: str
+    actor_class: str
+    signatures: Mapping[str, inspect.Signature]
+    texts: Mapping[str, str]
+
+    @classmethod
+    def from_description(cls, actor: str, description: dict) -> "ActorInterface":
+        """Rebuild the signatures. Raises :class:`actors.ProtocolError` on a malformed description."""
+        from actors.errors import ProtocolError
+
+        try:
+            signatures, texts = {}, {}
+            for name, spec in description["methods"].items():
+                signatures[name] = inspect.Signature([
+                    inspect.Parameter(p, getattr(inspect.Parameter, kind),
+                                      default=None if has_default else inspect.Parameter.empty)
+                    for p, kind, has_default in spec["params"]])
+                texts[name] = str(spec["text"])
+            return cls(actor, str(description["actor_class"]), MappingProxyType(signatures),
+                       MappingProxyType(texts))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ProtocolError(f"actor {actor!r} sent a malformed interface: "
+                                f"{type(exc).__name__}: {exc}") from None
+
+    def check_call(self, method: str, args: tuple, kwargs: dict) -> None:
+        """Check that ``method(*args, **kwargs)`` fits the remote method's signature.
+
+        Raises:
+            ActorCallError: no such public method (the message lists the methods), or the
+                arguments do not bind (the message gives the signature).
+        """
+        signature = self.signatures.get(method)
+        if signature is None:
+            raise ActorCallError(f"actor {self.actor!r} ({self.actor_class}) has no method "
+                                 f"{method!r}; its methods: {', '.join(sorted(self.signatures))}")
+        try:
+            signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise ActorCallError(f"{self.actor}.{self.texts[method]}: {exc}") from None

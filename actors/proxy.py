@@ -1,0 +1,72 @@
+"""Typed calls between actors: ``await proxy.method(*args, **kwargs)`` instead of method-name strings.
+
+An :class:`ActorProxy` wraps an :class:`actors.ActorRef`. Attribute access names a remote method;
+calling it first checks the method and the arguments against the actor's interface
+(:mod:`actors.interface`, fetched once per connection) and only then sends the call. A misspelt
+method or a wrong argument count therefore raises :class:`actors.interface.ActorCallError` in
+the caller, with the actor's name and the method's signature, and nothing reaches the actor.
+The reply timeout belongs to the proxy (:meth:`ActorProxy.with_timeout` makes another), so it
+never collides with a remote method's own ``timeout`` argument.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from actors.interface import ActorInterface
+from actors.ref import ActorRef
+
+
+class ActorProxy:
+    """Typed handle on one actor; cheap to create, safe to copy, used inside an event loop.
+
+    Args:
+        ref: the actor's reference (:meth:`actors.Directory.ref`).
+        timeout: seconds every call (and the one-time interface fetch) waits for its reply;
+            ``None`` waits forever.
+    """
+
+    __slots__ = ("ref", "timeout")
+
+    def __init__(self, ref: ActorRef, timeout: float | None = None) -> None:
+        self.ref = ref
+        self.timeout = timeout
+
+    def with_timeout(self, timeout: float | None) -> "ActorProxy":
+        """The same actor with another reply timeout (seconds; ``None`` = forever)."""
+        return ActorProxy(self.ref, timeout)
+
+    async def interface(self) -> ActorInterface:
+        """The actor's methods and signatures (fetched once per connection)."""
+        return await self.ref.interface(self.timeout)
+
+    def __getattr__(self, method: str) -> "RemoteMethod":
+        if method.startswith("_"):
+            raise AttributeError(f"{method!r}: private and built-in methods are not proxied")
+        return RemoteMethod(self, method)
+
+    def __repr__(self) -> str:
+        return f"ActorProxy({self.ref.name!r}, timeout={self.timeout})"
+
+
+class RemoteMethod:
+    """One method of one actor; calling it returns an awaitable of the remote result."""
+
+    __slots__ = ("proxy", "method")
+
+    def __init__(self, proxy: ActorProxy, method: str) -> None:
+        self.proxy = proxy
+        self.method = method
+
+    async def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Check the call against the actor's interface, then make it.
+
+        Raises:
+            actors.interface.ActorCallError: no such method, or the arguments do not bind.
+            actors.RemoteError / actors.ActorTimeout: as :meth:`actors.ActorRef.call`.
+        """
+        proxy = self.proxy
+        (await proxy.interface()).check_call(self.method, args, kwargs)
+        return await proxy.ref.call(self.method, *args, timeout=proxy.timeout, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<remote method {self.proxy.ref.name}.{self.method}>"

@@ -17,9 +17,9 @@ from tools.config import build_config
 from tools.launcher import actor_specs, launch, write_initial_checkpoint
 from trainer.config import TrainerConfig
 from trainer.proximal_cache import ProximalLogprobCache
-from trainer.refill import RefillCoordinator
-from trainer.refill_planner import RefillExhausted
-from trainer.rs_policy import RSConfigError, RSGate
+from trainer.rejection.refill import RefillCoordinator
+from trainer.rejection.refill_planner import RefillExhausted
+from trainer.rejection.rs_policy import RSConfigError, RSGate
 
 CASE = json.loads((Path(__file__).parent / "cases" / "refill_admission.json").read_text())
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.rs_gates import (
+from trainer.rejection.rs_gates import (
     RSBoundsError,
     RSError,
     compute_log_ratio,

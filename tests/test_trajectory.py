@@ -13,7 +13,7 @@ from rollout.capture import CaptureError
 from rollout.sample import Sample, SampleError
 from rollout.trajectory import (MissingTraceError, TraceGapError, TrajectoryError,
                                 append_synthetic_eos, merge_turns, truncate)
-from trainer.rs_gates import compute_log_ratio, sequence_gate, sequence_log_weight
+from trainer.rejection.rs_gates import compute_log_ratio, sequence_gate, sequence_log_weight
 
 CASES = {c["name"]: c for c in json.loads((Path(__file__).parent / "cases" / "trace_alignment.json").read_text())}
 SID = 11

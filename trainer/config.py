@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from trainer.rs_policy import RSGate
+from trainer.rejection.rs_policy import RSGate
 
 
 class TrainerConfigError(ValueError):
@@ -36,7 +36,7 @@ class TrainerConfig:
         seed: torch seed of the trainer process.
         rs_mode, rs_lower, rs_upper: the RS gate (``--rs-mode none|token|sequence|geometric``).
         rs_denominator: loss denominator when RS rejects tokens without refill
-            (``loss_tokens`` | ``accepted_tokens``), see :mod:`trainer.rs_policy`.
+            (``loss_tokens`` | ``accepted_tokens``), see :mod:`trainer.rejection.rs_policy`.
         rs_batch_refill: exact refill (``--rs-batch-refill``): train on exactly
             ``rollout_batch_size`` admitted groups or do not step.
         rs_refill_max_rounds: replacement rounds before the step fails.

@@ -6,10 +6,10 @@ One call of :meth:`TrainerActor.train` is one optimizer step on one rollout batc
 2. ask the VersionClock to admit every sample (``0 <= t - v <= max_staleness``);
 3. preflight forward at the weights the step starts from -> proximal logprobs in the
    (pinned when possible) :class:`ProximalLogprobCache`;
-4. RS gate (:class:`trainer.rs_policy.RSGate`); with exact refill, whole prompt groups are
+4. RS gate (:class:`trainer.rejection.rs_policy.RSGate`); with exact refill, whole prompt groups are
    admitted or dropped and replacements are generated at exactly the preflight version until
    ``rollout_batch_size`` groups are admitted or ``--rs-refill-max-rounds`` is spent, in which
-   case the step raises before the optimizer is touched (:mod:`trainer.refill`);
+   case the step raises before the optimizer is touched (:mod:`trainer.rejection.refill`);
 5. GRPO advantages over the trained groups, loss forward/backward per microbatch with the same
    replays and the same gate re-applied, clip, optimizer step, ``trainer_version += 1``.
 
@@ -36,7 +36,7 @@ from trainer.config import TrainerConfig
 from trainer.forward import response_logprobs
 from trainer.losses import policy_loss
 from trainer.proximal_cache import ProximalLogprobCache
-from trainer.refill import RefillCoordinator
+from trainer.rejection.refill import RefillCoordinator
 from trainer.replay import batch_flip_rate, check_replay
 
 
@@ -153,7 +153,7 @@ class TrainerActor(Actor):
         Raises:
             actors.RemoteError: the clock rejected a stale sample, or the manager has no batch.
             rollout.sample.SampleError: a malformed trajectory (named).
-            trainer.refill_planner.RefillExhausted: too few admitted groups (nothing applied).
+            trainer.rejection.refill_planner.RefillExhausted: too few admitted groups (nothing applied).
             TrainStepError: no loss-bearing token, a non-finite gradient, or a training forward
                 that does not reproduce the preflight gate (nothing applied).
         """

@@ -5,12 +5,12 @@ what the step trains on:
 
 - RS off: everything;
 - RS on, refill off: every sample, with rejected tokens masked out of the loss (the loss
-  denominator policy is :mod:`trainer.rs_policy`'s);
+  denominator policy is :mod:`trainer.rejection.rs_policy`'s);
 - RS on, refill on: whole prompt groups (group-atomic admission). Rejected groups are dropped
   and ``ceil(deficit / q) * q`` replacement groups are requested from the RolloutManager, which
   generates them from the current policy; each replacement's version must equal the preflight
   version exactly (checked by the VersionClock). After ``--rs-refill-max-rounds`` rounds still
-  short, :class:`trainer.refill_planner.RefillExhausted` is raised, before any optimizer work.
+  short, :class:`trainer.rejection.refill_planner.RefillExhausted` is raised, before any optimizer work.
 
 Only admitted cache entries move on; rejected and surplus entries are discarded at once.
 Every cross-actor call here has ``--rs-refill-rpc-timeout-seconds``.
@@ -25,9 +25,9 @@ import torch
 from rollout.sample import Sample
 from trainer.batch import per_sample_tensors, token_counts
 from trainer.config import TrainerConfig
-from trainer.refill_planner import plan_refill_rounds, refill_quantum
-from trainer.rs_gates import group_admission
-from trainer.rs_policy import RSGate
+from trainer.rejection.refill_planner import plan_refill_rounds, refill_quantum
+from trainer.rejection.rs_gates import group_admission
+from trainer.rejection.rs_policy import RSGate
 
 if TYPE_CHECKING:
     from trainer.trainer_actor import TrainerActor

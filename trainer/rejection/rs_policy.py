@@ -24,7 +24,7 @@ from typing import Sequence
 
 import torch
 
-from trainer.rejection.rs_gates import (compute_log_ratio, geometric_gate, sequence_gate, token_gate)
+from trainer.rejection.rs_gates import SAMPLE_LOG_WEIGHTS, compute_log_ratio, sample_gate, token_gate
 
 MODES = ("none", "token", "sequence", "geometric")
 
@@ -69,6 +69,6 @@ class RSGate:
         if self.mode == "token":
             tokens = [token_gate(d, m, self.lower, self.upper) for d, m in zip(ratios, loss_mask)]
             return [bool(t.all()) for t in tokens], tokens
-        gate = sequence_gate if self.mode == "sequence" else geometric_gate
-        accept = gate(ratios, list(loss_mask), self.lower, self.upper).tolist()
+        accept = sample_gate(ratios, list(loss_mask), self.lower, self.upper,
+                             log_weight=SAMPLE_LOG_WEIGHTS[self.mode]).tolist()
         return accept, [torch.full((len(m),), ok, dtype=torch.bool) for ok, m in zip(accept, loss_mask)]

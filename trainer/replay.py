@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -42,6 +42,7 @@ __all__ = [
     "check_replay",
     "flip_rate",
     "batch_flip_rate",
+    "mean_rates",
 ]
 
 
@@ -308,3 +309,19 @@ def batch_flip_rate(engine: torch.Tensor, other: torch.Tensor, real: torch.Tenso
     """
     e = engine.reshape(-1, *engine.shape[2:])
     return flip_rate(e, other.reshape(-1, *other.shape[2:]), replayed_rows(e) & real.reshape(-1)[:, None])
+
+
+def mean_rates(rates: Mapping[str, Sequence[float]]) -> dict[str, float]:
+    """Step metrics from per-microbatch rates: the mean of each list, ignoring NaN entries.
+
+    A NaN entry is a microbatch without a captured real row (:func:`batch_flip_rate`); a list
+    of only NaN reports 0.0, the value a replay that never had to act would show.
+
+    Args:
+        rates: metric name -> per-microbatch values in [0, 1] or NaN (e.g.
+            ``{"routing_flip_rate": [0.0, 0.01]}``).
+
+    Returns:
+        metric name -> float, in the order of ``rates``.
+    """
+    return {k: float(np.nanmean(v)) if not np.isnan(v).all() else 0.0 for k, v in rates.items()}

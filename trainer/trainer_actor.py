@@ -36,7 +36,7 @@ from trainer.config import TrainerConfig
 from trainer.losses import policy_loss
 from trainer.proximal_cache import ProximalLogprobCache
 from trainer.rejection.refill import RefillCoordinator
-from trainer.replay import batch_flip_rate, check_replay
+from trainer.replay import batch_flip_rate, check_replay, mean_rates
 
 
 class TrainStepError(RuntimeError):
@@ -107,13 +107,21 @@ class TrainerActor(Actor):
                                indexer=chunk[0].indexer_topk is not None,
                                support=cfg.use_support_replay)
 
-    def preflight(self, samples: list[Sample]) -> dict:
+    def preflight(self, samples: list[Sample]) -> dict[str, list[float]]:
         """Proximal logprobs of ``samples`` at the current weights into the cache.
 
-        Returns the replay metrics: ``*_flip_rate`` = fraction of captured rows where the trainer
-        used other experts / keys than the engine (0 when the replay works), ``*_drift_rate`` =
-        where the trainer's own router / indexer would have chosen differently (numerics plus
-        policy change since the sample was generated).
+        Returns the replay rates, one value per microbatch (NaN when it has no captured real
+        row; :func:`trainer.replay.mean_rates` makes the step metrics): ``*_flip_rate`` =
+        fraction of captured rows where the trainer used other experts / keys than the engine
+        (0 when the replay works), ``*_drift_rate`` = where the trainer's own router / indexer
+        would have chosen differently (numerics plus policy change since the sample was
+        generated). Keys ``routing_*`` / ``indexer_*`` appear only when the samples carry that
+        trace.
+
+        Raises:
+            trainer.replay.ReplayMismatch: the engine's and the trainer's own choices disagree
+                beyond ``--replay-min-overlap-ratio`` / ``--replay-max-mismatch-fraction``.
+            trainer.proximal_cache.ProximalCacheError: the cache's byte cap is exceeded.
         """
         rates: dict[str, list[float]] = {}
         for chunk, batch in self._batches(samples):
@@ -127,7 +135,7 @@ class TrainerActor(Actor):
                     self._check_replay(name, engine, own, batch.key_padding_mask)
                     rates.setdefault(f"{name}_flip_rate", []).append(batch_flip_rate(engine, used, batch.key_padding_mask))
                     rates.setdefault(f"{name}_drift_rate", []).append(batch_flip_rate(engine, own, batch.key_padding_mask))
-        return {k: float(np.nanmean(v)) if not np.isnan(v).all() else 0.0 for k, v in rates.items()}
+        return rates
 
     def _check_replay(self, kind: str, engine: torch.Tensor, own: torch.Tensor,
                       real: torch.Tensor) -> None:
@@ -163,9 +171,12 @@ class TrainerActor(Actor):
         self.cache.reset_counters()
         try:
             t0 = time.perf_counter()
-            metrics = self.preflight(samples)
+            metrics = mean_rates(self.preflight(samples))
             metrics["preflight_seconds"] = time.perf_counter() - t0
-            coordinator = RefillCoordinator(self, self.gate, self.config, self.rollout_batch_size, self.n)
+            coordinator = RefillCoordinator(
+                self.gate, self.config, self.rollout_batch_size, self.n, cache=self.cache,
+                preflight=self.preflight, manager=self.ref(self.manager_name),
+                clock=self.ref(self.clock_name), version=self.version)
             admitted, token_accept, refill_metrics = await coordinator.admit(samples)
             metrics.update(refill_metrics)
             metrics.update(self._update(admitted, token_accept))

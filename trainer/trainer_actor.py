@@ -5,16 +5,21 @@ One call of :meth:`TrainerActor.train` is one optimizer step on one rollout batc
 1. take the batch from the RolloutManager (trajectories cross the wire once);
 2. ask the VersionClock to admit every sample (``0 <= t - v <= max_staleness``);
 3. preflight forward at the weights the step starts from -> proximal logprobs in the
-   (pinned when possible) :class:`ProximalLogprobCache`;
-4. RS gate (:class:`trainer.rejection.rs_policy.RSGate`); with exact refill, whole prompt groups are
-   admitted or dropped and replacements are generated at exactly the preflight version until
-   ``rollout_batch_size`` groups are admitted or ``--rs-refill-max-rounds`` is spent, in which
-   case the step raises before the optimizer is touched (:mod:`trainer.rejection.refill`);
+   (pinned when possible) :class:`ProximalLogprobCache`, and the replay flip / drift rates;
+4. RS gate (:class:`trainer.rejection.rs_policy.RSGate`); with exact refill, whole prompt
+   groups are admitted or dropped and replacements are generated at exactly the preflight
+   version until ``rollout_batch_size`` groups are admitted or ``--rs-refill-max-rounds`` is
+   spent, in which case the step raises before the optimizer is touched
+   (:class:`trainer.rejection.refill.RefillCoordinator`, which gets the cache, the preflight and
+   the actor refs, not this actor);
 5. GRPO advantages over the trained groups, loss forward/backward per microbatch with the same
    replays and the same gate re-applied, clip, optimizer step, ``trainer_version += 1``.
 
-:meth:`push_weights` sends the full weight set to every engine over the transport and records
-each engine's new version with the clock. The loop that orders these calls lives in
+Everything that touches the weights or the optimizer (forwards, backward, clip + step, weight
+export, checkpoints) goes through the backend chosen by ``--train-backend``
+(:class:`trainer.backends.base.TrainerBackend`); this actor only orchestrates.
+:meth:`push_weights` sends the backend's full weight set to every engine over the transport
+and records each engine's new version with the clock. The loop that orders these calls lives in
 ``tools/train_loop.py`` (slime's ``train_async.py`` shape).
 """
 from __future__ import annotations

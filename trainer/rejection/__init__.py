@@ -1,4 +1,4 @@
-"""Rejection sampling (RS) and exact refill: the room for what decides which samples a step trains on.
+"""Rejection sampling (RS) and exact refill: what decides which samples a step trains on.
 
 * :mod:`trainer.rejection.rs_gates` -- the token / sequence / geometric gate formulas on
   ``d = logp_prox - logp_rollout`` and group-atomic admission;

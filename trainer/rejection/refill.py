@@ -10,7 +10,8 @@ what the step trains on:
   and ``ceil(deficit / q) * q`` replacement groups are requested from the RolloutManager, which
   generates them from the current policy; each replacement's version must equal the preflight
   version exactly (checked by the VersionClock). After ``--rs-refill-max-rounds`` rounds still
-  short, :class:`trainer.rejection.refill_planner.RefillExhausted` is raised, before any optimizer work.
+  short, :class:`trainer.rejection.refill_planner.RefillExhausted` is raised, before any
+  optimizer work.
 
 Only admitted cache entries move on; rejected and surplus entries are discarded at once.
 Every cross-actor call here has ``--rs-refill-rpc-timeout-seconds``.
@@ -39,7 +40,7 @@ from trainer.replay import mean_rates
 
 Preflight = Callable[[list[Sample]], dict[str, list[float]]]
 """Proximal logprobs of the samples into the cache; returns per-microbatch replay rates
-(``{"routing_flip_rate": [...], ...}``, see :meth:`trainer.trainer_actor.TrainerActor.preflight`)."""
+(``{"routing_flip_rate": [...], ...}``, as ``TrainerActor.preflight``)."""
 
 
 class RefillCoordinator:

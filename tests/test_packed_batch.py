@@ -12,8 +12,8 @@ from rollout.model.qwen3_moe import Qwen3MoeForCausalLM
 from rollout.sample import Sample, SampleError
 from rollout.sampler import SamplingParams
 from rollout.trajectory import merge_turns
+from trainer.backends.torch_backend import response_logprobs
 from trainer.batch import collate, collate_packed
-from trainer.forward import response_logprobs
 
 
 @pytest.fixture(scope="module")

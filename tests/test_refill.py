@@ -17,9 +17,9 @@ from tools.config import build_config
 from tools.launcher import actor_specs, launch, write_initial_checkpoint
 from trainer.config import TrainerConfig
 from trainer.proximal_cache import ProximalLogprobCache
-from trainer.refill import RefillCoordinator
-from trainer.refill_planner import RefillExhausted
-from trainer.rs_policy import RSConfigError, RSGate
+from trainer.rejection.refill import RefillCoordinator
+from trainer.rejection.refill_planner import RefillExhausted
+from trainer.rejection.rs_policy import RSConfigError, RSGate
 
 CASE = json.loads((Path(__file__).parent / "cases" / "refill_admission.json").read_text())
 
@@ -34,13 +34,13 @@ def _sample(sample_id: int, group_id: int, version: int, accept: bool) -> Sample
 
 
 class FakeTrainer:
-    """The parts of TrainerActor the coordinator uses, with canned replacement rounds."""
+    """What a coordinator is given (cache, preflight, manager / clock refs, version), with canned
+    replacement rounds."""
 
     def __init__(self, rounds: list[list[list[bool]]], version: int = 7,
                  replacement_version: int | None = None) -> None:
         self.cache = ProximalLogprobCache()
         self.version = version
-        self.manager_name, self.clock_name = "rollout_manager", "version_clock"
         self.rules = VersionRules()
         self.requested: list[int] = []
         next_id = [100]
@@ -63,11 +63,8 @@ class FakeTrainer:
             if bad:
                 raise StaleSample(f"replacement samples not at preflight version: {bad}")
 
-        self.refs = {"rollout_manager": FakeRef(generate_replacements=generate_replacements),
-                     "version_clock": FakeRef(check_replacements=check_replacements)}
-
-    def ref(self, name):
-        return self.refs[name]
+        self.manager = FakeRef(generate_replacements=generate_replacements)
+        self.clock = FakeRef(check_replacements=check_replacements)
 
     def preflight(self, samples):
         for s in samples:
@@ -86,7 +83,9 @@ def _coordinator(trainer, max_rounds: int, refill: bool = True) -> RefillCoordin
     cfg = TrainerConfig(rs_mode="sequence", rs_lower=0.5, rs_upper=2.0, rs_batch_refill=refill,
                         rs_refill_max_rounds=max_rounds)
     c = CASE["config"]
-    return RefillCoordinator(trainer, cfg.rs_gate, cfg, c["rollout_batch_size"], c["n_samples_per_prompt"])
+    return RefillCoordinator(cfg.rs_gate, cfg, c["rollout_batch_size"], c["n_samples_per_prompt"],
+                             cache=trainer.cache, preflight=trainer.preflight, manager=trainer.manager,
+                             clock=trainer.clock, version=trainer.version)
 
 
 async def test_case_one_group_rejected_is_replaced_whole():
@@ -129,6 +128,77 @@ async def test_refill_off_masks_rejected_tokens_and_keeps_every_sample():
     assert [s.sample_id for s in admitted] == [s.sample_id for s in initial]
     assert [bool(token_accept[s.sample_id].all()) for s in initial] == [True, True, True, False]
     assert metrics["rs_sample_accept_rate"] == 0.75 and trainer.requested == []
+    assert not [k for k in metrics if k.startswith("refill_")]  # no replacements, no refill keys
+
+
+# ---- the replacements' replay rates, through the real preflight -------------------------
+
+
+@pytest.fixture
+def _restore_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)  # the trainer backend sets the process's threads
+
+
+def _traced_sample(model, sample_id, group_id, rollout_lp, rng, perturb_rows=()):
+    """A sample whose engine traces are the model's own choices from a single-sample forward
+    (independent of the trainer's batching), with the LAST MoE layer's experts replaced at
+    ``perturb_rows``: that layer's MLP feeds no router or indexer, so only those rows drift."""
+    prompt, response = rng.integers(0, 40, 4).astype(np.int32), rng.integers(0, 40, 3).astype(np.int32)
+    tokens = torch.from_numpy(np.r_[prompt, response][:-1].astype(np.int64))[None]
+    with torch.no_grad():
+        out = model(tokens, torch.arange(tokens.shape[1])[None], capture=True)
+    experts = out.routed_experts[0].numpy().astype(np.int32).copy()
+    for t in perturb_rows:
+        experts[t, -1] = (experts[t, -1] + 1) % model.config.num_experts  # another expert set
+    return Sample(sample_id=sample_id, group_id=group_id, rollout_id=0, policy_version=0,
+                  prompt_ids=prompt, response_ids=response, loss_mask=np.ones(3, np.uint8),
+                  rollout_logprobs=np.full(3, rollout_lp, np.float32), routed_experts=experts,
+                  indexer_topk=out.indexer_topk[0].numpy().astype(np.int32))
+
+
+async def test_replacement_replay_rates_are_reported(tmp_path, _restore_threads):
+    from rollout.task import VOCABULARY
+    from trainer.trainer_actor import TrainerActor
+
+    config = build_config({"n-samples-per-prompt": 2, "rollout-batch-size": 1})
+    checkpoint = write_initial_checkpoint(config, tmp_path / "ckpt")
+    cfg = TrainerConfig(use_support_replay=False, rs_mode="sequence", rs_lower=1e-30,
+                        rs_upper=1e30, rs_batch_refill=True)
+    actor = TrainerActor(str(checkpoint), cfg.to_dict(), n_samples_per_prompt=2, engines=[],
+                         rollout_batch_size=1, vocab_tokens=list(VOCABULARY))
+    model, rng = actor.backend.model, np.random.default_rng(0)
+    # rollout logprob +30 per token: exp(sum d) ~ e^-100 is below the band, the group is dropped;
+    # rollout logprob 0: exp(sum logp_prox) ~ e^-11 is inside it, the replacement is admitted
+    initial = [_traced_sample(model, i, 0, 30.0, rng) for i in range(2)]
+    repl = [_traced_sample(model, 10, 1, 0.0, rng, perturb_rows=(0, 4)),
+            _traced_sample(model, 11, 1, 0.0, rng, perturb_rows=(2,))]
+    step_rates = actor.preflight(initial)
+
+    async def generate_replacements(n_groups):
+        assert n_groups == 1
+        return [s.to_dict() for s in repl]
+
+    async def check_replacements(version, ids, versions):
+        assert version == 0 and versions == [0, 0]
+
+    coordinator = RefillCoordinator(
+        actor.gate, actor.config, 1, 2, cache=actor.cache, preflight=actor.preflight,
+        manager=FakeRef(generate_replacements=generate_replacements),
+        clock=FakeRef(check_replacements=check_replacements), version=0)
+    admitted, _, metrics = await coordinator.admit(initial)
+    assert [s.sample_id for s in admitted] == [10, 11]
+    # by hand: 3 perturbed (token, layer) rows of (6 + 6) tokens x 3 MoE layers with a trace
+    n_moe = len(model.config.moe_layers)
+    assert metrics["refill_routing_drift_rate"] == pytest.approx(3 / (12 * n_moe), abs=1e-12)
+    assert metrics["refill_routing_flip_rate"] == 0.0  # the replay used the engine's experts
+    assert metrics["refill_indexer_flip_rate"] == 0.0 and metrics["refill_indexer_drift_rate"] == 0.0
+    # the step's own keys are the initial samples' (unperturbed) rates, not mixed with these
+    assert step_rates["routing_drift_rate"] == [0.0]
+    assert {k for k in metrics if k.startswith("refill_") and k.endswith("_rate")} == {
+        "refill_routing_flip_rate", "refill_routing_drift_rate",
+        "refill_indexer_flip_rate", "refill_indexer_drift_rate"}
 
 
 def test_gate_flags_fail_closed():

@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.rs_gates import (
+from trainer.rejection.rs_gates import (
     RSBoundsError,
     RSError,
+    SAMPLE_LOG_WEIGHTS,
     compute_log_ratio,
-    geometric_gate,
     geometric_log_weight,
     group_admission,
-    sequence_gate,
+    sample_gate,
     sequence_log_weight,
     token_gate,
 )
@@ -62,8 +62,13 @@ def test_sequence_and_geometric_case(layout):
     for i, s in enumerate(samples):
         assert seq[i].item() == pytest.approx(s["expected_sequence_log_weight"], abs=1e-6), s["id"]
         assert geo[i].item() == pytest.approx(s["expected_geometric_log_weight"], abs=1e-6), s["id"]
-    assert sequence_gate(*args, *case["sequence_bounds"], **kw).tolist() == case["expected_sequence_accept"]
-    assert geometric_gate(*args, *case["geometric_bounds"], **kw).tolist() == case["expected_geometric_accept"]
+    seq_accept = sample_gate(*args, *case["sequence_bounds"], log_weight=sequence_log_weight, **kw)
+    geo_accept = sample_gate(*args, *case["geometric_bounds"], log_weight=geometric_log_weight, **kw)
+    assert seq_accept.tolist() == case["expected_sequence_accept"]
+    assert geo_accept.tolist() == case["expected_geometric_accept"]
+    # the run's modes name the same two weight functions
+    assert SAMPLE_LOG_WEIGHTS["sequence"] is sequence_log_weight
+    assert SAMPLE_LOG_WEIGHTS["geometric"] is geometric_log_weight
 
 
 def test_masked_nan_does_not_reach_sequence_weight():
@@ -71,7 +76,8 @@ def test_masked_nan_does_not_reach_sequence_weight():
     m = torch.tensor([1, 0, 1, 0])
     w = sequence_log_weight(d, m, cu_seqlens=[0, 2, 4])
     assert w.tolist() == pytest.approx([0.2, 0.1], abs=1e-7)
-    assert geometric_gate(d, m, 0.9, 1.3, cu_seqlens=[0, 2, 4]).tolist() == [True, True]
+    assert sample_gate(d, m, 0.9, 1.3, log_weight=geometric_log_weight,
+                       cu_seqlens=[0, 2, 4]).tolist() == [True, True]
 
 
 def test_compute_log_ratio_zeroes_masked_and_is_detached():
@@ -85,7 +91,8 @@ def test_unchanged_weights_give_weight_one_and_accept():
     lp = torch.tensor([-0.1, -2.3, -4.6])
     d = compute_log_ratio(lp, lp.clone(), torch.ones(3))
     assert sequence_log_weight(d, torch.ones(3), cu_seqlens=[0, 3]).item() == 0.0
-    assert sequence_gate(d, torch.ones(3), 0.999, 1.001, cu_seqlens=[0, 3]).tolist() == [True]
+    assert sample_gate(d, torch.ones(3), 0.999, 1.001, log_weight=sequence_log_weight,
+                       cu_seqlens=[0, 3]).tolist() == [True]
 
 
 def test_bounds_are_inclusive():
@@ -97,10 +104,10 @@ def test_bounds_are_inclusive():
 def test_bad_bounds_raise(lower, upper):
     with pytest.raises(RSBoundsError):
         token_gate(torch.zeros(1), torch.ones(1), lower, upper)
-    with pytest.raises(RSBoundsError):
-        sequence_gate(torch.zeros(1), torch.ones(1), lower, upper, cu_seqlens=[0, 1])
-    with pytest.raises(RSBoundsError):
-        geometric_gate(torch.zeros(1), torch.ones(1), lower, upper, cu_seqlens=[0, 1])
+    for log_weight in (sequence_log_weight, geometric_log_weight):
+        with pytest.raises(RSBoundsError):
+            sample_gate(torch.zeros(1), torch.ones(1), lower, upper, log_weight=log_weight,
+                        cu_seqlens=[0, 1])
 
 
 def test_infinite_upper_bound_is_allowed():

@@ -7,8 +7,8 @@ import torch
 from rollout.model.config import default_config
 from rollout.model.qwen3_moe import Qwen3MoeForCausalLM
 from rollout.sample import Sample
+from trainer.backends.torch_backend import response_logprobs
 from trainer.batch import collate
-from trainer.forward import response_logprobs
 
 
 def _setup(seed=0):

@@ -13,7 +13,7 @@ from rollout.capture import CaptureError
 from rollout.sample import Sample, SampleError
 from rollout.trajectory import (MissingTraceError, TraceGapError, TrajectoryError,
                                 append_synthetic_eos, merge_turns, truncate)
-from trainer.rs_gates import compute_log_ratio, sequence_gate, sequence_log_weight
+from trainer.rejection.rs_gates import compute_log_ratio, sample_gate, sequence_log_weight
 
 CASES = {c["name"]: c for c in json.loads((Path(__file__).parent / "cases" / "trace_alignment.json").read_text())}
 SID = 11
@@ -252,7 +252,7 @@ def test_sampled_eos_keeps_its_logprob():
     mask = torch.from_numpy(s.loss_mask.astype(np.int64))
     d = compute_log_ratio(logp.clone(), logp, mask)
     assert sequence_log_weight([d], [mask]).tolist() == [0.0]
-    assert sequence_gate([d], [mask], 0.999, 1.001).tolist() == [True]
+    assert sample_gate([d], [mask], 0.999, 1.001, log_weight=sequence_log_weight).tolist() == [True]
 
 
 def test_merge_errors_name_sample_and_field():

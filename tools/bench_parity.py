@@ -27,8 +27,8 @@ from rollout.sample import Sample
 from rollout.sampler import SamplingParams
 from rollout.task import VOCABULARY, DigitTask
 from rollout.trajectory import merge_turns
+from trainer.backends.torch_backend import response_logprobs
 from trainer.batch import collate
-from trainer.forward import response_logprobs
 from trainer.replay import batch_flip_rate
 
 CONFIGS = [  # (name, routing, indexer, support)

@@ -179,6 +179,7 @@ _FLAGS: dict[str, tuple[str | None, str, Any, str]] = {
     "dp-size": ("trainer", "dp_size", int, "data-parallel size (refill quantum)"),
     "vpp-size": ("trainer", "vpp_size", int, "virtual pipeline size (refill quantum)"),
     "microbatch-group-size": ("trainer", "microbatch_group_size", int, "VPP microbatch group"),
+    "train-backend": ("trainer", "train_backend", str, "trainer backend (registry name): torch"),
 }
 _BOOL_FLAGS: dict[str, tuple[str | None, str, str]] = {
     "use-routing-replay": ("trainer", "use_routing_replay", "R3: replay the engine's MoE routing"),

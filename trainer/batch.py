@@ -56,7 +56,8 @@ def per_sample_tensors(samples: Sequence[Sample], field: str) -> list[torch.Tens
 def token_counts(samples: Sequence[Sample], token_accept: dict[int, torch.Tensor]) -> tuple[int, int]:
     """``(loss tokens, loss tokens the RS gate accepted)`` over ``samples``.
 
-    ``token_accept`` maps sample id -> bool [R] from :meth:`trainer.rs_policy.RSGate.decide`.
+    ``token_accept`` maps sample id -> bool [R] from
+    :meth:`trainer.rejection.rs_policy.RSGate.decide`.
     """
     loss = accepted = 0
     for s in samples:

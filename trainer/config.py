@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from trainer.rs_policy import RSGate
+from trainer.backends import BACKENDS
+from trainer.rejection.rs_policy import RSGate
 
 
 class TrainerConfigError(ValueError):
@@ -36,7 +37,7 @@ class TrainerConfig:
         seed: torch seed of the trainer process.
         rs_mode, rs_lower, rs_upper: the RS gate (``--rs-mode none|token|sequence|geometric``).
         rs_denominator: loss denominator when RS rejects tokens without refill
-            (``loss_tokens`` | ``accepted_tokens``), see :mod:`trainer.rs_policy`.
+            (``loss_tokens`` | ``accepted_tokens``), see :mod:`trainer.rejection.rs_policy`.
         rs_batch_refill: exact refill (``--rs-batch-refill``): train on exactly
             ``rollout_batch_size`` admitted groups or do not step.
         rs_refill_max_rounds: replacement rounds before the step fails.
@@ -44,6 +45,8 @@ class TrainerConfig:
         rs_refill_rpc_timeout_s: timeout of every actor call on the refill path.
         dp_size, vpp_size, microbatch_group_size: the parallel layout the refill quantum is
             computed for; this launcher runs one trainer rank, so only 1 / 1 / any is supported.
+        train_backend: the model-owning backend, a name in :data:`trainer.backends.BACKENDS`
+            (``--train-backend``).
     """
 
     lr: float = 3e-4
@@ -78,6 +81,7 @@ class TrainerConfig:
     dp_size: int = 1
     vpp_size: int = 1
     microbatch_group_size: int = 1
+    train_backend: str = "torch"
 
     def __post_init__(self) -> None:
         checks = [
@@ -111,6 +115,8 @@ class TrainerConfig:
             (self.dp_size == 1, "--dp-size > 1 is not supported: this launcher runs one trainer rank"),
             (self.vpp_size == 1, "--vpp-size > 1 is not supported: the embedded trainer has no pipeline"),
             (self.microbatch_group_size >= 1, "--microbatch-group-size must be >= 1"),
+            (self.train_backend in BACKENDS, f"--train-backend {self.train_backend!r} is not a known "
+                                             f"trainer backend; known: {', '.join(sorted(BACKENDS))}"),
         ]
         for ok, message in checks:
             if not ok:

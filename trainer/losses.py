@@ -86,7 +86,7 @@ def policy_loss(
         eps_low, eps_high: clip range ``[1 - eps_low, 1 + eps_high]``; ``0 <= eps_low < 1``,
             ``eps_high >= 0`` (DAPO uses ``eps_high = 0.28``).
         tis_cap: TIS cap ``C > 0``; ``None`` disables TIS (``w = 1``).
-        token_accept: optional bool tensor [N] from token RS (``rs_gates.token_gate``).
+        token_accept: optional bool tensor [N] from token RS (``trainer.rejection.rs_gates.token_gate``).
         denominator: ``"loss_tokens"`` or ``"accepted_tokens"`` (keyword, required: the policy
             is always stated by the caller).
 
@@ -122,7 +122,7 @@ def policy_loss(
         contrib = mask
     else:
         if not isinstance(token_accept, Tensor) or token_accept.dtype != torch.bool:
-            raise LossError("token_accept must be a bool tensor (from rs_gates.token_gate)")
+            raise LossError("token_accept must be a bool tensor (from trainer.rejection.rs_gates.token_gate)")
         contrib = mask & _as_bool_mask(token_accept, n, "token_accept")
 
     for name, x in (("logp", logp), ("logp_prox", logp_prox), ("logp_rollout", logp_rollout),

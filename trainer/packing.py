@@ -15,11 +15,9 @@ rows, routing and indexer traces -- goes through the same frozen :class:`PackedL
 * the next-token shift never crosses a segment: position ``p`` predicts token ``p + 1`` of the
   same segment, and the last real position of every segment (and every padding position)
   predicts nothing (:meth:`PackedLayout.next_token_targets`, ``tests/cases/packed_shift.json``);
-* context parallelism (CP) of size ``c`` uses the load-balanced split of Megatron-LM /
-  TransformerEngine (``get_batch_on_this_cp_rank``, ``thd_get_partitioned_indices``): every
-  segment is padded to a multiple of ``2c`` and cut into ``2c`` equal chunks; rank ``r`` holds
-  chunks ``r`` and ``2c - 1 - r`` of every segment, segment after segment, so causal attention
-  work is balanced across ranks.
+* a layout built for context parallelism (CP) of size ``c`` (``from_lengths(..., cp_size=c)``)
+  pads every segment to a multiple of ``2c``, so :mod:`trainer.parallel.context_parallel` can
+  cut it into the load-balanced shards of Megatron-LM / TransformerEngine.
 
 Row spaces. Per-sample arrays do not all start at the sample's first token: a trajectory of
 prompt length ``P`` and ``R`` response tokens has ``P + R`` tokens, ``P + R - 1`` trace rows
@@ -37,7 +35,7 @@ slot == position). Packed, the key of sample position ``k`` sits at packed posit
 :meth:`PackedLayout.unpack_key_slots` apply and undo that offset.
 
 Arrays may be numpy arrays or torch tensors (any trailing shape); torch outputs stay on the
-input device and keep autograd (pack / unpack / shards of logprobs are differentiable).
+input device and keep autograd (pack / unpack of logprobs are differentiable).
 """
 
 from __future__ import annotations
@@ -177,7 +175,7 @@ class PackedLayout:
         checked = []
         for i, n in enumerate(lengths):
             if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)) or n < 1:
-                raise PackedFieldError(self._name(i), "length", f"must be an int >= 1, got {n!r}")
+                raise PackedFieldError(self.sample_name(i), "length", f"must be an int >= 1, got {n!r}")
             checked.append(int(n))
         lengths = tuple(checked)
         padded = tuple(-(-n // multiple) * multiple for n in lengths)
@@ -228,7 +226,8 @@ class PackedLayout:
         """``B``, the number of segments."""
         return len(self.lengths)
 
-    def _name(self, i: int) -> Any:
+    def sample_name(self, i: int) -> Any:
+        """Name of sample ``i`` in error messages: ``sample_ids[i]``, or ``#i`` without ids."""
         return self.sample_ids[i] if self.sample_ids is not None else f"#{i}"
 
     # ----------------------------------------------------------------------- pack / unpack
@@ -244,16 +243,16 @@ class PackedLayout:
         for i, n in enumerate(rows):
             if offsets is None:
                 if n != self.lengths[i]:
-                    raise PackedFieldError(self._name(i), field_name,
+                    raise PackedFieldError(self.sample_name(i), field_name,
                                            f"{n} rows, but the sample has {self.lengths[i]} tokens")
                 off = 0
             else:
                 off = offsets[i]
                 if isinstance(off, (bool, np.bool_)) or not isinstance(off, (int, np.integer)):
-                    raise PackedFieldError(self._name(i), field_name, f"offset {off!r} is not an int")
+                    raise PackedFieldError(self.sample_name(i), field_name, f"offset {off!r} is not an int")
                 if off < 0 or off + n > self.lengths[i]:
                     raise PackedFieldError(
-                        self._name(i), field_name,
+                        self.sample_name(i), field_name,
                         f"{n} rows at offset {off} do not fit the sample's {self.lengths[i]} tokens")
             starts.append(int(self.cu_seqlens_padded[i]) + int(off))
         return starts
@@ -291,12 +290,12 @@ class PackedLayout:
         first = arrays[0]
         for i, a in enumerate(arrays):
             if a.ndim < 1:
-                raise PackedFieldError(self._name(i), field, "is a scalar, needs a row axis")
+                raise PackedFieldError(self.sample_name(i), field, "is a scalar, needs a row axis")
             if tuple(a.shape[1:]) != tuple(first.shape[1:]) or a.dtype != first.dtype:
                 raise PackedFieldError(
-                    self._name(i), field,
+                    self.sample_name(i), field,
                     f"rows of shape {tuple(a.shape[1:])} and dtype {a.dtype}, but sample "
-                    f"{self._name(0)} has {tuple(first.shape[1:])} and {first.dtype}")
+                    f"{self.sample_name(0)} has {tuple(first.shape[1:])} and {first.dtype}")
         _check_fill(pad_value, first.dtype, f"{field}: pad_value")
         starts = self._spans([a.shape[0] for a in arrays], offsets, field)
         dst = np.concatenate([s + np.arange(a.shape[0]) for s, a in zip(starts, arrays)])
@@ -327,7 +326,7 @@ class PackedLayout:
             PackingError: ``packed`` has the wrong number of rows, or bad offsets / rows.
             PackedFieldError: a requested span does not fit its sample.
         """
-        self._check_packed(packed, field)
+        self.check_packed(packed, field)
         offs = [0] * self.num_samples if offsets is None else list(offsets)
         if len(offs) != self.num_samples:
             raise PackingError(f"{field}: {len(offs)} offsets for {self.num_samples} samples")
@@ -339,11 +338,17 @@ class PackedLayout:
                 raise PackingError(f"{field}: {len(n_rows)} row counts for {self.num_samples} samples")
         for i, n in enumerate(n_rows):
             if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)) or n < 0:
-                raise PackedFieldError(self._name(i), field, f"row count {n!r} is not an int >= 0")
+                raise PackedFieldError(self.sample_name(i), field, f"row count {n!r} is not an int >= 0")
         starts = self._spans(n_rows, offs, field)
         return [packed[s : s + int(n)] for s, n in zip(starts, n_rows)]
 
-    def _check_packed(self, packed: Any, field: str) -> None:
+    def check_packed(self, packed: Any, field: str) -> None:
+        """Check that ``packed`` is a numpy array or torch tensor ``[T, ...]`` of this layout.
+
+        Raises:
+            PackingError: another type, a scalar, or a row count other than ``total_length``
+                (the message names ``field``).
+        """
         if not (_is_torch(packed) or isinstance(packed, np.ndarray)) or packed.ndim < 1:
             raise PackingError(f"{field} must be a numpy array or torch tensor [T, ...], got "
                                f"{type(packed).__name__}")
@@ -370,11 +375,11 @@ class PackedLayout:
             integer = (not a.is_floating_point() and not a.is_complex() and a.dtype != torch.bool
                        if _is_torch(a) else a.dtype.kind in "iu")
             if not integer:
-                raise PackedFieldError(self._name(i), field, f"key slots must be integers, got {a.dtype}")
+                raise PackedFieldError(self.sample_name(i), field, f"key slots must be integers, got {a.dtype}")
             if (a.numel() if _is_torch(a) else a.size) > 0:
                 lo, hi = int(a.min()), int(a.max())
                 if lo < -1 or hi >= self.lengths[i]:
-                    raise PackedFieldError(self._name(i), field,
+                    raise PackedFieldError(self.sample_name(i), field,
                                            f"key slots must lie in [-1, {self.lengths[i]}), got [{lo}, {hi}]")
             shifted.append(_offset_slots(a, int(self.cu_seqlens_padded[i])))
         return self.pack(shifted, -1, field=field, offsets=offsets)
@@ -393,7 +398,7 @@ class PackedLayout:
             start, n = int(self.cu_seqlens_padded[i]), self.lengths[i]
             bad = (a >= 0) & ((a < start) | (a >= start + n))
             if bool(bad.any()):
-                raise PackedFieldError(self._name(i), field,
+                raise PackedFieldError(self.sample_name(i), field,
                                        f"key slots outside the segment's positions [{start}, {start + n})")
             out.append(_offset_slots(a, -start))
         return out
@@ -418,7 +423,7 @@ class PackedLayout:
         Raises:
             PackingError: wrong row count or an unstorable ``fill_value``.
         """
-        self._check_packed(packed, field)
+        self.check_packed(packed, field)
         _check_fill(fill_value, packed.dtype, f"{field}: fill_value")
         shape = (-1,) + (1,) * (packed.ndim - 1)
         if _is_torch(packed):
@@ -446,85 +451,10 @@ class PackedLayout:
             PackingError: ``tokens`` is not 1-D integer with ``T`` entries, or ``ignore_index``
                 does not fit its dtype.
         """
-        self._check_packed(tokens, "tokens")
+        self.check_packed(tokens, "tokens")
         is_int = (not tokens.is_floating_point() and tokens.dtype != torch.bool) if _is_torch(tokens) \
             else tokens.dtype.kind in "iu"
         if tokens.ndim != 1 or not is_int:
             raise PackingError(f"tokens must be a 1-D integer array [T], got shape "
                                f"{tuple(tokens.shape)} and dtype {tokens.dtype}")
         return self.shift_to_next(tokens, ignore_index, field="tokens")
-
-    # ----------------------------------------------------------------------- context parallel
-
-    def cp_shard_indices(self, rank: int, cp_size: int) -> np.ndarray:
-        """Packed positions held by CP rank ``rank`` of ``cp_size``, in shard order.
-
-        For every segment (in order), chunks ``rank`` and ``2 * cp_size - 1 - rank`` of its
-        ``2 * cp_size`` equal chunks (Megatron-LM / TransformerEngine load-balanced CP).
-        ``cp_size == 1`` holds everything.
-
-        Returns:
-            read-only int64 array ``[T / cp_size]``.
-
-        Raises:
-            PackingError: a bad rank / size, or a segment whose padded length is not a multiple
-                of ``2 * cp_size`` (build the layout with ``from_lengths(..., cp_size=...)``).
-        """
-        cp = _positive_int(cp_size, "cp_size")
-        if isinstance(rank, (bool, np.bool_)) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < cp:
-            raise PackingError(f"CP rank must be an int in [0, {cp}), got {rank!r}")
-        if cp == 1:
-            return _readonly(np.arange(self.total_length, dtype=np.int64))
-        parts = []
-        for i, n in enumerate(self.padded_lengths):
-            if n % (2 * cp):
-                raise PackedFieldError(
-                    self._name(i), "padded length",
-                    f"{n} is not a multiple of 2 * cp_size = {2 * cp}; build the layout with "
-                    f"PackedLayout.from_lengths(..., cp_size={cp})")
-            chunk, start = n // (2 * cp), int(self.cu_seqlens_padded[i])
-            for c in (rank, 2 * cp - 1 - rank):
-                parts.append(start + c * chunk + np.arange(chunk, dtype=np.int64))
-        return _readonly(np.concatenate(parts))
-
-    def cp_shard(self, packed: Any, rank: int, cp_size: int, *, field: str = "packed") -> Any:
-        """The rows of a packed ``[T, *trailing]`` array that CP rank ``rank`` holds.
-
-        Returns:
-            same type as ``packed``, ``[T / cp_size, *trailing]`` (a copy; torch: differentiable).
-
-        Raises:
-            PackingError: as :meth:`cp_shard_indices`, or a wrong row count.
-        """
-        self._check_packed(packed, field)
-        idx = self.cp_shard_indices(rank, cp_size)
-        if _is_torch(packed):
-            return packed.index_select(0, torch.tensor(idx, device=packed.device))
-        return packed[idx]
-
-    def cp_unshard(self, shards: Sequence[Any], *, field: str = "packed") -> Any:
-        """Reassemble the packed ``[T, *trailing]`` array from the shards of ranks ``0..c-1``.
-
-        ``shards[r]`` is rank ``r``'s :meth:`cp_shard` (e.g. after an all-gather); ``c`` is
-        ``len(shards)``.
-
-        Raises:
-            PackingError: a shard of the wrong row count, or as :meth:`cp_shard_indices`.
-        """
-        shards = list(shards)
-        cp = len(shards)
-        if cp == 0:
-            raise PackingError(f"{field}: no shards to unshard")
-        order = np.concatenate([self.cp_shard_indices(r, cp) for r in range(cp)])
-        for r, s in enumerate(shards):
-            if not (_is_torch(s) or isinstance(s, np.ndarray)) or s.ndim < 1 \
-                    or s.shape[0] != self.total_length // cp:
-                raise PackingError(f"{field}: shard of CP rank {r} must have "
-                                   f"{self.total_length // cp} rows, got "
-                                   f"{getattr(s, 'shape', type(s).__name__)}")
-        inverse = np.argsort(order, kind="stable")
-        if all(_is_torch(s) for s in shards):
-            return torch.cat(shards).index_select(0, torch.from_numpy(inverse).to(shards[0].device))
-        if any(_is_torch(s) for s in shards):
-            raise PackingError(f"{field}: mix of torch tensors and numpy arrays")
-        return np.concatenate(shards)[inverse]

@@ -5,16 +5,21 @@ One call of :meth:`TrainerActor.train` is one optimizer step on one rollout batc
 1. take the batch from the RolloutManager (trajectories cross the wire once);
 2. ask the VersionClock to admit every sample (``0 <= t - v <= max_staleness``);
 3. preflight forward at the weights the step starts from -> proximal logprobs in the
-   (pinned when possible) :class:`ProximalLogprobCache`;
-4. RS gate (:class:`trainer.rs_policy.RSGate`); with exact refill, whole prompt groups are
-   admitted or dropped and replacements are generated at exactly the preflight version until
-   ``rollout_batch_size`` groups are admitted or ``--rs-refill-max-rounds`` is spent, in which
-   case the step raises before the optimizer is touched (:mod:`trainer.refill`);
+   (pinned when possible) :class:`ProximalLogprobCache`, and the replay flip / drift rates;
+4. RS gate (:class:`trainer.rejection.rs_policy.RSGate`); with exact refill, whole prompt
+   groups are admitted or dropped and replacements are generated at exactly the preflight
+   version until ``rollout_batch_size`` groups are admitted or ``--rs-refill-max-rounds`` is
+   spent, in which case the step raises before the optimizer is touched
+   (:class:`trainer.rejection.refill.RefillCoordinator`, which gets the cache, the preflight and
+   the actor refs, not this actor);
 5. GRPO advantages over the trained groups, loss forward/backward per microbatch with the same
    replays and the same gate re-applied, clip, optimizer step, ``trainer_version += 1``.
 
-:meth:`push_weights` sends the full weight set to every engine over the transport and records
-each engine's new version with the clock. The loop that orders these calls lives in
+Everything that touches the weights or the optimizer (forwards, backward, clip + step, weight
+export, checkpoints) goes through the backend chosen by ``--train-backend``
+(:class:`trainer.backends.base.TrainerBackend`); this actor only orchestrates.
+:meth:`push_weights` sends the backend's full weight set to every engine over the transport
+and records each engine's new version with the clock. The loop that orders these calls lives in
 ``tools/train_loop.py`` (slime's ``train_async.py`` shape).
 """
 from __future__ import annotations
@@ -28,16 +33,15 @@ import numpy as np
 import torch
 
 from actors import Actor
-from rollout.model.checkpoint import load_pretrained, save_pretrained, state_dict_arrays
 from rollout.sample import Sample
 from trainer.advantages import grpo_advantages
+from trainer.backends import resolve_backend
 from trainer.batch import collate, collate_packed, per_sample_tensors, token_counts
 from trainer.config import TrainerConfig
-from trainer.forward import response_logprobs
 from trainer.losses import policy_loss
 from trainer.proximal_cache import ProximalLogprobCache
-from trainer.refill import RefillCoordinator
-from trainer.replay import batch_flip_rate, check_replay
+from trainer.rejection.refill import RefillCoordinator
+from trainer.replay import batch_flip_rate, check_replay, mean_rates
 
 
 class TrainStepError(RuntimeError):
@@ -45,11 +49,19 @@ class TrainStepError(RuntimeError):
 
 
 class TrainerActor(Actor):
-    """Actor that owns the fp32 policy, its optimizer and the proximal-logprob cache.
+    """Actor that orchestrates the steps; the policy and its optimizer live in its backend.
+
+    The backend (``--train-backend``, :mod:`trainer.backends`) owns the weights and runs the
+    forwards, backward, clip + optimizer step, weight export and checkpoints; this actor owns
+    the proximal-logprob cache, the RS gate and everything between the actors.
 
     Args:
         checkpoint_dir: Hugging Face checkpoint directory of the initial policy.
         config: :meth:`TrainerConfig.to_dict` output.
+
+    Raises:
+        trainer.config.TrainerConfigError: a bad setting (e.g. an unknown ``--train-backend``).
+        rollout.model.CheckpointError: an unreadable ``checkpoint_dir``.
         n_samples_per_prompt: group size for GRPO.
         rollout_batch_size: prompt groups per step (the exact-refill target).
         engines: engine actor names to push weights to.
@@ -61,17 +73,10 @@ class TrainerActor(Actor):
                  engines: list[str], rollout_batch_size: int, vocab_tokens: list[str],
                  manager: str = "rollout_manager", clock: str = "version_clock") -> None:
         self.config = TrainerConfig(**config)
-        torch.set_num_threads(self.config.torch_threads)
-        torch.manual_seed(self.config.seed)
-        self.model, self.model_config = load_pretrained(checkpoint_dir, dtype=torch.float32)
-        self.model.train()
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            self.params, lr=self.config.lr, betas=(self.config.adam_beta1, self.config.adam_beta2),
-            weight_decay=self.config.weight_decay)
+        self.backend = resolve_backend(self.config.train_backend)(checkpoint_dir, self.config,
+                                                                  vocab_tokens)
         self.n = n_samples_per_prompt
         self.rollout_batch_size = rollout_batch_size
-        self.vocab_tokens = list(vocab_tokens)
         self.engines, self.manager_name, self.clock_name = list(engines), manager, clock
         self.version = 0
         self.cache = ProximalLogprobCache(self.config.rs_refill_max_candidate_cache_bytes)
@@ -85,7 +90,7 @@ class TrainerActor(Actor):
             ``{"version", "bytes", "seconds"}``.
         """
         start = time.perf_counter()
-        arrays = state_dict_arrays(self.model)
+        arrays = self.backend.weights()
         timeout = self.config.rpc_timeout_s
         await asyncio.gather(*(self.ref(e).call("load_weights", self.version, arrays, timeout=timeout)
                                for e in self.engines))
@@ -107,42 +112,43 @@ class TrainerActor(Actor):
                                indexer=chunk[0].indexer_topk is not None,
                                support=cfg.use_support_replay)
 
-    def _forward(self, batch, capture: bool = False):
-        cfg = self.config
-        return response_logprobs(self.model, batch, cfg.temperature, capture=capture,
-                                 replay_routing=cfg.use_routing_replay,
-                                 replay_indexer=cfg.use_indexer_replay,
-                                 chunk_size=cfg.logprobs_chunk_size)
-
-    def preflight(self, samples: list[Sample]) -> dict:
+    def preflight(self, samples: list[Sample]) -> dict[str, list[float]]:
         """Proximal logprobs of ``samples`` at the current weights into the cache.
 
-        Returns the replay metrics: ``*_flip_rate`` = fraction of captured rows where the trainer
-        used other experts / keys than the engine (0 when the replay works), ``*_drift_rate`` =
-        where the trainer's own router / indexer would have chosen differently (numerics plus
-        policy change since the sample was generated).
+        Returns the replay rates, one value per microbatch (NaN when it has no captured real
+        row; :func:`trainer.replay.mean_rates` makes the step metrics): ``*_flip_rate`` =
+        fraction of captured rows where the trainer used other experts / keys than the engine
+        (0 when the replay works), ``*_drift_rate`` = where the trainer's own router / indexer
+        would have chosen differently (numerics plus policy change since the sample was
+        generated). Keys ``routing_*`` / ``indexer_*`` appear only when the samples carry that
+        trace.
+
+        Raises:
+            trainer.replay.ReplayMismatch: the engine's and the trainer's own choices disagree
+                beyond ``--replay-min-overlap-ratio`` / ``--replay-max-mismatch-fraction``.
+            trainer.proximal_cache.ProximalCacheError: the cache's byte cap is exceeded.
         """
         rates: dict[str, list[float]] = {}
-        with torch.no_grad():
-            for chunk, batch in self._batches(samples):
-                logp, out = self._forward(batch, capture=True)
-                for s, part in zip(chunk, torch.split(logp, [len(s.response_ids) for s in chunk])):
-                    self.cache.put(s.sample_id, part)
-                for name, engine, used, own in (
-                        ("routing", batch.routed_experts, out.routed_experts, out.own_routed_experts),
-                        ("indexer", batch.indexer_topk, out.indexer_topk, out.own_indexer_topk)):
-                    if engine is not None:
-                        self._check_replay(name, engine, own, batch.key_padding_mask)
-                        rates.setdefault(f"{name}_flip_rate", []).append(batch_flip_rate(engine, used, batch.key_padding_mask))
-                        rates.setdefault(f"{name}_drift_rate", []).append(batch_flip_rate(engine, own, batch.key_padding_mask))
-        return {k: float(np.nanmean(v)) if not np.isnan(v).all() else 0.0 for k, v in rates.items()}
+        for chunk, batch in self._batches(samples):
+            out = self.backend.preflight_logprobs(batch)
+            for s, part in zip(chunk, torch.split(out.logprobs, [len(s.response_ids) for s in chunk])):
+                self.cache.put(s.sample_id, part)
+            for name, engine, used, own in (
+                    ("routing", batch.routed_experts, out.routed_experts, out.own_routed_experts),
+                    ("indexer", batch.indexer_topk, out.indexer_topk, out.own_indexer_topk)):
+                if engine is not None:
+                    self._check_replay(name, engine, own, batch.key_padding_mask)
+                    rates.setdefault(f"{name}_flip_rate", []).append(batch_flip_rate(engine, used, batch.key_padding_mask))
+                    rates.setdefault(f"{name}_drift_rate", []).append(batch_flip_rate(engine, own, batch.key_padding_mask))
+        return rates
 
     def _check_replay(self, kind: str, engine: torch.Tensor, own: torch.Tensor,
                       real: torch.Tensor) -> None:
         cfg = self.config
         if cfg.replay_min_overlap_ratio == 0 and cfg.replay_max_mismatch_fraction == 1:
             return
-        layers = self.model_config.moe_layers if kind == "routing" else self.model_config.indexed_layers
+        model_config = self.backend.model_config
+        layers = model_config.moe_layers if kind == "routing" else model_config.indexed_layers
         check_replay(engine.reshape(-1, *engine.shape[2:]), own.reshape(-1, *own.shape[2:]),
                      real.reshape(-1), cfg.replay_min_overlap_ratio, cfg.replay_max_mismatch_fraction,
                      layer_ids=layers, kind=kind)
@@ -153,7 +159,7 @@ class TrainerActor(Actor):
         Raises:
             actors.RemoteError: the clock rejected a stale sample, or the manager has no batch.
             rollout.sample.SampleError: a malformed trajectory (named).
-            trainer.refill_planner.RefillExhausted: too few admitted groups (nothing applied).
+            trainer.rejection.refill_planner.RefillExhausted: too few admitted groups (nothing applied).
             TrainStepError: no loss-bearing token, a non-finite gradient, or a training forward
                 that does not reproduce the preflight gate (nothing applied).
         """
@@ -170,9 +176,12 @@ class TrainerActor(Actor):
         self.cache.reset_counters()
         try:
             t0 = time.perf_counter()
-            metrics = self.preflight(samples)
+            metrics = mean_rates(self.preflight(samples))
             metrics["preflight_seconds"] = time.perf_counter() - t0
-            coordinator = RefillCoordinator(self, self.gate, self.config, self.rollout_batch_size, self.n)
+            coordinator = RefillCoordinator(
+                self.gate, self.config, self.rollout_batch_size, self.n, cache=self.cache,
+                preflight=self.preflight, manager=self.ref(self.manager_name),
+                clock=self.ref(self.clock_name), version=self.version)
             admitted, token_accept, refill_metrics = await coordinator.admit(samples)
             metrics.update(refill_metrics)
             metrics.update(self._update(admitted, token_accept))
@@ -198,11 +207,11 @@ class TrainerActor(Actor):
             raise TrainStepError("no loss-bearing (accepted) token in the step; refusing an empty step")
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
         adv = grpo_advantages(rewards, self.n, normalize_std=cfg.normalize_advantage_std)
-        self.optimizer.zero_grad(set_to_none=True)
+        self.backend.zero_grad()
         sums = {"abs_logprob_diff": 0.0, "clipfrac": 0.0, "tis_weight_mean": 0.0, "max_prox_drift": 0.0}
         offset = 0
         for chunk, batch in self._batches(samples):
-            logp, _ = self._forward(batch)
+            logp = self.backend.train_logprobs(batch)
             prox = torch.cat(self.cache.take([s.sample_id for s in chunk]))
             accept = torch.cat([token_accept[s.sample_id] for s in chunk])
             # The same gate, re-applied to this forward, must reproduce the preflight decision:
@@ -225,16 +234,14 @@ class TrainerActor(Actor):
                                   denominator=cfg.rs_denominator)
             # policy_loss averages over this microbatch's denominator; rescale to the step's
             mb_den = float(m["loss_tokens"] if cfg.rs_denominator == "loss_tokens" else m["accepted_tokens"])
-            (loss * (mb_den / denominator)).backward()
+            self.backend.backward(loss * (mb_den / denominator))
             mask = batch.loss_mask > 0
             sums["abs_logprob_diff"] += float((prox - batch.rollout_logprobs)[mask].abs().sum())
             sums["clipfrac"] += m["clip_fraction"] * float(mask.sum())
             sums["tis_weight_mean"] += m["tis_weight_mean"] * float(mask.sum())
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.clip_grad))
+        grad_norm = self.backend.clip_and_step(cfg.clip_grad)
         if not math.isfinite(grad_norm):
-            self.optimizer.zero_grad(set_to_none=True)
             raise TrainStepError(f"non-finite gradient norm {grad_norm}; step skipped, weights untouched")
-        self.optimizer.step()
         return {"trained_groups": len(samples) // self.n, "loss_tokens": loss_tokens,
                 "accepted_tokens": accepted, "grad_norm": grad_norm,
                 "train_rollout_logprob_abs_diff": sums["abs_logprob_diff"] / loss_tokens,
@@ -249,31 +256,19 @@ class TrainerActor(Actor):
     async def save_checkpoint(self, directory: str) -> str:
         """Write model (HF format), optimizer state, version and RNG state under ``directory``."""
         out = Path(directory)
-        save_pretrained(self.model, out / "model", tokens=self.vocab_tokens)
-        torch.save({"optimizer": self.optimizer.state_dict(), "version": self.version,
-                    "torch_rng": torch.get_rng_state()}, out / "trainer_state.pt")
+        self.backend.save_checkpoint(out, self.version)
         return str(out)
 
     async def load_checkpoint(self, directory: str) -> int:
         """Restore :meth:`save_checkpoint` output; returns the restored trainer version."""
-        src = Path(directory)
-        model, _ = load_pretrained(src / "model", dtype=torch.float32)
-        self.model.load_state_dict(model.state_dict())
-        state = torch.load(src / "trainer_state.pt", weights_only=True)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.version = int(state["version"])
-        torch.set_rng_state(state["torch_rng"])
+        self.version = self.backend.load_checkpoint(Path(directory))
         return self.version
 
     async def state(self) -> dict:
         """Trainer version and parameter count (for the REPL and checks)."""
         return {"version": self.version,
-                "parameters": int(sum(p.numel() for p in self.model.parameters()))}
+                "parameters": self.backend.parameter_count()}
 
     async def weights_digest(self) -> dict:
         """Per-tensor raw bytes of weights and optimizer moments (bitwise comparisons in tests)."""
-        arrays = {f"param/{k}": v for k, v in state_dict_arrays(self.model).items()}
-        for i, st in self.optimizer.state_dict()["state"].items():
-            for key in ("exp_avg", "exp_avg_sq"):
-                arrays[f"opt/{i}/{key}"] = st[key].numpy()
-        return {k: np.ascontiguousarray(v).tobytes() for k, v in arrays.items()}
+        return self.backend.digest()

@@ -13,7 +13,9 @@ Per response token ``t`` with loss mask ``m_t`` (DESIGN.md "Trainer math")::
 
 Tokens with ``m_t = 0`` (prompt, observation, padding) never influence a gate; their ``d_t``
 may be NaN or inf (the rollout logprob of an observation slot is undefined). Sums are taken in
-float64 so the weight does not depend on summation order at float32 resolution.
+float64 so the weight does not depend on summation order at float32 resolution. The sequence
+and geometric gates are one implementation, :func:`sample_gate`, parameterised by the weight
+function (:data:`SAMPLE_LOG_WEIGHTS`).
 
 Sources: token / sequence truncated importance sampling and rejection sampling for
 train-inference mismatch (Yao et al. 2025, "Your efficient RL framework secretly brings you
@@ -24,7 +26,8 @@ variant is the per-token-normalised sequence ratio (GSPO, Zheng et al. 2025).
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from types import MappingProxyType
 
 import torch
 from torch import Tensor
@@ -36,8 +39,9 @@ __all__ = [
     "token_gate",
     "sequence_log_weight",
     "geometric_log_weight",
-    "sequence_gate",
-    "geometric_gate",
+    "SampleLogWeight",
+    "SAMPLE_LOG_WEIGHTS",
+    "sample_gate",
     "group_admission",
 ]
 
@@ -249,44 +253,46 @@ def geometric_log_weight(
     return sums / counts.clamp(min=1.0)  # max(sum m, 1) by definition, not a data clamp
 
 
-def sequence_gate(
+SampleLogWeight = Callable[..., Tensor]
+"""A per-sample log weight: ``(log_ratio, loss_mask, *, cu_seqlens=None) -> float64 [B]`` (nats),
+inputs as :func:`sequence_log_weight`."""
+
+SAMPLE_LOG_WEIGHTS: Mapping[str, SampleLogWeight] = MappingProxyType({
+    "sequence": sequence_log_weight,
+    "geometric": geometric_log_weight,
+})
+"""The sample gates' weight functions by ``--rs-mode`` name (read-only)."""
+
+
+def sample_gate(
     log_ratio: Tensor | Sequence[Tensor],
     loss_mask: Tensor | Sequence[Tensor],
     lower: float,
     upper: float,
     *,
+    log_weight: SampleLogWeight,
     cu_seqlens: Tensor | Sequence[int] | None = None,
 ) -> Tensor:
-    """Sequence RS: accept sample ``b`` iff ``exp(sum m d)`` lies in ``[lower, upper]``.
+    """Sample RS: accept sample ``b`` iff ``exp(log_weight(d, m)[b])`` lies in ``[lower, upper]``.
+
+    The sequence gate is ``log_weight=sequence_log_weight`` (``exp(sum m d)``), the geometric
+    gate ``log_weight=geometric_log_weight`` (``exp(sum m d / max(sum m, 1))``); the two differ
+    only in that function (:data:`SAMPLE_LOG_WEIGHTS`).
+
+    Args:
+        log_ratio, loss_mask, cu_seqlens: as :func:`sequence_log_weight` (packed with
+            ``cu_seqlens`` [B+1], or per-sample lists of 1-D tensors).
+        lower, upper: ratio bounds, ``0 < lower <= upper`` (``upper`` may be inf); inclusive.
+        log_weight: the per-sample log weight, e.g. a value of :data:`SAMPLE_LOG_WEIGHTS`.
 
     Returns:
-        bool tensor [B] (True = accepted). Inputs as :func:`sequence_log_weight`.
+        bool tensor [B] (True = accepted).
 
     Raises:
-        RSBoundsError: bad bounds. RSError: as :func:`sequence_log_weight`.
+        RSBoundsError: bad bounds (checked first). RSError: as :func:`sequence_log_weight`.
     """
     lo, hi = _check_bounds(lower, upper)
-    return _in_bounds(sequence_log_weight(log_ratio, loss_mask, cu_seqlens=cu_seqlens), lo, hi)
-
-
-def geometric_gate(
-    log_ratio: Tensor | Sequence[Tensor],
-    loss_mask: Tensor | Sequence[Tensor],
-    lower: float,
-    upper: float,
-    *,
-    cu_seqlens: Tensor | Sequence[int] | None = None,
-) -> Tensor:
-    """Geometric RS: accept sample ``b`` iff ``exp(sum m d / max(sum m, 1))`` is in bounds.
-
-    Returns:
-        bool tensor [B] (True = accepted). Inputs as :func:`sequence_log_weight`.
-
-    Raises:
-        RSBoundsError: bad bounds. RSError: as :func:`sequence_log_weight`.
-    """
-    lo, hi = _check_bounds(lower, upper)
-    return _in_bounds(geometric_log_weight(log_ratio, loss_mask, cu_seqlens=cu_seqlens), lo, hi)
+    return _in_bounds(log_weight(log_ratio, loss_mask, cu_seqlens=cu_seqlens), lo, hi)
 
 
 def group_admission(

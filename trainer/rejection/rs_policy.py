@@ -1,8 +1,8 @@
 """The RS gate of a run, applied identically by the preflight and the training forward.
 
 One frozen :class:`RSGate` turns per-sample proximal / behaviour logprobs into per-sample and
-per-token accept decisions using the formulas in :mod:`trainer.rs_gates` (DESIGN.md, "Trainer
-math"). Modes:
+per-token accept decisions using the formulas in :mod:`trainer.rejection.rs_gates` (DESIGN.md,
+"Trainer math"). Modes:
 
 - ``none``: everything is accepted (plain decoupled PPO + TIS);
 - ``token``: token ``t`` is accepted iff ``exp(d_t)`` is in ``[lower, upper]``; a *sample*
@@ -24,7 +24,7 @@ from typing import Sequence
 
 import torch
 
-from trainer.rs_gates import (compute_log_ratio, geometric_gate, sequence_gate, token_gate)
+from trainer.rejection.rs_gates import SAMPLE_LOG_WEIGHTS, compute_log_ratio, sample_gate, token_gate
 
 MODES = ("none", "token", "sequence", "geometric")
 
@@ -61,7 +61,7 @@ class RSGate:
             ``(sample_accept, token_accept)``: one bool per sample, and one bool tensor [R_i]
             per sample (True = the token may contribute to the loss).
         Raises:
-            trainer.rs_gates.RSError: non-finite ratio at a loss token (naming it).
+            trainer.rejection.rs_gates.RSError: non-finite ratio at a loss token (naming it).
         """
         if not self.active:
             return [True] * len(logp_prox), [torch.ones(len(m), dtype=torch.bool) for m in loss_mask]
@@ -69,6 +69,6 @@ class RSGate:
         if self.mode == "token":
             tokens = [token_gate(d, m, self.lower, self.upper) for d, m in zip(ratios, loss_mask)]
             return [bool(t.all()) for t in tokens], tokens
-        gate = sequence_gate if self.mode == "sequence" else geometric_gate
-        accept = gate(ratios, list(loss_mask), self.lower, self.upper).tolist()
+        accept = sample_gate(ratios, list(loss_mask), self.lower, self.upper,
+                             log_weight=SAMPLE_LOG_WEIGHTS[self.mode]).tolist()
         return accept, [torch.full((len(m),), ok, dtype=torch.bool) for ok, m in zip(accept, loss_mask)]

@@ -5,50 +5,67 @@ what the step trains on:
 
 - RS off: everything;
 - RS on, refill off: every sample, with rejected tokens masked out of the loss (the loss
-  denominator policy is :mod:`trainer.rs_policy`'s);
+  denominator policy is :mod:`trainer.rejection.rs_policy`'s);
 - RS on, refill on: whole prompt groups (group-atomic admission). Rejected groups are dropped
   and ``ceil(deficit / q) * q`` replacement groups are requested from the RolloutManager, which
   generates them from the current policy; each replacement's version must equal the preflight
   version exactly (checked by the VersionClock). After ``--rs-refill-max-rounds`` rounds still
-  short, :class:`trainer.refill_planner.RefillExhausted` is raised, before any optimizer work.
+  short, :class:`trainer.rejection.refill_planner.RefillExhausted` is raised, before any
+  optimizer work.
 
 Only admitted cache entries move on; rejected and surplus entries are discarded at once.
 Every cross-actor call here has ``--rs-refill-rpc-timeout-seconds``.
+
+The coordinator is given what it needs (the preflight callable, the proximal cache, the
+manager and clock references, the preflight version), not the TrainerActor, so it does not
+import the actor. The replacements' replay rates, measured by their preflight, are reported
+as ``refill_<name>`` metrics next to the step's own ``<name>`` replay metrics.
 """
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 
+from actors import ActorRef
 from rollout.sample import Sample
 from trainer.batch import per_sample_tensors, token_counts
 from trainer.config import TrainerConfig
-from trainer.refill_planner import plan_refill_rounds, refill_quantum
-from trainer.rs_gates import group_admission
-from trainer.rs_policy import RSGate
+from trainer.proximal_cache import ProximalLogprobCache
+from trainer.rejection.refill_planner import plan_refill_rounds, refill_quantum
+from trainer.rejection.rs_gates import group_admission
+from trainer.rejection.rs_policy import RSGate
+from trainer.replay import mean_rates
 
-if TYPE_CHECKING:
-    from trainer.trainer_actor import TrainerActor
+Preflight = Callable[[list[Sample]], dict[str, list[float]]]
+"""Proximal logprobs of the samples into the cache; returns per-microbatch replay rates
+(``{"routing_flip_rate": [...], ...}``, as ``TrainerActor.preflight``)."""
 
 
 class RefillCoordinator:
     """Admission and refill rounds of one step, driving a :class:`RefillPlan`.
 
     Args:
-        trainer: the TrainerActor (its cache, preflight, refs and version are used).
         gate: the run's RS gate; config: trainer settings; target_groups: groups per step;
         n: samples per prompt group.
+        cache: the step's proximal-logprob cache (every candidate's entry is already in it).
+        preflight: fills the cache for replacement samples and returns their replay rates.
+        manager, clock: references to the RolloutManager (``generate_replacements``) and the
+            VersionClock (``check_replacements``); anything with ``ActorRef.call``'s signature.
+        version: the trainer version the preflight ran at (replacements must match it).
     """
 
-    def __init__(self, trainer: "TrainerActor", gate: RSGate, config: TrainerConfig,
-                 target_groups: int, n: int) -> None:
-        self.trainer, self.gate, self.config = trainer, gate, config
+    def __init__(self, gate: RSGate, config: TrainerConfig, target_groups: int, n: int, *,
+                 cache: ProximalLogprobCache, preflight: Preflight, manager: ActorRef,
+                 clock: ActorRef, version: int) -> None:
+        self.gate, self.config = gate, config
         self.target_groups, self.n = target_groups, n
+        self.cache, self.preflight = cache, preflight
+        self.manager, self.clock, self.version = manager, clock, version
 
     def _decide(self, samples: list[Sample]) -> tuple[list[bool], dict[int, torch.Tensor]]:
-        cache = self.trainer.cache
+        cache = self.cache
         accept, tokens = self.gate.decide(
             [cache.peek(s.sample_id) for s in samples],
             per_sample_tensors(samples, "rollout_logprobs"),
@@ -57,6 +74,12 @@ class RefillCoordinator:
 
     async def admit(self, samples: list[Sample]) -> tuple[list[Sample], dict[int, torch.Tensor], dict]:
         """Return ``(samples to train on, per-sample token accept masks, metrics)``.
+
+        With refill, the metrics include ``refill_<name>`` for every replay rate ``<name>`` the
+        replacements' preflight measured (``refill_routing_flip_rate``,
+        ``refill_routing_drift_rate``, ``refill_indexer_flip_rate``,
+        ``refill_indexer_drift_rate``: the mean over all replacement microbatches of the step,
+        as :func:`trainer.replay.mean_rates`), only when replacements were generated.
 
         Raises:
             RefillExhausted: still short of ``target_groups`` after the allowed rounds.
@@ -72,7 +95,7 @@ class RefillCoordinator:
             metrics["coordinator_seconds"] = time.perf_counter() - start
             return samples, token_accept, metrics
 
-        cfg, trainer = self.config, self.trainer
+        cfg = self.config
         by_group: dict[int, list[Sample]] = {}
         for s in samples:
             by_group.setdefault(s.group_id, []).append(s)
@@ -83,18 +106,19 @@ class RefillCoordinator:
         plan = plan_refill_rounds(admission, target_groups=self.target_groups, quantum=quantum,
                                   max_rounds=cfg.rs_refill_max_rounds)
         replacement_seconds = replacement_preflight = 0.0
-        manager, clock = trainer.ref(trainer.manager_name), trainer.ref(trainer.clock_name)
+        replacement_rates: dict[str, list[float]] = {}
         while not plan.done:
             t0 = time.perf_counter()
-            raw = await manager.call("generate_replacements", plan.request.n_groups,
+            raw = await self.manager.call("generate_replacements", plan.request.n_groups,
                                      timeout=cfg.rs_refill_rpc_timeout_s)
             replacement_seconds += time.perf_counter() - t0
             repl = [Sample.from_dict(d) for d in raw]
             metrics["generated_samples"] += len(repl)
-            await clock.call("check_replacements", trainer.version, [s.sample_id for s in repl],
+            await self.clock.call("check_replacements", self.version, [s.sample_id for s in repl],
                              [s.policy_version for s in repl], timeout=cfg.rs_refill_rpc_timeout_s)
             t0 = time.perf_counter()
-            trainer.preflight(repl)
+            for name, rates in self.preflight(repl).items():
+                replacement_rates.setdefault(name, []).extend(rates)
             replacement_preflight += time.perf_counter() - t0
             r_accept, r_tokens = self._decide(repl)
             token_accept.update(r_tokens)
@@ -110,7 +134,7 @@ class RefillCoordinator:
             rounds[-1]["surplus_groups"] = len(plan.surplus) - before
         admitted = [s for g in plan.admitted for s in by_group[g]]
         keep = {s.sample_id for s in admitted}
-        trainer.cache.discard([s.sample_id for group in by_group.values() for s in group
+        self.cache.discard([s.sample_id for group in by_group.values() for s in group
                                if s.sample_id not in keep])
         metrics.update(refill_rounds=plan.rounds, refill_round_detail=rounds,
                        admitted_groups=len(plan.admitted), rejected_groups=len(plan.rejected),
@@ -118,4 +142,5 @@ class RefillCoordinator:
                        replacement_generate_seconds=replacement_seconds,
                        replacement_preflight_seconds=replacement_preflight,
                        coordinator_seconds=time.perf_counter() - start)
+        metrics.update({f"refill_{k}": v for k, v in mean_rates(replacement_rates).items()})
         return admitted, token_accept, metrics

@@ -1,0 +1,162 @@
+"""Trainer backends: the registry (lazy, typed error, config check naming the flag) and the torch
+backend against independent computations (preflight = a plain forward, clip + step = float64
+grad norm and a hand-written AdamW step, fail-closed on a non-finite norm, checkpoint round trip)."""
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from rollout.model.checkpoint import save_pretrained
+from rollout.model.config import default_config
+from rollout.model.qwen3_moe import Qwen3MoeForCausalLM
+from rollout.sample import Sample
+from rollout.task import VOCABULARY
+from tools.config import ConfigError, build_config
+from trainer.backends import BACKENDS, UnknownBackendError, resolve_backend
+from trainer.backends.base import ReplayedForward, TrainerBackend
+from trainer.backends.torch_backend import TorchBackend
+from trainer.batch import collate
+from trainer.config import TrainerConfig, TrainerConfigError
+
+V = len(VOCABULARY)
+
+
+# ----------------------------------------------------------------- registry
+
+
+def test_registry_resolves_torch_to_the_torch_backend():
+    assert BACKENDS["torch"] == "trainer.backends.torch_backend:TorchBackend"
+    cls = resolve_backend("torch")
+    assert cls is TorchBackend and issubclass(cls, TrainerBackend)
+    with pytest.raises(TypeError):
+        BACKENDS["megatron"] = "x:Y"  # one registry, read-only
+
+
+def test_unknown_backend_is_named_with_the_known_ones():
+    with pytest.raises(UnknownBackendError, match=r"'megatron'.*known backends: torch"):
+        resolve_backend("megatron")
+    assert issubclass(UnknownBackendError, ValueError)
+
+
+def test_unknown_backend_is_a_configuration_error_naming_the_flag():
+    with pytest.raises(TrainerConfigError, match=r"--train-backend 'megatron'.*known: torch"):
+        TrainerConfig(train_backend="megatron")
+    with pytest.raises(ConfigError, match="--train-backend"):
+        build_config({"train-backend": "nope", "progress": False})
+    assert build_config({"train-backend": "torch"}).trainer.train_backend == "torch"
+    assert TrainerConfig().train_backend == "torch"
+
+
+def test_registry_and_config_do_not_import_a_backend():
+    # the registry holds strings: choosing a backend is what imports it (megatron-core later)
+    code = ("import sys, trainer.config, trainer.backends; "
+            "assert 'trainer.backends.torch_backend' not in sys.modules, 'imported eagerly'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+# ----------------------------------------------------------------- the torch backend
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)  # the backend sets the process's threads from its config
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    model = Qwen3MoeForCausalLM(default_config(V))
+    model.init_weights(3)
+    return save_pretrained(model, tmp_path_factory.mktemp("ckpt"), tokens=list(VOCABULARY))
+
+
+def _samples(seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for i, (p, r) in enumerate([(4, 3), (6, 2)]):
+        out.append(Sample(sample_id=i, group_id=0, rollout_id=0, policy_version=0,
+                          prompt_ids=rng.integers(0, V, p).astype(np.int32),
+                          response_ids=rng.integers(0, V, r).astype(np.int32),
+                          loss_mask=np.ones(r, np.uint8), rollout_logprobs=np.zeros(r, np.float32)))
+    return out
+
+
+def _backend(checkpoint, **kw) -> TorchBackend:
+    cfg = TrainerConfig(use_support_replay=False, temperature=0.8, **kw)
+    return resolve_backend(cfg.train_backend)(str(checkpoint), cfg, list(VOCABULARY))
+
+
+def test_preflight_is_a_plain_forward_at_the_temperature(checkpoint):
+    backend = _backend(checkpoint)
+    samples = _samples()
+    out = backend.preflight_logprobs(collate(samples, routing=False, indexer=False, support=False))
+    assert isinstance(out, ReplayedForward) and not out.logprobs.requires_grad
+    assert out.routed_experts is not None and out.own_routed_experts is not None
+    # independent: each sample alone, float64 log-softmax of logits / T at the response tokens
+    model = backend.model
+    expected = []
+    for s in samples:
+        tokens = torch.from_numpy(s.tokens.astype(np.int64))[None]
+        with torch.no_grad():
+            z = model(tokens, torch.arange(tokens.shape[1])[None]).logits[0].double() / 0.8
+        for j, y in enumerate(s.response_ids):
+            expected.append(float(torch.log_softmax(z[len(s.prompt_ids) - 1 + j], -1)[y]))
+    np.testing.assert_allclose(out.logprobs.numpy(), expected, atol=1e-5)
+    assert backend.model_config.moe_layers == default_config(V).moe_layers
+
+
+def test_clip_and_step_is_clipped_adamw(checkpoint):
+    backend = _backend(checkpoint, lr=1e-2, clip_grad=1e-3, weight_decay=0.1)
+    batch = collate(_samples(), routing=False, indexer=False, support=False)
+    before = {n: p.detach().double().clone() for n, p in backend.model.named_parameters()}
+    backend.zero_grad()
+    backend.backward(-backend.train_logprobs(batch).sum())
+    grads = {n: p.grad.double().clone() for n, p in backend.model.named_parameters() if p.grad is not None}
+    norm = math.sqrt(sum(float((g ** 2).sum()) for g in grads.values()))
+    got = backend.clip_and_step(1e-3)
+    assert got == pytest.approx(norm, rel=1e-5)
+    # first AdamW step by hand: decoupled decay, then m / sqrt(v) = sign(g) up to eps
+    scale = min(1.0, 1e-3 / (norm + 1e-6))
+    for n, p in backend.model.named_parameters():
+        if n not in grads:
+            continue
+        g = grads[n] * scale
+        m_hat, v_hat = g, g * g
+        want = before[n] * (1 - 1e-2 * 0.1) - 1e-2 * m_hat / (v_hat.sqrt() + 1e-8)
+        torch.testing.assert_close(p.detach().double(), want, atol=1e-6, rtol=1e-5)
+
+
+def test_non_finite_norm_leaves_weights_and_optimizer_untouched(checkpoint, tmp_path):
+    backend = _backend(checkpoint)
+    batch = collate(_samples(), routing=False, indexer=False, support=False)
+    backend.zero_grad()
+    backend.backward(-backend.train_logprobs(batch).sum())
+    assert math.isfinite(backend.clip_and_step(1.0))  # one real step: optimizer moments exist
+    before = backend.digest()
+    backend.zero_grad()
+    backend.backward(backend.train_logprobs(batch).sum() * float("nan"))
+    assert math.isnan(backend.clip_and_step(1.0))
+    assert backend.digest() == before
+    assert all(p.grad is None for p in backend.model.parameters())
+
+
+def test_checkpoint_round_trip_restores_weights_optimizer_version_and_rng(checkpoint, tmp_path):
+    backend = _backend(checkpoint)
+    batch = collate(_samples(), routing=False, indexer=False, support=False)
+    backend.zero_grad()
+    backend.backward(-backend.train_logprobs(batch).sum())
+    backend.clip_and_step(1.0)
+    backend.save_checkpoint(tmp_path, 5)
+    saved, draw = backend.digest(), torch.rand(3)
+    fresh = _backend(checkpoint)
+    assert fresh.digest() != saved
+    assert fresh.load_checkpoint(tmp_path) == 5
+    assert fresh.digest() == saved and torch.equal(torch.rand(3), draw)
+    assert set(fresh.weights()) == {k[len("param/"):] for k in saved if k.startswith("param/")}
+    assert fresh.parameter_count() == sum(p.numel() for p in fresh.model.parameters())

@@ -1,0 +1,55 @@
+"""Trainer backends: the model-owning part of the trainer, chosen by ``--train-backend``.
+
+A backend owns the policy weights and the optimizer and does everything that touches them:
+the replayed forwards (preflight / proximal logprobs with the captured traces, and the
+training forward), backward per microbatch, gradient clip + optimizer step, the weight arrays
+pushed to the engines, checkpoint save / load and the weight digest. The interface is
+:class:`trainer.backends.base.TrainerBackend`; :class:`trainer.trainer_actor.TrainerActor` keeps
+the orchestration (batches, version clock, proximal cache, RS gate / refill, advantages,
+losses, metrics, weight push) and talks to the backend only through that interface.
+
+:data:`BACKENDS` is the one registry: name -> ``"module:Class"``. The values are strings so
+that a backend's dependencies (megatron-core for a megatron backend) are imported only when
+that backend is chosen. A new backend is one sibling file in this package plus one line here.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import TYPE_CHECKING
+
+from actors import import_object
+
+if TYPE_CHECKING:
+    from trainer.backends.base import TrainerBackend
+
+__all__ = ["BACKENDS", "UnknownBackendError", "resolve_backend"]
+
+BACKENDS: Mapping[str, str] = MappingProxyType({
+    "torch": "trainer.backends.torch_backend:TorchBackend",
+})
+"""Backend name (``--train-backend``) -> ``"module:Class"`` of a :class:`TrainerBackend`."""
+
+
+class UnknownBackendError(ValueError):
+    """A backend name that is not in :data:`BACKENDS`; the message lists the known names."""
+
+
+def resolve_backend(name: str) -> "type[TrainerBackend]":
+    """The backend class registered as ``name``, imported on this call.
+
+    Raises:
+        UnknownBackendError: ``name`` is not a key of :data:`BACKENDS` (names it and lists the
+            known backends).
+        ValueError: the registered module or class cannot be imported (names the path).
+        TypeError: the registered object is not a :class:`TrainerBackend` subclass.
+    """
+    if name not in BACKENDS:
+        raise UnknownBackendError(f"unknown trainer backend {name!r}; known backends: "
+                                  f"{', '.join(sorted(BACKENDS))}")
+    from trainer.backends.base import TrainerBackend
+
+    cls = import_object(BACKENDS[name])
+    if not (isinstance(cls, type) and issubclass(cls, TrainerBackend)):
+        raise TypeError(f"{BACKENDS[name]} (backend {name!r}) is not a TrainerBackend subclass")
+    return cls

@@ -1,0 +1,142 @@
+"""The trainer-backend interface: what the TrainerActor asks of the part that owns the model.
+
+One backend instance lives in the trainer process for the whole run. Every call is synchronous
+and runs on the caller's thread; tensors crossing the interface are CPU torch tensors (a
+backend on accelerators moves them). The per-step call order, driven by
+:class:`trainer.trainer_actor.TrainerActor`, is::
+
+    preflight_logprobs(mb) for every microbatch (and every refill round)
+    zero_grad()
+    for every microbatch: train_logprobs(mb) -> loss (computed by the actor) -> backward(loss)
+    clip_and_step(max_norm)
+
+plus :meth:`TrainerBackend.weights` after a step (the weight push), and checkpoint save /
+load, :meth:`TrainerBackend.digest` and :meth:`TrainerBackend.parameter_count` on request.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from rollout.model.config import ModelConfig
+from trainer.batch import TrainBatch
+
+__all__ = ["ReplayedForward", "TrainerBackend"]
+
+
+@dataclass(frozen=True)
+class ReplayedForward:
+    """Output of a preflight forward: proximal logprobs and the discrete choices it made.
+
+    Attributes:
+        logprobs: float32 [N] (nats), one per response token of the microbatch, samples in
+            batch order, detached.
+        routed_experts, own_routed_experts: int [B, S, L_moe, K_router] experts the forward
+            used (the replayed trace where it replays) and the ones its routers would have
+            chosen themselves; None for a model without MoE layers.
+        indexer_topk, own_indexer_topk: int [B, S, L_idx, K_index] keys used / own choice
+            (``-1`` = empty slot); None for a model without an indexer.
+
+    ``B, S`` are the microbatch's rows and positions (one packed row with ``--use-packing``),
+    the same axes as the :class:`trainer.batch.TrainBatch` traces they are compared with.
+    """
+
+    logprobs: torch.Tensor
+    routed_experts: torch.Tensor | None
+    own_routed_experts: torch.Tensor | None
+    indexer_topk: torch.Tensor | None
+    own_indexer_topk: torch.Tensor | None
+
+
+class TrainerBackend(ABC):
+    """Owns the policy weights and the optimizer; runs the replayed forwards and the update.
+
+    A subclass is constructed as ``Backend(checkpoint_dir, config, vocab_tokens)``: load the
+    Hugging Face checkpoint directory ``checkpoint_dir`` (the initial policy), build the
+    optimizer from ``config`` (a :class:`trainer.config.TrainerConfig`: lr, betas, weight decay,
+    seed, replay switches, temperature, logprob chunk size) and keep ``vocab_tokens`` (the
+    tokenizer vocabulary written with checkpoints). Register it in
+    :data:`trainer.backends.BACKENDS`.
+
+    Both forwards compute the logprob of every response token of a
+    :class:`trainer.batch.TrainBatch` at temperature ``config.temperature`` (logits / T),
+    replaying the batch's routing / indexer traces when present and enabled
+    (``use_routing_replay`` / ``use_indexer_replay``) and normalising over the captured support
+    when the batch has one (support replay), so that ``logp_prox - logp_rollout`` measures only
+    numerics (DESIGN.md, "Trainer math").
+    """
+
+    @property
+    @abstractmethod
+    def model_config(self) -> ModelConfig:
+        """The policy's architecture (``moe_layers`` / ``indexed_layers`` name trace columns)."""
+
+    @abstractmethod
+    def preflight_logprobs(self, batch: TrainBatch) -> ReplayedForward:
+        """Proximal logprobs of ``batch`` at the current weights, without gradients.
+
+        Returns:
+            :class:`ReplayedForward` with the used and own routing / indexer choices.
+
+        Raises:
+            rollout.model.ModelInputError / trainer.logprobs.LogprobError: a malformed trace
+                or support row.
+        """
+
+    @abstractmethod
+    def train_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """Logprobs of ``batch`` (float32 [N], nats) with gradients to the policy weights.
+
+        Raises:
+            as :meth:`preflight_logprobs`.
+        """
+
+    @abstractmethod
+    def zero_grad(self) -> None:
+        """Drop accumulated gradients (the start of a step)."""
+
+    @abstractmethod
+    def backward(self, loss: torch.Tensor) -> None:
+        """Accumulate the gradients of the scalar ``loss`` of one microbatch."""
+
+    @abstractmethod
+    def clip_and_step(self, max_norm: float) -> float:
+        """Clip the accumulated gradients to total L2 norm ``max_norm`` and apply the optimizer.
+
+        Returns:
+            the total gradient norm before clipping. When it is not finite, the gradients are
+            dropped and neither the weights nor the optimizer state change (the caller raises).
+        """
+
+    @abstractmethod
+    def weights(self) -> dict[str, np.ndarray]:
+        """The full weight set under Hugging Face parameter names (what engines load)."""
+
+    @abstractmethod
+    def save_checkpoint(self, directory: Path, version: int) -> None:
+        """Write the model (Hugging Face format), optimizer and RNG state and ``version``.
+
+        Raises:
+            OSError: ``directory`` is not writable.
+        """
+
+    @abstractmethod
+    def load_checkpoint(self, directory: Path) -> int:
+        """Restore :meth:`save_checkpoint` output; returns the trainer version saved with it.
+
+        Raises:
+            OSError / ValueError: a missing or unreadable checkpoint.
+        """
+
+    @abstractmethod
+    def parameter_count(self) -> int:
+        """Number of scalar parameters of the policy."""
+
+    @abstractmethod
+    def digest(self) -> dict[str, bytes]:
+        """Raw bytes of every weight (``param/<name>``) and optimizer moment (``opt/<i>/<key>``),
+        for bitwise comparisons in tests."""

@@ -1,0 +1,171 @@
+"""The torch trainer backend: the embedded fp32 Qwen3-MoE policy, AdamW, one process, one rank.
+
+:class:`TorchBackend` is the first :class:`trainer.backends.base.TrainerBackend`
+(``--train-backend torch``, the default). Its forward is :func:`response_logprobs`.
+
+Which forwards use what (documented choice, DESIGN.md "Trainer math"):
+- the proximal (preflight) forward and the policy (training) forward both replay routing and
+  indexer traces and normalise over the captured support, so ``logp_prox - logp_rollout``
+  measures only numerics, not a different distribution;
+- a reference / KL forward (not used by the default GRPO loss) would use the full vocabulary,
+  because a KL to a reference policy is defined over the model's own distribution.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from rollout.model.checkpoint import load_pretrained, save_pretrained, state_dict_arrays
+from rollout.model.config import ModelConfig
+from rollout.model.qwen3_moe import Qwen3MoeForCausalLM
+from trainer.backends.base import ReplayedForward, TrainerBackend
+from trainer.batch import TrainBatch
+from trainer.config import TrainerConfig
+from trainer.logprobs import full_vocab_logprobs, fused_support_logprobs, support_logprobs
+
+__all__ = ["TorchBackend", "response_logprobs"]
+
+
+def response_logprobs(model: Qwen3MoeForCausalLM, batch: TrainBatch, temperature: float,
+                      *, replay_routing: bool = True, replay_indexer: bool = True,
+                      capture: bool = False, chunk_size: int = 0) -> tuple[torch.Tensor, object]:
+    """Logprobs of every response token of ``batch`` (float32 [N]) and the model output.
+
+    Support replay is used when ``batch.support`` is set, else the full-vocabulary logprob.
+    With ``chunk_size > 0`` (``--logprobs-chunk-size``) and a support, the fused path projects
+    only the candidate tokens from the hidden states, ``chunk_size`` rows at a time, and the
+    [B, S, V] logits are never computed. The batch's routing / indexer traces are replayed when
+    present and enabled.
+
+    Returns:
+        ``(logprobs, out)``: float32 [N] (nats, response tokens in batch order; differentiable
+        unless under ``torch.no_grad``) and the model's
+        :class:`rollout.model.qwen3_moe.CausalLMOutput` (used / own choices when ``capture``).
+
+    Raises:
+        rollout.model.ModelInputError: a malformed trace. trainer.logprobs.LogprobError: a
+            malformed support row.
+    """
+    fused = chunk_size > 0 and batch.support is not None
+    out = model(batch.tokens, batch.position_ids, key_padding_mask=batch.key_padding_mask,
+                routed_experts=batch.routed_experts if replay_routing else None,
+                indexer_topk=batch.indexer_topk if replay_indexer else None,
+                capture=capture, return_hidden=fused, compute_logits=not fused,
+                segment_ids=batch.segment_ids)
+    if fused:
+        hidden = out.hidden[batch.row, batch.pos]
+        return fused_support_logprobs(hidden, model.lm_head.weight, batch.support, temperature,
+                                      chunk_size), out
+    logits = out.logits[batch.row, batch.pos].float()
+    if batch.support is not None:
+        return support_logprobs(logits, batch.support, temperature), out
+    return full_vocab_logprobs(logits, batch.targets, temperature), out
+
+
+class TorchBackend(TrainerBackend):
+    """The fp32 policy loaded from a Hugging Face checkpoint, trained with AdamW in-process.
+
+    Args:
+        checkpoint_dir: Hugging Face checkpoint directory of the initial policy.
+        config: trainer settings (``torch_threads`` and ``seed`` set this process's torch
+            intra-op threads and global seed, before the model is built).
+        vocab_tokens: the tokenizer vocabulary written with checkpoints.
+
+    Raises:
+        rollout.model.CheckpointError / ModelConfigError: an unreadable checkpoint.
+    """
+
+    def __init__(self, checkpoint_dir: str, config: TrainerConfig,
+                 vocab_tokens: Sequence[str]) -> None:
+        self.config = config
+        torch.set_num_threads(config.torch_threads)
+        torch.manual_seed(config.seed)
+        self.model, self._model_config = load_pretrained(checkpoint_dir, dtype=torch.float32)
+        self.model.train()
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
+            weight_decay=config.weight_decay)
+        self.vocab_tokens = list(vocab_tokens)
+
+    @property
+    def model_config(self) -> ModelConfig:
+        """The loaded checkpoint's architecture."""
+        return self._model_config
+
+    def _forward(self, batch: TrainBatch, capture: bool) -> tuple[torch.Tensor, object]:
+        cfg = self.config
+        return response_logprobs(self.model, batch, cfg.temperature, capture=capture,
+                                 replay_routing=cfg.use_routing_replay,
+                                 replay_indexer=cfg.use_indexer_replay,
+                                 chunk_size=cfg.logprobs_chunk_size)
+
+    def preflight_logprobs(self, batch: TrainBatch) -> ReplayedForward:
+        """See :meth:`TrainerBackend.preflight_logprobs` (a no-grad, capturing forward)."""
+        with torch.no_grad():
+            logp, out = self._forward(batch, capture=True)
+        return ReplayedForward(logp, out.routed_experts, out.own_routed_experts,
+                               out.indexer_topk, out.own_indexer_topk)
+
+    def train_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """See :meth:`TrainerBackend.train_logprobs`."""
+        return self._forward(batch, capture=False)[0]
+
+    def zero_grad(self) -> None:
+        """See :meth:`TrainerBackend.zero_grad` (gradients set to None)."""
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """See :meth:`TrainerBackend.backward`."""
+        loss.backward()
+
+    def clip_and_step(self, max_norm: float) -> float:
+        """See :meth:`TrainerBackend.clip_and_step` (``torch.nn.utils.clip_grad_norm_``, AdamW)."""
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        if not math.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            return grad_norm
+        self.optimizer.step()
+        return grad_norm
+
+    def weights(self) -> dict[str, np.ndarray]:
+        """See :meth:`TrainerBackend.weights` (the engines' dtype conversion is theirs)."""
+        return state_dict_arrays(self.model)
+
+    def save_checkpoint(self, directory: Path, version: int) -> None:
+        """``directory/model`` (HF format) and ``directory/trainer_state.pt`` (optimizer state,
+        ``version``, torch RNG state)."""
+        save_pretrained(self.model, directory / "model", tokens=self.vocab_tokens)
+        torch.save({"optimizer": self.optimizer.state_dict(), "version": version,
+                    "torch_rng": torch.get_rng_state()}, directory / "trainer_state.pt")
+
+    def load_checkpoint(self, directory: Path) -> int:
+        """Restore :meth:`save_checkpoint` output (weights, optimizer, torch RNG); returns the
+        saved version.
+
+        Raises:
+            rollout.model.CheckpointError: unreadable model files. OSError / RuntimeError: an
+                unreadable ``trainer_state.pt``.
+        """
+        model, _ = load_pretrained(directory / "model", dtype=torch.float32)
+        self.model.load_state_dict(model.state_dict())
+        state = torch.load(directory / "trainer_state.pt", weights_only=True)
+        self.optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["torch_rng"])
+        return int(state["version"])
+
+    def parameter_count(self) -> int:
+        """See :meth:`TrainerBackend.parameter_count`."""
+        return int(sum(p.numel() for p in self.model.parameters()))
+
+    def digest(self) -> dict[str, bytes]:
+        """See :meth:`TrainerBackend.digest`."""
+        arrays = {f"param/{k}": v for k, v in state_dict_arrays(self.model).items()}
+        for i, st in self.optimizer.state_dict()["state"].items():
+            for key in ("exp_avg", "exp_avg_sq"):
+                arrays[f"opt/{i}/{key}"] = st[key].numpy()
+        return {k: np.ascontiguousarray(v).tobytes() for k, v in arrays.items()}

@@ -1,0 +1,21 @@
+"""Parallel pieces of the trainer that the embedded (one-rank) run does not use yet.
+
+The embedded torch backend (:mod:`trainer.backends.torch_backend`) trains on one rank, so
+none of these is on its path; their caller is the megatron-core backend (a sibling of
+``trainer/backends/torch_backend.py`` to come), which splits the model over TP / PP / SP / CP
+ranks. Until it lands, only the tests call them:
+
+* :mod:`trainer.parallel.vocab_parallel` -- :func:`vocab_parallel_support_logprobs`,
+  support-replay logprobs with the vocabulary split across tensor-parallel ranks (one MAX and
+  one SUM all-reduce); equals :func:`trainer.logprobs.support_logprobs` on the full logits.
+* :mod:`trainer.parallel.replay_registry` -- :class:`ReplayRegistry` (routing / indexer trace
+  columns by GLOBAL layer id, so every pipeline stage reads its own layers' streams),
+  :func:`sp_slice` (a sequence-parallel rank's trace rows, the ``torch.chunk`` split) and
+  :func:`fill_own_choice` (a router that cannot take ``-1`` rows gets its own choice there).
+* :mod:`trainer.parallel.context_parallel` -- :func:`cp_shard_indices`, :func:`cp_shard`,
+  :func:`cp_unshard`: the load-balanced context-parallel shards of a
+  :class:`trainer.packing.PackedLayout` built with ``cp_size``.
+
+Import the submodules directly; this package imports nothing (torch.distributed stays
+unloaded until a backend needs it).
+"""

@@ -509,6 +509,7 @@ def _tensor_from_buffer(buf: Any, name: str, shape: list[int], inline: bool) -> 
 
 
 _FOREIGN_LEAVES = frozenset({msgpack.Timestamp, _TupleMarker})
+_is_foreign = _FOREIGN_LEAVES.__contains__  # bound once: the decoder's bad-leaf test
 
 
 def _raise_foreign(t: type) -> NoReturn:
@@ -521,7 +522,7 @@ def _check_decoded(obj: Any) -> None:
     """Reject what msgpack produced without our ext hook (timestamps, ext -1), tuple markers out
     of place, dict keys that are not ``str``/``int`` and nesting deeper than ``_MAX_DEPTH`` (the
     encoder produces none of these); the walk is :func:`_first_fault`, as for encoding."""
-    fault = _first_fault(obj, _FOREIGN_LEAVES.__contains__)
+    fault = _first_fault(obj, _is_foreign)
     if fault is None:
         return
     kind, detail = fault

@@ -1,15 +1,22 @@
 """Configuration of the rollout side: sampling, batch shape, task and engines.
 
 Flag names follow slime (``--rollout-batch-size``, ``--n-samples-per-prompt``,
-``--rollout-temperature``, ...); the launcher in ``tools/`` maps flags onto these fields.
+``--rollout-temperature``, ...); each field's flag, help and allowed range
+are declared with it (:func:`actors.settings.setting`); ``tools/config.py`` builds the flags,
+the config-file keys and the README's flag table from them.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from actors.settings import POSITIVE, Range, Rule, check_settings, setting
+
 
 class RolloutConfigError(ValueError):
     """An unsupported rollout setting; the message names the flag."""
+
+
+_MODULE_FUNCTION = Rule(lambda v: not v or ":" in v, "module:function")
 
 
 @dataclass(frozen=True)
@@ -34,43 +41,35 @@ class RolloutConfig:
             read-only arrays and this frozen config; must return a finite float.
     """
 
-    seed: int = 1
-    rollout_batch_size: int = 16
-    n_samples_per_prompt: int = 8
-    temperature: float = 1.0
-    top_k: int = 20
-    top_p: float = 1.0
-    min_p: float = 0.0
-    max_response_len: int = 2
-    max_turns: int = 1
-    num_digits: int = 4
-    num_values: int = 5
-    dataset_size: int = 4096
-    generate_timeout_s: float = 300.0
-    custom_reward: str = ""
+    seed: int = setting(1, "seed", "seed of data, sampling and initialisation",
+                        Range(0, 2 ** 32, "[)"))
+    rollout_batch_size: int = setting(16, "rollout-batch-size", "prompt groups per step", Range(low=1))
+    n_samples_per_prompt: int = setting(8, "n-samples-per-prompt", "trajectories per prompt group",
+                                        Range(low=2, why="GRPO's group-relative advantage "
+                                                        "of a single sample is 0"))
+    temperature: float = setting(1.0, "rollout-temperature", "sampling temperature (the trainer "
+                                 "takes logprobs of logits / T)", POSITIVE)
+    top_k: int = setting(20, "rollout-top-k", "sampling top-k; the trainer normalises over the "
+                         "same support", Range(low=1, also=(-1,), also_text="-1 (off)"))
+    top_p: float = setting(1.0, "rollout-top-p", "sampling top-p (nucleus)", Range(0, 1, "(]"))
+    min_p: float = setting(0.0, "rollout-min-p", "sampling min-p", Range(0, 1, "[)"))
+    max_response_len: int = setting(2, "rollout-max-response-len", "new tokens per turn",
+                                    Range(low=1))
+    max_turns: int = setting(1, "rollout-max-turns", "turns per trajectory; > 1 turns on the "
+                             "tool environment", Range(low=1))
+    num_digits: int = setting(4, "num-digits", "digits per prompt of the embedded task", Range(low=1))
+    num_values: int = setting(5, "num-values", "prompt digits are drawn from 0 .. num-values - 1",
+                              Range(2, 10))
+    dataset_size: int = setting(4096, check=Range(low=1))
+    generate_timeout_s: float = setting(300.0, "rollout-timeout-seconds", "engine call timeout",
+                                        POSITIVE)
+    custom_reward: str = setting("", "custom-reward", "verifier fn(prompt_ids, response_ids, "
+                                 "loss_mask, answer_id, config) replacing the task's, with "
+                                 "read-only arrays and the frozen rollout config", _MODULE_FUNCTION,
+                                 metavar="MODULE:FUNCTION")
 
     def __post_init__(self) -> None:
-        checks = [
-            (self.rollout_batch_size >= 1, "--rollout-batch-size must be >= 1"),
-            (self.n_samples_per_prompt >= 2, "--n-samples-per-prompt must be >= 2: GRPO's "
-                                             "group-relative advantage of a single sample is 0"),
-            (0 <= self.seed < 2 ** 32, "--seed must be in [0, 2**32)"),
-            (self.temperature > 0, "--rollout-temperature must be > 0"),
-            (self.top_k == -1 or self.top_k >= 1, "--rollout-top-k must be -1 (off) or >= 1"),
-            (0 < self.top_p <= 1, "--rollout-top-p must be in (0, 1]"),
-            (0 <= self.min_p < 1, "--rollout-min-p must be in [0, 1)"),
-            (self.max_response_len >= 1, "--rollout-max-response-len must be >= 1"),
-            (self.max_turns >= 1, "--rollout-max-turns must be >= 1"),
-            (self.num_digits >= 1, "--num-digits must be >= 1"),
-            (2 <= self.num_values <= 10, "--num-values must be in [2, 10]"),
-            (self.dataset_size >= 1, "dataset_size must be >= 1"),
-            (self.generate_timeout_s > 0, "--rollout-timeout-seconds must be > 0"),
-            (not self.custom_reward or ":" in self.custom_reward,
-             "--custom-reward must be module:function"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise RolloutConfigError(message)
+        check_settings(self, RolloutConfigError)
 
     def sampling_dict(self) -> dict:
         """Sampling parameters as a plain dict (travels to engines)."""

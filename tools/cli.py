@@ -1,53 +1,32 @@
 """``replayrl`` command line: ``train``, ``repl`` and ``bench {parity,refill,logprobs,transport}``.
 
-Exit codes: 0 success, 1 a run failed (the failing actor's traceback is printed), 2 bad
-configuration, 130 interrupted by Ctrl-C.
+Exit codes (:mod:`tools.exit_codes`): 0 success, 1 a run failed (the failing actor's traceback
+is printed), 2 bad configuration, 130 interrupted by Ctrl-C, 143 SIGTERM (``train``).
 """
 from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
 
-from tools.config import ConfigError, add_run_flags, config_from_args
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (timeout, slurm, k8s) handled like Ctrl-C: stop every actor, then exit 143."""
-
-
-def _on_sigterm(signum, frame) -> None:
-    raise Terminated()
+from tools.config import add_run_flags, config_from_args
+from tools.exit_codes import exit_code, handle_sigterm
 
 
 def _train(args: argparse.Namespace) -> int:
-    from actors import run_event_loop
-    from tools.launcher import launch
+    def run() -> int:
+        # imported here: torch takes seconds, and a Ctrl-C meanwhile must still exit 130
+        from actors import run_event_loop
+        from tools.launcher import launch
 
-    try:
         config = config_from_args(args)
-    except ConfigError as exc:
-        print(f"replayrl: configuration error: {exc}", file=sys.stderr)
-        return 2
-    signal.signal(signal.SIGTERM, _on_sigterm)
-    try:
+        handle_sigterm()
         result = run_event_loop(launch(config, log_level=getattr(logging, args.log_level)))
-    except Terminated:
-        print("replayrl: terminated; all actors stopped", file=sys.stderr)
-        return 143
-    except KeyboardInterrupt:
-        print("replayrl: interrupted; all actors stopped", file=sys.stderr)
-        return 130
-    except ConfigError as exc:
-        print(f"replayrl: configuration error: {exc}", file=sys.stderr)
-        return 2
-    except Exception as exc:  # the actor's traceback is part of the message
-        print(f"replayrl: run failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
-    print(f"plot: {result.plot_path}")
-    print(result.summary)
-    return 0
+        print(f"plot: {result.plot_path}")
+        print(result.summary)
+        return 0
+
+    return exit_code(run)
 
 
 def _repl(args: argparse.Namespace) -> int:
@@ -63,7 +42,9 @@ BENCHES = {"parity": "tools.bench_parity", "refill": "tools.bench_refill",
 def _bench(args: argparse.Namespace) -> int:
     import importlib
 
-    return importlib.import_module(BENCHES[args.bench]).main(args.bench_args)
+    # a benchmark's own failure keeps its traceback; Ctrl-C still exits 130
+    return exit_code(lambda: importlib.import_module(BENCHES[args.bench]).main(args.bench_args),
+                     failures=())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,11 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``replayrl`` console script."""
     args = build_parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except KeyboardInterrupt:  # e.g. Ctrl-C while torch is still importing, before any actor
-        print("replayrl: interrupted", file=sys.stderr)
-        return 130
+    return args.func(args)
 
 
 if __name__ == "__main__":

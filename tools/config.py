@@ -1,9 +1,17 @@
 """Run configuration: slime-style flags, an optional TOML/JSON config file, validation.
 
-Precedence: built-in defaults < ``--config FILE`` < command-line flags. Every flag maps to one
+Precedence: built-in defaults < ``--config FILE`` < command-line flags. Every flag maps to a
 field of :class:`RunConfig` (run level), :class:`rollout.config.RolloutConfig` or
-:class:`trainer.config.TrainerConfig`; the config file uses the same names with dashes or
-underscores (``rollout-batch-size = 16`` or ``rollout_batch_size = 16``).
+:class:`trainer.config.TrainerConfig` (``--seed`` and ``--rollout-temperature`` to one field of
+each side); the config file uses the same names with dashes or underscores
+(``rollout-batch-size = 16`` or ``rollout_batch_size = 16``).
+
+A flag's name, default, help and range are declared once, on its field, with
+:func:`actors.settings.setting`; :data:`FLAGS` collects them, and the argparse flags, the
+config-file keys and type checks and the README's flag table (:func:`flag_table_markdown`,
+printed by ``python -m tools.config``) are generated from it. Adding a setting is one line in
+one dataclass, e.g. ``backend: str = setting("fsdp", "train-backend", "trainer backend",
+Choices(("fsdp", "megatron")))``.
 """
 from __future__ import annotations
 
@@ -14,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from actors.settings import Choices, Range, Rule, Setting, check_settings, setting, settings_of, show_value
 from rollout.config import RolloutConfig
 from rollout.model.config import default_config
 from rollout.task import VOCABULARY
@@ -47,37 +56,39 @@ class RunConfig:
             config and a read-only view of the metrics (``--metrics-hook``, repeatable).
     """
 
-    num_steps: int = 400
-    max_staleness: int = 1
-    num_engines: int = 1
-    engine_dtype: str = "bfloat16"
-    output_dir: str = "runs/default"
-    transport: str = "ipc"
-    engine_torch_threads: int = 1
-    progress: bool = True
-    save_dir: str = ""
-    save_interval: int = 0
-    load: str = ""
-    metrics_hooks: tuple[str, ...] = ()
+    num_steps: int = setting(400, "num-steps", "optimizer steps (one rollout each)", Range(low=1))
+    max_staleness: int = setting(1, "max-staleness", "VersionClock window 0 <= t - v <= max-staleness",
+                                 Range(low=1, why="the loop overlaps generation of step k+1 with "
+                                                  "training of step k (one-step off-policy)"))
+    num_engines: int = setting(1, "num-engines", "engine actor processes", Range(low=1))
+    engine_dtype: str = setting("bfloat16", "engine-dtype", "engine precision",
+                                Choices(("bfloat16", "float32")))
+    output_dir: str = setting("runs/default", "output-dir", "metrics, plot and checkpoint directory")
+    transport: str = setting("ipc", "transport", "ipc on one node, tcp on loopback",
+                             Choices(("ipc", "tcp")))
+    engine_torch_threads: int = setting(1, "engine-torch-threads", "torch threads per engine",
+                                        Range(low=1))
+    progress: bool = setting(True, "progress", "live progress display")
+    save_dir: str = setting("", "save", "checkpoint directory (model, optimizer, clock, data "
+                            "source, RNG)", default_text="<output-dir>/checkpoints")
+    save_interval: int = setting(0, "save-interval", "checkpoint every N steps (0 = never)",
+                                 Range(low=0))
+    load: str = setting("", "load", "resume from this checkpoint directory")
+    metrics_hooks: tuple[str, ...] = setting(
+        (), "metrics-hook", "logger called after each step with the frozen config and a "
+        "read-only view of the metrics", Rule(lambda hooks: all(":" in h for h in hooks),
+                                              "module:function"), metavar="MODULE:FUNCTION")
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
     def __post_init__(self) -> None:
+        check_settings(self, ConfigError)
         checks = [
-            (self.num_steps >= 1, "--num-steps must be >= 1"),
-            (self.max_staleness >= 1, "--max-staleness must be >= 1: the loop overlaps generation "
-                                      "of step k+1 with training of step k (one-step off-policy)"),
-            (self.num_engines >= 1, "--num-engines must be >= 1"),
-            (self.engine_dtype in ("bfloat16", "float32"), "--engine-dtype must be bfloat16 or float32"),
-            (self.transport in ("ipc", "tcp"), "--transport must be ipc or tcp"),
-            (self.save_interval >= 0, "--save-interval must be >= 0"),
-            (self.engine_torch_threads >= 1, "--engine-torch-threads must be >= 1"),
             (self.rollout.top_k <= len(VOCABULARY),
              f"--rollout-top-k must be <= the vocabulary size {len(VOCABULARY)} (or -1)"),
             (self.max_context_tokens <= MAX_POSITIONS,
              f"--num-digits + 3 + --rollout-max-turns x (--rollout-max-response-len + 2) = "
              f"{self.max_context_tokens} tokens exceeds the model's {MAX_POSITIONS} positions"),
-            (all(":" in h for h in self.metrics_hooks), "--metrics-hook must be module:function"),
             (self.trainer.temperature == self.rollout.temperature,
              "--rollout-temperature must reach the trainer unchanged (logprobs of logits / T)"),
         ]
@@ -126,91 +137,114 @@ class RunConfig:
         return asdict(self)
 
 
-# flag -> (section, field, type); section None = RunConfig itself
-_FLAGS: dict[str, tuple[str | None, str, Any, str]] = {
-    "num-steps": (None, "num_steps", int, "optimizer steps (one rollout each)"),
-    "max-staleness": (None, "max_staleness", int, "max trainer_version - sample policy_version"),
-    "num-engines": (None, "num_engines", int, "engine actor processes"),
-    "engine-dtype": (None, "engine_dtype", str, "engine precision: bfloat16 | float32"),
-    "output-dir": (None, "output_dir", str, "metrics, plot and checkpoint directory"),
-    "transport": (None, "transport", str, "ipc (one node) | tcp (loopback)"),
-    "engine-torch-threads": (None, "engine_torch_threads", int, "torch threads per engine"),
-    "seed": ("both", "seed", int, "seed of data, sampling and init"),
-    "rollout-batch-size": ("rollout", "rollout_batch_size", int, "prompt groups per step"),
-    "n-samples-per-prompt": ("rollout", "n_samples_per_prompt", int, "trajectories per prompt"),
-    "rollout-temperature": ("both", "temperature", float, "sampling temperature"),
-    "rollout-top-k": ("rollout", "top_k", int, "top-k (-1 = whole vocabulary)"),
-    "rollout-top-p": ("rollout", "top_p", float, "top-p (nucleus)"),
-    "rollout-min-p": ("rollout", "min_p", float, "min-p"),
-    "rollout-max-response-len": ("rollout", "max_response_len", int, "new tokens per turn"),
-    "rollout-max-turns": ("rollout", "max_turns", int,
-                          "generated turns per trajectory (tool environment when > 1)"),
-    "rollout-timeout-seconds": ("rollout", "generate_timeout_s", float, "engine call timeout"),
-    "num-digits": ("rollout", "num_digits", int, "digits per prompt of the embedded task"),
-    "custom-reward": ("rollout", "custom_reward", str, "module:function replacing the task verifier"),
-    "num-values": ("rollout", "num_values", int, "prompt digits are drawn from 0..num-values-1"),
-    "lr": ("trainer", "lr", float, "AdamW learning rate"),
-    "weight-decay": ("trainer", "weight_decay", float, "AdamW weight decay"),
-    "clip-grad": ("trainer", "clip_grad", float, "gradient-norm clip"),
-    "eps-clip": ("trainer", "eps_clip", float, "PPO clip low (1 - eps)"),
-    "eps-clip-high": ("trainer", "eps_clip_high", float, "PPO clip high (1 + eps)"),
-    "tis-cap": ("trainer", "tis_cap", float, "TIS weight cap C"),
-    "micro-batch-size": ("trainer", "micro_batch_size", int, "samples per forward/backward"),
-    "replay-min-overlap-ratio": ("trainer", "replay_min_overlap_ratio", float,
-                                 "fail a step when a token's engine/trainer routing overlap is lower"),
-    "replay-max-mismatch-fraction": ("trainer", "replay_max_mismatch_fraction", float,
-                                     "fail a step when more tokens than this route differently"),
-    "logprobs-chunk-size": ("trainer", "logprobs_chunk_size", int,
-                            "fused support-replay logprobs, rows per chunk (0 = from logits)"),
-    "rpc-timeout-seconds": ("trainer", "rpc_timeout_s", float, "trainer's actor-call timeout"),
-    "trainer-torch-threads": ("trainer", "torch_threads", int, "torch threads of the trainer"),
-    "save": (None, "save_dir", str, "checkpoint directory (default <output-dir>/checkpoints)"),
-    "save-interval": (None, "save_interval", int, "checkpoint every N steps (0 = never)"),
-    "load": (None, "load", str, "resume from this checkpoint directory"),
-    "rs-mode": ("trainer", "rs_mode", str, "RS gate: none | token | sequence | geometric"),
-    "rs-lower": ("trainer", "rs_lower", float, "RS lower ratio bound"),
-    "rs-upper": ("trainer", "rs_upper", float, "RS upper ratio bound"),
-    "rs-denominator": ("trainer", "rs_denominator", str, "loss_tokens | accepted_tokens"),
-    "rs-refill-max-rounds": ("trainer", "rs_refill_max_rounds", int, "replacement rounds per step"),
-    "rs-refill-max-candidate-cache-bytes": ("trainer", "rs_refill_max_candidate_cache_bytes", int,
-                                            "proximal-logprob cache byte cap"),
-    "rs-refill-rpc-timeout-seconds": ("trainer", "rs_refill_rpc_timeout_s", float,
-                                      "timeout of every refill-path actor call"),
-    "dp-size": ("trainer", "dp_size", int, "data-parallel size (refill quantum)"),
-    "vpp-size": ("trainer", "vpp_size", int, "virtual pipeline size (refill quantum)"),
-    "microbatch-group-size": ("trainer", "microbatch_group_size", int, "VPP microbatch group"),
-    "train-backend": ("trainer", "train_backend", str, "trainer backend (registry name): torch"),
-}
-_BOOL_FLAGS: dict[str, tuple[str | None, str, str]] = {
-    "use-routing-replay": ("trainer", "use_routing_replay", "R3: replay the engine's MoE routing"),
-    "use-indexer-replay": ("trainer", "use_indexer_replay", "replay the indexer's top-k keys"),
-    "use-support-replay": ("trainer", "use_support_replay", "logprobs over the sampler's support"),
-    "grpo-std-normalization": ("trainer", "normalize_advantage_std", "divide advantages by group std"),
-    "rs-batch-refill": ("trainer", "rs_batch_refill", "exact refill of rejected prompt groups"),
-    "use-packing": ("trainer", "use_packing", "pack each microbatch into one row (block-diagonal attention)"),
-    "progress": (None, "progress", "live progress display"),
-}
+SECTIONS: dict[str | None, type] = {None: RunConfig, "rollout": RolloutConfig,
+                                    "trainer": TrainerConfig}
+"""Where flags land: ``None`` is :class:`RunConfig` itself, the others its two sub-configs."""
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One command-line flag / config-file key, built from the fields that declare it.
+
+    Attributes:
+        setting: flag, help, range, type (the declaration that carries the help).
+        targets: ``(section, field name)`` of every field the flag sets; ``--seed`` and
+            ``--rollout-temperature`` set one field in each of rollout and trainer.
+        default: the fields' default (the same in every target).
+    """
+
+    setting: Setting
+    targets: tuple[tuple[str | None, str], ...]
+    default: Any
+
+    @property
+    def name(self) -> str:
+        """The flag without the leading dashes (``"num-steps"``)."""
+        return self.setting.flag
+
+    def shown_default(self, markdown: bool = False) -> str:
+        """The default as ``--help`` (``repr`` of strings) or the README (code spans) shows it;
+        ``—`` for an empty string or tuple."""
+        s = self.setting
+        if s.default_text:
+            return f"`{s.default_text}`" if markdown else s.default_text
+        if self.default in ("", ()):
+            return "—"
+        if markdown and isinstance(self.default, str):
+            return f"`{self.default}`"
+        return show_value(self.default)
+
+
+def _collect_flags() -> dict[str, Flag]:
+    """Every :func:`actors.settings.setting` field with a flag, by flag name, in section order
+    (run, rollout, trainer) then field order.
+
+    Raises:
+        TypeError: two fields share a flag but not its type and default, or both carry a
+            different help text (a programming error, raised at import).
+    """
+    found: dict[str, list[tuple[str | None, Any, Setting]]] = {}
+    for section, cls in SECTIONS.items():
+        for f, s in settings_of(cls):
+            if s.flag:
+                found.setdefault(s.flag, []).append((section, f, s))
+    flags = {}
+    for name, decls in found.items():
+        kinds = {(s.type, s.repeat, f.default) for _, f, s in decls}
+        helps = {s.help for _, _, s in decls if s.help}
+        if len(kinds) != 1 or len(helps) != 1:
+            raise TypeError(f"--{name} is declared by {[f.name for _, f, _ in decls]} with "
+                            f"differing type / default or help texts {sorted(helps)}")
+        carrier = next(s for _, _, s in decls if s.help)
+        flags[name] = Flag(carrier, tuple((sec, f.name) for sec, f, _ in decls), decls[0][1].default)
+    return flags
+
+
+FLAGS: dict[str, Flag] = _collect_flags()
+"""flag name (no dashes) -> :class:`Flag`: the argparse flags, config-file keys and README rows."""
 
 
 def add_run_flags(parser: argparse.ArgumentParser) -> None:
-    """Add every run flag (defaults suppressed, so only given flags override the config file)."""
+    """Add ``--config`` and every flag of :data:`FLAGS` to ``parser``.
+
+    Defaults are suppressed (``argparse.SUPPRESS``), so only the flags given on the command line
+    override the config file; booleans get ``--x`` / ``--no-x``, repeatable flags append.
+    """
     parser.add_argument("--config", type=Path, help="TOML or JSON file with the same keys as the flags")
-    defaults = RunConfig().to_dict()
+    for flag in FLAGS.values():
+        s = flag.setting
+        extra: dict[str, Any] = {"metavar": s.metavar} if s.metavar else {}
+        help_ = s.help.replace("%", "%%")  # argparse %-formats help texts
+        if s.type is bool:
+            parser.add_argument(f"--{flag.name}", action=argparse.BooleanOptionalAction,
+                                default=argparse.SUPPRESS,
+                                help=f"{help_} (default: {flag.shown_default()})")
+        elif s.repeat:
+            parser.add_argument(f"--{flag.name}", action="append", type=s.type,
+                                default=argparse.SUPPRESS, help=f"{help_} (repeatable)", **extra)
+        else:
+            parser.add_argument(f"--{flag.name}", type=s.type, default=argparse.SUPPRESS,
+                                help=f"{help_} (default: {flag.shown_default()})", **extra)
 
-    def default(section: str | None, name: str) -> Any:
-        return defaults[name] if section is None else defaults[
-            "rollout" if section == "both" else section][name]
 
-    for flag, (section, name, typ, help_) in _FLAGS.items():
-        parser.add_argument(f"--{flag}", type=typ, default=argparse.SUPPRESS,
-                            help=f"{help_} (default: {default(section, name)!r})")
-    parser.add_argument("--metrics-hook", dest="metrics_hook", action="append",
-                        default=argparse.SUPPRESS, metavar="MODULE:FUNCTION",
-                        help="call FUNCTION(config, metrics) after each step (repeatable)")
-    for flag, (section, name, help_) in _BOOL_FLAGS.items():
-        parser.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction,
-                            default=argparse.SUPPRESS,
-                            help=f"{help_} (default: {'on' if default(section, name) else 'off'})")
+def flag_table_markdown() -> str:
+    """The README's flag table: one row per flag of :data:`FLAGS` with its default, allowed
+    values and help, as GitHub markdown (``|`` in a cell escaped). ``tests/test_settings.py``
+    checks that README.md contains exactly this; ``python -m tools.config`` prints it."""
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|")
+
+    rows = ["| flag | default | allowed | meaning |", "|---|---|---|---|"]
+    for flag in FLAGS.values():
+        s = flag.setting
+        name = f"`--{flag.name}{' ' + s.metavar if s.metavar else ''}`"
+        if s.type is bool:
+            name += f" / `--no-{flag.name}`"
+        allowed = s.check.describe() if s.check is not None else "—"
+        meaning = s.help + (" (repeatable)" if s.repeat else "")
+        rows.append(f"| {name} | {cell(flag.shown_default(markdown=True))} | {cell(allowed)} | "
+                    f"{cell(meaning)} |")
+    return "\n".join(rows) + "\n"
 
 
 def _read_file(path: Path) -> dict[str, Any]:
@@ -231,27 +265,26 @@ def _read_file(path: Path) -> dict[str, Any]:
         key = raw.replace("_", "-")
         if key in values:
             raise ConfigError(f"--config {path}: --{key} is given twice (as dashes and underscores)")
-        if key not in _FLAGS and key not in _BOOL_FLAGS and key != "metrics-hook":
+        if key not in FLAGS:
             raise ConfigError(f"--config {path}: unknown key {raw!r} (no flag --{key})")
         values[key] = _typed(key, value, path)
     return values
 
 
 def _typed(key: str, value: Any, path: Path) -> Any:
-    """A config-file value checked against its flag's type (argparse does this for flags)."""
-    if key in _BOOL_FLAGS:
-        ok = isinstance(value, bool)
-    elif key == "metrics-hook":
+    """A config-file value checked against its flag's type (argparse does this for flags);
+    ints are accepted (and converted) for float flags, bools never for numbers."""
+    s = FLAGS[key].setting
+    if s.repeat:
         return value  # checked in build_config
-    elif key in _FLAGS:
-        typ = _FLAGS[key][2]
-        ok = (isinstance(value, typ) and not isinstance(value, bool)) or (
-            typ is float and isinstance(value, int) and not isinstance(value, bool))
-        value = float(value) if ok and typ is float else value
+    if s.type is bool:
+        ok = isinstance(value, bool)
     else:
-        return value  # build_config names unknown keys
+        ok = (isinstance(value, s.type) and not isinstance(value, bool)) or (
+            s.type is float and isinstance(value, int) and not isinstance(value, bool))
+        value = float(value) if ok and s.type is float else value
     if not ok:
-        expected = "true/false" if key in _BOOL_FLAGS else _FLAGS[key][2].__name__
+        expected = "true/false" if s.type is bool else s.type.__name__
         raise ConfigError(f"--config {path}: --{key} must be {expected}, got {value!r}")
     return value
 
@@ -262,21 +295,18 @@ def build_config(values: dict[str, Any]) -> RunConfig:
     Raises:
         ConfigError: unknown key, or a value any section rejects (its message names the flag).
     """
-    sections: dict[str | None, dict[str, Any]] = {None: {}, "rollout": {}, "trainer": {}}
+    sections: dict[str | None, dict[str, Any]] = {section: {} for section in SECTIONS}
     for key, value in values.items():
-        if key == "metrics-hook":
-            if isinstance(value, str) or not all(isinstance(v, str) for v in value):
-                raise ConfigError("--metrics-hook must be a list of module:function strings")
-            sections[None]["metrics_hooks"] = tuple(value)
-            continue
-        if key in _FLAGS:
-            section, name = _FLAGS[key][0], _FLAGS[key][1]
-        elif key in _BOOL_FLAGS:
-            section, name = _BOOL_FLAGS[key][0], _BOOL_FLAGS[key][1]
-        else:
+        flag = FLAGS.get(key)
+        if flag is None:
             raise ConfigError(f"unknown config key --{key}")
-        for target in (("rollout", "trainer") if section == "both" else (section,)):
-            sections[target][name] = value
+        if flag.setting.repeat:
+            if isinstance(value, str) or not all(isinstance(v, str) for v in value):
+                raise ConfigError(f"--{key} must be a list of "
+                                  f"{flag.setting.metavar.lower() or 'str'} strings")
+            value = tuple(value)
+        for section, name in flag.targets:
+            sections[section][name] = value
     try:
         rollout = RolloutConfig(**sections["rollout"])
         trainer = TrainerConfig(**sections["trainer"])
@@ -288,9 +318,10 @@ def build_config(values: dict[str, Any]) -> RunConfig:
 def config_from_args(args: argparse.Namespace) -> RunConfig:
     """Merge ``--config`` file values and the flags given on the command line."""
     values = _read_file(args.config) if getattr(args, "config", None) else {}
-    if getattr(args, "metrics_hook", None):
-        values["metrics-hook"] = list(args.metrics_hook)
-    known = set(_FLAGS) | set(_BOOL_FLAGS)
     values.update({k.replace("_", "-"): v for k, v in vars(args).items()
-                   if k.replace("_", "-") in known})
+                   if k.replace("_", "-") in FLAGS})
     return build_config(values)
+
+
+if __name__ == "__main__":
+    print(flag_table_markdown(), end="")

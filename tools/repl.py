@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import code
 import concurrent.futures
-import importlib
 import inspect
 import json
 import logging
@@ -30,8 +29,10 @@ import time
 from pathlib import Path
 from typing import Any, Coroutine
 
-from actors import ActorSpec, Directory, Supervisor, close_connections, run_event_loop
-from tools.config import ConfigError, RunConfig, config_from_args
+from actors import ActorSpec, Directory, Supervisor, close_connections, import_object, run_event_loop
+from tools.config import RunConfig, config_from_args
+from tools.exit_codes import exit_code
+from tools.train_loop import step_metrics
 
 log = logging.getLogger(__name__)
 
@@ -294,10 +295,11 @@ class ReplSession:
             k: rollout id (each id is generated and taken once).
             timeout: seconds each of the three calls may take; ``None`` waits forever.
         Returns:
-            The metrics row ``train_loop`` would record: ``step`` (= ``k``), the generation
-            summary (without ``policy_versions``), the trainer's metrics (``trainer_version``,
-            ``loss_tokens``, ...), ``weight_push_seconds``, ``weight_push_bytes`` (bytes) and
-            ``step_seconds`` (wall seconds of the whole step).
+            The metrics row ``train_loop`` would record (:func:`tools.train_loop.step_metrics`):
+            ``step`` (= ``k``), the generation summary (without ``policy_versions``), the
+            trainer's metrics (``trainer_version``, ``loss_tokens``, ...),
+            ``weight_push_seconds``, ``weight_push_bytes`` (bytes) and ``step_seconds`` (wall
+            seconds of the whole step).
         Raises:
             actors.RemoteError: generation, training or the push failed (e.g. ``EngineNotReady``
                 before the first push, ``RolloutError`` for a rollout id used twice).
@@ -311,10 +313,7 @@ class ReplSession:
             summary = await manager.call("generate", k, timeout=timeout)
             trained = await trainer.call("train", k, timeout=timeout)
             push = await trainer.call("push_weights", timeout=timeout)
-            return {"step": k, **{key: v for key, v in summary.items() if key != "policy_versions"},
-                    **trained, "weight_push_seconds": push["seconds"],
-                    "weight_push_bytes": push["bytes"],
-                    "step_seconds": time.perf_counter() - start}
+            return step_metrics(k, summary, trained, push, time.perf_counter() - start)
 
         return self.run(one_step())
 
@@ -383,13 +382,10 @@ class RemoteMethod:
 
 def _public_methods(cls_path: str) -> list[str]:
     """Public ``async def`` methods of the actor class ``"module:Class"`` ([] if not importable)."""
-    module, _, qualname = cls_path.partition(":")
     try:
-        obj: Any = importlib.import_module(module)
-        for part in qualname.split("."):
-            obj = getattr(obj, part)
-    except Exception:  # completion and repr only: never fail the console over it
-        return []
+        obj = import_object(cls_path)
+    except Exception:  # completion and repr only: never fail the console over it (a module
+        return []      # that raises on import included, which import_object lets through)
     hooks = {"on_start", "on_stop"}  # lifecycle hooks of actors.Actor, not for callers
     return sorted(n for n, fn in inspect.getmembers(obj, inspect.iscoroutinefunction)
                   if not n.startswith("_") and n not in hooks)
@@ -421,32 +417,26 @@ def main(args) -> int:
         Exit code: 0 on Ctrl-D / ``exit()`` (or the code given to ``exit(n)``), 1 when the actors
         failed to start, 2 on a configuration error, 130 on Ctrl-C during start.
     """
-    try:
+    def run() -> int:
         config = config_from_args(args)
-    except ConfigError as exc:
-        print(f"replayrl: configuration error: {exc}", file=sys.stderr)
-        return 2
-    print(f"replayrl repl: starting {config.num_engines + 3} actors ...", file=sys.stderr)
-    session = ReplSession(config)
-    try:
-        session.start()
-    except KeyboardInterrupt:
-        print("replayrl: interrupted; all actors stopped", file=sys.stderr)
-        return 130
-    except Exception as exc:
-        print(f"replayrl: actors failed to start: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
-    try:
-        if sys.stdin.isatty():
-            _enable_completion(session.namespace)
-        banner = (f"{session.namespace['help_text']}\n\nactors: "
-                  + ", ".join(session.namespace["actors"]))
-        console = code.InteractiveConsole(session.namespace, filename="<replayrl>")
-        console.interact(banner=banner, exitmsg="replayrl repl: stopping every actor")
-        return 0
-    except SystemExit as exc:  # exit() / quit() inside the console
-        if exc.code is None:
+        print(f"replayrl repl: starting {config.num_engines + 3} actors ...", file=sys.stderr)
+        session = ReplSession(config)
+        session.start()  # stops what it started before raising
+        try:
+            if sys.stdin.isatty():
+                _enable_completion(session.namespace)
+            banner = (f"{session.namespace['help_text']}\n\nactors: "
+                      + ", ".join(session.namespace["actors"]))
+            console = code.InteractiveConsole(session.namespace, filename="<replayrl>")
+            console.interact(banner=banner, exitmsg="replayrl repl: stopping every actor")
             return 0
-        return exc.code if isinstance(exc.code, int) else 1
-    finally:
-        session.stop()
+        except SystemExit as exc:  # exit() / quit() inside the console
+            if exc.code is None:
+                return 0
+            return exc.code if isinstance(exc.code, int) else 1
+        finally:
+            session.stop()
+
+    # the console catches Ctrl-C (and would catch a SIGTERM raised as Terminated), so only the
+    # start can end in 1 / 130; SIGTERM keeps its default action here
+    return exit_code(run, failure="actors failed to start")

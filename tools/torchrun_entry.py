@@ -25,6 +25,7 @@ import time
 from actors import ActorError, Directory, run_event_loop
 from actors.spawn import ActorSpec, import_actor_class, serve_actor
 from tools.config import ConfigError, RunConfig, add_run_flags, config_from_args
+from tools.exit_codes import exit_code
 from tools.launcher import actor_specs, write_initial_checkpoint
 from tools.metrics import MetricsRecorder
 from tools.train_loop import train_loop
@@ -97,7 +98,7 @@ async def _drive(config: RunConfig, specs: list[ActorSpec], directory: Directory
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of one torchrun rank."""
+    """Entry point of one torchrun rank; exit codes as :func:`tools.exit_codes.exit_code`."""
     parser = argparse.ArgumentParser(prog="python -m tools.torchrun_entry", description=__doc__.splitlines()[0])
     add_run_flags(parser)
     parser.add_argument("--ready-timeout", type=float, default=180.0)
@@ -105,29 +106,23 @@ def main(argv: list[str] | None = None) -> int:
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500"))
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s rank{rank} %(levelname)s %(message)s")
-    try:
+
+    def run() -> int:
         if host not in LOOPBACK:
             raise ConfigError(f"MASTER_ADDR={host}: listening beyond loopback needs CURVE "
                               f"authentication, which is not available yet; use one node")
         config = config_from_args(args)
         specs, roles = plan(world, config)
-    except ConfigError as exc:
-        print(f"replayrl[rank {rank}]: configuration error: {exc}", file=sys.stderr)
-        return 2
-    directory = directory_for(specs, "127.0.0.1", port)
-    if "trainer" in roles[rank]:
-        write_initial_checkpoint(config, _checkpoint_dir(config))  # only this rank reads it
-    try:
+        directory = directory_for(specs, "127.0.0.1", port)
+        if "trainer" in roles[rank]:
+            write_initial_checkpoint(config, _checkpoint_dir(config))  # only this rank reads it
         if rank == 0:
             print(run_event_loop(_drive(config, specs, directory, args.ready_timeout)))
         else:
             run_event_loop(_serve_rank(roles[rank], specs, directory))
-    except KeyboardInterrupt:
-        return 130
-    except Exception as exc:
-        print(f"replayrl[rank {rank}]: run failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
-    return 0
+        return 0
+
+    return exit_code(run, prog=f"replayrl[rank {rank}]")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,27 @@ from actors import Directory
 from tools.config import RunConfig
 
 
+def step_metrics(step: int, summary: dict, trained: dict, push: dict, step_seconds: float) -> dict:
+    """The metrics row of one step, as ``metrics.jsonl`` records it (also ``ReplSession.step``).
+
+    Args:
+        step: the rollout id / step index.
+        summary: the RolloutManager's ``generate`` result; its ``policy_versions`` list is
+            dropped (the row keeps the scalar staleness figures).
+        trained: the trainer's ``train`` result (``trainer_version``, ``loss_tokens``, ...).
+        push: the trainer's ``push_weights`` result, ``{"seconds": float, "bytes": int, ...}``.
+        step_seconds: wall seconds of the whole step.
+    Returns:
+        ``{"step", **summary (without policy_versions), **trained, "weight_push_seconds",
+        "weight_push_bytes", "step_seconds"}``; later keys win on a clash.
+    Raises:
+        KeyError: ``push`` lacks ``seconds`` or ``bytes``.
+    """
+    return {"step": step, **{k: v for k, v in summary.items() if k != "policy_versions"},
+            **trained, "weight_push_seconds": push["seconds"], "weight_push_bytes": push["bytes"],
+            "step_seconds": step_seconds}
+
+
 async def save_checkpoint(directory: Directory, path: Path, next_step: int,
                           config: RunConfig) -> None:
     """Write the run's state after ``next_step - 1`` steps to ``path``."""
@@ -47,7 +68,8 @@ async def load_checkpoint(directory: Directory, path: Path) -> int:
 
 async def train_loop(directory: Directory, config: RunConfig,
                      on_step: Callable[[dict], None]) -> None:
-    """Run steps up to ``config.num_steps``; call ``on_step(metrics)`` after each."""
+    """Run steps up to ``config.num_steps``; call ``on_step(metrics)`` after each, with the
+    row :func:`step_metrics` builds."""
     manager, trainer = directory.ref("rollout_manager"), directory.ref("trainer")
     first = await load_checkpoint(directory, Path(config.load)) if config.load else 0
     push = await trainer.call("push_weights")  # engines serve nothing before this
@@ -72,6 +94,4 @@ async def train_loop(directory: Directory, config: RunConfig,
         if config.save_interval and (step + 1) % config.save_interval == 0:
             await save_checkpoint(directory, Path(config.save_dir) / f"step-{step + 1}", step + 1,
                                   config)
-        on_step({"step": step, **{k: v for k, v in summary.items() if k != "policy_versions"},
-                 **trained, "weight_push_seconds": push["seconds"], "weight_push_bytes": push["bytes"],
-                 "step_seconds": time.perf_counter() - step_start})
+        on_step(step_metrics(step, summary, trained, push, time.perf_counter() - step_start))

@@ -1,8 +1,14 @@
-"""Configuration of the trainer side: optimizer, loss, replays, timeouts."""
+"""Configuration of the trainer side: optimizer, loss, replays, timeouts.
+
+Each field's flag, help and allowed range are declared with it
+(:func:`actors.settings.setting`); ``tools/config.py`` builds the flags, the config-file keys and
+the README's flag table from them. Conditions on two fields stay in ``__post_init__``.
+"""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from actors.settings import POSITIVE, Choices, Range, check_settings, setting
 from trainer.backends import BACKENDS
 from trainer.rejection.rs_policy import RSGate
 
@@ -43,80 +49,79 @@ class TrainerConfig:
         rs_refill_max_rounds: replacement rounds before the step fails.
         rs_refill_max_candidate_cache_bytes: byte cap of the proximal-logprob cache.
         rs_refill_rpc_timeout_s: timeout of every actor call on the refill path.
-        dp_size, vpp_size, microbatch_group_size: the parallel layout the refill quantum is
-            computed for; this launcher runs one trainer rank, so only 1 / 1 / any is supported.
         train_backend: the model-owning backend, a name in :data:`trainer.backends.BACKENDS`
             (``--train-backend``).
+        dp_size, vpp_size, microbatch_group_size: the parallel layout the refill quantum is
+            computed for; this launcher runs one trainer rank, so only 1 / 1 / any is supported.
     """
 
-    lr: float = 3e-4
-    weight_decay: float = 0.0
+    lr: float = setting(3e-4, "lr", "AdamW learning rate", POSITIVE)
+    weight_decay: float = setting(0.0, "weight-decay", "AdamW weight decay", Range(low=0))
     adam_beta1: float = 0.9
     adam_beta2: float = 0.98
-    clip_grad: float = 1.0
-    eps_clip: float = 0.2
-    eps_clip_high: float = 0.28
-    tis_cap: float | None = 2.0
-    normalize_advantage_std: bool = False
-    micro_batch_size: int = 64
-    temperature: float = 1.0
-    use_routing_replay: bool = True
-    use_indexer_replay: bool = True
-    use_support_replay: bool = True
-    logprobs_chunk_size: int = 0
-    use_packing: bool = False
-    replay_min_overlap_ratio: float = 0.0
-    replay_max_mismatch_fraction: float = 1.0
-    rpc_timeout_s: float = 300.0
-    torch_threads: int = 1
-    seed: int = 1
-    rs_mode: str = "none"
-    rs_lower: float = 0.0
-    rs_upper: float = float("inf")
-    rs_denominator: str = "loss_tokens"
-    rs_batch_refill: bool = False
-    rs_refill_max_rounds: int = 3
-    rs_refill_max_candidate_cache_bytes: int = 1 << 30
-    rs_refill_rpc_timeout_s: float = 300.0
-    dp_size: int = 1
-    vpp_size: int = 1
-    microbatch_group_size: int = 1
-    train_backend: str = "torch"
+    clip_grad: float = setting(1.0, "clip-grad", "gradient-norm clip", POSITIVE)
+    eps_clip: float = setting(0.2, "eps-clip", "PPO clip low: ratio >= 1 - eps", Range(0, 1, "()"))
+    eps_clip_high: float = setting(0.28, "eps-clip-high", "PPO clip high: ratio <= 1 + eps", POSITIVE)
+    tis_cap: float | None = setting(2.0, "tis-cap", "TIS weight cap C",
+                                    Range(low=0, closed="()", also=(None,)))
+    normalize_advantage_std: bool = setting(False, "grpo-std-normalization",
+                                            "divide GRPO advantages by the group std")
+    micro_batch_size: int = setting(64, "micro-batch-size", "samples per forward/backward",
+                                    Range(low=1))
+    temperature: float = setting(1.0, "rollout-temperature", check=POSITIVE)
+    use_routing_replay: bool = setting(True, "use-routing-replay", "R3: replay the engine's MoE routing")
+    use_indexer_replay: bool = setting(True, "use-indexer-replay", "replay the indexer's top-k keys")
+    use_support_replay: bool = setting(True, "use-support-replay",
+                                       "logprobs over the sampler's support")
+    logprobs_chunk_size: int = setting(0, "logprobs-chunk-size", "fused chunked support-replay "
+                                       "logprobs, rows per chunk (0 = from full logits)", Range(low=0))
+    use_packing: bool = setting(False, "use-packing", "pack each microbatch into one row "
+                                "(block-diagonal attention)")
+    replay_min_overlap_ratio: float = setting(0.0, "replay-min-overlap-ratio", "fail a step when a "
+                                              "token's engine/trainer routing overlap is lower",
+                                              Range(0, 1))
+    replay_max_mismatch_fraction: float = setting(1.0, "replay-max-mismatch-fraction", "fail a step "
+                                                  "when more tokens than this route differently",
+                                                  Range(0, 1))
+    rpc_timeout_s: float = setting(300.0, "rpc-timeout-seconds", "trainer's actor-call timeout",
+                                   POSITIVE)
+    torch_threads: int = setting(1, "trainer-torch-threads", "torch threads of the trainer",
+                                 Range(low=1))
+    seed: int = setting(1, "seed", check=Range(0, 2 ** 32, "[)"))
+    rs_mode: str = setting("none", "rs-mode", "RS gate on exp(logp_prox - logp_rollout): none, "
+                           "token, sequence or geometric")
+    rs_lower: float = setting(0.0, "rs-lower", "RS lower ratio bound")
+    rs_upper: float = setting(float("inf"), "rs-upper", "RS upper ratio bound")
+    rs_denominator: str = setting("loss_tokens", "rs-denominator", "loss denominator when RS masks "
+                                  "tokens without refill",
+                                  Choices(("loss_tokens", "accepted_tokens")))
+    rs_batch_refill: bool = setting(False, "rs-batch-refill", "exact refill: every step trains on "
+                                    "exactly --rollout-batch-size whole admitted groups, or fails "
+                                    "before the optimizer step")
+    rs_refill_max_rounds: int = setting(3, "rs-refill-max-rounds", "replacement rounds per step",
+                                        Range(low=0))
+    rs_refill_max_candidate_cache_bytes: int = setting(
+        1 << 30, "rs-refill-max-candidate-cache-bytes", "proximal-logprob cache byte cap", Range(low=0, closed="()"))
+    rs_refill_rpc_timeout_s: float = setting(300.0, "rs-refill-rpc-timeout-seconds",
+                                             "timeout of every refill-path actor call", POSITIVE)
+    dp_size: int = setting(1, "dp-size", "data-parallel size (refill quantum)",
+                           Choices((1,), why="this launcher runs one trainer rank"))
+    vpp_size: int = setting(1, "vpp-size", "virtual pipeline size (refill quantum)",
+                            Choices((1,), why="the embedded trainer has no pipeline"))
+    microbatch_group_size: int = setting(1, "microbatch-group-size", "VPP microbatch group",
+                                         Range(low=1))
+    train_backend: str = setting("torch", "train-backend", "trainer backend (registry name)",
+                                 Choices(tuple(BACKENDS)))
 
     def __post_init__(self) -> None:
+        check_settings(self, TrainerConfigError)
         checks = [
-            (self.lr > 0, "--lr must be > 0"),
-            (self.weight_decay >= 0, "--weight-decay must be >= 0"),
-            (self.torch_threads >= 1, "--trainer-torch-threads must be >= 1"),
-            (0 <= self.seed < 2 ** 32, "--seed must be in [0, 2**32)"),
             (self.rs_mode != "none" or (self.rs_lower, self.rs_upper) == (0.0, float("inf")),
              "--rs-lower / --rs-upper need --rs-mode token|sequence|geometric"),
-            (self.clip_grad > 0, "--clip-grad must be > 0"),
-            (0 < self.eps_clip < 1, "--eps-clip must be in (0, 1)"),
-            (self.eps_clip_high > 0, "--eps-clip-high must be > 0"),
-            (self.tis_cap is None or self.tis_cap > 0, "--tis-cap must be > 0"),
-            (self.micro_batch_size >= 1, "--micro-batch-size must be >= 1"),
-            (self.logprobs_chunk_size >= 0, "--logprobs-chunk-size must be >= 0"),
-            (0 <= self.replay_min_overlap_ratio <= 1, "--replay-min-overlap-ratio must be in [0, 1]"),
-            (0 <= self.replay_max_mismatch_fraction <= 1,
-             "--replay-max-mismatch-fraction must be in [0, 1]"),
             (self.logprobs_chunk_size == 0 or self.use_support_replay,
              "--logprobs-chunk-size needs --use-support-replay (the fused path projects the support)"),
-            (self.temperature > 0, "--rollout-temperature must be > 0"),
-            (self.rpc_timeout_s > 0, "--rpc-timeout-seconds must be > 0"),
-            (self.rs_denominator in ("loss_tokens", "accepted_tokens"),
-             "--rs-denominator must be loss_tokens or accepted_tokens"),
             (not self.rs_batch_refill or self.rs_mode != "none",
              "--rs-batch-refill needs --rs-mode token|sequence|geometric (nothing would be rejected)"),
-            (self.rs_refill_max_rounds >= 0, "--rs-refill-max-rounds must be >= 0"),
-            (self.rs_refill_max_candidate_cache_bytes > 0,
-             "--rs-refill-max-candidate-cache-bytes must be > 0"),
-            (self.rs_refill_rpc_timeout_s > 0, "--rs-refill-rpc-timeout-seconds must be > 0"),
-            (self.dp_size == 1, "--dp-size > 1 is not supported: this launcher runs one trainer rank"),
-            (self.vpp_size == 1, "--vpp-size > 1 is not supported: the embedded trainer has no pipeline"),
-            (self.microbatch_group_size >= 1, "--microbatch-group-size must be >= 1"),
-            (self.train_backend in BACKENDS, f"--train-backend {self.train_backend!r} is not a known "
-                                             f"trainer backend; known: {', '.join(sorted(BACKENDS))}"),
         ]
         for ok, message in checks:
             if not ok:

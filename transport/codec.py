@@ -57,7 +57,7 @@ import sys
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import Any, Callable, NoReturn
 
 import msgpack
 import numpy as np
@@ -192,13 +192,6 @@ def _torch():
     return sys.modules.get("torch")
 
 
-def _is_ext_leaf(t: type) -> bool:
-    if t is np.ndarray or issubclass(t, np.generic):
-        return True
-    torch = _torch()
-    return torch is not None and (t is torch.Tensor or t is torch.nn.Parameter)
-
-
 def _pairs(node: Any) -> Any:
     return node.items() if type(node) is dict else enumerate(node)
 
@@ -206,35 +199,38 @@ def _pairs(node: Any) -> Any:
 _SMALL_CONTAINER = 16  # below this a plain loop beats building a set of element types
 
 
-def _check_encodable(obj: Any) -> None:
-    """Walk containers and reject what msgpack would pack natively but we do not support
-    (bytearray, memoryview, msgpack.Timestamp/ExtType, non str/int keys), unknown types and
-    nesting deeper than ``_MAX_DEPTH`` (cycles included).
+def _first_fault(obj: Any, bad_leaf: Callable[[type], bool], max_depth: int = _MAX_DEPTH) -> tuple | None:
+    """The one container walk of the codec: the first structural fault of ``obj``, or None.
+
+    Walks dicts, lists and tuples (not arrays: they are leaves) and reports a container nested
+    ``max_depth`` or more deep (cycles included) as ``("depth", None)``, a dict key that is not
+    ``str``/``int`` as ``("key", key)``, and a leaf type for which ``bad_leaf(type)`` is true as
+    ``("leaf", type)``; plain msgpack leaves (None, bool, int, float, str, bytes) are always
+    fine. The encoder passes "not an array / tensor / numpy scalar", the decoder "a msgpack
+    timestamp or a stray tuple marker"; each turns the fault into its own error.
 
     Cost is O(container elements), at C speed for large containers (``set(map(type, ...))``);
-    bulk numbers should travel as arrays, which are leaves and not walked. This fast pass keeps
-    no key paths; on failure :func:`_explain_unencodable` walks again to name the offending path.
+    bulk numbers should travel as arrays, which are not walked. No key paths are kept (see
+    :func:`_explain_unencodable` for the encoder's message).
     """
     t = type(obj)
     if t in _PLAIN_LEAVES:
-        return
+        return None
     if t not in _CONTAINERS:
-        if not _is_ext_leaf(t):
-            _explain_unencodable(obj)
-        return
+        return ("leaf", t) if bad_leaf(t) else None
     stack = [(obj, 0)]
     while stack:
         node, depth = stack.pop()
-        if depth >= _MAX_DEPTH:
-            _explain_unencodable(obj)
+        if depth >= max_depth:
+            return ("depth", None)
         if type(node) is dict:
             if len(node) > _SMALL_CONTAINER:
                 if not set(map(type, node)) <= _KEY_TYPES:
-                    _explain_unencodable(obj)
+                    return ("key", next(k for k in node if type(k) not in _KEY_TYPES))
             else:
                 for k in node:
                     if type(k) is not str and type(k) is not int:
-                        _explain_unencodable(obj)
+                        return ("key", k)
             values: Any = node.values()
         else:
             values = node
@@ -243,8 +239,8 @@ def _check_encodable(obj: Any) -> None:
             if not odd:
                 continue
             for vt in odd:
-                if vt not in _CONTAINERS and not _is_ext_leaf(vt):
-                    _explain_unencodable(obj)
+                if vt not in _CONTAINERS and bad_leaf(vt):
+                    return ("leaf", vt)
             if odd & _CONTAINERS:
                 stack.extend((v, depth + 1) for v in values if type(v) in _CONTAINERS)
         else:
@@ -254,45 +250,56 @@ def _check_encodable(obj: Any) -> None:
                     continue
                 if vt in _CONTAINERS:
                     stack.append((v, depth + 1))
-                elif not _is_ext_leaf(vt):
-                    _explain_unencodable(obj)
+                elif bad_leaf(vt):
+                    return ("leaf", vt)
+    return None
+
+
+def _unencodable_leaf(t: type) -> bool:
+    """Leaf types the encoder rejects although msgpack would pack some natively (bytearray,
+    memoryview, msgpack.Timestamp / ExtType) and every unknown type."""
+    if t is np.ndarray or issubclass(t, np.generic):
+        return False
+    torch = _torch()
+    return torch is None or (t is not torch.Tensor and t is not torch.nn.Parameter)
+
+
+def _check_encodable(obj: Any) -> None:
+    """Raise the :class:`EncodeError` of :func:`_explain_unencodable` when ``obj`` has an
+    unsupported leaf type, a dict key other than ``str``/``int`` or nesting deeper than
+    ``_MAX_DEPTH`` (cycles included)."""
+    if _first_fault(obj, _unencodable_leaf) is not None:
+        _explain_unencodable(obj)
 
 
 def _explain_unencodable(obj: Any) -> NoReturn:
-    """Slow walk with key paths; raises the EncodeError naming the first problem found."""
-    stack = [(obj, ())]
-    while stack:
-        node, path = stack.pop()
+    """The EncodeError naming the key path of a fault of ``obj`` (error path only).
+
+    Descends from the root into the first child that :func:`_first_fault` rejects with the
+    depth left to it, until the fault is at the node itself: O(elements x depth), paid only
+    for a message that cannot be sent.
+    """
+    node, path = obj, ()
+    while True:
+        t = type(node)
+        if t not in _CONTAINERS:
+            raise EncodeError(f"{_path_str(path)}: cannot encode object of type {_type_name(t)}")
         if len(path) >= _MAX_DEPTH:
             raise EncodeError(f"{_path_str(path[:8])}...: containers nested more than {_MAX_DEPTH} deep (or a cycle)")
-        t = type(node)
         if t is dict:
-            key_types = set(map(type, node))
-            if not key_types <= _KEY_TYPES:
-                bad = next(k for k in node if type(k) not in _KEY_TYPES)
+            bad = [k for k in node if type(k) not in _KEY_TYPES]
+            if bad:
                 raise EncodeError(
-                    f"{_path_str(path)}: dict key {bad!r} has type {_type_name(type(bad))}; "
+                    f"{_path_str(path)}: dict key {bad[0]!r} has type {_type_name(type(bad[0]))}; "
                     "only str and int keys are supported"
                 )
-            value_types = set(map(type, node.values()))
-        elif t is list or t is tuple:
-            value_types = set(map(type, node))
+        left = _MAX_DEPTH - len(path) - 1
+        for k, v in _pairs(node):
+            if _first_fault(v, _unencodable_leaf, left) is not None:
+                node, path = v, path + (k,)
+                break
         else:
-            if t not in _PLAIN_LEAVES and not _is_ext_leaf(t):
-                raise EncodeError(f"{_path_str(path)}: cannot encode object of type {_type_name(t)}")
-            continue
-        odd = value_types - _PLAIN_LEAVES
-        if not odd:
-            continue
-        for vt in odd:
-            if vt not in _CONTAINERS and not _is_ext_leaf(vt):
-                key = next(k for k, v in _pairs(node) if type(v) is vt)
-                raise EncodeError(f"{_path_str(path + (key,))}: cannot encode object of type {_type_name(vt)}")
-        if odd & _CONTAINERS:
-            for k, v in _pairs(node):
-                if type(v) in _CONTAINERS:
-                    stack.append((v, path + (k,)))
-    raise EncodeError("cannot encode message")  # unreachable when called after a failed fast pass
+            raise EncodeError("cannot encode message")  # unreachable when obj has a fault
 
 
 class _EncodeState:
@@ -502,6 +509,7 @@ def _tensor_from_buffer(buf: Any, name: str, shape: list[int], inline: bool) -> 
 
 
 _FOREIGN_LEAVES = frozenset({msgpack.Timestamp, _TupleMarker})
+_is_foreign = _FOREIGN_LEAVES.__contains__  # bound once: the decoder's bad-leaf test
 
 
 def _raise_foreign(t: type) -> NoReturn:
@@ -513,39 +521,18 @@ def _raise_foreign(t: type) -> NoReturn:
 def _check_decoded(obj: Any) -> None:
     """Reject what msgpack produced without our ext hook (timestamps, ext -1), tuple markers out
     of place, dict keys that are not ``str``/``int`` and nesting deeper than ``_MAX_DEPTH`` (the
-    encoder produces none of these). Same fast-walk structure as :func:`_check_encodable`."""
-    t = type(obj)
-    if t in _FOREIGN_LEAVES:
-        _raise_foreign(t)
-    if t not in _CONTAINERS:
+    encoder produces none of these); the walk is :func:`_first_fault`, as for encoding."""
+    fault = _first_fault(obj, _is_foreign)
+    if fault is None:
         return
-    stack = [(obj, 0)]
-    while stack:
-        node, depth = stack.pop()
-        if depth >= _MAX_DEPTH:
-            raise DecodeError(f"containers nested more than {_MAX_DEPTH} deep")
-        if type(node) is dict:
-            for k in node:
-                if type(k) is not str and type(k) is not int:
-                    raise DecodeError(
-                        f"dict key {k!r} has type {_type_name(type(k))}; only str and int keys are allowed"
-                    )
-            values: Any = node.values()
-        else:
-            values = node
-        if len(node) > _SMALL_CONTAINER:
-            types = set(map(type, values))
-            for ft in types & _FOREIGN_LEAVES:
-                _raise_foreign(ft)
-            if types & _CONTAINERS:
-                stack.extend((v, depth + 1) for v in values if type(v) in _CONTAINERS)
-        else:
-            for v in values:
-                vt = type(v)
-                if vt in _CONTAINERS:
-                    stack.append((v, depth + 1))
-                elif vt in _FOREIGN_LEAVES:
-                    _raise_foreign(vt)
+    kind, detail = fault
+    if kind == "depth":
+        raise DecodeError(f"containers nested more than {_MAX_DEPTH} deep")
+    if kind == "key":
+        raise DecodeError(
+            f"dict key {detail!r} has type {_type_name(type(detail))}; only str and int keys are allowed"
+        )
+    _raise_foreign(detail)
 
 
 def _as_byte_view(frame: Any, index: int) -> memoryview:

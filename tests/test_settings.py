@@ -1,0 +1,111 @@
+"""Settings fields (actors/settings.py) and what tools/config.py generates from them."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from actors.settings import POSITIVE, Choices, Range, Rule, check_settings, setting, settings_of, show_value
+from tools.config import FLAGS, add_run_flags, flag_table_markdown
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+class Bad(ValueError):
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class Toy:
+    count: int = setting(1, "count", "how many", Range(low=1))
+    ratio: float = setting(0.5, "ratio", "a fraction", Range(0, 1, "(]", why="it is a fraction"))
+    k: int = setting(3, "k", "top-k", Range(low=1, also=(-1,), also_text="-1 (off)"))
+    cap: float | None = setting(2.0, "cap", "a cap", Range(low=0, closed="()", also=(None,)))
+    mode: str = setting("a", "mode", "a mode", Choices(("a", "b", "c")))
+    hook: str = setting("", "hook", "a hook", Rule(lambda v: not v or ":" in v, "module:function"))
+    size: int = setting(4, check=Range(low=1))  # no flag: messages name the field
+    on: bool = setting(True, "on", "a switch")
+    plain: float = 0.25  # not a setting
+
+    def __post_init__(self) -> None:
+        check_settings(self, Bad)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"count": 0}, "--count must be >= 1"),
+    ({"ratio": 0.0}, "--ratio must be in (0, 1]: it is a fraction"),
+    ({"ratio": 1.5}, "--ratio must be in (0, 1]: it is a fraction"),
+    ({"k": 0}, "--k must be -1 (off) or >= 1"),
+    ({"k": -2}, "--k must be -1 (off) or >= 1"),
+    ({"cap": 0.0}, "--cap must be > 0"),
+    ({"mode": "d"}, "--mode must be a, b or c"),
+    ({"hook": "nocolon"}, "--hook must be module:function"),
+    ({"size": 0}, "size must be >= 1"),
+])
+def test_check_settings_names_the_flag_and_the_range(kwargs, message):
+    with pytest.raises(Bad) as info:
+        Toy(**kwargs)
+    assert str(info.value) == message
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"count": 1}, {"ratio": 1.0}, {"ratio": 1e-9}, {"k": -1}, {"k": 1}, {"cap": None},
+    {"cap": 1e-9}, {"mode": "c"}, {"hook": "m:f"}, {"size": 1},
+])
+def test_values_at_the_edges_of_the_range_are_accepted(kwargs):
+    assert getattr(Toy(**kwargs), next(iter(kwargs))) == next(iter(kwargs.values()))
+
+
+def test_settings_carry_type_flag_and_help_and_skip_plain_fields():
+    by_name = {f.name: s for f, s in settings_of(Toy)}
+    assert "plain" not in by_name
+    assert (by_name["count"].flag, by_name["count"].help, by_name["count"].type) == ("count", "how many", int)
+    assert by_name["cap"].type is float and by_name["on"].type is bool and by_name["size"].flag == ""
+    assert Toy().count == 1 and Toy().plain == 0.25
+
+
+def test_range_descriptions_and_values_by_hand():
+    assert POSITIVE.describe() == "> 0"
+    assert Range(high=3, closed="[)").describe() == "< 3"
+    assert Range(0, 2 ** 32, "[)").describe() == "in [0, 2**32)"
+    assert Choices((1,)).describe() == "1"
+    assert [show_value(v) for v in (True, False, 1 << 30, 1000, 300.0, float("inf"), "x")] == [
+        "on", "off", "2**30", "1000", "300.0", "inf", "'x'"]
+    with pytest.raises(ValueError):
+        Range()
+    with pytest.raises(ValueError):
+        Range(0, 1, "[[")
+    with pytest.raises(TypeError):
+        setting([1], "list-flag", "lists are not flags")
+
+
+def test_flags_that_set_two_fields_reach_both_sections():
+    assert FLAGS["seed"].targets == (("rollout", "seed"), ("trainer", "seed"))
+    assert FLAGS["rollout-temperature"].targets == (("rollout", "temperature"), ("trainer", "temperature"))
+    assert FLAGS["save"].targets == ((None, "save_dir"),)
+
+
+def test_every_flag_is_added_to_the_parser_with_its_type():
+    parser = argparse.ArgumentParser()
+    add_run_flags(parser)
+    args = parser.parse_args(["--lr", "0.5", "--no-use-packing", "--metrics-hook", "a:b",
+                              "--metrics-hook", "c:d", "--rollout-top-k", "-1"])
+    assert vars(args) == {"config": None, "lr": 0.5, "use_packing": False,
+                          "metrics_hook": ["a:b", "c:d"], "rollout_top_k": -1}
+    options = {o for action in parser._actions for o in action.option_strings}
+    assert {f"--{name}" for name in FLAGS} <= options
+
+
+def test_readme_flag_table_is_the_generated_one():
+    text = README.read_text()
+    lines = text.splitlines()
+    start = lines.index("| flag | default | allowed | meaning |")
+    end = start
+    while end < len(lines) and lines[end].startswith("|"):
+        end += 1
+    table = "\n".join(lines[start:end]) + "\n"
+    assert table == flag_table_markdown(), (
+        "README.md's flag table is out of date: replace it with the output of python -m tools.config")
+    assert table.count("\n") == len(FLAGS) + 2

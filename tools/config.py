@@ -45,6 +45,8 @@ class RunConfig:
         load: checkpoint directory to resume from (``--load``).
         metrics_hooks: ``module:function`` loggers called after each step with the frozen
             config and a read-only view of the metrics (``--metrics-hook``, repeatable).
+        rollout_engine: the rollout engine's registry name (``--rollout-engine``,
+            ``rollout.engines.ENGINES``); the launcher rejects an unknown one.
     """
 
     num_steps: int = 400
@@ -61,6 +63,7 @@ class RunConfig:
     metrics_hooks: tuple[str, ...] = ()
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    rollout_engine: str = "embedded"
 
     def __post_init__(self) -> None:
         checks = [
@@ -179,6 +182,7 @@ _FLAGS: dict[str, tuple[str | None, str, Any, str]] = {
     "dp-size": ("trainer", "dp_size", int, "data-parallel size (refill quantum)"),
     "vpp-size": ("trainer", "vpp_size", int, "virtual pipeline size (refill quantum)"),
     "microbatch-group-size": ("trainer", "microbatch_group_size", int, "VPP microbatch group"),
+    "rollout-engine": (None, "rollout_engine", str, "rollout engine (registry name): embedded"),
 }
 _BOOL_FLAGS: dict[str, tuple[str | None, str, str]] = {
     "use-routing-replay": ("trainer", "use_routing_replay", "R3: replay the engine's MoE routing"),

@@ -187,7 +187,8 @@ class RolloutManager(Actor):
             reward = float(self.custom_reward(prompt.prompt_ids, fields["response_ids"],
                                               fields["loss_mask"], prompt.answer_id, self.config))
         else:
-            reward = self.tool_env.reward(fields["response_ids"], fields["loss_mask"], prompt.answer_id)
+            reward = self.tool_env.reward(fields["response_ids"], fields["loss_mask"],
+                                          prompt.answer_id)
         return Sample(sample_id=sample_id, group_id=group_id, rollout_id=rollout_id,
                       policy_version=version, prompt_ids=prompt.prompt_ids, reward=reward,
                       status="completed" if episode.finish_reason == "stop" else "truncated",

@@ -159,7 +159,8 @@ async def run_episodes(
                     tuple(versions[i]), finish[i], tool_calls[i]) for i in range(len(originals))]
 
 
-def assemble(episode: Episode, *, sample_id: int, require: Collection[str]) -> tuple[MergedTrajectory, int]:
+def assemble(episode: Episode, *, sample_id: int,
+             require: Collection[str]) -> tuple[MergedTrajectory, int]:
     """The trajectory of one episode: its one policy version and its merged turns.
 
     Args:
@@ -178,7 +179,8 @@ def assemble(episode: Episode, *, sample_id: int, require: Collection[str]) -> t
     """
     if len(set(episode.versions)) != 1:
         raise MixedVersionError(sample_id, "policy_version",
-                                f"turns served by different weight versions {list(episode.versions)}; "
+                                f"turns served by different weight versions "
+                                f"{list(episode.versions)}; "
                                 "a trajectory must come from one policy")
     merged = merge_turns(episode.prompt_ids, episode.turns, episode.observations,
                          sample_id=sample_id, require=require)

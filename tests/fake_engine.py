@@ -1,4 +1,4 @@
-"""Trivial rollout engines for the engine-registry tests (registered by the tests, never by default).
+"""Trivial rollout engines for the engine-registry tests (registered by tests, never by default).
 
 :class:`FixedDigitEngine` needs no model: row ``j`` of every ``generate`` call answers its
 prompt ``<bos> op d1 .. dn =`` with ``d1 <eos>`` (even ``j``) or ``dn <eos>`` (odd ``j``), so

@@ -116,6 +116,7 @@ def actor_specs(config: RunConfig, checkpoint_dir: Path) -> list[ActorSpec]:
     """
     engine_class = resolve_engine(config)
     required = run_required_traces(config)
+    model = default_config(vocab_size=len(VOCABULARY))
     engines = [f"engine_{i}" for i in range(config.num_engines)]
     return [
         ActorSpec("version_clock", "actors.version_clock:VersionClock",
@@ -127,7 +128,7 @@ def actor_specs(config: RunConfig, checkpoint_dir: Path) -> list[ActorSpec]:
         ActorSpec("rollout_manager", "rollout.manager:RolloutManager",
                   {"config": config.rollout.to_dict(), "engines": engines,
                    "require_traces": required,
-                   "max_positions": default_config(vocab_size=len(VOCABULARY)).max_position_embeddings}),
+                   "max_positions": model.max_position_embeddings}),
         ActorSpec("trainer", "trainer.trainer_actor:TrainerActor",
                   {"checkpoint_dir": str(checkpoint_dir), "config": config.trainer.to_dict(),
                    "n_samples_per_prompt": config.rollout.n_samples_per_prompt,

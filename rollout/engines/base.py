@@ -119,7 +119,8 @@ def check_capture(engine: type["Engine"], traces: Collection[str]) -> frozenset[
     if unknown:
         raise EngineCaptureError(f"{engine.__name__}: unknown trace {unknown[0]!r}; known: "
                                  f"{TRACE_FIELDS}")
-    missing = [name for name in TRACE_FIELDS if name in wanted and name not in engine.capturable_traces]
+    missing = [name for name in TRACE_FIELDS
+               if name in wanted and name not in engine.capturable_traces]
     if missing:
         raise EngineCaptureError(f"{engine.__name__} cannot capture trace {missing[0]!r} (it "
                                  f"captures {sorted(engine.capturable_traces)})")

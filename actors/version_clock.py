@@ -5,7 +5,8 @@ it last loaded. Rules (DESIGN.md, "Actor contract"):
 
 - versions never decrease: a regression raises :class:`VersionRegression` (a failover that
   resets a counter must be loud, not silently re-admit old samples);
-- an engine serves no request before its first weight load of the run (:class:`EngineNotLoaded`);
+- an engine serves no request before its first weight load of the run (enforced by the engine
+  interface itself, ``rollout.engines.base.Engine.generate``; this clock only records loads);
 - a sample generated at version ``v`` may enter a step at trainer version ``t`` only if
   ``0 <= t - v <= max_staleness`` (default 1, one-step off-policy as in slime / AReaL);
 - a replacement sample of exact refill must carry exactly the preflight version.
@@ -27,10 +28,6 @@ class VersionError(ValueError):
 
 class VersionRegression(VersionError):
     """A trainer or engine version moved backwards."""
-
-
-class EngineNotLoaded(VersionError):
-    """An engine was asked to serve before its first weight load of the run."""
 
 
 class StaleSample(VersionError):
@@ -73,12 +70,6 @@ class VersionRules:
             raise VersionRegression(
                 f"engine {engine!r} version would move backwards: {previous} -> {version}")
         self.engine_versions[engine] = version
-
-    def serving_version(self, engine: str) -> int:
-        """The version ``engine`` serves. Raises :class:`EngineNotLoaded` before its first load."""
-        if engine not in self.engine_versions:
-            raise EngineNotLoaded(f"engine {engine!r} has loaded no weights yet in this run")
-        return self.engine_versions[engine]
 
     def staleness_ok(self, sample_version: int, trainer_version: int | None = None) -> bool:
         """``0 <= t - v <= max_staleness`` with ``t`` = ``trainer_version`` (default: current)."""
@@ -125,10 +116,6 @@ class VersionClock(Actor):
     async def record_engine_load(self, engine: str, version: int) -> None:
         """Record that ``engine`` now serves ``version``."""
         self.rules.record_engine_load(engine, version)
-
-    async def serving_version(self, engine: str) -> int:
-        """The version ``engine`` serves (raises ``EngineNotLoaded`` before its first load)."""
-        return self.rules.serving_version(engine)
 
     async def check_samples(self, sample_ids: list[int], versions: list[int]) -> int:
         """Raise ``StaleSample`` unless every sample may enter a step now; returns ``t``."""

@@ -1,80 +1,75 @@
-"""The engine actor: serves generation requests from the embedded bf16 engine.
+"""The engine actor: hosts any rollout engine (:mod:`rollout.engines`) in its own process.
 
-It refuses to generate before its first weight load of the run (DESIGN.md: an engine serves no
-request before its first weight load) and stamps every reply with the weight version it served,
-which becomes each sample's ``policy_version``.
+It is built from the engine's ``"module:Class"`` path (resolved from the registry by the
+launcher) and the engine's constructor kwargs, and serves two requests: ``load_weights`` (a
+weight push of one policy version) and ``generate`` (one turn per prompt). Every reply to
+``generate`` carries the version the engine served, which becomes each sample's
+``policy_version``. Readiness ("no request before the first weight load") is the engine
+interface's rule (:meth:`rollout.engines.base.Engine.generate`), so it holds for every engine.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import fields
-from typing import Mapping
+from typing import Any, Mapping
 
 import numpy as np
 import torch
 
 from actors import Actor
-from rollout.model.config import ModelConfig
+from rollout.engines import check_capture, load_engine_class
 from rollout.sampler import SamplingParams
 
 
 class EngineActor(Actor):
-    """Actor around :class:`rollout.engine.EmbeddedEngine`.
+    """Actor around one :class:`rollout.engines.base.Engine`.
 
     Args:
-        model_config: :class:`ModelConfig` fields as a dict (HF names).
-        dtype: ``"bfloat16"`` (default: real train-inference mismatch) or ``"float32"``.
+        engine_class: ``"module:Class"`` of an ``Engine`` subclass (``rollout.engines.ENGINES``).
+        engine_kwargs: the engine's constructor keyword arguments (plain data).
+        traces: the trace fields every ``generate`` captures: the run's required traces
+            (``rollout.trajectory.required_traces``), no more, no less.
         torch_threads: intra-op threads for this process (the trainer runs beside it).
+
+    Raises:
+        rollout.engines.EngineError: ``engine_class`` is not an importable ``Engine`` subclass.
+        rollout.engines.EngineCaptureError: the engine cannot capture one of ``traces``.
     """
 
-    def __init__(self, model_config: dict, dtype: str = "bfloat16", torch_threads: int = 1) -> None:
-        from rollout.engine import EmbeddedEngine  # heavy import stays in the actor process
-
+    def __init__(self, engine_class: str, engine_kwargs: Mapping[str, Any], traces: list[str],
+                 torch_threads: int = 1) -> None:
         torch.set_num_threads(torch_threads)
-        self.engine = EmbeddedEngine(ModelConfig(**model_config), dtype=getattr(torch, dtype))
-        self.version: int | None = None
+        cls = load_engine_class(engine_class)
+        self.traces = tuple(sorted(check_capture(cls, traces)))  # fail at start, not mid-run
+        self.engine = cls(**dict(engine_kwargs))
 
     async def load_weights(self, version: int, arrays: Mapping[str, np.ndarray]) -> float:
         """Load a full weight set of policy ``version``; returns seconds spent.
 
         Raises:
-            ValueError: ``version`` is lower than the version already loaded.
+            rollout.engines.EngineInputError: ``version`` is below the version already loaded.
+            Whatever the engine's weight loading raises (previous weights stay).
         """
-        if self.version is not None and version < self.version:
-            raise ValueError(f"engine {self.name}: weight version would move backwards "
-                             f"{self.version} -> {version}")
         start = time.perf_counter()
-        self.engine.load_weights(arrays)
-        self.version = version
+        self.engine.load_weights(arrays, version=version)
         return time.perf_counter() - start
 
     async def generate(self, prompts: list[np.ndarray], sampling: dict, *, max_new_tokens: int,
                        eos_token_id: int, seed: int) -> dict:
-        """Generate one trajectory per prompt.
+        """Generate one turn per prompt, capturing this actor's ``traces``.
+
+        Args:
+            prompts: ``B >= 1`` int token-id arrays (each the whole context of its turn).
+            sampling: :class:`rollout.sampler.SamplingParams` fields.
+            max_new_tokens, eos_token_id, seed: as :meth:`rollout.engines.base.Engine.generate`.
 
         Returns:
-            ``{"version": int, "generations": [Generation fields as dicts]}``.
+            ``{"version": int, "generations": [Generation.to_dict() of each prompt]}``.
+
         Raises:
-            rollout.engine.EngineNotReady: no weights loaded yet in this run.
+            rollout.engines.EngineNotReady: no weights loaded yet in this run.
+            rollout.engines.EngineError (and subclasses): the engine rejected the request.
         """
         gens = self.engine.generate([np.asarray(p).tolist() for p in prompts],
                                     SamplingParams(**sampling), max_new_tokens=max_new_tokens,
-                                    eos_token_id=eos_token_id, seed=seed)
-        return {"version": self.version,
-                "generations": [{f.name: getattr(g, f.name) for f in fields(g)} for g in gens]}
-
-    async def generate_multi_turn(self, prompts: list[np.ndarray], sampling: dict, *, max_turns: int,
-                                  max_new_tokens: int, eos_token_id: int, seed: int) -> dict:
-        """Multi-turn trajectories with the tool environment (:mod:`rollout.multi_turn`).
-
-        All turns of a trajectory run inside this one call, so they share one weight version.
-
-        Returns:
-            ``{"version": int, "generations": [dicts of Sample fields + finish_reason]}``.
-        """
-        from rollout.multi_turn import generate_multi_turn
-
-        outs = generate_multi_turn(self.engine, [np.asarray(p).tolist() for p in prompts],
-                                   SamplingParams(**sampling), max_turns=max_turns,
-                                   max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, seed=seed)
-        return {"version": self.version, "generations": outs}
+                                    eos_token_id=eos_token_id, seed=seed, traces=self.traces)
+        return {"version": self.engine.version, "generations": [g.to_dict() for g in gens]}

@@ -1,10 +1,14 @@
 """The RolloutManager actor: turns prompt groups into scored trajectories.
 
-For each ``rollout_id`` it draws ``rollout_batch_size`` prompts from the seeded data source,
-asks the engine actors for ``n_samples_per_prompt`` trajectories per prompt (groups are split
-across engines, whole groups per engine), scores them with the task's verifier and keeps the
-batch until the trainer takes it, so the trajectories cross the wire once (engine -> manager ->
-trainer), never through the driver. Its data-source state is checkpointable.
+For each ``rollout_id`` it draws ``rollout_batch_size`` prompts from the seeded data source and
+produces ``n_samples_per_prompt`` trajectories per prompt (groups are split across engines,
+whole groups per engine). It drives the turn loop itself (``rollout/turn_loop.py``): one
+``generate`` request to the engine actor per turn, the tool environment between turns when
+``max_turns > 1``. Every trajectory, single- or multi-turn, is then assembled by the same
+``merge_turns`` call with the run's required traces and scored by the same verifier
+(:meth:`rollout.tool_env.DigitToolEnv.reward`, or ``--custom-reward``). The batch is kept until
+the trainer takes it, so the trajectories cross the wire once (engine -> manager -> trainer),
+never through the driver. Its data-source state is checkpointable.
 """
 from __future__ import annotations
 
@@ -16,10 +20,11 @@ import numpy as np
 from actors import Actor, concurrent, import_callable
 from rollout.config import RolloutConfig
 from rollout.data_source import Prompt, PromptDataSource
-from rollout.sample import Sample, SampleError
+from rollout.engines.base import Generation
+from rollout.sample import Sample
 from rollout.task import DigitTask
 from rollout.tool_env import DigitToolEnv
-from rollout.trajectory import merge_turns
+from rollout.turn_loop import Episode, assemble, run_episodes
 
 
 def observation_segments(loss_mask: np.ndarray) -> int:
@@ -50,16 +55,28 @@ class RolloutManager(Actor):
     Args:
         config: :meth:`RolloutConfig.to_dict` output.
         engines: names of the engine actors in the run's directory.
-        require_traces: trace fields the trainer replays (e.g. ``routed_experts`` with R3 on);
-            a trajectory without one is an error at conversion time, never trained silently.
+        require_traces: the run's required traces (``rollout.trajectory.required_traces``, the
+            same list the engines capture); a trajectory without one is an error at assembly,
+            never trained silently.
+        max_positions: the policy's ``max_position_embeddings``; a multi-turn trajectory whose
+            next turn would not fit ends there (``"length"``).
+
+    Raises:
+        RolloutError: no engine, or ``--custom-reward`` not importable.
     """
 
-    def __init__(self, config: dict, engines: list[str], require_traces: list[str] = ()) -> None:
+    def __init__(self, config: dict, engines: list[str], require_traces: list[str],
+                 max_positions: int) -> None:
         self.config = RolloutConfig(**config)
         if not engines:
             raise RolloutError("RolloutManager needs at least one engine")
         self.engines = list(engines)
+        self.max_positions = int(max_positions)
         self.task = DigitTask(num_digits=self.config.num_digits, num_values=self.config.num_values)
+        # One verifier for every trajectory: the tool environment's reward is the task's reward
+        # of the final turn, which for a single-turn trajectory (loss mask all ones) is the
+        # task's reward of the whole response. The environment answers tool calls only when
+        # the run allows more than one turn.
         self.tool_env = DigitToolEnv(self.task)
         self.custom_reward = _load_function(self.config.custom_reward) if self.config.custom_reward else None
         self.require_traces = tuple(require_traces)
@@ -72,29 +89,41 @@ class RolloutManager(Actor):
         self.next_sample_id = 0
         self.next_group_id = 0
 
+    async def _episodes(self, engine: str, prompts: list[np.ndarray], seed: int) -> list[Episode]:
+        """The turn loop of ``prompts`` on one engine actor (one ``generate`` request per turn)."""
+        cfg = self.config
+        ref = self.ref(engine)
+
+        async def generate_turn(contexts: list[list[int]], turn_seed: int):
+            reply = await ref.call("generate", [np.asarray(c, dtype=np.int32) for c in contexts],
+                                   cfg.sampling_dict(), max_new_tokens=cfg.max_response_len,
+                                   eos_token_id=self.task.eos_id, seed=turn_seed,
+                                   timeout=cfg.generate_timeout_s)
+            return [Generation.from_dict(g) for g in reply["generations"]], reply["version"]
+
+        return await run_episodes(generate_turn, prompts, max_turns=cfg.max_turns,
+                                  max_new_tokens=cfg.max_response_len,
+                                  max_positions=self.max_positions, seed=seed,
+                                  env=self.tool_env if cfg.max_turns > 1 else None)
+
     async def _generate_groups(self, prompts: list[Prompt], rollout_id: int,
                                seed_key: list[int]) -> list[Sample]:
-        """Generate ``n_samples_per_prompt`` trajectories per prompt and score them."""
+        """Generate ``n_samples_per_prompt`` trajectories per prompt, assemble and score them."""
         cfg = self.config
         group_ids = list(range(self.next_group_id, self.next_group_id + len(prompts)))
         self.next_group_id += len(prompts)
         chunks = [list(range(i, len(prompts), len(self.engines))) for i in range(len(self.engines))]
         seeds = np.random.SeedSequence([cfg.seed, *seed_key]).generate_state(len(self.engines))
-        method, extra = ("generate", {}) if cfg.max_turns == 1 else (
-            "generate_multi_turn", {"max_turns": cfg.max_turns})
         replies = await asyncio.gather(*(
-            self.ref(engine).call(
-                method, [prompts[g].prompt_ids for g in chunk for _ in range(cfg.n_samples_per_prompt)],
-                cfg.sampling_dict(), max_new_tokens=cfg.max_response_len,
-                eos_token_id=self.task.eos_id, seed=int(seed), timeout=cfg.generate_timeout_s, **extra)
+            self._episodes(engine, [prompts[g].prompt_ids for g in chunk
+                                    for _ in range(cfg.n_samples_per_prompt)], int(seed))
             for engine, chunk, seed in zip(self.engines, chunks, seeds) if chunk))
         samples: list[Sample] = []
-        for chunk, reply in zip([c for c in chunks if c], replies):
-            gens = iter(reply["generations"])
+        for chunk, episodes in zip([c for c in chunks if c], replies):
+            episode = iter(episodes)
             for g in chunk:
                 for _ in range(cfg.n_samples_per_prompt):
-                    samples.append(self._to_sample(next(gens), prompts[g], group_ids[g],
-                                                   rollout_id, reply["version"]))
+                    samples.append(self._to_sample(next(episode), prompts[g], group_ids[g], rollout_id))
         samples.sort(key=lambda s: (s.group_id, s.sample_id))  # groups contiguous for GRPO
         return samples
 
@@ -143,28 +172,26 @@ class RolloutManager(Actor):
         samples = await self._generate_groups(prompts, -1, [1 << 20, self.replacement_calls])
         return [s.to_dict() for s in samples]
 
-    def _to_sample(self, gen: dict, prompt: Prompt, group_id: int, rollout_id: int,
-                   version: int) -> Sample:
+    def _to_sample(self, episode: Episode, prompt: Prompt, group_id: int, rollout_id: int) -> Sample:
+        """Assemble (``merge_turns``, required traces, one policy version) and score one trajectory.
+
+        Raises:
+            rollout.turn_loop.MixedVersionError: turns from different weight versions.
+            rollout.trajectory.TrajectoryError: a required trace missing or misaligned.
+        """
         sample_id = self.next_sample_id
         self.next_sample_id += 1
-        if self.config.max_turns == 1:  # one engine turn: assemble through the same checks
-            fields = merge_turns(prompt.prompt_ids, [gen], [], sample_id=sample_id,
-                                 require=self.require_traces).sample_fields()
-            reward = self.task.reward(fields["response_ids"], prompt.answer_id)
-        else:
-            missing = [f for f in self.require_traces if gen.get(f) is None]
-            if missing:
-                raise SampleError(sample_id, missing[0], "missing while its replay is enabled")
-            fields = {k: gen[k] for k in ("response_ids", "loss_mask", "rollout_logprobs",
-                                          "sample_support", "routed_experts", "indexer_topk")}
-            reward = self.tool_env.reward(np.asarray(gen["response_ids"]), np.asarray(gen["loss_mask"]),
-                                          prompt.answer_id)
+        merged, version = assemble(episode, sample_id=sample_id, require=self.require_traces)
+        fields = merged.sample_fields()
         if self.custom_reward is not None:
             reward = float(self.custom_reward(prompt.prompt_ids, fields["response_ids"],
                                               fields["loss_mask"], prompt.answer_id, self.config))
+        else:
+            reward = self.tool_env.reward(fields["response_ids"], fields["loss_mask"],
+                                          prompt.answer_id)
         return Sample(sample_id=sample_id, group_id=group_id, rollout_id=rollout_id,
                       policy_version=version, prompt_ids=prompt.prompt_ids, reward=reward,
-                      status="completed" if gen["finish_reason"] == "stop" else "truncated",
+                      status="completed" if episode.finish_reason == "stop" else "truncated",
                       **fields)
 
     async def take_batch(self, rollout_id: int) -> list[dict]:

@@ -9,8 +9,10 @@ position (the last token is never forwarded).
 * :func:`truncate` -- keep the first ``n`` response tokens and the rows that belong to them.
 * :func:`append_synthetic_eos` -- end a length-truncated response with an EOS the engine never
   sampled (at most one per trajectory).
-* :func:`merge_turns` -- one multi-turn trajectory from engine turns and environment
-  observations, through :class:`rollout.trace.TokenMetadataTrace`.
+* :func:`merge_turns` -- one trajectory from engine turns and environment observations,
+  through :class:`rollout.trace.TokenMetadataTrace` (every trajectory, single- or multi-turn).
+* :func:`required_traces` -- the one definition of the traces every trajectory of a run must
+  carry (and the engines are asked to capture).
 
 Conventions for rows nobody captured: support rows of observation tokens are all ``-1``
 (column 0 included: a padding row to the trainer, ``trainer/logprobs.py``); routing / indexer
@@ -29,6 +31,7 @@ from typing import Any, Collection, Literal, Mapping, Sequence
 import numpy as np
 
 from rollout.capture import check_route_offset, check_sampled_logprob
+from rollout.model.config import ModelConfig
 from rollout.sample import TRACE_FIELDS, Sample, SampleError
 from rollout.trace import TokenMetadataTrace
 
@@ -42,6 +45,7 @@ __all__ = [
     "truncate",
     "append_synthetic_eos",
     "merge_turns",
+    "required_traces",
 ]
 
 POSITION_FIELDS = ("routed_experts", "indexer_topk")
@@ -64,6 +68,31 @@ class TraceGapError(TrajectoryError):
 
 class MissingTraceError(TrajectoryError):
     """A trace that is enabled (required) was not captured for this trajectory at all."""
+
+
+def required_traces(model_config: ModelConfig, *, support_replay: bool, routing_replay: bool,
+                    indexer_replay: bool) -> tuple[str, ...]:
+    """The trace fields every trajectory of a run must carry, in ``TRACE_FIELDS`` order.
+
+    A trace is required exactly when the trainer replays it and the model has something to
+    replay: ``sample_support`` with support replay on; ``routed_experts`` with R3 on and at least
+    one MoE layer; ``indexer_topk`` with indexer replay on and at least one indexed layer. The
+    launcher asks the engines to capture exactly these and the rollout side assembles every
+    trajectory with them required (:func:`merge_turns`), so a trajectory lacking one is an
+    error, never a sample trained without its replay.
+
+    Args:
+        model_config: the policy's shape (``moe_layers``, ``indexed_layers``).
+        support_replay, routing_replay, indexer_replay: the trainer's replay switches
+            (``--use-support-replay``, ``--use-routing-replay``, ``--use-indexer-replay``).
+
+    Returns:
+        A tuple of trace field names (a subset of ``rollout.sample.TRACE_FIELDS``).
+    """
+    on = {"sample_support": support_replay,
+          "routed_experts": routing_replay and len(model_config.moe_layers) > 0,
+          "indexer_topk": indexer_replay and len(model_config.indexed_layers) > 0}
+    return tuple(name for name in TRACE_FIELDS if on[name])
 
 
 def _copy_rows(arr: np.ndarray | None, n: int) -> np.ndarray | None:
@@ -237,7 +266,7 @@ def merge_turns(
     Args:
         prompt_ids: the ``P`` tokens of the original prompt.
         turns: ``n >= 1`` engine turn records, objects or mappings with the fields of
-            :class:`rollout.engine.Generation`: ``response_ids`` int ``[R_k >= 1]``,
+            :class:`rollout.engines.base.Generation`: ``response_ids`` int ``[R_k >= 1]``,
             ``rollout_logprobs`` float ``[R_k]`` (finite), ``finish_reason`` str, optional
             ``sample_support`` ``[R_k, 1+W]``, optional ``routed_experts`` / ``indexer_topk``
             with one row per position the engine forwarded, and optional ``route_start``

@@ -12,15 +12,18 @@ import numpy as np
 import pytest
 import torch
 
-from rollout.engine import EmbeddedEngine, EngineInputError, EngineNotReady, Generation
+from rollout.engines.base import EngineCaptureError, EngineInputError, EngineNotReady, Generation
+from rollout.engines.embedded import EmbeddedEngine
 from rollout.model.checkpoint import state_dict_arrays
 from rollout.model.config import ModelConfig
 from rollout.model.errors import CheckpointError
 from rollout.model.qwen3_moe import Qwen3MoeForCausalLM
+from rollout.sample import TRACE_FIELDS
 from rollout.sampler import SamplingParams
 
 PROMPTS = [[5, 9, 3], [7, 1, 4, 4, 8, 2, 6], [11], [3, 8, 12, 30, 1]]
 TOP_K = 12
+ALL = TRACE_FIELDS  # every trace the embedded engine captures
 
 
 def tiny_config() -> ModelConfig:
@@ -50,9 +53,9 @@ def reference():
     return model, state_dict_arrays(model)
 
 
-def make_engine(arrays, dtype=torch.float32, **kwargs) -> EmbeddedEngine:
-    engine = EmbeddedEngine(tiny_config(), dtype=dtype, **kwargs)
-    engine.load_weights(arrays)
+def make_engine(arrays, dtype=torch.float32) -> EmbeddedEngine:
+    engine = EmbeddedEngine(tiny_config(), dtype=dtype)
+    engine.load_weights(arrays, version=0)
     return engine
 
 
@@ -101,9 +104,9 @@ def pick_early_eos(probe: list[Generation], max_new_tokens: int) -> int:
 
 def test_not_ready_before_weight_load():
     engine = EmbeddedEngine(tiny_config())
-    assert engine.weights_loaded is False
-    with pytest.raises(EngineNotReady):
-        engine.generate(PROMPTS, SamplingParams(), max_new_tokens=4, eos_token_id=0, seed=0)
+    assert engine.version is None
+    with pytest.raises(EngineNotReady, match="before the first load_weights"):
+        engine.generate(PROMPTS, SamplingParams(), max_new_tokens=4, eos_token_id=0, seed=0, traces=ALL)
 
 
 def test_shapes_dtypes_and_early_eos(reference):
@@ -112,9 +115,9 @@ def test_shapes_dtypes_and_early_eos(reference):
     engine = make_engine(arrays, dtype=torch.bfloat16)
     params = SamplingParams(temperature=0.9, top_k=TOP_K)
     max_new = 8
-    probe = engine.generate(PROMPTS, params, max_new_tokens=max_new, eos_token_id=0, seed=3)
+    probe = engine.generate(PROMPTS, params, max_new_tokens=max_new, eos_token_id=0, seed=3, traces=ALL)
     eos = pick_early_eos(probe, max_new)
-    gens = engine.generate(PROMPTS, params, max_new_tokens=max_new, eos_token_id=eos, seed=3)
+    gens = engine.generate(PROMPTS, params, max_new_tokens=max_new, eos_token_id=eos, seed=3, traces=ALL)
     assert len(gens) == len(PROMPTS)
     reasons = set()
     for prompt, g, p in zip(PROMPTS, gens, probe):
@@ -150,9 +153,9 @@ def test_deterministic_per_seed(reference):
     engine = make_engine(arrays, dtype=torch.bfloat16)
     params = SamplingParams(temperature=1.0, top_p=0.95)
     kw = dict(max_new_tokens=6, eos_token_id=31)
-    a = engine.generate(PROMPTS, params, seed=11, **kw)
-    b = engine.generate(PROMPTS, params, seed=11, **kw)
-    c = engine.generate(PROMPTS, params, seed=12, **kw)
+    a = engine.generate(PROMPTS, params, seed=11, **kw, traces=ALL)
+    b = engine.generate(PROMPTS, params, seed=11, **kw, traces=ALL)
+    c = engine.generate(PROMPTS, params, seed=12, **kw, traces=ALL)
     for ga, gb in zip(a, b):
         for field in ("response_ids", "rollout_logprobs", "sample_support", "routed_experts", "indexer_topk"):
             assert np.array_equal(getattr(ga, field), getattr(gb, field)), field
@@ -179,9 +182,9 @@ def test_engine_matches_full_forward(reference, params, dtype, atol):
     model.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in arrays.items()})
     engine = make_engine(arrays, dtype=dtype)
     max_new = 10
-    probe = engine.generate(PROMPTS, params, max_new_tokens=max_new, eos_token_id=0, seed=5)
+    probe = engine.generate(PROMPTS, params, max_new_tokens=max_new, eos_token_id=0, seed=5, traces=ALL)
     eos = pick_early_eos(probe, max_new)
-    gens = engine.generate(PROMPTS, params, max_new_tokens=max_new, eos_token_id=eos, seed=5)
+    gens = engine.generate(PROMPTS, params, max_new_tokens=max_new, eos_token_id=eos, seed=5, traces=ALL)
     assert {g.finish_reason for g in gens} == {"stop", "length"}
     removed = 0
     for prompt, g in zip(PROMPTS, gens):
@@ -201,7 +204,7 @@ def test_bf16_engine_differs_slightly_from_fp32_forward(reference):
     model, arrays = reference
     engine = make_engine(arrays, dtype=torch.bfloat16)
     params = SamplingParams(temperature=1.0, top_k=TOP_K)
-    gens = engine.generate(PROMPTS, params, max_new_tokens=10, eos_token_id=31, seed=7)
+    gens = engine.generate(PROMPTS, params, max_new_tokens=10, eos_token_id=31, seed=7, traces=ALL)
     diffs = []
     for prompt, g in zip(PROMPTS, gens):
         out = full_forward(model, prompt, g.response_ids)
@@ -214,21 +217,49 @@ def test_bf16_engine_differs_slightly_from_fp32_forward(reference):
     assert diffs.mean() < 0.5
 
 
-def test_capture_flags(reference):
+def test_requested_traces_only_and_sampling_unchanged(reference):
     _, arrays = reference
-    engine = make_engine(arrays, capture_routing=False, capture_indexer=False)
-    gens = engine.generate(PROMPTS, SamplingParams(), max_new_tokens=3, eos_token_id=31, seed=0)
-    assert all(g.routed_experts is None and g.indexer_topk is None for g in gens)
-    engine = make_engine(arrays, capture_routing=True, capture_indexer=False)
-    gens = engine.generate(PROMPTS, SamplingParams(), max_new_tokens=3, eos_token_id=31, seed=0)
-    assert all(g.routed_experts is not None and g.indexer_topk is None for g in gens)
+    engine = make_engine(arrays)
+    full = engine.generate(PROMPTS, SamplingParams(top_k=TOP_K), max_new_tokens=3, eos_token_id=31,
+                           seed=0, traces=ALL)
+    for traces in ((), ("routed_experts",), ("sample_support", "indexer_topk")):
+        gens = engine.generate(PROMPTS, SamplingParams(top_k=TOP_K), max_new_tokens=3,
+                               eos_token_id=31, seed=0, traces=traces)
+        for g, f in zip(gens, full):
+            for name in ALL:
+                assert (getattr(g, name) is None) == (name not in traces), name
+                if name in traces:
+                    assert np.array_equal(getattr(g, name), getattr(f, name)), name
+            # what is captured never changes what is sampled
+            assert np.array_equal(g.response_ids, f.response_ids)
+            assert np.array_equal(g.rollout_logprobs, f.rollout_logprobs)
+
+
+def test_unknown_trace_is_refused(reference):
+    _, arrays = reference
+    engine = make_engine(arrays)
+    with pytest.raises(EngineCaptureError, match="EmbeddedEngine.*'expert_logits'"):
+        engine.generate(PROMPTS, SamplingParams(), max_new_tokens=3, eos_token_id=31, seed=0,
+                        traces=("expert_logits",))
+
+
+def test_weight_version_never_moves_backwards(reference):
+    _, arrays = reference
+    engine = make_engine(arrays)
+    engine.load_weights(arrays, version=3)
+    assert engine.version == 3
+    with pytest.raises(EngineInputError, match="backwards 3 -> 2"):
+        engine.load_weights(arrays, version=2)
+    with pytest.raises(EngineInputError, match="version"):
+        engine.load_weights(arrays, version=-1)
+    assert engine.version == 3
 
 
 def test_load_weights_accepts_tensors_and_casts(reference):
     model, arrays = reference
     engine = EmbeddedEngine(tiny_config(), dtype=torch.bfloat16)
-    engine.load_weights({k: v.detach().clone() for k, v in model.state_dict().items()})
-    assert engine.weights_loaded
+    engine.load_weights({k: v.detach().clone() for k, v in model.state_dict().items()}, version=0)
+    assert engine.version == 0
     w = engine.model.lm_head.weight
     assert w.dtype == torch.bfloat16
     assert torch.equal(w, torch.from_numpy(np.array(arrays["lm_head.weight"])).to(torch.bfloat16))
@@ -254,7 +285,7 @@ def test_input_errors(reference, prompts, kwargs, field):
     engine = make_engine(arrays)
     args = {"max_new_tokens": 4, "eos_token_id": 0, "seed": 0, **kwargs}
     with pytest.raises(EngineInputError, match=field):
-        engine.generate(prompts, SamplingParams(), **args)
+        engine.generate(prompts, SamplingParams(), **args, traces=ALL)
 
 
 def test_bad_weight_push_leaves_engine_not_ready(reference):
@@ -262,7 +293,7 @@ def test_bad_weight_push_leaves_engine_not_ready(reference):
     engine = EmbeddedEngine(tiny_config())
     partial = {k: v for k, v in arrays.items() if k != "lm_head.weight"}
     with pytest.raises(CheckpointError, match="lm_head.weight"):
-        engine.load_weights(partial)
-    assert engine.weights_loaded is False
+        engine.load_weights(partial, version=0)
+    assert engine.version is None
     with pytest.raises(EngineInputError, match="lm_head.weight"):
-        engine.load_weights({**partial, "lm_head.weight": [[0.0]]})
+        engine.load_weights({**partial, "lm_head.weight": [[0.0]]}, version=0)

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from rollout.engine import EmbeddedEngine
+from rollout.engines.embedded import EmbeddedEngine
+from rollout.sample import TRACE_FIELDS
 from rollout.model.checkpoint import state_dict_arrays
 from rollout.model.config import default_config
 from rollout.model.qwen3_moe import Qwen3MoeForCausalLM
@@ -22,10 +23,11 @@ def model_and_samples():
     model = Qwen3MoeForCausalLM(cfg)
     model.init_weights(5)
     engine = EmbeddedEngine(cfg, dtype=torch.float32)
-    engine.load_weights(state_dict_arrays(model))
+    engine.load_weights(state_dict_arrays(model), version=0)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 40, n).tolist() for n in (3, 9, 5, 12, 1)]  # odd lengths, > index_topk
-    gens = engine.generate(prompts, SamplingParams(top_k=12), max_new_tokens=6, eos_token_id=2, seed=1)
+    gens = engine.generate(prompts, SamplingParams(top_k=12), max_new_tokens=6, eos_token_id=2, seed=1,
+                           traces=TRACE_FIELDS)
     samples = [Sample(sample_id=i, group_id=i, rollout_id=0, policy_version=0,
                       prompt_ids=np.array(p, np.int32),
                       **merge_turns(p, [g], [], sample_id=i).sample_fields())

@@ -68,7 +68,7 @@ def test_session_drives_the_run_and_leaves_no_process(tmp_path):
 
         push = ns["trainer"].push_weights()
         assert push["version"] == 0 and push["bytes"] > 0
-        assert ns["call"]("version_clock", "serving_version", "engine_0") == 0
+        assert ns["call"]("version_clock", "state")["engine_versions"] == {"engine_0": 0}
 
         metrics = ns["step"](0)
         assert metrics["step"] == 0 and metrics["rollout_id"] == 0

@@ -19,11 +19,11 @@ import numpy as np
 import torch
 
 from rollout.data_source import PromptDataSource
-from rollout.engine import EmbeddedEngine
+from rollout.engines.embedded import EmbeddedEngine
 from rollout.model.checkpoint import state_dict_arrays
 from rollout.model.config import default_config
 from rollout.model.qwen3_moe import Qwen3MoeForCausalLM
-from rollout.sample import Sample
+from rollout.sample import TRACE_FIELDS, Sample
 from rollout.sampler import SamplingParams
 from rollout.task import VOCABULARY, DigitTask
 from rollout.trajectory import merge_turns
@@ -62,12 +62,13 @@ def generate(engine_dtype: torch.dtype, prompts: int, seed: int, top_k: int,
     model.init_weights(seed)
     model.eval()
     engine = EmbeddedEngine(cfg, dtype=engine_dtype)
-    engine.load_weights(state_dict_arrays(model))
+    engine.load_weights(state_dict_arrays(model), version=0)
     task = DigitTask(num_digits=8)  # longer prompts: the indexer drops keys
     data = PromptDataSource(task, seed, dataset_size=prompts)
     batch = data.next_batch(prompts)
     gens = engine.generate([p.prompt_ids.tolist() for p in batch], SamplingParams(top_k=top_k),
-                           max_new_tokens=response_len, eos_token_id=task.eos_id, seed=seed)
+                           max_new_tokens=response_len, eos_token_id=task.eos_id, seed=seed,
+                           traces=TRACE_FIELDS)
     samples = []
     for i, (p, g) in enumerate(zip(batch, gens)):
         fields = merge_turns(p.prompt_ids, [g], [], sample_id=i).sample_fields()

@@ -54,6 +54,8 @@ class RunConfig:
         load: checkpoint directory to resume from (``--load``).
         metrics_hooks: ``module:function`` loggers called after each step with the frozen
             config and a read-only view of the metrics (``--metrics-hook``, repeatable).
+        rollout_engine: the rollout engine's registry name (``--rollout-engine``,
+            ``rollout.engines.ENGINES``); the launcher rejects an unknown one.
     """
 
     num_steps: int = setting(400, "num-steps", "optimizer steps (one rollout each)", Range(low=1))
@@ -78,6 +80,8 @@ class RunConfig:
         (), "metrics-hook", "logger called after each step with the frozen config and a "
         "read-only view of the metrics", Rule(lambda hooks: all(":" in h for h in hooks),
                                               "module:function"), metavar="MODULE:FUNCTION")
+    rollout_engine: str = setting("embedded", "rollout-engine", "rollout engine, a name in the "
+                                  "registry rollout.engines.ENGINES (checked by the launcher)")
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 

@@ -16,10 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from actors import ActorSpec, Directory, Supervisor, import_callable
+from rollout.engines import EngineError, check_capture, engine_class_path, load_engine_class
 from rollout.model.checkpoint import save_pretrained
 from rollout.model.config import default_config
 from rollout.model.qwen3_moe import Qwen3MoeForCausalLM
 from rollout.task import VOCABULARY
+from rollout.trajectory import required_traces
 from tools.config import ConfigError, RunConfig
 from tools.metrics import MetricsRecorder
 from tools.train_loop import train_loop
@@ -66,27 +68,67 @@ def write_initial_checkpoint(config: RunConfig, directory: Path) -> Path:
     return directory
 
 
-def required_traces(config: RunConfig) -> list[str]:
-    """Trace fields every trajectory must carry because the trainer replays them."""
+def run_required_traces(config: RunConfig) -> list[str]:
+    """The traces every trajectory of this run must carry and the engines capture
+    (:func:`rollout.trajectory.required_traces` of the embedded policy and the replay flags)."""
     t = config.trainer
-    return [name for name, on in (("sample_support", t.use_support_replay),
-                                  ("routed_experts", t.use_routing_replay),
-                                  ("indexer_topk", t.use_indexer_replay)) if on]
+    return list(required_traces(default_config(vocab_size=len(VOCABULARY)),
+                                support_replay=t.use_support_replay,
+                                routing_replay=t.use_routing_replay,
+                                indexer_replay=t.use_indexer_replay))
+
+
+def resolve_engine(config: RunConfig) -> str:
+    """The ``"module:Class"`` of the run's rollout engine, checked against the required traces.
+
+    Imports the engine class (not its heavy dependencies at registry load), so a test can
+    register a fake engine in ``rollout.engines.ENGINES`` before launching.
+
+    Raises:
+        ConfigError: ``--rollout-engine`` names no registered engine (the message lists the
+            known ones), the class does not import, or it cannot capture a required trace
+            (names the engine and the trace).
+    """
+    name = config.rollout_engine
+    try:
+        path = engine_class_path(name)
+        check_capture(load_engine_class(path), run_required_traces(config))
+    except EngineError as exc:
+        raise ConfigError(f"--rollout-engine {name}: {exc}") from None
+    return path
+
+
+def engine_kwargs(config: RunConfig) -> dict:
+    """Constructor kwargs of the run's engine (plain data; they cross to the engine process).
+
+    Every engine gets the policy's shape and precision: ``model_config`` (``ModelConfig``
+    fields, HF names) and ``dtype`` (``--engine-dtype``).
+    """
+    return {"model_config": dataclasses.asdict(default_config(vocab_size=len(VOCABULARY))),
+            "dtype": config.engine_dtype}
 
 
 def actor_specs(config: RunConfig, checkpoint_dir: Path) -> list[ActorSpec]:
-    """The processes of a run, in start order."""
-    model_config = dataclasses.asdict(default_config(vocab_size=len(VOCABULARY)))
+    """The processes of a run, in start order.
+
+    Raises:
+        ConfigError: as :func:`resolve_engine`.
+    """
+    engine_class = resolve_engine(config)
+    required = run_required_traces(config)
+    model = default_config(vocab_size=len(VOCABULARY))
     engines = [f"engine_{i}" for i in range(config.num_engines)]
     return [
         ActorSpec("version_clock", "actors.version_clock:VersionClock",
                   {"max_staleness": config.max_staleness}),
         *(ActorSpec(name, "rollout.engine_actor:EngineActor",
-                    {"model_config": model_config, "dtype": config.engine_dtype,
-                     "torch_threads": config.engine_torch_threads}) for name in engines),
+                    {"engine_class": engine_class, "engine_kwargs": engine_kwargs(config),
+                     "traces": required, "torch_threads": config.engine_torch_threads})
+          for name in engines),
         ActorSpec("rollout_manager", "rollout.manager:RolloutManager",
                   {"config": config.rollout.to_dict(), "engines": engines,
-                   "require_traces": required_traces(config)}),
+                   "require_traces": required,
+                   "max_positions": model.max_position_embeddings}),
         ActorSpec("trainer", "trainer.trainer_actor:TrainerActor",
                   {"checkpoint_dir": str(checkpoint_dir), "config": config.trainer.to_dict(),
                    "n_samples_per_prompt": config.rollout.n_samples_per_prompt,
@@ -102,10 +144,13 @@ async def launch(config: RunConfig, log_level: int = logging.WARNING,
     ``specs`` replaces :func:`actor_specs` (tests inject failing actors this way).
 
     Raises:
+        ConfigError: a hook / reward that does not import, an unwritable ``--save``, or an
+            unknown / unfit ``--rollout-engine`` (all before any process starts).
         actors.ActorDied: an actor process exited (its traceback is in the message).
         actors.RemoteError: an actor method raised (remote traceback in the message).
     """
     # everything that can be checked is checked before any process starts
+    resolve_engine(config)
     hooks = [load_hook(h, "--metrics-hook") for h in config.metrics_hooks]
     if config.rollout.custom_reward:
         load_hook(config.rollout.custom_reward, "--custom-reward")

@@ -2,9 +2,10 @@
 
 The engine runs :class:`rollout.model.qwen3_moe.Qwen3MoeForCausalLM` in the rollout dtype
 (bf16 by default; the trainer runs fp32, so a real train-inference mismatch exists, DESIGN.md
-"Embedded default") and records, for every generated trajectory, the three traces the trainer
-replays: the sampler support (``sample_support``), the MoE routing (``routed_experts``, R3)
-and the sparse-attention indexer choices (``indexer_topk``).
+"Embedded default") and records, for every generated turn, the traces it is asked for among the
+three the trainer replays: the sampler support (``sample_support``), the MoE routing
+(``routed_experts``, R3) and the sparse-attention indexer choices (``indexer_topk``). It is the
+first implementation of :class:`rollout.engines.base.Engine` (registry name ``"embedded"``).
 
 Batching: all prompts of a call are left-padded to the longest one. The padding is masked out
 of attention by ``key_padding_mask`` and every row's ``position_ids`` count ``0..`` over its real
@@ -16,73 +17,23 @@ whatever it computes is discarded.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
 
+from rollout.engines.base import Engine, EngineError, EngineInputError, Generation
 from rollout.model.checkpoint import load_state_arrays
 from rollout.model.config import ModelConfig
 from rollout.model.qwen3_moe import Qwen3MoeForCausalLM
+from rollout.sample import TRACE_FIELDS
 from rollout.sampler import SamplingParams, sample
 
-__all__ = [
-    "EngineError",
-    "EngineNotReady",
-    "EngineInputError",
-    "Generation",
-    "EmbeddedEngine",
-]
+__all__ = ["EmbeddedEngine"]
 
 # Token fed in padding slots and to finished rows; any in-vocabulary id works since those
 # slots are masked out as keys and their outputs are discarded.
 _PAD_FEED_ID = 0
-
-
-class EngineError(RuntimeError):
-    """Base class of every error raised by the embedded engine."""
-
-
-class EngineNotReady(EngineError):
-    """``generate`` was called before the first ``load_weights`` (DESIGN.md, actor contract:
-    an engine serves no request before its first weight load)."""
-
-
-class EngineInputError(EngineError, ValueError):
-    """A ``generate`` / ``load_weights`` argument is malformed (message names the field)."""
-
-
-@dataclass(frozen=True, eq=False)  # eq on arrays would be ambiguous; compare fields explicitly
-class Generation:
-    """One generated trajectory (numpy arrays, read-only).
-
-    ``P`` = prompt length, ``R`` = response length (``1 <= R <= max_new_tokens``), ``W`` =
-    ``params.support_width(vocab_size)``. Trace rows cover the ``P + R - 1`` forwarded tokens
-    (the last sampled token is never forwarded): rows ``0..P-1`` come from the prefill, row
-    ``P + k`` from the decode step that forwarded response token ``k`` (``k < R - 1``).
-
-    Fields:
-        response_ids: int32 ``[R]``; ends with EOS when ``finish_reason == "stop"``.
-        rollout_logprobs: float32 ``[R]``; behaviour logprob of each sampled token under the
-            processed distribution (``z_y - logsumexp`` over its support row), finite.
-        sample_support: int32 ``[R, 1 + W]``; col 0 sampled id, cols 1.. top-W candidates in
-            descending logit order, ``-1`` = removed by top-p / min-p.
-        routed_experts: int32 ``[P + R - 1, L_moe, K]`` expert ids per MoE layer
-            (``config.moe_layers`` order), or ``None`` when not captured / no MoE layer.
-        indexer_topk: int32 ``[P + R - 1, L_idx, index_topk]`` selected key *positions* in this
-            trajectory (0 = first prompt token), ``-1`` = no key; or ``None`` when not captured /
-            indexer off.
-        finish_reason: ``"stop"`` (EOS sampled, included in ``response_ids``) or ``"length"``
-            (``max_new_tokens`` reached without EOS).
-    """
-
-    response_ids: np.ndarray
-    rollout_logprobs: np.ndarray
-    sample_support: np.ndarray
-    routed_experts: np.ndarray | None
-    indexer_topk: np.ndarray | None
-    finish_reason: Literal["stop", "length"]
 
 
 def _read_only(t: torch.Tensor, dtype: np.dtype) -> np.ndarray:
@@ -93,41 +44,47 @@ def _read_only(t: torch.Tensor, dtype: np.dtype) -> np.ndarray:
     return arr
 
 
-class EmbeddedEngine:
+class EmbeddedEngine(Engine):
     """Batched generation with the embedded Qwen3-MoE model, capturing all replay traces.
 
     Args:
-        config: the model shape (``rollout.model.config.ModelConfig``).
-        dtype: compute and weight dtype of the rollout model (default ``torch.bfloat16``).
+        model_config: the model shape, a :class:`rollout.model.config.ModelConfig` or its
+            fields as a dict (HF names; how the engine actor passes it).
+        dtype: compute and weight dtype of the rollout model, a floating ``torch.dtype`` or its
+            name (``"bfloat16"``, default: a real train-inference mismatch; ``"float32"``).
         device: torch device the model runs on.
-        capture_routing: record ``routed_experts`` (R3) when the model has MoE layers.
-        capture_indexer: record ``indexer_topk`` when the model's indexer is on.
 
-    The model starts with placeholder weights and ``weights_loaded`` False; ``generate`` raises
-    :class:`EngineNotReady` until :meth:`load_weights` has been called once.
+    The model starts with placeholder weights and :attr:`version` ``None``; ``generate`` raises
+    :class:`rollout.engines.base.EngineNotReady` until :meth:`load_weights` succeeded once.
+    ``routed_experts`` / ``indexer_topk`` are ``None`` when requested on a model without MoE /
+    indexed layers.
+
+    Raises:
+        EngineInputError: ``dtype`` is not a floating torch dtype (or the name of one).
     """
+
+    capturable_traces = frozenset(TRACE_FIELDS)
 
     def __init__(
         self,
-        config: ModelConfig,
+        model_config: ModelConfig | Mapping[str, Any],
         *,
-        dtype: torch.dtype = torch.bfloat16,
+        dtype: torch.dtype | str = torch.bfloat16,
         device: str | torch.device = "cpu",
-        capture_routing: bool = True,
-        capture_indexer: bool = True,
     ) -> None:
+        super().__init__()
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype, None)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise EngineInputError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+        config = model_config if isinstance(model_config, ModelConfig) else ModelConfig(**model_config)
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
-        self.capture_routing = bool(capture_routing)
-        self.capture_indexer = bool(capture_indexer)
         model = Qwen3MoeForCausalLM(config)
         self.model = model.to(device=self.device, dtype=dtype).eval()
-        self.weights_loaded = False
 
-    def load_weights(self, arrays: Mapping[str, np.ndarray | torch.Tensor]) -> None:
+    def _load_weights(self, arrays: Mapping[str, np.ndarray | torch.Tensor]) -> None:
         """Replace every model weight by a weight push, cast to the engine dtype.
 
         Args:
@@ -156,7 +113,6 @@ class EmbeddedEngine:
                     f"{type(value).__name__}"
                 )
         load_state_arrays(self.model, pushed)  # copies in place, cast to the model dtype
-        self.weights_loaded = True
 
     def _check_prompts(self, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
         vocab = self.config.vocab_size
@@ -179,7 +135,7 @@ class EmbeddedEngine:
             checked.append(ids)
         return checked
 
-    def generate(
+    def _generate(
         self,
         prompts: Sequence[Sequence[int]],
         params: SamplingParams,
@@ -187,8 +143,9 @@ class EmbeddedEngine:
         max_new_tokens: int,
         eos_token_id: int,
         seed: int,
+        traces: frozenset[str],
     ) -> list[Generation]:
-        """Generate one trajectory per prompt, all prompts batched together.
+        """Generate one turn per prompt (called by :meth:`Engine.generate` once weights are loaded).
 
         Args:
             prompts: ``B >= 1`` non-empty token-id sequences (ids in ``[0, vocab_size)``).
@@ -196,13 +153,13 @@ class EmbeddedEngine:
             max_new_tokens: response length cap, ``>= 1``.
             eos_token_id: id whose sampling finishes a row (``finish_reason == "stop"``).
             seed: seeds the call's single ``torch.Generator``; same seed, prompts, params and
-                weights give the same generations.
+                weights give the same generations (the traces requested do not change them).
+            traces: the trace fields to return; the others are ``None``.
 
         Returns:
             ``B`` :class:`Generation` objects in prompt order.
 
         Raises:
-            EngineNotReady: no weights loaded yet.
             EngineInputError: empty / out-of-vocabulary prompt, ``max_new_tokens < 1``,
                 ``eos_token_id`` outside the vocabulary, or a trajectory longer than
                 ``config.max_position_embeddings``.
@@ -210,8 +167,6 @@ class EmbeddedEngine:
             rollout.sampler.NonFiniteLogitsError: the model produced NaN / inf logits.
             EngineError: the model's indexer picked a padding key (a model bug; never hidden).
         """
-        if not self.weights_loaded:
-            raise EngineNotReady("EmbeddedEngine.generate called before the first load_weights")
         cfg = self.config
         rows = self._check_prompts(prompts)
         for name, value in (("max_new_tokens", max_new_tokens), ("eos_token_id", eos_token_id), ("seed", seed)):
@@ -233,9 +188,10 @@ class EmbeddedEngine:
                 f"max_position_embeddings {cfg.max_position_embeddings}"
             )
         with torch.inference_mode():
-            return self._generate(rows, params, width, int(max_new_tokens), int(eos_token_id), seed)
+            return self._decode(rows, params, width, int(max_new_tokens), int(eos_token_id), seed,
+                                traces)
 
-    def _generate(
+    def _decode(
         self,
         rows: list[list[int]],
         params: SamplingParams,
@@ -243,6 +199,7 @@ class EmbeddedEngine:
         max_new_tokens: int,
         eos_token_id: int,
         seed: int,
+        traces: frozenset[str],
     ) -> list[Generation]:
         dev = self.device
         batch = len(rows)
@@ -258,8 +215,9 @@ class EmbeddedEngine:
         # Padding slots get position 0: they are masked out, so any in-range position works.
         position_ids = (slots - pads.unsqueeze(1)).clamp_min(0)
 
-        want_routing = self.capture_routing and len(self.config.moe_layers) > 0
-        want_indexer = self.capture_indexer and len(self.config.indexed_layers) > 0
+        want_routing = "routed_experts" in traces and len(self.config.moe_layers) > 0
+        want_indexer = "indexer_topk" in traces and len(self.config.indexed_layers) > 0
+        want_support = "sample_support" in traces  # computed anyway: the sampler needs it
         capture = want_routing or want_indexer
 
         generator = torch.Generator(device=dev)
@@ -322,7 +280,7 @@ class EmbeddedEngine:
                 Generation(
                     response_ids=_read_only(tokens[i, :r], np.int32),
                     rollout_logprobs=_read_only(logprobs[i, :r], np.float32),
-                    sample_support=_read_only(support[i, :r], np.int32),
+                    sample_support=_read_only(support[i, :r], np.int32) if want_support else None,
                     routed_experts=routed_i,
                     indexer_topk=indexer_i,
                     finish_reason="stop" if bool(stopped[i]) else "length",

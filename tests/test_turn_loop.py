@@ -1,4 +1,4 @@
-"""Multi-turn tool use (rollout/tool_env.py, rollout/multi_turn.py) on the embedded default.
+"""Multi-turn tool use (rollout/tool_env.py, rollout/turn_loop.py) on the embedded default.
 
 The independent end-to-end check: for every generated multi-turn trajectory, ONE fp32 forward
 of prompt + response (the trainer's view, observations included) replaying the returned
@@ -8,6 +8,7 @@ through the support replay ``z_y - logsumexp_{v in S} z_v`` (written out in floa
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -15,15 +16,17 @@ import numpy as np
 import pytest
 import torch
 
-from rollout.engine import EmbeddedEngine
+from rollout.engines.embedded import EmbeddedEngine
 from rollout.model.checkpoint import state_dict_arrays
 from rollout.model.config import default_config
 from rollout.model.qwen3_moe import Qwen3MoeForCausalLM
-from rollout.multi_turn import MultiTurnError, generate_multi_turn
-from rollout.sample import Sample
+from rollout.sample import TRACE_FIELDS, Sample
 from rollout.sampler import SamplingParams
 from rollout.task import VOCABULARY, DigitTask
 from rollout.tool_env import DigitToolEnv, ToolEnvError
+from rollout.trajectory import MissingTraceError
+from rollout.turn_loop import (MixedVersionError, TurnLoopError, assemble, run_episodes,
+                               turn_seed)
 
 CASES = {c["name"]: c for c in json.loads((Path(__file__).parent / "cases" / "trace_alignment.json").read_text())}
 TASK = DigitTask()
@@ -64,7 +67,46 @@ def test_tool_env_rewards_the_final_segment():
     assert env.reward(tokens("4 <eos>"), [1, 1], answer) == 1.0
 
 
+@pytest.mark.parametrize("response, expected", [
+    ("4 <eos>", 1.0),        # exact digit, stops right after it
+    ("3 <eos>", 0.5),        # 0.5 ** |3 - 4|
+    ("3 a", 0.25),           # 0.5 ** 1, halved: no <eos> after the digit
+    ("2", 0.125),            # 0.5 ** 2, halved
+    ("4 <eos> a", 0.5),      # exact, but more than "digit <eos>": halved
+    ("max 4 <eos>", 0.0),    # a leading operator is no answer (single-turn: no tool either)
+    ("a 4 <eos>", 0.0),
+])
+def test_one_verifier_scores_single_turn_responses_like_the_task(response, expected):
+    """The manager scores every trajectory with DigitToolEnv.reward; with a single turn (loss mask
+    all ones) it must give exactly the task's reward of the whole response (hand-computed)."""
+    ids = np.asarray(tokens(response), dtype=np.int32)
+    answer = ID["4"]
+    assert TASK.reward(ids, answer) == expected
+    assert DigitToolEnv(TASK).reward(ids, np.ones(len(ids), np.uint8), answer) == expected
+
+
 # ------------------------------------------------------------------------------ end to end
+
+
+def generate(engine, prompts, *, max_turns, max_new_tokens, seed, traces=TRACE_FIELDS,
+             env=DigitToolEnv()):
+    """The manager's path without actors: the turn loop on ``engine``, then ``assemble``."""
+
+    async def generate_turn(contexts, turn_seed):
+        return engine.generate(contexts, PARAMS, max_new_tokens=max_new_tokens,
+                               eos_token_id=TASK.eos_id, seed=turn_seed, traces=traces), engine.version
+
+    episodes = asyncio.run(run_episodes(generate_turn, prompts, max_turns=max_turns,
+                                        max_new_tokens=max_new_tokens,
+                                        max_positions=engine.config.max_position_embeddings,
+                                        seed=seed, env=env))
+    outs = []
+    for i, e in enumerate(episodes):
+        merged, version = assemble(e, sample_id=i, require=traces)
+        outs.append({**merged.sample_fields(), "finish_reason": e.finish_reason,
+                     "num_turns": merged.num_turns, "num_tool_calls": e.num_tool_calls,
+                     "version": version})
+    return outs
 
 
 @pytest.fixture(scope="module")
@@ -74,11 +116,10 @@ def setup():
     model.init_weights(3)
     model.eval()
     engine = EmbeddedEngine(cfg, dtype=torch.float32)
-    engine.load_weights(state_dict_arrays(model))
+    engine.load_weights(state_dict_arrays(model), version=0)
     rng = np.random.default_rng(0)
     prompts = [TASK.make_prompt(rng)[0] for _ in range(16)]
-    outs = generate_multi_turn(engine, prompts, PARAMS, max_turns=MAX_TURNS, max_new_tokens=MAX_NEW,
-                               eos_token_id=TASK.eos_id, seed=1)
+    outs = generate(engine, prompts, max_turns=MAX_TURNS, max_new_tokens=MAX_NEW, seed=1)
     return cfg, model, engine, prompts, outs
 
 
@@ -167,41 +208,84 @@ def test_one_full_forward_with_replay_reproduces_rollout_logprobs(setup):
 
 def test_same_seed_same_trajectories(setup):
     _, _, engine, prompts, outs = setup
-    again = generate_multi_turn(engine, prompts, PARAMS, max_turns=MAX_TURNS, max_new_tokens=MAX_NEW,
-                                eos_token_id=TASK.eos_id, seed=1)
+    again = generate(engine, prompts, max_turns=MAX_TURNS, max_new_tokens=MAX_NEW, seed=1)
     for a, b in zip(outs, again):
         for k in ("response_ids", "loss_mask", "rollout_logprobs", "sample_support", "routed_experts",
                   "indexer_topk", "finish_reason", "num_turns"):
             assert np.array_equal(a[k], b[k]), k
 
 
-def test_single_turn_budget_ends_on_tool_calls(setup):
+def test_turn_budget_ends_on_tool_calls(setup):
     _, _, engine, prompts, outs = setup
-    one = generate_multi_turn(engine, prompts, PARAMS, max_turns=1, max_new_tokens=MAX_NEW,
-                              eos_token_id=TASK.eos_id, seed=1)
-    for o in one:
-        assert o["num_turns"] == 1 and (o["loss_mask"] == 1).all()
-        called = VOCABULARY[o["response_ids"][0]] in ("max", "min", "first", "last")
-        assert (o["finish_reason"] == "max_turns") == called
-    # Turn 0 uses the same engine seed, so it matches the first turn of the 3-turn run.
+    one = generate(engine, prompts, max_turns=2, max_new_tokens=MAX_NEW, seed=1)
+    assert {o["num_turns"] for o in one} == {1, 2}
+    # Turns 0 and 1 use the same engine seeds as in the 3-turn run, so they match it.
     for a, b in zip(one, outs):
         assert np.array_equal(a["response_ids"], b["response_ids"][:len(a["response_ids"])])
+        # a tool call in the last allowed turn ends the trajectory without an observation
+        assert (a["finish_reason"] == "max_turns") == (a["num_tool_calls"] == 2)
+        assert a["num_tool_calls"] >= a["num_turns"] - 1
+
+
+def test_single_turn_is_the_loop_without_tools_at_the_plain_seed(setup):
+    """max_turns 1: no environment, the engine seed is the run seed itself (not turn_seed)."""
+    _, _, engine, prompts, _ = setup
+    one = generate(engine, prompts, max_turns=1, max_new_tokens=MAX_NEW, seed=1, env=None)
+    direct = engine.generate(prompts, PARAMS, max_new_tokens=MAX_NEW, eos_token_id=TASK.eos_id,
+                             seed=1, traces=TRACE_FIELDS)
+    for o, g in zip(one, direct):
+        assert np.array_equal(o["response_ids"], g.response_ids)
+        assert (o["loss_mask"] == 1).all() and o["num_tool_calls"] == 0
+        assert o["finish_reason"] == g.finish_reason  # a leading operator is no tool call here
+    assert turn_seed(1, 0, 1) == 1 and turn_seed(1, 0, 3) != 1
 
 
 def test_capture_off_gives_no_per_position_traces(setup):
-    cfg, model, _, prompts, _ = setup
-    engine = EmbeddedEngine(cfg, dtype=torch.float32, capture_routing=False, capture_indexer=False)
-    engine.load_weights(state_dict_arrays(model))
-    outs = generate_multi_turn(engine, prompts[:4], PARAMS, max_turns=2, max_new_tokens=2,
-                               eos_token_id=TASK.eos_id, seed=1)
+    cfg, model, engine, prompts, _ = setup
+    outs = generate(engine, prompts[:4], max_turns=2, max_new_tokens=2, seed=1,
+                    traces=("sample_support",))
     assert all(o["routed_experts"] is None and o["indexer_topk"] is None for o in outs)
     assert all(o["sample_support"].shape[0] == len(o["response_ids"]) for o in outs)
 
 
-@pytest.mark.parametrize("kwargs", [{"max_turns": 0}, {"max_new_tokens": 0}, {"seed": -1},
-                                    {"max_turns": 2.0}])
-def test_argument_errors(setup, kwargs):
+def test_required_trace_not_captured_is_an_error(setup):
     _, _, engine, prompts, _ = setup
-    args = {"max_turns": 2, "max_new_tokens": 2, "eos_token_id": TASK.eos_id, "seed": 0, **kwargs}
-    with pytest.raises(MultiTurnError, match=next(iter(kwargs))):
-        generate_multi_turn(engine, prompts[:1], PARAMS, **args)
+
+    async def generate_turn(contexts, seed):
+        return engine.generate(contexts, PARAMS, max_new_tokens=2, eos_token_id=TASK.eos_id,
+                               seed=seed, traces=("sample_support",)), 0
+
+    episodes = asyncio.run(run_episodes(generate_turn, prompts[:1], max_turns=1, max_new_tokens=2,
+                                        max_positions=64, seed=0, env=None))
+    with pytest.raises(MissingTraceError, match="sample 7: field 'routed_experts'"):
+        assemble(episodes[0], sample_id=7, require=TRACE_FIELDS)
+
+
+def test_turns_from_two_weight_versions_are_refused(setup):
+    _, _, engine, prompts, _ = setup
+    versions = iter([4, 5, 5])
+
+    async def generate_turn(contexts, seed):  # a weight push lands between turn 0 and turn 1
+        return engine.generate(contexts, PARAMS, max_new_tokens=MAX_NEW, eos_token_id=TASK.eos_id,
+                               seed=seed, traces=TRACE_FIELDS), next(versions)
+
+    episodes = asyncio.run(run_episodes(generate_turn, prompts, max_turns=MAX_TURNS,
+                                        max_new_tokens=MAX_NEW, max_positions=64, seed=1,
+                                        env=DigitToolEnv()))
+    multi = next(i for i, e in enumerate(episodes) if len(e.turns) > 1)
+    single = next(i for i, e in enumerate(episodes) if len(e.turns) == 1)
+    assert assemble(episodes[single], sample_id=single, require=TRACE_FIELDS)[1] == 4
+    with pytest.raises(MixedVersionError, match=r"sample 99: field 'policy_version'.*\[4, 5"):
+        assemble(episodes[multi], sample_id=99, require=TRACE_FIELDS)
+
+
+@pytest.mark.parametrize("kwargs", [{"max_turns": 0}, {"max_new_tokens": 0}, {"seed": -1},
+                                    {"max_turns": 2.0}, {"max_positions": 0}])
+def test_argument_errors(kwargs):
+    async def generate_turn(contexts, seed):
+        raise AssertionError("never called")
+
+    args = {"max_turns": 2, "max_new_tokens": 2, "max_positions": 64, "seed": 0, "env": None,
+            **kwargs}
+    with pytest.raises(TurnLoopError, match=next(iter(kwargs))):
+        asyncio.run(run_episodes(generate_turn, [[1, 2]], **args))

@@ -1,0 +1,68 @@
+"""The engine room: one interface (:mod:`rollout.engines.base`), its implementations, one registry.
+
+Adding an engine = one module in this package implementing :class:`Engine` plus one line in
+:data:`ENGINES`. The registry holds ``"module:Class"`` strings, so importing this package
+imports no engine module (a vLLM / SGLang client pulls in nothing until a run selects it).
+The launcher resolves the run's engine name here, in its own process, and hands the class path
+to the engine actors (``rollout/engine_actor.py``); a test may register a fake engine by adding
+an entry before the run is launched.
+"""
+from __future__ import annotations
+
+from actors import import_object
+from rollout.engines.base import (Engine, EngineCaptureError, EngineError, EngineInputError,
+                                  EngineNotReady, Generation, check_capture)
+
+__all__ = [
+    "ENGINES",
+    "UnknownEngine",
+    "engine_class_path",
+    "load_engine_class",
+    "Engine",
+    "EngineError",
+    "EngineNotReady",
+    "EngineInputError",
+    "EngineCaptureError",
+    "Generation",
+    "check_capture",
+]
+
+# registry name -> "package.module:ClassName" of an Engine subclass
+ENGINES: dict[str, str] = {
+    "embedded": "rollout.engines.embedded:EmbeddedEngine",
+}
+
+
+class UnknownEngine(EngineError, KeyError):
+    """An engine name that is not in :data:`ENGINES` (the message lists the known names)."""
+
+    def __str__(self) -> str:  # KeyError would quote the whole message
+        return str(self.args[0]) if self.args else ""
+
+
+def engine_class_path(name: str) -> str:
+    """The ``"module:Class"`` path registered under ``name``.
+
+    Raises:
+        UnknownEngine: ``name`` is not registered (names it and lists the known engines).
+    """
+    try:
+        return ENGINES[name]
+    except (KeyError, TypeError):
+        raise UnknownEngine(f"unknown rollout engine {name!r}; known engines: "
+                            f"{', '.join(sorted(ENGINES))}") from None
+
+
+def load_engine_class(path: str) -> type[Engine]:
+    """Import the :class:`Engine` subclass named by ``path`` (``"module:Class"``).
+
+    Raises:
+        EngineError: not importable, or not an :class:`Engine` subclass (names the path).
+    """
+    try:
+        cls = import_object(path)
+    except ValueError as exc:
+        raise EngineError(f"engine class {exc}") from None
+    if not (isinstance(cls, type) and issubclass(cls, Engine)):
+        raise EngineError(f"engine class {path} is not a rollout.engines.base.Engine subclass")
+    return cls

@@ -1,0 +1,217 @@
+"""The one engine interface: what every rollout engine (embedded, vLLM, SGLang, ...) provides.
+
+An engine generates *turns*: one batched call, one :class:`Generation` per prompt. Multi-turn
+loops, tool environments, trajectory assembly and rewards live on the rollout side
+(``rollout/turn_loop.py``, ``rollout/manager.py``), so an engine only has to:
+
+* :meth:`Engine.load_weights` -- load a full weight set of a policy version;
+* :meth:`Engine.generate` -- sample one response per prompt and capture the requested traces;
+* report its :attr:`Engine.version` (``None`` before the first load) and, as the class attribute
+  :attr:`Engine.capturable_traces`, which traces it can capture at all.
+
+The rule "an engine serves no request before its first weight load of the run" (DESIGN.md,
+actor contract) is enforced here, once, for every engine: :meth:`Engine.generate` raises
+:class:`EngineNotReady` until :meth:`Engine.load_weights` succeeded. Subclasses implement
+:meth:`Engine._load_weights` and :meth:`Engine._generate` and never see a request before that.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, Collection, Literal, Mapping, Sequence
+
+import numpy as np
+
+from rollout.sample import TRACE_FIELDS
+from rollout.sampler import SamplingParams
+
+__all__ = [
+    "EngineError",
+    "EngineNotReady",
+    "EngineInputError",
+    "EngineCaptureError",
+    "Generation",
+    "Engine",
+    "check_capture",
+]
+
+
+class EngineError(RuntimeError):
+    """Base class of every error raised by a rollout engine or the engine registry."""
+
+
+class EngineNotReady(EngineError):
+    """``generate`` was called before the first ``load_weights`` (DESIGN.md, actor contract:
+    an engine serves no request before its first weight load)."""
+
+
+class EngineInputError(EngineError, ValueError):
+    """A ``generate`` / ``load_weights`` argument is malformed (message names the field)."""
+
+
+class EngineCaptureError(EngineError, ValueError):
+    """A trace was requested that the engine cannot capture, or the name is no trace at all
+    (message names the engine and the trace)."""
+
+
+@dataclass(frozen=True, eq=False)  # eq on arrays would be ambiguous; compare fields explicitly
+class Generation:
+    """One generated turn of one trajectory (numpy arrays, read-only).
+
+    ``P`` = prompt (context) length, ``R`` = response length (``1 <= R <= max_new_tokens``),
+    ``W`` = ``params.support_width(vocab_size)``. Trace rows cover the ``P + R - 1`` forwarded
+    tokens (the last sampled token is never forwarded): rows ``0..P-1`` come from the prefill,
+    row ``P + k`` from the decode step that forwarded response token ``k`` (``k < R - 1``).
+
+    Fields:
+        response_ids: int32 ``[R]``; ends with EOS when ``finish_reason == "stop"``.
+        rollout_logprobs: float32 ``[R]``; behaviour logprob of each sampled token under the
+            processed distribution (``z_y - logsumexp`` over its support row), finite.
+        sample_support: int32 ``[R, 1 + W]``; col 0 sampled id, cols 1.. top-W candidates in
+            descending logit order, ``-1`` = removed by top-p / min-p; ``None`` when not
+            requested.
+        routed_experts: int32 ``[P + R - 1, L_moe, K]`` expert ids per MoE layer
+            (``config.moe_layers`` order), or ``None`` when not requested / no MoE layer.
+        indexer_topk: int32 ``[P + R - 1, L_idx, index_topk]`` selected key *positions* in this
+            trajectory (0 = first prompt token), ``-1`` = no key; or ``None`` when not
+            requested / indexer off.
+        finish_reason: ``"stop"`` (EOS sampled, included in ``response_ids``) or ``"length"``
+            (``max_new_tokens`` reached without EOS).
+    """
+
+    response_ids: np.ndarray
+    rollout_logprobs: np.ndarray
+    sample_support: np.ndarray | None
+    routed_experts: np.ndarray | None
+    indexer_topk: np.ndarray | None
+    finish_reason: Literal["stop", "length"]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a plain dict (what crosses the wire; arrays travel out of band)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, record: Mapping[str, Any]) -> "Generation":
+        """Inverse of :meth:`to_dict` (values are taken as they are; ``merge_turns`` checks them).
+
+        Raises:
+            EngineInputError: a field is missing or unknown.
+        """
+        names = {f.name for f in fields(cls)}
+        if set(record) != names:
+            raise EngineInputError(f"Generation fields {sorted(record)} != {sorted(names)}")
+        return cls(**record)
+
+
+def check_capture(engine: type["Engine"], traces: Collection[str]) -> frozenset[str]:
+    """``traces`` as a frozenset, checked against what ``engine`` can capture.
+
+    Args:
+        engine: an :class:`Engine` subclass.
+        traces: trace field names (subset of ``rollout.sample.TRACE_FIELDS``).
+
+    Raises:
+        EngineCaptureError: a name that is no trace, or a trace ``engine`` cannot capture
+            (names the engine class and the trace).
+    """
+    wanted = frozenset(traces)
+    unknown = sorted(wanted - set(TRACE_FIELDS))
+    if unknown:
+        raise EngineCaptureError(f"{engine.__name__}: unknown trace {unknown[0]!r}; known: "
+                                 f"{TRACE_FIELDS}")
+    missing = [name for name in TRACE_FIELDS
+               if name in wanted and name not in engine.capturable_traces]
+    if missing:
+        raise EngineCaptureError(f"{engine.__name__} cannot capture trace {missing[0]!r} (it "
+                                 f"captures {sorted(engine.capturable_traces)})")
+    return wanted
+
+
+class Engine(ABC):
+    """A rollout engine: batched generation of turns with trace capture, at a weight version.
+
+    Subclasses set :attr:`capturable_traces`, call ``super().__init__()`` and implement
+    :meth:`_load_weights` and :meth:`_generate`. Constructor keyword arguments must be plain
+    data (they travel to the engine actor's process through msgpack).
+
+    Attributes:
+        capturable_traces: the trace fields (``rollout.sample.TRACE_FIELDS``) this engine can
+            record at all; a run that requires another one is refused before it starts.
+    """
+
+    capturable_traces: ClassVar[frozenset[str]] = frozenset()
+
+    def __init__(self) -> None:
+        self._version: int | None = None
+
+    @property
+    def version(self) -> int | None:
+        """Policy version of the loaded weights; ``None`` before the first load."""
+        return self._version
+
+    def load_weights(self, arrays: Mapping[str, Any], *, version: int) -> None:
+        """Load a full weight set of policy ``version``.
+
+        Args:
+            arrays: parameter name -> floating numpy array / tensor (engine-specific keys).
+            version: policy version of these weights, an int ``>= 0``, never below the loaded
+                one (a failover that resets a counter must be loud).
+
+        Raises:
+            EngineInputError: ``version`` not an int ``>= 0`` or below the loaded version.
+            Whatever :meth:`_load_weights` raises; the version is then left unchanged.
+        """
+        if isinstance(version, bool) or not isinstance(version, (int, np.integer)) or version < 0:
+            raise EngineInputError(f"load_weights: version must be an int >= 0, got {version!r}")
+        if self._version is not None and version < self._version:
+            raise EngineInputError(f"load_weights: weight version would move backwards "
+                                   f"{self._version} -> {version}")
+        self._load_weights(arrays)
+        self._version = int(version)
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        max_new_tokens: int,
+        eos_token_id: int,
+        seed: int,
+        traces: Collection[str],
+    ) -> list[Generation]:
+        """Generate one turn per prompt, all prompts batched together.
+
+        Args:
+            prompts: ``B >= 1`` non-empty token-id sequences (the whole context of the turn).
+            params: sampling parameters (see :mod:`rollout.sampler`).
+            max_new_tokens: response length cap, ``>= 1``.
+            eos_token_id: id whose sampling finishes a row (``finish_reason == "stop"``).
+            seed: seeds the call's sampling; same seed, prompts, params and weights give the
+                same generations.
+            traces: trace fields to capture (subset of :attr:`capturable_traces`); the others
+                are ``None`` in every :class:`Generation`.
+
+        Returns:
+            ``B`` :class:`Generation` objects in prompt order.
+
+        Raises:
+            EngineNotReady: no weights loaded yet (checked first, for every engine).
+            EngineCaptureError: a requested trace this engine cannot capture.
+            EngineInputError (and engine-specific errors): see the subclass's :meth:`_generate`.
+        """
+        if self._version is None:
+            raise EngineNotReady(f"{type(self).__name__}.generate called before the first "
+                                 f"load_weights")
+        wanted = check_capture(type(self), traces)
+        return self._generate(prompts, params, max_new_tokens=max_new_tokens,
+                              eos_token_id=eos_token_id, seed=seed, traces=wanted)
+
+    @abstractmethod
+    def _load_weights(self, arrays: Mapping[str, Any]) -> None:
+        """Replace every weight; must leave the previous weights intact when it raises."""
+
+    @abstractmethod
+    def _generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
+                  max_new_tokens: int, eos_token_id: int, seed: int,
+                  traces: frozenset[str]) -> list[Generation]:
+        """:meth:`generate` after the readiness and capture checks (same contract)."""

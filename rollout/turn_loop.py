@@ -1,0 +1,187 @@
+"""The turn loop: trajectories of one or more engine turns, driven from the rollout side.
+
+Each turn is one batched engine call (``generate_turn``, e.g. one ``EngineActor.generate``
+request) over the trajectories still running, with the whole context (prompt, earlier turns,
+observations) as the prompt. After a turn the tool environment (``rollout/tool_env.py``) either
+answers a tool call with observation tokens, which are appended to the context, or ends the
+episode. Without an environment (single-turn runs, ``max_turns == 1``) every turn is final, so a
+single-turn trajectory is this same loop stopped after turn 0.
+
+The loop returns :class:`Episode` records -- turns, observations and the weight version of
+each turn -- and :func:`assemble` turns one into a trajectory through
+:func:`rollout.trajectory.merge_turns` (one assembly path for every trajectory), so:
+
+* generated tokens keep their engine logprob and support row; observation tokens get
+  loss_mask 0, logprob 0.0 and all ``-1`` support rows;
+* ``routed_experts`` / ``indexer_topk`` have ``P + R - 1`` rows; each is the row the engine
+  computed when it first forwarded that position (observation positions: the turn that
+  consumed them), which is what the trainer's single full forward of prompt + response replays;
+* every turn of a trajectory must come from one weight version (:class:`MixedVersionError`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Awaitable, Callable, Collection, Sequence
+
+import numpy as np
+
+from rollout.engines.base import Generation
+from rollout.tool_env import DigitToolEnv
+from rollout.trajectory import MergedTrajectory, TrajectoryError, merge_turns
+
+__all__ = ["TurnLoopError", "MixedVersionError", "Episode", "GenerateTurn", "turn_seed",
+           "run_episodes", "assemble"]
+
+# (contexts, seed) -> (one Generation per context, the weight version that served them)
+GenerateTurn = Callable[[list[list[int]], int], Awaitable[tuple[list[Generation], int]]]
+
+
+class TurnLoopError(ValueError):
+    """A :func:`run_episodes` argument is malformed (the message names it)."""
+
+
+class MixedVersionError(TrajectoryError):
+    """The turns of one trajectory were served by different weight versions (names the sample)."""
+
+
+def turn_seed(seed: int, turn: int, max_turns: int) -> int:
+    """The engine seed of turn ``turn`` of a run with ``max_turns`` turns per trajectory.
+
+    A single-turn run (``max_turns == 1``) passes ``seed`` through unchanged; a multi-turn run
+    derives ``SeedSequence([seed, turn])`` (so turn 0 differs from the single-turn seed). Both
+    are the seeds the runs have always used: results stay bit-identical.
+
+    Returns:
+        int in ``[0, 2**32)`` for multi-turn runs, ``seed`` itself for single-turn runs.
+    """
+    if max_turns == 1:
+        return int(seed)
+    return int(np.random.SeedSequence([int(seed), int(turn)]).generate_state(1, dtype=np.uint32)[0])
+
+
+@dataclass(frozen=True)
+class Episode:
+    """The raw outcome of one trajectory's turn loop (assemble it with :func:`assemble`).
+
+    Attributes:
+        prompt_ids: the ``P`` original prompt tokens (ints).
+        turns: ``n >= 1`` engine turns, in order.
+        observations: ``n - 1`` int32 observation arrays, observation ``k`` after turn ``k``.
+        versions: ``n`` weight versions, the one that served each turn.
+        finish_reason: the final answer turn's ``"stop"`` / ``"length"``; ``"max_turns"`` when
+            the last allowed turn was a tool call; ``"length"`` when another turn would outgrow
+            the model's positions.
+        num_tool_calls: tool calls the environment answered or refused at the turn limit.
+    """
+
+    prompt_ids: tuple[int, ...]
+    turns: tuple[Generation, ...]
+    observations: tuple[np.ndarray, ...]
+    versions: tuple[int, ...]
+    finish_reason: str
+    num_tool_calls: int
+
+
+async def run_episodes(
+    generate_turn: GenerateTurn,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_turns: int,
+    max_new_tokens: int,
+    max_positions: int,
+    seed: int,
+    env: DigitToolEnv | None,
+) -> list[Episode]:
+    """Run the turn loop for a batch of trajectories on one engine.
+
+    Args:
+        generate_turn: ``await generate_turn(contexts, seed)`` -> ``(generations, version)``,
+            one engine call over the running trajectories (batched as given).
+        prompts: ``B >= 1`` task prompts (int ids), one trajectory each.
+        max_turns: generated turns per trajectory at most, ``>= 1``. A tool call in the last
+            allowed turn ends the trajectory without an observation.
+        max_new_tokens: new tokens per turn, ``>= 1``.
+        max_positions: the model's ``max_position_embeddings``: a trajectory whose next turn
+            would not fit ends with ``"length"``.
+        seed: ``>= 0``; turn ``t`` uses :func:`turn_seed(seed, t, max_turns) <turn_seed>`.
+            Same seed, prompts and weights give the same episodes.
+        env: the tool environment, or ``None`` (no tools: every turn is final).
+
+    Returns:
+        ``B`` :class:`Episode` records in prompt order.
+
+    Raises:
+        TurnLoopError: ``max_turns`` / ``max_new_tokens`` / ``max_positions`` / ``seed`` not an
+            int in range, or ``generate_turn`` returned a wrong number of generations.
+        rollout.tool_env.ToolEnvError: a tool call on a prompt that is not a task prompt.
+        Whatever ``generate_turn`` raises (e.g. the engine's errors, over the wire).
+    """
+    for name, value, low in (("max_turns", max_turns, 1), ("max_new_tokens", max_new_tokens, 1),
+                             ("max_positions", max_positions, 1), ("seed", seed, 0)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+            raise TurnLoopError(f"{name} must be an int >= {low}, got {value!r}")
+    originals = [[int(t) for t in p] for p in prompts]
+    contexts = [list(p) for p in originals]
+    turns: list[list[Generation]] = [[] for _ in originals]
+    versions: list[list[int]] = [[] for _ in originals]
+    observations: list[list[np.ndarray]] = [[] for _ in originals]
+    finish: list[str | None] = [None] * len(originals)
+    tool_calls = [0] * len(originals)
+    active = list(range(len(originals)))
+    for t in range(int(max_turns)):
+        if not active:
+            break
+        gens, version = await generate_turn([contexts[i] for i in active],
+                                            turn_seed(seed, t, max_turns))
+        if len(gens) != len(active):
+            raise TurnLoopError(f"turn {t}: the engine returned {len(gens)} generations for "
+                                f"{len(active)} prompts")
+        still = []
+        for i, gen in zip(active, gens):
+            turns[i].append(gen)
+            versions[i].append(version)
+            obs = env.observe(originals[i], gen.response_ids) if env is not None else None
+            if obs is None:
+                finish[i] = gen.finish_reason
+                continue
+            tool_calls[i] += 1
+            grown = len(contexts[i]) + len(gen.response_ids) + len(obs)
+            if t + 1 == max_turns:
+                finish[i] = "max_turns"
+            elif grown + int(max_new_tokens) - 1 > max_positions:
+                finish[i] = "length"  # another turn would not fit the model's positions
+            else:
+                contexts[i] += [int(x) for x in gen.response_ids] + [int(x) for x in obs]
+                observations[i].append(obs)
+                still.append(i)
+        active = still
+    return [Episode(tuple(originals[i]), tuple(turns[i]), tuple(observations[i]),
+                    tuple(versions[i]), finish[i], tool_calls[i]) for i in range(len(originals))]
+
+
+def assemble(episode: Episode, *, sample_id: int,
+             require: Collection[str]) -> tuple[MergedTrajectory, int]:
+    """The trajectory of one episode: its one policy version and its merged turns.
+
+    Args:
+        episode: a :func:`run_episodes` record.
+        sample_id: named in every error.
+        require: trace fields every turn must carry (``rollout.trajectory.required_traces``).
+
+    Returns:
+        ``(merged, version)``: :func:`rollout.trajectory.merge_turns` of the turns and
+        observations, and the weight version every turn was served by.
+
+    Raises:
+        MixedVersionError: the turns were served by different weight versions.
+        rollout.trajectory.TrajectoryError (and subclasses): see ``merge_turns`` (e.g. a
+            required trace missing).
+    """
+    if len(set(episode.versions)) != 1:
+        raise MixedVersionError(sample_id, "policy_version",
+                                f"turns served by different weight versions "
+                                f"{list(episode.versions)}; "
+                                "a trajectory must come from one policy")
+    merged = merge_turns(episode.prompt_ids, episode.turns, episode.observations,
+                         sample_id=sample_id, require=require)
+    return merged, episode.versions[0]

@@ -1,0 +1,94 @@
+"""The engine room: registry, resolution in the launcher, and one real step on a fake engine."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from rollout.data_source import PromptDataSource
+from rollout.engines import ENGINES, UnknownEngine, engine_class_path, load_engine_class
+from rollout.engines.base import EngineError
+from rollout.engines.embedded import EmbeddedEngine
+from rollout.model.config import default_config
+from rollout.task import VOCABULARY, DigitTask
+from rollout.trajectory import required_traces
+from tools.config import ConfigError, build_config
+from tools.launcher import launch, resolve_engine
+
+SMALL = {"rollout-batch-size": 4, "n-samples-per-prompt": 4, "progress": False}
+FAKE = "tests.fake_engine:FixedDigitEngine"
+
+
+def test_registry_resolves_names_lazily_and_refuses_unknown_ones():
+    assert engine_class_path("embedded") == "rollout.engines.embedded:EmbeddedEngine"
+    assert load_engine_class(engine_class_path("embedded")) is EmbeddedEngine
+    with pytest.raises(UnknownEngine, match=r"unknown rollout engine 'vllm'; known engines: embedded"):
+        engine_class_path("vllm")
+    with pytest.raises(EngineError, match="not a rollout.engines.base.Engine subclass"):
+        load_engine_class("rollout.task:DigitTask")
+
+
+def test_required_traces_follow_flags_and_model_layers():
+    cfg = default_config(len(VOCABULARY))
+    assert cfg.moe_layers and cfg.indexed_layers  # the embedded policy has both
+    on = dict(support_replay=True, routing_replay=True, indexer_replay=True)
+    assert required_traces(cfg, **on) == ("sample_support", "routed_experts", "indexer_topk")
+    assert required_traces(cfg, **{**on, "routing_replay": False}) == ("sample_support", "indexer_topk")
+    assert required_traces(cfg, **{**on, "support_replay": False, "indexer_replay": False}) == (
+        "routed_experts",)
+    dense = dataclasses.replace(cfg, mlp_only_layers=tuple(range(cfg.num_hidden_layers)))
+    assert dense.moe_layers == ()
+    assert required_traces(dense, **on) == ("sample_support", "indexer_topk")
+
+
+async def test_unknown_or_unfit_engine_is_a_config_error_before_any_process(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    with pytest.raises(ConfigError, match=r"--rollout-engine sglang: unknown rollout engine "
+                                          r"'sglang'; known engines: embedded"):
+        await launch(build_config({**SMALL, "num-steps": 1, "output-dir": str(out),
+                                   "rollout-engine": "sglang"}))
+    assert not out.exists()  # nothing written, nothing started
+    monkeypatch.setitem(ENGINES, "no-routing", "tests.fake_engine:NoRoutingEngine")
+    with pytest.raises(ConfigError, match=r"NoRoutingEngine cannot capture trace 'routed_experts'"):
+        await launch(build_config({**SMALL, "num-steps": 1, "output-dir": str(out),
+                                   "rollout-engine": "no-routing"}))
+    assert not out.exists()
+    # without R3 the run requires nothing it cannot capture
+    config = build_config({**SMALL, "rollout-engine": "no-routing", "use-routing-replay": False})
+    assert resolve_engine(config) == "tests.fake_engine:NoRoutingEngine"
+
+
+def _hand_reward(guess: int, answer: int) -> float:
+    return 0.5 ** abs(guess - answer)  # each answer is "digit <eos>": not halved
+
+
+async def test_one_real_step_on_a_registered_fake_engine(tmp_path, monkeypatch):
+    monkeypatch.setitem(ENGINES, "fixed-digit", FAKE)
+    config = build_config({**SMALL, "num-steps": 1, "output-dir": str(tmp_path),
+                           "rollout-engine": "fixed-digit"})
+    assert resolve_engine(config) == FAKE
+    result = await launch(config)
+    rows = [json.loads(line) for line in result.metrics_path.read_text().splitlines()]
+    assert len(rows) == 1
+    row = rows[0]
+    # The expected rewards, from the prompts alone: with one engine, a group's n = 4 trajectories
+    # are rows 4g .. 4g+3 of the engine's single call, so two answer d1 and two answer dn.
+    r = config.rollout
+    data = PromptDataSource(DigitTask(num_digits=r.num_digits, num_values=r.num_values), r.seed,
+                            r.dataset_size)
+    prompts = data.next_batch(r.rollout_batch_size)
+    assert row["prompt_indices"] == [p.index for p in prompts]
+    expected = []
+    for p in prompts:
+        words = [VOCABULARY[t] for t in p.prompt_ids]
+        digits = [int(w) for w in words[2:-1]]
+        answer = {"max": max(digits), "min": min(digits), "first": digits[0],
+                  "last": digits[-1]}[words[1]]
+        expected += [_hand_reward(digits[0], answer), _hand_reward(digits[-1], answer)] * 2
+    assert row["reward_mean"] == pytest.approx(float(np.mean(expected)), abs=1e-12)
+    assert row["response_len_mean"] == 2.0 and row["truncated_fraction"] == 0.0
+    # samples carried the version the fake engine served (0) into a step at trainer version 0
+    assert row["staleness_max"] == 0 and row["trainer_version"] == 1
+    assert row["routing_flip_rate"] == 0.0 and row["indexer_flip_rate"] == 0.0

@@ -19,7 +19,6 @@ of RL, models or actors — so it keeps ``actors`` free of RL knowledge.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any, Callable
 

@@ -92,13 +92,12 @@ class RolloutManager(Actor):
     async def _episodes(self, engine: str, prompts: list[np.ndarray], seed: int) -> list[Episode]:
         """The turn loop of ``prompts`` on one engine actor (one ``generate`` request per turn)."""
         cfg = self.config
-        ref = self.ref(engine)
+        actor = self.proxy(engine, timeout=cfg.generate_timeout_s)
 
         async def generate_turn(contexts: list[list[int]], turn_seed: int):
-            reply = await ref.call("generate", [np.asarray(c, dtype=np.int32) for c in contexts],
-                                   cfg.sampling_dict(), max_new_tokens=cfg.max_response_len,
-                                   eos_token_id=self.task.eos_id, seed=turn_seed,
-                                   timeout=cfg.generate_timeout_s)
+            reply = await actor.generate([np.asarray(c, dtype=np.int32) for c in contexts],
+                                         cfg.sampling_dict(), max_new_tokens=cfg.max_response_len,
+                                         eos_token_id=self.task.eos_id, seed=turn_seed)
             return [Generation.from_dict(g) for g in reply["generations"]], reply["version"]
 
         return await run_episodes(generate_turn, prompts, max_turns=cfg.max_turns,

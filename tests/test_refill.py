@@ -12,7 +12,7 @@ import torch
 from actors import Directory, RemoteError, Supervisor
 from actors.version_clock import StaleSample, VersionRules
 from rollout.sample import Sample
-from tests.fakes import FakeRef
+from tests.fakes import FakeProxy
 from tools.config import build_config
 from tools.launcher import actor_specs, launch, write_initial_checkpoint
 from trainer.config import TrainerConfig
@@ -34,7 +34,7 @@ def _sample(sample_id: int, group_id: int, version: int, accept: bool) -> Sample
 
 
 class FakeTrainer:
-    """What a coordinator is given (cache, preflight, manager / clock refs, version), with canned
+    """What a coordinator is given (cache, preflight, manager / clock proxies, version), with canned
     replacement rounds."""
 
     def __init__(self, rounds: list[list[list[bool]]], version: int = 7,
@@ -63,8 +63,8 @@ class FakeTrainer:
             if bad:
                 raise StaleSample(f"replacement samples not at preflight version: {bad}")
 
-        self.manager = FakeRef(generate_replacements=generate_replacements)
-        self.clock = FakeRef(check_replacements=check_replacements)
+        self.manager = FakeProxy(generate_replacements=generate_replacements)
+        self.clock = FakeProxy(check_replacements=check_replacements)
 
     def preflight(self, samples):
         for s in samples:
@@ -185,8 +185,8 @@ async def test_replacement_replay_rates_are_reported(tmp_path, _restore_threads)
 
     coordinator = RefillCoordinator(
         actor.gate, actor.config, 1, 2, cache=actor.cache, preflight=actor.preflight,
-        manager=FakeRef(generate_replacements=generate_replacements),
-        clock=FakeRef(check_replacements=check_replacements), version=0)
+        manager=FakeProxy(generate_replacements=generate_replacements),
+        clock=FakeProxy(check_replacements=check_replacements), version=0)
     admitted, _, metrics = await coordinator.admit(initial)
     assert [s.sample_id for s in admitted] == [10, 11]
     # by hand: 3 perturbed (token, layer) rows of (6 + 6) tokens x 3 MoE layers with a trace

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from actors import ActorDied, ActorSpec, ActorTimeout, RemoteError, UnknownActor
+from actors import ActorCallError, ActorDied, ActorSpec, ActorTimeout, RemoteError, UnknownActor
 from tools.config import build_config
-from tools.repl import ActorProxy, ReplSession, SessionClosed
+from tools.repl import ConsoleProxy, ReplSession, SessionClosed
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = {"rollout-batch-size": 2, "n-samples-per-prompt": 2, "num-steps": 1, "progress": False}
@@ -53,7 +53,7 @@ def test_session_drives_the_run_and_leaves_no_process(tmp_path):
         ns = session.namespace
         assert sorted(ns["actors"]) == ["engine_0", "rollout_manager", "trainer", "version_clock"]
         for name in ns["actors"]:
-            assert isinstance(ns[name], ActorProxy) and ns[name] is ns["actors"][name]
+            assert isinstance(ns[name], ConsoleProxy) and ns[name] is ns["actors"][name]
         assert "step(k)" in ns["help_text"] and ns["config"] is config
         assert (tmp_path / "out" / "checkpoint-init").is_dir()
         processes = session.processes
@@ -81,10 +81,9 @@ def test_session_drives_the_run_and_leaves_no_process(tmp_path):
                                                "engine_versions": {"engine_0": 1}}
         assert ns["trainer"].state()["version"] == 1
 
-        with pytest.raises(RemoteError) as info:
-            ns["trainer"].no_such_method()
-        assert info.value.actor == "trainer" and info.value.method == "no_such_method"
-        assert info.value.remote_type == "ProtocolError"
+        with pytest.raises(ActorCallError, match="actor 'trainer' \\(TrainerActor\\) has no method "
+                                                 "'no_such_method'; its methods: .*push_weights"):
+            ns["trainer"].no_such_method()  # refused in the console, before anything is sent
         with pytest.raises(RemoteError, match="RolloutError"):  # rollout 0 was already taken
             ns["call"]("rollout_manager", "take_batch", 0)
         with pytest.raises(UnknownActor):
@@ -104,7 +103,13 @@ def test_remote_errors_timeouts_and_a_dying_actor_reach_the_console(tmp_path):
     with ReplSession(config, specs) as session:
         echo, call = session.namespace["echo"], session.namespace["call"]
         assert echo.echo({"a": [1, 2]}) == {"a": [1, 2]}
-        assert "fail" in dir(echo) and "echo" in repr(echo)
+        assert "fail" in dir(echo) and "record(i: int) -> None" in repr(echo)
+        # a misspelt method or a wrong argument list fails in the console, nothing is sent
+        with pytest.raises(ActorCallError, match="has no method 'recrod'"):
+            echo.recrod(1)
+        with pytest.raises(ActorCallError, match=r"echo\.record\(i: int\) -> None: too many"):
+            call("echo", "record", 1, 2)
+        assert echo.recorded() == []
 
         with pytest.raises(RemoteError) as info:
             echo.fail("boom from the actor")
@@ -135,7 +140,7 @@ def test_repl_command_reads_stdin_and_stops_every_actor(tmp_path):
     script = "\n".join([
         "print('CLOCK', version_clock.state())",
         "print('PIDS', sorted(a.__ping__()['pid'] for a in actors.values()))",
-        "trainer.no_such_method()",  # a remote error is shown, the console goes on
+        "trainer.no_such_method()",  # the error is shown, the console goes on
         "print('STILL', trainer.state()['version'])",
         "exit()",
     ]) + "\n"
@@ -152,6 +157,6 @@ def test_repl_command_reads_stdin_and_stops_every_actor(tmp_path):
     pids = ast.literal_eval(lines["PIDS"])
     assert len(set(pids)) == 4  # clock, engine, manager, trainer
     assert lines["STILL"] == "0"
-    assert "has no public async method 'no_such_method'" in proc.stderr
+    assert "has no method 'no_such_method'" in proc.stderr
     assert not [p for p in pids if _alive(p)]
     assert [p for p in tmp.iterdir() if p.name.startswith("replayrl-")] == []  # ipc dir gone

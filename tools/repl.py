@@ -6,7 +6,7 @@ The actor runtime is asyncio and a connection belongs to the event loop that ope
 session runs one event loop in a background thread and the console (main thread) hands every
 call to it with :func:`asyncio.run_coroutine_threadsafe`, blocking until the reply.
 
-Console namespace (see :data:`HELP_TEXT`): ``actors`` (name -> :class:`ActorProxy`), one
+Console namespace (see :data:`HELP_TEXT`): ``actors`` (name -> :class:`ConsoleProxy`), one
 variable per actor (``version_clock``, ``rollout_manager``, ``engine_0``, ``trainer``, ...),
 ``call``, ``tell``, ``step``, ``config`` and ``help_text``.
 
@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import code
 import concurrent.futures
-import inspect
 import json
 import logging
 import shutil
@@ -29,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any, Coroutine
 
-from actors import ActorSpec, Directory, Supervisor, close_connections, import_object, run_event_loop
+from actors import ActorSpec, Directory, Supervisor, close_connections, run_event_loop
 from tools.config import RunConfig, config_from_args
 from tools.exit_codes import exit_code
 from tools.train_loop import step_metrics
@@ -256,31 +255,38 @@ class ReplSession:
 
     def call(self, name: str, method: str, *args: Any, timeout: float | None = DEFAULT_CALL_TIMEOUT,
              **kwargs: Any) -> Any:
-        """Blocking ``directory.ref(name).call(method, *args, timeout=timeout, **kwargs)``.
+        """Blocking ``await directory.proxy(name, timeout).<method>(*args, **kwargs)``.
 
         Args:
             timeout: seconds to wait for the reply; ``None`` waits forever (Ctrl-C still cancels).
         Raises:
             actors.UnknownActor: no actor named ``name``.
+            actors.ActorCallError: no such method, or the arguments do not fit its signature
+                (nothing was sent).
             actors.RemoteError: the remote method raised (remote traceback attached).
             actors.ActorTimeout: no reply within ``timeout`` seconds.
             actors.ActorDied: an actor process of the run exited.
             SessionClosed: the session is not running.
         """
-        ref = self._directory().ref(name)
-        return self.run(ref.call(method, *args, timeout=timeout, **kwargs))
+        directory = self._directory()
+        if method.startswith("__"):  # a built-in (__ping__, __interface__): not in the interface
+            return self.run(directory.ref(name).call(method, *args, timeout=timeout, **kwargs))
+        return self.run(getattr(directory.proxy(name, timeout), method)(*args, **kwargs))
 
     def tell(self, name: str, method: str, *args: Any, **kwargs: Any) -> None:
         """Fire-and-forget ``method`` on ``name`` (sent from the loop; no reply, no error back).
 
         Raises:
             actors.UnknownActor: no actor named ``name``.
+            actors.ActorCallError: no such method, or the arguments do not fit its signature
+                (nothing was sent).
             SessionClosed: the session is not running.
         """
-        ref = self._directory().ref(name)
+        proxy = self._directory().proxy(name, self.call_timeout)
 
         async def send() -> None:
-            ref.tell(method, *args, **kwargs)
+            (await proxy.interface()).check_call(method, args, kwargs)
+            proxy.ref.tell(method, *args, **kwargs)
 
         self.run(send())
 
@@ -306,13 +312,13 @@ class ReplSession:
             actors.ActorTimeout / actors.ActorDied / SessionClosed: as for :meth:`call`.
         """
         directory = self._directory()
-        manager, trainer = directory.ref("rollout_manager"), directory.ref("trainer")
+        manager, trainer = directory.proxy("rollout_manager", timeout), directory.proxy("trainer", timeout)
 
         async def one_step() -> dict:
             start = time.perf_counter()
-            summary = await manager.call("generate", k, timeout=timeout)
-            trained = await trainer.call("train", k, timeout=timeout)
-            push = await trainer.call("push_weights", timeout=timeout)
+            summary = await manager.generate(k)
+            trained = await trainer.train(k)
+            push = await trainer.push_weights()
             return step_metrics(k, summary, trained, push, time.perf_counter() - start)
 
         return self.run(one_step())
@@ -324,7 +330,7 @@ class ReplSession:
 
     # -- console namespace -------------------------------------------------------------------
     def _build_namespace(self) -> dict[str, Any]:
-        proxies = {s.name: ActorProxy(self, s.name, s.cls) for s in self.specs}
+        proxies = {s.name: ConsoleProxy(self, s.name) for s in self.specs}
         reserved = {"actors", "call", "tell", "step", "config", "help_text"}
         namespace: dict[str, Any] = {n: p for n, p in proxies.items()
                                      if n.isidentifier() and n not in reserved}
@@ -334,61 +340,61 @@ class ReplSession:
         return namespace
 
 
-class ActorProxy:
+class ConsoleProxy:
     """Synchronous stand-in for one actor: ``proxy.method(*args, **kw)`` blocks for the reply.
 
-    Attribute access yields a :class:`RemoteMethod` (no message is sent until it is called);
-    names starting with ``_`` are not forwarded, except ``__ping__``. The reply timeout is the
-    session's ``call_timeout``; use ``ReplSession.call`` (``call`` in the console) for another.
+    Each call goes through a typed :class:`actors.ActorProxy`, so a misspelt method or a wrong
+    argument list raises :class:`actors.ActorCallError` with the signature before anything is
+    sent. ``dir()`` and ``repr()`` show the actor's methods and signatures, asked from the actor
+    itself (its ``__interface__``). ``__ping__`` is forwarded too; other ``_`` names are not.
+    The reply timeout is the session's ``call_timeout``; ``call(...)`` in the console takes
+    another.
     """
 
-    __slots__ = ("_session", "_name", "_cls")
+    __slots__ = ("_session", "_name")
 
-    def __init__(self, session: ReplSession, name: str, cls: str) -> None:
+    def __init__(self, session: ReplSession, name: str) -> None:
         self._session = session
         self._name = name
-        self._cls = cls
 
-    def __getattr__(self, method: str) -> "RemoteMethod":
+    def __getattr__(self, method: str) -> "ConsoleMethod":
         if method.startswith("_") and method != "__ping__":
             raise AttributeError(method)
-        return RemoteMethod(self._session, self._name, method)
+        return ConsoleMethod(self, method)
+
+    def _signatures(self) -> dict[str, str]:
+        try:
+            proxy = self._session._directory().proxy(self._name, self._session.call_timeout)
+            interface = self._session.run(proxy.interface())
+        except Exception:  # completion and repr only: never fail the console over it
+            return {}
+        return dict(interface.texts)
 
     def __dir__(self) -> list[str]:
-        return _public_methods(self._cls)
+        return sorted(self._signatures())
 
     def __repr__(self) -> str:
-        methods = ", ".join(_public_methods(self._cls)) or "?"
-        return f"<actor {self._name} ({self._cls}); methods: {methods}>"
+        texts = self._signatures()
+        methods = "\n  ".join(texts[name] for name in sorted(texts)) or "?"
+        return f"<actor {self._name}; methods:\n  {methods}>"
 
 
-class RemoteMethod:
-    """One method of one actor; calling it is ``session.call(name, method, *args, **kw)``."""
+class ConsoleMethod:
+    """One method of one actor; calling it blocks until the reply (see :class:`ConsoleProxy`)."""
 
-    __slots__ = ("_session", "_name", "_method")
+    __slots__ = ("_proxy", "_method")
 
-    def __init__(self, session: ReplSession, name: str, method: str) -> None:
-        self._session = session
-        self._name = name
+    def __init__(self, proxy: ConsoleProxy, method: str) -> None:
+        self._proxy = proxy
         self._method = method
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._session.call(self._name, self._method, *args,
-                                  timeout=self._session.call_timeout, **kwargs)
+        session = self._proxy._session
+        return session.call(self._proxy._name, self._method, *args, timeout=session.call_timeout,
+                            **kwargs)
 
     def __repr__(self) -> str:
-        return f"<remote method {self._name}.{self._method}>"
-
-
-def _public_methods(cls_path: str) -> list[str]:
-    """Public ``async def`` methods of the actor class ``"module:Class"`` ([] if not importable)."""
-    try:
-        obj = import_object(cls_path)
-    except Exception:  # completion and repr only: never fail the console over it (a module
-        return []      # that raises on import included, which import_object lets through)
-    hooks = {"on_start", "on_stop"}  # lifecycle hooks of actors.Actor, not for callers
-    return sorted(n for n, fn in inspect.getmembers(obj, inspect.iscoroutinefunction)
-                  if not n.startswith("_") and n not in hooks)
+        return f"<remote method {self._proxy._name}.{self._method}>"
 
 
 def _consume_exception(future: asyncio.Future) -> None:

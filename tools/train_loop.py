@@ -46,10 +46,10 @@ async def save_checkpoint(directory: Directory, path: Path, next_step: int,
                           config: RunConfig) -> None:
     """Write the run's state after ``next_step - 1`` steps to ``path``."""
     path.mkdir(parents=True, exist_ok=True)
-    await directory.ref("trainer").call("save_checkpoint", str(path))
+    await directory.proxy("trainer").save_checkpoint(str(path))
     state = {"next_step": next_step, "data_settings": config.data_settings(),
-             "clock": await directory.ref("version_clock").call("state"),
-             "manager": await directory.ref("rollout_manager").call("state", next_step)}
+             "clock": await directory.proxy("version_clock").state(),
+             "manager": await directory.proxy("rollout_manager").state(next_step)}
     (path / "run_state.json").write_text(json.dumps(state, indent=1))
 
 
@@ -60,9 +60,9 @@ async def load_checkpoint(directory: Directory, path: Path) -> int:
         FileNotFoundError: ``path`` is not a replayrl checkpoint.
     """
     state = json.loads((path / "run_state.json").read_text())
-    await directory.ref("trainer").call("load_checkpoint", str(path))
-    await directory.ref("version_clock").call("load_state", state["clock"])
-    await directory.ref("rollout_manager").call("load_state", state["manager"])
+    await directory.proxy("trainer").load_checkpoint(str(path))
+    await directory.proxy("version_clock").load_state(state["clock"])
+    await directory.proxy("rollout_manager").load_state(state["manager"])
     return int(state["next_step"])
 
 
@@ -70,19 +70,19 @@ async def train_loop(directory: Directory, config: RunConfig,
                      on_step: Callable[[dict], None]) -> None:
     """Run steps up to ``config.num_steps``; call ``on_step(metrics)`` after each, with the
     row :func:`step_metrics` builds."""
-    manager, trainer = directory.ref("rollout_manager"), directory.ref("trainer")
+    manager, trainer = directory.proxy("rollout_manager"), directory.proxy("trainer")
     first = await load_checkpoint(directory, Path(config.load)) if config.load else 0
-    push = await trainer.call("push_weights")  # engines serve nothing before this
+    push = await trainer.push_weights()  # engines serve nothing before this
     if first >= config.num_steps:
         return
-    generated = await manager.call("generate", first)
+    generated = await manager.generate(first)
     for step in range(first, config.num_steps):
         step_start = time.perf_counter()
         next_rollout = None
         if step + 1 < config.num_steps:  # overlaps with training below
-            next_rollout = asyncio.ensure_future(manager.call("generate", step + 1))
+            next_rollout = asyncio.ensure_future(manager.generate(step + 1))
         try:
-            trained = await trainer.call("train", step)
+            trained = await trainer.train(step)
         except BaseException:
             if next_rollout is not None:
                 next_rollout.cancel()
@@ -90,7 +90,7 @@ async def train_loop(directory: Directory, config: RunConfig,
         summary = generated
         if next_rollout is not None:
             generated = await next_rollout
-            push = await trainer.call("push_weights")
+            push = await trainer.push_weights()
         if config.save_interval and (step + 1) % config.save_interval == 0:
             await save_checkpoint(directory, Path(config.save_dir) / f"step-{step + 1}", step + 1,
                                   config)

@@ -58,15 +58,15 @@ class TrainerActor(Actor):
     Args:
         checkpoint_dir: Hugging Face checkpoint directory of the initial policy.
         config: :meth:`TrainerConfig.to_dict` output.
+        n_samples_per_prompt: group size for GRPO.
+        engines: engine actor names to push weights to.
+        rollout_batch_size: prompt groups per step (the exact-refill target).
+        vocab_tokens: the tokenizer vocabulary written with checkpoints.
+        manager: RolloutManager actor name; clock: VersionClock actor name.
 
     Raises:
         trainer.config.TrainerConfigError: a bad setting (e.g. an unknown ``--train-backend``).
         rollout.model.CheckpointError: an unreadable ``checkpoint_dir``.
-        n_samples_per_prompt: group size for GRPO.
-        rollout_batch_size: prompt groups per step (the exact-refill target).
-        engines: engine actor names to push weights to.
-        manager: RolloutManager actor name; clock: VersionClock actor name.
-        vocab_tokens: the tokenizer vocabulary written with checkpoints.
     """
 
     def __init__(self, checkpoint_dir: str, config: dict, n_samples_per_prompt: int,
@@ -92,11 +92,11 @@ class TrainerActor(Actor):
         start = time.perf_counter()
         arrays = self.backend.weights()
         timeout = self.config.rpc_timeout_s
-        await asyncio.gather(*(self.ref(e).call("load_weights", self.version, arrays, timeout=timeout)
+        await asyncio.gather(*(self.proxy(e, timeout).load_weights(self.version, arrays)
                                for e in self.engines))
-        clock = self.ref(self.clock_name)
+        clock = self.proxy(self.clock_name, timeout)
         for e in self.engines:
-            await clock.call("record_engine_load", e, self.version, timeout=timeout)
+            await clock.record_engine_load(e, self.version)
         return {"version": self.version, "bytes": int(sum(a.nbytes for a in arrays.values())),
                 "seconds": time.perf_counter() - start}
 
@@ -163,13 +163,13 @@ class TrainerActor(Actor):
             TrainStepError: no loss-bearing token, a non-finite gradient, or a training forward
                 that does not reproduce the preflight gate (nothing applied).
         """
-        timeout = self.config.rpc_timeout_s
+        cfg = self.config
+        clock = self.proxy(self.clock_name, cfg.rpc_timeout_s)
         start = time.perf_counter()
-        raw = await self.ref(self.manager_name).call("take_batch", rollout_id, timeout=timeout)
+        raw = await self.proxy(self.manager_name, cfg.rpc_timeout_s).take_batch(rollout_id)
         samples = [Sample.from_dict(d) for d in raw]
-        trainer_version = await self.ref(self.clock_name).call(
-            "check_samples", [s.sample_id for s in samples], [s.policy_version for s in samples],
-            timeout=timeout)
+        trainer_version = await clock.check_samples([s.sample_id for s in samples],
+                                                    [s.policy_version for s in samples])
         if trainer_version != self.version:
             raise TrainStepError(f"clock says trainer version {trainer_version}, trainer holds "
                                  f"{self.version}")
@@ -180,15 +180,16 @@ class TrainerActor(Actor):
             metrics["preflight_seconds"] = time.perf_counter() - t0
             coordinator = RefillCoordinator(
                 self.gate, self.config, self.rollout_batch_size, self.n, cache=self.cache,
-                preflight=self.preflight, manager=self.ref(self.manager_name),
-                clock=self.ref(self.clock_name), version=self.version)
+                preflight=self.preflight,
+                manager=self.proxy(self.manager_name, cfg.rs_refill_rpc_timeout_s),
+                clock=clock.with_timeout(cfg.rs_refill_rpc_timeout_s), version=self.version)
             admitted, token_accept, refill_metrics = await coordinator.admit(samples)
             metrics.update(refill_metrics)
             metrics.update(self._update(admitted, token_accept))
         finally:
             self.cache.clear()  # nothing survives a step, on success or error
         self.version += 1
-        await self.ref(self.clock_name).call("set_trainer_version", self.version, timeout=timeout)
+        await clock.set_trainer_version(self.version)
         seconds = time.perf_counter() - start
         metrics.update(rollout_id=rollout_id, trainer_version=self.version,
                        staleness_mean=float(np.mean([trainer_version - s.policy_version for s in admitted])),

@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import torch
 
-from actors import ActorRef
+from actors import ActorProxy
 from rollout.sample import Sample
 from trainer.batch import per_sample_tensors, token_counts
 from trainer.config import TrainerConfig
@@ -52,13 +52,14 @@ class RefillCoordinator:
         cache: the step's proximal-logprob cache (every candidate's entry is already in it).
         preflight: fills the cache for replacement samples and returns their replay rates.
         manager, clock: references to the RolloutManager (``generate_replacements``) and the
-            VersionClock (``check_replacements``); anything with ``ActorRef.call``'s signature.
+            VersionClock (``check_replacements``), as typed proxies whose timeout is
+            ``--rs-refill-rpc-timeout-seconds``.
         version: the trainer version the preflight ran at (replacements must match it).
     """
 
     def __init__(self, gate: RSGate, config: TrainerConfig, target_groups: int, n: int, *,
-                 cache: ProximalLogprobCache, preflight: Preflight, manager: ActorRef,
-                 clock: ActorRef, version: int) -> None:
+                 cache: ProximalLogprobCache, preflight: Preflight, manager: ActorProxy,
+                 clock: ActorProxy, version: int) -> None:
         self.gate, self.config = gate, config
         self.target_groups, self.n = target_groups, n
         self.cache, self.preflight = cache, preflight
@@ -109,13 +110,12 @@ class RefillCoordinator:
         replacement_rates: dict[str, list[float]] = {}
         while not plan.done:
             t0 = time.perf_counter()
-            raw = await self.manager.call("generate_replacements", plan.request.n_groups,
-                                     timeout=cfg.rs_refill_rpc_timeout_s)
+            raw = await self.manager.generate_replacements(plan.request.n_groups)
             replacement_seconds += time.perf_counter() - t0
             repl = [Sample.from_dict(d) for d in raw]
             metrics["generated_samples"] += len(repl)
-            await self.clock.call("check_replacements", self.version, [s.sample_id for s in repl],
-                             [s.policy_version for s in repl], timeout=cfg.rs_refill_rpc_timeout_s)
+            await self.clock.check_replacements(self.version, [s.sample_id for s in repl],
+                                                [s.policy_version for s in repl])
             t0 = time.perf_counter()
             for name, rates in self.preflight(repl).items():
                 replacement_rates.setdefault(name, []).extend(rates)

@@ -19,17 +19,7 @@ CASES = json.loads((Path(__file__).parent / "cases" / "packed_shift.json").read_
 # ----------------------------------------------------------------- shared acceptance cases
 
 
-# The shared case "three_segments_with_singleton" contradicts its own rule: its third segment
-# [5, 6, 3] (positions 4..6) lists next tokens [5, 6, None], the tokens AT those positions,
-# while its first segment [7, 8, 9] lists [8, 9, None]. The cases must not be edited, so the
-# JSON comparison is a strict xfail and the rule's values are pinned by hand below.
-_CASE_ERRATA = {"three_segments_with_singleton": "case lists tokens[p], not tokens[p+1], "
-                                                 "for its last segment (reported upstream)"}
-
-
-@pytest.mark.parametrize("case", [
-    pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=_CASE_ERRATA[c["name"]]))
-    if c["name"] in _CASE_ERRATA else c for c in CASES], ids=[c["name"] for c in CASES])
+@pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
 def test_packed_shift_cases(case):
     cu = case["cu_seqlens"]
     layout = PackedLayout.from_lengths([b - a for a, b in zip(cu[:-1], cu[1:])])

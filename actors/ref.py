@@ -1,6 +1,6 @@
 """Client side of the actor runtime: :class:`ActorRef` and the per-process connection pool.
 
-One ZeroMQ DEALER socket per peer endpoint per process (DESIGN.md: one socket per peer, not per
+One ZeroMQ DEALER socket per peer endpoint per process (docs/design.md §4 "Transport contract": one socket per peer, not per
 request); every ``ActorRef`` to the same endpoint shares it, and replies are matched to calls by id.
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Policy versions of a run, and the rules samples must satisfy to enter an optimizer step.
 
 ``trainer_version`` counts optimizer steps applied. Each engine has the version of the weights
-it last loaded. Rules (DESIGN.md, "Actor contract"):
+it last loaded. Rules (docs/design.md §5 "Actor contract"):
 
 - versions never decrease: a regression raises :class:`VersionRegression` (a failover that
   resets a counter must be loud, not silently re-admit old samples);

@@ -2,7 +2,7 @@
 
 A :class:`Sample` is one trajectory of a prompt group. It is immutable: its arrays are
 read-only numpy arrays, checked once at construction, so every later stage can trust the
-alignment instead of re-validating or copying. Shapes (DESIGN.md, "Sample contract"):
+alignment instead of re-validating or copying. Shapes (docs/design.md §3 "Sample contract"):
 
 ==================  ======================  ==============================================
 field               dtype / shape           meaning

@@ -1,7 +1,7 @@
 """Trajectory transformations that keep every per-token array aligned.
 
 Pure functions: a :class:`rollout.sample.Sample` is frozen, so each returns a new one (or a new
-:class:`MergedTrajectory`) and never touches its input. Row spaces (DESIGN.md, "Sample
+:class:`MergedTrajectory`) and never touches its input. Row spaces (docs/design.md §3 "Sample
 contract"): ``response_ids``, ``loss_mask``, ``rollout_logprobs`` and ``sample_support`` have
 ``R`` rows; ``routed_experts`` and ``indexer_topk`` have ``P + R - 1`` rows, one per forwarded
 position (the last token is never forwarded).
@@ -149,7 +149,7 @@ def _with_row(arr: np.ndarray | None, row: Sequence[int] | int) -> np.ndarray | 
 
 
 def append_synthetic_eos(sample: Sample, eos_id: int) -> Sample:
-    """Append one EOS token the engine did not sample (DESIGN.md, "synthetic EOS").
+    """Append one EOS token the engine did not sample (docs/design.md §2 "Trace arrays").
 
     Used when a response hit its length cap: training on the EOS teaches the policy to stop.
     New last row of every row space:

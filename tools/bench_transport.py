@@ -4,7 +4,7 @@ For 4 KiB and 64 MiB float32 arrays, sends messages one way from a DealerSocket 
 RouterSocket over ipc:// in one process (both ends on one asyncio loop), decoding each on
 arrival, once with the array inline in frame 0 and once out of band (its own frame, copy=False).
 Prints the median throughput of each and its ratio to ``np.copyto`` into a reused buffer measured
-in the same run (DESIGN.md, "Transport contract", quotes such ratios).
+in the same run (docs/design.md §4 "Transport contract", quotes such ratios).
 
 Usage: ``python -m tools.bench_transport [--repeats 5]``
 """

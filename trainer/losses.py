@@ -1,6 +1,6 @@
 """Policy-gradient loss: decoupled PPO clip with truncated importance sampling (TIS).
 
-Per response token ``t`` with loss mask ``m_t`` (DESIGN.md "Trainer math")::
+Per response token ``t`` with loss mask ``m_t`` (docs/design.md §7 "Trainer math")::
 
     r_t = exp(logp_t - logp_prox_t)                       # policy vs proximal policy
     w_t = min(exp(logp_prox_t - logp_rollout_t), C)       # TIS weight, detached

@@ -20,8 +20,8 @@ that cannot take them) lives in :mod:`trainer.parallel.replay_registry` and shar
 :class:`ReplayError`.
 
 Source: Ma et al. 2025, "Stabilizing MoE Reinforcement Learning by Aligning Training and
-Inference Routers" (R3), as implemented in slime / Megatron-LM routing replay; DESIGN.md,
-"trace" table.
+Inference Routers" (R3), as implemented in slime / Megatron-LM routing replay; docs/design.md §2
+"Trace arrays".
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """msgpack codec with out-of-band array frames.
 
 One message is a list of frames: frame 0 is a msgpack header, frames 1.. are raw array buffers
-(DESIGN.md, "Transport contract"). The scheme follows vLLM's ``vllm/v1/serial_utils.py``
+(docs/design.md §4 "Transport contract"). The scheme follows vLLM's ``vllm/v1/serial_utils.py``
 (msgpack ext types for tensors, auxiliary buffers for large ones); the code here is our own and
 uses ``msgpack`` (not msgspec).
 
@@ -82,7 +82,7 @@ if sys.byteorder != "little":  # pragma: no cover - no big-endian CI
 
 DEFAULT_INLINE_THRESHOLD = 16 * 1024
 """Arrays with fewer bytes than this travel inline in frame 0. pyzmq copies frames under 64 KiB
-anyway and inline was measured 1.6x faster at 4 KiB (DESIGN.md); unit: bytes."""
+anyway and inline was measured 1.6x faster at 4 KiB (docs/design.md §4 "Transport contract"); unit: bytes."""
 
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 31
 """Largest accepted message, all frames together (and largest single array); unit: bytes."""

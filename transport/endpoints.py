@@ -1,7 +1,6 @@
 """ZeroMQ endpoint strings: builders and the checks applied before bind/connect.
 
-``ipc://`` on one node, ``tcp://`` across nodes, listening on loopback only (DESIGN.md,
-"Transport contract"). CURVE authentication, which the design requires for listening on a
+``ipc://`` on one node, ``tcp://`` across nodes, listening on loopback only (docs/design.md §4 "Transport contract"). CURVE authentication, which the design requires for listening on a
 non-loopback address, is not implemented yet, so such a bind is refused.
 """
 

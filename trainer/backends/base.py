@@ -67,7 +67,7 @@ class TrainerBackend(ABC):
     replaying the batch's routing / indexer traces when present and enabled
     (``use_routing_replay`` / ``use_indexer_replay``) and normalising over the captured support
     when the batch has one (support replay), so that ``logp_prox - logp_rollout`` measures only
-    numerics (DESIGN.md, "Trainer math").
+    numerics (docs/design.md §7 "Trainer math").
     """
 
     @property

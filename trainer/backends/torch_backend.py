@@ -3,7 +3,7 @@
 :class:`TorchBackend` is the first :class:`trainer.backends.base.TrainerBackend`
 (``--train-backend torch``, the default). Its forward is :func:`response_logprobs`.
 
-Which forwards use what (documented choice, DESIGN.md "Trainer math"):
+Which forwards use what (documented choice, docs/design.md §7 "Trainer math"):
 - the proximal (preflight) forward and the policy (training) forward both replay routing and
   indexer traces and normalise over the captured support, so ``logp_prox - logp_rollout``
   measures only numerics, not a different distribution;

@@ -25,8 +25,8 @@ The live checks of a replayed forward (:func:`trainer.replay.check_replay`, the 
 stay in :mod:`trainer.replay`.
 
 Source: Ma et al. 2025, "Stabilizing MoE Reinforcement Learning by Aligning Training and
-Inference Routers" (R3), as implemented in slime / Megatron-LM routing replay; DESIGN.md,
-"trace" table.
+Inference Routers" (R3), as implemented in slime / Megatron-LM routing replay; docs/design.md §2
+"Trace arrays".
 """
 
 from __future__ import annotations

@@ -9,5 +9,5 @@
 * :mod:`trainer.rejection.refill` -- :class:`~trainer.rejection.refill.RefillCoordinator`,
   which drives the planner against the RolloutManager and the VersionClock.
 
-DESIGN.md, "Trainer math" and "Exact refill".
+docs/design.md §7 "Trainer math" and "Exact refill".
 """

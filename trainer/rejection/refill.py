@@ -1,4 +1,4 @@
-"""The exact-refill coordinator of one optimizer step (DESIGN.md, "Exact refill").
+"""The exact-refill coordinator of one optimizer step (docs/design.md §9 "Exact refill").
 
 Given a batch whose proximal logprobs are already cached, it applies the RS gate and decides
 what the step trains on:

@@ -44,34 +44,39 @@ class ActorSpec:
     env: dict[str, str] = field(default_factory=dict)
 
 
-def import_object(path: str) -> Any:
+def import_object(path: str, what: str = "") -> Any:
     """The object named ``"package.module:qualname"`` (actor classes, hooks, reward functions).
 
+    Args:
+        what: the setting that named it (``"--custom-reward"``), put first in error messages.
     Raises:
         ValueError: not of that form, or the module / attribute does not exist (the message
-            names ``path``).
+            names ``what`` and ``path``).
     """
+    prefix = f"{what} " if what else ""
     module, _, qualname = path.partition(":")
     if not module or not qualname:
-        raise ValueError(f"expected 'module:name', got {path!r}")
+        raise ValueError(f"{prefix}expected 'module:name', got {path!r}")
     try:
         obj: Any = importlib.import_module(module)
         for part in qualname.split("."):
             obj = getattr(obj, part)
     except (ImportError, AttributeError) as exc:
-        raise ValueError(f"{path}: {exc}") from None
+        raise ValueError(f"{prefix}{path}: {exc}") from None
     return obj
 
 
-def import_callable(path: str) -> Any:
+def import_callable(path: str, what: str = "") -> Any:
     """The callable named ``"package.module:qualname"`` (metrics hooks, reward functions).
 
+    Args:
+        what: the setting that named it, put first in error messages.
     Raises:
         ValueError: as :func:`import_object`, or the object is not callable.
     """
-    obj = import_object(path)
+    obj = import_object(path, what)
     if not callable(obj):
-        raise ValueError(f"{path}: not callable")
+        raise ValueError(f"{what + ' ' if what else ''}{path}: not callable")
     return obj
 
 

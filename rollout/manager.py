@@ -37,18 +37,6 @@ class RolloutError(RuntimeError):
     """A rollout could not be produced or handed over (names the rollout id)."""
 
 
-def _load_function(path: str):
-    """The callable named ``module:function`` (``--custom-reward``).
-
-    Raises:
-        RolloutError: not importable or not callable.
-    """
-    try:
-        return import_callable(path)
-    except ValueError as exc:
-        raise RolloutError(f"--custom-reward {exc}") from None
-
-
 class RolloutManager(Actor):
     """Actor that produces and stores rollout batches.
 
@@ -78,7 +66,9 @@ class RolloutManager(Actor):
         # task's reward of the whole response. The environment answers tool calls only when
         # the run allows more than one turn.
         self.tool_env = DigitToolEnv(self.task)
-        self.custom_reward = _load_function(self.config.custom_reward) if self.config.custom_reward else None
+        # the launcher already refused an unimportable --custom-reward before any process started
+        self.custom_reward = (import_callable(self.config.custom_reward, "--custom-reward")
+                              if self.config.custom_reward else None)
         self.require_traces = tuple(require_traces)
         self.data = PromptDataSource(self.task, self.config.seed, self.config.dataset_size)
         self.replacement_data = PromptDataSource(self.task, self.config.seed + 7919,

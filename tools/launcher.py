@@ -44,9 +44,9 @@ def load_hook(path: str, flag: str):
         ConfigError: not importable or not callable (names the flag).
     """
     try:
-        return import_callable(path)
+        return import_callable(path, flag)
     except ValueError as exc:
-        raise ConfigError(f"{flag} {exc}") from None
+        raise ConfigError(str(exc)) from None
 
 
 def check_writable(directory: Path, flag: str) -> None:

@@ -39,6 +39,11 @@ class RolloutConfig:
         custom_reward: ``module:function`` replacing the task's verifier (``--custom-reward``),
             called as ``fn(prompt_ids, response_ids, loss_mask, answer_id, config)`` with
             read-only arrays and this frozen config; must return a finite float.
+        append_eos_on_truncation: end every length-capped trajectory (``finish_reason ==
+            "length"``, status ``truncated``) with a synthetic EOS
+            (``rollout.trajectory.append_synthetic_eos``, docs/design.md §2 "Trace arrays"),
+            so the policy is trained to stop (``--rollout-append-eos-on-truncation``; off by
+            default). The reward is the verifier's for the response as trained, EOS included.
     """
 
     seed: int = setting(1, "seed", "seed of data, sampling and initialisation",
@@ -67,6 +72,9 @@ class RolloutConfig:
                                  "loss_mask, answer_id, config) replacing the task's, with "
                                  "read-only arrays and the frozen rollout config", _MODULE_FUNCTION,
                                  metavar="MODULE:FUNCTION")
+    append_eos_on_truncation: bool = setting(False, "rollout-append-eos-on-truncation",
+                                             "end length-capped responses with a synthetic EOS "
+                                             "(trained with no behaviour ratio; scored with it)")
 
     def __post_init__(self) -> None:
         check_settings(self, RolloutConfigError)

@@ -24,6 +24,7 @@ from rollout.engines.base import Generation
 from rollout.sample import Sample
 from rollout.task import DigitTask
 from rollout.tool_env import DigitToolEnv
+from rollout.trajectory import TrajectoryError, append_synthetic_eos
 from rollout.turn_loop import Episode, assemble, run_episodes
 
 
@@ -141,6 +142,8 @@ class RolloutManager(Actor):
                    "policy_versions": sorted({s.policy_version for s in samples}),
                    "prompt_indices": [p.index for p in prompts],
                    "generate_seconds": time.perf_counter() - start}
+        if self.config.append_eos_on_truncation:
+            summary["synthetic_eos_fraction"] = float(np.mean([s.synthetic_eos for s in samples]))
         if self.config.max_turns > 1:
             summary["tool_calls_mean"] = float(np.mean([observation_segments(s.loss_mask)
                                                         for s in samples]))
@@ -164,14 +167,42 @@ class RolloutManager(Actor):
     def _to_sample(self, episode: Episode, prompt: Prompt, group_id: int, rollout_id: int) -> Sample:
         """Assemble (``merge_turns``, required traces, one policy version) and score one trajectory.
 
+        With ``--rollout-append-eos-on-truncation``, a trajectory that hit its length cap
+        (``finish_reason == "length"``, status ``truncated``) and does not already end with a
+        sampled EOS gets a synthetic EOS (``rollout.trajectory.append_synthetic_eos``) before it
+        is scored. The reward is then the verifier's (the tool environment's, or
+        ``--custom-reward``'s) for the response as it will be trained, EOS included: reward,
+        tokens and advantage describe one sequence, and a custom verifier sees exactly the
+        arrays the trainer trains on. (SkyRL instead scores the text without its appended EOS
+        and places that reward on the EOS.) On the digit task a capped response keeps its
+        reward unless the EOS lands right after the first digit (``--rollout-max-response-len
+        1``), where the task's definition gives it the full "stopped" reward. The status stays
+        ``truncated``: the engine did not stop by itself.
+
         Raises:
             rollout.turn_loop.MixedVersionError: turns from different weight versions.
-            rollout.trajectory.TrajectoryError: a required trace missing or misaligned.
+            rollout.trajectory.TrajectoryError: a required trace missing or misaligned; with the
+                synthetic EOS, a trajectory whose ``P + R + 1`` tokens would not fit the model's
+                ``max_position_embeddings`` (field ``synthetic_eos``).
         """
         sample_id = self.next_sample_id
         self.next_sample_id += 1
         merged, version = assemble(episode, sample_id=sample_id, require=self.require_traces)
         fields = merged.sample_fields()
+        status = "completed" if episode.finish_reason == "stop" else "truncated"
+        eos = self.task.eos_id
+        if (self.config.append_eos_on_truncation and episode.finish_reason == "length"
+                and int(fields["response_ids"][-1]) != eos):
+            if len(prompt.prompt_ids) + len(fields["response_ids"]) + 1 > self.max_positions:
+                raise TrajectoryError(sample_id, "synthetic_eos",
+                                      f"P + R + 1 = {len(prompt.prompt_ids) + len(fields['response_ids']) + 1} "
+                                      f"tokens exceed max_position_embeddings {self.max_positions}; "
+                                      "--rollout-append-eos-on-truncation needs one more position")
+            capped = Sample(sample_id=sample_id, group_id=group_id, rollout_id=rollout_id,
+                            policy_version=version, prompt_ids=prompt.prompt_ids, status=status,
+                            **fields)
+            appended = append_synthetic_eos(capped, eos)
+            fields = {name: getattr(appended, name) for name in (*fields, "synthetic_eos")}
         if self.custom_reward is not None:
             reward = float(self.custom_reward(prompt.prompt_ids, fields["response_ids"],
                                               fields["loss_mask"], prompt.answer_id, self.config))
@@ -180,8 +211,7 @@ class RolloutManager(Actor):
                                           prompt.answer_id)
         return Sample(sample_id=sample_id, group_id=group_id, rollout_id=rollout_id,
                       policy_version=version, prompt_ids=prompt.prompt_ids, reward=reward,
-                      status="completed" if episode.finish_reason == "stop" else "truncated",
-                      **fields)
+                      status=status, **fields)
 
     async def take_batch(self, rollout_id: int) -> list[dict]:
         """Hand over (and forget) a stored batch as sample dicts, groups contiguous.

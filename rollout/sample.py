@@ -16,7 +16,11 @@ rollout_logprobs    float32 [R]             behaviour logprob of each token unde
 sample_support      int32 [R, 1+W] | None   col 0 sampled id, cols 1.. support, -1 excluded
 routed_experts      int32 [P+R-1, L, K]     MoE experts the engine picked (R3)
 indexer_topk        int32 [P+R-1, L, K_idx] sparse-attention keys the engine picked, -1 none
+synthetic_eos       bool                    the last token is an EOS the engine never sampled
 ==================  ======================  ==============================================
+
+Derived, not a field: :attr:`Sample.sampled_mask`, the loss tokens the engine sampled, i.e. the
+rows whose ``rollout_logprobs`` is a behaviour logprob (docs/design.md §2 "Trace arrays").
 """
 from __future__ import annotations
 
@@ -139,6 +143,26 @@ class Sample:
             raise SampleError(sid, "sample_support",
                               f"row {unsupported[0]} is loss-bearing without support and is not a "
                               f"synthetic EOS in the last row")
+
+    @property
+    def sampled_mask(self) -> np.ndarray:
+        """uint8 [R], read-only: 1 where the token is loss-bearing AND the engine sampled it.
+
+        This is the one definition of "tokens with a behaviour logprob": ``loss_mask`` with the
+        synthetic EOS row (the last row when ``synthetic_eos`` is set; the contract guarantees
+        it is the one loss-bearing row without captured support) set to 0. Observation rows
+        are 0 already (``loss_mask`` 0). Everything that reads ``rollout_logprobs`` -- RS gates
+        (token / sequence / geometric, sums and token count), TIS weights, the exact-refill
+        admission, the |rollout - trainer logprob| metrics -- reads it under this mask; the
+        synthetic row's placeholder (``rollout.trajectory.SYNTHETIC_EOS_LOGPROB``) is never a
+        behaviour logprob (docs/design.md §7 "Trainer math", §8 "Rejection sampling"). Equal to
+        ``loss_mask`` when ``synthetic_eos`` is False.
+        """
+        mask = np.array(self.loss_mask)
+        if self.synthetic_eos:
+            mask[-1] = 0
+        mask.flags.writeable = False
+        return mask
 
     @property
     def total_length(self) -> int:

@@ -53,7 +53,9 @@ POSITION_FIELDS = ("routed_experts", "indexer_topk")
 # have loss_mask 0 so no gate or loss reads them; 0.0 rather than NaN keeps masked arithmetic
 # (NaN * 0 = NaN) safe in any consumer. The synthetic EOS row is loss-bearing: the trainer
 # recognises it by `synthetic_eos` and its all -1 support row and uses the full-vocabulary
-# fallback; the placeholder only has to be finite to satisfy the Sample contract.
+# fallback; the placeholder only has to be finite to satisfy the Sample contract. It is not a
+# behaviour logprob: Sample.sampled_mask leaves the row out of every RS gate, TIS weight and
+# logprob metric (docs/design.md §7, §8), so its value never matters.
 OBSERVATION_LOGPROB = 0.0
 SYNTHETIC_EOS_LOGPROB = 0.0
 
@@ -152,6 +154,9 @@ def append_synthetic_eos(sample: Sample, eos_id: int) -> Sample:
     """Append one EOS token the engine did not sample (docs/design.md §2 "Trace arrays").
 
     Used when a response hit its length cap: training on the EOS teaches the policy to stop.
+    The run applies it with ``--rollout-append-eos-on-truncation`` (``rollout/manager.py``,
+    before scoring). The trainer trains the row with no behaviour ratio (TIS weight 1) and
+    keeps it out of every RS gate (:attr:`rollout.sample.Sample.sampled_mask`).
     New last row of every row space:
 
     * ``response_ids`` += ``eos_id``; ``loss_mask`` += 1; ``rollout_logprobs`` +=

@@ -85,7 +85,7 @@ def measure(model: Qwen3MoeForCausalLM, samples: list[Sample], precision: str) -
         with torch.no_grad():
             logp, out = response_logprobs(model, batch, 1.0, replay_routing=routing,
                                           replay_indexer=indexer, capture=True)
-        mask = batch.loss_mask > 0
+        mask = batch.sampled_mask > 0  # behaviour logprobs exist only at sampled tokens
         r = (logp - batch.rollout_logprobs)[mask].double()
         rows.append(ParityRow(
             precision, name, float(r.abs().mean()), float(r.abs().max()),

@@ -106,7 +106,10 @@ class RunConfig:
 
     @property
     def max_context_tokens(self) -> int:
-        """Longest trajectory the run can produce: prompt, turns and tool observations."""
+        """Longest trajectory the run can produce: prompt, turns and tool observations.
+
+        The last turn has no observation, so its two observation slots in this bound also
+        cover the one synthetic EOS of ``--rollout-append-eos-on-truncation``."""
         r = self.rollout
         return r.num_digits + 3 + r.max_turns * (r.max_response_len + 2)
 

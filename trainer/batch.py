@@ -30,6 +30,10 @@ class TrainBatch:
             response token.
         targets: int64 [N] response token ids; support: int64 [N, 1+W] or None.
         loss_mask: float32 [N]; rollout_logprobs: float32 [N] (NaN allowed where mask is 0).
+        sampled_mask: float32 [N]: ``loss_mask`` without the synthetic-EOS rows, i.e. the loss
+            tokens the engine sampled and whose ``rollout_logprobs`` is a behaviour logprob
+            (:attr:`rollout.sample.Sample.sampled_mask`); equal to ``loss_mask`` when no sample
+            carries a synthetic EOS.
         segment_ids: int64 [1, T] for a packed batch (one row, block-diagonal attention), else
             None.
     """
@@ -45,12 +49,20 @@ class TrainBatch:
     support: torch.Tensor | None
     loss_mask: torch.Tensor
     rollout_logprobs: torch.Tensor
+    sampled_mask: torch.Tensor
     segment_ids: torch.Tensor | None = None
 
 
 def per_sample_tensors(samples: Sequence[Sample], field: str) -> list[torch.Tensor]:
     """One tensor per sample of a per-token field (copies: sample arrays are read-only)."""
     return [torch.from_numpy(np.array(getattr(s, field))) for s in samples]
+
+
+def sampled_masks(samples: Sequence[Sample]) -> list[torch.Tensor]:
+    """One uint8 tensor [R_i] per sample: :attr:`rollout.sample.Sample.sampled_mask`, the loss
+    tokens the engine sampled (what every RS gate and TIS weight reads; the synthetic EOS row and
+    observation rows are 0)."""
+    return [torch.from_numpy(np.array(s.sampled_mask)) for s in samples]
 
 
 def token_counts(samples: Sequence[Sample], token_accept: dict[int, torch.Tensor]) -> tuple[int, int]:
@@ -109,6 +121,7 @@ def _response_fields(samples: Sequence[Sample], support: bool) -> dict:
         targets=torch.from_numpy(np.concatenate([s.response_ids for s in samples]).astype(np.int64)),
         support=support_t,
         loss_mask=torch.from_numpy(np.concatenate([s.loss_mask for s in samples]).astype(np.float32)),
+        sampled_mask=torch.from_numpy(np.concatenate([s.sampled_mask for s in samples]).astype(np.float32)),
         rollout_logprobs=torch.from_numpy(np.concatenate([s.rollout_logprobs for s in samples])))
 
 

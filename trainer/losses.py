@@ -6,6 +6,18 @@ Per response token ``t`` with loss mask ``m_t`` (docs/design.md §7 "Trainer mat
     w_t = min(exp(logp_prox_t - logp_rollout_t), C)       # TIS weight, detached
     l_t = -w_t * min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t)
 
+Tokens the engine never sampled (a synthetic EOS, docs/design.md §2 "Trace arrays"; ``s_t = 0``
+in ``sampled_mask`` while ``m_t = 1``) have no behaviour logprob, so they have no behaviour
+ratio: ``w_t = 1`` and ``l_t`` is the clipped term on the proximal ratio ``r_t`` alone, with
+the sample's advantage. The proximal policy is the trust-region anchor of the decoupled
+objective (Hilton et al. 2022) and is defined for every token; the behaviour ratio is an
+importance correction for the sampling distribution and exists only for sampled tokens. The
+placeholder in ``logp_rollout`` at such a row is never read (not even checked for finiteness).
+SkyRL (``skyrl_gym_generator.py``, the appended EOS of its agent loop) keeps such a token in the
+loss with a dummy rollout logprob 0.0 and notes "logprobs will be extremely off" -- the defect
+avoided here; its stop-string path masks the appended EOS out of the loss instead, which would
+drop the "teach the policy to stop" signal the synthetic EOS exists for.
+
 Sources: decoupled PPO objective with a proximal policy separate from the behaviour policy,
 Hilton, Cobbe & Schulman 2022, "Batch size-invariance for policy optimization"; truncated
 importance sampling for train-inference mismatch, Yao et al. 2025, "Your efficient RL framework
@@ -54,6 +66,7 @@ def policy_loss(
     eps_high: float = 0.2,
     tis_cap: float | None = 2.0,
     token_accept: Tensor | None = None,
+    sampled_mask: Tensor | None = None,
     denominator: Denominator,
 ) -> tuple[Tensor, dict[str, float]]:
     """Decoupled-PPO clipped surrogate with TIS, averaged over tokens.
@@ -87,20 +100,28 @@ def policy_loss(
             ``eps_high >= 0`` (DAPO uses ``eps_high = 0.28``).
         tis_cap: TIS cap ``C > 0``; ``None`` disables TIS (``w = 1``).
         token_accept: optional bool tensor [N] from token RS (``trainer.rejection.rs_gates.token_gate``).
+        sampled_mask: optional tensor [N] of 0/1: 1 = the engine sampled this loss token, so
+            ``logp_rollout`` holds its behaviour logprob (``trainer.batch.TrainBatch.sampled_mask``).
+            A loss token with 0 here (a synthetic EOS) gets ``w = 1`` and is left out of
+            ``logprob_abs_diff_mean`` and ``tis_weight_mean``; its ``logp_rollout`` is not read.
+            Must be 0 wherever ``loss_mask`` is 0. ``None``: every loss token was sampled.
         denominator: ``"loss_tokens"`` or ``"accepted_tokens"`` (keyword, required: the policy
             is always stated by the caller).
 
     Returns:
         ``(loss, metrics)``: ``loss`` a 0-dim tensor (float32, or float64 for float64 ``logp``);
         ``metrics`` floats: ``clip_fraction`` (share of contributing tokens whose clipped term
-        is the active one, i.e. gradient zeroed by the clip), ``tis_weight_mean`` and
-        ``approx_kl`` (k3 of policy vs proximal) over contributing tokens (loss and accepted),
-        ``logprob_abs_diff_mean`` (mean ``|logp_prox - logp_rollout|``) over all loss tokens,
-        ``loss_tokens``, ``accepted_tokens``, ``accepted_fraction``.
+        is the active one, i.e. gradient zeroed by the clip) and ``approx_kl`` (k3 of policy
+        vs proximal) over contributing tokens (loss and accepted); ``tis_weight_mean`` over
+        contributing sampled tokens; ``logprob_abs_diff_mean`` (mean
+        ``|logp_prox - logp_rollout|``) over sampled loss tokens; ``loss_tokens``,
+        ``sampled_tokens``, ``accepted_tokens``, ``accepted_fraction``.
 
     Raises:
         LossError: shape mismatch, mask values other than 0/1, bad hyper-parameters, an unknown
-            denominator, or a non-finite input at a loss token (naming the positions).
+            denominator, a ``sampled_mask`` set where ``loss_mask`` is 0, or a non-finite
+            input at a loss token (``logp_rollout``: at a sampled loss token), naming the
+            positions.
     """
     if not isinstance(logp, Tensor) or logp.dim() != 1 or not logp.is_floating_point():
         raise LossError(f"logp must be a 1-D float tensor, got {type(logp).__name__}")
@@ -125,9 +146,18 @@ def policy_loss(
             raise LossError("token_accept must be a bool tensor (from trainer.rejection.rs_gates.token_gate)")
         contrib = mask & _as_bool_mask(token_accept, n, "token_accept")
 
-    for name, x in (("logp", logp), ("logp_prox", logp_prox), ("logp_rollout", logp_rollout),
-                    ("advantages", advantages)):
-        bad = mask & ~torch.isfinite(x.detach())
+    if sampled_mask is None:
+        sampled = mask
+    else:
+        sampled = _as_bool_mask(sampled_mask, n, "sampled_mask")
+        outside = sampled & ~mask
+        if bool(outside.any()):
+            raise LossError(f"sampled_mask set where loss_mask is 0 at positions "
+                            f"{torch.nonzero(outside).flatten().tolist()[:8]}")
+
+    for name, x, where in (("logp", logp, mask), ("logp_prox", logp_prox, mask),
+                           ("logp_rollout", logp_rollout, sampled), ("advantages", advantages, mask)):
+        bad = where & ~torch.isfinite(x.detach())
         if bool(bad.any()):
             raise LossError(f"non-finite {name} at loss tokens {torch.nonzero(bad).flatten().tolist()[:8]}")
 
@@ -136,7 +166,8 @@ def policy_loss(
     # Sanitise every input outside the loss mask *before* any exp or product.
     lp = torch.where(mask, logp.to(dtype), zero)
     prox = torch.where(mask, logp_prox.detach().to(dtype), zero)
-    roll = torch.where(mask, logp_rollout.detach().to(dtype), zero)
+    # a token the engine never sampled has no behaviour logprob: its placeholder is not read
+    roll = torch.where(sampled, logp_rollout.detach().to(dtype), zero)
     adv = torch.where(mask, advantages.detach().to(dtype), zero)
 
     log_r = lp - prox
@@ -145,6 +176,7 @@ def policy_loss(
         w = torch.ones_like(prox)
     else:
         w = torch.clamp(torch.exp(prox - roll), max=float(tis_cap))
+        w = torch.where(sampled, w, torch.ones_like(w))  # no behaviour ratio: weight 1
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv
     per_token = -w * torch.minimum(unclipped, clipped)
@@ -158,12 +190,18 @@ def policy_loss(
     with torch.no_grad():
         c = contrib.to(dtype)
         denom_c = max(n_acc, 1)
+        c_sampled = (contrib & sampled).to(dtype)
+        n_acc_sampled = int((contrib & sampled).sum())
+        n_sampled = int(sampled.sum())
+        abs_diff = torch.where(sampled, (prox - roll).abs(), zero)
         metrics = {
             "clip_fraction": float(((clipped < unclipped).to(dtype) * c).sum() / denom_c),
-            "tis_weight_mean": float((w * c).sum() / denom_c) if n_acc else 0.0,
+            "tis_weight_mean": (float((w * c_sampled).sum() / n_acc_sampled)
+                                if n_acc_sampled else 0.0),
             "approx_kl": float((((ratio - 1.0) - log_r) * c).sum() / denom_c),
-            "logprob_abs_diff_mean": float((prox - roll).abs().sum() / max(n_loss, 1)),
+            "logprob_abs_diff_mean": float(abs_diff.sum() / max(n_sampled, 1)),
             "loss_tokens": float(n_loss),
+            "sampled_tokens": float(n_sampled),
             "accepted_tokens": float(n_acc),
             "accepted_fraction": n_acc / n_loss if n_loss else 0.0,
         }

@@ -36,7 +36,7 @@ from actors import Actor
 from rollout.sample import Sample
 from trainer.advantages import grpo_advantages
 from trainer.backends import resolve_backend
-from trainer.batch import collate, collate_packed, per_sample_tensors, token_counts
+from trainer.batch import collate, collate_packed, per_sample_tensors, sampled_masks, token_counts
 from trainer.config import TrainerConfig
 from trainer.losses import policy_loss
 from trainer.proximal_cache import ProximalLogprobCache
@@ -221,8 +221,7 @@ class TrainerActor(Actor):
             sums["max_prox_drift"] = max(sums["max_prox_drift"], drift)
             recheck = self.gate.decide(
                 list(torch.split(logp.detach(), [len(s.response_ids) for s in chunk])),
-                per_sample_tensors(chunk, "rollout_logprobs"),
-                per_sample_tensors(chunk, "loss_mask"))[1]
+                per_sample_tensors(chunk, "rollout_logprobs"), sampled_masks(chunk))[1]
             if drift > 1e-3 or not torch.equal(torch.cat(recheck), accept):
                 raise TrainStepError(f"training forward does not reproduce the preflight (max "
                                      f"|logp - logp_prox| = {drift:.2e}); refusing the step")
@@ -232,22 +231,27 @@ class TrainerActor(Actor):
             loss, m = policy_loss(logp, prox, batch.rollout_logprobs, adv_tok, batch.loss_mask,
                                   eps_low=cfg.eps_clip, eps_high=cfg.eps_clip_high,
                                   tis_cap=cfg.tis_cap, token_accept=accept,
-                                  denominator=cfg.rs_denominator)
+                                  sampled_mask=batch.sampled_mask, denominator=cfg.rs_denominator)
             # policy_loss averages over this microbatch's denominator; rescale to the step's
             mb_den = float(m["loss_tokens"] if cfg.rs_denominator == "loss_tokens" else m["accepted_tokens"])
             self.backend.backward(loss * (mb_den / denominator))
             mask = batch.loss_mask > 0
-            sums["abs_logprob_diff"] += float((prox - batch.rollout_logprobs)[mask].abs().sum())
+            # behaviour logprobs exist only where the engine sampled (not at a synthetic EOS)
+            sampled = batch.sampled_mask > 0
+            sums["abs_logprob_diff"] += float((prox - batch.rollout_logprobs)[sampled].abs().sum())
             sums["clipfrac"] += m["clip_fraction"] * float(mask.sum())
-            sums["tis_weight_mean"] += m["tis_weight_mean"] * float(mask.sum())
+            sums["tis_weight_mean"] += m["tis_weight_mean"] * float(sampled.sum())
         grad_norm = self.backend.clip_and_step(cfg.clip_grad)
         if not math.isfinite(grad_norm):
             raise TrainStepError(f"non-finite gradient norm {grad_norm}; step skipped, weights untouched")
+        sampled_tokens = float(sum(int(s.sampled_mask.sum()) for s in samples))
         return {"trained_groups": len(samples) // self.n, "loss_tokens": loss_tokens,
                 "accepted_tokens": accepted, "grad_norm": grad_norm,
-                "train_rollout_logprob_abs_diff": sums["abs_logprob_diff"] / loss_tokens,
+                "sampled_tokens": sampled_tokens,
+                "synthetic_eos_samples": sum(s.synthetic_eos for s in samples),
+                "train_rollout_logprob_abs_diff": sums["abs_logprob_diff"] / max(sampled_tokens, 1.0),
                 "clipfrac": sums["clipfrac"] / loss_tokens,
-                "tis_weight_mean": sums["tis_weight_mean"] / loss_tokens,
+                "tis_weight_mean": sums["tis_weight_mean"] / max(sampled_tokens, 1.0),
                 "max_prox_drift": sums["max_prox_drift"],
                 "proximal_cache_peak_bytes": self.cache.peak_bytes,
                 "proximal_cache_transferred_bytes": self.cache.transferred_bytes,

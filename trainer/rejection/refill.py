@@ -30,7 +30,7 @@ import torch
 
 from actors import ActorProxy
 from rollout.sample import Sample
-from trainer.batch import per_sample_tensors, token_counts
+from trainer.batch import per_sample_tensors, sampled_masks, token_counts
 from trainer.config import TrainerConfig
 from trainer.proximal_cache import ProximalLogprobCache
 from trainer.rejection.refill_planner import plan_refill_rounds, refill_quantum
@@ -70,7 +70,7 @@ class RefillCoordinator:
         accept, tokens = self.gate.decide(
             [cache.peek(s.sample_id) for s in samples],
             per_sample_tensors(samples, "rollout_logprobs"),
-            per_sample_tensors(samples, "loss_mask"))
+            sampled_masks(samples))  # only sampled tokens have a behaviour logprob (no synthetic EOS)
         return accept, {s.sample_id: t for s, t in zip(samples, tokens)}
 
     async def admit(self, samples: list[Sample]) -> tuple[list[Sample], dict[int, torch.Tensor], dict]:

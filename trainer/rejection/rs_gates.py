@@ -11,8 +11,11 @@ Per response token ``t`` with loss mask ``m_t`` (docs/design.md §7 "Trainer mat
     sequence gate:   accept exp(sum_t m_t d_t)                in [lower, upper]
     geometric gate:  accept exp(sum_t m_t d_t / max(sum m, 1)) in [lower, upper]
 
-Tokens with ``m_t = 0`` (prompt, observation, padding) never influence a gate; their ``d_t``
-may be NaN or inf (the rollout logprob of an observation slot is undefined). Sums are taken in
+``m_t`` is 1 exactly at the tokens the engine sampled (the caller passes
+:attr:`rollout.sample.Sample.sampled_mask`, which is the loss mask without a synthetic EOS).
+Tokens with ``m_t = 0`` (prompt, observation, padding, a synthetic EOS) never influence a gate,
+neither a sum nor the token count of the geometric mean; their ``d_t`` may be NaN or inf (the
+rollout logprob of an observation slot or of an appended EOS is undefined). Sums are taken in
 float64 so the weight does not depend on summation order at float32 resolution. The sequence
 and geometric gates are one implementation, :func:`sample_gate`, parameterised by the weight
 function (:data:`SAMPLE_LOG_WEIGHTS`).

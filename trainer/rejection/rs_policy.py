@@ -9,6 +9,10 @@ per-token accept decisions using the formulas in :mod:`trainer.rejection.rs_gate
 - ``sequence`` / ``geometric``: the sample's ``exp(sum m d)`` / ``exp(mean m d)`` in bounds
   decides the sample, and all its tokens with it.
 
+``m`` here is the mask of tokens the engine sampled (:attr:`rollout.sample.Sample.sampled_mask`),
+not the loss mask: a synthetic EOS is trained on but has no behaviour logprob, so it never
+enters a gate (docs/design.md §8 "Rejection sampling").
+
 Loss denominator under RS (documented choice, tested in tests/test_refill.py): with refill off,
 rejected tokens contribute 0 and the denominator is ``--rs-denominator``: ``loss_tokens`` (all
 loss tokens of the step, so rejection shrinks the update like a smaller learning rate, as in
@@ -53,21 +57,28 @@ class RSGate:
         return self.mode != "none"
 
     def decide(self, logp_prox: Sequence[torch.Tensor], logp_rollout: Sequence[torch.Tensor],
-               loss_mask: Sequence[torch.Tensor]) -> tuple[list[bool], list[torch.Tensor]]:
+               sampled_mask: Sequence[torch.Tensor]) -> tuple[list[bool], list[torch.Tensor]]:
         """Gate a list of samples (float32 [R_i] each).
+
+        ``sampled_mask`` is each sample's :attr:`rollout.sample.Sample.sampled_mask` (uint8 or
+        bool [R_i], ``trainer.batch.sampled_masks``): only tokens the engine sampled have a
+        behaviour logprob, so only they enter a gate. A synthetic EOS (loss-bearing, not
+        sampled) changes neither a sequence sum nor the token count of a geometric mean; token
+        RS accepts it (it has no ratio to reject), and a sample gate's decision covers it with
+        the rest of its sample.
 
         Returns:
             ``(sample_accept, token_accept)``: one bool per sample, and one bool tensor [R_i]
             per sample (True = the token may contribute to the loss).
         Raises:
-            trainer.rejection.rs_gates.RSError: non-finite ratio at a loss token (naming it).
+            trainer.rejection.rs_gates.RSError: non-finite ratio at a sampled token (naming it).
         """
         if not self.active:
-            return [True] * len(logp_prox), [torch.ones(len(m), dtype=torch.bool) for m in loss_mask]
-        ratios = [compute_log_ratio(p, r, m) for p, r, m in zip(logp_prox, logp_rollout, loss_mask)]
+            return [True] * len(logp_prox), [torch.ones(len(m), dtype=torch.bool) for m in sampled_mask]
+        ratios = [compute_log_ratio(p, r, m) for p, r, m in zip(logp_prox, logp_rollout, sampled_mask)]
         if self.mode == "token":
-            tokens = [token_gate(d, m, self.lower, self.upper) for d, m in zip(ratios, loss_mask)]
+            tokens = [token_gate(d, m, self.lower, self.upper) for d, m in zip(ratios, sampled_mask)]
             return [bool(t.all()) for t in tokens], tokens
-        accept = sample_gate(ratios, list(loss_mask), self.lower, self.upper,
+        accept = sample_gate(ratios, list(sampled_mask), self.lower, self.upper,
                              log_weight=SAMPLE_LOG_WEIGHTS[self.mode]).tolist()
-        return accept, [torch.full((len(m),), ok, dtype=torch.bool) for ok, m in zip(accept, loss_mask)]
+        return accept, [torch.full((len(m),), ok, dtype=torch.bool) for ok, m in zip(accept, sampled_mask)]

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from trainer.advantages import AdvantageError, grpo_advantages
+from trainer.advantages import AdvantageError, baseline_groups, grpo_advantages
 
 
 def test_group_mean_subtracted_per_contiguous_group():
@@ -49,3 +49,60 @@ def test_integer_rewards_become_float32():
 def test_bad_input_raises(rewards, n, pattern):
     with pytest.raises(AdvantageError, match=pattern):
         grpo_advantages(rewards, n, normalize_std=False)
+
+
+# ---- baseline over the samples RS accepted (refill off) ---------------------------------
+
+
+def test_rejected_reward_does_not_set_the_baseline():
+    # issue 8 item 1: group [100, 1], the reward-100 sample rejected. One accepted sample is no
+    # baseline: both advantages 0 (before the fix the accepted one got 1 - 50.5 = -49.5).
+    got = grpo_advantages(torch.tensor([100.0, 1.0]), 2, normalize_std=False,
+                          accepted=torch.tensor([False, True]))
+    assert got.tolist() == [0.0, 0.0]
+    assert baseline_groups(torch.tensor([False, True]), 2).tolist() == [False]
+
+
+def test_baseline_and_std_over_accepted_samples_only():
+    rewards = torch.tensor([100.0, 1.0, 4.0, 2.0, 2.0, 5.0], dtype=torch.float64)
+    accepted = torch.tensor([False, True, True, True, True, True])
+    # group 0: mean of {1, 4} = 2.5 -> [0 (rejected), -1.5, 1.5]; group 1 whole: mean 3
+    got = grpo_advantages(rewards, 3, normalize_std=False, accepted=accepted)
+    assert got.tolist() == [0.0, -1.5, 1.5, -1.0, -1.0, 2.0]
+    # population std of {1, 4} is 1.5; of {2, 2, 5} is sqrt((1 + 1 + 4) / 3) = sqrt(2)
+    got = grpo_advantages(rewards, 3, normalize_std=True, eps=1e-6, accepted=accepted)
+    s = math.sqrt(2.0)
+    want = [0.0, -1.5 / (1.5 + 1e-6), 1.5 / (1.5 + 1e-6), -1 / (s + 1e-6), -1 / (s + 1e-6), 2 / (s + 1e-6)]
+    assert got.tolist() == pytest.approx(want, rel=1e-12)
+
+
+def test_groups_with_fewer_than_two_accepted_samples_are_degenerate():
+    accepted = torch.tensor([False, False, True, False, True, True])
+    assert baseline_groups(accepted, 2).tolist() == [False, False, True]
+    got = grpo_advantages(torch.tensor([3.0, 7.0, 1.0, 9.0, 0.0, 1.0]), 2, normalize_std=True,
+                          accepted=accepted)
+    # last group {0, 1}: mean 0.5, population std 0.5
+    assert got.tolist() == [0.0, 0.0, 0.0, 0.0, pytest.approx(-0.5 / (0.5 + 1e-6)),
+                            pytest.approx(0.5 / (0.5 + 1e-6))]
+
+
+@pytest.mark.parametrize("normalize_std", [False, True])
+def test_everything_accepted_is_bit_identical_to_no_mask(normalize_std):
+    # RS off (the default) and exact refill (whole groups) must not change a bit of the figures
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.float64):
+        rewards = torch.rand(48, generator=g, dtype=dtype) * 10 - 3
+        plain = grpo_advantages(rewards, 8, normalize_std=normalize_std)
+        masked = grpo_advantages(rewards, 8, normalize_std=normalize_std,
+                                 accepted=torch.ones(48, dtype=torch.bool))
+        assert torch.equal(plain, masked) and masked.dtype == dtype
+
+
+@pytest.mark.parametrize("accepted, pattern", [
+    (torch.ones(3, dtype=torch.bool), "4 entries"),
+    (torch.ones(4), "bool"),
+    ([True] * 4, "bool"),
+])
+def test_bad_accepted_mask_raises(accepted, pattern):
+    with pytest.raises(AdvantageError, match=pattern):
+        grpo_advantages(torch.zeros(4), 2, normalize_std=False, accepted=accepted)

@@ -19,3 +19,38 @@ def test_row_merges_summary_training_and_push_and_drops_policy_versions():
 def test_push_without_its_figures_is_a_key_error():
     with pytest.raises(KeyError):
         step_metrics(0, {}, {}, {"seconds": 1.0}, 0.0)
+
+
+def test_skipped_row_is_written_logged_and_shown_without_update_figures(tmp_path, caplog):
+    import json
+    import logging
+
+    from tools.metrics import MetricsRecorder, progress_status
+
+    # a skipped step has no grad_norm / train_rollout_logprob_abs_diff / ...: nothing may fail
+    row = {"step": 3, "reward_mean": 0.5, "skipped": 1, "skip_reason": "no_accepted_tokens",
+           "trainer_version": 2, "staleness_mean": 0.0, "step_seconds": 1.25}
+    assert progress_status(row) == ("skipped (no_accepted_tokens)  reward 0.500  stale 0.0  "
+                                    "flips 0/0  1.25s/step")
+    with caplog.at_level(logging.WARNING, logger="replayrl"):
+        with MetricsRecorder(tmp_path, num_steps=1, show_progress=False) as recorder:
+            recorder.record(row)
+    assert json.loads((tmp_path / "metrics.jsonl").read_text()) == row
+    assert "step 3 skipped (no_accepted_tokens)" in caplog.text and "version 2" in caplog.text
+    assert "1 steps (1 skipped)" in recorder.summary()
+
+
+async def test_nothing_is_pushed_after_a_skipped_step():
+    from tests.fakes import FakeProxy
+    from tools.train_loop import NO_PUSH, push_after
+
+    pushed = []
+
+    async def push_weights():
+        pushed.append(1)
+        return {"version": 1, "seconds": 0.5, "bytes": 10}
+
+    trainer = FakeProxy(push_weights=push_weights)
+    assert await push_after({"skipped": 1}, trainer) == NO_PUSH and pushed == []
+    assert await push_after({"skipped": 0}, trainer) == {"version": 1, "seconds": 0.5, "bytes": 10}
+    assert pushed == [1]

@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Callable, Mapping, Sequence
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+log = logging.getLogger("replayrl")
 
 
 def edge_means(values: Sequence[float], fraction: float = 0.1) -> tuple[float, float]:
@@ -29,6 +32,25 @@ def frozen(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return tuple(frozen(v) for v in value)
     return value
+
+
+def progress_status(metrics: Mapping) -> str:
+    """The progress line of one row; a figure the row lacks (a skipped step has no update
+    figures) is left out, never an error."""
+    parts = []
+    if metrics.get("skipped"):
+        parts.append(f"skipped ({metrics.get('skip_reason', '?')})")
+    for key, label, fmt in (("reward_mean", "reward", ".3f"),
+                            ("train_rollout_logprob_abs_diff", "|Δlogp|", ".4f"),
+                            ("staleness_mean", "stale", ".1f")):
+        if key in metrics:
+            parts.append(f"{label} {metrics[key]:{fmt}}")
+    parts.append(f"flips {metrics.get('routing_flip_rate', 0):.0f}/{metrics.get('indexer_flip_rate', 0):.0f}")
+    if "refill_rounds" in metrics and "admitted_groups" in metrics:
+        parts.append(f"groups {metrics['admitted_groups']} in {metrics['refill_rounds']} refill rounds")
+    if "step_seconds" in metrics:
+        parts.append(f"{metrics['step_seconds']:.2f}s/step")
+    return "  ".join(parts)
 
 
 class MetricsRecorder:
@@ -63,16 +85,20 @@ class MetricsRecorder:
         self._file.close()
 
     def record(self, metrics: dict) -> None:
-        """Append one step's metrics (a flat dict of JSON-able values)."""
+        """Append one step's metrics (a flat dict of JSON-able values).
+
+        Every row is written, whatever keys it has: a skipped step (``skipped: 1``, no update
+        figures) is also logged as a warning on the ``replayrl`` logger, naming its
+        ``skip_reason``, and the progress line shows only the figures the row has.
+        """
         self.rows.append(metrics)
         self._file.write(json.dumps(metrics) + "\n")
         self._file.flush()
-        refill = (f"  groups {metrics['admitted_groups']} in {metrics['refill_rounds']} refill rounds"
-                  if "refill_rounds" in metrics else "")
-        self._progress.update(self._task, advance=1, status=(
-            f"reward {metrics['reward_mean']:.3f}  |Δlogp| {metrics['train_rollout_logprob_abs_diff']:.4f}"
-            f"  stale {metrics['staleness_mean']:.1f}  flips {metrics.get('routing_flip_rate', 0):.0f}"
-            f"/{metrics.get('indexer_flip_rate', 0):.0f}{refill}  {metrics['step_seconds']:.2f}s/step"))
+        if metrics.get("skipped"):
+            log.warning("replayrl: step %s skipped (%s): nothing trained, weights and version %s "
+                        "unchanged", metrics.get("step"), metrics.get("skip_reason"),
+                        metrics.get("trainer_version"))
+        self._progress.update(self._task, advance=1, status=progress_status(metrics))
         view = frozen(metrics)
         for hook in self.hooks:
             hook(self.config, view)
@@ -98,9 +124,12 @@ class MetricsRecorder:
         return path
 
     def summary(self) -> str:
-        """One line: first / last 10 % reward means, their ratio, steps, seconds."""
+        """One line: first / last 10 % reward means, their ratio, steps (and how many were
+        skipped, when any), seconds."""
         first, last = edge_means([r["reward_mean"] for r in self.rows])
         ratio = f"{last / first:.1f}x" if first > 0 else "n/a (first10% is 0)"
         seconds = sum(r["step_seconds"] for r in self.rows)
-        return (f"replayrl: {len(self.rows)} steps in {seconds:.0f}s  reward first10%={first:.3f} "
+        skipped = sum(1 for r in self.rows if r.get("skipped"))
+        steps = f"{len(self.rows)} steps" + (f" ({skipped} skipped)" if skipped else "")
+        return (f"replayrl: {steps} in {seconds:.0f}s  reward first10%={first:.3f} "
                 f"last10%={last:.3f} ratio={ratio}  metrics={self.path}")

@@ -31,7 +31,7 @@ from typing import Any, Coroutine
 from actors import ActorSpec, Directory, Supervisor, close_connections, run_event_loop
 from tools.config import RunConfig, config_from_args
 from tools.exit_codes import exit_code
-from tools.train_loop import step_metrics
+from tools.train_loop import push_after, step_metrics
 
 log = logging.getLogger(__name__)
 
@@ -294,8 +294,8 @@ class ReplSession:
         """One iteration of :func:`tools.train_loop.train_loop`, without the overlap.
 
         Generates rollout ``k`` on the engines, trains one optimizer step on it and pushes the
-        new weights to every engine. The engines must already hold weights
-        (``trainer.push_weights()`` once after start).
+        new weights to every engine (nothing after a step the trainer skipped, ``skipped: 1``).
+        The engines must already hold weights (``trainer.push_weights()`` once after start).
 
         Args:
             k: rollout id (each id is generated and taken once).
@@ -318,7 +318,7 @@ class ReplSession:
             start = time.perf_counter()
             summary = await manager.generate(k)
             trained = await trainer.train(k)
-            push = await trainer.push_weights()
+            push = await push_after(trained, trainer)  # nothing after a skipped step
             return step_metrics(k, summary, trained, push, time.perf_counter() - start)
 
         return self.run(one_step())

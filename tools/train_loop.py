@@ -5,6 +5,11 @@ weights are pushed only after that generation finished, so every sample enters i
 one version stale (``t - v = 1``) except the first batch of a run or of a resume (``t - v = 0``).
 The VersionClock checks that window on every step.
 
+A step the trainer skips (nothing to train, ``skipped: 1`` in its metrics, docs/design.md §8)
+moved no weight and no version, so nothing is pushed after it (:data:`NO_PUSH`): the engines
+keep the weights they have, the next batch was generated at the trainer's unchanged version
+(staleness 0, inside the window) and the row is still recorded.
+
 Checkpoints (``--save-interval``) are taken after a step's weight push. They hold the trainer
 (model, optimizer, version, RNG), the clock and the data source as it was *before* the
 prefetched rollout was drawn, so a resumed run draws that batch again from the restored policy.
@@ -19,6 +24,26 @@ from typing import Callable
 
 from actors import Directory
 from tools.config import RunConfig
+
+
+NO_PUSH = {"version": None, "seconds": 0.0, "bytes": 0}
+"""The ``push`` figures of a step after which nothing was pushed (a skipped step)."""
+
+
+async def push_after(trained: dict, trainer) -> dict:
+    """Push the weights after a trained step; after a skipped one the engines keep theirs.
+
+    Args:
+        trained: the trainer's ``train`` result.
+        trainer: a proxy to the TrainerActor.
+    Returns:
+        the ``push_weights`` result, or a copy of :data:`NO_PUSH` when ``trained["skipped"]``.
+    Raises:
+        actors.RemoteError: the push failed.
+    """
+    if trained.get("skipped"):
+        return dict(NO_PUSH)
+    return await trainer.push_weights()
 
 
 def step_metrics(step: int, summary: dict, trained: dict, push: dict, step_seconds: float) -> dict:
@@ -90,7 +115,7 @@ async def train_loop(directory: Directory, config: RunConfig,
         summary = generated
         if next_rollout is not None:
             generated = await next_rollout
-            push = await trainer.push_weights()
+            push = await push_after(trained, trainer)
         if config.save_interval and (step + 1) % config.save_interval == 0:
             await save_checkpoint(directory, Path(config.save_dir) / f"step-{step + 1}", step + 1,
                                   config)

@@ -44,6 +44,10 @@ class TrainerConfig:
         rs_mode, rs_lower, rs_upper: the RS gate (``--rs-mode none|token|sequence|geometric``).
         rs_denominator: loss denominator when RS rejects tokens without refill
             (``loss_tokens`` | ``accepted_tokens``), see :mod:`trainer.rejection.rs_policy`.
+        stop_on_empty_step: a step with nothing to train (no accepted loss token, or no prompt
+            group with two accepted samples) raises :class:`trainer.trainer_actor.EmptyStep`
+            and ends the run (``--stop-on-empty-step``); off, the step is skipped (nothing
+            moves, the row says ``skipped: 1``) and the run goes on.
         rs_batch_refill: exact refill (``--rs-batch-refill``): train on exactly
             ``rollout_batch_size`` admitted groups or do not step.
         rs_refill_max_rounds: replacement rounds before the step fails.
@@ -95,6 +99,9 @@ class TrainerConfig:
     rs_denominator: str = setting("loss_tokens", "rs-denominator", "loss denominator when RS masks "
                                   "tokens without refill",
                                   Choices(("loss_tokens", "accepted_tokens")))
+    stop_on_empty_step: bool = setting(False, "stop-on-empty-step", "end the run at a step with "
+                                       "nothing to train (no accepted token); off: skip the step, "
+                                       "weights and version unchanged")
     rs_batch_refill: bool = setting(False, "rs-batch-refill", "exact refill: every step trains on "
                                     "exactly --rollout-batch-size whole admitted groups, or fails "
                                     "before the optimizer step")

@@ -12,8 +12,16 @@ One call of :meth:`TrainerActor.train` is one optimizer step on one rollout batc
    spent, in which case the step raises before the optimizer is touched
    (:class:`trainer.rejection.refill.RefillCoordinator`, which gets the cache, the preflight and
    the actor refs, not this actor);
-5. GRPO advantages over the trained groups, loss forward/backward per microbatch with the same
-   replays and the same gate re-applied, clip, optimizer step, ``trainer_version += 1``.
+5. GRPO advantages over the trained groups (with RS and no refill, each group's baseline over
+   the samples the gate accepted; a group with fewer than two trains on nothing), loss
+   forward/backward per microbatch with the same replays and the same gate re-applied, clip,
+   optimizer step, ``trainer_version += 1``.
+
+A step with nothing to train (no loss token, none accepted, or no group with a baseline) is
+skipped before any forward of the update: weights, optimizer moments and the version stay as
+they are and the metrics say ``skipped: 1`` and why (``skip_reason``), whichever
+``--rs-denominator``; with ``--stop-on-empty-step`` it raises :class:`EmptyStep` instead
+(docs/design.md §8 "Rejection sampling").
 
 Everything that touches the weights or the optimizer (forwards, backward, clip + step, weight
 export, checkpoints) goes through the backend chosen by ``--train-backend``
@@ -34,7 +42,7 @@ import torch
 
 from actors import Actor
 from rollout.sample import Sample
-from trainer.advantages import grpo_advantages
+from trainer.advantages import baseline_groups, grpo_advantages
 from trainer.backends import resolve_backend
 from trainer.batch import collate, collate_packed, per_sample_tensors, sampled_masks, token_counts
 from trainer.config import TrainerConfig
@@ -46,6 +54,15 @@ from trainer.replay import batch_flip_rate, check_replay, mean_rates
 
 class TrainStepError(RuntimeError):
     """A step could not run; raised before the optimizer step, weights untouched."""
+
+
+class EmptyStep(TrainStepError):
+    """A step with nothing to train under ``--stop-on-empty-step``; nothing was applied."""
+
+
+SKIP_REASONS = ("no_loss_tokens", "no_accepted_tokens", "no_group_baseline")
+"""``skip_reason`` of a skipped step: the batch has no loss token; the RS gate kept none; every
+prompt group has fewer than two accepted samples (no baseline, docs/design.md §8)."""
 
 
 class TrainerActor(Actor):
@@ -160,8 +177,15 @@ class TrainerActor(Actor):
             actors.RemoteError: the clock rejected a stale sample, or the manager has no batch.
             rollout.sample.SampleError: a malformed trajectory (named).
             trainer.rejection.refill_planner.RefillExhausted: too few admitted groups (nothing applied).
-            TrainStepError: no loss-bearing token, a non-finite gradient, or a training forward
-                that does not reproduce the preflight gate (nothing applied).
+            TrainStepError: a non-finite gradient, or a training forward that does not
+                reproduce the preflight gate (nothing applied).
+            EmptyStep: nothing to train and ``--stop-on-empty-step`` (nothing applied).
+
+        A step with nothing to train (:data:`SKIP_REASONS`) without ``--stop-on-empty-step``
+        applies nothing, keeps the version and returns ``skipped: 1``, ``skip_reason``, the
+        token and group counts and the staleness figures, without the update's figures
+        (``grad_norm``, ``clipfrac``, ...). Every row has ``skipped`` (0 or 1) and
+        ``rs_degenerate_groups`` (prompt groups with fewer than two accepted samples).
         """
         cfg = self.config
         clock = self.proxy(self.clock_name, cfg.rpc_timeout_s)
@@ -188,8 +212,9 @@ class TrainerActor(Actor):
             metrics.update(self._update(admitted, token_accept))
         finally:
             self.cache.clear()  # nothing survives a step, on success or error
-        self.version += 1
-        await clock.set_trainer_version(self.version)
+        if not metrics["skipped"]:  # a skipped step applied nothing: the version stays
+            self.version += 1
+            await clock.set_trainer_version(self.version)
         seconds = time.perf_counter() - start
         metrics.update(rollout_id=rollout_id, trainer_version=self.version,
                        staleness_mean=float(np.mean([trainer_version - s.policy_version for s in admitted])),
@@ -198,16 +223,57 @@ class TrainerActor(Actor):
                        effective_tokens_per_second=metrics["accepted_tokens"] / seconds)
         return metrics
 
+    def _baseline(self, samples: list[Sample], token_accept: dict[int, torch.Tensor]
+                  ) -> tuple[torch.Tensor | None, dict[int, torch.Tensor], int]:
+        """Which samples set their group's baseline, and the token masks the loss uses.
+
+        A sample is in its group's baseline when its advantage reaches the loss: the gate
+        accepted it whole, or (token mode) kept at least one of its sampled tokens (a synthetic
+        EOS alone, which has no behaviour logprob, does not count). A group with
+        fewer than two such samples has no baseline: the loss uses none of its tokens.
+
+        Returns:
+            ``(accepted, loss_accept, degenerate)``: bool [B] for :func:`grpo_advantages`
+            (``None`` when RS is off: everything is accepted and nothing changes), the
+            per-sample bool [R] token masks for the loss (the gate's, minus the groups without
+            a baseline) and the number of those groups.
+        """
+        if not self.gate.active:
+            return None, token_accept, 0
+        accepted = torch.tensor([
+            bool(token_accept[s.sample_id].all())
+            or bool((token_accept[s.sample_id] & torch.from_numpy(np.asarray(s.sampled_mask) > 0)).any())
+            for s in samples], dtype=torch.bool)
+        in_group = torch.repeat_interleave(baseline_groups(accepted, self.n), self.n)
+        loss_accept = {s.sample_id: token_accept[s.sample_id] & bool(ok)
+                       for s, ok in zip(samples, in_group)}
+        return accepted, loss_accept, int((~in_group).sum()) // self.n
+
     def _update(self, samples: list[Sample], token_accept: dict[int, torch.Tensor]) -> dict:
         cfg = self.config
         self.cache.check_bijection([s.sample_id for s in samples])
-        loss_count, accepted_count = token_counts(samples, token_accept)
+        baseline, loss_accept, degenerate = self._baseline(samples, token_accept)
+        loss_count, gate_count = token_counts(samples, token_accept)
+        accepted_count = token_counts(samples, loss_accept)[1]
         loss_tokens, accepted = float(loss_count), float(accepted_count)
+        sampled_tokens = float(sum(int(s.sampled_mask.sum()) for s in samples))
+        groups = {"trained_groups": len(samples) // self.n - degenerate,
+                  "rs_degenerate_groups": degenerate, "loss_tokens": loss_tokens,
+                  "accepted_tokens": accepted, "sampled_tokens": sampled_tokens,
+                  "synthetic_eos_samples": sum(s.synthetic_eos for s in samples)}
+        if accepted_count == 0:  # nothing to train: no forward, no backward, no optimizer call
+            reason = ("no_loss_tokens" if loss_count == 0 else
+                      "no_accepted_tokens" if gate_count == 0 else "no_group_baseline")
+            if cfg.stop_on_empty_step:
+                raise EmptyStep(f"step has nothing to train ({reason}: {loss_count} loss tokens, "
+                                f"{gate_count} accepted by the RS gate, {degenerate} of "
+                                f"{len(samples) // self.n} prompt groups without a baseline); "
+                                f"--stop-on-empty-step ends the run, nothing applied")
+            return {"skipped": 1, "skip_reason": reason, **groups, "trained_groups": 0}
         denominator = loss_tokens if cfg.rs_denominator == "loss_tokens" else accepted
-        if denominator == 0:
-            raise TrainStepError("no loss-bearing (accepted) token in the step; refusing an empty step")
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-        adv = grpo_advantages(rewards, self.n, normalize_std=cfg.normalize_advantage_std)
+        adv = grpo_advantages(rewards, self.n, normalize_std=cfg.normalize_advantage_std,
+                              accepted=baseline)
         self.backend.zero_grad()
         sums = {"abs_logprob_diff": 0.0, "clipfrac": 0.0, "tis_weight_mean": 0.0, "max_prox_drift": 0.0}
         offset = 0
@@ -215,6 +281,7 @@ class TrainerActor(Actor):
             logp = self.backend.train_logprobs(batch)
             prox = torch.cat(self.cache.take([s.sample_id for s in chunk]))
             accept = torch.cat([token_accept[s.sample_id] for s in chunk])
+            trained = torch.cat([loss_accept[s.sample_id] for s in chunk])
             # The same gate, re-applied to this forward, must reproduce the preflight decision:
             # the weights have not moved yet, so logp equals the proximal logprobs up to rounding.
             drift = float((logp.detach() - prox).abs().max())
@@ -230,7 +297,7 @@ class TrainerActor(Actor):
             offset += len(chunk)
             loss, m = policy_loss(logp, prox, batch.rollout_logprobs, adv_tok, batch.loss_mask,
                                   eps_low=cfg.eps_clip, eps_high=cfg.eps_clip_high,
-                                  tis_cap=cfg.tis_cap, token_accept=accept,
+                                  tis_cap=cfg.tis_cap, token_accept=trained,
                                   sampled_mask=batch.sampled_mask, denominator=cfg.rs_denominator)
             # policy_loss averages over this microbatch's denominator; rescale to the step's
             mb_den = float(m["loss_tokens"] if cfg.rs_denominator == "loss_tokens" else m["accepted_tokens"])
@@ -244,11 +311,7 @@ class TrainerActor(Actor):
         grad_norm = self.backend.clip_and_step(cfg.clip_grad)
         if not math.isfinite(grad_norm):
             raise TrainStepError(f"non-finite gradient norm {grad_norm}; step skipped, weights untouched")
-        sampled_tokens = float(sum(int(s.sampled_mask.sum()) for s in samples))
-        return {"trained_groups": len(samples) // self.n, "loss_tokens": loss_tokens,
-                "accepted_tokens": accepted, "grad_norm": grad_norm,
-                "sampled_tokens": sampled_tokens,
-                "synthetic_eos_samples": sum(s.synthetic_eos for s in samples),
+        return {"skipped": 0, **groups, "grad_norm": grad_norm,
                 "train_rollout_logprob_abs_diff": sums["abs_logprob_diff"] / max(sampled_tokens, 1.0),
                 "clipfrac": sums["clipfrac"] / loss_tokens,
                 "tis_weight_mean": sums["tis_weight_mean"] / max(sampled_tokens, 1.0),

@@ -5,7 +5,8 @@ what the step trains on:
 
 - RS off: everything;
 - RS on, refill off: every sample, with rejected tokens masked out of the loss (the loss
-  denominator policy is :mod:`trainer.rejection.rs_policy`'s);
+  denominator policy is :mod:`trainer.rejection.rs_policy`'s; the update takes each group's
+  baseline over its accepted samples, docs/design.md §8);
 - RS on, refill on: whole prompt groups (group-atomic admission). Rejected groups are dropped
   and ``ceil(deficit / q) * q`` replacement groups are requested from the RolloutManager, which
   generates them from the current policy; each replacement's version must equal the preflight

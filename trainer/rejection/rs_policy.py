@@ -18,6 +18,11 @@ rejected tokens contribute 0 and the denominator is ``--rs-denominator``: ``loss
 loss tokens of the step, so rejection shrinks the update like a smaller learning rate, as in
 slime's masked RS) or ``accepted_tokens`` (only accepted ones). With exact refill on, every
 trained sample is admitted whole, so both denominators are the same number.
+
+What else the decisions mean without refill (docs/design.md §8, applied by the TrainerActor):
+each group's GRPO baseline is over its samples the gate accepted (a token-mode sample counts
+when at least one of its loss tokens is kept), a group with fewer than two trains on nothing,
+and a step with no accepted token is skipped (or ends the run with ``--stop-on-empty-step``).
 """
 from __future__ import annotations
 

@@ -1,0 +1,179 @@
+"""RS without refill: a group's baseline comes from the samples the gate accepted (issue 8 item 1).
+
+Each test drives a real in-process TrainerActor (its ``train``) on hand-built samples whose
+rollout logprobs are the trainer's own logprobs (ratio exactly 1, accepted) or 2 nats above
+them (per-token ratio e^-2, rejected by a ``sequence`` band [0.5, 2]); the other actors are
+fakes. The expected weights come from an independent reference: the same step without RS on
+the accepted samples alone.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from rollout.sample import Sample
+from rollout.task import VOCABULARY
+from tests.fakes import FakeProxy
+from tools.config import build_config
+from tools.launcher import write_initial_checkpoint
+from trainer.config import TrainerConfig
+from trainer.trainer_actor import EmptyStep, TrainerActor
+
+RESPONSE_LEN = 3
+RS = {"rs_mode": "sequence", "rs_lower": 0.5, "rs_upper": 2.0}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    config = build_config({"n-samples-per-prompt": 2, "rollout-batch-size": 1})
+    return str(write_initial_checkpoint(config, tmp_path_factory.mktemp("ckpt") / "init"))
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)  # the trainer backend sets the process's threads
+
+
+def _actor(checkpoint: str, n: int, groups: int, **settings) -> TrainerActor:
+    # micro-batch 1: every sample has its own forward, so a step with an extra (rejected)
+    # sample accumulates exactly the reference step's per-sample gradients
+    cfg = TrainerConfig(use_support_replay=False, micro_batch_size=1, **settings)
+    return TrainerActor(checkpoint, cfg.to_dict(), n_samples_per_prompt=n, engines=[],
+                        rollout_batch_size=groups, vocab_tokens=list(VOCABULARY))
+
+
+def _samples(actor: TrainerActor, rewards: list[float], rejected: set[int], n: int) -> list[Sample]:
+    """Samples ``0..len(rewards)-1`` (groups of ``n``) with the model's own traces; rollout
+    logprobs = the trainer's logprobs, +2 nats per token for the ``rejected`` ones."""
+    model, rng = actor.backend.model, np.random.default_rng(0)
+    out = []
+    for i, reward in enumerate(rewards):
+        prompt = rng.integers(0, 40, 4).astype(np.int32)
+        response = rng.integers(0, 40, RESPONSE_LEN).astype(np.int32)
+        tokens = torch.from_numpy(np.r_[prompt, response][:-1].astype(np.int64))[None]
+        with torch.no_grad():
+            traced = model(tokens, torch.arange(tokens.shape[1])[None], capture=True)
+        fields = dict(sample_id=i, group_id=i // n, rollout_id=0, policy_version=0,
+                      prompt_ids=prompt, response_ids=response,
+                      loss_mask=np.ones(RESPONSE_LEN, np.uint8),
+                      routed_experts=traced.routed_experts[0].numpy().astype(np.int32),
+                      indexer_topk=traced.indexer_topk[0].numpy().astype(np.int32))
+        probe = Sample(**fields, rollout_logprobs=np.zeros(RESPONSE_LEN, np.float32))
+        actor.preflight([probe])
+        own = actor.cache.peek(i).numpy()
+        actor.cache.clear()
+        out.append(Sample(**fields, reward=reward,
+                          rollout_logprobs=own + (2.0 if i in rejected else 0.0)))
+    return out
+
+
+async def _train(actor: TrainerActor, samples: list[Sample]) -> tuple[dict, list[int]]:
+    """``actor.train(0)`` on ``samples`` with a fake manager and clock; returns the metrics and
+    the versions the trainer reported to the clock."""
+    reported: list[int] = []
+
+    async def take_batch(rollout_id):
+        return [s.to_dict() for s in samples]
+
+    async def check_samples(ids, versions):
+        return actor.version
+
+    async def set_trainer_version(version):
+        reported.append(version)
+        return version
+
+    clock = FakeProxy(check_samples=check_samples, set_trainer_version=set_trainer_version)
+    clock._methods["with_timeout"] = lambda timeout: clock
+    proxies = {"rollout_manager": FakeProxy(take_batch=take_batch), "version_clock": clock}
+    actor.proxy = lambda name, timeout=None: proxies[name]
+    return await actor.train(0), reported
+
+
+def _params(digest: dict) -> dict[str, np.ndarray]:
+    """The float32 weights in a :meth:`TrainerActor.weights_digest`."""
+    return {k: np.frombuffer(v, np.float32) for k, v in digest.items() if k.startswith("param/")}
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float(np.abs(a[k] - b[k]).max()) for k in a)
+
+
+# One AdamW step moves a weight by about --lr (3e-4) wherever its gradient is not tiny, so a
+# wrong baseline shows as differences of that size. The step and its reference are compared to
+# 1e-6, not bitwise: the extra zero gradients of untrained samples change the summation order
+# of the clip's total norm in the last bit.
+SAME = 1e-6
+
+
+async def test_rejected_sample_leaves_its_group_without_a_baseline(checkpoint):
+    # the issue's input: one group [100, 1], the reward-100 sample rejected. Before the fix the
+    # accepted sample trained with advantage 1 - (100 + 1) / 2 = -49.5; now its group has one
+    # accepted sample, no baseline, nothing to train: the step is skipped, nothing moves.
+    actor = _actor(checkpoint, n=2, groups=1, **RS)
+    samples = _samples(actor, [100.0, 1.0], rejected={0}, n=2)
+    before = await actor.weights_digest()
+    metrics, reported = await _train(actor, samples)
+    assert metrics["rs_sample_accept_rate"] == 0.5  # the gate did reject exactly sample 0
+    assert (metrics["skipped"], metrics["skip_reason"]) == (1, "no_group_baseline")
+    assert metrics["rs_degenerate_groups"] == 1 and metrics["trained_groups"] == 0
+    assert metrics["loss_tokens"] == 6 and metrics["accepted_tokens"] == 0
+    assert "grad_norm" not in metrics
+    assert await actor.weights_digest() == before and actor.version == 0 and reported == []
+
+
+async def test_stop_on_empty_step_raises_and_applies_nothing(checkpoint):
+    actor = _actor(checkpoint, n=2, groups=1, stop_on_empty_step=True, **RS)
+    samples = _samples(actor, [100.0, 1.0], rejected={0}, n=2)
+    before = await actor.weights_digest()
+    with pytest.raises(EmptyStep, match="no_group_baseline"):
+        await _train(actor, samples)
+    assert await actor.weights_digest() == before and actor.version == 0
+
+
+async def test_baseline_is_the_mean_of_the_accepted_rewards(checkpoint):
+    # group [100, 1, 4] with sample 0 rejected: baseline (1 + 4) / 2 = 2.5, advantages -1.5 and
+    # +1.5 -- exactly the RS-off step on the group [1, 4] alone (accepted_tokens denominator:
+    # 6 accepted tokens in both). Before the fix the baseline was 35 and both were pushed down.
+    actor = _actor(checkpoint, n=3, groups=1, rs_denominator="accepted_tokens", **RS)
+    samples = _samples(actor, [100.0, 1.0, 4.0], rejected={0}, n=3)
+    before = await actor.weights_digest()
+    metrics, reported = await _train(actor, samples)
+    reference = _actor(checkpoint, n=2, groups=1)
+    want, _ = await _train(reference, samples[1:])
+    assert metrics["skipped"] == 0 and metrics["rs_degenerate_groups"] == 0 and reported == [1]
+    assert metrics["loss_tokens"] == 9 and metrics["accepted_tokens"] == 6 == want["accepted_tokens"]
+    got = _params(await actor.weights_digest())
+    assert _max_diff(got, _params(before)) > 1e-4  # the step trained
+    assert _max_diff(got, _params(await reference.weights_digest())) < SAME
+
+
+async def test_degenerate_group_contributes_nothing_next_to_a_trained_one(checkpoint):
+    # groups [100, 1] (sample 0 rejected: degenerate) and [3, 1] (whole): the step equals the
+    # RS-off step on [3, 1] alone; the degenerate group is counted, its tokens are not trained
+    actor = _actor(checkpoint, n=2, groups=2, rs_denominator="accepted_tokens", **RS)
+    samples = _samples(actor, [100.0, 1.0, 3.0, 1.0], rejected={0}, n=2)
+    metrics, _ = await _train(actor, samples)
+    reference = _actor(checkpoint, n=2, groups=1)
+    await _train(reference, samples[2:])
+    assert metrics["rs_degenerate_groups"] == 1 and metrics["trained_groups"] == 1
+    assert metrics["accepted_tokens"] == 6  # group [3, 1] only; sample 1's tokens are not trained
+    assert _max_diff(_params(await actor.weights_digest()),
+                     _params(await reference.weights_digest())) < SAME
+
+
+async def test_token_gate_keeps_a_partly_accepted_sample_in_the_baseline(checkpoint):
+    # token mode: sample 0 has its first token rejected (ratio e^-2) and two kept; it still
+    # trains on those two with advantage r_0 - mean(r_0, r_1), so it is in the baseline: the
+    # group is not degenerate and the step trains on 3 + 2 = 5 tokens.
+    actor = _actor(checkpoint, n=2, groups=1, rs_mode="token", rs_lower=0.5, rs_upper=2.0)
+    samples = _samples(actor, [1.0, 0.0], rejected=set(), n=2)
+    lp = samples[0].rollout_logprobs.copy()
+    lp[0] += 2.0
+    samples[0] = Sample(**{**samples[0].__dict__, "rollout_logprobs": lp})
+    metrics, reported = await _train(actor, samples)
+    assert metrics["skipped"] == 0 and metrics["rs_degenerate_groups"] == 0
+    assert metrics["accepted_tokens"] == 5 and reported == [1]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import shutil
 import tempfile
@@ -158,7 +157,7 @@ async def launch(config: RunConfig, log_level: int = logging.WARNING,
         check_writable(Path(config.save_dir), "--save")
     output = Path(config.output_dir)
     output.mkdir(parents=True, exist_ok=True)
-    (output / "config.json").write_text(json.dumps(config.to_dict(), indent=1))
+    (output / "config.json").write_text(config.to_json())
     checkpoint = write_initial_checkpoint(config, output / "checkpoint-init")
     run_dir = Path(tempfile.mkdtemp(prefix="replayrl-"))  # short path: AF_UNIX limit
     try:

@@ -1,13 +1,14 @@
 """Per-step metrics: one JSONL line each, a live progress display, the reward plot, the summary."""
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Callable, Mapping, Sequence
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from transport import strict_json
 
 
 def edge_means(values: Sequence[float], fraction: float = 0.1) -> tuple[float, float]:
@@ -20,6 +21,14 @@ def edge_means(values: Sequence[float], fraction: float = 0.1) -> tuple[float, f
         raise ValueError("no values")
     k = max(1, math.ceil(fraction * len(values)))
     return sum(values[:k]) / k, sum(values[-k:]) / k
+
+
+def shown(metrics: Mapping, key: str, spec: str) -> str:
+    """``metrics[key]`` formatted with ``spec``, or ``n/a`` when the step has no value for it
+    (the key is absent, e.g. no flip rate without a replayed trace, or ``None``, a value
+    that was not finite). A missing value is never shown as 0."""
+    value = metrics.get(key)
+    return "n/a" if value is None else format(value, spec)
 
 
 def frozen(value: Any) -> Any:
@@ -63,19 +72,36 @@ class MetricsRecorder:
         self._file.close()
 
     def record(self, metrics: dict) -> None:
-        """Append one step's metrics (a flat dict of JSON-able values)."""
+        """Append one step's metrics (a flat dict of JSON-able values) as one strict-JSON line.
+
+        A value that is not finite (e.g. the mean of no values, NaN) is recorded as ``None``
+        (``null`` in the file): the row kept, the line written and the hooks' view agree.
+
+        Raises:
+            transport.strict_json.NonFiniteJSON / TypeError: a value JSON cannot hold.
+        """
+        metrics = strict_json.finite_or_none(metrics)
+        line = strict_json.dumps(metrics)
         self.rows.append(metrics)
-        self._file.write(json.dumps(metrics) + "\n")
+        self._file.write(line + "\n")
         self._file.flush()
-        refill = (f"  groups {metrics['admitted_groups']} in {metrics['refill_rounds']} refill rounds"
-                  if "refill_rounds" in metrics else "")
-        self._progress.update(self._task, advance=1, status=(
-            f"reward {metrics['reward_mean']:.3f}  |Δlogp| {metrics['train_rollout_logprob_abs_diff']:.4f}"
-            f"  stale {metrics['staleness_mean']:.1f}  flips {metrics.get('routing_flip_rate', 0):.0f}"
-            f"/{metrics.get('indexer_flip_rate', 0):.0f}{refill}  {metrics['step_seconds']:.2f}s/step"))
+        self._progress.update(self._task, advance=1, status=self.status_line(metrics))
         view = frozen(metrics)
         for hook in self.hooks:
             hook(self.config, view)
+
+    @staticmethod
+    def status_line(metrics: Mapping) -> str:
+        """The progress display's text for one step; ``n/a`` for a value the step does not have
+        (a flip rate without that replay's trace is not 0 flips)."""
+        refill = (f"  groups {metrics['admitted_groups']} in {metrics['refill_rounds']} refill rounds"
+                  if "refill_rounds" in metrics else "")
+        return (f"reward {shown(metrics, 'reward_mean', '.3f')}  "
+                f"|Δlogp| {shown(metrics, 'train_rollout_logprob_abs_diff', '.4f')}"
+                f"  stale {shown(metrics, 'staleness_mean', '.1f')}  "
+                f"flips {shown(metrics, 'routing_flip_rate', '.0f')}"
+                f"/{shown(metrics, 'indexer_flip_rate', '.0f')}{refill}  "
+                f"{shown(metrics, 'step_seconds', '.2f')}s/step")
 
     def plot(self) -> Path:
         """Save ``reward.png`` (reward mean per step) and return its path."""

@@ -20,7 +20,7 @@ from rollout.model.checkpoint import save_pretrained
 from rollout.model.config import default_config
 from rollout.model.qwen3_moe import Qwen3MoeForCausalLM
 from rollout.task import VOCABULARY
-from rollout.trajectory import required_traces
+from rollout.sample import required_traces
 from tools.config import ConfigError, RunConfig
 from tools.metrics import MetricsRecorder
 from tools.train_loop import train_loop
@@ -69,7 +69,7 @@ def write_initial_checkpoint(config: RunConfig, directory: Path) -> Path:
 
 def run_required_traces(config: RunConfig) -> list[str]:
     """The traces every trajectory of this run must carry and the engines capture
-    (:func:`rollout.trajectory.required_traces` of the embedded policy and the replay flags)."""
+    (:func:`rollout.sample.required_traces` of the embedded policy and the replay flags)."""
     t = config.trainer
     return list(required_traces(default_config(vocab_size=len(VOCABULARY)),
                                 support_replay=t.use_support_replay,

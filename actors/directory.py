@@ -6,7 +6,6 @@ writes it to a JSON file that every torchrun rank reads.
 """
 from __future__ import annotations
 
-import json
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +15,7 @@ from typing import Iterable, Mapping
 from actors.errors import ActorError
 from actors.proxy import ActorProxy
 from actors.ref import ActorRef
-from transport import ipc_endpoint, tcp_loopback_endpoint
+from transport import ipc_endpoint, strict_json, tcp_loopback_endpoint
 
 
 class UnknownActor(ActorError, KeyError):
@@ -80,12 +79,12 @@ class Directory:
 
     def save(self, path: str | Path) -> None:
         """Write the directory as JSON (used by the torchrun launcher)."""
-        Path(path).write_text(json.dumps(self.to_dict(), indent=1))
+        Path(path).write_text(strict_json.dumps(self.to_dict(), indent=1))
 
     @classmethod
     def load(cls, path: str | Path) -> "Directory":
         """Read a directory written by :meth:`save`."""
-        return cls(json.loads(Path(path).read_text()))
+        return cls(strict_json.loads(Path(path).read_text()))
 
 
 def _free_port() -> int:

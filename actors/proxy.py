@@ -10,10 +10,11 @@ never collides with a remote method's own ``timeout`` argument.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Coroutine
 
 from actors.interface import ActorInterface
-from actors.ref import ActorRef
+from actors.envelope import CALL
+from actors.ref import ActorRef, Message
 
 
 class ActorProxy:
@@ -57,16 +58,23 @@ class RemoteMethod:
         self.proxy = proxy
         self.method = method
 
-    async def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Check the call against the actor's interface, then make it.
+    def __call__(self, *args: Any, **kwargs: Any) -> Coroutine[Any, Any, Any]:
+        """Check the call against the actor's interface, then make it; await the result.
 
-        Raises:
+        The arguments are encoded, and their array data copied, now (as
+        :meth:`actors.ActorRef.call`): a write to an argument after this call, before the
+        awaitable ran, does not reach the actor.
+
+        Raises (when awaited):
             actors.interface.ActorCallError: no such method, or the arguments do not bind.
             actors.RemoteError / actors.ActorTimeout: as :meth:`actors.ActorRef.call`.
         """
+        return self._checked(Message.of(CALL, self.method, args, kwargs), args, kwargs)
+
+    async def _checked(self, message: Message, args: tuple, kwargs: dict) -> Any:
         proxy = self.proxy
         (await proxy.interface()).check_call(self.method, args, kwargs)
-        return await proxy.ref.call(self.method, *args, timeout=proxy.timeout, **kwargs)
+        return await proxy.ref.send(message, proxy.timeout)
 
     def __repr__(self) -> str:
         return f"<remote method {self.proxy.ref.name}.{self.method}>"

@@ -8,12 +8,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Coroutine
 
 from actors.envelope import CALL, ERR, OK, TELL, request
 from actors.errors import ActorTimeout, ProtocolError, RemoteError
 from actors.interface import ActorInterface
-from transport import Codec, DealerSocket
+from transport import Codec, DealerSocket, owned_frames
 
 log = logging.getLogger(__name__)
 _CALL_IDS = itertools.count(1)
@@ -82,6 +83,35 @@ class _Pool:
 POOL = _Pool()
 
 
+@dataclass(frozen=True)
+class Message:
+    """A request encoded when it was made: its frames are bytes the sender owns, so no later
+    write to the caller's arrays changes it (``transport.owned_frames``).
+
+    Attributes:
+        call_id: the request's id (replies are matched by it).
+        method: the remote method's name.
+        frames: the encoded request; empty when encoding failed.
+        error: the encoding error (e.g. ``transport.EncodeError``), raised when the message
+            would be sent; ``None`` otherwise.
+    """
+
+    call_id: int
+    method: str
+    frames: tuple[bytes, ...]
+    error: Exception | None = None
+
+    @classmethod
+    def of(cls, kind: str, method: str, args: tuple, kwargs: dict) -> "Message":
+        """Encode ``method(*args, **kwargs)`` now and copy its array data (any thread)."""
+        call_id = next(_CALL_IDS)
+        try:
+            frames = owned_frames(POOL.codec.encode(request(kind, call_id, method, args, kwargs)))
+        except Exception as exc:  # raised where the message is sent, as an unencodable call was
+            return cls(call_id, method, (), exc)
+        return cls(call_id, method, tuple(frames))
+
+
 def close_connections() -> None:
     """Close every client socket of this process (call before the event loop ends)."""
     POOL.close_all()
@@ -103,22 +133,33 @@ class ActorRef:
     def __repr__(self) -> str:
         return f"ActorRef({self.name!r}, {self.endpoint!r})"
 
-    async def call(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
-        """Call ``method(*args, **kwargs)`` on the actor and return its result.
+    def call(self, method: str, *args: Any, timeout: float | None = None,
+             **kwargs: Any) -> Coroutine[Any, Any, Any]:
+        """Call ``method(*args, **kwargs)`` on the actor; await the result for its return value.
+
+        The arguments are encoded, and their array data copied, when ``call`` is invoked, not
+        when the returned awaitable first runs: ``asyncio.ensure_future(ref.call("m", arr))``
+        followed by a write to ``arr`` sends the array as it was at the call.
 
         Args:
             timeout: seconds to wait for the reply; ``None`` waits forever.
-        Raises:
+        Raises (when awaited):
             RemoteError: the remote method raised (remote type, message and traceback attached).
             ActorTimeout: no reply within ``timeout`` seconds; a late reply is discarded.
             transport.EncodeError: an argument cannot be encoded (nothing was sent).
         """
+        return self.send(Message.of(CALL, method, args, kwargs), timeout)
+
+    async def send(self, message: Message, timeout: float | None = None) -> Any:
+        """Send a :class:`Message` made by :meth:`Message.of` with ``CALL`` and await its reply
+        (as :meth:`call`; used by :class:`actors.ActorProxy`, which checks the call first)."""
+        if message.error is not None:
+            raise message.error
         conn = POOL.get(self.endpoint)
-        call_id = next(_CALL_IDS)
-        frames = conn.codec.encode(request(CALL, call_id, method, args, kwargs))
+        call_id, method = message.call_id, message.method
         future = asyncio.get_running_loop().create_future()
         conn.pending[call_id] = (future, self.name, method)
-        conn.socket.send(frames)
+        conn.socket.send(list(message.frames))
         try:
             if timeout is None:
                 return await future
@@ -146,6 +187,13 @@ class ActorRef:
                                                                           timeout=timeout))
 
     def tell(self, method: str, *args: Any, **kwargs: Any) -> None:
-        """Fire-and-forget ``method(*args, **kwargs)``: no reply, remote errors are only logged."""
+        """Fire-and-forget ``method(*args, **kwargs)``: no reply, remote errors are only logged.
+
+        The message is complete when this returns (its array data copied by the transport), so
+        the caller may write to its arrays at once.
+
+        Raises:
+            transport.EncodeError: an argument cannot be encoded (nothing was sent).
+        """
         conn = POOL.get(self.endpoint)
         conn.socket.send(conn.codec.encode(request(TELL, next(_CALL_IDS), method, args, kwargs)))

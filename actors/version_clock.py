@@ -136,5 +136,12 @@ class VersionClock(Actor):
         return self.rules.state_dict()
 
     async def load_state(self, state: dict) -> None:
-        """Restore a checkpointed state (a resumed run continues its versions)."""
-        self.rules = VersionRules.from_state_dict(state)
+        """Restore a checkpointed state: the versions continue, the staleness window does not.
+
+        ``max_staleness`` stays the one this clock was started with, i.e. the resumed run's
+        ``--max-staleness`` (what its config.json records), not the checkpoint's: a setting
+        given at resume is what runs (docs/design.md §6 "Version clock", rule 5).
+        """
+        saved = VersionRules.from_state_dict(state)
+        self.rules = VersionRules(self.rules.max_staleness, saved.trainer_version,
+                                  saved.engine_versions)

@@ -27,7 +27,7 @@ class EngineActor(Actor):
         engine_class: ``"module:Class"`` of an ``Engine`` subclass (``rollout.engines.ENGINES``).
         engine_kwargs: the engine's constructor keyword arguments (plain data).
         traces: the trace fields every ``generate`` captures: the run's required traces
-            (``rollout.trajectory.required_traces``), no more, no less.
+            (``rollout.sample.required_traces``), no more, no less.
         torch_threads: intra-op threads for this process (the trainer runs beside it).
 
     Raises:

@@ -44,7 +44,7 @@ class RolloutManager(Actor):
     Args:
         config: :meth:`RolloutConfig.to_dict` output.
         engines: names of the engine actors in the run's directory.
-        require_traces: the run's required traces (``rollout.trajectory.required_traces``, the
+        require_traces: the run's required traces (``rollout.sample.required_traces``, the
             same list the engines capture); a trajectory without one is an error at assembly,
             never trained silently.
         max_positions: the policy's ``max_position_embeddings``; a multi-turn trajectory whose

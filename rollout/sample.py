@@ -43,6 +43,61 @@ class SampleError(ValueError):
         super().__init__(f"sample {sample_id}: field {field_name!r}: {problem}")
 
 
+def required_traces(model_config: Any, *, support_replay: bool, routing_replay: bool,
+                    indexer_replay: bool) -> tuple[str, ...]:
+    """The trace fields every trajectory of a run must carry, in ``TRACE_FIELDS`` order.
+
+    A trace is required exactly when the trainer replays it and the model has something to
+    replay: ``sample_support`` with support replay on; ``routed_experts`` with R3 on and at least
+    one MoE layer; ``indexer_topk`` with indexer replay on and at least one indexed layer. The
+    launcher asks the engines to capture exactly these, the rollout side assembles every
+    trajectory with them required (``rollout.trajectory.merge_turns``) and the trainer refuses
+    a batch lacking one (:func:`check_required_traces`), so a trajectory lacking one is an
+    error, never a sample trained without its replay.
+
+    Args:
+        model_config: the policy's shape: anything with ``moe_layers`` and
+            ``indexed_layers`` (a ``rollout.model.config.ModelConfig``).
+        support_replay, routing_replay, indexer_replay: the trainer's replay switches
+            (``--use-support-replay``, ``--use-routing-replay``, ``--use-indexer-replay``).
+
+    Returns:
+        A tuple of trace field names (a subset of ``rollout.sample.TRACE_FIELDS``).
+    """
+    on = {"sample_support": support_replay,
+          "routed_experts": routing_replay and len(model_config.moe_layers) > 0,
+          "indexer_topk": indexer_replay and len(model_config.indexed_layers) > 0}
+    return tuple(name for name in TRACE_FIELDS if on[name])
+
+
+REPLAY_FLAGS = {"sample_support": "--use-support-replay", "routed_experts": "--use-routing-replay",
+                "indexer_topk": "--use-indexer-replay"}
+"""trace field -> the flag of the replay that needs it (for messages)."""
+
+
+class MissingTraceError(SampleError):
+    """A trace an enabled replay needs is absent from a sample (names the sample and the field)."""
+
+
+def check_required_traces(samples: Any, required: Any) -> None:
+    """Refuse samples that lack a trace the run replays.
+
+    Args:
+        samples: iterable of :class:`Sample`.
+        required: trace field names (:func:`required_traces`).
+    Raises:
+        MissingTraceError: the first sample (in order) lacking a required field, naming the
+            sample, the field and the replay flag that needs it. Nothing is trained with the
+            model's own choices in place of a missing trace.
+    """
+    for s in samples:
+        for name in required:
+            if getattr(s, name) is None:
+                raise MissingTraceError(s.sample_id, name, f"absent, but {REPLAY_FLAGS[name]} "
+                                        f"is on and the model has layers to replay it; the "
+                                        f"engine must capture it")
+
+
 def _frozen_array(sample_id: Any, name: str, value: Any, dtype: np.dtype, ndim: int) -> np.ndarray:
     try:
         arr = np.asarray(value)

@@ -11,8 +11,9 @@ position (the last token is never forwarded).
   sampled (at most one per trajectory).
 * :func:`merge_turns` -- one trajectory from engine turns and environment observations,
   through :class:`rollout.trace.TokenMetadataTrace` (every trajectory, single- or multi-turn).
-* :func:`required_traces` -- the one definition of the traces every trajectory of a run must
-  carry (and the engines are asked to capture).
+* ``required_traces`` -- re-exported from :mod:`rollout.sample` (the shared contract, so the
+  trainer uses the same definition): the traces every trajectory of a run must carry (and the
+  engines are asked to capture).
 
 Conventions for rows nobody captured: support rows of observation tokens are all ``-1``
 (column 0 included: a padding row to the trainer, ``trainer/logprobs.py``); routing / indexer
@@ -31,8 +32,8 @@ from typing import Any, Collection, Literal, Mapping, Sequence
 import numpy as np
 
 from rollout.capture import check_route_offset, check_sampled_logprob
-from rollout.model.config import ModelConfig
-from rollout.sample import TRACE_FIELDS, Sample, SampleError
+from rollout.sample import TRACE_FIELDS, Sample, SampleError, required_traces
+from rollout.sample import MissingTraceError as _MissingTrace
 from rollout.trace import TokenMetadataTrace
 
 __all__ = [
@@ -68,33 +69,8 @@ class TraceGapError(TrajectoryError):
     """A turn lacks a trace that earlier turns of the same trajectory carry."""
 
 
-class MissingTraceError(TrajectoryError):
+class MissingTraceError(TrajectoryError, _MissingTrace):
     """A trace that is enabled (required) was not captured for this trajectory at all."""
-
-
-def required_traces(model_config: ModelConfig, *, support_replay: bool, routing_replay: bool,
-                    indexer_replay: bool) -> tuple[str, ...]:
-    """The trace fields every trajectory of a run must carry, in ``TRACE_FIELDS`` order.
-
-    A trace is required exactly when the trainer replays it and the model has something to
-    replay: ``sample_support`` with support replay on; ``routed_experts`` with R3 on and at least
-    one MoE layer; ``indexer_topk`` with indexer replay on and at least one indexed layer. The
-    launcher asks the engines to capture exactly these and the rollout side assembles every
-    trajectory with them required (:func:`merge_turns`), so a trajectory lacking one is an
-    error, never a sample trained without its replay.
-
-    Args:
-        model_config: the policy's shape (``moe_layers``, ``indexed_layers``).
-        support_replay, routing_replay, indexer_replay: the trainer's replay switches
-            (``--use-support-replay``, ``--use-routing-replay``, ``--use-indexer-replay``).
-
-    Returns:
-        A tuple of trace field names (a subset of ``rollout.sample.TRACE_FIELDS``).
-    """
-    on = {"sample_support": support_replay,
-          "routed_experts": routing_replay and len(model_config.moe_layers) > 0,
-          "indexer_topk": indexer_replay and len(model_config.indexed_layers) > 0}
-    return tuple(name for name in TRACE_FIELDS if on[name])
 
 
 def _copy_rows(arr: np.ndarray | None, n: int) -> np.ndarray | None:

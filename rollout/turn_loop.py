@@ -166,7 +166,7 @@ def assemble(episode: Episode, *, sample_id: int,
     Args:
         episode: a :func:`run_episodes` record.
         sample_id: named in every error.
-        require: trace fields every turn must carry (``rollout.trajectory.required_traces``).
+        require: trace fields every turn must carry (``rollout.sample.required_traces``).
 
     Returns:
         ``(merged, version)``: :func:`rollout.trajectory.merge_turns` of the turns and

@@ -13,7 +13,7 @@ from rollout.engines.base import EngineError
 from rollout.engines.embedded import EmbeddedEngine
 from rollout.model.config import default_config
 from rollout.task import VOCABULARY, DigitTask
-from rollout.trajectory import required_traces
+from rollout.sample import required_traces
 from tools.config import ConfigError, build_config
 from tools.launcher import launch, resolve_engine
 

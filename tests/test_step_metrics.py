@@ -30,8 +30,8 @@ def test_skipped_row_is_written_logged_and_shown_without_update_figures(tmp_path
     # a skipped step has no grad_norm / train_rollout_logprob_abs_diff / ...: nothing may fail
     row = {"step": 3, "reward_mean": 0.5, "skipped": 1, "skip_reason": "no_accepted_tokens",
            "trainer_version": 2, "staleness_mean": 0.0, "step_seconds": 1.25}
-    assert progress_status(row) == ("skipped (no_accepted_tokens)  reward 0.500  stale 0.0  "
-                                    "flips 0/0  1.25s/step")
+    assert progress_status(row) == ("skipped (no_accepted_tokens)  reward 0.500  |Δlogp| n/a  "
+                                    "stale 0.0  flips n/a/n/a  1.25s/step")
     with caplog.at_level(logging.WARNING, logger="replayrl"):
         with MetricsRecorder(tmp_path, num_steps=1, show_progress=False) as recorder:
             recorder.record(row)

@@ -58,6 +58,7 @@ from pathlib import Path
 import torch
 
 from trainer.logprobs import full_vocab_logprobs, fused_support_logprobs, support_logprobs
+from transport import strict_json
 
 __all__ = ["BenchError", "BenchConfig", "Measurement", "PATHS", "make_inputs", "measure_here",
            "run_bench", "format_table", "add_arguments", "run_from_args", "main"]
@@ -380,7 +381,7 @@ def run_from_args(args: argparse.Namespace) -> int:
                       repeat_budget_s=args.repeat_budget)
     if args.child:
         path, n = args.child
-        print(json.dumps(asdict(measure_here(cfg, path, int(n)))))
+        print(strict_json.dumps(asdict(measure_here(cfg, path, int(n)))))
         return 0
     start, load = time.perf_counter(), os.getloadavg()[0]
     results = run_bench(cfg, args.tokens, jobs=args.jobs)

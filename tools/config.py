@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import tomllib
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field
+from dataclasses import fields as dataclass_fields
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,7 @@ from rollout.config import RolloutConfig
 from rollout.model.config import default_config
 from rollout.task import VOCABULARY
 from trainer.config import TrainerConfig
+from transport import strict_json
 
 
 MAX_POSITIONS = default_config(len(VOCABULARY)).max_position_embeddings
@@ -116,7 +119,7 @@ class RunConfig:
     def _check_checkpoint(self) -> None:
         path = Path(self.load) / "run_state.json"
         try:
-            state = json.loads(path.read_text())
+            state = strict_json.loads(path.read_text())
             next_step = int(state["next_step"])
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ConfigError(f"--load {self.load}: not a readable replayrl checkpoint "
@@ -140,8 +143,21 @@ class RunConfig:
                 "num_values": r.num_values, "dataset_size": r.dataset_size}
 
     def to_dict(self) -> dict:
-        """Nested plain dict (written to ``output_dir/config.json``)."""
+        """Nested plain dict of every field (``dataclasses.asdict``; values as the run uses them,
+        so ``--rs-upper`` without a bound is ``inf``)."""
         return asdict(self)
+
+    def to_json(self) -> str:
+        """The run's record, ``output_dir/config.json``: :meth:`to_dict` as strict JSON, with an
+        absent bound (a float setting at ``+inf``, e.g. ``--rs-upper`` by default) written as
+        ``null``. ``--config`` of this file gives back this config (with ``null`` read as the
+        absent bound again)."""
+        def absent_as_null(node: Any) -> Any:
+            if isinstance(node, dict):
+                return {k: absent_as_null(v) for k, v in node.items()}
+            return None if isinstance(node, float) and node == math.inf else node
+
+        return strict_json.dumps(absent_as_null(self.to_dict()), indent=1) + "\n"
 
 
 SECTIONS: dict[str | None, type] = {None: RunConfig, "rollout": RolloutConfig,
@@ -267,6 +283,8 @@ def _read_file(path: Path) -> dict[str, Any]:
         raise ConfigError(f"--config {path}: not valid {path.suffix[1:].upper()}: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"--config {path}: top level must be a table / object of flag = value")
+    if any(isinstance(data.get(section), dict) for section in SECTIONS if section):
+        return _read_record(data, path)
     values: dict[str, Any] = {}
     for raw, value in data.items():
         key = raw.replace("_", "-")
@@ -278,12 +296,53 @@ def _read_file(path: Path) -> dict[str, Any]:
     return values
 
 
+def _read_record(data: dict[str, Any], path: Path) -> dict[str, Any]:
+    """Flag values from a run's record (:meth:`RunConfig.to_json`, nested by section, field
+    names): every field with a flag becomes that flag; a field without a flag must hold its
+    default (a file cannot set what the command line cannot)."""
+    flag_of = {target: name for name, flag in FLAGS.items() for target in flag.targets}
+    values: dict[str, Any] = {}
+    for section, cls in SECTIONS.items():
+        fields = data if section is None else data.get(section, {})
+        if not isinstance(fields, dict):
+            raise ConfigError(f"--config {path}: {section!r} must be a table / object")
+        defaults = {f.name: f for f in dataclass_fields(cls)}
+        for name, value in fields.items():
+            if section is None and name in SECTIONS:
+                continue
+            where = f"{section}.{name}" if section else name
+            if name not in defaults:
+                raise ConfigError(f"--config {path}: unknown field {where!r}")
+            key = flag_of.get((section, name))
+            if key is None:
+                f = defaults[name]
+                default = f.default_factory() if f.default is MISSING else f.default
+                if value != default:
+                    raise ConfigError(f"--config {path}: {where} = {value!r} has no flag "
+                                      f"(only its default {default!r} can be read back)")
+                continue
+            value = _typed(key, value, path)
+            if key in values and values[key] != value:
+                raise ConfigError(f"--config {path}: --{key} is given twice with different "
+                                  f"values ({values[key]!r} and {value!r})")
+            values[key] = value
+    return values
+
+
 def _typed(key: str, value: Any, path: Path) -> Any:
     """A config-file value checked against its flag's type (argparse does this for flags);
-    ints are accepted (and converted) for float flags, bools never for numbers."""
+    ints are accepted (and converted) for float flags, bools never for numbers. ``null`` is
+    the flag's absent value where it has one: ``None`` where the range allows it
+    (``--tis-cap``), the absent bound ``inf`` for a flag whose default is ``inf``
+    (``--rs-upper``)."""
     s = FLAGS[key].setting
     if s.repeat:
         return value  # checked in build_config
+    if value is None:
+        if isinstance(s.check, Range) and None in s.check.also:
+            return None
+        if FLAGS[key].default == math.inf:
+            return math.inf
     if s.type is bool:
         ok = isinstance(value, bool)
     else:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import shutil
 import tempfile
@@ -21,7 +20,7 @@ from rollout.model.checkpoint import save_pretrained
 from rollout.model.config import default_config
 from rollout.model.qwen3_moe import Qwen3MoeForCausalLM
 from rollout.task import VOCABULARY
-from rollout.trajectory import required_traces
+from rollout.sample import required_traces
 from tools.config import ConfigError, RunConfig
 from tools.metrics import MetricsRecorder
 from tools.train_loop import train_loop
@@ -70,7 +69,7 @@ def write_initial_checkpoint(config: RunConfig, directory: Path) -> Path:
 
 def run_required_traces(config: RunConfig) -> list[str]:
     """The traces every trajectory of this run must carry and the engines capture
-    (:func:`rollout.trajectory.required_traces` of the embedded policy and the replay flags)."""
+    (:func:`rollout.sample.required_traces` of the embedded policy and the replay flags)."""
     t = config.trainer
     return list(required_traces(default_config(vocab_size=len(VOCABULARY)),
                                 support_replay=t.use_support_replay,
@@ -158,7 +157,7 @@ async def launch(config: RunConfig, log_level: int = logging.WARNING,
         check_writable(Path(config.save_dir), "--save")
     output = Path(config.output_dir)
     output.mkdir(parents=True, exist_ok=True)
-    (output / "config.json").write_text(json.dumps(config.to_dict(), indent=1))
+    (output / "config.json").write_text(config.to_json())
     checkpoint = write_initial_checkpoint(config, output / "checkpoint-init")
     run_dir = Path(tempfile.mkdtemp(prefix="replayrl-"))  # short path: AF_UNIX limit
     try:

@@ -1,7 +1,6 @@
 """Per-step metrics: one JSONL line each, a live progress display, the reward plot, the summary."""
 from __future__ import annotations
 
-import json
 import logging
 import math
 from pathlib import Path
@@ -9,6 +8,8 @@ from types import MappingProxyType
 from typing import Any, Callable, Mapping, Sequence
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from transport import strict_json
 
 log = logging.getLogger("replayrl")
 
@@ -25,6 +26,14 @@ def edge_means(values: Sequence[float], fraction: float = 0.1) -> tuple[float, f
     return sum(values[:k]) / k, sum(values[-k:]) / k
 
 
+def shown(metrics: Mapping, key: str, spec: str) -> str:
+    """``metrics[key]`` formatted with ``spec``, or ``n/a`` when the step has no value for it
+    (the key is absent, e.g. no flip rate without a replayed trace, or ``None``, a value
+    that was not finite). A missing value is never shown as 0."""
+    value = metrics.get(key)
+    return "n/a" if value is None else format(value, spec)
+
+
 def frozen(value: Any) -> Any:
     """A read-only view of JSON-like data: dicts become mappingproxies, lists tuples."""
     if isinstance(value, dict):
@@ -35,21 +44,18 @@ def frozen(value: Any) -> Any:
 
 
 def progress_status(metrics: Mapping) -> str:
-    """The progress line of one row; a figure the row lacks (a skipped step has no update
-    figures) is left out, never an error."""
-    parts = []
-    if metrics.get("skipped"):
-        parts.append(f"skipped ({metrics.get('skip_reason', '?')})")
-    for key, label, fmt in (("reward_mean", "reward", ".3f"),
-                            ("train_rollout_logprob_abs_diff", "|Δlogp|", ".4f"),
-                            ("staleness_mean", "stale", ".1f")):
-        if key in metrics:
-            parts.append(f"{label} {metrics[key]:{fmt}}")
-    parts.append(f"flips {metrics.get('routing_flip_rate', 0):.0f}/{metrics.get('indexer_flip_rate', 0):.0f}")
+    """The progress display's text for one row. A figure the row lacks is ``n/a``, never 0 and
+    never an error: a skipped step has no update figures, a flip rate without that replay's
+    trace is not 0 flips, a value that was not finite is ``None``."""
+    parts = [f"skipped ({metrics.get('skip_reason', '?')})"] if metrics.get("skipped") else []
+    parts += [f"reward {shown(metrics, 'reward_mean', '.3f')}",
+              f"|Δlogp| {shown(metrics, 'train_rollout_logprob_abs_diff', '.4f')}",
+              f"stale {shown(metrics, 'staleness_mean', '.1f')}",
+              f"flips {shown(metrics, 'routing_flip_rate', '.0f')}"
+              f"/{shown(metrics, 'indexer_flip_rate', '.0f')}"]
     if "refill_rounds" in metrics and "admitted_groups" in metrics:
         parts.append(f"groups {metrics['admitted_groups']} in {metrics['refill_rounds']} refill rounds")
-    if "step_seconds" in metrics:
-        parts.append(f"{metrics['step_seconds']:.2f}s/step")
+    parts.append(f"{shown(metrics, 'step_seconds', '.2f')}s/step")
     return "  ".join(parts)
 
 
@@ -85,14 +91,22 @@ class MetricsRecorder:
         self._file.close()
 
     def record(self, metrics: dict) -> None:
-        """Append one step's metrics (a flat dict of JSON-able values).
+        """Append one step's metrics (a flat dict of JSON-able values) as one strict-JSON line.
 
         Every row is written, whatever keys it has: a skipped step (``skipped: 1``, no update
         figures) is also logged as a warning on the ``replayrl`` logger, naming its
-        ``skip_reason``, and the progress line shows only the figures the row has.
+        ``skip_reason``.
+
+        A value that is not finite (e.g. the mean of no values, NaN) is recorded as ``None``
+        (``null`` in the file): the row kept, the line written and the hooks' view agree.
+
+        Raises:
+            transport.strict_json.NonFiniteJSON / TypeError: a value JSON cannot hold.
         """
+        metrics = strict_json.finite_or_none(metrics)
+        line = strict_json.dumps(metrics)
         self.rows.append(metrics)
-        self._file.write(json.dumps(metrics) + "\n")
+        self._file.write(line + "\n")
         self._file.flush()
         if metrics.get("skipped"):
             log.warning("replayrl: step %s skipped (%s): nothing trained, weights and version %s "

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import code
 import concurrent.futures
-import json
 import logging
 import shutil
 import sys
@@ -134,7 +133,7 @@ class ReplSession:
             from tools.launcher import actor_specs, write_initial_checkpoint
             output = Path(self.config.output_dir)
             output.mkdir(parents=True, exist_ok=True)
-            (output / "config.json").write_text(json.dumps(self.config.to_dict(), indent=1))
+            (output / "config.json").write_text(self.config.to_json())
             specs = actor_specs(self.config, write_initial_checkpoint(self.config, output / "checkpoint-init"))
         self.specs = list(specs)
         self.run_dir = Path(tempfile.mkdtemp(prefix="replayrl-"))  # short path: AF_UNIX limit

@@ -17,13 +17,13 @@ prefetched rollout was drawn, so a resumed run draws that batch again from the r
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from pathlib import Path
 from typing import Callable
 
 from actors import Directory
 from tools.config import RunConfig
+from transport import strict_json
 
 
 NO_PUSH = {"version": None, "seconds": 0.0, "bytes": 0}
@@ -75,7 +75,7 @@ async def save_checkpoint(directory: Directory, path: Path, next_step: int,
     state = {"next_step": next_step, "data_settings": config.data_settings(),
              "clock": await directory.proxy("version_clock").state(),
              "manager": await directory.proxy("rollout_manager").state(next_step)}
-    (path / "run_state.json").write_text(json.dumps(state, indent=1))
+    (path / "run_state.json").write_text(strict_json.dumps(state, indent=1))
 
 
 async def load_checkpoint(directory: Directory, path: Path) -> int:
@@ -84,7 +84,7 @@ async def load_checkpoint(directory: Directory, path: Path) -> int:
     Raises:
         FileNotFoundError: ``path`` is not a replayrl checkpoint.
     """
-    state = json.loads((path / "run_state.json").read_text())
+    state = strict_json.loads((path / "run_state.json").read_text())
     await directory.proxy("trainer").load_checkpoint(str(path))
     await directory.proxy("version_clock").load_state(state["clock"])
     await directory.proxy("rollout_manager").load_state(state["manager"])

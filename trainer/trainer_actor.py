@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from actors import Actor
-from rollout.sample import Sample
+from rollout.sample import Sample, check_required_traces, required_traces
 from trainer.advantages import baseline_groups, grpo_advantages
 from trainer.backends import resolve_backend
 from trainer.batch import collate, collate_packed, per_sample_tensors, sampled_masks, token_counts
@@ -98,6 +98,10 @@ class TrainerActor(Actor):
         self.version = 0
         self.cache = ProximalLogprobCache(self.config.rs_refill_max_candidate_cache_bytes)
         self.gate = self.config.rs_gate
+        cfg = self.config
+        self.required_traces = required_traces(
+            self.backend.model_config, support_replay=cfg.use_support_replay,
+            routing_replay=cfg.use_routing_replay, indexer_replay=cfg.use_indexer_replay)
 
     # -- weights -----------------------------------------------------------------------------
     async def push_weights(self) -> dict:
@@ -119,6 +123,10 @@ class TrainerActor(Actor):
 
     # -- one step ----------------------------------------------------------------------------
     def _batches(self, samples: list[Sample]):
+        # every forward (preflight, refill, training) refuses a sample lacking a replayed trace
+        # before any work: the model's own routing in its place would train the wrong policy
+        # and the missing replay would show as no flips
+        check_required_traces(samples, self.required_traces)
         cfg, mbs = self.config, self.config.micro_batch_size
         for i in range(0, len(samples), mbs):
             chunk = samples[i:i + mbs]
@@ -141,6 +149,8 @@ class TrainerActor(Actor):
         trace.
 
         Raises:
+            rollout.sample.MissingTraceError: a sample lacks a trace an enabled replay needs
+                (``rollout.sample.required_traces``); names the sample and the field.
             trainer.replay.ReplayMismatch: the engine's and the trainer's own choices disagree
                 beyond ``--replay-min-overlap-ratio`` / ``--replay-max-mismatch-fraction``.
             trainer.proximal_cache.ProximalCacheError: the cache's byte cap is exceeded.

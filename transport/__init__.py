@@ -6,8 +6,10 @@ Knows nothing of RL (docs/design.md §1 "Layout"). Public names:
   :class:`MessageTooLarge`;
 * codec: :class:`Codec`, :class:`CodecConfig`, :func:`encode`, :func:`decode`,
   :data:`DEFAULT_INLINE_THRESHOLD`, :data:`DEFAULT_MAX_MESSAGE_BYTES`, :data:`DEFAULT_ALLOWED_DTYPES`;
-* sockets: :class:`RouterSocket`, :class:`DealerSocket`, :func:`ipc_endpoint`,
-  :func:`tcp_loopback_endpoint`.
+* sockets: :class:`RouterSocket`, :class:`DealerSocket`, :func:`owned_frames`,
+  :func:`ipc_endpoint`, :func:`tcp_loopback_endpoint`;
+* :mod:`transport.strict_json`: the one writer / reader of JSON files and lines (no NaN or
+  infinity: strict parsers refuse them).
 """
 
 from transport.codec import (
@@ -21,7 +23,7 @@ from transport.codec import (
 )
 from transport.endpoints import ipc_endpoint, tcp_loopback_endpoint
 from transport.errors import DecodeError, EncodeError, MessageTooLarge, TransportError
-from transport.sockets import DealerSocket, RouterSocket
+from transport.sockets import DealerSocket, RouterSocket, owned_frames
 
 __all__ = [
     "TransportError",
@@ -37,6 +39,7 @@ __all__ = [
     "decode",
     "RouterSocket",
     "DealerSocket",
+    "owned_frames",
     "ipc_endpoint",
     "tcp_loopback_endpoint",
 ]

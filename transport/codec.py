@@ -37,8 +37,9 @@ Memory and lifetime
 -------------------
 * Encoding an out-of-band array does not copy it (a non-contiguous or big-endian array is first
   copied once into a C-contiguous little-endian one): the frame is a ``memoryview`` of the array's
-  memory. The array must not be modified until ZeroMQ has sent it; ``transport.sockets`` hands
-  such frames to ZeroMQ with ``copy=False``, so the rule is: never reuse a buffer after encoding it.
+  memory, so the frames of ``encode(x)`` change when ``x`` does. The sockets copy such frames
+  when a message is sent (``transport.sockets.owned_frames``): a write after ``send`` returned
+  cannot reach the message; a write between ``encode`` and ``send`` does.
 * Decoding builds arrays over the received frames without copying (``np.frombuffer`` /
   ``torch.frombuffer``). Decoded numpy arrays are read-only (``flags.writeable`` is False); copy
   one to modify it. Decoded torch tensors share the frame's memory and are writable (torch has no

@@ -15,10 +15,13 @@ Frames given to ``on_message`` are ``memoryview`` objects (``zmq.Frame.buffer``,
 ``copy=False``): zero copy, they keep the ZeroMQ message alive, and ``transport.codec.decode``
 accepts them directly.
 
-Sends pass ``copy=False``: frames of at least ``DEFAULT_INLINE_THRESHOLD`` bytes are handed to
-ZeroMQ by reference (smaller ones are copied, which is cheaper). ZeroMQ reads such a buffer later
-from its I/O thread, so a buffer must never be modified or reused after ``send`` (the codec's
-frames alias the encoded arrays: do not modify an array after sending it).
+A message is the sender's no longer once ``send`` returns: ZeroMQ reads a frame later, from its
+I/O thread, so a frame that aliases the caller's memory (the codec's out-of-band frames are
+views of the encoded arrays) would carry whatever the caller writes there afterwards, a torn
+message with no error. ``send`` therefore copies every frame that is not immutable ``bytes``
+into bytes the transport owns (:func:`owned_frames`) and hands those to ZeroMQ by reference
+(``copy=False``). That is one memcpy per large frame (measured by ``replayrl bench transport``);
+``bytes`` frames, e.g. from :func:`owned_frames` at an earlier snapshot, are not copied again.
 
 Options: LINGER 0 (``close`` discards messages not yet sent), SNDHWM/RCVHWM 0 (unlimited: sends
 never block or drop; memory is bounded by the callers' in-flight limits). One socket per peer,
@@ -41,11 +44,24 @@ from transport.codec import DEFAULT_INLINE_THRESHOLD
 from transport.endpoints import check_bind_endpoint, check_connect_endpoint, ipc_endpoint, tcp_loopback_endpoint
 from transport.errors import TransportError
 
-__all__ = ["RouterSocket", "DealerSocket", "ipc_endpoint", "tcp_loopback_endpoint", "MAX_MESSAGES_PER_WAKEUP"]
+__all__ = ["RouterSocket", "DealerSocket", "ipc_endpoint", "tcp_loopback_endpoint", "owned_frames",
+           "MAX_MESSAGES_PER_WAKEUP"]
 
 MAX_MESSAGES_PER_WAKEUP = 4096
 """A drain hands at most this many messages to ``on_message`` before yielding to the loop (and
 rescheduling itself), so a flood on one socket cannot starve other tasks."""
+
+
+def owned_frames(frames: list[Any]) -> list[bytes]:
+    """``frames`` as immutable ``bytes``: a ``bytes`` frame as it is, any other buffer
+    (``memoryview``, array, ``bytearray``, ``zmq.Frame``) copied. After this, no write by the
+    caller to its arrays or buffers can change the message.
+
+    Raises:
+        TypeError: a frame is not a buffer.
+    """
+    return [f if isinstance(f, bytes) else f.bytes if isinstance(f, zmq.Frame)
+            else memoryview(f).tobytes() for f in frames]
 
 
 def _running_loop(what: str) -> asyncio.AbstractEventLoop:
@@ -130,7 +146,8 @@ class _LoopSocket:
             state = "closed" if self._closed else "not bound/connected yet"
             raise TransportError(f"{type(self).__name__} for {self._endpoint!r} is {state}")
         try:
-            self._sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            # owned bytes by reference: the caller may reuse its buffers as soon as we return
+            self._sock.send_multipart(owned_frames(frames), zmq.NOBLOCK, copy=False)
         except zmq.ZMQError as exc:
             if exc.errno == zmq.EHOSTUNREACH:
                 raise TransportError(f"{self._endpoint}: peer {peer_text} is not connected") from exc
@@ -221,8 +238,9 @@ class RouterSocket(_LoopSocket):
 
         Args:
             peer: routing identity, bytes.
-            frames: one or more ``bytes``/``memoryview``/buffer objects/``zmq.Frame``; buffers of
-                16 KiB and more are sent by reference and must not be modified afterwards.
+            frames: one or more ``bytes``/``memoryview``/buffer objects/``zmq.Frame``; anything
+                but ``bytes`` is copied before this returns (:func:`owned_frames`), so the caller
+                may modify or reuse its buffers at once.
 
         Raises:
             TransportError: socket not bound or closed, no frames, or ``peer`` not connected.
@@ -309,8 +327,9 @@ class DealerSocket(_LoopSocket):
         """Queue one message to the peer. Returns at once; ZeroMQ sends from its I/O thread.
 
         Args:
-            frames: one or more ``bytes``/``memoryview``/buffer objects/``zmq.Frame``; buffers of
-                16 KiB and more are sent by reference and must not be modified afterwards.
+            frames: one or more ``bytes``/``memoryview``/buffer objects/``zmq.Frame``; anything
+                but ``bytes`` is copied before this returns (:func:`owned_frames`), so the caller
+                may modify or reuse its buffers at once.
 
         Raises:
             TransportError: socket not connected or closed, or no frames.

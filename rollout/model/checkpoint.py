@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from rollout.model.config import ModelConfig
 from rollout.model.errors import CheckpointError
 from rollout.model.qwen3_moe import Qwen3MoeForCausalLM
+from transport import strict_json
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")
 WEIGHTS_NAME = "model.safetensors"
@@ -167,4 +168,4 @@ def _save_tokenizer(out: Path, tokens: list[str], max_length: int) -> None:
 
 
 def _write_json(path: Path, obj: dict) -> None:
-    path.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
+    path.write_text(strict_json.dumps(obj, indent=2, sort_keys=False) + "\n")

@@ -128,6 +128,10 @@ class TrainerBackend(ABC):
     def load_checkpoint(self, directory: Path) -> int:
         """Restore :meth:`save_checkpoint` output; returns the trainer version saved with it.
 
+        Weights, optimizer state and RNG come from the checkpoint; every setting of this run's
+        config (learning rate, weight decay, betas, ...) stays as configured, never replaced by
+        the checkpoint's: a flag given at resume is what runs and what config.json records.
+
         Raises:
             OSError / ValueError: a missing or unreadable checkpoint.
         """

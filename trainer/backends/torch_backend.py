@@ -147,6 +147,11 @@ class TorchBackend(TrainerBackend):
         """Restore :meth:`save_checkpoint` output (weights, optimizer, torch RNG); returns the
         saved version.
 
+        The optimizer's state (AdamW moments and step counts) comes from the checkpoint, its
+        hyperparameters (``lr``, ``betas``, ``weight_decay``, ... of every parameter group) from
+        this run's config: ``torch.optim.Optimizer.load_state_dict`` would restore the saved
+        ones, so ``--lr`` given at resume would be silently replaced by the checkpoint's.
+
         Raises:
             rollout.model.CheckpointError: unreadable model files. OSError / RuntimeError: an
                 unreadable ``trainer_state.pt``.
@@ -154,7 +159,11 @@ class TorchBackend(TrainerBackend):
         model, _ = load_pretrained(directory / "model", dtype=torch.float32)
         self.model.load_state_dict(model.state_dict())
         state = torch.load(directory / "trainer_state.pt", weights_only=True)
+        configured = [{k: v for k, v in group.items() if k != "params"}
+                      for group in self.optimizer.param_groups]
         self.optimizer.load_state_dict(state["optimizer"])
+        for group, settings in zip(self.optimizer.param_groups, configured):
+            group.update(settings)
         torch.set_rng_state(state["torch_rng"])
         return int(state["version"])
 

@@ -1,0 +1,595 @@
+"""``replayrl bench peer``: replayrl against Hugging Face TRL's ``GRPOTrainer``, same budget.
+
+Both sides start from the same ``checkpoint-init`` (written by
+:func:`tools.launcher.write_initial_checkpoint`; transformers' ``Qwen3MoeForCausalLM`` loads it
+and ignores the DSA indexer weights), see the same prompt token ids in the same order (the
+embedded task's seeded :class:`rollout.data_source.PromptDataSource`, decoded to text for TRL
+and checked to encode back to the same ids), are scored by the same verifier
+(:meth:`rollout.tool_env.DigitToolEnv.reward` on the completion ids) and train with the same
+budget: ``rollout-batch-size`` prompts x ``n-samples-per-prompt`` completions per optimizer
+step, the same sampling, AdamW and PPO clip settings, no KL, no std normalisation, one optimizer
+step per generation batch, on the same torch thread budget (TRL: one process with
+``torch.set_num_threads(2)``; replayrl: its defaults, one thread per engine and one for the
+trainer). replayrl runs through its real launcher (``--no-progress``) and its ``metrics.jsonl``
+is read back; TRL runs in a child process that records each step's wall time with a
+``TrainerCallback`` and each batch's rewards in the reward function.
+
+Per seed the two sides run one after the other, alternating which goes first, so load on the
+machine hits both. Printed: both sides' settings, then per seed and side completions per second
+(``samples per step / median steady-state step seconds``), step seconds until the trailing
+``--window``-step mean reward first reaches ``--threshold``, and window means of the reward at
+fixed steps; every figure also as the ratio replayrl / TRL.
+
+TRL is an optional extra (``pip install 'replayrl[bench]'``), imported only in the child.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Sequence
+
+TRL_EXTRA = "pip install 'replayrl[bench]'  (the bench extra: trl>=1.16)"
+TRL_THREADS = 2
+
+
+class PeerBenchError(RuntimeError):
+    """The peer benchmark cannot run or its two sides did not see the same inputs."""
+
+
+# ---------------------------------------------------------------- pure summary functions
+
+
+def median(values: Sequence[float]) -> float:
+    """Median of ``values`` (mean of the middle two for an even count).
+
+    Raises:
+        ValueError: ``values`` is empty.
+    """
+    if not values:
+        raise ValueError("median of no values")
+    s = sorted(values)
+    mid = len(s) // 2
+    return float(s[mid]) if len(s) % 2 else (s[mid - 1] + s[mid]) / 2.0
+
+
+def warmup_steps(steps: int) -> int:
+    """Steps left out of the steady state: the first 10 % (at least one when ``steps >= 2``,
+    none for a one-step run), so start-up and the first generation do not count."""
+    return 0 if steps < 2 else max(1, steps // 10)
+
+
+def completions_per_second(step_seconds: Sequence[float], completions_per_step: int) -> float:
+    """``completions_per_step / median(steady-state step seconds)`` (completions / s).
+
+    Steady state drops the first :func:`warmup_steps` steps.
+
+    Raises:
+        ValueError: no step.
+    """
+    steady = list(step_seconds)[warmup_steps(len(step_seconds)):]
+    return completions_per_step / median(steady)
+
+
+def seconds_to_threshold(rewards: Sequence[float], step_seconds: Sequence[float],
+                         threshold: float, window: int = 10) -> float | None:
+    """Summed step seconds up to and including the first step whose trailing ``window``-step
+    mean reward is ``>= threshold``; ``None`` when no full window reaches it.
+
+    Raises:
+        ValueError: ``rewards`` and ``step_seconds`` differ in length, or ``window < 1``.
+    """
+    if len(rewards) != len(step_seconds):
+        raise ValueError(f"{len(rewards)} rewards but {len(step_seconds)} step times")
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    for end in range(window, len(rewards) + 1):
+        if sum(rewards[end - window:end]) / window >= threshold:
+            return float(sum(step_seconds[:end]))
+    return None
+
+
+def report_windows(steps: int, window: int = 10) -> list[tuple[int, int]]:
+    """1-based inclusive step ranges whose mean reward is reported: ``window`` steps ending at
+    ``window`` and at 25 / 50 / 75 / 100 % of the run (deduplicated, in order); the whole run
+    when it is shorter than ``window``."""
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    if steps <= window:
+        return [(1, steps)]
+    ends = [window] + [max(window, round(steps * q)) for q in (0.25, 0.5, 0.75, 1.0)]
+    return [(end - window + 1, end) for end in dict.fromkeys(ends)]
+
+
+def window_mean(rewards: Sequence[float], first: int, last: int) -> float:
+    """Mean of ``rewards`` over 1-based steps ``first .. last`` inclusive."""
+    chunk = rewards[first - 1:last]
+    if len(chunk) != last - first + 1:
+        raise ValueError(f"steps {first}-{last} outside {len(rewards)} steps")
+    return sum(chunk) / len(chunk)
+
+
+def ratio(ours: float | None, theirs: float | None) -> float | None:
+    """``ours / theirs``, or ``None`` when either is missing or ``theirs`` is 0."""
+    if ours is None or theirs is None or theirs == 0:
+        return None
+    return ours / theirs
+
+
+@dataclass(frozen=True)
+class SideRun:
+    """One side's run: per-step wall seconds, mean reward and trained completions."""
+
+    side: str
+    seed: int
+    step_seconds: tuple[float, ...]
+    rewards: tuple[float, ...]
+    completions: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SideSummary:
+    """The figures of one :class:`SideRun` (completions / s, seconds to threshold or None,
+    reward window means keyed ``"a-b"``)."""
+
+    side: str
+    seed: int
+    completions_per_second: float
+    seconds_to_threshold: float | None
+    reward_windows: dict
+
+
+def summarize(run: SideRun, threshold: float, window: int) -> SideSummary:
+    """The figures the table prints for one run.
+
+    Raises:
+        PeerBenchError: the run's steps trained different numbers of completions.
+    """
+    if len(set(run.completions)) != 1:
+        raise PeerBenchError(f"{run.side} seed {run.seed}: completions per step vary: "
+                             f"{sorted(set(run.completions))}")
+    return SideSummary(
+        run.side, run.seed, completions_per_second(run.step_seconds, run.completions[0]),
+        seconds_to_threshold(run.rewards, run.step_seconds, threshold, window),
+        {f"{a}-{b}": window_mean(run.rewards, a, b)
+         for a, b in report_windows(len(run.rewards), window)})
+
+
+# ---------------------------------------------------------------- settings and inputs
+
+
+def _fmt(x: float | None, spec: str = ".3f", none: str = "not reached") -> str:
+    return none if x is None else format(x, spec)
+
+
+def run_config(steps: int, seed: int, output_dir: str, overrides: dict | None = None):
+    """The replayrl :class:`tools.config.RunConfig` of one side-run: defaults, ``--no-progress``."""
+    from tools.config import build_config
+
+    return build_config({"num-steps": steps, "seed": seed, "output-dir": output_dir,
+                         "progress": False, **(overrides or {})})
+
+
+def trl_settings(config) -> dict:
+    """TRL ``GRPOConfig`` keyword arguments matching replayrl's ``config`` (names checked
+    against TRL 1.16's ``trl/trainer/grpo_config.py`` and transformers' ``TrainingArguments``).
+
+    One optimizer step per generation batch of ``rollout_batch_size x n_samples_per_prompt``
+    completions: ``per_device_train_batch_size`` = the whole batch, no gradient accumulation,
+    ``steps_per_generation`` 1, ``num_iterations`` 1 (so TRL trains on-policy: its ratio is 1).
+    """
+    r, t = config.rollout, config.trainer
+    batch = r.rollout_batch_size * r.n_samples_per_prompt
+    return {
+        "per_device_train_batch_size": batch, "gradient_accumulation_steps": 1,
+        "steps_per_generation": 1, "num_iterations": 1, "num_generations": r.n_samples_per_prompt,
+        "max_completion_length": r.max_response_len, "temperature": r.temperature,
+        "top_k": r.top_k if r.top_k > 0 else 0, "top_p": r.top_p,
+        "min_p": r.min_p if r.min_p > 0 else None,
+        "learning_rate": t.lr, "adam_beta1": t.adam_beta1, "adam_beta2": t.adam_beta2,
+        "adam_epsilon": 1e-8, "weight_decay": t.weight_decay, "max_grad_norm": t.clip_grad,
+        "optim": "adamw_torch", "lr_scheduler_type": "constant", "warmup_steps": 0,
+        "epsilon": t.eps_clip, "epsilon_high": t.eps_clip_high, "beta": 0.0,
+        "scale_rewards": "group" if t.normalize_advantage_std else "none",
+        "loss_type": "dapo", "mask_truncated_completions": r.append_eos_on_truncation,
+        "router_aux_loss_coef": 0.0, "use_cpu": True, "bf16": False, "fp16": False,
+        "gradient_checkpointing": False, "shuffle_dataset": False, "seed": r.seed,
+        "max_steps": config.num_steps, "logging_steps": 1, "save_strategy": "no",
+        "report_to": "none", "disable_tqdm": True, "log_completions": False,
+        "dataloader_num_workers": 0,
+    }
+
+
+SETTINGS_ROWS = [  # (what, replayrl side, TRL option(s))
+    ("prompts x samples per optimizer step", "--rollout-batch-size x --n-samples-per-prompt",
+     "per_device_train_batch_size (= whole batch) / num_generations, gradient_accumulation_steps 1, "
+     "steps_per_generation 1, num_iterations 1"),
+    ("new tokens", "--rollout-max-response-len", "max_completion_length"),
+    ("sampling", "--rollout-temperature / --rollout-top-k / --rollout-top-p", "temperature / top_k / top_p"),
+    ("AdamW", "--lr, betas, --weight-decay, --clip-grad",
+     "learning_rate, adam_beta1/2, weight_decay, max_grad_norm, optim adamw_torch, "
+     "lr_scheduler_type constant"),
+    ("PPO clip", "--eps-clip / --eps-clip-high", "epsilon / epsilon_high"),
+    ("KL", "none", "beta 0"),
+    ("advantage", "group mean baseline (--no-grpo-std-normalization)", "scale_rewards none"),
+    ("loss normalisation", "sum over loss tokens / loss tokens of the step", "loss_type dapo"),
+]
+
+
+def settings_table(config) -> str:
+    """Markdown table of both sides' settings (values from ``config`` and :func:`trl_settings`)."""
+    r, t = config.rollout, config.trainer
+    k = trl_settings(config)
+    batch = r.rollout_batch_size * r.n_samples_per_prompt
+    rows = [
+        ("prompts x samples per optimizer step",
+         f"{r.rollout_batch_size} x {r.n_samples_per_prompt} = {batch}",
+         f"per_device_train_batch_size={k['per_device_train_batch_size']}, "
+         f"num_generations={k['num_generations']}, gradient_accumulation_steps=1, "
+         f"steps_per_generation=1, num_iterations=1"),
+        ("new tokens", str(r.max_response_len), f"max_completion_length={k['max_completion_length']}"),
+        ("sampling", f"temperature {r.temperature}, top-k {r.top_k}, top-p {r.top_p}, min-p {r.min_p}",
+         f"temperature={k['temperature']}, top_k={k['top_k']}, top_p={k['top_p']}, min_p={k['min_p']}"),
+        ("AdamW", f"lr {t.lr}, betas ({t.adam_beta1}, {t.adam_beta2}), eps 1e-8 (torch default), "
+                  f"weight decay {t.weight_decay}, grad-norm clip {t.clip_grad}, constant lr",
+         f"learning_rate={k['learning_rate']}, adam_beta1={k['adam_beta1']}, "
+         f"adam_beta2={k['adam_beta2']}, adam_epsilon=1e-8, weight_decay={k['weight_decay']}, "
+         f"max_grad_norm={k['max_grad_norm']}, optim=adamw_torch, lr_scheduler_type=constant"),
+        ("PPO clip", f"[1 - {t.eps_clip}, 1 + {t.eps_clip_high}]",
+         f"epsilon={k['epsilon']}, epsilon_high={k['epsilon_high']}"),
+        ("KL / advantage", "no KL; reward - group mean (no std)",
+         f"beta=0.0; scale_rewards={k['scale_rewards']!r}"),
+        ("loss", "PPO clipped token loss / loss tokens of the step, TIS cap "
+                 f"{t.tis_cap} on the one-step-stale behaviour ratio",
+         f"loss_type={k['loss_type']!r} (token sum / active tokens of the step), "
+         f"mask_truncated_completions={k['mask_truncated_completions']}; on-policy (ratio 1)"),
+        ("policy / logprobs", "trainer fp32, engine bf16; logprobs over the sampler's top-k support "
+                              "with routing / indexer replay",
+         "fp32 (bf16=False) for both generation and training; logprobs over the full vocabulary"),
+        ("staleness", "one step (generation of k+1 overlaps training on k)",
+         "0 (generate, then train)"),
+        ("threads", f"engine {config.engine_torch_threads} + trainer {t.torch_threads} "
+                    "(one process each)", f"torch.set_num_threads({TRL_THREADS}), one process"),
+        ("other", "--no-progress", "use_cpu=True, gradient_checkpointing=False, "
+                                   "router_aux_loss_coef=0.0, shuffle_dataset=False, "
+                                   "logging_steps=1, save_strategy='no', report_to='none'"),
+    ]
+    return "\n".join(["| setting | replayrl | TRL GRPOTrainer |", "|---|---|---|",
+                      *(f"| {a} | {b} | {c} |" for a, b, c in rows)])
+
+
+def prompt_stream(config) -> list:
+    """The prompts replayrl's RolloutManager draws for ``config.num_steps`` steps, in order:
+    ``rollout_batch_size`` per step from the same seeded data source (``rollout/manager.py``)."""
+    from rollout.data_source import PromptDataSource
+    from rollout.task import DigitTask
+
+    r = config.rollout
+    source = PromptDataSource(DigitTask(num_digits=r.num_digits, num_values=r.num_values),
+                              r.seed, r.dataset_size)
+    return source.next_batch(config.num_steps * r.rollout_batch_size)
+
+
+def indexer_is_dense(config) -> bool:
+    """True when the DSA indexer keeps every key of every query that produces a trained logit
+    (prompt length + new tokens - 1 <= index_topk), so transformers' dense attention, which
+    ignores the indexer weights, computes the same function as replayrl's model."""
+    from rollout.model.config import default_config
+    from rollout.task import VOCABULARY
+
+    positions = config.rollout.num_digits + 3 + config.rollout.max_response_len - 1
+    return positions <= default_config(len(VOCABULARY)).index_topk
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+# ---------------------------------------------------------------- the two sides
+
+
+def run_replayrl(config) -> SideRun:
+    """Run replayrl through its launcher and read ``metrics.jsonl`` back.
+
+    Raises:
+        PeerBenchError: a step was skipped, or its prompts differ from :func:`prompt_stream`.
+    """
+    from actors import run_event_loop
+    from tools.launcher import launch
+    from transport import strict_json
+
+    result = run_event_loop(launch(config))
+    rows = [strict_json.loads(line) for line in Path(result.metrics_path).read_text().splitlines()]
+    expected = [p.index for p in prompt_stream(config)]
+    b = config.rollout.rollout_batch_size
+    for row in rows:
+        if row.get("skipped"):
+            raise PeerBenchError(f"replayrl step {row['step']} skipped ({row.get('skip_reason')})")
+        if row["prompt_indices"] != expected[row["step"] * b:(row["step"] + 1) * b]:
+            raise PeerBenchError(f"replayrl step {row['step']}: prompts differ from the stream "
+                                 "given to TRL")
+    return SideRun("replayrl", config.rollout.seed, tuple(r["step_seconds"] for r in rows),
+                   tuple(r["reward_mean"] for r in rows), tuple(r["samples"] for r in rows))
+
+
+def run_trl(config, checkpoint: Path, work: Path) -> SideRun:
+    """Run TRL's ``GRPOTrainer`` in a child process (:func:`trl_worker`) and read its result.
+
+    Raises:
+        PeerBenchError: ``trl`` is not installed (names the extra) or the child failed.
+    """
+    import importlib.util
+
+    if importlib.util.find_spec("trl") is None:
+        raise PeerBenchError(f"bench peer needs TRL, which is not installed: {TRL_EXTRA}")
+    prompts = prompt_stream(config)
+    spec = {"checkpoint": str(checkpoint), "output_dir": str(work / "trl"),
+            "grpo_config": trl_settings(config), "threads": TRL_THREADS,
+            "num_digits": config.rollout.num_digits, "num_values": config.rollout.num_values,
+            "batch": config.rollout.rollout_batch_size,
+            "prompts": [{"index": p.index, "ids": [int(i) for i in p.prompt_ids],
+                         "answer_id": int(p.answer_id)} for p in prompts]}
+    spec_path, result_path = work / "trl_spec.json", work / "trl_result.json"
+    spec_path.write_text(json.dumps(spec))
+    env = {**os.environ, "OMP_NUM_THREADS": str(TRL_THREADS), "TOKENIZERS_PARALLELISM": "false",
+           "TRANSFORMERS_VERBOSITY": "error"}
+    proc = subprocess.run([sys.executable, "-m", "tools.bench_peer", "--trl-worker",
+                           str(spec_path), str(result_path)], env=env,
+                          cwd=str(Path(__file__).resolve().parent.parent),
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise PeerBenchError(f"TRL side failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    out = json.loads(result_path.read_text())
+    return SideRun("TRL", config.rollout.seed, tuple(out["step_seconds"]), tuple(out["rewards"]),
+                   tuple(out["completions"]))
+
+
+def trl_worker(spec_path: str, result_path: str) -> None:
+    """Child process: train with TRL's ``GRPOTrainer`` as ``spec_path`` says, write per-step
+    seconds, mean rewards and completions to ``result_path`` (JSON).
+
+    Raises:
+        PeerBenchError: TRL's tokenizer would not give the prompts' exact ids, a batch's
+            prompts are not the expected step's, or a step count differs from ``max_steps``.
+    """
+    spec = json.loads(Path(spec_path).read_text())
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    import numpy as np
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rollout.task import DigitTask
+    from rollout.tool_env import DigitToolEnv
+
+    task = DigitTask(num_digits=spec["num_digits"], num_values=spec["num_values"])
+    env = DigitToolEnv(task)
+    tokenizer = AutoTokenizer.from_pretrained(spec["checkpoint"])
+    texts = [task.decode(p["ids"]) for p in spec["prompts"]]
+    # TRL tokenizes a text prompt with processing_class(text=prompts)["input_ids"]
+    # (GRPOTrainer._tokenize_prompts); the same call must give back the replayrl ids
+    encoded = tokenizer(text=texts)["input_ids"]
+    for p, ids in zip(spec["prompts"], encoded):
+        if list(ids) != p["ids"]:
+            raise PeerBenchError(f"prompt {p['index']}: TRL's tokenizer gives {list(ids)}, "
+                                 f"replayrl trains on {p['ids']}")
+    dataset = Dataset.from_dict({"prompt": texts,
+                                 "answer_id": [p["answer_id"] for p in spec["prompts"]],
+                                 "prompt_index": [p["index"] for p in spec["prompts"]]})
+    n = spec["grpo_config"]["num_generations"]
+    rewards: list[float] = []
+    completions_seen: list[int] = []
+    seen: list[list[int]] = []
+
+    def digit_task_verifier(prompts, completions, completion_ids, answer_id, prompt_index, **_):
+        """The embedded task's verifier on each completion's ids (TRL keeps the EOS, drops what
+        follows it; replayrl's engine stops at it), with a loss mask of ones (one turn)."""
+        out = [env.reward(np.asarray(ids, dtype=np.int32), np.ones(len(ids), dtype=np.uint8),
+                          int(a)) for ids, a in zip(completion_ids, answer_id)]
+        rewards.append(float(np.mean(out)))
+        completions_seen.append(len(out))
+        seen.append(list(prompt_index[::n]))  # TRL repeats each prompt n times in a row
+        return out
+
+    class StepTimer(TrainerCallback):
+        """Wall seconds between successive optimizer steps (the first from its step's start)."""
+
+        def __init__(self) -> None:
+            self.last = None
+            self.seconds: list[float] = []
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            if self.last is None:
+                self.last = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            now = time.perf_counter()
+            self.seconds.append(now - self.last)
+            self.last = now
+
+    timer = StepTimer()
+    model = AutoModelForCausalLM.from_pretrained(spec["checkpoint"], dtype=torch.float32)
+    args = GRPOConfig(output_dir=spec["output_dir"], **spec["grpo_config"])
+    trainer = GRPOTrainer(model=model, reward_funcs=digit_task_verifier, args=args, train_dataset=dataset,
+                          processing_class=tokenizer, callbacks=[timer])
+    trainer.train()
+    steps = spec["grpo_config"]["max_steps"]
+    if not len(timer.seconds) == len(rewards) == steps:
+        raise PeerBenchError(f"TRL ran {len(timer.seconds)} optimizer steps and scored "
+                             f"{len(rewards)} batches, expected {steps}")
+    b = spec["batch"]
+    expected = [p["index"] for p in spec["prompts"]]
+    for step, got in enumerate(seen):
+        if got != expected[step * b:(step + 1) * b]:
+            raise PeerBenchError(f"TRL step {step}: prompts {got} are not the stream's "
+                                 f"{expected[step * b:(step + 1) * b]}")
+    Path(result_path).write_text(json.dumps({"step_seconds": timer.seconds, "rewards": rewards,
+                                             "completions": completions_seen}))
+
+
+# ---------------------------------------------------------------- report
+
+
+def run_seed(steps: int, seed: int, work: Path, trl_first: bool,
+             overrides: dict | None = None) -> tuple[SideRun, SideRun, dict]:
+    """Both sides for one seed, in the order given; returns ``(replayrl, TRL, facts)``.
+
+    Raises:
+        PeerBenchError: the checkpoint replayrl trained from is not the one TRL loaded.
+    """
+    from tools.launcher import write_initial_checkpoint
+
+    config = run_config(steps, seed, str(work / "replayrl"), overrides)
+    checkpoint = write_initial_checkpoint(config, work / "checkpoint-init")
+    sides = {}
+    for side in (("TRL", "replayrl") if trl_first else ("replayrl", "TRL")):
+        sides[side] = (run_trl(config, checkpoint, work) if side == "TRL"
+                       else run_replayrl(config))
+    ours = work / "replayrl" / "checkpoint-init" / "model.safetensors"
+    if _sha256(ours) != _sha256(checkpoint / "model.safetensors"):
+        raise PeerBenchError("replayrl's checkpoint-init differs from the one TRL loaded")
+    return sides["replayrl"], sides["TRL"], {"order": list(sides), "config": config}
+
+
+def report(pairs: list[tuple[SideRun, SideRun, dict]], threshold: float, window: int) -> str:
+    """The printed report: settings, one table per seed, and the spread over seeds."""
+    config = pairs[0][2]["config"]
+    r = config.rollout
+    per_step = r.rollout_batch_size * r.n_samples_per_prompt
+    lines = [
+        f"bench peer: replayrl vs TRL GRPOTrainer, {config.num_steps} steps x {per_step} "
+        f"completions per optimizer step, seeds {' '.join(str(p[0].seed) for p in pairs)}",
+        "",
+        "Both load the same checkpoint-init (Hugging Face Qwen3-MoE directory; sha256 of "
+        "model.safetensors checked equal). transformers' Qwen3MoeForCausalLM ignores the DSA "
+        "indexer weights (dense attention); "
+        + ("here every query that produces a trained logit sees at most index_topk keys, so the "
+           "indexer keeps all of them and both models compute the same function."
+           if indexer_is_dense(config) else
+           "prompts here are longer than index_topk, so TRL trains a dense-attention model, "
+           "replayrl a sparse one."),
+        "Same prompt token ids in the same order (checked on both sides), same verifier "
+        "(rollout.tool_env.DigitToolEnv.reward on the completion ids).",
+        "",
+        settings_table(config),
+        "",
+        f"completions/s = {per_step} / median step seconds over steps after the first "
+        f"{warmup_steps(config.num_steps)}; time to reward: summed step seconds until the trailing "
+        f"{window}-step mean reward >= {threshold}; ratio = replayrl / TRL.",
+    ]
+    summaries = []
+    for ours, theirs, facts in pairs:
+        a, b = summarize(ours, threshold, window), summarize(theirs, threshold, window)
+        summaries.append((a, b))
+        lines += ["", f"seed {ours.seed} (ran {' then '.join(facts['order'])}; completions per "
+                      f"step: replayrl {ours.completions[0]}, TRL {theirs.completions[0]})", "",
+                  "| figure | replayrl | TRL | replayrl / TRL |", "|---|---:|---:|---:|",
+                  _row("completions/s", a.completions_per_second, b.completions_per_second, ".1f"),
+                  _row("median step seconds", per_step / a.completions_per_second,
+                       per_step / b.completions_per_second, ".3f"),
+                  _row(f"step seconds to {window}-step mean reward >= {threshold}",
+                       a.seconds_to_threshold, b.seconds_to_threshold, ".1f"),
+                  _row("total step seconds", sum(ours.step_seconds), sum(theirs.step_seconds), ".1f"),
+                  *(_row(f"reward, steps {k}", a.reward_windows[k], b.reward_windows[k], ".3f")
+                    for k in a.reward_windows)]
+    if len(pairs) > 1:
+        lines += ["", f"over {len(pairs)} seeds: min - max (mean)", "",
+                  "| figure | replayrl | TRL | ratio of means | ranges overlap |",
+                  "|---|---:|---:|---:|---|"]
+        keys = [("completions/s", lambda s: s.completions_per_second, ".1f"),
+                (f"step seconds to reward >= {threshold}", lambda s: s.seconds_to_threshold, ".1f"),
+                *((f"reward, steps {k}", (lambda s, k=k: s.reward_windows[k]), ".3f")
+                  for k in summaries[0][0].reward_windows)]
+        for name, get, spec in keys:
+            lines.append(_spread_row(name, [get(a) for a, _ in summaries],
+                                     [get(b) for _, b in summaries], spec))
+    return "\n".join(lines)
+
+
+def _row(name: str, ours: float | None, theirs: float | None, spec: str) -> str:
+    return (f"| {name} | {_fmt(ours, spec)} | {_fmt(theirs, spec)} | "
+            f"{_fmt(ratio(ours, theirs), '.2f', 'n/a')} |")
+
+
+def spread(values: Sequence[float | None]) -> tuple[float, float, float] | None:
+    """``(min, max, mean)`` of ``values``; ``None`` when any is ``None`` (a seed never got there)."""
+    if not values or any(v is None for v in values):
+        return None
+    return min(values), max(values), sum(values) / len(values)
+
+
+def overlap(a: tuple[float, float, float] | None, b: tuple[float, float, float] | None) -> bool | None:
+    """Whether the ``[min, max]`` ranges of two :func:`spread` results intersect (None if either is)."""
+    if a is None or b is None:
+        return None
+    return a[0] <= b[1] and b[0] <= a[1]
+
+
+def _spread_row(name: str, ours: list, theirs: list, spec: str) -> str:
+    a, b = spread(ours), spread(theirs)
+
+    def cell(s):
+        return ("not reached by every seed" if s is None
+                else f"{s[0]:{spec}} - {s[1]:{spec}} ({s[2]:{spec}})")
+
+    both = overlap(a, b)
+    return (f"| {name} | {cell(a)} | {cell(b)} | "
+            f"{_fmt(ratio(a and a[2], b and b[2]), '.2f', 'n/a')} | "
+            f"{'n/a' if both is None else ('yes' if both else 'no')} |")
+
+
+def bench(steps: int, seeds: Sequence[int], threshold: float, window: int,
+          overrides: dict | None = None) -> str:
+    """Run both sides for every seed (alternating which goes first) and return the report."""
+    pairs = []
+    with tempfile.TemporaryDirectory(prefix="rrl-peer-") as tmp:
+        for i, seed in enumerate(seeds):
+            work = Path(tmp) / f"seed-{seed}"
+            work.mkdir()
+            pairs.append(run_seed(steps, seed, work, trl_first=bool(i % 2), overrides=overrides))
+    return report(pairs, threshold, window)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry: prints the report (``--trl-worker SPEC RESULT`` is the TRL child)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--trl-worker"]:
+        trl_worker(argv[1], argv[2])
+        return 0
+    parser = argparse.ArgumentParser(prog="replayrl bench peer",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=100, help="optimizer steps per side (100)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1], help="seeds (1)")
+    parser.add_argument("--threshold", type=float, default=0.5,
+                        help="reward the trailing window mean must reach (0.5)")
+    parser.add_argument("--window", type=int, default=10, help="steps per reward window (10)")
+    parser.add_argument("--rollout-batch-size", type=int, default=None,
+                        help="prompts per step (replayrl's default when not given)")
+    parser.add_argument("--n-samples-per-prompt", type=int, default=None,
+                        help="samples per prompt (replayrl's default when not given)")
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.window < 1:
+        parser.error("--steps and --window must be >= 1")
+    overrides = {k: v for k, v in (("rollout-batch-size", args.rollout_batch_size),
+                                   ("n-samples-per-prompt", args.n_samples_per_prompt))
+                 if v is not None}
+    import importlib.util
+
+    if importlib.util.find_spec("trl") is None:
+        raise PeerBenchError(f"bench peer needs TRL, which is not installed: {TRL_EXTRA}")
+    print(bench(args.steps, args.seeds, args.threshold, args.window, overrides), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -208,22 +208,6 @@ def trl_settings(config) -> dict:
     }
 
 
-SETTINGS_ROWS = [  # (what, replayrl side, TRL option(s))
-    ("prompts x samples per optimizer step", "--rollout-batch-size x --n-samples-per-prompt",
-     "per_device_train_batch_size (= whole batch) / num_generations, gradient_accumulation_steps 1, "
-     "steps_per_generation 1, num_iterations 1"),
-    ("new tokens", "--rollout-max-response-len", "max_completion_length"),
-    ("sampling", "--rollout-temperature / --rollout-top-k / --rollout-top-p", "temperature / top_k / top_p"),
-    ("AdamW", "--lr, betas, --weight-decay, --clip-grad",
-     "learning_rate, adam_beta1/2, weight_decay, max_grad_norm, optim adamw_torch, "
-     "lr_scheduler_type constant"),
-    ("PPO clip", "--eps-clip / --eps-clip-high", "epsilon / epsilon_high"),
-    ("KL", "none", "beta 0"),
-    ("advantage", "group mean baseline (--no-grpo-std-normalization)", "scale_rewards none"),
-    ("loss normalisation", "sum over loss tokens / loss tokens of the step", "loss_type dapo"),
-]
-
-
 def settings_table(config) -> str:
     """Markdown table of both sides' settings (values from ``config`` and :func:`trl_settings`)."""
     r, t = config.rollout, config.trainer
@@ -586,7 +570,10 @@ def main(argv: list[str] | None = None) -> int:
     import importlib.util
 
     if importlib.util.find_spec("trl") is None:
-        raise PeerBenchError(f"bench peer needs TRL, which is not installed: {TRL_EXTRA}")
+        from tools.exit_codes import EXIT_CONFIG
+
+        print(f"replayrl bench peer: TRL is not installed; {TRL_EXTRA}", file=sys.stderr)
+        return EXIT_CONFIG
     print(bench(args.steps, args.seeds, args.threshold, args.window, overrides), flush=True)
     return 0
 

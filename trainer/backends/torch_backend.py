@@ -115,6 +115,12 @@ class TorchBackend(TrainerBackend):
         """See :meth:`TrainerBackend.train_logprobs`."""
         return self._forward(batch, capture=False)[0]
 
+    def train_forward(self, batch: TrainBatch) -> ReplayedForward:
+        """See :meth:`TrainerBackend.train_forward` (a capturing forward with gradients)."""
+        logp, out = self._forward(batch, capture=True)
+        return ReplayedForward(logp, out.routed_experts, out.own_routed_experts,
+                               out.indexer_topk, out.own_indexer_topk)
+
     def zero_grad(self) -> None:
         """See :meth:`TrainerBackend.zero_grad` (gradients set to None)."""
         self.optimizer.zero_grad(set_to_none=True)

@@ -12,6 +12,7 @@ Which forwards use what (documented choice, docs/design.md §7 "Trainer math"):
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Sequence
@@ -51,11 +52,24 @@ def response_logprobs(model: Qwen3MoeForCausalLM, batch: TrainBatch, temperature
             malformed support row.
     """
     fused = chunk_size > 0 and batch.support is not None
-    out = model(batch.tokens, batch.position_ids, key_padding_mask=batch.key_padding_mask,
-                routed_experts=batch.routed_experts if replay_routing else None,
-                indexer_topk=batch.indexer_topk if replay_indexer else None,
+    # Only positions up to the last predicting one are forwarded: the longest samples' last
+    # token predicts nothing and, by causality, is no key of any forwarded query (the engine
+    # never forwards it either). The choices captured are padded back to the batch's width
+    # with -1 rows ("nothing captured"), the rows the batch's own traces hold there.
+    width, full = int(batch.pos.max()) + 1 if len(batch.pos) else 1, batch.tokens.shape[1]
+    cut = (lambda t: t if t is None or width == full else t[:, :width])
+    out = model(cut(batch.tokens), cut(batch.position_ids), key_padding_mask=cut(batch.key_padding_mask),
+                routed_experts=cut(batch.routed_experts) if replay_routing else None,
+                indexer_topk=cut(batch.indexer_topk) if replay_indexer else None,
                 capture=capture, return_hidden=fused, compute_logits=not fused,
-                segment_ids=batch.segment_ids)
+                segment_ids=cut(batch.segment_ids))
+    if capture and width < full:
+        pad = lambda t: None if t is None else torch.cat(
+            [t, t.new_full((t.shape[0], full - width, *t.shape[2:]), -1)], dim=1)
+        out = dataclasses.replace(out, routed_experts=pad(out.routed_experts),
+                                  indexer_topk=pad(out.indexer_topk),
+                                  own_routed_experts=pad(out.own_routed_experts),
+                                  own_indexer_topk=pad(out.own_indexer_topk))
     if fused:
         hidden = out.hidden[batch.row, batch.pos]
         return fused_support_logprobs(hidden, model.lm_head.weight, batch.support, temperature,

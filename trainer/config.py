@@ -69,7 +69,7 @@ class TrainerConfig:
                                     Range(low=0, closed="()", also=(None,)))
     normalize_advantage_std: bool = setting(False, "grpo-std-normalization",
                                             "divide GRPO advantages by the group std")
-    micro_batch_size: int = setting(64, "micro-batch-size", "samples per forward/backward",
+    micro_batch_size: int = setting(128, "micro-batch-size", "samples per forward/backward",
                                     Range(low=1))
     temperature: float = setting(1.0, "rollout-temperature", check=POSITIVE)
     use_routing_replay: bool = setting(True, "use-routing-replay", "R3: replay the engine's MoE routing")

@@ -6,7 +6,8 @@ three the trainer replays: the sampler support (``sample_support``), the MoE rou
 (``routed_experts``, R3) and the sparse-attention indexer choices (``indexer_topk``). It is the
 first implementation of :class:`rollout.engines.base.Engine` (registry name ``"embedded"``).
 
-Batching: all prompts of a call are left-padded to the longest one. The padding is masked out
+Batching: all prompts of a call are left-padded to the longest one; each distinct padded prompt
+is prefilled once and its cache rows shared by every row that repeats it (a prompt group). The padding is masked out
 of attention by ``key_padding_mask`` and every row's ``position_ids`` count ``0..`` over its real
 tokens, so a row's math is that of the same trajectory forwarded alone. Prefill runs once, then
 one decode step per new token feeds the last sampled token of every row through the KV cache.
@@ -242,7 +243,22 @@ class EmbeddedEngine(Engine):
         finished = torch.zeros(batch, dtype=torch.bool, device=dev)
         stopped = torch.zeros(batch, dtype=torch.bool, device=dev)
 
-        logits = forward(input_ids, position_ids, key_mask)
+        # Prefill each distinct (left-padded) prompt once: the samples of a prompt group share
+        # it, so their prefill rows would be identical computations. The rows of the cache, the
+        # captured choices and the last logits are then indexed back to one per row.
+        rows_key = torch.cat([input_ids, key_mask.long()], dim=1)
+        _, inverse = torch.unique(rows_key, dim=0, return_inverse=True)
+        distinct = int(inverse.max()) + 1
+        if distinct < batch:
+            first = torch.full((distinct,), batch, dtype=torch.int64, device=dev).scatter_reduce(
+                0, inverse, torch.arange(batch, device=dev), "amin")
+            logits = forward(input_ids[first], position_ids[first], key_mask[first])[inverse]
+            cache = cache.select_rows(inverse)
+            for steps in (routed_steps, indexer_steps):
+                if steps:
+                    steps[-1] = steps[-1][inverse]
+        else:
+            logits = forward(input_ids, position_ids, key_mask)
         for step in range(max_new_tokens):
             if step > 0:
                 active = ~finished

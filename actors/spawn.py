@@ -5,14 +5,22 @@ event loop (uvloop when installed). The child ignores SIGINT, so Ctrl-C reaches 
 launcher, which then stops every actor in order; a child also exits by itself within about a
 second when its parent disappears, so no process outlives the run. A child that dies writes
 its traceback to ``<run_dir>/<name>.traceback`` for the supervisor to report.
+
+Profiling: with ``REPLAYRL_PROFILE_DIR`` set in the environment, every actor process runs
+under cProfile from the moment it serves until it stops and then writes ``<dir>/<name>.prof``
+(``pstats`` data) and ``<dir>/<name>.txt`` (the top entries by own time and by cumulative
+time); ``replayrl bench profile`` uses it.
 """
 from __future__ import annotations
 
 import asyncio
+import cProfile
 import importlib
+import io
 import logging
 import multiprocessing as mp
 import os
+import pstats
 import signal
 import sys
 import time
@@ -29,6 +37,26 @@ from actors.ref import close_connections
 
 log = logging.getLogger(__name__)
 _PARENT_POLL_SECONDS = 0.5
+PROFILE_ENV = "REPLAYRL_PROFILE_DIR"
+"""Environment variable: a directory where every actor process writes its cProfile."""
+
+
+def write_profile(profile: cProfile.Profile, directory: str | Path, name: str,
+                  top: int = 25) -> Path:
+    """Write ``<directory>/<name>.prof`` and a text summary ``<name>.txt``; returns the text's path.
+
+    The summary lists the ``top`` functions by own time (``tottime``) and by cumulative time.
+    """
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    profile.dump_stats(str(out / f"{name}.prof"))
+    text = io.StringIO()
+    stats = pstats.Stats(profile, stream=text).strip_dirs()
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(top)
+    path = out / f"{name}.txt"
+    path.write_text(text.getvalue())
+    return path
 
 
 @dataclass(frozen=True)
@@ -98,6 +126,10 @@ async def serve_actor(actor: Actor, name: str, directory: Directory,
     actor.name, actor.directory = name, directory
     await actor.on_start()
     server = ActorServer(actor, directory.endpoint(name))
+    profile_dir = os.environ.get(PROFILE_ENV)
+    profile = cProfile.Profile() if profile_dir else None
+    if profile is not None:
+        profile.enable()
     server.start()
     try:
         while not server.stopped.is_set():
@@ -109,6 +141,9 @@ async def serve_actor(actor: Actor, name: str, directory: Directory,
                     break
         await asyncio.sleep(0.05)  # let the reply to __stop__ leave the socket
     finally:
+        if profile is not None:
+            profile.disable()
+            write_profile(profile, profile_dir, name)
         try:
             await actor.on_stop()
         finally:

@@ -14,5 +14,5 @@ class FailingTrainer(TrainerActor):
 class FailBeforeUpdate(TrainerActor):
     """Dies after the preflight and before any optimizer work."""
 
-    def _update(self, samples, token_accept):
+    def _update(self, samples, token_accept, fused=False):
         raise RuntimeError("killed between preflight and update")

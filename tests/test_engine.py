@@ -297,3 +297,22 @@ def test_bad_weight_push_leaves_engine_not_ready(reference):
     assert engine.version is None
     with pytest.raises(EngineInputError, match="lm_head.weight"):
         engine.load_weights({**partial, "lm_head.weight": [[0.0]]}, version=0)
+
+
+def test_repeated_prompts_are_prefilled_once_and_generate_as_alone(reference):
+    # a prompt group repeats its prompt; the engine prefills it once and shares the cache rows.
+    # Greedy decoding (top-k 1) makes each row a function of its prompt alone, so every row
+    # must equal the same prompt generated in a batch of one (which shares nothing).
+    model, arrays = reference
+    engine = make_engine(arrays)
+    a, b, c = [3, 7, 1, 9], [5, 2], [0, 0, 5, 2]  # c: b's ids after left padding, unpadded
+    prompts = [a, b, a, c, b, a]
+    params = SamplingParams(temperature=1.0, top_k=1)
+    kwargs = dict(max_new_tokens=4, eos_token_id=31, seed=3, traces=frozenset(TRACE_FIELDS))
+    together = engine.generate(prompts, params, **kwargs)
+    for prompt, gen in zip(prompts, together):
+        alone = engine.generate([prompt], params, **kwargs)[0]
+        assert gen.response_ids.tolist() == alone.response_ids.tolist()
+        assert np.allclose(gen.rollout_logprobs, alone.rollout_logprobs, atol=1e-5)
+        for field in TRACE_FIELDS:
+            assert np.array_equal(getattr(gen, field), getattr(alone, field)), field

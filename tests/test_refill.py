@@ -249,8 +249,9 @@ async def test_band_rejecting_everything_fails_before_the_optimizer_step(tmp_pat
 
 
 async def test_failure_between_preflight_and_update_applies_nothing(tmp_path):
+    # --preflight always: with the defaults the proximal logprobs come from the training forward
     err, before, after, clock, state = await _digest_after_failed_step(
-        tmp_path, {}, trainer_cls="tests.failing_trainer:FailBeforeUpdate")
+        tmp_path, {"preflight": "always"}, trainer_cls="tests.failing_trainer:FailBeforeUpdate")
     assert "killed between preflight and update" in str(err)
     assert before == after and clock["trainer_version"] == 0 and state["version"] == 0
 

@@ -175,3 +175,29 @@ def test_flips_of_a_real_replay_are_counted(model):
         same = model(ids, pos, routed_experts=cap.routed_experts, capture=True)
     assert flip_rate(same.routed_experts[0], same.own_routed_experts[0], np.ones(t_rows, bool)) == 0.0
     assert check_replay(same.routed_experts[0], same.own_routed_experts[0], None, 1.0, 0.0).min_overlap == 1.0
+
+
+@pytest.mark.parametrize("repeats", [False, True])
+def test_flip_rate_matches_python_sets(repeats):
+    # the sorted-row fast path (no repeated entry) and the general path (repeats) against sets
+    rng = np.random.default_rng(3)
+    T, L, K = 200, 2, 4
+    if repeats:
+        used = rng.integers(-1, 4, size=(T, L, K))
+        own = rng.integers(-1, 4, size=(T, L, K))
+    else:
+        used = np.stack([[rng.permutation(np.arange(-1, 7))[:K] for _ in range(L)] for _ in range(T)])
+        own = used.copy()
+        own[::3] = np.stack([[rng.permutation(np.arange(-1, 7))[:K] for _ in range(L)]
+                             for _ in range(len(own[::3]))])
+        own[1::5] = own[1::5][..., ::-1]  # same set, other order: no flip
+        # several -1 per row, as an indexer row over fewer keys than K has them
+        used[7, 0] = own[7, 0] = [-1, -1, 3, 5]
+        used[8, 1], own[8, 1] = [-1, -1, 3, 5], [-1, 3, -1, 5]
+    valid = rng.random((T, L)) < 0.8
+    sets = lambda row: {int(x) for x in row if x >= 0}
+    expected = np.mean([sets(used[t, l]) != sets(own[t, l])
+                        for t in range(T) for l in range(L) if valid[t, l]])
+    assert flip_rate(used, own, valid) == pytest.approx(expected, abs=1e-12)
+    assert flip_rate(torch.from_numpy(used), torch.from_numpy(own), torch.from_numpy(valid)) == \
+        pytest.approx(expected, abs=1e-12)

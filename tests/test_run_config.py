@@ -29,7 +29,7 @@ def write(tmp_path, name: str, text: str):
 def test_defaults_without_file_or_flags():
     cfg = parse()
     assert (cfg.num_steps, cfg.max_staleness, cfg.num_engines) == (400, 1, 1)
-    assert (cfg.engine_dtype, cfg.transport, cfg.output_dir, cfg.progress) == ("bfloat16", "ipc", "runs/default", True)
+    assert (cfg.engine_dtype, cfg.transport, cfg.output_dir, cfg.progress) == ("auto", "ipc", "runs/default", True)
     assert (cfg.rollout.rollout_batch_size, cfg.rollout.n_samples_per_prompt, cfg.rollout.top_k) == (16, 8, 20)
     assert (cfg.rollout.temperature, cfg.trainer.temperature) == (1.0, 1.0)
     assert (cfg.trainer.lr, cfg.trainer.tis_cap, cfg.trainer.use_support_replay) == (3e-4, 2.0, True)

@@ -26,6 +26,7 @@ from typing import Any
 
 from actors.settings import Choices, Range, Rule, Setting, check_settings, setting, settings_of, show_value
 from rollout.config import RolloutConfig
+from rollout.engines.precision import DTYPES
 from rollout.model.config import default_config
 from rollout.task import VOCABULARY
 from trainer.config import TrainerConfig
@@ -47,7 +48,8 @@ class RunConfig:
         num_steps: optimizer steps (= rollouts) to run (``--num-steps``, slime ``--num-rollout``).
         max_staleness: VersionClock window (``--max-staleness``).
         num_engines: engine actors (``--num-engines``).
-        engine_dtype: ``bfloat16`` or ``float32`` (``--engine-dtype``).
+        engine_dtype: ``auto`` (bf16 where the hardware computes it natively, else float32;
+            :mod:`rollout.engines.precision`), ``bfloat16`` or ``float32`` (``--engine-dtype``).
         output_dir: where metrics.jsonl, the plot and the checkpoint go (``--output-dir``).
         transport: ``ipc`` (one node) or ``tcp`` (loopback) (``--transport``).
         engine_torch_threads: intra-op threads per engine process.
@@ -66,8 +68,9 @@ class RunConfig:
                                  Range(low=1, why="the loop overlaps generation of step k+1 with "
                                                   "training of step k (one-step off-policy)"))
     num_engines: int = setting(1, "num-engines", "engine actor processes", Range(low=1))
-    engine_dtype: str = setting("bfloat16", "engine-dtype", "engine precision",
-                                Choices(("bfloat16", "float32")))
+    engine_dtype: str = setting("auto", "engine-dtype", "engine precision; auto = bfloat16 where "
+                                "the CPU (AMX) or GPU computes it natively, else float32",
+                                Choices(DTYPES))
     output_dir: str = setting("runs/default", "output-dir", "metrics, plot and checkpoint directory")
     transport: str = setting("ipc", "transport", "ipc on one node, tcp on loopback",
                              Choices(("ipc", "tcp")))

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from actors import ActorSpec, Directory, Supervisor, import_callable
 from rollout.engines import EngineError, check_capture, engine_class_path, load_engine_class
+from rollout.engines.precision import resolve_dtype
 from rollout.model.checkpoint import save_pretrained
 from rollout.model.config import default_config
 from rollout.model.qwen3_moe import Qwen3MoeForCausalLM
@@ -101,10 +102,11 @@ def engine_kwargs(config: RunConfig) -> dict:
     """Constructor kwargs of the run's engine (plain data; they cross to the engine process).
 
     Every engine gets the policy's shape and precision: ``model_config`` (``ModelConfig``
-    fields, HF names) and ``dtype`` (``--engine-dtype``).
+    fields, HF names) and ``dtype`` (``--engine-dtype``, with ``auto`` resolved here for the
+    CPU the engines run on: :func:`rollout.engines.precision.resolve_dtype`).
     """
     return {"model_config": dataclasses.asdict(default_config(vocab_size=len(VOCABULARY))),
-            "dtype": config.engine_dtype}
+            "dtype": resolve_dtype(config.engine_dtype)}
 
 
 def actor_specs(config: RunConfig, checkpoint_dir: Path) -> list[ActorSpec]:

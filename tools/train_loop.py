@@ -94,7 +94,9 @@ async def load_checkpoint(directory: Directory, path: Path) -> int:
 async def train_loop(directory: Directory, config: RunConfig,
                      on_step: Callable[[dict], None]) -> None:
     """Run steps up to ``config.num_steps``; call ``on_step(metrics)`` after each, with the
-    row :func:`step_metrics` builds."""
+    row :func:`step_metrics` builds plus the overlap's waits: ``wait_for_rollout_seconds``
+    (training finished, the next rollout had not) and ``wait_for_trainer_seconds`` (the next
+    rollout was ready while the trainer still trained; the engines idled)."""
     manager, trainer = directory.proxy("rollout_manager"), directory.proxy("trainer")
     first = await load_checkpoint(directory, Path(config.load)) if config.load else 0
     push = await trainer.push_weights()  # engines serve nothing before this
@@ -103,20 +105,27 @@ async def train_loop(directory: Directory, config: RunConfig,
     generated = await manager.generate(first)
     for step in range(first, config.num_steps):
         step_start = time.perf_counter()
-        next_rollout = None
+        next_rollout, generated_at = None, [step_start]
         if step + 1 < config.num_steps:  # overlaps with training below
             next_rollout = asyncio.ensure_future(manager.generate(step + 1))
+            next_rollout.add_done_callback(lambda _, at=generated_at: at.append(time.perf_counter()))
         try:
             trained = await trainer.train(step)
         except BaseException:
             if next_rollout is not None:
                 next_rollout.cancel()
             raise
+        trained_at = time.perf_counter()
         summary = generated
         if next_rollout is not None:
             generated = await next_rollout
             push = await push_after(trained, trainer)
+        # the two sides of the overlap: who waited for whom, from the driver's clock
+        waits = {"wait_for_rollout_seconds": max(0.0, generated_at[-1] - trained_at),
+                 "wait_for_trainer_seconds": max(0.0, trained_at - generated_at[-1])
+                 if next_rollout is not None else 0.0}
         if config.save_interval and (step + 1) % config.save_interval == 0:
             await save_checkpoint(directory, Path(config.save_dir) / f"step-{step + 1}", step + 1,
                                   config)
-        on_step(step_metrics(step, summary, trained, push, time.perf_counter() - step_start))
+        on_step({**step_metrics(step, summary, trained, push, time.perf_counter() - step_start),
+                 **waits})

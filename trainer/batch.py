@@ -71,12 +71,12 @@ def token_counts(samples: Sequence[Sample], token_accept: dict[int, torch.Tensor
     ``token_accept`` maps sample id -> bool [R] from
     :meth:`trainer.rejection.rs_policy.RSGate.decide`.
     """
-    loss = accepted = 0
-    for s in samples:
-        mask = torch.from_numpy(np.array(s.loss_mask)) > 0
-        loss += int(mask.sum())
-        accepted += int((token_accept[s.sample_id] & mask).sum())
-    return loss, accepted
+    if not samples:
+        return 0, 0
+    # one concatenation instead of a tensor per sample: the counts are the same integers
+    mask = np.concatenate([s.loss_mask for s in samples]) > 0
+    accept = torch.cat([token_accept[s.sample_id] for s in samples]).numpy()
+    return int(mask.sum()), int((accept & mask).sum())
 
 
 def _carried(samples: Sequence[Sample], field: str) -> bool:

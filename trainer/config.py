@@ -38,6 +38,9 @@ class TrainerConfig:
             :class:`trainer.packing.PackedLayout`, instead of right-padded rows.
         logprobs_chunk_size: > 0 uses the fused chunked LM-head path for support replay
             (``--logprobs-chunk-size``; peak memory bounded by the chunk, not N x V).
+        preflight: ``auto`` runs the separate preflight forward only when the RS gate, exact
+            refill or the replay check need the proximal logprobs before the update (otherwise
+            they are the detached logprobs of the training forward); ``always`` runs it anyway.
         rpc_timeout_s: seconds any trainer-initiated actor call may take.
         torch_threads: intra-op threads of the trainer process.
         seed: torch seed of the trainer process.
@@ -70,7 +73,7 @@ class TrainerConfig:
                                     Range(low=0, closed="()", also=(None,)))
     normalize_advantage_std: bool = setting(False, "grpo-std-normalization",
                                             "divide GRPO advantages by the group std")
-    micro_batch_size: int = setting(64, "micro-batch-size", "samples per forward/backward",
+    micro_batch_size: int = setting(128, "micro-batch-size", "samples per forward/backward",
                                     Range(low=1))
     temperature: float = setting(1.0, "rollout-temperature", check=POSITIVE)
     use_routing_replay: bool = setting(True, "use-routing-replay", "R3: replay the engine's MoE routing")
@@ -87,6 +90,9 @@ class TrainerConfig:
     replay_max_mismatch_fraction: float = setting(1.0, "replay-max-mismatch-fraction", "fail a step "
                                                   "when more tokens than this route differently",
                                                   Range(0, 1))
+    preflight: str = setting("auto", "preflight", "separate proximal forward before the update: "
+                             "auto (only when RS / refill / the replay check need it) or always",
+                             Choices(("auto", "always")))
     rpc_timeout_s: float = setting(300.0, "rpc-timeout-seconds", "trainer's actor-call timeout",
                                    POSITIVE)
     torch_threads: int = setting(1, "trainer-torch-threads", "torch threads of the trainer",

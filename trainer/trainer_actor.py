@@ -44,6 +44,7 @@ from actors import Actor
 from rollout.sample import Sample, check_required_traces, required_traces
 from trainer.advantages import baseline_groups, grpo_advantages
 from trainer.backends import resolve_backend
+from trainer.backends.base import TrainerBackend
 from trainer.batch import collate, collate_packed, per_sample_tensors, sampled_masks, token_counts
 from trainer.config import TrainerConfig
 from trainer.losses import policy_loss
@@ -160,14 +161,33 @@ class TrainerActor(Actor):
             out = self.backend.preflight_logprobs(batch)
             for s, part in zip(chunk, torch.split(out.logprobs, [len(s.response_ids) for s in chunk])):
                 self.cache.put(s.sample_id, part)
-            for name, engine, used, own in (
-                    ("routing", batch.routed_experts, out.routed_experts, out.own_routed_experts),
-                    ("indexer", batch.indexer_topk, out.indexer_topk, out.own_indexer_topk)):
-                if engine is not None:
-                    self._check_replay(name, engine, own, batch.key_padding_mask)
-                    rates.setdefault(f"{name}_flip_rate", []).append(batch_flip_rate(engine, used, batch.key_padding_mask))
-                    rates.setdefault(f"{name}_drift_rate", []).append(batch_flip_rate(engine, own, batch.key_padding_mask))
+            self._replay_rates(rates, batch, out)
         return rates
+
+    def _replay_rates(self, rates: dict[str, list[float]], batch, out) -> None:
+        """Append one microbatch's flip / drift rates (and run the replay check) to ``rates``."""
+        for name, engine, used, own in (
+                ("routing", batch.routed_experts, out.routed_experts, out.own_routed_experts),
+                ("indexer", batch.indexer_topk, out.indexer_topk, out.own_indexer_topk)):
+            if engine is not None:
+                self._check_replay(name, engine, own, batch.key_padding_mask)
+                rates.setdefault(f"{name}_flip_rate", []).append(batch_flip_rate(engine, used, batch.key_padding_mask))
+                rates.setdefault(f"{name}_drift_rate", []).append(batch_flip_rate(engine, own, batch.key_padding_mask))
+
+    def needs_preflight(self) -> bool:
+        """Whether a step runs the separate preflight forward before its update.
+
+        Only an RS gate (and with it exact refill) or the replay check
+        (``--replay-min-overlap-ratio`` / ``--replay-max-mismatch-fraction``) need the
+        proximal logprobs or the choices before the update. Otherwise, with one optimizer step
+        per rollout, the proximal logprobs ARE the detached logprobs of the training forward at
+        the same weights, and the flip / drift rates come from that forward: one forward per
+        microbatch instead of two (``--preflight always`` keeps the separate one).
+        """
+        cfg = self.config
+        return (cfg.preflight == "always" or self.gate.active
+                or cfg.replay_min_overlap_ratio != 0 or cfg.replay_max_mismatch_fraction != 1
+                or type(self.backend).train_forward is TrainerBackend.train_forward)
 
     def _check_replay(self, kind: str, engine: torch.Tensor, own: torch.Tensor,
                       real: torch.Tensor) -> None:
@@ -202,6 +222,7 @@ class TrainerActor(Actor):
         start = time.perf_counter()
         raw = await self.proxy(self.manager_name, cfg.rpc_timeout_s).take_batch(rollout_id)
         samples = [Sample.from_dict(d) for d in raw]
+        transport_seconds = time.perf_counter() - start  # the batch's RPC, decode and checks
         trainer_version = await clock.check_samples([s.sample_id for s in samples],
                                                     [s.policy_version for s in samples])
         if trainer_version != self.version:
@@ -209,17 +230,26 @@ class TrainerActor(Actor):
                                  f"{self.version}")
         self.cache.reset_counters()
         try:
-            t0 = time.perf_counter()
-            metrics = mean_rates(self.preflight(samples))
-            metrics["preflight_seconds"] = time.perf_counter() - t0
-            coordinator = RefillCoordinator(
-                self.gate, self.config, self.rollout_batch_size, self.n, cache=self.cache,
-                preflight=self.preflight,
-                manager=self.proxy(self.manager_name, cfg.rs_refill_rpc_timeout_s),
-                clock=clock.with_timeout(cfg.rs_refill_rpc_timeout_s), version=self.version)
-            admitted, token_accept, refill_metrics = await coordinator.admit(samples)
-            metrics.update(refill_metrics)
-            metrics.update(self._update(admitted, token_accept))
+            if self.needs_preflight():
+                t0 = time.perf_counter()
+                metrics = mean_rates(self.preflight(samples))
+                metrics["preflight_seconds"] = time.perf_counter() - t0
+                coordinator = RefillCoordinator(
+                    self.gate, self.config, self.rollout_batch_size, self.n, cache=self.cache,
+                    preflight=self.preflight,
+                    manager=self.proxy(self.manager_name, cfg.rs_refill_rpc_timeout_s),
+                    clock=clock.with_timeout(cfg.rs_refill_rpc_timeout_s), version=self.version)
+                admitted, token_accept, refill_metrics = await coordinator.admit(samples)
+                metrics.update(refill_metrics)
+                metrics.update(self._update(admitted, token_accept))
+            else:  # no gate: every token accepted, as RSGate("none") decides
+                admitted, token_accept = samples, {s.sample_id: torch.ones(len(s.response_ids), dtype=torch.bool)
+                                                   for s in samples}
+                loss_count, accepted_count = token_counts(samples, token_accept)
+                metrics = {"preflight_seconds": 0.0, "generated_samples": len(samples),
+                           "rs_sample_accept_rate": 1.0,
+                           "rs_token_accept_rate": accepted_count / max(loss_count, 1)}
+                metrics.update(self._update(admitted, token_accept, fused=True))
         finally:
             self.cache.clear()  # nothing survives a step, on success or error
         if not metrics["skipped"]:  # a skipped step applied nothing: the version stays
@@ -229,7 +259,7 @@ class TrainerActor(Actor):
         metrics.update(rollout_id=rollout_id, trainer_version=self.version,
                        staleness_mean=float(np.mean([trainer_version - s.policy_version for s in admitted])),
                        staleness_max=int(max(trainer_version - s.policy_version for s in admitted)),
-                       train_seconds=seconds,
+                       train_seconds=seconds, transport_seconds=transport_seconds,
                        effective_tokens_per_second=metrics["accepted_tokens"] / seconds)
         return metrics
 
@@ -259,9 +289,14 @@ class TrainerActor(Actor):
                        for s, ok in zip(samples, in_group)}
         return accepted, loss_accept, int((~in_group).sum()) // self.n
 
-    def _update(self, samples: list[Sample], token_accept: dict[int, torch.Tensor]) -> dict:
+    def _update(self, samples: list[Sample], token_accept: dict[int, torch.Tensor],
+                fused: bool = False) -> dict:
+        """The loss forward / backward per microbatch and the optimizer step. ``fused``: no
+        preflight ran; the proximal logprobs are this forward's, detached (same weights), and
+        the replay rates come from it too (:meth:`needs_preflight`)."""
         cfg = self.config
-        self.cache.check_bijection([s.sample_id for s in samples])
+        if not fused:
+            self.cache.check_bijection([s.sample_id for s in samples])
         baseline, loss_accept, degenerate = self._baseline(samples, token_accept)
         loss_count, gate_count = token_counts(samples, token_accept)
         accepted_count = token_counts(samples, loss_accept)[1]
@@ -286,20 +321,26 @@ class TrainerActor(Actor):
                               accepted=baseline)
         self.backend.zero_grad()
         sums = {"abs_logprob_diff": 0.0, "clipfrac": 0.0, "tis_weight_mean": 0.0, "max_prox_drift": 0.0}
-        offset = 0
+        offset, rates, seconds = 0, {}, {"forward": 0.0, "backward": 0.0}
         for chunk, batch in self._batches(samples):
-            logp = self.backend.train_logprobs(batch)
-            prox = torch.cat(self.cache.take([s.sample_id for s in chunk]))
+            t0 = time.perf_counter()
+            if fused:
+                out = self.backend.train_forward(batch)
+                logp, prox = out.logprobs, out.logprobs.detach()
+                self._replay_rates(rates, batch, out)
+            else:
+                logp = self.backend.train_logprobs(batch)
+                prox = torch.cat(self.cache.take([s.sample_id for s in chunk]))
             accept = torch.cat([token_accept[s.sample_id] for s in chunk])
             trained = torch.cat([loss_accept[s.sample_id] for s in chunk])
             # The same gate, re-applied to this forward, must reproduce the preflight decision:
             # the weights have not moved yet, so logp equals the proximal logprobs up to rounding.
             drift = float((logp.detach() - prox).abs().max())
             sums["max_prox_drift"] = max(sums["max_prox_drift"], drift)
-            recheck = self.gate.decide(
+            recheck = [accept] if fused else self.gate.decide(
                 list(torch.split(logp.detach(), [len(s.response_ids) for s in chunk])),
                 per_sample_tensors(chunk, "rollout_logprobs"), sampled_masks(chunk))[1]
-            if drift > 1e-3 or not torch.equal(torch.cat(recheck), accept):
+            if not fused and (drift > 1e-3 or not torch.equal(torch.cat(recheck), accept)):
                 raise TrainStepError(f"training forward does not reproduce the preflight (max "
                                      f"|logp - logp_prox| = {drift:.2e}); refusing the step")
             counts = torch.tensor([len(s.response_ids) for s in chunk])
@@ -311,17 +352,25 @@ class TrainerActor(Actor):
                                   sampled_mask=batch.sampled_mask, denominator=cfg.rs_denominator)
             # policy_loss averages over this microbatch's denominator; rescale to the step's
             mb_den = float(m["loss_tokens"] if cfg.rs_denominator == "loss_tokens" else m["accepted_tokens"])
+            t1 = time.perf_counter()
             self.backend.backward(loss * (mb_den / denominator))
+            seconds["forward"] += t1 - t0
+            seconds["backward"] += time.perf_counter() - t1
             mask = batch.loss_mask > 0
             # behaviour logprobs exist only where the engine sampled (not at a synthetic EOS)
             sampled = batch.sampled_mask > 0
             sums["abs_logprob_diff"] += float((prox - batch.rollout_logprobs)[sampled].abs().sum())
             sums["clipfrac"] += m["clip_fraction"] * float(mask.sum())
             sums["tis_weight_mean"] += m["tis_weight_mean"] * float(sampled.sum())
+        t0 = time.perf_counter()
         grad_norm = self.backend.clip_and_step(cfg.clip_grad)
+        optimizer_seconds = time.perf_counter() - t0
         if not math.isfinite(grad_norm):
             raise TrainStepError(f"non-finite gradient norm {grad_norm}; step skipped, weights untouched")
-        return {"skipped": 0, **groups, "grad_norm": grad_norm,
+        return {"skipped": 0, **groups, **mean_rates(rates),
+                "loss_forward_seconds": seconds["forward"],
+                "loss_backward_seconds": seconds["backward"], "optimizer_seconds": optimizer_seconds,
+                "grad_norm": grad_norm,
                 "train_rollout_logprob_abs_diff": sums["abs_logprob_diff"] / max(sampled_tokens, 1.0),
                 "clipfrac": sums["clipfrac"] / loss_tokens,
                 "tis_weight_mean": sums["tis_weight_mean"] / max(sampled_tokens, 1.0),

@@ -6,7 +6,8 @@ three the trainer replays: the sampler support (``sample_support``), the MoE rou
 (``routed_experts``, R3) and the sparse-attention indexer choices (``indexer_topk``). It is the
 first implementation of :class:`rollout.engines.base.Engine` (registry name ``"embedded"``).
 
-Batching: all prompts of a call are left-padded to the longest one. The padding is masked out
+Batching: all prompts of a call are left-padded to the longest one; each distinct padded prompt
+is prefilled once and its cache rows shared by every row that repeats it (a prompt group). The padding is masked out
 of attention by ``key_padding_mask`` and every row's ``position_ids`` count ``0..`` over its real
 tokens, so a row's math is that of the same trajectory forwarded alone. Prefill runs once, then
 one decode step per new token feeds the last sampled token of every row through the KV cache.
@@ -242,7 +243,22 @@ class EmbeddedEngine(Engine):
         finished = torch.zeros(batch, dtype=torch.bool, device=dev)
         stopped = torch.zeros(batch, dtype=torch.bool, device=dev)
 
-        logits = forward(input_ids, position_ids, key_mask)
+        # Prefill each distinct (left-padded) prompt once: the samples of a prompt group share
+        # it, so their prefill rows would be identical computations. The rows of the cache, the
+        # captured choices and the last logits are then indexed back to one per row.
+        rows_key = torch.cat([input_ids, key_mask.long()], dim=1)
+        _, inverse = torch.unique(rows_key, dim=0, return_inverse=True)
+        distinct = int(inverse.max()) + 1
+        if distinct < batch:
+            first = torch.full((distinct,), batch, dtype=torch.int64, device=dev).scatter_reduce(
+                0, inverse, torch.arange(batch, device=dev), "amin")
+            logits = forward(input_ids[first], position_ids[first], key_mask[first])[inverse]
+            cache = cache.select_rows(inverse)
+            for steps in (routed_steps, indexer_steps):
+                if steps:
+                    steps[-1] = steps[-1][inverse]
+        else:
+            logits = forward(input_ids, position_ids, key_mask)
         for step in range(max_new_tokens):
             if step > 0:
                 active = ~finished
@@ -262,38 +278,50 @@ class EmbeddedEngine(Engine):
             stopped[active_rows[hit_eos]] = True
             finished[active_rows[hit_eos]] = True
 
-        routed = torch.cat(routed_steps, dim=1) if want_routing else None
-        indexer = torch.cat(indexer_steps, dim=1) if want_indexer else None
+        # Whole-batch conversions, then per-row slices: one host copy per output instead of
+        # one per row and output. Every slice below is of a fresh array (never an engine
+        # buffer) and read-only.
+        routed = _read_only(torch.cat(routed_steps, dim=1), np.int32) if want_routing else None
+        indexer = None
+        if want_indexer:
+            slots = torch.cat(indexer_steps, dim=1)
+            first_slot = pads.view(-1, *[1] * (slots.dim() - 1))
+            indexer = _read_only(self._slots_to_positions(slots, first_slot), np.int32)
+        tokens_np, logprobs_np = _read_only(tokens, np.int32), _read_only(logprobs, np.float32)
+        support_np = _read_only(support, np.int32) if want_support else None
+        lens, firsts, stops = resp_len.tolist(), pads.tolist(), stopped.tolist()
 
         generations = []
         for i in range(batch):
-            r = int(resp_len[i])
-            first, end = int(pads[i]), p_max + r - 1  # key slots of the P + R - 1 forwarded tokens
-            routed_i = None
-            if routed is not None:
-                routed_i = _read_only(routed[i, first:end], np.int32)
-            indexer_i = None
-            if indexer is not None:
-                indexer_i = _read_only(self._slots_to_positions(indexer[i, first:end], first, i), np.int32)
+            r = lens[i]
+            first, end = firsts[i], p_max + r - 1  # key slots of the P + R - 1 forwarded tokens
             generations.append(
                 Generation(
-                    response_ids=_read_only(tokens[i, :r], np.int32),
-                    rollout_logprobs=_read_only(logprobs[i, :r], np.float32),
-                    sample_support=_read_only(support[i, :r], np.int32) if want_support else None,
-                    routed_experts=routed_i,
-                    indexer_topk=indexer_i,
-                    finish_reason="stop" if bool(stopped[i]) else "length",
+                    response_ids=tokens_np[i, :r],
+                    rollout_logprobs=logprobs_np[i, :r],
+                    sample_support=support_np[i, :r] if want_support else None,
+                    routed_experts=routed[i, first:end] if routed is not None else None,
+                    indexer_topk=indexer[i, first:end] if indexer is not None else None,
+                    finish_reason="stop" if stops[i] else "length",
                 )
             )
         return generations
 
     @staticmethod
-    def _slots_to_positions(slots: torch.Tensor, pad: int, row: int) -> torch.Tensor:
-        """Map indexer key slots (into the left-padded cache) to trajectory positions."""
+    def _slots_to_positions(slots: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        """Map indexer key slots ``[B, S, L, K]`` (into the left-padded cache) to trajectory
+        positions; ``pad`` holds each row's left-padding count, broadcastable to ``slots``.
+
+        Only the key slots of each row's forwarded tokens reach a trajectory; rows of padding
+        queries hold -1 (the model gives padding queries no indexer keys).
+        """
         picked = slots >= 0
-        if bool((picked & (slots < pad)).any()):
+        bad = picked & (slots < pad)
+        if bool(bad.any()):
+            row = int(bad.nonzero()[0, 0])
             raise EngineError(
                 f"prompt {row}: field indexer_topk: the model's indexer selected a padding key "
-                f"slot (< {pad}); refusing to emit a trace that points outside the trajectory"
+                f"slot (< {int(pad.reshape(-1)[row])}); refusing to emit a trace that points "
+                f"outside the trajectory"
             )
         return torch.where(picked, slots - pad, slots)

@@ -75,3 +75,18 @@ class KVCache:
         self._index_keys = {i: index_keys[i] for i in self._indexed_layers}
         self._padding_mask = key_padding_mask
         self._length = int(key_padding_mask.shape[1])
+
+    def select_rows(self, rows: torch.Tensor) -> "KVCache":
+        """A new cache whose batch row ``i`` is this cache's row ``rows[i]`` (int64 ``[B']``).
+
+        Differentiable (``index_select``): a prefix forwarded once for several rows (e.g. the
+        shared prompt of a GRPO group) gets the gradients of every row that reads it.
+        """
+        out = KVCache(self._num_layers, self._indexed_layers)
+        pick = lambda t: None if t is None else t.index_select(0, rows)
+        out._keys = [pick(t) for t in self._keys]
+        out._values = [pick(t) for t in self._values]
+        out._index_keys = {i: pick(t) for i, t in self._index_keys.items()}
+        out._padding_mask = pick(self._padding_mask)
+        out._length = self._length
+        return out

@@ -10,6 +10,11 @@ backend on accelerators moves them). The per-step call order, driven by
     for every microbatch: train_logprobs(mb) -> loss (computed by the actor) -> backward(loss)
     clip_and_step(max_norm)
 
+or, when no RS gate, refill or replay check needs the proximal logprobs before the update,
+without the preflight: ``zero_grad()``, then ``train_forward(mb)`` (logprobs with gradients
+plus the routing / indexer choices) -> loss -> ``backward(loss)`` per microbatch, then
+``clip_and_step``.
+
 plus :meth:`TrainerBackend.weights` after a step (the weight push), and checkpoint save /
 load, :meth:`TrainerBackend.digest` and :meth:`TrainerBackend.parameter_count` on request.
 """
@@ -94,6 +99,20 @@ class TrainerBackend(ABC):
         Raises:
             as :meth:`preflight_logprobs`.
         """
+
+    def train_forward(self, batch: TrainBatch) -> ReplayedForward:
+        """The training forward with the discrete choices it made (one forward, not two).
+
+        Its ``logprobs`` carry gradients (unlike :meth:`preflight_logprobs`); detached, they
+        are the proximal logprobs when the step has one optimizer step and nothing needs them
+        before the update (the TrainerActor's no-preflight path). A backend that cannot return
+        its choices from the training forward keeps this default, and the actor runs the
+        preflight instead.
+
+        Raises:
+            NotImplementedError: this backend does not provide it.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no train_forward")
 
     @abstractmethod
     def zero_grad(self) -> None:

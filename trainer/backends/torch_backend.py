@@ -12,6 +12,7 @@ Which forwards use what (documented choice, docs/design.md §7 "Trainer math"):
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Sequence
@@ -51,11 +52,34 @@ def response_logprobs(model: Qwen3MoeForCausalLM, batch: TrainBatch, temperature
             malformed support row.
     """
     fused = chunk_size > 0 and batch.support is not None
-    out = model(batch.tokens, batch.position_ids, key_padding_mask=batch.key_padding_mask,
-                routed_experts=batch.routed_experts if replay_routing else None,
-                indexer_topk=batch.indexer_topk if replay_indexer else None,
-                capture=capture, return_hidden=fused, compute_logits=not fused,
-                segment_ids=batch.segment_ids)
+    # Only positions up to the last predicting one are forwarded: the longest samples' last
+    # token predicts nothing and, by causality, is no key of any forwarded query (the engine
+    # never forwards it either). The choices captured are padded back to the batch's width
+    # with -1 rows ("nothing captured"), the rows the batch's own traces hold there.
+    width, full = int(batch.pos.max()) + 1 if len(batch.pos) else 1, batch.tokens.shape[1]
+    cut = (lambda t: t if t is None or width == full else t[:, :width])
+    inputs = dict(tokens=cut(batch.tokens), position_ids=cut(batch.position_ids),
+                  key_padding_mask=cut(batch.key_padding_mask),
+                  routed_experts=cut(batch.routed_experts) if replay_routing else None,
+                  indexer_topk=cut(batch.indexer_topk) if replay_indexer else None)
+    shared = None if batch.segment_ids is not None or not len(batch.pos) else _shared_prefix(
+        inputs, int(batch.pos.min()))
+    if shared is not None:
+        out, offset = _prefix_forward(model, inputs, *shared, capture=capture, fused=fused)
+        batch = dataclasses.replace(batch, pos=batch.pos - offset)
+    else:
+        out = model(inputs["tokens"], inputs["position_ids"],
+                    key_padding_mask=inputs["key_padding_mask"],
+                    routed_experts=inputs["routed_experts"], indexer_topk=inputs["indexer_topk"],
+                    capture=capture, return_hidden=fused, compute_logits=not fused,
+                    segment_ids=cut(batch.segment_ids))
+    if capture and width < full:
+        pad = lambda t: None if t is None else torch.cat(
+            [t, t.new_full((t.shape[0], full - width, *t.shape[2:]), -1)], dim=1)
+        out = dataclasses.replace(out, routed_experts=pad(out.routed_experts),
+                                  indexer_topk=pad(out.indexer_topk),
+                                  own_routed_experts=pad(out.own_routed_experts),
+                                  own_indexer_topk=pad(out.own_indexer_topk))
     if fused:
         hidden = out.hidden[batch.row, batch.pos]
         return fused_support_logprobs(hidden, model.lm_head.weight, batch.support, temperature,
@@ -64,6 +88,58 @@ def response_logprobs(model: Qwen3MoeForCausalLM, batch: TrainBatch, temperature
     if batch.support is not None:
         return support_logprobs(logits, batch.support, temperature), out
     return full_vocab_logprobs(logits, batch.targets, temperature), out
+
+
+def _shared_prefix(inputs: dict, prefix: int) -> tuple[int, torch.Tensor, torch.Tensor] | None:
+    """``(prefix, first, inverse)`` when rows share their first ``prefix`` positions, else None.
+
+    The ``prefix`` positions before the earliest predicting one are forwarded once per distinct
+    row when every row is real there and rows with equal tokens there also carry equal
+    positions and routing / indexer traces (the samples of a GRPO group share their prompt,
+    and the engine forwarded it identically for each). ``first`` (int64 [U]) is the first row
+    of each distinct prefix, ``inverse`` (int64 [B]) the distinct prefix of every row.
+    """
+    tokens = inputs["tokens"]
+    if prefix < 1 or not bool(inputs["key_padding_mask"][:, :prefix].all()):
+        return None
+    _, inverse = torch.unique(tokens[:, :prefix], dim=0, return_inverse=True)
+    n = int(inverse.max()) + 1
+    if n == tokens.shape[0]:
+        return None  # nothing shared
+    rows = torch.arange(len(inverse))
+    first = torch.full((n,), len(inverse), dtype=torch.int64).scatter_reduce(0, inverse, rows, "amin")
+    for name in ("position_ids", "routed_experts", "indexer_topk"):
+        t = inputs[name]
+        if t is not None and not torch.equal(t[:, :prefix], t[first][inverse][:, :prefix]):
+            return None
+    return prefix, first, inverse
+
+
+def _prefix_forward(model: Qwen3MoeForCausalLM, inputs: dict, prefix: int, first: torch.Tensor,
+                    inverse: torch.Tensor, *, capture: bool, fused: bool):
+    """The forward of :func:`response_logprobs` with the shared prefix computed once per
+    distinct row (:func:`_shared_prefix`) and the rest of every row through the KV cache, the
+    way the engine decodes. Same math; the prefix's gradients are summed over its rows by the
+    cache's ``index_select``. Returns the model output over the positions from ``prefix`` on
+    (captured choices over all positions) and ``prefix``, the offset of its logits."""
+    head = {k: None if v is None else v[first, :prefix] for k, v in inputs.items()}
+    tail = {k: None if v is None else v[:, prefix:] for k, v in inputs.items()}
+    cache = model.new_kv_cache()
+    out_p = model(head["tokens"], head["position_ids"], key_padding_mask=head["key_padding_mask"],
+                  kv_cache=cache, routed_experts=head["routed_experts"],
+                  indexer_topk=head["indexer_topk"], capture=capture, compute_logits=False)
+    out = model(tail["tokens"], tail["position_ids"], key_padding_mask=inputs["key_padding_mask"],
+                kv_cache=cache.select_rows(inverse), routed_experts=tail["routed_experts"],
+                indexer_topk=tail["indexer_topk"], capture=capture, return_hidden=fused,
+                compute_logits=not fused)
+    if capture:
+        join = lambda p, t: None if t is None else torch.cat([p[inverse], t], dim=1)
+        out = dataclasses.replace(
+            out, routed_experts=join(out_p.routed_experts, out.routed_experts),
+            indexer_topk=join(out_p.indexer_topk, out.indexer_topk),
+            own_routed_experts=join(out_p.own_routed_experts, out.own_routed_experts),
+            own_indexer_topk=join(out_p.own_indexer_topk, out.own_indexer_topk))
+    return out, prefix
 
 
 class TorchBackend(TrainerBackend):
@@ -114,6 +190,12 @@ class TorchBackend(TrainerBackend):
     def train_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """See :meth:`TrainerBackend.train_logprobs`."""
         return self._forward(batch, capture=False)[0]
+
+    def train_forward(self, batch: TrainBatch) -> ReplayedForward:
+        """See :meth:`TrainerBackend.train_forward` (a capturing forward with gradients)."""
+        logp, out = self._forward(batch, capture=True)
+        return ReplayedForward(logp, out.routed_experts, out.own_routed_experts,
+                               out.indexer_topk, out.own_indexer_topk)
 
     def zero_grad(self) -> None:
         """See :meth:`TrainerBackend.zero_grad` (gradients set to None)."""

@@ -1,0 +1,77 @@
+"""``replayrl bench profile``: where one step's time goes, per actor process and per phase.
+
+Runs the real multi-process system for ``--steps`` steps with ``REPLAYRL_PROFILE_DIR`` set, so
+every actor process runs under cProfile while it serves (``actors/spawn.py``) and writes
+``<name>.prof`` / ``<name>.txt`` into ``--output-dir/profile``. Prints:
+
+1. the per-step time breakdown from ``metrics.jsonl`` (median of every ``*_seconds`` key over
+   the steps after the first ``--warmup``);
+2. per actor, the functions with the most own time (cProfile ``tottime``), per step.
+
+Extra flags after ``--`` go to the run (``replayrl bench profile -- --engine-dtype bfloat16``).
+Profiling slows Python-heavy code down, so the breakdown of (1) is taken from the same run but
+reads higher than an unprofiled run; use it for proportions.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import pstats
+import statistics
+from pathlib import Path
+
+from actors.spawn import PROFILE_ENV
+
+
+def breakdown(rows: list[dict], warmup: int) -> dict[str, float]:
+    """Median of every ``*_seconds`` key over ``rows[warmup:]`` (all rows when fewer remain)."""
+    steady = rows[warmup:] or rows
+    keys = sorted({k for r in steady for k in r if k.endswith("_seconds")})
+    return {k: statistics.median(r[k] for r in steady if k in r) for k in keys}
+
+
+def top_functions(prof: Path, steps: int, top: int) -> list[tuple[str, float, int]]:
+    """``(function, own seconds per step, calls per step)`` of the ``top`` highest own times."""
+    stats = pstats.Stats(str(prof)).stats  # {(file, line, name): (cc, nc, tt, ct, callers)}
+    rows = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    return [(f"{Path(f).name}:{line}({name})" if f != "~" else name, tt / steps, nc // steps)
+            for (f, line, name), (cc, nc, tt, ct, callers) in rows]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry: runs the profiled training and prints the report."""
+    parser = argparse.ArgumentParser(prog="replayrl bench profile", description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--output-dir", default="runs/profile")
+    parser.add_argument("run_args", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    from actors import run_event_loop
+    from tools.cli import build_parser
+    from tools.config import config_from_args
+    from tools.launcher import launch
+
+    run_args = [a for a in args.run_args if a != "--"]
+    config = config_from_args(build_parser().parse_args(
+        ["train", "--num-steps", str(args.steps), "--no-progress", "--output-dir", args.output_dir,
+         *run_args]))
+    profile_dir = Path(args.output_dir) / "profile"
+    os.environ[PROFILE_ENV] = str(profile_dir)  # inherited by every spawned actor process
+    try:
+        result = run_event_loop(launch(config))
+    finally:
+        os.environ.pop(PROFILE_ENV, None)
+    print(f"{args.steps} steps, breakdown = median over steps {args.warmup}.. (seconds):")
+    for key, value in breakdown(result.rows, args.warmup).items():
+        print(f"  {key:40s} {value:.4f}")
+    for prof in sorted(profile_dir.glob("*.prof")):
+        print(f"\n{prof.stem}: top {args.top} by own time, per step (full text: "
+              f"{prof.with_suffix('.txt')})")
+        for name, seconds, calls in top_functions(prof, args.steps, args.top):
+            print(f"  {seconds * 1e3:8.2f} ms  {calls:6d} calls  {name}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -169,6 +169,12 @@ def _fmt(x: float | None, spec: str = ".3f", none: str = "not reached") -> str:
     return none if x is None else format(x, spec)
 
 
+def _engine_dtype(name: str) -> str:
+    from rollout.engines.precision import resolve_dtype  # imports torch: only when reporting
+
+    return resolve_dtype(name)
+
+
 def run_config(steps: int, seed: int, output_dir: str, overrides: dict | None = None):
     """The replayrl :class:`tools.config.RunConfig` of one side-run: defaults, ``--no-progress``."""
     from tools.config import build_config
@@ -234,8 +240,9 @@ def settings_table(config) -> str:
                  f"{t.tis_cap} on the one-step-stale behaviour ratio",
          f"loss_type={k['loss_type']!r} (token sum / active tokens of the step), "
          f"mask_truncated_completions={k['mask_truncated_completions']}; on-policy (ratio 1)"),
-        ("policy / logprobs", "trainer fp32, engine bf16; logprobs over the sampler's top-k support "
-                              "with routing / indexer replay",
+        ("policy / logprobs", f"trainer fp32, engine {_engine_dtype(config.engine_dtype)} "
+                              f"(--engine-dtype {config.engine_dtype}); logprobs over the "
+                              "sampler's top-k support with routing / indexer replay",
          "fp32 (bf16=False) for both generation and training; logprobs over the full vocabulary"),
         ("staleness", "one step (generation of k+1 overlaps training on k)",
          "0 (generate, then train)"),

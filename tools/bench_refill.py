@@ -5,8 +5,8 @@ Runs the real multi-process system three times with the same seed and an RS band
 1. RS on, refill off — rejected tokens are masked out, the step trains on what is left;
 2. RS on, refill on — rejected prompt groups are replaced at the preflight version, every step
    trains on exactly ``--rollout-batch-size`` whole groups;
-3. a band that rejects everything with refill on — must stop with a clear error before any
-   optimizer step.
+3. a band no importance ratio reaches (``[1e30, 1e30]``) with refill on — must stop with a
+   clear error before any optimizer step.
 
 Prints a markdown table: generated samples (request slots), seconds, effective (trained,
 accepted) tokens and their rate, and every step's accepted samples (off) or admitted groups (on).
@@ -40,8 +40,8 @@ async def bench(steps: int, batch: int, n: int, mode: str, lower: float, upper: 
         rows_on, sec_on = await _run({**base, "output-dir": f"{out}/on", "rs-batch-refill": True,
                                       "rs-refill-max-rounds": 8})
         try:
-            await _run({**base, "num-steps": 1, "output-dir": f"{out}/all", "rs-lower": 1.0,
-                        "rs-upper": 1.0, "rs-batch-refill": True, "rs-refill-max-rounds": 2})
+            await _run({**base, "num-steps": 1, "output-dir": f"{out}/all", "rs-lower": 1e30,
+                        "rs-upper": 1e30, "rs-batch-refill": True, "rs-refill-max-rounds": 2})
             reject_all = "ran (unexpected)"
         except RemoteError as exc:
             reject_all = f"{exc.remote_type} before any optimizer step: {exc.remote_message}"
@@ -64,7 +64,7 @@ async def bench(steps: int, batch: int, n: int, mode: str, lower: float, upper: 
         line("on", rows_on, sec_on, "admitted groups: " + " ".join(
             f"{r['admitted_groups']}/{batch}" for r in rows_on)),
         "",
-        f"band [1.0, 1.0] (rejects everything), refill on: {reject_all}",
+        f"band [1e30, 1e30] (no ratio reaches it), refill on: {reject_all}",
     ])
 
 

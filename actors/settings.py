@@ -19,6 +19,7 @@ of RL, models or actors — so it keeps ``actors`` free of RL knowledge.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -213,9 +214,20 @@ def check_settings(obj: Any, error: type[Exception]) -> None:
     raises. A value of the wrong type for its range (a ``str`` where a number belongs) raises
     the ``TypeError`` of the comparison.
 
+    A float outside ``Range.also`` that is not finite (inf, NaN) is refused for every ranged
+    setting: ``--lr inf`` would pass ``> 0`` and fail only inside the first training step.
+
     Raises:
-        error: ``error(setting.message(name))``, e.g. ``TrainerConfigError("--lr must be > 0")``.
+        error: ``error(setting.message(name))``, e.g. ``TrainerConfigError("--lr must be > 0")``,
+            or ``"--lr must be a finite number (> 0), got inf"``.
     """
     for f, s in settings_of(type(obj)):
-        if s.check is not None and not s.check.ok(getattr(obj, f.name)):
+        value = getattr(obj, f.name)
+        if (isinstance(s.check, Range) and isinstance(value, float) and not math.isfinite(value)
+                and not any(value is a for a in s.check.also)):
+            # a range bounds a real number: inf passes "> 0" but no consumer can use it (an inf
+            # learning rate or clip), and NaN fails every comparison silently
+            who = f"--{s.flag}" if s.flag else f.name
+            raise error(f"{who} must be a finite number ({s.check.describe()}), got {value}")
+        if s.check is not None and not s.check.ok(value):
             raise error(s.message(f.name))

@@ -92,6 +92,11 @@ async def test_a_real_run_and_its_resume_write_strict_json_that_reads_back(tmp_p
     back = config_from_args(build_parser().parse_args(
         ["train", "--config", str(tmp_path / "first" / "config.json")]))
     assert back == first and back.trainer.rs_upper == math.inf
+    # the default checkpoint directory follows the --output-dir of a run that reuses the record
+    elsewhere = config_from_args(build_parser().parse_args(
+        ["train", "--config", str(tmp_path / "first" / "config.json"),
+         "--output-dir", str(tmp_path / "other")]))
+    assert elsewhere.save_dir == str(tmp_path / "other" / "checkpoints")
 
     # resume with other --max-staleness / --lr: accepted, recorded, and (tests above) what runs
     resumed = build_config({**SMALL, "num-steps": 3, "load": str(tmp_path / "first" / "checkpoints" / "step-1"),

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from actors.settings import POSITIVE, Choices, Range, Rule, check_settings, setting, settings_of, show_value
-from tools.config import FLAGS, add_run_flags, flag_table_markdown
+from tools.config import FLAGS, ConfigError, add_run_flags, build_config, flag_table_markdown
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -109,3 +109,12 @@ def test_readme_flag_table_is_the_generated_one():
     assert table == flag_table_markdown(), (
         "README.md's flag table is out of date: replace it with the output of python -m tools.config")
     assert table.count("\n") == len(FLAGS) + 2
+
+
+@pytest.mark.parametrize("flag", ["lr", "clip-grad", "tis-cap", "eps-clip-high", "rollout-temperature",
+                                  "rpc-timeout-seconds", "rollout-timeout-seconds"])
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+def test_non_finite_values_are_refused_before_the_run(flag, value):
+    # inf passes "> 0" but an inf learning rate or clip only fails inside the first step
+    with pytest.raises(ConfigError, match=f"--{flag} must be a finite number"):
+        build_config({flag: value, "progress": False})

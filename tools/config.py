@@ -154,13 +154,19 @@ class RunConfig:
         """The run's record, ``output_dir/config.json``: :meth:`to_dict` as strict JSON, with an
         absent bound (a float setting at ``+inf``, e.g. ``--rs-upper`` by default) written as
         ``null``. ``--config`` of this file gives back this config (with ``null`` read as the
-        absent bound again)."""
+        absent bound again). ``save_dir`` is written as ``""`` when it is the default under
+        ``output_dir``, so it follows the ``--output-dir`` of a run that reuses the file."""
         def absent_as_null(node: Any) -> Any:
             if isinstance(node, dict):
                 return {k: absent_as_null(v) for k, v in node.items()}
             return None if isinstance(node, float) and node == math.inf else node
 
-        return strict_json.dumps(absent_as_null(self.to_dict()), indent=1) + "\n"
+        record = self.to_dict()
+        if record["save_dir"] == str(Path(self.output_dir) / "checkpoints"):
+            # the default follows --output-dir: a config reused with another --output-dir must
+            # not write its checkpoints into this run's directory
+            record["save_dir"] = ""
+        return strict_json.dumps(absent_as_null(record), indent=1) + "\n"
 
 
 SECTIONS: dict[str | None, type] = {None: RunConfig, "rollout": RolloutConfig,

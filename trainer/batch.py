@@ -155,17 +155,17 @@ def collate_packed(samples: Sequence[Sample], *, routing: bool, indexer: bool, s
         pack = layout.pack_key_slots if key_slots else layout.pack
         kwargs = {"field": field, "offsets": [0] * len(arrays)}
         packed = pack(arrays, **kwargs) if key_slots else pack(arrays, -1, **kwargs)
-        return torch.from_numpy(np.asarray(packed, dtype=np.int64))[None]
+        return torch.tensor(np.asarray(packed), dtype=torch.int64)[None]
 
     return TrainBatch(
         tokens=torch.from_numpy(np.asarray(layout.pack([s.tokens for s in samples], 0, field="tokens"),
                                            dtype=np.int64))[None],
-        position_ids=torch.from_numpy(np.asarray(layout.position_ids, dtype=np.int64))[None],
+        position_ids=torch.tensor(np.asarray(layout.position_ids), dtype=torch.int64)[None],
         key_padding_mask=torch.from_numpy(np.array(layout.real_mask))[None],
         routed_experts=trace("routed_experts", False) if routing else None,
         indexer_topk=trace("indexer_topk", True) if indexer else None,
         row=torch.zeros(len(pos), dtype=torch.int64), pos=torch.from_numpy(pos.astype(np.int64)),
-        segment_ids=torch.from_numpy(np.asarray(layout.segment_ids, dtype=np.int64))[None],
+        segment_ids=torch.tensor(np.asarray(layout.segment_ids), dtype=torch.int64)[None],
         **_response_fields(samples, support))
 
 

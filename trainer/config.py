@@ -85,10 +85,13 @@ class TrainerConfig:
     use_packing: bool = setting(False, "use-packing", "pack each microbatch into one row "
                                 "(block-diagonal attention)")
     replay_min_overlap_ratio: float = setting(0.0, "replay-min-overlap-ratio", "fail a step when a "
-                                              "token's engine/trainer routing overlap is lower",
+                                              "token's engine routing overlaps the trainer's own "
+                                              "router's choice (not the replayed one; the trainer "
+                                              "is one step newer) less than this",
                                               Range(0, 1))
     replay_max_mismatch_fraction: float = setting(1.0, "replay-max-mismatch-fraction", "fail a step "
-                                                  "when more tokens than this route differently",
+                                                  "when a larger fraction of tokens than this would "
+                                                  "route differently under the trainer's own router",
                                                   Range(0, 1))
     preflight: str = setting("auto", "preflight", "separate proximal forward before the update: "
                              "auto (only when RS / refill / the replay check need it) or always",

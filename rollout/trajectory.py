@@ -11,9 +11,6 @@ position (the last token is never forwarded).
   sampled (at most one per trajectory).
 * :func:`merge_turns` -- one trajectory from engine turns and environment observations,
   through :class:`rollout.trace.TokenMetadataTrace` (every trajectory, single- or multi-turn).
-* ``required_traces`` -- re-exported from :mod:`rollout.sample` (the shared contract, so the
-  trainer uses the same definition): the traces every trajectory of a run must carry (and the
-  engines are asked to capture).
 
 Conventions for rows nobody captured: support rows of observation tokens are all ``-1``
 (column 0 included: a padding row to the trainer, ``trainer/logprobs.py``); routing / indexer
@@ -32,7 +29,7 @@ from typing import Any, Collection, Literal, Mapping, Sequence
 import numpy as np
 
 from rollout.capture import check_route_offset, check_sampled_logprob
-from rollout.sample import TRACE_FIELDS, Sample, SampleError, required_traces
+from rollout.sample import TRACE_FIELDS, Sample, SampleError
 from rollout.sample import MissingTraceError as _MissingTrace
 from rollout.trace import TokenMetadataTrace
 
@@ -46,7 +43,6 @@ __all__ = [
     "truncate",
     "append_synthetic_eos",
     "merge_turns",
-    "required_traces",
 ]
 
 POSITION_FIELDS = ("routed_experts", "indexer_topk")

@@ -49,7 +49,7 @@ from trainer.batch import collate, collate_packed, per_sample_tensors, sampled_m
 from trainer.config import TrainerConfig
 from trainer.losses import policy_loss
 from trainer.proximal_cache import ProximalLogprobCache
-from trainer.rejection.refill import RefillCoordinator
+from trainer.rejection.refill import RefillCoordinator, gate_metrics
 from trainer.replay import batch_flip_rate, check_replay, mean_rates
 
 
@@ -245,10 +245,8 @@ class TrainerActor(Actor):
             else:  # no gate: every token accepted, as RSGate("none") decides
                 admitted, token_accept = samples, {s.sample_id: torch.ones(len(s.response_ids), dtype=torch.bool)
                                                    for s in samples}
-                loss_count, accepted_count = token_counts(samples, token_accept)
-                metrics = {"preflight_seconds": 0.0, "generated_samples": len(samples),
-                           "rs_sample_accept_rate": 1.0,
-                           "rs_token_accept_rate": accepted_count / max(loss_count, 1)}
+                metrics = {"preflight_seconds": 0.0,
+                           **gate_metrics(samples, [True] * len(samples), token_accept)}
                 metrics.update(self._update(admitted, token_accept, fused=True))
         finally:
             self.cache.clear()  # nothing survives a step, on success or error

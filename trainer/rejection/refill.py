@@ -44,6 +44,21 @@ Preflight = Callable[[list[Sample]], dict[str, list[float]]]
 (``{"routing_flip_rate": [...], ...}``, as ``TrainerActor.preflight``)."""
 
 
+def gate_metrics(samples: list[Sample], accept: list[bool],
+                 token_accept: dict[int, torch.Tensor]) -> dict:
+    """The step metrics of one gate decision over the step's candidate ``samples``.
+
+    Args:
+        accept: per-sample decision, in ``samples`` order; token_accept: sample id -> bool [R].
+    Returns:
+        ``generated_samples``, ``rs_sample_accept_rate`` (fraction of samples accepted) and
+        ``rs_token_accept_rate`` (accepted / loss tokens; 0 without loss tokens).
+    """
+    loss_tokens, accepted_tokens = token_counts(samples, token_accept)
+    return {"generated_samples": len(samples), "rs_sample_accept_rate": sum(accept) / len(accept),
+            "rs_token_accept_rate": accepted_tokens / max(loss_tokens, 1)}
+
+
 class RefillCoordinator:
     """Admission and refill rounds of one step, driving a :class:`RefillPlan`.
 
@@ -89,10 +104,7 @@ class RefillCoordinator:
         """
         start = time.perf_counter()
         accept, token_accept = self._decide(samples)
-        loss_tokens, accepted_tokens = token_counts(samples, token_accept)
-        metrics = {"generated_samples": len(samples),
-                   "rs_sample_accept_rate": sum(accept) / len(accept),
-                   "rs_token_accept_rate": accepted_tokens / max(loss_tokens, 1)}
+        metrics = gate_metrics(samples, accept, token_accept)
         if not (self.gate.active and self.config.rs_batch_refill):
             metrics["coordinator_seconds"] = time.perf_counter() - start
             return samples, token_accept, metrics

@@ -21,7 +21,7 @@ from actors import Actor, concurrent, import_callable
 from rollout.config import RolloutConfig
 from rollout.data_source import Prompt, PromptDataSource
 from rollout.engines.base import Generation
-from rollout.sample import Sample
+from rollout.sample import Sample, samples_to_columns
 from rollout.task import DigitTask
 from rollout.tool_env import DigitToolEnv
 from rollout.trajectory import TrajectoryError, append_synthetic_eos
@@ -150,8 +150,9 @@ class RolloutManager(Actor):
         return summary
 
     @concurrent
-    async def generate_replacements(self, n_groups: int) -> list[dict]:
-        """Exact refill: ``n_groups`` fresh prompt groups from the current policy, as sample dicts.
+    async def generate_replacements(self, n_groups: int) -> dict:
+        """Exact refill: ``n_groups`` fresh prompt groups from the current policy, as columns
+        (``rollout.sample.samples_to_columns``).
 
         Replacement prompts come from their own seeded stream, so refill never shifts the prompts
         of later rollouts (a resumed run sees the same batches). Samples carry the version of the
@@ -162,7 +163,7 @@ class RolloutManager(Actor):
         self.replacement_calls += 1
         prompts = self.replacement_data.next_batch(n_groups)
         samples = await self._generate_groups(prompts, -1, [1 << 20, self.replacement_calls])
-        return [s.to_dict() for s in samples]
+        return samples_to_columns(samples)
 
     def _to_sample(self, episode: Episode, prompt: Prompt, group_id: int, rollout_id: int) -> Sample:
         """Assemble (``merge_turns``, required traces, one policy version) and score one trajectory.
@@ -213,8 +214,9 @@ class RolloutManager(Actor):
                       policy_version=version, prompt_ids=prompt.prompt_ids, reward=reward,
                       status=status, **fields)
 
-    async def take_batch(self, rollout_id: int) -> list[dict]:
-        """Hand over (and forget) a stored batch as sample dicts, groups contiguous.
+    async def take_batch(self, rollout_id: int) -> dict:
+        """Hand over (and forget) a stored batch as columns (``rollout.sample.samples_to_columns``),
+        groups contiguous.
 
         Raises:
             RolloutError: no batch with this id is stored.
@@ -224,7 +226,7 @@ class RolloutManager(Actor):
             samples = self.batches.pop(rollout_id)
         except KeyError:
             raise RolloutError(f"rollout {rollout_id} is not stored; have {sorted(self.batches)}") from None
-        return [s.to_dict() for s in samples]
+        return samples_to_columns(samples)
 
     async def state(self, next_rollout_id: int | None = None) -> dict:
         """Checkpointable state.

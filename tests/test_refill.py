@@ -11,7 +11,7 @@ import torch
 
 from actors import Directory, RemoteError, Supervisor
 from actors.version_clock import StaleSample, VersionRules
-from rollout.sample import Sample
+from rollout.sample import Sample, samples_to_columns
 from tests.fakes import FakeProxy
 from tools.config import build_config
 from tools.launcher import actor_specs, launch, write_initial_checkpoint
@@ -54,9 +54,9 @@ class FakeTrainer:
                 gid = next_id[0]
                 for ok in g:
                     out.append(_sample(next_id[0] * 10 + len(out), gid, replacement_version
-                                       if replacement_version is not None else version, ok).to_dict())
+                                       if replacement_version is not None else version, ok))
                 next_id[0] += 1
-            return out
+            return samples_to_columns(out)
 
         async def check_replacements(preflight_version, ids, versions):
             bad = [s for s, v in zip(ids, versions) if not self.rules.replacement_ok(preflight_version, v)]
@@ -178,7 +178,7 @@ async def test_replacement_replay_rates_are_reported(tmp_path, _restore_threads)
 
     async def generate_replacements(n_groups):
         assert n_groups == 1
-        return [s.to_dict() for s in repl]
+        return samples_to_columns(repl)
 
     async def check_replacements(version, ids, versions):
         assert version == 0 and versions == [0, 0]

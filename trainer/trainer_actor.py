@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from actors import Actor
-from rollout.sample import Sample, check_required_traces, required_traces
+from rollout.sample import Sample, check_required_traces, required_traces, samples_from_columns
 from trainer.advantages import baseline_groups, grpo_advantages
 from trainer.backends import resolve_backend
 from trainer.backends.base import TrainerBackend
@@ -221,7 +221,7 @@ class TrainerActor(Actor):
         clock = self.proxy(self.clock_name, cfg.rpc_timeout_s)
         start = time.perf_counter()
         raw = await self.proxy(self.manager_name, cfg.rpc_timeout_s).take_batch(rollout_id)
-        samples = [Sample.from_dict(d) for d in raw]
+        samples = samples_from_columns(raw)
         transport_seconds = time.perf_counter() - start  # the batch's RPC, decode and checks
         trainer_version = await clock.check_samples([s.sample_id for s in samples],
                                                     [s.policy_version for s in samples])

@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch
 
 from actors import ActorProxy
-from rollout.sample import Sample
+from rollout.sample import Sample, samples_from_columns
 from trainer.batch import per_sample_tensors, sampled_masks, token_counts
 from trainer.config import TrainerConfig
 from trainer.proximal_cache import ProximalLogprobCache
@@ -125,7 +125,7 @@ class RefillCoordinator:
             t0 = time.perf_counter()
             raw = await self.manager.generate_replacements(plan.request.n_groups)
             replacement_seconds += time.perf_counter() - t0
-            repl = [Sample.from_dict(d) for d in raw]
+            repl = samples_from_columns(raw)
             metrics["generated_samples"] += len(repl)
             await self.clock.check_replacements(self.version, [s.sample_id for s in repl],
                                                 [s.policy_version for s in repl])

@@ -18,6 +18,7 @@ import torch
 from actors import Actor
 from rollout.engines import check_capture, load_engine_class
 from rollout.sampler import SamplingParams
+from transport.array_bundle import unpack_arrays
 
 
 class EngineActor(Actor):
@@ -42,15 +43,19 @@ class EngineActor(Actor):
         self.traces = tuple(sorted(check_capture(cls, traces)))  # fail at start, not mid-run
         self.engine = cls(**dict(engine_kwargs))
 
-    async def load_weights(self, version: int, arrays: Mapping[str, np.ndarray]) -> float:
+    async def load_weights(self, version: int, weights: Mapping[str, Any]) -> float:
         """Load a full weight set of policy ``version``; returns seconds spent.
 
+        Args:
+            weights: the arrays as one bundle (``transport.array_bundle.pack_arrays``): a
+                hundred small frames cost far more to send than one.
         Raises:
+            transport.DecodeError: a malformed bundle (nothing loaded).
             rollout.engines.EngineInputError: ``version`` is below the version already loaded.
             Whatever the engine's weight loading raises (previous weights stay).
         """
         start = time.perf_counter()
-        self.engine.load_weights(arrays, version=version)
+        self.engine.load_weights(unpack_arrays(weights), version=version)
         return time.perf_counter() - start
 
     async def generate(self, prompts: list[np.ndarray], sampling: dict, *, max_new_tokens: int,

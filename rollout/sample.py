@@ -359,7 +359,8 @@ def samples_from_columns(columns: Mapping[str, Any]) -> list[Sample]:
             raise SampleError("batch", name, f"{getattr(value, 'shape', type(value).__name__)} "
                                              f"does not hold the {int(counts.sum())} rows the "
                                              f"lengths give")
-        split[name] = np.split(value, np.cumsum(counts)[:-1]) if n else []
+        ends = np.cumsum(counts).tolist()  # slicing, not np.split: ~10x less per sample
+        split[name] = [value[start:end] for start, end in zip([0, *ends[:-1]], ends)]
     return [Sample(**{name: scalars[name][i] for name in _SCALARS}, status=columns["status"][i],
                    **{name: split[name][i] for name in rows})
             for i in range(n)]

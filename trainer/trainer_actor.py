@@ -51,6 +51,7 @@ from trainer.losses import policy_loss
 from trainer.proximal_cache import ProximalLogprobCache
 from trainer.rejection.refill import RefillCoordinator, gate_metrics
 from trainer.replay import batch_flip_rate, check_replay, mean_rates
+from transport.array_bundle import pack_arrays
 
 
 class TrainStepError(RuntimeError):
@@ -113,8 +114,9 @@ class TrainerActor(Actor):
         """
         start = time.perf_counter()
         arrays = self.backend.weights()
+        bundle = pack_arrays(arrays)
         timeout = self.config.rpc_timeout_s
-        await asyncio.gather(*(self.proxy(e, timeout).load_weights(self.version, arrays)
+        await asyncio.gather(*(self.proxy(e, timeout).load_weights(self.version, bundle)
                                for e in self.engines))
         clock = self.proxy(self.clock_name, timeout)
         for e in self.engines:

@@ -17,6 +17,7 @@ import torch
 
 from actors import Actor
 from rollout.engines import check_capture, load_engine_class
+from rollout.engines.base import generations_to_columns
 from rollout.sampler import SamplingParams
 from transport.array_bundle import unpack_arrays
 
@@ -68,7 +69,7 @@ class EngineActor(Actor):
             max_new_tokens, eos_token_id, seed: as :meth:`rollout.engines.base.Engine.generate`.
 
         Returns:
-            ``{"version": int, "generations": [Generation.to_dict() of each prompt]}``.
+            ``{"version": int, "generations": rollout.engines.base.generations_to_columns(...)}``.
 
         Raises:
             rollout.engines.EngineNotReady: no weights loaded yet in this run.
@@ -77,4 +78,4 @@ class EngineActor(Actor):
         gens = self.engine.generate([np.asarray(p).tolist() for p in prompts],
                                     SamplingParams(**sampling), max_new_tokens=max_new_tokens,
                                     eos_token_id=eos_token_id, seed=seed, traces=self.traces)
-        return {"version": self.engine.version, "generations": [g.to_dict() for g in gens]}
+        return {"version": self.engine.version, "generations": generations_to_columns(gens)}

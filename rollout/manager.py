@@ -20,7 +20,7 @@ import numpy as np
 from actors import Actor, concurrent, import_callable
 from rollout.config import RolloutConfig
 from rollout.data_source import Prompt, PromptDataSource
-from rollout.engines.base import Generation
+from rollout.engines.base import generations_from_columns
 from rollout.sample import Sample, samples_to_columns
 from rollout.task import DigitTask
 from rollout.tool_env import DigitToolEnv
@@ -89,7 +89,7 @@ class RolloutManager(Actor):
             reply = await actor.generate([np.asarray(c, dtype=np.int32) for c in contexts],
                                          cfg.sampling_dict(), max_new_tokens=cfg.max_response_len,
                                          eos_token_id=self.task.eos_id, seed=turn_seed)
-            return [Generation.from_dict(g) for g in reply["generations"]], reply["version"]
+            return generations_from_columns(reply["generations"]), reply["version"]
 
         return await run_episodes(generate_turn, prompts, max_turns=cfg.max_turns,
                                   max_new_tokens=cfg.max_response_len,

@@ -361,6 +361,67 @@ def samples_from_columns(columns: Mapping[str, Any]) -> list[Sample]:
                                              f"lengths give")
         ends = np.cumsum(counts).tolist()  # slicing, not np.split: ~10x less per sample
         split[name] = [value[start:end] for start, end in zip([0, *ends[:-1]], ends)]
+    if _columns_keep_the_contract(columns, P, R, scalars):
+        # every check Sample.__post_init__ makes already passed for the whole batch at once
+        # (about 30 us per sample saved); the arrays are read-only views of the columns
+        return [_checked_sample(**{name: scalars[name][i] for name in _SCALARS},
+                                status=columns["status"][i],
+                                **{name: split[name][i] for name in rows}) for i in range(n)]
+    # a batch failing any of them is built sample by sample: the first violation raises the
+    # error Sample names (sample and field), exactly as without columns
     return [Sample(**{name: scalars[name][i] for name in _SCALARS}, status=columns["status"][i],
                    **{name: split[name][i] for name in rows})
             for i in range(n)]
+
+
+_COLUMN_RANKS = {"prompt_ids": (np.int32, 1), "response_ids": (np.int32, 1),
+                 "loss_mask": (np.uint8, 1), "rollout_logprobs": (np.float32, 1),
+                 "sample_support": (np.int32, 2), "routed_experts": (np.int32, 3),
+                 "indexer_topk": (np.int32, 3)}
+
+
+def _columns_keep_the_contract(columns: Mapping[str, Any], P: np.ndarray, R: np.ndarray,
+                               scalars: dict[str, list]) -> bool:
+    """True when every sample of the columns passes every check of ``Sample.__post_init__``
+    (the same checks, made once per column instead of once per sample); False sends the batch
+    through per-sample construction. Rows per sample already match the lengths (checked by
+    the caller). tests/test_sample_columns.py checks both paths accept the same batches."""
+    for name, (dtype, ndim) in _COLUMN_RANKS.items():
+        value = columns[name]
+        if value is None and name in TRACE_FIELDS:
+            continue
+        if (not isinstance(value, np.ndarray) or value.dtype != dtype or value.ndim != ndim
+                or value.flags.writeable):  # a writable column would let the caller mutate samples
+            return False
+    n = len(P)
+    if n == 0:
+        return True
+    loss, logp = columns["loss_mask"], columns["rollout_logprobs"]
+    synthetic = np.asarray(scalars["synthetic_eos"], dtype=bool)
+    if (P.min() < 1 or (loss > 1).any() or not np.isfinite(logp[loss == 1]).all()
+            or not set(columns["status"]) <= set(STATUSES) or not all(isinstance(x, str) for x in columns["status"])
+            or not np.isfinite(np.asarray(scalars["reward"], dtype=np.float64)).all()
+            or (synthetic & (R == 0)).any()):
+        return False
+    support = columns["sample_support"]
+    if support is not None:
+        last = np.zeros(len(loss), dtype=bool)
+        last[(np.cumsum(R) - 1)[R > 0]] = True
+        owner = np.repeat(np.arange(n), R)
+        no_candidates = (support[:, 1:] == -1).all(axis=1)
+        unsupported = np.flatnonzero((loss == 1) & no_candidates)
+        # only a synthetic EOS, in its sample's last row, may be loss-bearing without support,
+        # and a synthetic EOS row has no candidates
+        if not (last[unsupported] & synthetic[owner[unsupported]]).all():
+            return False
+        if not no_candidates[last & synthetic[owner]].all():
+            return False
+    return True
+
+
+def _checked_sample(**fields: Any) -> Sample:
+    """A Sample whose fields passed :func:`_columns_keep_the_contract` (no second check)."""
+    sample = object.__new__(Sample)
+    for name, value in fields.items():
+        object.__setattr__(sample, name, value)
+    return sample

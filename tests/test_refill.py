@@ -45,7 +45,8 @@ class FakeTrainer:
         self.requested: list[int] = []
         next_id = [100]
 
-        async def generate_replacements(n_groups):
+        async def generate_replacements(n_groups, min_version):
+            assert min_version == version  # served at the preflight version, or later
             self.requested.append(n_groups)
             groups = rounds[len(self.requested) - 1]
             assert len(groups) == n_groups
@@ -176,8 +177,8 @@ async def test_replacement_replay_rates_are_reported(tmp_path, _restore_threads)
             _traced_sample(model, 11, 1, 0.0, rng, perturb_rows=(2,))]
     step_rates = actor.preflight(initial)
 
-    async def generate_replacements(n_groups):
-        assert n_groups == 1
+    async def generate_replacements(n_groups, min_version):
+        assert n_groups == 1 and min_version == 0
         return samples_to_columns(repl)
 
     async def check_replacements(version, ids, versions):

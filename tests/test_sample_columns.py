@@ -91,3 +91,79 @@ def test_a_sample_breaking_the_contract_is_named_by_its_id():
     logp[2] = np.nan  # sample 8's second token, loss-bearing
     with pytest.raises(SampleError, match="sample 8: field 'rollout_logprobs'"):
         samples_from_columns({**cols, "rollout_logprobs": logp})
+
+
+def _frozen(cols: dict) -> dict:
+    for v in cols.values():
+        if isinstance(v, np.ndarray):
+            v.flags.writeable = False
+    return cols
+
+
+def _mutations(rng: np.random.Generator, cols: dict) -> dict:
+    """One random contract violation (or none) applied to a copy of valid columns."""
+    cols = {k: (v.copy() if isinstance(v, np.ndarray) else list(v) if isinstance(v, list) else v)
+            for k, v in cols.items()}
+    kind = rng.integers(0, 9)
+    R, n = cols["response_lengths"], len(cols["response_lengths"])
+    row = int(rng.integers(0, len(cols["loss_mask"])))
+    if kind == 0:
+        cols["loss_mask"][row] = 2
+    elif kind == 1:
+        cols["rollout_logprobs"][row] = rng.choice([np.nan, np.inf])
+    elif kind == 2:
+        cols["loss_mask"][row] = 0
+        cols["rollout_logprobs"][row] = np.nan  # allowed: not loss-bearing
+    elif kind == 3:
+        cols["sample_support"][row, 1:] = -1  # loss-bearing without support (EOS only if last)
+    elif kind == 4:
+        cols["synthetic_eos"][int(rng.integers(0, n))] = True
+    elif kind == 5:
+        i = int(rng.integers(0, n))
+        cols["synthetic_eos"][i] = True  # a proper synthetic EOS: last row without candidates
+        cols["sample_support"][int(np.cumsum(R)[i]) - 1, 1:] = -1
+    elif kind == 6:
+        cols["status"][int(rng.integers(0, n))] = rng.choice(["completed", "aborted", "lost"])
+    elif kind == 7:
+        cols["reward"][int(rng.integers(0, n))] = rng.choice([0.5, np.nan])
+    return cols
+
+
+def test_the_batch_check_accepts_exactly_what_per_sample_construction_accepts():
+    """The column-wide check that lets samples_from_columns skip per-sample checks must never
+    accept a batch Sample would refuse, and should accept every batch Sample accepts."""
+    from rollout import sample as module
+    rng = np.random.default_rng(0)
+    base = samples_to_columns([_sample(i, 2 + i % 3, 1 + i % 4) for i in range(6)])
+    seen = set()
+    for _ in range(300):
+        cols = _frozen(_mutations(rng, base))
+        try:
+            [Sample(**kw) for kw in _per_sample_fields(cols)]
+            accepted = True
+        except SampleError:
+            accepted = False
+        P = np.asarray(cols["prompt_lengths"])
+        R = np.asarray(cols["response_lengths"])
+        scalars = {k: np.asarray(cols[k]).tolist() for k in module._SCALARS}
+        assert module._columns_keep_the_contract(cols, P, R, scalars) == accepted
+        seen.add(accepted)
+        if accepted:
+            assert len(samples_from_columns(cols)) == 6
+        else:
+            with pytest.raises(SampleError):
+                samples_from_columns(cols)
+    assert seen == {True, False}
+
+
+def _per_sample_fields(cols: dict) -> list[dict]:
+    P, R = cols["prompt_lengths"], cols["response_lengths"]
+    cut = lambda a, counts: np.split(a, np.cumsum(counts)[:-1])
+    rows = {"prompt_ids": P, "response_ids": R, "loss_mask": R, "rollout_logprobs": R,
+            "sample_support": R, "routed_experts": P + R - 1}
+    parts = {k: cut(cols[k], c) for k, c in rows.items()}
+    return [dict(sample_id=int(cols["sample_id"][i]), group_id=int(cols["group_id"][i]),
+                 rollout_id=int(cols["rollout_id"][i]), policy_version=int(cols["policy_version"][i]),
+                 reward=float(cols["reward"][i]), synthetic_eos=bool(cols["synthetic_eos"][i]),
+                 status=cols["status"][i], indexer_topk=None, **{k: v[i] for k, v in parts.items()})
+            for i in range(len(P))]

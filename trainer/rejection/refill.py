@@ -123,7 +123,8 @@ class RefillCoordinator:
         replacement_rates: dict[str, list[float]] = {}
         while not plan.done:
             t0 = time.perf_counter()
-            raw = await self.manager.generate_replacements(plan.request.n_groups)
+            raw = await self.manager.generate_replacements(plan.request.n_groups,
+                                                          min_version=self.version)
             replacement_seconds += time.perf_counter() - t0
             repl = samples_from_columns(raw)
             metrics["generated_samples"] += len(repl)

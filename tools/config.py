@@ -61,6 +61,9 @@ class RunConfig:
             config and a read-only view of the metrics (``--metrics-hook``, repeatable).
         rollout_engine: the rollout engine's registry name (``--rollout-engine``,
             ``rollout.engines.ENGINES``); the launcher rejects an unknown one.
+        cpu_affinity: ``split`` gives the trainer process the first half of the launcher's
+            CPUs and every other actor the rest; ``off`` leaves placement to the OS
+            (``--cpu-affinity``; :func:`tools.launcher.split_cpus`).
     """
 
     num_steps: int = setting(400, "num-steps", "optimizer steps (one rollout each)", Range(low=1))
@@ -88,6 +91,10 @@ class RunConfig:
                                               "module:function"), metavar="MODULE:FUNCTION")
     rollout_engine: str = setting("embedded", "rollout-engine", "rollout engine, a name in the "
                                   "registry rollout.engines.ENGINES (checked by the launcher)")
+    cpu_affinity: str = setting("off", "cpu-affinity", "split: the trainer gets the first half of "
+                                "the CPUs, every other actor the rest, so the one-step overlap "
+                                "never time-shares the trainer's core; off: the OS places them",
+                                Choices(("off", "split")))
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 

@@ -202,6 +202,12 @@ async def launch(config: RunConfig, log_level: int = logging.WARNING,
         load_hook(config.rollout.custom_reward, "--custom-reward")
     if config.save_interval:
         check_writable(Path(config.save_dir), "--save")
+    if config.use_tensorboard:
+        try:
+            import tensorboard  # noqa: F401  (the extra; imported for real by the recorder)
+        except ImportError:
+            raise ConfigError("--use-tensorboard needs the tensorboard package: "
+                              "pip install 'replayrl[tensorboard]'") from None
     output = Path(config.output_dir)
     output.mkdir(parents=True, exist_ok=True)
     (output / "config.json").write_text(config.to_json())
@@ -211,7 +217,8 @@ async def launch(config: RunConfig, log_level: int = logging.WARNING,
     try:
         specs = specs if specs is not None else actor_specs(config, checkpoint)
         directory = Directory.for_run(run_dir, [s.name for s in specs], config.transport)
-        with MetricsRecorder(output, config.num_steps, config.progress, hooks, config) as recorder:
+        with MetricsRecorder(output, config.num_steps, config.progress, hooks, config,
+                             tensorboard=config.use_tensorboard) as recorder:
             async with Supervisor(specs, directory, run_dir, log_level=log_level) as supervisor:
                 loop_task = asyncio.ensure_future(train_loop(directory, config, recorder.record))
                 watch_task = asyncio.ensure_future(supervisor.watch())

@@ -41,3 +41,11 @@ def quarter_reward(prompt_ids, response_ids, loss_mask, answer_id, config) -> fl
     if writable or not frozen:
         raise AssertionError("custom reward received mutable inputs")
     return 0.25
+
+
+def slow_reward(prompt_ids, response_ids, loss_mask, answer_id, config) -> float:
+    """A custom verifier that never answers in time (for --reward-timeout-seconds)."""
+    import time
+
+    time.sleep(4)  # > the test's 0.5 s limit; short, as the manager's exit joins its thread
+    return 1.0

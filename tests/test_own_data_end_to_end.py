@@ -55,6 +55,9 @@ async def test_twenty_steps_on_a_prompt_file_then_resume_from_the_checkpoint(tmp
     for epoch in range(2):
         seen = sum((r["prompt_indices"] for r in rows[8 * epoch:8 * epoch + 8]), [])
         assert sorted(seen) == list(range(32))
+    for r in rows:  # entropy over at most top-k = 20 candidates; responses of 1..2 tokens
+        assert 0 < r["support_entropy_mean"] <= np.log(20) + 1e-6
+        assert 1 <= r["response_len_mean"] <= 2
     evals = [r for r in rows if "eval/held-out/reward_mean" in r]
     assert [r["step"] for r in evals] == [9, 19]
     for r in evals:

@@ -15,9 +15,9 @@ special tokens left out. A reward that raises or runs over ``--reward-timeout-se
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import re
+import threading
 import unicodedata
 from typing import Any, Callable
 
@@ -83,13 +83,13 @@ def math_reward(response_text: str, label: str) -> float:
 
 
 class RewardGuard:
-    """Runs reward calls on a worker thread with a time limit.
+    """Runs each reward call on its own daemon thread with a time limit.
 
     A call that raises or does not return within ``timeout_s`` becomes a :class:`RewardFailure`
     naming the sample (``failure == "error"``) or a reward of 0.0 counted in :attr:`failures`
     (``failure == "zero"``); the run never waits longer than the limit on one call. A Python
-    thread cannot be killed, so a call that never returns keeps its thread busy: the guard
-    moves later calls to a fresh worker.
+    thread cannot be killed, so a call that never returns keeps its thread; the thread is a
+    daemon, so it does not hold the process open at exit.
 
     Args:
         timeout_s: seconds one call may take (> 0).
@@ -102,11 +102,6 @@ class RewardGuard:
         self.timeout_s = float(timeout_s)
         self.failure = failure
         self.failures = 0
-        self._pool = self._new_pool()
-
-    @staticmethod
-    def _new_pool() -> concurrent.futures.ThreadPoolExecutor:
-        return concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
 
     async def score(self, sample: str, fn: Callable[..., Any], *args: Any) -> float:
         """``float(fn(*args))`` within the time limit.
@@ -120,15 +115,29 @@ class RewardGuard:
                 something that is not a finite number.
         """
         loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(self._pool, fn, *args)
+        future: asyncio.Future = loop.create_future()
+
+        def settle(value: Any, error: BaseException | None) -> None:
+            if not future.done():  # a timed-out call's late answer is dropped
+                future.set_exception(error) if error is not None else future.set_result(value)
+
+        def work() -> None:
+            try:
+                value, error = fn(*args), None
+            except BaseException as exc:  # handed to the waiting coroutine, not lost
+                value, error = None, exc
+            try:
+                loop.call_soon_threadsafe(settle, value, error)
+            except RuntimeError:  # the loop closed while the call ran
+                pass
+
+        threading.Thread(target=work, name=f"reward {sample}", daemon=True).start()
         try:
             value = float(await asyncio.wait_for(future, self.timeout_s))
             if value != value or value in (float("inf"), float("-inf")):
                 raise ValueError(f"reward is not finite: {value}")
             return value
         except asyncio.TimeoutError:
-            self._pool.shutdown(wait=False)  # its worker is stuck in the call
-            self._pool = self._new_pool()
             why = f"reward exceeded --reward-timeout-seconds {self.timeout_s:g}"
         except asyncio.CancelledError:
             raise

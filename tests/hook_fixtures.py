@@ -47,5 +47,5 @@ def slow_reward(prompt_ids, response_ids, loss_mask, answer_id, config) -> float
     """A custom verifier that never answers in time (for --reward-timeout-seconds)."""
     import time
 
-    time.sleep(4)  # > the test's 0.5 s limit; short, as the manager's exit joins its thread
+    time.sleep(60)  # far over the test's 0.5 s limit; its daemon thread does not hold the exit
     return 1.0

@@ -109,3 +109,10 @@ async def test_a_reward_over_its_time_limit_stops_the_run_naming_the_sample(tmp_
                                    "custom-reward": "tests.hook_fixtures:slow_reward",
                                    "reward-timeout-seconds": 0.5}))
     assert time.monotonic() - start < 120
+
+
+def test_resuming_with_another_prompt_file_is_refused(tmp_path):
+    saved = build_config({"prompt-data": "a.jsonl"}).data_settings()
+    (tmp_path / "run_state.json").write_text(json.dumps({"next_step": 2, "data_settings": saved}))
+    with pytest.raises(ConfigError, match="--prompt-data 'a.jsonl' -> 'b.jsonl'"):
+        build_config({"prompt-data": "b.jsonl", "load": str(tmp_path)})

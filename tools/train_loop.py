@@ -10,6 +10,9 @@ moved no weight and no version, so nothing is pushed after it (:data:`NO_PUSH`):
 keep the weights they have, the next batch was generated at the trainer's unchanged version
 (staleness 0, inside the window) and the row is still recorded.
 
+Evaluation (``--eval-interval``) runs after a step's weight push, on the engines, while no
+rollout is generating; its figures join that step's row (``eval/NAME/...``).
+
 Checkpoints (``--save-interval``) are taken after a step's weight push. They hold the trainer
 (model, optimizer, version, RNG), the clock and the data source as it was *before* the
 prefetched rollout was drawn, so a resumed run draws that batch again from the restored policy.
@@ -132,8 +135,15 @@ async def train_loop(directory: Directory, config: RunConfig,
         waits = {"wait_for_rollout_seconds": max(0.0, generated_at[-1] - trained_at),
                  "wait_for_trainer_seconds": max(0.0, trained_at - generated_at[-1])
                  if next_rollout is not None else 0.0}
+        evaluation = {}
+        if config.eval_interval and ((step + 1) % config.eval_interval == 0
+                                     or step + 1 == config.num_steps):
+            if next_rollout is None:  # the last step: its weights are not pushed otherwise
+                push = await push_after(trained, trainer)
+                served = push["version"] if push["version"] is not None else served
+            evaluation = await manager.evaluate(step + 1, min_version=served)
         if saving:
             await save_checkpoint(directory, Path(config.save_dir) / f"step-{step + 1}", step + 1,
                                   config)
         on_step({**step_metrics(step, summary, trained, push, time.perf_counter() - step_start),
-                 **waits})
+                 **waits, **evaluation})

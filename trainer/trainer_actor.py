@@ -92,6 +92,7 @@ class TrainerActor(Actor):
                  engines: list[str], rollout_batch_size: int, vocab_tokens: list[str],
                  manager: str = "rollout_manager", clock: str = "version_clock") -> None:
         self.config = TrainerConfig(**config)
+        self._entropies: list[torch.Tensor] = []  # this step's support entropies (sampled tokens)
         self.backend = resolve_backend(self.config.train_backend)(checkpoint_dir, self.config,
                                                                   vocab_tokens)
         self.n = n_samples_per_prompt
@@ -194,7 +195,10 @@ class TrainerActor(Actor):
         return rates
 
     def _replay_rates(self, rates: dict[str, list[float]], batch, out) -> None:
-        """Append one microbatch's flip / drift rates (and run the replay check) to ``rates``."""
+        """Append one microbatch's flip / drift rates (and run the replay check) to ``rates``,
+        and its support entropies over sampled tokens to :attr:`_entropies`."""
+        if getattr(out, "support_entropy", None) is not None:
+            self._entropies.append(out.support_entropy[batch.sampled_mask > 0])
         for name, engine, used, own in (
                 ("routing", batch.routed_experts, out.routed_experts, out.own_routed_experts),
                 ("indexer", batch.indexer_topk, out.indexer_topk, out.own_indexer_topk)):
@@ -258,6 +262,7 @@ class TrainerActor(Actor):
             raise TrainStepError(f"clock says trainer version {trainer_version}, trainer holds "
                                  f"{self.version}")
         self.cache.reset_counters()
+        self._entropies = []
         try:
             if self.needs_preflight():
                 t0 = time.perf_counter()
@@ -288,6 +293,13 @@ class TrainerActor(Actor):
                        staleness_max=int(max(trainer_version - s.policy_version for s in admitted)),
                        train_seconds=seconds, transport_seconds=transport_seconds,
                        effective_tokens_per_second=metrics["accepted_tokens"] / seconds)
+        entropies = torch.cat(self._entropies) if self._entropies else torch.empty(0)
+        if entropies.numel():
+            # the policy's entropy over the sampled support (docs/design.md §7 "Trainer
+            # math"), mean over the sampled tokens of every sample this step forwarded at the
+            # step's starting weights (with a preflight: refill candidates included)
+            metrics["support_entropy_mean"] = float(entropies.mean())
+        self._entropies = []
         return metrics
 
     def _baseline(self, samples: list[Sample], token_accept: dict[int, torch.Tensor]

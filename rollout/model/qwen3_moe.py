@@ -5,7 +5,9 @@ tests/test_model_hf_parity.py): RMSNorm (normalise in float32, cast back, then s
 RoPE with rotate-half, grouped-query attention with RMSNorm over head_dim on q and k before RoPE,
 softmax top-k MoE routing (softmax in float32 over the router logits, top-k, renormalise if
 norm_topk_prob, cast back) over SiLU-gated experts, dense SiLU-gated MLPs on the non-MoE layers,
-final norm and an untied lm_head. Layers listed in `config.indexed_layers` restrict attention to
+final norm and an lm_head, tied to the embedding or not. With no experts every layer is dense:
+the model is HF's dense `Qwen3ForCausalLM`, with the same parameter names. RoPE may be scaled
+(linear, YaRN, Llama-3; rollout/model/rope.py). Layers listed in `config.indexed_layers` restrict attention to
 the keys chosen by a DSA-style indexer (rollout/model/indexer.py).
 
 Traces (docs/design.md §2 "Trace arrays"): with `capture=True` the forward returns the experts every
@@ -27,6 +29,7 @@ from rollout.model.config import ModelConfig
 from rollout.model.errors import ModelInputError
 from rollout.model.indexer import Indexer, resolve_replay, select_topk, slots_to_mask
 from rollout.model.kv_cache import KVCache
+from rollout.model.rope import rope_frequencies
 
 
 @dataclass(frozen=True)
@@ -69,18 +72,23 @@ class Qwen3MoeRMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float,
+def rope_cos_sin(position_ids: torch.Tensor, config: ModelConfig,
                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Default RoPE tables (Su et al. 2021, RoFormer), each `[B, 1, S, head_dim]` in `dtype`.
+    """RoPE tables (Su et al. 2021, RoFormer; scaled as `config.rope_scaling` says, see
+    rollout/model/rope.py), each `[B, 1, S, head_dim]` in `dtype`.
 
     Angles are computed in float32 from the integer positions, as HF does; the frequencies are
-    recomputed per call so that `model.to(bf16)` cannot round them.
+    recomputed per call so that `model.to(bf16)` cannot round them. A scaling with an attention
+    factor (YaRN) multiplies cos and sin by it, as HF does.
     """
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64,
-                                             device=position_ids.device).float() / head_dim))
-    freqs = position_ids[..., None].float() * inv_freq
+    inv_freq, attention_scaling = rope_frequencies(config.rope_theta, config.head_dim,
+                                                   config.rope_scaling)
+    freqs = position_ids[..., None].float() * inv_freq.to(position_ids.device)
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+    cos, sin = emb.cos(), emb.sin()
+    if attention_scaling != 1.0:
+        cos, sin = cos * attention_scaling, sin * attention_scaling
+    return cos.to(dtype)[:, None], sin.to(dtype)[:, None]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -113,7 +121,6 @@ class Qwen3MoeAttention(nn.Module):
         self.n_heads = config.num_attention_heads
         self.n_kv_heads = config.num_key_value_heads
         self.head_dim = d
-        self.rope_theta = config.rope_theta
         self.q_proj = nn.Linear(h, self.n_heads * d, bias=False)
         self.k_proj = nn.Linear(h, self.n_kv_heads * d, bias=False)
         self.v_proj = nn.Linear(h, self.n_kv_heads * d, bias=False)
@@ -273,6 +280,14 @@ class Qwen3MoeForCausalLM(nn.Module):
         self.config = config
         self.model = Qwen3MoeModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """With `config.tie_word_embeddings`, make `lm_head.weight` the embedding matrix itself
+        (one Parameter, as HF ties them); a no-op otherwise. Call again after anything that
+        re-creates parameters (`to_empty`)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     @property
     def dtype(self) -> torch.dtype:
@@ -283,11 +298,14 @@ class Qwen3MoeForCausalLM(nn.Module):
         """Deterministic init from `seed`: every Linear / Embedding weight ~ N(0, 0.02), norms 1.
 
         Values are drawn in float32 on the CPU in module order and then cast, so a seed gives the
-        same weights on any machine and (rounded) in any dtype.
+        same weights on any machine and (rounded) in any dtype. A tied LM head is the embedding
+        and draws nothing of its own.
         """
         g = torch.Generator(device="cpu").manual_seed(int(seed))
         with torch.no_grad():
             for module in self.modules():
+                if module is self.lm_head and self.config.tie_word_embeddings:
+                    continue
                 if isinstance(module, Qwen3MoeRMSNorm):
                     module.weight.fill_(1.0)
                 elif isinstance(module, (nn.Linear, nn.Embedding)):
@@ -355,7 +373,7 @@ class Qwen3MoeForCausalLM(nn.Module):
                        candidates=allowed & query_real, own_slot=own_slot)
 
         h = self.model.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(position_ids, cfg.head_dim, cfg.rope_theta, h.dtype)
+        cos, sin = rope_cos_sin(position_ids, cfg, h.dtype)
         moe_pos = {layer: j for j, layer in enumerate(cfg.moe_layers)}
         idx_pos = {layer: j for j, layer in enumerate(cfg.indexed_layers)}
         keys, values, index_keys = [], [], {}

@@ -83,10 +83,7 @@ class EmbeddedEngine(Engine):
         self.device = torch.device(device)
         # Built on the meta device and allocated once in the engine dtype: no random init of
         # weights the first push replaces (seconds for a real checkpoint), no fp32 copy.
-        with torch.device("meta"):
-            model = Qwen3MoeForCausalLM(config)
-        self.model = model.to(dtype).to_empty(device=self.device).eval()
-        self.model.tie_weights()
+        self.model = Qwen3MoeForCausalLM.empty(config, dtype, self.device).eval()
 
     def _load_weights(self, arrays: Mapping[str, np.ndarray | torch.Tensor]) -> None:
         """Replace every model weight by a weight push, cast to the engine dtype.

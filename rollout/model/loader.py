@@ -56,10 +56,7 @@ def load_pretrained(directory: str | Path, dtype: torch.dtype = torch.float32
     `ModelConfigError` for an unusable config.json.
     """
     cfg = read_hf_config(directory)
-    with torch.device("meta"):
-        model = Qwen3MoeForCausalLM(cfg)
-    model = model.to(dtype).to_empty(device="cpu")
-    model.tie_weights()  # to_empty made the tied head a parameter of its own again
+    model = Qwen3MoeForCausalLM.empty(cfg, dtype)
     load_weights_into(model, directory)
     return model, cfg
 

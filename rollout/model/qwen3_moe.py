@@ -261,7 +261,12 @@ class Qwen3MoeModel(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        weight = torch.empty(config.vocab_size, config.hidden_size)
+        if not weight.is_meta:
+            weight.normal_()  # nn.Embedding's own init, same draw from the global generator
+        # Passing the weight skips nn.Embedding.reset_parameters, whose normal_ on the meta
+        # device (the loaders build there) imports torch._dynamo: seconds per process.
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(Qwen3MoeDecoderLayer(config, i)
                                     for i in range(config.num_hidden_layers))
         self.norm = Qwen3MoeRMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -282,10 +287,31 @@ class Qwen3MoeForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
 
+    @classmethod
+    def empty(cls, config: ModelConfig, dtype: torch.dtype = torch.float32,
+              device: str | torch.device = "cpu") -> "Qwen3MoeForCausalLM":
+        """The model with allocated but uninitialised weights in `dtype` on `device`, for a
+        caller that fills every weight (a checkpoint load, a weight push).
+
+        Built on the meta device, then each parameter is allocated once with `torch.empty`: no
+        random init, no float32 copy of a bf16 model. (Not `nn.Module.to_empty`: meta
+        `empty_like` runs through torch's Python references, which import sympy per process.)
+        """
+        with torch.device("meta"):
+            model = cls(config)
+        for module in model.modules():
+            for name, p in list(module.named_parameters(recurse=False)):
+                if p.is_meta:
+                    setattr(module, name, nn.Parameter(
+                        torch.empty(p.shape, dtype=dtype, device=device),
+                        requires_grad=p.requires_grad))
+        model.tie_weights()
+        return model
+
     def tie_weights(self) -> None:
         """With `config.tie_word_embeddings`, make `lm_head.weight` the embedding matrix itself
         (one Parameter, as HF ties them); a no-op otherwise. Call again after anything that
-        re-creates parameters (`to_empty`)."""
+        re-creates parameters (`empty`)."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -21,12 +21,13 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 
 from actors import ActorError, Directory, run_event_loop
 from actors.spawn import ActorSpec, import_actor_class, serve_actor
 from tools.config import ConfigError, RunConfig, add_run_flags, config_from_args
 from tools.exit_codes import exit_code
-from tools.launcher import actor_specs, write_initial_checkpoint
+from tools.launcher import actor_specs, initial_checkpoint
 from tools.metrics import MetricsRecorder
 from tools.train_loop import train_loop
 
@@ -51,8 +52,9 @@ def plan(world_size: int, config: RunConfig) -> tuple[list[ActorSpec], dict[int,
 
 
 def _checkpoint_dir(config: RunConfig):
-    from pathlib import Path
-
+    """Where the trainer reads the initial policy (``tools.launcher.initial_checkpoint``)."""
+    if config.hf_checkpoint:
+        return Path(config.hf_checkpoint)
     return Path(config.output_dir) / "checkpoint-init"
 
 
@@ -115,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         specs, roles = plan(world, config)
         directory = directory_for(specs, "127.0.0.1", port)
         if "trainer" in roles[rank]:
-            write_initial_checkpoint(config, _checkpoint_dir(config))  # only this rank reads it
+            # only this rank reads it: _checkpoint_dir, which the plan gives the trainer
+            initial_checkpoint(config, Path(config.output_dir))
         if rank == 0:
             print(run_event_loop(_drive(config, specs, directory, args.ready_timeout)))
         else:

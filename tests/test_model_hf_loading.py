@@ -208,3 +208,20 @@ def test_directory_without_safetensors(tmp_path):
     (path / "model.safetensors").rename(path / "pytorch_model.bin")
     with pytest.raises(CheckpointError, match="only safetensors"):
         load_pretrained(path)
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_our_save_of_a_loaded_checkpoint_round_trips_through_transformers(tmp_path, kind):
+    from rollout.model.checkpoint import save_pretrained
+
+    extra = {"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}}
+    if kind == "moe":
+        extra.update(mlp_only_layers=[1], decoder_sparse_step=1, norm_topk_prob=True)
+    path = _write(tmp_path, kind, True, True, **extra)
+    ours, cfg = load_pretrained(path)
+    out = save_pretrained(ours, tmp_path / "saved", tokenizer_from=path)
+    written = json.loads((out / "config.json").read_text())
+    assert written["architectures"] == [{"dense": "Qwen3ForCausalLM", "moe": "Qwen3MoeForCausalLM"}[kind]]
+    assert "lm_head.weight" not in load_file(str(out / "model.safetensors"))  # tied: not stored
+    assert read_hf_config(out) == cfg
+    _assert_logits_match(out)

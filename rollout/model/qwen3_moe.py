@@ -7,8 +7,8 @@ softmax top-k MoE routing (softmax in float32 over the router logits, top-k, ren
 norm_topk_prob, cast back) over SiLU-gated experts, dense SiLU-gated MLPs on the non-MoE layers,
 final norm and an lm_head, tied to the embedding or not. With no experts every layer is dense:
 the model is HF's dense `Qwen3ForCausalLM`, with the same parameter names. RoPE may be scaled
-(linear, YaRN, Llama-3; rollout/model/rope.py). Layers listed in `config.indexed_layers` restrict attention to
-the keys chosen by a DSA-style indexer (rollout/model/indexer.py).
+(linear, YaRN, Llama-3; rollout/model/rope.py). Layers listed in `config.indexed_layers`
+restrict attention to the keys chosen by a DSA-style indexer (rollout/model/indexer.py).
 
 Traces (docs/design.md §2 "Trace arrays"): with `capture=True` the forward returns the experts every
 MoE router used (R3, Ma et al. 2025 "Stabilizing MoE RL by aligning training and inference
@@ -299,19 +299,19 @@ class Qwen3MoeForCausalLM(nn.Module):
         """
         with torch.device("meta"):
             model = cls(config)
+        allocated: dict[int, nn.Parameter] = {}  # a tied parameter is allocated once
         for module in model.modules():
             for name, p in list(module.named_parameters(recurse=False)):
-                if p.is_meta:
-                    setattr(module, name, nn.Parameter(
+                if id(p) not in allocated:
+                    allocated[id(p)] = nn.Parameter(
                         torch.empty(p.shape, dtype=dtype, device=device),
-                        requires_grad=p.requires_grad))
-        model.tie_weights()
+                        requires_grad=p.requires_grad)
+                setattr(module, name, allocated[id(p)])
         return model
 
     def tie_weights(self) -> None:
         """With `config.tie_word_embeddings`, make `lm_head.weight` the embedding matrix itself
-        (one Parameter, as HF ties them); a no-op otherwise. Call again after anything that
-        re-creates parameters (`empty`)."""
+        (one Parameter, as HF ties them); a no-op otherwise."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

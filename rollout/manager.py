@@ -20,8 +20,8 @@ import numpy as np
 from actors import Actor, concurrent, import_callable
 from rollout.config import RolloutConfig
 from rollout.data_source import Prompt, PromptDataSource
-from rollout.engines.base import Generation
-from rollout.sample import Sample
+from rollout.engines.base import generations_from_columns
+from rollout.sample import Sample, samples_to_columns
 from rollout.task import DigitTask
 from rollout.tool_env import DigitToolEnv
 from rollout.trajectory import TrajectoryError, append_synthetic_eos
@@ -80,16 +80,19 @@ class RolloutManager(Actor):
         self.next_sample_id = 0
         self.next_group_id = 0
 
-    async def _episodes(self, engine: str, prompts: list[np.ndarray], seed: int) -> list[Episode]:
-        """The turn loop of ``prompts`` on one engine actor (one ``generate`` request per turn)."""
+    async def _episodes(self, engine: str, prompts: list[np.ndarray], seed: int,
+                        min_version: int | None) -> list[Episode]:
+        """The turn loop of ``prompts`` on one engine actor (one ``generate`` request per turn,
+        each served at ``min_version`` or later)."""
         cfg = self.config
         actor = self.proxy(engine, timeout=cfg.generate_timeout_s)
 
         async def generate_turn(contexts: list[list[int]], turn_seed: int):
             reply = await actor.generate([np.asarray(c, dtype=np.int32) for c in contexts],
                                          cfg.sampling_dict(), max_new_tokens=cfg.max_response_len,
-                                         eos_token_id=self.task.eos_id, seed=turn_seed)
-            return [Generation.from_dict(g) for g in reply["generations"]], reply["version"]
+                                         eos_token_id=self.task.eos_id, seed=turn_seed,
+                                         min_version=min_version)
+            return generations_from_columns(reply["generations"]), reply["version"]
 
         return await run_episodes(generate_turn, prompts, max_turns=cfg.max_turns,
                                   max_new_tokens=cfg.max_response_len,
@@ -97,7 +100,7 @@ class RolloutManager(Actor):
                                   env=self.tool_env if cfg.max_turns > 1 else None)
 
     async def _generate_groups(self, prompts: list[Prompt], rollout_id: int,
-                               seed_key: list[int]) -> list[Sample]:
+                               seed_key: list[int], min_version: int | None) -> list[Sample]:
         """Generate ``n_samples_per_prompt`` trajectories per prompt, assemble and score them."""
         cfg = self.config
         group_ids = list(range(self.next_group_id, self.next_group_id + len(prompts)))
@@ -106,7 +109,8 @@ class RolloutManager(Actor):
         seeds = np.random.SeedSequence([cfg.seed, *seed_key]).generate_state(len(self.engines))
         replies = await asyncio.gather(*(
             self._episodes(engine, [prompts[g].prompt_ids for g in chunk
-                                    for _ in range(cfg.n_samples_per_prompt)], int(seed))
+                                    for _ in range(cfg.n_samples_per_prompt)], int(seed),
+                           min_version)
             for engine, chunk, seed in zip(self.engines, chunks, seeds) if chunk))
         samples: list[Sample] = []
         for chunk, episodes in zip([c for c in chunks if c], replies):
@@ -118,8 +122,11 @@ class RolloutManager(Actor):
         return samples
 
     @concurrent
-    async def generate(self, rollout_id: int) -> dict:
+    async def generate(self, rollout_id: int, min_version: int | None = None) -> dict:
         """Generate, score and store one batch; returns its summary (floats, seconds).
+
+        ``min_version``: the policy version the engines must serve it at, or later (they wait
+        for a weight push still on its way; ``rollout.engine_actor.EngineActor.generate``).
 
         Raises:
             RolloutError: a batch with this id is already stored.
@@ -132,7 +139,7 @@ class RolloutManager(Actor):
         # rollout must record: a prefetched batch the model never trained on is drawn again.
         self.data_state_before[rollout_id] = self.data.state_dict()
         prompts = self.data.next_batch(self.config.rollout_batch_size)  # before any await
-        samples = await self._generate_groups(prompts, rollout_id, [rollout_id])
+        samples = await self._generate_groups(prompts, rollout_id, [rollout_id], min_version)
         self.batches[rollout_id] = samples
         rewards = np.array([s.reward for s in samples])
         summary = {"rollout_id": rollout_id, "samples": len(samples),
@@ -150,9 +157,11 @@ class RolloutManager(Actor):
         return summary
 
     @concurrent
-    async def generate_replacements(self, n_groups: int) -> list[dict]:
-        """Exact refill: ``n_groups`` fresh prompt groups from the current policy, as sample dicts.
+    async def generate_replacements(self, n_groups: int, min_version: int | None = None) -> dict:
+        """Exact refill: ``n_groups`` fresh prompt groups from the current policy, as columns
+        (``rollout.sample.samples_to_columns``).
 
+        ``min_version``: as :meth:`generate` (the trainer passes its preflight version).
         Replacement prompts come from their own seeded stream, so refill never shifts the prompts
         of later rollouts (a resumed run sees the same batches). Samples carry the version of the
         engine that generated them; the trainer has the VersionClock check it.
@@ -161,8 +170,9 @@ class RolloutManager(Actor):
             raise RolloutError(f"generate_replacements needs n_groups >= 1, got {n_groups}")
         self.replacement_calls += 1
         prompts = self.replacement_data.next_batch(n_groups)
-        samples = await self._generate_groups(prompts, -1, [1 << 20, self.replacement_calls])
-        return [s.to_dict() for s in samples]
+        samples = await self._generate_groups(prompts, -1, [1 << 20, self.replacement_calls],
+                                              min_version)
+        return samples_to_columns(samples)
 
     def _to_sample(self, episode: Episode, prompt: Prompt, group_id: int, rollout_id: int) -> Sample:
         """Assemble (``merge_turns``, required traces, one policy version) and score one trajectory.
@@ -213,8 +223,9 @@ class RolloutManager(Actor):
                       policy_version=version, prompt_ids=prompt.prompt_ids, reward=reward,
                       status=status, **fields)
 
-    async def take_batch(self, rollout_id: int) -> list[dict]:
-        """Hand over (and forget) a stored batch as sample dicts, groups contiguous.
+    async def take_batch(self, rollout_id: int) -> dict:
+        """Hand over (and forget) a stored batch as columns (``rollout.sample.samples_to_columns``),
+        groups contiguous.
 
         Raises:
             RolloutError: no batch with this id is stored.
@@ -224,7 +235,7 @@ class RolloutManager(Actor):
             samples = self.batches.pop(rollout_id)
         except KeyError:
             raise RolloutError(f"rollout {rollout_id} is not stored; have {sorted(self.batches)}") from None
-        return [s.to_dict() for s in samples]
+        return samples_to_columns(samples)
 
     async def state(self, next_rollout_id: int | None = None) -> dict:
         """Checkpointable state.

@@ -66,6 +66,9 @@ class RunConfig:
             (docs/design.md §14 "Hugging Face checkpoints").
         save_hf: write a Hugging Face checkpoint of the policy to ``save_hf/step-N`` every
             ``--save-interval`` steps and after the last step (``--save-hf``; ``""`` = never).
+        cpu_affinity: ``split`` gives the trainer process the first half of the launcher's
+            CPUs and every other actor the rest; ``off`` leaves placement to the OS
+            (``--cpu-affinity``; :func:`tools.launcher.split_cpus`).
     """
 
     num_steps: int = setting(400, "num-steps", "optimizer steps (one rollout each)", Range(low=1))
@@ -99,6 +102,10 @@ class RunConfig:
     save_hf: str = setting("", "save-hf", "write the policy as a Hugging Face checkpoint to "
                            "DIR/step-N every --save-interval steps and after the last step",
                            metavar="DIR")
+    cpu_affinity: str = setting("off", "cpu-affinity", "split: the trainer gets the first half of "
+                                "the CPUs, every other actor the rest, so the one-step overlap "
+                                "never time-shares the trainer's core; off: the OS places them",
+                                Choices(("off", "split")))
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 

@@ -9,10 +9,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 from actors import ActorSpec, Directory, Supervisor, import_callable
 from rollout.engines import EngineError, check_capture, engine_class_path, load_engine_class
@@ -120,6 +122,22 @@ def engine_kwargs(config: RunConfig) -> dict:
             "dtype": resolve_dtype(config.engine_dtype)}
 
 
+def split_cpus(allowed: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``--cpu-affinity split``: (the trainer's CPUs, every other actor's CPUs).
+
+    The trainer gets the first half of ``allowed`` (sorted; at least one CPU), the rest go to
+    the engines, the rollout manager and the clock. Under the one-step overlap the trainer is
+    the side the step waits for, and time-sharing its core with the rollout side's bursts
+    delays every step. With fewer than two CPUs there is nothing to split: both are ``()``
+    (inherit).
+    """
+    cpus = sorted(set(allowed))
+    if len(cpus) < 2:
+        return (), ()
+    half = len(cpus) // 2
+    return tuple(cpus[:half]), tuple(cpus[half:])
+
+
 def actor_specs(config: RunConfig, checkpoint_dir: Path) -> list[ActorSpec]:
     """The processes of a run, in start order.
 
@@ -130,7 +148,9 @@ def actor_specs(config: RunConfig, checkpoint_dir: Path) -> list[ActorSpec]:
     required = run_required_traces(config)
     model = config.policy_config
     engines = [f"engine_{i}" for i in range(config.num_engines)]
-    return [
+    trainer_cpus, other_cpus = (split_cpus(os.sched_getaffinity(0))
+                                if config.cpu_affinity == "split" else ((), ()))
+    specs = [
         ActorSpec("version_clock", "actors.version_clock:VersionClock",
                   {"max_staleness": config.max_staleness}),
         *(ActorSpec(name, "rollout.engine_actor:EngineActor",
@@ -149,6 +169,8 @@ def actor_specs(config: RunConfig, checkpoint_dir: Path) -> list[ActorSpec]:
                    "vocab_tokens": [] if config.hf_checkpoint else list(VOCABULARY),
                    "engines": engines}),
     ]
+    return [dataclasses.replace(spec, cpus=trainer_cpus if spec.name == "trainer" else other_cpus)
+            for spec in specs]
 
 
 async def launch(config: RunConfig, log_level: int = logging.WARNING,

@@ -30,20 +30,22 @@ NO_PUSH = {"version": None, "seconds": 0.0, "bytes": 0}
 """The ``push`` figures of a step after which nothing was pushed (a skipped step)."""
 
 
-async def push_after(trained: dict, trainer) -> dict:
+async def push_after(trained: dict, trainer, wait: bool = True) -> dict:
     """Push the weights after a trained step; after a skipped one the engines keep theirs.
 
     Args:
         trained: the trainer's ``train`` result.
         trainer: a proxy to the TrainerActor.
+        wait: as ``TrainerActor.push_weights``: with ``False`` the push is only sent, and the
+            next generation must ask for its version (``min_version``).
     Returns:
         the ``push_weights`` result, or a copy of :data:`NO_PUSH` when ``trained["skipped"]``.
     Raises:
-        actors.RemoteError: the push failed.
+        actors.RemoteError: the push (or, with ``wait=False``, the previous one) failed.
     """
     if trained.get("skipped"):
         return dict(NO_PUSH)
-    return await trainer.push_weights()
+    return await trainer.push_weights(wait)
 
 
 def step_metrics(step: int, summary: dict, trained: dict, push: dict, step_seconds: float) -> dict:
@@ -100,6 +102,7 @@ async def train_loop(directory: Directory, config: RunConfig,
     manager, trainer = directory.proxy("rollout_manager"), directory.proxy("trainer")
     first = await load_checkpoint(directory, Path(config.load)) if config.load else 0
     push = await trainer.push_weights()  # engines serve nothing before this
+    served = push["version"]  # the version the next rollout is generated at
     if first >= config.num_steps:
         return
     generated = await manager.generate(first)
@@ -107,7 +110,8 @@ async def train_loop(directory: Directory, config: RunConfig,
         step_start = time.perf_counter()
         next_rollout, generated_at = None, [step_start]
         if step + 1 < config.num_steps:  # overlaps with training below
-            next_rollout = asyncio.ensure_future(manager.generate(step + 1))
+            # the last push may still be on its way: the engines wait for it, not this loop
+            next_rollout = asyncio.ensure_future(manager.generate(step + 1, min_version=served))
             next_rollout.add_done_callback(lambda _, at=generated_at: at.append(time.perf_counter()))
         try:
             trained = await trainer.train(step)
@@ -117,14 +121,18 @@ async def train_loop(directory: Directory, config: RunConfig,
             raise
         trained_at = time.perf_counter()
         summary = generated
+        saving = config.save_interval and (step + 1) % config.save_interval == 0
         if next_rollout is not None:
             generated = await next_rollout
-            push = await push_after(trained, trainer)
+            # sent, not awaited: the engines load while the next step trains (a checkpoint
+            # waits for the load, so the clock it saves has recorded it)
+            push = await push_after(trained, trainer, wait=bool(saving))
+            served = push["version"] if push["version"] is not None else served
         # the two sides of the overlap: who waited for whom, from the driver's clock
         waits = {"wait_for_rollout_seconds": max(0.0, generated_at[-1] - trained_at),
                  "wait_for_trainer_seconds": max(0.0, trained_at - generated_at[-1])
                  if next_rollout is not None else 0.0}
-        if config.save_interval and (step + 1) % config.save_interval == 0:
+        if saving:
             await save_checkpoint(directory, Path(config.save_dir) / f"step-{step + 1}", step + 1,
                                   config)
         if config.save_hf and (step + 1 == config.num_steps or (

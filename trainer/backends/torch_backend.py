@@ -168,7 +168,7 @@ class TorchBackend(TrainerBackend):
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             self.params, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
-            weight_decay=config.weight_decay)
+            weight_decay=config.weight_decay, fused=True)  # one kernel per step; same values
         self.vocab_tokens = list(vocab_tokens)
         self.checkpoint_dir = checkpoint_dir
 

@@ -3,6 +3,7 @@ checkpoint, and a short real multi-process run from a transformers-written check
 --save-hf output transformers loads."""
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 from rollout.model import Qwen3MoeForCausalLM, default_config
 from rollout.model.loader import load_pretrained
 from rollout.task import VOCABULARY
-from tools.config import ConfigError, build_config
+from tools.config import ConfigError, build_config, config_from_args
 from tools.launcher import engine_kwargs, launch, write_initial_checkpoint
 
 transformers = pytest.importorskip("transformers", reason="checkpoints are written by transformers")
@@ -57,8 +58,7 @@ def test_hf_checkpoint_config_reaches_engines_and_turns_indexer_replay_off(tmp_p
     # the run's record reads back (the resolved off is a plain --no-use-indexer-replay)
     record = tmp_path / "config.json"
     record.write_text(config.to_json())
-    from tools.config import _read_file
-    assert build_config(_read_file(record)) == config
+    assert config_from_args(argparse.Namespace(config=record)) == config
 
 
 @pytest.mark.parametrize("make, message", [

@@ -12,7 +12,7 @@ is kept until the trainer takes it, so the trajectories cross the wire once (eng
 
 Prompts come from ``--prompt-data`` (or the built-in task's shipped file) through the run's
 tokenizer (``rollout/tokenizer.py``, ``rollout/prompt_data.py``); ``evaluate`` scores the
-``--eval-prompt-data`` sets with the evaluation sampling settings (docs/design.md §14 "Prompt
+``--eval-prompt-data`` sets with the evaluation sampling settings (docs/design.md §15 "Prompt
 data, tokenizer and rewards").
 """
 from __future__ import annotations

@@ -89,13 +89,16 @@ class DigitTask:
         """Reward in [0, 1] of a response (int token ids) for a prompt whose answer is ``answer_id``.
 
         ``0.5 ** |guess - answer|`` when the first token is a digit (1.0 when exact), halved
-        unless the response stops right after it with ``<eos>``; 0.0 when it is not a digit.
+        unless the response stops right after it with ``<eos>``; 0.0 when it is not a digit
+        (also a token beyond the task's vocabulary). Raises TaskError for a negative id.
         """
         ids = self.token_id
-        if len(response_ids) and not 0 <= int(response_ids[0]) < len(VOCABULARY):
-            raise TaskError(f"token id {int(response_ids[0])} outside the vocabulary "
-                            f"(size {len(VOCABULARY)})")
-        if len(response_ids) == 0 or VOCABULARY[int(response_ids[0])] not in DIGITS:
+        if len(response_ids) and int(response_ids[0]) < 0:
+            raise TaskError(f"token id {int(response_ids[0])} is negative")
+        # a policy from --hf-checkpoint may have a larger vocabulary than the task: a token
+        # beyond the task's is a model token that is not a digit, i.e. a wrong answer
+        if (len(response_ids) == 0 or int(response_ids[0]) >= len(VOCABULARY)
+                or VOCABULARY[int(response_ids[0])] not in DIGITS):
             return 0.0
         distance = abs(int(VOCABULARY[int(response_ids[0])]) - int(VOCABULARY[answer_id]))
         stopped = len(response_ids) == 2 and int(response_ids[1]) == ids["<eos>"]

@@ -111,7 +111,7 @@ async def run_episodes(
             the context (``rollout.tokenizer.PromptTokenizer.render_observation``: the chat
             template's tool turn); ``None`` appends them unchanged. Either way the next turn's
             context is the previous context's exact ids plus the turn's ids plus these, never
-            a re-tokenisation of the conversation's text (docs/design.md §14 "Prompt data,
+            a re-tokenisation of the conversation's text (docs/design.md §15 "Prompt data,
             tokenizer and rewards").
 
     Returns:

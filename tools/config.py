@@ -19,7 +19,8 @@ import argparse
 import json
 import math
 import tomllib
-from dataclasses import MISSING, asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, replace
+from functools import cached_property
 from dataclasses import fields as dataclass_fields
 from pathlib import Path
 from typing import Any
@@ -27,13 +28,12 @@ from typing import Any
 from actors.settings import Choices, Range, Rule, Setting, check_settings, setting, settings_of, show_value
 from rollout.config import RolloutConfig
 from rollout.engines.precision import DTYPES
-from rollout.model.config import default_config
+from rollout.model.config import ModelConfig, default_config
+from rollout.model.errors import ModelError
+from rollout.model.loader import read_hf_config
 from rollout.task import VOCABULARY
 from trainer.config import TrainerConfig
 from transport import strict_json
-
-
-MAX_POSITIONS = default_config(len(VOCABULARY)).max_position_embeddings
 
 
 class ConfigError(ValueError):
@@ -61,6 +61,11 @@ class RunConfig:
             config and a read-only view of the metrics (``--metrics-hook``, repeatable).
         rollout_engine: the rollout engine's registry name (``--rollout-engine``,
             ``rollout.engines.ENGINES``); the launcher rejects an unknown one.
+        hf_checkpoint: the initial policy, a Hugging Face Qwen3 / Qwen3-MoE checkpoint
+            directory (``--hf-checkpoint``); ``""`` = the embedded default built from ``--seed``
+            (docs/design.md §14 "Hugging Face checkpoints").
+        save_hf: write a Hugging Face checkpoint of the policy to ``save_hf/step-N`` every
+            ``--save-interval`` steps and after the last step (``--save-hf``; ``""`` = never).
         cpu_affinity: ``split`` gives the trainer process the first half of the launcher's
             CPUs and every other actor the rest; ``off`` leaves placement to the OS
             (``--cpu-affinity``; :func:`tools.launcher.split_cpus`).
@@ -93,6 +98,12 @@ class RunConfig:
                                               "module:function"), metavar="MODULE:FUNCTION")
     rollout_engine: str = setting("embedded", "rollout-engine", "rollout engine, a name in the "
                                   "registry rollout.engines.ENGINES (checked by the launcher)")
+    hf_checkpoint: str = setting("", "hf-checkpoint", "initial policy: a Hugging Face Qwen3 / "
+                                 "Qwen3-MoE checkpoint directory (safetensors, sharded or not)",
+                                 default_text="the embedded model from --seed", metavar="DIR")
+    save_hf: str = setting("", "save-hf", "write the policy as a Hugging Face checkpoint to "
+                           "DIR/step-N every --save-interval steps and after the last step",
+                           metavar="DIR")
     cpu_affinity: str = setting("off", "cpu-affinity", "split: the trainer gets the first half of "
                                 "the CPUs, every other actor the rest, so the one-step overlap "
                                 "never time-shares the trainer's core; off: the OS places them",
@@ -107,12 +118,18 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         check_settings(self, ConfigError)
+        policy = self.policy_config
+        if policy.vocab_size < len(VOCABULARY):
+            raise ConfigError(f"--hf-checkpoint {self.hf_checkpoint}: config.json field "
+                              f"'vocab_size'={policy.vocab_size} is smaller than the "
+                              f"{len(VOCABULARY)} token ids of the embedded task")
         checks = [
-            (self.rollout.top_k <= len(VOCABULARY),
-             f"--rollout-top-k must be <= the vocabulary size {len(VOCABULARY)} (or -1)"),
-            (self.rollout.prompt_data or self.max_context_tokens <= MAX_POSITIONS,
+            (self.rollout.top_k <= policy.vocab_size,
+             f"--rollout-top-k must be <= the vocabulary size {policy.vocab_size} (or -1)"),
+            (self.rollout.prompt_data or self.max_context_tokens <= policy.max_position_embeddings,
              f"--num-digits + 3 + --rollout-max-turns x (--rollout-max-response-len + 2) = "
-             f"{self.max_context_tokens} tokens exceeds the model's {MAX_POSITIONS} positions"),
+             f"{self.max_context_tokens} tokens exceeds the model's "
+             f"{policy.max_position_embeddings} positions"),
             (self.trainer.temperature == self.rollout.temperature,
              "--rollout-temperature must reach the trainer unchanged (logprobs of logits / T)"),
         ]
@@ -128,6 +145,22 @@ class RunConfig:
             self._check_checkpoint()
         if not self.save_dir:
             object.__setattr__(self, "save_dir", str(Path(self.output_dir) / "checkpoints"))
+
+    @cached_property
+    def policy_config(self) -> ModelConfig:
+        """The initial policy's shape: ``--hf-checkpoint``'s config.json, or the embedded
+        default's (same for every seed).
+
+        Raises:
+            ConfigError: the checkpoint's config.json is unreadable or holds a value the model
+                does not implement (the message names the directory and the field).
+        """
+        if not self.hf_checkpoint:
+            return default_config(vocab_size=len(VOCABULARY))
+        try:
+            return read_hf_config(self.hf_checkpoint)
+        except ModelError as exc:
+            raise ConfigError(f"--hf-checkpoint {self.hf_checkpoint}: {exc}") from None
 
     @property
     def max_context_tokens(self) -> int:
@@ -412,9 +445,23 @@ def build_config(values: dict[str, Any]) -> RunConfig:
     try:
         rollout = RolloutConfig(**sections["rollout"])
         trainer = TrainerConfig(**sections["trainer"])
-        return RunConfig(rollout=rollout, trainer=trainer, **sections[None])
+        config = RunConfig(rollout=rollout, trainer=trainer, **sections[None])
     except (TypeError, ValueError) as exc:
         raise ConfigError(str(exc)) from None
+    return _resolve_indexer_replay(config, asked=values.get("use-indexer-replay") is True)
+
+
+def _resolve_indexer_replay(config: RunConfig, asked: bool) -> RunConfig:
+    """A policy without an indexer block: indexer replay is not applicable, so it is turned
+    off in the config (and in the run's record); asking for it (``--use-indexer-replay``
+    given) is an error rather than a run that silently replays nothing."""
+    if config.policy_config.indexed_layers or not config.trainer.use_indexer_replay:
+        return config
+    if asked:
+        raise ConfigError(f"--use-indexer-replay: --hf-checkpoint {config.hf_checkpoint} has no "
+                          f"indexer (config.json lacks a replayrl_indexer block with index_topk "
+                          f"> 0); drop the flag, indexer replay is not applicable to this model")
+    return replace(config, trainer=replace(config.trainer, use_indexer_replay=False))
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:

@@ -67,18 +67,29 @@ def check_writable(directory: Path, flag: str) -> None:
 
 
 def write_initial_checkpoint(config: RunConfig, directory: Path) -> Path:
-    """Build the embedded default policy from ``config.rollout.seed`` and save it as an HF dir."""
+    """Build the embedded default policy from ``config.trainer.seed`` and save it as an HF dir,
+    which the run then loads like any ``--hf-checkpoint`` (docs/design.md §14 "Hugging Face
+    checkpoints")."""
     model = Qwen3MoeForCausalLM(default_config(vocab_size=len(VOCABULARY)))
     model.init_weights(config.trainer.seed)
     save_pretrained(model, directory, tokens=list(VOCABULARY))
     return directory
 
 
+def initial_checkpoint(config: RunConfig, output: Path) -> Path:
+    """The checkpoint directory the run starts from: ``--hf-checkpoint``, or the embedded
+    default written to ``output/checkpoint-init``. Engines and trainer read the policy from it
+    through the same loader (``rollout.model.loader``) either way."""
+    if config.hf_checkpoint:
+        return Path(config.hf_checkpoint)
+    return write_initial_checkpoint(config, output / "checkpoint-init")
+
+
 def run_required_traces(config: RunConfig) -> list[str]:
     """The traces every trajectory of this run must carry and the engines capture
     (:func:`rollout.sample.required_traces` of the embedded policy and the replay flags)."""
     t = config.trainer
-    return list(required_traces(default_config(vocab_size=len(VOCABULARY)),
+    return list(required_traces(config.policy_config,
                                 support_replay=t.use_support_replay,
                                 routing_replay=t.use_routing_replay,
                                 indexer_replay=t.use_indexer_replay))
@@ -111,7 +122,7 @@ def engine_kwargs(config: RunConfig) -> dict:
     fields, HF names) and ``dtype`` (``--engine-dtype``, with ``auto`` resolved here for the
     CPU the engines run on: :func:`rollout.engines.precision.resolve_dtype`).
     """
-    return {"model_config": dataclasses.asdict(default_config(vocab_size=len(VOCABULARY))),
+    return {"model_config": dataclasses.asdict(config.policy_config),
             "dtype": resolve_dtype(config.engine_dtype)}
 
 
@@ -145,7 +156,7 @@ def check_prompt_data(config: RunConfig, checkpoint_dir: Path) -> None:
             prompts than ``--num-epoch`` passes hold.
     """
     r = config.rollout
-    model = default_config(vocab_size=len(VOCABULARY))
+    model = config.policy_config
     try:
         tokenizer = load_tokenizer(tokenizer_dir(config, checkpoint_dir),
                                    apply_chat_template=r.apply_chat_template,
@@ -175,7 +186,7 @@ def actor_specs(config: RunConfig, checkpoint_dir: Path) -> list[ActorSpec]:
     """
     engine_class = resolve_engine(config)
     required = run_required_traces(config)
-    model = default_config(vocab_size=len(VOCABULARY))
+    model = config.policy_config
     engines = [f"engine_{i}" for i in range(config.num_engines)]
     trainer_cpus, other_cpus = (split_cpus(os.sched_getaffinity(0))
                                 if config.cpu_affinity == "split" else ((), ()))
@@ -196,7 +207,9 @@ def actor_specs(config: RunConfig, checkpoint_dir: Path) -> list[ActorSpec]:
                   {"checkpoint_dir": str(checkpoint_dir), "config": config.trainer.to_dict(),
                    "n_samples_per_prompt": config.rollout.n_samples_per_prompt,
                    "rollout_batch_size": config.rollout.rollout_batch_size,
-                   "vocab_tokens": list(VOCABULARY), "engines": engines}),
+                   # empty: checkpoints carry the --hf-checkpoint's own tokenizer files
+                   "vocab_tokens": [] if config.hf_checkpoint else list(VOCABULARY),
+                   "engines": engines}),
     ]
     return [dataclasses.replace(spec, cpus=trainer_cpus if spec.name == "trainer" else other_cpus)
             for spec in specs]
@@ -209,9 +222,9 @@ async def launch(config: RunConfig, log_level: int = logging.WARNING,
     ``specs`` replaces :func:`actor_specs` (tests inject failing actors this way).
 
     Raises:
-        ConfigError: a hook / reward that does not import, an unwritable ``--save``, an
-            unknown / unfit ``--rollout-engine``, or unusable prompt data or tokenizer
-            (:func:`check_prompt_data`; all before any process starts).
+        ConfigError: a hook / reward that does not import, an unwritable ``--save`` /
+            ``--save-hf``, an unknown / unfit ``--rollout-engine``, or unusable prompt data or
+            tokenizer (:func:`check_prompt_data`; all before any process starts).
         actors.ActorDied: an actor process exited (its traceback is in the message).
         actors.RemoteError: an actor method raised (remote traceback in the message).
     """
@@ -228,10 +241,16 @@ async def launch(config: RunConfig, log_level: int = logging.WARNING,
         except ImportError:
             raise ConfigError("--use-tensorboard needs the tensorboard package: "
                               "pip install 'replayrl[tensorboard]'") from None
+    if config.save_hf:
+        check_writable(Path(config.save_hf), "--save-hf")
+    if not config.policy_config.indexed_layers:
+        logging.getLogger(__name__).warning(
+            "indexer replay: not applicable (the policy from --hf-checkpoint %s has no indexer "
+            "block); indexer metrics are n/a", config.hf_checkpoint)
     output = Path(config.output_dir)
     output.mkdir(parents=True, exist_ok=True)
     (output / "config.json").write_text(config.to_json())
-    checkpoint = write_initial_checkpoint(config, output / "checkpoint-init")
+    checkpoint = initial_checkpoint(config, output)
     check_prompt_data(config, checkpoint)
     run_dir = Path(tempfile.mkdtemp(prefix="replayrl-"))  # short path: AF_UNIX limit
     try:

@@ -75,7 +75,7 @@ class ReplSession:
 
     Use as ``with ReplSession(config) as session: session.namespace["trainer"].state()``.
     :meth:`start` writes the initial checkpoint to ``<config.output_dir>/checkpoint-init`` (only
-    when ``specs`` is None), starts every actor and waits until each answers ``__ping__``;
+    when ``specs`` is None and there is no ``--hf-checkpoint``), starts every actor and waits until each answers ``__ping__``;
     :meth:`stop` stops them all (polite ``__stop__``, then SIGTERM / SIGKILL), joins the loop
     thread and removes the run's ipc directory. Both are idempotent.
 
@@ -130,11 +130,11 @@ class ReplSession:
         if specs is None:
             # imported here: the launcher pulls in the model (torch), which tests with small
             # actors do not need
-            from tools.launcher import actor_specs, write_initial_checkpoint
+            from tools.launcher import actor_specs, initial_checkpoint
             output = Path(self.config.output_dir)
             output.mkdir(parents=True, exist_ok=True)
             (output / "config.json").write_text(self.config.to_json())
-            specs = actor_specs(self.config, write_initial_checkpoint(self.config, output / "checkpoint-init"))
+            specs = actor_specs(self.config, initial_checkpoint(self.config, output))
         self.specs = list(specs)
         self.run_dir = Path(tempfile.mkdtemp(prefix="replayrl-"))  # short path: AF_UNIX limit
         self.directory = Directory.for_run(self.run_dir, [s.name for s in self.specs],

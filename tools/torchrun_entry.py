@@ -21,12 +21,13 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 
 from actors import ActorError, Directory, run_event_loop
 from actors.spawn import ActorSpec, import_actor_class, serve_actor
 from tools.config import ConfigError, RunConfig, add_run_flags, config_from_args
 from tools.exit_codes import exit_code
-from tools.launcher import actor_specs, check_prompt_data, write_initial_checkpoint
+from tools.launcher import actor_specs, check_prompt_data, initial_checkpoint, write_initial_checkpoint
 from tools.metrics import MetricsRecorder
 from tools.train_loop import train_loop
 
@@ -45,7 +46,7 @@ def plan(world_size: int, config: RunConfig) -> tuple[list[ActorSpec], dict[int,
                           f"got {world_size}")
     config = dataclasses.replace(config, num_engines=world_size - 2)
     specs = actor_specs(config, _checkpoint_dir(config))
-    if not config.rollout.tokenizer:
+    if not config.rollout.tokenizer and not config.hf_checkpoint:
         # the initial checkpoint is written on the trainer's rank only; the manager's rank
         # reads the embedded tokenizer from its own copy, so neither waits for the other
         specs = [dataclasses.replace(s, kwargs={**s.kwargs, "tokenizer_dir": str(_tokenizer_dir(config))})
@@ -56,14 +57,19 @@ def plan(world_size: int, config: RunConfig) -> tuple[list[ActorSpec], dict[int,
 
 
 def _checkpoint_dir(config: RunConfig):
-    from pathlib import Path
-
+    """Where the trainer reads the initial policy (``tools.launcher.initial_checkpoint``)."""
+    if config.hf_checkpoint:
+        return Path(config.hf_checkpoint)
     return Path(config.output_dir) / "checkpoint-init"
 
 
 def _tokenizer_dir(config: RunConfig):
-    from pathlib import Path
-
+    """Where the rollout manager reads the tokenizer: ``--tokenizer``, else the
+    ``--hf-checkpoint`` directory, else its own copy of the embedded one (``tokenizer-init``)."""
+    if config.rollout.tokenizer:
+        return Path(config.rollout.tokenizer)
+    if config.hf_checkpoint:
+        return Path(config.hf_checkpoint)
     return Path(config.output_dir) / "tokenizer-init"
 
 
@@ -126,11 +132,12 @@ def main(argv: list[str] | None = None) -> int:
         specs, roles = plan(world, config)
         directory = directory_for(specs, "127.0.0.1", port)
         if "trainer" in roles[rank]:
-            write_initial_checkpoint(config, _checkpoint_dir(config))  # only this rank reads it
+            # only this rank reads it: _checkpoint_dir, which the plan gives the trainer
+            initial_checkpoint(config, Path(config.output_dir))
         if "rollout_manager" in roles[rank]:
             tokenizer = _tokenizer_dir(config)
-            if not config.rollout.tokenizer:
-                write_initial_checkpoint(config, tokenizer)
+            if not config.rollout.tokenizer and not config.hf_checkpoint:
+                write_initial_checkpoint(config, tokenizer)  # the embedded tokenizer, own copy
             check_prompt_data(config, tokenizer)  # a bad row stops the run before it starts
         if rank == 0:
             print(run_event_loop(_drive(config, specs, directory, args.ready_timeout)))

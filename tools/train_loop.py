@@ -145,5 +145,8 @@ async def train_loop(directory: Directory, config: RunConfig,
         if saving:
             await save_checkpoint(directory, Path(config.save_dir) / f"step-{step + 1}", step + 1,
                                   config)
+        if config.save_hf and (step + 1 == config.num_steps or (
+                config.save_interval and (step + 1) % config.save_interval == 0)):
+            await trainer.save_hf(str(Path(config.save_hf) / f"step-{step + 1}"))
         on_step({**step_metrics(step, summary, trained, push, time.perf_counter() - step_start),
                  **waits, **evaluation})

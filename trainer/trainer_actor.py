@@ -425,6 +425,12 @@ class TrainerActor(Actor):
         self.backend.save_checkpoint(out, self.version)
         return str(out)
 
+    async def save_hf(self, directory: str) -> str:
+        """Write the current policy as a Hugging Face checkpoint directory (``--save-hf``)."""
+        out = Path(directory)
+        self.backend.save_hf(out)
+        return str(out)
+
     async def load_checkpoint(self, directory: str) -> int:
         """Restore :meth:`save_checkpoint` output; returns the restored trainer version."""
         self.version = self.backend.load_checkpoint(Path(directory))

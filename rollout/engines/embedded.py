@@ -54,7 +54,7 @@ class EmbeddedEngine(Engine):
             name (``"bfloat16"``, default: a real train-inference mismatch; ``"float32"``).
         device: torch device the model runs on.
 
-    The model starts with placeholder weights and :attr:`version` ``None``; ``generate`` raises
+    The model starts with uninitialised weights and :attr:`version` ``None``; ``generate`` raises
     :class:`rollout.engines.base.EngineNotReady` until :meth:`load_weights` succeeded once.
     ``routed_experts`` / ``indexer_topk`` are ``None`` when requested on a model without MoE /
     indexed layers.
@@ -81,8 +81,9 @@ class EmbeddedEngine(Engine):
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
-        model = Qwen3MoeForCausalLM(config)
-        self.model = model.to(device=self.device, dtype=dtype).eval()
+        # Built on the meta device and allocated once in the engine dtype: no random init of
+        # weights the first push replaces (seconds for a real checkpoint), no fp32 copy.
+        self.model = Qwen3MoeForCausalLM.empty(config, dtype, self.device).eval()
 
     def _load_weights(self, arrays: Mapping[str, np.ndarray | torch.Tensor]) -> None:
         """Replace every model weight by a weight push, cast to the engine dtype.

@@ -1,23 +1,27 @@
-"""Hugging Face checkpoint directories and weight pushes for the embedded model.
+"""Writing Hugging Face checkpoint directories, and weight pushes, for the model.
 
-A directory written by `save_pretrained` loads in transformers (`Qwen3MoeForCausalLM`,
-`AutoTokenizer`), vLLM and SGLang: config.json, model.safetensors with HF parameter names (one
-tensor per expert, `mlp.experts.{e}.{gate,up,down}_proj.weight`, as Qwen3-MoE checkpoints on the
-Hub), generation_config.json, and a word-level tokenizer (tokenizer.json, tokenizer_config.json).
-Indexer weights (`self_attn.indexer.*`) are stored too; transformers ignores them with a warning,
-and an engine without the indexer computes dense attention on those layers, i.e. another model.
+A directory written by `save_pretrained` loads in transformers (`Qwen3MoeForCausalLM`, or
+`Qwen3ForCausalLM` for a model without experts; `AutoTokenizer`), vLLM and SGLang: config.json,
+model.safetensors with HF parameter names (one tensor per expert,
+`mlp.experts.{e}.{gate,up,down}_proj.weight`, as Qwen3-MoE checkpoints on the Hub; no
+`lm_head.weight` when it is tied to the embedding, as transformers writes it),
+generation_config.json, and the tokenizer: a word-level one built from a vocabulary, or the
+files of the checkpoint the run started from, copied unchanged. Indexer weights
+(`self_attn.indexer.*`) are stored too; transformers ignores them with a warning, and an engine
+without the indexer computes dense attention on those layers, i.e. another model.
+Reading is `rollout.model.loader`.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from rollout.model.config import ModelConfig
 from rollout.model.errors import CheckpointError
@@ -26,61 +30,66 @@ from transport import strict_json
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")
 WEIGHTS_NAME = "model.safetensors"
+# tokenizer and generation files a checkpoint directory may carry; copied as they are
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja",
+                   "generation_config.json")
+_TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _ARRAY_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.float64))
 
 
-def save_pretrained(model: Qwen3MoeForCausalLM, directory: str | Path, tokens: list[str]) -> Path:
-    """Write `model` and a word-level tokenizer as a Hugging Face checkpoint directory.
+def save_pretrained(model: Qwen3MoeForCausalLM, directory: str | Path,
+                    tokens: list[str] | None = None, tokenizer_from: str | Path | None = None
+                    ) -> Path:
+    """Write `model` and a tokenizer as a Hugging Face checkpoint directory.
 
+    Exactly one of:
     tokens: the whole vocabulary in id order (token id = list index); must hold `<pad>`, `<bos>`
         and `<eos>`, no duplicates, no whitespace inside a token, and exactly
-        `config.vocab_size` entries. Text is split on whitespace and every word must be in the
-        vocabulary (no unknown token: encoding an unknown word fails loudly).
-    Weights are stored in the model's dtype. Creates `directory` if needed and returns its path.
-    Raises `CheckpointError` for a bad vocabulary or an unsupported dtype.
+        `config.vocab_size` entries. A word-level tokenizer over it is written: text is split on
+        whitespace and every word must be in the vocabulary (no unknown token).
+    tokenizer_from: a checkpoint directory (the one the run started from) whose tokenizer and
+        generation files (`TOKENIZER_FILES`, those present) are copied unchanged, with the
+        bos / eos / pad ids of its config.json.
+    Weights are stored in the model's dtype; a tied LM head is not stored (transformers ties it
+    on load). Creates `directory` if needed and returns its path.
+    Raises `CheckpointError` for a bad vocabulary, an unreadable `tokenizer_from` config.json,
+    both or neither tokenizer source, or an unsupported dtype.
     """
     cfg = model.config
-    _check_vocab(tokens, cfg)
+    if (tokens is None) == (tokenizer_from is None):
+        raise CheckpointError("save_pretrained needs exactly one of tokens / tokenizer_from")
+    if tokens is not None:
+        _check_vocab(tokens, cfg)
     if model.dtype not in _DTYPE_NAMES:
         raise CheckpointError(f"cannot store weights of dtype {model.dtype}")
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    ids = {name: tokens.index(name) for name in SPECIAL_TOKENS}
-
     hf = cfg.to_hf_dict(torch_dtype=_DTYPE_NAMES[model.dtype])
-    hf.update(bos_token_id=ids["<bos>"], eos_token_id=ids["<eos>"], pad_token_id=ids["<pad>"])
-    _write_json(out / "config.json", hf)
-    _write_json(out / "generation_config.json", {
-        "bos_token_id": ids["<bos>"], "eos_token_id": ids["<eos>"], "pad_token_id": ids["<pad>"],
-    })
-    tensors = {name: t.detach().contiguous().cpu() for name, t in model.state_dict().items()}
+    if tokens is not None:
+        ids = {name: tokens.index(name) for name in SPECIAL_TOKENS}
+        token_ids = {"bos_token_id": ids["<bos>"], "eos_token_id": ids["<eos>"],
+                     "pad_token_id": ids["<pad>"]}
+        hf.update(token_ids)
+        _write_json(out / "config.json", hf)
+        _write_json(out / "generation_config.json", token_ids)
+        _save_tokenizer(out, tokens, cfg.max_position_embeddings)
+    else:
+        src = Path(tokenizer_from)
+        try:
+            source = json.loads((src / "config.json").read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise CheckpointError(f"cannot read {src / 'config.json'}: {exc}") from exc
+        hf.update({k: source[k] for k in _TOKEN_ID_KEYS if k in source})
+        _write_json(out / "config.json", hf)
+        for name in TOKENIZER_FILES:
+            if (src / name).is_file() and src.resolve() != out.resolve():
+                shutil.copyfile(src / name, out / name)
+    tensors = {name: t.detach().contiguous().cpu() for name, t in model.state_dict().items()
+               if not (cfg.tie_word_embeddings and name == "lm_head.weight")}
     save_file(tensors, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
-    _save_tokenizer(out, tokens, cfg.max_position_embeddings)
     return out
-
-
-def load_pretrained(directory: str | Path, dtype: torch.dtype = torch.float32
-                    ) -> tuple[Qwen3MoeForCausalLM, ModelConfig]:
-    """Load a directory written by `save_pretrained` (or any matching HF Qwen3-MoE checkpoint).
-
-    Returns (model in `dtype`, config). Raises `CheckpointError` for a missing file, a missing or
-    unexpected weight (named), or a shape mismatch (name, expected and found shape);
-    `ModelConfigError` for an unusable config.json.
-    """
-    src = Path(directory)
-    try:
-        hf = json.loads((src / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"cannot read {src / 'config.json'}: {exc}") from exc
-    cfg = ModelConfig.from_hf_dict(hf)
-    try:
-        tensors = load_file(str(src / WEIGHTS_NAME))
-    except (OSError, SafetensorError) as exc:
-        raise CheckpointError(f"cannot read {src / WEIGHTS_NAME}: {exc}") from exc
-    model = Qwen3MoeForCausalLM(cfg)
-    _copy_into(model, tensors, source=str(src / WEIGHTS_NAME))
-    return model.to(dtype), cfg
 
 
 def state_dict_arrays(model: Qwen3MoeForCausalLM) -> dict[str, np.ndarray]:

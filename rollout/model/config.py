@@ -1,9 +1,12 @@
-"""Model configuration of the embedded default (Qwen3-MoE math plus an optional DSA-style indexer).
+"""Model configuration: Qwen3 / Qwen3-MoE math plus an optional DSA-style indexer.
 
 Field names are those of Hugging Face transformers' `Qwen3MoeConfig`, so `to_hf_dict()` is a
-config.json that transformers, vLLM and SGLang read as `Qwen3MoeForCausalLM`. The indexer fields
-are replayrl's own and travel in config.json under the `replayrl_indexer` key, which those
-loaders ignore.
+config.json that transformers, vLLM and SGLang read as `Qwen3MoeForCausalLM` (or as the dense
+`Qwen3ForCausalLM` when the model has no experts: a dense Qwen3 is the MoE model with every layer
+dense). The indexer fields are replayrl's own and travel in config.json under the
+`replayrl_indexer` key, which those loaders ignore. `from_hf_dict` reads both architectures
+as transformers writes them and refuses, naming the field, every value the model code does not
+implement (docs/design.md §14 "Hugging Face checkpoints").
 """
 
 from __future__ import annotations
@@ -12,9 +15,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollout.model.errors import ModelConfigError
+from rollout.model.rope import normalize_rope_scaling
 
 HF_ARCHITECTURE = "Qwen3MoeForCausalLM"
 HF_MODEL_TYPE = "qwen3_moe"
+# model_type -> architecture class name, for the two architectures the model code implements
+HF_ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 INDEXER_KEY = "replayrl_indexer"
 _HF_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -30,6 +36,10 @@ class ModelConfig:
     Indexer (DSA-style, DeepSeek-V3.2 "lightning indexer", simplified): on every layer of
     `index_layers`, when `index_topk > 0`, each query attends only to the `index_topk` causal keys
     with the highest indexer score (see `rollout.model.indexer`). `index_topk = 0` turns it off.
+
+    `tie_word_embeddings`: the LM head shares the embedding matrix. `rope_scaling`: the RoPE
+    scaling as sorted `(key, value)` pairs (`rollout.model.rope`; `()` = default RoPE); a dict
+    or a list of pairs is normalised on construction.
 
     Raises `ModelConfigError` naming the field when a value is out of range or inconsistent.
     """
@@ -51,6 +61,7 @@ class ModelConfig:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool = False
+    rope_scaling: tuple[tuple[str, Any], ...] = ()
     index_topk: int = 0
     index_n_heads: int = 0
     index_head_dim: int = 0
@@ -60,6 +71,8 @@ class ModelConfig:
         # Lists from JSON become tuples so the config stays hashable and read-only.
         object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
         object.__setattr__(self, "index_layers", tuple(int(i) for i in self.index_layers))
+        object.__setattr__(self, "rope_scaling",
+                           normalize_rope_scaling(self.rope_scaling, self.max_position_embeddings))
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "head_dim", "decoder_sparse_step",
                      "max_position_embeddings", "intermediate_size"):
@@ -83,8 +96,6 @@ class ModelConfig:
                     f"ModelConfig.moe_intermediate_size must be > 0, got {self.moe_intermediate_size}")
         if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
             raise ModelConfigError("ModelConfig.rms_norm_eps and rope_theta must be > 0")
-        if self.tie_word_embeddings:
-            raise ModelConfigError("ModelConfig.tie_word_embeddings=True is not supported (untied lm_head)")
         for name in ("mlp_only_layers", "index_layers"):
             ids = getattr(self, name)
             bad = [i for i in ids if not 0 <= i < self.num_hidden_layers]
@@ -117,37 +128,40 @@ class ModelConfig:
         """
         return tuple(sorted(self.index_layers)) if self.index_topk > 0 else ()
 
-    def to_hf_dict(self, torch_dtype: str = "float32") -> dict[str, Any]:
-        """Return a Hugging Face config.json dict (`Qwen3MoeForCausalLM`, model_type `qwen3_moe`).
+    @property
+    def hf_model_type(self) -> str:
+        """`"qwen3_moe"`, or `"qwen3"` (dense `Qwen3ForCausalLM`) when there are no experts."""
+        return HF_MODEL_TYPE if self.num_experts > 0 else "qwen3"
 
-        `torch_dtype`: one of "float32", "bfloat16", "float16" (the dtype of the stored weights).
-        Both the legacy `rope_theta` and the transformers-5 `rope_parameters` are written so
+    def to_hf_dict(self, torch_dtype: str = "float32") -> dict[str, Any]:
+        """Return a Hugging Face config.json dict (`Qwen3MoeForCausalLM`, model_type `qwen3_moe`,
+        or `Qwen3ForCausalLM` / `qwen3` for a model without experts).
+
+        `torch_dtype`: one of "float32", "bfloat16", "float16" (the dtype of the stored weights;
+        written as both `torch_dtype` and transformers-5's `dtype`). Both the legacy
+        `rope_theta` / `rope_scaling` and the transformers-5 `rope_parameters` are written so
         older and newer loaders read the same RoPE. Indexer fields go under `replayrl_indexer`.
         Raises `ModelConfigError` for an unknown dtype.
         """
         if torch_dtype not in _HF_DTYPES:
             raise ModelConfigError(f"torch_dtype must be one of {_HF_DTYPES}, got {torch_dtype!r}")
-        return {
-            "architectures": [HF_ARCHITECTURE],
-            "model_type": HF_MODEL_TYPE,
+        scaling = dict(self.rope_scaling)
+        d: dict[str, Any] = {
+            "architectures": [HF_ARCHITECTURES[self.hf_model_type]],
+            "model_type": self.hf_model_type,
             "torch_dtype": torch_dtype,
+            "dtype": torch_dtype,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
-            "moe_intermediate_size": self.moe_intermediate_size,
             "num_hidden_layers": self.num_hidden_layers,
             "num_attention_heads": self.num_attention_heads,
             "num_key_value_heads": self.num_key_value_heads,
             "head_dim": self.head_dim,
-            "num_experts": self.num_experts,
-            "num_experts_per_tok": self.num_experts_per_tok,
-            "norm_topk_prob": self.norm_topk_prob,
-            "decoder_sparse_step": self.decoder_sparse_step,
-            "mlp_only_layers": list(self.mlp_only_layers),
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
-            "rope_scaling": None,
+            "rope_parameters": {"rope_type": "default", **scaling, "rope_theta": self.rope_theta},
+            "rope_scaling": scaling or None,
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
             "hidden_act": "silu",
@@ -156,70 +170,128 @@ class ModelConfig:
             "use_sliding_window": False,
             "sliding_window": None,
             "initializer_range": 0.02,
-            "output_router_logits": False,
-            "router_aux_loss_coef": 0.0,
             "use_cache": True,
-            INDEXER_KEY: {
-                "index_topk": self.index_topk,
-                "index_n_heads": self.index_n_heads,
-                "index_head_dim": self.index_head_dim,
-                "index_layers": list(self.index_layers),
-            },
         }
+        if self.num_experts > 0:
+            d.update({
+                "moe_intermediate_size": self.moe_intermediate_size,
+                "num_experts": self.num_experts,
+                "num_experts_per_tok": self.num_experts_per_tok,
+                "norm_topk_prob": self.norm_topk_prob,
+                "decoder_sparse_step": self.decoder_sparse_step,
+                "mlp_only_layers": list(self.mlp_only_layers),
+                "output_router_logits": False,
+                "router_aux_loss_coef": 0.0,
+            })
+        else:
+            d["layer_types"] = ["full_attention"] * self.num_hidden_layers
+        d[INDEXER_KEY] = {
+            "index_topk": self.index_topk,
+            "index_n_heads": self.index_n_heads,
+            "index_head_dim": self.index_head_dim,
+            "index_layers": list(self.index_layers),
+        }
+        return d
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
-        """Build a config from a Hugging Face config.json dict.
+        """Build a config from a Hugging Face config.json dict of `Qwen3ForCausalLM` (model_type
+        `qwen3`, every layer dense) or `Qwen3MoeForCausalLM` (`qwen3_moe`), as transformers 4
+        or 5 writes it.
 
-        Accepts `rope_theta` at top level or in `rope_parameters` (default RoPE only); `head_dim`
-        defaults to hidden_size // num_attention_heads, `mlp_only_layers` to (), the indexer to off.
-        Raises `ModelConfigError` naming the key for a wrong model_type, an unsupported feature
-        (non-SiLU activation, attention bias, RoPE scaling, sliding window) or a missing field.
+        Reads `num_experts` or transformers-5's `num_local_experts`; `rope_theta` at top level or
+        in `rope_parameters`, the scaling from `rope_scaling` or `rope_parameters` (default,
+        linear, yarn, llama3: `rollout.model.rope`); `head_dim` defaults to hidden_size //
+        num_attention_heads, `mlp_only_layers` to (), `decoder_sparse_step` to 1,
+        `tie_word_embeddings` to False, the indexer (`replayrl_indexer`) to off.
+
+        Raises `ModelConfigError` naming the field, e.g. `config.json field
+        'rope_scaling.rope_type'='dynamic' is not supported`, for another architecture or
+        model_type, a value the model code does not implement (activation, attention bias,
+        sliding window, partial rotary factor, a RoPE type, a non-full-attention layer type) or
+        a missing field.
         """
-        if d.get("model_type") != HF_MODEL_TYPE:
-            raise ModelConfigError(f"config.json model_type must be {HF_MODEL_TYPE!r}, got {d.get('model_type')!r}")
-        if d.get("hidden_act", "silu") != "silu":
-            raise ModelConfigError(f"config.json hidden_act must be 'silu', got {d['hidden_act']!r}")
-        if d.get("attention_bias", False):
-            raise ModelConfigError("config.json attention_bias=true is not supported")
-        if d.get("use_sliding_window", False):
-            raise ModelConfigError("config.json use_sliding_window=true is not supported")
-        rope = d.get("rope_parameters") or {}
-        if d.get("rope_scaling") or rope.get("rope_type", "default") != "default":
-            raise ModelConfigError("config.json: only the default RoPE (no rope_scaling) is supported")
+        def bad(field: str, value: Any, why: str = "is not supported") -> ModelConfigError:
+            return ModelConfigError(f"config.json field {field!r}={value!r} {why}")
+
+        model_type = d.get("model_type")
+        if model_type not in HF_ARCHITECTURES:
+            raise bad("model_type", model_type,
+                      f"is not supported (supported: {', '.join(sorted(HF_ARCHITECTURES))})")
+        archs = d.get("architectures") or [HF_ARCHITECTURES[model_type]]
+        if list(archs) != [HF_ARCHITECTURES[model_type]]:
+            raise bad("architectures", archs, f"is not supported with model_type {model_type!r} "
+                      f"(expected [{HF_ARCHITECTURES[model_type]!r}])")
+        # attention_dropout: the model has no dropout, so a nonzero one would train another model
+        for field, ok in (("hidden_act", "silu"), ("attention_bias", False),
+                          ("use_sliding_window", False), ("mlp_bias", False),
+                          ("attention_dropout", 0.0)):
+            if d.get(field, ok) not in (ok, None):
+                raise bad(field, d[field])
+        for i, kind in enumerate(d.get("layer_types") or ()):
+            if kind != "full_attention":
+                raise bad(f"layer_types[{i}]", kind)
+        rope = dict(d.get("rope_parameters") or {})
+        legacy = d.get("rope_scaling")
+        if legacy and rope and any(rope.get(k, v) != v for k, v in legacy.items()
+                                   if k not in ("type", "rope_type")):
+            raise bad("rope_scaling", legacy, f"disagrees with rope_parameters {rope!r}")
+        scaling = {**rope, **(legacy or {})}
+        prf = scaling.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
+        if prf not in (1, 1.0, None):
+            raise bad("partial_rotary_factor", prf)
         rope_theta = d.get("rope_theta", rope.get("rope_theta"))
         if rope_theta is None:
             raise ModelConfigError("config.json lacks rope_theta (top level or in rope_parameters)")
 
         def need(key: str) -> Any:
-            if key not in d:
-                raise ModelConfigError(f"config.json lacks required key {key!r}")
+            if key not in d or d[key] is None:
+                raise ModelConfigError(f"config.json lacks required field {key!r}")
             return d[key]
 
+        if model_type == "qwen3":
+            for field in ("num_experts", "num_local_experts"):
+                if d.get(field):
+                    raise bad(field, d[field], "is not supported with model_type 'qwen3' (dense)")
+            moe = {"moe_intermediate_size": 0, "num_experts": 0, "num_experts_per_tok": 0,
+                   "norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": ()}
+        else:
+            experts = d.get("num_experts", d.get("num_local_experts"))
+            if experts is None:
+                raise ModelConfigError("config.json lacks required field 'num_experts' "
+                                       "(or 'num_local_experts')")
+            moe = {"moe_intermediate_size": int(need("moe_intermediate_size")),
+                   "num_experts": int(experts),
+                   "num_experts_per_tok": int(need("num_experts_per_tok")),
+                   "norm_topk_prob": bool(d.get("norm_topk_prob", False)),
+                   "decoder_sparse_step": int(d.get("decoder_sparse_step") or 1),
+                   "mlp_only_layers": tuple(d.get("mlp_only_layers") or ())}
+
         idx = d.get(INDEXER_KEY) or {}
-        return cls(
-            vocab_size=int(need("vocab_size")),
-            hidden_size=int(need("hidden_size")),
-            intermediate_size=int(need("intermediate_size")),
-            moe_intermediate_size=int(need("moe_intermediate_size")),
-            num_hidden_layers=int(need("num_hidden_layers")),
-            num_attention_heads=int(need("num_attention_heads")),
-            num_key_value_heads=int(d.get("num_key_value_heads", need("num_attention_heads"))),
-            head_dim=int(d.get("head_dim") or need("hidden_size") // need("num_attention_heads")),
-            num_experts=int(need("num_experts")),
-            num_experts_per_tok=int(need("num_experts_per_tok")),
-            norm_topk_prob=bool(d.get("norm_topk_prob", False)),
-            decoder_sparse_step=int(d.get("decoder_sparse_step", 1)),
-            mlp_only_layers=tuple(d.get("mlp_only_layers") or ()),
-            rms_norm_eps=float(need("rms_norm_eps")),
-            rope_theta=float(rope_theta),
-            max_position_embeddings=int(need("max_position_embeddings")),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            index_topk=int(idx.get("index_topk", 0)),
-            index_n_heads=int(idx.get("index_n_heads", 0)),
-            index_head_dim=int(idx.get("index_head_dim", 0)),
-            index_layers=tuple(idx.get("index_layers", ())),
-        )
+        try:
+            return cls(
+                vocab_size=int(need("vocab_size")),
+                hidden_size=int(need("hidden_size")),
+                intermediate_size=int(need("intermediate_size")),
+                num_hidden_layers=int(need("num_hidden_layers")),
+                num_attention_heads=int(need("num_attention_heads")),
+                num_key_value_heads=int(d.get("num_key_value_heads") or need("num_attention_heads")),
+                head_dim=int(d.get("head_dim") or need("hidden_size") // need("num_attention_heads")),
+                rms_norm_eps=float(need("rms_norm_eps")),
+                rope_theta=float(rope_theta),
+                rope_scaling=tuple(scaling.items()),
+                max_position_embeddings=int(need("max_position_embeddings")),
+                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                index_topk=int(idx.get("index_topk", 0)),
+                index_n_heads=int(idx.get("index_n_heads", 0)),
+                index_head_dim=int(idx.get("index_head_dim", 0)),
+                index_layers=tuple(idx.get("index_layers", ())),
+                **moe,
+            )
+        except (TypeError, ValueError) as exc:
+            if isinstance(exc, ModelConfigError):
+                raise
+            raise ModelConfigError(f"config.json holds a value of the wrong type: {exc}") from None
 
 
 def default_config(vocab_size: int) -> ModelConfig:

@@ -5,8 +5,10 @@ tests/test_model_hf_parity.py): RMSNorm (normalise in float32, cast back, then s
 RoPE with rotate-half, grouped-query attention with RMSNorm over head_dim on q and k before RoPE,
 softmax top-k MoE routing (softmax in float32 over the router logits, top-k, renormalise if
 norm_topk_prob, cast back) over SiLU-gated experts, dense SiLU-gated MLPs on the non-MoE layers,
-final norm and an untied lm_head. Layers listed in `config.indexed_layers` restrict attention to
-the keys chosen by a DSA-style indexer (rollout/model/indexer.py).
+final norm and an lm_head, tied to the embedding or not. With no experts every layer is dense:
+the model is HF's dense `Qwen3ForCausalLM`, with the same parameter names. RoPE may be scaled
+(linear, YaRN, Llama-3; rollout/model/rope.py). Layers listed in `config.indexed_layers`
+restrict attention to the keys chosen by a DSA-style indexer (rollout/model/indexer.py).
 
 Traces (docs/design.md §2 "Trace arrays"): with `capture=True` the forward returns the experts every
 MoE router used (R3, Ma et al. 2025 "Stabilizing MoE RL by aligning training and inference
@@ -27,6 +29,7 @@ from rollout.model.config import ModelConfig
 from rollout.model.errors import ModelInputError
 from rollout.model.indexer import Indexer, resolve_replay, select_topk, slots_to_mask
 from rollout.model.kv_cache import KVCache
+from rollout.model.rope import rope_frequencies
 
 
 @dataclass(frozen=True)
@@ -68,18 +71,23 @@ class Qwen3MoeRMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
-def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float,
+def rope_cos_sin(position_ids: torch.Tensor, config: ModelConfig,
                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Default RoPE tables (Su et al. 2021, RoFormer), each `[B, 1, S, head_dim]` in `dtype`.
+    """RoPE tables (Su et al. 2021, RoFormer; scaled as `config.rope_scaling` says, see
+    rollout/model/rope.py), each `[B, 1, S, head_dim]` in `dtype`.
 
     Angles are computed in float32 from the integer positions, as HF does; the frequencies are
-    recomputed per call so that `model.to(bf16)` cannot round them.
+    recomputed per call so that `model.to(bf16)` cannot round them. A scaling with an attention
+    factor (YaRN) multiplies cos and sin by it, as HF does.
     """
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64,
-                                             device=position_ids.device).float() / head_dim))
-    freqs = position_ids[..., None].float() * inv_freq
+    inv_freq, attention_scaling = rope_frequencies(config.rope_theta, config.head_dim,
+                                                   config.rope_scaling)
+    freqs = position_ids[..., None].float() * inv_freq.to(position_ids.device)
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+    cos, sin = emb.cos(), emb.sin()
+    if attention_scaling != 1.0:
+        cos, sin = cos * attention_scaling, sin * attention_scaling
+    return cos.to(dtype)[:, None], sin.to(dtype)[:, None]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -112,7 +120,6 @@ class Qwen3MoeAttention(nn.Module):
         self.n_heads = config.num_attention_heads
         self.n_kv_heads = config.num_key_value_heads
         self.head_dim = d
-        self.rope_theta = config.rope_theta
         self.q_proj = nn.Linear(h, self.n_heads * d, bias=False)
         self.k_proj = nn.Linear(h, self.n_kv_heads * d, bias=False)
         self.v_proj = nn.Linear(h, self.n_kv_heads * d, bias=False)
@@ -276,7 +283,12 @@ class Qwen3MoeModel(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        weight = torch.empty(config.vocab_size, config.hidden_size)
+        if not weight.is_meta:
+            weight.normal_()  # nn.Embedding's own init, same draw from the global generator
+        # Passing the weight skips nn.Embedding.reset_parameters, whose normal_ on the meta
+        # device (the loaders build there) imports torch._dynamo: seconds per process.
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(Qwen3MoeDecoderLayer(config, i)
                                     for i in range(config.num_hidden_layers))
         self.norm = Qwen3MoeRMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -295,6 +307,35 @@ class Qwen3MoeForCausalLM(nn.Module):
         self.config = config
         self.model = Qwen3MoeModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    @classmethod
+    def empty(cls, config: ModelConfig, dtype: torch.dtype = torch.float32,
+              device: str | torch.device = "cpu") -> "Qwen3MoeForCausalLM":
+        """The model with allocated but uninitialised weights in `dtype` on `device`, for a
+        caller that fills every weight (a checkpoint load, a weight push).
+
+        Built on the meta device, then each parameter is allocated once with `torch.empty`: no
+        random init, no float32 copy of a bf16 model. (Not `nn.Module.to_empty`: meta
+        `empty_like` runs through torch's Python references, which import sympy per process.)
+        """
+        with torch.device("meta"):
+            model = cls(config)
+        allocated: dict[int, nn.Parameter] = {}  # a tied parameter is allocated once
+        for module in model.modules():
+            for name, p in list(module.named_parameters(recurse=False)):
+                if id(p) not in allocated:
+                    allocated[id(p)] = nn.Parameter(
+                        torch.empty(p.shape, dtype=dtype, device=device),
+                        requires_grad=p.requires_grad)
+                setattr(module, name, allocated[id(p)])
+        return model
+
+    def tie_weights(self) -> None:
+        """With `config.tie_word_embeddings`, make `lm_head.weight` the embedding matrix itself
+        (one Parameter, as HF ties them); a no-op otherwise."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     @property
     def dtype(self) -> torch.dtype:
@@ -305,11 +346,14 @@ class Qwen3MoeForCausalLM(nn.Module):
         """Deterministic init from `seed`: every Linear / Embedding weight ~ N(0, 0.02), norms 1.
 
         Values are drawn in float32 on the CPU in module order and then cast, so a seed gives the
-        same weights on any machine and (rounded) in any dtype.
+        same weights on any machine and (rounded) in any dtype. A tied LM head is the embedding
+        and draws nothing of its own.
         """
         g = torch.Generator(device="cpu").manual_seed(int(seed))
         with torch.no_grad():
             for module in self.modules():
+                if module is self.lm_head and self.config.tie_word_embeddings:
+                    continue
                 if isinstance(module, Qwen3MoeRMSNorm):
                     module.weight.fill_(1.0)
                 elif isinstance(module, (nn.Linear, nn.Embedding)):
@@ -377,7 +421,7 @@ class Qwen3MoeForCausalLM(nn.Module):
                        candidates=allowed & query_real, own_slot=own_slot)
 
         h = self.model.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(position_ids, cfg.head_dim, cfg.rope_theta, h.dtype)
+        cos, sin = rope_cos_sin(position_ids, cfg, h.dtype)
         moe_pos = {layer: j for j, layer in enumerate(cfg.moe_layers)}
         idx_pos = {layer: j for j, layer in enumerate(cfg.indexed_layers)}
         keys, values, index_keys = [], [], {}

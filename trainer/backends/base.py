@@ -148,6 +148,16 @@ class TrainerBackend(ABC):
         """
 
     @abstractmethod
+    def save_hf(self, directory: Path) -> None:
+        """Write the current weights as a Hugging Face checkpoint directory that transformers
+        loads, with the run's tokenizer (``--save-hf``; docs/design.md §14 "Hugging Face
+        checkpoints").
+
+        Raises:
+            OSError: ``directory`` is not writable.
+        """
+
+    @abstractmethod
     def load_checkpoint(self, directory: Path) -> int:
         """Restore :meth:`save_checkpoint` output; returns the trainer version saved with it.
 

@@ -20,7 +20,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from rollout.model.checkpoint import load_pretrained, save_pretrained, state_dict_arrays
+from rollout.model.checkpoint import save_pretrained, state_dict_arrays
+from rollout.model.loader import load_pretrained, load_weights_into
 from rollout.model.config import ModelConfig
 from rollout.model.qwen3_moe import Qwen3MoeForCausalLM
 from trainer.backends.base import ReplayedForward, TrainerBackend
@@ -158,7 +159,9 @@ class TorchBackend(TrainerBackend):
         checkpoint_dir: Hugging Face checkpoint directory of the initial policy.
         config: trainer settings (``torch_threads`` and ``seed`` set this process's torch
             intra-op threads and global seed, before the model is built).
-        vocab_tokens: the tokenizer vocabulary written with checkpoints.
+        vocab_tokens: the tokenizer vocabulary written with checkpoints; empty: the tokenizer
+            files of ``checkpoint_dir`` are copied into every checkpoint instead (a run from
+            ``--hf-checkpoint``).
 
     Raises:
         rollout.model.CheckpointError / ModelConfigError: an unreadable checkpoint.
@@ -176,6 +179,7 @@ class TorchBackend(TrainerBackend):
             self.params, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
             weight_decay=config.weight_decay, fused=True)  # one kernel per step; same values
         self.vocab_tokens = list(vocab_tokens)
+        self.checkpoint_dir = checkpoint_dir
 
     @property
     def model_config(self) -> ModelConfig:
@@ -235,9 +239,16 @@ class TorchBackend(TrainerBackend):
     def save_checkpoint(self, directory: Path, version: int) -> None:
         """``directory/model`` (HF format) and ``directory/trainer_state.pt`` (optimizer state,
         ``version``, torch RNG state)."""
-        save_pretrained(self.model, directory / "model", tokens=self.vocab_tokens)
+        self.save_hf(directory / "model")
         torch.save({"optimizer": self.optimizer.state_dict(), "version": version,
                     "torch_rng": torch.get_rng_state()}, directory / "trainer_state.pt")
+
+    def save_hf(self, directory: Path) -> None:
+        """See :meth:`TrainerBackend.save_hf` (fp32 weights, the run's tokenizer)."""
+        if self.vocab_tokens:
+            save_pretrained(self.model, directory, tokens=self.vocab_tokens)
+        else:
+            save_pretrained(self.model, directory, tokenizer_from=self.checkpoint_dir)
 
     def load_checkpoint(self, directory: Path) -> int:
         """Restore :meth:`save_checkpoint` output (weights, optimizer, torch RNG); returns the
@@ -252,8 +263,7 @@ class TorchBackend(TrainerBackend):
             rollout.model.CheckpointError: unreadable model files. OSError / RuntimeError: an
                 unreadable ``trainer_state.pt``.
         """
-        model, _ = load_pretrained(directory / "model", dtype=torch.float32)
-        self.model.load_state_dict(model.state_dict())
+        load_weights_into(self.model, directory / "model")  # in place: no second model
         state = torch.load(directory / "trainer_state.pt", weights_only=True)
         configured = [{k: v for k, v in group.items() if k != "params"}
                       for group in self.optimizer.param_groups]

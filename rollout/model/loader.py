@@ -1,0 +1,152 @@
+"""Loading Hugging Face checkpoint directories into the model, tensor by tensor.
+
+Reads what transformers' `save_pretrained` writes for `Qwen3ForCausalLM` / `Qwen3MoeForCausalLM`
+(and what `rollout.model.checkpoint.save_pretrained` writes): `config.json` plus either one
+`model.safetensors` or shards listed in `model.safetensors.index.json`, in any stored floating
+dtype. The model is built on the meta device, allocated once in the target dtype, and each
+tensor is read from its shard (`safetensors.safe_open`, memory-mapped) and copied into its
+parameter, so a load holds the model plus one tensor, never a second copy of the weights
+(docs/design.md §14 "Hugging Face checkpoints").
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from rollout.model.config import ModelConfig
+from rollout.model.errors import CheckpointError
+from rollout.model.qwen3_moe import Qwen3MoeForCausalLM
+
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+
+
+def read_hf_config(directory: str | Path) -> ModelConfig:
+    """The `ModelConfig` of a checkpoint directory's `config.json`.
+
+    Raises `CheckpointError` naming the file when it cannot be read or parsed;
+    `ModelConfigError` naming the field for an architecture or value the model does not implement.
+    """
+    path = Path(directory) / "config.json"
+    try:
+        hf = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{path}: top level must be an object")
+    return ModelConfig.from_hf_dict(hf)
+
+
+def load_pretrained(directory: str | Path, dtype: torch.dtype = torch.float32
+                    ) -> tuple[Qwen3MoeForCausalLM, ModelConfig]:
+    """Load a Hugging Face checkpoint directory; returns (model in `dtype`, config).
+
+    Peak memory is the model in `dtype` plus the largest tensor (and the pages of the shard
+    being read): the model is built on the meta device and allocated once, then filled tensor
+    by tensor. Stored float64 / float32 / float16 / bfloat16 tensors are cast to `dtype`.
+
+    Raises `CheckpointError` for a missing file, a missing / unexpected / repeated weight
+    (named), a shape mismatch (name, expected and found shape), a non-floating tensor, or a
+    stored `lm_head.weight` that differs from the embedding of a tied model;
+    `ModelConfigError` for an unusable config.json.
+    """
+    cfg = read_hf_config(directory)
+    model = Qwen3MoeForCausalLM.empty(cfg, dtype)
+    load_weights_into(model, directory)
+    return model, cfg
+
+
+def load_weights_into(model: Qwen3MoeForCausalLM, directory: str | Path) -> None:
+    """Copy a checkpoint directory's weights into `model` in place, tensor by tensor.
+
+    The directory's config.json must describe `model.config` (checked first). Used to build a
+    model (`load_pretrained`) and to restore a trainer's weights at resume without a second
+    model. Raises as `load_pretrained`; on an error the model may be partly overwritten.
+    """
+    src = Path(directory)
+    cfg = read_hf_config(src)
+    if cfg != model.config:
+        raise CheckpointError(f"{src / 'config.json'} describes another model than the one "
+                              f"being loaded into")
+    params = model.state_dict()
+    tied = cfg.tie_word_embeddings
+    loaded: dict[str, Path] = {}
+    for path, names in _weight_files(src):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                stored = set(f.keys())
+                for name in (names if names is not None else sorted(stored)):
+                    if name not in stored:
+                        raise CheckpointError(f"{src / INDEX_NAME} maps {name!r} to {path.name}, "
+                                              f"which does not hold it")
+                    _copy_one(f, name, path, params, loaded, tied)
+        except (OSError, SafetensorError) as exc:
+            raise CheckpointError(f"cannot read {path}: {exc}") from exc
+    needed = set(params) - ({"lm_head.weight"} if tied else set())
+    missing = sorted(needed - set(loaded))
+    if missing:
+        raise CheckpointError(f"{src}: missing key {missing[0]!r} ({len(missing)} missing)")
+    if tied and "lm_head.weight" in loaded:
+        _check_tied_head(loaded["lm_head.weight"], params["model.embed_tokens.weight"])
+
+
+def _weight_files(src: Path) -> list[tuple[Path, list[str] | None]]:
+    """(shard path, names the index assigns to it, or None = every tensor of a single file)."""
+    index = src / INDEX_NAME
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"cannot read {index}: {type(exc).__name__}: {exc}") from exc
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: 'weight_map' must map tensor names to files")
+        by_file: dict[str, list[str]] = {}
+        for name, file in weight_map.items():
+            by_file.setdefault(str(file), []).append(name)
+        shards = []
+        for file, names in sorted(by_file.items()):
+            path = src / file
+            if Path(file).name != file or not path.is_file():
+                raise CheckpointError(f"{index} names the shard {file!r}, which is not a file "
+                                      f"in {src}")
+            shards.append((path, names))
+        return shards
+    single = src / WEIGHTS_NAME
+    if single.is_file():
+        return [(single, None)]
+    other = sorted(p.name for p in src.glob("*.bin")) if src.is_dir() else []
+    hint = f" (found {', '.join(other)}: only safetensors weights are read)" if other else ""
+    raise CheckpointError(f"{src} holds neither {WEIGHTS_NAME} nor {INDEX_NAME}{hint}")
+
+
+def _copy_one(f, name: str, path: Path, params: dict[str, torch.Tensor],
+              loaded: dict[str, Path], tied: bool) -> None:
+    """Check one stored tensor's name, dtype and shape, then copy it into its parameter."""
+    if name not in params:
+        raise CheckpointError(f"{path}: unexpected key {name!r} (the model has no such weight)")
+    if name in loaded:
+        raise CheckpointError(f"{path}: key {name!r} is stored twice (also in {loaded[name].name})")
+    sl = f.get_slice(name)
+    if sl.get_dtype() not in _FLOAT_DTYPES:
+        raise CheckpointError(f"{path}: {name!r} is stored as {sl.get_dtype()}, not a floating dtype")
+    shape, want = list(sl.get_shape()), list(params[name].shape)
+    if shape != want:
+        raise CheckpointError(f"{path}: shape mismatch for {name!r}: model {want}, found {shape}")
+    loaded[name] = path
+    if tied and name == "lm_head.weight":
+        return  # the head is the embedding; checked against it once that is loaded
+    with torch.no_grad():
+        params[name].copy_(f.get_tensor(name))
+
+
+def _check_tied_head(path: Path, embedding: torch.Tensor) -> None:
+    with safe_open(str(path), framework="pt") as f:
+        head = f.get_tensor("lm_head.weight").to(embedding.dtype)
+    if not torch.equal(head, embedding):
+        raise CheckpointError(f"{path}: 'lm_head.weight' differs from 'model.embed_tokens.weight' "
+                              f"but config.json field 'tie_word_embeddings'=true ties them")

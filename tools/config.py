@@ -27,7 +27,7 @@ from typing import Any
 from actors.settings import Choices, Range, Rule, Setting, check_settings, setting, settings_of, show_value
 from rollout.config import RolloutConfig
 from rollout.engines.precision import DTYPES
-from rollout.model.config import default_config
+from rollout.model.config import ModelConfig, default_config, without_indexer
 from rollout.task import VOCABULARY
 from trainer.config import TrainerConfig
 from transport import strict_json
@@ -61,6 +61,9 @@ class RunConfig:
             config and a read-only view of the metrics (``--metrics-hook``, repeatable).
         rollout_engine: the rollout engine's registry name (``--rollout-engine``,
             ``rollout.engines.ENGINES``); the launcher rejects an unknown one.
+        model_indexer: the policy has the sparse-attention indexer (``--model-indexer``);
+            ``--no-model-indexer`` is the indexer-free variant external engines serve.
+        engine_start_timeout_s: seconds an engine may take to start (``vllm.LLM`` start-up).
     """
 
     num_steps: int = setting(400, "num-steps", "optimizer steps (one rollout each)", Range(low=1))
@@ -88,6 +91,12 @@ class RunConfig:
                                               "module:function"), metavar="MODULE:FUNCTION")
     rollout_engine: str = setting("embedded", "rollout-engine", "rollout engine, a name in the "
                                   "registry rollout.engines.ENGINES (checked by the launcher)")
+    model_indexer: bool = setting(True, "model-indexer", "the policy's sparse-attention indexer "
+                                  "(layers 1 and 3); off = the indexer-free Qwen3-MoE variant "
+                                  "that --rollout-engine vllm serves")
+    engine_start_timeout_s: float = setting(600.0, "engine-start-timeout-seconds",
+                                            "seconds an engine may take to start (vLLM: import "
+                                            "and vllm.LLM start-up)", Range(low=0, closed="(]"))
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
@@ -109,6 +118,13 @@ class RunConfig:
             self._check_checkpoint()
         if not self.save_dir:
             object.__setattr__(self, "save_dir", str(Path(self.output_dir) / "checkpoints"))
+
+    @property
+    def model_config(self) -> ModelConfig:
+        """The policy's shape: the embedded default, without the indexer under
+        ``--no-model-indexer``."""
+        cfg = default_config(len(VOCABULARY))
+        return cfg if self.model_indexer else without_indexer(cfg)
 
     @property
     def max_context_tokens(self) -> int:

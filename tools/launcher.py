@@ -18,7 +18,6 @@ from actors import ActorSpec, Directory, Supervisor, import_callable
 from rollout.engines import EngineError, check_capture, engine_class_path, load_engine_class
 from rollout.engines.precision import resolve_dtype
 from rollout.model.checkpoint import save_pretrained
-from rollout.model.config import default_config
 from rollout.model.qwen3_moe import Qwen3MoeForCausalLM
 from rollout.task import VOCABULARY
 from rollout.sample import required_traces
@@ -62,7 +61,7 @@ def check_writable(directory: Path, flag: str) -> None:
 
 def write_initial_checkpoint(config: RunConfig, directory: Path) -> Path:
     """Build the embedded default policy from ``config.rollout.seed`` and save it as an HF dir."""
-    model = Qwen3MoeForCausalLM(default_config(vocab_size=len(VOCABULARY)))
+    model = Qwen3MoeForCausalLM(config.model_config)
     model.init_weights(config.trainer.seed)
     save_pretrained(model, directory, tokens=list(VOCABULARY))
     return directory
@@ -72,7 +71,7 @@ def run_required_traces(config: RunConfig) -> list[str]:
     """The traces every trajectory of this run must carry and the engines capture
     (:func:`rollout.sample.required_traces` of the embedded policy and the replay flags)."""
     t = config.trainer
-    return list(required_traces(default_config(vocab_size=len(VOCABULARY)),
+    return list(required_traces(config.model_config,
                                 support_replay=t.use_support_replay,
                                 routing_replay=t.use_routing_replay,
                                 indexer_replay=t.use_indexer_replay))
@@ -86,13 +85,16 @@ def resolve_engine(config: RunConfig) -> str:
 
     Raises:
         ConfigError: ``--rollout-engine`` names no registered engine (the message lists the
-            known ones), the class does not import, or it cannot capture a required trace
-            (names the engine and the trace).
+            known ones), the class does not import, it cannot capture a required trace
+            (names the engine and the trace) or it cannot serve the policy (e.g. vLLM and the
+            indexer).
     """
     name = config.rollout_engine
     try:
         path = engine_class_path(name)
-        check_capture(load_engine_class(path), run_required_traces(config))
+        cls = load_engine_class(path)
+        check_capture(cls, run_required_traces(config))
+        cls.check_model(config.model_config)
     except EngineError as exc:
         raise ConfigError(f"--rollout-engine {name}: {exc}") from None
     return path
@@ -103,10 +105,16 @@ def engine_kwargs(config: RunConfig) -> dict:
 
     Every engine gets the policy's shape and precision: ``model_config`` (``ModelConfig``
     fields, HF names) and ``dtype`` (``--engine-dtype``, with ``auto`` resolved here for the
-    CPU the engines run on: :func:`rollout.engines.precision.resolve_dtype`).
+    CPU the engines run on: :func:`rollout.engines.precision.resolve_dtype`). The vLLM engine
+    also gets its start-up timeout (``--engine-start-timeout-seconds``) and per-call timeout
+    (``--rollout-timeout-seconds``, the one the manager waits an engine call for).
     """
-    return {"model_config": dataclasses.asdict(default_config(vocab_size=len(VOCABULARY))),
-            "dtype": resolve_dtype(config.engine_dtype)}
+    kwargs = {"model_config": dataclasses.asdict(config.model_config),
+              "dtype": resolve_dtype(config.engine_dtype)}
+    if config.rollout_engine == "vllm":
+        kwargs.update(start_timeout_s=config.engine_start_timeout_s,
+                      call_timeout_s=config.rollout.generate_timeout_s)
+    return kwargs
 
 
 def actor_specs(config: RunConfig, checkpoint_dir: Path) -> list[ActorSpec]:
@@ -117,7 +125,7 @@ def actor_specs(config: RunConfig, checkpoint_dir: Path) -> list[ActorSpec]:
     """
     engine_class = resolve_engine(config)
     required = run_required_traces(config)
-    model = default_config(vocab_size=len(VOCABULARY))
+    model = config.model_config
     engines = [f"engine_{i}" for i in range(config.num_engines)]
     return [
         ActorSpec("version_clock", "actors.version_clock:VersionClock",

@@ -42,21 +42,35 @@ def save_pretrained(model: Qwen3MoeForCausalLM, directory: str | Path, tokens: l
     """
     cfg = model.config
     _check_vocab(tokens, cfg)
+    ids = {name: tokens.index(name) for name in SPECIAL_TOKENS}
+    special = {"bos_token_id": ids["<bos>"], "eos_token_id": ids["<eos>"],
+               "pad_token_id": ids["<pad>"]}
+    out = _save_model(model, directory, special)
+    _write_json(out / "generation_config.json", special)
+    _save_tokenizer(out, tokens, cfg.max_position_embeddings)
+    return out
+
+
+def save_model_files(model: Qwen3MoeForCausalLM, directory: str | Path) -> Path:
+    """Write only config.json and model.safetensors of `model` (no tokenizer, no special ids).
+
+    What an engine that takes token ids and never detokenizes needs to build the model (vLLM
+    with `skip_tokenizer_init`); its real weights arrive by weight push. Creates `directory` if
+    needed and returns its path. Raises `CheckpointError` for an unsupported dtype.
+    """
+    return _save_model(model, directory, {})
+
+
+def _save_model(model: Qwen3MoeForCausalLM, directory: str | Path, special: dict) -> Path:
     if model.dtype not in _DTYPE_NAMES:
         raise CheckpointError(f"cannot store weights of dtype {model.dtype}")
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    ids = {name: tokens.index(name) for name in SPECIAL_TOKENS}
-
-    hf = cfg.to_hf_dict(torch_dtype=_DTYPE_NAMES[model.dtype])
-    hf.update(bos_token_id=ids["<bos>"], eos_token_id=ids["<eos>"], pad_token_id=ids["<pad>"])
+    hf = model.config.to_hf_dict(torch_dtype=_DTYPE_NAMES[model.dtype])
+    hf.update(special)
     _write_json(out / "config.json", hf)
-    _write_json(out / "generation_config.json", {
-        "bos_token_id": ids["<bos>"], "eos_token_id": ids["<eos>"], "pad_token_id": ids["<pad>"],
-    })
     tensors = {name: t.detach().contiguous().cpu() for name, t in model.state_dict().items()}
     save_file(tensors, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
-    _save_tokenizer(out, tokens, cfg.max_position_embeddings)
     return out
 
 

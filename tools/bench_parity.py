@@ -186,7 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     same_off = next(r for r in rows if "fp32 /" in r.precision and r.replays == "all off")
     print(f"bf16 engine, all replays on: mean |dlogp| {off.mean_abs / max(on.mean_abs, 1e-12):.1f}x "
           f"below all off; fp32 engine, all on: max |dlogp| {same.max_abs:.1e}, flips "
-          f"{same.routing_flips:.0f} / {same.indexer_flips:.0f}; fp32 max |dlogp| all off / all on "
+          f"{same.routing_flips:.0f} / "
+          f"{'n/a' if math.isnan(same.indexer_flips) else format(same.indexer_flips, '.0f')}; "
+          f"fp32 max |dlogp| all off / all on "
           f"{same_off.max_abs / max(same.max_abs, 1e-12):.1f}x")
     return 0 if math.isfinite(on.mean_abs) else 1
 

@@ -248,10 +248,10 @@ class VllmEngine(Engine):
         engine = self._llm.llm_engine
         if want_routing:
             self._recorder.start(ids)
+        done: dict[str, Any] = {}
         try:
             for rid, prompt, sp in zip(ids, rows, sampling):
                 engine.add_request(rid, {"prompt_token_ids": prompt}, sp)
-            done: dict[str, Any] = {}
             while engine.has_unfinished_requests():
                 for out in engine.step():
                     if out.finished:
@@ -260,6 +260,9 @@ class VllmEngine(Engine):
         finally:
             if want_routing and self._recorder.active:
                 self._recorder.stop()
+            left = [rid for rid in ids if rid not in done]
+            if left:  # a failed call leaves nothing running into the next one
+                engine.abort_request(left)
 
     def _to_generation(self, i: int, prompt: list[int], out: Any, width: int, max_new: int,
                        eos: int, traces: frozenset[str],

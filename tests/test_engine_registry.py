@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,7 +18,7 @@ from rollout.model.config import default_config
 from rollout.task import VOCABULARY, DigitTask
 from rollout.sample import required_traces
 from tools.config import ConfigError, build_config
-from tools.launcher import launch, resolve_engine
+from tools.launcher import engine_kwargs, launch, resolve_engine
 
 SMALL = {"rollout-batch-size": 4, "n-samples-per-prompt": 4, "progress": False}
 FAKE = "tests.fake_engine:FixedDigitEngine"
@@ -24,8 +27,9 @@ FAKE = "tests.fake_engine:FixedDigitEngine"
 def test_registry_resolves_names_lazily_and_refuses_unknown_ones():
     assert engine_class_path("embedded") == "rollout.engines.embedded:EmbeddedEngine"
     assert load_engine_class(engine_class_path("embedded")) is EmbeddedEngine
-    with pytest.raises(UnknownEngine, match=r"unknown rollout engine 'vllm'; known engines: embedded"):
-        engine_class_path("vllm")
+    with pytest.raises(UnknownEngine, match=r"unknown rollout engine 'sglang'; known engines: "
+                                            r"embedded, vllm"):
+        engine_class_path("sglang")
     with pytest.raises(EngineError, match="not a rollout.engines.base.Engine subclass"):
         load_engine_class("rollout.task:DigitTask")
 
@@ -46,7 +50,7 @@ def test_required_traces_follow_flags_and_model_layers():
 async def test_unknown_or_unfit_engine_is_a_config_error_before_any_process(tmp_path, monkeypatch):
     out = tmp_path / "out"
     with pytest.raises(ConfigError, match=r"--rollout-engine sglang: unknown rollout engine "
-                                          r"'sglang'; known engines: embedded"):
+                                          r"'sglang'; known engines: embedded, vllm"):
         await launch(build_config({**SMALL, "num-steps": 1, "output-dir": str(out),
                                    "rollout-engine": "sglang"}))
     assert not out.exists()  # nothing written, nothing started
@@ -58,6 +62,28 @@ async def test_unknown_or_unfit_engine_is_a_config_error_before_any_process(tmp_
     # without R3 the run requires nothing it cannot capture
     config = build_config({**SMALL, "rollout-engine": "no-routing", "use-routing-replay": False})
     assert resolve_engine(config) == "tests.fake_engine:NoRoutingEngine"
+
+
+def test_vllm_is_imported_only_when_its_engine_is_built_and_refuses_the_indexer():
+    # a fresh interpreter: importing the registry and the engine class pulls in no vllm
+    code = ("import sys; from rollout.engines import load_engine_class, engine_class_path; "
+            "cls = load_engine_class(engine_class_path('vllm')); "
+            "print(cls.__name__, 'vllm' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.stdout.split() == ["VllmEngine", "False"]
+    # the default policy has the indexer: refused before any process starts, with the way out
+    with pytest.raises(ConfigError, match=r"VllmEngine cannot serve a model with the "
+                                          r"sparse-attention indexer \(layers \[1, 3\]\).*"
+                                          r"--no-model-indexer"):
+        resolve_engine(build_config({**SMALL, "rollout-engine": "vllm",
+                                     "use-indexer-replay": False}))
+    with pytest.raises(ConfigError, match=r"VllmEngine cannot capture trace 'indexer_topk'"):
+        resolve_engine(build_config({**SMALL, "rollout-engine": "vllm"}))
+    free = build_config({**SMALL, "rollout-engine": "vllm", "model-indexer": False})
+    assert free.policy_config.indexed_layers == () and free.policy_config.moe_layers == (1, 2, 3)
+    assert resolve_engine(free) == "rollout.engines.vllm_engine:VllmEngine"
+    assert engine_kwargs(free)["call_timeout_s"] == free.rollout.generate_timeout_s
 
 
 def _hand_reward(guess: int, answer: int) -> float:

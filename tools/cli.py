@@ -1,4 +1,4 @@
-"""``replayrl`` command line: ``train``, ``repl`` and ``bench {parity,refill,logprobs,transport,peer,profile,train,load}``.
+"""``replayrl`` command line: ``train``, ``repl`` and ``bench {parity,refill,logprobs,transport,peer,profile,train,load,engine}``.
 
 Exit codes (:mod:`tools.exit_codes`): 0 success, 1 a run failed (the failing actor's traceback
 is printed), 2 bad configuration, 130 interrupted by Ctrl-C, 143 SIGTERM (``train``).
@@ -38,7 +38,8 @@ def _repl(args: argparse.Namespace) -> int:
 BENCHES = {"parity": "tools.bench_parity", "refill": "tools.bench_refill",
            "logprobs": "tools.bench_logprobs", "transport": "tools.bench_transport",
            "peer": "tools.bench_peer", "profile": "tools.bench_profile",
-           "train": "tools.bench_train", "load": "tools.bench_load"}
+           "train": "tools.bench_train", "load": "tools.bench_load",
+           "engine": "tools.bench_engine"}
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -62,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     repl = sub.add_parser("repl", help="interactive actor REPL on a live run")
     add_run_flags(repl)
     repl.set_defaults(func=_repl)
-    bench = sub.add_parser("bench", help="benchmarks: parity | refill | logprobs | transport | peer | profile | train | load "
+    bench = sub.add_parser("bench", help="benchmarks: parity | refill | logprobs | transport | peer | profile | train | load | engine "
                                          "(flags after the name go to the benchmark)")
     bench.add_argument("bench", choices=sorted(BENCHES))
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)

@@ -28,7 +28,7 @@ from typing import Any
 from actors.settings import Choices, Range, Rule, Setting, check_settings, setting, settings_of, show_value
 from rollout.config import RolloutConfig
 from rollout.engines.precision import DTYPES
-from rollout.model.config import ModelConfig, default_config
+from rollout.model.config import ModelConfig, default_config, without_indexer
 from rollout.model.errors import ModelError
 from rollout.model.loader import read_hf_config
 from rollout.task import VOCABULARY
@@ -71,6 +71,9 @@ class RunConfig:
             (``--cpu-affinity``; :func:`tools.launcher.split_cpus`).
         eval_interval: steps between evaluations of ``--eval-prompt-data`` (0 = never).
         use_tensorboard: write TensorBoard event files beside ``metrics.jsonl``.
+        model_indexer: the policy has the sparse-attention indexer (``--model-indexer``);
+            ``--no-model-indexer`` is the indexer-free variant external engines serve.
+        engine_start_timeout_s: seconds an engine may take to start (``vllm.LLM`` start-up).
     """
 
     num_steps: int = setting(400, "num-steps", "optimizer steps (one rollout each)", Range(low=1))
@@ -113,6 +116,12 @@ class RunConfig:
     use_tensorboard: bool = setting(False, "use-tensorboard", "also write every metric as "
                                     "TensorBoard events under <output-dir>/tensorboard (extra "
                                     "'tensorboard')")
+    model_indexer: bool = setting(True, "model-indexer", "the policy's sparse-attention indexer "
+                                  "(layers 1 and 3); off = the indexer-free Qwen3-MoE variant "
+                                  "that --rollout-engine vllm serves")
+    engine_start_timeout_s: float = setting(600.0, "engine-start-timeout-seconds",
+                                            "seconds an engine may take to start (vLLM: import "
+                                            "and vllm.LLM start-up)", Range(low=0, closed="(]"))
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
@@ -149,14 +158,18 @@ class RunConfig:
     @cached_property
     def policy_config(self) -> ModelConfig:
         """The initial policy's shape: ``--hf-checkpoint``'s config.json, or the embedded
-        default's (same for every seed).
+        default's (same for every seed; without the indexer under ``--no-model-indexer``).
 
         Raises:
             ConfigError: the checkpoint's config.json is unreadable or holds a value the model
                 does not implement (the message names the directory and the field).
         """
         if not self.hf_checkpoint:
-            return default_config(vocab_size=len(VOCABULARY))
+            cfg = default_config(vocab_size=len(VOCABULARY))
+            return cfg if self.model_indexer else without_indexer(cfg)
+        if not self.model_indexer:
+            raise ConfigError("--no-model-indexer shapes the embedded default; an --hf-checkpoint "
+                              "policy has the indexer its config.json gives it")
         try:
             return read_hf_config(self.hf_checkpoint)
         except ModelError as exc:

@@ -21,7 +21,6 @@ from actors import ActorSpec, Directory, Supervisor, import_callable
 from rollout.engines import EngineError, check_capture, engine_class_path, load_engine_class
 from rollout.engines.precision import resolve_dtype
 from rollout.model.checkpoint import save_pretrained
-from rollout.model.config import default_config
 from rollout.model.qwen3_moe import Qwen3MoeForCausalLM
 from rollout.prompt_data import PromptDataError, load_run_prompts
 from rollout.rewards import RewardError, load_math_verify
@@ -70,7 +69,7 @@ def write_initial_checkpoint(config: RunConfig, directory: Path) -> Path:
     """Build the embedded default policy from ``config.trainer.seed`` and save it as an HF dir,
     which the run then loads like any ``--hf-checkpoint`` (docs/design.md §14 "Hugging Face
     checkpoints")."""
-    model = Qwen3MoeForCausalLM(default_config(vocab_size=len(VOCABULARY)))
+    model = Qwen3MoeForCausalLM(config.policy_config)
     model.init_weights(config.trainer.seed)
     save_pretrained(model, directory, tokens=list(VOCABULARY))
     return directory
@@ -103,13 +102,16 @@ def resolve_engine(config: RunConfig) -> str:
 
     Raises:
         ConfigError: ``--rollout-engine`` names no registered engine (the message lists the
-            known ones), the class does not import, or it cannot capture a required trace
-            (names the engine and the trace).
+            known ones), the class does not import, it cannot capture a required trace
+            (names the engine and the trace) or it cannot serve the policy (e.g. vLLM and the
+            indexer).
     """
     name = config.rollout_engine
     try:
         path = engine_class_path(name)
-        check_capture(load_engine_class(path), run_required_traces(config))
+        cls = load_engine_class(path)
+        check_capture(cls, run_required_traces(config))
+        cls.check_model(config.policy_config)
     except EngineError as exc:
         raise ConfigError(f"--rollout-engine {name}: {exc}") from None
     return path
@@ -120,10 +122,16 @@ def engine_kwargs(config: RunConfig) -> dict:
 
     Every engine gets the policy's shape and precision: ``model_config`` (``ModelConfig``
     fields, HF names) and ``dtype`` (``--engine-dtype``, with ``auto`` resolved here for the
-    CPU the engines run on: :func:`rollout.engines.precision.resolve_dtype`).
+    CPU the engines run on: :func:`rollout.engines.precision.resolve_dtype`). The vLLM engine
+    also gets its start-up timeout (``--engine-start-timeout-seconds``) and per-call timeout
+    (``--rollout-timeout-seconds``, the one the manager waits an engine call for).
     """
-    return {"model_config": dataclasses.asdict(config.policy_config),
-            "dtype": resolve_dtype(config.engine_dtype)}
+    kwargs = {"model_config": dataclasses.asdict(config.policy_config),
+              "dtype": resolve_dtype(config.engine_dtype)}
+    if config.rollout_engine == "vllm":
+        kwargs.update(start_timeout_s=config.engine_start_timeout_s,
+                      call_timeout_s=config.rollout.generate_timeout_s)
+    return kwargs
 
 
 def split_cpus(allowed: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:

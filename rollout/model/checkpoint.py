@@ -62,30 +62,48 @@ def save_pretrained(model: Qwen3MoeForCausalLM, directory: str | Path,
         raise CheckpointError("save_pretrained needs exactly one of tokens / tokenizer_from")
     if tokens is not None:
         _check_vocab(tokens, cfg)
-    if model.dtype not in _DTYPE_NAMES:
-        raise CheckpointError(f"cannot store weights of dtype {model.dtype}")
-    out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
-    hf = cfg.to_hf_dict(torch_dtype=_DTYPE_NAMES[model.dtype])
-    if tokens is not None:
         ids = {name: tokens.index(name) for name in SPECIAL_TOKENS}
-        token_ids = {"bos_token_id": ids["<bos>"], "eos_token_id": ids["<eos>"],
-                     "pad_token_id": ids["<pad>"]}
-        hf.update(token_ids)
-        _write_json(out / "config.json", hf)
-        _write_json(out / "generation_config.json", token_ids)
-        _save_tokenizer(out, tokens, cfg.max_position_embeddings)
+        special = {"bos_token_id": ids["<bos>"], "eos_token_id": ids["<eos>"],
+                   "pad_token_id": ids["<pad>"]}
     else:
         src = Path(tokenizer_from)
         try:
             source = json.loads((src / "config.json").read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise CheckpointError(f"cannot read {src / 'config.json'}: {exc}") from exc
-        hf.update({k: source[k] for k in _TOKEN_ID_KEYS if k in source})
-        _write_json(out / "config.json", hf)
+        special = {k: source[k] for k in _TOKEN_ID_KEYS if k in source}
+    out = _save_model(model, directory, special)
+    if tokens is not None:
+        _write_json(out / "generation_config.json", special)
+        _save_tokenizer(out, tokens, cfg.max_position_embeddings)
+    else:
         for name in TOKENIZER_FILES:
             if (src / name).is_file() and src.resolve() != out.resolve():
                 shutil.copyfile(src / name, out / name)
+    return out
+
+
+def save_model_files(model: Qwen3MoeForCausalLM, directory: str | Path) -> Path:
+    """Write only config.json and model.safetensors of `model` (no tokenizer, no special ids).
+
+    What an engine that takes token ids and never detokenizes needs to build the model (vLLM
+    with `skip_tokenizer_init`); its real weights arrive by weight push. Creates `directory` if
+    needed and returns its path. Raises `CheckpointError` for an unsupported dtype.
+    """
+    return _save_model(model, directory, {})
+
+
+def _save_model(model: Qwen3MoeForCausalLM, directory: str | Path, special: dict) -> Path:
+    """config.json (with the `special` token ids) and model.safetensors; a tied LM head is not
+    stored (transformers ties it on load)."""
+    cfg = model.config
+    if model.dtype not in _DTYPE_NAMES:
+        raise CheckpointError(f"cannot store weights of dtype {model.dtype}")
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    hf = cfg.to_hf_dict(torch_dtype=_DTYPE_NAMES[model.dtype])
+    hf.update(special)
+    _write_json(out / "config.json", hf)
     tensors = {name: t.detach().contiguous().cpu() for name, t in model.state_dict().items()
                if not (cfg.tie_word_embeddings and name == "lm_head.weight")}
     save_file(tensors, str(out / WEIGHTS_NAME), metadata={"format": "pt"})

@@ -11,7 +11,7 @@ implement (docs/design.md §14 "Hugging Face checkpoints").
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from rollout.model.errors import ModelConfigError
@@ -324,3 +324,13 @@ def default_config(vocab_size: int) -> ModelConfig:
         index_layers=(1, 3),
     )
 
+
+
+def without_indexer(config: ModelConfig) -> ModelConfig:
+    """``config`` with the indexer off (``index_topk = 0``, no indexer heads or layers).
+
+    The indexer-free variant is a plain Qwen3-MoE that external engines (vLLM, SGLang) serve
+    as it is: their ``Qwen3MoeForCausalLM`` has no indexer layer, so on a model with one they
+    would compute dense attention there, i.e. another policy (docs/design.md §10 "Engines").
+    """
+    return replace(config, index_topk=0, index_n_heads=0, index_head_dim=0, index_layers=())

@@ -49,6 +49,7 @@ ITEMS = ("current_device", "rng_tracker", "streams", "cuda_allocations", "param_
 """Names of the compatibility items, in the order :func:`enable` applies them."""
 
 _ENABLED: set[str] = set()
+_SKIPPED: set[str] = set()  # switched off for the life of the process (tests only)
 
 
 class CompatError(ValueError):
@@ -248,7 +249,8 @@ def enable(skip: Iterable[str] = ()) -> tuple[str, ...]:
     """Apply every item of :data:`ITEMS` except ``skip`` (process-wide, idempotent).
 
     Does nothing when CUDA is available. ``skip`` exists for the tests that show each item is
-    needed; a run never skips any.
+    needed; a run never skips any. A skipped item stays off for the life of the process (a
+    later call without ``skip``, e.g. from the backend's setup, does not apply it).
 
     Returns:
         the items applied in this process.
@@ -264,8 +266,9 @@ def enable(skip: Iterable[str] = ()) -> tuple[str, ...]:
         raise CompatError(f"items {sorted(skip & _ENABLED)} were already applied in this process")
     if torch.cuda.is_available():
         return enabled_items()
+    _SKIPPED.update(skip)
     for item in ITEMS:
-        if item in skip or item in _ENABLED:
+        if item in _SKIPPED or item in _ENABLED:
             continue
         _APPLY[item]()
         _ENABLED.add(item)

@@ -193,9 +193,21 @@ class MegatronBackend(TrainerBackend):
             if not math.isfinite(grad_norm):
                 self.zero_grad()
                 return grad_norm
-            self.optimizer.clip_grad_norm(float(max_norm))
+            from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+            for opt in self._optimizers():  # dense and expert optimizers share one norm
+                params = opt.get_parameters()
+                if params:
+                    clip_grad_by_total_norm_fp32(params, max_norm=float(max_norm), total_norm=grad_norm)
             self.optimizer.step_with_ready_grads()
         return grad_norm
+
+    def _optimizers(self) -> list:
+        """megatron's per-group optimizers (dense, and expert parameters under EP)."""
+        return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
+
+    def _inner_states(self) -> list[dict]:
+        return [opt.optimizer.state_dict() for opt in self._optimizers()]
 
     # -- weights and checkpoints ----------------------------------------------------------------
     def weights(self) -> dict[str, np.ndarray]:
@@ -219,7 +231,7 @@ class MegatronBackend(TrainerBackend):
         directory = Path(directory)
         if rank == 0:
             save_pretrained(model, directory / "model", tokens=self.vocab_tokens)
-        torch.save({"optimizer": self.optimizer.optimizer.state_dict(), "version": version,
+        torch.save({"optimizer": self._inner_states(), "version": version,
                     "torch_rng": torch.get_rng_state()}, directory / f"trainer_state.rank{rank}.pt")
         dist.barrier()
 
@@ -238,11 +250,12 @@ class MegatronBackend(TrainerBackend):
         with self._scope():
             load_hf_weights(self.model, model.state_dict(), self._model_config)
         state = torch.load(directory / f"trainer_state.rank{dist.get_rank()}.pt", weights_only=True)
-        inner = self.optimizer.optimizer
-        configured = [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups]
-        inner.load_state_dict(state["optimizer"])
-        for group, settings in zip(inner.param_groups, configured):
-            group.update(settings)
+        for opt, saved in zip(self._optimizers(), state["optimizer"]):
+            inner = opt.optimizer
+            configured = [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups]
+            inner.load_state_dict(saved)
+            for group, settings in zip(inner.param_groups, configured):
+                group.update(settings)
         torch.set_rng_state(state["torch_rng"])
         return int(state["version"])
 
@@ -254,8 +267,9 @@ class MegatronBackend(TrainerBackend):
         """See :meth:`TrainerBackend.digest` (full weights under HF names, this rank's
         optimizer moments)."""
         arrays = {f"param/{k}": v for k, v in self.weights().items()}
-        for i, st in self.optimizer.optimizer.state_dict()["state"].items():
-            for key in ("exp_avg", "exp_avg_sq"):
-                if key in st:
-                    arrays[f"opt/{i}/{key}"] = st[key].numpy()
+        for j, inner in enumerate(self._inner_states()):
+            for i, st in inner["state"].items():
+                for key in ("exp_avg", "exp_avg_sq"):
+                    if key in st:
+                        arrays[f"opt/{j}.{i}/{key}"] = st[key].numpy()
         return {k: np.ascontiguousarray(v).tobytes() for k, v in arrays.items()}

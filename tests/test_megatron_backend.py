@@ -142,7 +142,10 @@ def test_record_perturb_replay_restores_the_routing(checkpoint, tmp_path):
     rec, free, used, own = got["recorded"], got["free"], got["used"], got["own"]
     assert (free != rec).any(), "the perturbed router must route some token differently"
     assert np.array_equal(used, rec)           # replay restores the recorded routing
-    assert np.array_equal(own, free)           # while the router's own choice is the new one
+    # the first MoE layer sees the same input with and without replay: its own choice under
+    # replay is the perturbed router's (later layers' inputs depend on the replayed routing)
+    assert np.array_equal(own[:, :, 0], free[:, :, 0])
+    assert (own[:, :, 0] != used[:, :, 0]).any()
     # independent: the embedded torch model with the perturbed weights and the same replay
     model, _ = load_pretrained(checkpoint, dtype=torch.float32)
     with torch.no_grad():

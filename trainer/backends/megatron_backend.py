@@ -6,7 +6,7 @@ megatron-core ``GPTModel`` (:mod:`trainer.backends.megatron_model`) wrapped in m
 decay, the distributed optimizer when data parallelism is on), loaded from and exported to the
 same Hugging Face checkpoint the engines hold (:mod:`trainer.backends.megatron_weights`).
 
-Forward (docs/design.md §17 "The megatron-core backend"):
+Forward (docs/design.md §14 "The megatron-core backend"):
 
 * the batch's routing trace is replayed through megatron-core's own ``RouterReplay``
   (:mod:`trainer.backends.megatron_replay`), which also returns the experts used and the

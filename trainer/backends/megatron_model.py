@@ -3,8 +3,7 @@
 :func:`transformer_config` maps a :class:`rollout.model.config.ModelConfig` (Hugging Face
 ``Qwen3MoeConfig`` names) onto megatron-core's ``TransformerConfig`` so that the GPTModel built
 with the local (non-TransformerEngine) layer specs computes the same function as
-:class:`rollout.model.qwen3_moe.Qwen3MoeForCausalLM` (docs/design.md §17 "The megatron-core
-backend"):
+:class:`rollout.model.qwen3_moe.Qwen3MoeForCausalLM` (docs/design.md §14 "The megatron-core backend"):
 
 * RMSNorm everywhere, RMSNorm on q and k over ``head_dim`` before RoPE (``qk_layernorm``);
 * rotate-half RoPE with base ``rope_theta``; GQA with ``num_key_value_heads`` query groups;

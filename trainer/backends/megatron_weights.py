@@ -2,8 +2,7 @@
 
 The engines load Hugging Face names (:func:`rollout.model.checkpoint.state_dict_arrays`); the
 megatron trainer holds each rank's shard of a ``GPTModel`` built by
-:func:`trainer.backends.megatron_model.build_gpt_model`. The mapping (docs/design.md §17 "The
-megatron-core backend"), per global layer ``i`` and global expert ``e``:
+:func:`trainer.backends.megatron_model.build_gpt_model`. The mapping (docs/design.md §14 "The megatron-core backend"), per global layer ``i`` and global expert ``e``:
 
 ======================================================  ==============================================
 Hugging Face                                            megatron-core (unsharded)

@@ -38,7 +38,7 @@ def main() -> None:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     with compat.cpu_device_scope():
-        model, tcfg = build_gpt_model(cfg, parallel)
+        model, tcfg, _ = build_gpt_model(cfg, parallel)
         dist_opt = ps.get_data_parallel_world_size() > 1
         ddp = DistributedDataParallel(tcfg, DistributedDataParallelConfig(
             use_distributed_optimizer=dist_opt), model)

@@ -47,13 +47,14 @@ def main() -> None:
         from trainer.backends.megatron_replay import RoutingReplay
 
         init_parallel(parallel, seed=1)
-        model, _ = build_gpt_model(cases.config(), parallel)
+        model, _, indexer = build_gpt_model(cases.config(), parallel)
         replay = RoutingReplay(model, cases.config())
         batch = collate(cases.samples(cases.perturbed(Path(args.checkpoint))), routing=True,
                         indexer=False, support=False)
         targets = replay.router_targets(batch.routed_experts)
         rank = dist.get_rank()
         result[f"layers{rank}"] = np.array(replay.layers)
+        result[f"indexed{rank}"] = np.array(indexer.layers)
         for layer, t in zip(replay.layers, targets):
             result[f"target{rank}_{layer}"] = t.numpy()
         gathered = [None] * dist.get_world_size()
@@ -69,13 +70,14 @@ def main() -> None:
         samples = cases.samples(engine)
         if args.split_data:
             samples = samples[dist.get_rank()::dist.get_world_size()]
-        replayed = collate(samples, routing=True, indexer=False, support=True)
+        replayed = collate(samples, routing=True, indexer=True, support=True)
         plain = collate(samples, routing=False, indexer=False, support=False)
         if args.case == "main":
             a = backend.preflight_logprobs(replayed)
             b = backend.preflight_logprobs(plain)
             result.update(logp_replay=a.logprobs.numpy(), used=a.routed_experts.numpy(),
-                          own=a.own_routed_experts.numpy(), logp_plain=b.logprobs.numpy())
+                          own=a.own_routed_experts.numpy(), logp_plain=b.logprobs.numpy(),
+                          index_used=a.indexer_topk.numpy(), index_own=a.own_indexer_topk.numpy())
             result.update({f"w0/{k}": v for k, v in backend.weights().items()})
             backend.zero_grad()
             backend.backward(-backend.train_logprobs(replayed).sum())

@@ -1,5 +1,6 @@
 """--train-backend megatron against the torch trainer, and its parallel layouts under torchrun
-(gloo, CPU): the same logprobs (support replay with R3, full vocabulary), routing, weights and
+(gloo, CPU): the same logprobs (support replay with R3 and indexer replay, full vocabulary),
+routing and indexer choices, weights and
 optimizer step as the torch backend for the same checkpoint; TP=2+SP, EP=2 and DP=2 with the
 distributed optimizer give the one-rank values; record -> perturb the router -> replay restores
 the routing; pipeline stages feed their routers the right global layers of the trace.
@@ -71,12 +72,14 @@ def reference(checkpoint):
     cfg = TrainerConfig(temperature=0.8, lr=1e-2)
     backend = TorchBackend(str(checkpoint), cfg, list(VOCABULARY))
     samples = cases.samples(cases.perturbed(checkpoint))
-    replayed = collate(samples, routing=True, indexer=False, support=True)
+    replayed = collate(samples, routing=True, indexer=True, support=True)
     plain = collate(samples, routing=False, indexer=False, support=False)
     a, b = backend.preflight_logprobs(replayed), backend.preflight_logprobs(plain)
     out = dict(logp_replay=a.logprobs.numpy(), used=a.routed_experts.numpy(),
                own=a.own_routed_experts.numpy(), logp_plain=b.logprobs.numpy(),
-               trace=replayed.routed_experts.numpy())
+               trace=replayed.routed_experts.numpy(), index_used=a.indexer_topk.numpy(),
+               index_own=a.own_indexer_topk.numpy(), index_trace=replayed.indexer_topk.numpy(),
+               tokens_real=replayed.key_padding_mask.numpy())
     out.update({f"w0/{k}": v for k, v in backend.weights().items()})
     backend.zero_grad()
     backend.backward(-backend.train_logprobs(replayed).sum())
@@ -97,8 +100,18 @@ def test_megatron_backend_matches_the_torch_trainer(one_rank, reference):
     # R3: the forward used the engine's routing where captured; own choice = the torch router's
     real = ref["trace"] >= 0
     assert np.array_equal(got["used"][real], ref["trace"][real])
-    assert np.array_equal(got["used"], ref["used"]) and np.array_equal(got["own"], ref["own"])
+    # at padding positions the two models' (unused) hidden states differ: the torch model lets a
+    # padding query see only real keys and itself, megatron's causal mask every earlier slot
+    tok = ref["tokens_real"]
+    assert np.array_equal(got["used"][tok], ref["used"][tok])
+    assert np.array_equal(got["own"][tok], ref["own"][tok])
     assert (got["own"][real] != ref["trace"][real]).any(), "the replayed trace must differ somewhere"
+    # indexer replay: the engine's key slots where captured; own choice = the torch indexer's
+    real = (ref["index_trace"] >= 0).any(-1)
+    assert np.array_equal(got["index_used"][real], ref["index_trace"][real])
+    assert np.array_equal(got["index_used"], ref["index_used"])
+    assert np.array_equal(got["index_own"], ref["index_own"])
+    assert (got["index_own"][real] != ref["index_trace"][real]).any()
     # weights converted both ways: the engine's weights, bit for bit
     for k in (k for k in ref if k.startswith("w0/")):
         assert np.array_equal(got[k], ref[k]), k
@@ -113,7 +126,7 @@ def test_two_rank_layouts_give_the_one_rank_values(checkpoint, one_rank, tmp_pat
     got = _run(checkpoint, tmp_path, 2, "--case", "main", *layout)
     for key in ("logp_replay", "logp_plain"):
         np.testing.assert_allclose(got[key], one_rank[key], atol=1e-5, err_msg=key)
-    for key in ("used", "own"):
+    for key in ("used", "own", "index_used", "index_own"):
         assert np.array_equal(got[key], one_rank[key]), key
     assert float(got["grad_norm"]) == pytest.approx(float(one_rank["grad_norm"]), rel=1e-5)
     for k in (k for k in one_rank if k.startswith("w1/")):
@@ -128,7 +141,7 @@ def test_dp2_distributed_optimizer_averages_the_ranks_gradients(checkpoint, refe
     samples = cases.samples(cases.perturbed(checkpoint))
     backend.zero_grad()
     for r in range(2):
-        part = collate(samples[r::2], routing=True, indexer=False, support=True)
+        part = collate(samples[r::2], routing=True, indexer=True, support=True)
         np.testing.assert_allclose(got[f"rank{r}/logp_replay"],
                                    backend.preflight_logprobs(part).logprobs.numpy(), atol=2e-5)
         backend.backward(-0.5 * backend.train_logprobs(part).sum())
@@ -162,20 +175,10 @@ def test_pipeline_stages_replay_their_own_global_layers(checkpoint, tmp_path):
     got = _run(checkpoint, tmp_path, 2, "--case", "pp", "--pp", "2")
     cfg = cases.config()  # 4 layers, MoE on 1..3: stage 0 holds layers 0-1, stage 1 layers 2-3
     assert got["layers0"].tolist() == [1] and got["layers1"].tolist() == [2, 3]
+    assert got["indexed0"].tolist() == [1] and got["indexed1"].tolist() == [3]
     trace = got["trace"]  # [B, S, L_moe, K], columns in cfg.moe_layers order
     for rank in (0, 1):
         for layer in got[f"layers{rank}"].tolist():
             column = cfg.moe_layers.index(layer)
             want = trace[:, :, column].transpose(1, 0, 2).reshape(-1, trace.shape[-1])
             assert np.array_equal(got[f"target{rank}_{layer}"], want), (rank, layer)
-
-
-def test_the_indexer_is_refused_with_a_clear_error(tmp_path):
-    from rollout.model.checkpoint import save_pretrained
-    from rollout.model.config import default_config
-    from rollout.model.qwen3_moe import Qwen3MoeForCausalLM
-    from trainer.backends.megatron_model import MegatronModelError, MegatronParallel, transformer_config
-
-    with pytest.raises(MegatronModelError, match=r"index_topk=8.*cannot build the indexer"):
-        transformer_config(default_config(len(VOCABULARY)), MegatronParallel())
-    del save_pretrained, Qwen3MoeForCausalLM

@@ -10,7 +10,8 @@ Forward (docs/design.md §14 "The megatron-core backend"):
 
 * the batch's routing trace is replayed through megatron-core's own ``RouterReplay``
   (:mod:`trainer.backends.megatron_replay`), which also returns the experts used and the
-  routers' own choice for the flip / drift metrics;
+  routers' own choice for the flip / drift metrics; the indexer trace through the embedded
+  indexer placed in front of megatron's attention (:mod:`trainer.backends.megatron_indexer`);
 * logits stay vocabulary-parallel (each TP rank holds ``V / tp`` columns); support-replay
   logprobs come from :func:`trainer.parallel.vocab_parallel.vocab_parallel_support_logprobs`
   (one MAX and one SUM all-reduce), full-vocabulary ones from megatron's
@@ -58,7 +59,7 @@ class MegatronBackend(TrainerBackend):
         parallel: the layout (default: one rank, no parallelism).
 
     Raises:
-        MegatronModelError: a model the backend cannot build (the indexer is on), a layout that
+        MegatronModelError: a layout that
             does not fit the world or the model, ``pp > 1`` or ``--use-packing``.
         rollout.model.CheckpointError: an unreadable checkpoint.
     """
@@ -89,7 +90,7 @@ class MegatronBackend(TrainerBackend):
 
         self._scope = cpu_device_scope
         with self._scope():
-            model, tcfg = build_gpt_model(self._model_config, parallel)
+            model, tcfg, self.indexer = build_gpt_model(self._model_config, parallel)
             load_hf_weights(model, hf_model.state_dict(), self._model_config)
             del hf_model
             self.model = model
@@ -112,7 +113,8 @@ class MegatronBackend(TrainerBackend):
 
     # -- forwards -----------------------------------------------------------------------------
     def _forward(self, batch: TrainBatch, capture: bool):
-        """Logprobs float32 [N] and, with ``capture``, (used, own) routing [B, S_full, L, K]."""
+        """Logprobs float32 [N] and, with ``capture``, the (used, own) routing and (used, own)
+        indexer choices, each ``[B, S_full, L, K]`` or None."""
         cfg = self.config
         t = _check_temperature(cfg.temperature)
         full = batch.tokens.shape[1]
@@ -129,6 +131,15 @@ class MegatronBackend(TrainerBackend):
                 trace = torch.cat([trace, trace.new_full((trace.shape[0], width - n, *trace.shape[2:]), -1)], 1)
         if self.routing is not None:
             self.routing.begin(trace)
+        if self.indexer is not None:
+            keys = torch.zeros(tokens.shape, dtype=torch.bool)
+            keys[:, :n] = batch.key_padding_mask[:, :n]
+            index = None
+            if cfg.use_indexer_replay and batch.indexer_topk is not None:
+                index = batch.indexer_topk[:, :n]
+                if n < width:
+                    index = torch.cat([index, index.new_full((index.shape[0], width - n, *index.shape[2:]), -1)], 1)
+            self.indexer.begin(keys, index)
         try:
             with self._scope():
                 logits = self.ddp(tokens, positions, attention_mask=None)  # [B, S, V / tp]
@@ -140,23 +151,26 @@ class MegatronBackend(TrainerBackend):
 
                     logp = -vocab_parallel_cross_entropy(rows / t, batch.targets.long())
                     logp = torch.where(batch.targets >= 0, logp, torch.zeros_like(logp))
-            choices = None
-            if capture and self.routing is not None:
-                used, own = self.routing.collect(tokens.shape[0])
+            choices = (None, None, None, None)
+            if capture:
                 pad = lambda c: torch.cat([c[:, :full], c.new_full(
                     (c.shape[0], max(0, full - c.shape[1]), *c.shape[2:]), -1)], 1)
-                choices = (pad(used), pad(own))
+                routing = self.routing.collect(tokens.shape[0]) if self.routing is not None else None
+                index = self.indexer.collect() if self.indexer is not None else None
+                choices = tuple(None if c is None else pad(c)
+                                for pair in (routing, index) for c in (pair or (None, None)))
         finally:
             if self.routing is not None:
                 self.routing.end()
+            if self.indexer is not None:
+                self.indexer.end()
         return logp, choices
 
     def preflight_logprobs(self, batch: TrainBatch) -> ReplayedForward:
         """See :meth:`TrainerBackend.preflight_logprobs` (a no-grad, capturing forward)."""
         with torch.no_grad():
             logp, choices = self._forward(batch, capture=True)
-        used, own = choices if choices is not None else (None, None)
-        return ReplayedForward(logp.detach(), used, own, None, None)
+        return ReplayedForward(logp.detach(), *choices)
 
     def train_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """See :meth:`TrainerBackend.train_logprobs`."""
@@ -165,8 +179,7 @@ class MegatronBackend(TrainerBackend):
     def train_forward(self, batch: TrainBatch) -> ReplayedForward:
         """See :meth:`TrainerBackend.train_forward` (a capturing forward with gradients)."""
         logp, choices = self._forward(batch, capture=True)
-        used, own = choices if choices is not None else (None, None)
-        return ReplayedForward(logp, used, own, None, None)
+        return ReplayedForward(logp, *choices)
 
     # -- update -------------------------------------------------------------------------------
     def zero_grad(self) -> None:

@@ -16,12 +16,14 @@ with the local (non-TransformerEngine) layer specs computes the same function as
 * no dropout, no auxiliary loss, no capacity limit (every token reaches its k experts);
 * untied embedding and LM head.
 
-The DSA-style indexer of ``ModelConfig.index_layers`` has no counterpart here: megatron-core's
-DSA indexer needs TransformerEngine and multi-latent attention, so a model whose indexer is on
-is refused (:class:`MegatronModelError`).
+The DSA-style indexer of ``ModelConfig.indexed_layers`` is the embedded model's own, placed in
+front of megatron's self-attention on those layers
+(:mod:`trainer.backends.megatron_indexer`): megatron-core's DSA indexer needs TransformerEngine
+and multi-latent attention and cannot be built on CPU.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import socket
@@ -112,18 +114,11 @@ def transformer_config(config: ModelConfig, parallel: MegatronParallel):
     """megatron-core ``TransformerConfig`` of ``config`` under ``parallel`` (fp32, CPU init).
 
     Raises:
-        MegatronModelError: the indexer is on (``index_topk > 0``), or a size does not divide
-            over the ranks (vocabulary, query groups and experts must be multiples of tp / tp /
+        MegatronModelError: a size does not divide over the ranks (vocabulary, query groups and experts must be multiples of tp / tp /
             ep; layers of pp).
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    if config.indexed_layers:
-        raise MegatronModelError(
-            f"ModelConfig.index_topk={config.index_topk}: the megatron backend cannot build the "
-            f"indexer of layers {config.indexed_layers} (megatron-core's DSA indexer needs "
-            f"TransformerEngine and multi-latent attention); use --train-backend torch, or a "
-            f"model with index_topk=0")
     p = parallel
     checks = [("vocab_size", config.vocab_size, p.tp), ("num_key_value_heads",
               config.num_key_value_heads, p.tp), ("num_hidden_layers", config.num_hidden_layers, p.pp)]
@@ -167,7 +162,9 @@ def build_gpt_model(config: ModelConfig, parallel: MegatronParallel):
     with :func:`trainer.backends.megatron_weights.load_hf_weights`.
 
     Returns:
-        ``(model, transformer_config)``.
+        ``(model, transformer_config, indexer)``: ``indexer`` is the
+        :class:`trainer.backends.megatron_indexer.IndexerReplay` of this stage's indexed layers,
+        or None when the indexer is off.
 
     Raises:
         MegatronModelError: as :func:`transformer_config`.
@@ -178,10 +175,24 @@ def build_gpt_model(config: ModelConfig, parallel: MegatronParallel):
 
     tcfg = transformer_config(config, parallel)
     spec = get_gpt_decoder_block_spec(tcfg, use_transformer_engine=False, normalization="RMSNorm")
+    indexer = None
+    if config.indexed_layers:
+        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+        from trainer.backends.megatron_indexer import IndexerReplay, indexed_attention_class
+
+        offset = get_transformer_layer_offset(tcfg)
+        local = [offset + j for j in range(len(spec.layer_specs))]
+        indexer = IndexerReplay(config, local)
+        attention = indexed_attention_class(config, indexer)
+        for j, layer in enumerate(local):
+            if layer in config.indexed_layers:  # layer specs are shared objects: copy, then swap
+                spec.layer_specs[j] = copy.deepcopy(spec.layer_specs[j])
+                spec.layer_specs[j].submodules.self_attention.module = attention
     model = GPTModel(tcfg, spec, vocab_size=config.vocab_size,
                      max_sequence_length=config.max_position_embeddings,
                      pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
                      share_embeddings_and_output_weights=False, position_embedding_type="rope",
                      rotary_base=int(config.rope_theta) if float(config.rope_theta).is_integer()
                      else config.rope_theta)
-    return model, tcfg
+    return model, tcfg, indexer

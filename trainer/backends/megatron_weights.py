@@ -13,6 +13,7 @@ Hugging Face                                            megatron-core (unsharded
                                                         query group: its q heads, then k, then v)
 ``...self_attn.o_proj.weight``                          ``...self_attention.linear_proj.weight``
 ``...self_attn.{q,k}_norm.weight``                      ``...self_attention.{q,k}_layernorm.weight``
+``...self_attn.indexer.*`` (indexed layers)             ``...self_attention.indexer.*``
 ``...post_attention_layernorm.weight``                  ``...pre_mlp_layernorm.weight``
 ``...mlp.{gate,up}_proj.weight`` (dense)                ``...mlp.linear_fc1.weight`` ([gate; up])
 ``...mlp.down_proj.weight`` (dense)                     ``...mlp.linear_fc2.weight``
@@ -42,6 +43,7 @@ __all__ = ["WeightMapError", "hf_to_megatron", "megatron_to_hf", "load_hf_weight
            "gather_hf_weights"]
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+_INDEXER = ("wq.weight", "wk.weight", "weights_proj.weight")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
 
 
@@ -80,6 +82,9 @@ def hf_to_megatron(state: dict, config: ModelConfig) -> dict[str, torch.Tensor]:
         out[mg + "self_attention.linear_proj.weight"] = _need(state, hf + "self_attn.o_proj.weight")
         out[mg + "self_attention.q_layernorm.weight"] = _need(state, hf + "self_attn.q_norm.weight")
         out[mg + "self_attention.k_layernorm.weight"] = _need(state, hf + "self_attn.k_norm.weight")
+        if i in c.indexed_layers:
+            for w in _INDEXER:
+                out[f"{mg}self_attention.indexer.{w}"] = _need(state, f"{hf}self_attn.indexer.{w}")
         if i in c.moe_layers:
             out[mg + "mlp.router.weight"] = _need(state, hf + "mlp.gate.weight")
             for e in range(c.num_experts):
@@ -117,6 +122,9 @@ def megatron_to_hf(full: dict, config: ModelConfig) -> dict[str, np.ndarray]:
         out[hf + "self_attn.o_proj.weight"] = _need(full, mg + "self_attention.linear_proj.weight")
         out[hf + "self_attn.q_norm.weight"] = _need(full, mg + "self_attention.q_layernorm.weight")
         out[hf + "self_attn.k_norm.weight"] = _need(full, mg + "self_attention.k_layernorm.weight")
+        if i in c.indexed_layers:
+            for w in _INDEXER:
+                out[f"{hf}self_attn.indexer.{w}"] = _need(full, f"{mg}self_attention.indexer.{w}")
         if i in c.moe_layers:
             out[hf + "mlp.gate.weight"] = _need(full, mg + "mlp.router.weight")
             for e in range(c.num_experts):

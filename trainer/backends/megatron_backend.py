@@ -56,7 +56,8 @@ class MegatronBackend(TrainerBackend):
             reads it and keeps its shard).
         config: trainer settings (``torch_threads``, ``seed``, optimizer, replay switches).
         vocab_tokens: the tokenizer vocabulary written with checkpoints.
-        parallel: the layout (default: one rank, no parallelism).
+        parallel: the layout of a world of megatron ranks (torchrun's, every rank constructs
+            the backend); None (the TrainerActor): one rank in a process group of its own.
 
     Raises:
         MegatronModelError: a layout that
@@ -66,6 +67,7 @@ class MegatronBackend(TrainerBackend):
 
     def __init__(self, checkpoint_dir: str, config: TrainerConfig, vocab_tokens: Sequence[str],
                  *, parallel: MegatronParallel | None = None) -> None:
+        own_world = parallel is None
         parallel = parallel or MegatronParallel()
         if parallel.pp != 1:
             raise MegatronModelError("MegatronBackend runs without pipeline parallelism (pp=1); "
@@ -78,7 +80,7 @@ class MegatronBackend(TrainerBackend):
         torch.set_num_threads(config.torch_threads)
         torch.manual_seed(config.seed)
         hf_model, self._model_config = load_pretrained(checkpoint_dir, dtype=torch.float32)
-        init_parallel(parallel, config.seed)
+        init_parallel(parallel, config.seed, own_world=own_world)
 
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig

@@ -76,12 +76,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_parallel(parallel: MegatronParallel, seed: int) -> None:
+def init_parallel(parallel: MegatronParallel, seed: int, *, own_world: bool = False) -> None:
     """Initialise torch.distributed (gloo) and megatron's parallel groups and RNG states.
 
-    Uses the process group torchrun set up (``env://``) when there is one; a process started
-    without torchrun (the one-rank TrainerActor) gets a one-rank gloo group on a free loopback
-    port. Applies :mod:`trainer.backends.megatron_cpu_compat` first (it does nothing with CUDA).
+    With ``own_world`` (the one-rank TrainerActor, also when it is one rank of a
+    ``tools.torchrun_entry`` actor world whose other ranks never join a process group), or
+    without torchrun's environment, the process gets a one-rank gloo group on a free loopback
+    port; otherwise it joins torchrun's world (``env://``: every rank is a megatron rank).
+    Applies :mod:`trainer.backends.megatron_cpu_compat` first (it does nothing with CUDA).
 
     Raises:
         MegatronModelError: the world size is not a multiple of ``tp * pp``, or ``ep`` does
@@ -91,7 +93,7 @@ def init_parallel(parallel: MegatronParallel, seed: int) -> None:
 
     megatron_cpu_compat.enable()
     if not dist.is_initialized():
-        if "RANK" in os.environ and "MASTER_ADDR" in os.environ:
+        if not own_world and "RANK" in os.environ and "MASTER_ADDR" in os.environ:
             dist.init_process_group("gloo")
         else:
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}",

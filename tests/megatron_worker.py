@@ -1,12 +1,13 @@
 """Test helper run under torchrun (gloo): one MegatronBackend per rank on the tests' checkpoint.
 
-Usage: torchrun --nproc-per-node N tests/megatron_worker.py CHECKPOINT OUT --case main|r3|pp
+Usage: torchrun --nproc-per-node N tests/megatron_worker.py CHECKPOINT OUT --case main|r3|pp|ckpt
 [--tp N] [--ep N] [--pp N] [--split-data]
 
 ``main``: preflight logprobs and routing (support replay + R3 trace, and full vocabulary without
 replay), the gathered weights, one optimizer step (grad norm, weights after). ``r3``: record the
 routing, perturb the routers, forward without and with replay of the recorded routing.
-``pp``: the routing replay targets each pipeline stage feeds its routers.
+``pp``: the routing replay targets each pipeline stage feeds its routers. ``ckpt``: one step,
+save, a fresh backend loads it (version and digest compared).
 Rank 0 writes OUT/result.npz (all ranks' values must agree; the worker checks that itself).
 """
 from __future__ import annotations
@@ -83,6 +84,22 @@ def main() -> None:
             backend.backward(-backend.train_logprobs(replayed).sum())
             result["grad_norm"] = np.array(backend.clip_and_step(1.0))
             result.update({f"w1/{k}": v for k, v in backend.weights().items()})
+        elif args.case == "ckpt":
+            backend.zero_grad()
+            backend.backward(-backend.train_logprobs(replayed).sum())
+            backend.clip_and_step(1.0)
+            directory = Path(args.out) / "ckpt"
+            directory.mkdir(exist_ok=True)
+            backend.save_checkpoint(directory, 5)
+            before = backend.digest()
+            fresh = MegatronBackend(args.checkpoint, cfg, list(VOCABULARY), parallel=parallel)
+            assert fresh.digest() != before
+            result["version"] = np.array(fresh.load_checkpoint(directory))
+            after = fresh.digest()
+            result["same_keys"] = np.array(sorted(before) == sorted(after))
+            result["same_values"] = np.array(all(before[k] == after[k] for k in before))
+            # each rank holds its shard of the distributed optimizer's moments
+            result["opt_keys"] = np.array(any(k.startswith("opt/") for k in before))
         else:  # r3
             rec = backend.preflight_logprobs(plain)  # routers record their own choice
             with torch.no_grad():

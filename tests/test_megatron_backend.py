@@ -171,6 +171,14 @@ def test_record_perturb_replay_restores_the_routing(checkpoint, tmp_path):
     np.testing.assert_allclose(got["logp"], ref.logprobs.numpy(), atol=2e-5)
 
 
+@pytest.mark.parametrize("nproc,layout", [(1, ()), (2, ("--ep", "2"))], ids=["one_rank", "ep2"])
+def test_checkpoint_round_trip_restores_weights_optimizer_and_version(checkpoint, tmp_path, nproc, layout):
+    got = _run(checkpoint, tmp_path, nproc, "--case", "ckpt", *layout)
+    assert int(got["version"]) == 5
+    assert bool(got["same_keys"]) and bool(got["same_values"]) and bool(got["opt_keys"])
+    assert (tmp_path / "ckpt" / "model" / "config.json").exists()
+
+
 def test_pipeline_stages_replay_their_own_global_layers(checkpoint, tmp_path):
     got = _run(checkpoint, tmp_path, 2, "--case", "pp", "--pp", "2")
     cfg = cases.config()  # 4 layers, MoE on 1..3: stage 0 holds layers 0-1, stage 1 layers 2-3
@@ -182,3 +190,23 @@ def test_pipeline_stages_replay_their_own_global_layers(checkpoint, tmp_path):
             column = cfg.moe_layers.index(layer)
             want = trace[:, :, column].transpose(1, 0, 2).reshape(-1, trace.shape[-1])
             assert np.array_equal(got[f"target{rank}_{layer}"], want), (rank, layer)
+
+
+def test_replayrl_train_runs_with_the_megatron_backend(tmp_path):
+    # the whole system (engines, manager, clock, TrainerActor) with the megatron trainer: it
+    # steps, its weight pushes reach the engines (staleness 1 on the second step) and the
+    # replayed routing / indexer choices are the engines' (flip rate 0)
+    import json
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "tools.cli", "train", "--train-backend", "megatron", "--num-steps",
+         "3", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--no-progress",
+         "--output-dir", str(tmp_path)],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+        timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["trainer_version"] for r in rows] == [1, 2, 3]
+    assert [r["staleness_max"] for r in rows] == [0, 1, 1]
+    assert all(r["routing_flip_rate"] == 0 and r["indexer_flip_rate"] == 0 for r in rows)
+    assert json.loads((tmp_path / "config.json").read_text())["trainer"]["train_backend"] == "megatron"

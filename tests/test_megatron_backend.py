@@ -210,3 +210,20 @@ def test_replayrl_train_runs_with_the_megatron_backend(tmp_path):
     assert [r["staleness_max"] for r in rows] == [0, 1, 1]
     assert all(r["routing_flip_rate"] == 0 and r["indexer_flip_rate"] == 0 for r in rows)
     assert json.loads((tmp_path / "config.json").read_text())["trainer"]["train_backend"] == "megatron"
+
+
+def test_torchrun_launcher_runs_the_megatron_trainer_rank(tmp_path):
+    # the trainer is one rank of an actor world whose other ranks never join a process group:
+    # the backend must make a process group of its own instead of waiting for them
+    import json
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=3",
+         f"--master-port={_port()}", "-m", "tools.torchrun_entry", "--num-steps", "2",
+         "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--no-progress",
+         "--output-dir", str(tmp_path), "--train-backend", "megatron", "--ready-timeout", "120"],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+        timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["trainer_version"] for r in rows] == [1, 2]

@@ -26,7 +26,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
-import socket
 
 import torch
 import torch.distributed as dist
@@ -70,19 +69,13 @@ class MegatronParallel:
         return self.tp > 1
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_parallel(parallel: MegatronParallel, seed: int, *, own_world: bool = False) -> None:
     """Initialise torch.distributed (gloo) and megatron's parallel groups and RNG states.
 
     With ``own_world`` (the one-rank TrainerActor, also when it is one rank of a
     ``tools.torchrun_entry`` actor world whose other ranks never join a process group), or
-    without torchrun's environment, the process gets a one-rank gloo group on a free loopback
-    port; otherwise it joins torchrun's world (``env://``: every rank is a megatron rank).
+    without torchrun's environment, the process gets a one-rank gloo group with an in-process
+    store; otherwise it joins torchrun's world (``env://``: every rank is a megatron rank).
     Applies :mod:`trainer.backends.megatron_cpu_compat` first (it does nothing with CUDA).
 
     Raises:
@@ -96,8 +89,9 @@ def init_parallel(parallel: MegatronParallel, seed: int, *, own_world: bool = Fa
         if not own_world and "RANK" in os.environ and "MASTER_ADDR" in os.environ:
             dist.init_process_group("gloo")
         else:
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}",
-                                    rank=0, world_size=1)
+            # an in-process store: a tcp:// or env:// rendezvous under torchrun would go through
+            # the elastic agent's store and wait for the actor world's other ranks
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 

@@ -42,6 +42,7 @@ SECTIONS = {
     13: "Embedded default",
     14: "Hugging Face checkpoints",
     15: "Prompt data, tokenizer and rewards",
+    16: "The megatron-core backend",
 }
 
 _HEADING = re.compile(r"^## (\d+)\. (\S.*?)\s*$", re.MULTILINE)

@@ -33,19 +33,20 @@ def test_registry_resolves_torch_to_the_torch_backend():
     assert BACKENDS["torch"] == "trainer.backends.torch_backend:TorchBackend"
     cls = resolve_backend("torch")
     assert cls is TorchBackend and issubclass(cls, TrainerBackend)
+    assert BACKENDS["megatron"] == "trainer.backends.megatron_backend:MegatronBackend"
     with pytest.raises(TypeError):
         BACKENDS["megatron"] = "x:Y"  # one registry, read-only
 
 
 def test_unknown_backend_is_named_with_the_known_ones():
-    with pytest.raises(UnknownBackendError, match=r"'megatron'.*known backends: torch"):
-        resolve_backend("megatron")
+    with pytest.raises(UnknownBackendError, match=r"'nope'.*known backends: megatron, torch"):
+        resolve_backend("nope")
     assert issubclass(UnknownBackendError, ValueError)
 
 
 def test_unknown_backend_is_a_configuration_error_naming_the_flag():
     with pytest.raises(TrainerConfigError, match=r"--train-backend must be torch"):
-        TrainerConfig(train_backend="megatron")
+        TrainerConfig(train_backend="nope")
     with pytest.raises(ConfigError, match="--train-backend"):
         build_config({"train-backend": "nope", "progress": False})
     assert build_config({"train-backend": "torch"}).trainer.train_backend == "torch"

@@ -27,6 +27,7 @@ __all__ = ["BACKENDS", "UnknownBackendError", "resolve_backend"]
 
 BACKENDS: Mapping[str, str] = MappingProxyType({
     "torch": "trainer.backends.torch_backend:TorchBackend",
+    "megatron": "trainer.backends.megatron_backend:MegatronBackend",
 })
 """Backend name (``--train-backend``) -> ``"module:Class"`` of a :class:`TrainerBackend`."""
 

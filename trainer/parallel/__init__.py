@@ -1,9 +1,10 @@
-"""Parallel pieces of the trainer that the embedded (one-rank) run does not use yet.
+"""Parallel pieces of the trainer, for a model split across ranks.
 
 The embedded torch backend (:mod:`trainer.backends.torch_backend`) trains on one rank, so
-none of these is on its path; their caller is the megatron-core backend (a sibling of
-``trainer/backends/torch_backend.py`` to come), which splits the model over TP / PP / SP / CP
-ranks. Until it lands, only the tests call them:
+none of these is on its path; the megatron-core backend
+(:mod:`trainer.backends.megatron_backend`) calls the vocabulary-parallel logprobs and the
+replay registry (docs/design.md §16 "The megatron-core backend"). Context parallelism is not
+offered by that backend yet, so only the tests call the context-parallel piece:
 
 * :mod:`trainer.parallel.vocab_parallel` -- :func:`vocab_parallel_support_logprobs`,
   support-replay logprobs with the vocabulary split across tensor-parallel ranks (one MAX and

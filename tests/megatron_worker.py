@@ -1,0 +1,135 @@
+"""Test helper run under torchrun (gloo): one MegatronBackend per rank on the tests' checkpoint.
+
+Usage: torchrun --nproc-per-node N tests/megatron_worker.py CHECKPOINT OUT --case main|r3|pp|ckpt
+[--tp N] [--ep N] [--pp N] [--split-data]
+
+``main``: preflight logprobs and routing (support replay + R3 trace, and full vocabulary without
+replay), the gathered weights, one optimizer step (grad norm, weights after). ``r3``: record the
+routing, perturb the routers, forward without and with replay of the recorded routing.
+``pp``: the routing replay targets each pipeline stage feeds its routers. ``ckpt``: one step,
+save, a fresh backend loads it (version and digest compared).
+Rank 0 writes OUT/result.npz (all ranks' values must agree; the worker checks that itself).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("checkpoint")
+    ap.add_argument("out")
+    ap.add_argument("--case", default="main")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--split-data", action="store_true")
+    args = ap.parse_args()
+
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from rollout.task import VOCABULARY
+    from tests import megatron_cases as cases
+    from trainer.backends.megatron_model import MegatronParallel
+    from trainer.batch import collate
+    from trainer.config import TrainerConfig
+
+    torch.set_num_threads(1)
+    parallel = MegatronParallel(tp=args.tp, ep=args.ep, pp=args.pp)
+    result = {}
+    if args.case == "pp":
+        from trainer.backends.megatron_model import build_gpt_model, init_parallel
+        from trainer.backends.megatron_replay import RoutingReplay
+
+        init_parallel(parallel, seed=1)
+        model, _, indexer = build_gpt_model(cases.config(), parallel)
+        replay = RoutingReplay(model, cases.config())
+        batch = collate(cases.samples(cases.perturbed(Path(args.checkpoint))), routing=True,
+                        indexer=False, support=False)
+        targets = replay.router_targets(batch.routed_experts)
+        rank = dist.get_rank()
+        result[f"layers{rank}"] = np.array(replay.layers)
+        result[f"indexed{rank}"] = np.array(indexer.layers)
+        for layer, t in zip(replay.layers, targets):
+            result[f"target{rank}_{layer}"] = t.numpy()
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, result)
+        result = {k: v for part in gathered for k, v in part.items()}
+        result["trace"] = batch.routed_experts.numpy()
+    else:
+        from trainer.backends.megatron_backend import MegatronBackend
+
+        cfg = TrainerConfig(temperature=0.8, lr=1e-2)
+        backend = MegatronBackend(args.checkpoint, cfg, list(VOCABULARY), parallel=parallel)
+        engine = cases.perturbed(Path(args.checkpoint))
+        samples = cases.samples(engine)
+        if args.split_data:
+            samples = samples[dist.get_rank()::dist.get_world_size()]
+        replayed = collate(samples, routing=True, indexer=True, support=True)
+        plain = collate(samples, routing=False, indexer=False, support=False)
+        if args.case == "main":
+            a = backend.preflight_logprobs(replayed)
+            b = backend.preflight_logprobs(plain)
+            result.update(logp_replay=a.logprobs.numpy(), used=a.routed_experts.numpy(),
+                          own=a.own_routed_experts.numpy(), logp_plain=b.logprobs.numpy(),
+                          index_used=a.indexer_topk.numpy(), index_own=a.own_indexer_topk.numpy())
+            result.update({f"w0/{k}": v for k, v in backend.weights().items()})
+            backend.zero_grad()
+            backend.backward(-backend.train_logprobs(replayed).sum())
+            result["grad_norm"] = np.array(backend.clip_and_step(1.0))
+            result.update({f"w1/{k}": v for k, v in backend.weights().items()})
+        elif args.case == "ckpt":
+            backend.zero_grad()
+            backend.backward(-backend.train_logprobs(replayed).sum())
+            backend.clip_and_step(1.0)
+            directory = Path(args.out) / "ckpt"
+            directory.mkdir(exist_ok=True)
+            backend.save_checkpoint(directory, 5)
+            before = backend.digest()
+            fresh = MegatronBackend(args.checkpoint, cfg, list(VOCABULARY), parallel=parallel)
+            assert fresh.digest() != before
+            result["version"] = np.array(fresh.load_checkpoint(directory))
+            after = fresh.digest()
+            result["same_keys"] = np.array(sorted(before) == sorted(after))
+            result["same_values"] = np.array(all(before[k] == after[k] for k in before))
+            # each rank holds its shard of the distributed optimizer's moments
+            result["opt_keys"] = np.array(any(k.startswith("opt/") for k in before))
+        else:  # r3
+            rec = backend.preflight_logprobs(plain)  # routers record their own choice
+            with torch.no_grad():
+                g = torch.Generator().manual_seed(11)
+                for name, p in backend.model.named_parameters():
+                    if name.endswith("mlp.router.weight"):
+                        p.add_(torch.randn(p.shape, generator=g) * 0.05)
+            batch = collate(samples, routing=False, indexer=False, support=True)
+            import dataclasses
+
+            free = backend.preflight_logprobs(batch)
+            again = backend.preflight_logprobs(dataclasses.replace(batch, routed_experts=rec.routed_experts))
+            result.update(recorded=rec.routed_experts.numpy(), free=free.routed_experts.numpy(),
+                          used=again.routed_experts.numpy(), own=again.own_routed_experts.numpy(),
+                          logp=again.logprobs.numpy())
+            result.update({f"w/{k}": v for k, v in backend.weights().items()})
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, {k: v for k, v in result.items() if not k.startswith("w")})
+        if not args.split_data:
+            for other in gathered[1:]:
+                for k, v in other.items():
+                    assert np.array_equal(v, gathered[0][k]), f"ranks disagree on {k}"
+        else:
+            for r, part in enumerate(gathered):
+                result.update({f"rank{r}/{k}": v for k, v in part.items()})
+    if dist.get_rank() == 0:
+        np.savez(Path(args.out) / "result.npz", **result)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,229 @@
+"""--train-backend megatron against the torch trainer, and its parallel layouts under torchrun
+(gloo, CPU): the same logprobs (support replay with R3 and indexer replay, full vocabulary),
+routing and indexer choices, weights and
+optimizer step as the torch backend for the same checkpoint; TP=2+SP, EP=2 and DP=2 with the
+distributed optimizer give the one-rank values; record -> perturb the router -> replay restores
+the routing; pipeline stages feed their routers the right global layers of the trace.
+
+megatron-core runs in torchrun worker processes (tests/megatron_worker.py), never in the pytest
+process: its CPU compatibility layer is process-wide."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from rollout.model.checkpoint import load_pretrained  # noqa: E402
+from rollout.task import VOCABULARY  # noqa: E402
+from tests import megatron_cases as cases  # noqa: E402
+from trainer.backends import resolve_backend  # noqa: E402
+from trainer.backends.torch_backend import TorchBackend  # noqa: E402
+from trainer.batch import collate  # noqa: E402
+from trainer.config import TrainerConfig  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER = str(REPO / "tests" / "megatron_worker.py")
+STEP_ATOL = 5e-4
+"""Weights after one Adam step at lr 1e-2: each entry moves by ~lr * g / (|g| + eps), so entries
+whose gradient is near eps differ by reduction-order rounding (measured up to 2e-4 between
+layouts); a wrong clip, scale or update moves entries by ~lr = 1e-2."""
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(checkpoint: Path, out: Path, nproc: int, *args: str) -> dict[str, np.ndarray]:
+    out.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+         f"--master-port={_port()}", WORKER, str(checkpoint), str(out), *args],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return dict(np.load(out / "result.npz"))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return cases.write_checkpoint(tmp_path_factory.mktemp("ckpt"))
+
+
+@pytest.fixture(scope="module")
+def one_rank(checkpoint, tmp_path_factory):
+    return _run(checkpoint, tmp_path_factory.mktemp("tp1"), 1, "--case", "main")
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    """The torch backend on the same inputs (independent implementation)."""
+    torch.set_num_threads(1)
+    cfg = TrainerConfig(temperature=0.8, lr=1e-2)
+    backend = TorchBackend(str(checkpoint), cfg, list(VOCABULARY))
+    samples = cases.samples(cases.perturbed(checkpoint))
+    replayed = collate(samples, routing=True, indexer=True, support=True)
+    plain = collate(samples, routing=False, indexer=False, support=False)
+    a, b = backend.preflight_logprobs(replayed), backend.preflight_logprobs(plain)
+    out = dict(logp_replay=a.logprobs.numpy(), used=a.routed_experts.numpy(),
+               own=a.own_routed_experts.numpy(), logp_plain=b.logprobs.numpy(),
+               trace=replayed.routed_experts.numpy(), index_used=a.indexer_topk.numpy(),
+               index_own=a.own_indexer_topk.numpy(), index_trace=replayed.indexer_topk.numpy(),
+               tokens_real=replayed.key_padding_mask.numpy())
+    out.update({f"w0/{k}": v for k, v in backend.weights().items()})
+    backend.zero_grad()
+    backend.backward(-backend.train_logprobs(replayed).sum())
+    out["grad_norm"] = np.array(backend.clip_and_step(1.0))
+    out.update({f"w1/{k}": v for k, v in backend.weights().items()})
+    return out
+
+
+def test_registry_resolves_megatron_lazily():
+    cls = resolve_backend("megatron")
+    assert cls.__name__ == "MegatronBackend"
+
+
+def test_megatron_backend_matches_the_torch_trainer(one_rank, reference):
+    got, ref = one_rank, reference
+    np.testing.assert_allclose(got["logp_replay"], ref["logp_replay"], atol=2e-5)
+    np.testing.assert_allclose(got["logp_plain"], ref["logp_plain"], atol=2e-5)
+    # R3: the forward used the engine's routing where captured; own choice = the torch router's
+    real = ref["trace"] >= 0
+    assert np.array_equal(got["used"][real], ref["trace"][real])
+    # at padding positions the two models' (unused) hidden states differ: the torch model lets a
+    # padding query see only real keys and itself, megatron's causal mask every earlier slot
+    tok = ref["tokens_real"]
+    assert np.array_equal(got["used"][tok], ref["used"][tok])
+    assert np.array_equal(got["own"][tok], ref["own"][tok])
+    assert (got["own"][real] != ref["trace"][real]).any(), "the replayed trace must differ somewhere"
+    # indexer replay: the engine's key slots where captured; own choice = the torch indexer's
+    real = (ref["index_trace"] >= 0).any(-1)
+    assert np.array_equal(got["index_used"][real], ref["index_trace"][real])
+    assert np.array_equal(got["index_used"], ref["index_used"])
+    assert np.array_equal(got["index_own"], ref["index_own"])
+    assert (got["index_own"][real] != ref["index_trace"][real]).any()
+    # weights converted both ways: the engine's weights, bit for bit
+    for k in (k for k in ref if k.startswith("w0/")):
+        assert np.array_equal(got[k], ref[k]), k
+    # one clipped Adam step: same norm and weights (megatron's Adam vs torch AdamW, fp32)
+    assert float(got["grad_norm"]) == pytest.approx(float(ref["grad_norm"]), rel=1e-5)
+    for k in (k for k in ref if k.startswith("w1/")):
+        np.testing.assert_allclose(got[k], ref[k], atol=STEP_ATOL, err_msg=k)
+
+
+@pytest.mark.parametrize("layout", [("--tp", "2"), ("--ep", "2")], ids=["tp2_sp", "ep2_dp2_distopt"])
+def test_two_rank_layouts_give_the_one_rank_values(checkpoint, one_rank, tmp_path, layout):
+    got = _run(checkpoint, tmp_path, 2, "--case", "main", *layout)
+    for key in ("logp_replay", "logp_plain"):
+        np.testing.assert_allclose(got[key], one_rank[key], atol=1e-5, err_msg=key)
+    for key in ("used", "own", "index_used", "index_own"):
+        assert np.array_equal(got[key], one_rank[key]), key
+    assert float(got["grad_norm"]) == pytest.approx(float(one_rank["grad_norm"]), rel=1e-5)
+    for k in (k for k in one_rank if k.startswith("w1/")):
+        np.testing.assert_allclose(got[k], one_rank[k], atol=STEP_ATOL, err_msg=k)
+
+
+def test_dp2_distributed_optimizer_averages_the_ranks_gradients(checkpoint, reference, tmp_path):
+    got = _run(checkpoint, tmp_path, 2, "--case", "main", "--split-data")
+    # reference: the torch trainer on the mean of the two ranks' losses
+    cfg = TrainerConfig(temperature=0.8, lr=1e-2)
+    backend = TorchBackend(str(checkpoint), cfg, list(VOCABULARY))
+    samples = cases.samples(cases.perturbed(checkpoint))
+    backend.zero_grad()
+    for r in range(2):
+        part = collate(samples[r::2], routing=True, indexer=True, support=True)
+        np.testing.assert_allclose(got[f"rank{r}/logp_replay"],
+                                   backend.preflight_logprobs(part).logprobs.numpy(), atol=2e-5)
+        backend.backward(-0.5 * backend.train_logprobs(part).sum())
+    assert float(got["grad_norm"]) == pytest.approx(backend.clip_and_step(1.0), rel=1e-5)
+    for k, v in backend.weights().items():  # tolerance as in the one-rank comparison
+        np.testing.assert_allclose(got[f"w1/{k}"], v, atol=STEP_ATOL, err_msg=k)
+
+
+def test_record_perturb_replay_restores_the_routing(checkpoint, tmp_path):
+    got = _run(checkpoint, tmp_path, 1, "--case", "r3")
+    rec, free, used, own = got["recorded"], got["free"], got["used"], got["own"]
+    assert (free != rec).any(), "the perturbed router must route some token differently"
+    assert np.array_equal(used, rec)           # replay restores the recorded routing
+    # the first MoE layer sees the same input with and without replay: its own choice under
+    # replay is the perturbed router's (later layers' inputs depend on the replayed routing)
+    assert np.array_equal(own[:, :, 0], free[:, :, 0])
+    assert (own[:, :, 0] != used[:, :, 0]).any()
+    # independent: the embedded torch model with the perturbed weights and the same replay
+    model, _ = load_pretrained(checkpoint, dtype=torch.float32)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(torch.from_numpy(got[f"w/{n}"]))
+    backend = TorchBackend(str(checkpoint), TrainerConfig(temperature=0.8), list(VOCABULARY))
+    backend.model.load_state_dict(model.state_dict())
+    batch = collate(cases.samples(cases.perturbed(checkpoint)), routing=False, indexer=False, support=True)
+    ref = backend.preflight_logprobs(dataclasses.replace(batch, routed_experts=torch.from_numpy(rec)))
+    np.testing.assert_allclose(got["logp"], ref.logprobs.numpy(), atol=2e-5)
+
+
+@pytest.mark.parametrize("nproc,layout", [(1, ()), (2, ("--ep", "2"))], ids=["one_rank", "ep2"])
+def test_checkpoint_round_trip_restores_weights_optimizer_and_version(checkpoint, tmp_path, nproc, layout):
+    got = _run(checkpoint, tmp_path, nproc, "--case", "ckpt", *layout)
+    assert int(got["version"]) == 5
+    assert bool(got["same_keys"]) and bool(got["same_values"]) and bool(got["opt_keys"])
+    assert (tmp_path / "ckpt" / "model" / "config.json").exists()
+
+
+def test_pipeline_stages_replay_their_own_global_layers(checkpoint, tmp_path):
+    got = _run(checkpoint, tmp_path, 2, "--case", "pp", "--pp", "2")
+    cfg = cases.config()  # 4 layers, MoE on 1..3: stage 0 holds layers 0-1, stage 1 layers 2-3
+    assert got["layers0"].tolist() == [1] and got["layers1"].tolist() == [2, 3]
+    assert got["indexed0"].tolist() == [1] and got["indexed1"].tolist() == [3]
+    trace = got["trace"]  # [B, S, L_moe, K], columns in cfg.moe_layers order
+    for rank in (0, 1):
+        for layer in got[f"layers{rank}"].tolist():
+            column = cfg.moe_layers.index(layer)
+            want = trace[:, :, column].transpose(1, 0, 2).reshape(-1, trace.shape[-1])
+            assert np.array_equal(got[f"target{rank}_{layer}"], want), (rank, layer)
+
+
+def test_replayrl_train_runs_with_the_megatron_backend(tmp_path):
+    # the whole system (engines, manager, clock, TrainerActor) with the megatron trainer: it
+    # steps, its weight pushes reach the engines (staleness 1 on the second step) and the
+    # replayed routing / indexer choices are the engines' (flip rate 0)
+    import json
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "tools.cli", "train", "--train-backend", "megatron", "--num-steps",
+         "3", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--no-progress",
+         "--output-dir", str(tmp_path)],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+        timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["trainer_version"] for r in rows] == [1, 2, 3]
+    assert [r["staleness_max"] for r in rows] == [0, 1, 1]
+    assert all(r["routing_flip_rate"] == 0 and r["indexer_flip_rate"] == 0 for r in rows)
+    assert json.loads((tmp_path / "config.json").read_text())["trainer"]["train_backend"] == "megatron"
+
+
+def test_torchrun_launcher_runs_the_megatron_trainer_rank(tmp_path):
+    # the trainer is one rank of an actor world whose other ranks never join a process group:
+    # the backend must make a process group of its own instead of waiting for them
+    import json
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=3",
+         f"--master-port={_port()}", "-m", "tools.torchrun_entry", "--num-steps", "2",
+         "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--no-progress",
+         "--output-dir", str(tmp_path), "--train-backend", "megatron", "--ready-timeout", "120"],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+        timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["trainer_version"] for r in rows] == [1, 2]

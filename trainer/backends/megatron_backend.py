@@ -1,0 +1,290 @@
+"""The megatron-core trainer backend (``--train-backend megatron``), on CPU with gloo or on GPUs.
+
+:class:`MegatronBackend` is a :class:`trainer.backends.base.TrainerBackend` whose policy is a
+megatron-core ``GPTModel`` (:mod:`trainer.backends.megatron_model`) wrapped in megatron's
+``DistributedDataParallel`` and trained with megatron's optimizer (Adam with decoupled weight
+decay, the distributed optimizer when data parallelism is on), loaded from and exported to the
+same Hugging Face checkpoint the engines hold (:mod:`trainer.backends.megatron_weights`).
+
+Forward (docs/design.md §16 "The megatron-core backend"):
+
+* the batch's routing trace is replayed through megatron-core's own ``RouterReplay``
+  (:mod:`trainer.backends.megatron_replay`), which also returns the experts used and the
+  routers' own choice for the flip / drift metrics; the indexer trace through the embedded
+  indexer placed in front of megatron's attention (:mod:`trainer.backends.megatron_indexer`);
+* logits stay vocabulary-parallel (each TP rank holds ``V / tp`` columns); support-replay
+  logprobs come from :func:`trainer.parallel.vocab_parallel.vocab_parallel_support_logprobs`
+  (one MAX and one SUM all-reduce), full-vocabulary ones from megatron's
+  ``vocab_parallel_cross_entropy``;
+* rows are right-padded, so the causal mask alone keeps real queries off padding keys and
+  megatron's RoPE positions ``0 .. S-1`` are the batch's position ids; packed rows
+  (``--use-packing``) would need per-segment positions and are refused.
+
+Every rank of the world constructs the backend and makes the same calls in the same order
+(they are collectives when the world has more than one rank). Pipeline parallelism needs
+megatron's pipeline schedule and is not offered by this backend (``MegatronParallel.pp`` must
+be 1 here).
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from rollout.model.checkpoint import load_pretrained, load_state_arrays, save_pretrained
+from rollout.model.config import ModelConfig
+from rollout.model.qwen3_moe import Qwen3MoeForCausalLM
+from trainer.backends.base import ReplayedForward, TrainerBackend
+from trainer.backends.megatron_model import MegatronModelError, MegatronParallel, build_gpt_model, init_parallel
+from trainer.batch import TrainBatch
+from trainer.config import TrainerConfig
+from trainer.logprobs import _check_temperature
+from trainer.parallel.vocab_parallel import vocab_parallel_support_logprobs
+
+__all__ = ["MegatronBackend"]
+
+
+class MegatronBackend(TrainerBackend):
+    """The policy as a megatron-core GPTModel on this rank, trained with megatron's optimizer.
+
+    Args:
+        checkpoint_dir: Hugging Face checkpoint directory of the initial policy (every rank
+            reads it and keeps its shard).
+        config: trainer settings (``torch_threads``, ``seed``, optimizer, replay switches).
+        vocab_tokens: the tokenizer vocabulary written with checkpoints.
+        parallel: the layout of a world of megatron ranks (torchrun's, every rank constructs
+            the backend); None (the TrainerActor): one rank in a process group of its own.
+
+    Raises:
+        MegatronModelError: a layout that
+            does not fit the world or the model, ``pp > 1`` or ``--use-packing``.
+        rollout.model.CheckpointError: an unreadable checkpoint.
+    """
+
+    def __init__(self, checkpoint_dir: str, config: TrainerConfig, vocab_tokens: Sequence[str],
+                 *, parallel: MegatronParallel | None = None) -> None:
+        own_world = parallel is None
+        parallel = parallel or MegatronParallel()
+        if parallel.pp != 1:
+            raise MegatronModelError("MegatronBackend runs without pipeline parallelism (pp=1); "
+                                     f"got pp={parallel.pp}")
+        if config.use_packing:
+            raise MegatronModelError("--use-packing is not supported by --train-backend megatron "
+                                     "(packed rows need per-segment RoPE positions)")
+        self.config, self.parallel = config, parallel
+        self.vocab_tokens = list(vocab_tokens)
+        torch.set_num_threads(config.torch_threads)
+        torch.manual_seed(config.seed)
+        hf_model, self._model_config = load_pretrained(checkpoint_dir, dtype=torch.float32)
+        init_parallel(parallel, config.seed, own_world=own_world)
+
+        from megatron.core import parallel_state as ps
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        from trainer.backends.megatron_cpu_compat import cpu_device_scope
+        from trainer.backends.megatron_replay import RoutingReplay
+        from trainer.backends.megatron_weights import load_hf_weights
+
+        self._scope = cpu_device_scope
+        with self._scope():
+            model, tcfg, self.indexer = build_gpt_model(self._model_config, parallel)
+            load_hf_weights(model, hf_model.state_dict(), self._model_config)
+            del hf_model
+            self.model = model
+            self.routing = RoutingReplay(model, self._model_config) if self._model_config.moe_layers else None
+            distributed = ps.get_data_parallel_world_size() > 1
+            self.ddp = DistributedDataParallel(
+                tcfg, DistributedDataParallelConfig(use_distributed_optimizer=distributed), model)
+            self.optimizer = get_megatron_optimizer(OptimizerConfig(
+                optimizer="adam", lr=config.lr, weight_decay=config.weight_decay,
+                adam_beta1=config.adam_beta1, adam_beta2=config.adam_beta2, adam_eps=1e-8,
+                clip_grad=config.clip_grad, bf16=False, fp16=False, params_dtype=torch.float32,
+                use_distributed_optimizer=distributed), [self.ddp])
+        self.tp_group = ps.get_tensor_model_parallel_group()
+        self.model.train()
+
+    @property
+    def model_config(self) -> ModelConfig:
+        """The loaded checkpoint's architecture."""
+        return self._model_config
+
+    # -- forwards -----------------------------------------------------------------------------
+    def _forward(self, batch: TrainBatch, capture: bool):
+        """Logprobs float32 [N] and, with ``capture``, the (used, own) routing and (used, own)
+        indexer choices, each ``[B, S_full, L, K]`` or None."""
+        cfg = self.config
+        t = _check_temperature(cfg.temperature)
+        full = batch.tokens.shape[1]
+        width = int(batch.pos.max()) + 1 if len(batch.pos) else 1
+        width += -width % self.parallel.tp  # SP splits the sequence evenly over TP ranks
+        tokens = torch.zeros(batch.tokens.shape[0], width, dtype=torch.long)
+        n = min(width, full)
+        tokens[:, :n] = batch.tokens[:, :n]
+        positions = torch.arange(width).expand_as(tokens)
+        trace = None
+        if self.routing is not None and cfg.use_routing_replay and batch.routed_experts is not None:
+            trace = batch.routed_experts[:, :n]
+            if n < width:
+                trace = torch.cat([trace, trace.new_full((trace.shape[0], width - n, *trace.shape[2:]), -1)], 1)
+        if self.routing is not None:
+            self.routing.begin(trace)
+        if self.indexer is not None:
+            keys = torch.zeros(tokens.shape, dtype=torch.bool)
+            keys[:, :n] = batch.key_padding_mask[:, :n]
+            index = None
+            if cfg.use_indexer_replay and batch.indexer_topk is not None:
+                index = batch.indexer_topk[:, :n]
+                if n < width:
+                    index = torch.cat([index, index.new_full((index.shape[0], width - n, *index.shape[2:]), -1)], 1)
+            self.indexer.begin(keys, index)
+        try:
+            with self._scope():
+                logits = self.ddp(tokens, positions, attention_mask=None)  # [B, S, V / tp]
+                rows = logits[batch.row, batch.pos].float()
+                if batch.support is not None:
+                    logp = vocab_parallel_support_logprobs(rows, batch.support, t, group=self.tp_group)
+                else:
+                    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+                    logp = -vocab_parallel_cross_entropy(rows / t, batch.targets.long())
+                    logp = torch.where(batch.targets >= 0, logp, torch.zeros_like(logp))
+            choices = (None, None, None, None)
+            if capture:
+                pad = lambda c: torch.cat([c[:, :full], c.new_full(
+                    (c.shape[0], max(0, full - c.shape[1]), *c.shape[2:]), -1)], 1)
+                routing = self.routing.collect(tokens.shape[0]) if self.routing is not None else None
+                index = self.indexer.collect() if self.indexer is not None else None
+                choices = tuple(None if c is None else pad(c)
+                                for pair in (routing, index) for c in (pair or (None, None)))
+        finally:
+            if self.routing is not None:
+                self.routing.end()
+            if self.indexer is not None:
+                self.indexer.end()
+        return logp, choices
+
+    def preflight_logprobs(self, batch: TrainBatch) -> ReplayedForward:
+        """See :meth:`TrainerBackend.preflight_logprobs` (a no-grad, capturing forward)."""
+        with torch.no_grad():
+            logp, choices = self._forward(batch, capture=True)
+        return ReplayedForward(logp.detach(), *choices)
+
+    def train_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """See :meth:`TrainerBackend.train_logprobs`."""
+        return self._forward(batch, capture=False)[0]
+
+    def train_forward(self, batch: TrainBatch) -> ReplayedForward:
+        """See :meth:`TrainerBackend.train_forward` (a capturing forward with gradients)."""
+        logp, choices = self._forward(batch, capture=True)
+        return ReplayedForward(logp, *choices)
+
+    # -- update -------------------------------------------------------------------------------
+    def zero_grad(self) -> None:
+        """See :meth:`TrainerBackend.zero_grad` (DDP gradient buffers and the optimizer)."""
+        with self._scope():
+            self.ddp.zero_grad_buffer()
+            self.optimizer.zero_grad()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """See :meth:`TrainerBackend.backward` (into megatron's gradient buffers)."""
+        with self._scope():
+            loss.backward()
+
+    def clip_and_step(self, max_norm: float) -> float:
+        """See :meth:`TrainerBackend.clip_and_step`: megatron's ``finalize_model_grads`` (DP
+        reduction, SP norm gradients), the global gradient norm over all model-parallel ranks,
+        clip to ``max_norm``, optimizer step; nothing is applied when the norm is not finite."""
+        from megatron.core.distributed import finalize_model_grads
+
+        with self._scope():
+            finalize_model_grads([self.ddp])
+            self.optimizer.prepare_grads()
+            grad_norm = float(self.optimizer.get_grad_norm())
+            if not math.isfinite(grad_norm):
+                self.zero_grad()
+                return grad_norm
+            from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+            for opt in self._optimizers():  # dense and expert optimizers share one norm
+                params = opt.get_parameters()
+                if params:
+                    clip_grad_by_total_norm_fp32(params, max_norm=float(max_norm), total_norm=grad_norm)
+            self.optimizer.step_with_ready_grads()
+        return grad_norm
+
+    def _optimizers(self) -> list:
+        """megatron's per-group optimizers (dense, and expert parameters under EP)."""
+        return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
+
+    def _inner_states(self) -> list[dict]:
+        return [opt.optimizer.state_dict() for opt in self._optimizers()]
+
+    # -- weights and checkpoints ----------------------------------------------------------------
+    def weights(self) -> dict[str, np.ndarray]:
+        """See :meth:`TrainerBackend.weights` (gathered from every rank: a collective)."""
+        from trainer.backends.megatron_weights import gather_hf_weights
+
+        with self._scope():
+            return gather_hf_weights(self.model, self._model_config)
+
+    def _hf_model(self) -> Qwen3MoeForCausalLM:
+        model = Qwen3MoeForCausalLM(self._model_config)
+        load_state_arrays(model, self.weights())
+        return model
+
+    def save_checkpoint(self, directory: Path, version: int) -> None:
+        """``directory/model`` (HF format, written by rank 0) and
+        ``directory/trainer_state.rank<r>.pt`` per rank (this rank's optimizer shard state,
+        ``version``, torch RNG state). A collective."""
+        model = self._hf_model()
+        rank = dist.get_rank()
+        directory = Path(directory)
+        if rank == 0:
+            save_pretrained(model, directory / "model", tokens=self.vocab_tokens)
+        torch.save({"optimizer": self._inner_states(), "version": version,
+                    "torch_rng": torch.get_rng_state()}, directory / f"trainer_state.rank{rank}.pt")
+        dist.barrier()
+
+    def load_checkpoint(self, directory: Path) -> int:
+        """Restore :meth:`save_checkpoint` output; the optimizer's hyperparameters stay this
+        run's (as :meth:`trainer.backends.torch_backend.TorchBackend.load_checkpoint`).
+
+        Raises:
+            rollout.model.CheckpointError: unreadable model files. OSError / RuntimeError: an
+                unreadable state file.
+        """
+        from trainer.backends.megatron_weights import load_hf_weights
+
+        directory = Path(directory)
+        model, _ = load_pretrained(directory / "model", dtype=torch.float32)
+        with self._scope():
+            load_hf_weights(self.model, model.state_dict(), self._model_config)
+        state = torch.load(directory / f"trainer_state.rank{dist.get_rank()}.pt", weights_only=True)
+        for opt, saved in zip(self._optimizers(), state["optimizer"]):
+            inner = opt.optimizer
+            configured = [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups]
+            inner.load_state_dict(saved)
+            for group, settings in zip(inner.param_groups, configured):
+                group.update(settings)
+        torch.set_rng_state(state["torch_rng"])
+        return int(state["version"])
+
+    def parameter_count(self) -> int:
+        """See :meth:`TrainerBackend.parameter_count` (the full policy, all ranks)."""
+        return int(sum(a.size for a in self.weights().values()))
+
+    def digest(self) -> dict[str, bytes]:
+        """See :meth:`TrainerBackend.digest` (full weights under HF names, this rank's
+        optimizer moments)."""
+        arrays = {f"param/{k}": v for k, v in self.weights().items()}
+        for j, inner in enumerate(self._inner_states()):
+            for i, st in inner["state"].items():
+                for key in ("exp_avg", "exp_avg_sq"):
+                    if key in st:
+                        arrays[f"opt/{j}.{i}/{key}"] = st[key].numpy()
+        return {k: np.ascontiguousarray(v).tobytes() for k, v in arrays.items()}

@@ -1,0 +1,133 @@
+"""The embedded model's DSA-style indexer inside megatron-core's self-attention, with replay.
+
+megatron-core 0.16.1's own DSA indexer needs TransformerEngine and multi-latent attention (it
+cannot be built on CPU) and has no replay injection point. The embedded policy's indexer
+(:mod:`rollout.model.indexer`: a lightning-indexer scorer whose top-k keys restrict the layer's
+attention) is therefore placed in front of megatron's local ``SelfAttention``:
+``IndexedSelfAttention`` (built by :func:`indexed_attention_class`) scores the layer's attention
+input, picks or replays the key slots exactly as
+:class:`rollout.model.qwen3_moe.Qwen3MoeAttention` does (:func:`~rollout.model.indexer.select_topk`,
+:func:`~rollout.model.indexer.resolve_replay`, :func:`~rollout.model.indexer.slots_to_mask`)
+and hands megatron's attention the resulting mask (``True`` = masked out, megatron's
+convention). Everything else (QKV, q/k norm, RoPE, softmax, output projection, TP / SP) is
+megatron's (docs/design.md §16 "The megatron-core backend").
+
+Under sequence parallelism each rank all-gathers the (no-grad) attention input over the TP
+group, so every TP rank computes the same slots. The indexer's weights are frozen, as in the
+embedded model.
+
+:class:`IndexerReplay` carries one forward's inputs (the padding layout and the replayed trace,
+read per global layer through :class:`trainer.parallel.replay_registry.ReplayRegistry`) to the
+indexed layers and collects the slots they used and their own choices.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from rollout.model.config import ModelConfig
+from rollout.model.indexer import Indexer, resolve_replay, select_topk, slots_to_mask
+from trainer.parallel.replay_registry import ReplayRegistry
+
+__all__ = ["IndexerReplay", "indexed_attention_class"]
+
+
+class IndexerReplay:
+    """One forward's indexer inputs and outputs, shared by the indexed layers of a model part.
+
+    Args:
+        config: the model config (``indexed_layers`` name the trace columns).
+        layers: global ids of the indexed layers built on this pipeline stage.
+    """
+
+    def __init__(self, config: ModelConfig, layers) -> None:
+        self.registry = ReplayRegistry.for_indexer(config)
+        self.registry.register(layers)
+        self._inputs = None
+        self.used: dict[int, torch.Tensor] = {}
+        self.own: dict[int, torch.Tensor] = {}
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """Global ids of the local indexed layers, increasing (the ``L_local`` axis)."""
+        return self.registry.layers
+
+    def begin(self, key_padding_mask: torch.Tensor, trace: torch.Tensor | None) -> None:
+        """Arm one forward of right-padded rows.
+
+        Args:
+            key_padding_mask: bool ``[B, S]``, True = real token.
+            trace: int ``[B, S, L_idx, K]`` key slots to replay (``-1`` rows keep the
+                indexer's own choice), or None for the indexer's own choice everywhere.
+        """
+        s = key_padding_mask.shape[1]
+        slot = torch.arange(s)
+        causal = slot[None, :] <= slot[:, None]
+        own_slot = (slot[None, :] == slot[:, None])[None]
+        allowed = causal[None] & key_padding_mask[:, None, :]
+        self._inputs = (allowed, allowed & key_padding_mask[:, :, None], own_slot, trace)
+        self.used, self.own = {}, {}
+
+    def mask(self, layer: int, x: torch.Tensor, indexer: Indexer) -> torch.Tensor:
+        """Megatron attention mask ``[B, 1, S, S]`` (True = masked out) of global ``layer``
+        for attention inputs ``x`` ``[B, S, hidden]``; records the slots used and own.
+
+        Raises:
+            rollout.model.ModelInputError: a replayed slot that is padding or in the future.
+            RuntimeError: called outside :meth:`begin` / :meth:`end`.
+        """
+        if self._inputs is None:
+            raise RuntimeError("IndexerReplay.mask called outside begin() / end()")
+        allowed, candidates, own_slot, trace = self._inputs
+        own = select_topk(indexer.scores(x, indexer.keys(x)), candidates, indexer.topk)
+        replay = self.registry.stream(trace, layer) if trace is not None else None
+        slots = resolve_replay(own, replay, allowed, layer)
+        keep = slots_to_mask(slots, x.shape[1])
+        keep = keep | (own_slot & ~keep.any(-1, keepdim=True))  # a padding query sees itself
+        self.used[layer], self.own[layer] = slots, own
+        return ~keep[:, None]
+
+    def collect(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(used, own)`` int32 ``[B, S, L_local, K]`` of the last forward, or None when this
+        part has no indexed layer."""
+        if not self.layers:
+            return None
+        return (torch.stack([self.used[i] for i in self.layers], 2).to(torch.int32),
+                torch.stack([self.own[i] for i in self.layers], 2).to(torch.int32))
+
+    def end(self) -> None:
+        """Drop the forward's inputs and outputs."""
+        self._inputs, self.used, self.own = None, {}, {}
+
+
+def indexed_attention_class(config: ModelConfig, replay: IndexerReplay):
+    """megatron ``SelfAttention`` subclass whose attention is restricted by the indexer.
+
+    ``config`` gives the indexer's shape; ``replay`` is the model part's shared
+    :class:`IndexerReplay`.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.attention import SelfAttention
+
+    class IndexedSelfAttention(SelfAttention):
+        """megatron's local self-attention behind the embedded model's indexer (HF names
+        ``model.layers.i.self_attn.indexer.*`` map to ``decoder.layers.i.self_attention.indexer.*``)."""
+
+        def __init__(self, *args, **kwargs):  # megatron's arguments, passed by keyword
+            super().__init__(*args, **kwargs)
+            self.indexer = Indexer(config.hidden_size, config.index_n_heads, config.index_head_dim,
+                                   config.index_topk)
+
+        def forward(self, hidden_states, attention_mask=None, **kwargs):
+            """hidden_states ``[S_local, B, hidden]``; ``attention_mask`` is replaced by the
+            indexer's mask of this layer."""
+            x = hidden_states.detach()
+            if self.config.sequence_parallel and ps.get_tensor_model_parallel_world_size() > 1:
+                parts = [torch.empty_like(x) for _ in range(ps.get_tensor_model_parallel_world_size())]
+                dist.all_gather(parts, x.contiguous(), group=ps.get_tensor_model_parallel_group())
+                x = torch.cat(parts)
+            with torch.no_grad():
+                mask = replay.mask(self.layer_number - 1, x.transpose(0, 1), self.indexer)
+            return super().forward(hidden_states, attention_mask=mask, **kwargs)
+
+    return IndexedSelfAttention

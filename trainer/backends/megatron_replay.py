@@ -1,0 +1,156 @@
+"""R3 through megatron-core's own ``RouterReplay``: our traces in, the routing used / own out.
+
+megatron-core 0.16.1 has routing replay built in (``moe_enable_routing_replay=True``): every
+``TopKRouter`` owns a ``RouterReplay`` whose ``get_replay_topk`` either records the router's
+top-k (``RECORD``) or returns the target indices it was given (``REPLAY_FORWARD``; the routing
+probabilities are the router's scores gathered at those indices, so the router keeps its
+gradients). Its layout is one int64 tensor ``[tokens, K]`` per MoE layer, tokens sequence-major
+(the router sees ``[S, B, H]`` flattened), each sequence-parallel rank holding its
+``torch.chunk`` slice of the sequence.
+
+:class:`RoutingReplay` converts our padded batch trace ``routed_experts`` (int32
+``[B, S, L_moe, K]``, ``-1`` rows = nothing captured) into that layout for the MoE layers of the
+local pipeline stage only (:class:`trainer.parallel.replay_registry.ReplayRegistry` over the
+stage's global layer ids, :func:`trainer.parallel.replay_registry.sp_slice` for the SP rank),
+and back: the experts used and the router's own top-k, all-gathered over the SP ranks, as
+``[B, S, L_local, K]``. Each layer's replay instance (:class:`_TraceRouterReplay`) also computes
+the router's own top-k under replay, fills ``-1`` rows with it
+(:func:`trainer.parallel.replay_registry.fill_own_choice`, as the embedded model does) and keeps
+it for the flip / drift metrics (docs/design.md §16 "The megatron-core backend").
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from trainer.parallel.replay_registry import ReplayRegistry, fill_own_choice, sp_slice
+
+__all__ = ["RoutingReplay"]
+
+
+def _replay_class():
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+    class _TraceRouterReplay(RouterReplay):
+        """megatron's ``RouterReplay`` that also keeps the router's own top-k under replay and
+        keeps the router's choice on rows whose replayed indices are all ``-1``."""
+
+        own_topk_idx = None
+
+        def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None,
+                            default_compute_topk=None):
+            probs, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+            self.own_topk_idx = own
+            if self.router_replay_action == RouterReplayAction.REPLAY_FORWARD:
+                target = fill_own_choice(self.target_topk_idx.to(scores.device), own)
+                self.record_indices(target)
+                return scores.gather(1, target), target
+            self.record_indices(own)
+            return probs, own
+
+    return _TraceRouterReplay
+
+
+class RoutingReplay:
+    """Feeds routing traces to a GPTModel's routers and reads back the routing they used.
+
+    Args:
+        model: this rank's ``GPTModel`` (its decoder layers carry global ``layer_number``).
+        config: the :class:`rollout.model.config.ModelConfig` it was built from.
+
+    Replaces every router's ``RouterReplay`` with the trace-aware one and makes them the
+    process's ``RouterReplay.global_router_replay_instances`` (one model per process).
+    """
+
+    def __init__(self, model, config) -> None:
+        from megatron.core import parallel_state as ps
+        from megatron.core.transformer.moe.router_replay import RouterReplay
+
+        cls = _replay_class()
+        self.registry = ReplayRegistry.for_routing(config)
+        self.topk = config.num_experts_per_tok
+        routers = {}
+        for layer in model.decoder.layers:
+            router = getattr(layer.mlp, "router", None)
+            gid = layer.layer_number - 1
+            if router is not None:
+                router.router_replay = cls()
+                routers[gid] = router.router_replay
+        self.registry.register(layer.layer_number - 1 for layer in model.decoder.layers)
+        if tuple(routers) != self.registry.layers:
+            raise ValueError(f"MoE routers on layers {tuple(routers)} but the model config "
+                             f"has MoE layers {self.registry.layers} here")
+        self.instances = [routers[i] for i in self.registry.layers]
+        RouterReplay.global_router_replay_instances[:] = self.instances
+        self.sp_rank = ps.get_tensor_model_parallel_rank()
+        self.sp_size = ps.get_tensor_model_parallel_world_size() if model.config.sequence_parallel else 1
+        self.sp_group = ps.get_tensor_model_parallel_group()
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """Global ids of the local stage's MoE layers (the ``L_local`` axis, increasing)."""
+        return self.registry.layers
+
+    def router_targets(self, trace: torch.Tensor) -> list[torch.Tensor]:
+        """megatron's per-layer replay targets from a batch trace.
+
+        Args:
+            trace: int ``[B, S, L_moe, K]`` (all MoE layers of the model), ``-1`` = none.
+
+        Returns:
+            one int64 ``[S_local * B, K]`` per local MoE layer: sequence-major, this SP rank's
+            ``torch.chunk`` slice of the sequence.
+
+        Raises:
+            trainer.parallel.replay_registry.ReplayError: a trace of the wrong shape.
+        """
+        out = []
+        for layer in self.layers:
+            stream = self.registry.stream(trace, layer)  # [B, S, K]
+            b, s, k = stream.shape
+            flat = stream.transpose(0, 1).reshape(s * b, k)
+            out.append(sp_slice(flat, self.sp_rank, self.sp_size).long().contiguous())
+        return out
+
+    def begin(self, trace: torch.Tensor | None) -> None:
+        """Arm the routers for one forward: replay ``trace`` (see :meth:`router_targets`), or
+        record the routers' own choice when ``trace`` is None."""
+        from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+        RouterReplay.clear_global_indices()
+        if trace is None:
+            RouterReplay.set_global_router_replay_action(RouterReplayAction.RECORD)
+            return
+        RouterReplay.set_replay_data(self.router_targets(trace))
+        RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+    def collect(self, batch_rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The experts used and the routers' own top-k of the last forward.
+
+        A collective over the SP group when sequence parallelism is on.
+
+        Returns:
+            ``(used, own)``, int32 ``[B, S, L_local, K]`` each (``S`` the forwarded width), or
+            None when this stage has no MoE layer.
+        """
+        if not self.instances:
+            return None
+        used = [self._gather(r.recorded_topk_idx) for r in self.instances]
+        own = [self._gather(r.own_topk_idx) for r in self.instances]
+        shape = lambda t: t.reshape(-1, batch_rows, self.topk).transpose(0, 1)
+        return (torch.stack([shape(t) for t in used], dim=2).to(torch.int32),
+                torch.stack([shape(t) for t in own], dim=2).to(torch.int32))
+
+    def _gather(self, local: torch.Tensor) -> torch.Tensor:
+        if self.sp_size == 1:
+            return local.detach()
+        parts = [torch.empty_like(local) for _ in range(self.sp_size)]
+        dist.all_gather(parts, local.detach().contiguous(), group=self.sp_group)
+        return torch.cat(parts)
+
+    def end(self) -> None:
+        """Drop the targets and recorded indices and leave the routers in their own mode."""
+        from megatron.core.transformer.moe.router_replay import RouterReplay
+
+        RouterReplay.clear_global_indices()
+        RouterReplay.clear_global_router_replay_action()

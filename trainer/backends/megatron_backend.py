@@ -35,7 +35,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from rollout.model.checkpoint import load_pretrained, load_state_arrays, save_pretrained
+from rollout.model.checkpoint import load_state_arrays, save_pretrained
+from rollout.model.loader import load_pretrained
 from rollout.model.config import ModelConfig
 from rollout.model.qwen3_moe import Qwen3MoeForCausalLM
 from trainer.backends.base import ReplayedForward, TrainerBackend
@@ -77,6 +78,7 @@ class MegatronBackend(TrainerBackend):
                                      "(packed rows need per-segment RoPE positions)")
         self.config, self.parallel = config, parallel
         self.vocab_tokens = list(vocab_tokens)
+        self.checkpoint_dir = Path(checkpoint_dir)  # its tokenizer files go with --save-hf
         torch.set_num_threads(config.torch_threads)
         torch.manual_seed(config.seed)
         hf_model, self._model_config = load_pretrained(checkpoint_dir, dtype=torch.float32)
@@ -245,9 +247,23 @@ class MegatronBackend(TrainerBackend):
         rank = dist.get_rank()
         directory = Path(directory)
         if rank == 0:
-            save_pretrained(model, directory / "model", tokens=self.vocab_tokens)
+            self._save_pretrained(model, directory / "model")
         torch.save({"optimizer": self._inner_states(), "version": version,
                     "torch_rng": torch.get_rng_state()}, directory / f"trainer_state.rank{rank}.pt")
+        dist.barrier()
+
+    def _save_pretrained(self, model: Qwen3MoeForCausalLM, directory: Path) -> None:
+        if self.vocab_tokens:
+            save_pretrained(model, directory, tokens=self.vocab_tokens)
+        else:  # an --hf-checkpoint run: that directory's tokenizer files, unchanged
+            save_pretrained(model, directory, tokenizer_from=self.checkpoint_dir)
+
+    def save_hf(self, directory: Path) -> None:
+        """See :meth:`TrainerBackend.save_hf` (gathered fp32 weights, written by rank 0; a
+        collective)."""
+        model = self._hf_model()
+        if dist.get_rank() == 0:
+            self._save_pretrained(model, Path(directory))
         dist.barrier()
 
     def load_checkpoint(self, directory: Path) -> int:

@@ -164,7 +164,8 @@ async def launch(config: RunConfig, log_level: int = logging.WARNING,
     run_dir = Path(tempfile.mkdtemp(prefix="replayrl-"))  # short path: AF_UNIX limit
     try:
         specs = specs if specs is not None else actor_specs(config, checkpoint)
-        directory = Directory.for_run(run_dir, [s.name for s in specs], config.transport)
+        directory = Directory.for_run(run_dir, [s.name for s in specs], config.transport,
+                                      curve_keys=config.curve_keys)
         with MetricsRecorder(output, config.num_steps, config.progress, hooks, config) as recorder:
             async with Supervisor(specs, directory, run_dir, log_level=log_level) as supervisor:
                 loop_task = asyncio.ensure_future(train_loop(directory, config, recorder.record))

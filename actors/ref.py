@@ -198,6 +198,8 @@ class ActorRef:
         conn = POOL.get(self.endpoint)
         call_id, method = message.call_id, message.method
         async with conn.slots:  # backpressure: at most max_in_flight calls at the peer
+            if conn.socket.lost is not None:  # would wait for a reply no process will send
+                raise PeerLost(f"{self.name}.{method}: {conn.socket.lost}")
             future = asyncio.get_running_loop().create_future()
             conn.pending[call_id] = (future, self.name, method)
             conn.socket.send(list(message.frames))

@@ -34,6 +34,7 @@ from actors.directory import Directory
 from actors.errors import ActorDied, ActorError
 from actors.loop import run_event_loop
 from actors.ref import close_connections, use_curve_keys
+from actors.run_dir import leave_run_dir
 
 log = logging.getLogger(__name__)
 _PARENT_POLL_SECONDS = 0.5
@@ -161,6 +162,8 @@ def _child_main(spec: ActorSpec, endpoints: dict[str, str], curve_keys: str, par
     try:
         actor = import_actor_class(spec.cls)(**spec.kwargs)
         run_event_loop(serve_actor(actor, spec.name, Directory(endpoints, curve_keys), parent_pid))
+        if os.getppid() != parent_pid:  # the launcher was killed: nobody else will clean up
+            leave_run_dir(run_dir)
     except BaseException:
         text = traceback.format_exc()
         try:

@@ -10,11 +10,15 @@ import asyncio
 import dataclasses
 import logging
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from actors import ActorSpec, Directory, Supervisor, import_callable
+from actors.run_dir import create_run_dir
+from actors.version_clock import VersionError, VersionRules
+from rollout.model.errors import ModelError
+from trainer.backends import resolve_backend
+from transport import strict_json
 from rollout.engines import EngineError, check_capture, engine_class_path, load_engine_class
 from rollout.engines.precision import resolve_dtype
 from rollout.model.checkpoint import save_pretrained
@@ -58,6 +62,27 @@ def check_writable(directory: Path, flag: str) -> None:
         probe.unlink()
     except OSError as exc:
         raise ConfigError(f"{flag} {directory}: not writable: {exc}") from None
+
+
+def check_load(config: RunConfig) -> int:
+    """Read and check every file of the ``--load`` checkpoint (model, trainer state, clock
+    state) before any actor starts, so a truncated checkpoint fails in seconds, not after the
+    actors have started; returns its trainer version.
+
+    Raises:
+        ConfigError: a missing, truncated or malformed file (names the flag and the file).
+    """
+    path = Path(config.load)
+    try:
+        version = resolve_backend(config.trainer.train_backend).check_checkpoint(path)
+        state = strict_json.loads((path / "run_state.json").read_text())
+        clock = VersionRules.from_state_dict(state["clock"])
+    except (ModelError, VersionError, ValueError, OSError, KeyError, TypeError) as exc:
+        raise ConfigError(f"--load {path}: {type(exc).__name__}: {exc}") from None
+    if clock.trainer_version != version:
+        raise ConfigError(f"--load {path}: the clock is at version {clock.trainer_version}, the "
+                          f"trainer state at {version}; the checkpoint is inconsistent")
+    return version
 
 
 def write_initial_checkpoint(config: RunConfig, directory: Path) -> Path:
@@ -145,8 +170,9 @@ async def launch(config: RunConfig, log_level: int = logging.WARNING,
     ``specs`` replaces :func:`actor_specs` (tests inject failing actors this way).
 
     Raises:
-        ConfigError: a hook / reward that does not import, an unwritable ``--save``, or an
-            unknown / unfit ``--rollout-engine`` (all before any process starts).
+        ConfigError: a hook / reward that does not import, an unwritable ``--save``, an
+            unknown / unfit ``--rollout-engine``, or a bad ``--load`` checkpoint
+            (:func:`check_load`), all before any process starts.
         actors.ActorDied: an actor process exited (its traceback is in the message).
         actors.RemoteError: an actor method raised (remote traceback in the message).
     """
@@ -157,11 +183,13 @@ async def launch(config: RunConfig, log_level: int = logging.WARNING,
         load_hook(config.rollout.custom_reward, "--custom-reward")
     if config.save_interval:
         check_writable(Path(config.save_dir), "--save")
+    if config.load:
+        check_load(config)
     output = Path(config.output_dir)
     output.mkdir(parents=True, exist_ok=True)
     (output / "config.json").write_text(config.to_json())
     checkpoint = write_initial_checkpoint(config, output / "checkpoint-init")
-    run_dir = Path(tempfile.mkdtemp(prefix="replayrl-"))  # short path: AF_UNIX limit
+    run_dir = create_run_dir()  # short path: AF_UNIX limit; stale ones of killed launchers go
     try:
         specs = specs if specs is not None else actor_specs(config, checkpoint)
         directory = Directory.for_run(run_dir, [s.name for s in specs], config.transport,

@@ -41,8 +41,9 @@ Limits on what a received message may cost (docs/design.md §4 "Transport contra
 refused with :class:`MessageTooLarge` before the work is done: all frames together and each
 array at most ``max_message_bytes``; at most ``max_frames`` frames; at most
 ``max_container_len`` elements per list / dict; and a work budget of ``decode_budget_floor +
-decode_budget_per_byte x header bytes`` units, a decoded container costing
-:data:`CONTAINER_UNITS` and each element one. One ``0x90`` byte is an empty list of 56 bytes
+decode_budget_per_byte x header bytes`` units, a decoded list costing
+:data:`CONTAINER_UNITS` and each element one, a dict :data:`DICT_UNITS` and each item
+:data:`DICT_ITEM_UNITS`. One ``0x90`` byte is an empty list of 56 bytes
 in CPython; without the budget a 1 MiB header of them decoded to ~75 MiB. Array shapes are
 checked as numpy checks them (the product of the non-zero dimensions times the item size fits
 in ``np.intp``), for torch tensors too. Error messages quote hostile values cut short.
@@ -69,7 +70,6 @@ from __future__ import annotations
 
 import math
 import sys
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable, NoReturn
@@ -79,7 +79,7 @@ import numpy as np
 import zmq
 
 from transport.errors import DecodeError, EncodeError, MessageTooLarge, TransportError
-from transport.tensor_data import TensorData
+from transport.tensor_data import TensorData, tensor_from_buffer
 
 __all__ = [
     "DEFAULT_INLINE_THRESHOLD",
@@ -121,8 +121,12 @@ message decode to at most ``8 * (floor + per_byte * n)`` bytes, 16x its header p
 (docs/design.md §4 "Transport contract")."""
 
 CONTAINER_UNITS = 8
-"""Budget units of one decoded container: an empty list or dict is 56-64 bytes of CPython
-memory, eight 8-byte slots, although it is one byte (``0x90`` / ``0x80``) on the wire."""
+"""Budget units of one decoded list or tuple: an empty list is 56 bytes of CPython memory,
+about eight 8-byte slots, although it is one byte (``0x90``) on the wire."""
+
+DICT_UNITS, DICT_ITEM_UNITS = 24, 3
+"""Budget units of one decoded dict and of each of its items: a small dict is 180-230 bytes of
+CPython memory (its hash table), an item a hash, a key and a value slot."""
 
 _NUMPY_DTYPE_NAMES = (
     "bool",
@@ -475,7 +479,8 @@ class _DecodeState:
             raise MessageTooLarge(
                 f"header of {header} bytes decodes to more objects than its budget of "
                 f"{self.config.decode_budget_floor} + {self.config.decode_budget_per_byte} x {header} "
-                f"units (a container costs {CONTAINER_UNITS}, an element 1); send bulk data as arrays"
+                f"units (a list costs {CONTAINER_UNITS} + 1 per element, a dict {DICT_UNITS} + "
+                f"{DICT_ITEM_UNITS} per item); send bulk data as arrays"
             )
 
     def list_hook(self, items: list) -> list | tuple:
@@ -485,7 +490,7 @@ class _DecodeState:
         return items
 
     def object_hook(self, items: dict) -> dict:
-        self.spend(CONTAINER_UNITS + len(items))
+        self.spend(DICT_UNITS + DICT_ITEM_UNITS * len(items))
         return items
 
     def ext_hook(self, code: int, data: bytes) -> Any:
@@ -612,31 +617,6 @@ def _readonly_bytes(buf: Any, copy: bool) -> np.ndarray:
     arr = np.frombuffer(bytes(buf) if copy else buf, dtype=np.uint8)
     arr.flags.writeable = False
     return arr
-
-
-def tensor_from_buffer(buf: Any, name: str, shape: list[int] | tuple[int, ...], inline: bool) -> Any:
-    """A torch tensor of dtype ``name`` and ``shape`` over ``buf`` (copied when ``inline``:
-    msgpack's small ``bytes`` objects may be interned). Imports torch.
-
-    Raises:
-        ImportError: torch is not installed.
-    """
-    import torch
-
-    dtype = getattr(torch, name)
-    if len(buf) == 0:
-        return torch.empty(shape, dtype=dtype)  # torch.frombuffer refuses empty buffers
-    if inline:
-        # Small: copy out of msgpack's immutable (possibly interned, e.g. 1-byte) bytes object.
-        return torch.frombuffer(bytearray(buf), dtype=dtype).reshape(shape)
-    if not buf.readonly:  # zmq.Frame and bytearray buffers: the usual case, no warning
-        return torch.frombuffer(buf, dtype=dtype).reshape(shape)
-    with warnings.catch_warnings():
-        # Read-only frame (e.g. ``bytes`` from a copying recv): still shared, not copied, as
-        # documented in the module docstring; torch's "buffer is not writable" warning is
-        # expected here. catch_warnings is process-global, hence only on this rare path.
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(buf, dtype=dtype).reshape(shape)
 
 
 _FOREIGN_LEAVES = frozenset({msgpack.Timestamp, _TupleMarker})

@@ -366,6 +366,14 @@ class DealerSocket(_LoopSocket):
         self._heartbeat_ms = heartbeat_ms
         self._monitor: zmq.Socket | None = None
         self._monitor_fd: int | None = None
+        self._lost: str | None = None
+
+    @property
+    def lost(self) -> str | None:
+        """Why the connection is down (``on_disconnect``'s reason) until a new handshake
+        succeeds; None while connected or before the first connection (only watched when
+        ``on_disconnect`` is given)."""
+        return self._lost
 
     @property
     def identity(self) -> bytes | None:
@@ -391,7 +399,7 @@ class DealerSocket(_LoopSocket):
             sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout)
             if self._on_disconnect is not None:
                 self._monitor = sock.get_monitor_socket(
-                    zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                    zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
                     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
             sock.connect(self._endpoint)
         except (TransportError, zmq.ZMQError) as exc:
@@ -415,8 +423,12 @@ class DealerSocket(_LoopSocket):
             except zmq.Again:
                 return
             kind = event["event"]
+            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._lost = None
+                continue
             reason = ("connection lost" if kind == zmq.EVENT_DISCONNECTED
                       else f"handshake refused ({zmq.Event(kind).name})")
+            self._lost = f"{self._endpoint}: {reason}"
             try:
                 self._on_disconnect(f"{self._endpoint}: {reason}")
             except Exception as exc:

@@ -10,11 +10,12 @@ tensors unchanged.
 from __future__ import annotations
 
 from dataclasses import dataclass
+import warnings
 from typing import Any
 
 import numpy as np
 
-__all__ = ["TensorData"]
+__all__ = ["TensorData", "tensor_from_buffer"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,29 @@ class TensorData:
 
     def torch(self) -> Any:
         """The values as a torch tensor (imports torch; copies the bytes, so it is writable)."""
-        from transport.codec import tensor_from_buffer
-
         return tensor_from_buffer(self.data, self.dtype, self.shape, inline=True)
+
+
+def tensor_from_buffer(buf: Any, name: str, shape: list[int] | tuple[int, ...], inline: bool) -> Any:
+    """A torch tensor of dtype ``name`` and ``shape`` over ``buf`` (copied when ``inline``:
+    msgpack's small ``bytes`` objects may be interned). Imports torch.
+
+    Raises:
+        ImportError: torch is not installed.
+    """
+    import torch
+
+    dtype = getattr(torch, name)
+    if len(buf) == 0:
+        return torch.empty(shape, dtype=dtype)  # torch.frombuffer refuses empty buffers
+    if inline:
+        # Small: copy out of msgpack's immutable (possibly interned, e.g. 1-byte) bytes object.
+        return torch.frombuffer(bytearray(buf), dtype=dtype).reshape(shape)
+    if not buf.readonly:  # zmq.Frame and bytearray buffers: the usual case, no warning
+        return torch.frombuffer(buf, dtype=dtype).reshape(shape)
+    with warnings.catch_warnings():
+        # Read-only frame (e.g. ``bytes`` from a copying recv): still shared, not copied, as
+        # documented in the module docstring; torch's "buffer is not writable" warning is
+        # expected here. catch_warnings is process-global, hence only on this rare path.
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(buf, dtype=dtype).reshape(shape)

@@ -236,8 +236,8 @@ class TorchBackend(TrainerBackend):
         completely, checks the latter's fields, and loads its optimizer state into an optimizer
         over the checkpoint's own parameters (their count and sizes must fit)."""
         directory = Path(directory)
-        weights, state, version = _read_checkpoint(directory)
-        params = [torch.nn.Parameter(t) for t in weights.values() if t.is_floating_point()]
+        model, state, version = _read_checkpoint(directory)
+        params = [p for p in model.parameters() if p.requires_grad]  # as __init__ takes them
         try:
             torch.optim.AdamW(params).load_state_dict(state["optimizer"])
         except (ValueError, KeyError, TypeError, RuntimeError) as exc:
@@ -266,7 +266,8 @@ class TorchBackend(TrainerBackend):
                 this policy (names the tensor). ValueError: an unreadable or malformed
                 ``trainer_state.pt``. In every case nothing was changed.
         """
-        weights, state, version = _read_checkpoint(Path(directory))
+        model, state, version = _read_checkpoint(Path(directory))
+        weights = model.state_dict()
         if version < min_version:
             raise VersionRegression(f"checkpoint {directory} is at version {version}, behind the "
                                     f"trainer's {min_version}; versions never move backwards")
@@ -308,9 +309,9 @@ class TorchBackend(TrainerBackend):
         return {k: np.ascontiguousarray(v).tobytes() for k, v in arrays.items()}
 
 
-def _read_checkpoint(directory: Path) -> tuple[dict[str, torch.Tensor], dict, int]:
+def _read_checkpoint(directory: Path) -> tuple[Qwen3MoeForCausalLM, dict, int]:
     """Read ``directory/model`` and ``directory/trainer_state.pt`` and check the latter's fields;
-    changes nothing. Returns ``(weights state dict, trainer state, version)``.
+    changes nothing (not even the global RNG). Returns ``(model, trainer state, version)``.
 
     Raises:
         rollout.model.CheckpointError: unreadable model files. ValueError: a missing,
@@ -333,4 +334,4 @@ def _read_checkpoint(directory: Path) -> tuple[dict[str, torch.Tensor], dict, in
         raise ValueError(f"{path}: torch_rng is not a torch RNG state")
     if not isinstance(state["optimizer"], dict) or "state" not in state["optimizer"]:
         raise ValueError(f"{path}: optimizer is not an optimizer state dict")
-    return model.state_dict(), state, version
+    return model, state, version

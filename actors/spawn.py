@@ -31,7 +31,7 @@ from typing import Any
 
 from actors.actor import Actor, ActorServer
 from actors.directory import Directory
-from actors.errors import ActorDied, ActorError
+from actors.errors import ActorDied, ActorError, PeerLost
 from actors.loop import run_event_loop
 from actors.ref import close_connections, use_curve_keys
 from actors.run_dir import leave_run_dir
@@ -228,6 +228,17 @@ class Supervisor:
                 text = tb_file.read_text() if tb_file.exists() else ""
                 return ActorDied(name, proc.exitcode, text)
         return None
+
+    async def explain(self, exc: BaseException, grace: float = 5.0) -> BaseException:
+        """The error to report for ``exc``: a :class:`PeerLost` caused by an actor process that
+        exited becomes that process's :class:`ActorDied` (with its traceback), waiting up to
+        ``grace`` seconds for the exit to show; anything else is returned as it is."""
+        if not isinstance(exc, PeerLost):
+            return exc
+        deadline = time.monotonic() + grace
+        while (dead := self.died()) is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return dead if dead is not None else exc
 
     async def wait_ready(self) -> None:
         """Ping every actor until it answers.

@@ -65,6 +65,23 @@ async def test_short_run_overlaps_generation_with_one_step_staleness(tmp_path):
     assert result.plot_path.exists() and "last10%=" in result.summary
 
 
+async def test_max_staleness_zero_trains_on_policy_in_sequence(tmp_path):
+    config = build_config({**SMALL, "num-steps": 3, "max-staleness": 0, "save-interval": 2,
+                           "output-dir": str(tmp_path)})
+    result = await launch(config)
+    rows = [json.loads(line) for line in result.metrics_path.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    # every batch came from the weights the step trains (the clock's window [0, 0] would have
+    # refused a batch generated before the previous push)
+    assert [r["staleness_max"] for r in rows] == [0, 0, 0]
+    assert [r["trainer_version"] for r in rows] == [1, 2, 3]
+    for r in rows:  # generation and training do not overlap: each side waits the other out
+        assert r["wait_for_rollout_seconds"] > 0 and r["wait_for_trainer_seconds"] > 0
+    state = json.loads((tmp_path / "checkpoints" / "step-2" / "run_state.json").read_text())
+    assert state["next_step"] == 2 and state["clock"]["max_staleness"] == 0
+    assert state["clock"]["trainer_version"] == 2
+
+
 async def test_traces_cross_the_wire_with_design_shapes(tmp_path):
     config = build_config({**SMALL, "num-steps": 1, "output-dir": str(tmp_path)})
     checkpoint = write_initial_checkpoint(config, tmp_path / "ckpt")

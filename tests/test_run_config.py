@@ -112,7 +112,7 @@ def test_repl_subcommand_takes_the_same_flags():
 
 @pytest.mark.parametrize("flag,value", [
     ("num-steps", 0),
-    ("max-staleness", 0),
+    ("max-staleness", -1),
     ("num-engines", 0),
     ("engine-dtype", "float16"),
     ("transport", "udp"),

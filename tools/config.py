@@ -47,7 +47,8 @@ class RunConfig:
 
     Attributes:
         num_steps: optimizer steps (= rollouts) to run (``--num-steps``, slime ``--num-rollout``).
-        max_staleness: VersionClock window (``--max-staleness``).
+        max_staleness: VersionClock window (``--max-staleness``); 0 runs the synchronous
+            on-policy loop (:func:`tools.train_loop.sync_step`).
         num_engines: engine actors (``--num-engines``).
         engine_dtype: ``auto`` (bf16 where the hardware computes it natively, else float32;
             :mod:`rollout.engines.precision`), ``bfloat16`` or ``float32`` (``--engine-dtype``).
@@ -66,9 +67,10 @@ class RunConfig:
     """
 
     num_steps: int = setting(400, "num-steps", "optimizer steps (one rollout each)", Range(low=1))
-    max_staleness: int = setting(1, "max-staleness", "VersionClock window 0 <= t - v <= max-staleness",
-                                 Range(low=1, why="the loop overlaps generation of step k+1 with "
-                                                  "training of step k (one-step off-policy)"))
+    max_staleness: int = setting(1, "max-staleness", "VersionClock window 0 <= t - v <= "
+                                 "max-staleness; 0 = synchronous on-policy (generate, train, "
+                                 "push in sequence), >= 1 overlaps generation with training",
+                                 Range(low=0))
     num_engines: int = setting(1, "num-engines", "engine actor processes", Range(low=1))
     engine_dtype: str = setting("auto", "engine-dtype", "engine precision; auto = bfloat16 where "
                                 "the CPU (AMX) or GPU computes it natively, else float32",

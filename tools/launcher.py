@@ -206,7 +206,9 @@ async def launch(config: RunConfig, log_level: int = logging.WARNING,
                     await asyncio.gather(loop_task, watch_task, return_exceptions=True)
                 if watch_task.done() and not watch_task.cancelled() and watch_task.exception():
                     raise watch_task.exception()
-                loop_task.result()  # re-raises the loop's error, if any
+                if not loop_task.cancelled() and loop_task.exception() is not None:
+                    # a call cut off by a dying actor: report the death and its traceback
+                    raise await supervisor.explain(loop_task.exception())
         plot = recorder.plot()
         return RunResult(recorder.summary(), recorder.path, plot, recorder.rows)
     finally:

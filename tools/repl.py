@@ -30,7 +30,7 @@ from typing import Any, Coroutine
 from actors import ActorSpec, Directory, Supervisor, close_connections, run_event_loop
 from tools.config import RunConfig, config_from_args
 from tools.exit_codes import exit_code
-from tools.train_loop import push_after, step_metrics
+from tools.train_loop import step_metrics, sync_step
 
 log = logging.getLogger(__name__)
 
@@ -244,6 +244,8 @@ class ReplSession:
             task.cancel()
             raise
         if task in done:
+            if task.exception() is not None and self.supervisor is not None:
+                raise await self.supervisor.explain(task.exception())
             return task.result()
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
@@ -315,9 +317,7 @@ class ReplSession:
 
         async def one_step() -> dict:
             start = time.perf_counter()
-            summary = await manager.generate(k)
-            trained = await trainer.train(k)
-            push = await push_after(trained, trainer)  # nothing after a skipped step
+            summary, trained, push, _ = await sync_step(manager, trainer, k)  # no push if skipped
             return step_metrics(k, summary, trained, push, time.perf_counter() - start)
 
         return self.run(one_step())

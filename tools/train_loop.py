@@ -1,4 +1,5 @@
-"""The one-step-asynchronous training loop, in a page (the shape of slime's train_async.py).
+"""The training loops, in a page: one-step asynchronous (the shape of slime's train_async.py)
+and, with ``--max-staleness 0``, synchronous on-policy (slime's train.py).
 
 Generation of rollout k+1 runs on the engines while the trainer trains on rollout k; the new
 weights are pushed only after that generation finished, so every sample enters its step exactly
@@ -9,6 +10,11 @@ A step the trainer skips (nothing to train, ``skipped: 1`` in its metrics, docs/
 moved no weight and no version, so nothing is pushed after it (:data:`NO_PUSH`): the engines
 keep the weights they have, the next batch was generated at the trainer's unchanged version
 (staleness 0, inside the window) and the row is still recorded.
+
+With ``--max-staleness 0`` nothing overlaps: each step generates rollout k from the weights of
+version k, trains on it and pushes version k + 1 before rollout k + 1 is generated
+(:func:`sync_step`), so every sample enters its step at staleness exactly 0 and the clock's
+window ``0 <= t - v <= 0`` admits nothing else (docs/design.md §6 "Version clock").
 
 Checkpoints (``--save-interval``) are taken after a step's weight push. They hold the trainer
 (model, optimizer, version, RNG), the clock and the data source as it was *before* the
@@ -67,6 +73,30 @@ def step_metrics(step: int, summary: dict, trained: dict, push: dict, step_secon
             "step_seconds": step_seconds}
 
 
+async def sync_step(manager, trainer, step: int) -> tuple[dict, dict, dict, dict]:
+    """One synchronous on-policy step: generate rollout ``step`` with the engines' current
+    weights, train on it, push the new weights (nothing after a skipped step).
+
+    Args:
+        manager, trainer: proxies to the RolloutManager and the TrainerActor.
+    Returns:
+        ``(summary, trained, push, waits)``: the ``generate``, ``train`` and push results, and
+        the idle times of this shape: ``wait_for_rollout_seconds`` (the trainer waited for the
+        whole generation) and ``wait_for_trainer_seconds`` (the engines waited for training and
+        the push); seconds.
+    Raises:
+        actors.RemoteError: generation, training or the push failed.
+    """
+    start = time.perf_counter()
+    summary = await manager.generate(step)
+    generated = time.perf_counter()
+    trained = await trainer.train(step)
+    push = await push_after(trained, trainer)
+    waits = {"wait_for_rollout_seconds": generated - start,
+             "wait_for_trainer_seconds": time.perf_counter() - generated}
+    return summary, trained, push, waits
+
+
 async def save_checkpoint(directory: Directory, path: Path, next_step: int,
                           config: RunConfig) -> None:
     """Write the run's state after ``next_step - 1`` steps to ``path``."""
@@ -96,11 +126,22 @@ async def train_loop(directory: Directory, config: RunConfig,
     """Run steps up to ``config.num_steps``; call ``on_step(metrics)`` after each, with the
     row :func:`step_metrics` builds plus the overlap's waits: ``wait_for_rollout_seconds``
     (training finished, the next rollout had not) and ``wait_for_trainer_seconds`` (the next
-    rollout was ready while the trainer still trained; the engines idled)."""
+    rollout was ready while the trainer still trained; the engines idled). With
+    ``config.max_staleness == 0`` the steps are :func:`sync_step` in sequence."""
     manager, trainer = directory.proxy("rollout_manager"), directory.proxy("trainer")
     first = await load_checkpoint(directory, Path(config.load)) if config.load else 0
     push = await trainer.push_weights()  # engines serve nothing before this
     if first >= config.num_steps:
+        return
+    if config.max_staleness == 0:
+        for step in range(first, config.num_steps):
+            step_start = time.perf_counter()
+            summary, trained, push, waits = await sync_step(manager, trainer, step)
+            if config.save_interval and (step + 1) % config.save_interval == 0:
+                await save_checkpoint(directory, Path(config.save_dir) / f"step-{step + 1}",
+                                      step + 1, config)
+            on_step({**step_metrics(step, summary, trained, push, time.perf_counter() - step_start),
+                     **waits})
         return
     generated = await manager.generate(first)
     for step in range(first, config.num_steps):

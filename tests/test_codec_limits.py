@@ -237,3 +237,13 @@ def test_fuzz_live_actor_survives_and_answers(live_actor, envelope, noise, at, e
         assert reply == {"k": "ok", "id": call_id, "v": call_id}
     finally:
         sock.close(0)
+
+
+def test_bench_decode_measures_refusal_and_plain_decoding():
+    from tools.bench_decode import frame_of, measure
+
+    frame = frame_of(b"\x90", 1 << 18)
+    assert len(frame) == 5 + (1 << 18) and msgpack.unpackb(frame) == [[]] * (1 << 18)
+    outcome, seconds, ratio = measure(lambda f: decode([f]), frame)
+    assert outcome == "refused (MessageTooLarge)" and seconds > 0 and ratio > 1
+    assert measure(msgpack.unpackb, frame)[0] == "decoded"

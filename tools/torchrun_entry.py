@@ -25,6 +25,7 @@ import sys
 import time
 
 from actors import ActorError, Directory, run_event_loop
+from actors.ref import use_curve_keys
 from actors.spawn import ActorSpec, import_actor_class, serve_actor
 from tools.config import ConfigError, RunConfig, add_run_flags, config_from_args
 from tools.exit_codes import exit_code
@@ -75,6 +76,7 @@ async def _serve_rank(names: list[str], specs: list[ActorSpec], directory: Direc
 async def _drive(config: RunConfig, specs: list[ActorSpec], directory: Directory,
                  ready_timeout: float) -> str:
     by_name = {s.name: s for s in specs}
+    use_curve_keys(directory.keys())  # the driver's own calls are CURVE clients too
     local = [asyncio.ensure_future(serve_actor(import_actor_class(by_name[n].cls)(**by_name[n].kwargs), n,
                                                directory)) for n in DRIVER_ACTORS]
     remote = [s.name for s in specs if s.name not in DRIVER_ACTORS]

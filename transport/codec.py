@@ -68,6 +68,7 @@ Memory and lifetime
 
 from __future__ import annotations
 
+import gc
 import math
 import sys
 from collections.abc import Sequence
@@ -574,6 +575,8 @@ class _DecodeState:
         return tensor_from_buffer(buf, name, shape, inline=type(payload) is bytes)
 
 
+_GC_PAUSE_BYTES = 64 << 10  # headers from this size decode with the cyclic GC paused
+
 _MAX_ERROR_FIELD = 200  # characters of a hostile value quoted in an error message
 
 
@@ -736,6 +739,12 @@ class Codec:
                 f"exceeds max_message_bytes={self.config.max_message_bytes}"
             )
         state = _DecodeState(self.config, views)
+        # The cyclic GC runs again and again while a large header allocates lists, doubling
+        # the cost of a refused one; nothing decoded can be cyclic, so pause it (msgpack's own
+        # advice for large messages). Global state, restored in every case.
+        pause_gc = views[0].nbytes >= _GC_PAUSE_BYTES and gc.isenabled()
+        if pause_gc:
+            gc.disable()
         try:
             obj = state.unpackb(views[0])
         except DecodeError:
@@ -744,6 +753,9 @@ class Codec:
             raise DecodeError("malformed header: nesting too deep") from exc
         except Exception as exc:  # msgpack raises ValueError subclasses, TypeError, UnicodeDecodeError...
             raise DecodeError(f"malformed msgpack header (frame 0): {type(exc).__name__}: {_clip(str(exc))}") from exc
+        finally:
+            if pause_gc:
+                gc.enable()
         if len(state.used) != len(views) - 1:
             unused = sorted(set(range(1, len(views))) - state.used)
             shown = f"{unused[:8]}" if len(unused) <= 8 else f"{str(unused[:8])[:-1]}, ...] ({len(unused)} in all)"

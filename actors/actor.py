@@ -210,12 +210,27 @@ class ActorServer:
 
 
 def _best_effort_id(frames: list) -> int | None:
-    """The call id of a message that failed validation, if its envelope can still be read."""
-    try:  # header only, ignoring array references: the full decode already failed
+    """The call id of a message that failed validation, if its envelope can still be read.
+
+    Reads only the top-level map's ``"k"`` and ``"id"`` (every other value is skipped, never
+    built, and small limits hold for what is built), so a header the codec refused for its size
+    or its decoding cost is not decoded in full here.
+    """
+    try:
         head = frames[0]
         head = head.buffer if hasattr(head, "buffer") else head
-        msg = msgpack.unpackb(head, ext_hook=lambda code, data: None, strict_map_key=False)
-        call_id = msg.get("id") if isinstance(msg, dict) else None
-        return call_id if isinstance(call_id, int) and msg.get("k") == CALL else None
+        unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=max(1, len(head)),
+                                    max_array_len=16, max_map_len=16, max_str_len=64,
+                                    max_bin_len=64, max_ext_len=64)
+        unpacker.feed(head)
+        fields = {}
+        for _ in range(min(unpacker.read_map_header(), 16)):
+            key = unpacker.unpack()
+            if key in ("k", "id"):
+                fields[key] = unpacker.unpack()
+            else:
+                unpacker.skip()
+        call_id = fields.get("id")
+        return call_id if type(call_id) is int and fields.get("k") == CALL else None
     except Exception:
         return None

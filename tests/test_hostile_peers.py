@@ -307,3 +307,23 @@ def test_killed_launcher_leaves_no_run_directory(tmp_path):
         assert list(tmp.iterdir()) == []
     finally:
         proc.kill()
+
+
+def test_the_id_of_a_refused_message_is_read_without_decoding_it():
+    import tracemalloc
+
+    import msgpack
+
+    from actors.actor import _best_effort_id
+
+    n = 1 << 20
+    bomb = (b"\x85\xa1a\x91" + b"\xdd" + n.to_bytes(4, "big") + b"\x90" * n
+            + b"\xa1k\xa4call\xa2id\x08\xa1m\xa4echo\xa2kw\x80")  # the bulk comes before the id
+    tracemalloc.start()
+    assert _best_effort_id([bomb]) == 8
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 3 * len(bomb)  # the unpacker's copy of the bytes; the 2**20 lists (64x) never built
+    assert _best_effort_id([msgpack.packb({"k": "tell", "id": 3})]) is None  # no reply to a tell
+    assert _best_effort_id([b"\xc1"]) is None and _best_effort_id([msgpack.packb([1, 2])]) is None
+    assert _best_effort_id([msgpack.packb({"k": "call", "id": True})]) is None

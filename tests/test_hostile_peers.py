@@ -327,3 +327,45 @@ def test_the_id_of_a_refused_message_is_read_without_decoding_it():
     assert _best_effort_id([msgpack.packb({"k": "tell", "id": 3})]) is None  # no reply to a tell
     assert _best_effort_id([b"\xc1"]) is None and _best_effort_id([msgpack.packb([1, 2])]) is None
     assert _best_effort_id([msgpack.packb({"k": "call", "id": True})]) is None
+
+
+def test_error_logs_are_rate_limited_and_count_what_they_suppressed():
+    import logging
+
+    from actors.log_limit import MAX_ERROR_TEXT, RateLimitedLog, clip
+
+    now = [0.0]
+    records: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    logger = logging.getLogger("test.rate_limited")
+    logger.addHandler(Collect())
+    limited = RateLimitedLog(logger, per_second=1.0, burst=3, clock=lambda: now[0])
+    logged = [limited.log(logging.ERROR, f"bad message {i} " + "x" * 10_000) for i in range(1000)]
+    assert logged.count(True) == 3 and len(records) == 3  # the burst, then nothing
+    now[0] += 2.0  # two tokens back
+    assert limited.log(logging.ERROR, "after the flood")
+    assert records[-1].startswith("after the flood") and "997 similar lines suppressed" in records[-1]
+    assert all(len(r) <= MAX_ERROR_TEXT + 100 for r in records)
+    assert clip("abc" * 1000, 30, keep_end=True).endswith("abc" * 10)
+
+
+def test_keys_command_writes_a_private_key_pair_once(tmp_path, capsys):
+    import stat
+
+    from tools.cli import main
+
+    assert main(["keys", str(tmp_path / "k")]) == 0
+    secret = tmp_path / "k" / "run.key_secret"
+    assert stat.S_IMODE(secret.stat().st_mode) == 0o600
+    assert stat.S_IMODE((tmp_path / "k").stat().st_mode) == 0o700
+    keys = CurveKeys.load(tmp_path / "k")
+    assert len(keys.public) == len(keys.secret) == 40 and str(keys.secret) not in repr(keys)
+    assert main(["keys", str(tmp_path / "k")]) != 0  # never overwritten
+    assert CurveKeys.load(tmp_path / "k") == keys
+    secret.chmod(0o644)
+    with pytest.raises(TransportError, match="chmod 600"):
+        CurveKeys.load(tmp_path / "k")

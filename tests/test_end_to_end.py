@@ -82,6 +82,24 @@ async def test_max_staleness_zero_trains_on_policy_in_sequence(tmp_path):
     assert state["clock"]["trainer_version"] == 2
 
 
+async def test_trainer_dying_while_saving_ends_the_run_and_keeps_the_last_checkpoint(tmp_path):
+    from actors import ActorDied
+    from tools.launcher import check_load
+
+    config = build_config({**SMALL, "num-steps": 4, "save-interval": 1, "output-dir": str(tmp_path)})
+    checkpoint = write_initial_checkpoint(config, tmp_path / "ckpt")
+    specs = [dataclasses.replace(s, cls="tests.failing_trainer:DiesWhileSaving")
+             if s.name == "trainer" else s for s in actor_specs(config, checkpoint)]
+    with pytest.raises(ActorDied) as died:
+        await launch(config, specs=specs)
+    assert died.value.actor == "trainer" and died.value.exitcode == 9
+    saved = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert saved == ["step-1", "step-2.partial"]  # the half-written one is not named a checkpoint
+    resume = build_config({**SMALL, "num-steps": 4, "output-dir": str(tmp_path / "again"),
+                           "load": str(tmp_path / "checkpoints" / "step-1")})
+    assert check_load(resume) == 1  # every file of the last checkpoint reads back and fits
+
+
 async def test_traces_cross_the_wire_with_design_shapes(tmp_path):
     config = build_config({**SMALL, "num-steps": 1, "output-dir": str(tmp_path)})
     checkpoint = write_initial_checkpoint(config, tmp_path / "ckpt")

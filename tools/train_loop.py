@@ -23,6 +23,8 @@ prefetched rollout was drawn, so a resumed run draws that batch again from the r
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
 import time
 from pathlib import Path
 from typing import Callable
@@ -99,13 +101,23 @@ async def sync_step(manager, trainer, step: int) -> tuple[dict, dict, dict, dict
 
 async def save_checkpoint(directory: Directory, path: Path, next_step: int,
                           config: RunConfig) -> None:
-    """Write the run's state after ``next_step - 1`` steps to ``path``."""
-    path.mkdir(parents=True, exist_ok=True)
-    await directory.proxy("trainer").save_checkpoint(str(path))
+    """Write the run's state after ``next_step - 1`` steps to ``path``.
+
+    Everything is written into ``<path>.partial`` first and renamed to ``path`` once complete,
+    so an actor that dies while saving leaves the earlier checkpoints intact and no directory
+    named like a checkpoint that is not one.
+    """
+    partial = path.with_name(path.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)  # left by a run that died while saving
+    partial.mkdir(parents=True)
+    await directory.proxy("trainer").save_checkpoint(str(partial))
     state = {"next_step": next_step, "data_settings": config.data_settings(),
              "clock": await directory.proxy("version_clock").state(),
              "manager": await directory.proxy("rollout_manager").state(next_step)}
-    (path / "run_state.json").write_text(strict_json.dumps(state, indent=1))
+    (partial / "run_state.json").write_text(strict_json.dumps(state, indent=1))
+    if path.exists():  # a rerun into the same --save directory replaces its checkpoint
+        shutil.rmtree(path)
+    os.replace(partial, path)
 
 
 async def load_checkpoint(directory: Directory, path: Path) -> int:

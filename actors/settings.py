@@ -157,6 +157,8 @@ class Setting:
         metavar: placeholder of the value in help (``"MODULE:FUNCTION"``); ``""`` = argparse's.
         default_text: the default as help shows it, when the field's default is a placeholder
             filled in later (``"<output-dir>/checkpoints"``); ``""`` = the field's default.
+        nargs: values per occurrence of a repeatable flag (``--eval-prompt-data NAME FILE`` is
+            2); the field holds every occurrence's values flattened, in order.
     """
 
     flag: str
@@ -166,6 +168,7 @@ class Setting:
     repeat: bool = False
     metavar: str = ""
     default_text: str = ""
+    nargs: int = 1
 
     def message(self, name: str) -> str:
         """The error for a value outside :attr:`check` (``"--lr must be > 0"``); ``name`` is
@@ -176,13 +179,14 @@ class Setting:
 
 
 def setting(default: Any, flag: str = "", help: str = "", check: Check | None = None, *,
-            type: type | None = None, metavar: str = "", default_text: str = "") -> Any:
+            type: type | None = None, metavar: str = "", default_text: str = "",
+            nargs: int = 1) -> Any:
     """A ``dataclasses.field`` with ``default`` and the :class:`Setting` metadata.
 
     Args:
         default: the field's default; its type is the flag's type (``int``, ``float``, ``str``,
             ``bool``), a ``tuple`` default makes a repeatable ``str`` flag.
-        flag, help, check, metavar, default_text: see :class:`Setting`.
+        flag, help, check, metavar, default_text, nargs: see :class:`Setting`.
         type: overrides the type taken from ``default`` (e.g. ``float`` for a default of ``0``).
     Returns:
         The field (use as ``name: T = setting(...)`` in a dataclass body).
@@ -194,7 +198,7 @@ def setting(default: Any, flag: str = "", help: str = "", check: Check | None = 
     if kind not in (int, float, str, bool):
         raise TypeError(f"setting {flag or '?'}: unsupported type {kind!r}")
     return dataclasses.field(default=default, metadata={_KEY: Setting(
-        flag, help, check, kind, repeat, metavar, default_text)})
+        flag, help, check, kind, repeat, metavar, default_text, nargs)})
 
 
 def _type_of(value: Any) -> type:

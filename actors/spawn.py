@@ -64,13 +64,16 @@ def write_profile(profile: cProfile.Profile, directory: str | Path, name: str,
 class ActorSpec:
     """What to start: ``cls`` as ``"package.module:ClassName"`` built with ``kwargs``.
 
-    ``kwargs`` must be picklable (they cross the process boundary once, at start).
+    ``kwargs`` must be picklable (they cross the process boundary once, at start). ``cpus``:
+    the CPU ids the process may run on (``os.sched_setaffinity``, set before the actor class is
+    imported, so thread pools inherit it); empty = the parent's.
     """
 
     name: str
     cls: str
     kwargs: dict[str, Any] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
+    cpus: tuple[int, ...] = ()
 
 
 def import_object(path: str, what: str = "") -> Any:
@@ -158,6 +161,8 @@ def _child_main(spec: ActorSpec, endpoints: dict[str, str], curve_keys: str, par
                 run_dir: str, log_level: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher owns Ctrl-C
     os.environ.update(spec.env)
+    if spec.cpus:
+        os.sched_setaffinity(0, spec.cpus)
     logging.basicConfig(level=log_level, format=f"%(asctime)s {spec.name} %(levelname)s %(message)s")
     try:
         actor = import_actor_class(spec.cls)(**spec.kwargs)

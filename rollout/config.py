@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from actors.settings import POSITIVE, Range, Rule, check_settings, setting
+import json
+
+from actors.settings import POSITIVE, Choices, Range, Rule, check_settings, setting
 
 
 class RolloutConfigError(ValueError):
@@ -17,6 +19,18 @@ class RolloutConfigError(ValueError):
 
 
 _MODULE_FUNCTION = Rule(lambda v: not v or ":" in v, "module:function")
+
+
+def _json_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
+
+
+RM_TYPES = ("digits", "exact", "math")
+"""Built-in rewards (``rollout/rewards.py``): the embedded task's, normalised string equality,
+math-verify's answer equivalence."""
 
 
 @dataclass(frozen=True)
@@ -76,6 +90,50 @@ class RolloutConfig:
                                              "end length-capped responses with a synthetic EOS "
                                              "(trained with no behaviour ratio; scored with it)")
 
+    prompt_data: str = setting("", "prompt-data", "prompt file, JSONL or Parquet (one prompt "
+                               "per row); empty = the built-in digit task's shipped prompts",
+                               metavar="FILE", default_text="built-in digits")
+    input_key: str = setting("prompt", "input-key", "row key of the prompt (text, or a list of "
+                             "chat messages with --apply-chat-template)")
+    label_key: str = setting("label", "label-key", "row key of the label the reward checks "
+                             "(string or number)")
+    metadata_key: str = setting("metadata", "metadata-key", "row key of an optional JSON "
+                                "object kept with the prompt")
+    num_epoch: int = setting(0, "num-epoch", "passes over the prompt data, each in a fresh "
+                             "seeded order (0 = unbounded)", Range(low=0))
+    tokenizer: str = setting("", "tokenizer", "checkpoint directory with tokenizer.json, "
+                             "tokenizer_config.json, generation_config.json (read with "
+                             "transformers' AutoTokenizer)", metavar="DIR",
+                             default_text="the initial checkpoint")
+    apply_chat_template: bool = setting(False, "apply-chat-template", "render prompts and tool "
+                                        "observations with the tokenizer's chat template")
+    apply_chat_template_kwargs: str = setting("{}", "apply-chat-template-kwargs", "extra "
+                                              "apply_chat_template arguments",
+                                              Rule(_json_object, "a JSON object"), metavar="JSON")
+    rm_type: str = setting("digits", "rm-type", "built-in reward: digits (the embedded task), "
+                           "exact (normalised text equality with the label), math (math-verify, "
+                           "extra 'math')", Choices(RM_TYPES))
+    reward_timeout_s: float = setting(30.0, "reward-timeout-seconds", "longest one reward call "
+                                      "may take", POSITIVE)
+    reward_failure: str = setting("error", "reward-failure", "a reward that raises or times out: "
+                                  "error (stop, naming the sample) or zero (score 0, counted)",
+                                  Choices(("error", "zero")))
+    eval_prompt_data: tuple[str, ...] = setting((), "eval-prompt-data", "evaluation set NAME "
+                                                "and its prompt FILE", Rule(
+                                                    lambda v: len(v) % 2 == 0, "NAME FILE pairs"),
+                                                metavar="NAME FILE", nargs=2)
+    n_samples_per_eval_prompt: int = setting(1, "n-samples-per-eval-prompt", "samples per "
+                                             "evaluation prompt (pass@k uses k = this)",
+                                             Range(low=1))
+    eval_temperature: float = setting(1.0, "eval-temperature", "evaluation sampling "
+                                      "temperature", POSITIVE)
+    eval_top_k: int = setting(-1, "eval-top-k", "evaluation sampling top-k",
+                              Range(low=1, also=(-1,), also_text="-1 (off)"))
+    eval_top_p: float = setting(1.0, "eval-top-p", "evaluation sampling top-p", Range(0, 1, "(]"))
+    eval_max_response_len: int = setting(0, "eval-max-response-len", "new tokens per "
+                                         "evaluation turn (0 = --rollout-max-response-len)",
+                                         Range(low=0))
+
     def __post_init__(self) -> None:
         check_settings(self, RolloutConfigError)
 
@@ -83,6 +141,16 @@ class RolloutConfig:
         """Sampling parameters as a plain dict (travels to engines)."""
         return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p,
                 "min_p": self.min_p}
+
+    def eval_sampling_dict(self) -> dict:
+        """Evaluation sampling parameters (``--eval-temperature`` ...), as :meth:`sampling_dict`."""
+        return {"temperature": self.eval_temperature, "top_k": self.eval_top_k,
+                "top_p": self.eval_top_p, "min_p": 0.0}
+
+    def eval_sets(self) -> tuple[tuple[str, str], ...]:
+        """``(name, file)`` of each ``--eval-prompt-data`` pair, in order."""
+        v = self.eval_prompt_data
+        return tuple((v[i], v[i + 1]) for i in range(0, len(v), 2))
 
     def to_dict(self) -> dict:
         """All fields as a plain dict (for actor kwargs and the run record)."""

@@ -1,17 +1,24 @@
-"""A seeded, epoch-based source of prompts with a checkpointable cursor.
+"""A seeded, epoch-based stream of prompts with a checkpointable cursor.
 
-The dataset is ``dataset_size`` prompts drawn once from ``seed``; each epoch visits them in a
-permutation drawn from ``(seed, epoch)``. A request that crosses an epoch boundary is filled
-from the next epoch, so every batch has exactly the size asked for. The state is only
-``(epoch, cursor)``: a resumed source produces the same next batch as an uninterrupted one.
+The prompts are fixed when the source is built (from a prompt file, or the built-in task's
+shipped prompts: ``rollout/prompt_data.py``); each epoch visits them in a permutation drawn
+from ``(seed, epoch)``. A request that crosses an epoch boundary is filled from the next epoch,
+so every batch has exactly the size asked for. The state is only ``(epoch, cursor)``: a resumed
+source produces the same next batch as an uninterrupted one.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from rollout.task import DigitTask
+
+
+class DataExhausted(RuntimeError):
+    """Every allowed epoch (``--num-epoch``) of the prompt data was drawn."""
 
 
 @dataclass(frozen=True)
@@ -21,35 +28,63 @@ class Prompt:
     Attributes:
         index: position in the dataset (stable across epochs).
         prompt_ids: int32 [P], read-only.
-        answer_id: token id of the correct answer (the verifier's label).
+        answer_id: token id of the label when the label is one token of the vocabulary (the
+            embedded task's answer digit), else -1.
+        label: the row's label as text (what ``--rm-type exact`` / ``math`` compare with).
+        metadata: the row's metadata object, read-only.
+        source: where the row came from, ``"FILE:LINE"`` (named in reward errors).
     """
 
     index: int
     prompt_ids: np.ndarray
     answer_id: int
+    label: str = ""
+    metadata: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    source: str = ""
+
+
+def digit_task_prompts(task: DigitTask, seed: int, dataset_size: int) -> list[Prompt]:
+    """The embedded task's ``dataset_size`` prompts drawn from ``seed`` as token ids.
+
+    The reference the built-in prompt data is checked against (its rows are the text of these
+    prompts, ``rollout/prompt_data.py``).
+
+    Raises:
+        ValueError: ``dataset_size < 1``.
+    """
+    if dataset_size < 1:
+        raise ValueError(f"dataset_size must be >= 1, got {dataset_size}")
+    rng = np.random.default_rng([seed, 0x5EED])
+    prompts = []
+    for i in range(dataset_size):
+        ids, answer = task.make_prompt(rng)
+        ids.flags.writeable = False
+        prompts.append(Prompt(i, ids, answer, task.vocabulary[answer]))
+    return prompts
 
 
 class PromptDataSource:
-    """Seeded prompts for the embedded task.
+    """Seeded epochs over a fixed list of prompts.
 
     Args:
-        task: the task that makes prompts.
-        seed: dataset and shuffling seed.
-        dataset_size: number of distinct prompts (>= 1).
+        prompts: the dataset (>= 1 prompt), in file order.
+        seed: shuffling seed; epoch ``e`` is ``default_rng([seed, e]).permutation``.
+        num_epoch: epochs that may be drawn; 0 = unbounded.
+        name: named in :class:`DataExhausted` (e.g. the file).
     Raises:
-        ValueError: ``dataset_size < 1`` or a negative batch size.
+        ValueError: no prompts, or a negative ``num_epoch``.
     """
 
-    def __init__(self, task: DigitTask, seed: int, dataset_size: int = 4096) -> None:
-        if dataset_size < 1:
-            raise ValueError(f"dataset_size must be >= 1, got {dataset_size}")
-        rng = np.random.default_rng([seed, 0x5EED])
+    def __init__(self, prompts: Sequence[Prompt], seed: int, num_epoch: int = 0,
+                 name: str = "prompt data") -> None:
+        if not prompts:
+            raise ValueError(f"{name}: no prompts")
+        if num_epoch < 0:
+            raise ValueError(f"num_epoch must be >= 0, got {num_epoch}")
+        self.prompts = list(prompts)
         self.seed = seed
-        self.prompts: list[Prompt] = []
-        for i in range(dataset_size):
-            ids, answer = task.make_prompt(rng)
-            ids.flags.writeable = False
-            self.prompts.append(Prompt(i, ids, answer))
+        self.num_epoch = num_epoch
+        self.name = name
         self.epoch = 0
         self.cursor = 0
         self._order = self._permutation(0)
@@ -58,9 +93,19 @@ class PromptDataSource:
         return np.random.default_rng([self.seed, epoch]).permutation(len(self.prompts))
 
     def next_batch(self, n: int) -> list[Prompt]:
-        """The next ``n`` prompts, continuing into the next epoch when this one runs out."""
+        """The next ``n`` prompts, continuing into the next epoch when this one runs out.
+
+        Raises:
+            ValueError: ``n < 0``.
+            DataExhausted: the batch would need an epoch past ``num_epoch`` (the state is left
+                as it was).
+        """
         if n < 0:
             raise ValueError(f"batch size must be >= 0, got {n}")
+        remaining = (self.num_epoch - self.epoch) * len(self.prompts) - self.cursor
+        if self.num_epoch and n > remaining:
+            raise DataExhausted(f"{self.name}: --num-epoch {self.num_epoch} x {len(self.prompts)} "
+                                f"prompts are drawn; {n} more asked for")
         batch = []
         while len(batch) < n:
             if self.cursor == len(self._order):

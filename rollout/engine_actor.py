@@ -6,18 +6,27 @@ weight push of one policy version) and ``generate`` (one turn per prompt). Every
 ``generate`` carries the version the engine served, which becomes each sample's
 ``policy_version``. Readiness ("no request before the first weight load") is the engine
 interface's rule (:meth:`rollout.engines.base.Engine.generate`), so it holds for every engine.
+
+``load_weights`` is served concurrently with queued ``generate`` requests, and ``generate`` may
+name the ``min_version`` it must be served at: the trainer can then push and go on training
+while the engine loads, and a generation requested for the new policy waits here for it
+instead of the driver waiting for the push (docs/design.md §6 "Version clock"). Both run
+synchronously inside, so a load never lands in the middle of a generation.
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any, Mapping
 
 import numpy as np
 import torch
 
-from actors import Actor
+from actors import Actor, concurrent
 from rollout.engines import check_capture, load_engine_class
+from rollout.engines.base import EngineError, EngineNotReady, generations_to_columns
 from rollout.sampler import SamplingParams
+from transport.array_bundle import unpack_arrays
 
 
 class EngineActor(Actor):
@@ -29,6 +38,7 @@ class EngineActor(Actor):
         traces: the trace fields every ``generate`` captures: the run's required traces
             (``rollout.sample.required_traces``), no more, no less.
         torch_threads: intra-op threads for this process (the trainer runs beside it).
+        version_wait_s: the longest a ``generate`` with ``min_version`` waits for that version.
 
     Raises:
         rollout.engines.EngineError: ``engine_class`` is not an importable ``Engine`` subclass.
@@ -36,40 +46,82 @@ class EngineActor(Actor):
     """
 
     def __init__(self, engine_class: str, engine_kwargs: Mapping[str, Any], traces: list[str],
-                 torch_threads: int = 1) -> None:
+                 torch_threads: int = 1, version_wait_s: float = 300.0) -> None:
         torch.set_num_threads(torch_threads)
         cls = load_engine_class(engine_class)
         self.traces = tuple(sorted(check_capture(cls, traces)))  # fail at start, not mid-run
         self.engine = cls(**dict(engine_kwargs))
+        self.version_wait_s = version_wait_s
+        self._loaded: asyncio.Event | None = None  # set after every load attempt, then renewed
+        self._failed: tuple[int, str] | None = None  # (version, error) of the last failed load
 
-    async def load_weights(self, version: int, arrays: Mapping[str, np.ndarray]) -> float:
+    @concurrent
+    async def load_weights(self, version: int, weights: Mapping[str, Any]) -> float:
         """Load a full weight set of policy ``version``; returns seconds spent.
 
+        Args:
+            weights: the arrays as one bundle (``transport.array_bundle.pack_arrays``): a
+                hundred small frames cost far more to send than one.
         Raises:
+            transport.DecodeError: a malformed bundle (nothing loaded).
             rollout.engines.EngineInputError: ``version`` is below the version already loaded.
             Whatever the engine's weight loading raises (previous weights stay).
         """
         start = time.perf_counter()
-        self.engine.load_weights(arrays, version=version)
+        try:
+            self.engine.load_weights(unpack_arrays(weights), version=version)
+            self._failed = None
+        except Exception as exc:
+            self._failed = (version, f"{type(exc).__name__}: {exc}")
+            raise
+        finally:
+            if self._loaded is not None:
+                self._loaded.set()
+                self._loaded = None
         return time.perf_counter() - start
 
+    async def _wait_for_version(self, min_version: int) -> None:
+        """Return once the engine serves ``min_version`` or later.
+
+        Raises:
+            rollout.engines.EngineError: the push of a version ``>= min_version`` failed here.
+            rollout.engines.EngineNotReady: no such version within ``version_wait_s``.
+        """
+        deadline = time.monotonic() + self.version_wait_s
+        while self.engine.version is None or self.engine.version < min_version:
+            if self._failed is not None and self._failed[0] >= min_version:
+                raise EngineError(f"generate needs weights of version {min_version}, whose "
+                                  f"load failed here: {self._failed[1]}")
+            if self._loaded is None:
+                self._loaded = asyncio.Event()
+            try:
+                await asyncio.wait_for(self._loaded.wait(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                raise EngineNotReady(f"generate waited {self.version_wait_s} s for weights of "
+                                     f"version {min_version}; serving {self.engine.version}") from None
+
     async def generate(self, prompts: list[np.ndarray], sampling: dict, *, max_new_tokens: int,
-                       eos_token_id: int, seed: int) -> dict:
+                       eos_token_id: int, seed: int, min_version: int | None = None) -> dict:
         """Generate one turn per prompt, capturing this actor's ``traces``.
 
         Args:
             prompts: ``B >= 1`` int token-id arrays (each the whole context of its turn).
             sampling: :class:`rollout.sampler.SamplingParams` fields.
             max_new_tokens, eos_token_id, seed: as :meth:`rollout.engines.base.Engine.generate`.
+            min_version: serve only at this policy version or later: wait (up to
+                ``version_wait_s``) for a push still on its way.
 
         Returns:
-            ``{"version": int, "generations": [Generation.to_dict() of each prompt]}``.
+            ``{"version": int, "generations": rollout.engines.base.generations_to_columns(...)}``.
 
         Raises:
-            rollout.engines.EngineNotReady: no weights loaded yet in this run.
+            rollout.engines.EngineNotReady: no weights loaded yet in this run, or
+                ``min_version`` did not arrive in time.
             rollout.engines.EngineError (and subclasses): the engine rejected the request.
         """
+        if min_version is not None:
+            await self._wait_for_version(min_version)
         gens = self.engine.generate([np.asarray(p).tolist() for p in prompts],
                                     SamplingParams(**sampling), max_new_tokens=max_new_tokens,
                                     eos_token_id=eos_token_id, seed=seed, traces=self.traces)
-        return {"version": self.engine.version, "generations": [g.to_dict() for g in gens]}
+        return {"version": self.engine.version, "generations": generations_to_columns(gens)}

@@ -6,9 +6,14 @@ whole groups per engine). It drives the turn loop itself (``rollout/turn_loop.py
 ``generate`` request to the engine actor per turn, the tool environment between turns when
 ``max_turns > 1``. Every trajectory, single- or multi-turn, is then assembled by the same
 ``merge_turns`` call with the run's required traces and scored by the same verifier
-(:meth:`rollout.tool_env.DigitToolEnv.reward`, or ``--custom-reward``). The batch is kept until
-the trainer takes it, so the trajectories cross the wire once (engine -> manager -> trainer),
-never through the driver. Its data-source state is checkpointable.
+(``--rm-type``, ``rollout/rewards.py``, or ``--custom-reward``) under one time limit. The batch
+is kept until the trainer takes it, so the trajectories cross the wire once (engine -> manager
+-> trainer), never through the driver. Its data-source state is checkpointable.
+
+Prompts come from ``--prompt-data`` (or the built-in task's shipped file) through the run's
+tokenizer (``rollout/tokenizer.py``, ``rollout/prompt_data.py``); ``evaluate`` scores the
+``--eval-prompt-data`` sets with the evaluation sampling settings (docs/design.md §14 "Prompt
+data, tokenizer and rewards").
 """
 from __future__ import annotations
 
@@ -17,12 +22,19 @@ import time
 
 import numpy as np
 
+import dataclasses
+import json
+
 from actors import Actor, concurrent, import_callable
 from rollout.config import RolloutConfig
 from rollout.data_source import Prompt, PromptDataSource
-from rollout.engines.base import Generation
-from rollout.sample import Sample
+from rollout.engines.base import generations_from_columns
+from rollout.evaluation import eval_metrics
+from rollout.prompt_data import load_run_prompts
+from rollout.rewards import RewardError, RewardGuard, exact_reward, load_math_verify, math_reward
+from rollout.sample import Sample, samples_to_columns
 from rollout.task import DigitTask
+from rollout.tokenizer import load_tokenizer
 from rollout.tool_env import DigitToolEnv
 from rollout.trajectory import TrajectoryError, append_synthetic_eos
 from rollout.turn_loop import Episode, assemble, run_episodes
@@ -49,13 +61,19 @@ class RolloutManager(Actor):
             never trained silently.
         max_positions: the policy's ``max_position_embeddings``; a multi-turn trajectory whose
             next turn would not fit ends there (``"length"``).
+        tokenizer_dir: the checkpoint directory whose tokenizer encodes the prompts
+            (``--tokenizer``, by default the run's initial checkpoint).
+        vocab_size: the policy's vocabulary size (prompt ids must lie below it).
 
     Raises:
         RolloutError: no engine, or ``--custom-reward`` not importable.
+        rollout.tokenizer.TokenizerError, rollout.prompt_data.PromptDataError: the tokenizer or
+            a prompt row is unusable (the launcher checks both before any process starts).
+        rollout.rewards.RewardError: ``--rm-type math`` without the math-verify package.
     """
 
     def __init__(self, config: dict, engines: list[str], require_traces: list[str],
-                 max_positions: int) -> None:
+                 max_positions: int, tokenizer_dir: str, vocab_size: int) -> None:
         self.config = RolloutConfig(**config)
         if not engines:
             raise RolloutError("RolloutManager needs at least one engine")
@@ -71,55 +89,117 @@ class RolloutManager(Actor):
         self.custom_reward = (import_callable(self.config.custom_reward, "--custom-reward")
                               if self.config.custom_reward else None)
         self.require_traces = tuple(require_traces)
-        self.data = PromptDataSource(self.task, self.config.seed, self.config.dataset_size)
-        self.replacement_data = PromptDataSource(self.task, self.config.seed + 7919,
-                                                 self.config.dataset_size)
+        cfg = self.config
+        self.tokenizer = load_tokenizer(tokenizer_dir, apply_chat_template=cfg.apply_chat_template,
+                                        chat_template_kwargs=json.loads(cfg.apply_chat_template_kwargs))
+        if cfg.rm_type == "math" and not cfg.custom_reward:
+            load_math_verify()  # a missing extra fails at start, not at the first reward
+        self.reward_guard = RewardGuard(cfg.reward_timeout_s, cfg.reward_failure)
+        prompts = load_run_prompts(cfg, self.tokenizer, vocab_size=vocab_size,
+                                   max_positions=self.max_positions)
+        self.data = PromptDataSource(prompts.train, cfg.seed, cfg.num_epoch, prompts.name)
+        # Replacement prompts have their own seeded stream (the built-in task: its own dataset)
+        self.replacement_data = PromptDataSource(prompts.replacement, cfg.seed + 7919, 0,
+                                                 prompts.name)
+        self.eval_sets = prompts.evals
         self.replacement_calls = 0
         self.data_state_before: dict[int, dict] = {}
         self.batches: dict[int, list[Sample]] = {}
         self.next_sample_id = 0
         self.next_group_id = 0
 
-    async def _episodes(self, engine: str, prompts: list[np.ndarray], seed: int) -> list[Episode]:
-        """The turn loop of ``prompts`` on one engine actor (one ``generate`` request per turn)."""
+    async def _episodes(self, engine: str, prompts: list[np.ndarray], seed: int, sampling: dict,
+                        max_new_tokens: int, min_version: int | None) -> list[Episode]:
+        """The turn loop of ``prompts`` on one engine actor (one ``generate`` request per turn,
+        each served at ``min_version`` or later)."""
         cfg = self.config
         actor = self.proxy(engine, timeout=cfg.generate_timeout_s)
 
         async def generate_turn(contexts: list[list[int]], turn_seed: int):
             reply = await actor.generate([np.asarray(c, dtype=np.int32) for c in contexts],
-                                         cfg.sampling_dict(), max_new_tokens=cfg.max_response_len,
-                                         eos_token_id=self.task.eos_id, seed=turn_seed)
-            return [Generation.from_dict(g) for g in reply["generations"]], reply["version"]
+                                         sampling, max_new_tokens=max_new_tokens,
+                                         eos_token_id=self.tokenizer.eos_token_id, seed=turn_seed,
+                                         min_version=min_version)
+            return generations_from_columns(reply["generations"]), reply["version"]
 
         return await run_episodes(generate_turn, prompts, max_turns=cfg.max_turns,
-                                  max_new_tokens=cfg.max_response_len,
+                                  max_new_tokens=max_new_tokens,
                                   max_positions=self.max_positions, seed=seed,
-                                  env=self.tool_env if cfg.max_turns > 1 else None)
+                                  env=self.tool_env if cfg.max_turns > 1 else None,
+                                  render_observation=self.tokenizer.render_observation)
+
+    async def _run_prompts(self, prompts: list[Prompt], n: int, seed_key: list[int],
+                           sampling: dict, max_new_tokens: int,
+                           min_version: int | None) -> list[list[Episode]]:
+        """``n`` episodes per prompt (``[len(prompts)][n]``), whole prompts split over engines,
+        served at policy ``min_version`` or later."""
+        chunks = [list(range(i, len(prompts), len(self.engines))) for i in range(len(self.engines))]
+        seeds = np.random.SeedSequence([self.config.seed, *seed_key]).generate_state(len(self.engines))
+        replies = await asyncio.gather(*(
+            self._episodes(engine, [prompts[g].prompt_ids for g in chunk for _ in range(n)],
+                           int(seed), sampling, max_new_tokens, min_version)
+            for engine, chunk, seed in zip(self.engines, chunks, seeds) if chunk))
+        out: list[list[Episode]] = [[] for _ in prompts]
+        for chunk, episodes in zip([c for c in chunks if c], replies):
+            episode = iter(episodes)
+            for g in chunk:
+                out[g] = [next(episode) for _ in range(n)]
+        return out
 
     async def _generate_groups(self, prompts: list[Prompt], rollout_id: int,
-                               seed_key: list[int]) -> list[Sample]:
+                               seed_key: list[int], min_version: int | None) -> list[Sample]:
         """Generate ``n_samples_per_prompt`` trajectories per prompt, assemble and score them."""
         cfg = self.config
         group_ids = list(range(self.next_group_id, self.next_group_id + len(prompts)))
         self.next_group_id += len(prompts)
-        chunks = [list(range(i, len(prompts), len(self.engines))) for i in range(len(self.engines))]
-        seeds = np.random.SeedSequence([cfg.seed, *seed_key]).generate_state(len(self.engines))
-        replies = await asyncio.gather(*(
-            self._episodes(engine, [prompts[g].prompt_ids for g in chunk
-                                    for _ in range(cfg.n_samples_per_prompt)], int(seed))
-            for engine, chunk, seed in zip(self.engines, chunks, seeds) if chunk))
-        samples: list[Sample] = []
-        for chunk, episodes in zip([c for c in chunks if c], replies):
-            episode = iter(episodes)
-            for g in chunk:
-                for _ in range(cfg.n_samples_per_prompt):
-                    samples.append(self._to_sample(next(episode), prompts[g], group_ids[g], rollout_id))
+        episodes = await self._run_prompts(prompts, cfg.n_samples_per_prompt, seed_key,
+                                           cfg.sampling_dict(), cfg.max_response_len, min_version)
+        # sample ids in the order the engines' chunks come back, as before (engine 0's groups
+        # first): a resumed or repeated run numbers its samples the same way
+        order = [g for i in range(len(self.engines)) for g in range(i, len(prompts), len(self.engines))]
+        unscored = [(self._to_sample(e, prompts[g], group_ids[g], rollout_id), prompts[g])
+                    for g in order for e in episodes[g]]
+        samples = [dataclasses.replace(s, reward=await self._reward(s.sample_id, p, s.response_ids,
+                                                                    s.loss_mask))
+                   for s, p in unscored]
         samples.sort(key=lambda s: (s.group_id, s.sample_id))  # groups contiguous for GRPO
         return samples
 
+    async def _reward(self, sample_id: int | str, prompt: Prompt, response_ids: np.ndarray,
+                      loss_mask: np.ndarray) -> float:
+        """The reward of one trajectory (``--custom-reward``, else ``--rm-type``), under the
+        reward guard's time limit.
+
+        Raises:
+            rollout.rewards.RewardFailure: the reward raised or ran over the limit, under
+                ``--reward-failure error`` (names the sample and the prompt's row).
+        """
+        cfg = self.config
+        name = f"sample {sample_id} (prompt {prompt.source or prompt.index})"
+        if self.custom_reward is not None:
+            return await self.reward_guard.score(name, self.custom_reward, prompt.prompt_ids,
+                                                 response_ids, loss_mask, prompt.answer_id, cfg)
+        if cfg.rm_type == "digits":
+            return await self.reward_guard.score(name, self._digits_reward, response_ids,
+                                                 loss_mask, prompt.answer_id)
+        # text rewards read the final segment, decoded here on the actor's thread
+        text = self.tokenizer.decode(self.tool_env.final_answer(response_ids, loss_mask))
+        fn = exact_reward if cfg.rm_type == "exact" else math_reward
+        return await self.reward_guard.score(name, fn, text, prompt.label)
+
+    def _digits_reward(self, response_ids: np.ndarray, loss_mask: np.ndarray,
+                       answer_id: int) -> float:
+        if answer_id < 0:
+            raise RewardError("--rm-type digits needs a label that is one token of the "
+                              "vocabulary (the answer digit)")
+        return self.tool_env.reward(response_ids, loss_mask, answer_id)
+
     @concurrent
-    async def generate(self, rollout_id: int) -> dict:
+    async def generate(self, rollout_id: int, min_version: int | None = None) -> dict:
         """Generate, score and store one batch; returns its summary (floats, seconds).
+
+        ``min_version``: the policy version the engines must serve it at, or later (they wait
+        for a weight push still on its way; ``rollout.engine_actor.EngineActor.generate``).
 
         Raises:
             RolloutError: a batch with this id is already stored.
@@ -132,7 +212,7 @@ class RolloutManager(Actor):
         # rollout must record: a prefetched batch the model never trained on is drawn again.
         self.data_state_before[rollout_id] = self.data.state_dict()
         prompts = self.data.next_batch(self.config.rollout_batch_size)  # before any await
-        samples = await self._generate_groups(prompts, rollout_id, [rollout_id])
+        samples = await self._generate_groups(prompts, rollout_id, [rollout_id], min_version)
         self.batches[rollout_id] = samples
         rewards = np.array([s.reward for s in samples])
         summary = {"rollout_id": rollout_id, "samples": len(samples),
@@ -147,12 +227,51 @@ class RolloutManager(Actor):
         if self.config.max_turns > 1:
             summary["tool_calls_mean"] = float(np.mean([observation_segments(s.loss_mask)
                                                         for s in samples]))
+        if self.config.reward_failure == "zero":
+            summary["reward_failures"] = self.reward_guard.failures  # run total so far
         return summary
 
     @concurrent
-    async def generate_replacements(self, n_groups: int) -> list[dict]:
-        """Exact refill: ``n_groups`` fresh prompt groups from the current policy, as sample dicts.
+    async def evaluate(self, step: int, min_version: int | None = None) -> dict:
+        """Score every ``--eval-prompt-data`` set at the engines' current weights (at policy
+        ``min_version`` or later, as :meth:`generate`).
 
+        Each prompt gets ``n_samples_per_eval_prompt`` samples with the evaluation sampling
+        settings; nothing is stored or trained and the training data's position is untouched.
+
+        Returns:
+            :func:`rollout.evaluation.eval_metrics` of each set (``eval/NAME/reward_mean``,
+            ``eval/NAME/pass@k`` ...), plus ``eval_seconds``.
+        Raises:
+            rollout.rewards.RewardFailure, actors.RemoteError: as :meth:`generate`.
+        """
+        cfg = self.config
+        start = time.perf_counter()
+        n = cfg.n_samples_per_eval_prompt
+        out: dict = {}
+        for k, (name, prompts) in enumerate(self.eval_sets):
+            episodes = await self._run_prompts(
+                prompts, n, [1 << 21, int(step), k], cfg.eval_sampling_dict(),
+                cfg.eval_max_response_len or cfg.max_response_len, min_version)
+            rewards = []
+            for g, prompt in enumerate(prompts):
+                row = []
+                for i, episode in enumerate(episodes[g]):
+                    label = f"eval {name} #{g * n + i}"
+                    merged, _ = assemble(episode, sample_id=label, require=())
+                    f = merged.sample_fields()
+                    row.append(await self._reward(label, prompt, f["response_ids"], f["loss_mask"]))
+                rewards.append(row)
+            out.update(eval_metrics(name, np.asarray(rewards, dtype=np.float64)))
+        out["eval_seconds"] = time.perf_counter() - start
+        return out
+
+    @concurrent
+    async def generate_replacements(self, n_groups: int, min_version: int | None = None) -> dict:
+        """Exact refill: ``n_groups`` fresh prompt groups from the current policy, as columns
+        (``rollout.sample.samples_to_columns``).
+
+        ``min_version``: as :meth:`generate` (the trainer passes its preflight version).
         Replacement prompts come from their own seeded stream, so refill never shifts the prompts
         of later rollouts (a resumed run sees the same batches). Samples carry the version of the
         engine that generated them; the trainer has the VersionClock check it.
@@ -161,11 +280,13 @@ class RolloutManager(Actor):
             raise RolloutError(f"generate_replacements needs n_groups >= 1, got {n_groups}")
         self.replacement_calls += 1
         prompts = self.replacement_data.next_batch(n_groups)
-        samples = await self._generate_groups(prompts, -1, [1 << 20, self.replacement_calls])
-        return [s.to_dict() for s in samples]
+        samples = await self._generate_groups(prompts, -1, [1 << 20, self.replacement_calls],
+                                              min_version)
+        return samples_to_columns(samples)
 
     def _to_sample(self, episode: Episode, prompt: Prompt, group_id: int, rollout_id: int) -> Sample:
-        """Assemble (``merge_turns``, required traces, one policy version) and score one trajectory.
+        """Assemble one trajectory (``merge_turns``, required traces, one policy version), with
+        reward 0.0 until :meth:`_reward` scores it.
 
         With ``--rollout-append-eos-on-truncation``, a trajectory that hit its length cap
         (``finish_reason == "length"``, status ``truncated``) and does not already end with a
@@ -190,7 +311,7 @@ class RolloutManager(Actor):
         merged, version = assemble(episode, sample_id=sample_id, require=self.require_traces)
         fields = merged.sample_fields()
         status = "completed" if episode.finish_reason == "stop" else "truncated"
-        eos = self.task.eos_id
+        eos = self.tokenizer.eos_token_id
         if (self.config.append_eos_on_truncation and episode.finish_reason == "length"
                 and int(fields["response_ids"][-1]) != eos):
             if len(prompt.prompt_ids) + len(fields["response_ids"]) + 1 > self.max_positions:
@@ -203,18 +324,13 @@ class RolloutManager(Actor):
                             **fields)
             appended = append_synthetic_eos(capped, eos)
             fields = {name: getattr(appended, name) for name in (*fields, "synthetic_eos")}
-        if self.custom_reward is not None:
-            reward = float(self.custom_reward(prompt.prompt_ids, fields["response_ids"],
-                                              fields["loss_mask"], prompt.answer_id, self.config))
-        else:
-            reward = self.tool_env.reward(fields["response_ids"], fields["loss_mask"],
-                                          prompt.answer_id)
         return Sample(sample_id=sample_id, group_id=group_id, rollout_id=rollout_id,
-                      policy_version=version, prompt_ids=prompt.prompt_ids, reward=reward,
+                      policy_version=version, prompt_ids=prompt.prompt_ids, reward=0.0,
                       status=status, **fields)
 
-    async def take_batch(self, rollout_id: int) -> list[dict]:
-        """Hand over (and forget) a stored batch as sample dicts, groups contiguous.
+    async def take_batch(self, rollout_id: int) -> dict:
+        """Hand over (and forget) a stored batch as columns (``rollout.sample.samples_to_columns``),
+        groups contiguous.
 
         Raises:
             RolloutError: no batch with this id is stored.
@@ -224,7 +340,7 @@ class RolloutManager(Actor):
             samples = self.batches.pop(rollout_id)
         except KeyError:
             raise RolloutError(f"rollout {rollout_id} is not stored; have {sorted(self.batches)}") from None
-        return [s.to_dict() for s in samples]
+        return samples_to_columns(samples)
 
     async def state(self, next_rollout_id: int | None = None) -> dict:
         """Checkpointable state.

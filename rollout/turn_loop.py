@@ -91,6 +91,7 @@ async def run_episodes(
     max_positions: int,
     seed: int,
     env: DigitToolEnv | None,
+    render_observation: Callable[[np.ndarray], np.ndarray] | None = None,
 ) -> list[Episode]:
     """Run the turn loop for a batch of trajectories on one engine.
 
@@ -106,6 +107,12 @@ async def run_episodes(
         seed: ``>= 0``; turn ``t`` uses :func:`turn_seed(seed, t, max_turns) <turn_seed>`.
             Same seed, prompts and weights give the same episodes.
         env: the tool environment, or ``None`` (no tools: every turn is final).
+        render_observation: turns the environment's observation ids into the ids appended to
+            the context (``rollout.tokenizer.PromptTokenizer.render_observation``: the chat
+            template's tool turn); ``None`` appends them unchanged. Either way the next turn's
+            context is the previous context's exact ids plus the turn's ids plus these, never
+            a re-tokenisation of the conversation's text (docs/design.md §14 "Prompt data,
+            tokenizer and rewards").
 
     Returns:
         ``B`` :class:`Episode` records in prompt order.
@@ -144,6 +151,8 @@ async def run_episodes(
             if obs is None:
                 finish[i] = gen.finish_reason
                 continue
+            if render_observation is not None:
+                obs = render_observation(obs)
             tool_calls[i] += 1
             grown = len(contexts[i]) + len(gen.response_ids) + len(obs)
             if t + 1 == max_turns:

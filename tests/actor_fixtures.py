@@ -61,3 +61,10 @@ class CrashOnStart(Actor):
     def __init__(self) -> None:
         raise RuntimeError("boom in constructor of CrashOnStart")
 
+
+
+class AffinityProbe(Actor):
+    """Reports the CPUs its process may run on (``--cpu-affinity`` tests)."""
+
+    async def cpus(self) -> list[int]:
+        return sorted(os.sched_getaffinity(0))

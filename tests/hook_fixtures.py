@@ -41,3 +41,11 @@ def quarter_reward(prompt_ids, response_ids, loss_mask, answer_id, config) -> fl
     if writable or not frozen:
         raise AssertionError("custom reward received mutable inputs")
     return 0.25
+
+
+def slow_reward(prompt_ids, response_ids, loss_mask, answer_id, config) -> float:
+    """A custom verifier that never answers in time (for --reward-timeout-seconds)."""
+    import time
+
+    time.sleep(60)  # far over the test's 0.5 s limit; its daemon thread does not hold the exit
+    return 1.0

@@ -40,6 +40,7 @@ SECTIONS = {
     11: "Trainer backends",
     12: "Parallel pieces",
     13: "Embedded default",
+    14: "Prompt data, tokenizer and rewards",
 }
 
 _HEADING = re.compile(r"^## (\d+)\. (\S.*?)\s*$", re.MULTILINE)

@@ -16,7 +16,7 @@ import pytest
 
 from actors import Directory, RemoteError, Supervisor
 from rollout.model.config import default_config
-from rollout.sample import Sample
+from rollout.sample import samples_from_columns
 from rollout.task import VOCABULARY
 from tools.config import build_config
 from tools.launcher import actor_specs, launch, write_initial_checkpoint
@@ -112,7 +112,7 @@ async def test_traces_cross_the_wire_with_design_shapes(tmp_path):
                 await manager.call("generate", 0)  # no weights loaded yet in this run
             await directory.ref("trainer").call("push_weights")
             await manager.call("generate", 1)
-            samples = [Sample.from_dict(d) for d in await manager.call("take_batch", 1)]
+            samples = samples_from_columns(await manager.call("take_batch", 1))
     mc = default_config(len(VOCABULARY))
     assert len(samples) == 16
     for s in samples:

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from rollout.data_source import PromptDataSource
+from rollout.data_source import PromptDataSource, digit_task_prompts
 from rollout.engines import ENGINES, UnknownEngine, engine_class_path, load_engine_class
 from rollout.engines.base import EngineError
 from rollout.engines.embedded import EmbeddedEngine
@@ -76,8 +76,9 @@ async def test_one_real_step_on_a_registered_fake_engine(tmp_path, monkeypatch):
     # The expected rewards, from the prompts alone: with one engine, a group's n = 4 trajectories
     # are rows 4g .. 4g+3 of the engine's single call, so two answer d1 and two answer dn.
     r = config.rollout
-    data = PromptDataSource(DigitTask(num_digits=r.num_digits, num_values=r.num_values), r.seed,
-                            r.dataset_size)
+    data = PromptDataSource(digit_task_prompts(DigitTask(num_digits=r.num_digits,
+                                                         num_values=r.num_values),
+                                               r.seed, r.dataset_size), r.seed)
     prompts = data.next_batch(r.rollout_batch_size)
     assert row["prompt_indices"] == [p.index for p in prompts]
     expected = []

@@ -11,7 +11,7 @@ import torch
 
 from actors import Directory, RemoteError, Supervisor
 from actors.version_clock import StaleSample, VersionRules
-from rollout.sample import Sample
+from rollout.sample import Sample, samples_to_columns
 from tests.fakes import FakeProxy
 from tools.config import build_config
 from tools.launcher import actor_specs, launch, write_initial_checkpoint
@@ -45,7 +45,8 @@ class FakeTrainer:
         self.requested: list[int] = []
         next_id = [100]
 
-        async def generate_replacements(n_groups):
+        async def generate_replacements(n_groups, min_version):
+            assert min_version == version  # served at the preflight version, or later
             self.requested.append(n_groups)
             groups = rounds[len(self.requested) - 1]
             assert len(groups) == n_groups
@@ -54,9 +55,9 @@ class FakeTrainer:
                 gid = next_id[0]
                 for ok in g:
                     out.append(_sample(next_id[0] * 10 + len(out), gid, replacement_version
-                                       if replacement_version is not None else version, ok).to_dict())
+                                       if replacement_version is not None else version, ok))
                 next_id[0] += 1
-            return out
+            return samples_to_columns(out)
 
         async def check_replacements(preflight_version, ids, versions):
             bad = [s for s, v in zip(ids, versions) if not self.rules.replacement_ok(preflight_version, v)]
@@ -176,9 +177,9 @@ async def test_replacement_replay_rates_are_reported(tmp_path, _restore_threads)
             _traced_sample(model, 11, 1, 0.0, rng, perturb_rows=(2,))]
     step_rates = actor.preflight(initial)
 
-    async def generate_replacements(n_groups):
-        assert n_groups == 1
-        return [s.to_dict() for s in repl]
+    async def generate_replacements(n_groups, min_version):
+        assert n_groups == 1 and min_version == 0
+        return samples_to_columns(repl)
 
     async def check_replacements(version, ids, versions):
         assert version == 0 and versions == [0, 0]

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from rollout.sample import Sample
+from rollout.sample import Sample, samples_to_columns
 from rollout.task import VOCABULARY
 from tests.fakes import FakeProxy
 from tools.config import build_config
@@ -76,7 +76,7 @@ async def _train(actor: TrainerActor, samples: list[Sample]) -> tuple[dict, list
     reported: list[int] = []
 
     async def take_batch(rollout_id):
-        return [s.to_dict() for s in samples]
+        return samples_to_columns(samples)
 
     async def check_samples(ids, versions):
         return actor.version

@@ -46,7 +46,7 @@ async def test_nothing_is_pushed_after_a_skipped_step():
 
     pushed = []
 
-    async def push_weights():
+    async def push_weights(wait):
         pushed.append(1)
         return {"version": 1, "seconds": 0.5, "bytes": 10}
 

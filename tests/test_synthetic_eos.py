@@ -3,6 +3,7 @@
 (``--rollout-append-eos-on-truncation``). Every expected value is a naive float64 loop here."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -193,13 +194,21 @@ def _episode(response: list[int], finish: str) -> Episode:
 
 
 @pytest.mark.parametrize("flag", [False, True])
-def test_manager_appends_the_eos_to_capped_trajectories_and_scores_the_trained_response(flag):
+async def test_manager_appends_the_eos_to_capped_trajectories_and_scores_the_trained_response(
+        flag, tmp_path):
     cfg = RolloutConfig(append_eos_on_truncation=flag, max_response_len=1)
-    manager = RolloutManager(cfg.to_dict(), ["engine_0"], [], 256)
+    checkpoint = write_initial_checkpoint(build_config({}), tmp_path / "ckpt")  # its tokenizer
+    manager = RolloutManager(cfg.to_dict(), ["engine_0"], [], 256, str(checkpoint),
+                             len(VOCABULARY))
     digit3, answer = VOCABULARY.index("3"), VOCABULARY.index("3")
     prompt = Prompt(0, np.array(PROMPT, np.int32), answer)
-    capped = manager._to_sample(_episode([digit3], "length"), prompt, 0, 0)
-    stopped = manager._to_sample(_episode([digit3, EOS], "stop"), prompt, 0, 0)
+
+    async def scored(sample):
+        return dataclasses.replace(sample, reward=await manager._reward(
+            sample.sample_id, prompt, sample.response_ids, sample.loss_mask))
+
+    capped = await scored(manager._to_sample(_episode([digit3], "length"), prompt, 0, 0))
+    stopped = await scored(manager._to_sample(_episode([digit3, EOS], "stop"), prompt, 0, 0))
     assert capped.status == "truncated" and stopped.status == "completed"
     assert not stopped.synthetic_eos and stopped.reward == 1.0  # exact digit, then <eos>
     if flag:

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from rollout.data_source import PromptDataSource
+from rollout.data_source import PromptDataSource, digit_task_prompts
 from rollout.task import DigitTask, TaskError
 
 # The vocabulary written out by hand: <pad> <bos> <eos>, digits 0..9, operators, "=".
@@ -119,8 +119,8 @@ def indices(batch):
 
 
 def test_same_seed_gives_same_prompts_and_order():
-    a = PromptDataSource(DigitTask(), seed=3, dataset_size=64)
-    b = PromptDataSource(DigitTask(), seed=3, dataset_size=64)
+    a = PromptDataSource(digit_task_prompts(DigitTask(), 3, 64), seed=3)
+    b = PromptDataSource(digit_task_prompts(DigitTask(), 3, 64), seed=3)
     for pa, pb in zip(a.prompts, b.prompts):
         assert np.array_equal(pa.prompt_ids, pb.prompt_ids) and pa.answer_id == pb.answer_id
     for n in (5, 40, 30):
@@ -128,14 +128,14 @@ def test_same_seed_gives_same_prompts_and_order():
 
 
 def test_different_seeds_give_different_prompts_and_order():
-    a = PromptDataSource(DigitTask(), seed=3, dataset_size=64)
-    b = PromptDataSource(DigitTask(), seed=4, dataset_size=64)
+    a = PromptDataSource(digit_task_prompts(DigitTask(), 3, 64), seed=3)
+    b = PromptDataSource(digit_task_prompts(DigitTask(), 4, 64), seed=4)
     assert any(not np.array_equal(pa.prompt_ids, pb.prompt_ids) for pa, pb in zip(a.prompts, b.prompts))
     assert indices(a.next_batch(64)) != indices(b.next_batch(64))
 
 
 def test_prompts_are_valid_read_only_and_indexed():
-    src = PromptDataSource(DigitTask(num_digits=3), seed=0, dataset_size=20)
+    src = PromptDataSource(digit_task_prompts(DigitTask(num_digits=3), 0, 20), seed=0)
     for i, p in enumerate(src.prompts):
         assert p.index == i
         assert not p.prompt_ids.flags.writeable
@@ -145,7 +145,7 @@ def test_prompts_are_valid_read_only_and_indexed():
 
 def test_every_prompt_is_visited_exactly_once_per_epoch():
     n = 13
-    src = PromptDataSource(DigitTask(), seed=9, dataset_size=n)
+    src = PromptDataSource(digit_task_prompts(DigitTask(), 9, n), seed=9)
     orders = []
     for _ in range(3):
         epoch = []
@@ -159,10 +159,10 @@ def test_every_prompt_is_visited_exactly_once_per_epoch():
 
 def test_batch_crossing_the_epoch_boundary_is_filled_from_the_next_epoch():
     n = 5
-    ref = PromptDataSource(DigitTask(), seed=11, dataset_size=n)
+    ref = PromptDataSource(digit_task_prompts(DigitTask(), 11, n), seed=11)
     epoch0, epoch1 = indices(ref.next_batch(n)), indices(ref.next_batch(n))
 
-    src = PromptDataSource(DigitTask(), seed=11, dataset_size=n)
+    src = PromptDataSource(digit_task_prompts(DigitTask(), 11, n), seed=11)
     assert indices(src.next_batch(3)) == epoch0[:3]
     crossing = src.next_batch(4)
     assert len(crossing) == 4
@@ -171,7 +171,7 @@ def test_batch_crossing_the_epoch_boundary_is_filled_from_the_next_epoch():
 
 
 def test_batch_larger_than_the_dataset_spans_several_epochs():
-    src = PromptDataSource(DigitTask(), seed=2, dataset_size=3)
+    src = PromptDataSource(digit_task_prompts(DigitTask(), 2, 3), seed=2)
     batch = indices(src.next_batch(7))
     assert len(batch) == 7
     assert sorted(batch[:3]) == sorted(batch[3:6]) == [0, 1, 2]
@@ -181,11 +181,11 @@ def test_batch_larger_than_the_dataset_spans_several_epochs():
 @pytest.mark.parametrize("first", [0, 2, 5, 7, 10])
 def test_resume_from_state_dict_gives_the_same_next_batch(first):
     n = 5
-    uninterrupted = PromptDataSource(DigitTask(), seed=21, dataset_size=n)
+    uninterrupted = PromptDataSource(digit_task_prompts(DigitTask(), 21, n), seed=21)
     uninterrupted.next_batch(first)
     state = json.loads(json.dumps(uninterrupted.state_dict()))  # survives a checkpoint file
 
-    resumed = PromptDataSource(DigitTask(), seed=21, dataset_size=n)
+    resumed = PromptDataSource(digit_task_prompts(DigitTask(), 21, n), seed=21)
     resumed.next_batch(3)  # a different position, overwritten by the load
     resumed.load_state_dict(state)
     for size in (4, 6):
@@ -193,13 +193,13 @@ def test_resume_from_state_dict_gives_the_same_next_batch(first):
 
 
 def test_zero_and_negative_batch_sizes():
-    src = PromptDataSource(DigitTask(), seed=0, dataset_size=4)
+    src = PromptDataSource(digit_task_prompts(DigitTask(), 0, 4), seed=0)
     assert src.next_batch(0) == []
     assert src.state_dict() == {"epoch": 0, "cursor": 0}
     with pytest.raises(ValueError):
         src.next_batch(-1)
     with pytest.raises(ValueError):
-        PromptDataSource(DigitTask(), seed=0, dataset_size=0)
+        PromptDataSource(digit_task_prompts(DigitTask(), 0, 0), seed=0)
 
 
 def test_observation_segments_count_tool_calls_by_hand():

@@ -209,3 +209,37 @@ def test_older_checkpoint_is_refused_like_any_version_regression(checkpoint, tmp
         backend.load_checkpoint(tmp_path, min_version=3)
     assert backend.digest() == before
     assert backend.load_checkpoint(tmp_path, min_version=2) == 2
+
+
+def test_forwards_report_the_entropy_over_each_tokens_support(checkpoint):
+    cfg = TrainerConfig(use_support_replay=True, temperature=0.8)
+    backend = resolve_backend(cfg.train_backend)(str(checkpoint), cfg, list(VOCABULARY))
+    samples = []
+    rng = np.random.default_rng(4)
+    for s in _samples():
+        R = len(s.response_ids)
+        support = np.full((R, 1 + 4), -1, np.int32)
+        support[:, 0] = s.response_ids
+        for j in range(R):  # the sampled id and 1..3 others, the rest excluded
+            others = [v for v in rng.permutation(V)[:4].tolist() if v != s.response_ids[j]][:1 + j]
+            row = [int(s.response_ids[j]), *others]
+            support[j, 1:1 + len(row)] = row
+        samples.append(Sample(sample_id=s.sample_id, group_id=0, rollout_id=0, policy_version=0,
+                              prompt_ids=s.prompt_ids, response_ids=s.response_ids,
+                              loss_mask=s.loss_mask, rollout_logprobs=s.rollout_logprobs,
+                              sample_support=support))
+    batch = collate(samples, routing=False, indexer=False, support=True)
+    pre, train = backend.preflight_logprobs(batch), backend.train_forward(batch)
+    # independent: each sample alone, float64 softmax of logits / T over the support's ids
+    expected = []
+    for s in samples:
+        tokens = torch.from_numpy(s.tokens.astype(np.int64))[None]
+        with torch.no_grad():
+            z = backend.model(tokens, torch.arange(tokens.shape[1])[None]).logits[0].double() / 0.8
+        for j in range(len(s.response_ids)):
+            ids = [int(v) for v in s.sample_support[j, 1:] if v >= 0]
+            p = torch.softmax(z[len(s.prompt_ids) - 1 + j, ids], -1)
+            expected.append(float(-(p * p.log()).sum()))
+    np.testing.assert_allclose(pre.support_entropy.numpy(), expected, atol=1e-5)
+    np.testing.assert_allclose(train.support_entropy.numpy(), expected, atol=1e-5)
+    assert not train.support_entropy.requires_grad

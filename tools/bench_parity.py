@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rollout.data_source import PromptDataSource
+from rollout.data_source import PromptDataSource, digit_task_prompts
 from rollout.engines.embedded import EmbeddedEngine
 from rollout.model.checkpoint import state_dict_arrays
 from rollout.model.config import default_config
@@ -64,7 +64,7 @@ def generate(engine_dtype: torch.dtype, prompts: int, seed: int, top_k: int,
     engine = EmbeddedEngine(cfg, dtype=engine_dtype)
     engine.load_weights(state_dict_arrays(model), version=0)
     task = DigitTask(num_digits=8)  # longer prompts: the indexer drops keys
-    data = PromptDataSource(task, seed, dataset_size=prompts)
+    data = PromptDataSource(digit_task_prompts(task, seed, prompts), seed)
     batch = data.next_batch(prompts)
     gens = engine.generate([p.prompt_ids.tolist() for p in batch], SamplingParams(top_k=top_k),
                            max_new_tokens=response_len, eos_token_id=task.eos_id, seed=seed,

@@ -259,12 +259,13 @@ def settings_table(config) -> str:
 def prompt_stream(config) -> list:
     """The prompts replayrl's RolloutManager draws for ``config.num_steps`` steps, in order:
     ``rollout_batch_size`` per step from the same seeded data source (``rollout/manager.py``)."""
-    from rollout.data_source import PromptDataSource
+    from rollout.data_source import PromptDataSource, digit_task_prompts
     from rollout.task import DigitTask
 
     r = config.rollout
-    source = PromptDataSource(DigitTask(num_digits=r.num_digits, num_values=r.num_values),
-                              r.seed, r.dataset_size)
+    source = PromptDataSource(digit_task_prompts(DigitTask(num_digits=r.num_digits,
+                                                           num_values=r.num_values),
+                                                 r.seed, r.dataset_size), r.seed)
     return source.next_batch(config.num_steps * r.rollout_batch_size)
 
 

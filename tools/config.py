@@ -64,6 +64,11 @@ class RunConfig:
             config and a read-only view of the metrics (``--metrics-hook``, repeatable).
         rollout_engine: the rollout engine's registry name (``--rollout-engine``,
             ``rollout.engines.ENGINES``); the launcher rejects an unknown one.
+        cpu_affinity: ``split`` gives the trainer process the first half of the launcher's
+            CPUs and every other actor the rest; ``off`` leaves placement to the OS
+            (``--cpu-affinity``; :func:`tools.launcher.split_cpus`).
+        eval_interval: steps between evaluations of ``--eval-prompt-data`` (0 = never).
+        use_tensorboard: write TensorBoard event files beside ``metrics.jsonl``.
     """
 
     num_steps: int = setting(400, "num-steps", "optimizer steps (one rollout each)", Range(low=1))
@@ -94,6 +99,15 @@ class RunConfig:
                                               "module:function"), metavar="MODULE:FUNCTION")
     rollout_engine: str = setting("embedded", "rollout-engine", "rollout engine, a name in the "
                                   "registry rollout.engines.ENGINES (checked by the launcher)")
+    cpu_affinity: str = setting("off", "cpu-affinity", "split: the trainer gets the first half of "
+                                "the CPUs, every other actor the rest, so the one-step overlap "
+                                "never time-shares the trainer's core; off: the OS places them",
+                                Choices(("off", "split")))
+    eval_interval: int = setting(0, "eval-interval", "evaluate the --eval-prompt-data sets "
+                                 "every N steps and after the last (0 = never)", Range(low=0))
+    use_tensorboard: bool = setting(False, "use-tensorboard", "also write every metric as "
+                                    "TensorBoard events under <output-dir>/tensorboard (extra "
+                                    "'tensorboard')")
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
@@ -102,12 +116,17 @@ class RunConfig:
         checks = [
             (self.rollout.top_k <= len(VOCABULARY),
              f"--rollout-top-k must be <= the vocabulary size {len(VOCABULARY)} (or -1)"),
-            (self.max_context_tokens <= MAX_POSITIONS,
+            (self.rollout.prompt_data or self.max_context_tokens <= MAX_POSITIONS,
              f"--num-digits + 3 + --rollout-max-turns x (--rollout-max-response-len + 2) = "
              f"{self.max_context_tokens} tokens exceeds the model's {MAX_POSITIONS} positions"),
             (self.trainer.temperature == self.rollout.temperature,
              "--rollout-temperature must reach the trainer unchanged (logprobs of logits / T)"),
         ]
+        if self.eval_interval and not self.rollout.eval_prompt_data:
+            checks.append((False, "--eval-interval needs at least one --eval-prompt-data NAME FILE"))
+        names = [n for n, _ in self.rollout.eval_sets()]
+        if len(set(names)) != len(names):
+            checks.append((False, f"--eval-prompt-data names must differ, got {names}"))
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
@@ -160,7 +179,11 @@ class RunConfig:
         r = self.rollout
         return {"seed": r.seed, "rollout_batch_size": r.rollout_batch_size,
                 "n_samples_per_prompt": r.n_samples_per_prompt, "num_digits": r.num_digits,
-                "num_values": r.num_values, "dataset_size": r.dataset_size}
+                "num_values": r.num_values, "dataset_size": r.dataset_size,
+                "prompt_data": r.prompt_data, "input_key": r.input_key,
+                "label_key": r.label_key, "num_epoch": r.num_epoch, "tokenizer": r.tokenizer,
+                "apply_chat_template": r.apply_chat_template,
+                "apply_chat_template_kwargs": r.apply_chat_template_kwargs}
 
     def to_dict(self) -> dict:
         """Nested plain dict of every field (``dataclasses.asdict``; values as the run uses them,
@@ -268,6 +291,10 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(f"--{flag.name}", action=argparse.BooleanOptionalAction,
                                 default=argparse.SUPPRESS,
                                 help=f"{help_} (default: {flag.shown_default()})")
+        elif s.repeat and s.nargs > 1:  # --eval-prompt-data NAME FILE: values flattened
+            parser.add_argument(f"--{flag.name}", action="extend", nargs=s.nargs, type=s.type,
+                                default=argparse.SUPPRESS, help=f"{help_} (repeatable)",
+                                metavar=tuple(s.metavar.split()) if s.metavar else None)
         elif s.repeat:
             parser.add_argument(f"--{flag.name}", action="append", type=s.type,
                                 default=argparse.SUPPRESS, help=f"{help_} (repeatable)", **extra)

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 from actors import ActorSpec, Directory, Supervisor, import_callable
 from actors.run_dir import create_run_dir
@@ -24,6 +27,9 @@ from rollout.engines.precision import resolve_dtype
 from rollout.model.checkpoint import save_pretrained
 from rollout.model.config import default_config
 from rollout.model.qwen3_moe import Qwen3MoeForCausalLM
+from rollout.prompt_data import PromptDataError, load_run_prompts
+from rollout.rewards import RewardError, load_math_verify
+from rollout.tokenizer import TokenizerError, load_tokenizer
 from rollout.task import VOCABULARY
 from rollout.sample import required_traces
 from tools.config import ConfigError, RunConfig
@@ -134,6 +140,58 @@ def engine_kwargs(config: RunConfig) -> dict:
             "dtype": resolve_dtype(config.engine_dtype)}
 
 
+def split_cpus(allowed: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``--cpu-affinity split``: (the trainer's CPUs, every other actor's CPUs).
+
+    The trainer gets the first half of ``allowed`` (sorted; at least one CPU), the rest go to
+    the engines, the rollout manager and the clock. Under the one-step overlap the trainer is
+    the side the step waits for, and time-sharing its core with the rollout side's bursts
+    delays every step. With fewer than two CPUs there is nothing to split: both are ``()``
+    (inherit).
+    """
+    cpus = sorted(set(allowed))
+    if len(cpus) < 2:
+        return (), ()
+    half = len(cpus) // 2
+    return tuple(cpus[:half]), tuple(cpus[half:])
+def tokenizer_dir(config: RunConfig, checkpoint_dir: Path) -> Path:
+    """The directory the run's tokenizer is read from: ``--tokenizer``, else the initial
+    checkpoint (which holds the embedded word-level tokenizer)."""
+    return Path(config.rollout.tokenizer) if config.rollout.tokenizer else Path(checkpoint_dir)
+
+
+def check_prompt_data(config: RunConfig, checkpoint_dir: Path) -> None:
+    """Read the tokenizer and every prompt set here, before any process starts.
+
+    Raises:
+        ConfigError: the tokenizer cannot be loaded or has more ids than the policy's
+            vocabulary, a prompt row is bad (names file, line and key), ``--rm-type math``
+            without math-verify, or ``--num-steps`` x ``--rollout-batch-size`` needs more
+            prompts than ``--num-epoch`` passes hold.
+    """
+    r = config.rollout
+    model = default_config(vocab_size=len(VOCABULARY))
+    try:
+        tokenizer = load_tokenizer(tokenizer_dir(config, checkpoint_dir),
+                                   apply_chat_template=r.apply_chat_template,
+                                   chat_template_kwargs=json.loads(r.apply_chat_template_kwargs))
+        if tokenizer.vocab_size > model.vocab_size:
+            raise ConfigError(f"--tokenizer {tokenizer.directory}: {tokenizer.vocab_size} ids, "
+                              f"more than the policy's vocabulary of {model.vocab_size}")
+        prompts = load_run_prompts(r, tokenizer, vocab_size=model.vocab_size,
+                                   max_positions=model.max_position_embeddings)
+        if r.rm_type == "math" and not r.custom_reward:
+            load_math_verify()
+    except (TokenizerError, PromptDataError, RewardError) as exc:
+        raise ConfigError(str(exc)) from None
+    needed = config.num_steps * r.rollout_batch_size
+    if r.num_epoch and needed > r.num_epoch * len(prompts.train):
+        raise ConfigError(f"--num-steps {config.num_steps} x --rollout-batch-size "
+                          f"{r.rollout_batch_size} = {needed} prompts, but --num-epoch "
+                          f"{r.num_epoch} x {len(prompts.train)} prompts of {prompts.name} "
+                          f"hold {r.num_epoch * len(prompts.train)}")
+
+
 def actor_specs(config: RunConfig, checkpoint_dir: Path) -> list[ActorSpec]:
     """The processes of a run, in start order.
 
@@ -144,7 +202,9 @@ def actor_specs(config: RunConfig, checkpoint_dir: Path) -> list[ActorSpec]:
     required = run_required_traces(config)
     model = default_config(vocab_size=len(VOCABULARY))
     engines = [f"engine_{i}" for i in range(config.num_engines)]
-    return [
+    trainer_cpus, other_cpus = (split_cpus(os.sched_getaffinity(0))
+                                if config.cpu_affinity == "split" else ((), ()))
+    specs = [
         ActorSpec("version_clock", "actors.version_clock:VersionClock",
                   {"max_staleness": config.max_staleness}),
         *(ActorSpec(name, "rollout.engine_actor:EngineActor",
@@ -154,13 +214,17 @@ def actor_specs(config: RunConfig, checkpoint_dir: Path) -> list[ActorSpec]:
         ActorSpec("rollout_manager", "rollout.manager:RolloutManager",
                   {"config": config.rollout.to_dict(), "engines": engines,
                    "require_traces": required,
-                   "max_positions": model.max_position_embeddings}),
+                   "max_positions": model.max_position_embeddings,
+                   "tokenizer_dir": str(tokenizer_dir(config, checkpoint_dir)),
+                   "vocab_size": model.vocab_size}),
         ActorSpec("trainer", "trainer.trainer_actor:TrainerActor",
                   {"checkpoint_dir": str(checkpoint_dir), "config": config.trainer.to_dict(),
                    "n_samples_per_prompt": config.rollout.n_samples_per_prompt,
                    "rollout_batch_size": config.rollout.rollout_batch_size,
                    "vocab_tokens": list(VOCABULARY), "engines": engines}),
     ]
+    return [dataclasses.replace(spec, cpus=trainer_cpus if spec.name == "trainer" else other_cpus)
+            for spec in specs]
 
 
 async def launch(config: RunConfig, log_level: int = logging.WARNING,
@@ -171,8 +235,9 @@ async def launch(config: RunConfig, log_level: int = logging.WARNING,
 
     Raises:
         ConfigError: a hook / reward that does not import, an unwritable ``--save``, an
-            unknown / unfit ``--rollout-engine``, or a bad ``--load`` checkpoint
-            (:func:`check_load`), all before any process starts.
+            unknown / unfit ``--rollout-engine``, unusable prompt data or tokenizer
+            (:func:`check_prompt_data`), or a bad ``--load`` checkpoint (:func:`check_load`),
+            all before any process starts.
         actors.ActorDied: an actor process exited (its traceback is in the message).
         actors.RemoteError: an actor method raised (remote traceback in the message).
     """
@@ -185,16 +250,24 @@ async def launch(config: RunConfig, log_level: int = logging.WARNING,
         check_writable(Path(config.save_dir), "--save")
     if config.load:
         check_load(config)
+    if config.use_tensorboard:
+        try:
+            import tensorboard  # noqa: F401  (the extra; imported for real by the recorder)
+        except ImportError:
+            raise ConfigError("--use-tensorboard needs the tensorboard package: "
+                              "pip install 'replayrl[tensorboard]'") from None
     output = Path(config.output_dir)
     output.mkdir(parents=True, exist_ok=True)
     (output / "config.json").write_text(config.to_json())
     checkpoint = write_initial_checkpoint(config, output / "checkpoint-init")
+    check_prompt_data(config, checkpoint)
     run_dir = create_run_dir()  # short path: AF_UNIX limit; stale ones of killed launchers go
     try:
         specs = specs if specs is not None else actor_specs(config, checkpoint)
         directory = Directory.for_run(run_dir, [s.name for s in specs], config.transport,
                                       curve_keys=config.curve_keys)
-        with MetricsRecorder(output, config.num_steps, config.progress, hooks, config) as recorder:
+        with MetricsRecorder(output, config.num_steps, config.progress, hooks, config,
+                             tensorboard=config.use_tensorboard) as recorder:
             async with Supervisor(specs, directory, run_dir, log_level=log_level) as supervisor:
                 loop_task = asyncio.ensure_future(train_loop(directory, config, recorder.record))
                 watch_task = asyncio.ensure_future(supervisor.watch())

@@ -59,18 +59,36 @@ def progress_status(metrics: Mapping) -> str:
     return "  ".join(parts)
 
 
+def open_tensorboard(directory: Path) -> Any:
+    """A ``torch.utils.tensorboard.SummaryWriter`` writing event files to ``directory``.
+
+    Raises:
+        ImportError: the ``tensorboard`` package is missing (names the extra to install).
+    """
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as exc:
+        raise ImportError("--use-tensorboard needs the tensorboard package: "
+                          "pip install 'replayrl[tensorboard]'") from exc
+    return SummaryWriter(log_dir=str(directory))
+
+
 class MetricsRecorder:
     """Writes ``metrics.jsonl`` under ``output_dir`` and drives a rich progress bar.
 
     Use as a context manager; :meth:`record` is the ``on_step`` callback of the train loop.
+    With ``tensorboard`` (``--use-tensorboard``) every numeric value of a row is also written as
+    a TensorBoard scalar at its step, under ``output_dir/tensorboard``.
     ``hooks`` (``--metrics-hook``) are called after each step as ``hook(config, metrics)`` with
     the frozen run config and a read-only view of the step's metrics: a logger can neither change
     the run nor what later loggers see, and nothing is copied defensively.
     """
 
     def __init__(self, output_dir: str | Path, num_steps: int, show_progress: bool = True,
-                 hooks: Sequence[Callable[[Any, Mapping], None]] = (), config: Any = None) -> None:
+                 hooks: Sequence[Callable[[Any, Mapping], None]] = (), config: Any = None,
+                 tensorboard: bool = False) -> None:
         self.hooks = tuple(hooks)
+        self._tensorboard = open_tensorboard(Path(output_dir) / "tensorboard") if tensorboard else None
         self.config = config
         self.output_dir = Path(output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -89,6 +107,8 @@ class MetricsRecorder:
     def __exit__(self, *exc: object) -> None:
         self._progress.stop()
         self._file.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
 
     def record(self, metrics: dict) -> None:
         """Append one step's metrics (a flat dict of JSON-able values) as one strict-JSON line.
@@ -113,24 +133,45 @@ class MetricsRecorder:
                         "unchanged", metrics.get("step"), metrics.get("skip_reason"),
                         metrics.get("trainer_version"))
         self._progress.update(self._task, advance=1, status=progress_status(metrics))
+        if self._tensorboard is not None:
+            for key, value in metrics.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self._tensorboard.add_scalar(key, value, metrics.get("step", len(self.rows)))
+            self._tensorboard.flush()
         view = frozen(metrics)
         for hook in self.hooks:
             hook(self.config, view)
 
     def plot(self) -> Path:
-        """Save ``reward.png`` (reward mean per step) and return its path."""
+        """Save ``reward.png`` and return its path: the training reward mean per step with each
+        evaluation set's mean reward and pass@k (``eval/NAME/...`` rows), and below it the mean
+        response length and, when the rows carry it, the support entropy."""
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.plot([r["step"] for r in self.rows], [r["reward_mean"] for r in self.rows], marker=".")
-        ax.set_xlabel("optimizer step")
-        ax.set_ylabel("mean reward")
+        fig, (ax, low) = plt.subplots(2, 1, figsize=(6, 6), sharex=True)
+        ax.plot([r["step"] for r in self.rows], [r["reward_mean"] for r in self.rows], marker=".",
+                label="train reward")
+        eval_keys = sorted({k for r in self.rows for k in r if k.startswith("eval/")
+                            and ("reward_mean" in k or "pass@" in k)})
+        for key in eval_keys:
+            points = [(r["step"], r[key]) for r in self.rows if r.get(key) is not None]
+            ax.plot(*zip(*points), marker="o", linestyle="--", label=key)
+        ax.set_ylabel("mean reward / pass@k")
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
-        ax.set_title("replayrl: reward on the embedded task")
+        ax.legend(fontsize=7)
+        ax.set_title("replayrl: reward")
+        for key, label in (("response_len_mean", "response tokens"),
+                           ("support_entropy_mean", "support entropy (nats)")):
+            points = [(r["step"], r[key]) for r in self.rows if r.get(key) is not None]
+            if points:
+                low.plot(*zip(*points), marker=".", label=label)
+        low.set_xlabel("optimizer step")
+        low.grid(alpha=0.3)
+        low.legend(fontsize=7)
         path = self.output_dir / "reward.png"
         fig.tight_layout()
         fig.savefig(path, dpi=120)

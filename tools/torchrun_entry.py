@@ -29,7 +29,7 @@ from actors.ref import use_curve_keys
 from actors.spawn import ActorSpec, import_actor_class, serve_actor
 from tools.config import ConfigError, RunConfig, add_run_flags, config_from_args
 from tools.exit_codes import exit_code
-from tools.launcher import actor_specs, write_initial_checkpoint
+from tools.launcher import actor_specs, check_prompt_data, write_initial_checkpoint
 from tools.metrics import MetricsRecorder
 from tools.train_loop import train_loop
 
@@ -48,6 +48,11 @@ def plan(world_size: int, config: RunConfig) -> tuple[list[ActorSpec], dict[int,
                           f"got {world_size}")
     config = dataclasses.replace(config, num_engines=world_size - 2)
     specs = actor_specs(config, _checkpoint_dir(config))
+    if not config.rollout.tokenizer:
+        # the initial checkpoint is written on the trainer's rank only; the manager's rank
+        # reads the embedded tokenizer from its own copy, so neither waits for the other
+        specs = [dataclasses.replace(s, kwargs={**s.kwargs, "tokenizer_dir": str(_tokenizer_dir(config))})
+                 if s.name == "rollout_manager" else s for s in specs]
     roles = {0: list(DRIVER_ACTORS), world_size - 1: ["trainer"]}
     roles.update({r: [f"engine_{r - 1}"] for r in range(1, world_size - 1)})
     return specs, roles
@@ -57,6 +62,12 @@ def _checkpoint_dir(config: RunConfig):
     from pathlib import Path
 
     return Path(config.output_dir) / "checkpoint-init"
+
+
+def _tokenizer_dir(config: RunConfig):
+    from pathlib import Path
+
+    return Path(config.output_dir) / "tokenizer-init"
 
 
 def directory_for(specs: list[ActorSpec], host: str, base_port: int, curve_keys: str) -> Directory:
@@ -125,6 +136,11 @@ def main(argv: list[str] | None = None) -> int:
         directory = directory_for(specs, "127.0.0.1", port, config.curve_keys)
         if "trainer" in roles[rank]:
             write_initial_checkpoint(config, _checkpoint_dir(config))  # only this rank reads it
+        if "rollout_manager" in roles[rank]:
+            tokenizer = _tokenizer_dir(config)
+            if not config.rollout.tokenizer:
+                write_initial_checkpoint(config, tokenizer)
+            check_prompt_data(config, tokenizer)  # a bad row stops the run before it starts
         if rank == 0:
             print(run_event_loop(_drive(config, specs, directory, args.ready_timeout)))
         else:

@@ -12,9 +12,13 @@ keep the weights they have, the next batch was generated at the trainer's unchan
 (staleness 0, inside the window) and the row is still recorded.
 
 With ``--max-staleness 0`` nothing overlaps: each step generates rollout k from the weights of
-version k, trains on it and pushes version k + 1 before rollout k + 1 is generated
-(:func:`sync_step`), so every sample enters its step at staleness exactly 0 and the clock's
-window ``0 <= t - v <= 0`` admits nothing else (docs/design.md §6 "Version clock").
+version k, trains on it and pushes version k + 1 (waiting for the engines' load) before rollout
+k + 1 is generated (:func:`sync_step`), so every sample enters its step at staleness exactly 0
+and the clock's window ``0 <= t - v <= 0`` admits nothing else (docs/design.md §6 "Version
+clock").
+
+Evaluation (``--eval-interval``) runs after a step's weight push, on the engines, while no
+rollout is generating; its figures join that step's row (``eval/NAME/...``).
 
 Checkpoints (``--save-interval``) are taken after a step's weight push. They hold the trainer
 (model, optimizer, version, RNG), the clock and the data source as it was *before* the
@@ -38,20 +42,22 @@ NO_PUSH = {"version": None, "seconds": 0.0, "bytes": 0}
 """The ``push`` figures of a step after which nothing was pushed (a skipped step)."""
 
 
-async def push_after(trained: dict, trainer) -> dict:
+async def push_after(trained: dict, trainer, wait: bool = True) -> dict:
     """Push the weights after a trained step; after a skipped one the engines keep theirs.
 
     Args:
         trained: the trainer's ``train`` result.
         trainer: a proxy to the TrainerActor.
+        wait: as ``TrainerActor.push_weights``: with ``False`` the push is only sent, and the
+            next generation must ask for its version (``min_version``).
     Returns:
         the ``push_weights`` result, or a copy of :data:`NO_PUSH` when ``trained["skipped"]``.
     Raises:
-        actors.RemoteError: the push failed.
+        actors.RemoteError: the push (or, with ``wait=False``, the previous one) failed.
     """
     if trained.get("skipped"):
         return dict(NO_PUSH)
-    return await trainer.push_weights()
+    return await trainer.push_weights(wait)
 
 
 def step_metrics(step: int, summary: dict, trained: dict, push: dict, step_seconds: float) -> dict:
@@ -143,24 +149,31 @@ async def train_loop(directory: Directory, config: RunConfig,
     manager, trainer = directory.proxy("rollout_manager"), directory.proxy("trainer")
     first = await load_checkpoint(directory, Path(config.load)) if config.load else 0
     push = await trainer.push_weights()  # engines serve nothing before this
+    served = push["version"]  # the version the next rollout is generated at
     if first >= config.num_steps:
         return
     if config.max_staleness == 0:
         for step in range(first, config.num_steps):
             step_start = time.perf_counter()
             summary, trained, push, waits = await sync_step(manager, trainer, step)
+            served = push["version"] if push["version"] is not None else served
+            evaluation = {}
+            if config.eval_interval and ((step + 1) % config.eval_interval == 0
+                                         or step + 1 == config.num_steps):
+                evaluation = await manager.evaluate(step + 1, min_version=served)
             if config.save_interval and (step + 1) % config.save_interval == 0:
                 await save_checkpoint(directory, Path(config.save_dir) / f"step-{step + 1}",
                                       step + 1, config)
             on_step({**step_metrics(step, summary, trained, push, time.perf_counter() - step_start),
-                     **waits})
+                     **waits, **evaluation})
         return
     generated = await manager.generate(first)
     for step in range(first, config.num_steps):
         step_start = time.perf_counter()
         next_rollout, generated_at = None, [step_start]
         if step + 1 < config.num_steps:  # overlaps with training below
-            next_rollout = asyncio.ensure_future(manager.generate(step + 1))
+            # the last push may still be on its way: the engines wait for it, not this loop
+            next_rollout = asyncio.ensure_future(manager.generate(step + 1, min_version=served))
             next_rollout.add_done_callback(lambda _, at=generated_at: at.append(time.perf_counter()))
         try:
             trained = await trainer.train(step)
@@ -170,15 +183,26 @@ async def train_loop(directory: Directory, config: RunConfig,
             raise
         trained_at = time.perf_counter()
         summary = generated
+        saving = config.save_interval and (step + 1) % config.save_interval == 0
         if next_rollout is not None:
             generated = await next_rollout
-            push = await push_after(trained, trainer)
+            # sent, not awaited: the engines load while the next step trains (a checkpoint
+            # waits for the load, so the clock it saves has recorded it)
+            push = await push_after(trained, trainer, wait=bool(saving))
+            served = push["version"] if push["version"] is not None else served
         # the two sides of the overlap: who waited for whom, from the driver's clock
         waits = {"wait_for_rollout_seconds": max(0.0, generated_at[-1] - trained_at),
                  "wait_for_trainer_seconds": max(0.0, trained_at - generated_at[-1])
                  if next_rollout is not None else 0.0}
-        if config.save_interval and (step + 1) % config.save_interval == 0:
+        evaluation = {}
+        if config.eval_interval and ((step + 1) % config.eval_interval == 0
+                                     or step + 1 == config.num_steps):
+            if next_rollout is None:  # the last step: its weights are not pushed otherwise
+                push = await push_after(trained, trainer)
+                served = push["version"] if push["version"] is not None else served
+            evaluation = await manager.evaluate(step + 1, min_version=served)
+        if saving:
             await save_checkpoint(directory, Path(config.save_dir) / f"step-{step + 1}", step + 1,
                                   config)
         on_step({**step_metrics(step, summary, trained, push, time.perf_counter() - step_start),
-                 **waits})
+                 **waits, **evaluation})

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from actors import Actor
-from rollout.sample import Sample, check_required_traces, required_traces
+from rollout.sample import Sample, check_required_traces, required_traces, samples_from_columns
 from trainer.advantages import baseline_groups, grpo_advantages
 from trainer.backends import resolve_backend
 from trainer.backends.base import TrainerBackend
@@ -51,6 +51,7 @@ from trainer.losses import policy_loss
 from trainer.proximal_cache import ProximalLogprobCache
 from trainer.rejection.refill import RefillCoordinator, gate_metrics
 from trainer.replay import batch_flip_rate, check_replay, mean_rates
+from transport.array_bundle import pack_arrays
 
 
 class TrainStepError(RuntimeError):
@@ -91,12 +92,14 @@ class TrainerActor(Actor):
                  engines: list[str], rollout_batch_size: int, vocab_tokens: list[str],
                  manager: str = "rollout_manager", clock: str = "version_clock") -> None:
         self.config = TrainerConfig(**config)
+        self._entropies: list[torch.Tensor] = []  # this step's support entropies (sampled tokens)
         self.backend = resolve_backend(self.config.train_backend)(checkpoint_dir, self.config,
                                                                   vocab_tokens)
         self.n = n_samples_per_prompt
         self.rollout_batch_size = rollout_batch_size
         self.engines, self.manager_name, self.clock_name = list(engines), manager, clock
         self.version = 0
+        self._push: asyncio.Future | None = None  # the weight push still in flight, if any
         self.cache = ProximalLogprobCache(self.config.rs_refill_max_candidate_cache_bytes)
         self.gate = self.config.rs_gate
         cfg = self.config
@@ -105,22 +108,49 @@ class TrainerActor(Actor):
             routing_replay=cfg.use_routing_replay, indexer_replay=cfg.use_indexer_replay)
 
     # -- weights -----------------------------------------------------------------------------
-    async def push_weights(self) -> dict:
+    async def push_weights(self, wait: bool = True) -> dict:
         """Send the current weights (version = optimizer steps applied) to every engine.
 
+        Args:
+            wait: return once every engine loaded them and the VersionClock recorded it. With
+                ``False`` return once they are sent (the arrays are copied at the send, so
+                training may go on): the engines load them while the trainer trains, and a
+                ``generate`` asking for this ``min_version`` waits for the load. The next push
+                (or :meth:`wait_for_push`) waits for this one first and raises its error.
         Returns:
-            ``{"version", "bytes", "seconds"}``.
+            ``{"version", "bytes", "seconds"}`` (seconds until sent, or until loaded with
+            ``wait``).
         """
+        await self.wait_for_push()
         start = time.perf_counter()
         arrays = self.backend.weights()
+        bundle = pack_arrays(arrays)
         timeout = self.config.rpc_timeout_s
-        await asyncio.gather(*(self.proxy(e, timeout).load_weights(self.version, arrays)
-                               for e in self.engines))
-        clock = self.proxy(self.clock_name, timeout)
-        for e in self.engines:
-            await clock.record_engine_load(e, self.version)
+        loads = [asyncio.ensure_future(self.proxy(e, timeout).load_weights(self.version, bundle))
+                 for e in self.engines]
+        self._push = asyncio.ensure_future(self._record_loads(loads, self.version))
+        if wait:
+            await self.wait_for_push()
+        else:
+            await asyncio.sleep(0)  # let the load calls reach their sockets before training
         return {"version": self.version, "bytes": int(sum(a.nbytes for a in arrays.values())),
                 "seconds": time.perf_counter() - start}
+
+    async def _record_loads(self, loads: list[asyncio.Future], version: int) -> None:
+        await asyncio.gather(*loads)
+        clock = self.proxy(self.clock_name, self.config.rpc_timeout_s)
+        for e in self.engines:
+            await clock.record_engine_load(e, version)
+
+    async def wait_for_push(self) -> None:
+        """Return once the last push finished (loaded and recorded); re-raise its error.
+
+        Raises:
+            actors.RemoteError / actors.ActorTimeout: an engine or the clock failed the push.
+        """
+        push, self._push = self._push, None
+        if push is not None:
+            await push
 
     # -- one step ----------------------------------------------------------------------------
     def _batches(self, samples: list[Sample]):
@@ -165,7 +195,10 @@ class TrainerActor(Actor):
         return rates
 
     def _replay_rates(self, rates: dict[str, list[float]], batch, out) -> None:
-        """Append one microbatch's flip / drift rates (and run the replay check) to ``rates``."""
+        """Append one microbatch's flip / drift rates (and run the replay check) to ``rates``,
+        and its support entropies over sampled tokens to :attr:`_entropies`."""
+        if getattr(out, "support_entropy", None) is not None:
+            self._entropies.append(out.support_entropy[batch.sampled_mask > 0])
         for name, engine, used, own in (
                 ("routing", batch.routed_experts, out.routed_experts, out.own_routed_experts),
                 ("indexer", batch.indexer_topk, out.indexer_topk, out.own_indexer_topk)):
@@ -221,7 +254,7 @@ class TrainerActor(Actor):
         clock = self.proxy(self.clock_name, cfg.rpc_timeout_s)
         start = time.perf_counter()
         raw = await self.proxy(self.manager_name, cfg.rpc_timeout_s).take_batch(rollout_id)
-        samples = [Sample.from_dict(d) for d in raw]
+        samples = samples_from_columns(raw)
         transport_seconds = time.perf_counter() - start  # the batch's RPC, decode and checks
         trainer_version = await clock.check_samples([s.sample_id for s in samples],
                                                     [s.policy_version for s in samples])
@@ -229,6 +262,7 @@ class TrainerActor(Actor):
             raise TrainStepError(f"clock says trainer version {trainer_version}, trainer holds "
                                  f"{self.version}")
         self.cache.reset_counters()
+        self._entropies = []
         try:
             if self.needs_preflight():
                 t0 = time.perf_counter()
@@ -259,6 +293,13 @@ class TrainerActor(Actor):
                        staleness_max=int(max(trainer_version - s.policy_version for s in admitted)),
                        train_seconds=seconds, transport_seconds=transport_seconds,
                        effective_tokens_per_second=metrics["accepted_tokens"] / seconds)
+        entropies = torch.cat(self._entropies) if self._entropies else torch.empty(0)
+        if entropies.numel():
+            # the policy's entropy over the sampled support (docs/design.md §7 "Trainer
+            # math"), mean over the sampled tokens of every sample this step forwarded at the
+            # step's starting weights (with a preflight: refill candidates included)
+            metrics["support_entropy_mean"] = float(entropies.mean())
+        self._entropies = []
         return metrics
 
     def _baseline(self, samples: list[Sample], token_accept: dict[int, torch.Tensor]

@@ -31,6 +31,8 @@ __all__ = [
     "EngineInputError",
     "EngineCaptureError",
     "Generation",
+    "generations_to_columns",
+    "generations_from_columns",
     "Engine",
     "check_capture",
 ]
@@ -101,6 +103,79 @@ class Generation:
         if set(record) != names:
             raise EngineInputError(f"Generation fields {sorted(record)} != {sorted(names)}")
         return cls(**record)
+
+
+_ARRAY_FIELDS = ("response_ids", "rollout_logprobs", *TRACE_FIELDS)
+
+
+def generations_to_columns(generations: Sequence[Generation]) -> dict[str, Any]:
+    """One engine reply's generations as one array per field (what crosses the wire).
+
+    ``N`` generations travel as about eight arrays instead of up to five each (640 for the
+    default batch), whose per-array encode / decode cost dominated the reply. Layout:
+    ``response_lengths`` / ``trace_lengths`` int64 ``[N]`` (``R`` and ``P + R - 1``),
+    ``finish_reason`` list of ``N`` str, and per array field the generations' rows
+    concatenated in order (``None`` when no generation has it; a list of ``N`` arrays or
+    ``None`` when presence or trailing shapes differ). Inverse: :func:`generations_from_columns`.
+    """
+    cols: dict[str, Any] = {"finish_reason": [g.finish_reason for g in generations],
+                            "response_lengths": np.array([len(g.response_ids) for g in generations],
+                                                         dtype=np.int64)}
+    trace_rows = [next((len(t) for t in (g.routed_experts, g.indexer_topk) if t is not None), 0)
+                  for g in generations]
+    cols["trace_lengths"] = np.array(trace_rows, dtype=np.int64)
+    for name in _ARRAY_FIELDS:
+        values = [getattr(g, name) for g in generations]
+        if all(v is None for v in values):
+            cols[name] = None
+        elif all(v is not None for v in values) and len({v.shape[1:] for v in values}) == 1:
+            cols[name] = np.concatenate(values)
+        else:
+            cols[name] = values
+    return cols
+
+
+def generations_from_columns(columns: Mapping[str, Any]) -> list[Generation]:
+    """Rebuild the generations of :func:`generations_to_columns` (arrays are views into the
+    columns; ``rollout.trajectory.merge_turns`` checks their contents).
+
+    Raises:
+        EngineInputError: a missing or unknown column, or a column whose rows disagree with
+            the lengths (named by the column).
+    """
+    names = {"finish_reason", "response_lengths", "trace_lengths", *_ARRAY_FIELDS}
+    if not isinstance(columns, Mapping) or set(columns) != names:
+        got = sorted(columns) if isinstance(columns, Mapping) else type(columns).__name__
+        raise EngineInputError(f"generation columns {got} != {sorted(names)}")
+    lengths = {}
+    for name in ("response_lengths", "trace_lengths"):
+        arr = columns[name]
+        if not isinstance(arr, np.ndarray) or arr.ndim != 1 or arr.dtype.kind not in "iu" or (arr < 0).any():
+            raise EngineInputError(f"generation column {name!r}: expected non-negative integers [N]")
+        lengths[name] = arr.tolist()
+    n = len(lengths["response_lengths"])
+    if len(lengths["trace_lengths"]) != n or len(columns["finish_reason"]) != n:
+        raise EngineInputError(f"generation columns: {n} response lengths but "
+                               f"{len(lengths['trace_lengths'])} trace lengths and "
+                               f"{len(columns['finish_reason'])} finish reasons")
+    split = {}
+    for name in _ARRAY_FIELDS:
+        counts = lengths["response_lengths" if name in ("response_ids", "rollout_logprobs",
+                                                        "sample_support") else "trace_lengths"]
+        value = columns[name]
+        if value is None or isinstance(value, list):
+            if value is not None and len(value) != n:
+                raise EngineInputError(f"generation column {name!r}: {len(value)} entries for {n}")
+            split[name] = value if value is not None else [None] * n
+            continue
+        if not isinstance(value, np.ndarray) or value.ndim < 1 or len(value) != sum(counts):
+            raise EngineInputError(f"generation column {name!r}: "
+                                   f"{getattr(value, 'shape', type(value).__name__)} does not hold "
+                                   f"the {sum(counts)} rows the lengths give")
+        ends = np.cumsum(counts).tolist()
+        split[name] = [value[start:end] for start, end in zip([0, *ends[:-1]], ends)]
+    return [Generation(**{name: split[name][i] for name in _ARRAY_FIELDS},
+                       finish_reason=columns["finish_reason"][i]) for i in range(n)]
 
 
 def check_capture(engine: type["Engine"], traces: Collection[str]) -> frozenset[str]:

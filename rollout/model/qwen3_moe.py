@@ -64,9 +64,8 @@ class Qwen3MoeRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x `[..., dim]` -> same shape and dtype."""
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        # F.rms_norm is one kernel for what HF writes as five ops; bit-identical in float32
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float,
@@ -148,10 +147,10 @@ class Qwen3MoeAttention(nn.Module):
             # A query without any key (a padding query) attends to itself only: finite, unused.
             mask = mask | (masks.own_slot & ~mask.any(-1, keepdim=True))
 
-        rep = self.n_heads // self.n_kv_heads
-        out = F.scaled_dot_product_attention(
-            q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1),
-            attn_mask=mask[:, None], scale=self.head_dim ** -0.5)
+        # enable_gqa: each KV head serves n_heads / n_kv_heads query heads without the
+        # repeat_interleave copies of k and v HF makes (same values)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None],
+                                             scale=self.head_dim ** -0.5, enable_gqa=True)
         out = out.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim)
         return self.o_proj(out), (k, v, ik), slots, own
 
@@ -170,6 +169,19 @@ class Qwen3MoeMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+_GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _grouped_mm(rows: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """rows `[N, in]` grouped by expert, weights `[E, in, out]`, ends int32 `[E]` (cumulative
+    row counts) -> `[N, out]`: row block e times weights[e]. torch's grouped_mm has no float64
+    kernel (the fp64 reference tests run one matmul per expert instead)."""
+    if rows.dtype in _GROUPED_MM_DTYPES:
+        return F.grouped_mm(rows, weights, offs=ends)
+    counts = torch.diff(ends, prepend=ends.new_zeros(1)).tolist()
+    return torch.cat([r @ w for r, w in zip(rows.split(counts), weights)])
+
+
 class Qwen3MoeSparseMoeBlock(nn.Module):
     """Softmax top-k router (`gate.weight` `[E, hidden]`) over SiLU-gated experts."""
 
@@ -182,6 +194,14 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         self.experts = nn.ModuleList(
             Qwen3MoeMLP(config.hidden_size, config.moe_intermediate_size)
             for _ in range(config.num_experts))
+
+    def _stacked(self, *projections: str) -> torch.Tensor:
+        """The experts' `projections` weights as one `[E, in, out]` tensor (a transposed view of
+        `[E, out, in]`, projections concatenated along out), differentiable into each expert's
+        nn.Linear, which keeps HF's per-expert parameter names."""
+        return torch.stack([torch.cat([getattr(e, p).weight for p in projections])
+                            if len(projections) > 1 else getattr(e, projections[0]).weight
+                            for e in self.experts]).transpose(-2, -1)
 
     def forward(self, x: torch.Tensor, replay: torch.Tensor | None):
         """x `[B, S, hidden]`, replay int `[B, S, K]` or None -> (output, experts used int64
@@ -206,17 +226,19 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         weights = weights.to(logits.dtype)
 
         # The (token, slot) pairs are grouped by expert with one stable sort (within an expert
-        # in (token, slot) order, the rows each expert saw before), gathered once, run through
-        # each expert as one contiguous slice, put back in (token, slot) order with one index,
-        # and the K slots summed: a handful of ops per layer instead of a gather and a scatter
-        # per expert, and no index_add_, whose bf16 CPU kernel is ~100x slower than its fp32
-        # one. HF sums the same K terms in expert order instead of slot order; in fp32 the
-        # difference is rounding (~1e-7).
+        # in (token, slot) order, the rows each expert saw before) and gathered once; the
+        # experts' weights, stacked for this forward, run every group in one grouped matmul per
+        # projection (torch's grouped_mm: one kernel instead of three per expert); the rows go
+        # back to (token, slot) order with one index and the K slots are summed. No index_add_,
+        # whose bf16 CPU kernel is ~100x slower than its fp32 one. HF sums the same K terms in
+        # expert order instead of slot order; in fp32 the difference is rounding (~1e-7).
         pairs = experts.reshape(-1)
         order = torch.argsort(pairs, stable=True)
-        counts = torch.bincount(pairs, minlength=len(self.experts)).tolist()
-        grouped = flat[order // self.top_k].split(counts)
-        out = torch.cat([expert(rows) for expert, rows, n in zip(self.experts, grouped, counts) if n])
+        ends = torch.bincount(pairs, minlength=len(self.experts)).cumsum(0).to(torch.int32)
+        rows = flat[order // self.top_k]
+        gate_up = _grouped_mm(rows, self._stacked("gate_proj", "up_proj"), ends)
+        gate, up = gate_up.chunk(2, dim=-1)
+        out = _grouped_mm(F.silu(gate) * up, self._stacked("down_proj"), ends)
         out = out * weights.reshape(-1)[order, None]
         per_slot = out[torch.empty_like(order).scatter_(0, order, torch.arange(len(order)))]
         return (per_slot.view(-1, self.top_k, h).sum(1).view(b, s, h),

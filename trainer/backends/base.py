@@ -45,6 +45,9 @@ class ReplayedForward:
             chosen themselves; None for a model without MoE layers.
         indexer_topk, own_indexer_topk: int [B, S, L_idx, K_index] keys used / own choice
             (``-1`` = empty slot); None for a model without an indexer.
+        support_entropy: float32 [N] (nats, detached), the policy's entropy over each response
+            token's sampled support (:func:`trainer.logprobs.support_entropy`; observation
+            rows 0); None where the backend does not compute it (e.g. the fused LM head path).
 
     ``B, S`` are the microbatch's rows and positions (one packed row with ``--use-packing``),
     the same axes as the :class:`trainer.batch.TrainBatch` traces they are compared with.
@@ -55,6 +58,7 @@ class ReplayedForward:
     own_routed_experts: torch.Tensor | None
     indexer_topk: torch.Tensor | None
     own_indexer_topk: torch.Tensor | None
+    support_entropy: torch.Tensor | None = None
 
 
 class TrainerBackend(ABC):

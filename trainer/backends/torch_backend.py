@@ -28,14 +28,16 @@ from rollout.model.qwen3_moe import Qwen3MoeForCausalLM
 from trainer.backends.base import ReplayedForward, TrainerBackend
 from trainer.batch import TrainBatch
 from trainer.config import TrainerConfig
-from trainer.logprobs import full_vocab_logprobs, fused_support_logprobs, support_logprobs
+from trainer.logprobs import (full_vocab_logprobs, fused_support_logprobs, support_entropy,
+                              support_logprobs)
 
 __all__ = ["TorchBackend", "response_logprobs"]
 
 
 def response_logprobs(model: Qwen3MoeForCausalLM, batch: TrainBatch, temperature: float,
                       *, replay_routing: bool = True, replay_indexer: bool = True,
-                      capture: bool = False, chunk_size: int = 0) -> tuple[torch.Tensor, object]:
+                      capture: bool = False, chunk_size: int = 0,
+                      entropy_out: list | None = None) -> tuple[torch.Tensor, object]:
     """Logprobs of every response token of ``batch`` (float32 [N]) and the model output.
 
     Support replay is used when ``batch.support`` is set, else the full-vocabulary logprob.
@@ -43,6 +45,10 @@ def response_logprobs(model: Qwen3MoeForCausalLM, batch: TrainBatch, temperature
     only the candidate tokens from the hidden states, ``chunk_size`` rows at a time, and the
     [B, S, V] logits are never computed. The batch's routing / indexer traces are replayed when
     present and enabled.
+
+    With ``entropy_out`` (a list), the per-token support entropy (float32 [N], nats, detached;
+    :func:`trainer.logprobs.support_entropy`, docs/design.md §7 "Trainer math") is appended to it
+    when the logits exist (a support and no fused path); nothing is appended otherwise.
 
     Returns:
         ``(logprobs, out)``: float32 [N] (nats, response tokens in batch order; differentiable
@@ -88,6 +94,9 @@ def response_logprobs(model: Qwen3MoeForCausalLM, batch: TrainBatch, temperature
                                       chunk_size), out
     logits = out.logits[batch.row, batch.pos].float()
     if batch.support is not None:
+        if entropy_out is not None:
+            with torch.no_grad():
+                entropy_out.append(support_entropy(logits.detach(), batch.support, temperature))
         return support_logprobs(logits, batch.support, temperature), out
     return full_vocab_logprobs(logits, batch.targets, temperature), out
 
@@ -171,26 +180,29 @@ class TorchBackend(TrainerBackend):
     def _make_optimizer(self) -> torch.optim.AdamW:
         cfg = self.config
         return torch.optim.AdamW(self.params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                 weight_decay=cfg.weight_decay)
+                                 weight_decay=cfg.weight_decay, fused=True)  # one kernel per step; same values
 
     @property
     def model_config(self) -> ModelConfig:
         """The loaded checkpoint's architecture."""
         return self._model_config
 
-    def _forward(self, batch: TrainBatch, capture: bool) -> tuple[torch.Tensor, object]:
+    def _forward(self, batch: TrainBatch, capture: bool,
+                 entropy_out: list | None = None) -> tuple[torch.Tensor, object]:
         cfg = self.config
         return response_logprobs(self.model, batch, cfg.temperature, capture=capture,
                                  replay_routing=cfg.use_routing_replay,
                                  replay_indexer=cfg.use_indexer_replay,
-                                 chunk_size=cfg.logprobs_chunk_size)
+                                 chunk_size=cfg.logprobs_chunk_size, entropy_out=entropy_out)
 
     def preflight_logprobs(self, batch: TrainBatch) -> ReplayedForward:
         """See :meth:`TrainerBackend.preflight_logprobs` (a no-grad, capturing forward)."""
+        entropy: list = []
         with torch.no_grad():
-            logp, out = self._forward(batch, capture=True)
+            logp, out = self._forward(batch, capture=True, entropy_out=entropy)
         return ReplayedForward(logp, out.routed_experts, out.own_routed_experts,
-                               out.indexer_topk, out.own_indexer_topk)
+                               out.indexer_topk, out.own_indexer_topk,
+                               entropy[0] if entropy else None)
 
     def train_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """See :meth:`TrainerBackend.train_logprobs`."""
@@ -198,9 +210,11 @@ class TorchBackend(TrainerBackend):
 
     def train_forward(self, batch: TrainBatch) -> ReplayedForward:
         """See :meth:`TrainerBackend.train_forward` (a capturing forward with gradients)."""
-        logp, out = self._forward(batch, capture=True)
+        entropy: list = []
+        logp, out = self._forward(batch, capture=True, entropy_out=entropy)
         return ReplayedForward(logp, out.routed_experts, out.own_routed_experts,
-                               out.indexer_topk, out.own_indexer_topk)
+                               out.indexer_topk, out.own_indexer_topk,
+                               entropy[0] if entropy else None)
 
     def zero_grad(self) -> None:
         """See :meth:`TrainerBackend.zero_grad` (gradients set to None)."""

@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch
 
 from actors import ActorProxy
-from rollout.sample import Sample
+from rollout.sample import Sample, samples_from_columns
 from trainer.batch import per_sample_tensors, sampled_masks, token_counts
 from trainer.config import TrainerConfig
 from trainer.proximal_cache import ProximalLogprobCache
@@ -123,9 +123,10 @@ class RefillCoordinator:
         replacement_rates: dict[str, list[float]] = {}
         while not plan.done:
             t0 = time.perf_counter()
-            raw = await self.manager.generate_replacements(plan.request.n_groups)
+            raw = await self.manager.generate_replacements(plan.request.n_groups,
+                                                          min_version=self.version)
             replacement_seconds += time.perf_counter() - t0
-            repl = [Sample.from_dict(d) for d in raw]
+            repl = samples_from_columns(raw)
             metrics["generated_samples"] += len(repl)
             await self.clock.check_replacements(self.version, [s.sample_id for s in repl],
                                                 [s.policy_version for s in repl])

@@ -1,0 +1,231 @@
+"""Prompt files (``--prompt-data``, ``--eval-prompt-data``): rows read, checked and tokenised.
+
+A prompt file is JSONL (one JSON object per line; blank lines are not rows) or Parquet (read
+with pyarrow, extra ``parquet``). Each row holds the prompt under ``--input-key`` (text, or a
+list of ``{"role", "content"}`` messages for ``--apply-chat-template``), the label under
+``--label-key`` (string or number) and optionally a JSON object under ``--metadata-key``. A row
+that lacks a key or holds the wrong type is a :class:`PromptDataError` naming the file, the line
+(row) and the key; nothing is skipped.
+
+The built-in digit task is data of the same kind: its prompts ship as
+``rollout/data/digits.jsonl`` (text rows ``{"prompt": "<bos> max 3 1 4 2 =", "label": "4"}``,
+the embedded task's default dataset for ``--seed 1``), tokenised by the embedded word-level
+tokenizer like any user file (docs/design.md §14 "Prompt data, tokenizer and rewards").
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Mapping, Sequence
+
+from rollout.config import RolloutConfig
+from rollout.data_source import Prompt
+from rollout.task import DigitTask
+from rollout.tokenizer import PromptTokenizer, TokenizerError
+
+__all__ = ["PromptDataError", "PromptRow", "BUILTIN_FILE", "BUILTIN_SETTINGS", "read_rows",
+           "digit_task_rows", "builtin_rows", "tokenize_rows", "RunPrompts", "load_run_prompts"]
+
+BUILTIN_FILE = Path(__file__).resolve().parent / "data" / "digits.jsonl"
+BUILTIN_SETTINGS = {"seed": 1, "num_digits": 4, "num_values": 5, "dataset_size": 4096}
+"""The settings whose embedded dataset :data:`BUILTIN_FILE` holds (the defaults)."""
+REPLACEMENT_SEED_OFFSET = 7919
+"""Replacement (refill) prompts come from their own seeded stream, ``seed + 7919``."""
+
+
+class PromptDataError(ValueError):
+    """A prompt file or row that cannot be used; the message names file, line and key."""
+
+
+@dataclass(frozen=True)
+class PromptRow:
+    """One checked row of a prompt file.
+
+    Attributes:
+        source: ``"FILE:LINE"`` (JSONL line, or 1-based Parquet row).
+        prompt: the prompt text, or a tuple of read-only chat messages.
+        label: the label as text (numbers as JSON writes them).
+        metadata: the row's metadata object (empty when the key is absent), read-only.
+    """
+
+    source: str
+    prompt: str | tuple[Mapping[str, Any], ...]
+    label: str
+    metadata: Mapping[str, Any]
+
+
+def _raw_rows(path: Path) -> list[tuple[int, Any]]:
+    if not path.is_file():
+        raise PromptDataError(f"{path}: no such prompt file")
+    if path.suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError as exc:
+            raise PromptDataError(f"{path}: reading Parquet needs pyarrow "
+                                  "(pip install 'replayrl[parquet]')") from exc
+        try:
+            return list(enumerate(pq.read_table(str(path)).to_pylist(), start=1))
+        except Exception as exc:  # pyarrow's ArrowInvalid / OSError
+            raise PromptDataError(f"{path}: not a readable Parquet file: {exc}") from None
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                rows.append((line_no, json.loads(line)))
+            except json.JSONDecodeError as exc:
+                raise PromptDataError(f"{path}:{line_no}: not valid JSON: {exc}") from None
+    return rows
+
+
+def _prompt(value: Any, where: str, key: str) -> str | tuple[Mapping[str, Any], ...]:
+    if isinstance(value, str):
+        if not value.strip():
+            raise PromptDataError(f"{where}: key {key!r} is an empty prompt")
+        return value
+    if isinstance(value, list) and value and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str) for m in value):
+        return tuple(MappingProxyType(dict(m)) for m in value)
+    raise PromptDataError(f"{where}: key {key!r} must be a non-empty string or a list of "
+                          f"{{'role': str, 'content': str}} messages, got {value!r:.80}")
+
+
+def read_rows(path: str | Path, input_key: str = "prompt", label_key: str = "label",
+              metadata_key: str = "metadata") -> list[PromptRow]:
+    """Every row of a JSONL / Parquet prompt file, checked.
+
+    Raises:
+        PromptDataError: the file is missing or unreadable, empty, a line is not JSON or not an
+            object, the prompt or label is missing or of the wrong type, or the metadata is not
+            an object (each names ``FILE:LINE`` and the key).
+    """
+    path = Path(path)
+    rows = []
+    for line, raw in _raw_rows(path):
+        where = f"{path}:{line}"
+        if not isinstance(raw, dict):
+            raise PromptDataError(f"{where}: a row must be a JSON object, got {type(raw).__name__}")
+        if input_key not in raw:
+            raise PromptDataError(f"{where}: missing key {input_key!r} (--input-key)")
+        if label_key not in raw:
+            raise PromptDataError(f"{where}: missing key {label_key!r} (--label-key)")
+        label = raw[label_key]
+        if isinstance(label, bool) or not isinstance(label, (str, int, float)):
+            raise PromptDataError(f"{where}: key {label_key!r} must be a string or a number, "
+                                  f"got {label!r:.80}")
+        metadata = raw.get(metadata_key, {})
+        if metadata is None:
+            metadata = {}
+        if not isinstance(metadata, dict):
+            raise PromptDataError(f"{where}: key {metadata_key!r} must be a JSON object, got "
+                                  f"{metadata!r:.80}")
+        rows.append(PromptRow(where, _prompt(raw[input_key], where, input_key),
+                              label if isinstance(label, str) else json.dumps(label),
+                              MappingProxyType(dict(metadata))))
+    if not rows:
+        raise PromptDataError(f"{path}: no rows")
+    return rows
+
+
+def digit_task_rows(task: DigitTask, seed: int, dataset_size: int) -> list[dict[str, str]]:
+    """The embedded task's prompts as text rows ``{"prompt", "label"}``: the same draws as
+    :func:`rollout.data_source.digit_task_prompts`, written in the task's words."""
+    from rollout.data_source import digit_task_prompts
+
+    return [{"prompt": task.decode(p.prompt_ids), "label": p.label}
+            for p in digit_task_prompts(task, seed, dataset_size)]
+
+
+def builtin_rows(config: RolloutConfig, seed: int) -> list[PromptRow]:
+    """The built-in task's rows for ``seed``: the shipped file when the task settings are the
+    ones it was made with (:data:`BUILTIN_SETTINGS`), else drawn from the task generator."""
+    settings = {"seed": seed, "num_digits": config.num_digits, "num_values": config.num_values,
+                "dataset_size": config.dataset_size}
+    if settings == BUILTIN_SETTINGS:
+        return read_rows(BUILTIN_FILE)
+    task = DigitTask(num_digits=config.num_digits, num_values=config.num_values)
+    return [PromptRow(f"digit task (seed {seed}):{i + 1}", r["prompt"], r["label"],
+                      MappingProxyType({}))
+            for i, r in enumerate(digit_task_rows(task, seed, config.dataset_size))]
+
+
+def tokenize_rows(rows: Sequence[PromptRow], tokenizer: PromptTokenizer, *, input_key: str,
+                  vocab_size: int, max_prompt_len: int) -> list[Prompt]:
+    """The rows as :class:`rollout.data_source.Prompt` records, index = row position.
+
+    Args:
+        vocab_size: the policy's vocabulary; an id at or past it cannot be forwarded.
+        max_prompt_len: longest prompt that leaves room for a response in the model's positions.
+
+    Raises:
+        PromptDataError: a prompt the tokenizer or template cannot encode, that encodes to an id
+            outside the policy's vocabulary, or that is longer than ``max_prompt_len`` (names
+            ``FILE:LINE`` and the key).
+    """
+    vocab = tokenizer.tokenizer.get_vocab()
+    prompts = []
+    for i, row in enumerate(rows):
+        try:
+            ids = tokenizer.encode_prompt(row.prompt)
+        except TokenizerError as exc:
+            raise PromptDataError(f"{row.source}: key {input_key!r}: {exc}") from None
+        if int(ids.max()) >= vocab_size:
+            raise PromptDataError(f"{row.source}: key {input_key!r} encodes to id {int(ids.max())},"
+                                  f" outside the policy's vocabulary of {vocab_size}")
+        if len(ids) > max_prompt_len:
+            raise PromptDataError(f"{row.source}: key {input_key!r} is {len(ids)} tokens; at most "
+                                  f"{max_prompt_len} leave room for the response")
+        prompts.append(Prompt(i, ids, int(vocab.get(row.label, -1)), row.label, row.metadata,
+                              row.source))
+    return prompts
+
+
+@dataclass(frozen=True)
+class RunPrompts:
+    """The prompts of a run: training, replacement (refill) and evaluation sets.
+
+    Attributes:
+        train: the training prompts (``--prompt-data`` or the built-in task).
+        replacement: the prompts exact refill draws from (the built-in task: its dataset for
+            ``seed + 7919``; a prompt file: the same prompts, drawn in their own order).
+        evals: ``(name, prompts)`` of every ``--eval-prompt-data`` set, in order.
+        name: how errors name the training data (the file, or ``"built-in digits"``).
+    """
+
+    train: list[Prompt]
+    replacement: list[Prompt]
+    evals: tuple[tuple[str, list[Prompt]], ...]
+    name: str
+
+
+def load_run_prompts(config: RolloutConfig, tokenizer: PromptTokenizer, *, vocab_size: int,
+                     max_positions: int) -> RunPrompts:
+    """Read and tokenise every prompt set of a run (the launcher does it once before any
+    process starts, so a bad row stops the run there; the manager again for its own use).
+
+    Raises:
+        PromptDataError: see :func:`read_rows` and :func:`tokenize_rows`.
+    """
+    def tokens(rows: Sequence[PromptRow], response_len: int) -> list[Prompt]:
+        return tokenize_rows(rows, tokenizer, input_key=config.input_key, vocab_size=vocab_size,
+                             max_prompt_len=max_positions - response_len)
+
+    def from_file(path: str) -> list[PromptRow]:
+        return read_rows(path, config.input_key, config.label_key, config.metadata_key)
+
+    length = config.max_response_len
+    if config.prompt_data:
+        train = tokens(from_file(config.prompt_data), length)
+        replacement, name = train, config.prompt_data
+    else:
+        train = tokens(builtin_rows(config, config.seed), length)
+        replacement = tokens(builtin_rows(config, config.seed + REPLACEMENT_SEED_OFFSET), length)
+        name = "built-in digits"
+    eval_length = config.eval_max_response_len or length
+    evals = tuple((n, tokens(from_file(f), eval_length)) for n, f in config.eval_sets())
+    return RunPrompts(train, replacement, evals, name)
+

@@ -1,0 +1,193 @@
+"""The run's tokenizer and chat template, read from a Hugging Face checkpoint directory.
+
+Everything goes through transformers' own tokenizer classes (``AutoTokenizer``): the directory's
+``tokenizer.json`` / ``tokenizer_config.json`` (and ``chat_template.jinja`` when present) give
+the vocabulary and the chat template, ``generation_config.json`` the ids that end a response.
+replayrl never re-implements a tokenizer or a template.
+
+Token ids, not text, are the unit of a trajectory: a multi-turn context is the previous
+context's exact ids plus the ids of the rendered observation *delta* (docs/design.md §14
+"Prompt data, tokenizer and rewards"), so the ids the trainer trains on are the ids the engine
+saw, with no re-tokenisation of the conversation text in between.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+__all__ = ["TokenizerError", "PromptTokenizer", "load_tokenizer"]
+
+# A fixed two-message conversation the observation delta is rendered after: the delta of a tool
+# turn is the text the template adds for that message (and the next generation prompt), which a
+# template computes from the roles alone, not from earlier contents.
+_BASE_CONVERSATION = ({"role": "user", "content": "x"}, {"role": "assistant", "content": "y"})
+
+
+class TokenizerError(ValueError):
+    """A tokenizer directory or a prompt the tokenizer cannot serve (names the directory / flag)."""
+
+
+@dataclass(frozen=True)
+class PromptTokenizer:
+    """A transformers tokenizer with the run's chat-template settings and stop ids.
+
+    Attributes:
+        tokenizer: the ``transformers`` tokenizer (``PreTrainedTokenizerBase``).
+        directory: where it was read from (named in errors).
+        eos_token_ids: ids that end a response, from ``generation_config.json``'s
+            ``eos_token_id`` (an int or a list), else the tokenizer's ``eos_token_id``; the
+            engine stops on the first one.
+        apply_chat_template: prompts (and observations) are rendered with the chat template.
+        chat_template_kwargs: extra keyword arguments of ``apply_chat_template`` (e.g.
+            ``{"enable_thinking": false}``), read-only.
+    """
+
+    tokenizer: Any
+    directory: str
+    eos_token_ids: tuple[int, ...]
+    apply_chat_template: bool = False
+    chat_template_kwargs: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids the tokenizer can produce (``len(tokenizer)``, added tokens included)."""
+        return len(self.tokenizer)
+
+    @property
+    def eos_token_id(self) -> int:
+        """The id the engine stops on (the first of :attr:`eos_token_ids`)."""
+        return self.eos_token_ids[0]
+
+    def _messages(self, prompt: str | Sequence[Mapping[str, Any]]) -> list[dict]:
+        if isinstance(prompt, str):
+            return [{"role": "user", "content": prompt}]
+        return [dict(m) for m in prompt]
+
+    def encode_prompt(self, prompt: str | Sequence[Mapping[str, Any]]) -> np.ndarray:
+        """The token ids of one prompt, read-only int32 ``[P]``.
+
+        With :attr:`apply_chat_template`, a text prompt becomes one user message and a list of
+        ``{"role", "content"}`` messages is taken as is; the template adds the generation
+        prompt. Without it, a text prompt is encoded as the tokenizer encodes text (its own
+        special-token rule), and a message list is an error.
+
+        Raises:
+            TokenizerError: a message list without ``--apply-chat-template``, an empty result,
+                or the tokenizer / template failed (its message included).
+        """
+        try:
+            if self.apply_chat_template:
+                rendered = self.tokenizer.apply_chat_template(
+                    self._messages(prompt), tokenize=False, add_generation_prompt=True,
+                    **dict(self.chat_template_kwargs))
+                ids = self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
+            elif isinstance(prompt, str):
+                ids = self.tokenizer(prompt)["input_ids"]
+            else:
+                raise TokenizerError("a list of messages needs --apply-chat-template")
+        except TokenizerError:
+            raise
+        except Exception as exc:  # the tokenizer's / jinja's own errors, kept in the message
+            raise TokenizerError(f"tokenizer {self.directory}: {type(exc).__name__}: {exc}") from exc
+        out = np.asarray(ids, dtype=np.int32)
+        if out.ndim != 1 or len(out) == 0:
+            raise TokenizerError("the prompt encodes to no tokens")
+        out.flags.writeable = False
+        return out
+
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+        """The text of ``ids`` with special tokens (EOS, template markers) left out."""
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def render_observation(self, observation_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        """The ids to append to a context after a tool call: the observation as a tool turn.
+
+        Without the chat template the environment's ids are appended unchanged. With it, the
+        observation's text (:meth:`decode`) becomes a ``{"role": "tool"}`` message and the ids
+        are those of the text the template adds for it (plus the next generation prompt):
+        ``render(base + [tool], generation prompt)`` minus ``render(base)``, tokenised alone.
+        Only this delta is tokenised; the context before it keeps its exact ids.
+
+        Returns:
+            read-only int32 ``[O]``, ``O >= 1``.
+
+        Raises:
+            TokenizerError: the template does not extend the base conversation by a suffix
+                (it rewrites earlier turns), or the delta is empty.
+        """
+        if not self.apply_chat_template:
+            out = np.array(observation_ids, dtype=np.int32)
+        else:
+            kwargs = dict(self.chat_template_kwargs)
+            base = [dict(m) for m in _BASE_CONVERSATION]
+            before = self.tokenizer.apply_chat_template(base, tokenize=False, **kwargs)
+            after = self.tokenizer.apply_chat_template(
+                base + [{"role": "tool", "content": self.decode(observation_ids)}],
+                tokenize=False, add_generation_prompt=True, **kwargs)
+            if not after.startswith(before):
+                raise TokenizerError(f"tokenizer {self.directory}: the chat template rewrites "
+                                     "earlier turns when a tool message is added; observation "
+                                     "tokens cannot be appended to the exact context")
+            out = np.asarray(self.tokenizer(after[len(before):], add_special_tokens=False)
+                             ["input_ids"], dtype=np.int32)
+        if len(out) == 0:
+            raise TokenizerError("the observation renders to no tokens")
+        out.flags.writeable = False
+        return out
+
+
+def _stop_ids(directory: Path, tokenizer: Any) -> tuple[int, ...]:
+    path = directory / "generation_config.json"
+    if path.exists():
+        try:
+            eos = json.loads(path.read_text()).get("eos_token_id")
+        except (OSError, ValueError) as exc:
+            raise TokenizerError(f"{path}: {exc}") from None
+        if isinstance(eos, int):
+            return (eos,)
+        if isinstance(eos, list) and eos and all(isinstance(e, int) for e in eos):
+            return tuple(eos)
+        if eos is not None:
+            raise TokenizerError(f"{path}: eos_token_id must be an int or a list of ints, got {eos!r}")
+    if tokenizer.eos_token_id is None:
+        raise TokenizerError(f"--tokenizer {directory}: no eos_token_id in generation_config.json "
+                             "and the tokenizer has no eos_token")
+    return (int(tokenizer.eos_token_id),)
+
+
+def load_tokenizer(directory: str | Path, *, apply_chat_template: bool = False,
+                   chat_template_kwargs: Mapping[str, Any] | None = None) -> PromptTokenizer:
+    """Read the tokenizer of a Hugging Face checkpoint directory with ``AutoTokenizer``.
+
+    Args:
+        directory: holds ``tokenizer.json`` / ``tokenizer_config.json`` (and optionally
+            ``generation_config.json``, ``chat_template.jinja``); nothing is downloaded.
+        apply_chat_template: render prompts with the chat template (``--apply-chat-template``).
+        chat_template_kwargs: extra ``apply_chat_template`` arguments
+            (``--apply-chat-template-kwargs``).
+
+    Raises:
+        TokenizerError: the directory has no loadable tokenizer, no stop id, or no chat template
+            while one is asked for (each names the directory and the flag).
+    """
+    path = Path(directory)
+    if not path.is_dir():
+        raise TokenizerError(f"--tokenizer {path}: not a directory")
+    from transformers import AutoTokenizer  # heavy; only processes that tokenise pay for it
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception as exc:  # transformers raises OSError / ValueError / others
+        raise TokenizerError(f"--tokenizer {path}: cannot load a tokenizer: "
+                             f"{type(exc).__name__}: {exc}") from None
+    if apply_chat_template and not getattr(tokenizer, "chat_template", None):
+        raise TokenizerError(f"--apply-chat-template: the tokenizer in {path} has no chat "
+                             "template (tokenizer_config.json 'chat_template' or "
+                             "chat_template.jinja)")
+    return PromptTokenizer(tokenizer, str(path), _stop_ids(path, tokenizer), apply_chat_template,
+                           MappingProxyType(dict(chat_template_kwargs or {})))

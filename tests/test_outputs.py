@@ -1,0 +1,54 @@
+"""Run outputs beside metrics.jsonl: TensorBoard events and the copyable own-data example."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from rollout.config import RolloutConfig
+from rollout.prompt_data import load_run_prompts
+from rollout.task import VOCABULARY
+from rollout.tokenizer import load_tokenizer
+from tools.metrics import MetricsRecorder
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_tensorboard_events_hold_every_numeric_metric(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    rows = [{"step": 0, "reward_mean": 0.25, "eval/x/pass@1": 0.5, "skip_reason": "none"},
+            {"step": 1, "reward_mean": 0.75, "support_entropy_mean": 1.5}]
+    with MetricsRecorder(tmp_path, 2, show_progress=False, tensorboard=True) as rec:
+        for r in rows:
+            rec.record(r)
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    got = {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    assert got["reward_mean"] == [(0, 0.25), (1, 0.75)]
+    assert got["eval/x/pass@1"] == [(0, 0.5)] and got["support_entropy_mean"] == [(1, 1.5)]
+    assert "skip_reason" not in got
+
+
+def test_the_example_writes_a_checkpoint_and_prompts_the_run_can_read(tmp_path):
+    spec = importlib.util.spec_from_file_location("make_data", REPO / "examples/own_data/make_data.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(tmp_path)
+    first = json.loads((tmp_path / "train.jsonl").read_text().splitlines()[0])
+    a, b = int(first["prompt"].split()[4]), int(first["prompt"].split()[6])
+    assert first["label"] == str(max(a, b) if "larger" in first["prompt"] else min(a, b))
+    ckpt = tmp_path / "checkpoint"
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(str(ckpt))
+    assert model.config.model_type == "qwen3_moe"
+    tok = load_tokenizer(ckpt, apply_chat_template=True)
+    assert tok.eos_token_ids == (tok.tokenizer.convert_tokens_to_ids("<eos>"),)
+    prompts = load_run_prompts(RolloutConfig(prompt_data=str(tmp_path / "train.jsonl"),
+                                             apply_chat_template=True), tok,
+                               vocab_size=len(VOCABULARY), max_positions=256)
+    words = ["<bos>", *first["prompt"].split(), "answer", ":"]
+    assert prompts.train[0].prompt_ids.tolist() == tok.tokenizer.convert_tokens_to_ids(words)

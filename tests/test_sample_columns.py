@@ -1,0 +1,169 @@
+"""A batch of samples crosses the wire as columns: the round trip keeps every field, the
+columns hold what was put in by hand, and a malformed column is an error naming it."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from rollout.sample import Sample, SampleError, samples_from_columns, samples_to_columns
+from transport.codec import Codec
+
+
+def _sample(sid: int, P: int, R: int, *, traces: bool = True, width: int = 3, **kw) -> Sample:
+    rng = np.random.default_rng(sid)
+    support = np.full((R, 1 + width), -1, np.int32)
+    support[:, 0] = support[:, 1] = rng.integers(0, 9, R)
+    return Sample(sample_id=sid, group_id=sid // 2, rollout_id=4, policy_version=3,
+                  prompt_ids=rng.integers(0, 9, P), response_ids=support[:, 0].copy(),
+                  loss_mask=np.ones(R, np.uint8), rollout_logprobs=-rng.random(R),
+                  reward=sid / 10, sample_support=support if traces else None,
+                  routed_experts=rng.integers(0, 8, (P + R - 1, 3, 2)) if traces else None, **kw)
+
+
+def _same(a: Sample, b: Sample) -> None:
+    for name in ("sample_id", "group_id", "rollout_id", "policy_version", "reward", "status",
+                 "synthetic_eos"):
+        assert getattr(a, name) == getattr(b, name) and type(getattr(a, name)) is type(getattr(b, name))
+    for name in ("prompt_ids", "response_ids", "loss_mask", "rollout_logprobs", "sample_support",
+                 "routed_experts", "indexer_topk"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert (x is None and y is None) or (x.dtype == y.dtype and np.array_equal(x, y))
+
+
+def test_round_trip_through_the_codec_keeps_every_field():
+    samples = [_sample(0, 3, 1), _sample(1, 5, 4, status="truncated"), _sample(2, 2, 2)]
+    codec = Codec()
+    back = samples_from_columns(codec.decode(codec.encode(samples_to_columns(samples))))
+    assert len(back) == 3
+    for a, b in zip(samples, back):
+        _same(a, b)
+
+
+def test_columns_hold_the_ragged_fields_concatenated_in_sample_order():
+    a, b = _sample(0, 3, 1), _sample(1, 2, 2)
+    cols = samples_to_columns([a, b])
+    assert cols["prompt_lengths"].tolist() == [3, 2] and cols["response_lengths"].tolist() == [1, 2]
+    assert cols["prompt_ids"].tolist() == a.prompt_ids.tolist() + b.prompt_ids.tolist()
+    # routing rows: P + R - 1 = 3 then 3
+    assert cols["routed_experts"].shape == (6, 3, 2)
+    assert cols["indexer_topk"] is None
+    assert cols["sample_support"].shape == (3, 4)
+
+
+def test_traces_of_different_widths_or_presence_travel_per_sample():
+    samples = [_sample(0, 3, 1, width=3), _sample(1, 2, 2, width=5), _sample(2, 2, 1, traces=False)]
+    cols = samples_to_columns(samples)
+    assert isinstance(cols["sample_support"], list) and cols["sample_support"][2] is None
+    for a, b in zip(samples, samples_from_columns(cols)):
+        _same(a, b)
+
+
+def test_empty_batch():
+    assert samples_from_columns(samples_to_columns([])) == []
+
+
+@pytest.mark.parametrize("column, value, match", [
+    ("prompt_ids", np.zeros(4, np.int32), "prompt_ids.*does not hold the 5 rows"),
+    ("routed_experts", np.zeros((3, 3, 2), np.int32), "routed_experts.*does not hold the 6 rows"),
+    ("response_lengths", np.array([1, -2]), "non-negative"),
+    ("reward", np.zeros(3), r"shape \(3,\), expected \(2,\)"),
+    ("status", ["completed"], "status.*1 entries for 2 samples"),
+])
+def test_a_malformed_column_is_named(column, value, match):
+    cols = samples_to_columns([_sample(0, 3, 1), _sample(1, 2, 2)])
+    cols[column] = value
+    with pytest.raises(SampleError, match=match):
+        samples_from_columns(cols)
+
+
+def test_missing_and_unknown_columns_are_named():
+    cols = samples_to_columns([_sample(0, 3, 1)])
+    with pytest.raises(SampleError, match="'extra'.*unknown column"):
+        samples_from_columns({**cols, "extra": 1})
+    del cols["loss_mask"]
+    with pytest.raises(SampleError, match="'loss_mask'.*missing column"):
+        samples_from_columns(cols)
+
+
+def test_a_sample_breaking_the_contract_is_named_by_its_id():
+    cols = samples_to_columns([_sample(7, 3, 1), _sample(8, 2, 2)])
+    logp = cols["rollout_logprobs"].copy()
+    logp[2] = np.nan  # sample 8's second token, loss-bearing
+    with pytest.raises(SampleError, match="sample 8: field 'rollout_logprobs'"):
+        samples_from_columns({**cols, "rollout_logprobs": logp})
+
+
+def _frozen(cols: dict) -> dict:
+    for v in cols.values():
+        if isinstance(v, np.ndarray):
+            v.flags.writeable = False
+    return cols
+
+
+def _mutations(rng: np.random.Generator, cols: dict) -> dict:
+    """One random contract violation (or none) applied to a copy of valid columns."""
+    cols = {k: (v.copy() if isinstance(v, np.ndarray) else list(v) if isinstance(v, list) else v)
+            for k, v in cols.items()}
+    kind = rng.integers(0, 9)
+    R, n = cols["response_lengths"], len(cols["response_lengths"])
+    row = int(rng.integers(0, len(cols["loss_mask"])))
+    if kind == 0:
+        cols["loss_mask"][row] = 2
+    elif kind == 1:
+        cols["rollout_logprobs"][row] = rng.choice([np.nan, np.inf])
+    elif kind == 2:
+        cols["loss_mask"][row] = 0
+        cols["rollout_logprobs"][row] = np.nan  # allowed: not loss-bearing
+    elif kind == 3:
+        cols["sample_support"][row, 1:] = -1  # loss-bearing without support (EOS only if last)
+    elif kind == 4:
+        cols["synthetic_eos"][int(rng.integers(0, n))] = True
+    elif kind == 5:
+        i = int(rng.integers(0, n))
+        cols["synthetic_eos"][i] = True  # a proper synthetic EOS: last row without candidates
+        cols["sample_support"][int(np.cumsum(R)[i]) - 1, 1:] = -1
+    elif kind == 6:
+        cols["status"][int(rng.integers(0, n))] = rng.choice(["completed", "aborted", "lost"])
+    elif kind == 7:
+        cols["reward"][int(rng.integers(0, n))] = rng.choice([0.5, np.nan])
+    return cols
+
+
+def test_the_batch_check_accepts_exactly_what_per_sample_construction_accepts():
+    """The column-wide check that lets samples_from_columns skip per-sample checks must never
+    accept a batch Sample would refuse, and should accept every batch Sample accepts."""
+    from rollout import sample as module
+    rng = np.random.default_rng(0)
+    base = samples_to_columns([_sample(i, 2 + i % 3, 1 + i % 4) for i in range(6)])
+    seen = set()
+    for _ in range(300):
+        cols = _frozen(_mutations(rng, base))
+        try:
+            [Sample(**kw) for kw in _per_sample_fields(cols)]
+            accepted = True
+        except SampleError:
+            accepted = False
+        P = np.asarray(cols["prompt_lengths"])
+        R = np.asarray(cols["response_lengths"])
+        scalars = {k: np.asarray(cols[k]).tolist() for k in module._SCALARS}
+        assert module._columns_keep_the_contract(cols, P, R, scalars) == accepted
+        seen.add(accepted)
+        if accepted:
+            assert len(samples_from_columns(cols)) == 6
+        else:
+            with pytest.raises(SampleError):
+                samples_from_columns(cols)
+    assert seen == {True, False}
+
+
+def _per_sample_fields(cols: dict) -> list[dict]:
+    P, R = cols["prompt_lengths"], cols["response_lengths"]
+    cut = lambda a, counts: np.split(a, np.cumsum(counts)[:-1])
+    rows = {"prompt_ids": P, "response_ids": R, "loss_mask": R, "rollout_logprobs": R,
+            "sample_support": R, "routed_experts": P + R - 1}
+    parts = {k: cut(cols[k], c) for k, c in rows.items()}
+    return [dict(sample_id=int(cols["sample_id"][i]), group_id=int(cols["group_id"][i]),
+                 rollout_id=int(cols["rollout_id"][i]), policy_version=int(cols["policy_version"][i]),
+                 reward=float(cols["reward"][i]), synthetic_eos=bool(cols["synthetic_eos"][i]),
+                 status=cols["status"][i], indexer_topk=None, **{k: v[i] for k, v in parts.items()})
+            for i in range(len(P))]

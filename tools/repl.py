@@ -21,13 +21,13 @@ import concurrent.futures
 import logging
 import shutil
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any, Coroutine
 
 from actors import ActorSpec, Directory, Supervisor, close_connections, run_event_loop
+from actors.run_dir import create_run_dir
 from tools.config import RunConfig, config_from_args
 from tools.exit_codes import exit_code
 from tools.train_loop import step_metrics, sync_step
@@ -136,9 +136,9 @@ class ReplSession:
             (output / "config.json").write_text(self.config.to_json())
             specs = actor_specs(self.config, write_initial_checkpoint(self.config, output / "checkpoint-init"))
         self.specs = list(specs)
-        self.run_dir = Path(tempfile.mkdtemp(prefix="replayrl-"))  # short path: AF_UNIX limit
+        self.run_dir = create_run_dir()  # short path: AF_UNIX limit; stale ones are removed
         self.directory = Directory.for_run(self.run_dir, [s.name for s in self.specs],
-                                           self.config.transport)
+                                           self.config.transport, curve_keys=self.config.curve_keys)
         self._thread = threading.Thread(target=run_event_loop, args=(self._serve(),),
                                         name="replayrl-repl-loop", daemon=True)
         try:

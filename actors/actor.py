@@ -19,9 +19,11 @@ import msgpack
 
 from actors.envelope import CALL, err_reply, ok_reply, parse_request
 from actors.errors import ProtocolError
-from actors.interface import LIFECYCLE_HOOKS, describe
+from actors.interface import RUNTIME_NAMES, describe
+from actors.log_limit import RateLimitedLog, clip
 from actors.proxy import ActorProxy
 from transport import Codec, RouterSocket
+from transport.curve import CurveKeys
 
 if TYPE_CHECKING:
     from actors.directory import Directory
@@ -30,6 +32,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 _CONCURRENT = "_replayrl_concurrent"
 _BUILTINS = ("__ping__", "__stop__", "__interface__")  # answered at once, outside the call order
+
+DEFAULT_MAX_PENDING = 4096
+"""Calls an actor holds (queued or running) before it refuses new ones with ``Overloaded``: a
+flood of requests costs bounded memory; a caller's own in-flight limit (``actors.ref``) keeps a
+well-behaved caller below it."""
 
 
 def concurrent(method: Callable) -> Callable:
@@ -80,17 +87,30 @@ class Actor:
 
 
 class ActorServer:
-    """Serves one :class:`Actor` on a ZeroMQ ROUTER socket at ``endpoint``."""
+    """Serves one :class:`Actor` on a ZeroMQ ROUTER socket at ``endpoint``.
 
-    def __init__(self, actor: Actor, endpoint: str, codec: Codec | None = None) -> None:
+    Args:
+        actor: the actor.
+        endpoint: where to listen (``tcp://`` needs ``curve``).
+        codec: message codec and limits (default :class:`transport.Codec`).
+        curve: the run's CURVE keys (:mod:`transport.curve`).
+        max_pending: calls held at once, queued or running; more are refused with an
+            ``Overloaded`` error reply (builtins are always answered).
+    """
+
+    def __init__(self, actor: Actor, endpoint: str, codec: Codec | None = None,
+                 curve: CurveKeys | None = None, max_pending: int = DEFAULT_MAX_PENDING) -> None:
         self.actor = actor
         self.endpoint = endpoint
         self.codec = codec or Codec()
+        self.max_pending = max_pending
         self.stopped = asyncio.Event()
         self._queue: asyncio.Queue = asyncio.Queue()
         self._tasks: set[asyncio.Task] = set()
-        self._router = RouterSocket(endpoint, self._on_message)
+        self._router = RouterSocket(endpoint, self._on_message, curve=curve,
+                                    max_message_bytes=self.codec.config.max_message_bytes)
         self._worker: asyncio.Task | None = None
+        self._log = RateLimitedLog(log)
 
     def start(self) -> None:
         """Bind the socket and start the in-order worker (call inside the running loop)."""
@@ -110,13 +130,19 @@ class ActorServer:
         try:
             kind, call_id, method, args, kwargs = parse_request(self.codec.decode(frames))
         except Exception as exc:  # malformed message: answer if we can, keep serving
-            log.error("%s: rejected malformed message: %s: %s", self.actor.name,
-                      type(exc).__name__, exc)
+            self._log.log(logging.ERROR, f"{self.actor.name}: rejected malformed message: "
+                                         f"{type(exc).__name__}: {clip(str(exc))}")
             call_id = _best_effort_id(frames)
             if call_id is not None:
                 self._send(peer, err_reply(call_id, type(exc).__name__, str(exc), ""))
             return
         item = (peer, kind, call_id, method, args, kwargs)
+        if method not in _BUILTINS and self._queue.qsize() + len(self._tasks) >= self.max_pending:
+            self._log.log(logging.WARNING, f"{self.actor.name}: overloaded, refusing {clip(method, 100)}")
+            if kind == CALL:
+                self._send(peer, err_reply(call_id, "Overloaded", f"actor {self.actor.name!r} holds "
+                                           f"{self.max_pending} calls; retry later", ""))
+            return
         if method in _BUILTINS or getattr(
                 getattr(type(self.actor), method, None), _CONCURRENT, False):
             task = asyncio.get_running_loop().create_task(self._invoke(*item))
@@ -139,10 +165,12 @@ class ActorServer:
         if method == "__interface__":
             return self._interface
         fn = getattr(type(self.actor), method, None)
-        if (method.startswith("_") or method in LIFECYCLE_HOOKS or fn is None
-                or not inspect.iscoroutinefunction(fn)):
+        # Nothing the Actor base class defines (lifecycle hooks, ref / proxy, name, directory)
+        # is a remote method, whatever a subclass overrides: the runtime calls those.
+        if (method.startswith("_") or method in RUNTIME_NAMES
+                or fn is None or not inspect.iscoroutinefunction(fn)):
             raise ProtocolError(f"actor {self.actor.name!r} ({type(self.actor).__name__}) "
-                                f"has no public async method {method!r}")
+                                f"has no public async method {clip(method, 100)!r}")
         return getattr(self.actor, method)
 
     async def _invoke(self, peer: bytes, kind: str, call_id: int, method: str,
@@ -154,7 +182,8 @@ class ActorServer:
         except Exception as exc:
             tb = traceback.format_exc()
             if kind != CALL:
-                log.error("%s.%s (tell) raised:\n%s", self.actor.name, method, tb)
+                self._log.log(logging.ERROR, f"{self.actor.name}.{clip(method, 100)} (tell) raised:\n"
+                                             f"{clip(tb, keep_end=True)}")
                 return
             self._send(peer, err_reply(call_id, type(exc).__qualname__, str(exc), tb))
             return
@@ -181,12 +210,27 @@ class ActorServer:
 
 
 def _best_effort_id(frames: list) -> int | None:
-    """The call id of a message that failed validation, if its envelope can still be read."""
-    try:  # header only, ignoring array references: the full decode already failed
+    """The call id of a message that failed validation, if its envelope can still be read.
+
+    Reads only the top-level map's ``"k"`` and ``"id"`` (every other value is skipped, never
+    built, and small limits hold for what is built), so a header the codec refused for its size
+    or its decoding cost is not decoded in full here.
+    """
+    try:
         head = frames[0]
         head = head.buffer if hasattr(head, "buffer") else head
-        msg = msgpack.unpackb(head, ext_hook=lambda code, data: None, strict_map_key=False)
-        call_id = msg.get("id") if isinstance(msg, dict) else None
-        return call_id if isinstance(call_id, int) and msg.get("k") == CALL else None
+        unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=max(1, len(head)),
+                                    max_array_len=16, max_map_len=16, max_str_len=64,
+                                    max_bin_len=64, max_ext_len=64)
+        unpacker.feed(head)
+        fields = {}
+        for _ in range(min(unpacker.read_map_header(), 16)):
+            key = unpacker.unpack()
+            if key in ("k", "id"):
+                fields[key] = unpacker.unpack()
+            else:
+                unpacker.skip()
+        call_id = fields.get("id")
+        return call_id if type(call_id) is int and fields.get("k") == CALL else None
     except Exception:
         return None

@@ -16,6 +16,7 @@ from actors.errors import ActorError
 from actors.proxy import ActorProxy
 from actors.ref import ActorRef
 from transport import ipc_endpoint, strict_json, tcp_loopback_endpoint
+from transport.curve import CurveKeys
 
 
 class UnknownActor(ActorError, KeyError):
@@ -24,31 +25,50 @@ class UnknownActor(ActorError, KeyError):
 
 @dataclass(frozen=True)
 class Directory:
-    """Immutable mapping ``name -> endpoint`` (``ipc://...`` or ``tcp://host:port``)."""
+    """Immutable mapping ``name -> endpoint`` (``ipc://...`` or ``tcp://host:port``), plus where
+    the run's CURVE keys are (``curve_keys``, a directory written by ``replayrl keys``; required
+    when any endpoint is tcp, docs/design.md §4 "Transport contract").
+
+    Raises:
+        ValueError: a tcp endpoint without ``curve_keys``.
+    """
 
     endpoints: Mapping[str, str] = field(default_factory=dict)
+    curve_keys: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "endpoints", MappingProxyType(dict(self.endpoints)))
+        if not self.curve_keys and any(e.startswith("tcp://") for e in self.endpoints.values()):
+            raise ValueError("tcp endpoints need the run's CURVE keys (Directory.curve_keys; "
+                             "`replayrl keys DIR` makes them)")
 
     @classmethod
     def for_run(cls, run_dir: str | Path, names: Iterable[str], transport: str = "ipc",
-                base_port: int | None = None) -> "Directory":
+                base_port: int | None = None, curve_keys: str = "") -> "Directory":
         """Endpoints for ``names``: ipc files under ``run_dir``, or loopback tcp ports.
 
         Args:
             transport: ``"ipc"`` (one node) or ``"tcp"`` (loopback; ``base_port`` + i, or a free
                 port chosen by the OS when ``base_port`` is None).
+            curve_keys: the run's key directory; required for tcp.
         Raises:
-            ValueError: unknown transport.
+            ValueError: unknown transport, or tcp without ``curve_keys``.
         """
         names = list(names)
         if transport == "ipc":
-            return cls({n: ipc_endpoint(run_dir, n) for n in names})
+            return cls({n: ipc_endpoint(run_dir, n) for n in names}, curve_keys)
         if transport == "tcp":
             return cls({n: tcp_loopback_endpoint(_free_port() if base_port is None else base_port + i)
-                        for i, n in enumerate(names)})
+                        for i, n in enumerate(names)}, curve_keys)
         raise ValueError(f"unknown transport {transport!r}; expected 'ipc' or 'tcp'")
+
+    def keys(self) -> CurveKeys | None:
+        """The run's CURVE keys (None when the directory names none).
+
+        Raises:
+            transport.TransportError: the key files are missing, unreadable or too open.
+        """
+        return CurveKeys.load(self.curve_keys) if self.curve_keys else None
 
     def endpoint(self, name: str) -> str:
         """The endpoint of ``name``. Raises :class:`UnknownActor`."""
@@ -74,17 +94,19 @@ class Directory:
         return list(self.endpoints)
 
     def to_dict(self) -> dict[str, str]:
-        """A plain dict, for messages and JSON."""
+        """The endpoints as a plain dict, for messages and JSON."""
         return dict(self.endpoints)
 
     def save(self, path: str | Path) -> None:
-        """Write the directory as JSON (used by the torchrun launcher)."""
-        Path(path).write_text(strict_json.dumps(self.to_dict(), indent=1))
+        """Write the directory as JSON: ``{"endpoints": {...}, "curve_keys": path}``."""
+        Path(path).write_text(strict_json.dumps({"endpoints": self.to_dict(),
+                                                 "curve_keys": self.curve_keys}, indent=1))
 
     @classmethod
     def load(cls, path: str | Path) -> "Directory":
         """Read a directory written by :meth:`save`."""
-        return cls(strict_json.loads(Path(path).read_text()))
+        data = strict_json.loads(Path(path).read_text())
+        return cls(data["endpoints"], data.get("curve_keys", ""))
 
 
 def _free_port() -> int:

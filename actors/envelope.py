@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from actors.errors import ProtocolError
+from actors.log_limit import MAX_TRACEBACK_TEXT, clip
 
 CALL, TELL, OK, ERR = "call", "tell", "ok", "err"
 
@@ -26,8 +27,11 @@ def ok_reply(call_id: int, value: Any) -> dict:
 
 
 def err_reply(call_id: int, type_name: str, message: str, traceback_text: str) -> dict:
-    """Build an error reply: remote exception type name, message and formatted traceback."""
-    return {"k": ERR, "id": call_id, "t": type_name, "msg": message, "tb": traceback_text}
+    """Build an error reply: remote exception type name, message and formatted traceback, each
+    cut to a bounded length (:func:`actors.log_limit.clip`; the traceback keeps its end), so a
+    hostile request cannot make the reply large."""
+    return {"k": ERR, "id": call_id, "t": clip(type_name, 200), "msg": clip(message),
+            "tb": clip(traceback_text, MAX_TRACEBACK_TEXT, keep_end=True)}
 
 
 def parse_request(msg: Any) -> tuple[str, int, str, list, dict]:

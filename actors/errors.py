@@ -55,5 +55,10 @@ class ActorDied(ActorError):
         return (ActorDied, (self.actor, self.exitcode, self.traceback_text))
 
 
+class PeerLost(ActorError):
+    """The connection to the actor was lost (its process died, stopped answering heartbeats, or
+    refused our keys) while a call waited for its reply: the reply will never come."""
+
+
 class ProtocolError(ActorError):
     """A message reached an actor but is not a valid call (bad envelope, unknown method, ...)."""

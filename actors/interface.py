@@ -19,6 +19,9 @@ from actors.errors import ActorError
 
 # Lifecycle hooks of actors.Actor: public names, but the runtime calls them, never a peer.
 LIFECYCLE_HOOKS = frozenset({"on_start", "on_stop"})
+RUNTIME_NAMES = LIFECYCLE_HOOKS | {"ref", "proxy", "name", "directory"}
+"""Every public name of :class:`actors.Actor` itself: the runtime's, never callable by a peer,
+whatever a subclass overrides (a test keeps this equal to the class's public names)."""
 
 
 class ActorCallError(ActorError, TypeError):
@@ -32,10 +35,11 @@ class ActorCallError(ActorError, TypeError):
 def public_methods(cls: type) -> dict[str, Any]:
     """The remotely callable methods of an actor class: public ``async def`` methods, by name.
 
-    Lifecycle hooks (``on_start`` / ``on_stop``) are excluded: the runtime calls them.
+    Lifecycle hooks (``on_start`` / ``on_stop``) and the base class's other names
+    (:data:`RUNTIME_NAMES`) are excluded: the runtime calls them.
     """
     return {name: fn for name, fn in inspect.getmembers(cls, inspect.iscoroutinefunction)
-            if not name.startswith("_") and name not in LIFECYCLE_HOOKS}
+            if not name.startswith("_") and name not in RUNTIME_NAMES}
 
 
 class _Annotation(str):

@@ -12,31 +12,57 @@ from dataclasses import dataclass
 from typing import Any, Coroutine
 
 from actors.envelope import CALL, ERR, OK, TELL, request
-from actors.errors import ActorTimeout, ProtocolError, RemoteError
+from actors.errors import ActorTimeout, PeerLost, ProtocolError, RemoteError
 from actors.interface import ActorInterface
+from actors.log_limit import RateLimitedLog, clip
 from transport import Codec, DealerSocket, owned_frames
+from transport.curve import CurveKeys
+from transport.sockets import DEFAULT_HEARTBEAT_MS
 
 log = logging.getLogger(__name__)
 _CALL_IDS = itertools.count(1)
 
+DEFAULT_MAX_IN_FLIGHT = 1024
+"""Calls one process has in flight to one actor; further calls wait for a slot before they are
+sent (backpressure: a caller that starts 10,000 calls never has more than this many queued at
+the peer, below its ``actors.actor.DEFAULT_MAX_PENDING``)."""
+
 
 class _Connection:
-    """One DEALER socket to one actor endpoint, bound to the event loop that created it."""
+    """One DEALER socket to one actor endpoint, bound to the event loop that created it.
 
-    def __init__(self, endpoint: str, codec: Codec) -> None:
+    A lost connection (peer process gone, heartbeat timeout, keys refused) fails every call
+    waiting on it with :class:`PeerLost`: no call waits forever for a peer known to be dead.
+    """
+
+    def __init__(self, endpoint: str, codec: Codec, curve: CurveKeys | None,
+                 max_in_flight: int, heartbeat_ms: tuple[int, int]) -> None:
         self.endpoint = endpoint
         self.codec = codec
         self.pending: dict[int, tuple[asyncio.Future, str, str]] = {}
         self.interface: asyncio.Future | None = None  # the peer's ActorInterface, fetched once
-        self.socket = DealerSocket(endpoint, self._on_message)
+        self.slots = asyncio.Semaphore(max_in_flight)
+        self._log = RateLimitedLog(log)
+        self.socket = DealerSocket(endpoint, self._on_message, curve=curve,
+                                   max_message_bytes=codec.config.max_message_bytes,
+                                   on_disconnect=self._on_disconnect, heartbeat_ms=heartbeat_ms)
         self.socket.connect()
+
+    def _on_disconnect(self, reason: str) -> None:
+        pending, self.pending = self.pending, {}
+        for future, actor, method in pending.values():
+            if not future.done():
+                future.set_exception(PeerLost(f"{actor}.{method}: {reason}"))
+        if self.interface is not None and self.interface.done():
+            self.interface = None  # a restarted peer may be another class
 
     def _on_message(self, frames: list) -> None:
         try:
             reply = self.codec.decode(frames)
             call_id, kind = reply["id"], reply["k"]
         except Exception as exc:  # a malformed reply must not kill the caller's loop
-            log.error("dropping malformed reply from %s: %s", self.endpoint, exc)
+            self._log.log(logging.ERROR, f"dropping malformed reply from {self.endpoint}: "
+                                         f"{type(exc).__name__}: {clip(str(exc))}")
             return
         entry = self.pending.pop(call_id, None)
         if entry is None:  # late reply to a call that already timed out
@@ -66,12 +92,16 @@ class _Pool:
     def __init__(self) -> None:
         self.codec = Codec()
         self.connections: dict[tuple[int, str], _Connection] = {}
+        self.curve: CurveKeys | None = None  # the run's keys, for tcp peers (use_curve_keys)
+        self.max_in_flight = DEFAULT_MAX_IN_FLIGHT
+        self.heartbeat_ms = DEFAULT_HEARTBEAT_MS
 
     def get(self, endpoint: str) -> _Connection:
         key = (id(asyncio.get_running_loop()), endpoint)
         conn = self.connections.get(key)
         if conn is None:
-            conn = self.connections[key] = _Connection(endpoint, self.codec)
+            conn = self.connections[key] = _Connection(endpoint, self.codec, self.curve,
+                                                       self.max_in_flight, self.heartbeat_ms)
         return conn
 
     def close_all(self) -> None:
@@ -117,6 +147,12 @@ def close_connections() -> None:
     POOL.close_all()
 
 
+def use_curve_keys(keys: CurveKeys | None) -> None:
+    """The CURVE keys this process's connections to ``tcp://`` actors use from now on (one run
+    per process; :class:`actors.Directory` carries where they are)."""
+    POOL.curve = keys
+
+
 class ActorRef:
     """A handle to a named actor at a ZeroMQ endpoint; cheap to create, safe to copy.
 
@@ -142,10 +178,14 @@ class ActorRef:
         followed by a write to ``arr`` sends the array as it was at the call.
 
         Args:
-            timeout: seconds to wait for the reply; ``None`` waits forever.
+            timeout: seconds to wait for the reply; ``None``: no deadline, but the call still
+                fails once the connection is known lost.
         Raises (when awaited):
-            RemoteError: the remote method raised (remote type, message and traceback attached).
+            RemoteError: the remote method raised (remote type, message and traceback attached);
+                ``remote_type == "Overloaded"`` when the actor held too many calls.
             ActorTimeout: no reply within ``timeout`` seconds; a late reply is discarded.
+            PeerLost: the connection was lost (process gone, heartbeats unanswered, keys
+                refused) before the reply came.
             transport.EncodeError: an argument cannot be encoded (nothing was sent).
         """
         return self.send(Message.of(CALL, method, args, kwargs), timeout)
@@ -157,17 +197,20 @@ class ActorRef:
             raise message.error
         conn = POOL.get(self.endpoint)
         call_id, method = message.call_id, message.method
-        future = asyncio.get_running_loop().create_future()
-        conn.pending[call_id] = (future, self.name, method)
-        conn.socket.send(list(message.frames))
-        try:
-            if timeout is None:
-                return await future
-            return await asyncio.wait_for(future, timeout)
-        except asyncio.TimeoutError:
-            raise ActorTimeout(f"{self.name}.{method} gave no reply within {timeout} s") from None
-        finally:
-            conn.pending.pop(call_id, None)
+        async with conn.slots:  # backpressure: at most max_in_flight calls at the peer
+            if conn.socket.lost is not None:  # would wait for a reply no process will send
+                raise PeerLost(f"{self.name}.{method}: {conn.socket.lost}")
+            future = asyncio.get_running_loop().create_future()
+            conn.pending[call_id] = (future, self.name, method)
+            conn.socket.send(list(message.frames))
+            try:
+                if timeout is None:
+                    return await future
+                return await asyncio.wait_for(future, timeout)
+            except asyncio.TimeoutError:
+                raise ActorTimeout(f"{self.name}.{method} gave no reply within {timeout} s") from None
+            finally:
+                conn.pending.pop(call_id, None)
 
     async def interface(self, timeout: float | None = None) -> ActorInterface:
         """The actor's methods and signatures (its ``__interface__``), fetched once per connection.

@@ -31,9 +31,10 @@ from typing import Any
 
 from actors.actor import Actor, ActorServer
 from actors.directory import Directory
-from actors.errors import ActorDied, ActorError
+from actors.errors import ActorDied, ActorError, PeerLost
 from actors.loop import run_event_loop
-from actors.ref import close_connections
+from actors.ref import close_connections, use_curve_keys
+from actors.run_dir import leave_run_dir
 
 log = logging.getLogger(__name__)
 _PARENT_POLL_SECONDS = 0.5
@@ -127,8 +128,10 @@ async def serve_actor(actor: Actor, name: str, directory: Directory,
                       parent_pid: int | None = None) -> None:
     """Run ``actor`` under ``name`` until ``__stop__`` (or until the parent process is gone)."""
     actor.name, actor.directory = name, directory
+    keys = directory.keys()
+    use_curve_keys(keys)
     await actor.on_start()
-    server = ActorServer(actor, directory.endpoint(name))
+    server = ActorServer(actor, directory.endpoint(name), curve=keys)
     profile_dir = os.environ.get(PROFILE_ENV)
     profile = cProfile.Profile() if profile_dir else None
     if profile is not None:
@@ -154,8 +157,8 @@ async def serve_actor(actor: Actor, name: str, directory: Directory,
             close_connections()
 
 
-def _child_main(spec: ActorSpec, directory: dict[str, str], parent_pid: int, run_dir: str,
-                log_level: int) -> None:
+def _child_main(spec: ActorSpec, endpoints: dict[str, str], curve_keys: str, parent_pid: int,
+                run_dir: str, log_level: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher owns Ctrl-C
     os.environ.update(spec.env)
     if spec.cpus:
@@ -163,7 +166,9 @@ def _child_main(spec: ActorSpec, directory: dict[str, str], parent_pid: int, run
     logging.basicConfig(level=log_level, format=f"%(asctime)s {spec.name} %(levelname)s %(message)s")
     try:
         actor = import_actor_class(spec.cls)(**spec.kwargs)
-        run_event_loop(serve_actor(actor, spec.name, Directory(directory), parent_pid))
+        run_event_loop(serve_actor(actor, spec.name, Directory(endpoints, curve_keys), parent_pid))
+        if os.getppid() != parent_pid:  # the launcher was killed: nobody else will clean up
+            leave_run_dir(run_dir)
     except BaseException:
         text = traceback.format_exc()
         try:
@@ -207,12 +212,15 @@ class Supervisor:
         await self.shutdown()
 
     def start(self) -> None:
-        """Start every actor process (returns at once; see :meth:`wait_ready`)."""
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        """Start every actor process (returns at once; see :meth:`wait_ready`); this process's
+        calls to them use the directory's CURVE keys."""
+        self.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        use_curve_keys(self.directory.keys())
         ctx = mp.get_context("spawn")
         for spec in self.specs:
             proc = ctx.Process(target=_child_main, name=f"replayrl-{spec.name}", daemon=False,
-                               args=(spec, self.directory.to_dict(), os.getpid(),
+                               args=(spec, self.directory.to_dict(), self.directory.curve_keys,
+                                     os.getpid(),
                                      str(self.run_dir), self.log_level))
             proc.start()
             self.processes[spec.name] = proc
@@ -225,6 +233,17 @@ class Supervisor:
                 text = tb_file.read_text() if tb_file.exists() else ""
                 return ActorDied(name, proc.exitcode, text)
         return None
+
+    async def explain(self, exc: BaseException, grace: float = 5.0) -> BaseException:
+        """The error to report for ``exc``: a :class:`PeerLost` caused by an actor process that
+        exited becomes that process's :class:`ActorDied` (with its traceback), waiting up to
+        ``grace`` seconds for the exit to show; anything else is returned as it is."""
+        if not isinstance(exc, PeerLost):
+            return exc
+        deadline = time.monotonic() + grace
+        while (dead := self.died()) is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return dead if dead is not None else exc
 
     async def wait_ready(self) -> None:
         """Ping every actor until it answers.

@@ -97,9 +97,41 @@ class VersionRules:
 
     @classmethod
     def from_state_dict(cls, state: dict) -> "VersionRules":
-        """Inverse of :meth:`state_dict`."""
-        return cls(int(state["max_staleness"]), int(state["trainer_version"]),
-                   {str(k): int(v) for k, v in state["engine_versions"].items()})
+        """Inverse of :meth:`state_dict`.
+
+        Raises:
+            VersionError: a field is missing or not an int, or a version is negative.
+        """
+        try:
+            rules = cls(_version(state["max_staleness"], "max_staleness"),
+                        _version(state["trainer_version"], "trainer_version"),
+                        {str(k): _version(v, f"engine_versions[{k!r}]")
+                         for k, v in dict(state["engine_versions"]).items()})
+        except (KeyError, TypeError, ValueError) as exc:
+            if isinstance(exc, VersionError):
+                raise
+            raise VersionError(f"malformed clock state: {type(exc).__name__}: {exc}") from None
+        return rules
+
+    def restore(self, saved: "VersionRules") -> None:
+        """Move to ``saved``'s versions under the rules of any other change: every version
+        must be >= the current one (an engine this clock never saw starts fresh); the
+        staleness window stays. Checks everything before changing anything.
+
+        Raises:
+            VersionRegression: a version would move backwards (nothing is changed).
+        """
+        trial = VersionRules(self.max_staleness, self.trainer_version, dict(self.engine_versions))
+        trial.set_trainer_version(saved.trainer_version)
+        for engine, version in saved.engine_versions.items():
+            trial.record_engine_load(engine, version)
+        self.trainer_version, self.engine_versions = trial.trainer_version, trial.engine_versions
+
+
+def _version(value: object, what: str) -> int:
+    if type(value) is not int or value < 0:
+        raise VersionError(f"clock state field {what} must be an int >= 0, got {value!r}")
+    return value
 
 
 class VersionClock(Actor):
@@ -140,8 +172,11 @@ class VersionClock(Actor):
 
         ``max_staleness`` stays the one this clock was started with, i.e. the resumed run's
         ``--max-staleness`` (what its config.json records), not the checkpoint's: a setting
-        given at resume is what runs (docs/design.md §6 "Version clock", rule 5).
+        given at resume is what runs (docs/design.md §6 "Version clock", rule 5). The versions
+        obey rule 1 like any other change: none moves backwards (:meth:`VersionRules.restore`).
+
+        Raises:
+            VersionError: a malformed state (negative or non-int versions).
+            VersionRegression: a version below the clock's current one; nothing changed.
         """
-        saved = VersionRules.from_state_dict(state)
-        self.rules = VersionRules(self.rules.max_staleness, saved.trainer_version,
-                                  saved.engine_versions)
+        self.rules.restore(VersionRules.from_state_dict(state))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 
 import numpy as np
 
@@ -42,6 +43,12 @@ class EchoActor(Actor):
 
     async def pid(self) -> int:
         return os.getpid()
+
+    async def torch_imported(self) -> bool:
+        return "torch" in sys.modules
+
+    async def type_name(self, value) -> str:
+        return type(value).__name__
 
     async def crash(self) -> None:
         # an actor whose process dies (not a method error): the supervisor must notice

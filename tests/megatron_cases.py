@@ -33,7 +33,7 @@ def write_checkpoint(directory: Path, seed: int = 3) -> Path:
 def perturbed(checkpoint: Path, scale: float = 0.05, seed: int = 7) -> Qwen3MoeForCausalLM:
     """The checkpoint's torch model with every router and indexer query weight perturbed by
     N(0, scale)."""
-    from rollout.model.checkpoint import load_pretrained
+    from rollout.model.loader import load_pretrained
 
     model, _ = load_pretrained(checkpoint, dtype=torch.float32)
     g = torch.Generator().manual_seed(seed)

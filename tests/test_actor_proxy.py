@@ -22,7 +22,7 @@ def test_describe_lists_public_async_methods_without_self_or_hooks():
     info = describe(EchoActor)
     assert info["actor_class"] == "EchoActor"
     assert set(info["methods"]) == {"echo", "total", "fail", "sleep", "sleep_concurrently",
-                                    "record", "recorded", "pid", "crash"}
+                                    "record", "recorded", "pid", "crash", "torch_imported", "type_name"}
     assert info["methods"]["record"] == {"params": [["i", "POSITIONAL_OR_KEYWORD", False]],
                                          "text": "record(i: int) -> None"}
 

@@ -72,8 +72,8 @@ async def test_calls_run_in_arrival_order_and_concurrent_methods_do_not_block(ru
         assert time.monotonic() - start < 1.0  # 4 x 0.3 s would take 1.2 s in order
 
 
-async def test_tcp_loopback_transport(run_dir):
-    directory = Directory.for_run(run_dir, ["a"], transport="tcp")
+async def test_tcp_loopback_transport(run_dir, curve_keys_dir):
+    directory = Directory.for_run(run_dir, ["a"], transport="tcp", curve_keys=curve_keys_dir)
     assert directory.endpoint("a").startswith("tcp://127.0.0.1:")
     async with Supervisor([ActorSpec("a", ECHO)], directory, run_dir):
         assert await directory.ref("a").call("echo", "over tcp") == "over tcp"

@@ -65,6 +65,41 @@ async def test_short_run_overlaps_generation_with_one_step_staleness(tmp_path):
     assert result.plot_path.exists() and "last10%=" in result.summary
 
 
+async def test_max_staleness_zero_trains_on_policy_in_sequence(tmp_path):
+    config = build_config({**SMALL, "num-steps": 3, "max-staleness": 0, "save-interval": 2,
+                           "output-dir": str(tmp_path)})
+    result = await launch(config)
+    rows = [json.loads(line) for line in result.metrics_path.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    # every batch came from the weights the step trains (the clock's window [0, 0] would have
+    # refused a batch generated before the previous push)
+    assert [r["staleness_max"] for r in rows] == [0, 0, 0]
+    assert [r["trainer_version"] for r in rows] == [1, 2, 3]
+    for r in rows:  # generation and training do not overlap: each side waits the other out
+        assert r["wait_for_rollout_seconds"] > 0 and r["wait_for_trainer_seconds"] > 0
+    state = json.loads((tmp_path / "checkpoints" / "step-2" / "run_state.json").read_text())
+    assert state["next_step"] == 2 and state["clock"]["max_staleness"] == 0
+    assert state["clock"]["trainer_version"] == 2
+
+
+async def test_trainer_dying_while_saving_ends_the_run_and_keeps_the_last_checkpoint(tmp_path):
+    from actors import ActorDied
+    from tools.launcher import check_load
+
+    config = build_config({**SMALL, "num-steps": 4, "save-interval": 1, "output-dir": str(tmp_path)})
+    checkpoint = write_initial_checkpoint(config, tmp_path / "ckpt")
+    specs = [dataclasses.replace(s, cls="tests.failing_trainer:DiesWhileSaving")
+             if s.name == "trainer" else s for s in actor_specs(config, checkpoint)]
+    with pytest.raises(ActorDied) as died:
+        await launch(config, specs=specs)
+    assert died.value.actor == "trainer" and died.value.exitcode == 9
+    saved = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert saved == ["step-1", "step-2.partial"]  # the half-written one is not named a checkpoint
+    resume = build_config({**SMALL, "num-steps": 4, "output-dir": str(tmp_path / "again"),
+                           "load": str(tmp_path / "checkpoints" / "step-1")})
+    assert check_load(resume) == 1  # every file of the last checkpoint reads back and fits
+
+
 async def test_traces_cross_the_wire_with_design_shapes(tmp_path):
     config = build_config({**SMALL, "num-steps": 1, "output-dir": str(tmp_path)})
     checkpoint = write_initial_checkpoint(config, tmp_path / "ckpt")

@@ -22,7 +22,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from rollout.model.checkpoint import load_pretrained  # noqa: E402
+from rollout.model.loader import load_pretrained  # noqa: E402
 from rollout.task import VOCABULARY  # noqa: E402
 from tests import megatron_cases as cases  # noqa: E402
 from trainer.backends import resolve_backend  # noqa: E402

@@ -106,3 +106,38 @@ async def test_a_real_run_and_its_resume_write_strict_json_that_reads_back(tmp_p
     _strict_json_files(tmp_path / "resumed")
     record = json.loads((tmp_path / "resumed" / "config.json").read_text())
     assert record["max_staleness"] == 3 and record["trainer"]["lr"] == 1e-3
+
+
+@pytest.mark.parametrize("damage", ["none", "truncated-model", "truncated-state", "clock"])
+async def test_load_is_checked_before_any_actor_starts(tmp_path, _restore_threads, damage):
+    import multiprocessing
+
+    from tools.config import ConfigError
+    from tools.launcher import check_load
+    from transport import strict_json
+
+    base = build_config({**SMALL, "num-steps": 3, "output-dir": str(tmp_path / "out")})
+    saved = TorchBackend(write_initial_checkpoint(base, tmp_path / "init"), base.trainer, list(VOCABULARY))
+    ckpt = tmp_path / "ckpt"
+    saved.save_checkpoint(ckpt, 1)
+    clock = {"max_staleness": 1, "trainer_version": 1, "engine_versions": {"engine_0": 1}}
+    (ckpt / "run_state.json").write_text(strict_json.dumps(
+        {"next_step": 1, "data_settings": base.data_settings(), "clock": clock, "manager": {}}))
+    if damage == "truncated-model":
+        weights = next((ckpt / "model").glob("*.safetensors"))
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    elif damage == "truncated-state":
+        state = ckpt / "trainer_state.pt"
+        state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])
+    elif damage == "clock":
+        (ckpt / "run_state.json").write_text(strict_json.dumps(
+            {"next_step": 1, "data_settings": base.data_settings(), "manager": {},
+             "clock": {**clock, "engine_versions": {"engine_0": -5}}}))
+    config = build_config({**SMALL, "num-steps": 3, "output-dir": str(tmp_path / "out"), "load": str(ckpt)})
+    if damage == "none":
+        assert check_load(config) == 1
+        return
+    with pytest.raises(ConfigError, match=f"--load {ckpt}"):
+        await launch(config)
+    assert multiprocessing.active_children() == []  # refused before any actor process started
+    assert not (tmp_path / "out" / "checkpoint-init").exists()

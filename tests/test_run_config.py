@@ -74,10 +74,19 @@ def test_flags_override_the_config_file(tmp_path):
     assert cfg.trainer.use_support_replay is False
 
 
-def test_flags_without_a_file_override_defaults():
-    cfg = parse("--rollout-top-p", "0.9", "--micro-batch-size", "3", "--transport", "tcp", "--no-progress")
+def test_flags_without_a_file_override_defaults(curve_keys_dir):
+    cfg = parse("--rollout-top-p", "0.9", "--micro-batch-size", "3", "--transport", "tcp", "--no-progress",
+                "--curve-keys", curve_keys_dir)
     assert cfg.rollout.top_p == 0.9 and cfg.trainer.micro_batch_size == 3
     assert cfg.transport == "tcp" and cfg.progress is False
+
+
+def test_tcp_without_keys_is_a_configuration_error(tmp_path):
+    with pytest.raises(ConfigError, match="--curve-keys"):
+        parse("--transport", "tcp")
+    (tmp_path / "run.key_secret").write_text("not a key")
+    with pytest.raises(ConfigError, match="--curve-keys"):
+        parse("--transport", "tcp", "--curve-keys", str(tmp_path))
 
 
 def test_rollout_temperature_reaches_rollout_and_trainer(tmp_path):
@@ -103,7 +112,7 @@ def test_repl_subcommand_takes_the_same_flags():
 
 @pytest.mark.parametrize("flag,value", [
     ("num-steps", 0),
-    ("max-staleness", 0),
+    ("max-staleness", -1),
     ("num-engines", 0),
     ("engine-dtype", "float16"),
     ("transport", "udp"),

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from transport.curve import CurveKeys
 from transport import (
     DealerSocket,
     RouterSocket,
@@ -40,8 +41,8 @@ def _big(seed: int) -> np.ndarray:
 class _EchoServer:
     """Decodes each request and replies with the peer identity it saw and the request echoed."""
 
-    def __init__(self, endpoint: str) -> None:
-        self.router = RouterSocket(endpoint, self.on_message)
+    def __init__(self, endpoint: str, curve: CurveKeys | None = None) -> None:
+        self.router = RouterSocket(endpoint, self.on_message, curve=curve)
         self.frame_counts: list[int] = []
 
     def on_message(self, peer: bytes, frames: list) -> None:
@@ -54,8 +55,8 @@ class _EchoServer:
 class _Client:
     """Collects decoded replies; resolves ``done`` once ``expected`` replies arrived."""
 
-    def __init__(self, endpoint: str, identity: bytes, expected: int) -> None:
-        self.dealer = DealerSocket(endpoint, self.on_message, identity=identity)
+    def __init__(self, endpoint: str, identity: bytes, expected: int, curve: CurveKeys | None = None) -> None:
+        self.dealer = DealerSocket(endpoint, self.on_message, identity=identity, curve=curve)
         self.replies: list = []
         self.expected = expected
         self.done = asyncio.get_running_loop().create_future()
@@ -67,13 +68,13 @@ class _Client:
             self.done.set_result(None)
 
 
-async def _echo_round_trip(endpoint: str) -> _EchoServer:
-    server = _EchoServer(endpoint)
+async def _echo_round_trip(endpoint: str, curve: CurveKeys | None = None) -> _EchoServer:
+    server = _EchoServer(endpoint, curve)
     server.router.bind()
     clients = []
     try:
         for identity in (b"client-a", b"client-b"):
-            client = _Client(server.router.endpoint, identity, N_IN_FLIGHT + 1)
+            client = _Client(server.router.endpoint, identity, N_IN_FLIGHT + 1, curve)
             client.dealer.connect()
             clients.append(client)
         # Everything is in flight before any reply is awaited.
@@ -120,10 +121,10 @@ async def test_ipc_echo_two_dealers_and_socket_file_removed(tmp_path: Path) -> N
     assert not (tmp_path / "run" / "echo.sock").exists()
 
 
-async def test_tcp_loopback_echo_two_dealers() -> None:
+async def test_tcp_loopback_echo_two_dealers(curve_keys: CurveKeys) -> None:
     endpoint = tcp_loopback_endpoint(0)
     assert endpoint == "tcp://127.0.0.1:0"
-    server = await _echo_round_trip(endpoint)
+    server = await _echo_round_trip(endpoint, curve_keys)
     host, port = server.router.endpoint.removeprefix("tcp://").rsplit(":", 1)
     assert host == "127.0.0.1" and int(port) > 0
 
@@ -234,9 +235,9 @@ async def test_non_loopback_tcp_bind_is_refused(endpoint: str) -> None:
         router.bind()
 
 
-async def test_loopback_variants_bind(tmp_path: Path) -> None:
+async def test_loopback_variants_bind(curve_keys: CurveKeys) -> None:
     for endpoint in ("tcp://localhost:0", "tcp://127.0.0.2:0", "tcp://[::1]:0"):
-        router = RouterSocket(endpoint, lambda peer, frames: None)
+        router = RouterSocket(endpoint, lambda peer, frames: None, curve=curve_keys)
         try:
             router.bind()
         except TransportError as exc:  # host without IPv6 loopback: the refusal must not be ours

@@ -27,8 +27,8 @@ def _torchrun(nproc: int, out: Path, *extra: str, env: dict | None = None) -> su
         capture_output=True, text=True, timeout=240)
 
 
-def test_three_ranks_train_two_steps(tmp_path):
-    proc = _torchrun(3, tmp_path)
+def test_three_ranks_train_two_steps(tmp_path, curve_keys_dir):
+    proc = _torchrun(3, tmp_path, "--curve-keys", curve_keys_dir)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["trainer_version"] for r in rows] == [1, 2]
@@ -40,3 +40,9 @@ def test_too_few_ranks_fail_closed(tmp_path):
     proc = _torchrun(2, tmp_path)
     assert proc.returncode != 0
     assert "--nproc-per-node >= 3" in proc.stderr
+
+
+def test_ranks_refuse_to_start_without_curve_keys(tmp_path):
+    proc = _torchrun(3, tmp_path)
+    assert proc.returncode != 0
+    assert "--curve-keys" in proc.stderr

@@ -4,6 +4,7 @@ grad norm and a hand-written AdamW step, fail-closed on a non-finite norm, check
 from __future__ import annotations
 
 import math
+from pathlib import Path
 import subprocess
 import sys
 
@@ -11,7 +12,9 @@ import numpy as np
 import pytest
 import torch
 
+from actors.version_clock import VersionRegression
 from rollout.model.checkpoint import save_pretrained
+from rollout.model.errors import CheckpointError
 from rollout.model.config import default_config
 from rollout.model.qwen3_moe import Qwen3MoeForCausalLM
 from rollout.sample import Sample
@@ -161,6 +164,52 @@ def test_checkpoint_round_trip_restores_weights_optimizer_version_and_rng(checkp
     assert fresh.digest() == saved and torch.equal(torch.rand(3), draw)
     assert set(fresh.weights()) == {k[len("param/"):] for k in saved if k.startswith("param/")}
     assert fresh.parameter_count() == sum(p.numel() for p in fresh.model.parameters())
+
+
+def _corrupt_optimizer(path: Path) -> None:
+    state = torch.load(path, weights_only=True)
+    state["optimizer"]["param_groups"].append(dict(state["optimizer"]["param_groups"][0]))  # one group too many
+    torch.save(state, path)
+
+
+@pytest.mark.parametrize("damage", ["optimizer", "truncated", "version", "model"])
+def test_rejected_checkpoint_changes_nothing(checkpoint, tmp_path, damage):
+    source = _backend(checkpoint)
+    batch = collate(_samples(), routing=False, indexer=False, support=False)
+    source.zero_grad()
+    source.backward(-source.train_logprobs(batch).sum())
+    source.clip_and_step(1.0)
+    source.save_checkpoint(tmp_path, 5)
+    state_file = tmp_path / "trainer_state.pt"
+    if damage == "optimizer":
+        _corrupt_optimizer(state_file)
+    elif damage == "truncated":
+        state_file.write_bytes(state_file.read_bytes()[:100])
+    elif damage == "version":
+        state = torch.load(state_file, weights_only=True)
+        state["version"] = -1
+        torch.save(state, state_file)
+    else:
+        weights = next((tmp_path / "model").glob("*.safetensors"))
+        weights.write_bytes(weights.read_bytes()[:1000])
+    fresh = _backend(checkpoint)
+    before, draw_state = fresh.digest(), torch.get_rng_state()
+    with pytest.raises((ValueError, CheckpointError)):
+        fresh.load_checkpoint(tmp_path)
+    with pytest.raises((ValueError, CheckpointError)):
+        type(fresh).check_checkpoint(tmp_path)
+    assert fresh.digest() == before  # new weights were not swapped in before the refusal
+    assert torch.equal(torch.get_rng_state(), draw_state)
+
+
+def test_older_checkpoint_is_refused_like_any_version_regression(checkpoint, tmp_path):
+    backend = _backend(checkpoint)
+    backend.save_checkpoint(tmp_path, 2)
+    before = backend.digest()
+    with pytest.raises(VersionRegression, match="version 2, behind the trainer's 3"):
+        backend.load_checkpoint(tmp_path, min_version=3)
+    assert backend.digest() == before
+    assert backend.load_checkpoint(tmp_path, min_version=2) == 2
 
 
 def test_forwards_report_the_entropy_over_each_tokens_support(checkpoint):

@@ -58,3 +58,23 @@ def test_state_round_trips():
     assert restored == rules
     with pytest.raises(VersionError):
         VersionRules(max_staleness=-1)
+
+
+async def test_load_state_never_moves_versions_backwards_and_changes_nothing_when_refused():
+    clock = VersionClock(max_staleness=1)
+    await clock.set_trainer_version(5)
+    await clock.record_engine_load("engine_0", 5)
+    before = await clock.state()
+    for state in ({"max_staleness": 1, "trainer_version": 0, "engine_versions": {}},  # 5 -> 0
+                  {"max_staleness": 1, "trainer_version": 7, "engine_versions": {"engine_0": 4}}):
+        with pytest.raises(VersionRegression):
+            await clock.load_state(state)
+        assert await clock.state() == before  # the trainer version 7 was not applied either
+    with pytest.raises(VersionError, match="engine_versions"):
+        await clock.load_state({"max_staleness": 1, "trainer_version": 9, "engine_versions": {"engine_1": -5}})
+    with pytest.raises(VersionError, match="malformed"):
+        await clock.load_state({"trainer_version": 9})
+    assert await clock.state() == before
+    await clock.load_state({"max_staleness": 3, "trainer_version": 6, "engine_versions": {"engine_0": 6, "engine_1": 2}})
+    assert await clock.state() == {"max_staleness": 1, "trainer_version": 6,
+                                   "engine_versions": {"engine_0": 6, "engine_1": 2}}

@@ -1,4 +1,4 @@
-"""``replayrl`` command line: ``train``, ``repl`` and ``bench {parity,refill,logprobs,transport,peer,profile,train,load,engine}``.
+"""``replayrl`` command line: ``train``, ``repl``, ``keys`` and ``bench {parity,refill,logprobs,transport,peer,profile,train,load,engine,decode}``.
 
 Exit codes (:mod:`tools.exit_codes`): 0 success, 1 a run failed (the failing actor's traceback
 is printed), 2 bad configuration, 130 interrupted by Ctrl-C, 143 SIGTERM (``train``).
@@ -35,11 +35,22 @@ def _repl(args: argparse.Namespace) -> int:
     return repl_main(args)
 
 
+def _keys(args: argparse.Namespace) -> int:
+    def run() -> int:
+        from transport.curve import create_keys
+
+        print(f"CURVE key pair written: {create_keys(args.directory)} (pass --curve-keys "
+              f"{args.directory} to every process of the run)")
+        return 0
+
+    return exit_code(run)
+
+
 BENCHES = {"parity": "tools.bench_parity", "refill": "tools.bench_refill",
            "logprobs": "tools.bench_logprobs", "transport": "tools.bench_transport",
            "peer": "tools.bench_peer", "profile": "tools.bench_profile",
            "train": "tools.bench_train", "load": "tools.bench_load",
-           "engine": "tools.bench_engine"}
+           "engine": "tools.bench_engine", "decode": "tools.bench_decode"}
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -63,7 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     repl = sub.add_parser("repl", help="interactive actor REPL on a live run")
     add_run_flags(repl)
     repl.set_defaults(func=_repl)
-    bench = sub.add_parser("bench", help="benchmarks: parity | refill | logprobs | transport | peer | profile | train | load | engine "
+    keys = sub.add_parser("keys", help="make a run's CURVE key pair (needed by --transport tcp)")
+    keys.add_argument("directory", help="where run.key and run.key_secret (mode 600) are written")
+    keys.set_defaults(func=_keys)
+    bench = sub.add_parser("bench", help="benchmarks: parity | refill | logprobs | transport | peer | profile | train | load | engine | decode "
                                          "(flags after the name go to the benchmark)")
     bench.add_argument("bench", choices=sorted(BENCHES))
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)

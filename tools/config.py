@@ -33,7 +33,8 @@ from rollout.model.errors import ModelError
 from rollout.model.loader import read_hf_config
 from rollout.task import VOCABULARY
 from trainer.config import TrainerConfig
-from transport import strict_json
+from transport import TransportError, strict_json
+from transport.curve import CurveKeys
 
 
 class ConfigError(ValueError):
@@ -46,12 +47,14 @@ class RunConfig:
 
     Attributes:
         num_steps: optimizer steps (= rollouts) to run (``--num-steps``, slime ``--num-rollout``).
-        max_staleness: VersionClock window (``--max-staleness``).
+        max_staleness: VersionClock window (``--max-staleness``); 0 runs the synchronous
+            on-policy loop (:func:`tools.train_loop.sync_step`).
         num_engines: engine actors (``--num-engines``).
         engine_dtype: ``auto`` (bf16 where the hardware computes it natively, else float32;
             :mod:`rollout.engines.precision`), ``bfloat16`` or ``float32`` (``--engine-dtype``).
         output_dir: where metrics.jsonl, the plot and the checkpoint go (``--output-dir``).
         transport: ``ipc`` (one node) or ``tcp`` (loopback) (``--transport``).
+        curve_keys: the run's CURVE key directory (``--curve-keys``; required by tcp).
         engine_torch_threads: intra-op threads per engine process.
         progress: show the live progress display.
         save_dir: checkpoint directory (``--save``; default ``<output_dir>/checkpoints``).
@@ -77,16 +80,19 @@ class RunConfig:
     """
 
     num_steps: int = setting(400, "num-steps", "optimizer steps (one rollout each)", Range(low=1))
-    max_staleness: int = setting(1, "max-staleness", "VersionClock window 0 <= t - v <= max-staleness",
-                                 Range(low=1, why="the loop overlaps generation of step k+1 with "
-                                                  "training of step k (one-step off-policy)"))
+    max_staleness: int = setting(1, "max-staleness", "VersionClock window 0 <= t - v <= "
+                                 "max-staleness; 0 = synchronous on-policy (generate, train, "
+                                 "push in sequence), >= 1 overlaps generation with training",
+                                 Range(low=0))
     num_engines: int = setting(1, "num-engines", "engine actor processes", Range(low=1))
     engine_dtype: str = setting("auto", "engine-dtype", "engine precision; auto = bfloat16 where "
                                 "the CPU (AMX) or GPU computes it natively, else float32",
                                 Choices(DTYPES))
     output_dir: str = setting("runs/default", "output-dir", "metrics, plot and checkpoint directory")
-    transport: str = setting("ipc", "transport", "ipc on one node, tcp on loopback",
-                             Choices(("ipc", "tcp")))
+    transport: str = setting("ipc", "transport", "ipc on one node, tcp on loopback (needs "
+                             "--curve-keys)", Choices(("ipc", "tcp")))
+    curve_keys: str = setting("", "curve-keys", "directory of the run's CURVE key pair "
+                              "(`replayrl keys DIR`); required by --transport tcp")
     engine_torch_threads: int = setting(1, "engine-torch-threads", "torch threads per engine",
                                         Range(low=1))
     progress: bool = setting(True, "progress", "live progress display")
@@ -150,6 +156,8 @@ class RunConfig:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+        if self.transport == "tcp" or self.curve_keys:
+            self._check_keys()
         if self.load:
             self._check_checkpoint()
         if not self.save_dir:
@@ -183,6 +191,15 @@ class RunConfig:
         cover the one synthetic EOS of ``--rollout-append-eos-on-truncation``."""
         r = self.rollout
         return r.num_digits + 3 + r.max_turns * (r.max_response_len + 2)
+
+    def _check_keys(self) -> None:
+        if not self.curve_keys:
+            raise ConfigError("--transport tcp needs --curve-keys DIR: any local user reaches a "
+                              "loopback port; make a key pair with `replayrl keys DIR`")
+        try:
+            CurveKeys.load(self.curve_keys)
+        except TransportError as exc:
+            raise ConfigError(f"--curve-keys {self.curve_keys}: {exc}") from None
 
     def _check_checkpoint(self) -> None:
         path = Path(self.load) / "run_state.json"

@@ -12,12 +12,16 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 from actors import ActorSpec, Directory, Supervisor, import_callable
+from actors.run_dir import create_run_dir
+from actors.version_clock import VersionError, VersionRules
+from rollout.model.errors import ModelError
+from trainer.backends import resolve_backend
+from transport import strict_json
 from rollout.engines import EngineError, check_capture, engine_class_path, load_engine_class
 from rollout.engines.precision import resolve_dtype
 from rollout.model.checkpoint import save_pretrained
@@ -63,6 +67,27 @@ def check_writable(directory: Path, flag: str) -> None:
         probe.unlink()
     except OSError as exc:
         raise ConfigError(f"{flag} {directory}: not writable: {exc}") from None
+
+
+def check_load(config: RunConfig) -> int:
+    """Read and check every file of the ``--load`` checkpoint (model, trainer state, clock
+    state) before any actor starts, so a truncated checkpoint fails in seconds, not after the
+    actors have started; returns its trainer version.
+
+    Raises:
+        ConfigError: a missing, truncated or malformed file (names the flag and the file).
+    """
+    path = Path(config.load)
+    try:
+        version = resolve_backend(config.trainer.train_backend).check_checkpoint(path)
+        state = strict_json.loads((path / "run_state.json").read_text())
+        clock = VersionRules.from_state_dict(state["clock"])
+    except (ModelError, VersionError, ValueError, OSError, KeyError, TypeError) as exc:
+        raise ConfigError(f"--load {path}: {type(exc).__name__}: {exc}") from None
+    if clock.trainer_version != version:
+        raise ConfigError(f"--load {path}: the clock is at version {clock.trainer_version}, the "
+                          f"trainer state at {version}; the checkpoint is inconsistent")
+    return version
 
 
 def write_initial_checkpoint(config: RunConfig, directory: Path) -> Path:
@@ -231,8 +256,9 @@ async def launch(config: RunConfig, log_level: int = logging.WARNING,
 
     Raises:
         ConfigError: a hook / reward that does not import, an unwritable ``--save`` /
-            ``--save-hf``, an unknown / unfit ``--rollout-engine``, or unusable prompt data or
-            tokenizer (:func:`check_prompt_data`; all before any process starts).
+            ``--save-hf``, an unknown / unfit ``--rollout-engine``, unusable prompt data or
+            tokenizer (:func:`check_prompt_data`), or a bad ``--load`` checkpoint
+            (:func:`check_load`), all before any process starts.
         actors.ActorDied: an actor process exited (its traceback is in the message).
         actors.RemoteError: an actor method raised (remote traceback in the message).
     """
@@ -243,6 +269,8 @@ async def launch(config: RunConfig, log_level: int = logging.WARNING,
         load_hook(config.rollout.custom_reward, "--custom-reward")
     if config.save_interval:
         check_writable(Path(config.save_dir), "--save")
+    if config.load:
+        check_load(config)
     if config.use_tensorboard:
         try:
             import tensorboard  # noqa: F401  (the extra; imported for real by the recorder)
@@ -260,10 +288,11 @@ async def launch(config: RunConfig, log_level: int = logging.WARNING,
     (output / "config.json").write_text(config.to_json())
     checkpoint = initial_checkpoint(config, output)
     check_prompt_data(config, checkpoint)
-    run_dir = Path(tempfile.mkdtemp(prefix="replayrl-"))  # short path: AF_UNIX limit
+    run_dir = create_run_dir()  # short path: AF_UNIX limit; stale ones of killed launchers go
     try:
         specs = specs if specs is not None else actor_specs(config, checkpoint)
-        directory = Directory.for_run(run_dir, [s.name for s in specs], config.transport)
+        directory = Directory.for_run(run_dir, [s.name for s in specs], config.transport,
+                                      curve_keys=config.curve_keys)
         with MetricsRecorder(output, config.num_steps, config.progress, hooks, config,
                              tensorboard=config.use_tensorboard) as recorder:
             async with Supervisor(specs, directory, run_dir, log_level=log_level) as supervisor:
@@ -277,7 +306,9 @@ async def launch(config: RunConfig, log_level: int = logging.WARNING,
                     await asyncio.gather(loop_task, watch_task, return_exceptions=True)
                 if watch_task.done() and not watch_task.cancelled() and watch_task.exception():
                     raise watch_task.exception()
-                loop_task.result()  # re-raises the loop's error, if any
+                if not loop_task.cancelled() and loop_task.exception() is not None:
+                    # a call cut off by a dying actor: report the death and its traceback
+                    raise await supervisor.explain(loop_task.exception())
         plot = recorder.plot()
         return RunResult(recorder.summary(), recorder.path, plot, recorder.rows)
     finally:

@@ -21,16 +21,16 @@ import concurrent.futures
 import logging
 import shutil
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any, Coroutine
 
 from actors import ActorSpec, Directory, Supervisor, close_connections, run_event_loop
+from actors.run_dir import create_run_dir
 from tools.config import RunConfig, config_from_args
 from tools.exit_codes import exit_code
-from tools.train_loop import push_after, step_metrics
+from tools.train_loop import step_metrics, sync_step
 
 log = logging.getLogger(__name__)
 
@@ -136,9 +136,9 @@ class ReplSession:
             (output / "config.json").write_text(self.config.to_json())
             specs = actor_specs(self.config, initial_checkpoint(self.config, output))
         self.specs = list(specs)
-        self.run_dir = Path(tempfile.mkdtemp(prefix="replayrl-"))  # short path: AF_UNIX limit
+        self.run_dir = create_run_dir()  # short path: AF_UNIX limit; stale ones are removed
         self.directory = Directory.for_run(self.run_dir, [s.name for s in self.specs],
-                                           self.config.transport)
+                                           self.config.transport, curve_keys=self.config.curve_keys)
         self._thread = threading.Thread(target=run_event_loop, args=(self._serve(),),
                                         name="replayrl-repl-loop", daemon=True)
         try:
@@ -244,6 +244,8 @@ class ReplSession:
             task.cancel()
             raise
         if task in done:
+            if task.exception() is not None and self.supervisor is not None:
+                raise await self.supervisor.explain(task.exception())
             return task.result()
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
@@ -315,9 +317,7 @@ class ReplSession:
 
         async def one_step() -> dict:
             start = time.perf_counter()
-            summary = await manager.generate(k)
-            trained = await trainer.train(k)
-            push = await push_after(trained, trainer)  # nothing after a skipped step
+            summary, trained, push, _ = await sync_step(manager, trainer, k)  # no push if skipped
             return step_metrics(k, summary, trained, push, time.perf_counter() - start)
 
         return self.run(one_step())

@@ -7,7 +7,9 @@ Usage::
 Roles: rank 0 runs the driver loop and serves ``version_clock`` and ``rollout_manager``;
 ranks ``1 .. W-2`` serve ``engine_0 .. engine_{W-3}``; rank ``W-1`` serves the ``trainer``. Every
 actor listens on ``tcp://MASTER_ADDR:MASTER_PORT + 1 + i`` (``i`` = its index in the run's
-actor list), so the directory is known to every rank without a rendezvous. Listening on a
+actor list), so the directory is known to every rank without a rendezvous. Every socket is
+CURVE-authenticated with the run's keys (``--curve-keys DIR``, made by ``replayrl keys DIR``).
+Listening on a
 non-loopback address needs CURVE authentication, which the transport does not offer yet, so
 ``MASTER_ADDR`` must be a loopback address (one node, several processes) — anything else fails
 before any socket is opened.
@@ -24,6 +26,7 @@ import time
 from pathlib import Path
 
 from actors import ActorError, Directory, run_event_loop
+from actors.ref import use_curve_keys
 from actors.spawn import ActorSpec, import_actor_class, serve_actor
 from tools.config import ConfigError, RunConfig, add_run_flags, config_from_args
 from tools.exit_codes import exit_code
@@ -73,9 +76,11 @@ def _tokenizer_dir(config: RunConfig):
     return Path(config.output_dir) / "tokenizer-init"
 
 
-def directory_for(specs: list[ActorSpec], host: str, base_port: int) -> Directory:
-    """``name -> tcp://host:base_port + 1 + i`` for the run's actors."""
-    return Directory({s.name: f"tcp://{host}:{base_port + 1 + i}" for i, s in enumerate(specs)})
+def directory_for(specs: list[ActorSpec], host: str, base_port: int, curve_keys: str) -> Directory:
+    """``name -> tcp://host:base_port + 1 + i`` for the run's actors, with the run's CURVE key
+    directory (``--curve-keys``)."""
+    return Directory({s.name: f"tcp://{host}:{base_port + 1 + i}" for i, s in enumerate(specs)},
+                     curve_keys)
 
 
 async def _serve_rank(names: list[str], specs: list[ActorSpec], directory: Directory) -> None:
@@ -88,6 +93,7 @@ async def _serve_rank(names: list[str], specs: list[ActorSpec], directory: Direc
 async def _drive(config: RunConfig, specs: list[ActorSpec], directory: Directory,
                  ready_timeout: float) -> str:
     by_name = {s.name: s for s in specs}
+    use_curve_keys(directory.keys())  # the driver's own calls are CURVE clients too
     local = [asyncio.ensure_future(serve_actor(import_actor_class(by_name[n].cls)(**by_name[n].kwargs), n,
                                                directory)) for n in DRIVER_ACTORS]
     remote = [s.name for s in specs if s.name not in DRIVER_ACTORS]
@@ -130,7 +136,10 @@ def main(argv: list[str] | None = None) -> int:
                               f"authentication, which is not available yet; use one node")
         config = config_from_args(args)
         specs, roles = plan(world, config)
-        directory = directory_for(specs, "127.0.0.1", port)
+        if not config.curve_keys:
+            raise ConfigError("torchrun ranks talk over tcp: pass --curve-keys DIR (made by "
+                              "`replayrl keys DIR`)")
+        directory = directory_for(specs, "127.0.0.1", port, config.curve_keys)
         if "trainer" in roles[rank]:
             # only this rank reads it: _checkpoint_dir, which the plan gives the trainer
             initial_checkpoint(config, Path(config.output_dir))

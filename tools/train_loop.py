@@ -1,4 +1,5 @@
-"""The one-step-asynchronous training loop, in a page (the shape of slime's train_async.py).
+"""The training loops, in a page: one-step asynchronous (the shape of slime's train_async.py)
+and, with ``--max-staleness 0``, synchronous on-policy (slime's train.py).
 
 Generation of rollout k+1 runs on the engines while the trainer trains on rollout k; the new
 weights are pushed only after that generation finished, so every sample enters its step exactly
@@ -10,6 +11,12 @@ moved no weight and no version, so nothing is pushed after it (:data:`NO_PUSH`):
 keep the weights they have, the next batch was generated at the trainer's unchanged version
 (staleness 0, inside the window) and the row is still recorded.
 
+With ``--max-staleness 0`` nothing overlaps: each step generates rollout k from the weights of
+version k, trains on it and pushes version k + 1 (waiting for the engines' load) before rollout
+k + 1 is generated (:func:`sync_step`), so every sample enters its step at staleness exactly 0
+and the clock's window ``0 <= t - v <= 0`` admits nothing else (docs/design.md §6 "Version
+clock").
+
 Evaluation (``--eval-interval``) runs after a step's weight push, on the engines, while no
 rollout is generating; its figures join that step's row (``eval/NAME/...``).
 
@@ -20,6 +27,8 @@ prefetched rollout was drawn, so a resumed run draws that batch again from the r
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
 import time
 from pathlib import Path
 from typing import Callable
@@ -72,15 +81,49 @@ def step_metrics(step: int, summary: dict, trained: dict, push: dict, step_secon
             "step_seconds": step_seconds}
 
 
+async def sync_step(manager, trainer, step: int) -> tuple[dict, dict, dict, dict]:
+    """One synchronous on-policy step: generate rollout ``step`` with the engines' current
+    weights, train on it, push the new weights (nothing after a skipped step).
+
+    Args:
+        manager, trainer: proxies to the RolloutManager and the TrainerActor.
+    Returns:
+        ``(summary, trained, push, waits)``: the ``generate``, ``train`` and push results, and
+        the idle times of this shape: ``wait_for_rollout_seconds`` (the trainer waited for the
+        whole generation) and ``wait_for_trainer_seconds`` (the engines waited for training and
+        the push); seconds.
+    Raises:
+        actors.RemoteError: generation, training or the push failed.
+    """
+    start = time.perf_counter()
+    summary = await manager.generate(step)
+    generated = time.perf_counter()
+    trained = await trainer.train(step)
+    push = await push_after(trained, trainer)
+    waits = {"wait_for_rollout_seconds": generated - start,
+             "wait_for_trainer_seconds": time.perf_counter() - generated}
+    return summary, trained, push, waits
+
+
 async def save_checkpoint(directory: Directory, path: Path, next_step: int,
                           config: RunConfig) -> None:
-    """Write the run's state after ``next_step - 1`` steps to ``path``."""
-    path.mkdir(parents=True, exist_ok=True)
-    await directory.proxy("trainer").save_checkpoint(str(path))
+    """Write the run's state after ``next_step - 1`` steps to ``path``.
+
+    Everything is written into ``<path>.partial`` first and renamed to ``path`` once complete,
+    so an actor that dies while saving leaves the earlier checkpoints intact and no directory
+    named like a checkpoint that is not one.
+    """
+    partial = path.with_name(path.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)  # left by a run that died while saving
+    partial.mkdir(parents=True)
+    await directory.proxy("trainer").save_checkpoint(str(partial))
     state = {"next_step": next_step, "data_settings": config.data_settings(),
              "clock": await directory.proxy("version_clock").state(),
              "manager": await directory.proxy("rollout_manager").state(next_step)}
-    (path / "run_state.json").write_text(strict_json.dumps(state, indent=1))
+    (partial / "run_state.json").write_text(strict_json.dumps(state, indent=1))
+    if path.exists():  # a rerun into the same --save directory replaces its checkpoint
+        shutil.rmtree(path)
+    os.replace(partial, path)
 
 
 async def load_checkpoint(directory: Directory, path: Path) -> int:
@@ -96,17 +139,42 @@ async def load_checkpoint(directory: Directory, path: Path) -> int:
     return int(state["next_step"])
 
 
+async def save_outputs(directory: Directory, trainer, config: RunConfig, step: int) -> None:
+    """After step ``step``: the ``--save-interval`` checkpoint and the ``--save-hf`` directory
+    (every ``--save-interval`` steps and after the last step)."""
+    interval = config.save_interval and (step + 1) % config.save_interval == 0
+    if interval:
+        await save_checkpoint(directory, Path(config.save_dir) / f"step-{step + 1}", step + 1,
+                              config)
+    if config.save_hf and (interval or step + 1 == config.num_steps):
+        await trainer.save_hf(str(Path(config.save_hf) / f"step-{step + 1}"))
+
+
 async def train_loop(directory: Directory, config: RunConfig,
                      on_step: Callable[[dict], None]) -> None:
     """Run steps up to ``config.num_steps``; call ``on_step(metrics)`` after each, with the
     row :func:`step_metrics` builds plus the overlap's waits: ``wait_for_rollout_seconds``
     (training finished, the next rollout had not) and ``wait_for_trainer_seconds`` (the next
-    rollout was ready while the trainer still trained; the engines idled)."""
+    rollout was ready while the trainer still trained; the engines idled). With
+    ``config.max_staleness == 0`` the steps are :func:`sync_step` in sequence."""
     manager, trainer = directory.proxy("rollout_manager"), directory.proxy("trainer")
     first = await load_checkpoint(directory, Path(config.load)) if config.load else 0
     push = await trainer.push_weights()  # engines serve nothing before this
     served = push["version"]  # the version the next rollout is generated at
     if first >= config.num_steps:
+        return
+    if config.max_staleness == 0:
+        for step in range(first, config.num_steps):
+            step_start = time.perf_counter()
+            summary, trained, push, waits = await sync_step(manager, trainer, step)
+            served = push["version"] if push["version"] is not None else served
+            evaluation = {}
+            if config.eval_interval and ((step + 1) % config.eval_interval == 0
+                                         or step + 1 == config.num_steps):
+                evaluation = await manager.evaluate(step + 1, min_version=served)
+            await save_outputs(directory, trainer, config, step)
+            on_step({**step_metrics(step, summary, trained, push, time.perf_counter() - step_start),
+                     **waits, **evaluation})
         return
     generated = await manager.generate(first)
     for step in range(first, config.num_steps):
@@ -142,11 +210,6 @@ async def train_loop(directory: Directory, config: RunConfig,
                 push = await push_after(trained, trainer)
                 served = push["version"] if push["version"] is not None else served
             evaluation = await manager.evaluate(step + 1, min_version=served)
-        if saving:
-            await save_checkpoint(directory, Path(config.save_dir) / f"step-{step + 1}", step + 1,
-                                  config)
-        if config.save_hf and (step + 1 == config.num_steps or (
-                config.save_interval and (step + 1) % config.save_interval == 0)):
-            await trainer.save_hf(str(Path(config.save_hf) / f"step-{step + 1}"))
+        await save_outputs(directory, trainer, config, step)
         on_step({**step_metrics(step, summary, trained, push, time.perf_counter() - step_start),
                  **waits, **evaluation})

@@ -432,8 +432,18 @@ class TrainerActor(Actor):
         return str(out)
 
     async def load_checkpoint(self, directory: str) -> int:
-        """Restore :meth:`save_checkpoint` output; returns the restored trainer version."""
-        self.version = self.backend.load_checkpoint(Path(directory))
+        """Restore :meth:`save_checkpoint` output; returns the restored trainer version.
+
+        Checked like any other version change: a checkpoint older than the trainer's current
+        version is refused (docs/design.md §6 "Version clock", rule 1), and loading is atomic
+        (the backend validates every file before it swaps anything in).
+
+        Raises:
+            actors.version_clock.VersionRegression: the checkpoint's version is below the
+                trainer's (nothing was loaded).
+            rollout.model.CheckpointError / ValueError: a bad checkpoint (nothing was loaded).
+        """
+        self.version = self.backend.load_checkpoint(Path(directory), min_version=self.version)
         return self.version
 
     async def state(self) -> dict:

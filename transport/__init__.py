@@ -9,7 +9,11 @@ Knows nothing of RL (docs/design.md §1 "Layout"). Public names:
 * sockets: :class:`RouterSocket`, :class:`DealerSocket`, :func:`owned_frames`,
   :func:`ipc_endpoint`, :func:`tcp_loopback_endpoint`;
 * :mod:`transport.strict_json`: the one writer / reader of JSON files and lines (no NaN or
-  infinity: strict parsers refuse them).
+  infinity: strict parsers refuse them);
+* :mod:`transport.curve`: a run's CurveZMQ keys (``replayrl keys``), required by every tcp
+  socket;
+* :mod:`transport.tensor_data`: :class:`~transport.tensor_data.TensorData`, a tensor decoded
+  in a process without torch.
 """
 
 from transport.codec import (

@@ -33,6 +33,21 @@ them. bfloat16 travels as its raw 2-byte words. Every frame 1.. is referenced by
 No pickle anywhere: an unknown type is an :class:`EncodeError`, an unknown ext code (including
 msgpack's built-in timestamp, -1) a :class:`DecodeError`.
 
+A torch tensor decodes to a ``torch.Tensor`` in a process that already imported torch and to a
+:class:`transport.tensor_data.TensorData` (dtype, shape, read-only bytes) anywhere else, which
+re-encodes as the same tensor: decoding never imports torch.
+
+Limits on what a received message may cost (docs/design.md §4 "Transport contract"), each
+refused with :class:`MessageTooLarge` before the work is done: all frames together and each
+array at most ``max_message_bytes``; at most ``max_frames`` frames; at most
+``max_container_len`` elements per list / dict; and a work budget of ``decode_budget_floor +
+decode_budget_per_byte x header bytes`` units, a decoded list costing
+:data:`CONTAINER_UNITS` and each element one, a dict :data:`DICT_UNITS` and each item
+:data:`DICT_ITEM_UNITS`. One ``0x90`` byte is an empty list of 56 bytes
+in CPython; without the budget a 1 MiB header of them decoded to ~75 MiB. Array shapes are
+checked as numpy checks them (the product of the non-zero dimensions times the item size fits
+in ``np.intp``), for torch tensors too. Error messages quote hostile values cut short.
+
 Memory and lifetime
 -------------------
 * Encoding an out-of-band array does not copy it (a non-contiguous or big-endian array is first
@@ -53,9 +68,9 @@ Memory and lifetime
 
 from __future__ import annotations
 
+import gc
 import math
 import sys
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable, NoReturn
@@ -65,11 +80,14 @@ import numpy as np
 import zmq
 
 from transport.errors import DecodeError, EncodeError, MessageTooLarge, TransportError
+from transport.tensor_data import TensorData, tensor_from_buffer
 
 __all__ = [
     "DEFAULT_INLINE_THRESHOLD",
     "DEFAULT_MAX_MESSAGE_BYTES",
     "DEFAULT_ALLOWED_DTYPES",
+    "DEFAULT_MAX_FRAMES",
+    "DEFAULT_MAX_CONTAINER_LEN",
     "CodecConfig",
     "Codec",
     "encode",
@@ -87,6 +105,29 @@ anyway and inline was measured 1.6x faster at 4 KiB (docs/design.md §4 "Transpo
 
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 31
 """Largest accepted message, all frames together (and largest single array); unit: bytes."""
+
+DEFAULT_MAX_FRAMES = 1 << 16
+"""Most frames in one message (header included), so also at most this many out-of-band arrays:
+enough for one weight push of a model with tens of thousands of tensors."""
+
+DEFAULT_MAX_CONTAINER_LEN = 1 << 20
+"""Most elements of one msgpack array or map (msgpack's ``max_array_len`` / ``max_map_len``)."""
+
+DEFAULT_DECODE_BUDGET_PER_BYTE = 2
+DEFAULT_DECODE_BUDGET_FLOOR = 1 << 16
+"""Decoder work budget of a header of ``n`` bytes: ``floor + per_byte * n`` units, where a
+decoded list / dict / tuple costs :data:`CONTAINER_UNITS` and each of its elements one unit
+(an 8-byte slot). A unit stands for about 8 bytes of Python memory, so the containers of a
+message decode to at most ``8 * (floor + per_byte * n)`` bytes, 16x its header plus 0.5 MiB
+(docs/design.md §4 "Transport contract")."""
+
+CONTAINER_UNITS = 8
+"""Budget units of one decoded list or tuple: an empty list is 56 bytes of CPython memory,
+about eight 8-byte slots, although it is one byte (``0x90``) on the wire."""
+
+DICT_UNITS, DICT_ITEM_UNITS = 24, 3
+"""Budget units of one decoded dict and of each of its items: a small dict is 180-230 bytes of
+CPython memory (its hash table), an item a hash, a key and a value slot."""
 
 _NUMPY_DTYPE_NAMES = (
     "bool",
@@ -152,6 +193,10 @@ class CodecConfig:
             produced by ``encode``, also the largest single array; bytes, > 0.
         allowed_dtypes: dtype names that may be encoded or decoded; a subset of
             :data:`DEFAULT_ALLOWED_DTYPES`.
+        max_frames: most frames of one message, header included; > 0.
+        max_container_len: most elements of one decoded list / tuple / dict; > 0.
+        decode_budget_per_byte, decode_budget_floor: the decoder's work budget (see
+            :data:`DEFAULT_DECODE_BUDGET_FLOOR`); >= 0.
 
     Raises:
         TransportError: on a negative threshold, non-positive size limit or
@@ -161,12 +206,22 @@ class CodecConfig:
     inline_threshold: int = DEFAULT_INLINE_THRESHOLD
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     allowed_dtypes: frozenset[str] = field(default=DEFAULT_ALLOWED_DTYPES)
+    max_frames: int = DEFAULT_MAX_FRAMES
+    max_container_len: int = DEFAULT_MAX_CONTAINER_LEN
+    decode_budget_per_byte: int = DEFAULT_DECODE_BUDGET_PER_BYTE
+    decode_budget_floor: int = DEFAULT_DECODE_BUDGET_FLOOR
 
     def __post_init__(self) -> None:
         if type(self.inline_threshold) is not int or self.inline_threshold < 0:
             raise TransportError(f"CodecConfig.inline_threshold must be an int >= 0, got {self.inline_threshold!r}")
-        if type(self.max_message_bytes) is not int or self.max_message_bytes <= 0:
-            raise TransportError(f"CodecConfig.max_message_bytes must be an int > 0, got {self.max_message_bytes!r}")
+        for name in ("max_message_bytes", "max_frames", "max_container_len"):
+            value = getattr(self, name)
+            if type(value) is not int or value <= 0:
+                raise TransportError(f"CodecConfig.{name} must be an int > 0, got {value!r}")
+        for name in ("decode_budget_per_byte", "decode_budget_floor"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 0:
+                raise TransportError(f"CodecConfig.{name} must be an int >= 0, got {value!r}")
         if not isinstance(self.allowed_dtypes, frozenset):
             raise TransportError(
                 f"CodecConfig.allowed_dtypes must be a frozenset, got {type(self.allowed_dtypes).__name__}"
@@ -259,7 +314,7 @@ def _first_fault(obj: Any, bad_leaf: Callable[[type], bool], max_depth: int = _M
 def _unencodable_leaf(t: type) -> bool:
     """Leaf types the encoder rejects although msgpack would pack some natively (bytearray,
     memoryview, msgpack.Timestamp / ExtType) and every unknown type."""
-    if t is np.ndarray or issubclass(t, np.generic):
+    if t is np.ndarray or t is TensorData or issubclass(t, np.generic):
         return False
     torch = _torch()
     return torch is None or (t is not torch.Tensor and t is not torch.nn.Parameter)
@@ -343,6 +398,9 @@ class _EncodeState:
             return [_TUPLE_MARKER_EXT, *obj]
         if t is np.ndarray:
             return msgpack.ExtType(_EXT_NDARRAY, self.encode_ndarray(obj))
+        if t is TensorData:
+            self.check_dtype(obj.dtype, "torch tensor")
+            return msgpack.ExtType(_EXT_TENSOR, self.array_payload(obj.dtype, obj.shape, obj.data))
         if issubclass(t, np.generic):
             name = _NUMPY_NAME.get(obj.dtype)  # numpy scalars are always native-order
             if name is None:
@@ -394,19 +452,47 @@ class _EncodeState:
 
 
 class _DecodeState:
-    """Per-call decoder state: the frames as byte memoryviews and which ones were referenced."""
+    """Per-call decoder state: the frames as byte memoryviews, which ones were referenced, and
+    the work budget left (see :data:`DEFAULT_DECODE_BUDGET_FLOOR`)."""
 
-    __slots__ = ("config", "views", "used")
+    __slots__ = ("config", "views", "used", "budget", "torch_tensors")
 
     def __init__(self, config: CodecConfig, views: list[memoryview]) -> None:
         self.config = config
         self.views = views
         self.used: set[int] = set()
+        self.budget = config.decode_budget_floor + config.decode_budget_per_byte * views[0].nbytes
+        # Tensors become torch tensors only in a process that already imported torch; anywhere
+        # else they stay TensorData, so a torch-free actor never pays torch's import.
+        self.torch_tensors = _torch() is not None
 
     def unpackb(self, data: Any) -> Any:
+        limit = min(self.config.max_container_len, len(data))
         return msgpack.unpackb(
-            data, ext_hook=self.ext_hook, list_hook=_list_hook, raw=False, strict_map_key=False, use_list=True
+            data, ext_hook=self.ext_hook, list_hook=self.list_hook, object_hook=self.object_hook,
+            raw=False, strict_map_key=False, use_list=True, max_array_len=limit, max_map_len=limit,
         )
+
+    def spend(self, units: int) -> None:
+        self.budget -= units
+        if self.budget < 0:
+            header = self.views[0].nbytes
+            raise MessageTooLarge(
+                f"header of {header} bytes decodes to more objects than its budget of "
+                f"{self.config.decode_budget_floor} + {self.config.decode_budget_per_byte} x {header} "
+                f"units (a list costs {CONTAINER_UNITS} + 1 per element, a dict {DICT_UNITS} + "
+                f"{DICT_ITEM_UNITS} per item); send bulk data as arrays"
+            )
+
+    def list_hook(self, items: list) -> list | tuple:
+        self.spend(CONTAINER_UNITS + len(items))
+        if items and items[0] is _TUPLE_MARKER:
+            return tuple(items[1:])
+        return items
+
+    def object_hook(self, items: dict) -> dict:
+        self.spend(DICT_UNITS + DICT_ITEM_UNITS * len(items))
+        return items
 
     def ext_hook(self, code: int, data: bytes) -> Any:
         if code == _EXT_TUPLE:
@@ -423,13 +509,14 @@ class _DecodeState:
         if type(name) is not str:
             raise DecodeError(f"{what} dtype name must be a str, got {type(name).__name__}")
         if name not in self.config.allowed_dtypes:
-            raise DecodeError(f"{what} dtype {name!r} is not in the allow-list {sorted(self.config.allowed_dtypes)}")
+            raise DecodeError(f"{what} dtype {_clip(name)!r} is not in the allow-list {sorted(self.config.allowed_dtypes)}")
         if what != "torch tensor" and name in _TORCH_ONLY_DTYPES:
             raise DecodeError(f"{what} dtype {name!r} is only allowed for torch tensors")
         return name
 
     def decode_scalar(self, data: bytes) -> np.generic:
-        header = msgpack.unpackb(data, raw=False, use_list=True)
+        self.spend(CONTAINER_UNITS)
+        header = _unpack_ext_payload(data, 2)
         if type(header) is not list or len(header) != 2:
             raise DecodeError("numpy scalar ext payload must be [dtype name, bytes]")
         name, raw = header
@@ -440,14 +527,15 @@ class _DecodeState:
         return np.frombuffer(raw, dtype=dt)[0]
 
     def decode_array(self, code: int, data: bytes) -> Any:
+        self.spend(CONTAINER_UNITS)
         what = "torch tensor" if code == _EXT_TENSOR else "numpy array"
-        header = msgpack.unpackb(data, raw=False, use_list=True)
+        header = _unpack_ext_payload(data, _MAX_NDIM + 1)
         if type(header) is not list or len(header) != 3:
             raise DecodeError(f"{what} ext payload must be [dtype name, shape, data]")
         name, shape, payload = header
         self.check_dtype(name, what)
         if type(shape) is not list or len(shape) > _MAX_NDIM or any(type(d) is not int for d in shape):
-            raise DecodeError(f"{what} shape must be a list of at most {_MAX_NDIM} ints, got {shape!r}")
+            raise DecodeError(f"{what} shape must be a list of at most {_MAX_NDIM} ints, got {_clip(repr(shape))}")
         if any(d < 0 for d in shape):
             raise DecodeError(f"{what} shape {shape} has a negative dimension")
         itemsize = 2 if name == "bfloat16" else np.dtype(name).itemsize
@@ -457,6 +545,7 @@ class _DecodeState:
                 f"{what} {name} x {tuple(shape)} needs {nbytes} bytes, "
                 f"over max_message_bytes={self.config.max_message_bytes}"
             )
+        _check_shape_as_numpy(what, name, shape, itemsize)  # zero-size arrays pass the line above
         if type(payload) is bytes:
             buf: Any = payload
             where = "inline data"
@@ -481,32 +570,56 @@ class _DecodeState:
             arr = np.frombuffer(buf, dtype=np.dtype(name)).reshape(shape)
             arr.flags.writeable = False
             return arr
-        return _tensor_from_buffer(buf, name, shape, inline=type(payload) is bytes)
+        if not self.torch_tensors:
+            return TensorData(name, tuple(shape), _readonly_bytes(buf, copy=type(payload) is bytes))
+        return tensor_from_buffer(buf, name, shape, inline=type(payload) is bytes)
 
 
-def _list_hook(items: list) -> list | tuple:
-    if items and items[0] is _TUPLE_MARKER:
-        return tuple(items[1:])
-    return items
+_GC_PAUSE_BYTES = 64 << 10  # headers from this size decode with the cyclic GC paused
+
+_MAX_ERROR_FIELD = 200  # characters of a hostile value quoted in an error message
 
 
-def _tensor_from_buffer(buf: Any, name: str, shape: list[int], inline: bool) -> Any:
-    import torch  # an incoming tensor needs torch whether or not this process imported it yet
+def _clip(text: str) -> str:
+    """``text`` cut to :data:`_MAX_ERROR_FIELD` characters, so an error quoting a hostile value
+    (a 1 MB dtype name, a 64-entry shape) stays small."""
+    return text if len(text) <= _MAX_ERROR_FIELD else f"{text[:_MAX_ERROR_FIELD]}... ({len(text)} chars)"
 
-    dtype = getattr(torch, name)
-    if len(buf) == 0:
-        return torch.empty(shape, dtype=dtype)  # torch.frombuffer refuses empty buffers
-    if inline:
-        # Small: copy out of msgpack's immutable (possibly interned, e.g. 1-byte) bytes object.
-        return torch.frombuffer(bytearray(buf), dtype=dtype).reshape(shape)
-    if not buf.readonly:  # zmq.Frame and bytearray buffers: the usual case, no warning
-        return torch.frombuffer(buf, dtype=dtype).reshape(shape)
-    with warnings.catch_warnings():
-        # Read-only frame (e.g. ``bytes`` from a copying recv): still shared, not copied, as
-        # documented in the module docstring; torch's "buffer is not writable" warning is
-        # expected here. catch_warnings is process-global, hence only on this rare path.
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(buf, dtype=dtype).reshape(shape)
+
+def _unpack_ext_payload(data: bytes, max_len: int) -> Any:
+    """One array / scalar ext payload: a short msgpack list. Its containers are bounded by
+    ``max_len`` elements and no maps, so a hostile payload cannot build a large structure."""
+    try:
+        return msgpack.unpackb(data, raw=False, use_list=True, max_array_len=max_len, max_map_len=0)
+    except Exception as exc:
+        raise DecodeError(f"malformed array ext payload: {type(exc).__name__}: {_clip(str(exc))}") from None
+
+
+_MAX_INTP = np.iinfo(np.intp).max
+
+
+def _check_shape_as_numpy(what: str, name: str, shape: list[int], itemsize: int) -> None:
+    """Refuse a shape numpy refuses: each dimension and the product of the non-zero dimensions
+    times the item size must fit in ``np.intp`` (numpy's "array is too big" check, which also
+    applies to zero-size arrays such as ``(0, 2**62)``); torch alone would accept those."""
+    size = itemsize
+    for d in shape:
+        if d > _MAX_INTP:
+            raise DecodeError(f"{what} shape {shape}: dimension {d} does not fit in a 64-bit index")
+        if d:
+            size *= d
+    if size > _MAX_INTP:
+        raise DecodeError(
+            f"{what} {name} x {tuple(shape)}: array is too big (the non-zero dimensions times "
+            f"the item size exceed {_MAX_INTP}, as numpy refuses)"
+        )
+
+
+def _readonly_bytes(buf: Any, copy: bool) -> np.ndarray:
+    """The bytes of a tensor as a read-only uint8 array (a copy of small inline data)."""
+    arr = np.frombuffer(bytes(buf) if copy else buf, dtype=np.uint8)
+    arr.flags.writeable = False
+    return arr
 
 
 _FOREIGN_LEAVES = frozenset({msgpack.Timestamp, _TupleMarker})
@@ -616,6 +729,8 @@ class Codec:
         """
         if len(frames) == 0:
             raise DecodeError("empty message: no frames")
+        if len(frames) > self.config.max_frames:
+            raise MessageTooLarge(f"message of {len(frames)} frames exceeds max_frames={self.config.max_frames}")
         views = [_as_byte_view(f, i) for i, f in enumerate(frames)]
         total = sum(v.nbytes for v in views)
         if total > self.config.max_message_bytes:
@@ -624,6 +739,12 @@ class Codec:
                 f"exceeds max_message_bytes={self.config.max_message_bytes}"
             )
         state = _DecodeState(self.config, views)
+        # The cyclic GC runs again and again while a large header allocates lists, doubling
+        # the cost of a refused one; nothing decoded can be cyclic, so pause it (msgpack's own
+        # advice for large messages). Global state, restored in every case.
+        pause_gc = views[0].nbytes >= _GC_PAUSE_BYTES and gc.isenabled()
+        if pause_gc:
+            gc.disable()
         try:
             obj = state.unpackb(views[0])
         except DecodeError:
@@ -631,10 +752,14 @@ class Codec:
         except RecursionError as exc:
             raise DecodeError("malformed header: nesting too deep") from exc
         except Exception as exc:  # msgpack raises ValueError subclasses, TypeError, UnicodeDecodeError...
-            raise DecodeError(f"malformed msgpack header (frame 0): {type(exc).__name__}: {exc}") from exc
+            raise DecodeError(f"malformed msgpack header (frame 0): {type(exc).__name__}: {_clip(str(exc))}") from exc
+        finally:
+            if pause_gc:
+                gc.enable()
         if len(state.used) != len(views) - 1:
             unused = sorted(set(range(1, len(views))) - state.used)
-            raise DecodeError(f"message has {len(views)} frames but frames {unused} are referenced by no array")
+            shown = f"{unused[:8]}" if len(unused) <= 8 else f"{str(unused[:8])[:-1]}, ...] ({len(unused)} in all)"
+            raise DecodeError(f"message has {len(views)} frames but frames {shown} are referenced by no array")
         _check_decoded(obj)
         return obj
 

@@ -24,7 +24,19 @@ into bytes the transport owns (:func:`owned_frames`) and hands those to ZeroMQ b
 ``bytes`` frames, e.g. from :func:`owned_frames` at an earlier snapshot, are not copied again.
 
 Options: LINGER 0 (``close`` discards messages not yet sent), SNDHWM/RCVHWM 0 (unlimited: sends
-never block or drop; memory is bounded by the callers' in-flight limits). One socket per peer,
+never block or drop; memory is bounded by the callers' in-flight limits), MAXMSGSIZE
+``max_message_bytes``: libzmq drops the connection of a peer announcing a larger frame before
+buffering it (the codec then bounds the sum of the frames).
+
+Security (docs/design.md §4 "Transport contract"): a ``tcp://`` socket needs the run's
+:class:`transport.curve.CurveKeys` (CurveZMQ encryption and authentication, a ZAP handler that
+admits only the run's key) and refuses to bind or connect without them; an ``ipc://`` socket
+binds only inside a directory of mode 0700 owned by this user (created so when missing).
+
+Liveness: a DealerSocket sends ZMTP heartbeats (``heartbeat_ms``; libzmq's I/O thread answers
+them even while the peer's Python code is busy) and watches its connection through a socket
+monitor, so ``on_disconnect`` runs when the peer's process dies or stops answering heartbeats,
+and a caller can fail the calls that can no longer be answered. One socket per peer,
 not per request (docs/design.md §4 "Transport contract"): a ``DealerSocket`` per remote actor, one ``RouterSocket`` per actor.
 
 All methods must be called from the thread running the event loop the socket was opened in.
@@ -40,12 +52,21 @@ from typing import Any
 
 import zmq
 
-from transport.codec import DEFAULT_INLINE_THRESHOLD
+import stat
+
+import zmq.utils.monitor
+
+from transport.codec import DEFAULT_INLINE_THRESHOLD, DEFAULT_MAX_MESSAGE_BYTES
+from transport.curve import CurveKeys, authorize
 from transport.endpoints import check_bind_endpoint, check_connect_endpoint, ipc_endpoint, tcp_loopback_endpoint
 from transport.errors import TransportError
 
 __all__ = ["RouterSocket", "DealerSocket", "ipc_endpoint", "tcp_loopback_endpoint", "owned_frames",
-           "MAX_MESSAGES_PER_WAKEUP"]
+           "MAX_MESSAGES_PER_WAKEUP", "DEFAULT_HEARTBEAT_MS"]
+
+DEFAULT_HEARTBEAT_MS = (2000, 30000)
+"""A DealerSocket's ZMTP heartbeat: a PING every 2 s, the connection dropped (and
+``on_disconnect`` run) after 30 s without traffic from the peer; unit: milliseconds."""
 
 MAX_MESSAGES_PER_WAKEUP = 4096
 """A drain hands at most this many messages to ``on_message`` before yielding to the loop (and
@@ -74,11 +95,18 @@ def _running_loop(what: str) -> asyncio.AbstractEventLoop:
 class _LoopSocket:
     """Shared machinery: a plain zmq socket whose FD is watched by the running loop."""
 
-    def __init__(self, endpoint: str, context: zmq.Context | None) -> None:
+    def __init__(self, endpoint: str, context: zmq.Context | None, curve: CurveKeys | None,
+                 max_message_bytes: int) -> None:
         if context is not None and not isinstance(context, zmq.Context):
             raise TransportError(f"context must be a zmq.Context, got {type(context).__name__}")
+        if curve is not None and not isinstance(curve, CurveKeys):
+            raise TransportError(f"curve must be CurveKeys, got {type(curve).__name__}")
+        if type(max_message_bytes) is not int or max_message_bytes <= 0:
+            raise TransportError(f"max_message_bytes must be an int > 0, got {max_message_bytes!r}")
         self._endpoint = endpoint
         self._context = context
+        self._curve = curve
+        self._max_message_bytes = max_message_bytes
         self._sock: zmq.Socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._fd: int | None = None
@@ -97,10 +125,27 @@ class _LoopSocket:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes)
         # With copy=False, pyzmq still copies frames under this size: below it a copy is cheaper
         # than pinning the buffer (and matches the codec's inline threshold).
         sock.copy_threshold = DEFAULT_INLINE_THRESHOLD
         return sock
+
+    def _secure(self, sock: zmq.Socket, scheme: str, server: bool) -> None:
+        """CURVE on tcp (refused without keys); nothing on ipc / inproc."""
+        if scheme != "tcp":
+            return
+        if self._curve is None:
+            raise TransportError(
+                f"{self._endpoint}: a tcp socket needs the run's CURVE keys (other local users reach "
+                "loopback too); make them with `replayrl keys DIR` and pass --curve-keys DIR")
+        if server:
+            authorize(sock.context, self._curve)
+            sock.curve_server = True
+        else:
+            sock.curve_serverkey = self._curve.public
+        sock.curve_publickey = self._curve.public
+        sock.curve_secretkey = self._curve.secret
 
     def _register(self, sock: zmq.Socket) -> None:
         assert self._loop is not None
@@ -180,6 +225,8 @@ class RouterSocket(_LoopSocket):
             synchronously from the loop's reader callback for every received message, in arrival
             order. Exceptions it raises go to the loop's exception handler; the socket goes on.
         context: ZeroMQ context; default ``zmq.Context.instance()`` (never terminated here).
+        curve: the run's CURVE keys; required for ``tcp://``.
+        max_message_bytes: largest frame accepted from a peer (ZMQ_MAXMSGSIZE); bytes.
 
     Options besides the shared ones (module docstring): ROUTER_MANDATORY, so ``send`` to an
     unknown peer raises instead of silently dropping; ROUTER_HANDOVER, so a restarted peer that
@@ -192,8 +239,10 @@ class RouterSocket(_LoopSocket):
         on_message: Callable[[bytes, list], None],
         *,
         context: zmq.Context | None = None,
+        curve: CurveKeys | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
-        super().__init__(endpoint, context)
+        super().__init__(endpoint, context, curve, max_message_bytes)
         self._on_message = on_message
         self._ipc_file: str | None = None
         self._bound_endpoint: str | None = None
@@ -206,19 +255,25 @@ class RouterSocket(_LoopSocket):
 
         Raises:
             TransportError: not inside a running loop, already bound or closed, bad endpoint
-                (see :func:`transport.endpoints.check_bind_endpoint`: non-loopback tcp needs
-                CURVE, which is not implemented), or ZeroMQ refused the bind (address in use...);
-                after a refused bind the socket is closed (make a new RouterSocket to retry).
+                (see :func:`transport.endpoints.check_bind_endpoint`: tcp listens on loopback
+                only), tcp without CURVE keys, an ipc directory that other users can enter or
+                that another user owns, or ZeroMQ refused the bind (address in use...); after a
+                refused bind the socket is closed (make a new RouterSocket to retry).
         """
-        _, ipc_file = check_bind_endpoint(self._endpoint)
+        scheme, ipc_file = check_bind_endpoint(self._endpoint)
         sock = self._open(zmq.ROUTER, "bind")
         try:
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
             sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+            self._secure(sock, scheme, server=True)
             if ipc_file is not None:
-                Path(ipc_file).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+                _private_directory(Path(ipc_file).parent)
             sock.bind(self._endpoint)
             self._bound_endpoint = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        except TransportError:
+            sock.close(linger=0)
+            self._closed = True
+            raise
         except (zmq.ZMQError, OSError) as exc:
             sock.close(linger=0)
             self._closed = True
@@ -277,6 +332,12 @@ class DealerSocket(_LoopSocket):
         identity: routing identity seen by the router, 1..255 bytes not starting with NUL
             (reserved by ZeroMQ); default: ZeroMQ generates one.
         context: ZeroMQ context; default ``zmq.Context.instance()`` (never terminated here).
+        curve: the run's CURVE keys; required for ``tcp://``.
+        max_message_bytes: largest frame accepted from the peer (ZMQ_MAXMSGSIZE); bytes.
+        on_disconnect: ``on_disconnect(reason: str)``, called from the loop when an established
+            connection is lost (peer process gone, heartbeat timeout) or the peer refused the
+            handshake (wrong CURVE key); ZeroMQ keeps reconnecting afterwards.
+        heartbeat_ms: ``(interval, timeout)`` of ZMTP heartbeats, milliseconds.
 
     Raises:
         TransportError: invalid ``identity`` or ``context``.
@@ -289,14 +350,30 @@ class DealerSocket(_LoopSocket):
         *,
         identity: bytes | None = None,
         context: zmq.Context | None = None,
+        curve: CurveKeys | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        on_disconnect: Callable[[str], None] | None = None,
+        heartbeat_ms: tuple[int, int] = DEFAULT_HEARTBEAT_MS,
     ) -> None:
         if identity is not None and (
             not isinstance(identity, bytes) or not 1 <= len(identity) <= 255 or identity.startswith(b"\0")
         ):
             raise TransportError(f"identity must be 1..255 bytes not starting with NUL, got {identity!r}")
-        super().__init__(endpoint, context)
+        super().__init__(endpoint, context, curve, max_message_bytes)
         self._on_message = on_message
         self._identity = identity
+        self._on_disconnect = on_disconnect
+        self._heartbeat_ms = heartbeat_ms
+        self._monitor: zmq.Socket | None = None
+        self._monitor_fd: int | None = None
+        self._lost: str | None = None
+
+    @property
+    def lost(self) -> str | None:
+        """Why the connection is down (``on_disconnect``'s reason) until a new handshake
+        succeeds; None while connected or before the first connection (only watched when
+        ``on_disconnect`` is given)."""
+        return self._lost
 
     @property
     def identity(self) -> bytes | None:
@@ -311,17 +388,52 @@ class DealerSocket(_LoopSocket):
             TransportError: not inside a running loop, already connected or closed, bad
                 endpoint, or ZeroMQ refused it (the socket is then closed).
         """
-        check_connect_endpoint(self._endpoint)
+        scheme = check_connect_endpoint(self._endpoint)
         sock = self._open(zmq.DEALER, "connect")
         try:
             if self._identity is not None:
                 sock.setsockopt(zmq.ROUTING_ID, self._identity)
+            self._secure(sock, scheme, server=False)
+            interval, timeout = self._heartbeat_ms
+            sock.setsockopt(zmq.HEARTBEAT_IVL, interval)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout)
+            if self._on_disconnect is not None:
+                self._monitor = sock.get_monitor_socket(
+                    zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
             sock.connect(self._endpoint)
-        except zmq.ZMQError as exc:
+        except (TransportError, zmq.ZMQError) as exc:
+            if self._monitor is not None:
+                self._monitor.close(linger=0)
             sock.close(linger=0)
             self._closed = True
+            if isinstance(exc, TransportError):
+                raise
             raise TransportError(f"cannot connect to {self._endpoint!r}: {exc}") from exc
         self._register(sock)
+        if self._monitor is not None:
+            self._monitor_fd = self._monitor.getsockopt(zmq.FD)
+            self._loop.add_reader(self._monitor_fd, self._read_monitor)
+            self._loop.call_soon(self._read_monitor)  # the FD is edge-triggered, as above
+
+    def _read_monitor(self) -> None:
+        while not self._closed and self._monitor is not None:
+            try:
+                event = zmq.utils.monitor.recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            kind = event["event"]
+            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._lost = None
+                continue
+            reason = ("connection lost" if kind == zmq.EVENT_DISCONNECTED
+                      else f"handshake refused ({zmq.Event(kind).name})")
+            self._lost = f"{self._endpoint}: {reason}"
+            try:
+                self._on_disconnect(f"{self._endpoint}: {reason}")
+            except Exception as exc:
+                self._loop.call_exception_handler(
+                    {"message": "DealerSocket on_disconnect callback failed", "exception": exc, "socket": self})
 
     def send(self, frames: list) -> None:
         """Queue one message to the peer. Returns at once; ZeroMQ sends from its I/O thread.
@@ -344,4 +456,25 @@ class DealerSocket(_LoopSocket):
     def close(self) -> None:
         """Stop receiving and close the socket (LINGER 0: unsent messages are discarded).
         Idempotent."""
+        if self._monitor is not None and not self._closed:
+            if self._monitor_fd is not None and self._loop is not None and not self._loop.is_closed():
+                self._loop.remove_reader(self._monitor_fd)
+            self._sock.disable_monitor()
+            self._monitor.close(linger=0)
         self._close_socket()
+
+
+def _private_directory(path: Path) -> None:
+    """Make ``path`` (mode 0700, parents as the umask says) or check that it is this user's and
+    mode 0700: an ipc socket in a directory others can enter is reachable by other local users.
+
+    Raises:
+        TransportError: the directory is another user's, or group / others have any access.
+    """
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = path.stat()
+    if info.st_uid != os.getuid() or info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise TransportError(
+            f"ipc socket directory {path} has mode {stat.S_IMODE(info.st_mode):o} (owner uid "
+            f"{info.st_uid}); it must be this user's with mode 700, or other local users could "
+            "call the actor")

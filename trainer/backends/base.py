@@ -157,9 +157,22 @@ class TrainerBackend(ABC):
             OSError: ``directory`` is not writable.
         """
 
+    @classmethod
     @abstractmethod
-    def load_checkpoint(self, directory: Path) -> int:
+    def check_checkpoint(cls, directory: Path) -> int:
+        """Read and check :meth:`save_checkpoint` output without a policy in memory (the
+        launcher's check of ``--load`` before any actor starts); returns its version.
+
+        Raises:
+            rollout.model.CheckpointError / ValueError: a missing, truncated or malformed file
+                (named).
+        """
+
+    @abstractmethod
+    def load_checkpoint(self, directory: Path, min_version: int = 0) -> int:
         """Restore :meth:`save_checkpoint` output; returns the trainer version saved with it.
+        Atomic: everything is read and checked before anything changes; a saved version below
+        ``min_version`` raises ``actors.version_clock.VersionRegression``.
 
         Weights, optimizer state and RNG come from the checkpoint; every setting of this run's
         config (learning rate, weight decay, betas, ...) stays as configured, never replaced by

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from actors.version_clock import VersionRegression
 from rollout.model.checkpoint import load_state_arrays, save_pretrained
 from rollout.model.loader import load_pretrained
 from rollout.model.config import ModelConfig
@@ -266,21 +267,49 @@ class MegatronBackend(TrainerBackend):
             self._save_pretrained(model, Path(directory))
         dist.barrier()
 
-    def load_checkpoint(self, directory: Path) -> int:
+    @classmethod
+    def check_checkpoint(cls, directory: Path) -> int:
+        """See :meth:`TrainerBackend.check_checkpoint`: the HF model files load and every
+        rank's state file reads (``weights_only``) with one int ``version >= 0`` and an
+        ``optimizer`` list; returns that version. The optimizer shards' fit to this run's
+        layout is checked by :meth:`load_checkpoint`, which needs the model built."""
+        directory = Path(directory)
+        with torch.random.fork_rng(devices=[]):
+            load_pretrained(directory / "model", dtype=torch.float32)
+        paths = sorted(directory.glob("trainer_state.rank*.pt"))
+        if not paths:
+            raise ValueError(f"{directory}: no trainer_state.rank<r>.pt (a megatron checkpoint)")
+        versions = set()
+        for path in paths:
+            versions.add(_read_rank_state(path)["version"])
+        if len(versions) != 1:
+            raise ValueError(f"{directory}: the ranks' state files disagree on the version: "
+                             f"{sorted(versions)}")
+        return versions.pop()
+
+    def load_checkpoint(self, directory: Path, min_version: int = 0) -> int:
         """Restore :meth:`save_checkpoint` output; the optimizer's hyperparameters stay this
         run's (as :meth:`trainer.backends.torch_backend.TorchBackend.load_checkpoint`).
+        Everything is read and checked (files, version against ``min_version``) before any
+        weight changes.
 
         Raises:
-            rollout.model.CheckpointError: unreadable model files. OSError / RuntimeError: an
-                unreadable state file.
+            actors.version_clock.VersionRegression: the saved version is below ``min_version``.
+            rollout.model.CheckpointError: unreadable model files. ValueError: an unreadable
+                or malformed state file.
         """
         from trainer.backends.megatron_weights import load_hf_weights
 
         directory = Path(directory)
-        model, _ = load_pretrained(directory / "model", dtype=torch.float32)
+        state = _read_rank_state(directory / f"trainer_state.rank{dist.get_rank()}.pt")
+        if state["version"] < min_version:
+            raise VersionRegression(f"checkpoint {directory} is at version {state['version']}, "
+                                    f"behind the trainer's {min_version}; versions never move "
+                                    f"backwards")
+        with torch.random.fork_rng(devices=[]):
+            model, _ = load_pretrained(directory / "model", dtype=torch.float32)
         with self._scope():
             load_hf_weights(self.model, model.state_dict(), self._model_config)
-        state = torch.load(directory / f"trainer_state.rank{dist.get_rank()}.pt", weights_only=True)
         for opt, saved in zip(self._optimizers(), state["optimizer"]):
             inner = opt.optimizer
             configured = [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups]
@@ -304,3 +333,23 @@ class MegatronBackend(TrainerBackend):
                     if key in st:
                         arrays[f"opt/{j}.{i}/{key}"] = st[key].numpy()
         return {k: np.ascontiguousarray(v).tobytes() for k, v in arrays.items()}
+
+
+def _read_rank_state(path: Path) -> dict:
+    """One rank's ``trainer_state.rank<r>.pt`` (``weights_only``: no pickle code runs), checked.
+
+    Raises:
+        ValueError: unreadable, or without ``optimizer`` (list), ``version`` (int >= 0) and
+            ``torch_rng`` (names the file and the field).
+    """
+    try:
+        state = torch.load(path, weights_only=True)
+    except Exception as exc:  # torch raises RuntimeError, zip / pickle errors, EOFError...
+        raise ValueError(f"{path}: unreadable trainer state: {type(exc).__name__}: {exc}") from None
+    if not isinstance(state, dict) or not {"optimizer", "version", "torch_rng"} <= set(state):
+        raise ValueError(f"{path}: expected the keys optimizer, version, torch_rng")
+    if type(state["version"]) is not int or state["version"] < 0:
+        raise ValueError(f"{path}: version must be an int >= 0, got {state['version']!r}")
+    if not isinstance(state["optimizer"], list):
+        raise ValueError(f"{path}: optimizer must be a list of optimizer states")
+    return state

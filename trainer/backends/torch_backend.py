@@ -20,8 +20,10 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from actors.version_clock import VersionRegression
 from rollout.model.checkpoint import save_pretrained, state_dict_arrays
-from rollout.model.loader import load_pretrained, load_weights_into
+from rollout.model.errors import CheckpointError
+from rollout.model.loader import load_pretrained
 from rollout.model.config import ModelConfig
 from rollout.model.qwen3_moe import Qwen3MoeForCausalLM
 from trainer.backends.base import ReplayedForward, TrainerBackend
@@ -175,11 +177,14 @@ class TorchBackend(TrainerBackend):
         self.model, self._model_config = load_pretrained(checkpoint_dir, dtype=torch.float32)
         self.model.train()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            self.params, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
-            weight_decay=config.weight_decay, fused=True)  # one kernel per step; same values
+        self.optimizer = self._make_optimizer()
         self.vocab_tokens = list(vocab_tokens)
         self.checkpoint_dir = checkpoint_dir
+
+    def _make_optimizer(self) -> torch.optim.AdamW:
+        cfg = self.config
+        return torch.optim.AdamW(self.params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                 weight_decay=cfg.weight_decay, fused=True)  # one kernel per step; same values
 
     @property
     def model_config(self) -> ModelConfig:
@@ -250,9 +255,29 @@ class TorchBackend(TrainerBackend):
         else:
             save_pretrained(self.model, directory, tokenizer_from=self.checkpoint_dir)
 
-    def load_checkpoint(self, directory: Path) -> int:
+    @classmethod
+    def check_checkpoint(cls, directory: Path) -> int:
+        """See :meth:`TrainerBackend.check_checkpoint`: reads ``model`` and ``trainer_state.pt``
+        completely, checks the latter's fields, and loads its optimizer state into an optimizer
+        over the checkpoint's own parameters (their count and sizes must fit)."""
+        directory = Path(directory)
+        model, state, version = _read_checkpoint(directory)
+        params = [p for p in model.parameters() if p.requires_grad]  # as __init__ takes them
+        try:
+            torch.optim.AdamW(params).load_state_dict(state["optimizer"])
+        except (ValueError, KeyError, TypeError, RuntimeError) as exc:
+            raise ValueError(f"{directory}/trainer_state.pt: optimizer state does not fit the "
+                             f"checkpoint's model: {type(exc).__name__}: {exc}") from None
+        return version
+
+    def load_checkpoint(self, directory: Path, min_version: int = 0) -> int:
         """Restore :meth:`save_checkpoint` output (weights, optimizer, torch RNG); returns the
         saved version.
+
+        Atomic: every file is read and checked against this policy (tensor names and shapes,
+        the optimizer state loaded into a probe optimizer over the same parameters, the RNG
+        state) before anything changes, so a rejected checkpoint leaves weights, optimizer and
+        RNG as they were.
 
         The optimizer's state (AdamW moments and step counts) comes from the checkpoint, its
         hyperparameters (``lr``, ``betas``, ``weight_decay``, ... of every parameter group) from
@@ -260,18 +285,41 @@ class TorchBackend(TrainerBackend):
         ones, so ``--lr`` given at resume would be silently replaced by the checkpoint's.
 
         Raises:
-            rollout.model.CheckpointError: unreadable model files. OSError / RuntimeError: an
-                unreadable ``trainer_state.pt``.
+            actors.version_clock.VersionRegression: the saved version is below
+                ``min_version`` (the trainer's current one).
+            rollout.model.CheckpointError: unreadable model files, or tensors that do not match
+                this policy (names the tensor). ValueError: an unreadable or malformed
+                ``trainer_state.pt``. In every case nothing was changed.
         """
-        load_weights_into(self.model, directory / "model")  # in place: no second model
-        state = torch.load(directory / "trainer_state.pt", weights_only=True)
+        model, state, version = _read_checkpoint(Path(directory))
+        weights = model.state_dict()
+        if version < min_version:
+            raise VersionRegression(f"checkpoint {directory} is at version {version}, behind the "
+                                    f"trainer's {min_version}; versions never move backwards")
+        current = self.model.state_dict()
+        if set(weights) != set(current):
+            missing, extra = sorted(set(current) - set(weights)), sorted(set(weights) - set(current))
+            raise CheckpointError(f"{directory}/model: tensors do not match this policy "
+                                  f"(missing {missing[:4]}, unexpected {extra[:4]})")
+        for name, tensor in weights.items():
+            if tensor.shape != current[name].shape:
+                raise CheckpointError(f"{directory}/model: tensor {name} has shape "
+                                      f"{tuple(tensor.shape)}, this policy {tuple(current[name].shape)}")
+        probe = self._make_optimizer()
+        try:
+            probe.load_state_dict(state["optimizer"])  # validates groups, sizes; changes no param
+        except (ValueError, KeyError, TypeError, RuntimeError) as exc:
+            raise ValueError(f"{directory}/trainer_state.pt: optimizer state does not fit this "
+                             f"policy: {type(exc).__name__}: {exc}") from None
+        # everything checked: swap
         configured = [{k: v for k, v in group.items() if k != "params"}
                       for group in self.optimizer.param_groups]
+        self.model.load_state_dict(weights)
         self.optimizer.load_state_dict(state["optimizer"])
         for group, settings in zip(self.optimizer.param_groups, configured):
             group.update(settings)
         torch.set_rng_state(state["torch_rng"])
-        return int(state["version"])
+        return version
 
     def parameter_count(self) -> int:
         """See :meth:`TrainerBackend.parameter_count`."""
@@ -284,3 +332,31 @@ class TorchBackend(TrainerBackend):
             for key in ("exp_avg", "exp_avg_sq"):
                 arrays[f"opt/{i}/{key}"] = st[key].numpy()
         return {k: np.ascontiguousarray(v).tobytes() for k, v in arrays.items()}
+
+
+def _read_checkpoint(directory: Path) -> tuple[Qwen3MoeForCausalLM, dict, int]:
+    """Read ``directory/model`` and ``directory/trainer_state.pt`` and check the latter's fields;
+    changes nothing (not even the global RNG). Returns ``(model, trainer state, version)``.
+
+    Raises:
+        rollout.model.CheckpointError: unreadable model files. ValueError: a missing,
+            unreadable or malformed ``trainer_state.pt`` (names the file and the field).
+    """
+    with torch.random.fork_rng(devices=[]):  # building the model draws initial weights
+        model, _ = load_pretrained(directory / "model", dtype=torch.float32)
+    path = directory / "trainer_state.pt"
+    try:
+        state = torch.load(path, weights_only=True)  # weights_only: no pickle code runs
+    except Exception as exc:  # torch raises RuntimeError, pickle / zip errors, EOFError...
+        raise ValueError(f"{path}: unreadable trainer state: {type(exc).__name__}: {exc}") from None
+    if not isinstance(state, dict) or not {"optimizer", "version", "torch_rng"} <= set(state):
+        raise ValueError(f"{path}: expected the keys optimizer, version, torch_rng")
+    version = state["version"]
+    if type(version) is not int or version < 0:
+        raise ValueError(f"{path}: version must be an int >= 0, got {version!r}")
+    rng, reference = state["torch_rng"], torch.get_rng_state()
+    if not isinstance(rng, torch.Tensor) or rng.dtype != reference.dtype or rng.shape != reference.shape:
+        raise ValueError(f"{path}: torch_rng is not a torch RNG state")
+    if not isinstance(state["optimizer"], dict) or "state" not in state["optimizer"]:
+        raise ValueError(f"{path}: optimizer is not an optimizer state dict")
+    return model, state, version

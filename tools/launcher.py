@@ -24,7 +24,8 @@ from trainer.backends import resolve_backend
 from transport import strict_json
 from rollout.engines import EngineError, check_capture, engine_class_path, load_engine_class
 from rollout.engines.precision import resolve_dtype
-from rollout.model.checkpoint import save_pretrained
+from rollout.model.checkpoint import save_pretrained, save_word_tokenizer
+from rollout.model.config import default_config
 from rollout.model.qwen3_moe import Qwen3MoeForCausalLM
 from rollout.prompt_data import PromptDataError, load_run_prompts
 from rollout.rewards import RewardError, load_math_verify
@@ -174,9 +175,22 @@ def split_cpus(allowed: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]
     half = len(cpus) // 2
     return tuple(cpus[:half]), tuple(cpus[half:])
 def tokenizer_dir(config: RunConfig, checkpoint_dir: Path) -> Path:
-    """The directory the run's tokenizer is read from: ``--tokenizer``, else the initial
-    checkpoint (which holds the embedded word-level tokenizer)."""
-    return Path(config.rollout.tokenizer) if config.rollout.tokenizer else Path(checkpoint_dir)
+    """The directory the run's tokenizer is read from: ``--tokenizer``; else, for a run from
+    ``--hf-checkpoint`` on the built-in task (no ``--prompt-data``), ``<output-dir>/tokenizer-init``
+    (the built-in prompts are words of the embedded vocabulary: :func:`write_embedded_tokenizer`);
+    else the initial checkpoint (the user's checkpoint, or the embedded default with its
+    word-level tokenizer)."""
+    if config.rollout.tokenizer:
+        return Path(config.rollout.tokenizer)
+    if config.hf_checkpoint and not config.rollout.prompt_data:
+        return Path(config.output_dir) / "tokenizer-init"
+    return Path(checkpoint_dir)
+
+
+def write_embedded_tokenizer(directory: Path) -> Path:
+    """The embedded word-level tokenizer alone (no model) in ``directory``; returns it."""
+    save_word_tokenizer(directory, list(VOCABULARY), default_config(len(VOCABULARY)).max_position_embeddings)
+    return directory
 
 
 def check_prompt_data(config: RunConfig, checkpoint_dir: Path) -> None:
@@ -287,6 +301,8 @@ async def launch(config: RunConfig, log_level: int = logging.WARNING,
     output.mkdir(parents=True, exist_ok=True)
     (output / "config.json").write_text(config.to_json())
     checkpoint = initial_checkpoint(config, output)
+    if config.hf_checkpoint and not config.rollout.tokenizer and not config.rollout.prompt_data:
+        write_embedded_tokenizer(tokenizer_dir(config, checkpoint))
     check_prompt_data(config, checkpoint)
     run_dir = create_run_dir()  # short path: AF_UNIX limit; stale ones of killed launchers go
     try:

@@ -30,7 +30,7 @@ from actors.ref import use_curve_keys
 from actors.spawn import ActorSpec, import_actor_class, serve_actor
 from tools.config import ConfigError, RunConfig, add_run_flags, config_from_args
 from tools.exit_codes import exit_code
-from tools.launcher import actor_specs, check_prompt_data, initial_checkpoint, write_initial_checkpoint
+from tools.launcher import actor_specs, check_prompt_data, initial_checkpoint, write_embedded_tokenizer
 from tools.metrics import MetricsRecorder
 from tools.train_loop import train_loop
 
@@ -49,7 +49,7 @@ def plan(world_size: int, config: RunConfig) -> tuple[list[ActorSpec], dict[int,
                           f"got {world_size}")
     config = dataclasses.replace(config, num_engines=world_size - 2)
     specs = actor_specs(config, _checkpoint_dir(config))
-    if not config.rollout.tokenizer and not config.hf_checkpoint:
+    if not config.rollout.tokenizer and not (config.hf_checkpoint and config.rollout.prompt_data):
         # the initial checkpoint is written on the trainer's rank only; the manager's rank
         # reads the embedded tokenizer from its own copy, so neither waits for the other
         specs = [dataclasses.replace(s, kwargs={**s.kwargs, "tokenizer_dir": str(_tokenizer_dir(config))})
@@ -71,7 +71,7 @@ def _tokenizer_dir(config: RunConfig):
     ``--hf-checkpoint`` directory, else its own copy of the embedded one (``tokenizer-init``)."""
     if config.rollout.tokenizer:
         return Path(config.rollout.tokenizer)
-    if config.hf_checkpoint:
+    if config.hf_checkpoint and config.rollout.prompt_data:
         return Path(config.hf_checkpoint)
     return Path(config.output_dir) / "tokenizer-init"
 
@@ -145,8 +145,8 @@ def main(argv: list[str] | None = None) -> int:
             initial_checkpoint(config, Path(config.output_dir))
         if "rollout_manager" in roles[rank]:
             tokenizer = _tokenizer_dir(config)
-            if not config.rollout.tokenizer and not config.hf_checkpoint:
-                write_initial_checkpoint(config, tokenizer)  # the embedded tokenizer, own copy
+            if tokenizer == Path(config.output_dir) / "tokenizer-init":
+                write_embedded_tokenizer(tokenizer)  # the embedded tokenizer, its own copy
             check_prompt_data(config, tokenizer)  # a bad row stops the run before it starts
         if rank == 0:
             print(run_event_loop(_drive(config, specs, directory, args.ready_timeout)))

@@ -75,7 +75,7 @@ def save_pretrained(model: Qwen3MoeForCausalLM, directory: str | Path,
     out = _save_model(model, directory, special)
     if tokens is not None:
         _write_json(out / "generation_config.json", special)
-        _save_tokenizer(out, tokens, cfg.max_position_embeddings)
+        save_word_tokenizer(out, tokens, cfg.max_position_embeddings)
     else:
         for name in TOKENIZER_FILES:
             if (src / name).is_file() and src.resolve() != out.resolve():
@@ -174,13 +174,17 @@ def _check_vocab(tokens: list[str], cfg: ModelConfig) -> None:
             raise CheckpointError(f"token {t!r} is empty or holds whitespace (the tokenizer splits on it)")
 
 
-def _save_tokenizer(out: Path, tokens: list[str], max_length: int) -> None:
+def save_word_tokenizer(out: Path, tokens: list[str], max_length: int) -> None:
     """Word-level `tokenizers` tokenizer: whitespace split, one id per word, specials marked special.
 
-    Without a decoder, `decode` joins the words with single spaces.
+    Writes `out/tokenizer.json` and `out/tokenizer_config.json` (creating `out`); `tokens` is
+    the vocabulary in id order with `<pad>`, `<bos>`, `<eos>`. Without a decoder, `decode`
+    joins the words with single spaces.
     """
     from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(tokens)}, unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])

@@ -154,8 +154,8 @@ def main(argv: list[str] | None = None) -> int:
                 results[name].append(run_child(name, ckpt, Path(tmp) / f"{name}.pt"))
         import torch
 
-        diff = (torch.load(Path(tmp) / "replayrl.pt") - torch.load(Path(tmp) / "transformers.pt")
-                ).abs().max().item()
+        diff = (torch.load(Path(tmp) / "replayrl.pt", weights_only=True)
+                - torch.load(Path(tmp) / "transformers.pt", weights_only=True)).abs().max().item()
     best = summarize(results)
     print(f"| loader | load s (best) | peak RSS added MiB ({results['replayrl'][0]['peak_kind']}) |")
     print("|---|---|---|")

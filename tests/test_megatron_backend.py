@@ -212,7 +212,7 @@ def test_replayrl_train_runs_with_the_megatron_backend(tmp_path):
     assert json.loads((tmp_path / "config.json").read_text())["trainer"]["train_backend"] == "megatron"
 
 
-def test_torchrun_launcher_runs_the_megatron_trainer_rank(tmp_path):
+def test_torchrun_launcher_runs_the_megatron_trainer_rank(tmp_path, curve_keys_dir):
     # the trainer is one rank of an actor world whose other ranks never join a process group:
     # the backend must make a process group of its own instead of waiting for them
     import json
@@ -221,7 +221,8 @@ def test_torchrun_launcher_runs_the_megatron_trainer_rank(tmp_path):
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=3",
          f"--master-port={_port()}", "-m", "tools.torchrun_entry", "--num-steps", "2",
          "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--no-progress",
-         "--output-dir", str(tmp_path), "--train-backend", "megatron", "--ready-timeout", "120"],
+         "--output-dir", str(tmp_path), "--train-backend", "megatron", "--ready-timeout", "120",
+         "--curve-keys", curve_keys_dir],
         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
         timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -113,8 +113,9 @@ class RolloutConfig:
     rm_type: str = setting("digits", "rm-type", "built-in reward: digits (the embedded task), "
                            "exact (normalised text equality with the label), math (math-verify, "
                            "extra 'math')", Choices(RM_TYPES))
-    reward_timeout_s: float = setting(30.0, "reward-timeout-seconds", "longest one reward call "
-                                      "may take", POSITIVE)
+    reward_timeout_s: float = setting(30.0, "reward-timeout-seconds", "longest one call of "
+                                      "--custom-reward or --rm-type math may take (digits and "
+                                      "exact are bounded and run inline)", POSITIVE)
     reward_failure: str = setting("error", "reward-failure", "a reward that raises or times out: "
                                   "error (stop, naming the sample) or zero (score 0, counted)",
                                   Choices(("error", "zero")))

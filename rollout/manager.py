@@ -179,13 +179,16 @@ class RolloutManager(Actor):
         if self.custom_reward is not None:
             return await self.reward_guard.score(name, self.custom_reward, prompt.prompt_ids,
                                                  response_ids, loss_mask, prompt.answer_id, cfg)
+        # the built-in digits / exact rewards are bounded by the response length and run inline;
+        # a custom reward and math-verify can run long and get a thread and the time limit
         if cfg.rm_type == "digits":
-            return await self.reward_guard.score(name, self._digits_reward, response_ids,
-                                                 loss_mask, prompt.answer_id)
+            return self.reward_guard.score_inline(name, self._digits_reward, response_ids,
+                                                  loss_mask, prompt.answer_id)
         # text rewards read the final segment, decoded here on the actor's thread
         text = self.tokenizer.decode(self.tool_env.final_answer(response_ids, loss_mask))
-        fn = exact_reward if cfg.rm_type == "exact" else math_reward
-        return await self.reward_guard.score(name, fn, text, prompt.label)
+        if cfg.rm_type == "exact":
+            return self.reward_guard.score_inline(name, exact_reward, text, prompt.label)
+        return await self.reward_guard.score(name, math_reward, text, prompt.label)
 
     def _digits_reward(self, response_ids: np.ndarray, loss_mask: np.ndarray,
                        answer_id: int) -> float:

@@ -143,6 +143,26 @@ class RewardGuard:
             raise
         except Exception as exc:
             why = f"reward raised {type(exc).__name__}: {exc}"
+        return self._failed(sample, why)
+
+    def score_inline(self, sample: str, fn: Callable[..., Any], *args: Any) -> float:
+        """``float(fn(*args))`` on the caller's thread, with :meth:`score`'s handling of a
+        call that raises or returns a non-finite value, and no time limit: only for the
+        built-in rewards whose work is bounded by the response length (``--rm-type digits`` /
+        ``exact``), where a thread per call would cost more than the reward (128 calls a step).
+
+        Raises:
+            RewardFailure: as :meth:`score`.
+        """
+        try:
+            value = float(fn(*args))
+            if value != value or value in (float("inf"), float("-inf")):
+                raise ValueError(f"reward is not finite: {value}")
+            return value
+        except Exception as exc:
+            return self._failed(sample, f"reward raised {type(exc).__name__}: {exc}")
+
+    def _failed(self, sample: str, why: str) -> float:
         if self.failure == "error":
             raise RewardFailure(f"{sample}: {why} (--reward-failure zero scores it 0)")
         self.failures += 1

@@ -59,6 +59,17 @@ async def test_a_reward_that_hangs_or_raises_names_the_sample_or_scores_zero():
     assert zero.failures == 2
 
 
+def test_inline_rewards_fail_like_threaded_ones():
+    guard = RewardGuard(0.2, "error")
+    assert guard.score_inline("sample 1", lambda x: x, 0.5) == 0.5
+    with pytest.raises(RewardFailure, match="sample 9: reward raised KeyError"):
+        guard.score_inline("sample 9", _raise, 1.0)
+    with pytest.raises(RewardFailure, match="sample 10: reward raised ValueError: reward is not finite"):
+        guard.score_inline("sample 10", lambda x: x, float("inf"))
+    zero = RewardGuard(0.2, "zero")
+    assert zero.score_inline("s", _raise, 1.0) == 0.0 and zero.failures == 1
+
+
 @pytest.mark.parametrize("n,c,k", [(5, 0, 1), (5, 2, 1), (5, 2, 3), (4, 4, 2), (6, 1, 6)])
 def test_pass_at_k_is_the_chance_a_k_subset_holds_a_pass(n, c, k):
     outcomes = [1] * c + [0] * (n - c)

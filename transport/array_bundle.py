@@ -34,13 +34,15 @@ def pack_arrays(arrays: Mapping[str, np.ndarray]) -> dict[str, Any]:
         TypeError: a value is not a numpy array.
     """
     by_dtype: dict[np.dtype, list[np.ndarray]] = {}
+    sizes: dict[np.dtype, int] = {}  # elements packed so far per dtype: the next offset
     entries = []
     for name, a in arrays.items():
         if not isinstance(a, np.ndarray):
             raise TypeError(f"pack_arrays: {name!r} is a {type(a).__name__}, not a numpy array")
         parts = by_dtype.setdefault(a.dtype, [])
         index = list(by_dtype).index(a.dtype)
-        offset = sum(p.size for p in parts)
+        offset = sizes.get(a.dtype, 0)
+        sizes[a.dtype] = offset + a.size
         parts.append(a.reshape(-1))
         entries.append([name, index, offset, list(a.shape)])
     buffers = [np.concatenate(parts) for parts in by_dtype.values()]

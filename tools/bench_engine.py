@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rollout.data_source import PromptDataSource
+from rollout.data_source import PromptDataSource, digit_task_prompts
 from rollout.engines.embedded import EmbeddedEngine
 from rollout.model.checkpoint import state_dict_arrays
 from rollout.model.config import default_config, without_indexer
@@ -47,7 +47,7 @@ def measure(name: str, batch_size: int, batches: int, response_len: int, dtype: 
     model = Qwen3MoeForCausalLM(cfg)
     model.init_weights(seed)
     task = DigitTask()
-    data = PromptDataSource(task, seed, dataset_size=batch_size * (batches + 1))
+    data = PromptDataSource(digit_task_prompts(task, seed, batch_size * (batches + 1)), seed)
     params = SamplingParams(top_k=20)
 
     def call(engine, k: int):

@@ -70,8 +70,12 @@ def _raw_rows(path: Path) -> list[tuple[int, Any]]:
         except Exception as exc:  # pyarrow's ArrowInvalid / OSError
             raise PromptDataError(f"{path}: not a readable Parquet file: {exc}") from None
     rows = []
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
+    with path.open("rb") as f:  # bytes: a line that is not UTF-8 is named like any bad row
+        for line_no, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise PromptDataError(f"{path}:{line_no}: not UTF-8 text: {exc}") from None
             if not line.strip():
                 continue
             try:

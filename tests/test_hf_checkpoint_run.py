@@ -75,6 +75,32 @@ def test_unusable_hf_checkpoint_is_a_config_error(tmp_path, make, message):
         build_config({"hf-checkpoint": str(ckpt)})
 
 
+def test_a_smaller_vocabulary_is_fine_with_own_prompt_data(tmp_path):
+    # the embedded task's 44 ids matter only when its prompts are used
+    ckpt = _hf_checkpoint(tmp_path / "ckpt", vocab_size=len(VOCABULARY) - 4)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "a", "label": "b"}\n')
+    config = build_config({"hf-checkpoint": str(ckpt), "prompt-data": str(prompts)})
+    assert config.policy_config.vocab_size == len(VOCABULARY) - 4
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda d: [p.unlink() for p in d.glob("*.safetensors*")], "neither model.safetensors"),
+    (lambda d: next(d.glob("model-00001-*.safetensors")).write_bytes(b"\x00\x01"), "cannot read"),
+])
+async def test_unreadable_weights_fail_before_any_process_and_keep_the_run_record(
+        tmp_path, damage, message):
+    ckpt = _hf_checkpoint(tmp_path / "ckpt")
+    damage(ckpt)
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.json").write_text("an earlier run's record")
+    config = build_config({**SMALL, "hf-checkpoint": str(ckpt), "output-dir": str(out)})
+    with pytest.raises(ConfigError, match=f"--hf-checkpoint .*{message}"):
+        await launch(config)
+    assert (out / "config.json").read_text() == "an earlier run's record"
+
+
 def test_trainer_save_hf_loads_in_transformers_with_the_same_logits(tmp_path):
     from trainer.backends.torch_backend import TorchBackend
     from trainer.config import TrainerConfig

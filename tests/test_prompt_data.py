@@ -101,6 +101,13 @@ def test_a_bad_row_names_file_line_and_key(tmp_path, line, match):
         read_rows(path)
 
 
+def test_a_line_that_is_not_utf8_names_file_and_line(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b'{"prompt": "max 1 2", "label": "2"}\n\xff\xfe{"prompt"\n')
+    with pytest.raises(PromptDataError, match=r"p\.jsonl:2: not UTF-8 text"):
+        read_rows(path)
+
+
 def test_rows_the_tokenizer_or_the_model_cannot_take_name_the_row(checkpoint, tmp_path):
     tok = load_tokenizer(checkpoint)
     unknown = write_jsonl(tmp_path / "u.jsonl", [{"prompt": "max 1 2", "label": "2"},

@@ -212,3 +212,12 @@ def test_edge_means_other_fraction():
 def test_edge_means_of_nothing_raises():
     with pytest.raises(ValueError):
         edge_means([])
+
+
+async def test_an_unusable_output_dir_is_a_config_error_naming_the_flag(tmp_path):
+    from tools.launcher import launch
+
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    with pytest.raises(ConfigError, match=f"--output-dir {afile}: not writable"):
+        await launch(build_config({"output-dir": str(afile), "num-steps": 1, "progress": False}))

@@ -134,7 +134,7 @@ class RunConfig:
     def __post_init__(self) -> None:
         check_settings(self, ConfigError)
         policy = self.policy_config
-        if policy.vocab_size < len(VOCABULARY):
+        if policy.vocab_size < len(VOCABULARY) and not self.rollout.prompt_data:
             raise ConfigError(f"--hf-checkpoint {self.hf_checkpoint}: config.json field "
                               f"'vocab_size'={policy.vocab_size} is smaller than the "
                               f"{len(VOCABULARY)} token ids of the embedded task")

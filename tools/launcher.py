@@ -20,6 +20,7 @@ from actors import ActorSpec, Directory, Supervisor, import_callable
 from actors.run_dir import create_run_dir
 from actors.version_clock import VersionError, VersionRules
 from rollout.model.errors import ModelError
+from rollout.model.loader import check_weight_files
 from trainer.backends import resolve_backend
 from transport import strict_json
 from rollout.engines import EngineError, check_capture, engine_class_path, load_engine_class
@@ -293,17 +294,24 @@ async def launch(config: RunConfig, log_level: int = logging.WARNING,
                               "pip install 'replayrl[tensorboard]'") from None
     if config.save_hf:
         check_writable(Path(config.save_hf), "--save-hf")
+    check_writable(Path(config.output_dir), "--output-dir")
+    if config.hf_checkpoint:
+        try:
+            check_weight_files(config.hf_checkpoint)  # headers only: a bad shard fails here
+        except ModelError as exc:
+            raise ConfigError(f"--hf-checkpoint {config.hf_checkpoint}: {exc}") from None
     if not config.policy_config.indexed_layers:
         logging.getLogger(__name__).warning(
             "indexer replay: not applicable (the policy from --hf-checkpoint %s has no indexer "
             "block); indexer metrics are n/a", config.hf_checkpoint)
     output = Path(config.output_dir)
     output.mkdir(parents=True, exist_ok=True)
-    (output / "config.json").write_text(config.to_json())
     checkpoint = initial_checkpoint(config, output)
     if config.hf_checkpoint and not config.rollout.tokenizer and not config.rollout.prompt_data:
         write_embedded_tokenizer(tokenizer_dir(config, checkpoint))
     check_prompt_data(config, checkpoint)
+    # written only now: a configuration error leaves an earlier run's record as it was
+    (output / "config.json").write_text(config.to_json())
     run_dir = create_run_dir()  # short path: AF_UNIX limit; stale ones of killed launchers go
     try:
         specs = specs if specs is not None else actor_specs(config, checkpoint)

@@ -95,6 +95,30 @@ def load_weights_into(model: Qwen3MoeForCausalLM, directory: str | Path) -> None
         _check_tied_head(loaded["lm_head.weight"], params["model.embed_tokens.weight"])
 
 
+def check_weight_files(directory: str | Path) -> int:
+    """Open every weight file of a checkpoint directory and read its safetensors header (not
+    the tensors): what a run checks before any process starts. Returns the tensor count.
+
+    Raises:
+        CheckpointError: no model.safetensors / index, an unreadable index, a missing or
+            truncated shard, or an index naming a tensor its shard does not hold (named).
+    """
+    src = Path(directory)
+    count = 0
+    for path, names in _weight_files(src):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                stored = set(f.keys())
+        except (OSError, SafetensorError) as exc:
+            raise CheckpointError(f"cannot read {path}: {exc}") from exc
+        absent = sorted(set(names or ()) - stored)
+        if absent:
+            raise CheckpointError(f"{src / INDEX_NAME} maps {absent[0]!r} to {path.name}, "
+                                  f"which does not hold it")
+        count += len(stored)
+    return count
+
+
 def _weight_files(src: Path) -> list[tuple[Path, list[str] | None]]:
     """(shard path, names the index assigns to it, or None = every tensor of a single file)."""
     index = src / INDEX_NAME

@@ -260,8 +260,45 @@ _SCALARS = {"sample_id": np.int64, "group_id": np.int64, "rollout_id": np.int64,
 _PER_TOKEN = {"response_ids": np.int32, "loss_mask": np.uint8, "rollout_logprobs": np.float32}
 
 
-def _trace_rows(name: str, prompt_len: int, response_len: int) -> int:
-    return response_len if name == "sample_support" else prompt_len + response_len - 1
+def pack_rows(values: Sequence[np.ndarray | None]) -> np.ndarray | list | None:
+    """One column of a batch from each item's optional array (rows along axis 0).
+
+    Returns ``None`` when no item has one; the items' rows concatenated in order when every
+    item has one with the same trailing shape; otherwise ``values`` as a list (one entry per
+    item). Inverse: :func:`unpack_rows`. Used by :func:`samples_to_columns` and
+    ``rollout.engines.base.generations_to_columns``.
+    """
+    if all(v is None for v in values):
+        return None
+    if all(v is not None for v in values) and len({v.shape[1:] for v in values}) == 1:
+        return np.concatenate(values)
+    return list(values)
+
+
+def unpack_rows(value: Any, counts: Sequence[int]) -> list:
+    """Each item's rows of a :func:`pack_rows` column: views for a concatenated array, the
+    entries of a list, ``None`` for every item of a ``None`` column.
+
+    Args:
+        counts: rows per item (non-negative ints), one per item.
+    Raises:
+        ValueError: a list of another length, or an array whose row count is not
+            ``sum(counts)`` (the message says which; callers name the column).
+    """
+    n = len(counts)
+    if value is None:
+        return [None] * n
+    if isinstance(value, list):
+        if len(value) != n:
+            raise ValueError(f"{len(value)} entries for {n} samples")
+        return value
+    ends = np.cumsum(counts, dtype=np.int64).tolist()
+    total = ends[-1] if ends else 0
+    if not isinstance(value, np.ndarray) or value.ndim < 1 or len(value) != total:
+        raise ValueError(f"{getattr(value, 'shape', type(value).__name__)} does not hold the "
+                         f"{total} rows the lengths give")
+    # slicing, not np.split: ~10x less per item
+    return [value[start:end] for start, end in zip([0, *ends[:-1]], ends)]
 
 
 def samples_to_columns(samples: Sequence[Sample]) -> dict[str, Any]:
@@ -294,13 +331,7 @@ def samples_to_columns(samples: Sequence[Sample]) -> dict[str, Any]:
         cols[name] = (np.concatenate([getattr(s, name) for s in samples]) if samples
                       else np.zeros(0, dtype))
     for name in TRACE_FIELDS:
-        values = [getattr(s, name) for s in samples]
-        if all(v is None for v in values):
-            cols[name] = None
-        elif all(v is not None for v in values) and len({v.shape[1:] for v in values}) == 1:
-            cols[name] = np.concatenate(values)
-        else:
-            cols[name] = values
+        cols[name] = pack_rows([getattr(s, name) for s in samples])
     return cols
 
 
@@ -349,18 +380,10 @@ def samples_from_columns(columns: Mapping[str, Any]) -> list[Sample]:
             "indexer_topk": np.maximum(P + R - 1, 0)}
     split = {}
     for name, counts in rows.items():
-        value = columns[name]
-        if value is None or isinstance(value, list):
-            if value is not None and len(value) != n:
-                raise SampleError("batch", name, f"{len(value)} entries for {n} samples")
-            split[name] = value if value is not None else [None] * n
-            continue
-        if not isinstance(value, np.ndarray) or value.ndim < 1 or len(value) != counts.sum():
-            raise SampleError("batch", name, f"{getattr(value, 'shape', type(value).__name__)} "
-                                             f"does not hold the {int(counts.sum())} rows the "
-                                             f"lengths give")
-        ends = np.cumsum(counts).tolist()  # slicing, not np.split: ~10x less per sample
-        split[name] = [value[start:end] for start, end in zip([0, *ends[:-1]], ends)]
+        try:
+            split[name] = unpack_rows(columns[name], counts)
+        except ValueError as exc:
+            raise SampleError("batch", name, str(exc)) from None
     if _columns_keep_the_contract(columns, P, R, scalars):
         # every check Sample.__post_init__ makes already passed for the whole batch at once
         # (about 30 us per sample saved); the arrays are read-only views of the columns

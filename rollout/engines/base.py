@@ -22,7 +22,7 @@ from typing import Any, ClassVar, Collection, Literal, Mapping, Sequence
 
 import numpy as np
 
-from rollout.sample import TRACE_FIELDS
+from rollout.sample import TRACE_FIELDS, pack_rows, unpack_rows
 from rollout.sampler import SamplingParams
 
 __all__ = [
@@ -125,13 +125,7 @@ def generations_to_columns(generations: Sequence[Generation]) -> dict[str, Any]:
                   for g in generations]
     cols["trace_lengths"] = np.array(trace_rows, dtype=np.int64)
     for name in _ARRAY_FIELDS:
-        values = [getattr(g, name) for g in generations]
-        if all(v is None for v in values):
-            cols[name] = None
-        elif all(v is not None for v in values) and len({v.shape[1:] for v in values}) == 1:
-            cols[name] = np.concatenate(values)
-        else:
-            cols[name] = values
+        cols[name] = pack_rows([getattr(g, name) for g in generations])
     return cols
 
 
@@ -162,18 +156,10 @@ def generations_from_columns(columns: Mapping[str, Any]) -> list[Generation]:
     for name in _ARRAY_FIELDS:
         counts = lengths["response_lengths" if name in ("response_ids", "rollout_logprobs",
                                                         "sample_support") else "trace_lengths"]
-        value = columns[name]
-        if value is None or isinstance(value, list):
-            if value is not None and len(value) != n:
-                raise EngineInputError(f"generation column {name!r}: {len(value)} entries for {n}")
-            split[name] = value if value is not None else [None] * n
-            continue
-        if not isinstance(value, np.ndarray) or value.ndim < 1 or len(value) != sum(counts):
-            raise EngineInputError(f"generation column {name!r}: "
-                                   f"{getattr(value, 'shape', type(value).__name__)} does not hold "
-                                   f"the {sum(counts)} rows the lengths give")
-        ends = np.cumsum(counts).tolist()
-        split[name] = [value[start:end] for start, end in zip([0, *ends[:-1]], ends)]
+        try:
+            split[name] = unpack_rows(columns[name], counts)
+        except ValueError as exc:
+            raise EngineInputError(f"generation column {name!r}: {exc}") from None
     return [Generation(**{name: split[name][i] for name in _ARRAY_FIELDS},
                        finish_reason=columns["finish_reason"][i]) for i in range(n)]
 

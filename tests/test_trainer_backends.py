@@ -150,13 +150,19 @@ def test_non_finite_norm_leaves_weights_and_optimizer_untouched(checkpoint, tmp_
     assert all(p.grad is None for p in backend.model.parameters())
 
 
-def test_checkpoint_round_trip_restores_weights_optimizer_version_and_rng(checkpoint, tmp_path):
+def _saved_after_one_step(checkpoint, directory):
+    """A backend that took one optimizer step and saved it to ``directory`` as version 5."""
     backend = _backend(checkpoint)
     batch = collate(_samples(), routing=False, indexer=False, support=False)
     backend.zero_grad()
     backend.backward(-backend.train_logprobs(batch).sum())
     backend.clip_and_step(1.0)
-    backend.save_checkpoint(tmp_path, 5)
+    backend.save_checkpoint(directory, 5)
+    return backend
+
+
+def test_checkpoint_round_trip_restores_weights_optimizer_version_and_rng(checkpoint, tmp_path):
+    backend = _saved_after_one_step(checkpoint, tmp_path)
     saved, draw = backend.digest(), torch.rand(3)
     fresh = _backend(checkpoint)
     assert fresh.digest() != saved
@@ -174,12 +180,7 @@ def _corrupt_optimizer(path: Path) -> None:
 
 @pytest.mark.parametrize("damage", ["optimizer", "truncated", "version", "model"])
 def test_rejected_checkpoint_changes_nothing(checkpoint, tmp_path, damage):
-    source = _backend(checkpoint)
-    batch = collate(_samples(), routing=False, indexer=False, support=False)
-    source.zero_grad()
-    source.backward(-source.train_logprobs(batch).sum())
-    source.clip_and_step(1.0)
-    source.save_checkpoint(tmp_path, 5)
+    _saved_after_one_step(checkpoint, tmp_path)
     state_file = tmp_path / "trainer_state.pt"
     if damage == "optimizer":
         _corrupt_optimizer(state_file)

@@ -57,6 +57,42 @@ def _need(state: dict, name: str) -> torch.Tensor:
     return torch.as_tensor(state[name])
 
 
+def _layout(config: ModelConfig) -> tuple[list[tuple[str, str]], list[tuple[str, str, str]],
+                                         list[tuple[str, str, str, str]]]:
+    """The name map of one policy, read by both directions of the conversion:
+    ``(renamed, fc1, qkv)`` with ``renamed`` = ``(hf, megatron)`` pairs of tensors that only
+    change name, ``fc1`` = ``(megatron, hf gate, hf up)`` (gate and up stacked along dim 0) and
+    ``qkv`` = ``(megatron, hf q, hf k, hf v)`` (interleaved per KV group, megatron's layout)."""
+    c = config
+    renamed = [("model.embed_tokens.weight", "embedding.word_embeddings.weight"),
+               ("model.norm.weight", "decoder.final_layernorm.weight"),
+               ("lm_head.weight", "output_layer.weight")]
+    fc1, qkv = [], []
+    for i in range(c.num_hidden_layers):
+        hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
+        renamed += [(hf + "input_layernorm.weight", mg + "input_layernorm.weight"),
+                    (hf + "post_attention_layernorm.weight", mg + "pre_mlp_layernorm.weight"),
+                    (hf + "self_attn.o_proj.weight", mg + "self_attention.linear_proj.weight"),
+                    (hf + "self_attn.q_norm.weight", mg + "self_attention.q_layernorm.weight"),
+                    (hf + "self_attn.k_norm.weight", mg + "self_attention.k_layernorm.weight")]
+        qkv.append((mg + "self_attention.linear_qkv.weight", hf + "self_attn.q_proj.weight",
+                    hf + "self_attn.k_proj.weight", hf + "self_attn.v_proj.weight"))
+        if i in c.indexed_layers:
+            renamed += [(f"{hf}self_attn.indexer.{w}", f"{mg}self_attention.indexer.{w}")
+                        for w in _INDEXER]
+        if i in c.moe_layers:
+            renamed.append((hf + "mlp.gate.weight", mg + "mlp.router.weight"))
+            for e in range(c.num_experts):
+                he, me = f"{hf}mlp.experts.{e}.", f"{mg}mlp.experts.local_experts.{e}."
+                fc1.append((me + "linear_fc1.weight", he + "gate_proj.weight", he + "up_proj.weight"))
+                renamed.append((he + "down_proj.weight", me + "linear_fc2.weight"))
+        else:
+            fc1.append((mg + "mlp.linear_fc1.weight", hf + "mlp.gate_proj.weight",
+                        hf + "mlp.up_proj.weight"))
+            renamed.append((hf + "mlp.down_proj.weight", mg + "mlp.linear_fc2.weight"))
+    return renamed, fc1, qkv
+
+
 def hf_to_megatron(state: dict, config: ModelConfig) -> dict[str, torch.Tensor]:
     """Unsharded megatron-named tensors (global layer and expert ids) from HF-named weights.
 
@@ -66,36 +102,14 @@ def hf_to_megatron(state: dict, config: ModelConfig) -> dict[str, torch.Tensor]:
     Raises:
         WeightMapError: a missing HF weight.
     """
-    c, out = config, {}
-    g, d, h = c.num_key_value_heads, c.head_dim, c.hidden_size
-    out["embedding.word_embeddings.weight"] = _need(state, "model.embed_tokens.weight")
-    out["decoder.final_layernorm.weight"] = _need(state, "model.norm.weight")
-    out["output_layer.weight"] = _need(state, "lm_head.weight")
-    for i in range(c.num_hidden_layers):
-        hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
-        out[mg + "input_layernorm.weight"] = _need(state, hf + "input_layernorm.weight")
-        out[mg + "pre_mlp_layernorm.weight"] = _need(state, hf + "post_attention_layernorm.weight")
-        q = _need(state, hf + "self_attn.q_proj.weight").reshape(g, -1, h)
-        k = _need(state, hf + "self_attn.k_proj.weight").reshape(g, d, h)
-        v = _need(state, hf + "self_attn.v_proj.weight").reshape(g, d, h)
-        out[mg + "self_attention.linear_qkv.weight"] = torch.cat([q, k, v], dim=1).reshape(-1, h)
-        out[mg + "self_attention.linear_proj.weight"] = _need(state, hf + "self_attn.o_proj.weight")
-        out[mg + "self_attention.q_layernorm.weight"] = _need(state, hf + "self_attn.q_norm.weight")
-        out[mg + "self_attention.k_layernorm.weight"] = _need(state, hf + "self_attn.k_norm.weight")
-        if i in c.indexed_layers:
-            for w in _INDEXER:
-                out[f"{mg}self_attention.indexer.{w}"] = _need(state, f"{hf}self_attn.indexer.{w}")
-        if i in c.moe_layers:
-            out[mg + "mlp.router.weight"] = _need(state, hf + "mlp.gate.weight")
-            for e in range(c.num_experts):
-                he, me = f"{hf}mlp.experts.{e}.", f"{mg}mlp.experts.local_experts.{e}."
-                out[me + "linear_fc1.weight"] = torch.cat(
-                    [_need(state, he + "gate_proj.weight"), _need(state, he + "up_proj.weight")])
-                out[me + "linear_fc2.weight"] = _need(state, he + "down_proj.weight")
-        else:
-            out[mg + "mlp.linear_fc1.weight"] = torch.cat(
-                [_need(state, hf + "mlp.gate_proj.weight"), _need(state, hf + "mlp.up_proj.weight")])
-            out[mg + "mlp.linear_fc2.weight"] = _need(state, hf + "mlp.down_proj.weight")
+    g, d, h = config.num_key_value_heads, config.head_dim, config.hidden_size
+    renamed, fc1, qkv = _layout(config)
+    out = {mg: _need(state, hf) for hf, mg in renamed}
+    for mg, gate, up in fc1:
+        out[mg] = torch.cat([_need(state, gate), _need(state, up)])
+    for mg, q, k, v in qkv:
+        out[mg] = torch.cat([_need(state, q).reshape(g, -1, h), _need(state, k).reshape(g, d, h),
+                             _need(state, v).reshape(g, d, h)], dim=1).reshape(-1, h)
     return out
 
 
@@ -105,37 +119,16 @@ def megatron_to_hf(full: dict, config: ModelConfig) -> dict[str, np.ndarray]:
     Raises:
         WeightMapError: a missing megatron weight.
     """
-    c, out = config, {}
-    g, d, h = c.num_key_value_heads, c.head_dim, c.hidden_size
-    qd = c.num_attention_heads // g * d
-    out["model.embed_tokens.weight"] = _need(full, "embedding.word_embeddings.weight")
-    out["model.norm.weight"] = _need(full, "decoder.final_layernorm.weight")
-    out["lm_head.weight"] = _need(full, "output_layer.weight")
-    for i in range(c.num_hidden_layers):
-        hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
-        out[hf + "input_layernorm.weight"] = _need(full, mg + "input_layernorm.weight")
-        out[hf + "post_attention_layernorm.weight"] = _need(full, mg + "pre_mlp_layernorm.weight")
-        qkv = _need(full, mg + "self_attention.linear_qkv.weight").reshape(g, qd + 2 * d, h)
-        out[hf + "self_attn.q_proj.weight"] = qkv[:, :qd].reshape(-1, h)
-        out[hf + "self_attn.k_proj.weight"] = qkv[:, qd:qd + d].reshape(-1, h)
-        out[hf + "self_attn.v_proj.weight"] = qkv[:, qd + d:].reshape(-1, h)
-        out[hf + "self_attn.o_proj.weight"] = _need(full, mg + "self_attention.linear_proj.weight")
-        out[hf + "self_attn.q_norm.weight"] = _need(full, mg + "self_attention.q_layernorm.weight")
-        out[hf + "self_attn.k_norm.weight"] = _need(full, mg + "self_attention.k_layernorm.weight")
-        if i in c.indexed_layers:
-            for w in _INDEXER:
-                out[f"{hf}self_attn.indexer.{w}"] = _need(full, f"{mg}self_attention.indexer.{w}")
-        if i in c.moe_layers:
-            out[hf + "mlp.gate.weight"] = _need(full, mg + "mlp.router.weight")
-            for e in range(c.num_experts):
-                he, me = f"{hf}mlp.experts.{e}.", f"{mg}mlp.experts.local_experts.{e}."
-                gate, up = _need(full, me + "linear_fc1.weight").chunk(2)
-                out[he + "gate_proj.weight"], out[he + "up_proj.weight"] = gate, up
-                out[he + "down_proj.weight"] = _need(full, me + "linear_fc2.weight")
-        else:
-            gate, up = _need(full, mg + "mlp.linear_fc1.weight").chunk(2)
-            out[hf + "mlp.gate_proj.weight"], out[hf + "mlp.up_proj.weight"] = gate, up
-            out[hf + "mlp.down_proj.weight"] = _need(full, mg + "mlp.linear_fc2.weight")
+    g, d, h = config.num_key_value_heads, config.head_dim, config.hidden_size
+    qd = config.num_attention_heads // g * d
+    renamed, fc1, qkv = _layout(config)
+    out = {hf: _need(full, mg) for hf, mg in renamed}
+    for mg, gate, up in fc1:
+        out[gate], out[up] = _need(full, mg).chunk(2)
+    for mg, q, k, v in qkv:
+        t = _need(full, mg).reshape(g, qd + 2 * d, h)
+        out[q], out[k], out[v] = (t[:, :qd].reshape(-1, h), t[:, qd:qd + d].reshape(-1, h),
+                                  t[:, qd + d:].reshape(-1, h))
     arrays = {}
     for k, v in out.items():
         a = np.ascontiguousarray(v.detach().float().numpy())

@@ -392,7 +392,9 @@ class Qwen3MoeForCausalLM(nn.Module):
         capture: return the experts / key slots actually used (int32) in the output.
         return_hidden: also return the final-norm hidden states.
         segment_ids: int `[B, S]` or None: packed rows hold several samples; a query attends
-            only to keys (and indexer candidates) of its own segment. Not with a KV cache.
+            only to keys (and indexer candidates) of its own segment, and to the keys of
+            segment -1, a shared trunk (a prompt that the segments after it all continue: a
+            prefix tree, trainer/prefix_tree.py). Not with a KV cache.
         compute_logits: False skips the LM head (``logits`` is None): a caller that projects
             only candidate tokens from ``hidden`` (fused support replay) never holds [B, S, V].
 
@@ -415,7 +417,8 @@ class Qwen3MoeForCausalLM(nn.Module):
             if kv_cache is not None or segment_ids.shape != input_ids.shape:
                 raise ModelInputError(f"segment_ids must be [B, S] = {tuple(input_ids.shape)} and "
                                       f"used without a KV cache, got {tuple(segment_ids.shape)}")
-            allowed = allowed & (segment_ids[:, :, None] == segment_ids[:, None, :])
+            allowed = allowed & ((segment_ids[:, :, None] == segment_ids[:, None, :])
+                                 | (segment_ids[:, None, :] == -1))
         query_real = key_padding_mask[:, s_past:, None]
         masks = _Masks(allowed=allowed, dense=allowed | own_slot,
                        candidates=allowed & query_real, own_slot=own_slot)

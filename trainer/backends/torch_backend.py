@@ -28,6 +28,7 @@ from rollout.model.config import ModelConfig
 from rollout.model.qwen3_moe import Qwen3MoeForCausalLM
 from trainer.backends.base import ReplayedForward, TrainerBackend
 from trainer.batch import TrainBatch
+from trainer.prefix_tree import PrefixTree
 from trainer.config import TrainerConfig
 from trainer.logprobs import (full_vocab_logprobs, fused_support_logprobs, support_entropy,
                               support_logprobs)
@@ -71,17 +72,21 @@ def response_logprobs(model: Qwen3MoeForCausalLM, batch: TrainBatch, temperature
                   key_padding_mask=cut(batch.key_padding_mask),
                   routed_experts=cut(batch.routed_experts) if replay_routing else None,
                   indexer_topk=cut(batch.indexer_topk) if replay_indexer else None)
+    # The shared prefix ends with the earliest predicting position (the last prompt token):
+    # its logits are the same for every row of a group.
+    prefix = int(batch.pos.min()) + 1 if len(batch.pos) else 0
     shared = None if batch.segment_ids is not None or not len(batch.pos) else _shared_prefix(
-        inputs, int(batch.pos.min()))
+        inputs, prefix)
     if shared is not None:
-        out, offset = _prefix_forward(model, inputs, *shared, capture=capture, fused=fused)
-        batch = dataclasses.replace(batch, pos=batch.pos - offset)
+        out, at_predicting = _tree_forward(model, inputs, PrefixTree.build(shared[0], width, *shared[1:]),
+                                           batch.row, batch.pos, capture=capture, fused=fused)
     else:
         out = model(inputs["tokens"], inputs["position_ids"],
                     key_padding_mask=inputs["key_padding_mask"],
                     routed_experts=inputs["routed_experts"], indexer_topk=inputs["indexer_topk"],
                     capture=capture, return_hidden=fused, compute_logits=not fused,
                     segment_ids=cut(batch.segment_ids))
+        at_predicting = (out.hidden if fused else out.logits)[batch.row, batch.pos]
     if capture and width < full:
         pad = lambda t: None if t is None else torch.cat(
             [t, t.new_full((t.shape[0], full - width, *t.shape[2:]), -1)], dim=1)
@@ -90,10 +95,9 @@ def response_logprobs(model: Qwen3MoeForCausalLM, batch: TrainBatch, temperature
                                   own_routed_experts=pad(out.own_routed_experts),
                                   own_indexer_topk=pad(out.own_indexer_topk))
     if fused:
-        hidden = out.hidden[batch.row, batch.pos]
-        return fused_support_logprobs(hidden, model.lm_head.weight, batch.support, temperature,
-                                      chunk_size), out
-    logits = out.logits[batch.row, batch.pos].float()
+        return fused_support_logprobs(at_predicting, model.lm_head.weight, batch.support,
+                                      temperature, chunk_size), out
+    logits = at_predicting.float()
     if batch.support is not None:
         if entropy_out is not None:
             with torch.no_grad():
@@ -105,8 +109,8 @@ def response_logprobs(model: Qwen3MoeForCausalLM, batch: TrainBatch, temperature
 def _shared_prefix(inputs: dict, prefix: int) -> tuple[int, torch.Tensor, torch.Tensor] | None:
     """``(prefix, first, inverse)`` when rows share their first ``prefix`` positions, else None.
 
-    The ``prefix`` positions before the earliest predicting one are forwarded once per distinct
-    row when every row is real there and rows with equal tokens there also carry equal
+    The first ``prefix`` positions (up to the earliest predicting one) are forwarded once per
+    distinct row (:class:`trainer.prefix_tree.PrefixTree`) when every row is real there and rows with equal tokens there also carry equal
     positions and routing / indexer traces (the samples of a GRPO group share their prompt,
     and the engine forwarded it identically for each). ``first`` (int64 [U]) is the first row
     of each distinct prefix, ``inverse`` (int64 [B]) the distinct prefix of every row.
@@ -127,31 +131,33 @@ def _shared_prefix(inputs: dict, prefix: int) -> tuple[int, torch.Tensor, torch.
     return prefix, first, inverse
 
 
-def _prefix_forward(model: Qwen3MoeForCausalLM, inputs: dict, prefix: int, first: torch.Tensor,
-                    inverse: torch.Tensor, *, capture: bool, fused: bool):
-    """The forward of :func:`response_logprobs` with the shared prefix computed once per
-    distinct row (:func:`_shared_prefix`) and the rest of every row through the KV cache, the
-    way the engine decodes. Same math; the prefix's gradients are summed over its rows by the
-    cache's ``index_select``. Returns the model output over the positions from ``prefix`` on
-    (captured choices over all positions) and ``prefix``, the offset of its logits."""
-    head = {k: None if v is None else v[first, :prefix] for k, v in inputs.items()}
-    tail = {k: None if v is None else v[:, prefix:] for k, v in inputs.items()}
-    cache = model.new_kv_cache()
-    out_p = model(head["tokens"], head["position_ids"], key_padding_mask=head["key_padding_mask"],
-                  kv_cache=cache, routed_experts=head["routed_experts"],
-                  indexer_topk=head["indexer_topk"], capture=capture, compute_logits=False)
-    out = model(tail["tokens"], tail["position_ids"], key_padding_mask=inputs["key_padding_mask"],
-                kv_cache=cache.select_rows(inverse), routed_experts=tail["routed_experts"],
-                indexer_topk=tail["indexer_topk"], capture=capture, return_hidden=fused,
-                compute_logits=not fused)
+def _tree_forward(model: Qwen3MoeForCausalLM, inputs: dict, tree: PrefixTree, row: torch.Tensor,
+                  pos: torch.Tensor, *, capture: bool, fused: bool):
+    """The forward of :func:`response_logprobs` in the prefix-tree layout (trainer/prefix_tree.py):
+    each shared prefix once, every row's continuation as a branch after it, one forward.
+
+    ``row``, ``pos`` (int64 [N]): the predicting positions. Returns the model output with the
+    captured choices in every row's own layout [B, W, ...] (logits / hidden stay in the tree
+    layout) and the logits (or, ``fused``, the final hidden states) at every predicting
+    position, [N, V] (or [N, H])."""
+    to_tree = lambda name, fill: None if inputs[name] is None else tree.to_tree(inputs[name], fill)
+    indexer = inputs["indexer_topk"]
+    out = model(to_tree("tokens", 0), to_tree("position_ids", 0),
+                key_padding_mask=to_tree("key_padding_mask", False),
+                routed_experts=to_tree("routed_experts", -1),
+                indexer_topk=None if indexer is None else tree.to_tree(
+                    tree.indexer_to_tree(indexer), -1),
+                capture=capture, return_hidden=fused, compute_logits=not fused,
+                segment_ids=tree.segment_ids())
+    at_predicting = tree.at(out.hidden if fused else out.logits, row, pos)
     if capture:
-        join = lambda p, t: None if t is None else torch.cat([p[inverse], t], dim=1)
+        rows = lambda t: None if t is None else tree.from_tree(t)
+        slots = lambda t: None if t is None else tree.indexer_from_tree(t)
         out = dataclasses.replace(
-            out, routed_experts=join(out_p.routed_experts, out.routed_experts),
-            indexer_topk=join(out_p.indexer_topk, out.indexer_topk),
-            own_routed_experts=join(out_p.own_routed_experts, out.own_routed_experts),
-            own_indexer_topk=join(out_p.own_indexer_topk, out.own_indexer_topk))
-    return out, prefix
+            out, routed_experts=rows(out.routed_experts), indexer_topk=slots(out.indexer_topk),
+            own_routed_experts=rows(out.own_routed_experts),
+            own_indexer_topk=slots(out.own_indexer_topk))
+    return out, at_predicting
 
 
 class TorchBackend(TrainerBackend):

@@ -22,7 +22,6 @@ import time
 
 import numpy as np
 
-import dataclasses
 import json
 
 from actors import Actor, concurrent, import_callable
@@ -157,11 +156,12 @@ class RolloutManager(Actor):
         # sample ids in the order the engines' chunks come back, as before (engine 0's groups
         # first): a resumed or repeated run numbers its samples the same way
         order = [g for i in range(len(self.engines)) for g in range(i, len(prompts), len(self.engines))]
-        unscored = [(self._to_sample(e, prompts[g], group_ids[g], rollout_id), prompts[g])
+        unscored = [(self._assemble(e, prompts[g], group_ids[g], rollout_id), prompts[g])
                     for g in order for e in episodes[g]]
-        samples = [dataclasses.replace(s, reward=await self._reward(s.sample_id, p, s.response_ids,
-                                                                    s.loss_mask))
-                   for s, p in unscored]
+        # each Sample is built (and its contract checked) once, with its reward
+        samples = [Sample(**kw, reward=await self._reward(kw["sample_id"], p, kw["response_ids"],
+                                                          kw["loss_mask"]))
+                   for kw, p in unscored]
         samples.sort(key=lambda s: (s.group_id, s.sample_id))  # groups contiguous for GRPO
         return samples
 
@@ -287,9 +287,11 @@ class RolloutManager(Actor):
                                               min_version)
         return samples_to_columns(samples)
 
-    def _to_sample(self, episode: Episode, prompt: Prompt, group_id: int, rollout_id: int) -> Sample:
-        """Assemble one trajectory (``merge_turns``, required traces, one policy version), with
-        reward 0.0 until :meth:`_reward` scores it.
+    def _assemble(self, episode: Episode, prompt: Prompt, group_id: int, rollout_id: int) -> dict:
+        """Assemble one trajectory (``merge_turns``, required traces, one policy version): the
+        keyword arguments of its :class:`rollout.sample.Sample` but the reward, which
+        :meth:`_reward` gives. The arrays are read-only already (a verifier cannot change
+        them, and the Sample takes them without another copy).
 
         With ``--rollout-append-eos-on-truncation``, a trajectory that hit its length cap
         (``finish_reason == "length"``, status ``truncated``) and does not already end with a
@@ -327,9 +329,11 @@ class RolloutManager(Actor):
                             **fields)
             appended = append_synthetic_eos(capped, eos)
             fields = {name: getattr(appended, name) for name in (*fields, "synthetic_eos")}
-        return Sample(sample_id=sample_id, group_id=group_id, rollout_id=rollout_id,
-                      policy_version=version, prompt_ids=prompt.prompt_ids, reward=0.0,
-                      status=status, **fields)
+        for value in fields.values():
+            if isinstance(value, np.ndarray):
+                value.flags.writeable = False
+        return dict(sample_id=sample_id, group_id=group_id, rollout_id=rollout_id,
+                    policy_version=version, prompt_ids=prompt.prompt_ids, status=status, **fields)
 
     async def take_batch(self, rollout_id: int) -> dict:
         """Hand over (and forget) a stored batch as columns (``rollout.sample.samples_to_columns``),

@@ -3,7 +3,6 @@
 (``--rollout-append-eos-on-truncation``). Every expected value is a naive float64 loop here."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 
@@ -203,12 +202,12 @@ async def test_manager_appends_the_eos_to_capped_trajectories_and_scores_the_tra
     digit3, answer = VOCABULARY.index("3"), VOCABULARY.index("3")
     prompt = Prompt(0, np.array(PROMPT, np.int32), answer)
 
-    async def scored(sample):
-        return dataclasses.replace(sample, reward=await manager._reward(
-            sample.sample_id, prompt, sample.response_ids, sample.loss_mask))
+    async def scored(kw):
+        return Sample(**kw, reward=await manager._reward(kw["sample_id"], prompt,
+                                                         kw["response_ids"], kw["loss_mask"]))
 
-    capped = await scored(manager._to_sample(_episode([digit3], "length"), prompt, 0, 0))
-    stopped = await scored(manager._to_sample(_episode([digit3, EOS], "stop"), prompt, 0, 0))
+    capped = await scored(manager._assemble(_episode([digit3], "length"), prompt, 0, 0))
+    stopped = await scored(manager._assemble(_episode([digit3, EOS], "stop"), prompt, 0, 0))
     assert capped.status == "truncated" and stopped.status == "completed"
     assert not stopped.synthetic_eos and stopped.reward == 1.0  # exact digit, then <eos>
     if flag:

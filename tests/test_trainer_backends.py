@@ -25,6 +25,7 @@ from trainer.backends.base import ReplayedForward, TrainerBackend
 from trainer.backends.torch_backend import TorchBackend
 from trainer.batch import collate
 from trainer.config import TrainerConfig, TrainerConfigError
+from transport.array_bundle import pack_arrays, unpack_arrays
 
 V = len(VOCABULARY)
 
@@ -245,3 +246,17 @@ def test_forwards_report_the_entropy_over_each_tokens_support(checkpoint):
     np.testing.assert_allclose(pre.support_entropy.numpy(), expected, atol=1e-5)
     np.testing.assert_allclose(train.support_entropy.numpy(), expected, atol=1e-5)
     assert not train.support_entropy.requires_grad
+
+
+def test_weight_bundle_holds_the_weights_as_pack_arrays_does_and_owns_its_copy(checkpoint):
+    backend = _backend(checkpoint)
+    bundle = backend.weight_bundle()
+    reference = pack_arrays(backend.weights())  # the generic path: per-array copies
+    assert [e[0] for e in bundle["entries"]] == [e[0] for e in reference["entries"]]
+    got, expected = unpack_arrays(bundle), unpack_arrays(reference)
+    assert all(np.array_equal(got[k], expected[k]) and got[k].shape == expected[k].shape
+               for k in expected)
+    with torch.no_grad():  # a later optimizer step must not reach a bundle on its way
+        for p in backend.model.parameters():
+            p.add_(1.0)
+    assert all(np.array_equal(unpack_arrays(bundle)[k], expected[k]) for k in expected)

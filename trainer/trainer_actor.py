@@ -51,7 +51,6 @@ from trainer.losses import policy_loss
 from trainer.proximal_cache import ProximalLogprobCache
 from trainer.rejection.refill import RefillCoordinator, gate_metrics
 from trainer.replay import batch_flip_rate, check_replay, mean_rates
-from transport.array_bundle import pack_arrays
 
 
 class TrainStepError(RuntimeError):
@@ -123,8 +122,7 @@ class TrainerActor(Actor):
         """
         await self.wait_for_push()
         start = time.perf_counter()
-        arrays = self.backend.weights()
-        bundle = pack_arrays(arrays)
+        bundle = self.backend.weight_bundle()
         timeout = self.config.rpc_timeout_s
         loads = [asyncio.ensure_future(self.proxy(e, timeout).load_weights(self.version, bundle))
                  for e in self.engines]
@@ -133,7 +131,7 @@ class TrainerActor(Actor):
             await self.wait_for_push()
         else:
             await asyncio.sleep(0)  # let the load calls reach their sockets before training
-        return {"version": self.version, "bytes": int(sum(a.nbytes for a in arrays.values())),
+        return {"version": self.version, "bytes": int(sum(b.nbytes for b in bundle["buffers"])),
                 "seconds": time.perf_counter() - start}
 
     async def _record_loads(self, loads: list[asyncio.Future], version: int) -> None:

@@ -20,7 +20,7 @@ import numpy as np
 
 from transport.errors import DecodeError
 
-__all__ = ["pack_arrays", "unpack_arrays"]
+__all__ = ["bundle_of_buffer", "pack_arrays", "unpack_arrays"]
 
 
 def pack_arrays(arrays: Mapping[str, np.ndarray]) -> dict[str, Any]:
@@ -47,6 +47,26 @@ def pack_arrays(arrays: Mapping[str, np.ndarray]) -> dict[str, Any]:
         entries.append([name, index, offset, list(a.shape)])
     buffers = [np.concatenate(parts) for parts in by_dtype.values()]
     return {"buffers": buffers, "entries": entries}
+
+
+def bundle_of_buffer(buffer: np.ndarray, layout: list[tuple[str, tuple[int, ...]]]) -> dict[str, Any]:
+    """The bundle of arrays that a caller already concatenated, in ``layout`` order, into one
+    1-D ``buffer`` (no copy here; what :func:`pack_arrays` gives for arrays of one dtype).
+
+    Args:
+        buffer: 1-D numpy array holding every array's elements back to back.
+        layout: ``(name, shape)`` per array, in buffer order; names unique.
+    Raises:
+        ValueError: ``buffer`` is not 1-D or its size is not the sum of the shapes' sizes.
+    """
+    entries, offset = [], 0
+    for name, shape in layout:
+        entries.append([name, 0, offset, [int(d) for d in shape]])
+        offset += math.prod(shape)
+    if buffer.ndim != 1 or buffer.size != offset:
+        raise ValueError(f"bundle_of_buffer: buffer of shape {buffer.shape} for a layout of "
+                         f"{offset} elements")
+    return {"buffers": [buffer], "entries": entries}
 
 
 def unpack_arrays(bundle: Mapping[str, Any]) -> dict[str, np.ndarray]:

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from rollout.model.config import ModelConfig
+from transport.array_bundle import pack_arrays
 from trainer.batch import TrainBatch
 
 __all__ = ["ReplayedForward", "TrainerBackend"]
@@ -138,6 +139,11 @@ class TrainerBackend(ABC):
     @abstractmethod
     def weights(self) -> dict[str, np.ndarray]:
         """The full weight set under Hugging Face parameter names (what engines load)."""
+
+    def weight_bundle(self) -> dict:
+        """:meth:`weights` packed for a weight push (:func:`transport.array_bundle.pack_arrays`:
+        one buffer per dtype, a copy the caller owns). A backend may build it with fewer copies."""
+        return pack_arrays(self.weights())
 
     @abstractmethod
     def save_checkpoint(self, directory: Path, version: int) -> None:

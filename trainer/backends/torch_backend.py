@@ -28,6 +28,7 @@ from rollout.model.config import ModelConfig
 from rollout.model.qwen3_moe import Qwen3MoeForCausalLM
 from trainer.backends.base import ReplayedForward, TrainerBackend
 from trainer.batch import TrainBatch
+from transport.array_bundle import bundle_of_buffer
 from trainer.prefix_tree import PrefixTree
 from trainer.config import TrainerConfig
 from trainer.logprobs import (full_vocab_logprobs, fused_support_logprobs, support_entropy,
@@ -246,6 +247,18 @@ class TorchBackend(TrainerBackend):
     def weights(self) -> dict[str, np.ndarray]:
         """See :meth:`TrainerBackend.weights` (the engines' dtype conversion is theirs)."""
         return state_dict_arrays(self.model)
+
+    def weight_bundle(self) -> dict:
+        """See :meth:`TrainerBackend.weight_bundle`: the float32 weights copied once, by one
+        ``torch.cat``, into the bundle's buffer (``weights`` then ``pack_arrays`` copied each
+        tensor twice: ~3.5 of a ~60 ms step on the default model)."""
+        state = self.model.state_dict()
+        if any(t.dtype != torch.float32 for t in state.values()):
+            return super().weight_bundle()
+        with torch.no_grad():
+            buffer = torch.cat([t.reshape(-1) for t in state.values()]).numpy()
+        buffer.flags.writeable = False
+        return bundle_of_buffer(buffer, [(name, tuple(t.shape)) for name, t in state.items()])
 
     def save_checkpoint(self, directory: Path, version: int) -> None:
         """``directory/model`` (HF format) and ``directory/trainer_state.pt`` (optimizer state,

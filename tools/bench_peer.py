@@ -568,6 +568,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="prompts per step (replayrl's default when not given)")
     parser.add_argument("--n-samples-per-prompt", type=int, default=None,
                         help="samples per prompt (replayrl's default when not given)")
+    parser.add_argument("--priority", action="store_true",
+                        help="run both sides ahead of other sessions' jobs (Linux autogroup; root)")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.window < 1:
         parser.error("--steps and --window must be >= 1")
@@ -581,7 +583,12 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"replayrl bench peer: TRL is not installed; {TRL_EXTRA}", file=sys.stderr)
         return EXIT_CONFIG
-    print(bench(args.steps, args.seeds, args.threshold, args.window, overrides), flush=True)
+    from tools.priority import autogroup_priority
+
+    with autogroup_priority(args.priority):
+        report = bench(args.steps, args.seeds, args.threshold, args.window, overrides)
+    print(("--priority: both sides ran ahead of other sessions' jobs (tools/priority.py)\n\n"
+           if args.priority else "") + report, flush=True)
     return 0
 
 

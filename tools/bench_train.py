@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Sequence
 
 from tools.metrics import edge_means
+from tools.priority import autogroup_priority
 from transport import strict_json
 
 HEADER = ("| seed | reward, first 10 % of steps | reward, last 10 % | ratio | mean abs(rollout - "
@@ -74,14 +75,17 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``replayrl bench train [--seeds 1 2 3] [-- TRAIN FLAGS...]``."""
     parser = argparse.ArgumentParser(prog="replayrl bench train", description=__doc__)
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--priority", action="store_true",
+                        help="run ahead of other sessions' jobs (Linux autogroup; root)")
     parser.add_argument("train_flags", nargs=argparse.REMAINDER,
                         help="flags passed to every `replayrl train` after `--`")
     args = parser.parse_args(argv)
     extra = [f for f in args.train_flags if f != "--"]
     print(f"replayrl train --seed S {' '.join(extra)} (defaults otherwise), one fresh process "
-          f"per seed", flush=True)
+          f"per seed{'; --priority' if args.priority else ''}", flush=True)
     print(HEADER, flush=True)
-    with tempfile.TemporaryDirectory(prefix="rrl-bench-train-") as out:
+    with tempfile.TemporaryDirectory(prefix="rrl-bench-train-") as out, \
+            autogroup_priority(args.priority):
         for seed in args.seeds:
             rows, wall = run_seed(seed, Path(out) / f"seed-{seed}", extra)
             print(table_row(seed, rows, wall), flush=True)

@@ -1,0 +1,98 @@
+"""``replayrl bench steps``: the per-step time breakdown of this checkout against another commit.
+
+Checks ``--baseline`` (a git revision) out into a temporary worktree and runs ``replayrl train``
+(``--steps`` steps, default settings plus the flags after ``--``) from the baseline tree and from
+this checkout, alternated back to back (baseline, this, baseline, this, ...; ``--runs`` each), so
+both see the same machine load. Each run is a fresh process tree, exactly as a user runs it. For
+every ``*_seconds`` key of ``metrics.jsonl`` (the per-step breakdown, docs/design.md §5) it
+prints the median over steps ``--warmup .. steps - 2`` of each run (the first steps warm up; the
+last has no overlapping generation), the median of those over the runs, and the ratio this /
+baseline. With ``--priority`` the runs go ahead of other sessions' jobs (:mod:`tools.priority`).
+
+Needs ``git`` and a git checkout of replayrl; the baseline must accept the same flags.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Sequence
+
+from tools.priority import autogroup_priority
+from transport import strict_json
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_medians(tree: Path, steps: int, warmup: int, output_dir: Path,
+                extra: Sequence[str]) -> dict[str, float]:
+    """One ``replayrl train`` from ``tree``; median of each ``*_seconds`` key over the steady steps.
+
+    Raises:
+        subprocess.CalledProcessError: the run failed (its output is shown).
+    """
+    subprocess.run([sys.executable, "-m", "tools.cli", "train", "--num-steps", str(steps),
+                    "--no-progress", "--output-dir", str(output_dir), *extra],
+                   cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)}, check=True,
+                   stdout=subprocess.DEVNULL)
+    rows = [strict_json.loads(line) for line in
+            (output_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steady = rows[warmup:-1] or rows
+    keys = sorted({k for r in steady for k in r if k.endswith("_seconds")})
+    return {k: statistics.median(r[k] for r in steady if k in r) for k in keys}
+
+
+def table(baseline: str, before: list[dict[str, float]], after: list[dict[str, float]]) -> str:
+    """Markdown table: key | baseline | this checkout | ratio (medians over runs)."""
+    lines = [f"| key | {baseline} | this checkout | this / {baseline} |", "|---|---:|---:|---:|"]
+    for key in sorted({k for run in before + after for k in run}):
+        b = [run[key] for run in before if key in run]
+        a = [run[key] for run in after if key in run]
+        if not a or not b:
+            continue
+        mb, ma = statistics.median(b), statistics.median(a)
+        ratio = f"{ma / mb:.2f}" if mb > 0 else "n/a"
+        lines.append(f"| `{key}` | {mb:.4f} | {ma:.4f} | {ratio} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry: prints the table (and the runs' settings) on stdout."""
+    parser = argparse.ArgumentParser(prog="replayrl bench steps", description=__doc__.splitlines()[0])
+    parser.add_argument("--baseline", required=True, help="git revision to compare against")
+    parser.add_argument("--runs", type=int, default=2, help="runs of each side (2)")
+    parser.add_argument("--steps", type=int, default=100, help="steps per run (100)")
+    parser.add_argument("--warmup", type=int, default=10, help="first steps left out (10)")
+    parser.add_argument("--priority", action="store_true",
+                        help="run ahead of other sessions' jobs (Linux autogroup; root)")
+    parser.add_argument("run_args", nargs=argparse.REMAINDER, help="-- flags for both runs")
+    args = parser.parse_args(argv)
+    extra = [a for a in args.run_args if a != "--"]
+    with tempfile.TemporaryDirectory(prefix="replayrl-bench-steps-") as tmp:
+        tree = Path(tmp) / "baseline"
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(tree),
+                        args.baseline], check=True)
+        try:
+            before, after = [], []
+            with autogroup_priority(args.priority):
+                for i in range(args.runs):
+                    before.append(run_medians(tree, args.steps, args.warmup,
+                                              Path(tmp) / f"baseline-{i}", extra))
+                    after.append(run_medians(ROOT, args.steps, args.warmup,
+                                             Path(tmp) / f"this-{i}", extra))
+        finally:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)],
+                           check=False)
+    print(f"replayrl train --num-steps {args.steps} {' '.join(extra)}; {args.runs} runs per side, "
+          f"alternated; median over steps {args.warmup}..{args.steps - 2} per run, then over runs"
+          f"{'; --priority' if args.priority else ''}\n")
+    print(table(args.baseline, before, after))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -85,6 +85,7 @@ async def test_a_bad_row_stops_the_run_before_any_process_starts(tmp_path):
 @pytest.mark.parametrize("values, match", [
     ({"eval-interval": 5}, "--eval-interval needs at least one --eval-prompt-data"),
     ({"eval-prompt-data": ("a", "x.jsonl", "b")}, "--eval-prompt-data must be NAME FILE pairs"),
+    ({"eval-prompt-data": ("a", "x.jsonl")}, "--eval-prompt-data is evaluated every --eval-interval"),
     ({"rm-type": "regex"}, "--rm-type must be digits, exact or math"),
     ({"apply-chat-template-kwargs": "[1]"}, "--apply-chat-template-kwargs must be a JSON object"),
     ({"reward-failure": "skip"}, "--reward-failure must be error or zero"),
@@ -92,6 +93,19 @@ async def test_a_bad_row_stops_the_run_before_any_process_starts(tmp_path):
 def test_bad_settings_name_the_flag(values, match):
     with pytest.raises(ConfigError, match=match):
         build_config(values)
+
+
+async def test_the_digits_reward_on_text_labels_is_refused_before_start(tmp_path):
+    user = _user_files(tmp_path)
+    train = Path(user["prompt-data"])
+    lines = train.read_text().splitlines()
+    lines[4] = json.dumps({"prompt": json.loads(lines[4])["prompt"], "label": "five"})
+    train.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ConfigError, match=r"--rm-type digits needs labels that are one "
+                                          r"vocabulary token .*train\.jsonl:5 has the label 'five'"):
+        await launch(build_config({**SMALL, **user, "rm-type": "digits", "num-steps": 1,
+                                   "output-dir": str(tmp_path / "run")}))
+    assert not (tmp_path / "run" / "config.json").exists()  # refused before anything started
 
 
 async def test_more_steps_than_the_epochs_hold_is_refused(tmp_path):

@@ -150,6 +150,9 @@ class RunConfig:
         ]
         if self.eval_interval and not self.rollout.eval_prompt_data:
             checks.append((False, "--eval-interval needs at least one --eval-prompt-data NAME FILE"))
+        if self.rollout.eval_prompt_data and not self.eval_interval:
+            checks.append((False, "--eval-prompt-data is evaluated every --eval-interval N steps "
+                                  "(and after the last); give --eval-interval"))
         names = [n for n, _ in self.rollout.eval_sets()]
         if len(set(names)) != len(names):
             checks.append((False, f"--eval-prompt-data names must differ, got {names}"))

@@ -218,6 +218,15 @@ def check_prompt_data(config: RunConfig, checkpoint_dir: Path) -> None:
             load_math_verify()
     except (TokenizerError, PromptDataError, RewardError) as exc:
         raise ConfigError(str(exc)) from None
+    if r.rm_type == "digits" and not r.custom_reward:
+        # the digits reward compares token ids: a text label would fail at the first reward
+        for name, rows in (("--prompt-data", prompts.train), *prompts.evals):
+            bad = next((p for p in rows if p.answer_id < 0), None)
+            if bad is not None:
+                raise ConfigError(
+                    f"--rm-type digits needs labels that are one vocabulary token (an answer "
+                    f"digit), but {bad.source or f'{name} row {bad.index}'} has the label "
+                    f"{bad.label!r}; use --rm-type exact or math for text answers")
     needed = config.num_steps * r.rollout_batch_size
     if r.num_epoch and needed > r.num_epoch * len(prompts.train):
         raise ConfigError(f"--num-steps {config.num_steps} x --rollout-batch-size "

@@ -52,3 +52,16 @@ def test_the_example_writes_a_checkpoint_and_prompts_the_run_can_read(tmp_path):
                                vocab_size=len(VOCABULARY), max_positions=256)
     words = ["<bos>", *first["prompt"].split(), "answer", ":"]
     assert prompts.train[0].prompt_ids.tolist() == tok.tokenizer.convert_tokens_to_ids(words)
+
+
+def test_a_resumed_run_keeps_the_earlier_rows_before_its_checkpoint(tmp_path):
+    earlier = [{"step": s, "reward_mean": s / 10} for s in range(5)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in earlier))
+    # resumed from the checkpoint after 2 steps: steps 2.. are trained again, so their old rows go
+    with MetricsRecorder(tmp_path, 3, show_progress=False, resume_step=2) as recorder:
+        recorder.record({"step": 2, "reward_mean": 0.9})
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert lines == earlier[:2] + [{"step": 2, "reward_mean": 0.9}] == recorder.rows
+    with MetricsRecorder(tmp_path, 1, show_progress=False) as fresh:  # not a resume: empty
+        pass
+    assert (tmp_path / "metrics.jsonl").read_text() == "" and fresh.rows == []

@@ -35,7 +35,7 @@ from rollout.task import VOCABULARY
 from rollout.sample import required_traces
 from tools.config import ConfigError, RunConfig
 from tools.metrics import MetricsRecorder
-from tools.train_loop import train_loop
+from tools.train_loop import checkpoint_next_step, train_loop
 
 
 @dataclass(frozen=True)
@@ -326,8 +326,9 @@ async def launch(config: RunConfig, log_level: int = logging.WARNING,
         specs = specs if specs is not None else actor_specs(config, checkpoint)
         directory = Directory.for_run(run_dir, [s.name for s in specs], config.transport,
                                       curve_keys=config.curve_keys)
+        resume = checkpoint_next_step(Path(config.load)) if config.load else None
         with MetricsRecorder(output, config.num_steps, config.progress, hooks, config,
-                             tensorboard=config.use_tensorboard) as recorder:
+                             tensorboard=config.use_tensorboard, resume_step=resume) as recorder:
             async with Supervisor(specs, directory, run_dir, log_level=log_level) as supervisor:
                 loop_task = asyncio.ensure_future(train_loop(directory, config, recorder.record))
                 watch_task = asyncio.ensure_future(supervisor.watch())

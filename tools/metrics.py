@@ -82,11 +82,15 @@ class MetricsRecorder:
     ``hooks`` (``--metrics-hook``) are called after each step as ``hook(config, metrics)`` with
     the frozen run config and a read-only view of the step's metrics: a logger can neither change
     the run nor what later loggers see, and nothing is copied defensively.
+    With ``resume_step`` (a run resumed with ``--load`` from a checkpoint taken after
+    ``resume_step`` steps) the rows of an earlier ``metrics.jsonl`` in ``output_dir`` for the
+    steps before it are kept, and count in :meth:`summary` and :meth:`plot`; its rows of later
+    steps, which the resumed run trains again, are dropped. Without it the file starts empty.
     """
 
     def __init__(self, output_dir: str | Path, num_steps: int, show_progress: bool = True,
                  hooks: Sequence[Callable[[Any, Mapping], None]] = (), config: Any = None,
-                 tensorboard: bool = False) -> None:
+                 tensorboard: bool = False, resume_step: int | None = None) -> None:
         self.hooks = tuple(hooks)
         self._tensorboard = open_tensorboard(Path(output_dir) / "tensorboard") if tensorboard else None
         self.config = config
@@ -94,7 +98,14 @@ class MetricsRecorder:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.output_dir / "metrics.jsonl"
         self.rows: list[dict] = []
+        if resume_step is not None and self.path.exists():
+            earlier = [strict_json.loads(line) for line in self.path.read_text().splitlines()
+                       if line.strip()]
+            self.rows = [r for r in earlier if r.get("step", resume_step) < resume_step]
         self._file = self.path.open("w")
+        for row in self.rows:
+            self._file.write(strict_json.dumps(row) + "\n")
+        self._file.flush()
         self._progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
                                   TextColumn("{task.fields[status]}"), TimeElapsedColumn(),
                                   disable=not show_progress)

@@ -32,7 +32,7 @@ from tools.config import ConfigError, RunConfig, add_run_flags, config_from_args
 from tools.exit_codes import exit_code
 from tools.launcher import actor_specs, check_prompt_data, initial_checkpoint, write_embedded_tokenizer
 from tools.metrics import MetricsRecorder
-from tools.train_loop import train_loop
+from tools.train_loop import checkpoint_next_step, train_loop
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 DRIVER_ACTORS = ("version_clock", "rollout_manager")
@@ -107,7 +107,9 @@ async def _drive(config: RunConfig, specs: list[ActorSpec], directory: Directory
                 except ActorError:
                     if time.monotonic() > deadline:
                         raise ActorError(f"rank serving {name!r} not ready after {ready_timeout} s")
-        with MetricsRecorder(config.output_dir, config.num_steps, config.progress) as recorder:
+        resume = checkpoint_next_step(Path(config.load)) if config.load else None
+        with MetricsRecorder(config.output_dir, config.num_steps, config.progress,
+                             resume_step=resume) as recorder:
             await train_loop(directory, config, recorder.record)
         recorder.plot()
         return recorder.summary()

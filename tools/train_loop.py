@@ -126,6 +126,15 @@ async def save_checkpoint(directory: Directory, path: Path, next_step: int,
     os.replace(partial, path)
 
 
+def checkpoint_next_step(path: Path) -> int:
+    """The step a run resumed from checkpoint ``path`` continues from (its ``run_state.json``).
+
+    Raises:
+        FileNotFoundError: ``path`` is not a replayrl checkpoint.
+    """
+    return int(strict_json.loads((path / "run_state.json").read_text())["next_step"])
+
+
 async def load_checkpoint(directory: Directory, path: Path) -> int:
     """Restore every actor from ``path``; returns the step to continue from.
 

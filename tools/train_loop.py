@@ -60,6 +60,11 @@ async def push_after(trained: dict, trainer, wait: bool = True) -> dict:
     return await trainer.push_weights(wait)
 
 
+def _served(push: dict, served: int) -> int:
+    """The version the engines serve after ``push`` (unchanged after a skipped step's NO_PUSH)."""
+    return push["version"] if push["version"] is not None else served
+
+
 def step_metrics(step: int, summary: dict, trained: dict, push: dict, step_seconds: float) -> dict:
     """The metrics row of one step, as ``metrics.jsonl`` records it (also ``ReplSession.step``).
 
@@ -176,7 +181,7 @@ async def train_loop(directory: Directory, config: RunConfig,
         for step in range(first, config.num_steps):
             step_start = time.perf_counter()
             summary, trained, push, waits = await sync_step(manager, trainer, step)
-            served = push["version"] if push["version"] is not None else served
+            served = _served(push, served)
             evaluation = {}
             if config.eval_interval and ((step + 1) % config.eval_interval == 0
                                          or step + 1 == config.num_steps):
@@ -207,7 +212,7 @@ async def train_loop(directory: Directory, config: RunConfig,
             # sent, not awaited: the engines load while the next step trains (a checkpoint
             # waits for the load, so the clock it saves has recorded it)
             push = await push_after(trained, trainer, wait=bool(saving))
-            served = push["version"] if push["version"] is not None else served
+            served = _served(push, served)
         # the two sides of the overlap: who waited for whom, from the driver's clock
         waits = {"wait_for_rollout_seconds": max(0.0, generated_at[-1] - trained_at),
                  "wait_for_trainer_seconds": max(0.0, trained_at - generated_at[-1])
@@ -217,7 +222,7 @@ async def train_loop(directory: Directory, config: RunConfig,
                                      or step + 1 == config.num_steps):
             if next_rollout is None:  # the last step: its weights are not pushed otherwise
                 push = await push_after(trained, trainer)
-                served = push["version"] if push["version"] is not None else served
+                served = _served(push, served)
             evaluation = await manager.evaluate(step + 1, min_version=served)
         await save_outputs(directory, trainer, config, step)
         on_step({**step_metrics(step, summary, trained, push, time.perf_counter() - step_start),

@@ -201,29 +201,18 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         self.experts = nn.ModuleList(
             Qwen3MoeMLP(config.hidden_size, config.moe_intermediate_size)
             for _ in range(config.num_experts))
-        self._stack_cache: dict[tuple[str, ...], tuple[tuple, torch.Tensor]] = {}
 
     def _stacked(self, *projections: str) -> torch.Tensor:
         """The experts' `projections` weights as one `[E, in, out]` tensor (a transposed view of
         `[E, out, in]`, projections concatenated along out), differentiable into each expert's
         nn.Linear, which keeps HF's per-expert parameter names.
 
-        Without gradients (the engine, a no-grad trainer forward) the stack is kept and reused
-        until a weight is replaced or changed in place (its version counter moves): stacking
-        is ~2 ms of a ~20 ms engine step on the default model, and the weights change once per
-        policy version, not per forward."""
-        weights = [getattr(e, p).weight for e in self.experts for p in projections]
-        stack = lambda: torch.stack([torch.cat(weights[i:i + len(projections)])
-                                     if len(projections) > 1 else weights[i]
-                                     for i in range(0, len(weights), len(projections))]
-                                    ).transpose(-2, -1)
-        if torch.is_grad_enabled():
-            return stack()
-        key = tuple((id(w), w._version) for w in weights)
-        cached = self._stack_cache.get(projections)
-        if cached is None or cached[0] != key:
-            cached = self._stack_cache[projections] = (key, stack())
-        return cached[1]
+        Built anew by every forward, also without gradients: a cache keyed by the weights'
+        version counters would go stale, because fused AdamW updates parameters in place
+        without bumping them (tests/test_model_expert_stack.py)."""
+        return torch.stack([torch.cat([getattr(e, p).weight for p in projections])
+                            if len(projections) > 1 else getattr(e, projections[0]).weight
+                            for e in self.experts]).transpose(-2, -1)
 
     def forward(self, x: torch.Tensor, replay: torch.Tensor | None):
         """x `[B, S, hidden]`, replay int `[B, S, K]` or None -> (output, experts used int64

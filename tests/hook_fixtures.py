@@ -49,3 +49,23 @@ def slow_reward(prompt_ids, response_ids, loss_mask, answer_id, config) -> float
 
     time.sleep(60)  # far over the test's 0.5 s limit; its daemon thread does not hold the exit
     return 1.0
+
+
+HOLD_ENV = "REPLAYRL_TEST_HOLD_FILE"
+
+
+def hold_after_first_step(config, metrics) -> None:
+    """Hold the driver after step 0 until the file named by ``$REPLAYRL_TEST_HOLD_FILE``
+    exists (at most 120 s): a test then knows the run is still live while it attaches."""
+    import os
+    import time
+    from pathlib import Path
+
+    if metrics["step"] != 0:
+        return
+    release = Path(os.environ[HOLD_ENV])
+    deadline = time.monotonic() + 120.0
+    while not release.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{release} was not created within 120 s")
+        time.sleep(0.05)

@@ -28,6 +28,7 @@ from pathlib import Path
 from actors import ActorError, Directory, run_event_loop
 from actors.ref import use_curve_keys
 from actors.spawn import ActorSpec, import_actor_class, serve_actor
+from tools.attach import remove_attach_card, write_attach_card
 from tools.config import ConfigError, RunConfig, add_run_flags, config_from_args
 from tools.exit_codes import exit_code
 from tools.launcher import actor_specs, check_prompt_data, initial_checkpoint, write_embedded_tokenizer
@@ -107,11 +108,13 @@ async def _drive(config: RunConfig, specs: list[ActorSpec], directory: Directory
                 except ActorError:
                     if time.monotonic() > deadline:
                         raise ActorError(f"rank serving {name!r} not ready after {ready_timeout} s")
+        write_attach_card(config.output_dir, directory)  # `replayrl repl --attach` finds the run
         with MetricsRecorder(config.output_dir, config.num_steps, config.progress) as recorder:
             await train_loop(directory, config, recorder.record)
         recorder.plot()
         return recorder.summary()
     finally:
+        remove_attach_card(config.output_dir, directory)
         for name in [*remote, *DRIVER_ACTORS]:
             try:
                 await directory.ref(name).call("__stop__", timeout=5.0)

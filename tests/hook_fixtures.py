@@ -69,3 +69,21 @@ def hold_after_first_step(config, metrics) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"{release} was not created within 120 s")
         time.sleep(0.05)
+
+
+def held_reward(prompt_ids, response_ids, loss_mask, answer_id, config) -> float:
+    """A ``--custom-reward`` that holds its first call until ``$REPLAYRL_TEST_HOLD_FILE`` exists
+    (at most 120 s; give ``--reward-timeout-seconds`` more). Custom rewards run in a thread, so
+    the rollout manager, and the clock on its torchrun rank, keep answering while it waits;
+    then 1.0 when the response starts with the answer digit."""
+    import os
+    import time
+    from pathlib import Path
+
+    release = Path(os.environ[HOLD_ENV])
+    deadline = time.monotonic() + 120.0
+    while not release.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{release} was not created within 120 s")
+        time.sleep(0.05)
+    return float(len(response_ids) > 0 and int(response_ids[0]) == answer_id)

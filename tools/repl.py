@@ -297,8 +297,9 @@ class ReplSession:
     def run(self, coro: Coroutine[Any, Any, Any]) -> Any:
         """Run ``coro`` on the session's loop and block until it finishes; return its result.
 
-        The coroutine races the supervisor's watch, so an actor process that dies ends the wait
-        with :class:`actors.ActorDied` instead of a timeout. Ctrl-C (KeyboardInterrupt) cancels
+        On a session's own actors the coroutine races the supervisor's watch, so an actor
+        process that dies ends the wait with :class:`actors.ActorDied` instead of a timeout
+        (attached, a lost peer fails the call with :class:`actors.errors.PeerLost`). Ctrl-C (KeyboardInterrupt) cancels
         the coroutine on the loop before propagating.
 
         Raises:

@@ -201,6 +201,7 @@ def test_attach_through_a_terminal_pauses_resumes_and_detaches_without_disturbin
          "--n-samples-per-prompt", "2", "--num-steps", str(steps), "--no-progress",
          "--output-dir", str(out), "--metrics-hook", "tests.hook_fixtures:hold_after_first_step"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    repl = None
     try:
         _wait_for(out / "attach.json", run)
         endpoints = json.loads((out / "attach.json").read_text())["endpoints"]
@@ -291,6 +292,8 @@ def test_attach_through_a_terminal_pauses_resumes_and_detaches_without_disturbin
         assert run.returncode == 0, err
     finally:
         release.touch()
+        if repl is not None and repl.isalive():
+            repl.close(force=True)
         if run.poll() is None:
             run.kill()
             run.wait()

@@ -31,7 +31,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 _CONCURRENT = "_replayrl_concurrent"
-_BUILTINS = ("__ping__", "__stop__", "__interface__")  # answered at once, outside the call order
+# answered at once, outside the call order
+_BUILTINS = ("__ping__", "__stop__", "__interface__", "__directory__")
 
 DEFAULT_MAX_PENDING = 4096
 """Calls an actor holds (queued or running) before it refuses new ones with ``Overloaded``: a
@@ -53,9 +54,11 @@ class Actor:
     """Base class of actors. Subclasses define ``async def`` public methods.
 
     The runtime sets ``self.name`` and ``self.directory`` before :meth:`on_start` runs.
-    Built-in remote methods: ``__ping__`` (liveness; returns ``{"name", "pid"}``), ``__stop__``
-    and ``__interface__`` (the class's public methods and signatures, :mod:`actors.interface`,
-    which typed proxies check calls against).
+    Built-in remote methods: ``__ping__`` (liveness; returns ``{"name", "pid"}``), ``__stop__``,
+    ``__interface__`` (the class's public methods, signatures and docstrings,
+    :mod:`actors.interface`, which typed proxies check calls against) and ``__directory__``
+    (the run's endpoints, ``{name: endpoint}``, so a console given one actor's address finds
+    the others: docs/design.md §21 "REPL attach and multi-host runs").
     """
 
     name: str = ""
@@ -164,6 +167,8 @@ class ActorServer:
             return self._stop
         if method == "__interface__":
             return self._interface
+        if method == "__directory__":
+            return self._directory
         fn = getattr(type(self.actor), method, None)
         # Nothing the Actor base class defines (lifecycle hooks, ref / proxy, name, directory)
         # is a remote method, whatever a subclass overrides: the runtime calls those.
@@ -203,6 +208,11 @@ class ActorServer:
 
     async def _interface(self) -> dict:
         return describe(type(self.actor))
+
+    async def _directory(self) -> dict:
+        # endpoints only: where the run's CURVE keys lie is the caller's own business
+        directory = self.actor.directory
+        return directory.to_dict() if directory is not None else {self.actor.name: self.endpoint}
 
     async def _stop(self) -> bool:
         self.stopped.set()

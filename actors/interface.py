@@ -11,7 +11,7 @@ the import direction of the packages (``tools -> {rollout, trainer} -> actors``)
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping
 
@@ -59,8 +59,10 @@ def describe(cls: type) -> dict:
 
     Returns:
         ``{"actor_class": str, "methods": {name: {"params": [[param name, kind name,
-        has default], ...], "text": "name(a: int, *, b=1) -> dict"}}}`` with ``self`` left out;
-        kind names are :class:`inspect.Parameter` kinds (``"POSITIONAL_OR_KEYWORD"``, ...).
+        has default], ...], "text": "name(a: int, *, b=1) -> dict", "doc": str}}}`` with
+        ``self`` left out; kind names are :class:`inspect.Parameter` kinds
+        (``"POSITIONAL_OR_KEYWORD"``, ...); ``doc`` is the method's docstring, cleaned by
+        :func:`inspect.getdoc` (``""`` when it has none), for consoles that list the methods.
     """
     methods = {}
     for name, fn in public_methods(cls).items():
@@ -70,7 +72,7 @@ def describe(cls: type) -> dict:
             parameters=[p.replace(annotation=_plain(p.annotation)) for p in params],
             return_annotation=_plain(signature.return_annotation)))
         methods[name] = {"params": [[p.name, p.kind.name, p.default is not p.empty] for p in params],
-                         "text": f"{name}{text}"}
+                         "text": f"{name}{text}", "doc": inspect.getdoc(fn) or ""}
     return {"actor_class": cls.__name__, "methods": methods}
 
 
@@ -83,12 +85,14 @@ class ActorInterface:
         actor_class: its class name.
         signatures: method name -> :class:`inspect.Signature` (without ``self``).
         texts: method name -> signature text for messages (``"train(rollout_id: int) -> dict"``).
+        docs: method name -> docstring (``""`` when the method has none, or the peer sent none).
     """
 
     actor: str
     actor_class: str
     signatures: Mapping[str, inspect.Signature]
     texts: Mapping[str, str]
+    docs: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
 
     @classmethod
     def from_description(cls, actor: str, description: dict) -> "ActorInterface":
@@ -96,15 +100,16 @@ class ActorInterface:
         from actors.errors import ProtocolError
 
         try:
-            signatures, texts = {}, {}
+            signatures, texts, docs = {}, {}, {}
             for name, spec in description["methods"].items():
                 signatures[name] = inspect.Signature([
                     inspect.Parameter(p, getattr(inspect.Parameter, kind),
                                       default=None if has_default else inspect.Parameter.empty)
                     for p, kind, has_default in spec["params"]])
                 texts[name] = str(spec["text"])
+                docs[name] = str(spec.get("doc", ""))
             return cls(actor, str(description["actor_class"]), MappingProxyType(signatures),
-                       MappingProxyType(texts))
+                       MappingProxyType(texts), MappingProxyType(docs))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ProtocolError(f"actor {actor!r} sent a malformed interface: "
                                 f"{type(exc).__name__}: {exc}") from None

@@ -29,6 +29,7 @@ from rollout.config import RolloutConfig
 from rollout.data_source import Prompt, PromptDataSource
 from rollout.engines.base import generations_from_columns
 from rollout.evaluation import eval_metrics
+from rollout.generation_gate import GenerationGate
 from rollout.prompt_data import load_run_prompts
 from rollout.rewards import RewardError, RewardGuard, exact_reward, load_math_verify, math_reward
 from rollout.sample import Sample, samples_to_columns
@@ -106,6 +107,8 @@ class RolloutManager(Actor):
         self.batches: dict[int, list[Sample]] = {}
         self.next_sample_id = 0
         self.next_group_id = 0
+        self.gate = GenerationGate()  # pause_generation / resume_generation
+        self.latest_sample: Sample | None = None  # for consoles: last_sample()
 
     async def _episodes(self, engine: str, prompts: list[np.ndarray], seed: int, sampling: dict,
                         max_new_tokens: int, min_version: int | None) -> list[Episode]:
@@ -115,10 +118,11 @@ class RolloutManager(Actor):
         actor = self.proxy(engine, timeout=cfg.generate_timeout_s)
 
         async def generate_turn(contexts: list[list[int]], turn_seed: int):
-            reply = await actor.generate([np.asarray(c, dtype=np.int32) for c in contexts],
-                                         sampling, max_new_tokens=max_new_tokens,
-                                         eos_token_id=self.tokenizer.eos_token_id, seed=turn_seed,
-                                         min_version=min_version)
+            async with self.gate.request():  # held here while generation is paused
+                reply = await actor.generate([np.asarray(c, dtype=np.int32) for c in contexts],
+                                             sampling, max_new_tokens=max_new_tokens,
+                                             eos_token_id=self.tokenizer.eos_token_id,
+                                             seed=turn_seed, min_version=min_version)
             return generations_from_columns(reply["generations"]), reply["version"]
 
         return await run_episodes(generate_turn, prompts, max_turns=cfg.max_turns,
@@ -163,6 +167,8 @@ class RolloutManager(Actor):
                                                           kw["loss_mask"]))
                    for kw, p in unscored]
         samples.sort(key=lambda s: (s.group_id, s.sample_id))  # groups contiguous for GRPO
+        if samples:
+            self.latest_sample = samples[-1]
         return samples
 
     async def _reward(self, sample_id: int | str, prompt: Prompt, response_ids: np.ndarray,
@@ -334,6 +340,48 @@ class RolloutManager(Actor):
                 value.flags.writeable = False
         return dict(sample_id=sample_id, group_id=group_id, rollout_id=rollout_id,
                     policy_version=version, prompt_ids=prompt.prompt_ids, status=status, **fields)
+
+    @concurrent  # waits for the engines; must not hold up take_batch behind it
+    async def pause_generation(self, wait: bool = True) -> dict:
+        """Pause generation: engine requests not yet sent wait until :meth:`resume_generation`;
+        those already at an engine finish (docs/design.md §21 "REPL attach and multi-host runs").
+
+        Weight versions are untouched: a held request is later served at whatever version the
+        engine then has, and the loop pushes no weights while a rollout it waits for is held, so
+        the samples' versions and the clock's window are those of a run never paused. A trainer
+        whose exact-refill call waits at the gate longer than ``--rs-refill-rpc-timeout-seconds`` fails
+        its step, as for a slow engine.
+
+        Args:
+            wait: return only once no engine request is in flight (the engines are idle).
+        Returns:
+            ``{"paused": True, "in_flight": int, "held": int}``
+            (:meth:`rollout.generation_gate.GenerationGate.state`).
+        """
+        self.gate.pause()
+        if wait:
+            await self.gate.drained()
+        return self.gate.state()
+
+    @concurrent
+    async def resume_generation(self) -> dict:
+        """Let held engine requests go on; returns the gate's state as :meth:`pause_generation`."""
+        self.gate.resume()
+        return self.gate.state()
+
+    @concurrent
+    async def generation_status(self) -> dict:
+        """The gate's state without changing it, as :meth:`pause_generation` returns it."""
+        return self.gate.state()
+
+    async def last_sample(self) -> dict:
+        """The most recently scored trajectory (training or refill), as one-row columns
+        (``rollout.sample.samples_to_columns``: ids, loss mask, logprobs, reward and every
+        captured trace, e.g. ``routed_experts`` int32 ``[P + R - 1, layers, top_k]``);
+        ``{}`` before the first rollout. Read-only: nothing is taken from a stored batch."""
+        if self.latest_sample is None:
+            return {}
+        return samples_to_columns([self.latest_sample])
 
     async def take_batch(self, rollout_id: int) -> dict:
         """Hand over (and forget) a stored batch as columns (``rollout.sample.samples_to_columns``),

@@ -24,6 +24,9 @@ class EchoActor(Actor):
         return float(np.asarray(array, dtype=np.float64).sum())
 
     async def fail(self, message: str) -> None:
+        """Raise ``ValueError(message)``.
+
+        (A docstring for the interface tests.)"""
         raise ValueError(message)
 
     async def sleep(self, seconds: float) -> str:

@@ -24,7 +24,8 @@ def test_describe_lists_public_async_methods_without_self_or_hooks():
     assert set(info["methods"]) == {"echo", "total", "fail", "sleep", "sleep_concurrently",
                                     "record", "recorded", "pid", "crash", "torch_imported", "type_name"}
     assert info["methods"]["record"] == {"params": [["i", "POSITIONAL_OR_KEYWORD", False]],
-                                         "text": "record(i: int) -> None"}
+                                         "text": "record(i: int) -> None",
+                                         "doc": ""}
 
 
 async def test_proxy_checks_calls_at_the_call_site(run_dir):
@@ -47,6 +48,12 @@ async def test_proxy_checks_calls_at_the_call_site(run_dir):
             await a.record(1, j=1)
         # none of the refused calls reached the actor
         assert await a.recorded() == [5]
+
+        # the interface carries docstrings (for consoles), and any actor tells the run's endpoints
+        docs = (await a.interface()).docs
+        assert docs["fail"] == "Raise ``ValueError(message)``.\n\n(A docstring for the interface tests.)"
+        assert docs["record"] == ""
+        assert await directory.ref("a").call("__directory__", timeout=30) == directory.to_dict()
 
         # a remote failure is still a RemoteError, and the proxy's timeout applies
         with pytest.raises(RemoteError, match="bad"):

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import ast
+import inspect
+import json
 import os
 import re
 import subprocess
@@ -160,3 +162,156 @@ def test_repl_command_reads_stdin_and_stops_every_actor(tmp_path):
     assert "has no method 'no_such_method'" in proc.stderr
     assert not [p for p in pids if _alive(p)]
     assert [p for p in tmp.iterdir() if p.name.startswith("replayrl-")] == []  # ipc dir gone
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def _plain(text: str) -> str:
+    """Terminal output without escape sequences and with whitespace runs made single spaces."""
+    return " ".join(_ANSI.sub("", text).split())
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, seconds: float = 240.0) -> None:
+    """Bounded wait for ``path`` to appear while ``proc`` lives (not a timing assertion)."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not path.exists():
+        assert proc.poll() is None, f"the run ended early: {proc.stderr.read()}"
+        assert time.monotonic() < deadline, f"{path} did not appear within {seconds} s"
+        time.sleep(0.1)
+
+
+def test_attach_through_a_terminal_pauses_resumes_and_detaches_without_disturbing_the_run(tmp_path):
+    """A user at a terminal attaches to a live ``replayrl train``: lists methods with their
+    docstrings (Tab-completes one), sees the clock, metrics and a sample's traces, pauses
+    generation, and detaches while paused; the run then finishes every step with exact versions."""
+    pexpect = pytest.importorskip("pexpect")
+    from rollout.manager import RolloutManager
+    from tests.hook_fixtures import HOLD_ENV
+
+    tmp, out, release = tmp_path / "tmp", tmp_path / "out", tmp_path / "release"
+    tmp.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": str(REPO), HOLD_ENV: str(release),
+           "PROMPT_TOOLKIT_NO_CPR": "1", "TERM": "xterm"}
+    steps = 4
+    run = subprocess.Popen(
+        [sys.executable, "-m", "tools.cli", "train", "--rollout-batch-size", "2",
+         "--n-samples-per-prompt", "2", "--num-steps", str(steps), "--no-progress",
+         "--output-dir", str(out), "--metrics-hook", "tests.hook_fixtures:hold_after_first_step"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    repl = None
+    try:
+        _wait_for(out / "attach.json", run)
+        endpoints = json.loads((out / "attach.json").read_text())["endpoints"]
+        config = build_config({**TINY, "num-steps": steps})
+
+        # attached by one actor's address (a pipe, not a terminal): it finds every actor
+        by_address = subprocess.run(
+            [sys.executable, "-m", "tools.cli", "repl", "--attach", endpoints["version_clock"]],
+            cwd=REPO, env=env, input="print('NAMES', sorted(actors))\nmetrics()\n",
+            capture_output=True, text=True, timeout=120)
+        assert by_address.returncode == 0, by_address.stderr
+        assert ast.literal_eval(re.search(r"NAMES (.*)", by_address.stdout).group(1)) == sorted(endpoints)
+        assert "metrics.jsonl is on the driver's host" in by_address.stderr
+        assert "step()" not in by_address.stdout.split("attached")[0].replace("steps nothing", "")
+
+        repl = pexpect.spawn(sys.executable, ["-m", "tools.cli", "repl", "--attach", str(out)],
+                             cwd=str(REPO), env=env, encoding="utf-8", timeout=120,
+                             dimensions=(50, 200))
+        # a new prompt turns bracketed paste on (prompt_toolkit); the line just typed is
+        # redrawn with "replayrl>" in front of it, so the prompt text alone is no marker
+        prompt = re.escape("\x1b[?2004h")
+
+        def enter(line: str) -> str:
+            repl.sendline(line)
+            repl.expect(prompt)
+            return repl.before
+
+        repl.expect(prompt)
+        clock = ast.literal_eval(re.search(r"CLOCK= (\{.*\})", enter("print('CLOCK=', clock())")).group(1))
+        # held after step 0: the trainer is at version 1, nothing is paused
+        assert clock["trainer_version"] == 1 and clock["max_staleness"] == 1
+        assert clock["generation"] == {"paused": False, "in_flight": 0, "held": 0}
+
+        listing = _plain(enter("methods('rollout_manager')"))
+        assert "rollout_manager (RolloutManager)" in listing
+        doc = inspect.getdoc(RolloutManager.pause_generation).split("\n\n")[0]
+        assert "pause_generation(wait: bool = True) -> dict " + " ".join(doc.split()) in listing
+        assert "last_sample() -> dict" in listing and "take_batch(rollout_id: int) -> dict" in listing
+
+        repl.send("rollout_manager.pause_gen\t")  # Tab asks the actor for its methods
+        repl.expect(r"eration\(")  # the completion is drawn after the typed "pause_gen"
+        repl.send("\x7f\r")  # drop the "(": show the method instead of calling it
+        repl.expect(prompt)
+        shown = _plain(repl.before)
+        assert ("rollout_manager.pause_generation(wait: bool = True) -> dict "
+                + " ".join(inspect.getdoc(RolloutManager.pause_generation).split())) in shown
+
+        paused = ast.literal_eval(re.search(r"P= (\{.*\})", enter("print('P=', pause())")).group(1))
+        assert paused == {"paused": True, "in_flight": 0, "held": 0}
+        release.touch()  # the driver goes on: step 1 trains, rollout 2 waits at the gate
+        enter("import time; t0 = time.monotonic()")
+        enter("while (lambda c: c['trainer_version'] < 2 or c['generation']['held'] == 0)(clock()) "
+              "and time.monotonic() - t0 < 180: time.sleep(0.1)")
+        enter("")  # the empty line that ends the block, as a user types it
+        held = ast.literal_eval(re.search(r"HELD= (\{.*\})", enter("print('HELD=', clock())")).group(1))
+        # exact versions while paused: step 1 trained (version 2), but the engine still serves
+        # version 1: the loop pushes only once the held rollout is generated
+        assert held["trainer_version"] == 2 and held["engine_versions"] == {"engine_0": 1}
+        assert held["generation"]["paused"] and held["generation"]["held"] >= 1
+        rows = re.search(r"ROWS= (\[.*\])", enter("print('ROWS=', [r['step'] for r in metrics().value])"))
+        assert ast.literal_eval(rows.group(1)) == [0]  # step 1's row waits for rollout 2
+        assert "step trainer_version reward_mean" in _plain(enter("metrics()"))
+
+        text = _plain(enter("s = sample(); s"))
+        shape = re.search(r"SHAPE= (.*)", enter(
+            "print('SHAPE=', (list(s.value['routed_experts'].shape), "
+            "len(s.value['prompt_ids']) + len(s.value['response_ids']) - 1, "
+            "int(s.value['policy_version'][0])))"))
+        routed, positions, version = ast.literal_eval(shape.group(1))
+        model = config.policy_config
+        moe_layers = sum(1 for i in range(model.num_hidden_layers)
+                         if i not in model.mlp_only_layers and (i + 1) % model.decoder_sparse_step == 0)
+        assert routed == [positions, moe_layers, model.num_experts_per_tok]
+        assert version == 0  # rollout 1 was generated at version 0, overlapping step 0
+        assert f"routed_experts: int32 [{positions}, {moe_layers}, {model.num_experts_per_tok}]" in text
+        assert "traces: sample_support, routed_experts, indexer_topk" in text
+
+        resumed = ast.literal_eval(re.search(r"R= (\{.*\})", enter("print('R=', resume())")).group(1))
+        assert resumed["paused"] is False
+        enter("pause(wait=False)")
+        repl.sendeof()  # detach while paused: the console resumes generation on the way out
+        repl.expect(pexpect.EOF)
+        repl.close()
+        assert repl.exitstatus == 0
+        assert "generation resumed" in repl.before and "detaching; the run goes on" in repl.before
+
+        _, err = run.communicate(timeout=240)
+        assert run.returncode == 0, err
+    finally:
+        release.touch()
+        if repl is not None and repl.isalive():
+            repl.close(force=True)
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(steps))
+    assert [r["trainer_version"] for r in rows] == [1, 2, 3, 4]
+    assert all(0 <= r["staleness_max"] <= 1 for r in rows)
+    assert not (out / "attach.json").exists()
+    assert [p for p in tmp.iterdir() if p.name.startswith("replayrl-")] == []
+
+
+def test_attach_to_no_run_fails_clearly(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-m", "tools.cli", "repl", "--attach", str(tmp_path)],
+                          cwd=REPO, env=env, input="", capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert f"--attach {tmp_path}: no attach.json: no run is live there" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "tools.cli", "repl", "--attach",
+                           "tcp://127.0.0.1:1"], cwd=REPO, env=env, input="",
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "a tcp run needs its CURVE keys" in proc.stderr

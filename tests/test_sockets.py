@@ -229,10 +229,41 @@ async def test_send_to_unknown_peer_and_after_close_raise(tmp_path: Path) -> Non
     "endpoint",
     ["tcp://0.0.0.0:0", "tcp://*:5555", "tcp://eth0:5555", "tcp://10.1.2.3:5555", "tcp://[::]:5555"],
 )
-async def test_non_loopback_tcp_bind_is_refused(endpoint: str) -> None:
+async def test_non_loopback_tcp_bind_without_keys_is_refused(endpoint: str) -> None:
     router = RouterSocket(endpoint, lambda peer, frames: None)
     with pytest.raises(TransportError, match="CURVE"):
         router.bind()
+
+
+async def test_a_wildcard_tcp_bind_with_keys_serves_only_key_holders(curve_keys: CurveKeys,
+                                                                    tmp_path: Path) -> None:
+    """Across hosts an actor listens beyond loopback; CURVE, not the address, admits peers."""
+    from transport.curve import CurveKeys as Keys, create_keys
+
+    got: list = []
+    router = RouterSocket("tcp://0.0.0.0:0", lambda peer, frames: (
+        got.append(bytes(frames[0])), router.send(peer, [b"pong"])), curve=curve_keys)
+    router.bind()
+    port = router.endpoint.rsplit(":", 1)[1]
+    replies: list = []
+    reply = asyncio.get_running_loop().create_future()
+    dealer = DealerSocket(f"tcp://127.0.0.1:{port}", lambda frames: (
+        replies.append(bytes(frames[0])), reply.done() or reply.set_result(None)), curve=curve_keys)
+    dealer.connect()
+    create_keys(tmp_path / "other")
+    stranger = DealerSocket(f"tcp://127.0.0.1:{port}", lambda frames: replies.append(b"stranger"),
+                            curve=Keys.load(tmp_path / "other"))
+    stranger.connect()
+    try:
+        stranger.send([b"from a stranger"])
+        dealer.send([b"ping"])
+        await asyncio.wait_for(reply, 30)
+        await asyncio.sleep(0.2)  # a stranger's message would have arrived by now
+    finally:
+        dealer.close()
+        stranger.close()
+        router.close()
+    assert got == [b"ping"] and replies == [b"pong"]
 
 
 async def test_loopback_variants_bind(curve_keys: CurveKeys) -> None:

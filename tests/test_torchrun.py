@@ -46,3 +46,23 @@ def test_ranks_refuse_to_start_without_curve_keys(tmp_path):
     proc = _torchrun(3, tmp_path)
     assert proc.returncode != 0
     assert "--curve-keys" in proc.stderr
+
+
+def test_each_rank_listens_on_its_own_address_toward_the_master():
+    import pytest
+
+    from actors import ActorSpec
+    from tools.rank_hosts import RendezvousError, own_address
+    from tools.torchrun_entry import directory_for
+
+    assert own_address("127.0.0.1", 29500) == "127.0.0.1"  # one node: the loopback route
+    with pytest.raises(RendezvousError, match="MASTER_ADDR=no-such-host.invalid"):
+        own_address("no-such-host.invalid", 29500)
+    specs = [ActorSpec(n, "x:Y") for n in ("version_clock", "engine_0", "rollout_manager", "trainer")]
+    hosts = {"version_clock": "10.0.0.1", "engine_0": "10.0.0.1", "rollout_manager": "10.0.0.1",
+             "trainer": "fd00::2"}
+    directory = directory_for(specs, hosts, 29500, "keys")
+    assert directory.to_dict() == {"version_clock": "tcp://10.0.0.1:29501",
+                                   "engine_0": "tcp://10.0.0.1:29502",
+                                   "rollout_manager": "tcp://10.0.0.1:29503",
+                                   "trainer": "tcp://[fd00::2]:29504"}

@@ -72,8 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
                        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                        help="log level of the actor processes (default: WARNING)")
     train.set_defaults(func=_train)
-    repl = sub.add_parser("repl", help="interactive actor REPL on a live run")
+    repl = sub.add_parser("repl", help="interactive actor REPL: on its own actors, or attached "
+                                       "to a running run (--attach)")
     add_run_flags(repl)
+    repl.add_argument("--attach", default="", metavar="RUN",
+                      help="attach to a running run instead of starting actors: its --output-dir "
+                           "(where it keeps attach.json), or any actor's address tcp://HOST:PORT "
+                           "(with --curve-keys) / ipc://PATH; leaving never stops the run")
     repl.set_defaults(func=_repl)
     keys = sub.add_parser("keys", help="make a run's CURVE key pair (needed by --transport tcp)")
     keys.add_argument("directory", help="where run.key and run.key_secret (mode 600) are written")

@@ -2,7 +2,9 @@
 
 Processes: ``version_clock``, ``rollout_manager``, ``engine_0..`` and ``trainer``; this process
 drives the loop. Any actor that dies ends the run at once with its traceback; Ctrl-C (or any
-error here) stops every actor; the run's ipc directory is removed in every case.
+error here) stops every actor; the run's ipc directory is removed in every case. While the
+actors serve, ``<output-dir>/attach.json`` tells ``replayrl repl --attach`` where they are
+(:mod:`tools.attach`).
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from rollout.rewards import RewardError, load_math_verify
 from rollout.tokenizer import TokenizerError, load_tokenizer
 from rollout.task import VOCABULARY
 from rollout.sample import required_traces
+from tools.attach import remove_attach_card, write_attach_card
 from tools.config import ConfigError, RunConfig
 from tools.metrics import MetricsRecorder
 from tools.train_loop import checkpoint_next_step, train_loop
@@ -322,6 +325,7 @@ async def launch(config: RunConfig, log_level: int = logging.WARNING,
     # written only now: a configuration error leaves an earlier run's record as it was
     (output / "config.json").write_text(config.to_json())
     run_dir = create_run_dir()  # short path: AF_UNIX limit; stale ones of killed launchers go
+    directory = None
     try:
         specs = specs if specs is not None else actor_specs(config, checkpoint)
         directory = Directory.for_run(run_dir, [s.name for s in specs], config.transport,
@@ -330,6 +334,8 @@ async def launch(config: RunConfig, log_level: int = logging.WARNING,
         with MetricsRecorder(output, config.num_steps, config.progress, hooks, config,
                              tensorboard=config.use_tensorboard, resume_step=resume) as recorder:
             async with Supervisor(specs, directory, run_dir, log_level=log_level) as supervisor:
+                # every actor answers: a console may attach (`replayrl repl --attach OUTPUT_DIR`)
+                write_attach_card(output, directory)
                 loop_task = asyncio.ensure_future(train_loop(directory, config, recorder.record))
                 watch_task = asyncio.ensure_future(supervisor.watch())
                 try:
@@ -346,4 +352,6 @@ async def launch(config: RunConfig, log_level: int = logging.WARNING,
         plot = recorder.plot()
         return RunResult(recorder.summary(), recorder.path, plot, recorder.rows)
     finally:
+        if directory is not None:
+            remove_attach_card(output, directory)
         shutil.rmtree(run_dir, ignore_errors=True)

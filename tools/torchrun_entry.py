@@ -1,18 +1,19 @@
-"""Distributed launcher: one actor per torchrun rank, the driver on rank 0.
+"""Distributed launcher: one actor per torchrun rank, the driver on rank 0, on one host or
+many.
 
-Usage::
+Usage (one node; several nodes: the same command on each, with torchrun's ``--nnodes``,
+``--node-rank``, ``--master-addr`` and ``--master-port``)::
 
-    torchrun --nproc-per-node 4 -m tools.torchrun_entry [replayrl train flags]
+    torchrun --nproc-per-node 4 -m tools.torchrun_entry --curve-keys DIR [replayrl train flags]
 
 Roles: rank 0 runs the driver loop and serves ``version_clock`` and ``rollout_manager``;
-ranks ``1 .. W-2`` serve ``engine_0 .. engine_{W-3}``; rank ``W-1`` serves the ``trainer``. Every
-actor listens on ``tcp://MASTER_ADDR:MASTER_PORT + 1 + i`` (``i`` = its index in the run's
-actor list), so the directory is known to every rank without a rendezvous. Every socket is
-CURVE-authenticated with the run's keys (``--curve-keys DIR``, made by ``replayrl keys DIR``).
-Listening on a
-non-loopback address needs CURVE authentication, which the transport does not offer yet, so
-``MASTER_ADDR`` must be a loopback address (one node, several processes) — anything else fails
-before any socket is opened.
+ranks ``1 .. W-2`` serve ``engine_0 .. engine_{W-3}``; rank ``W-1`` serves the ``trainer``. The
+actor with index ``i`` in the run's actor list listens on ``tcp://ADDR:MASTER_PORT + 1 + i``,
+where ``ADDR`` is its rank's address toward ``MASTER_ADDR`` (:mod:`tools.rank_hosts`); the ranks
+exchange their addresses through torchrun's rendezvous store, so every rank builds the same
+directory (docs/design.md §21 "REPL attach and multi-host runs"). Every socket is
+CURVE-authenticated with the run's keys (``--curve-keys DIR``, made by ``replayrl keys DIR`` and
+copied to every host), loopback and network alike.
 """
 from __future__ import annotations
 
@@ -28,13 +29,14 @@ from pathlib import Path
 from actors import ActorError, Directory, run_event_loop
 from actors.ref import use_curve_keys
 from actors.spawn import ActorSpec, import_actor_class, serve_actor
+from tools.attach import remove_attach_card, write_attach_card
 from tools.config import ConfigError, RunConfig, add_run_flags, config_from_args
 from tools.exit_codes import exit_code
 from tools.launcher import actor_specs, check_prompt_data, initial_checkpoint, write_embedded_tokenizer
 from tools.metrics import MetricsRecorder
+from tools.rank_hosts import exchange_addresses, own_address
 from tools.train_loop import checkpoint_next_step, train_loop
 
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
 DRIVER_ACTORS = ("version_clock", "rollout_manager")
 
 
@@ -76,11 +78,17 @@ def _tokenizer_dir(config: RunConfig):
     return Path(config.output_dir) / "tokenizer-init"
 
 
-def directory_for(specs: list[ActorSpec], host: str, base_port: int, curve_keys: str) -> Directory:
-    """``name -> tcp://host:base_port + 1 + i`` for the run's actors, with the run's CURVE key
-    directory (``--curve-keys``)."""
-    return Directory({s.name: f"tcp://{host}:{base_port + 1 + i}" for i, s in enumerate(specs)},
-                     curve_keys)
+def directory_for(specs: list[ActorSpec], hosts: dict[str, str], base_port: int,
+                  curve_keys: str) -> Directory:
+    """``name -> tcp://hosts[name]:base_port + 1 + i`` for the run's actors (``i`` = the
+    actor's index in ``specs``), with the run's CURVE key directory (``--curve-keys``).
+    An IPv6 address is written in brackets."""
+    def where(name: str) -> str:
+        host = hosts[name]
+        return f"[{host}]" if ":" in host else host
+
+    return Directory({s.name: f"tcp://{where(s.name)}:{base_port + 1 + i}"
+                      for i, s in enumerate(specs)}, curve_keys)
 
 
 async def _serve_rank(names: list[str], specs: list[ActorSpec], directory: Directory) -> None:
@@ -107,6 +115,7 @@ async def _drive(config: RunConfig, specs: list[ActorSpec], directory: Directory
                 except ActorError:
                     if time.monotonic() > deadline:
                         raise ActorError(f"rank serving {name!r} not ready after {ready_timeout} s")
+        write_attach_card(config.output_dir, directory)  # `replayrl repl --attach` finds the run
         resume = checkpoint_next_step(Path(config.load)) if config.load else None
         with MetricsRecorder(config.output_dir, config.num_steps, config.progress,
                              resume_step=resume) as recorder:
@@ -114,6 +123,7 @@ async def _drive(config: RunConfig, specs: list[ActorSpec], directory: Directory
         recorder.plot()
         return recorder.summary()
     finally:
+        remove_attach_card(config.output_dir, directory)
         for name in [*remote, *DRIVER_ACTORS]:
             try:
                 await directory.ref(name).call("__stop__", timeout=5.0)
@@ -133,15 +143,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s rank{rank} %(levelname)s %(message)s")
 
     def run() -> int:
-        if host not in LOOPBACK:
-            raise ConfigError(f"MASTER_ADDR={host}: listening beyond loopback needs CURVE "
-                              f"authentication, which is not available yet; use one node")
         config = config_from_args(args)
         specs, roles = plan(world, config)
         if not config.curve_keys:
             raise ConfigError("torchrun ranks talk over tcp: pass --curve-keys DIR (made by "
                               "`replayrl keys DIR`)")
-        directory = directory_for(specs, "127.0.0.1", port, config.curve_keys)
+        addresses = exchange_addresses(rank, world, own_address(host, port), args.ready_timeout)
+        hosts = {name: addresses[r] for r, names in roles.items() for name in names}
+        directory = directory_for(specs, hosts, port, config.curve_keys)
         if "trainer" in roles[rank]:
             # only this rank reads it: _checkpoint_dir, which the plan gives the trainer
             initial_checkpoint(config, Path(config.output_dir))

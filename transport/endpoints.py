@@ -1,12 +1,13 @@
 """ZeroMQ endpoint strings: builders and the checks applied before bind/connect.
 
-``ipc://`` on one node, ``tcp://`` across nodes, listening on loopback only (docs/design.md §4 "Transport contract"). CURVE authentication, which the design requires for listening on a
-non-loopback address, is not implemented yet, so such a bind is refused.
+``ipc://`` on one node, ``tcp://`` across nodes (docs/design.md §4 "Transport contract"). A tcp
+listener may bind any address, loopback or not: every tcp socket is CURVE-authenticated with the
+run's keys (``transport.sockets`` refuses a tcp socket without them), so the address does not
+decide who may call (docs/design.md §21 "REPL attach and multi-host runs").
 """
 
 from __future__ import annotations
 
-import ipaddress
 import os
 from pathlib import Path
 
@@ -95,15 +96,6 @@ def _split_host_port(endpoint: str, rest: str) -> tuple[str, str]:
     return host, port
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # interface name, '*', hostname: cannot prove loopback
-        return False
-
-
 def check_bind_endpoint(endpoint: str) -> tuple[str, str | None]:
     """Validate an endpoint for ``bind``.
 
@@ -112,27 +104,20 @@ def check_bind_endpoint(endpoint: str) -> tuple[str, str | None]:
         ``ipc://`` endpoint, else ``None`` (tcp, inproc, Linux abstract ``ipc://@name``).
 
     Raises:
-        TransportError: unsupported transport, malformed address, ipc path over 107 bytes, or a
-            ``tcp://`` host that is not loopback (non-loopback listening needs CURVE, which is
-            not implemented yet).
+        TransportError: unsupported transport, malformed address or ipc path over 107 bytes.
+            (Any tcp host is accepted here; the socket refuses tcp without CURVE keys.)
     """
     scheme, rest = _split(endpoint)
     if scheme == "ipc":
         _check_ipc_path(rest)
         return scheme, None if rest.startswith("@") else rest
     if scheme == "tcp":
-        host, _ = _split_host_port(endpoint, rest)
-        if not _is_loopback(host):
-            raise TransportError(
-                f"refusing to bind {endpoint!r}: listening on a non-loopback address requires CURVE "
-                "authentication, which transport does not implement yet; bind to 127.0.0.1 / ::1 / localhost"
-            )
+        _split_host_port(endpoint, rest)
     return scheme, None
 
 
 def check_connect_endpoint(endpoint: str) -> str:
-    """Validate an endpoint for ``connect``; any tcp host is accepted (only listening is
-    restricted to loopback).
+    """Validate an endpoint for ``connect``; any tcp host is accepted.
 
     Returns:
         The scheme (``"ipc"``, ``"tcp"`` or ``"inproc"``).

@@ -255,8 +255,8 @@ class RouterSocket(_LoopSocket):
 
         Raises:
             TransportError: not inside a running loop, already bound or closed, bad endpoint
-                (see :func:`transport.endpoints.check_bind_endpoint`: tcp listens on loopback
-                only), tcp without CURVE keys, an ipc directory that other users can enter or
+                (see :func:`transport.endpoints.check_bind_endpoint`), tcp (any address)
+                without CURVE keys, an ipc directory that other users can enter or
                 that another user owns, or ZeroMQ refused the bind (address in use...); after a
                 refused bind the socket is closed (make a new RouterSocket to retry).
         """

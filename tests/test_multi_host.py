@@ -1,0 +1,136 @@
+"""The torchrun launcher across hosts: two test hosts made as network namespaces joined by a veth
+pair (iproute2), one run training across them over CURVE tcp (docs/design.md §21 "REPL attach
+and multi-host runs").
+
+Needs root and ``ip netns`` (CI runs as root); skipped with the reason otherwise.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SUBNET = "10.213.7"  # private, and only inside the two namespaces
+
+
+def _ip(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+
+
+def _why_not() -> str:
+    """Why two namespace hosts cannot be made here ('' when they can)."""
+    if os.geteuid() != 0:
+        return "network namespaces need root (ip netns add)"
+    if shutil.which("ip") is None:
+        return "iproute2's ip command is not installed"
+    probe = f"rrlprobe{os.getpid()}"
+    made = _ip("netns", "add", probe)
+    if made.returncode != 0:
+        return f"ip netns add is refused here: {made.stderr.strip()}"
+    _ip("netns", "del", probe)
+    return ""
+
+
+@pytest.fixture
+def two_hosts():
+    """Namespaces A (``SUBNET.1``) and B (``SUBNET.2``) joined by one veth pair; removed after."""
+    reason = _why_not()
+    if reason:
+        pytest.skip(reason)
+    tag = str(os.getpid())
+    hosts = [(f"rrl{tag}a", f"rv{tag}a", f"{SUBNET}.1"), (f"rrl{tag}b", f"rv{tag}b", f"{SUBNET}.2")]
+    try:
+        for ns, _, _ in hosts:
+            assert _ip("netns", "add", ns).returncode == 0
+        (ns_a, veth_a, _), (ns_b, veth_b, _) = hosts
+        assert _ip("link", "add", veth_a, "type", "veth", "peer", "name", veth_b).returncode == 0
+        for ns, veth, address in hosts:
+            for command in (("link", "set", veth, "netns", ns),
+                            ("-n", ns, "addr", "add", f"{address}/24", "dev", veth),
+                            ("-n", ns, "link", "set", veth, "up"),
+                            ("-n", ns, "link", "set", "lo", "up")):
+                done = _ip(*command)
+                assert done.returncode == 0, done.stderr
+        yield [(ns, address) for ns, _, address in hosts]
+    finally:
+        for ns, _, _ in hosts:
+            _ip("netns", "del", ns)  # takes its end of the veth pair with it
+
+
+def _torchrun(ns: str, node_rank: int, master: str, out: Path, keys: str, env: dict,
+              *extra: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        ["ip", "netns", "exec", ns, sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
+         f"--node-rank={node_rank}", "--nproc-per-node=2", f"--master-addr={master}",
+         "--master-port=29500", "-m", "tools.torchrun_entry", "--curve-keys", keys,
+         "--num-steps", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
+         "--no-progress", "--output-dir", str(out), *extra],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_a_run_trains_across_two_namespace_hosts(two_hosts, tmp_path, curve_keys_dir):
+    """Ranks 0-1 on host A, 2-3 on host B; a console on host B attaches to the run by the address
+    of an actor on host A while the first rollout's reward is held, pauses generation and
+    detaches; the run then finishes."""
+    from tests.hook_fixtures import HOLD_ENV
+
+    (ns_a, addr_a), (ns_b, addr_b) = two_hosts
+    release = tmp_path / "release"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(tmp_path), HOLD_ENV: str(release)}
+    out_a, out_b = tmp_path / "host-a", tmp_path / "host-b"  # no shared directory is needed
+    hold = ("--custom-reward", "tests.hook_fixtures:held_reward", "--reward-timeout-seconds", "300")
+    node_a = _torchrun(ns_a, 0, addr_a, out_a, curve_keys_dir, env, *hold)
+    node_b = _torchrun(ns_b, 1, addr_a, out_b, curve_keys_dir, env, *hold)
+    card = None
+    try:
+        deadline = time.monotonic() + 300  # bounded wait for the run to serve, not a timing test
+        while card is None and node_a.poll() is None and time.monotonic() < deadline:
+            try:
+                card = json.loads((out_a / "attach.json").read_text())
+            except (OSError, ValueError):
+                time.sleep(0.2)
+        console = subprocess.run(
+            ["ip", "netns", "exec", ns_b, sys.executable, "-m", "tools.cli", "repl", "--attach",
+             f"tcp://{addr_a}:29501", "--curve-keys", curve_keys_dir],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=180,
+            input="print('NAMES', sorted(actors))\nprint('CLOCK', version_clock.state())\n"
+                  "print('TRAINER', trainer.__ping__()['pid'] > 0)\nprint('PAUSED', pause())\n")
+        release.touch()
+        out_text_a, err_a = node_a.communicate(timeout=300)
+        _, err_b = node_b.communicate(timeout=120)
+    finally:
+        release.touch()
+        for node in (node_a, node_b):
+            if node.poll() is None:
+                node.kill()
+                node.wait()
+    assert node_a.returncode == 0, err_a[-3000:]
+    assert node_b.returncode == 0, err_b[-3000:]
+    # ranks 0, 1 (clock + manager + driver, engine_0) on host A; ranks 2, 3 (engine_1, trainer)
+    # on host B; actor i listens on its own host's address at MASTER_PORT + 1 + i
+    assert card is not None and card["endpoints"] == {
+        "version_clock": f"tcp://{addr_a}:29501", "engine_0": f"tcp://{addr_a}:29502",
+        "engine_1": f"tcp://{addr_b}:29503", "rollout_manager": f"tcp://{addr_a}:29504",
+        "trainer": f"tcp://{addr_b}:29505"}
+    # the console on host B found every actor through version_clock on host A, with the keys
+    assert console.returncode == 0, console.stderr
+    assert f"NAMES {sorted(card['endpoints'])}" in console.stdout
+    # held in rollout 0's reward: both engines loaded version 0 and nothing has trained yet
+    assert ("CLOCK {'max_staleness': 1, 'trainer_version': 0, 'engine_versions': "
+            "{'engine_0': 0, 'engine_1': 0}}") in console.stdout
+    assert "TRAINER True" in console.stdout
+    assert "PAUSED {'paused': True, 'in_flight': 0, 'held': 0}" in console.stdout
+    assert "generation resumed" in console.stderr  # leaving undid the console's pause
+    rows = [json.loads(line) for line in (out_a / "metrics.jsonl").read_text().splitlines()]
+    assert [r["trainer_version"] for r in rows] == [1, 2]
+    assert [r["staleness_max"] for r in rows] == [0, 1]
+    assert all(r["samples"] == 4 for r in rows)
+    assert "last10%=" in out_text_a
+    assert (out_b / "checkpoint-init").is_dir() and not (out_a / "checkpoint-init").exists()

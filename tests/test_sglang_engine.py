@@ -1,0 +1,181 @@
+"""The SGLang engine against ``replayrl serve`` (the embedded engine behind SGLang's HTTP API) on
+loopback, and against a proxy that breaks the server's replies one way at a time.
+
+Reference: the in-process embedded engine with the same weights and seed (tested against
+transformers in test_model_hf_parity.py); the client must reproduce its generations exactly,
+and every broken reply must end in a typed error naming the request (or a recovery).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("aiohttp")
+
+from rollout.engines.base import EngineNotReady  # noqa: E402
+from rollout.engines.embedded import EmbeddedEngine  # noqa: E402
+from rollout.engines.sglang_engine import SglangEngine  # noqa: E402
+from rollout.engines.sglang_protocol import (SglangRequestError, SglangResponseError,  # noqa: E402
+                                             SglangUnavailable, SglangVersionError)
+from rollout.model.checkpoint import state_dict_arrays  # noqa: E402
+from rollout.model.config import ModelConfig, default_config  # noqa: E402
+from rollout.model.qwen3_moe import Qwen3MoeForCausalLM  # noqa: E402
+from rollout.sample import TRACE_FIELDS  # noqa: E402
+from rollout.sampler import SamplingParams  # noqa: E402
+from rollout.task import VOCABULARY  # noqa: E402
+from tests.sglang_fixtures import (FaultProxy, corrupt_base64, drop_first_row,  # noqa: E402
+                                   serve_thread)
+
+CFG = default_config(len(VOCABULARY))
+EOS = VOCABULARY.index("<eos>")
+ALL = frozenset(TRACE_FIELDS)
+PARAMS = SamplingParams(temperature=1.0, top_k=6, top_p=0.9)
+
+
+def _weights(seed: int = 0) -> dict:
+    model = Qwen3MoeForCausalLM(CFG)
+    model.init_weights(seed)
+    return state_dict_arrays(model)
+
+
+def _prompts() -> list[list[int]]:
+    rng = np.random.default_rng(5)
+    distinct = [rng.integers(3, len(VOCABULARY), size=n).tolist() for n in (5, 7, 6)]
+    return [distinct[0], distinct[0], distinct[1], distinct[2], distinct[1]]  # groups repeat
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = serve_thread(CFG)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    eng = EmbeddedEngine(CFG, dtype="float32")
+    eng.load_weights(_weights(), version=0)
+    return eng.generate(_prompts(), PARAMS, max_new_tokens=4, eos_token_id=EOS, seed=123,
+                        traces=ALL)
+
+
+def _engine(*urls: str, **kwargs) -> SglangEngine:
+    eng = SglangEngine(dataclasses.asdict(CFG), urls=list(urls), dtype="float32",
+                       call_timeout_s=60, start_timeout_s=30, **kwargs)
+    eng.load_weights(_weights(), version=0)
+    return eng
+
+
+def _generate(eng: SglangEngine):
+    return eng.generate(_prompts(), PARAMS, max_new_tokens=4, eos_token_id=EOS, seed=123,
+                        traces=ALL)
+
+
+def _assert_same(got, want) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.finish_reason == w.finish_reason
+        for name in ("response_ids", "rollout_logprobs", *TRACE_FIELDS):
+            a, b = getattr(g, name), getattr(w, name)
+            assert a.dtype == b.dtype and a.shape == b.shape, name
+            np.testing.assert_array_equal(a, b, err_msg=name)
+            assert not a.flags.writeable
+
+
+def test_generations_through_the_server_equal_the_in_process_engine(reference):
+    server = serve_thread(CFG)  # its own: this test moves the weights to version 1
+    eng = _engine(server.url)
+    with pytest.raises(EngineNotReady):
+        SglangEngine(dataclasses.asdict(CFG), urls=server.url).generate(
+            _prompts(), PARAMS, max_new_tokens=4, eos_token_id=EOS, seed=1, traces=ALL)
+    _assert_same(_generate(eng), reference)
+    # the push is an HF checkpoint directory: its config.json is the policy's shape
+    written = json.loads((eng.weight_dir / "version-0" / "config.json").read_text())
+    assert ModelConfig.from_hf_dict(written) == CFG
+    # a second version replaces the first on disk and in the replies
+    eng.load_weights(_weights(1), version=1)
+    assert sorted(p.name for p in eng.weight_dir.iterdir()) == ["version-1"]
+    again = _generate(eng)
+    assert not all(np.array_equal(a.rollout_logprobs, b.rollout_logprobs)
+                   for a, b in zip(again, reference))
+    eng.close()
+    server.stop()
+
+
+def _fault_case(server, fault):
+    proxy = FaultProxy(server.url, fault)
+    try:
+        eng = _engine(proxy.url)
+        with pytest.raises(SglangResponseError) as err:
+            _generate(eng)
+        eng.close()
+        return str(err.value), err
+    finally:
+        proxy.stop()
+
+
+def test_missing_routed_experts_on_the_second_request_is_named(server):
+    def drop(items):
+        del items[1]["meta_info"]["routed_experts"]
+
+    message, _ = _fault_case(server, drop)
+    assert "c1-1:" in message and "'routed_experts'" in message and "lacks" in message
+
+
+def test_an_off_by_one_route_offset_is_refused(server):
+    per_row = CFG.num_hidden_layers * CFG.num_experts_per_tok
+
+    def shift(items):
+        meta = items[0]["meta_info"]
+        meta["routed_experts"] = drop_first_row(meta["routed_experts"], per_row)
+
+    message, _ = _fault_case(server, shift)
+    assert "c1-0:" in message and "off by one row" in message
+
+
+def test_a_foreign_weight_version_is_refused(server):
+    def other(items):
+        items[2]["meta_info"]["weight_version"] = "7"
+
+    message, err = _fault_case(server, other)
+    assert err.type is SglangVersionError
+    assert "c1-2:" in message and "'7'" in message and "expected '0'" in message
+
+
+def test_malformed_base64_is_refused(server):
+    def garble(items):
+        meta = items[3]["meta_info"]
+        meta["indexer_topk"] = corrupt_base64(meta["indexer_topk"])
+
+    message, _ = _fault_case(server, garble)
+    assert "c1-3:" in message and "'indexer_topk'" in message and "malformed base64" in message
+
+
+def test_a_server_dying_mid_request_fails_over_and_loses_nothing(server, reference):
+    other = serve_thread(CFG)
+    proxy = FaultProxy(server.url, die_on_generate=1)
+    try:
+        eng = _engine(proxy.url, other.url)
+        _assert_same(_generate(eng), reference)  # the whole call, resent with the same seeds
+        assert proxy.generate_calls == 1  # the dead server got the request once
+        assert eng.urls == [other.url, proxy.url]  # later calls go to the live server first
+    finally:
+        proxy.stop()
+        other.stop()
+
+
+def test_a_refused_request_and_no_server_are_typed_errors(server):
+    eng = _engine(server.url)
+    with pytest.raises(SglangRequestError, match="top_k"):  # the server's sampler refuses it
+        eng.generate(_prompts(), SamplingParams(top_k=len(VOCABULARY) + 1), max_new_tokens=2,
+                     eos_token_id=EOS, seed=1, traces=ALL)
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    with pytest.raises(SglangUnavailable, match=dead):
+        SglangEngine(dataclasses.asdict(CFG), urls=dead, start_timeout_s=0.5)

@@ -180,7 +180,9 @@ class SglangEngine(Engine):
         dtype = getattr(torch, self.dtype)
         tensors = {}
         for name, value in arrays.items():
-            t = torch.from_numpy(np.asarray(value)) if isinstance(value, np.ndarray) else value
+            if isinstance(value, np.ndarray):  # pushes arrive read-only; torch wants writable
+                value = torch.from_numpy(value if value.flags.writeable else value.copy())
+            t = value
             if not isinstance(t, torch.Tensor) or not t.is_floating_point():
                 raise EngineInputError(f"load_weights: {name!r} must be a floating array")
             tensors[name] = t.detach().to("cpu", dtype).contiguous()

@@ -19,7 +19,9 @@ from rollout.engines.base import EngineNotReady  # noqa: E402
 from rollout.engines.embedded import EmbeddedEngine  # noqa: E402
 from rollout.engines.sglang_engine import SglangEngine  # noqa: E402
 from rollout.engines.sglang_protocol import (SglangRequestError, SglangResponseError,  # noqa: E402
-                                             SglangUnavailable, SglangVersionError)
+                                             SglangUnavailable, SglangVersionError, decode_item,
+                                             encode_int32, generate_request,
+                                             parse_generate_request)
 from rollout.model.checkpoint import state_dict_arrays  # noqa: E402
 from rollout.model.config import ModelConfig, default_config  # noqa: E402
 from rollout.model.qwen3_moe import Qwen3MoeForCausalLM  # noqa: E402
@@ -179,3 +181,68 @@ def test_a_refused_request_and_no_server_are_typed_errors(server):
         dead = f"http://127.0.0.1:{s.getsockname()[1]}"
     with pytest.raises(SglangUnavailable, match=dead):
         SglangEngine(dataclasses.asdict(CFG), urls=dead, start_timeout_s=0.5)
+
+
+# -- the reply checks on hand-made replies (no server) --------------------------------------
+
+def _item(**meta) -> dict:
+    """A valid reply item for prompt [3, 4] (P = 2) and response [5, EOS] (R = 2), W = 2."""
+    routes = np.zeros((3, CFG.num_hidden_layers, CFG.num_experts_per_tok), np.int32)
+    routes[:, :, 1] = 1
+    keys = np.full((3, len(CFG.indexed_layers), CFG.index_topk), -1, np.int32)
+    keys[:, :, 0] = 0
+    base = {"id": "r", "finish_reason": {"type": "stop", "matched": EOS}, "prompt_tokens": 2,
+            "completion_tokens": 2, "weight_version": "4",
+            "output_token_logprobs": [[-0.5, 5, None], [-0.1, EOS, None]],
+            "output_token_sampling_mask": [[5, 6], [EOS]],
+            "output_token_sampling_logprobs": [-0.5, -0.1],
+            "routed_experts": encode_int32(routes), "indexer_topk": encode_int32(keys)}
+    base.update(meta)
+    return {"text": "", "output_ids": [5, EOS], "meta_info": base}
+
+
+def _decode(item):
+    return decode_item(item, rid="r", prompt=[3, 4], config=CFG, width=2, max_new_tokens=3,
+                       eos_token_id=EOS, traces=ALL, weight_version="4")
+
+
+def test_a_valid_reply_decodes_to_the_design_arrays():
+    g = _decode(_item())
+    np.testing.assert_array_equal(g.sample_support, [[5, 5, 6], [EOS, EOS, -1]])
+    np.testing.assert_array_equal(g.rollout_logprobs, np.float32([-0.5, -0.1]))
+    assert g.routed_experts.shape == (3, len(CFG.moe_layers), CFG.num_experts_per_tok)
+    assert (g.routed_experts[..., 1] == 1).all() and g.finish_reason == "stop"
+    assert g.indexer_topk.shape == (3, len(CFG.indexed_layers), CFG.index_topk)
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"finish_reason": {"type": "stop", "matched": 5}}, "must end with EOS"),
+    ({"finish_reason": {"type": "abort", "message": "oom"}}, "aborted by the server: 'oom'"),
+    ({"output_token_sampling_mask": [[6], [EOS]]}, "including the sampled 5"),
+    ({"output_token_sampling_mask": [[5, 6, 7], [EOS]]}, "1..2 distinct ids"),
+    ({"output_token_sampling_logprobs": [float("nan"), -0.1]}, "non-finite"),
+    ({"output_token_logprobs": [[-0.5, 6, None], [-0.1, EOS, None]]}, "not the 2 output_ids"),
+    ({"weight_versions": [{"version": "3", "start": 0, "end": 1},
+                          {"version": "4", "start": 1, "end": 2}]}, "mixes weight versions"),
+    ({"routed_experts": encode_int32(np.full((3, CFG.num_hidden_layers, 2), 8))},
+     r"outside \[0, 8\)"),
+    ({"indexer_topk": encode_int32(np.full((3, 2, CFG.index_topk), 2))}, "row position"),
+    ({"prompt_tokens": 3}, "'prompt_tokens': 3, sent 2"),
+])
+def test_a_reply_that_cannot_be_a_trace_is_refused(change, match):
+    with pytest.raises((SglangResponseError, SglangRequestError), match=match):
+        _decode(_item(**change))
+
+
+def test_serve_refuses_what_it_cannot_batch_as_one_call():
+    body = generate_request(["a", "b"], [[3], [4]], PARAMS, max_new_tokens=2, eos_token_id=EOS,
+                            seed=9, traces=ALL)
+    batch = parse_generate_request(body)
+    assert batch.seed == 9 and batch.traces == ALL and batch.prompts == ((3,), (4,))
+    body["sampling_params"][1]["sampling_seed"] = 20
+    with pytest.raises(ValueError, match="item 1 sampling_seed must be item 0's"):
+        parse_generate_request(body)
+    with pytest.raises(ValueError, match="'stream'"):
+        parse_generate_request({"input_ids": [1], "stream": True})
+    with pytest.raises(ValueError, match="'lora_path' is not served"):
+        parse_generate_request({"input_ids": [1], "lora_path": "x"})

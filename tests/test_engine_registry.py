@@ -128,10 +128,13 @@ def test_sglang_needs_urls_and_each_engine_starts_on_its_own_server():
         build_config({**SMALL, "rollout-engine": "sglang", "sglang-urls": "gpu1:30000"})
     with pytest.raises(ConfigError, match="only read by --rollout-engine sglang"):
         build_config({**SMALL, "sglang-urls": "http://a:1"})
-    config = build_config({**SMALL, "rollout-engine": "sglang", "num-engines": 3,
-                           "sglang-urls": "http://a:1,http://b:2", "rollout-timeout-seconds": 90})
-    kwargs = [engine_kwargs(config, i) for i in range(3)]
-    assert [k["urls"] for k in kwargs] == [["http://a:1", "http://b:2"],
-                                           ["http://b:2", "http://a:1"],
-                                           ["http://a:1", "http://b:2"]]
+    with pytest.raises(ConfigError, match="each SGLang server has one engine"):
+        build_config({**SMALL, "rollout-engine": "sglang", "num-engines": 3,
+                      "sglang-urls": "http://a:1,http://b:2"})
+    config = build_config({**SMALL, "rollout-engine": "sglang", "num-engines": 2,
+                           "sglang-urls": "http://a:1,http://b:2/,http://c:3",
+                           "rollout-timeout-seconds": 90})
+    kwargs = [engine_kwargs(config, i) for i in range(2)]
+    assert [k["urls"] for k in kwargs] == [["http://a:1", "http://b:2", "http://c:3"],
+                                           ["http://b:2", "http://c:3", "http://a:1"]]
     assert kwargs[0]["call_timeout_s"] == 30.0  # three tries fit in the manager's 90 s wait

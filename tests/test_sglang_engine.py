@@ -7,6 +7,7 @@ and every broken reply must end in a typed error naming the request (or a recove
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 
@@ -246,3 +247,50 @@ def test_serve_refuses_what_it_cannot_batch_as_one_call():
         parse_generate_request({"input_ids": [1], "stream": True})
     with pytest.raises(ValueError, match="'lora_path' is not served"):
         parse_generate_request({"input_ids": [1], "lora_path": "x"})
+
+
+def test_two_concurrent_calls_one_reply_lacking_routes_names_only_that_request(server, reference):
+    seen = []
+
+    def drop_in_second_call(items):
+        seen.append(items[0]["meta_info"]["id"])
+        if len(seen) == 2:
+            del items[1]["meta_info"]["routed_experts"]
+
+    proxy = FaultProxy(server.url, drop_in_second_call)
+    engines = [_engine(proxy.url), _engine(proxy.url)]
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            futures = [pool.submit(_generate, eng) for eng in engines]
+            outcomes = [f.exception() or f.result() for f in futures]
+        failed = [o for o in outcomes if isinstance(o, Exception)]
+        assert len(failed) == 1 and isinstance(failed[0], SglangResponseError)
+        second = seen[1].rsplit("-", 1)[0] + "-1"  # the second call's second request
+        assert f"request {second}:" in str(failed[0]) and "'routed_experts'" in str(failed[0])
+        _assert_same(next(o for o in outcomes if not isinstance(o, Exception)), reference)
+    finally:
+        for eng in engines:
+            eng.close()
+        proxy.stop()
+
+
+def test_an_aborted_request_is_resent_and_a_persistent_abort_is_an_error(server, reference):
+    calls = []
+
+    def abort(items, always=False):
+        calls.append(1)
+        if always or len(calls) == 1:  # as a pause for another client's weight update does
+            items[0]["meta_info"]["finish_reason"] = {"type": "abort", "message": "paused"}
+
+    proxy = FaultProxy(server.url, abort)
+    try:
+        eng = _engine(proxy.url)
+        _assert_same(_generate(eng), reference)
+        assert len(calls) == 2
+        proxy.fault = lambda items: abort(items, always=True)
+        with pytest.raises(SglangUnavailable, match="aborted by the server: 'paused'"):
+            _generate(eng)
+        assert len(calls) == 2 + 3  # 1 + 2 retries, then the error
+        eng.close()
+    finally:
+        proxy.stop()

@@ -87,7 +87,8 @@ class RunConfig:
         engine_start_timeout_s: seconds an engine may take to start (``vllm.LLM`` start-up;
             the SGLang engine's wait for its first server's ``/health``).
         sglang_urls: SGLang server base URLs, comma-separated (``--sglang-urls``); engine ``i``
-            starts on URL ``i mod n`` and fails over to the others in order
+            starts on URL ``i`` and fails over to the others in order (at least
+            ``--num-engines`` URLs: each server has one engine pushing its weights)
             (docs/design.md §17 "SGLang engine").
         sglang_weight_dir: directory the SGLang engine writes weight pushes to, readable by
             every server at the same path (``""`` = a temporary directory on this host).
@@ -143,8 +144,8 @@ class RunConfig:
                                             "seconds an engine may take to start (vLLM: import "
                                             "and vllm.LLM start-up)", Range(low=0, closed="(]"))
     sglang_urls: str = setting("", "sglang-urls", "SGLang server URLs for --rollout-engine "
-                               "sglang, comma-separated; engine i starts on URL i mod n and "
-                               "fails over to the others", Rule(_http_urls, "http(s):// URLs, "
+                               "sglang, comma-separated, at least --num-engines; engine i "
+                               "uses URL i and fails over to the others", Rule(_http_urls, "http(s):// URLs, "
                                                                 "comma-separated"),
                                metavar="URL[,URL]")
     sglang_weight_dir: str = setting("", "sglang-weight-dir", "where the SGLang engine writes "
@@ -183,6 +184,10 @@ class RunConfig:
         if (self.rollout_engine == "sglang") != bool(self.sglang_urls):
             raise ConfigError("--rollout-engine sglang needs --sglang-urls, and --sglang-urls "
                               "is only read by --rollout-engine sglang")
+        if self.sglang_urls and self.num_engines > len(parse_urls(self.sglang_urls)):
+            raise ConfigError(f"--num-engines {self.num_engines} > {len(parse_urls(self.sglang_urls))} "
+                              f"--sglang-urls: each SGLang server has one engine pushing its "
+                              f"weights (two would pause and update it under each other)")
         if self.transport == "tcp" or self.curve_keys:
             self._check_keys()
         if self.load:

@@ -25,6 +25,7 @@ from trainer.backends import resolve_backend
 from transport import strict_json
 from rollout.engines import EngineError, check_capture, engine_class_path, load_engine_class
 from rollout.engines.precision import resolve_dtype
+from rollout.engines.sglang_protocol import parse_urls
 from rollout.model.checkpoint import save_pretrained, save_word_tokenizer
 from rollout.model.config import default_config
 from rollout.model.qwen3_moe import Qwen3MoeForCausalLM
@@ -156,8 +157,8 @@ def engine_kwargs(config: RunConfig, index: int = 0) -> dict:
     CPU the engines run on: :func:`rollout.engines.precision.resolve_dtype`). The vLLM engine
     also gets its start-up timeout (``--engine-start-timeout-seconds``) and per-call timeout
     (``--rollout-timeout-seconds``, the one the manager waits an engine call for). The SGLang
-    engine ``index`` gets ``--sglang-urls`` rotated to start at URL ``index mod n`` (its
-    failover order), the weight directory, and a per-request timeout that lets its
+    engine ``index`` gets ``--sglang-urls`` rotated to start at URL ``index`` (its server; the
+    others are its failover order), the weight directory, and a per-request timeout that lets its
     ``1 + SGLANG_RETRIES`` tries fit in the manager's wait.
     """
     kwargs = {"model_config": dataclasses.asdict(config.policy_config),
@@ -166,9 +167,8 @@ def engine_kwargs(config: RunConfig, index: int = 0) -> dict:
         kwargs.update(start_timeout_s=config.engine_start_timeout_s,
                       call_timeout_s=config.rollout.generate_timeout_s)
     if config.rollout_engine == "sglang":
-        urls = config.sglang_urls.split(",")
-        first = index % len(urls)
-        kwargs.update(urls=urls[first:] + urls[:first], weight_dir=config.sglang_weight_dir,
+        urls = list(parse_urls(config.sglang_urls))
+        kwargs.update(urls=urls[index:] + urls[:index], weight_dir=config.sglang_weight_dir,
                       start_timeout_s=config.engine_start_timeout_s, retries=SGLANG_RETRIES,
                       call_timeout_s=config.rollout.generate_timeout_s / (1 + SGLANG_RETRIES))
     return kwargs

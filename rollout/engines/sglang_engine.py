@@ -27,6 +27,7 @@ import json
 import shutil
 import tempfile
 import threading
+import uuid
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -91,6 +92,9 @@ class SglangEngine(Engine):
         self.weight_dir = Path(weight_dir or tempfile.mkdtemp(prefix="replayrl-sglang-"))
         self._pushed: Path | None = None  # the checkpoint of the loaded version
         self._calls = 0
+        # request ids are unique per server (SGLang keys its request state by rid), also when
+        # several engines or runs share one
+        self._token = uuid.uuid4().hex[:8]
         self._loop = asyncio.new_event_loop()
         threading.Thread(target=self._loop.run_forever, name="sglang-client",
                          daemon=True).start()
@@ -265,7 +269,8 @@ class SglangEngine(Engine):
         if max_new_tokens < 1:
             raise EngineInputError(f"max_new_tokens must be >= 1, got {max_new_tokens!r}")
         self._calls += 1
-        rids = [f"replayrl-v{self.version}-c{self._calls}-{i}" for i in range(len(rows))]
+        rids = [f"replayrl-{self._token}-v{self.version}-c{self._calls}-{i}"
+                for i in range(len(rows))]
         body = generate_request(rids, rows, params, max_new_tokens=max_new_tokens,
                                 eos_token_id=eos_token_id, seed=seed, traces=traces)
         what = f"generate call {self._calls} (requests {rids[0]}..{rids[-1]})"
@@ -277,6 +282,14 @@ class SglangEngine(Engine):
             if not isinstance(reply, list) or len(reply) != len(rows):
                 raise SglangError(f"{url}/generate: {what}: expected a list of {len(rows)} "
                                   f"items, got {type(reply).__name__}")
+            aborted = [item for item in reply if isinstance(item, Mapping)
+                       and isinstance(item.get("meta_info"), Mapping)
+                       and isinstance(item["meta_info"].get("finish_reason"), Mapping)
+                       and item["meta_info"]["finish_reason"].get("type") == "abort"]
+            if aborted:  # e.g. another client paused the server for a weight update: resend
+                meta = aborted[0]["meta_info"]
+                raise _Retry(f"{url}/generate: request {meta.get('id')} aborted by the server: "
+                             f"{meta['finish_reason'].get('message')!r}")
             return reply
 
         reply = self._run(self._with_failover(what, attempt), None)
@@ -294,7 +307,7 @@ class SglangEngine(Engine):
             session = getattr(self, "_session", None)
             if session is not None:
                 try:
-                    self._run(session.close(), 10)
+                    self._run(session.close(), 2)
                 except Exception:  # closing is best effort (the process may be exiting)
                     pass
             loop.call_soon_threadsafe(loop.stop)

@@ -45,6 +45,10 @@ from rollout.sampler import SamplingParams
 __all__ = ["SglangEngine"]
 
 
+# SGLang's own /health_generate waits up to 20 s (HEALTH_CHECK_TIMEOUT) for a busy scheduler
+_HEALTH_TIMEOUT_S = 30.0
+
+
 class _Retry(Exception):
     """A server did not answer (connection / timeout / 5xx); try the next URL."""
 
@@ -60,8 +64,9 @@ class SglangEngine(Engine):
         device: accepted for the common engine arguments (the servers own the devices).
         weight_dir: directory for the pushed weight files, readable by every server at the
             same path; ``""`` = a fresh temporary directory (servers on this host).
-        call_timeout_s: seconds one HTTP request may take (``--rollout-timeout-seconds``).
-        start_timeout_s: seconds to wait for the first server's ``/health`` at start.
+        call_timeout_s: seconds one ``/generate`` request may take.
+        start_timeout_s: seconds to wait for the first server's ``/health`` at start, and
+            the longest one weight update may take (a large checkpoint loads for minutes).
         retries: how many times a request is resent after a server did not answer.
 
     Raises:
@@ -88,6 +93,7 @@ class SglangEngine(Engine):
             raise EngineInputError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
         self.dtype = name
         self.call_timeout_s, self.retries = float(call_timeout_s), int(retries)
+        self.update_timeout_s = float(start_timeout_s)
         self._own_dir = not weight_dir
         self.weight_dir = Path(weight_dir or tempfile.mkdtemp(prefix="replayrl-sglang-"))
         self._pushed: Path | None = None  # the checkpoint of the loaded version
@@ -111,12 +117,15 @@ class SglangEngine(Engine):
             timeout=self._aiohttp.ClientTimeout(total=self.call_timeout_s))
 
     async def _request(self, method: str, url: str, path: str, body: Any = None,
-                       what: str = "") -> Any:
-        """One HTTP request; JSON reply (or text). Raises _Retry when the server did not
-        answer, SglangRequestError on a 4xx (names ``what``)."""
+                       what: str = "", timeout_s: float | None = None) -> Any:
+        """One HTTP request (``timeout_s``, default the session's ``call_timeout_s``); JSON
+        reply (or text). Raises _Retry when the server did not answer, SglangRequestError on
+        a 4xx (names ``what``)."""
         aiohttp = self._aiohttp
+        timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s else None
         try:
-            async with self._session.request(method, url + path, json=body) as resp:
+            async with self._session.request(method, url + path, json=body,
+                                             timeout=timeout) as resp:
                 text = await resp.text()
                 if resp.status >= 500:
                     raise _Retry(f"{url}{path}: HTTP {resp.status}: {text[:200]}")
@@ -135,7 +144,8 @@ class SglangEngine(Engine):
         why = "no answer"
         while True:
             try:
-                await self._request("GET", url, "/health", what="health check")
+                await self._request("GET", url, "/health", what="health check",
+                                    timeout_s=min(_HEALTH_TIMEOUT_S, timeout_s))
                 return
             except (_Retry, SglangRequestError) as exc:
                 why = str(exc)
@@ -151,7 +161,8 @@ class SglangEngine(Engine):
                             what="pause before a weight update")
         try:
             reply = await self._request("POST", url, "/update_weights_from_disk", body,
-                                        what=f"weights of version {version} from {path}")
+                                        what=f"weights of version {version} from {path}",
+                                        timeout_s=self.update_timeout_s)
             if not isinstance(reply, Mapping) or not reply.get("success"):
                 raise SglangRequestError(f"{url}/update_weights_from_disk: version {version} "
                                          f"not loaded: {reply!r}")

@@ -381,9 +381,11 @@ def parse_generate_request(body: Any) -> BatchRequest:
                                               for t in p) for p in ids):
         raise ValueError("field 'input_ids': expected a non-empty list of non-empty id lists")
     n = len(ids)
-    rids = body.get("rid") or [f"serve-{i}" for i in range(n)]
-    rids = _as_list(rids, n, "rid") if isinstance(rids, list) else [f"{rids}-{i}" if n > 1
-                                                                     else rids for i in range(n)]
+    rid = body.get("rid") or "serve"
+    if isinstance(rid, list):
+        rids = _as_list(rid, n, "rid")
+    else:  # one string: SGLang uses it as the prefix of per-item ids
+        rids = [str(rid)] if n == 1 else [f"{rid}-{i}" for i in range(n)]
     sampling = _as_list(body.get("sampling_params") or {}, n, "sampling_params")
     first = sampling[0]
     if not isinstance(first, dict) or set(first) - _SAMPLING_KEYS:

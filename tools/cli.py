@@ -1,7 +1,9 @@
-"""``replayrl`` command line: ``train``, ``repl``, ``serve``, ``keys`` and ``bench {parity,refill,logprobs,transport,peer,profile,train,load,engine,decode}``.
+"""``replayrl`` command line: ``train``, ``repl``, ``keys`` and ``bench {parity,refill,logprobs,transport,peer,profile,train,load,engine,decode}``.
 
 Exit codes (:mod:`tools.exit_codes`): 0 success, 1 a run failed (the failing actor's traceback
 is printed), 2 bad configuration, 130 interrupted by Ctrl-C, 143 SIGTERM (``train``).
+
+``serve`` puts the embedded engine behind SGLang's HTTP API (:mod:`tools.serve`).
 """
 from __future__ import annotations
 

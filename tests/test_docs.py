@@ -43,6 +43,7 @@ SECTIONS = {
     14: "Hugging Face checkpoints",
     15: "Prompt data, tokenizer and rewards",
     16: "The megatron-core backend",
+    17: "SGLang engine",
     21: "REPL attach and multi-host runs",
 }
 

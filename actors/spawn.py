@@ -31,7 +31,7 @@ from typing import Any, Awaitable, Callable
 
 from actors.actor import Actor, ActorServer
 from actors.directory import Directory
-from actors.errors import ActorDied, ActorError, PeerLost
+from actors.errors import ActorDied, ActorError, PeerLost, RemoteError
 from actors.loop import run_event_loop
 from actors.ref import close_connections, connection_lost, use_curve_keys, use_heartbeat_deadline
 from actors.run_dir import leave_run_dir
@@ -285,9 +285,13 @@ class Supervisor:
 
     async def explain(self, exc: BaseException, grace: float = 5.0) -> BaseException:
         """The error to report for ``exc``: a :class:`PeerLost` caused by an actor process that
-        exited becomes that process's :class:`ActorDied` (with its traceback), waiting up to
-        ``grace`` seconds for the exit to show; anything else is returned as it is."""
-        if not isinstance(exc, PeerLost):
+        exited (or went silent, then killed) becomes that process's :class:`ActorDied` (with
+        its traceback), waiting up to ``grace`` seconds for the exit to show; so does a
+        :class:`RemoteError` whose remote type is ``PeerLost`` (an actor's own call cut off,
+        e.g. the trainer's call to a dead clock). Anything else is returned as it is."""
+        cut_off = isinstance(exc, PeerLost) or (isinstance(exc, RemoteError)
+                                                and exc.remote_type == "PeerLost")
+        if not cut_off:
             return exc
         deadline = time.monotonic() + grace
         while (dead := (self._kill_silent(), self.died())[1]) is None and time.monotonic() < deadline:

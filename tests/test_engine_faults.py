@@ -17,7 +17,7 @@ import pytest
 
 from actors import ActorDied, run_event_loop
 from tools.config import build_config
-from tools.fault_engine import faulty_specs
+from tools.faults import faulty_specs
 from tools.launcher import actor_specs, launch, write_initial_checkpoint
 
 SMALL = {"rollout-batch-size": 4, "n-samples-per-prompt": 4, "progress": False,
@@ -110,34 +110,39 @@ async def test_engine_failure_fail_ends_the_run_with_the_engine(tmp_path):
 
 
 async def test_a_stopped_trainer_ends_the_run_at_the_deadline_keeping_the_checkpoint(tmp_path):
-    from tests.dying_actors import stopped_trainer_specs
     from tools.launcher import check_load
 
-    config = _config(tmp_path, **{"num-steps": 4, "num-engines": 1, "save-interval": 1,
+    config = _config(tmp_path, **{"num-engines": 1, "save-interval": 1,
                                   "heartbeat-deadline-s": 1.0})
     checkpoint = write_initial_checkpoint(config, tmp_path / "ckpt")
+    # its second train call is step 1, after the checkpoint of step 0 (step-1)
+    specs = faulty_specs(actor_specs(config, checkpoint), "trainer", "SIGSTOP", 2,
+                         tmp_path / "fault.json")
     with pytest.raises(ActorDied) as died:
-        await launch(config, specs=stopped_trainer_specs(actor_specs(config, checkpoint)))
+        await launch(config, specs=specs)
     assert died.value.actor == "trainer" and "heartbeat deadline" in str(died.value)
+    assert _gone(json.loads((tmp_path / "fault.json").read_text())["pid"])
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-1"]
-    resume = _config(tmp_path / "again", **{"num-steps": 4, "num-engines": 1,
+    resume = _config(tmp_path / "again", **{"num-engines": 1,
                                             "load": str(tmp_path / "checkpoints" / "step-1")})
     assert check_load(resume) == 1
 
 
-@pytest.mark.parametrize("actor", ["version_clock", "rollout_manager"])
-async def test_a_killed_clock_or_manager_ends_the_run_keeping_the_checkpoint(tmp_path, actor):
-    from tests.dying_actors import killed_after_first_checkpoint
+# killed during step 1: the clock when it records version 2, the manager when asked rollout 2
+@pytest.mark.parametrize("actor, call", [("version_clock", 2), ("rollout_manager", 3)])
+async def test_a_killed_clock_or_manager_ends_the_run_keeping_the_checkpoint(tmp_path, actor,
+                                                                             call):
     from tools.launcher import check_load
 
-    config = _config(tmp_path, **{"num-steps": 4, "num-engines": 1, "save-interval": 1})
+    config = _config(tmp_path, **{"num-engines": 1, "save-interval": 1})
     checkpoint = write_initial_checkpoint(config, tmp_path / "ckpt")
+    specs = faulty_specs(actor_specs(config, checkpoint), actor, "SIGKILL", call,
+                         tmp_path / "fault.json")
     with pytest.raises(ActorDied) as died:
-        await launch(config, specs=killed_after_first_checkpoint(actor_specs(config, checkpoint),
-                                                                 actor))
+        await launch(config, specs=specs)
     assert died.value.actor == actor and died.value.exitcode == -9
-    # killed during step 1: the checkpoint after step 0 is the last, complete and loadable
+    # the checkpoint after step 0 is the last, complete and loadable
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-1"]
-    resume = _config(tmp_path / "again", **{"num-steps": 4, "num-engines": 1,
+    resume = _config(tmp_path / "again", **{"num-engines": 1,
                                             "load": str(tmp_path / "checkpoints" / "step-1")})
     assert check_load(resume) == 1

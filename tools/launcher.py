@@ -1,8 +1,11 @@
 """Single-node multi-process launcher: one process per actor, all talking over ZeroMQ.
 
 Processes: ``version_clock``, ``rollout_manager``, ``engine_0..`` and ``trainer``; this process
-drives the loop. Any actor that dies ends the run at once with its traceback; Ctrl-C (or any
-error here) stops every actor; the run's ipc directory is removed in every case.
+drives the loop. A lost engine (exited, or silent past ``--heartbeat-deadline-s``) is dropped
+or restarted and its prompt groups regenerated under ``--engine-failure`` (docs/design.md §18
+"Engine fault tolerance"); any other actor that dies ends the run at once with its traceback;
+Ctrl-C (or any error here) stops every actor; the run's ipc directory is removed in every
+case.
 """
 from __future__ import annotations
 

@@ -26,7 +26,8 @@ import time
 from pathlib import Path
 
 from actors import ActorError, Directory, run_event_loop
-from actors.ref import use_curve_keys
+from actors.directory import DEFAULT_HEARTBEAT_DEADLINE_S
+from actors.ref import use_curve_keys, use_heartbeat_deadline
 from actors.spawn import ActorSpec, import_actor_class, serve_actor
 from tools.config import ConfigError, RunConfig, add_run_flags, config_from_args
 from tools.exit_codes import exit_code
@@ -76,11 +77,12 @@ def _tokenizer_dir(config: RunConfig):
     return Path(config.output_dir) / "tokenizer-init"
 
 
-def directory_for(specs: list[ActorSpec], host: str, base_port: int, curve_keys: str) -> Directory:
+def directory_for(specs: list[ActorSpec], host: str, base_port: int, curve_keys: str,
+                  heartbeat_deadline_s: float = DEFAULT_HEARTBEAT_DEADLINE_S) -> Directory:
     """``name -> tcp://host:base_port + 1 + i`` for the run's actors, with the run's CURVE key
-    directory (``--curve-keys``)."""
+    directory (``--curve-keys``) and heartbeat deadline (``--heartbeat-deadline-s``)."""
     return Directory({s.name: f"tcp://{host}:{base_port + 1 + i}" for i, s in enumerate(specs)},
-                     curve_keys)
+                     curve_keys, heartbeat_deadline_s)
 
 
 async def _serve_rank(names: list[str], specs: list[ActorSpec], directory: Directory) -> None:
@@ -94,6 +96,7 @@ async def _drive(config: RunConfig, specs: list[ActorSpec], directory: Directory
                  ready_timeout: float) -> str:
     by_name = {s.name: s for s in specs}
     use_curve_keys(directory.keys())  # the driver's own calls are CURVE clients too
+    use_heartbeat_deadline(directory.heartbeat_deadline_s)
     local = [asyncio.ensure_future(serve_actor(import_actor_class(by_name[n].cls)(**by_name[n].kwargs), n,
                                                directory)) for n in DRIVER_ACTORS]
     remote = [s.name for s in specs if s.name not in DRIVER_ACTORS]
@@ -139,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         if not config.curve_keys:
             raise ConfigError("torchrun ranks talk over tcp: pass --curve-keys DIR (made by "
                               "`replayrl keys DIR`)")
-        directory = directory_for(specs, "127.0.0.1", port, config.curve_keys)
+        directory = directory_for(specs, "127.0.0.1", port, config.curve_keys,
+                                  config.heartbeat_deadline_s)
         if "trainer" in roles[rank]:
             # only this rank reads it: _checkpoint_dir, which the plan gives the trainer
             initial_checkpoint(config, Path(config.output_dir))

@@ -333,6 +333,9 @@ class Supervisor:
         for name, proc in self.processes.items():
             if proc.exitcode is not None or (silent := self._silent(name)) is None:
                 continue
+            proc.join(0.2)  # a process that just exited drops its connection first
+            if proc.exitcode is not None:
+                continue
             why = (f"silent for {self.directory.heartbeat_deadline_s} s (heartbeat deadline; "
                    f"{silent}); killed")
             log.warning("%s: %s", name, why)

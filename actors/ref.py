@@ -242,6 +242,28 @@ class ActorRef:
             finally:
                 conn.pending.pop(call_id, None)
 
+    async def reachable(self, timeout: float) -> None:
+        """Return once the actor answers ``__ping__`` from this process.
+
+        A call on a connection known lost fails at once (:meth:`send`); after the peer's
+        process was replaced, each process's connection comes back on its own schedule
+        (ZeroMQ reconnects), so a caller that learned of the replacement elsewhere waits here
+        before its first call.
+
+        Raises:
+            ActorTimeout: no answer within ``timeout`` seconds.
+        """
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            left = deadline - asyncio.get_running_loop().time()
+            try:
+                await self.call("__ping__", timeout=max(0.01, min(1.0, left)))
+                return
+            except (PeerLost, ActorTimeout):
+                if left <= 0:
+                    raise ActorTimeout(f"{self.name} not reachable within {timeout} s") from None
+                await asyncio.sleep(0.05)
+
     async def interface(self, timeout: float | None = None) -> ActorInterface:
         """The actor's methods and signatures (its ``__interface__``), fetched once per connection.
 

@@ -359,13 +359,20 @@ class RolloutManager(Actor):
                       policy_version=version, prompt_ids=prompt.prompt_ids, reward=0.0,
                       status=status, **fields)
 
+    @concurrent
     async def restore_engine(self, engine: str) -> list[str]:
         """Put a restarted engine back into the pool once it serves the current weights
         (``--engine-failure restart``; the launcher calls this); returns the live engines.
 
         Raises:
             ValueError: ``engine`` is not one of the run's engines.
+            actors.ActorTimeout: this process cannot reach it within
+                ``--rollout-timeout-seconds``.
         """
+        if engine not in self.engines:
+            raise ValueError(f"unknown engine {engine!r}; the run's engines: {self.engines}")
+        # this process's connection to the new process must be back before work is sent to it
+        await self.ref(engine).reachable(self.config.generate_timeout_s)
         self.pool.restore(engine)
         return self.pool.live()
 

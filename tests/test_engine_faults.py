@@ -11,6 +11,7 @@ trained on exactly the groups it would have (none lost, none twice) at the same 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,23 @@ def reference(tmp_path_factory) -> list[dict]:
     """The rows of the same run with no fault."""
     out = tmp_path_factory.mktemp("reference")
     return _rows(run_event_loop(launch(_config(out))))
+
+
+def _children() -> set[int]:
+    """Live child processes of this test process (the run's actors while it runs)."""
+    kids = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+                command = Path(f"/proc/{entry}/cmdline").read_bytes()
+            except OSError:
+                continue
+            # multiprocessing's resource tracker lives as long as this process
+            if (int(stat[1]) == os.getpid() and stat[0] != "Z"
+                    and b"resource_tracker" not in command):
+                kids.add(int(entry))
+    return kids
 
 
 def _gone(pid: int) -> bool:
@@ -138,9 +156,11 @@ async def test_a_killed_clock_or_manager_ends_the_run_keeping_the_checkpoint(tmp
     checkpoint = write_initial_checkpoint(config, tmp_path / "ckpt")
     specs = faulty_specs(actor_specs(config, checkpoint), actor, "SIGKILL", call,
                          tmp_path / "fault.json")
+    before = _children()
     with pytest.raises(ActorDied) as died:
         await launch(config, specs=specs)
     assert died.value.actor == actor and died.value.exitcode == -9
+    assert not _children() - before  # every other actor stopped too
     # the checkpoint after step 0 is the last, complete and loadable
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-1"]
     resume = _config(tmp_path / "again", **{"num-engines": 1,

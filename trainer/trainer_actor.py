@@ -170,6 +170,7 @@ class TrainerActor(Actor):
             ``{"version", "bytes", "seconds"}`` as :meth:`push_weights`.
         Raises:
             ValueError: ``engine`` is not one of the run's engines.
+            actors.ActorTimeout: the engine not reachable within ``--rpc-timeout-seconds``.
             actors.RemoteError / actors.ActorError: the load or the record failed.
         """
         if engine not in self.engines:
@@ -177,6 +178,7 @@ class TrainerActor(Actor):
         start = time.perf_counter()
         arrays = self.backend.weights()
         timeout = self.config.rpc_timeout_s
+        await self.ref(engine).reachable(timeout)  # this process's connection to the new one
         await self.proxy(engine, timeout).load_weights(self.version, pack_arrays(arrays))
         await self.proxy(self.clock_name, timeout).record_engine_load(engine, self.version)
         return {"version": self.version, "bytes": int(sum(a.nbytes for a in arrays.values())),

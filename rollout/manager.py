@@ -8,7 +8,9 @@ whole groups per engine). It drives the turn loop itself (``rollout/turn_loop.py
 ``merge_turns`` call with the run's required traces and scored by the same verifier
 (``--rm-type``, ``rollout/rewards.py``, or ``--custom-reward``) under one time limit. The batch
 is kept until the trainer takes it, so the trajectories cross the wire once (engine -> manager
--> trainer), never through the driver. Its data-source state is checkpointable.
+-> trainer), never through the driver. Its data-source state is checkpointable. The prompt
+groups of a lost engine are generated again on another one (``rollout/engine_pool.py``,
+``--engine-failure``).
 
 Prompts come from ``--prompt-data`` (or the built-in task's shipped file) through the run's
 tokenizer (``rollout/tokenizer.py``, ``rollout/prompt_data.py``); ``evaluate`` scores the
@@ -227,9 +229,16 @@ class RolloutManager(Actor):
         ``min_version``: the policy version the engines must serve it at, or later (they wait
         for a weight push still on its way; ``rollout.engine_actor.EngineActor.generate``).
 
+        The summary's ``engines_alive`` and ``groups_regenerated`` give the capacity: engines
+        in the pool when the batch was complete, and the prompt groups generated again because
+        their engine was lost (docs/design.md §18 "Engine fault tolerance").
+
         Raises:
             RolloutError: a batch with this id is already stored.
             actors.RemoteError / ActorTimeout: an engine failed or did not answer in time.
+            rollout.engine_pool.EnginesLost: no engine left (``--engine-failure regenerate``)
+                or none restored in time (``restart``); actors.errors.PeerLost: an engine
+                lost under ``fail``.
         """
         if rollout_id in self.batches:
             raise RolloutError(f"rollout {rollout_id} already generated and not yet taken")

@@ -14,9 +14,13 @@ from typing import Iterable, Mapping
 
 from actors.errors import ActorError
 from actors.proxy import ActorProxy
-from actors.ref import ActorRef
+from actors.ref import ActorRef, heartbeat_ms
 from transport import ipc_endpoint, strict_json, tcp_loopback_endpoint
 from transport.curve import CurveKeys
+
+
+DEFAULT_HEARTBEAT_DEADLINE_S = 30.0
+"""Seconds of silence (no ZMTP heartbeat answered) after which a peer is lost by default."""
 
 
 class UnknownActor(ActorError, KeyError):
@@ -27,7 +31,9 @@ class UnknownActor(ActorError, KeyError):
 class Directory:
     """Immutable mapping ``name -> endpoint`` (``ipc://...`` or ``tcp://host:port``), plus where
     the run's CURVE keys are (``curve_keys``, a directory written by ``replayrl keys``; required
-    when any endpoint is tcp, docs/design.md §4 "Transport contract").
+    when any endpoint is tcp, docs/design.md §4 "Transport contract"), and the run's liveness
+    deadline (``heartbeat_deadline_s``: a peer silent that long is lost, docs/design.md §18
+    "Engine fault tolerance").
 
     Raises:
         ValueError: a tcp endpoint without ``curve_keys``.
@@ -35,31 +41,36 @@ class Directory:
 
     endpoints: Mapping[str, str] = field(default_factory=dict)
     curve_keys: str = ""
+    heartbeat_deadline_s: float = DEFAULT_HEARTBEAT_DEADLINE_S
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "endpoints", MappingProxyType(dict(self.endpoints)))
+        heartbeat_ms(self.heartbeat_deadline_s)  # a bad deadline fails here, not in a child
         if not self.curve_keys and any(e.startswith("tcp://") for e in self.endpoints.values()):
             raise ValueError("tcp endpoints need the run's CURVE keys (Directory.curve_keys; "
                              "`replayrl keys DIR` makes them)")
 
     @classmethod
     def for_run(cls, run_dir: str | Path, names: Iterable[str], transport: str = "ipc",
-                base_port: int | None = None, curve_keys: str = "") -> "Directory":
+                base_port: int | None = None, curve_keys: str = "",
+                heartbeat_deadline_s: float = DEFAULT_HEARTBEAT_DEADLINE_S) -> "Directory":
         """Endpoints for ``names``: ipc files under ``run_dir``, or loopback tcp ports.
 
         Args:
             transport: ``"ipc"`` (one node) or ``"tcp"`` (loopback; ``base_port`` + i, or a free
                 port chosen by the OS when ``base_port`` is None).
             curve_keys: the run's key directory; required for tcp.
+            heartbeat_deadline_s: seconds of silence after which a peer is lost.
         Raises:
             ValueError: unknown transport, or tcp without ``curve_keys``.
         """
         names = list(names)
         if transport == "ipc":
-            return cls({n: ipc_endpoint(run_dir, n) for n in names}, curve_keys)
+            return cls({n: ipc_endpoint(run_dir, n) for n in names}, curve_keys,
+                       heartbeat_deadline_s)
         if transport == "tcp":
             return cls({n: tcp_loopback_endpoint(_free_port() if base_port is None else base_port + i)
-                        for i, n in enumerate(names)}, curve_keys)
+                        for i, n in enumerate(names)}, curve_keys, heartbeat_deadline_s)
         raise ValueError(f"unknown transport {transport!r}; expected 'ipc' or 'tcp'")
 
     def keys(self) -> CurveKeys | None:
@@ -98,15 +109,19 @@ class Directory:
         return dict(self.endpoints)
 
     def save(self, path: str | Path) -> None:
-        """Write the directory as JSON: ``{"endpoints": {...}, "curve_keys": path}``."""
+        """Write the directory as JSON: ``{"endpoints": {...}, "curve_keys": path,
+        "heartbeat_deadline_s": seconds}``."""
         Path(path).write_text(strict_json.dumps({"endpoints": self.to_dict(),
-                                                 "curve_keys": self.curve_keys}, indent=1))
+                                                 "curve_keys": self.curve_keys,
+                                                 "heartbeat_deadline_s": self.heartbeat_deadline_s},
+                                                indent=1))
 
     @classmethod
     def load(cls, path: str | Path) -> "Directory":
         """Read a directory written by :meth:`save`."""
         data = strict_json.loads(Path(path).read_text())
-        return cls(data["endpoints"], data.get("curve_keys", ""))
+        return cls(data["endpoints"], data.get("curve_keys", ""),
+                   data.get("heartbeat_deadline_s", DEFAULT_HEARTBEAT_DEADLINE_S))
 
 
 def _free_port() -> int:

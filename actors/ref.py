@@ -147,6 +147,36 @@ def close_connections() -> None:
     POOL.close_all()
 
 
+def heartbeat_ms(deadline_s: float) -> tuple[int, int]:
+    """ZMTP heartbeat ``(interval, timeout)`` in milliseconds for a liveness deadline of
+    ``deadline_s`` seconds: the connection is dropped after ``deadline_s`` without traffic from
+    the peer, with a PING every quarter of it (at most every 2 s), so a few lost PINGs alone
+    never cross the deadline.
+
+    Raises:
+        ValueError: ``deadline_s`` is not a finite number > 0 (or under 1 ms).
+    """
+    if not isinstance(deadline_s, (int, float)) or not 0.001 <= deadline_s < float("inf"):
+        raise ValueError(f"heartbeat deadline must be a number of seconds >= 0.001, got {deadline_s!r}")
+    timeout = int(round(deadline_s * 1000))
+    return max(1, min(DEFAULT_HEARTBEAT_MS[0], timeout // 4)), timeout
+
+
+def use_heartbeat_deadline(deadline_s: float) -> None:
+    """Connections this process opens from now on drop a peer silent for ``deadline_s``
+    seconds, failing its calls with :class:`PeerLost` (:func:`heartbeat_ms`); one run per
+    process (:class:`actors.Directory` carries the run's deadline)."""
+    POOL.heartbeat_ms = heartbeat_ms(deadline_s)
+
+
+def connection_lost(endpoint: str) -> str | None:
+    """Why this process's connection to ``endpoint`` is down (process gone, heartbeats
+    unanswered past the deadline, keys refused), or None while it is up or was never opened
+    (must run inside the event loop whose connections are meant)."""
+    conn = POOL.connections.get((id(asyncio.get_running_loop()), endpoint))
+    return conn.socket.lost if conn is not None else None
+
+
 def use_curve_keys(keys: CurveKeys | None) -> None:
     """The CURVE keys this process's connections to ``tcp://`` actors use from now on (one run
     per process; :class:`actors.Directory` carries where they are)."""
@@ -211,6 +241,28 @@ class ActorRef:
                 raise ActorTimeout(f"{self.name}.{method} gave no reply within {timeout} s") from None
             finally:
                 conn.pending.pop(call_id, None)
+
+    async def reachable(self, timeout: float) -> None:
+        """Return once the actor answers ``__ping__`` from this process.
+
+        A call on a connection known lost fails at once (:meth:`send`); after the peer's
+        process was replaced, each process's connection comes back on its own schedule
+        (ZeroMQ reconnects), so a caller that learned of the replacement elsewhere waits here
+        before its first call.
+
+        Raises:
+            ActorTimeout: no answer within ``timeout`` seconds.
+        """
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            left = deadline - asyncio.get_running_loop().time()
+            try:
+                await self.call("__ping__", timeout=max(0.01, min(1.0, left)))
+                return
+            except (PeerLost, ActorTimeout):
+                if left <= 0:
+                    raise ActorTimeout(f"{self.name} not reachable within {timeout} s") from None
+                await asyncio.sleep(0.05)
 
     async def interface(self, timeout: float | None = None) -> ActorInterface:
         """The actor's methods and signatures (its ``__interface__``), fetched once per connection.

@@ -27,13 +27,13 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 from actors.actor import Actor, ActorServer
 from actors.directory import Directory
-from actors.errors import ActorDied, ActorError, PeerLost
+from actors.errors import ActorDied, ActorError, PeerLost, RemoteError
 from actors.loop import run_event_loop
-from actors.ref import close_connections, use_curve_keys
+from actors.ref import close_connections, connection_lost, use_curve_keys, use_heartbeat_deadline
 from actors.run_dir import leave_run_dir
 
 log = logging.getLogger(__name__)
@@ -130,6 +130,7 @@ async def serve_actor(actor: Actor, name: str, directory: Directory,
     actor.name, actor.directory = name, directory
     keys = directory.keys()
     use_curve_keys(keys)
+    use_heartbeat_deadline(directory.heartbeat_deadline_s)
     await actor.on_start()
     server = ActorServer(actor, directory.endpoint(name), curve=keys)
     profile_dir = os.environ.get(PROFILE_ENV)
@@ -157,8 +158,8 @@ async def serve_actor(actor: Actor, name: str, directory: Directory,
             close_connections()
 
 
-def _child_main(spec: ActorSpec, endpoints: dict[str, str], curve_keys: str, parent_pid: int,
-                run_dir: str, log_level: int) -> None:
+def _child_main(spec: ActorSpec, endpoints: dict[str, str], curve_keys: str,
+                heartbeat_deadline_s: float, parent_pid: int, run_dir: str, log_level: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher owns Ctrl-C
     os.environ.update(spec.env)
     if spec.cpus:
@@ -166,7 +167,8 @@ def _child_main(spec: ActorSpec, endpoints: dict[str, str], curve_keys: str, par
     logging.basicConfig(level=log_level, format=f"%(asctime)s {spec.name} %(levelname)s %(message)s")
     try:
         actor = import_actor_class(spec.cls)(**spec.kwargs)
-        run_event_loop(serve_actor(actor, spec.name, Directory(endpoints, curve_keys), parent_pid))
+        directory = Directory(endpoints, curve_keys, heartbeat_deadline_s)
+        run_event_loop(serve_actor(actor, spec.name, directory, parent_pid))
         if os.getppid() != parent_pid:  # the launcher was killed: nobody else will clean up
             leave_run_dir(run_dir)
     except BaseException:
@@ -179,24 +181,61 @@ def _child_main(spec: ActorSpec, endpoints: dict[str, str], curve_keys: str, par
             os._exit(1)
 
 
+LOSS_POLICIES = ("fail", "drop", "replace")
+"""What a :class:`Supervisor` does when an expendable actor is lost: end the run, go on
+without it, or start a fresh process in its place."""
+
+
 class Supervisor:
     """Owns the actor processes of a run: start, wait until ready, watch, stop.
 
     Use as ``async with Supervisor(...) as sup:``; leaving the block stops every actor (a polite
     ``__stop__``, then SIGTERM, then SIGKILL) and removes the run's ipc files.
+
+    An actor is *lost* when its process exits or when it stays silent past the directory's
+    heartbeat deadline (this process's connection to it drops, e.g. a SIGSTOPped process);
+    a silent one is killed (SIGKILL) so it can never come back with stale state. A lost actor
+    ends the run (:meth:`watch` raises :class:`ActorDied`) unless it is one of ``expendable``
+    and ``on_lost`` says otherwise (docs/design.md §18 "Engine fault tolerance").
+
+    Args:
+        expendable: names of actors the run can lose (the rollout engines).
+        on_lost: for an expendable actor: ``"fail"`` (end the run), ``"drop"`` (go on without
+            it; the run ends once every expendable actor is lost) or ``"replace"`` (start a new
+            process for it under the same name and endpoint, then await ``on_replaced(name)``
+            once it answers ``__ping__``).
+        on_replaced: coroutine function called with the name of a replaced actor once it
+            serves (the launcher pushes the current weights to a replaced engine); its error
+            ends the run.
+    Raises:
+        ValueError: duplicate names, an unknown ``on_lost``, or an ``expendable`` name that
+            is not among ``specs``.
     """
 
     def __init__(self, specs: list[ActorSpec], directory: Directory, run_dir: str | Path,
-                 *, ready_timeout: float = 120.0, log_level: int = logging.WARNING) -> None:
+                 *, ready_timeout: float = 120.0, log_level: int = logging.WARNING,
+                 expendable: tuple[str, ...] = (), on_lost: str = "fail",
+                 on_replaced: Callable[[str], Awaitable[Any]] | None = None) -> None:
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
             raise ValueError(f"actor names must be unique, got {names}")
+        if on_lost not in LOSS_POLICIES:
+            raise ValueError(f"on_lost must be one of {LOSS_POLICIES}, got {on_lost!r}")
+        if unknown := sorted(set(expendable) - set(names)):
+            raise ValueError(f"expendable actors {unknown} are not among {names}")
         self.specs = specs
         self.directory = directory
         self.run_dir = Path(run_dir)
         self.ready_timeout = ready_timeout
         self.log_level = log_level
+        self.expendable = tuple(expendable)
+        self.on_lost = on_lost
+        self.on_replaced = on_replaced
         self.processes: dict[str, mp.process.BaseProcess] = {}
+        self.dropped: dict[str, str] = {}  # name -> why it was lost (on_lost "drop")
+        self.replacements: dict[str, int] = {}  # name -> processes started in its place
+        self._replacing: dict[str, asyncio.Task] = {}
+        self._silenced: dict[str, str] = {}  # name -> why it was killed, until handled
         self._stopping = False
 
     async def __aenter__(self) -> "Supervisor":
@@ -213,75 +252,160 @@ class Supervisor:
 
     def start(self) -> None:
         """Start every actor process (returns at once; see :meth:`wait_ready`); this process's
-        calls to them use the directory's CURVE keys."""
+        calls to them use the directory's CURVE keys and heartbeat deadline."""
         self.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         use_curve_keys(self.directory.keys())
-        ctx = mp.get_context("spawn")
+        use_heartbeat_deadline(self.directory.heartbeat_deadline_s)
         for spec in self.specs:
-            proc = ctx.Process(target=_child_main, name=f"replayrl-{spec.name}", daemon=False,
-                               args=(spec, self.directory.to_dict(), self.directory.curve_keys,
-                                     os.getpid(),
-                                     str(self.run_dir), self.log_level))
-            proc.start()
-            self.processes[spec.name] = proc
+            self._start(spec)
+
+    def _start(self, spec: ActorSpec) -> None:
+        proc = mp.get_context("spawn").Process(
+            target=_child_main, name=f"replayrl-{spec.name}", daemon=False,
+            args=(spec, self.directory.to_dict(), self.directory.curve_keys,
+                  self.directory.heartbeat_deadline_s, os.getpid(), str(self.run_dir),
+                  self.log_level))
+        proc.start()
+        self.processes[spec.name] = proc
+
+    def _exited(self, name: str) -> ActorDied:
+        if name in self._silenced:
+            return ActorDied(name, self.processes[name].exitcode, self._silenced[name])
+        tb_file = self.run_dir / f"{name}.traceback"
+        text = tb_file.read_text() if tb_file.exists() else ""
+        return ActorDied(name, self.processes[name].exitcode, text)
 
     def died(self) -> ActorDied | None:
-        """An :class:`ActorDied` for the first process that exited, or None while all live."""
+        """An :class:`ActorDied` for the first process that exited, or None while all live
+        (actors already dropped under ``on_lost="drop"`` do not count)."""
         for name, proc in self.processes.items():
-            if proc.exitcode is not None:
-                tb_file = self.run_dir / f"{name}.traceback"
-                text = tb_file.read_text() if tb_file.exists() else ""
-                return ActorDied(name, proc.exitcode, text)
+            if proc.exitcode is not None and name not in self.dropped:
+                return self._exited(name)
         return None
 
     async def explain(self, exc: BaseException, grace: float = 5.0) -> BaseException:
         """The error to report for ``exc``: a :class:`PeerLost` caused by an actor process that
-        exited becomes that process's :class:`ActorDied` (with its traceback), waiting up to
-        ``grace`` seconds for the exit to show; anything else is returned as it is."""
-        if not isinstance(exc, PeerLost):
+        exited (or went silent, then killed) becomes that process's :class:`ActorDied` (with
+        its traceback), waiting up to ``grace`` seconds for the exit to show; so does a
+        :class:`RemoteError` whose remote type is ``PeerLost`` (an actor's own call cut off,
+        e.g. the trainer's call to a dead clock). Anything else is returned as it is."""
+        cut_off = isinstance(exc, PeerLost) or (isinstance(exc, RemoteError)
+                                                and exc.remote_type == "PeerLost")
+        if not cut_off:
             return exc
         deadline = time.monotonic() + grace
-        while (dead := self.died()) is None and time.monotonic() < deadline:
+        while (dead := (self._kill_silent(), self.died())[1]) is None and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         return dead if dead is not None else exc
 
-    async def wait_ready(self) -> None:
-        """Ping every actor until it answers.
+    async def wait_ready(self, names: list[str] | None = None) -> None:
+        """Ping every actor (or those of ``names``) until it answers.
 
         Raises:
             ActorDied: a process exited while starting (with its traceback).
             ActorError: not all actors answered within ``ready_timeout`` seconds.
         """
         deadline = time.monotonic() + self.ready_timeout
-        for name in self.processes:
+        for name in names if names is not None else list(self.processes):
             ref = self.directory.ref(name)
             while True:
-                if (dead := self.died()) is not None:
-                    raise dead
+                if self.processes[name].exitcode is not None:
+                    raise self._exited(name)
                 try:
                     await ref.call("__ping__", timeout=0.5)
                     break
                 except ActorError:
                     if time.monotonic() > deadline:
                         raise ActorError(f"actor {name!r} not ready after {self.ready_timeout} s")
+                    await asyncio.sleep(0.05)  # a call on a lost connection fails at once
+
+    def _silent(self, name: str) -> str | None:
+        """Why ``name``'s connection is lost while its process still runs (a stopped or hung
+        process past the heartbeat deadline), or None. A process being replaced is not judged
+        until it answered its first ping."""
+        if name in self._replacing or name in self.dropped:
+            return None
+        return connection_lost(self.directory.endpoint(name))
+
+    def _kill_silent(self) -> None:
+        """SIGKILL every live process whose connection is lost (silent past the deadline), so
+        it is handled as an exit and can never come back with stale state."""
+        for name, proc in self.processes.items():
+            if proc.exitcode is not None or (silent := self._silent(name)) is None:
+                continue
+            proc.join(0.2)  # a process that just exited drops its connection first
+            if proc.exitcode is not None:
+                continue
+            why = (f"silent for {self.directory.heartbeat_deadline_s} s (heartbeat deadline; "
+                   f"{silent}); killed")
+            log.warning("%s: %s", name, why)
+            self._silenced[name] = why
+            proc.kill()
+            proc.join(5.0)
+
+    def _check(self) -> None:
+        """Handle every lost actor once: kill the silent, then fail / drop / replace the exited.
+
+        Raises:
+            ActorDied: a lost actor the run cannot do without, or the last expendable one.
+            Whatever ``on_replaced`` raised for a replacement.
+        """
+        for name, task in list(self._replacing.items()):
+            if task.done():
+                del self._replacing[name]
+                task.result()  # its error ends the run
+        self._kill_silent()
+        for name, proc in list(self.processes.items()):
+            if name in self.dropped or self._stopping or proc.exitcode is None:
+                continue
+            dead = self._exited(name)
+            why = self._silenced.pop(name, "")
+            if name not in self.expendable or self.on_lost == "fail":
+                raise dead
+            if (starting := self._replacing.pop(name, None)) is not None:
+                starting.cancel()
+            if self.on_lost == "drop":
+                self.dropped[name] = why or f"exited with code {proc.exitcode}"
+                log.warning("%s lost (%s); going on without it", name, self.dropped[name])
+                if all(n in self.dropped for n in self.expendable):
+                    raise ActorDied(name, proc.exitcode,
+                                    f"every one of {list(self.expendable)} is lost; the last: "
+                                    f"{self.dropped[name]}")
+            else:
+                log.warning("%s lost (%s); starting a new process in its place",
+                            name, why or f"exit code {proc.exitcode}")
+                Path(self.run_dir, f"{name}.traceback").unlink(missing_ok=True)
+                self.replacements[name] = self.replacements.get(name, 0) + 1
+                self._start(next(s for s in self.specs if s.name == name))
+                self._replacing[name] = asyncio.ensure_future(self._replaced(name))
+
+    async def _replaced(self, name: str) -> None:
+        await self.wait_ready([name])
+        if self.on_replaced is not None:
+            await self.on_replaced(name)
 
     async def watch(self) -> None:
-        """Return never; raise :class:`ActorDied` as soon as any actor process exits."""
+        """Return never; raise :class:`ActorDied` as soon as an actor is lost that the run
+        cannot do without (see the class docstring), after killing it if it was silent."""
         loop = asyncio.get_running_loop()
-        while True:
-            if (dead := self.died()) is not None and not self._stopping:
-                raise dead
-            waiter = loop.create_future()
-            fds = [p.sentinel for p in self.processes.values()]
-            for fd in fds:
-                loop.add_reader(fd, lambda: waiter.done() or waiter.set_result(None))
-            try:
-                await asyncio.wait_for(waiter, 1.0)
-            except asyncio.TimeoutError:
-                pass
-            finally:
+        poll = min(1.0, self.directory.heartbeat_deadline_s / 4)
+        try:
+            while True:
+                self._check()
+                waiter = loop.create_future()
+                fds = [p.sentinel for n, p in self.processes.items() if n not in self.dropped]
                 for fd in fds:
-                    loop.remove_reader(fd)
+                    loop.add_reader(fd, lambda: waiter.done() or waiter.set_result(None))
+                try:
+                    await asyncio.wait_for(waiter, poll)
+                except asyncio.TimeoutError:
+                    pass
+                finally:
+                    for fd in fds:
+                        loop.remove_reader(fd)
+        finally:
+            for task in self._replacing.values():
+                task.cancel()
 
     async def shutdown(self, timeout: float = 5.0) -> None:
         """Stop every actor: ``__stop__`` to each live one, then SIGTERM / SIGKILL stragglers."""

@@ -8,7 +8,9 @@ whole groups per engine). It drives the turn loop itself (``rollout/turn_loop.py
 ``merge_turns`` call with the run's required traces and scored by the same verifier
 (``--rm-type``, ``rollout/rewards.py``, or ``--custom-reward``) under one time limit. The batch
 is kept until the trainer takes it, so the trajectories cross the wire once (engine -> manager
--> trainer), never through the driver. Its data-source state is checkpointable.
+-> trainer), never through the driver. Its data-source state is checkpointable. The prompt
+groups of a lost engine are generated again on another one (``rollout/engine_pool.py``,
+``--engine-failure``).
 
 Prompts come from ``--prompt-data`` (or the built-in task's shipped file) through the run's
 tokenizer (``rollout/tokenizer.py``, ``rollout/prompt_data.py``); ``evaluate`` scores the
@@ -27,6 +29,7 @@ import json
 from actors import Actor, concurrent, import_callable
 from rollout.config import RolloutConfig
 from rollout.data_source import Prompt, PromptDataSource
+from rollout.engine_pool import EnginePool
 from rollout.engines.base import generations_from_columns
 from rollout.evaluation import eval_metrics
 from rollout.generation_gate import GenerationGate
@@ -64,6 +67,9 @@ class RolloutManager(Actor):
         tokenizer_dir: the checkpoint directory whose tokenizer encodes the prompts
             (``--tokenizer``, by default the run's initial checkpoint).
         vocab_size: the policy's vocabulary size (prompt ids must lie below it).
+        engine_failure: ``--engine-failure`` (:data:`rollout.engine_pool.ENGINE_FAILURE_POLICIES`):
+            what a lost engine's unfinished prompt groups get (docs/design.md §18 "Engine
+            fault tolerance").
 
     Raises:
         RolloutError: no engine, or ``--custom-reward`` not importable.
@@ -73,11 +79,14 @@ class RolloutManager(Actor):
     """
 
     def __init__(self, config: dict, engines: list[str], require_traces: list[str],
-                 max_positions: int, tokenizer_dir: str, vocab_size: int) -> None:
+                 max_positions: int, tokenizer_dir: str, vocab_size: int,
+                 engine_failure: str = "fail") -> None:
         self.config = RolloutConfig(**config)
         if not engines:
             raise RolloutError("RolloutManager needs at least one engine")
         self.engines = list(engines)
+        # a lost engine's unfinished groups are regenerated (or the run ends) per --engine-failure
+        self.pool = EnginePool(self.engines, engine_failure, self.config.generate_timeout_s)
         self.max_positions = int(max_positions)
         self.task = DigitTask(num_digits=self.config.num_digits, num_values=self.config.num_values)
         # One verifier for every trajectory: the tool environment's reward is the task's reward
@@ -133,30 +142,46 @@ class RolloutManager(Actor):
 
     async def _run_prompts(self, prompts: list[Prompt], n: int, seed_key: list[int],
                            sampling: dict, max_new_tokens: int,
-                           min_version: int | None) -> list[list[Episode]]:
+                           min_version: int | None) -> tuple[list[list[Episode]], int]:
         """``n`` episodes per prompt (``[len(prompts)][n]``), whole prompts split over engines,
-        served at policy ``min_version`` or later."""
+        served at policy ``min_version`` or later, and the number of prompt groups that were
+        generated again because their engine was lost (:class:`rollout.engine_pool.EnginePool`).
+
+        The split, and each chunk's seed, depend on the run's engine count only, never on
+        which engines are alive: a chunk regenerated on another engine is the same request,
+        so (at the same weights) it gives the same trajectories the lost engine would have.
+        """
         chunks = [list(range(i, len(prompts), len(self.engines))) for i in range(len(self.engines))]
         seeds = np.random.SeedSequence([self.config.seed, *seed_key]).generate_state(len(self.engines))
+
+        def chunk_work(chunk: list[int], seed: int):
+            return lambda engine: self._episodes(
+                engine, [prompts[g].prompt_ids for g in chunk for _ in range(n)], seed, sampling,
+                max_new_tokens, min_version)
+
         replies = await asyncio.gather(*(
-            self._episodes(engine, [prompts[g].prompt_ids for g in chunk for _ in range(n)],
-                           int(seed), sampling, max_new_tokens, min_version)
+            self.pool.run(engine, chunk_work(chunk, int(seed)))
             for engine, chunk, seed in zip(self.engines, chunks, seeds) if chunk))
         out: list[list[Episode]] = [[] for _ in prompts]
-        for chunk, episodes in zip([c for c in chunks if c], replies):
+        regenerated = 0
+        for chunk, (episodes, reruns) in zip([c for c in chunks if c], replies):
+            regenerated += reruns * len(chunk)
             episode = iter(episodes)
             for g in chunk:
                 out[g] = [next(episode) for _ in range(n)]
-        return out
+        return out, regenerated
 
     async def _generate_groups(self, prompts: list[Prompt], rollout_id: int,
-                               seed_key: list[int], min_version: int | None) -> list[Sample]:
-        """Generate ``n_samples_per_prompt`` trajectories per prompt, assemble and score them."""
+                               seed_key: list[int], min_version: int | None
+                               ) -> tuple[list[Sample], int]:
+        """Generate ``n_samples_per_prompt`` trajectories per prompt, assemble and score them;
+        returns them and the number of groups regenerated after an engine loss."""
         cfg = self.config
         group_ids = list(range(self.next_group_id, self.next_group_id + len(prompts)))
         self.next_group_id += len(prompts)
-        episodes = await self._run_prompts(prompts, cfg.n_samples_per_prompt, seed_key,
-                                           cfg.sampling_dict(), cfg.max_response_len, min_version)
+        episodes, regenerated = await self._run_prompts(
+            prompts, cfg.n_samples_per_prompt, seed_key, cfg.sampling_dict(),
+            cfg.max_response_len, min_version)
         # sample ids in the order the engines' chunks come back, as before (engine 0's groups
         # first): a resumed or repeated run numbers its samples the same way
         order = [g for i in range(len(self.engines)) for g in range(i, len(prompts), len(self.engines))]
@@ -169,7 +194,7 @@ class RolloutManager(Actor):
         samples.sort(key=lambda s: (s.group_id, s.sample_id))  # groups contiguous for GRPO
         if samples:
             self.latest_sample = samples[-1]
-        return samples
+        return samples, regenerated
 
     async def _reward(self, sample_id: int | str, prompt: Prompt, response_ids: np.ndarray,
                       loss_mask: np.ndarray) -> float:
@@ -210,9 +235,16 @@ class RolloutManager(Actor):
         ``min_version``: the policy version the engines must serve it at, or later (they wait
         for a weight push still on its way; ``rollout.engine_actor.EngineActor.generate``).
 
+        The summary's ``engines_alive`` and ``groups_regenerated`` give the capacity: engines
+        in the pool when the batch was complete, and the prompt groups generated again because
+        their engine was lost (docs/design.md §18 "Engine fault tolerance").
+
         Raises:
             RolloutError: a batch with this id is already stored.
             actors.RemoteError / ActorTimeout: an engine failed or did not answer in time.
+            rollout.engine_pool.EnginesLost: no engine left (``--engine-failure regenerate``)
+                or none restored in time (``restart``); actors.errors.PeerLost: an engine
+                lost under ``fail``.
         """
         if rollout_id in self.batches:
             raise RolloutError(f"rollout {rollout_id} already generated and not yet taken")
@@ -221,7 +253,8 @@ class RolloutManager(Actor):
         # rollout must record: a prefetched batch the model never trained on is drawn again.
         self.data_state_before[rollout_id] = self.data.state_dict()
         prompts = self.data.next_batch(self.config.rollout_batch_size)  # before any await
-        samples = await self._generate_groups(prompts, rollout_id, [rollout_id], min_version)
+        samples, regenerated = await self._generate_groups(prompts, rollout_id, [rollout_id],
+                                                           min_version)
         self.batches[rollout_id] = samples
         rewards = np.array([s.reward for s in samples])
         summary = {"rollout_id": rollout_id, "samples": len(samples),
@@ -230,7 +263,11 @@ class RolloutManager(Actor):
                    "truncated_fraction": float(np.mean([s.status == "truncated" for s in samples])),
                    "policy_versions": sorted({s.policy_version for s in samples}),
                    "prompt_indices": [p.index for p in prompts],
-                   "generate_seconds": time.perf_counter() - start}
+                   "generate_seconds": time.perf_counter() - start,
+                   # capacity: engines serving when the batch was complete, and the groups
+                   # that had to be generated again because their engine was lost
+                   "engines_alive": len(self.pool.live()),
+                   "groups_regenerated": regenerated}
         if self.config.append_eos_on_truncation:
             summary["synthetic_eos_fraction"] = float(np.mean([s.synthetic_eos for s in samples]))
         if self.config.max_turns > 1:
@@ -259,7 +296,7 @@ class RolloutManager(Actor):
         n = cfg.n_samples_per_eval_prompt
         out: dict = {}
         for k, (name, prompts) in enumerate(self.eval_sets):
-            episodes = await self._run_prompts(
+            episodes, _ = await self._run_prompts(
                 prompts, n, [1 << 21, int(step), k], cfg.eval_sampling_dict(),
                 cfg.eval_max_response_len or cfg.max_response_len, min_version)
             rewards = []
@@ -289,8 +326,8 @@ class RolloutManager(Actor):
             raise RolloutError(f"generate_replacements needs n_groups >= 1, got {n_groups}")
         self.replacement_calls += 1
         prompts = self.replacement_data.next_batch(n_groups)
-        samples = await self._generate_groups(prompts, -1, [1 << 20, self.replacement_calls],
-                                              min_version)
+        samples, _ = await self._generate_groups(prompts, -1, [1 << 20, self.replacement_calls],
+                                                 min_version)
         return samples_to_columns(samples)
 
     def _assemble(self, episode: Episode, prompt: Prompt, group_id: int, rollout_id: int) -> dict:
@@ -382,6 +419,23 @@ class RolloutManager(Actor):
         if self.latest_sample is None:
             return {}
         return samples_to_columns([self.latest_sample])
+
+    @concurrent
+    async def restore_engine(self, engine: str) -> list[str]:
+        """Put a restarted engine back into the pool once it serves the current weights
+        (``--engine-failure restart``; the launcher calls this); returns the live engines.
+
+        Raises:
+            ValueError: ``engine`` is not one of the run's engines.
+            actors.ActorTimeout: this process cannot reach it within
+                ``--rollout-timeout-seconds``.
+        """
+        if engine not in self.engines:
+            raise ValueError(f"unknown engine {engine!r}; the run's engines: {self.engines}")
+        # this process's connection to the new process must be back before work is sent to it
+        await self.ref(engine).reachable(self.config.generate_timeout_s)
+        self.pool.restore(engine)
+        return self.pool.live()
 
     async def take_batch(self, rollout_id: int) -> dict:
         """Hand over (and forget) a stored batch as columns (``rollout.sample.samples_to_columns``),

@@ -45,6 +45,7 @@ SECTIONS = {
     16: "The megatron-core backend",
     17: "SGLang engine",
     21: "REPL attach and multi-host runs",
+    18: "Engine fault tolerance",
 }
 
 _HEADING = re.compile(r"^## (\d+)\. (\S.*?)\s*$", re.MULTILINE)

@@ -1,4 +1,4 @@
-"""``replayrl`` command line: ``train``, ``repl``, ``keys`` and ``bench {parity,refill,logprobs,transport,peer,profile,train,load,engine,decode,steps}``.
+"""``replayrl`` command line: ``train``, ``repl``, ``keys`` and ``bench {parity,refill,logprobs,transport,peer,profile,train,load,engine,decode,steps,faults}``.
 
 Exit codes (:mod:`tools.exit_codes`): 0 success, 1 a run failed (the failing actor's traceback
 is printed), 2 bad configuration, 130 interrupted by Ctrl-C, 143 SIGTERM (``train``).
@@ -62,7 +62,7 @@ BENCHES = {"parity": "tools.bench_parity", "refill": "tools.bench_refill",
            "peer": "tools.bench_peer", "profile": "tools.bench_profile",
            "train": "tools.bench_train", "load": "tools.bench_load",
            "engine": "tools.bench_engine", "decode": "tools.bench_decode",
-           "steps": "tools.bench_steps"}
+           "steps": "tools.bench_steps", "faults": "tools.bench_faults"}
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     keys = sub.add_parser("keys", help="make a run's CURVE key pair (needed by --transport tcp)")
     keys.add_argument("directory", help="where run.key and run.key_secret (mode 600) are written")
     keys.set_defaults(func=_keys)
-    bench = sub.add_parser("bench", help="benchmarks: parity | refill | logprobs | transport | peer | profile | train | load | engine | decode | steps "
+    bench = sub.add_parser("bench", help="benchmarks: parity | refill | logprobs | transport | peer | profile | train | load | engine | decode | steps | faults "
                                          "(flags after the name go to the benchmark)")
     bench.add_argument("bench", choices=sorted(BENCHES))
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)

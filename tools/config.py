@@ -27,6 +27,7 @@ from typing import Any
 
 from actors.settings import Choices, Range, Rule, Setting, check_settings, setting, settings_of, show_value
 from rollout.config import RolloutConfig
+from rollout.engine_pool import ENGINE_FAILURE_POLICIES
 from rollout.engines.precision import DTYPES
 from rollout.engines.sglang_protocol import parse_urls
 from rollout.model.config import ModelConfig, default_config, without_indexer
@@ -92,6 +93,11 @@ class RunConfig:
             (docs/design.md §17 "SGLang engine").
         sglang_weight_dir: directory the SGLang engine writes weight pushes to, readable by
             every server at the same path (``""`` = a temporary directory on this host).
+        heartbeat_deadline_s: seconds of silence after which an actor is lost
+            (``--heartbeat-deadline-s``; :class:`actors.Supervisor`).
+        engine_failure: what a lost engine costs (``--engine-failure``,
+            :data:`rollout.engine_pool.ENGINE_FAILURE_POLICIES`; docs/design.md §18 "Engine
+            fault tolerance"); a lost trainer, clock or manager always ends the run.
     """
 
     num_steps: int = setting(400, "num-steps", "optimizer steps (one rollout each)", Range(low=1))
@@ -153,6 +159,15 @@ class RunConfig:
                                      "/update_weights_from_disk; must be the same path on "
                                      "every server", metavar="DIR",
                                      default_text="a temporary directory")
+    heartbeat_deadline_s: float = setting(30.0, "heartbeat-deadline-s", "seconds an actor may "
+                                          "stay silent (no heartbeat answered, e.g. a stopped "
+                                          "process) before it counts as lost",
+                                          Range(0.1, 3600.0))
+    engine_failure: str = setting("regenerate", "engine-failure", "a lost engine (exited, or "
+                                  "silent past the heartbeat deadline): regenerate its unfinished "
+                                  "prompt groups on the other engines; restart: also start a new "
+                                  "engine, which serves once it loaded the current weights; "
+                                  "fail: end the run", Choices(ENGINE_FAILURE_POLICIES))
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 

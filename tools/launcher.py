@@ -1,10 +1,12 @@
 """Single-node multi-process launcher: one process per actor, all talking over ZeroMQ.
 
 Processes: ``version_clock``, ``rollout_manager``, ``engine_0..`` and ``trainer``; this process
-drives the loop. Any actor that dies ends the run at once with its traceback; Ctrl-C (or any
-error here) stops every actor; the run's ipc directory is removed in every case. While the
-actors serve, ``<output-dir>/attach.json`` tells ``replayrl repl --attach`` where they are
-(:mod:`tools.attach`).
+drives the loop. A lost engine (exited, or silent past ``--heartbeat-deadline-s``) is dropped
+or restarted and its prompt groups regenerated under ``--engine-failure`` (docs/design.md §18
+"Engine fault tolerance"); any other actor that dies ends the run at once with its traceback;
+Ctrl-C (or any error here) stops every actor; the run's ipc directory is removed in every
+case. While the actors serve, ``<output-dir>/attach.json`` tells ``replayrl repl --attach``
+where they are (:mod:`tools.attach`).
 """
 from __future__ import annotations
 
@@ -275,17 +277,34 @@ def actor_specs(config: RunConfig, checkpoint_dir: Path) -> list[ActorSpec]:
                    "require_traces": required,
                    "max_positions": model.max_position_embeddings,
                    "tokenizer_dir": str(tokenizer_dir(config, checkpoint_dir)),
-                   "vocab_size": model.vocab_size}),
+                   "vocab_size": model.vocab_size, "engine_failure": config.engine_failure}),
         ActorSpec("trainer", "trainer.trainer_actor:TrainerActor",
                   {"checkpoint_dir": str(checkpoint_dir), "config": config.trainer.to_dict(),
                    "n_samples_per_prompt": config.rollout.n_samples_per_prompt,
                    "rollout_batch_size": config.rollout.rollout_batch_size,
                    # empty: checkpoints carry the --hf-checkpoint's own tokenizer files
                    "vocab_tokens": [] if config.hf_checkpoint else list(VOCABULARY),
-                   "engines": engines}),
+                   "engines": engines, "engine_failure": config.engine_failure}),
     ]
     return [dataclasses.replace(spec, cpus=trainer_cpus if spec.name == "trainer" else other_cpus)
             for spec in specs]
+
+
+ENGINE_LOSS = {"regenerate": "drop", "restart": "replace", "fail": "fail"}
+"""``--engine-failure`` -> what the :class:`actors.Supervisor` does with a lost engine process."""
+
+
+def engine_supervision(config: RunConfig, directory: Directory) -> dict:
+    """The :class:`actors.Supervisor` arguments for the run's engines under
+    ``--engine-failure`` (docs/design.md §18 "Engine fault tolerance"): they are expendable;
+    a restarted one first loads the trainer's current weights (recorded by the clock), then
+    rejoins the rollout manager's pool."""
+    async def restored(engine: str) -> None:
+        await directory.proxy("trainer").push_weights_to(engine)
+        await directory.proxy("rollout_manager").restore_engine(engine)
+
+    return {"expendable": tuple(f"engine_{i}" for i in range(config.num_engines)),
+            "on_lost": ENGINE_LOSS[config.engine_failure], "on_replaced": restored}
 
 
 async def launch(config: RunConfig, log_level: int = logging.WARNING,
@@ -342,11 +361,13 @@ async def launch(config: RunConfig, log_level: int = logging.WARNING,
     try:
         specs = specs if specs is not None else actor_specs(config, checkpoint)
         directory = Directory.for_run(run_dir, [s.name for s in specs], config.transport,
-                                      curve_keys=config.curve_keys)
+                                      curve_keys=config.curve_keys,
+                                      heartbeat_deadline_s=config.heartbeat_deadline_s)
         resume = checkpoint_next_step(Path(config.load)) if config.load else None
         with MetricsRecorder(output, config.num_steps, config.progress, hooks, config,
                              tensorboard=config.use_tensorboard, resume_step=resume) as recorder:
-            async with Supervisor(specs, directory, run_dir, log_level=log_level) as supervisor:
+            async with Supervisor(specs, directory, run_dir, log_level=log_level,
+                                  **engine_supervision(config, directory)) as supervisor:
                 # every actor answers: a console may attach (`replayrl repl --attach OUTPUT_DIR`)
                 write_attach_card(output, directory)
                 loop_task = asyncio.ensure_future(train_loop(directory, config, recorder.record))

@@ -27,7 +27,8 @@ import time
 from pathlib import Path
 
 from actors import ActorError, Directory, run_event_loop
-from actors.ref import use_curve_keys
+from actors.directory import DEFAULT_HEARTBEAT_DEADLINE_S
+from actors.ref import use_curve_keys, use_heartbeat_deadline
 from actors.spawn import ActorSpec, import_actor_class, serve_actor
 from tools.attach import remove_attach_card, write_attach_card
 from tools.config import ConfigError, RunConfig, add_run_flags, config_from_args
@@ -79,16 +80,17 @@ def _tokenizer_dir(config: RunConfig):
 
 
 def directory_for(specs: list[ActorSpec], hosts: dict[str, str], base_port: int,
-                  curve_keys: str) -> Directory:
+                  curve_keys: str,
+                  heartbeat_deadline_s: float = DEFAULT_HEARTBEAT_DEADLINE_S) -> Directory:
     """``name -> tcp://hosts[name]:base_port + 1 + i`` for the run's actors (``i`` = the
-    actor's index in ``specs``), with the run's CURVE key directory (``--curve-keys``).
-    An IPv6 address is written in brackets."""
+    actor's index in ``specs``), with the run's CURVE key directory (``--curve-keys``) and
+    heartbeat deadline (``--heartbeat-deadline-s``). An IPv6 address is written in brackets."""
     def where(name: str) -> str:
         host = hosts[name]
         return f"[{host}]" if ":" in host else host
 
     return Directory({s.name: f"tcp://{where(s.name)}:{base_port + 1 + i}"
-                      for i, s in enumerate(specs)}, curve_keys)
+                      for i, s in enumerate(specs)}, curve_keys, heartbeat_deadline_s)
 
 
 async def _serve_rank(names: list[str], specs: list[ActorSpec], directory: Directory) -> None:
@@ -102,6 +104,7 @@ async def _drive(config: RunConfig, specs: list[ActorSpec], directory: Directory
                  ready_timeout: float) -> str:
     by_name = {s.name: s for s in specs}
     use_curve_keys(directory.keys())  # the driver's own calls are CURVE clients too
+    use_heartbeat_deadline(directory.heartbeat_deadline_s)
     local = [asyncio.ensure_future(serve_actor(import_actor_class(by_name[n].cls)(**by_name[n].kwargs), n,
                                                directory)) for n in DRIVER_ACTORS]
     remote = [s.name for s in specs if s.name not in DRIVER_ACTORS]
@@ -150,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
                               "`replayrl keys DIR`)")
         addresses = exchange_addresses(rank, world, own_address(host, port), args.ready_timeout)
         hosts = {name: addresses[r] for r, names in roles.items() for name in names}
-        directory = directory_for(specs, hosts, port, config.curve_keys)
+        directory = directory_for(specs, hosts, port, config.curve_keys,
+                                  config.heartbeat_deadline_s)
         if "trainer" in roles[rank]:
             # only this rank reads it: _checkpoint_dir, which the plan gives the trainer
             initial_checkpoint(config, Path(config.output_dir))

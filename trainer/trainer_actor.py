@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from actors import Actor
+from actors.errors import PeerLost
 from rollout.sample import Sample, check_required_traces, required_traces, samples_from_columns
 from trainer.advantages import baseline_groups, grpo_advantages
 from trainer.backends import resolve_backend
@@ -81,6 +82,8 @@ class TrainerActor(Actor):
         rollout_batch_size: prompt groups per step (the exact-refill target).
         vocab_tokens: the tokenizer vocabulary written with checkpoints.
         manager: RolloutManager actor name; clock: VersionClock actor name.
+        engine_failure: ``--engine-failure``; with ``regenerate`` or ``restart`` a weight push
+            goes on without an engine lost during it (:meth:`_record_loads`).
 
     Raises:
         trainer.config.TrainerConfigError: a bad setting (e.g. an unknown ``--train-backend``).
@@ -89,7 +92,8 @@ class TrainerActor(Actor):
 
     def __init__(self, checkpoint_dir: str, config: dict, n_samples_per_prompt: int,
                  engines: list[str], rollout_batch_size: int, vocab_tokens: list[str],
-                 manager: str = "rollout_manager", clock: str = "version_clock") -> None:
+                 manager: str = "rollout_manager", clock: str = "version_clock",
+                 engine_failure: str = "fail") -> None:
         self.config = TrainerConfig(**config)
         self._entropies: list[torch.Tensor] = []  # this step's support entropies (sampled tokens)
         self.backend = resolve_backend(self.config.train_backend)(checkpoint_dir, self.config,
@@ -97,6 +101,7 @@ class TrainerActor(Actor):
         self.n = n_samples_per_prompt
         self.rollout_batch_size = rollout_batch_size
         self.engines, self.manager_name, self.clock_name = list(engines), manager, clock
+        self.engine_failure = engine_failure  # whether a push survives a lost engine
         self.version = 0
         self._push: asyncio.Future | None = None  # the weight push still in flight, if any
         self.cache = ProximalLogprobCache(self.config.rs_refill_max_candidate_cache_bytes)
@@ -135,10 +140,47 @@ class TrainerActor(Actor):
                 "seconds": time.perf_counter() - start}
 
     async def _record_loads(self, loads: list[asyncio.Future], version: int) -> None:
-        await asyncio.gather(*loads)
+        """Await every engine's load, then record the ones that loaded with the clock.
+
+        Under ``--engine-failure regenerate`` / ``restart`` an engine lost during the push
+        (:class:`actors.errors.PeerLost`) is skipped: the rollout manager takes it out of its
+        pool, and a restarted one gets the weights of the moment it serves again
+        (:meth:`push_weights_to`); any other error, or any loss under ``fail``, is raised.
+        """
+        results = await asyncio.gather(*loads, return_exceptions=True)
         clock = self.proxy(self.clock_name, self.config.rpc_timeout_s)
-        for e in self.engines:
+        for e, result in zip(self.engines, results):
+            if isinstance(result, PeerLost) and self.engine_failure != "fail":
+                continue
+            if isinstance(result, BaseException):
+                raise result
             await clock.record_engine_load(e, version)
+
+    async def push_weights_to(self, engine: str) -> dict:
+        """Load the current weights into one engine and record it with the clock: a restarted
+        engine (``--engine-failure restart``) serves only after this.
+
+        Ordered like every trainer call, so it runs between steps: the weights are those of
+        the trainer's current version, which the clock admits for any batch generated from now
+        on (docs/design.md §18 "Engine fault tolerance").
+
+        Returns:
+            ``{"version", "bytes", "seconds"}`` as :meth:`push_weights`.
+        Raises:
+            ValueError: ``engine`` is not one of the run's engines.
+            actors.ActorTimeout: the engine not reachable within ``--rpc-timeout-seconds``.
+            actors.RemoteError / actors.ActorError: the load or the record failed.
+        """
+        if engine not in self.engines:
+            raise ValueError(f"unknown engine {engine!r}; the run's engines: {self.engines}")
+        start = time.perf_counter()
+        bundle = self.backend.weight_bundle()
+        timeout = self.config.rpc_timeout_s
+        await self.ref(engine).reachable(timeout)  # this process's connection to the new one
+        await self.proxy(engine, timeout).load_weights(self.version, bundle)
+        await self.proxy(self.clock_name, timeout).record_engine_load(engine, self.version)
+        return {"version": self.version, "bytes": int(sum(b.nbytes for b in bundle["buffers"])),
+                "seconds": time.perf_counter() - start}
 
     async def wait_for_push(self) -> None:
         """Return once the last push finished (loaded and recorded); re-raise its error.

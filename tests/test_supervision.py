@@ -1,0 +1,111 @@
+"""The supervisor's loss handling with real processes and real signals (docs/design.md §18
+"Engine fault tolerance"): silent past the heartbeat deadline -> killed; an expendable actor
+dropped or replaced; anything else ends the run."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import tempfile
+
+import pytest
+
+from actors import ActorDied, ActorSpec, Directory, Supervisor
+from actors.errors import PeerLost
+from actors.ref import heartbeat_ms
+
+ECHO = "tests.actor_fixtures:EchoActor"
+
+
+@pytest.fixture
+def run_dir():
+    with tempfile.TemporaryDirectory(prefix="rrl-") as d:  # short: AF_UNIX path limit
+        yield d
+
+
+def test_heartbeat_interval_is_a_quarter_of_the_deadline_at_most_two_seconds():
+    assert heartbeat_ms(1.0) == (250, 1000)
+    assert heartbeat_ms(30.0) == (2000, 30000)
+    assert heartbeat_ms(0.1) == (25, 100)
+    for bad in (0, -1.0, float("nan"), float("inf"), "1"):
+        with pytest.raises(ValueError, match="heartbeat deadline"):
+            heartbeat_ms(bad)
+
+
+def test_directory_carries_the_deadline_through_its_file(tmp_path):
+    directory = Directory.for_run(tmp_path, ["a"], heartbeat_deadline_s=1.5)
+    directory.save(tmp_path / "dir.json")
+    assert Directory.load(tmp_path / "dir.json").heartbeat_deadline_s == 1.5
+    with pytest.raises(ValueError, match="heartbeat deadline"):
+        Directory({"a": "ipc:///x"}, "", 0.0)
+
+
+async def _watch_until(sup: Supervisor, condition, timeout: float = 30.0) -> None:
+    watch = asyncio.ensure_future(sup.watch())
+    try:
+        for _ in range(int(timeout / 0.05)):
+            if watch.done():
+                watch.result()
+            if condition():
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError("condition not reached")
+    finally:
+        watch.cancel()
+        await asyncio.gather(watch, return_exceptions=True)
+
+
+async def test_a_stopped_actor_is_killed_at_the_deadline_and_ends_the_run(run_dir):
+    directory = Directory.for_run(run_dir, ["a"], heartbeat_deadline_s=0.5)
+    async with Supervisor([ActorSpec("a", ECHO)], directory, run_dir) as sup:
+        pid = sup.processes["a"].pid
+        call = asyncio.ensure_future(directory.ref("a").call("sleep", 5.0))
+        await asyncio.sleep(0.2)  # the call reached the actor
+        os.kill(pid, signal.SIGSTOP)
+        with pytest.raises(ActorDied) as died:
+            await asyncio.wait_for(sup.watch(), 30)
+        assert died.value.actor == "a" and died.value.exitcode == -signal.SIGKILL
+        assert "heartbeat deadline" in str(died.value)
+        with pytest.raises(PeerLost):  # the call in flight was failed, not left waiting
+            await asyncio.wait_for(call, 30)
+
+
+async def test_an_expendable_actor_is_dropped_until_the_last(run_dir):
+    directory = Directory.for_run(run_dir, ["a", "b", "c"], heartbeat_deadline_s=0.5)
+    specs = [ActorSpec(n, ECHO) for n in ("a", "b", "c")]
+    async with Supervisor(specs, directory, run_dir, expendable=("b", "c"),
+                          on_lost="drop") as sup:
+        os.kill(sup.processes["b"].pid, signal.SIGKILL)
+        await _watch_until(sup, lambda: "b" in sup.dropped)
+        os.kill(sup.processes["c"].pid, signal.SIGSTOP)
+        with pytest.raises(ActorDied, match=r"every one of \['b', 'c'\] is lost") as died:
+            await asyncio.wait_for(sup.watch(), 30)
+        assert "heartbeat deadline" in str(died.value)  # c was stopped, not exited
+        assert sup.processes["c"].exitcode == -signal.SIGKILL
+        assert await directory.ref("a").call("echo", 2) == 2  # the others were untouched
+
+
+async def test_an_expendable_actor_is_replaced_and_announced(run_dir):
+    directory = Directory.for_run(run_dir, ["a", "b"], heartbeat_deadline_s=0.5)
+    replaced: list[str] = []
+
+    async def on_replaced(name: str) -> None:
+        replaced.append(name)
+
+    specs = [ActorSpec("a", ECHO), ActorSpec("b", ECHO, {"tag": "b"})]
+    async with Supervisor(specs, directory, run_dir, expendable=("b",), on_lost="replace",
+                          on_replaced=on_replaced) as sup:
+        old = sup.processes["b"].pid
+        os.kill(old, signal.SIGSTOP)  # silent, then killed and replaced
+        await _watch_until(sup, lambda: replaced == ["b"])
+        assert sup.replacements == {"b": 1}
+        new = await directory.ref("b").call("pid", timeout=10)
+        assert new == sup.processes["b"].pid != old
+
+
+def test_unknown_loss_policy_and_expendable_names_are_refused(tmp_path):
+    directory = Directory.for_run(tmp_path, ["a"])
+    with pytest.raises(ValueError, match="on_lost"):
+        Supervisor([ActorSpec("a", ECHO)], directory, tmp_path, on_lost="ignore")
+    with pytest.raises(ValueError, match="not among"):
+        Supervisor([ActorSpec("a", ECHO)], directory, tmp_path, expendable=("z",))

@@ -1,0 +1,155 @@
+"""``replayrl bench faults``: what each fault costs a real run, as a table.
+
+Runs the real multi-process system on the embedded default with small settings: two
+fault-free reference runs (two engines, one engine), then one run per fault, each hitting a
+real process with a real signal at a known call (:mod:`tools.faults`):
+
+- an engine SIGKILLed, or SIGSTOPped (then killed at ``--heartbeat-deadline-s``), in the
+  middle of rollout 1 under ``--engine-failure regenerate`` (two engines), ``restart`` (one
+  engine: the rollout waits for the new process) and ``fail``;
+- the trainer SIGSTOPped at step 1, the clock and the rollout manager SIGKILLed in step 1,
+  with ``--save-interval 1``: the run must end with that actor's ``ActorDied`` and its last
+  checkpoint must load (``tools.launcher.check_load``).
+
+Columns: the outcome; *time to recover*, the seconds step 0 (which waits for rollout 1) took
+beyond the same step of the fault-free run with as many engines, measured in this run; for a
+run that ends, the seconds from the fault to the end of ``launch``; *samples lost /
+duplicated*, the trained samples missing from or beyond ``--rollout-batch-size`` x
+``--n-samples-per-prompt`` per step; *same batches*, whether every step trained exactly the
+figures of the fault-free run (prompts, samples, rewards, losses' inputs and gradient norm):
+a regenerated group on another engine at the same weights must give the same trajectories.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from actors import ActorDied
+from tools.config import ConfigError, build_config
+from tools.faults import faulty_specs
+from tools.launcher import actor_specs, check_load, launch, write_initial_checkpoint
+
+SAME = ("prompt_indices", "samples", "reward_mean", "response_len_mean", "trainer_version",
+        "staleness_max", "grad_norm", "train_rollout_logprob_abs_diff", "accepted_tokens")
+"""Row keys that must match the fault-free run when the step trained the same batch."""
+
+
+@dataclass(frozen=True)
+class FaultCase:
+    """One fault: the ``actor`` hit, the ``signal`` and the ``call`` (:mod:`tools.faults`), the
+    ``policy`` (``--engine-failure``) and the engines of the run."""
+
+    name: str
+    actor: str
+    signal: str
+    call: int
+    policy: str
+    engines: int
+
+
+CASES = (
+    FaultCase("engine SIGKILL mid-rollout", "engine_1", "SIGKILL", 2, "regenerate", 2),
+    FaultCase("engine SIGSTOP mid-rollout", "engine_1", "SIGSTOP", 2, "regenerate", 2),
+    FaultCase("only engine SIGKILL", "engine_0", "SIGKILL", 2, "restart", 1),
+    FaultCase("only engine SIGSTOP", "engine_0", "SIGSTOP", 2, "restart", 1),
+    FaultCase("engine SIGKILL", "engine_1", "SIGKILL", 2, "fail", 2),
+    FaultCase("trainer SIGSTOP in step 1", "trainer", "SIGSTOP", 2, "regenerate", 1),
+    FaultCase("clock SIGKILL in step 1", "version_clock", "SIGKILL", 2, "regenerate", 1),
+    FaultCase("manager SIGKILL in step 1", "rollout_manager", "SIGKILL", 3, "regenerate", 1),
+)
+
+
+def _values(out: Path, steps: int, batch: int, n: int, engines: int, deadline: float,
+            **extra) -> dict:
+    return {"num-steps": steps, "rollout-batch-size": batch, "n-samples-per-prompt": n,
+            "num-engines": engines, "heartbeat-deadline-s": deadline, "progress": False,
+            "save-interval": 1, "output-dir": str(out), **extra}
+
+
+async def _case(case: FaultCase, out: Path, base: dict, reference: list[dict]) -> str:
+    config = build_config({**base, "output-dir": str(out), "num-engines": case.engines,
+                           "engine-failure": case.policy})
+    checkpoint = write_initial_checkpoint(config, out / "ckpt")
+    marker = out / "fault.json"
+    specs = faulty_specs(actor_specs(config, checkpoint), case.actor, case.signal, case.call,
+                         marker)
+    expected = config.rollout.rollout_batch_size * config.rollout.n_samples_per_prompt
+    try:
+        result = await launch(config, specs=specs)
+    except ActorDied as exc:
+        ended = time.time()
+        fault = json.loads(marker.read_text())
+        saved = sorted(p.name for p in Path(config.save_dir).iterdir()
+                       if not p.name.endswith(".partial"))
+        loads = "none saved"
+        if saved:
+            try:
+                check_load(build_config({**base, "output-dir": str(out / "again"),
+                                         "num-engines": case.engines,
+                                         "load": str(Path(config.save_dir) / saved[-1])}))
+                loads = f"{saved[-1]} loads"
+            except ConfigError as err:
+                loads = f"{saved[-1]} does NOT load: {err}"
+        return (f"| {case.name} | {case.policy} | run ends: ActorDied({exc.actor}, exit "
+                f"{exc.exitcode}); last checkpoint {loads} | {ended - fault['time']:.1f} s to "
+                f"end | — (resume redraws the untrained batches) | — |")
+    rows = result.rows
+    lost = sum(max(0, expected - r["samples"]) for r in rows)
+    extra = sum(max(0, r["samples"] - expected) for r in rows)
+    same = all(r[k] == ref[k] for r, ref in zip(rows, reference) for k in SAME)
+    recover = rows[0]["step_seconds"] - reference[0]["step_seconds"]
+    return (f"| {case.name} | {case.policy} | {len(rows)}/{len(reference)} steps; "
+            f"{sum(r['groups_regenerated'] for r in rows)} groups regenerated; engines alive "
+            f"{' '.join(str(r['engines_alive']) for r in rows)} | {recover:+.1f} s | "
+            f"{lost} / {extra} | {'yes' if same else 'no (newer weights)'} |")
+
+
+async def bench(steps: int, batch: int, n: int, deadline: float, names: list[str]) -> str:
+    """Run the references and the chosen faults; return the markdown report."""
+    cases = [c for c in CASES if not names or any(w in c.name for w in names)]
+    with tempfile.TemporaryDirectory(prefix="rrl-bench-faults-") as tmp:
+        out = Path(tmp)
+        base = _values(out, steps, batch, n, 2, deadline)
+        references = {}
+        for engines in sorted({c.engines for c in cases}):
+            result = await launch(build_config({**base, "num-engines": engines,
+                                                "output-dir": str(out / f"ref{engines}")}))
+            references[engines] = result.rows
+        lines = [await _case(c, out / f"case{i}", base, references[c.engines])
+                 for i, c in enumerate(cases)]
+    return "\n".join([
+        f"{steps} steps x {batch} groups x {n} samples, heartbeat deadline {deadline} s, "
+        f"faults at rollout 1 / step 1; reference step 0: "
+        + ", ".join(f"{e} engine(s) {r[0]['step_seconds']:.1f} s" for e, r in references.items()),
+        "",
+        "| fault | --engine-failure | outcome | time to recover | samples lost / duplicated "
+        "| same batches as fault-free |",
+        "|---|---|---|---|---|---|",
+        *lines,
+    ])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry: prints the report."""
+    parser = argparse.ArgumentParser(prog="replayrl bench faults",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--rollout-batch-size", type=int, default=4)
+    parser.add_argument("--n-samples-per-prompt", type=int, default=4)
+    parser.add_argument("--heartbeat-deadline-s", type=float, default=2.0)
+    parser.add_argument("--only", nargs="*", default=[],
+                        help="run only the faults whose name contains one of these words")
+    args = parser.parse_args(argv)
+    from actors import run_event_loop
+
+    print(run_event_loop(bench(args.steps, args.rollout_batch_size, args.n_samples_per_prompt,
+                               args.heartbeat_deadline_s, args.only)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

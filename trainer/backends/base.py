@@ -79,6 +79,22 @@ class TrainerBackend(ABC):
     numerics (docs/design.md §7 "Trainer math").
     """
 
+    collective_io: bool = False
+    """Whether :meth:`weights`, :meth:`save_checkpoint` and :meth:`save_hf` are collectives
+    that every trainer rank calls (a model split over ranks); otherwise every rank holds the
+    whole model and rank 0 alone calls them (docs/design.md §19 "Trainer ranks")."""
+
+    def data_parallel(self) -> tuple[int, int]:
+        """``(dp_rank, dp_size)``: this rank's place among the data-parallel ranks, which
+        train contiguous, equal shares of each batch. ``(0, 1)`` when the process is in no
+        process group; otherwise its rank and size in the default group (every rank a
+        data-parallel replica). A backend with model parallelism overrides it."""
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return 0, 1
+        return dist.get_rank(), dist.get_world_size()
+
     @property
     @abstractmethod
     def model_config(self) -> ModelConfig:

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -46,3 +48,27 @@ def test_ranks_refuse_to_start_without_curve_keys(tmp_path):
     proc = _torchrun(3, tmp_path)
     assert proc.returncode != 0
     assert "--curve-keys" in proc.stderr
+
+
+def test_two_trainer_ranks_under_torchrun(tmp_path, curve_keys_dir):
+    # 4 ranks: driver, one engine, the trainer and trainer_1 (docs/design.md §19)
+    proc = _torchrun(4, tmp_path, "--curve-keys", curve_keys_dir, "--dp-size", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["trainer_version"] for r in rows] == [1, 2]
+    assert [r["loss_tokens"] > 0 for r in rows] == [True, True]
+
+
+def test_the_plan_gives_the_last_ranks_to_the_trainer_ranks(tmp_path):
+    from tools.config import ConfigError, build_config
+    from tools.torchrun_entry import plan
+
+    config = build_config({"rollout-batch-size": 2, "n-samples-per-prompt": 2, "dp-size": 2,
+                           "output-dir": str(tmp_path)})
+    specs, roles = plan(5, config, base_port=40000)
+    assert roles == {0: ["version_clock", "rollout_manager"], 1: ["engine_0"], 2: ["engine_1"],
+                     3: ["trainer"], 4: ["trainer_1"]}
+    # the trainer ranks meet on the port after the six actors' (40001 .. 40006)
+    assert next(s for s in specs if s.name == "trainer").kwargs["ranks"]["port"] == 40007
+    with pytest.raises(ConfigError, match="--nproc-per-node >= 4"):
+        plan(3, config)  # no room for a driver, an engine and 2 trainer ranks

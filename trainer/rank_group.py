@@ -2,8 +2,8 @@
 
 With ``--dp-size N > 1`` the trainer is ``N`` processes (docs/design.md §19 "Trainer ranks"):
 rank 0 is the ``trainer`` actor, ranks ``1 .. N-1`` are ``trainer_1 .. trainer_{N-1}``. They
-join one torch.distributed process group of their own (``tcp://host:port`` rendezvous, so the
-same code runs under the single-node launcher and under torchrun, whose world also holds the
+join one torch.distributed process group of their own (a TCP store at ``host:port`` that rank
+0 serves, so the same code runs under the single-node launcher and under torchrun, whose world also holds the
 driver and the engines). The group's device backend is ``cpu:gloo,cuda:nccl`` where CUDA and
 NCCL exist (CPU tensors over gloo, CUDA tensors over NCCL), else ``gloo``. With one rank
 nothing here runs.
@@ -35,7 +35,7 @@ class RankGroup:
     Attributes:
         rank: this process's rank, ``0 <= rank < size`` (0 = the ``trainer`` actor).
         size: trainer ranks (``--dp-size`` times the model-parallel size of the backend).
-        host, port: the TCP rendezvous rank 0 listens on (``tcp://host:port``).
+        host, port: the rendezvous: the TCP store rank 0 serves there.
         timeout_s: seconds a collective (and the rendezvous) may wait for the other ranks
             before it raises; a rank that died ends its peers' step this way.
     """
@@ -66,9 +66,13 @@ class RankGroup:
         import torch.distributed as dist
 
         gpu = torch.cuda.is_available() and dist.is_nccl_available()
-        dist.init_process_group("cpu:gloo,cuda:nccl" if gpu else "gloo", init_method=f"tcp://{self.host}:{self.port}",
-                                rank=self.rank, world_size=self.size,
-                                timeout=datetime.timedelta(seconds=self.timeout_s))
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        # a store of our own: under torchrun a tcp:// or env:// init_method would reuse the
+        # elastic agent's store, whose world is every process of the run, not these ranks
+        store = dist.TCPStore(self.host, self.port, world_size=self.size,
+                              is_master=self.rank == 0, timeout=timeout)
+        dist.init_process_group("cpu:gloo,cuda:nccl" if gpu else "gloo", store=store,
+                                rank=self.rank, world_size=self.size, timeout=timeout)
 
 
 def shard_bounds(count: int, dp_size: int, *, exact: bool) -> list[tuple[int, int]]:

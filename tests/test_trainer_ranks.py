@@ -118,3 +118,20 @@ async def test_two_ranks_take_the_same_step_as_one(tmp_path, one_rank, extra):
             np.testing.assert_allclose(two[k], one[k], rtol=0, atol=0.2 * lr, err_msg=k)
     # DDP replicas: rank 1 holds bit for bit what rank 0 holds
     assert digests["trainer_1"] == digests["trainer"]
+
+
+async def test_exact_refill_over_two_ranks_requests_whole_quanta(tmp_path):
+    # n = 3 samples per group over 2 data-parallel ranks: the quantum is q = 2 / gcd(2, 3) = 2
+    # groups (6 samples, 3 per rank), so every replacement batch splits evenly (docs/design.md
+    # §9 "Exact refill", §19); the steps train exactly --rollout-batch-size groups
+    from tools.launcher import launch
+
+    config = build_config({"rollout-batch-size": 2, "n-samples-per-prompt": 3, "progress": False,
+                           "dp-size": 2, "num-steps": 2, "output-dir": str(tmp_path),
+                           "rs-mode": "geometric", "rs-lower": 0.97, "rs-upper": 1.03,
+                           "rs-batch-refill": True, "rs-refill-max-rounds": 8})
+    rows = (await launch(config)).rows
+    assert [r["trained_groups"] for r in rows] == [2, 2]
+    replacement_rounds = [d for r in rows for d in r["refill_round_detail"] if d["round"] > 0]
+    assert replacement_rounds, "the band must reject something for the test to mean anything"
+    assert all(d["candidate_groups"] % 2 == 0 for d in replacement_rounds)

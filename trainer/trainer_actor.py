@@ -46,7 +46,7 @@ from trainer.advantages import baseline_groups, grpo_advantages
 from trainer.backends import resolve_backend
 from trainer.backends.base import TrainerBackend
 from trainer.batch import token_counts
-from trainer.config import TrainerConfig
+from trainer.config import TrainerConfig, TrainerConfigError
 from trainer.rank_group import RankGroup, follower_names, shard
 from trainer.rank_step import UPDATE_SUMS, RankStep, TrainStepError
 from trainer.rejection.refill import RefillCoordinator, gate_metrics
@@ -107,6 +107,10 @@ class TrainerActor(Actor):
         self._dp_ranks: list[int] | None = None  # data-parallel rank of every trainer rank
         backend = resolve_backend(self.config.train_backend)(checkpoint_dir, self.config,
                                                              vocab_tokens)
+        if backend.data_parallel()[1] != self.config.dp_size:
+            # the refill quantum is computed from --dp-size: it must be the real one
+            raise TrainerConfigError(f"--dp-size {self.config.dp_size}, but the trainer ranks "
+                                     f"form {backend.data_parallel()[1]} data-parallel ranks")
         self.local = RankStep(backend, self.config)  # rank 0's share of every step
         self.backend, self.cache = backend, self.local.cache
         self.n = n_samples_per_prompt

@@ -1,6 +1,8 @@
 """The trainer-backend interface: what the TrainerActor asks of the part that owns the model.
 
-One backend instance lives in the trainer process for the whole run. Every call is synchronous
+One backend instance lives in each trainer rank's process for the whole run (one rank, or
+``--dp-size`` x ``--tp-size`` ranks that make the same calls on their shares, docs/design.md
+§19 "Trainer ranks"). Every call is synchronous
 and runs on the caller's thread; tensors crossing the interface are CPU torch tensors (a
 backend on accelerators moves them). The per-step call order, driven by
 :class:`trainer.trainer_actor.TrainerActor`, is::

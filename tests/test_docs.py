@@ -44,8 +44,9 @@ SECTIONS = {
     15: "Prompt data, tokenizer and rewards",
     16: "The megatron-core backend",
     17: "SGLang engine",
-    21: "REPL attach and multi-host runs",
     18: "Engine fault tolerance",
+    19: "Trainer ranks",
+    21: "REPL attach and multi-host runs",
 }
 
 _HEADING = re.compile(r"^## (\d+)\. (\S.*?)\s*$", re.MULTILINE)

@@ -228,3 +228,37 @@ def test_torchrun_launcher_runs_the_megatron_trainer_rank(tmp_path, curve_keys_d
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["trainer_version"] for r in rows] == [1, 2]
+
+
+def _train(out: Path, steps: int, *flags: str) -> list[dict]:
+    import json
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "tools.cli", "train", "--num-steps", str(steps),
+         "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--no-progress",
+         "--output-dir", str(out), *flags],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+        timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def torch_first_step(tmp_path_factory):
+    """The one-rank torch trainer's first step of the same run (the same first batch)."""
+    return _train(tmp_path_factory.mktemp("torch1"), 1)[0]
+
+
+@pytest.mark.parametrize("layout", [("--tp-size", "2"), ("--dp-size", "2", "--ep-size", "2")],
+                         ids=["tp2_sp", "dp2_ep2_distopt"])
+def test_replayrl_train_runs_the_megatron_trainer_on_two_ranks(tmp_path, torch_first_step, layout):
+    # docs/design.md §19: the trainer is two processes (trainer, trainer_1) in one megatron
+    # world; both steps train, the second on samples from the pushed weights, and the first
+    # takes the torch trainer's step on the same batch (same gradient norm)
+    rows = _train(tmp_path, 2, "--train-backend", "megatron", *layout)
+    assert [r["trainer_version"] for r in rows] == [1, 2]
+    assert [r["staleness_max"] for r in rows] == [0, 1]
+    assert all(r["routing_flip_rate"] == 0 and r["indexer_flip_rate"] == 0 for r in rows)
+    first = rows[0]
+    assert first["loss_tokens"] == torch_first_step["loss_tokens"]
+    assert first["grad_norm"] == pytest.approx(torch_first_step["grad_norm"], rel=1e-4)

@@ -67,7 +67,7 @@ class FakeTrainer:
         self.manager = FakeProxy(generate_replacements=generate_replacements)
         self.clock = FakeProxy(check_replacements=check_replacements)
 
-    def preflight(self, samples):
+    async def preflight(self, samples):
         for s in samples:
             self.cache.put(s.sample_id, torch.zeros(len(s.response_ids)))
         return {}
@@ -92,7 +92,7 @@ def _coordinator(trainer, max_rounds: int, refill: bool = True) -> RefillCoordin
 async def test_case_one_group_rejected_is_replaced_whole():
     trainer = FakeTrainer(rounds=[[[True, True]]])
     initial = _initial(CASE["initial_groups"])
-    trainer.preflight(initial)
+    await trainer.preflight(initial)
     admitted, token_accept, metrics = await _coordinator(trainer, CASE["config"]["max_rounds"]).admit(initial)
     assert trainer.requested == [CASE["expected"]["replacement_groups_requested"]]
     # A (group 0) admitted; B (group 1) dropped whole; the replacement group fills the deficit
@@ -107,7 +107,7 @@ async def test_case_exhaustion_raises_and_leaves_only_what_the_caller_clears():
     trainer = FakeTrainer(rounds=[[[False, False]], [[False, False]]])
     assert len(rounds) == CASE["config"]["max_rounds"]
     initial = _initial(CASE["initial_groups"])
-    trainer.preflight(initial)
+    await trainer.preflight(initial)
     with pytest.raises(RefillExhausted, match="1 of 2 prompt groups admitted after 2"):
         await _coordinator(trainer, CASE["config"]["max_rounds"]).admit(initial)
     assert trainer.requested == [1, 1]
@@ -116,7 +116,7 @@ async def test_case_exhaustion_raises_and_leaves_only_what_the_caller_clears():
 async def test_replacement_from_another_version_is_rejected():
     trainer = FakeTrainer(rounds=[[[True, True]]], version=7, replacement_version=6)
     initial = _initial(CASE["initial_groups"])
-    trainer.preflight(initial)
+    await trainer.preflight(initial)
     with pytest.raises(StaleSample, match="preflight version"):
         await _coordinator(trainer, 2).admit(initial)
 
@@ -124,7 +124,7 @@ async def test_replacement_from_another_version_is_rejected():
 async def test_refill_off_masks_rejected_tokens_and_keeps_every_sample():
     trainer = FakeTrainer(rounds=[])
     initial = _initial(CASE["initial_groups"])
-    trainer.preflight(initial)
+    await trainer.preflight(initial)
     admitted, token_accept, metrics = await _coordinator(trainer, 2, refill=False).admit(initial)
     assert [s.sample_id for s in admitted] == [s.sample_id for s in initial]
     assert [bool(token_accept[s.sample_id].all()) for s in initial] == [True, True, True, False]
@@ -185,7 +185,7 @@ async def test_replacement_replay_rates_are_reported(tmp_path, _restore_threads)
         assert version == 0 and versions == [0, 0]
 
     coordinator = RefillCoordinator(
-        actor.gate, actor.config, 1, 2, cache=actor.cache, preflight=actor.preflight,
+        actor.gate, actor.config, 1, 2, cache=actor.cache, preflight=actor.preflight_ranks,
         manager=FakeProxy(generate_replacements=generate_replacements),
         clock=FakeProxy(check_replacements=check_replacements), version=0)
     admitted, _, metrics = await coordinator.admit(initial)
@@ -210,7 +210,7 @@ def test_gate_flags_fail_closed():
     with pytest.raises(ValueError, match="--rs-batch-refill needs --rs-mode"):
         TrainerConfig(rs_batch_refill=True)
     with pytest.raises(ValueError, match="--dp-size"):
-        TrainerConfig(dp_size=2)
+        TrainerConfig(dp_size=0)
 
 
 # ---- the real multi-process system --------------------------------------------------------

@@ -80,7 +80,7 @@ async def _admit(actor, samples):
     actor.cache.clear()
     actor.preflight(samples)
     coordinator = RefillCoordinator(actor.gate, actor.config, 3, 4, cache=actor.cache,
-                                    preflight=actor.preflight, manager=FakeProxy(),
+                                    preflight=actor.preflight_ranks, manager=FakeProxy(),
                                     clock=FakeProxy(), version=0)
     admitted, token_accept, metrics = await coordinator.admit(samples)
     prox = {s.sample_id: actor.cache.peek(s.sample_id).double().numpy() for s in samples}

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -66,3 +68,39 @@ def test_each_rank_listens_on_its_own_address_toward_the_master():
                                    "engine_0": "tcp://10.0.0.1:29502",
                                    "rollout_manager": "tcp://10.0.0.1:29503",
                                    "trainer": "tcp://[fd00::2]:29504"}
+def test_two_trainer_ranks_under_torchrun(tmp_path, curve_keys_dir):
+    # 4 ranks: driver, one engine, the trainer and trainer_1 (docs/design.md §19)
+    proc = _torchrun(4, tmp_path, "--curve-keys", curve_keys_dir, "--dp-size", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["trainer_version"] for r in rows] == [1, 2]
+    assert [r["loss_tokens"] > 0 for r in rows] == [True, True]
+
+
+def test_the_plan_gives_the_last_ranks_to_the_trainer_ranks(tmp_path):
+    from tools.config import ConfigError, build_config
+    from tools.torchrun_entry import plan
+
+    config = build_config({"rollout-batch-size": 2, "n-samples-per-prompt": 2, "dp-size": 2,
+                           "output-dir": str(tmp_path)})
+    specs, roles = plan(5, config, base_port=40000)
+    assert roles == {0: ["version_clock", "rollout_manager"], 1: ["engine_0"], 2: ["engine_1"],
+                     3: ["trainer"], 4: ["trainer_1"]}
+    # the trainer ranks meet on the port after the six actors' (40001 .. 40006)
+    assert next(s for s in specs if s.name == "trainer").kwargs["ranks"]["port"] == 40007
+    with pytest.raises(ConfigError, match="--nproc-per-node >= 4"):
+        plan(3, config)  # no room for a driver, an engine and 2 trainer ranks
+
+
+def test_trainer_ranks_meet_at_the_trainer_actors_host(tmp_path):
+    from tools.config import build_config
+    from tools.torchrun_entry import plan, with_trainer_group_host
+
+    config = build_config({"rollout-batch-size": 2, "n-samples-per-prompt": 2, "dp-size": 2,
+                           "output-dir": str(tmp_path)})
+    specs, _ = plan(5, config, base_port=40000)
+    moved = {s.name: s for s in with_trainer_group_host(specs, "10.0.0.7")}
+    assert moved["trainer"].kwargs["ranks"]["host"] == "10.0.0.7"
+    assert moved["trainer_1"].kwargs["group"] == {**next(
+        s for s in specs if s.name == "trainer_1").kwargs["group"], "host": "10.0.0.7"}
+    assert moved["engine_0"] == next(s for s in specs if s.name == "engine_0")

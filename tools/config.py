@@ -187,6 +187,12 @@ class RunConfig:
              f"{policy.max_position_embeddings} positions"),
             (self.trainer.temperature == self.rollout.temperature,
              "--rollout-temperature must reach the trainer unchanged (logprobs of logits / T)"),
+            # each trainer rank trains an equal share (docs/design.md §19 "Trainer ranks")
+            ((self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt)
+             % self.trainer.dp_size == 0,
+             f"--rollout-batch-size x --n-samples-per-prompt = "
+             f"{self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt} samples "
+             f"do not split evenly over --dp-size {self.trainer.dp_size} trainer ranks"),
         ]
         if self.eval_interval and not self.rollout.eval_prompt_data:
             checks.append((False, "--eval-interval needs at least one --eval-prompt-data NAME FILE"))

@@ -1,12 +1,13 @@
 """Single-node multi-process launcher: one process per actor, all talking over ZeroMQ.
 
-Processes: ``version_clock``, ``rollout_manager``, ``engine_0..`` and ``trainer``; this process
-drives the loop. A lost engine (exited, or silent past ``--heartbeat-deadline-s``) is dropped
-or restarted and its prompt groups regenerated under ``--engine-failure`` (docs/design.md §18
-"Engine fault tolerance"); any other actor that dies ends the run at once with its traceback;
-Ctrl-C (or any error here) stops every actor; the run's ipc directory is removed in every
-case. While the actors serve, ``<output-dir>/attach.json`` tells ``replayrl repl --attach``
-where they are (:mod:`tools.attach`).
+Processes: ``version_clock``, ``rollout_manager``, ``engine_0..``, ``trainer`` and, with
+``--dp-size N > 1``, the trainer ranks ``trainer_1 .. trainer_{N-1}``; this process drives the
+loop. A lost engine (exited, or silent past ``--heartbeat-deadline-s``) is dropped or restarted
+and its prompt groups regenerated under ``--engine-failure`` (docs/design.md §18 "Engine fault
+tolerance"); any other actor that dies ends the run at once with its traceback; Ctrl-C (or any
+error here) stops every actor; the run's ipc directory is removed in every case. While the
+actors serve, ``<output-dir>/attach.json`` tells ``replayrl repl --attach`` where they are
+(:mod:`tools.attach`).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -26,6 +28,7 @@ from actors.version_clock import VersionError, VersionRules
 from rollout.model.errors import ModelError
 from rollout.model.loader import check_weight_files
 from trainer.backends import resolve_backend
+from trainer.rank_group import follower_names
 from transport import strict_json
 from rollout.engines import EngineError, check_capture, engine_class_path, load_engine_class
 from rollout.engines.precision import resolve_dtype
@@ -253,8 +256,26 @@ def check_prompt_data(config: RunConfig, checkpoint_dir: Path) -> None:
                           f"hold {r.num_epoch * len(prompts.train)}")
 
 
-def actor_specs(config: RunConfig, checkpoint_dir: Path) -> list[ActorSpec]:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that nothing listened on a moment ago (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def trainer_rank_count(config: RunConfig) -> int:
+    """Trainer processes of a run: ``--dp-size x --tp-size`` (docs/design.md §19 "Trainer
+    ranks")."""
+    return config.trainer.dp_size * config.trainer.tp_size
+
+
+def actor_specs(config: RunConfig, checkpoint_dir: Path,
+                rank_port: int | None = None) -> list[ActorSpec]:
     """The processes of a run, in start order.
+
+    With several trainer ranks (:func:`trainer_rank_count`) the ``trainer`` actor is rank 0 and
+    ``trainer_1 ..`` follow it; they meet at ``tcp://127.0.0.1:rank_port`` (a free port when
+    None).
 
     Raises:
         ConfigError: as :func:`resolve_engine`.
@@ -265,6 +286,12 @@ def actor_specs(config: RunConfig, checkpoint_dir: Path) -> list[ActorSpec]:
     engines = [f"engine_{i}" for i in range(config.num_engines)]
     trainer_cpus, other_cpus = (split_cpus(os.sched_getaffinity(0))
                                 if config.cpu_affinity == "split" else ((), ()))
+    ranks = trainer_rank_count(config)
+    group = None
+    if ranks > 1:
+        group = {"size": ranks, "host": "127.0.0.1",
+                 "port": rank_port if rank_port is not None else free_port()}
+    vocab_tokens = [] if config.hf_checkpoint else list(VOCABULARY)
     specs = [
         ActorSpec("version_clock", "actors.version_clock:VersionClock",
                   {"max_staleness": config.max_staleness}),
@@ -283,10 +310,15 @@ def actor_specs(config: RunConfig, checkpoint_dir: Path) -> list[ActorSpec]:
                    "n_samples_per_prompt": config.rollout.n_samples_per_prompt,
                    "rollout_batch_size": config.rollout.rollout_batch_size,
                    # empty: checkpoints carry the --hf-checkpoint's own tokenizer files
-                   "vocab_tokens": [] if config.hf_checkpoint else list(VOCABULARY),
-                   "engines": engines, "engine_failure": config.engine_failure}),
+                   "vocab_tokens": vocab_tokens, "engines": engines,
+                   "engine_failure": config.engine_failure, "ranks": group}),
+        *(ActorSpec(name, "trainer.trainer_rank:TrainerRank",
+                    {"checkpoint_dir": str(checkpoint_dir), "config": config.trainer.to_dict(),
+                     "vocab_tokens": vocab_tokens, "group": {**group, "rank": rank}})
+          for rank, name in enumerate(follower_names(ranks), start=1)),
     ]
-    return [dataclasses.replace(spec, cpus=trainer_cpus if spec.name == "trainer" else other_cpus)
+    trainers = {"trainer", *follower_names(ranks)}
+    return [dataclasses.replace(spec, cpus=trainer_cpus if spec.name in trainers else other_cpus)
             for spec in specs]
 
 

@@ -7,8 +7,9 @@ Usage (one node; several nodes: the same command on each, with torchrun's ``--nn
     torchrun --nproc-per-node 4 -m tools.torchrun_entry --curve-keys DIR [replayrl train flags]
 
 Roles: rank 0 runs the driver loop and serves ``version_clock`` and ``rollout_manager``;
-ranks ``1 .. W-2`` serve ``engine_0 .. engine_{W-3}``; rank ``W-1`` serves the ``trainer``. The
-actor with index ``i`` in the run's actor list listens on ``tcp://ADDR:MASTER_PORT + 1 + i``,
+the last ``T = --dp-size x --tp-size`` ranks serve the trainer ranks ``trainer``,
+``trainer_1`` .. (docs/design.md §19 "Trainer ranks"); the ranks between serve ``engine_0 ..``.
+The actor with index ``i`` in the run's actor list listens on ``tcp://ADDR:MASTER_PORT + 1 + i``,
 where ``ADDR`` is its rank's address toward ``MASTER_ADDR`` (:mod:`tools.rank_hosts`); the ranks
 exchange their addresses through torchrun's rendezvous store, so every rank builds the same
 directory (docs/design.md §21 "REPL attach and multi-host runs"). Every socket is
@@ -33,7 +34,9 @@ from actors.spawn import ActorSpec, import_actor_class, serve_actor
 from tools.attach import remove_attach_card, write_attach_card
 from tools.config import ConfigError, RunConfig, add_run_flags, config_from_args
 from tools.exit_codes import exit_code
-from tools.launcher import actor_specs, check_prompt_data, initial_checkpoint, write_embedded_tokenizer
+from tools.launcher import (actor_specs, check_prompt_data, initial_checkpoint, trainer_rank_count,
+                            write_embedded_tokenizer)
+from trainer.rank_group import follower_names
 from tools.metrics import MetricsRecorder
 from tools.rank_hosts import exchange_addresses, own_address
 from tools.train_loop import checkpoint_next_step, train_loop
@@ -41,25 +44,48 @@ from tools.train_loop import checkpoint_next_step, train_loop
 DRIVER_ACTORS = ("version_clock", "rollout_manager")
 
 
-def plan(world_size: int, config: RunConfig) -> tuple[list[ActorSpec], dict[int, list[str]]]:
+def plan(world_size: int, config: RunConfig,
+         base_port: int = 29500) -> tuple[list[ActorSpec], dict[int, list[str]]]:
     """Actor specs of the run and the actor names each rank serves.
 
+    The last ``T`` ranks (``T`` = :func:`tools.launcher.trainer_rank_count`, ``--dp-size``)
+    serve the trainer ranks (``trainer``, ``trainer_1`` ..), which meet in their own process
+    group at ``base_port + 1 + len(specs)``, the port after the actors'.
+
     Raises:
-        ConfigError: fewer than 3 ranks (driver, one engine, trainer).
+        ConfigError: fewer than ``2 + T`` ranks (driver, one engine, the trainer ranks).
     """
-    if world_size < 3:
-        raise ConfigError(f"torchrun needs --nproc-per-node >= 3 (driver, engine(s), trainer), "
-                          f"got {world_size}")
-    config = dataclasses.replace(config, num_engines=world_size - 2)
-    specs = actor_specs(config, _checkpoint_dir(config))
+    trainers = trainer_rank_count(config)
+    if world_size < 2 + trainers:
+        raise ConfigError(f"torchrun needs --nproc-per-node >= {2 + trainers} (driver, "
+                          f"engine(s), {trainers} trainer rank(s)), got {world_size}")
+    engines = world_size - 1 - trainers
+    config = dataclasses.replace(config, num_engines=engines)
+    actors = len(DRIVER_ACTORS) + engines + trainers
+    specs = actor_specs(config, _checkpoint_dir(config), rank_port=base_port + 1 + actors)
     if not config.rollout.tokenizer and not (config.hf_checkpoint and config.rollout.prompt_data):
         # the initial checkpoint is written on the trainer's rank only; the manager's rank
         # reads the embedded tokenizer from its own copy, so neither waits for the other
         specs = [dataclasses.replace(s, kwargs={**s.kwargs, "tokenizer_dir": str(_tokenizer_dir(config))})
                  if s.name == "rollout_manager" else s for s in specs]
-    roles = {0: list(DRIVER_ACTORS), world_size - 1: ["trainer"]}
-    roles.update({r: [f"engine_{r - 1}"] for r in range(1, world_size - 1)})
+    roles = {0: list(DRIVER_ACTORS)}
+    roles.update({r: [f"engine_{r - 1}"] for r in range(1, 1 + engines)})
+    for i, name in enumerate(["trainer", *follower_names(trainers)]):
+        roles[1 + engines + i] = [name]
     return specs, roles
+
+
+def with_trainer_group_host(specs: list[ActorSpec], host: str) -> list[ActorSpec]:
+    """``specs`` with the trainer ranks' process group meeting at ``host`` (rank 0 of the
+    trainer ranks, the ``trainer`` actor's address), so trainer ranks on other hosts reach it;
+    the plan's loopback default holds on one host only."""
+    def moved(spec: ActorSpec) -> ActorSpec:
+        for key in ("ranks", "group"):
+            group = spec.kwargs.get(key) if spec.name.startswith("trainer") else None
+            if isinstance(group, dict) and "host" in group:
+                return dataclasses.replace(spec, kwargs={**spec.kwargs, key: {**group, "host": host}})
+        return spec
+    return [moved(s) for s in specs]
 
 
 def _checkpoint_dir(config: RunConfig):
@@ -147,16 +173,18 @@ def main(argv: list[str] | None = None) -> int:
 
     def run() -> int:
         config = config_from_args(args)
-        specs, roles = plan(world, config)
+        specs, roles = plan(world, config, port)
         if not config.curve_keys:
             raise ConfigError("torchrun ranks talk over tcp: pass --curve-keys DIR (made by "
                               "`replayrl keys DIR`)")
         addresses = exchange_addresses(rank, world, own_address(host, port), args.ready_timeout)
         hosts = {name: addresses[r] for r, names in roles.items() for name in names}
+        specs = with_trainer_group_host(specs, hosts["trainer"])
         directory = directory_for(specs, hosts, port, config.curve_keys,
                                   config.heartbeat_deadline_s)
         if "trainer" in roles[rank]:
-            # only this rank reads it: _checkpoint_dir, which the plan gives the trainer
+            # only the trainer ranks read it (_checkpoint_dir, which the plan gives them);
+            # rank 0 of them writes it, the others wait for it in the group's rendezvous
             initial_checkpoint(config, Path(config.output_dir))
         if "rollout_manager" in roles[rank]:
             tokenizer = _tokenizer_dir(config)

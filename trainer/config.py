@@ -58,8 +58,13 @@ class TrainerConfig:
         rs_refill_rpc_timeout_s: timeout of every actor call on the refill path.
         train_backend: the model-owning backend, a name in :data:`trainer.backends.BACKENDS`
             (``--train-backend``).
-        dp_size, vpp_size, microbatch_group_size: the parallel layout the refill quantum is
-            computed for; this launcher runs one trainer rank, so only 1 / 1 / any is supported.
+        dp_size: data-parallel trainer ranks (``--dp-size``; docs/design.md §19 "Trainer
+            ranks"): each trains a contiguous, equal share of every batch, and the refill
+            quantum makes every replacement batch split evenly over them.
+        tp_size, ep_size: the megatron trainer's tensor- and expert-parallel sizes
+            (``--tp-size`` / ``--ep-size``); the trainer has ``dp_size x tp_size`` ranks.
+        vpp_size, microbatch_group_size: the virtual pipeline layout of the refill quantum;
+            no backend pipelines yet, so ``vpp_size`` is 1.
     """
 
     lr: float = setting(3e-4, "lr", "AdamW learning rate", POSITIVE)
@@ -120,8 +125,14 @@ class TrainerConfig:
         1 << 30, "rs-refill-max-candidate-cache-bytes", "proximal-logprob cache byte cap", Range(low=0, closed="()"))
     rs_refill_rpc_timeout_s: float = setting(300.0, "rs-refill-rpc-timeout-seconds",
                                              "timeout of every refill-path actor call", POSITIVE)
-    dp_size: int = setting(1, "dp-size", "data-parallel size (refill quantum)",
-                           Choices((1,), why="this launcher runs one trainer rank"))
+    dp_size: int = setting(1, "dp-size", "data-parallel trainer ranks (torch.distributed; each "
+                           "trains an equal share of every batch; also the refill quantum's)",
+                           Range(low=1))
+    tp_size: int = setting(1, "tp-size", "tensor-parallel size of the megatron trainer "
+                           "(sequence parallel with it); trainer ranks = --dp-size x --tp-size",
+                           Range(low=1))
+    ep_size: int = setting(1, "ep-size", "expert-parallel size of the megatron trainer (divides "
+                           "--dp-size x --tp-size)", Range(low=1))
     vpp_size: int = setting(1, "vpp-size", "virtual pipeline size (refill quantum)",
                             Choices((1,), why="the embedded trainer has no pipeline"))
     microbatch_group_size: int = setting(1, "microbatch-group-size", "VPP microbatch group",
@@ -138,6 +149,12 @@ class TrainerConfig:
              "--logprobs-chunk-size needs --use-support-replay (the fused path projects the support)"),
             (not self.rs_batch_refill or self.rs_mode != "none",
              "--rs-batch-refill needs --rs-mode token|sequence|geometric (nothing would be rejected)"),
+            (self.train_backend == "megatron" or (self.tp_size, self.ep_size) == (1, 1),
+             "--tp-size / --ep-size need --train-backend megatron (the torch trainer replicates "
+             "the whole model on every rank)"),
+            ((self.dp_size * self.tp_size) % self.ep_size == 0,
+             f"--ep-size {self.ep_size} must divide the {self.dp_size * self.tp_size} trainer "
+             f"ranks (--dp-size x --tp-size)"),
         ]
         for ok, message in checks:
             if not ok:

@@ -42,20 +42,19 @@ import torch
 
 from actors import Actor
 from actors.errors import PeerLost
-from rollout.sample import Sample, check_required_traces, required_traces, samples_from_columns
+from rollout.sample import Sample, samples_from_columns, samples_to_columns
 from trainer.advantages import baseline_groups, grpo_advantages
 from trainer.backends import resolve_backend
 from trainer.backends.base import TrainerBackend
-from trainer.batch import collate, collate_packed, per_sample_tensors, sampled_masks, token_counts
-from trainer.config import TrainerConfig
-from trainer.losses import policy_loss
-from trainer.proximal_cache import ProximalLogprobCache
+from trainer.batch import token_counts
+from trainer.config import TrainerConfig, TrainerConfigError
+from trainer.rank_group import RankGroup, follower_names, shard
+from trainer.rank_step import UPDATE_SUMS, RankStep, TrainStepError
 from trainer.rejection.refill import RefillCoordinator, gate_metrics
-from trainer.replay import batch_flip_rate, check_replay, mean_rates
+from trainer.replay import mean_rates
+from transport.array_bundle import pack_arrays
 
-
-class TrainStepError(RuntimeError):
-    """A step could not run; raised before the optimizer step, weights untouched."""
+__all__ = ["EmptyStep", "SKIP_REASONS", "TrainStepError", "TrainerActor"]
 
 
 class EmptyStep(TrainStepError):
@@ -74,6 +73,13 @@ class TrainerActor(Actor):
     forwards, backward, clip + optimizer step, weight export and checkpoints; this actor owns
     the proximal-logprob cache, the RS gate and everything between the actors.
 
+    With ``ranks`` (``--dp-size N > 1``) this actor is rank 0 of ``N`` trainer ranks
+    (docs/design.md §19 "Trainer ranks"): it joins their process group before building its
+    backend, makes every whole-batch decision, and gives each data-parallel rank its
+    contiguous share of every preflight and update through the ``trainer_1 ..`` actors
+    (:class:`trainer.trainer_rank.TrainerRank`), running its own share meanwhile. Weights are
+    pushed from here alone.
+
     Args:
         checkpoint_dir: Hugging Face checkpoint directory of the initial policy.
         config: :meth:`TrainerConfig.to_dict` output.
@@ -84,6 +90,8 @@ class TrainerActor(Actor):
         manager: RolloutManager actor name; clock: VersionClock actor name.
         engine_failure: ``--engine-failure``; with ``regenerate`` or ``restart`` a weight push
             goes on without an engine lost during it (:meth:`_record_loads`).
+        ranks: ``{"size", "host", "port"}`` of the trainer ranks' group
+            (:class:`trainer.rank_group.RankGroup` without ``rank``); None: one rank.
 
     Raises:
         trainer.config.TrainerConfigError: a bad setting (e.g. an unknown ``--train-backend``).
@@ -93,23 +101,74 @@ class TrainerActor(Actor):
     def __init__(self, checkpoint_dir: str, config: dict, n_samples_per_prompt: int,
                  engines: list[str], rollout_batch_size: int, vocab_tokens: list[str],
                  manager: str = "rollout_manager", clock: str = "version_clock",
-                 engine_failure: str = "fail") -> None:
+                 engine_failure: str = "fail", ranks: dict | None = None) -> None:
         self.config = TrainerConfig(**config)
-        self._entropies: list[torch.Tensor] = []  # this step's support entropies (sampled tokens)
-        self.backend = resolve_backend(self.config.train_backend)(checkpoint_dir, self.config,
-                                                                  vocab_tokens)
+        self.followers: list[str] = []
+        if ranks is not None and ranks["size"] > 1:
+            RankGroup(rank=0, timeout_s=self.config.rpc_timeout_s, **ranks).join()
+            self.followers = follower_names(ranks["size"])
+        self._dp_ranks: list[int] | None = None  # data-parallel rank of every trainer rank
+        backend = resolve_backend(self.config.train_backend)(checkpoint_dir, self.config,
+                                                             vocab_tokens)
+        if backend.data_parallel()[1] != self.config.dp_size:
+            # the refill quantum is computed from --dp-size: it must be the real one
+            raise TrainerConfigError(f"--dp-size {self.config.dp_size}, but the trainer ranks "
+                                     f"form {backend.data_parallel()[1]} data-parallel ranks")
+        self.local = RankStep(backend, self.config)  # rank 0's share of every step
+        self.backend, self.cache = backend, self.local.cache
         self.n = n_samples_per_prompt
         self.rollout_batch_size = rollout_batch_size
         self.engines, self.manager_name, self.clock_name = list(engines), manager, clock
         self.engine_failure = engine_failure  # whether a push survives a lost engine
         self.version = 0
         self._push: asyncio.Future | None = None  # the weight push still in flight, if any
-        self.cache = ProximalLogprobCache(self.config.rs_refill_max_candidate_cache_bytes)
-        self.gate = self.config.rs_gate
-        cfg = self.config
-        self.required_traces = required_traces(
-            self.backend.model_config, support_replay=cfg.use_support_replay,
-            routing_replay=cfg.use_routing_replay, indexer_replay=cfg.use_indexer_replay)
+        self.required_traces = self.local.required_traces
+
+    @property
+    def gate(self):
+        """The RS gate (:class:`trainer.rejection.rs_policy.RSGate`) of the preflight decision
+        and of its re-check in the update."""
+        return self.local.gate
+
+    @gate.setter
+    def gate(self, value) -> None:
+        self.local.gate = value
+
+    # -- the other trainer ranks ---------------------------------------------------------------
+    def _rank(self, name: str):
+        return self.proxy(name, self.config.rpc_timeout_s)
+
+    async def _on_ranks(self, local, calls: list) -> tuple[object, list]:
+        """Run ``local()`` here while the other ranks run ``calls`` (awaitables, one per
+        follower); returns ``(local result, their results)``. With followers, ``local`` runs
+        in a worker thread: it may block in a collective that needs their calls, which this
+        event loop must go on sending and answering."""
+        if not self.followers:
+            return local(), []
+        remote = [asyncio.ensure_future(c) for c in calls]
+        try:
+            mine, *theirs = await asyncio.gather(asyncio.to_thread(local), *remote)
+        except BaseException:
+            for r in remote:
+                r.cancel()
+            raise
+        return mine, theirs
+
+    async def _data_parallel_ranks(self) -> list[int]:
+        """The data-parallel rank of trainer ranks ``0 .. N-1`` (asked once; model-parallel
+        ranks of one data-parallel rank share its data)."""
+        if self._dp_ranks is None:
+            theirs = await asyncio.gather(*(self._rank(f).data_parallel() for f in self.followers))
+            self._dp_ranks = [self.backend.data_parallel()[0], *(int(r[0]) for r in theirs)]
+        return self._dp_ranks
+
+    async def _shares(self, samples: list[Sample], exact: bool) -> tuple[list, list[int], set[int]]:
+        """``(shares by data-parallel rank, dp rank of every trainer rank, the trainer ranks
+        whose results stand for their dp rank)``: the first trainer rank of each."""
+        dp_ranks = await self._data_parallel_ranks()
+        shares = shard(samples, self.backend.data_parallel()[1], exact=exact)
+        first = {d: i for i, d in reversed(list(enumerate(dp_ranks)))}
+        return shares, dp_ranks, set(first.values())
 
     # -- weights -----------------------------------------------------------------------------
     async def push_weights(self, wait: bool = True) -> dict:
@@ -127,7 +186,7 @@ class TrainerActor(Actor):
         """
         await self.wait_for_push()
         start = time.perf_counter()
-        bundle = self.backend.weight_bundle()
+        bundle = await self._weight_bundle()
         timeout = self.config.rpc_timeout_s
         loads = [asyncio.ensure_future(self.proxy(e, timeout).load_weights(self.version, bundle))
                  for e in self.engines]
@@ -138,6 +197,15 @@ class TrainerActor(Actor):
             await asyncio.sleep(0)  # let the load calls reach their sockets before training
         return {"version": self.version, "bytes": int(sum(b.nbytes for b in bundle["buffers"])),
                 "seconds": time.perf_counter() - start}
+
+    async def _weight_bundle(self) -> dict:
+        """The current weights packed for a push (:meth:`TrainerBackend.weight_bundle`); when
+        the other ranks hold parts of them, they take part in the gather and send nothing."""
+        if self.backend.collective_io:
+            arrays, _ = await self._on_ranks(self.backend.weights,
+                                             [self._rank(f).weights() for f in self.followers])
+            return pack_arrays(arrays)
+        return self.backend.weight_bundle()
 
     async def _record_loads(self, loads: list[asyncio.Future], version: int) -> None:
         """Await every engine's load, then record the ones that loaded with the clock.
@@ -174,7 +242,7 @@ class TrainerActor(Actor):
         if engine not in self.engines:
             raise ValueError(f"unknown engine {engine!r}; the run's engines: {self.engines}")
         start = time.perf_counter()
-        bundle = self.backend.weight_bundle()
+        bundle = await self._weight_bundle()
         timeout = self.config.rpc_timeout_s
         await self.ref(engine).reachable(timeout)  # this process's connection to the new one
         await self.proxy(engine, timeout).load_weights(self.version, bundle)
@@ -193,23 +261,8 @@ class TrainerActor(Actor):
             await push
 
     # -- one step ----------------------------------------------------------------------------
-    def _batches(self, samples: list[Sample]):
-        # every forward (preflight, refill, training) refuses a sample lacking a replayed trace
-        # before any work: the model's own routing in its place would train the wrong policy
-        # and the missing replay would show as no flips
-        check_required_traces(samples, self.required_traces)
-        cfg, mbs = self.config, self.config.micro_batch_size
-        for i in range(0, len(samples), mbs):
-            chunk = samples[i:i + mbs]
-            # traces travel whenever captured (the flip metrics compare against them); the
-            # forward replays only the enabled ones
-            build = collate_packed if cfg.use_packing else collate
-            yield chunk, build(chunk, routing=chunk[0].routed_experts is not None,
-                               indexer=chunk[0].indexer_topk is not None,
-                               support=cfg.use_support_replay)
-
     def preflight(self, samples: list[Sample]) -> dict[str, list[float]]:
-        """Proximal logprobs of ``samples`` at the current weights into the cache.
+        """Proximal logprobs of ``samples`` at the current weights into the cache (this rank).
 
         Returns the replay rates, one value per microbatch (NaN when it has no captured real
         row; :func:`trainer.replay.mean_rates` makes the step metrics): ``*_flip_rate`` =
@@ -226,26 +279,34 @@ class TrainerActor(Actor):
                 beyond ``--replay-min-overlap-ratio`` / ``--replay-max-mismatch-fraction``.
             trainer.proximal_cache.ProximalCacheError: the cache's byte cap is exceeded.
         """
-        rates: dict[str, list[float]] = {}
-        for chunk, batch in self._batches(samples):
-            out = self.backend.preflight_logprobs(batch)
-            for s, part in zip(chunk, torch.split(out.logprobs, [len(s.response_ids) for s in chunk])):
-                self.cache.put(s.sample_id, part)
-            self._replay_rates(rates, batch, out)
-        return rates
+        return self.local.preflight(samples)
 
-    def _replay_rates(self, rates: dict[str, list[float]], batch, out) -> None:
-        """Append one microbatch's flip / drift rates (and run the replay check) to ``rates``,
-        and its support entropies over sampled tokens to :attr:`_entropies`."""
-        if getattr(out, "support_entropy", None) is not None:
-            self._entropies.append(out.support_entropy[batch.sampled_mask > 0])
-        for name, engine, used, own in (
-                ("routing", batch.routed_experts, out.routed_experts, out.own_routed_experts),
-                ("indexer", batch.indexer_topk, out.indexer_topk, out.own_indexer_topk)):
-            if engine is not None:
-                self._check_replay(name, engine, own, batch.key_padding_mask)
-                rates.setdefault(f"{name}_flip_rate", []).append(batch_flip_rate(engine, used, batch.key_padding_mask))
-                rates.setdefault(f"{name}_drift_rate", []).append(batch_flip_rate(engine, own, batch.key_padding_mask))
+    async def preflight_ranks(self, samples: list[Sample]) -> dict[str, list[float]]:
+        """:meth:`preflight` over every trainer rank: each data-parallel rank forwards its
+        share; the logprobs of all come into this rank's cache (the RS gate decides on the
+        whole batch here), the rates in rank order. With one rank, :meth:`preflight`.
+
+        Raises:
+            as :meth:`preflight`; actors.RemoteError: another rank raised it.
+        """
+        if not self.followers:
+            return self.preflight(samples)
+        shares, dp_ranks, firsts = await self._shares(samples, exact=False)
+        calls = [self._rank(f).preflight(samples_to_columns(shares[dp_ranks[i]]))
+                 for i, f in enumerate(self.followers, start=1)]
+        rates, theirs = await self._on_ranks(lambda: self.preflight(shares[dp_ranks[0]]), calls)
+        for i, result in enumerate(theirs, start=1):
+            if i not in firsts or dp_ranks[i] == dp_ranks[0]:
+                continue  # a model-parallel peer of a share already counted
+            share = shares[dp_ranks[i]]
+            logprobs = torch.from_numpy(np.array(result["logprobs"], np.float32))
+            for s, part in zip(share, torch.split(logprobs, [len(s.response_ids) for s in share])):
+                self.cache.put(s.sample_id, part)
+            for name, values in result["rates"].items():
+                rates.setdefault(name, []).extend(values)
+            if len(result["entropy"]):
+                self.local.entropies.append(torch.from_numpy(np.array(result["entropy"], np.float32)))
+        return rates
 
     def needs_preflight(self) -> bool:
         """Whether a step runs the separate preflight forward before its update.
@@ -261,17 +322,6 @@ class TrainerActor(Actor):
         return (cfg.preflight == "always" or self.gate.active
                 or cfg.replay_min_overlap_ratio != 0 or cfg.replay_max_mismatch_fraction != 1
                 or type(self.backend).train_forward is TrainerBackend.train_forward)
-
-    def _check_replay(self, kind: str, engine: torch.Tensor, own: torch.Tensor,
-                      real: torch.Tensor) -> None:
-        cfg = self.config
-        if cfg.replay_min_overlap_ratio == 0 and cfg.replay_max_mismatch_fraction == 1:
-            return
-        model_config = self.backend.model_config
-        layers = model_config.moe_layers if kind == "routing" else model_config.indexed_layers
-        check_replay(engine.reshape(-1, *engine.shape[2:]), own.reshape(-1, *own.shape[2:]),
-                     real.reshape(-1), cfg.replay_min_overlap_ratio, cfg.replay_max_mismatch_fraction,
-                     layer_ids=layers, kind=kind)
 
     async def train(self, rollout_id: int) -> dict:
         """One optimizer step on rollout ``rollout_id``; returns float metrics.
@@ -302,26 +352,26 @@ class TrainerActor(Actor):
             raise TrainStepError(f"clock says trainer version {trainer_version}, trainer holds "
                                  f"{self.version}")
         self.cache.reset_counters()
-        self._entropies = []
+        self.local.entropies = []
         try:
             if self.needs_preflight():
                 t0 = time.perf_counter()
-                metrics = mean_rates(self.preflight(samples))
+                metrics = mean_rates(await self.preflight_ranks(samples))
                 metrics["preflight_seconds"] = time.perf_counter() - t0
                 coordinator = RefillCoordinator(
                     self.gate, self.config, self.rollout_batch_size, self.n, cache=self.cache,
-                    preflight=self.preflight,
+                    preflight=self.preflight_ranks,
                     manager=self.proxy(self.manager_name, cfg.rs_refill_rpc_timeout_s),
                     clock=clock.with_timeout(cfg.rs_refill_rpc_timeout_s), version=self.version)
                 admitted, token_accept, refill_metrics = await coordinator.admit(samples)
                 metrics.update(refill_metrics)
-                metrics.update(self._update(admitted, token_accept))
+                metrics.update(await self._update(admitted, token_accept))
             else:  # no gate: every token accepted, as RSGate("none") decides
                 admitted, token_accept = samples, {s.sample_id: torch.ones(len(s.response_ids), dtype=torch.bool)
                                                    for s in samples}
                 metrics = {"preflight_seconds": 0.0,
                            **gate_metrics(samples, [True] * len(samples), token_accept)}
-                metrics.update(self._update(admitted, token_accept, fused=True))
+                metrics.update(await self._update(admitted, token_accept, fused=True))
         finally:
             self.cache.clear()  # nothing survives a step, on success or error
         if not metrics["skipped"]:  # a skipped step applied nothing: the version stays
@@ -333,13 +383,12 @@ class TrainerActor(Actor):
                        staleness_max=int(max(trainer_version - s.policy_version for s in admitted)),
                        train_seconds=seconds, transport_seconds=transport_seconds,
                        effective_tokens_per_second=metrics["accepted_tokens"] / seconds)
-        entropies = torch.cat(self._entropies) if self._entropies else torch.empty(0)
+        entropies = self.local.take_entropies()
         if entropies.numel():
             # the policy's entropy over the sampled support (docs/design.md §7 "Trainer
             # math"), mean over the sampled tokens of every sample this step forwarded at the
             # step's starting weights (with a preflight: refill candidates included)
             metrics["support_entropy_mean"] = float(entropies.mean())
-        self._entropies = []
         return metrics
 
     def _baseline(self, samples: list[Sample], token_accept: dict[int, torch.Tensor]
@@ -368,10 +417,11 @@ class TrainerActor(Actor):
                        for s, ok in zip(samples, in_group)}
         return accepted, loss_accept, int((~in_group).sum()) // self.n
 
-    def _update(self, samples: list[Sample], token_accept: dict[int, torch.Tensor],
-                fused: bool = False) -> dict:
-        """The loss forward / backward per microbatch and the optimizer step. ``fused``: no
-        preflight ran; the proximal logprobs are this forward's, detached (same weights), and
+    async def _update(self, samples: list[Sample], token_accept: dict[int, torch.Tensor],
+                      fused: bool = False) -> dict:
+        """The loss forward / backward per microbatch and the optimizer step, every
+        data-parallel rank on its share (:meth:`trainer.rank_step.RankStep.update`). ``fused``:
+        no preflight ran; the proximal logprobs are this forward's, detached (same weights), and
         the replay rates come from it too (:meth:`needs_preflight`)."""
         cfg = self.config
         if not fused:
@@ -398,92 +448,115 @@ class TrainerActor(Actor):
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
         adv = grpo_advantages(rewards, self.n, normalize_std=cfg.normalize_advantage_std,
                               accepted=baseline)
-        self.backend.zero_grad()
-        sums = {"abs_logprob_diff": 0.0, "clipfrac": 0.0, "tis_weight_mean": 0.0, "max_prox_drift": 0.0}
-        offset, rates, seconds = 0, {}, {"forward": 0.0, "backward": 0.0}
-        for chunk, batch in self._batches(samples):
-            t0 = time.perf_counter()
-            if fused:
-                out = self.backend.train_forward(batch)
-                logp, prox = out.logprobs, out.logprobs.detach()
-                self._replay_rates(rates, batch, out)
-            else:
-                logp = self.backend.train_logprobs(batch)
-                prox = torch.cat(self.cache.take([s.sample_id for s in chunk]))
-            accept = torch.cat([token_accept[s.sample_id] for s in chunk])
-            trained = torch.cat([loss_accept[s.sample_id] for s in chunk])
-            # The same gate, re-applied to this forward, must reproduce the preflight decision:
-            # the weights have not moved yet, so logp equals the proximal logprobs up to rounding.
-            drift = float((logp.detach() - prox).abs().max())
-            sums["max_prox_drift"] = max(sums["max_prox_drift"], drift)
-            recheck = [accept] if fused else self.gate.decide(
-                list(torch.split(logp.detach(), [len(s.response_ids) for s in chunk])),
-                per_sample_tensors(chunk, "rollout_logprobs"), sampled_masks(chunk))[1]
-            if not fused and (drift > 1e-3 or not torch.equal(torch.cat(recheck), accept)):
-                raise TrainStepError(f"training forward does not reproduce the preflight (max "
-                                     f"|logp - logp_prox| = {drift:.2e}); refusing the step")
-            counts = torch.tensor([len(s.response_ids) for s in chunk])
-            adv_tok = torch.repeat_interleave(adv[offset:offset + len(chunk)], counts)
-            offset += len(chunk)
-            loss, m = policy_loss(logp, prox, batch.rollout_logprobs, adv_tok, batch.loss_mask,
-                                  eps_low=cfg.eps_clip, eps_high=cfg.eps_clip_high,
-                                  tis_cap=cfg.tis_cap, token_accept=trained,
-                                  sampled_mask=batch.sampled_mask, denominator=cfg.rs_denominator)
-            # policy_loss averages over this microbatch's denominator; rescale to the step's
-            mb_den = float(m["loss_tokens"] if cfg.rs_denominator == "loss_tokens" else m["accepted_tokens"])
-            t1 = time.perf_counter()
-            self.backend.backward(loss * (mb_den / denominator))
-            seconds["forward"] += t1 - t0
-            seconds["backward"] += time.perf_counter() - t1
-            mask = batch.loss_mask > 0
-            # behaviour logprobs exist only where the engine sampled (not at a synthetic EOS)
-            sampled = batch.sampled_mask > 0
-            sums["abs_logprob_diff"] += float((prox - batch.rollout_logprobs)[sampled].abs().sum())
-            sums["clipfrac"] += m["clip_fraction"] * float(mask.sum())
-            sums["tis_weight_mean"] += m["tis_weight_mean"] * float(sampled.sum())
-        t0 = time.perf_counter()
-        grad_norm = self.backend.clip_and_step(cfg.clip_grad)
-        optimizer_seconds = time.perf_counter() - t0
+        if self.followers:
+            parts = await self._update_ranks(samples, adv, token_accept, loss_accept,
+                                             denominator, fused)
+        else:
+            parts = [self.local.update(samples, adv, token_accept, loss_accept, denominator,
+                                       fused=fused)]
+        grad_norm = parts[0]["grad_norm"]
         if not math.isfinite(grad_norm):
             raise TrainStepError(f"non-finite gradient norm {grad_norm}; step skipped, weights untouched")
+        sums = {k: sum(p[k] for p in parts) for k in UPDATE_SUMS}
+        rates: dict[str, list[float]] = {}
+        for p in parts:
+            for name, values in p["rates"].items():
+                rates.setdefault(name, []).extend(values)
         return {"skipped": 0, **groups, **mean_rates(rates),
-                "loss_forward_seconds": seconds["forward"],
-                "loss_backward_seconds": seconds["backward"], "optimizer_seconds": optimizer_seconds,
+                "loss_forward_seconds": max(p["forward_seconds"] for p in parts),
+                "loss_backward_seconds": max(p["backward_seconds"] for p in parts),
+                "optimizer_seconds": max(p["optimizer_seconds"] for p in parts),
                 "grad_norm": grad_norm,
                 "train_rollout_logprob_abs_diff": sums["abs_logprob_diff"] / max(sampled_tokens, 1.0),
                 "clipfrac": sums["clipfrac"] / loss_tokens,
                 "tis_weight_mean": sums["tis_weight_mean"] / max(sampled_tokens, 1.0),
-                "max_prox_drift": sums["max_prox_drift"],
+                "max_prox_drift": max(p["max_prox_drift"] for p in parts),
                 "proximal_cache_peak_bytes": self.cache.peak_bytes,
                 "proximal_cache_transferred_bytes": self.cache.transferred_bytes,
                 "proximal_cache_pinned": self.cache.pinned}
 
+    async def _update_ranks(self, samples: list[Sample], adv: torch.Tensor,
+                            token_accept: dict[int, torch.Tensor],
+                            loss_accept: dict[int, torch.Tensor], denominator: float,
+                            fused: bool) -> list[dict]:
+        """:meth:`_update`'s work over the trainer ranks: every data-parallel rank trains its
+        equal, contiguous share (the loss scaled by the data-parallel size: the backends
+        average gradients over ranks); returns one result per data-parallel rank, rank 0's
+        first (its ``grad_norm`` is every rank's: the gradients are the same after the
+        reduction)."""
+        shares, dp_ranks, firsts = await self._shares(samples, exact=True)
+        dp_size = len(shares)
+        starts = np.cumsum([0, *(len(s) for s in shares)])
+        d0 = dp_ranks[0]
+        prox = {}  # the proximal logprobs each other rank trains with, out of this cache
+        for d in set(dp_ranks[1:]) if not fused else ():
+            ids = [s.sample_id for s in shares[d]]
+            # a model-parallel peer of this rank trains this rank's share: it stays here too
+            parts = [self.cache.peek(i) for i in ids] if d == d0 else self.cache.take(ids)
+            prox[d] = torch.cat(parts).numpy()
+        mask = lambda masks, share: np.concatenate(
+            [masks[s.sample_id].numpy() for s in share]) if share else np.zeros(0, bool)
+        calls = []
+        for i, name in enumerate(self.followers, start=1):
+            d = dp_ranks[i]
+            calls.append(self._rank(name).train(
+                samples_to_columns(shares[d]), adv[starts[d]:starts[d + 1]].numpy(),
+                mask(token_accept, shares[d]), mask(loss_accept, shares[d]), denominator,
+                fused, prox.get(d), float(dp_size)))
+        mine, theirs = await self._on_ranks(lambda: self.local.update(
+            shares[d0], adv[starts[d0]:starts[d0 + 1]], token_accept, loss_accept, denominator,
+            fused=fused, grad_scale=float(dp_size)), calls)
+        for i, part in enumerate(theirs, start=1):
+            if len(part["entropy"]) and i in firsts:
+                self.local.entropies.append(torch.from_numpy(np.array(part["entropy"], np.float32)))
+        return [mine, *(part for i, part in enumerate(theirs, start=1)
+                        if i in firsts and dp_ranks[i] != d0)]
+
     # -- checkpoints -------------------------------------------------------------------------
     async def save_checkpoint(self, directory: str) -> str:
-        """Write model (HF format), optimizer state, version and RNG state under ``directory``."""
+        """Write model (HF format), optimizer state, version and RNG state under ``directory``
+        (with a backend whose ranks hold parts, every trainer rank writes its own)."""
         out = Path(directory)
-        self.backend.save_checkpoint(out, self.version)
+        if self.backend.collective_io:
+            await self._on_ranks(lambda: self.backend.save_checkpoint(out, self.version),
+                                 [self._rank(f).save_checkpoint(str(out), self.version)
+                                  for f in self.followers])
+        else:  # every rank holds the same weights and optimizer state: rank 0 writes them
+            self.backend.save_checkpoint(out, self.version)
         return str(out)
 
     async def save_hf(self, directory: str) -> str:
         """Write the current policy as a Hugging Face checkpoint directory (``--save-hf``)."""
         out = Path(directory)
-        self.backend.save_hf(out)
+        if self.backend.collective_io:
+            await self._on_ranks(lambda: self.backend.save_hf(out),
+                                 [self._rank(f).save_hf(str(out)) for f in self.followers])
+        else:
+            self.backend.save_hf(out)
         return str(out)
 
     async def load_checkpoint(self, directory: str) -> int:
-        """Restore :meth:`save_checkpoint` output; returns the restored trainer version.
+        """Restore :meth:`save_checkpoint` output on every trainer rank; returns the restored
+        trainer version.
 
         Checked like any other version change: a checkpoint older than the trainer's current
         version is refused (docs/design.md §6 "Version clock", rule 1), and loading is atomic
-        (the backend validates every file before it swaps anything in).
+        on each rank (the backend validates every file before it swaps anything in).
 
         Raises:
             actors.version_clock.VersionRegression: the checkpoint's version is below the
                 trainer's (nothing was loaded).
             rollout.model.CheckpointError / ValueError: a bad checkpoint (nothing was loaded).
+            actors.RemoteError: another rank refused it.
         """
-        self.version = self.backend.load_checkpoint(Path(directory), min_version=self.version)
+        path = Path(directory)
+        version, theirs = await self._on_ranks(
+            lambda: self.backend.load_checkpoint(path, min_version=self.version),
+            [self._rank(f).load_checkpoint(str(path), self.version) for f in self.followers])
+        if any(v != version for v in theirs):
+            raise TrainStepError(f"{directory}: the trainer ranks restored versions "
+                                 f"{[version, *theirs]}")
+        self.version = version
         return self.version
 
     async def state(self) -> dict:

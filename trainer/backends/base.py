@@ -1,6 +1,8 @@
 """The trainer-backend interface: what the TrainerActor asks of the part that owns the model.
 
-One backend instance lives in the trainer process for the whole run. Every call is synchronous
+One backend instance lives in each trainer rank's process for the whole run (one rank, or
+``--dp-size`` x ``--tp-size`` ranks that make the same calls on their shares, docs/design.md
+§19 "Trainer ranks"). Every call is synchronous
 and runs on the caller's thread; tensors crossing the interface are CPU torch tensors (a
 backend on accelerators moves them). The per-step call order, driven by
 :class:`trainer.trainer_actor.TrainerActor`, is::
@@ -79,6 +81,22 @@ class TrainerBackend(ABC):
     when the batch has one (support replay), so that ``logp_prox - logp_rollout`` measures only
     numerics (docs/design.md §7 "Trainer math").
     """
+
+    collective_io: bool = False
+    """Whether :meth:`weights`, :meth:`save_checkpoint` and :meth:`save_hf` are collectives
+    that every trainer rank calls (a model split over ranks); otherwise every rank holds the
+    whole model and rank 0 alone calls them (docs/design.md §19 "Trainer ranks")."""
+
+    def data_parallel(self) -> tuple[int, int]:
+        """``(dp_rank, dp_size)``: this rank's place among the data-parallel ranks, which
+        train contiguous, equal shares of each batch. ``(0, 1)`` when the process is in no
+        process group; otherwise its rank and size in the default group (every rank a
+        data-parallel replica). A backend with model parallelism overrides it."""
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return 0, 1
+        return dist.get_rank(), dist.get_world_size()
 
     @property
     @abstractmethod

@@ -59,7 +59,9 @@ class MegatronBackend(TrainerBackend):
         config: trainer settings (``torch_threads``, ``seed``, optimizer, replay switches).
         vocab_tokens: the tokenizer vocabulary written with checkpoints.
         parallel: the layout of a world of megatron ranks (torchrun's, every rank constructs
-            the backend); None (the TrainerActor): one rank in a process group of its own.
+            the backend); None (the trainer ranks of a run): ``--tp-size`` / ``--ep-size`` over
+            the trainer ranks' process group (docs/design.md §19 "Trainer ranks"), or one rank
+            in a process group of its own when the run has one trainer rank.
 
     Raises:
         MegatronModelError: a layout that
@@ -70,7 +72,7 @@ class MegatronBackend(TrainerBackend):
     def __init__(self, checkpoint_dir: str, config: TrainerConfig, vocab_tokens: Sequence[str],
                  *, parallel: MegatronParallel | None = None) -> None:
         own_world = parallel is None
-        parallel = parallel or MegatronParallel()
+        parallel = parallel or MegatronParallel(tp=config.tp_size, ep=config.ep_size)
         if parallel.pp != 1:
             raise MegatronModelError("MegatronBackend runs without pipeline parallelism (pp=1); "
                                      f"got pp={parallel.pp}")
@@ -111,10 +113,19 @@ class MegatronBackend(TrainerBackend):
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.model.train()
 
+    collective_io = True  # weights, checkpoints: every rank holds shards (TP, EP, optimizer)
+
     @property
     def model_config(self) -> ModelConfig:
         """The loaded checkpoint's architecture."""
         return self._model_config
+
+    def data_parallel(self) -> tuple[int, int]:
+        """megatron's data-parallel rank and size: the tensor-parallel ranks of one
+        data-parallel rank train the same share."""
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
 
     # -- forwards -----------------------------------------------------------------------------
     def _forward(self, batch: TrainBatch, capture: bool):

@@ -227,8 +227,11 @@ def gather_hf_weights(model, config: ModelConfig) -> dict[str, np.ndarray]:
         for local, param in model.named_parameters():
             mine[_global_name(model, local)] = _unshard(param.detach(), param, local).clone()
     world = dist.get_world_size()
-    if world == 1:
-        return megatron_to_hf(mine, config)
+    from megatron.core import parallel_state as ps
+
+    if (ps.get_tensor_model_parallel_world_size() * ps.get_pipeline_model_parallel_world_size()
+            * ps.get_expert_model_parallel_world_size()) == 1:
+        return megatron_to_hf(mine, config)  # one rank, or data-parallel replicas: all here
     gathered = [None] * world
     dist.all_gather_object(gathered, mine)
     full = {}

@@ -1,7 +1,11 @@
-"""The torch trainer backend: the embedded fp32 Qwen3-MoE policy, AdamW, one process, one rank.
+"""The torch trainer backend: the embedded fp32 Qwen3-MoE policy, AdamW; one rank or DDP.
 
 :class:`TorchBackend` is the first :class:`trainer.backends.base.TrainerBackend`
-(``--train-backend torch``, the default). Its forward is :func:`response_logprobs`.
+(``--train-backend torch``, the default). Its forward is :func:`response_logprobs`. In a
+process group of several trainer ranks (``--dp-size N``, docs/design.md §19 "Trainer ranks")
+every rank holds the whole policy and its training forward runs under torch's
+``DistributedDataParallel``, which averages the gradients over the ranks in backward; with one
+rank the model is called directly, as before.
 
 Which forwards use what (documented choice, docs/design.md §7 "Trainer math"):
 - the proximal (preflight) forward and the policy (training) forward both replay routing and
@@ -19,6 +23,7 @@ from typing import Sequence
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from actors.version_clock import VersionRegression
 from rollout.model.checkpoint import save_pretrained, state_dict_arrays
@@ -161,6 +166,20 @@ def _tree_forward(model: Qwen3MoeForCausalLM, inputs: dict, tree: PrefixTree, ro
     return out, at_predicting
 
 
+class _LogprobForward(torch.nn.Module):
+    """:func:`response_logprobs` as one module call: torch's ``DistributedDataParallel``
+    needs the whole training forward of a microbatch (the prefix-tree forward and the LM-head
+    projection of the fused path) to be its wrapped module's forward."""
+
+    def __init__(self, policy: Qwen3MoeForCausalLM) -> None:
+        super().__init__()
+        self.policy = policy
+
+    def forward(self, batch: TrainBatch, temperature: float, **kwargs):
+        """:func:`response_logprobs` of ``self.policy``."""
+        return response_logprobs(self.policy, batch, temperature, **kwargs)
+
+
 class TorchBackend(TrainerBackend):
     """The fp32 policy loaded from a Hugging Face checkpoint, trained with AdamW in-process.
 
@@ -187,6 +206,13 @@ class TorchBackend(TrainerBackend):
         self.optimizer = self._make_optimizer()
         self.vocab_tokens = list(vocab_tokens)
         self.checkpoint_dir = checkpoint_dir
+        self.ddp = None
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            # every rank loaded the same checkpoint (DDP also broadcasts rank 0's weights);
+            # find_unused_parameters: an expert no token of this rank's microbatch reached
+            # gets no gradient here, and DDP must not wait for it
+            self.ddp = torch.nn.parallel.DistributedDataParallel(
+                _LogprobForward(self.model), find_unused_parameters=True)
 
     def _make_optimizer(self) -> torch.optim.AdamW:
         cfg = self.config
@@ -198,13 +224,16 @@ class TorchBackend(TrainerBackend):
         """The loaded checkpoint's architecture."""
         return self._model_config
 
-    def _forward(self, batch: TrainBatch, capture: bool,
-                 entropy_out: list | None = None) -> tuple[torch.Tensor, object]:
+    def _forward(self, batch: TrainBatch, capture: bool, entropy_out: list | None = None,
+                 train: bool = False) -> tuple[torch.Tensor, object]:
+        """``train``: a forward whose backward follows (through DDP when there is one)."""
         cfg = self.config
-        return response_logprobs(self.model, batch, cfg.temperature, capture=capture,
-                                 replay_routing=cfg.use_routing_replay,
-                                 replay_indexer=cfg.use_indexer_replay,
-                                 chunk_size=cfg.logprobs_chunk_size, entropy_out=entropy_out)
+        kwargs = dict(capture=capture, replay_routing=cfg.use_routing_replay,
+                      replay_indexer=cfg.use_indexer_replay, chunk_size=cfg.logprobs_chunk_size,
+                      entropy_out=entropy_out)
+        if train and self.ddp is not None:
+            return self.ddp(batch, cfg.temperature, **kwargs)
+        return response_logprobs(self.model, batch, cfg.temperature, **kwargs)
 
     def preflight_logprobs(self, batch: TrainBatch) -> ReplayedForward:
         """See :meth:`TrainerBackend.preflight_logprobs` (a no-grad, capturing forward)."""
@@ -217,12 +246,12 @@ class TorchBackend(TrainerBackend):
 
     def train_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """See :meth:`TrainerBackend.train_logprobs`."""
-        return self._forward(batch, capture=False)[0]
+        return self._forward(batch, capture=False, train=True)[0]
 
     def train_forward(self, batch: TrainBatch) -> ReplayedForward:
         """See :meth:`TrainerBackend.train_forward` (a capturing forward with gradients)."""
         entropy: list = []
-        logp, out = self._forward(batch, capture=True, entropy_out=entropy)
+        logp, out = self._forward(batch, capture=True, entropy_out=entropy, train=True)
         return ReplayedForward(logp, out.routed_experts, out.own_routed_experts,
                                out.indexer_topk, out.own_indexer_topk,
                                entropy[0] if entropy else None)

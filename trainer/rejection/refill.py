@@ -25,7 +25,7 @@ as ``refill_<name>`` metrics next to the step's own ``<name>`` replay metrics.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import torch
 
@@ -39,9 +39,10 @@ from trainer.rejection.rs_gates import group_admission
 from trainer.rejection.rs_policy import RSGate
 from trainer.replay import mean_rates
 
-Preflight = Callable[[list[Sample]], dict[str, list[float]]]
+Preflight = Callable[[list[Sample]], Awaitable[dict[str, list[float]]]]
 """Proximal logprobs of the samples into the cache; returns per-microbatch replay rates
-(``{"routing_flip_rate": [...], ...}``, as ``TrainerActor.preflight``)."""
+(``{"routing_flip_rate": [...], ...}``, as ``TrainerActor.preflight_ranks``, which spreads the
+forward over the trainer ranks)."""
 
 
 def gate_metrics(samples: list[Sample], accept: list[bool],
@@ -66,7 +67,8 @@ class RefillCoordinator:
         gate: the run's RS gate; config: trainer settings; target_groups: groups per step;
         n: samples per prompt group.
         cache: the step's proximal-logprob cache (every candidate's entry is already in it).
-        preflight: fills the cache for replacement samples and returns their replay rates.
+        preflight: (async) fills the cache for replacement samples and returns their
+            replay rates.
         manager, clock: references to the RolloutManager (``generate_replacements``) and the
             VersionClock (``check_replacements``), as typed proxies whose timeout is
             ``--rs-refill-rpc-timeout-seconds``.
@@ -131,7 +133,7 @@ class RefillCoordinator:
             await self.clock.check_replacements(self.version, [s.sample_id for s in repl],
                                                 [s.policy_version for s in repl])
             t0 = time.perf_counter()
-            for name, rates in self.preflight(repl).items():
+            for name, rates in (await self.preflight(repl)).items():
                 replacement_rates.setdefault(name, []).extend(rates)
             replacement_preflight += time.perf_counter() - t0
             r_accept, r_tokens = self._decide(repl)

@@ -1,0 +1,204 @@
+"""What one trainer rank does with its share of a step: preflight and the update.
+
+:class:`RankStep` holds a rank's backend and its :class:`ProximalLogprobCache` and runs, on the
+samples it is given, the preflight forward (proximal logprobs into the cache, replay rates,
+support entropies) and the update (per microbatch: forward, PPO/TIS loss, backward; then clip
+and optimizer step). The ``trainer`` actor (:class:`trainer.trainer_actor.TrainerActor`) owns
+one for rank 0 and makes every decision that needs the whole batch (clock checks, RS gate and
+refill, GRPO advantages, the loss denominator, skipping); with ``--dp-size N > 1`` the ranks
+``1 .. N-1`` (:class:`trainer.trainer_rank.TrainerRank`) each own one too and run the same
+calls on their shares (docs/design.md §19 "Trainer ranks").
+"""
+from __future__ import annotations
+
+import time
+from typing import Iterator
+
+import torch
+
+from rollout.sample import Sample, check_required_traces, required_traces
+from trainer.backends.base import TrainerBackend
+from trainer.batch import TrainBatch, collate, collate_packed, per_sample_tensors, sampled_masks
+from trainer.config import TrainerConfig
+from trainer.losses import policy_loss
+from trainer.proximal_cache import ProximalLogprobCache
+from trainer.replay import batch_flip_rate, check_replay
+
+__all__ = ["RankStep", "TrainStepError", "UPDATE_SUMS"]
+
+UPDATE_SUMS = ("abs_logprob_diff", "clipfrac", "tis_weight_mean")
+"""Token sums one rank's update returns, added over ranks (then divided by the step's token
+counts): ``|logp_prox - logp_rollout|`` over sampled tokens, the clip fraction times loss
+tokens, the TIS weight mean times sampled tokens."""
+
+
+class TrainStepError(RuntimeError):
+    """A step could not run; raised before the optimizer step, weights untouched."""
+
+
+class RankStep:
+    """One trainer rank's backend, proximal cache and per-share work.
+
+    Args:
+        backend: the rank's :class:`TrainerBackend` (already built, in the rank's group).
+        config: the trainer settings.
+
+    Attributes:
+        cache: this rank's proximal logprobs (only the samples this rank preflighted or was
+            given to train).
+        entropies: support entropies (float32 [n], sampled tokens) of every forward at the
+            step's starting weights since :meth:`take_entropies`.
+    """
+
+    def __init__(self, backend: TrainerBackend, config: TrainerConfig) -> None:
+        self.backend, self.config = backend, config
+        self.cache = ProximalLogprobCache(config.rs_refill_max_candidate_cache_bytes)
+        self.gate = config.rs_gate
+        self.entropies: list[torch.Tensor] = []
+        self.required_traces = required_traces(
+            backend.model_config, support_replay=config.use_support_replay,
+            routing_replay=config.use_routing_replay, indexer_replay=config.use_indexer_replay)
+
+    def take_entropies(self) -> torch.Tensor:
+        """The entropies collected so far, concatenated (float32 [n]); clears them."""
+        out = torch.cat(self.entropies) if self.entropies else torch.empty(0)
+        self.entropies = []
+        return out
+
+    def batches(self, samples: list[Sample]) -> Iterator[tuple[list[Sample], TrainBatch]]:
+        """``(chunk, TrainBatch)`` per microbatch of ``--micro-batch-size`` samples.
+
+        Raises:
+            rollout.sample.MissingTraceError: a sample lacks a trace an enabled replay needs.
+        """
+        # every forward (preflight, refill, training) refuses a sample lacking a replayed trace
+        # before any work: the model's own routing in its place would train the wrong policy
+        # and the missing replay would show as no flips
+        check_required_traces(samples, self.required_traces)
+        cfg, mbs = self.config, self.config.micro_batch_size
+        for i in range(0, len(samples), mbs):
+            chunk = samples[i:i + mbs]
+            # traces travel whenever captured (the flip metrics compare against them); the
+            # forward replays only the enabled ones
+            build = collate_packed if cfg.use_packing else collate
+            yield chunk, build(chunk, routing=chunk[0].routed_experts is not None,
+                               indexer=chunk[0].indexer_topk is not None,
+                               support=cfg.use_support_replay)
+
+    def preflight(self, samples: list[Sample]) -> dict[str, list[float]]:
+        """Proximal logprobs of ``samples`` at the current weights into :attr:`cache`; the
+        replay rates per microbatch (as ``TrainerActor.preflight``, which documents them).
+
+        Raises:
+            as ``TrainerActor.preflight``.
+        """
+        rates: dict[str, list[float]] = {}
+        for chunk, batch in self.batches(samples):
+            out = self.backend.preflight_logprobs(batch)
+            for s, part in zip(chunk, torch.split(out.logprobs, [len(s.response_ids) for s in chunk])):
+                self.cache.put(s.sample_id, part)
+            self.replay_rates(rates, batch, out)
+        return rates
+
+    def replay_rates(self, rates: dict[str, list[float]], batch, out) -> None:
+        """Append one microbatch's flip / drift rates (and run the replay check) to ``rates``,
+        and its support entropies over sampled tokens to :attr:`entropies`."""
+        if getattr(out, "support_entropy", None) is not None:
+            self.entropies.append(out.support_entropy[batch.sampled_mask > 0])
+        for name, engine, used, own in (
+                ("routing", batch.routed_experts, out.routed_experts, out.own_routed_experts),
+                ("indexer", batch.indexer_topk, out.indexer_topk, out.own_indexer_topk)):
+            if engine is not None:
+                self._check_replay(name, engine, own, batch.key_padding_mask)
+                rates.setdefault(f"{name}_flip_rate", []).append(batch_flip_rate(engine, used, batch.key_padding_mask))
+                rates.setdefault(f"{name}_drift_rate", []).append(batch_flip_rate(engine, own, batch.key_padding_mask))
+
+    def _check_replay(self, kind: str, engine: torch.Tensor, own: torch.Tensor,
+                      real: torch.Tensor) -> None:
+        cfg = self.config
+        if cfg.replay_min_overlap_ratio == 0 and cfg.replay_max_mismatch_fraction == 1:
+            return
+        model_config = self.backend.model_config
+        layers = model_config.moe_layers if kind == "routing" else model_config.indexed_layers
+        check_replay(engine.reshape(-1, *engine.shape[2:]), own.reshape(-1, *own.shape[2:]),
+                     real.reshape(-1), cfg.replay_min_overlap_ratio, cfg.replay_max_mismatch_fraction,
+                     layer_ids=layers, kind=kind)
+
+    def update(self, samples: list[Sample], advantages: torch.Tensor,
+               token_accept: dict[int, torch.Tensor], loss_accept: dict[int, torch.Tensor],
+               denominator: float, *, fused: bool, grad_scale: float = 1.0) -> dict:
+        """This rank's share of the update: per microbatch forward, loss, backward; then clip
+        and optimizer step (collectives of the backend: every rank of the group calls this
+        once per step, with the same number of microbatches).
+
+        Args:
+            samples: this rank's share, in the step's order.
+            advantages: float32 [len(samples)], one GRPO advantage per sample.
+            token_accept: the RS gate's bool [R] token mask per sample id.
+            loss_accept: the masks the loss uses (the gate's, minus groups without a baseline).
+            denominator: the whole step's loss denominator (tokens over every rank).
+            fused: no preflight ran; the proximal logprobs are this forward's, detached; else
+                they are taken from :attr:`cache` (which must hold exactly ``samples``).
+            grad_scale: the loss is multiplied by it before backward; the data-parallel size
+                when the backend averages gradients over ranks (DDP, megatron), so that the
+                average is the gradient of the whole step's loss.
+        Returns:
+            the :data:`UPDATE_SUMS` token sums, ``max_prox_drift``, ``rates`` (flip / drift
+            rates per microbatch, fused only), ``forward_seconds``, ``backward_seconds``,
+            ``optimizer_seconds`` and ``grad_norm`` (not finite: nothing was applied).
+        Raises:
+            TrainStepError: the training forward does not reproduce the preflight (nothing
+                applied on this rank).
+        """
+        cfg = self.config
+        if not fused:
+            self.cache.check_bijection([s.sample_id for s in samples])
+        self.backend.zero_grad()
+        sums = dict.fromkeys(UPDATE_SUMS, 0.0)
+        sums["max_prox_drift"] = 0.0
+        offset, rates, seconds = 0, {}, {"forward": 0.0, "backward": 0.0}
+        for chunk, batch in self.batches(samples):
+            t0 = time.perf_counter()
+            if fused:
+                out = self.backend.train_forward(batch)
+                logp, prox = out.logprobs, out.logprobs.detach()
+                self.replay_rates(rates, batch, out)
+            else:
+                logp = self.backend.train_logprobs(batch)
+                prox = torch.cat(self.cache.take([s.sample_id for s in chunk]))
+            accept = torch.cat([token_accept[s.sample_id] for s in chunk])
+            trained = torch.cat([loss_accept[s.sample_id] for s in chunk])
+            # The same gate, re-applied to this forward, must reproduce the preflight decision:
+            # the weights have not moved yet, so logp equals the proximal logprobs up to rounding.
+            drift = float((logp.detach() - prox).abs().max()) if len(prox) else 0.0
+            sums["max_prox_drift"] = max(sums["max_prox_drift"], drift)
+            recheck = [accept] if fused else self.gate.decide(
+                list(torch.split(logp.detach(), [len(s.response_ids) for s in chunk])),
+                per_sample_tensors(chunk, "rollout_logprobs"), sampled_masks(chunk))[1]
+            if not fused and (drift > 1e-3 or not torch.equal(torch.cat(recheck), accept)):
+                raise TrainStepError(f"training forward does not reproduce the preflight (max "
+                                     f"|logp - logp_prox| = {drift:.2e}); refusing the step")
+            counts = torch.tensor([len(s.response_ids) for s in chunk])
+            adv_tok = torch.repeat_interleave(advantages[offset:offset + len(chunk)], counts)
+            offset += len(chunk)
+            loss, m = policy_loss(logp, prox, batch.rollout_logprobs, adv_tok, batch.loss_mask,
+                                  eps_low=cfg.eps_clip, eps_high=cfg.eps_clip_high,
+                                  tis_cap=cfg.tis_cap, token_accept=trained,
+                                  sampled_mask=batch.sampled_mask, denominator=cfg.rs_denominator)
+            # policy_loss averages over this microbatch's denominator; rescale to the step's
+            mb_den = float(m["loss_tokens"] if cfg.rs_denominator == "loss_tokens" else m["accepted_tokens"])
+            t1 = time.perf_counter()
+            self.backend.backward(loss * (mb_den * grad_scale / denominator))
+            seconds["forward"] += t1 - t0
+            seconds["backward"] += time.perf_counter() - t1
+            mask = batch.loss_mask > 0
+            # behaviour logprobs exist only where the engine sampled (not at a synthetic EOS)
+            sampled = batch.sampled_mask > 0
+            sums["abs_logprob_diff"] += float((prox - batch.rollout_logprobs)[sampled].abs().sum())
+            sums["clipfrac"] += m["clip_fraction"] * float(mask.sum())
+            sums["tis_weight_mean"] += m["tis_weight_mean"] * float(sampled.sum())
+        t0 = time.perf_counter()
+        grad_norm = self.backend.clip_and_step(cfg.clip_grad)
+        return {**sums, "rates": rates, "forward_seconds": seconds["forward"],
+                "backward_seconds": seconds["backward"],
+                "optimizer_seconds": time.perf_counter() - t0, "grad_norm": grad_norm}

@@ -17,6 +17,7 @@ from actors.proxy import ActorProxy
 from actors.ref import ActorRef
 from transport import ipc_endpoint, strict_json, tcp_loopback_endpoint
 from transport.curve import CurveKeys
+from transport.shm_pool import DEFAULT_SHM_MIN_ARRAY_BYTES, DEFAULT_SHM_POOL_BYTES
 
 
 class UnknownActor(ActorError, KeyError):
@@ -27,7 +28,9 @@ class UnknownActor(ActorError, KeyError):
 class Directory:
     """Immutable mapping ``name -> endpoint`` (``ipc://...`` or ``tcp://host:port``), plus where
     the run's CURVE keys are (``curve_keys``, a directory written by ``replayrl keys``; required
-    when any endpoint is tcp, docs/design.md §4 "Transport contract").
+    when any endpoint is tcp, docs/design.md §4 "Transport contract"), and the shared-memory
+    pool every process of the run uses for large arrays to ipc peers (``shm``: ``(max bytes,
+    min array bytes)``, :func:`actors.ref.use_shared_memory`; docs/design.md §20).
 
     Raises:
         ValueError: a tcp endpoint without ``curve_keys``.
@@ -35,6 +38,7 @@ class Directory:
 
     endpoints: Mapping[str, str] = field(default_factory=dict)
     curve_keys: str = ""
+    shm: tuple[int, int] = (DEFAULT_SHM_POOL_BYTES, DEFAULT_SHM_MIN_ARRAY_BYTES)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "endpoints", MappingProxyType(dict(self.endpoints)))
@@ -44,22 +48,24 @@ class Directory:
 
     @classmethod
     def for_run(cls, run_dir: str | Path, names: Iterable[str], transport: str = "ipc",
-                base_port: int | None = None, curve_keys: str = "") -> "Directory":
+                base_port: int | None = None, curve_keys: str = "",
+                shm: tuple[int, int] = (DEFAULT_SHM_POOL_BYTES, DEFAULT_SHM_MIN_ARRAY_BYTES)) -> "Directory":
         """Endpoints for ``names``: ipc files under ``run_dir``, or loopback tcp ports.
 
         Args:
             transport: ``"ipc"`` (one node) or ``"tcp"`` (loopback; ``base_port`` + i, or a free
                 port chosen by the OS when ``base_port`` is None).
             curve_keys: the run's key directory; required for tcp.
+            shm: the shared-memory pool's ``(max bytes, min array bytes)``.
         Raises:
             ValueError: unknown transport, or tcp without ``curve_keys``.
         """
         names = list(names)
         if transport == "ipc":
-            return cls({n: ipc_endpoint(run_dir, n) for n in names}, curve_keys)
+            return cls({n: ipc_endpoint(run_dir, n) for n in names}, curve_keys, tuple(shm))
         if transport == "tcp":
             return cls({n: tcp_loopback_endpoint(_free_port() if base_port is None else base_port + i)
-                        for i, n in enumerate(names)}, curve_keys)
+                        for i, n in enumerate(names)}, curve_keys, tuple(shm))
         raise ValueError(f"unknown transport {transport!r}; expected 'ipc' or 'tcp'")
 
     def keys(self) -> CurveKeys | None:
@@ -98,15 +104,16 @@ class Directory:
         return dict(self.endpoints)
 
     def save(self, path: str | Path) -> None:
-        """Write the directory as JSON: ``{"endpoints": {...}, "curve_keys": path}``."""
-        Path(path).write_text(strict_json.dumps({"endpoints": self.to_dict(),
-                                                 "curve_keys": self.curve_keys}, indent=1))
+        """Write the directory as JSON: ``{"endpoints": {...}, "curve_keys": path, "shm": [...]}``."""
+        Path(path).write_text(strict_json.dumps({"endpoints": self.to_dict(), "curve_keys": self.curve_keys,
+                                                 "shm": list(self.shm)}, indent=1))
 
     @classmethod
     def load(cls, path: str | Path) -> "Directory":
         """Read a directory written by :meth:`save`."""
         data = strict_json.loads(Path(path).read_text())
-        return cls(data["endpoints"], data.get("curve_keys", ""))
+        shm = data.get("shm", (DEFAULT_SHM_POOL_BYTES, DEFAULT_SHM_MIN_ARRAY_BYTES))
+        return cls(data["endpoints"], data.get("curve_keys", ""), tuple(shm))
 
 
 def _free_port() -> int:

@@ -33,7 +33,7 @@ from actors.actor import Actor, ActorServer
 from actors.directory import Directory
 from actors.errors import ActorDied, ActorError, PeerLost
 from actors.loop import run_event_loop
-from actors.ref import close_connections, use_curve_keys
+from actors.ref import close_connections, use_curve_keys, use_shared_memory
 from actors.run_dir import leave_run_dir
 
 log = logging.getLogger(__name__)
@@ -130,6 +130,7 @@ async def serve_actor(actor: Actor, name: str, directory: Directory,
     actor.name, actor.directory = name, directory
     keys = directory.keys()
     use_curve_keys(keys)
+    use_shared_memory(*directory.shm)
     await actor.on_start()
     server = ActorServer(actor, directory.endpoint(name), curve=keys)
     profile_dir = os.environ.get(PROFILE_ENV)
@@ -157,8 +158,8 @@ async def serve_actor(actor: Actor, name: str, directory: Directory,
             close_connections()
 
 
-def _child_main(spec: ActorSpec, endpoints: dict[str, str], curve_keys: str, parent_pid: int,
-                run_dir: str, log_level: int) -> None:
+def _child_main(spec: ActorSpec, endpoints: dict[str, str], curve_keys: str, shm: tuple[int, int],
+                parent_pid: int, run_dir: str, log_level: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher owns Ctrl-C
     os.environ.update(spec.env)
     if spec.cpus:
@@ -166,7 +167,7 @@ def _child_main(spec: ActorSpec, endpoints: dict[str, str], curve_keys: str, par
     logging.basicConfig(level=log_level, format=f"%(asctime)s {spec.name} %(levelname)s %(message)s")
     try:
         actor = import_actor_class(spec.cls)(**spec.kwargs)
-        run_event_loop(serve_actor(actor, spec.name, Directory(endpoints, curve_keys), parent_pid))
+        run_event_loop(serve_actor(actor, spec.name, Directory(endpoints, curve_keys, shm), parent_pid))
         if os.getppid() != parent_pid:  # the launcher was killed: nobody else will clean up
             leave_run_dir(run_dir)
     except BaseException:
@@ -216,11 +217,12 @@ class Supervisor:
         calls to them use the directory's CURVE keys."""
         self.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         use_curve_keys(self.directory.keys())
+        use_shared_memory(*self.directory.shm)
         ctx = mp.get_context("spawn")
         for spec in self.specs:
             proc = ctx.Process(target=_child_main, name=f"replayrl-{spec.name}", daemon=False,
                                args=(spec, self.directory.to_dict(), self.directory.curve_keys,
-                                     os.getpid(),
+                                     self.directory.shm, os.getpid(),
                                      str(self.run_dir), self.log_level))
             proc.start()
             self.processes[spec.name] = proc

@@ -35,6 +35,7 @@ from rollout.task import VOCABULARY
 from trainer.config import TrainerConfig
 from transport import TransportError, strict_json
 from transport.curve import CurveKeys
+from transport.shm_pool import DEFAULT_SHM_MIN_ARRAY_BYTES, DEFAULT_SHM_POOL_BYTES
 
 
 class ConfigError(ValueError):
@@ -77,6 +78,9 @@ class RunConfig:
         model_indexer: the policy has the sparse-attention indexer (``--model-indexer``);
             ``--no-model-indexer`` is the indexer-free variant external engines serve.
         engine_start_timeout_s: seconds an engine may take to start (``vllm.LLM`` start-up).
+        shm_pool_bytes, shm_min_array_bytes: the shared-memory pool of every process for arrays
+            to ipc peers (``--shm-pool-bytes``, 0 = off; ``--shm-min-array-bytes``; bytes;
+            docs/design.md §20 "Shared-memory array transport").
     """
 
     num_steps: int = setting(400, "num-steps", "optimizer steps (one rollout each)", Range(low=1))
@@ -128,6 +132,12 @@ class RunConfig:
     engine_start_timeout_s: float = setting(600.0, "engine-start-timeout-seconds",
                                             "seconds an engine may take to start (vLLM: import "
                                             "and vllm.LLM start-up)", Range(low=0, closed="(]"))
+    shm_pool_bytes: int = setting(DEFAULT_SHM_POOL_BYTES, "shm-pool-bytes",
+                                  "shared memory each process may keep for large arrays sent to "
+                                  "ipc peers (0 = send them as ZeroMQ frames)", Range(low=0))
+    shm_min_array_bytes: int = setting(DEFAULT_SHM_MIN_ARRAY_BYTES, "shm-min-array-bytes",
+                                       "arrays of at least this many bytes go through shared "
+                                       "memory to ipc peers", Range(low=1))
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 

@@ -43,6 +43,7 @@ SECTIONS = {
     14: "Hugging Face checkpoints",
     15: "Prompt data, tokenizer and rewards",
     16: "The megatron-core backend",
+    20: "Shared-memory array transport",
 }
 
 _HEADING = re.compile(r"^## (\d+)\. (\S.*?)\s*$", re.MULTILINE)

@@ -114,11 +114,11 @@ class ShmHeader(bytes):
         self.sent = False
         return self
 
-    def __del__(self) -> None:
+    def __del__(self, _released: int = _RELEASED) -> None:  # bound now: also runs at exit
         if not self.sent:
             for slot, generation in self.slots:
                 if slot.words is not None and slot.generation == generation:
-                    slot.words[_RELEASED] = generation
+                    slot.words[_released] = generation
 
 
 def mark_sent(frames: list) -> None:
@@ -263,8 +263,8 @@ class _Lease:
 
     __slots__ = ("__array_interface__", "mapping", "generation", "__weakref__")
 
-    def __del__(self) -> None:
-        self.mapping.words[_RELEASED] = self.generation
+    def __del__(self, _released: int = _RELEASED) -> None:  # bound now: also runs at exit
+        self.mapping.words[_released] = self.generation
 
 
 class ShmReader:

@@ -41,6 +41,7 @@ import mmap
 import os
 import secrets
 import stat
+import threading
 from typing import Any
 
 import numpy as np
@@ -150,6 +151,7 @@ class ShmPool:
         self.pid = os.getpid()
         self._slots: dict[int, list[_Slot]] = {}  # capacity -> slots (most recently used last)
         self._bytes = 0
+        self._lock = threading.Lock()  # messages may be encoded in any thread (a REPL's)
 
     @property
     def slot_bytes(self) -> int:
@@ -172,7 +174,8 @@ class ShmPool:
         nbytes = flat_u8.nbytes
         if nbytes < self.min_array_bytes or os.getpid() != self.pid:  # a forked child: not ours
             return None
-        slot = self._take(_slot_capacity(nbytes))
+        with self._lock:
+            slot = self._take(_slot_capacity(nbytes))
         if slot is None:
             return None
         np.copyto(slot.data[:nbytes], flat_u8)  # the one copy: the message owns its bytes now
@@ -217,12 +220,16 @@ class ShmPool:
         return slot
 
     def close(self) -> None:
-        """Unmap and close every slot (receivers keep their own mappings). Idempotent."""
-        for slots in self._slots.values():
-            for slot in slots:
-                slot.close()
-        self._slots.clear()
-        self._bytes = 0
+        """Stop using the pool: unmap and close every free slot (receivers keep their own
+        mappings). A busy slot stays open, unused, until the process exits: its message may not
+        have been opened by its receiver yet. Idempotent."""
+        with self._lock:
+            for slots in self._slots.values():
+                for slot in slots:
+                    if slot.free:
+                        slot.close()
+            self._slots.clear()
+            self._bytes = 0
 
 
 class _Mapping:

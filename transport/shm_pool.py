@@ -318,7 +318,3 @@ class ShmReader:
         lease.__array_interface__ = {"data": (mapping.address + _HEADER, not writable), "shape": shape,
                                      "typestr": typestr, "version": 3}
         return np.asarray(lease)
-
-    def forget(self) -> None:
-        """Drop the cached mappings (each lives on while arrays use it)."""
-        self._maps.clear()

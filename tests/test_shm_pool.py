@@ -3,6 +3,7 @@
 forged or stale handles and of handles from a tcp peer, and a live actor across processes."""
 from __future__ import annotations
 
+import asyncio
 import gc
 import os
 import tempfile
@@ -14,7 +15,7 @@ import torch
 
 from actors import ActorSpec, Directory, Supervisor
 from actors.ref import Message, POOL, shared_memory_pool, use_shared_memory
-from transport import Codec, CodecConfig, DecodeError, MessageTooLarge, TransportError
+from transport import Codec, CodecConfig, DealerSocket, DecodeError, MessageTooLarge, TransportError
 from transport.shm_pool import ShmHeader, ShmPool, ShmReader, mark_sent
 
 ECHO = "tests.actor_fixtures:EchoActor"
@@ -162,3 +163,17 @@ async def test_live_actor_receives_and_returns_arrays_through_shared_memory():
             for _ in range(3):  # the released slot is reused, so the values are fresh ones
                 y = np.full(MiB, 3.0, np.float32)
                 assert float((await ref.call("echo", y)).sum()) == 3.0 * MiB
+            # a forged handle from an ipc peer: an error reply naming it, and the actor serves on
+            array = msgpack.ExtType(1, msgpack.packb(["float32", [4], [os.getpid(), 999_999, 1, 1]]))
+            forged = msgpack.packb({"k": "call", "id": 9, "m": "total", "a": [array], "kw": {}})
+            replies: asyncio.Queue = asyncio.Queue()
+            raw = DealerSocket(directory.endpoint("a"), replies.put_nowait)
+            raw.connect()
+            try:
+                raw.send([forged])
+                reply = Codec().decode(await asyncio.wait_for(replies.get(), 30))
+            finally:
+                raw.close()
+            assert reply["k"] == "err" and reply["id"] == 9 and reply["t"] == "DecodeError"
+            assert "fd/999999 cannot be opened" in reply["msg"]
+            assert await ref.call("echo", 5, timeout=30) == 5

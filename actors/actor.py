@@ -22,8 +22,10 @@ from actors.errors import ProtocolError
 from actors.interface import RUNTIME_NAMES, describe
 from actors.log_limit import RateLimitedLog, clip
 from actors.proxy import ActorProxy
+from actors.ref import shared_memory_pool, shared_memory_reader
 from transport import Codec, RouterSocket
 from transport.curve import CurveKeys
+from transport.endpoints import shares_memory
 
 if TYPE_CHECKING:
     from actors.directory import Directory
@@ -107,6 +109,8 @@ class ActorServer:
         self.endpoint = endpoint
         self.codec = codec or Codec()
         self.max_pending = max_pending
+        # an ipc peer is on this node: large arrays both ways go through shared memory (§20)
+        self._local = shares_memory(endpoint)
         self.stopped = asyncio.Event()
         self._queue: asyncio.Queue = asyncio.Queue()
         self._tasks: set[asyncio.Task] = set()
@@ -131,7 +135,8 @@ class ActorServer:
     # -- receiving -------------------------------------------------------------------------
     def _on_message(self, peer: bytes, frames: list) -> None:
         try:
-            kind, call_id, method, args, kwargs = parse_request(self.codec.decode(frames))
+            kind, call_id, method, args, kwargs = parse_request(self.codec.decode(
+                frames, shared_memory_reader() if self._local else None))
         except Exception as exc:  # malformed message: answer if we can, keep serving
             self._log.log(logging.ERROR, f"{self.actor.name}: rejected malformed message: "
                                          f"{type(exc).__name__}: {clip(str(exc))}")
@@ -158,6 +163,9 @@ class ActorServer:
         while True:
             item = await self._queue.get()
             await self._invoke(*item)
+            # not held while waiting for the next call: a shared-memory argument's slot goes
+            # back to its sender now (docs/design.md §20 "Shared-memory array transport")
+            del item
 
     # -- executing -------------------------------------------------------------------------
     def _resolve(self, method: str) -> Callable[..., Any]:
@@ -197,7 +205,7 @@ class ActorServer:
 
     def _send(self, peer: bytes, reply: dict) -> None:
         try:
-            frames = self.codec.encode(reply)
+            frames = self.codec.encode(reply, shared_memory_pool() if self._local else None)
         except Exception as exc:  # the result itself cannot travel: tell the caller why
             frames = self.codec.encode(err_reply(reply["id"], type(exc).__qualname__, str(exc),
                                                  traceback.format_exc()))

@@ -17,6 +17,7 @@ from actors.proxy import ActorProxy
 from actors.ref import ActorRef, heartbeat_ms
 from transport import ipc_endpoint, strict_json, tcp_loopback_endpoint
 from transport.curve import CurveKeys
+from transport.shm_pool import DEFAULT_SHM_MIN_ARRAY_BYTES, DEFAULT_SHM_POOL_BYTES
 
 
 DEFAULT_HEARTBEAT_DEADLINE_S = 30.0
@@ -31,9 +32,11 @@ class UnknownActor(ActorError, KeyError):
 class Directory:
     """Immutable mapping ``name -> endpoint`` (``ipc://...`` or ``tcp://host:port``), plus where
     the run's CURVE keys are (``curve_keys``, a directory written by ``replayrl keys``; required
-    when any endpoint is tcp, docs/design.md §4 "Transport contract"), and the run's liveness
+    when any endpoint is tcp, docs/design.md §4 "Transport contract"), the run's liveness
     deadline (``heartbeat_deadline_s``: a peer silent that long is lost, docs/design.md §18
-    "Engine fault tolerance").
+    "Engine fault tolerance") and the shared-memory pool every process of the run uses for
+    large arrays to ipc peers (``shm``: ``(max bytes, min array bytes)``,
+    :func:`actors.ref.use_shared_memory`; docs/design.md §20).
 
     Raises:
         ValueError: a tcp endpoint without ``curve_keys``.
@@ -42,6 +45,7 @@ class Directory:
     endpoints: Mapping[str, str] = field(default_factory=dict)
     curve_keys: str = ""
     heartbeat_deadline_s: float = DEFAULT_HEARTBEAT_DEADLINE_S
+    shm: tuple[int, int] = (DEFAULT_SHM_POOL_BYTES, DEFAULT_SHM_MIN_ARRAY_BYTES)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "endpoints", MappingProxyType(dict(self.endpoints)))
@@ -53,7 +57,8 @@ class Directory:
     @classmethod
     def for_run(cls, run_dir: str | Path, names: Iterable[str], transport: str = "ipc",
                 base_port: int | None = None, curve_keys: str = "",
-                heartbeat_deadline_s: float = DEFAULT_HEARTBEAT_DEADLINE_S) -> "Directory":
+                heartbeat_deadline_s: float = DEFAULT_HEARTBEAT_DEADLINE_S,
+                shm: tuple[int, int] = (DEFAULT_SHM_POOL_BYTES, DEFAULT_SHM_MIN_ARRAY_BYTES)) -> "Directory":
         """Endpoints for ``names``: ipc files under ``run_dir``, or loopback tcp ports.
 
         Args:
@@ -61,16 +66,18 @@ class Directory:
                 port chosen by the OS when ``base_port`` is None).
             curve_keys: the run's key directory; required for tcp.
             heartbeat_deadline_s: seconds of silence after which a peer is lost.
+            shm: the shared-memory pool's ``(max bytes, min array bytes)``.
         Raises:
             ValueError: unknown transport, or tcp without ``curve_keys``.
         """
         names = list(names)
         if transport == "ipc":
             return cls({n: ipc_endpoint(run_dir, n) for n in names}, curve_keys,
-                       heartbeat_deadline_s)
+                       heartbeat_deadline_s, tuple(shm))
         if transport == "tcp":
             return cls({n: tcp_loopback_endpoint(_free_port() if base_port is None else base_port + i)
-                        for i, n in enumerate(names)}, curve_keys, heartbeat_deadline_s)
+                        for i, n in enumerate(names)}, curve_keys, heartbeat_deadline_s,
+                       tuple(shm))
         raise ValueError(f"unknown transport {transport!r}; expected 'ipc' or 'tcp'")
 
     def keys(self) -> CurveKeys | None:
@@ -110,18 +117,19 @@ class Directory:
 
     def save(self, path: str | Path) -> None:
         """Write the directory as JSON: ``{"endpoints": {...}, "curve_keys": path,
-        "heartbeat_deadline_s": seconds}``."""
+        "heartbeat_deadline_s": seconds, "shm": [max bytes, min array bytes]}``."""
         Path(path).write_text(strict_json.dumps({"endpoints": self.to_dict(),
                                                  "curve_keys": self.curve_keys,
-                                                 "heartbeat_deadline_s": self.heartbeat_deadline_s},
-                                                indent=1))
+                                                 "heartbeat_deadline_s": self.heartbeat_deadline_s,
+                                                 "shm": list(self.shm)}, indent=1))
 
     @classmethod
     def load(cls, path: str | Path) -> "Directory":
         """Read a directory written by :meth:`save`."""
         data = strict_json.loads(Path(path).read_text())
+        shm = data.get("shm", (DEFAULT_SHM_POOL_BYTES, DEFAULT_SHM_MIN_ARRAY_BYTES))
         return cls(data["endpoints"], data.get("curve_keys", ""),
-                   data.get("heartbeat_deadline_s", DEFAULT_HEARTBEAT_DEADLINE_S))
+                   data.get("heartbeat_deadline_s", DEFAULT_HEARTBEAT_DEADLINE_S), tuple(shm))
 
 
 def _free_port() -> int:

@@ -69,7 +69,8 @@ class RemoteMethod:
             actors.interface.ActorCallError: no such method, or the arguments do not bind.
             actors.RemoteError / actors.ActorTimeout: as :meth:`actors.ActorRef.call`.
         """
-        return self._checked(Message.of(CALL, self.method, args, kwargs), args, kwargs)
+        return self._checked(Message.of(CALL, self.method, args, kwargs, self.proxy.ref.endpoint),
+                             args, kwargs)
 
     async def _checked(self, message: Message, args: tuple, kwargs: dict) -> Any:
         proxy = self.proxy

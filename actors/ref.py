@@ -17,6 +17,8 @@ from actors.interface import ActorInterface
 from actors.log_limit import RateLimitedLog, clip
 from transport import Codec, DealerSocket, owned_frames
 from transport.curve import CurveKeys
+from transport.endpoints import shares_memory
+from transport.shm_pool import DEFAULT_SHM_MIN_ARRAY_BYTES, DEFAULT_SHM_POOL_BYTES, ShmPool, ShmReader
 from transport.sockets import DEFAULT_HEARTBEAT_MS
 
 log = logging.getLogger(__name__)
@@ -36,9 +38,10 @@ class _Connection:
     """
 
     def __init__(self, endpoint: str, codec: Codec, curve: CurveKeys | None,
-                 max_in_flight: int, heartbeat_ms: tuple[int, int]) -> None:
+                 max_in_flight: int, heartbeat_ms: tuple[int, int], shm: ShmReader | None) -> None:
         self.endpoint = endpoint
         self.codec = codec
+        self.shm = shm  # the process's reader for an ipc peer's shared-memory arrays
         self.pending: dict[int, tuple[asyncio.Future, str, str]] = {}
         self.interface: asyncio.Future | None = None  # the peer's ActorInterface, fetched once
         self.slots = asyncio.Semaphore(max_in_flight)
@@ -58,7 +61,7 @@ class _Connection:
 
     def _on_message(self, frames: list) -> None:
         try:
-            reply = self.codec.decode(frames)
+            reply = self.codec.decode(frames, self.shm)
             call_id, kind = reply["id"], reply["k"]
         except Exception as exc:  # a malformed reply must not kill the caller's loop
             self._log.log(logging.ERROR, f"dropping malformed reply from {self.endpoint}: "
@@ -95,14 +98,22 @@ class _Pool:
         self.curve: CurveKeys | None = None  # the run's keys, for tcp peers (use_curve_keys)
         self.max_in_flight = DEFAULT_MAX_IN_FLIGHT
         self.heartbeat_ms = DEFAULT_HEARTBEAT_MS
+        # large arrays to and from ipc peers (docs/design.md §20); slots are made on first use
+        self.shm: ShmPool | None = ShmPool(DEFAULT_SHM_POOL_BYTES, DEFAULT_SHM_MIN_ARRAY_BYTES)
+        self.shm_reader = ShmReader()
 
     def get(self, endpoint: str) -> _Connection:
         key = (id(asyncio.get_running_loop()), endpoint)
         conn = self.connections.get(key)
         if conn is None:
-            conn = self.connections[key] = _Connection(endpoint, self.codec, self.curve,
-                                                       self.max_in_flight, self.heartbeat_ms)
+            conn = self.connections[key] = _Connection(
+                endpoint, self.codec, self.curve, self.max_in_flight, self.heartbeat_ms,
+                self.shm_reader if shares_memory(endpoint) else None)
         return conn
+
+    def pool_for(self, endpoint: str) -> ShmPool | None:
+        """The shared-memory pool for messages to ``endpoint``: only an ipc peer gets one."""
+        return self.shm if shares_memory(endpoint) else None
 
     def close_all(self) -> None:
         for conn in self.connections.values():
@@ -132,11 +143,14 @@ class Message:
     error: Exception | None = None
 
     @classmethod
-    def of(cls, kind: str, method: str, args: tuple, kwargs: dict) -> "Message":
-        """Encode ``method(*args, **kwargs)`` now and copy its array data (any thread)."""
+    def of(cls, kind: str, method: str, args: tuple, kwargs: dict, endpoint: str = "") -> "Message":
+        """Encode ``method(*args, **kwargs)`` for the actor at ``endpoint`` now and copy its array
+        data: large arrays into this process's shared-memory pool for an ipc peer, everything
+        else into bytes the message owns (docs/design.md §20)."""
         call_id = next(_CALL_IDS)
         try:
-            frames = owned_frames(POOL.codec.encode(request(kind, call_id, method, args, kwargs)))
+            frames = owned_frames(POOL.codec.encode(request(kind, call_id, method, args, kwargs),
+                                                    POOL.pool_for(endpoint)))
         except Exception as exc:  # raised where the message is sent, as an unencodable call was
             return cls(call_id, method, (), exc)
         return cls(call_id, method, tuple(frames))
@@ -175,6 +189,28 @@ def connection_lost(endpoint: str) -> str | None:
     (must run inside the event loop whose connections are meant)."""
     conn = POOL.connections.get((id(asyncio.get_running_loop()), endpoint))
     return conn.socket.lost if conn is not None else None
+def use_shared_memory(max_bytes: int, min_array_bytes: int) -> None:
+    """How this process sends large arrays to ipc peers from now on: through a pool of at most
+    ``max_bytes`` of shared memory (0: never; as ZeroMQ frames), for arrays of at least
+    ``min_array_bytes`` (docs/design.md §20 "Shared-memory array transport").
+
+    Raises:
+        transport.TransportError: a negative size or ``min_array_bytes`` < 1.
+    """
+    pool = ShmPool(max_bytes, min_array_bytes)  # checks the values before anything changes
+    old, POOL.shm = POOL.shm, (pool if max_bytes > 0 else None)
+    if old is not None:
+        old.close()  # messages already sent keep their slots: receivers map them on their own
+
+
+def shared_memory_pool() -> ShmPool | None:
+    """This process's shared-memory pool for ipc peers (None when switched off)."""
+    return POOL.shm
+
+
+def shared_memory_reader() -> ShmReader:
+    """This process's reader of ipc peers' shared-memory arrays."""
+    return POOL.shm_reader
 
 
 def use_curve_keys(keys: CurveKeys | None) -> None:
@@ -218,7 +254,7 @@ class ActorRef:
                 refused) before the reply came.
             transport.EncodeError: an argument cannot be encoded (nothing was sent).
         """
-        return self.send(Message.of(CALL, method, args, kwargs), timeout)
+        return self.send(Message.of(CALL, method, args, kwargs, self.endpoint), timeout)
 
     async def send(self, message: Message, timeout: float | None = None) -> Any:
         """Send a :class:`Message` made by :meth:`Message.of` with ``CALL`` and await its reply
@@ -291,4 +327,5 @@ class ActorRef:
             transport.EncodeError: an argument cannot be encoded (nothing was sent).
         """
         conn = POOL.get(self.endpoint)
-        conn.socket.send(conn.codec.encode(request(TELL, next(_CALL_IDS), method, args, kwargs)))
+        conn.socket.send(conn.codec.encode(request(TELL, next(_CALL_IDS), method, args, kwargs),
+                                           POOL.pool_for(self.endpoint)))

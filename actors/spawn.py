@@ -33,7 +33,8 @@ from actors.actor import Actor, ActorServer
 from actors.directory import Directory
 from actors.errors import ActorDied, ActorError, PeerLost, RemoteError
 from actors.loop import run_event_loop
-from actors.ref import close_connections, connection_lost, use_curve_keys, use_heartbeat_deadline
+from actors.ref import (close_connections, connection_lost, use_curve_keys,
+                        use_heartbeat_deadline, use_shared_memory)
 from actors.run_dir import leave_run_dir
 
 log = logging.getLogger(__name__)
@@ -131,6 +132,7 @@ async def serve_actor(actor: Actor, name: str, directory: Directory,
     keys = directory.keys()
     use_curve_keys(keys)
     use_heartbeat_deadline(directory.heartbeat_deadline_s)
+    use_shared_memory(*directory.shm)
     await actor.on_start()
     server = ActorServer(actor, directory.endpoint(name), curve=keys)
     profile_dir = os.environ.get(PROFILE_ENV)
@@ -159,7 +161,8 @@ async def serve_actor(actor: Actor, name: str, directory: Directory,
 
 
 def _child_main(spec: ActorSpec, endpoints: dict[str, str], curve_keys: str,
-                heartbeat_deadline_s: float, parent_pid: int, run_dir: str, log_level: int) -> None:
+                heartbeat_deadline_s: float, shm: tuple[int, int], parent_pid: int, run_dir: str,
+                log_level: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher owns Ctrl-C
     os.environ.update(spec.env)
     if spec.cpus:
@@ -167,7 +170,7 @@ def _child_main(spec: ActorSpec, endpoints: dict[str, str], curve_keys: str,
     logging.basicConfig(level=log_level, format=f"%(asctime)s {spec.name} %(levelname)s %(message)s")
     try:
         actor = import_actor_class(spec.cls)(**spec.kwargs)
-        directory = Directory(endpoints, curve_keys, heartbeat_deadline_s)
+        directory = Directory(endpoints, curve_keys, heartbeat_deadline_s, shm)
         run_event_loop(serve_actor(actor, spec.name, directory, parent_pid))
         if os.getppid() != parent_pid:  # the launcher was killed: nobody else will clean up
             leave_run_dir(run_dir)
@@ -256,6 +259,7 @@ class Supervisor:
         self.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         use_curve_keys(self.directory.keys())
         use_heartbeat_deadline(self.directory.heartbeat_deadline_s)
+        use_shared_memory(*self.directory.shm)
         for spec in self.specs:
             self._start(spec)
 
@@ -263,8 +267,8 @@ class Supervisor:
         proc = mp.get_context("spawn").Process(
             target=_child_main, name=f"replayrl-{spec.name}", daemon=False,
             args=(spec, self.directory.to_dict(), self.directory.curve_keys,
-                  self.directory.heartbeat_deadline_s, os.getpid(), str(self.run_dir),
-                  self.log_level))
+                  self.directory.heartbeat_deadline_s, self.directory.shm, os.getpid(),
+                  str(self.run_dir), self.log_level))
         proc.start()
         self.processes[spec.name] = proc
 

@@ -46,6 +46,7 @@ SECTIONS = {
     17: "SGLang engine",
     18: "Engine fault tolerance",
     19: "Trainer ranks",
+    20: "Shared-memory array transport",
     21: "REPL attach and multi-host runs",
 }
 

@@ -1,36 +1,70 @@
-"""Benchmark: transport codec + sockets throughput versus a memcpy baseline (not a test).
+"""Benchmark: the transport against baselines measured in the same run (not a test).
 
-For 4 KiB and 64 MiB float32 arrays, sends messages one way from a DealerSocket to a
-RouterSocket over ipc:// in one process (both ends on one asyncio loop), decoding each on
-arrival, once with the array inline in frame 0 and once out of band (its own frame, copy=False).
-Prints the median throughput of each and its ratio to ``np.copyto`` into a reused buffer measured
-in the same run (docs/design.md §4 "Transport contract", quotes such ratios).
+Prints one markdown table (docs/design.md §20 "Shared-memory array transport"; the README's
+transport table is its output):
 
-Usage: ``python -m tools.bench_transport [--repeats 5]``
+* one-way array throughput at 4 KiB, 1 MiB and 64 MiB float32 (encode -> ipc send -> receive
+  -> decode, both ends on one asyncio loop, the decoded array dropped at once) as a fraction
+  of ``np.copyto`` into a reused buffer of the same size: as ZeroMQ frames (the pool off) and
+  through the shared-memory pool (``transport.shm_pool``); 4 KiB travels inline either way;
+* actor call round trip, median of single calls (1 in flight), and calls/s with 64 in flight,
+  to an actor in another process (``ActorRef.call`` over ipc), against a raw pyzmq DEALER ->
+  ROUTER echo of a message of the same size, also in another process;
+* a weight push (``transport.array_bundle`` of 16 float32 arrays, ``--push-mib`` in all) to
+  an actor in another process that reads every array, as ZeroMQ frames and through the pool;
+* small messages/s: a small call envelope encoded, sent, received and decoded one way;
+* where Ray is installed (``pip install ray``, not a dependency): a Ray actor call's median
+  round trip, calls/s with 64 in flight, and a 64 MiB array driver -> actor.
+
+The machine's load average and core count are printed first: the figures are medians of
+``--repeats`` runs and move with whatever else the machine runs.
+
+Usage: ``python -m tools.bench_transport [--repeats 3] [--calls 4000] [--push-mib 256]``
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing as mp
+import os
 import statistics
 import tempfile
 import time
 
 import numpy as np
+import zmq
 
-from transport import Codec, CodecConfig, DealerSocket, RouterSocket, ipc_endpoint
+from actors import Actor, ActorSpec, Directory, Supervisor
+from actors.ref import use_shared_memory
+from transport import Codec, DealerSocket, RouterSocket, ipc_endpoint
+from transport.array_bundle import pack_arrays, unpack_arrays
+from transport.shm_pool import ShmPool, ShmReader
 
-SIZES = {"4 KiB": 4 << 10, "64 MiB": 64 << 20}
-# Enough bytes per measurement to dominate setup: ~64 MiB for small messages, 4 messages of 64 MiB.
-_MESSAGES = {4 << 10: 16384, 64 << 20: 4}
+SIZES = {"4 KiB": 4 << 10, "1 MiB": 1 << 20, "64 MiB": 64 << 20}
+_BYTES_PER_RUN = 256 << 20  # per measurement: enough to dominate setup
+_SMALL = {"k": "tell", "id": 1, "m": "record", "a": [1], "kw": {}}
+
+
+class BenchEcho(Actor):
+    """The actor the call benchmark calls: ``echo`` returns its argument, ``nbytes`` an array's size."""
+
+    async def echo(self, value):
+        return value
+
+    async def nbytes(self, array: np.ndarray) -> int:
+        return int(array.nbytes)
+
+    async def load(self, bundle: dict) -> float:
+        """What an engine's weight load does with a push: read every array once (a sum)."""
+        return float(sum(float(a.sum(dtype=np.float64)) for a in unpack_arrays(bundle).values()))
 
 
 def memcpy_bytes_per_s(nbytes: int, repeats: int) -> float:
     """Median bytes/s of ``np.copyto`` between two pre-faulted buffers of ``nbytes``."""
     src = np.ones(nbytes, dtype=np.uint8)
-    dst = np.zeros(nbytes, dtype=np.uint8)
-    count = max(1, (256 << 20) // nbytes)
+    dst = np.ones(nbytes, dtype=np.uint8)
+    count = max(4, _BYTES_PER_RUN // nbytes)
     rates = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -40,14 +74,17 @@ def memcpy_bytes_per_s(nbytes: int, repeats: int) -> float:
     return statistics.median(rates)
 
 
-async def _one_way(endpoint: str, codec: Codec, array: np.ndarray, count: int) -> float:
+async def _one_way(endpoint: str, codec: Codec, messages: list, count: int,
+                   pool: ShmPool | None, reader: ShmReader | None, yield_every: int) -> float:
+    """Seconds to send ``count`` messages (cycling through ``messages``) and decode each,
+    letting the receiver drain every ``yield_every`` sends."""
     loop = asyncio.get_running_loop()
     done = loop.create_future()
     received = 0
 
     def on_message(peer: bytes, frames: list) -> None:
         nonlocal received
-        codec.decode(frames)
+        codec.decode(frames, reader)  # dropped at once: a shared-memory slot is released
         received += 1
         if received == count:
             done.set_result(None)
@@ -58,41 +95,250 @@ async def _one_way(endpoint: str, codec: Codec, array: np.ndarray, count: int) -
     dealer.connect()
     try:
         start = time.perf_counter()
-        for _ in range(count):
-            dealer.send(codec.encode(array))  # the array is never modified, so no copy is needed
+        for i in range(count):
+            dealer.send(codec.encode(messages[i % len(messages)], pool))
+            if i % yield_every == yield_every - 1:
+                await asyncio.sleep(0)  # let the receiver drain, as a live sender would
         await done
-        return array.nbytes * count / (time.perf_counter() - start)
+        return time.perf_counter() - start
     finally:
         dealer.close()
         router.close()
 
 
-def transport_bytes_per_s(nbytes: int, inline: bool, repeats: int) -> float:
-    """Median bytes/s of encode -> ipc send -> receive -> decode for one array of ``nbytes``."""
-    threshold = nbytes + 1 if inline else 0
-    codec = Codec(CodecConfig(inline_threshold=threshold))
+def one_way_bytes_per_s(nbytes: int, shm: bool, repeats: int) -> float:
+    """Median bytes/s of encode -> ipc send -> receive -> decode of one float32 array of ``nbytes``."""
+    codec = Codec()
     array = np.ones(nbytes // 4, dtype=np.float32)
+    count = max(8, _BYTES_PER_RUN // nbytes)
+    pool, reader = (ShmPool(1 << 30), ShmReader()) if shm else (None, None)
+    # a large array's sender waits for the receiver (a weight push awaits its load), so a
+    # slot goes back to the pool before the next message; small ones go in bursts of 64
+    yield_every = 1 if nbytes >= 1 << 20 else 64
     rates = []
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
-        for i in range(repeats):
-            endpoint = ipc_endpoint(tmp, f"b{i}.sock")
-            rates.append(asyncio.run(_one_way(endpoint, codec, array, _MESSAGES[nbytes])))
+        for i in range(repeats + 1):  # the first run makes the slots and mappings: not counted
+            seconds = asyncio.run(_one_way(ipc_endpoint(tmp, f"b{i}.sock"), codec, [array], count,
+                                           pool, reader, yield_every))
+            if i:
+                rates.append(nbytes * count / seconds)
+    if pool is not None:
+        pool.close()
     return statistics.median(rates)
 
 
+def small_messages_per_s(repeats: int, count: int = 50_000) -> float:
+    """Median small messages/s one way (a call envelope: encode, send, receive, decode)."""
+    codec = Codec()
+    rates = []
+    with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
+        for i in range(repeats):
+            seconds = asyncio.run(_one_way(ipc_endpoint(tmp, f"s{i}.sock"), codec, [_SMALL], count,
+                                           None, None, 64))
+            rates.append(count / seconds)
+    return statistics.median(rates)
+
+
+# -- calls -------------------------------------------------------------------------------------
+async def _actor_calls(ref, calls: int, in_flight: int) -> tuple[float, float]:
+    """(median seconds of one call with nothing else in flight, calls/s with ``in_flight``)."""
+    for _ in range(200):  # warm the connection and the interface
+        await ref.call("echo", 1)
+    latencies = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        await ref.call("echo", 1)
+        latencies.append(time.perf_counter() - start)
+    left = calls * 4
+
+    async def worker() -> None:
+        nonlocal left
+        while left > 0:
+            left -= 1
+            await ref.call("echo", 1)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(in_flight)))
+    return statistics.median(latencies), calls * 4 / (time.perf_counter() - start)
+
+
+def _raw_echo_server(endpoint: str, ready) -> None:
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.bind(endpoint)
+    ready.set()
+    while True:
+        frames = sock.recv_multipart(copy=False)
+        if frames[-1].bytes == b"stop":
+            sock.send_multipart(frames)
+            return
+        sock.send_multipart(frames, copy=False)
+
+
+def raw_zmq_calls(endpoint: str, calls: int, in_flight: int) -> tuple[float, float]:
+    """The same two figures for a raw pyzmq DEALER -> ROUTER echo in another process, with a
+    payload of the size of an actor call's request."""
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    server = ctx.Process(target=_raw_echo_server, args=(endpoint, ready), daemon=True)
+    server.start()
+    ready.wait(30)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.connect(endpoint)
+    payload = Codec().encode({"k": "call", "id": 123456, "m": "echo", "a": [1], "kw": {}})[0]
+    try:
+        for _ in range(200):
+            sock.send(payload)
+            sock.recv()
+        latencies = []
+        for _ in range(calls):
+            start = time.perf_counter()
+            sock.send(payload)
+            sock.recv()
+            latencies.append(time.perf_counter() - start)
+        total = calls * 4
+        start = time.perf_counter()
+        for _ in range(in_flight):
+            sock.send(payload)
+        for i in range(total):
+            sock.recv()
+            if i + in_flight < total:
+                sock.send(payload)
+        rate = total / (time.perf_counter() - start)
+        sock.send(b"stop")
+        sock.recv()
+    finally:
+        sock.close(linger=0)
+        server.join(10)
+        if server.is_alive():
+            server.kill()
+    return statistics.median(latencies), rate
+
+
+async def _push_seconds(ref, bundle: dict, repeats: int) -> float:
+    """Median seconds of one weight-push-shaped call: a bundle in, every array read, a float out."""
+    seconds = []
+    for _ in range(repeats + 1):  # the first makes the slots and mappings: not counted
+        start = time.perf_counter()
+        await ref.call("load", bundle)
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds[1:])
+
+
+async def _actor_figures(calls: int, in_flight: int, push_bytes: int,
+                         repeats: int) -> tuple[float, float, float, float]:
+    """Call p50 and rate, and a ``push_bytes`` weight push's seconds as frames and through the pool."""
+    with tempfile.TemporaryDirectory(prefix="bench-") as run_dir:
+        directory = Directory.for_run(run_dir, ["echo"])
+        async with Supervisor([ActorSpec("echo", "tools.bench_transport:BenchEcho", {})], directory, run_dir):
+            ref = directory.ref("echo")
+            p50, rate = await _actor_calls(ref, calls, in_flight)
+            # a weight push as the trainer sends it: named arrays packed one buffer per dtype
+            rng = np.random.default_rng(0)
+            weights = {f"layer{i}.weight": rng.standard_normal(push_bytes // 64, dtype=np.float32)
+                       for i in range(16)}
+            bundle = pack_arrays(weights)
+            with_shm = await _push_seconds(ref, bundle, repeats)
+            use_shared_memory(0, 1)  # the same push as ZeroMQ frames
+            try:
+                frames = await _push_seconds(ref, bundle, repeats)
+            finally:
+                use_shared_memory(*directory.shm)
+            return p50, rate, frames, with_shm
+
+
+# -- Ray (optional) ----------------------------------------------------------------------------
+def ray_figures(calls: int, in_flight: int, repeats: int) -> tuple[float, float, float] | None:
+    """(median call seconds, calls/s at ``in_flight``, 64 MiB driver -> actor bytes/s), or None
+    when Ray is not installed."""
+    try:
+        import ray
+    except ImportError:
+        return None
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        @ray.remote
+        class Echo:
+            def echo(self, value):
+                return value
+
+            def nbytes(self, array):
+                return int(array.nbytes)
+
+        actor = Echo.remote()
+        for _ in range(200):
+            ray.get(actor.echo.remote(1))
+        latencies = []
+        for _ in range(calls):
+            start = time.perf_counter()
+            ray.get(actor.echo.remote(1))
+            latencies.append(time.perf_counter() - start)
+        total = calls * 4
+        start = time.perf_counter()
+        pending = [actor.echo.remote(1) for _ in range(in_flight)]
+        sent = in_flight
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            ray.get(done)
+            if sent < total:
+                pending.append(actor.echo.remote(1))
+                sent += 1
+        rate = total / (time.perf_counter() - start)
+        array = np.ones((64 << 20) // 4, dtype=np.float32)
+        rates = []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            ray.get(actor.nbytes.remote(array))  # put into the object store, the actor maps it
+            rates.append(array.nbytes / (time.perf_counter() - start))
+        return statistics.median(latencies), rate, statistics.median(rates[1:])
+    finally:
+        ray.shutdown()
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Print one line per size: memcpy GB/s, inline and out-of-band GB/s and their ratios."""
+    """Print the conditions and the table (module docstring)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--calls", type=int, default=4000, help="single calls timed (x4 at 64 in flight)")
+    parser.add_argument("--push-mib", type=int, default=256, help="size of the weight push timed")
     args = parser.parse_args(argv)
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"conditions: {os.cpu_count()} CPUs, load average {load} (1, 5, 15 min); "
+          f"medians of {args.repeats} runs; ipc on one node")
+    print()
+    print("| measurement | result | against the baseline of this run |")
+    print("|---|---|---|")
     for label, nbytes in SIZES.items():
         base = memcpy_bytes_per_s(nbytes, args.repeats)
-        inline = transport_bytes_per_s(nbytes, True, args.repeats)
-        oob = transport_bytes_per_s(nbytes, False, args.repeats)
-        print(
-            f"{label:>7}: memcpy {base / 1e9:6.2f} GB/s | inline {inline / 1e9:6.2f} GB/s ({inline / base:.3f}x)"
-            f" | out-of-band {oob / 1e9:6.2f} GB/s ({oob / base:.3f}x) | inline/out-of-band {inline / oob:.2f}x"
-        )
+        frames = one_way_bytes_per_s(nbytes, False, args.repeats)
+        line = f"| one-way {label} array | memcpy {base / 1e9:.1f} GB/s; "
+        if nbytes < 64 << 10:
+            print(line + f"inline {frames / 1e9:.2f} GB/s | {frames / base:.3f}x memcpy |")
+            continue
+        shm = one_way_bytes_per_s(nbytes, True, args.repeats)
+        print(line + f"ZeroMQ frames {frames / 1e9:.2f} GB/s, shared memory {shm / 1e9:.2f} GB/s "
+              f"| frames {frames / base:.3f}x, shared memory {shm / base:.3f}x memcpy |")
+    with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
+        raw_p50, raw_rate = raw_zmq_calls(ipc_endpoint(tmp, "raw.sock"), args.calls, 64)
+    p50, rate, push_frames, push_shm = asyncio.run(_actor_figures(args.calls, 64, args.push_mib << 20,
+                                                                  args.repeats))
+    print(f"| call round trip, 1 in flight (p50) | actor {p50 * 1e6:.0f} us; raw pyzmq DEALER/ROUTER "
+          f"{raw_p50 * 1e6:.0f} us | {p50 / raw_p50:.2f}x raw zmq |")
+    print(f"| calls/s, 64 in flight | actor {rate / 1e3:.1f}k/s; raw pyzmq {raw_rate / 1e3:.1f}k/s "
+          f"| {rate / raw_rate:.2f}x raw zmq |")
+    print(f"| weight push of {args.push_mib} MiB (16 arrays, one bundle) to an actor that reads it | "
+          f"ZeroMQ frames {push_frames * 1e3:.0f} ms, shared memory {push_shm * 1e3:.0f} ms | "
+          f"{push_frames / push_shm:.2f}x faster |")
+    small = small_messages_per_s(args.repeats)
+    print(f"| small messages/s, one way (encode, send, receive, decode) | {small / 1e3:.0f}k/s | |")
+    ray = ray_figures(args.calls // 4, 64, args.repeats)
+    if ray is None:
+        print("| Ray | not installed (`pip install ray` to compare) | |")
+    else:
+        ray_p50, ray_rate, ray_bytes = ray
+        base = memcpy_bytes_per_s(64 << 20, args.repeats)
+        print(f"| Ray actor call, 1 in flight (p50) | {ray_p50 * 1e6:.0f} us | {ray_p50 / raw_p50:.2f}x raw zmq |")
+        print(f"| Ray calls/s, 64 in flight | {ray_rate / 1e3:.1f}k/s | {ray_rate / raw_rate:.2f}x raw zmq |")
+        print(f"| Ray 64 MiB driver -> actor | {ray_bytes / 1e9:.2f} GB/s | {ray_bytes / base:.3f}x memcpy |")
 
 
 if __name__ == "__main__":

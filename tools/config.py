@@ -37,6 +37,7 @@ from rollout.task import VOCABULARY
 from trainer.config import TrainerConfig
 from transport import TransportError, strict_json
 from transport.curve import CurveKeys
+from transport.shm_pool import DEFAULT_SHM_MIN_ARRAY_BYTES, DEFAULT_SHM_POOL_BYTES
 
 
 class ConfigError(ValueError):
@@ -98,6 +99,9 @@ class RunConfig:
         engine_failure: what a lost engine costs (``--engine-failure``,
             :data:`rollout.engine_pool.ENGINE_FAILURE_POLICIES`; docs/design.md §18 "Engine
             fault tolerance"); a lost trainer, clock or manager always ends the run.
+        shm_pool_bytes, shm_min_array_bytes: the shared-memory pool of every process for arrays
+            to ipc peers (``--shm-pool-bytes``, 0 = off; ``--shm-min-array-bytes``; bytes;
+            docs/design.md §20 "Shared-memory array transport").
     """
 
     num_steps: int = setting(400, "num-steps", "optimizer steps (one rollout each)", Range(low=1))
@@ -168,6 +172,12 @@ class RunConfig:
                                   "prompt groups on the other engines; restart: also start a new "
                                   "engine, which serves once it loaded the current weights; "
                                   "fail: end the run", Choices(ENGINE_FAILURE_POLICIES))
+    shm_pool_bytes: int = setting(DEFAULT_SHM_POOL_BYTES, "shm-pool-bytes",
+                                  "shared memory each process may keep for large arrays sent to "
+                                  "ipc peers (0 = send them as ZeroMQ frames)", Range(low=0))
+    shm_min_array_bytes: int = setting(DEFAULT_SHM_MIN_ARRAY_BYTES, "shm-min-array-bytes",
+                                       "arrays of at least this many bytes go through shared "
+                                       "memory to ipc peers", Range(low=1))
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 

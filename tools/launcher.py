@@ -394,7 +394,8 @@ async def launch(config: RunConfig, log_level: int = logging.WARNING,
         specs = specs if specs is not None else actor_specs(config, checkpoint)
         directory = Directory.for_run(run_dir, [s.name for s in specs], config.transport,
                                       curve_keys=config.curve_keys,
-                                      heartbeat_deadline_s=config.heartbeat_deadline_s)
+                                      heartbeat_deadline_s=config.heartbeat_deadline_s,
+                                      shm=(config.shm_pool_bytes, config.shm_min_array_bytes))
         resume = checkpoint_next_step(Path(config.load)) if config.load else None
         with MetricsRecorder(output, config.num_steps, config.progress, hooks, config,
                              tensorboard=config.use_tensorboard, resume_step=resume) as recorder:

@@ -80,6 +80,7 @@ import numpy as np
 import zmq
 
 from transport.errors import DecodeError, EncodeError, MessageTooLarge, TransportError
+from transport.shm_pool import ShmHeader, ShmPool, ShmReader
 from transport.tensor_data import TensorData, tensor_from_buffer
 
 __all__ = [
@@ -359,14 +360,16 @@ def _explain_unencodable(obj: Any) -> NoReturn:
 
 
 class _EncodeState:
-    """Per-call encoder state: the out-of-band frames collected so far."""
+    """Per-call encoder state: the out-of-band frames and shared-memory slots collected so far."""
 
-    __slots__ = ("config", "buffers", "oob_bytes")
+    __slots__ = ("config", "buffers", "oob_bytes", "shm", "slots")
 
-    def __init__(self, config: CodecConfig) -> None:
+    def __init__(self, config: CodecConfig, shm: ShmPool | None) -> None:
         self.config = config
         self.buffers: list[memoryview] = []
         self.oob_bytes = 0
+        self.shm = shm
+        self.slots: list = []  # (slot, generation) of the arrays copied into the pool
 
     def packb(self, obj: Any) -> bytes:
         return msgpack.Packer(default=self.default, strict_types=True, use_bin_type=True, buf_size=_PACK_BUF).pack(obj)
@@ -378,8 +381,13 @@ class _EncodeState:
             raise EncodeError(
                 f"array of {nbytes} bytes ({name} x {shape}) exceeds max_message_bytes={self.config.max_message_bytes}"
             )
-        if nbytes < self.config.inline_threshold:
-            data: bytes | int = flat_u8.tobytes()
+        placed = None if self.shm is None or nbytes < self.config.inline_threshold else self.shm.put(flat_u8)
+        if placed is not None:  # copied into a pool slot: the header carries its handle
+            data: bytes | int | list = placed[0]
+            self.slots.append(placed[1])
+            self.oob_bytes += nbytes
+        elif nbytes < self.config.inline_threshold:
+            data = flat_u8.tobytes()
         else:
             # The memoryview keeps flat_u8 (and so the array or tensor behind it) alive for as
             # long as the frame exists; no copy is made.
@@ -455,11 +463,14 @@ class _DecodeState:
     """Per-call decoder state: the frames as byte memoryviews, which ones were referenced, and
     the work budget left (see :data:`DEFAULT_DECODE_BUDGET_FLOOR`)."""
 
-    __slots__ = ("config", "views", "used", "budget", "torch_tensors")
+    __slots__ = ("config", "views", "used", "budget", "torch_tensors", "shm", "bytes_left")
 
-    def __init__(self, config: CodecConfig, views: list[memoryview]) -> None:
+    def __init__(self, config: CodecConfig, views: list[memoryview], shm: ShmReader | None,
+                 frame_bytes: int) -> None:
         self.config = config
         self.views = views
+        self.shm = shm
+        self.bytes_left = config.max_message_bytes - frame_bytes  # shared-memory arrays count too
         self.used: set[int] = set()
         self.budget = config.decode_budget_floor + config.decode_budget_per_byte * views[0].nbytes
         # Tensors become torch tensors only in a process that already imported torch; anywhere
@@ -559,8 +570,11 @@ class _DecodeState:
             self.used.add(payload)
             buf = self.views[payload]
             where = f"frame {payload}"
+        elif type(payload) is list:
+            return self.decode_shared(code, what, name, shape, nbytes, payload)
         else:
-            raise DecodeError(f"{what} data must be inline bytes or a frame index, got {type(payload).__name__}")
+            raise DecodeError(f"{what} data must be inline bytes or a frame index (or a shared-memory "
+                              f"handle), got {type(payload).__name__}")
         if len(buf) != nbytes:
             kind = "truncated" if len(buf) < nbytes else "too long"
             raise DecodeError(
@@ -573,6 +587,25 @@ class _DecodeState:
         if not self.torch_tensors:
             return TensorData(name, tuple(shape), _readonly_bytes(buf, copy=type(payload) is bytes))
         return tensor_from_buffer(buf, name, shape, inline=type(payload) is bytes)
+
+
+    def decode_shared(self, code: int, what: str, name: str, shape: list[int], nbytes: int,
+                      handle: list) -> Any:
+        """An array whose data is in a sender's pool slot (docs/design.md §20): a view of the
+        slot, which is released when the last view is dropped."""
+        if self.shm is None:
+            raise DecodeError(f"{what} data is a shared-memory handle, accepted only from an ipc "
+                              "peer on this node")
+        self.bytes_left -= nbytes
+        if self.bytes_left < 0:
+            raise MessageTooLarge(f"message with {what} {name} x {tuple(shape)} in shared memory "
+                                  f"exceeds max_message_bytes={self.config.max_message_bytes}")
+        if code == _EXT_NDARRAY:
+            return self.shm.array(handle, np.dtype(name).str, tuple(shape), nbytes, writable=False)
+        flat = self.shm.array(handle, "|u1", (nbytes,), nbytes, writable=self.torch_tensors)
+        if not self.torch_tensors:
+            return TensorData(name, tuple(shape), flat)
+        return tensor_from_buffer(memoryview(flat), name, shape, inline=False)  # keeps the lease
 
 
 _GC_PAUSE_BYTES = 64 << 10  # headers from this size decode with the cyclic GC paused
@@ -675,7 +708,7 @@ class Codec:
             raise TransportError(f"config must be a CodecConfig, got {type(config).__name__}")
         self.config = config
 
-    def encode(self, obj: Any) -> list[bytes | memoryview]:
+    def encode(self, obj: Any, shm: ShmPool | None = None) -> list[bytes | memoryview]:
         """Encode ``obj`` into ZeroMQ frames.
 
         Args:
@@ -683,11 +716,18 @@ class Codec:
                 ``list``, ``tuple``, ``dict`` with ``str``/``int`` keys, numpy arrays and scalars
                 and CPU torch tensors of an allowed dtype (any shape, 0-d, empty,
                 non-contiguous), nested in any of the containers up to depth 256.
+            shm: the sender's shared-memory pool, only for a peer on this node (``ipc://``):
+                arrays of at least ``shm.min_array_bytes`` (and ``inline_threshold``) are copied
+                into a pool slot now and the header carries the slot's handle; when the pool
+                has no free slot they become frames as without it (docs/design.md §20
+                "Shared-memory array transport").
 
         Returns:
-            ``[header, *buffers]``: frame 0 the msgpack header (``bytes``), frames 1.. one
-            ``memoryview`` (uint8, C order) per array of at least ``inline_threshold`` bytes,
-            sharing the array's memory. Do not modify those arrays until the frames are sent.
+            ``[header, *buffers]``: frame 0 the msgpack header (``bytes``; a
+            :class:`transport.shm_pool.ShmHeader` holding the message's slots when it has any),
+            frames 1.. one ``memoryview`` (uint8, C order) per other array of at least
+            ``inline_threshold`` bytes, sharing the array's memory. Do not modify those arrays
+            until the frames are sent.
 
         Raises:
             EncodeError: unsupported type (named, with its key path), dtype not in the
@@ -696,36 +736,46 @@ class Codec:
                 ``max_message_bytes``.
         """
         _check_encodable(obj)
-        state = _EncodeState(self.config)
+        state = _EncodeState(self.config, shm)
         try:
-            header = state.packb(obj)
-        except EncodeError:
+            try:
+                header = state.packb(obj)
+            except EncodeError:
+                raise
+            except (TypeError, ValueError, OverflowError) as exc:
+                raise EncodeError(f"cannot encode message: {exc}") from exc
+            total = len(header) + state.oob_bytes
+            if total > self.config.max_message_bytes:
+                raise EncodeError(f"message of {total} bytes exceeds max_message_bytes={self.config.max_message_bytes}")
+        except BaseException:
+            ShmHeader(b"", state.slots)  # not sent: dropping it at once releases the slots
             raise
-        except (TypeError, ValueError, OverflowError) as exc:
-            raise EncodeError(f"cannot encode message: {exc}") from exc
-        total = len(header) + state.oob_bytes
-        if total > self.config.max_message_bytes:
-            raise EncodeError(f"message of {total} bytes exceeds max_message_bytes={self.config.max_message_bytes}")
+        if state.slots:
+            header = ShmHeader(header, state.slots)
         return [header, *state.buffers]
 
-    def decode(self, frames: Sequence[bytes | memoryview | zmq.Frame]) -> Any:
+    def decode(self, frames: Sequence[bytes | memoryview | zmq.Frame], shm: ShmReader | None = None) -> Any:
         """Decode the frames of one message.
 
         Args:
             frames: frame 0 the msgpack header, frames 1.. the out-of-band buffers; each a
                 ``bytes``, ``memoryview`` (any C-contiguous buffer) or ``zmq.Frame``.
+            shm: the process's shared-memory reader, given only for a message from an ipc peer
+                on this node; without it a shared-memory handle is a :class:`DecodeError`.
 
         Returns:
             The message. Tuples come back as tuples, numpy scalars as numpy scalars. Arrays are
-            built over the frames without copying: numpy arrays are read-only views, torch
-            tensors share the frame's memory (see the module docstring).
+            built over the frames (or the sender's shared-memory slots) without copying: numpy
+            arrays are read-only views, torch tensors share the frame's memory (see the module
+            docstring).
 
         Raises:
             MessageTooLarge: all frames together, or one array, exceed ``max_message_bytes``.
             DecodeError: no frames, malformed msgpack in frame 0, unknown ext type, dtype outside
                 the allow-list, bad or negative shape, inline data or frame shorter/longer than
                 dtype x shape, frame index out of range or referenced twice, frames that no
-                array references, dict keys other than ``str``/``int``.
+                array references, dict keys other than ``str``/``int``, a shared-memory handle
+                without ``shm`` or one that names no valid slot.
         """
         if len(frames) == 0:
             raise DecodeError("empty message: no frames")
@@ -738,7 +788,7 @@ class Codec:
                 f"message of {total} bytes in {len(views)} frames "
                 f"exceeds max_message_bytes={self.config.max_message_bytes}"
             )
-        state = _DecodeState(self.config, views)
+        state = _DecodeState(self.config, views, shm, total)
         # The cyclic GC runs again and again while a large header allocates lists, doubling
         # the cost of a refused one; nothing decoded can be cyclic, so pause it (msgpack's own
         # advice for large messages). Global state, restored in every case.

@@ -19,6 +19,7 @@ __all__ = [
     "tcp_loopback_endpoint",
     "check_bind_endpoint",
     "check_connect_endpoint",
+    "shares_memory",
 ]
 
 IPC_PATH_MAX_BYTES = 107
@@ -59,6 +60,13 @@ def tcp_loopback_endpoint(port: int = 0) -> str:
     if type(port) is not int or not 0 <= port <= 65535:
         raise TransportError(f"tcp port must be an int in [0, 65535], got {port!r}")
     return f"tcp://127.0.0.1:{port}"
+
+
+def shares_memory(endpoint: str) -> bool:
+    """True for an ``ipc://`` endpoint: its peer is a process of this user on this node, so
+    large arrays may travel through the shared-memory pool (docs/design.md §20 "Shared-memory
+    array transport"); a ``tcp://`` peer may be on another host and gets them as frames."""
+    return isinstance(endpoint, str) and endpoint.startswith("ipc://")
 
 
 def _split(endpoint: str) -> tuple[str, str]:

@@ -60,6 +60,7 @@ from transport.codec import DEFAULT_INLINE_THRESHOLD, DEFAULT_MAX_MESSAGE_BYTES
 from transport.curve import CurveKeys, authorize
 from transport.endpoints import check_bind_endpoint, check_connect_endpoint, ipc_endpoint, tcp_loopback_endpoint
 from transport.errors import TransportError
+from transport.shm_pool import mark_sent
 
 __all__ = ["RouterSocket", "DealerSocket", "ipc_endpoint", "tcp_loopback_endpoint", "owned_frames",
            "MAX_MESSAGES_PER_WAKEUP", "DEFAULT_HEARTBEAT_MS"]
@@ -192,7 +193,9 @@ class _LoopSocket:
             raise TransportError(f"{type(self).__name__} for {self._endpoint!r} is {state}")
         try:
             # owned bytes by reference: the caller may reuse its buffers as soon as we return
-            self._sock.send_multipart(owned_frames(frames), zmq.NOBLOCK, copy=False)
+            owned = owned_frames(frames)
+            self._sock.send_multipart(owned, zmq.NOBLOCK, copy=False)
+            mark_sent(owned)  # a message's shared-memory slots are the receiver's to release now
         except zmq.ZMQError as exc:
             if exc.errno == zmq.EHOSTUNREACH:
                 raise TransportError(f"{self._endpoint}: peer {peer_text} is not connected") from exc

@@ -1,0 +1,179 @@
+"""The shared-memory pool for large arrays between processes of one node (docs/design.md §20
+"Shared-memory array transport"): values, slot lifetime, reuse, fallback to frames, refusal of
+forged or stale handles and of handles from a tcp peer, and a live actor across processes."""
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import tempfile
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+
+from actors import ActorSpec, Directory, Supervisor
+from actors.ref import Message, POOL, shared_memory_pool, use_shared_memory
+from transport import Codec, CodecConfig, DealerSocket, DecodeError, MessageTooLarge, TransportError
+from transport.shm_pool import ShmHeader, ShmPool, ShmReader, mark_sent
+
+ECHO = "tests.actor_fixtures:EchoActor"
+MiB = 1 << 20
+
+
+def _sent(frames: list) -> list:
+    mark_sent(frames)  # as a socket does once ZeroMQ has the message
+    return frames
+
+
+def _handle_message(handle: list, n: int, dtype: str = "float32") -> list:
+    """Frames of one numpy array of ``n`` elements whose data is the shared-memory ``handle``,
+    written with msgpack directly (not by the codec under test)."""
+    payload = msgpack.packb([dtype, [n], handle], use_bin_type=True)
+    return [msgpack.packb(msgpack.ExtType(1, payload), use_bin_type=True)]
+
+
+def test_array_travels_by_handle_and_its_slot_lives_as_long_as_any_view():
+    pool, reader, codec = ShmPool(64 * MiB, 64 << 10), ShmReader(), Codec()
+    x = np.arange(MiB // 4, dtype=np.float32)  # 1 MiB
+    frames = _sent(codec.encode({"x": x, "small": np.arange(3)}, pool))
+    assert len(frames) == 1 and type(frames[0]) is ShmHeader  # no ZeroMQ frame for the array
+    assert len(frames[0]) < 200  # the header carries a handle, not the megabyte
+    x[:] = -1  # the sender's later write does not reach the message (copied at encode)
+    y = codec.decode(frames, reader)["x"]
+    np.testing.assert_array_equal(y, np.arange(MiB // 4, dtype=np.float32))
+    assert not y.flags.writeable
+    del frames
+    view = y[10:].reshape(-1, 2)[::3]  # a view of a view: numpy collapses bases
+    del y
+    gc.collect()
+    assert pool.busy() == 1  # still viewed: the sender may not reuse it
+    assert view[0, 0] == 10.0
+    del view
+    gc.collect()
+    assert pool.busy() == 0
+    # the next message reuses the same slot (no new memory) and carries its own values
+    z = codec.decode(_sent(codec.encode(np.full(MiB // 4, 7, np.float32), pool)), reader)
+    assert float(z.sum()) == 7.0 * (MiB // 4) and pool.slot_bytes == MiB
+
+
+def test_torch_tensors_and_tensor_data_through_shared_memory():
+    pool, reader, codec = ShmPool(64 * MiB, 64 << 10), ShmReader(), Codec()
+    t = torch.arange(300_000, dtype=torch.float32).to(torch.bfloat16)  # 600 KB
+    back = codec.decode(_sent(codec.encode(t, pool)), reader)
+    assert back.dtype == torch.bfloat16 and torch.equal(back, t)
+    del back
+    gc.collect()
+    assert pool.busy() == 0
+
+
+def test_unsent_and_unencodable_messages_release_their_slots():
+    pool, codec = ShmPool(64 * MiB, 64 << 10), Codec()
+    frames = codec.encode(np.ones(MiB, np.uint8), pool)
+    assert pool.busy() == 1
+    del frames  # never sent: a refused argument check, a closed socket, a cancelled caller
+    gc.collect()
+    assert pool.busy() == 0
+    with pytest.raises(TransportError):  # the second array's dtype is refused mid-encode
+        codec.encode([np.ones(MiB, np.uint8), np.array(["s"])], pool)
+    gc.collect()
+    assert pool.busy() == 0
+
+
+def test_a_full_pool_falls_back_to_frames_and_small_arrays_stay_inline():
+    pool, reader, codec = ShmPool(MiB, 64 << 10), ShmReader(), Codec()
+    a = codec.decode(_sent(codec.encode(np.ones(MiB // 4, np.float32), pool)), reader)  # the one slot
+    frames = _sent(codec.encode(np.full(MiB // 4, 2, np.float32), pool))  # no room: a frame
+    assert len(frames) == 2 and type(frames[0]) is bytes
+    assert float(codec.decode(frames, reader).sum()) == 2.0 * (MiB // 4)
+    assert len(codec.encode(np.ones(1000, np.float32), pool)) == 1 and pool.busy() == 1  # inline
+    frames = codec.encode(np.ones(32 << 10, np.uint8), pool)  # under min_array_bytes: a frame
+    assert len(frames) == 2 and type(frames[0]) is bytes
+    del a
+    gc.collect()
+    assert pool.busy() == 0
+
+
+def test_handles_are_refused_without_a_reader_and_when_forged_or_stale(tmp_path):
+    pool, reader, codec = ShmPool(64 * MiB, 64 << 10), ShmReader(), Codec()
+    frames = _sent(codec.encode(np.ones(MiB // 4, np.float32), pool))
+    with pytest.raises(DecodeError, match="only from an ipc peer"):
+        codec.decode(frames)  # a tcp peer's message: no reader
+    handle = msgpack.unpackb(msgpack.unpackb(bytes(frames[0])).data)[2]
+    pid, fd, token, generation = handle
+    n = MiB // 4
+    with pytest.raises(DecodeError, match="token"):
+        codec.decode(_handle_message([pid, fd, token + 1, generation], n), reader)
+    with pytest.raises(DecodeError, match="stale"):
+        codec.decode(_handle_message([pid, fd, token, generation + 1], n), reader)
+    with pytest.raises(DecodeError, match="does not fit"):
+        codec.decode(_handle_message(handle, 2 * n), reader)  # 2 MiB from a 1 MiB slot
+    with pytest.raises(MessageTooLarge):
+        Codec(CodecConfig(max_message_bytes=MiB)).decode(_handle_message(handle, n + 1), reader)
+    with pytest.raises(DecodeError, match="cannot be opened"):
+        codec.decode(_handle_message([pid, 999_999, token, generation], n), reader)
+    with open(tmp_path / "plain", "wb") as f:  # an fd that is a file, not a pool slot
+        with pytest.raises(DecodeError, match="not a replayrl pool slot"):
+            codec.decode(_handle_message([os.getpid(), f.fileno(), 1, 1], n), reader)
+    for bad in ([pid, fd, token], [pid, fd, "t", generation], [-1, fd, token, generation], [pid, -3, 1, 1]):
+        with pytest.raises(DecodeError, match=r"\[pid, fd, token, generation\]"):
+            codec.decode(_handle_message(bad, n), reader)
+    np.testing.assert_array_equal(codec.decode(frames, reader), np.ones(n, np.float32))  # still fine
+
+
+def test_only_ipc_peers_get_handles_and_the_settings_switch_the_pool_off():
+    args = (np.ones(MiB, np.uint8),)
+    assert type(Message.of("call", "m", args, {}, "ipc:///tmp/x/a").frames[0]) is ShmHeader
+    tcp = Message.of("call", "m", args, {}, "tcp://127.0.0.1:5555").frames
+    assert len(tcp) == 2 and type(tcp[0]) is bytes  # another host: an ordinary frame
+    saved = POOL.shm
+    try:
+        use_shared_memory(0, 1)
+        assert shared_memory_pool() is None
+        assert len(Message.of("call", "m", args, {}, "ipc:///tmp/x/a").frames) == 2
+        with pytest.raises(TransportError, match="min_array_bytes"):
+            use_shared_memory(1 << 20, 0)
+    finally:
+        POOL.shm = saved
+
+
+def test_directory_carries_the_pool_settings(tmp_path):
+    directory = Directory.for_run(tmp_path, ["a"], shm=(123 * MiB, 4096))
+    directory.save(tmp_path / "d.json")
+    assert Directory.load(tmp_path / "d.json").shm == (123 * MiB, 4096)
+
+
+async def test_live_actor_receives_and_returns_arrays_through_shared_memory():
+    with tempfile.TemporaryDirectory(prefix="rrl-") as run_dir:  # short: AF_UNIX path limit
+        directory = Directory.for_run(run_dir, ["a"])
+        async with Supervisor([ActorSpec("a", ECHO, {})], directory, run_dir):
+            ref = directory.ref("a")
+            x = np.random.default_rng(0).standard_normal(MiB, dtype=np.float32)  # 4 MiB
+            assert await ref.call("total", x) == float(x.astype(np.float64).sum())
+            back = await ref.call("echo", x)
+            np.testing.assert_array_equal(back, x)
+            assert type(back.base).__name__ == "_Lease"  # a view of the actor's slot
+            # the actor's slot for its reply stays busy while we hold the view; its own
+            # receive slot was released, so our pool has nothing busy
+            gc.collect()
+            assert shared_memory_pool().busy() == 0
+            del back
+            gc.collect()
+            for _ in range(3):  # the released slot is reused, so the values are fresh ones
+                y = np.full(MiB, 3.0, np.float32)
+                assert float((await ref.call("echo", y)).sum()) == 3.0 * MiB
+            # a forged handle from an ipc peer: an error reply naming it, and the actor serves on
+            array = msgpack.ExtType(1, msgpack.packb(["float32", [4], [os.getpid(), 999_999, 1, 1]]))
+            forged = msgpack.packb({"k": "call", "id": 9, "m": "total", "a": [array], "kw": {}})
+            replies: asyncio.Queue = asyncio.Queue()
+            raw = DealerSocket(directory.endpoint("a"), replies.put_nowait)
+            raw.connect()
+            try:
+                raw.send([forged])
+                reply = Codec().decode(await asyncio.wait_for(replies.get(), 30))
+            finally:
+                raw.close()
+            assert reply["k"] == "err" and reply["id"] == 9 and reply["t"] == "DecodeError"
+            assert "fd/999999 cannot be opened" in reply["msg"]
+            assert await ref.call("echo", 5, timeout=30) == 5

@@ -1,0 +1,320 @@
+"""Large arrays between processes of one node through a reused, pre-faulted shared-memory pool.
+
+docs/design.md §20 "Shared-memory array transport". A ZeroMQ frame of a large array costs two
+copies into freshly allocated memory (the sender's ownership copy and libzmq's receive
+buffer), and every page of both faults on first touch: ~0.07x of a memcpy at 64 MiB. Here the
+sender copies the array once into a *slot* of its :class:`ShmPool` (memory that was faulted in
+when the slot was made and is reused for later messages), ZeroMQ carries only the header with
+a *handle* ``[pid, fd, token, generation]``, and the receiver's :class:`ShmReader` maps the slot
+(once per slot, pre-faulted with ``MAP_POPULATE``) and hands out arrays over it without copying.
+
+Slots
+-----
+A slot is one ``memfd`` (``memfd_create``: anonymous shared memory, freed by the kernel when
+the last process closes or unmaps it, so nothing is left behind by a killed process, unlike a
+``/dev/shm`` file). Its first page is a header of four little-endian uint64 words: ``token``
+(random, identifies the slot), ``capacity`` (data bytes), ``generation`` (written by the
+sender each time it fills the slot) and ``released`` (written by the one receiver of that
+message when it is done, or by the sender for a message that was never sent). The data starts
+at byte 4096. A slot is free when ``released == generation``; each word has one writer at a
+time, so no lock or atomic read-modify-write is needed (aligned 8-byte stores are atomic on
+x86-64 and aarch64, and the receiver's release is written long after its reads of the slot).
+
+The receiver opens a slot as ``/proc/<pid>/fd/<fd>``: only a process of the same user in the
+same pid namespace can, which is why the pool is used for ``ipc://`` peers only (ipc sockets
+live in a directory of mode 0700, so an ipc peer is this user on this node already).
+
+Lifetime
+--------
+A decoded array is a view of the slot, never a copy: an :class:`_Lease` object is the base of
+every array built from it (``__array_interface__``, so numpy's base-collapsing keeps it), and
+when the last view of it is dropped, ``_Lease.__del__`` writes ``released``. A receiver that
+keeps an array keeps the slot; the sender then makes another slot, up to ``max_bytes``, and
+past that sends arrays as ordinary ZeroMQ frames. So a slot is never rewritten while any
+view of it exists, and holding arrays costs only the pool's growth. A message that is decoded
+by nobody (its receiver died, or refused it before reading its arrays) leaves its slot busy
+for the life of the sender: bounded by ``max_bytes``, after which sends fall back to frames.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+import stat
+import threading
+from typing import Any
+
+import numpy as np
+
+from transport.errors import DecodeError, TransportError
+
+__all__ = ["ShmPool", "ShmReader", "ShmHeader", "DEFAULT_SHM_POOL_BYTES", "DEFAULT_SHM_MIN_ARRAY_BYTES",
+           "mark_sent"]
+
+DEFAULT_SHM_POOL_BYTES = 1 << 30
+"""Most bytes of slots one process keeps (its sends; receivers map, never allocate); unit: bytes."""
+
+DEFAULT_SHM_MIN_ARRAY_BYTES = 64 << 10
+"""Arrays of at least this many bytes go through the pool to an ipc peer; smaller ones travel in
+the ZeroMQ message (inline below the codec's 16 KiB threshold, else a frame); unit: bytes."""
+
+_HEADER = 4096  # one page: the data stays page aligned
+_MIN_SLOT = 64 << 10
+_TOKEN, _CAPACITY, _GENERATION, _RELEASED = range(4)
+_MEMFD_NAME = "replayrl-shm"  # /proc/<pid>/fd/<fd> of a slot reads "/memfd:replayrl-shm (deleted)"
+_MAX_PID = (1 << 22)  # Linux's pid_max ceiling
+_MAX_FD = 1 << 20
+
+
+def _slot_capacity(nbytes: int) -> int:
+    """The size class of an array of ``nbytes``: a power of two, at least 64 KiB."""
+    return max(_MIN_SLOT, 1 << (nbytes - 1).bit_length())
+
+
+class _Slot:
+    """One memfd of the sender's pool, mapped and pre-faulted."""
+
+    __slots__ = ("fd", "token", "capacity", "mm", "data", "words", "generation")
+
+    def __init__(self, capacity: int) -> None:
+        self.fd = os.memfd_create(_MEMFD_NAME, os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, _HEADER + capacity)
+            self.mm = mmap.mmap(self.fd, _HEADER + capacity)
+        except OSError:
+            os.close(self.fd)
+            raise
+        whole = np.frombuffer(self.mm, dtype=np.uint8)
+        whole.fill(0)  # fault every page in now, once, not on the first message
+        self.words = whole[:32].view("<u8")
+        self.data = whole[_HEADER:]
+        self.token = secrets.randbits(62) + 1
+        self.capacity = capacity
+        self.generation = 0
+        self.words[_TOKEN] = self.token
+        self.words[_CAPACITY] = capacity
+
+    @property
+    def free(self) -> bool:
+        return int(self.words[_RELEASED]) == self.generation
+
+    def close(self) -> None:
+        self.words = self.data = None  # drop the exports of mm first
+        self.mm.close()
+        os.close(self.fd)
+
+
+class ShmHeader(bytes):
+    """Frame 0 of a message whose arrays are in pool slots: the msgpack header, plus the slots it
+    holds. If it is dropped before :func:`mark_sent` (the call was never sent: a refused
+    argument check, a closed socket, a cancelled caller), its slots are released here."""
+
+    def __new__(cls, header: bytes, slots: list) -> "ShmHeader":
+        self = super().__new__(cls, header)
+        self.slots = slots  # [(slot, generation), ...]
+        self.sent = False
+        return self
+
+    def __del__(self, _released: int = _RELEASED) -> None:  # bound now: also runs at exit
+        if not self.sent:
+            for slot, generation in self.slots:
+                if slot.words is not None and slot.generation == generation:
+                    slot.words[_released] = generation
+
+
+def mark_sent(frames: list) -> None:
+    """Record that ``frames`` went to ZeroMQ: their slots now belong to the receiver."""
+    for f in frames[:2]:  # frame 0, or frame 1 after a ROUTER's peer identity
+        if type(f) is ShmHeader:
+            f.sent = True
+
+
+class ShmPool:
+    """The sending side: slots of reused, pre-faulted shared memory (see the module docstring).
+
+    Args:
+        max_bytes: most bytes of slot data this pool keeps; 0 disables it; bytes, >= 0.
+        min_array_bytes: arrays below this go in the ZeroMQ message instead; bytes, >= 1.
+
+    Raises:
+        TransportError: a negative size, or ``min_array_bytes`` < 1.
+    """
+
+    def __init__(self, max_bytes: int = DEFAULT_SHM_POOL_BYTES,
+                 min_array_bytes: int = DEFAULT_SHM_MIN_ARRAY_BYTES) -> None:
+        if type(max_bytes) is not int or max_bytes < 0:
+            raise TransportError(f"ShmPool max_bytes must be an int >= 0, got {max_bytes!r}")
+        if type(min_array_bytes) is not int or min_array_bytes < 1:
+            raise TransportError(f"ShmPool min_array_bytes must be an int >= 1, got {min_array_bytes!r}")
+        self.max_bytes = max_bytes
+        self.min_array_bytes = min_array_bytes
+        self.pid = os.getpid()
+        self._slots: dict[int, list[_Slot]] = {}  # capacity -> slots (most recently used last)
+        self._bytes = 0
+        self._lock = threading.Lock()  # messages may be encoded in any thread (a REPL's)
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of slot data made so far (at most ``max_bytes``)."""
+        return self._bytes
+
+    def busy(self) -> int:
+        """Slots whose last message has not been released yet."""
+        return sum(not s.free for slots in self._slots.values() for s in slots)
+
+    def put(self, flat_u8: np.ndarray) -> tuple[list[int], tuple[_Slot, int]] | None:
+        """Copy ``flat_u8`` (1-D C-contiguous uint8) into a free slot.
+
+        Returns:
+            ``(handle, (slot, generation))``: the handle ``[pid, fd, token, generation]`` the
+            header carries, and what :class:`ShmHeader` needs to release an unsent slot; or
+            None when the array is too small, or no slot is free and ``max_bytes`` allows no
+            new one (the caller then sends a ZeroMQ frame).
+        """
+        nbytes = flat_u8.nbytes
+        if nbytes < self.min_array_bytes or os.getpid() != self.pid:  # a forked child: not ours
+            return None
+        with self._lock:
+            slot = self._take(_slot_capacity(nbytes))
+        if slot is None:
+            return None
+        np.copyto(slot.data[:nbytes], flat_u8)  # the one copy: the message owns its bytes now
+        return [self.pid, slot.fd, slot.token, slot.generation], (slot, slot.generation)
+
+    def _take(self, capacity: int) -> _Slot | None:
+        slots = self._slots.setdefault(capacity, [])
+        for i in range(len(slots) - 1, -1, -1):  # most recently used first: its pages are warm
+            slot = slots[i]
+            if slot.free:
+                slots.append(slots.pop(i))
+                return self._fill(slot)
+        if capacity > self.max_bytes:
+            return None
+        while self._bytes + capacity > self.max_bytes:
+            if not self._evict_free(capacity):
+                return None
+        try:
+            slot = _Slot(capacity)
+        except OSError:  # no memfd or no memory: frames still work
+            return None
+        slots.append(slot)
+        self._bytes += capacity
+        return self._fill(slot)
+
+    def _evict_free(self, keep: int) -> bool:
+        """Close one free slot of another size class (the least recently used); False if none."""
+        for capacity, slots in self._slots.items():
+            if capacity == keep:
+                continue
+            for i, slot in enumerate(slots):
+                if slot.free:
+                    slots.pop(i).close()
+                    self._bytes -= capacity
+                    return True
+        return False
+
+    @staticmethod
+    def _fill(slot: _Slot) -> _Slot:
+        slot.generation += 1
+        slot.words[_GENERATION] = slot.generation
+        return slot
+
+    def close(self) -> None:
+        """Stop using the pool: unmap and close every free slot (receivers keep their own
+        mappings). A busy slot stays open, unused, until the process exits: its message may not
+        have been opened by its receiver yet. Idempotent."""
+        with self._lock:
+            for slots in self._slots.values():
+                for slot in slots:
+                    if slot.free:
+                        slot.close()
+            self._slots.clear()
+            self._bytes = 0
+
+
+class _Mapping:
+    """A receiver's mapping of one sender slot, pre-faulted; kept while any lease uses it."""
+
+    __slots__ = ("mm", "words", "address", "token", "capacity")
+
+    def __init__(self, path: str) -> None:
+        try:
+            target = os.readlink(path)
+            if not target.startswith(f"/memfd:{_MEMFD_NAME}"):
+                raise DecodeError(f"shared-memory handle {path} is {target!r}, not a replayrl pool slot")
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except OSError as exc:
+            raise DecodeError(f"shared-memory handle {path} cannot be opened: {exc.strerror}") from None
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_size < _HEADER + _MIN_SLOT:
+                raise DecodeError(f"shared-memory handle {path}: not a pool slot ({info.st_size} bytes)")
+            self.mm = mmap.mmap(fd, info.st_size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        except OSError as exc:
+            raise DecodeError(f"shared-memory handle {path} cannot be mapped: {exc.strerror}") from None
+        finally:
+            os.close(fd)
+        whole = np.frombuffer(self.mm, dtype=np.uint8)
+        self.words = whole[:32].view("<u8")
+        self.address = whole.ctypes.data
+        self.token = int(self.words[_TOKEN])
+        self.capacity = int(self.words[_CAPACITY])
+        if self.capacity != info.st_size - _HEADER:
+            raise DecodeError(f"shared-memory handle {path}: header says {self.capacity} data bytes, "
+                              f"the slot has {info.st_size - _HEADER}")
+
+
+class _Lease:
+    """The base object of every array over one received slot; dropping the last view of it
+    releases the slot to its sender (module docstring, "Lifetime")."""
+
+    __slots__ = ("__array_interface__", "mapping", "generation", "__weakref__")
+
+    def __del__(self, _released: int = _RELEASED) -> None:  # bound now: also runs at exit
+        self.mapping.words[_released] = self.generation
+
+
+class ShmReader:
+    """The receiving side: maps senders' slots (cached per slot) and leases arrays over them.
+
+    One per process; used only for messages from ``ipc://`` peers (module docstring).
+    """
+
+    def __init__(self) -> None:
+        self._maps: dict[tuple[int, int], _Mapping] = {}
+
+    def array(self, handle: Any, typestr: str, shape: tuple[int, ...], nbytes: int,
+              writable: bool) -> np.ndarray:
+        """A numpy array of ``shape`` / ``typestr`` (numpy's ``'<f4'`` form) over the slot named by
+        ``handle``, read-only unless ``writable``; the slot is released when it is dropped.
+
+        Raises:
+            DecodeError: ``handle`` is not ``[pid, fd, token, generation]`` of ints, names no
+                replayrl slot this process may open, a slot with another token or generation
+                (stale or forged), or one smaller than ``nbytes``.
+        """
+        if (type(handle) is not list or len(handle) != 4 or any(type(v) is not int for v in handle)
+                or not 0 < handle[0] < _MAX_PID or not 0 <= handle[1] < _MAX_FD):
+            raise DecodeError(f"shared-memory handle must be [pid, fd, token, generation] ints, "
+                              f"got {str(handle)[:200]}")
+        pid, fd, token, generation = handle
+        key = (pid, fd)
+        mapping = self._maps.get(key)
+        if mapping is None or mapping.token != token:
+            mapping = _Mapping(f"/proc/{pid}/fd/{fd}")
+            self._maps[key] = mapping  # a replaced mapping lives on in its leases only
+        if mapping.token != token:
+            raise DecodeError(f"shared-memory handle of pid {pid} fd {fd}: token {token} does not "
+                              "match the slot (stale or forged handle)")
+        if int(mapping.words[_GENERATION]) != generation:
+            raise DecodeError(f"shared-memory handle of pid {pid} fd {fd}: generation {generation}, "
+                              f"the slot holds {int(mapping.words[_GENERATION])} (stale handle)")
+        if nbytes > mapping.capacity:
+            raise DecodeError(f"shared-memory array of {nbytes} bytes does not fit its slot of "
+                              f"{mapping.capacity} bytes")
+        lease = _Lease()
+        lease.mapping = mapping
+        lease.generation = generation
+        lease.__array_interface__ = {"data": (mapping.address + _HEADER, not writable), "shape": shape,
+                                     "typestr": typestr, "version": 3}
+        return np.asarray(lease)

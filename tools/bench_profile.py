@@ -45,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--output-dir", default="runs/profile")
+    parser.add_argument("--priority", action="store_true",
+                        help="run ahead of other sessions' jobs (Linux autogroup; root)")
     parser.add_argument("run_args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     from actors import run_event_loop
@@ -58,8 +60,11 @@ def main(argv: list[str] | None = None) -> int:
          *run_args]))
     profile_dir = Path(args.output_dir) / "profile"
     os.environ[PROFILE_ENV] = str(profile_dir)  # inherited by every spawned actor process
+    from tools.priority import autogroup_priority
+
     try:
-        result = run_event_loop(launch(config))
+        with autogroup_priority(args.priority):
+            result = run_event_loop(launch(config))
     finally:
         os.environ.pop(PROFILE_ENV, None)
     print(f"{args.steps} steps, breakdown = median over steps {args.warmup}.. (seconds):")

@@ -33,11 +33,11 @@ from rollout.model.config import ModelConfig
 from rollout.model.qwen3_moe import Qwen3MoeForCausalLM
 from trainer.backends.base import ReplayedForward, TrainerBackend
 from trainer.batch import TrainBatch
-from transport.array_bundle import bundle_of_buffer
-from trainer.prefix_tree import PrefixTree
 from trainer.config import TrainerConfig
 from trainer.logprobs import (full_vocab_logprobs, fused_support_logprobs, support_entropy,
                               support_logprobs)
+from trainer.prefix_tree import PrefixTree
+from transport.array_bundle import bundle_of_buffer
 
 __all__ = ["TorchBackend", "response_logprobs"]
 
@@ -84,8 +84,9 @@ def response_logprobs(model: Qwen3MoeForCausalLM, batch: TrainBatch, temperature
     shared = None if batch.segment_ids is not None or not len(batch.pos) else _shared_prefix(
         inputs, prefix)
     if shared is not None:
-        out, at_predicting = _tree_forward(model, inputs, PrefixTree.build(shared[0], width, *shared[1:]),
-                                           batch.row, batch.pos, capture=capture, fused=fused)
+        tree = PrefixTree.build(shared[0], width, *shared[1:])
+        out, at_predicting = _tree_forward(model, inputs, tree, batch.row, batch.pos,
+                                           capture=capture, fused=fused)
     else:
         out = model(inputs["tokens"], inputs["position_ids"],
                     key_padding_mask=inputs["key_padding_mask"],

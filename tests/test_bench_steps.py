@@ -55,3 +55,13 @@ def test_bench_steps_runs_both_trees_and_prints_every_breakdown_key():
     worktrees = subprocess.run(["git", "-C", str(ROOT), "worktree", "list"],
                                capture_output=True, text=True).stdout
     assert "replayrl-bench-steps" not in worktrees  # the baseline's worktree is removed
+
+
+def test_bad_arguments_and_an_unknown_baseline_are_named():
+    from tools.bench_steps import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(["--baseline", "HEAD", "--steps", "2", "--warmup", "5"])
+    assert stop.value.code == 2
+    if (ROOT / ".git").exists():
+        assert main(["--baseline", "no-such-revision-xyz", "--runs", "1"]) == 2

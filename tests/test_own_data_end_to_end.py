@@ -80,6 +80,17 @@ async def test_a_bad_row_stops_the_run_before_any_process_starts(tmp_path):
     with pytest.raises(ConfigError, match=r"train\.jsonl:33: missing key 'label'"):
         await launch(build_config({**SMALL, **user, "num-steps": 1,
                                    "output-dir": str(tmp_path / "run")}))
+    assert not (tmp_path / "run").exists()  # a new output directory is not left behind
+    # an earlier run's directory keeps its initial checkpoint and record untouched
+    earlier = tmp_path / "earlier"
+    (earlier / "checkpoint-init").mkdir(parents=True)
+    (earlier / "checkpoint-init" / "model.safetensors").write_bytes(b"earlier run")
+    (earlier / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"train\.jsonl:33: missing key 'label'"):
+        await launch(build_config({**SMALL, **user, "num-steps": 1, "seed": 7,
+                                   "output-dir": str(earlier)}))
+    assert sorted(p.name for p in earlier.iterdir()) == ["checkpoint-init", "config.json"]
+    assert (earlier / "checkpoint-init" / "model.safetensors").read_bytes() == b"earlier run"
 
 
 @pytest.mark.parametrize("values, match", [

@@ -569,7 +569,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n-samples-per-prompt", type=int, default=None,
                         help="samples per prompt (replayrl's default when not given)")
     parser.add_argument("--priority", action="store_true",
-                        help="run both sides ahead of other sessions' jobs (Linux autogroup; root)")
+                        help="on a machine shared with other users' jobs, run both "
+                             "sides first (Linux autogroup nice -20; needs root)")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.window < 1:
         parser.error("--steps and --window must be >= 1")

@@ -46,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--output-dir", default="runs/profile")
     parser.add_argument("--priority", action="store_true",
-                        help="run ahead of other sessions' jobs (Linux autogroup; root)")
+                        help="on a machine shared with other users' jobs, run first "
+                             "(Linux autogroup nice -20; needs root)")
     parser.add_argument("run_args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     from actors import run_event_loop

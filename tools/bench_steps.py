@@ -68,14 +68,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=100, help="steps per run (100)")
     parser.add_argument("--warmup", type=int, default=10, help="first steps left out (10)")
     parser.add_argument("--priority", action="store_true",
-                        help="run ahead of other sessions' jobs (Linux autogroup; root)")
+                        help="on a machine shared with other users' jobs, run first "
+                             "(Linux autogroup nice -20; needs root)")
     parser.add_argument("run_args", nargs=argparse.REMAINDER, help="-- flags for both runs")
     args = parser.parse_args(argv)
+    if args.runs < 1 or args.steps < 3 or not 0 <= args.warmup < args.steps - 1:
+        parser.error("need --runs >= 1, --steps >= 3 and 0 <= --warmup < --steps - 1 (the "
+                     "medians are over steps --warmup .. --steps - 2)")
     extra = [a for a in args.run_args if a != "--"]
     with tempfile.TemporaryDirectory(prefix="replayrl-bench-steps-") as tmp:
         tree = Path(tmp) / "baseline"
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(tree),
-                        args.baseline], check=True)
+        made = subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q",
+                               str(tree), args.baseline], capture_output=True, text=True)
+        if made.returncode != 0:
+            print(f"replayrl bench steps: cannot check out --baseline {args.baseline!r}: "
+                  f"{made.stderr.strip()}", file=sys.stderr)
+            return 2
         try:
             before, after = [], []
             with autogroup_priority(args.priority):

@@ -76,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="replayrl bench train", description=__doc__)
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--priority", action="store_true",
-                        help="run ahead of other sessions' jobs (Linux autogroup; root)")
+                        help="on a machine shared with other users' jobs, run first "
+                             "(Linux autogroup nice -20; needs root)")
     parser.add_argument("train_flags", nargs=argparse.REMAINDER,
                         help="flags passed to every `replayrl train` after `--`")
     args = parser.parse_args(argv)

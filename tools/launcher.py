@@ -120,6 +120,36 @@ def initial_checkpoint(config: RunConfig, output: Path) -> Path:
     return write_initial_checkpoint(config, output / "checkpoint-init")
 
 
+def _checked_initial_checkpoint(config: RunConfig, output: Path) -> Path:
+    """:func:`initial_checkpoint` and :func:`check_prompt_data` such that a configuration
+    error changes nothing in ``output``: the embedded default is written to
+    ``output/.checkpoint-init.partial`` and renamed to ``checkpoint-init`` only once the prompt
+    data passed (an earlier run's checkpoint there stays until then).
+
+    Raises:
+        ConfigError: as :func:`check_prompt_data`.
+    """
+    staged = output / ".checkpoint-init.partial"
+    shutil.rmtree(staged, ignore_errors=True)  # left by a launcher killed here
+    try:
+        if config.hf_checkpoint:
+            checkpoint = Path(config.hf_checkpoint)
+        else:
+            checkpoint = write_initial_checkpoint(config, staged)
+        if config.hf_checkpoint and not config.rollout.tokenizer and not config.rollout.prompt_data:
+            write_embedded_tokenizer(tokenizer_dir(config, checkpoint))
+        check_prompt_data(config, checkpoint)
+    except BaseException:
+        shutil.rmtree(staged, ignore_errors=True)
+        raise
+    if config.hf_checkpoint:
+        return checkpoint
+    final = output / "checkpoint-init"
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(staged, final)
+    return final
+
+
 def run_required_traces(config: RunConfig) -> list[str]:
     """The traces every trajectory of this run must carry and the engines capture
     (:func:`rollout.sample.required_traces` of the embedded policy and the replay flags)."""
@@ -354,6 +384,8 @@ async def launch(config: RunConfig, log_level: int = logging.WARNING,
         actors.RemoteError: an actor method raised (remote traceback in the message).
     """
     # everything that can be checked is checked before any process starts
+    output = Path(config.output_dir)
+    created = not output.exists()  # (--save's check may create it below)
     resolve_engine(config)
     hooks = [load_hook(h, "--metrics-hook") for h in config.metrics_hooks]
     if config.rollout.custom_reward:
@@ -370,22 +402,22 @@ async def launch(config: RunConfig, log_level: int = logging.WARNING,
                               "pip install 'replayrl[tensorboard]'") from None
     if config.save_hf:
         check_writable(Path(config.save_hf), "--save-hf")
-    check_writable(Path(config.output_dir), "--output-dir")
-    if config.hf_checkpoint:
-        try:
-            check_weight_files(config.hf_checkpoint)  # headers only: a bad shard fails here
-        except ModelError as exc:
-            raise ConfigError(f"--hf-checkpoint {config.hf_checkpoint}: {exc}") from None
-    if not config.policy_config.indexed_layers:
-        logging.getLogger(__name__).warning(
-            "indexer replay: not applicable (the policy from --hf-checkpoint %s has no indexer "
-            "block); indexer metrics are n/a", config.hf_checkpoint)
-    output = Path(config.output_dir)
-    output.mkdir(parents=True, exist_ok=True)
-    checkpoint = initial_checkpoint(config, output)
-    if config.hf_checkpoint and not config.rollout.tokenizer and not config.rollout.prompt_data:
-        write_embedded_tokenizer(tokenizer_dir(config, checkpoint))
-    check_prompt_data(config, checkpoint)
+    try:
+        check_writable(output, "--output-dir")
+        if config.hf_checkpoint:
+            try:
+                check_weight_files(config.hf_checkpoint)  # headers only: a bad shard fails here
+            except ModelError as exc:
+                raise ConfigError(f"--hf-checkpoint {config.hf_checkpoint}: {exc}") from None
+        if not config.policy_config.indexed_layers:
+            logging.getLogger(__name__).warning(
+                "indexer replay: not applicable (the policy from --hf-checkpoint %s has no "
+                "indexer block); indexer metrics are n/a", config.hf_checkpoint)
+        checkpoint = _checked_initial_checkpoint(config, output)
+    except BaseException:
+        if created:  # a configuration error leaves no new output directory behind
+            shutil.rmtree(output, ignore_errors=True)
+        raise
     # written only now: a configuration error leaves an earlier run's record as it was
     (output / "config.json").write_text(config.to_json())
     run_dir = create_run_dir()  # short path: AF_UNIX limit; stale ones of killed launchers go
@@ -399,7 +431,12 @@ async def launch(config: RunConfig, log_level: int = logging.WARNING,
         resume = checkpoint_next_step(Path(config.load)) if config.load else None
         with MetricsRecorder(output, config.num_steps, config.progress, hooks, config,
                              tensorboard=config.use_tensorboard, resume_step=resume) as recorder:
+            # an engine answers its first ping once built, which may take up to
+            # --engine-start-timeout-seconds (vLLM start-up, an SGLang server's /health): wait
+            # that long, so a slow start succeeds and a failed one shows the engine's own error
+            ready = max(120.0, config.engine_start_timeout_s + 60.0)
             async with Supervisor(specs, directory, run_dir, log_level=log_level,
+                                  ready_timeout=ready,
                                   **engine_supervision(config, directory)) as supervisor:
                 # every actor answers: a console may attach (`replayrl repl --attach OUTPUT_DIR`)
                 write_attach_card(output, directory)

@@ -55,6 +55,13 @@ class EngineActor(Actor):
         self._loaded: asyncio.Event | None = None  # set after every load attempt, then renewed
         self._failed: tuple[int, str] | None = None  # (version, error) of the last failed load
 
+    async def on_stop(self) -> None:
+        """Release the engine's resources (an HTTP session, a temporary weight directory) when
+        it has a ``close``."""
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
+
     @concurrent
     async def load_weights(self, version: int, weights: Mapping[str, Any]) -> float:
         """Load a full weight set of policy ``version``; returns seconds spent.

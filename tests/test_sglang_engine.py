@@ -180,8 +180,14 @@ def test_a_refused_request_and_no_server_are_typed_errors(server):
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    import tempfile
+    from pathlib import Path
+
+    before = set(Path(tempfile.gettempdir()).glob("replayrl-sglang-*"))
     with pytest.raises(SglangUnavailable, match=dead):
         SglangEngine(dataclasses.asdict(CFG), urls=dead, start_timeout_s=0.5)
+    # the failed start removed the weight directory it made
+    assert set(Path(tempfile.gettempdir()).glob("replayrl-sglang-*")) <= before
 
 
 # -- the reply checks on hand-made replies (no server) --------------------------------------

@@ -104,8 +104,12 @@ class SglangEngine(Engine):
         self._loop = asyncio.new_event_loop()
         threading.Thread(target=self._loop.run_forever, name="sglang-client",
                          daemon=True).start()
-        self._session = self._run(self._open(), None)
-        self._run(self._wait_healthy(self.urls[0], float(start_timeout_s)), None)
+        try:
+            self._session = self._run(self._open(), None)
+            self._run(self._wait_healthy(self.urls[0], float(start_timeout_s)), None)
+        except BaseException:
+            self.close()  # a failed start leaves no session and no weight directory behind
+            raise
 
     # -- the event-loop thread ------------------------------------------------------------
 

@@ -191,6 +191,9 @@ class TrainerActor(Actor):
         loads = [asyncio.ensure_future(self.proxy(e, timeout).load_weights(self.version, bundle))
                  for e in self.engines]
         self._push = asyncio.ensure_future(self._record_loads(loads, self.version))
+        # its error is raised by the next push / wait_for_push; a run that ends first (the
+        # supervisor reports the lost engine) must not also log it as never retrieved
+        self._push.add_done_callback(lambda f: f.cancelled() or f.exception())
         if wait:
             await self.wait_for_push()
         else:

@@ -370,11 +370,11 @@ class Supervisor:
                 starting.cancel()
             if self.on_lost == "drop":
                 self.dropped[name] = why or f"exited with code {proc.exitcode}"
-                log.warning("%s lost (%s); going on without it", name, self.dropped[name])
                 if all(n in self.dropped for n in self.expendable):
                     raise ActorDied(name, proc.exitcode,
                                     f"every one of {list(self.expendable)} is lost; the last: "
                                     f"{self.dropped[name]}")
+                log.warning("%s lost (%s); going on without it", name, self.dropped[name])
             else:
                 log.warning("%s lost (%s); starting a new process in its place",
                             name, why or f"exit code {proc.exitcode}")

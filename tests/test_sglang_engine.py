@@ -105,6 +105,11 @@ def test_generations_through_the_server_equal_the_in_process_engine(reference):
     assert not all(np.array_equal(a.rollout_logprobs, b.rollout_logprobs)
                    for a, b in zip(again, reference))
     eng.close()
+    # a second run on the same server starts again at version 0 (SGLang's weight_version is
+    # a label, not a counter) and gets the same generations as the first run did
+    second = _engine(server.url)
+    _assert_same(_generate(second), reference)
+    second.close()
     server.stop()
 
 

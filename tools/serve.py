@@ -59,6 +59,9 @@ class ServeState:
         self.config = config
         self.engine = EmbeddedEngine(config, dtype=dtype)
         self.weight_version = "default"
+        # SGLang keeps weight_version as a label: a later run may push "0" after "400". The
+        # embedded engine's own version (which never moves back) counts the loads instead.
+        self.loads = 0
         self.running = asyncio.Event()
         self.running.set()
         self.lock = asyncio.Lock()  # one engine call (generate or load) at a time
@@ -114,10 +117,12 @@ def build_app(state: ServeState):
             arrays.update(load_file(str(f)))
         async with state.lock:
             try:
-                await asyncio.to_thread(state.engine.load_weights, arrays, version=int(version))
+                await asyncio.to_thread(state.engine.load_weights, arrays,
+                                        version=state.loads + 1)
             except (CheckpointError, EngineError) as exc:  # the old weights stay
                 return web.json_response({"success": False, "message": f"{type(exc).__name__}: "
                                           f"{exc}", "num_paused_requests": 0}, status=400)
+            state.loads += 1
             state.weight_version = version
         return web.json_response({"success": True, "message": f"Succeeded to update model "
                                   f"weights. Weight version updated to {version}.",

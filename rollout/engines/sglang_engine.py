@@ -97,6 +97,7 @@ class SglangEngine(Engine):
         self._own_dir = not weight_dir
         self.weight_dir = Path(weight_dir or tempfile.mkdtemp(prefix="replayrl-sglang-"))
         self._pushed: Path | None = None  # the checkpoint of the loaded version
+        self._silent: set[str] = set()  # servers that did not answer the last weight push
         self._calls = 0
         # request ids are unique per server (SGLang keys its request state by rid), also when
         # several engines or runs share one
@@ -230,16 +231,20 @@ class SglangEngine(Engine):
         async def push_all() -> None:
             answered, silent = [], []
             for url in self.urls:
-                for tries in range(self.retries + 1):
+                # a server silent at the last push gets one try, without backoff: a dead
+                # server must not slow every later push down (it rejoins once it answers)
+                tries_left = 0 if url in self._silent else self.retries
+                for tries in range(tries_left + 1):
                     try:
                         await self._push(url, path, version)
                         answered.append(url)
                         break
                     except _Retry as exc:
-                        if tries == self.retries:
+                        if tries == tries_left:
                             silent.append((url, str(exc)))
                         else:
                             await asyncio.sleep(min(0.2 * 2 ** tries, 2.0))
+            self._silent = {url for url, _ in silent}
             if not answered:
                 raise SglangUnavailable(f"weights of version {version}: no SGLang server "
                                         f"answered: {silent}")

@@ -65,3 +65,19 @@ def test_a_resumed_run_keeps_the_earlier_rows_before_its_checkpoint(tmp_path):
     with MetricsRecorder(tmp_path, 1, show_progress=False) as fresh:  # not a resume: empty
         pass
     assert (tmp_path / "metrics.jsonl").read_text() == "" and fresh.rows == []
+
+
+def test_a_failing_metrics_hook_is_named_with_its_step_and_traceback(tmp_path):
+    from tools.metrics import MetricsHookError
+
+    def failing_logger(config, metrics):
+        raise RuntimeError("hook boom")
+
+    with MetricsRecorder(tmp_path, 2, show_progress=False, hooks=[failing_logger]) as recorder:
+        with pytest.raises(MetricsHookError) as err:
+            recorder.record({"step": 3, "reward_mean": 0.5})
+    message = str(err.value)
+    assert message.startswith("--metrics-hook tests.test_outputs:") and "failing_logger" in message
+    assert "raised on step 3: RuntimeError: hook boom" in message
+    assert 'raise RuntimeError("hook boom")' in message  # the hook's own frame
+    assert json.loads((tmp_path / "metrics.jsonl").read_text()) == {"step": 3, "reward_mean": 0.5}

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import math
+import traceback
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Callable, Mapping, Sequence
@@ -73,6 +74,11 @@ def open_tensorboard(directory: Path) -> Any:
     return SummaryWriter(log_dir=str(directory))
 
 
+class MetricsHookError(RuntimeError):
+    """A ``--metrics-hook`` raised; the message names the hook and the step and carries its
+    traceback (the run ends: a logger that fails would otherwise lose rows silently)."""
+
+
 class MetricsRecorder:
     """Writes ``metrics.jsonl`` under ``output_dir`` and drives a rich progress bar.
 
@@ -133,6 +139,7 @@ class MetricsRecorder:
 
         Raises:
             transport.strict_json.NonFiniteJSON / TypeError: a value JSON cannot hold.
+            MetricsHookError: a hook raised (after the row was written).
         """
         metrics = strict_json.finite_or_none(metrics)
         line = strict_json.dumps(metrics)
@@ -151,7 +158,13 @@ class MetricsRecorder:
             self._tensorboard.flush()
         view = frozen(metrics)
         for hook in self.hooks:
-            hook(self.config, view)
+            try:
+                hook(self.config, view)
+            except Exception as exc:
+                name = f"{getattr(hook, '__module__', '?')}:{getattr(hook, '__qualname__', hook)}"
+                raise MetricsHookError(
+                    f"--metrics-hook {name} raised on step {metrics.get('step')}: "
+                    f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}") from exc
 
     def plot(self) -> Path:
         """Save ``reward.png`` and return its path: the training reward mean per step with each

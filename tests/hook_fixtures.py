@@ -57,18 +57,9 @@ HOLD_ENV = "REPLAYRL_TEST_HOLD_FILE"
 def hold_after_first_step(config, metrics) -> None:
     """Hold the driver after step 0 until the file named by ``$REPLAYRL_TEST_HOLD_FILE``
     exists (at most 120 s): a test then knows the run is still live while it attaches."""
-    import os
-    import time
-    from pathlib import Path
-
     if metrics["step"] != 0:
         return
-    release = Path(os.environ[HOLD_ENV])
-    deadline = time.monotonic() + 120.0
-    while not release.exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{release} was not created within 120 s")
-        time.sleep(0.05)
+    _wait_for_release()
 
 
 def held_reward(prompt_ids, response_ids, loss_mask, answer_id, config) -> float:
@@ -76,6 +67,12 @@ def held_reward(prompt_ids, response_ids, loss_mask, answer_id, config) -> float
     (at most 120 s; give ``--reward-timeout-seconds`` more). Custom rewards run in a thread, so
     the rollout manager, and the clock on its torchrun rank, keep answering while it waits;
     then 1.0 when the response starts with the answer digit."""
+    _wait_for_release()
+    return float(len(response_ids) > 0 and int(response_ids[0]) == answer_id)
+
+
+def _wait_for_release() -> None:
+    """Block until ``$REPLAYRL_TEST_HOLD_FILE`` exists (at most 120 s, then TimeoutError)."""
     import os
     import time
     from pathlib import Path
@@ -86,4 +83,3 @@ def held_reward(prompt_ids, response_ids, loss_mask, answer_id, config) -> float
         if time.monotonic() > deadline:
             raise TimeoutError(f"{release} was not created within 120 s")
         time.sleep(0.05)
-    return float(len(response_ids) > 0 and int(response_ids[0]) == answer_id)

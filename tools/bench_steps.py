@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Sequence
 
+from tools.bench_profile import breakdown
 from tools.priority import autogroup_priority
 from transport import strict_json
 
@@ -41,9 +42,7 @@ def run_medians(tree: Path, steps: int, warmup: int, output_dir: Path,
                    stdout=subprocess.DEVNULL)
     rows = [strict_json.loads(line) for line in
             (output_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    steady = rows[warmup:-1] or rows
-    keys = sorted({k for r in steady for k in r if k.endswith("_seconds")})
-    return {k: statistics.median(r[k] for r in steady if k in r) for k in keys}
+    return breakdown(rows[:-1], warmup)  # the last step has no overlapping generation
 
 
 def table(baseline: str, before: list[dict[str, float]], after: list[dict[str, float]]) -> str:

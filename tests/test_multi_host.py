@@ -1,6 +1,7 @@
 """The torchrun launcher across hosts: two test hosts made as network namespaces joined by a veth
-pair (iproute2), one run training across them over CURVE tcp (docs/design.md §21 "REPL attach
-and multi-host runs").
+pair (iproute2), one run training across them over CURVE tcp, and one surviving the cut of an
+engine host's link (docs/design.md §21 "REPL attach and multi-host runs", §18 "Engine fault
+tolerance").
 
 Needs root and ``ip netns`` (CI runs as root); skipped with the reason otherwise.
 """
@@ -40,7 +41,8 @@ def _why_not() -> str:
 
 @pytest.fixture
 def two_hosts():
-    """Namespaces A (``SUBNET.1``) and B (``SUBNET.2``) joined by one veth pair; removed after."""
+    """Namespaces A (``SUBNET.1``) and B (``SUBNET.2``) joined by one veth pair, as
+    ``[(namespace, address, veth end), ...]``; removed after."""
     reason = _why_not()
     if reason:
         pytest.skip(reason)
@@ -58,7 +60,7 @@ def two_hosts():
                             ("-n", ns, "link", "set", "lo", "up")):
                 done = _ip(*command)
                 assert done.returncode == 0, done.stderr
-        yield [(ns, address) for ns, _, address in hosts]
+        yield [(ns, address, veth) for ns, veth, address in hosts]
     finally:
         for ns, _, _ in hosts:
             _ip("netns", "del", ns)  # takes its end of the veth pair with it
@@ -81,7 +83,7 @@ def test_a_run_trains_across_two_namespace_hosts(two_hosts, tmp_path, curve_keys
     detaches; the run then finishes."""
     from tests.hook_fixtures import HOLD_ENV
 
-    (ns_a, addr_a), (ns_b, addr_b) = two_hosts
+    (ns_a, addr_a, _), (ns_b, addr_b, _) = two_hosts
     release = tmp_path / "release"
     env = {**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(tmp_path), HOLD_ENV: str(release)}
     out_a, out_b = tmp_path / "host-a", tmp_path / "host-b"  # no shared directory is needed
@@ -134,3 +136,76 @@ def test_a_run_trains_across_two_namespace_hosts(two_hosts, tmp_path, curve_keys
     assert all(r["samples"] == 4 for r in rows)
     assert "last10%=" in out_text_a
     assert (out_b / "checkpoint-init").is_dir() and not (out_a / "checkpoint-init").exists()
+
+
+# what a step trained on and what it computed (tests/test_engine_faults.py); timings and the
+# capacity figures differ
+TRAINED = ("prompt_indices", "samples", "reward_mean", "response_len_mean", "trainer_version",
+           "staleness_max", "staleness_mean", "grad_norm", "train_rollout_logprob_abs_diff",
+           "accepted_tokens")
+CUT_RUN = ("--num-steps", "3", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
+           "--heartbeat-deadline-s", "3", "--no-progress")
+
+
+def test_a_cut_engine_host_is_regenerated_and_the_run_finishes(two_hosts, tmp_path,
+                                                              curve_keys_dir):
+    """Host A runs the run's torchrun (driver, engine_0, trainer); host B joins one engine
+    (engine_1) with its own torchrun. engine_1 hangs in its chunk of rollout 1 (overlapping
+    step 0) and B's link is cut: the driver loses engine_1 at the heartbeat deadline, its two
+    groups are generated again on engine_0, every step trains what a fault-free two-engine
+    run trains, and host B's rank and torchrun exit by themselves."""
+    from actors import run_event_loop
+    from tests.torchrun_fault_entry import FAULT_ENV
+    from tools.config import build_config
+    from tools.exit_codes import EXIT_DRIVER_LOST
+    from tools.launcher import launch
+
+    (ns_a, addr_a, _), (ns_b, _, veth_b) = two_hosts
+    reference = run_event_loop(launch(build_config({
+        "num-steps": 3, "rollout-batch-size": 4, "n-samples-per-prompt": 4, "num-engines": 2,
+        "progress": False, "output-dir": str(tmp_path / "reference")})))
+    reference = [json.loads(line) for line in reference.metrics_path.read_text().splitlines()]
+    marker = tmp_path / "fault.json"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(tmp_path)}
+    common = ("--curve-keys", curve_keys_dir, *CUT_RUN)
+    node_a = subprocess.Popen(
+        ["ip", "netns", "exec", ns_a, sys.executable, "-m", "torch.distributed.run",
+         "--nnodes=1", "--nproc-per-node=3", f"--master-addr={addr_a}", "--master-port=29500",
+         "-m", "tools.torchrun_entry", *common, "--joined-engines", "1",
+         "--output-dir", str(tmp_path / "host-a")],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    node_b = subprocess.Popen(
+        ["ip", "netns", "exec", ns_b, sys.executable, "-m", "torch.distributed.run",
+         "--standalone", "--nproc-per-node=1", "-m", "tests.torchrun_fault_entry", *common,
+         "--join-run", f"{addr_a}:29500", "--output-dir", str(tmp_path / "host-b")],
+        cwd=REPO, env={**env, FAULT_ENV: f"engine_1:HANG:2:{marker}"},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300  # bounded wait for rollout 1, not a timing test
+        while not marker.exists() and node_a.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert marker.exists(), "engine_1 never reached its chunk of rollout 1"
+        cut = _ip("-n", ns_b, "link", "set", veth_b, "down")
+        assert cut.returncode == 0, cut.stderr
+        _, err_b = node_b.communicate(timeout=120)  # B's rank and agent leave by themselves
+        out_a, err_a = node_a.communicate(timeout=300)
+    finally:
+        for node in (node_a, node_b):
+            if node.poll() is None:
+                node.kill()
+                node.wait()
+    assert node_a.returncode == 0, err_a[-3000:]
+    # host B: its rank lost the driver and exited with its own code; torchrun reports it
+    assert node_b.returncode != 0
+    assert "lost the driver" in err_b and f"exitcode  : {EXIT_DRIVER_LOST}" in err_b, err_b[-3000:]
+    hung = json.loads(marker.read_text())["pid"]
+    assert not Path(f"/proc/{hung}").exists()
+    rows = [json.loads(line) for line in (tmp_path / "host-a" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert all(r["samples"] == 16 for r in rows)  # 4 groups x 4 samples, none lost or twice
+    assert [r["groups_regenerated"] for r in rows] == [0, 2, 0]  # engine_1's two groups
+    assert [r["engines_alive"] for r in rows] == [2, 1, 1]
+    for row, ref in zip(rows, reference):
+        for key in TRAINED:
+            assert row[key] == ref[key], (row["step"], key)
+    assert "last10%=" in out_a

@@ -9,6 +9,8 @@ code  meaning
 0     the body returned 0 (or the code it returned)
 1     the run failed: an actor died or raised (its traceback is part of the message)
 2     configuration error (:class:`tools.config.ConfigError`), before or after start
+3     a torchrun rank lost its driver (link cut, host or driver gone) and left on its own
+      (:mod:`tools.driver_watch`)
 130   Ctrl-C (``KeyboardInterrupt``); every actor was stopped on the way out
 143   SIGTERM (timeout, slurm, k8s) once :func:`handle_sigterm` is installed
 ====  =================================================================================
@@ -22,6 +24,7 @@ from typing import Callable
 from tools.config import ConfigError
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
+EXIT_DRIVER_LOST = 3
 
 
 class Terminated(KeyboardInterrupt):

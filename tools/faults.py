@@ -1,13 +1,15 @@
 """Fault injection for ``replayrl bench faults`` and the fault-tolerance tests: actors that
-send a real signal to their own process at a known call.
+send a real signal to their own process at a known call (or, ``HANG``, stop answering it).
 
 Each ``Signalled*`` class is a run's actor (or, for engines, the embedded engine) plus one
 fault (:class:`Fault`): at its ``fault_at_call``-th call of one method (counting from 1, in
 this process) it records the moment in ``fault_marker`` (JSON: ``{"signal", "call", "pid",
 "time"}``, wall-clock seconds) and sends ``fault_signal`` to itself. ``SIGKILL`` ends the process
 on the spot; ``SIGSTOP`` freezes it, its ZeroMQ I/O thread too, so heartbeats go unanswered
-until the supervisor kills it at the deadline. The call in flight is never answered, which is
-what a crashed or hung process does to its caller. The marker file also arms the fault once
+until the supervisor kills it at the deadline. ``HANG`` sends no signal: the process blocks in
+the call and stays connected (its I/O thread answers heartbeats), which is what an engine whose
+host is about to be cut off looks like; the multi-host test then cuts the link. The call in
+flight is never answered, which is what a crashed or hung process does to its caller. The marker file also arms the fault once
 per run: a process started in the engine's place (``--engine-failure restart``, same
 arguments) finds it and never signals.
 
@@ -39,8 +41,8 @@ from rollout.engines.embedded import EmbeddedEngine
 from rollout.manager import RolloutManager
 from trainer.trainer_actor import TrainerActor
 
-FAULT_SIGNALS = ("SIGKILL", "SIGSTOP")
-"""Signals a fault can send."""
+FAULT_SIGNALS = ("SIGKILL", "SIGSTOP", "HANG")
+"""Signals a fault can send (``HANG``: none, the call just never returns)."""
 
 
 class Fault:
@@ -68,7 +70,8 @@ class Fault:
         if self.calls == self.at_call and not self.marker.exists():
             self.marker.write_text(json.dumps({"signal": self.signal, "call": self.calls,
                                                "pid": os.getpid(), "time": time.time()}))
-            os.kill(os.getpid(), getattr(signal, self.signal))
+            if self.signal != "HANG":
+                os.kill(os.getpid(), getattr(signal, self.signal))
             time.sleep(3600)  # a stopped process resumes here only if continued: still silent
 
 

@@ -15,6 +15,19 @@ exchange their addresses through torchrun's rendezvous store, so every rank buil
 directory (docs/design.md §21 "REPL attach and multi-host runs"). Every socket is
 CURVE-authenticated with the run's keys (``--curve-keys DIR``, made by ``replayrl keys DIR`` and
 copied to every host), loopback and network alike.
+
+Engine hosts the run survives losing (docs/design.md §21): with ``--joined-engines N`` the run
+also expects ``N`` engines from outside its torchrun world; each such host runs its own one-node
+torchrun with ``--join-run MASTER_ADDR:MASTER_PORT`` (the run's) and the same training flags::
+
+    torchrun --standalone --nproc-per-node K -m tools.torchrun_entry --curve-keys DIR \
+        --join-run node0.example:29500 [the run's replayrl train flags]
+
+Their engines come after the run's own (``engine_{E}`` ..). A joined host's loss is handled by
+``--engine-failure regenerate`` like any lost engine, and no agent of the run's torchrun waits
+for it or is stopped with it. Every rank but the driver exits by itself when its connection
+to the driver stays lost (:mod:`tools.driver_watch`). ``--engine-failure restart`` is refused
+here: no process of the run can start a replacement on another host.
 """
 from __future__ import annotations
 
@@ -26,6 +39,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 from actors import ActorError, Directory, run_event_loop
 from actors.directory import DEFAULT_HEARTBEAT_DEADLINE_S
@@ -38,28 +52,34 @@ from tools.launcher import (actor_specs, check_prompt_data, initial_checkpoint, 
                             write_embedded_tokenizer)
 from trainer.rank_group import follower_names
 from tools.metrics import MetricsRecorder
-from tools.rank_hosts import exchange_addresses, own_address
+from tools.driver_watch import DriverWatch
+from tools.rank_hosts import exchange_addresses, join_run, own_address
 from tools.train_loop import checkpoint_next_step, train_loop
 
 DRIVER_ACTORS = ("version_clock", "rollout_manager")
 
 
-def plan(world_size: int, config: RunConfig,
-         base_port: int = 29500) -> tuple[list[ActorSpec], dict[int, list[str]]]:
+def plan(world_size: int, config: RunConfig, base_port: int = 29500,
+         joined: int = 0) -> tuple[list[ActorSpec], dict[int, list[str]]]:
     """Actor specs of the run and the actor names each rank serves.
 
     The last ``T`` ranks (``T`` = :func:`tools.launcher.trainer_rank_count`, ``--dp-size``)
     serve the trainer ranks (``trainer``, ``trainer_1`` ..), which meet in their own process
-    group at ``base_port + 1 + len(specs)``, the port after the actors'.
+    group at ``base_port + 1 + len(specs)``, the port after the actors'. The ranks between the
+    driver and them serve ``engine_0`` .. ``engine_{E-1}``; ``joined`` more engines
+    (:func:`joined_engine`) are served from outside the torchrun world.
 
     Raises:
-        ConfigError: fewer than ``2 + T`` ranks (driver, one engine, the trainer ranks).
+        ConfigError: fewer than ``1 + T`` ranks, or no engine at all (neither a rank between
+            the driver and the trainer ranks nor a joined one).
     """
     trainers = trainer_rank_count(config)
-    if world_size < 2 + trainers:
+    own_engines = world_size - 1 - trainers
+    if own_engines < 0 or own_engines + joined < 1:
         raise ConfigError(f"torchrun needs --nproc-per-node >= {2 + trainers} (driver, "
-                          f"engine(s), {trainers} trainer rank(s)), got {world_size}")
-    engines = world_size - 1 - trainers
+                          f"engine(s), {trainers} trainer rank(s)), or engines joined with "
+                          f"--joined-engines, got {world_size} rank(s) and {joined} joined")
+    engines = own_engines + joined
     config = dataclasses.replace(config, num_engines=engines)
     actors = len(DRIVER_ACTORS) + engines + trainers
     specs = actor_specs(config, _checkpoint_dir(config), rank_port=base_port + 1 + actors)
@@ -69,10 +89,31 @@ def plan(world_size: int, config: RunConfig,
         specs = [dataclasses.replace(s, kwargs={**s.kwargs, "tokenizer_dir": str(_tokenizer_dir(config))})
                  if s.name == "rollout_manager" else s for s in specs]
     roles = {0: list(DRIVER_ACTORS)}
-    roles.update({r: [f"engine_{r - 1}"] for r in range(1, 1 + engines)})
+    roles.update({r: [f"engine_{r - 1}"] for r in range(1, 1 + own_engines)})
     for i, name in enumerate(["trainer", *follower_names(trainers)]):
-        roles[1 + engines + i] = [name]
+        roles[1 + own_engines + i] = [name]
     return specs, roles
+
+
+def joined_engine(world_size: int, config: RunConfig, slot: int) -> str:
+    """The engine a joined rank in ``slot`` serves: the run's own engines come first."""
+    return f"engine_{world_size - 1 - trainer_rank_count(config) + slot}"
+
+
+def refuse_restart(config: RunConfig) -> None:
+    """Raise :class:`ConfigError` for ``--engine-failure restart``, which torchrun cannot give.
+
+    A restart needs a new process on the lost engine's host, started by the run: under
+    torchrun only that host's agent starts processes, and an agent restarts its whole local
+    worker group after a new rendezvous of every node of its world (for the run's own world,
+    the driver's node too), which would end the run it was meant to save.
+    """
+    if config.engine_failure == "restart":
+        raise ConfigError("--engine-failure restart is not available under torchrun: a new "
+                          "engine process would have to be started on the lost engine's host, "
+                          "and a torchrun agent restarts only its whole worker group after a "
+                          "new rendezvous of every node (the driver's too); use regenerate "
+                          "(engine hosts joined with --join-run can be lost) or replayrl train")
 
 
 def with_trainer_group_host(specs: list[ActorSpec], host: str) -> list[ActorSpec]:
@@ -126,6 +167,16 @@ async def _serve_rank(names: list[str], specs: list[ActorSpec], directory: Direc
                            for a, n in zip(actors, names)))
 
 
+def _serve_watched(names: list[str], specs: list[ActorSpec], directory: Directory,
+                   ready_timeout: float, rank: int | str) -> None:
+    """Serve ``names`` until the driver stops them; exit the process if the driver is lost."""
+    watch = DriverWatch(directory, ready_timeout, rank=rank).start()
+    try:
+        run_event_loop(_serve_rank(names, specs, directory))
+    finally:
+        watch.close()
+
+
 async def _drive(config: RunConfig, specs: list[ActorSpec], directory: Directory,
                  ready_timeout: float) -> str:
     by_name = {s.name: s for s in specs}
@@ -161,43 +212,79 @@ async def _drive(config: RunConfig, specs: list[ActorSpec], directory: Directory
         await asyncio.gather(*local, return_exceptions=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of one torchrun rank; exit codes as :func:`tools.exit_codes.exit_code`."""
+def main(argv: list[str] | None = None,
+         transform_specs: Callable[[list[ActorSpec]], list[ActorSpec]] | None = None) -> int:
+    """Entry point of one torchrun rank; exit codes as :func:`tools.exit_codes.exit_code`
+    (and :data:`tools.exit_codes.EXIT_DRIVER_LOST` from :mod:`tools.driver_watch`).
+
+    ``transform_specs`` rewrites the planned actor specs on every rank (tests inject faulty
+    actors this way, as ``tools.launcher.launch(specs=...)``).
+    """
     parser = argparse.ArgumentParser(prog="python -m tools.torchrun_entry", description=__doc__.splitlines()[0])
     add_run_flags(parser)
     parser.add_argument("--ready-timeout", type=float, default=180.0)
+    parser.add_argument("--joined-engines", type=int, default=0, metavar="N",
+                        help="engines served by hosts that join with --join-run (the run's "
+                             "ranks wait for them at start)")
+    parser.add_argument("--join-run", default="", metavar="HOST:PORT",
+                        help="serve engines of the run whose torchrun MASTER_ADDR:MASTER_PORT "
+                             "this is, from this host's own torchrun")
     args = parser.parse_args(argv)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500"))
-    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s rank{rank} %(levelname)s %(message)s")
+    who = f"joined {rank}" if args.join_run else str(rank)
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s rank{who} %(levelname)s %(message)s")
 
     def run() -> int:
         config = config_from_args(args)
-        specs, roles = plan(world, config, port)
+        refuse_restart(config)
         if not config.curve_keys:
             raise ConfigError("torchrun ranks talk over tcp: pass --curve-keys DIR (made by "
                               "`replayrl keys DIR`)")
-        addresses = exchange_addresses(rank, world, own_address(host, port), args.ready_timeout)
+        if args.join_run:
+            run_host, _, run_port = args.join_run.rpartition(":")
+            if not run_host or not run_port.isdigit():
+                raise ConfigError(f"--join-run {args.join_run!r}: expected HOST:PORT")
+            base = int(run_port)
+            joined = join_run(run_host.strip("[]"), base, own_address(run_host.strip("[]"), base),
+                              args.ready_timeout)
+            world_size, joined_count, addresses = joined.world_size, joined.joined, joined.addresses
+            mine = [joined_engine(world_size, config, joined.slot)]
+        else:
+            if args.joined_engines < 0:
+                raise ConfigError(f"--joined-engines must be >= 0, got {args.joined_engines}")
+            base, world_size, joined_count = port, world, args.joined_engines
+            plan(world, config, port, joined_count)  # a bad layout fails before the rendezvous
+            addresses = exchange_addresses(rank, world, own_address(host, port), args.ready_timeout,
+                                           joined_count)
+            mine = None
+        specs, roles = plan(world_size, config, base, joined_count)
+        if transform_specs is not None:
+            specs = transform_specs(specs)
+        if mine is None:
+            mine = roles[rank]
         hosts = {name: addresses[r] for r, names in roles.items() for name in names}
+        hosts.update({joined_engine(world_size, config, j): addresses[world_size + j]
+                      for j in range(joined_count)})
         specs = with_trainer_group_host(specs, hosts["trainer"])
-        directory = directory_for(specs, hosts, port, config.curve_keys,
+        directory = directory_for(specs, hosts, base, config.curve_keys,
                                   config.heartbeat_deadline_s)
-        if "trainer" in roles[rank]:
+        if "trainer" in mine:
             # only the trainer ranks read it (_checkpoint_dir, which the plan gives them);
             # rank 0 of them writes it, the others wait for it in the group's rendezvous
             initial_checkpoint(config, Path(config.output_dir))
-        if "rollout_manager" in roles[rank]:
+        if "rollout_manager" in mine:
             tokenizer = _tokenizer_dir(config)
             if tokenizer == Path(config.output_dir) / "tokenizer-init":
                 write_embedded_tokenizer(tokenizer)  # the embedded tokenizer, its own copy
             check_prompt_data(config, tokenizer)  # a bad row stops the run before it starts
-        if rank == 0:
+        if "version_clock" in mine:
             print(run_event_loop(_drive(config, specs, directory, args.ready_timeout)))
         else:
-            run_event_loop(_serve_rank(roles[rank], specs, directory))
+            _serve_watched(mine, specs, directory, args.ready_timeout, who)
         return 0
 
-    return exit_code(run, prog=f"replayrl[rank {rank}]")
+    return exit_code(run, prog=f"replayrl[rank {who}]")
 
 
 if __name__ == "__main__":

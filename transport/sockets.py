@@ -340,6 +340,8 @@ class DealerSocket(_LoopSocket):
         on_disconnect: ``on_disconnect(reason: str)``, called from the loop when an established
             connection is lost (peer process gone, heartbeat timeout) or the peer refused the
             handshake (wrong CURVE key); ZeroMQ keeps reconnecting afterwards.
+        on_connect: ``on_connect()``, called from the loop after each successful handshake
+            (the first connection and every reconnection); only with ``on_disconnect``.
         heartbeat_ms: ``(interval, timeout)`` of ZMTP heartbeats, milliseconds.
 
     Raises:
@@ -357,6 +359,7 @@ class DealerSocket(_LoopSocket):
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         on_disconnect: Callable[[str], None] | None = None,
         heartbeat_ms: tuple[int, int] = DEFAULT_HEARTBEAT_MS,
+        on_connect: Callable[[], None] | None = None,
     ) -> None:
         if identity is not None and (
             not isinstance(identity, bytes) or not 1 <= len(identity) <= 255 or identity.startswith(b"\0")
@@ -366,6 +369,7 @@ class DealerSocket(_LoopSocket):
         self._on_message = on_message
         self._identity = identity
         self._on_disconnect = on_disconnect
+        self._on_connect = on_connect
         self._heartbeat_ms = heartbeat_ms
         self._monitor: zmq.Socket | None = None
         self._monitor_fd: int | None = None
@@ -428,15 +432,20 @@ class DealerSocket(_LoopSocket):
             kind = event["event"]
             if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._lost = None
+                if self._on_connect is not None:
+                    self._callback(self._on_connect, "on_connect")
                 continue
             reason = ("connection lost" if kind == zmq.EVENT_DISCONNECTED
                       else f"handshake refused ({zmq.Event(kind).name})")
             self._lost = f"{self._endpoint}: {reason}"
-            try:
-                self._on_disconnect(f"{self._endpoint}: {reason}")
-            except Exception as exc:
-                self._loop.call_exception_handler(
-                    {"message": "DealerSocket on_disconnect callback failed", "exception": exc, "socket": self})
+            self._callback(self._on_disconnect, "on_disconnect", self._lost)
+
+    def _callback(self, callback: Callable, what: str, *args: Any) -> None:
+        try:
+            callback(*args)
+        except Exception as exc:
+            self._loop.call_exception_handler(
+                {"message": f"DealerSocket {what} callback failed", "exception": exc, "socket": self})
 
     def send(self, frames: list) -> None:
         """Queue one message to the peer. Returns at once; ZeroMQ sends from its I/O thread.

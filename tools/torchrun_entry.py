@@ -238,6 +238,10 @@ def main(argv: list[str] | None = None,
     def run() -> int:
         config = config_from_args(args)
         refuse_restart(config)
+        if not args.join_run:
+            if args.joined_engines < 0:
+                raise ConfigError(f"--joined-engines must be >= 0, got {args.joined_engines}")
+            plan(world, config, port, args.joined_engines)  # a bad layout fails before all else
         if not config.curve_keys:
             raise ConfigError("torchrun ranks talk over tcp: pass --curve-keys DIR (made by "
                               "`replayrl keys DIR`)")
@@ -251,10 +255,7 @@ def main(argv: list[str] | None = None,
             world_size, joined_count, addresses = joined.world_size, joined.joined, joined.addresses
             mine = [joined_engine(world_size, config, joined.slot)]
         else:
-            if args.joined_engines < 0:
-                raise ConfigError(f"--joined-engines must be >= 0, got {args.joined_engines}")
             base, world_size, joined_count = port, world, args.joined_engines
-            plan(world, config, port, joined_count)  # a bad layout fails before the rendezvous
             addresses = exchange_addresses(rank, world, own_address(host, port), args.ready_timeout,
                                            joined_count)
             mine = None

@@ -1,0 +1,123 @@
+"""The pieces that let a torchrun run lose an engine host (docs/design.md §21 "REPL attach and
+multi-host runs"): the plan with joined engines, joining through the run's store, the refusal
+of ``--engine-failure restart`` and a rank leaving when its driver is lost. The run itself is
+tests/test_multi_host.py (network namespaces, root)."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from tools.config import ConfigError, build_config
+
+
+def _config(tmp_path, **extra):
+    return build_config({"rollout-batch-size": 2, "n-samples-per-prompt": 2,
+                         "output-dir": str(tmp_path), **extra})
+
+
+def test_joined_engines_come_after_the_runs_own(tmp_path):
+    from tools.torchrun_entry import joined_engine, plan
+
+    config = _config(tmp_path)
+    # 3 ranks (driver, engine_0, trainer) + 2 joined: engine_1 and engine_2 come from outside
+    specs, roles = plan(3, config, base_port=40000, joined=2)
+    assert roles == {0: ["version_clock", "rollout_manager"], 1: ["engine_0"], 2: ["trainer"]}
+    assert [s.name for s in specs] == ["version_clock", "engine_0", "engine_1", "engine_2",
+                                       "rollout_manager", "trainer"]
+    assert [joined_engine(3, config, j) for j in (0, 1)] == ["engine_1", "engine_2"]
+    # every engine on a joined host: the run's world is the driver and the trainer
+    specs, roles = plan(2, config, joined=1)
+    assert roles == {0: ["version_clock", "rollout_manager"], 1: ["trainer"]}
+    assert joined_engine(2, config, 0) == "engine_0"
+    with pytest.raises(ConfigError, match="--joined-engines"):
+        plan(2, config)  # no engine anywhere
+
+
+def test_a_joined_rank_takes_a_slot_and_sees_every_address():
+    import torch.distributed as dist
+
+    from tools.launcher import free_port
+    from tools.rank_hosts import RendezvousError, join_run
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    # the run's rank 0 and 1, as exchange_addresses publishes them, expecting one joined engine
+    store.set("replayrl/plan", "2 1")
+    hosts = dist.PrefixStore("replayrl/host/", store)
+    hosts.set("0", "10.0.0.1")
+    hosts.set("1", "10.0.0.2")
+    joined = join_run("127.0.0.1", port, "10.0.0.9", timeout_s=30)
+    assert (joined.slot, joined.world_size, joined.joined) == (0, 2, 1)
+    assert joined.addresses == ["10.0.0.1", "10.0.0.2", "10.0.0.9"]
+    with pytest.raises(RendezvousError, match="slot 1 .* --joined-engines 1"):
+        join_run("127.0.0.1", port, "10.0.0.10", timeout_s=30)
+
+
+def test_restart_is_refused_under_torchrun_with_the_reason(tmp_path):
+    from tools.torchrun_entry import refuse_restart
+
+    refuse_restart(_config(tmp_path, **{"engine-failure": "regenerate"}))
+    with pytest.raises(ConfigError, match="restart is not available under torchrun.*lost "
+                                          "engine's host"):
+        refuse_restart(_config(tmp_path, **{"engine-failure": "restart"}))
+
+
+class _Exits:
+    """Records the code a DriverWatch exits with, instead of exiting."""
+
+    def __init__(self) -> None:
+        self.codes: list[int] = []
+        self.done = threading.Event()
+
+    def __call__(self, code: int) -> None:
+        self.codes.append(code)
+        self.done.set()
+
+
+async def _wait(event: threading.Event, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while not event.is_set() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    return event.is_set()
+
+
+async def test_a_rank_leaves_when_its_driver_closes_and_stays_when_stopped(curve_keys,
+                                                                          curve_keys_dir):
+    from actors import Directory
+    from tools.driver_watch import DriverWatch
+    from tools.exit_codes import EXIT_DRIVER_LOST
+    from tools.launcher import free_port
+    from transport import RouterSocket
+
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    directory = Directory({"version_clock": endpoint}, curve_keys_dir, heartbeat_deadline_s=1.0)
+    driver = RouterSocket(endpoint, lambda peer, frames: None, curve=curve_keys)
+    driver.bind()
+    exits, kept = _Exits(), _Exits()
+    watch = DriverWatch(directory, ready_timeout_s=60, grace_s=0.5, rank=1, exit=exits).start()
+    stopped = DriverWatch(directory, ready_timeout_s=60, grace_s=0.5, rank=2, exit=kept).start()
+    await asyncio.sleep(1.0)  # both connect (a ready timeout of 60 s is not what ends them)
+    stopped.close()  # this rank ended normally: losing the driver later means nothing to it
+    assert not exits.done.is_set()
+    driver.close()  # the driver's process is gone
+    assert await _wait(exits.done, 30), "the watch never noticed the driver was gone"
+    assert exits.codes == [EXIT_DRIVER_LOST]
+    await asyncio.sleep(1.0)
+    assert kept.codes == []
+
+
+async def test_a_rank_leaves_when_its_driver_never_answers(curve_keys_dir):
+    from actors import Directory
+    from tools.driver_watch import DriverWatch
+    from tools.exit_codes import EXIT_DRIVER_LOST
+    from tools.launcher import free_port
+
+    directory = Directory({"version_clock": f"tcp://127.0.0.1:{free_port()}"}, curve_keys_dir,
+                          heartbeat_deadline_s=1.0)
+    exits = _Exits()
+    DriverWatch(directory, ready_timeout_s=0.5, rank=1, exit=exits).start()
+    assert await _wait(exits.done, 30)
+    assert exits.codes == [EXIT_DRIVER_LOST]

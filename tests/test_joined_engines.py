@@ -107,6 +107,7 @@ async def test_a_rank_leaves_when_its_driver_closes_and_stays_when_stopped(curve
     assert exits.codes == [EXIT_DRIVER_LOST]
     await asyncio.sleep(1.0)
     assert kept.codes == []
+    watch.close()
 
 
 async def test_a_rank_leaves_when_its_driver_never_answers(curve_keys_dir):
@@ -118,6 +119,7 @@ async def test_a_rank_leaves_when_its_driver_never_answers(curve_keys_dir):
     directory = Directory({"version_clock": f"tcp://127.0.0.1:{free_port()}"}, curve_keys_dir,
                           heartbeat_deadline_s=1.0)
     exits = _Exits()
-    DriverWatch(directory, ready_timeout_s=0.5, rank=1, exit=exits).start()
+    watch = DriverWatch(directory, ready_timeout_s=0.5, rank=1, exit=exits).start()
     assert await _wait(exits.done, 30)
     assert exits.codes == [EXIT_DRIVER_LOST]
+    watch.close()

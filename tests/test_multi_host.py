@@ -148,8 +148,24 @@ CUT_RUN = ("--num-steps", "3", "--rollout-batch-size", "4", "--n-samples-per-pro
            "--heartbeat-deadline-s", "3", "--no-progress")
 
 
+@pytest.fixture(scope="module")
+def fault_free(tmp_path_factory) -> list[dict]:
+    """The rows of the same run as one ``replayrl train`` with two engines and no fault."""
+    reason = _why_not()
+    if reason:
+        pytest.skip(reason)
+    from actors import run_event_loop
+    from tools.config import build_config
+    from tools.launcher import launch
+
+    result = run_event_loop(launch(build_config({
+        "num-steps": 3, "rollout-batch-size": 4, "n-samples-per-prompt": 4, "num-engines": 2,
+        "progress": False, "output-dir": str(tmp_path_factory.mktemp("fault-free"))})))
+    return [json.loads(line) for line in result.metrics_path.read_text().splitlines()]
+
+
 @pytest.mark.parametrize("fault", ["cut", "kill"])
-def test_a_lost_engine_host_is_regenerated_and_the_run_finishes(two_hosts, tmp_path,
+def test_a_lost_engine_host_is_regenerated_and_the_run_finishes(two_hosts, fault_free, tmp_path,
                                                                 curve_keys_dir, fault):
     """Host A runs the run's torchrun (driver, engine_0, trainer); host B joins one engine
     (engine_1) with its own torchrun. engine_1 hangs in its chunk of rollout 1 (overlapping
@@ -157,17 +173,11 @@ def test_a_lost_engine_host_is_regenerated_and_the_run_finishes(two_hosts, tmp_p
     at the heartbeat deadline, its two groups are generated again on engine_0, every step
     trains what a fault-free two-engine run trains, and host B's rank and torchrun exit by
     themselves."""
-    from actors import run_event_loop
     from tests.torchrun_fault_entry import FAULT_ENV
-    from tools.config import build_config
     from tools.exit_codes import EXIT_DRIVER_LOST
-    from tools.launcher import launch
 
     (ns_a, addr_a, _), (ns_b, _, veth_b) = two_hosts
-    reference = run_event_loop(launch(build_config({
-        "num-steps": 3, "rollout-batch-size": 4, "n-samples-per-prompt": 4, "num-engines": 2,
-        "progress": False, "output-dir": str(tmp_path / "reference")})))
-    reference = [json.loads(line) for line in reference.metrics_path.read_text().splitlines()]
+    reference = fault_free
     marker = tmp_path / "fault.json"
     env = {**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(tmp_path)}
     common = ("--curve-keys", curve_keys_dir, *CUT_RUN)

@@ -94,8 +94,10 @@ class DriverWatch:
             self._timer = None
 
     def _dropped(self, reason: str) -> None:
-        self._arm(self.grace_s, f"lost the driver ({reason}) and it was not back within "
-                                f"{self.grace_s} s")
+        # the first loss counts: repeated refusals (every reconnect) must not push it back
+        if self._timer is None:
+            self._arm(self.grace_s, f"lost the driver ({reason}) and it was not back within "
+                                    f"{self.grace_s} s")
 
     def _arm(self, seconds: float, why: str) -> None:
         if self._timer is not None:

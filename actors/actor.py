@@ -115,7 +115,8 @@ class ActorServer:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._tasks: set[asyncio.Task] = set()
         self._router = RouterSocket(endpoint, self._on_message, curve=curve,
-                                    max_message_bytes=self.codec.config.max_message_bytes)
+                                    max_message_bytes=self.codec.config.max_message_bytes,
+                                    on_bad_batch=self._on_bad_batch)
         self._worker: asyncio.Task | None = None
         self._log = RateLimitedLog(log)
 
@@ -158,6 +159,10 @@ class ActorServer:
             task.add_done_callback(self._tasks.discard)
         else:
             self._queue.put_nowait(item)
+
+    def _on_bad_batch(self, peer: bytes, exc: Exception) -> None:
+        # refused whole by the socket; no call id can be trusted, so nothing is answered
+        self._log.log(logging.ERROR, f"{self.actor.name}: rejected malformed batch: {clip(str(exc))}")
 
     async def _run_in_order(self) -> None:
         while True:

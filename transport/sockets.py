@@ -11,6 +11,16 @@ ZeroMQ's FD is edge-triggered and only says "look at ZMQ_EVENTS": it can be rese
 is drained once right after registration and again (``loop.call_soon``) after every send, and a
 drain only stops when ``ZMQ_EVENTS`` shows no ``POLLIN``.
 
+Batches (docs/design.md §20 "Shared-memory array transport"): the first message a socket sends
+in a loop iteration leaves at once; those sent after it in the same iteration wait for the
+iteration's end (one ``call_soon``), where runs of small single-frame messages to one peer leave
+as one batch frame (:mod:`transport.batch`), and anything else alone, all in order. A burst of N
+calls or replies thus costs one ZeroMQ message, one wake-up of libzmq's I/O thread and one of
+the receiver, instead of N; a lone message waits for nothing. The reader splits a batch and
+hands each message to ``on_message`` as if it had come alone; a malformed batch is refused
+whole (``on_bad_batch``). A ROUTER's queued message to a peer that is gone by the iteration's
+end is reported to the loop's exception handler (``send`` itself raises only for the first).
+
 Frames given to ``on_message`` are ``memoryview`` objects (``zmq.Frame.buffer``, received with
 ``copy=False``): zero copy, they keep the ZeroMQ message alive, and ``transport.codec.decode``
 accepts them directly.
@@ -371,7 +381,8 @@ class RouterSocket(_LoopSocket):
 
     def send(self, peer: bytes, frames: list) -> None:
         """Queue one message to ``peer`` (an identity received by ``on_message``, or a
-        DealerSocket's ``identity``). Returns at once; ZeroMQ sends from its I/O thread.
+        DealerSocket's ``identity``). Returns at once; ZeroMQ sends from its I/O thread, the
+        first message of a loop iteration at once, later ones in one batch at its end.
 
         Args:
             peer: routing identity, bytes.
@@ -380,7 +391,10 @@ class RouterSocket(_LoopSocket):
                 may modify or reuse its buffers at once.
 
         Raises:
-            TransportError: socket not bound or closed, no frames, or ``peer`` not connected.
+            TransportError: socket not bound or closed, no frames, or ``peer`` not connected
+                (known at once only for the first message of a loop iteration; a later one to
+                a peer that is gone is reported to the loop's exception handler: module
+                docstring, "Batches").
         """
         if not isinstance(peer, bytes) or not peer:
             raise TransportError(f"peer identity must be non-empty bytes, got {peer!r}")
@@ -522,7 +536,8 @@ class DealerSocket(_LoopSocket):
                     {"message": "DealerSocket on_disconnect callback failed", "exception": exc, "socket": self})
 
     def send(self, frames: list) -> None:
-        """Queue one message to the peer. Returns at once; ZeroMQ sends from its I/O thread.
+        """Queue one message to the peer. Returns at once; ZeroMQ sends from its I/O thread, the
+        first message of a loop iteration at once, later ones in one batch at its end.
 
         Args:
             frames: one or more ``bytes``/``memoryview``/buffer objects/``zmq.Frame``; anything

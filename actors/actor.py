@@ -115,9 +115,14 @@ class ActorServer:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._tasks: set[asyncio.Task] = set()
         self._router = RouterSocket(endpoint, self._on_message, curve=curve,
-                                    max_message_bytes=self.codec.config.max_message_bytes)
+                                    max_message_bytes=self.codec.config.max_message_bytes,
+                                    on_bad_batch=self._on_bad_batch)
         self._worker: asyncio.Task | None = None
         self._log = RateLimitedLog(log)
+        # looked up once, not per call (a class is not changed while it serves)
+        cls = type(actor)
+        self._concurrent = frozenset(n for n in dir(cls) if getattr(getattr(cls, n, None), _CONCURRENT, False))
+        self._methods: dict[str, Callable[..., Any]] = {}  # resolved names only: bounded
 
     def start(self) -> None:
         """Bind the socket and start the in-order worker (call inside the running loop)."""
@@ -151,13 +156,16 @@ class ActorServer:
                 self._send(peer, err_reply(call_id, "Overloaded", f"actor {self.actor.name!r} holds "
                                            f"{self.max_pending} calls; retry later", ""))
             return
-        if method in _BUILTINS or getattr(
-                getattr(type(self.actor), method, None), _CONCURRENT, False):
+        if method in _BUILTINS or method in self._concurrent:
             task = asyncio.get_running_loop().create_task(self._invoke(*item))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
         else:
             self._queue.put_nowait(item)
+
+    def _on_bad_batch(self, peer: bytes, exc: Exception) -> None:
+        # refused whole by the socket; no call id can be trusted, so nothing is answered
+        self._log.log(logging.ERROR, f"{self.actor.name}: rejected malformed batch: {clip(str(exc))}")
 
     async def _run_in_order(self) -> None:
         while True:
@@ -169,6 +177,12 @@ class ActorServer:
 
     # -- executing -------------------------------------------------------------------------
     def _resolve(self, method: str) -> Callable[..., Any]:
+        fn = self._methods.get(method)
+        if fn is None:  # an unknown name raises and is not remembered
+            fn = self._methods[method] = self._lookup(method)
+        return fn
+
+    def _lookup(self, method: str) -> Callable[..., Any]:
         if method == "__ping__":
             return self._ping
         if method == "__stop__":

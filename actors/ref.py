@@ -48,7 +48,8 @@ class _Connection:
         self._log = RateLimitedLog(log)
         self.socket = DealerSocket(endpoint, self._on_message, curve=curve,
                                    max_message_bytes=codec.config.max_message_bytes,
-                                   on_disconnect=self._on_disconnect, heartbeat_ms=heartbeat_ms)
+                                   on_disconnect=self._on_disconnect, heartbeat_ms=heartbeat_ms,
+                                   on_bad_batch=self._on_bad_batch)
         self.socket.connect()
 
     def _on_disconnect(self, reason: str) -> None:
@@ -58,6 +59,9 @@ class _Connection:
                 future.set_exception(PeerLost(f"{actor}.{method}: {reason}"))
         if self.interface is not None and self.interface.done():
             self.interface = None  # a restarted peer may be another class
+
+    def _on_bad_batch(self, peer: None, exc: Exception) -> None:
+        self._log.log(logging.ERROR, f"dropping malformed batch of replies from {self.endpoint}: {clip(str(exc))}")
 
     def _on_message(self, frames: list) -> None:
         try:

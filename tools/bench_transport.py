@@ -19,7 +19,10 @@ transport table is its output):
 The machine's load average and core count are printed first: the figures are medians of
 ``--repeats`` runs and move with whatever else the machine runs.
 
-Usage: ``python -m tools.bench_transport [--repeats 3] [--calls 4000] [--push-mib 256]``
+With ``--priority`` the benchmark and the actor it spawns run ahead of other sessions' jobs
+(:mod:`tools.priority`), both sides of every ratio alike.
+
+Usage: ``python -m tools.bench_transport [--repeats 3] [--calls 4000] [--push-mib 256] [--priority]``
 """
 
 from __future__ import annotations
@@ -300,10 +303,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--calls", type=int, default=4000, help="single calls timed (x4 at 64 in flight)")
     parser.add_argument("--push-mib", type=int, default=256, help="size of the weight push timed")
+    parser.add_argument("--priority", action="store_true",
+                        help="on a machine shared with other users' jobs, run this benchmark and "
+                             "its actor first (Linux autogroup nice -20; needs root)")
     args = parser.parse_args(argv)
+    from tools.priority import autogroup_priority
+
+    with autogroup_priority(args.priority):
+        _table(args)
+
+
+def _table(args: argparse.Namespace) -> None:
+    """Print the conditions line and the table (one run of every measurement)."""
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"conditions: {os.cpu_count()} CPUs, load average {load} (1, 5, 15 min); "
-          f"medians of {args.repeats} runs; ipc on one node")
+          f"medians of {args.repeats} runs; ipc on one node"
+          f"{'; --priority: ahead of other sessions (tools/priority.py)' if args.priority else ''}")
     print()
     print("| measurement | result | against the baseline of this run |")
     print("|---|---|---|")

@@ -12,6 +12,8 @@ Knows nothing of RL (docs/design.md §1 "Layout"). Public names:
   infinity: strict parsers refuse them);
 * :mod:`transport.curve`: a run's CurveZMQ keys (``replayrl keys``), required by every tcp
   socket;
+* :mod:`transport.batch`: the batch frame in which a socket sends several small messages as
+  one ZeroMQ message;
 * :mod:`transport.tensor_data`: :class:`~transport.tensor_data.TensorData`, a tensor decoded
   in a process without torch.
 """

@@ -123,8 +123,10 @@ class ShmHeader(bytes):
 
 
 def mark_sent(frames: list) -> None:
-    """Record that ``frames`` went to ZeroMQ: their slots now belong to the receiver."""
-    for f in frames[:2]:  # frame 0, or frame 1 after a ROUTER's peer identity
+    """Record that ``frames`` went to ZeroMQ: the slots of every :class:`ShmHeader` among them
+    (a message's frame 0, or the frames of the messages in one batch) now belong to the
+    receiver."""
+    for f in frames:
         if type(f) is ShmHeader:
             f.sent = True
 

@@ -11,6 +11,16 @@ ZeroMQ's FD is edge-triggered and only says "look at ZMQ_EVENTS": it can be rese
 is drained once right after registration and again (``loop.call_soon``) after every send, and a
 drain only stops when ``ZMQ_EVENTS`` shows no ``POLLIN``.
 
+Batches (docs/design.md §20 "Shared-memory array transport"): the first message a socket sends
+in a loop iteration leaves at once; those sent after it in the same iteration wait for the
+iteration's end (one ``call_soon``), where runs of small single-frame messages to one peer leave
+as one batch frame (:mod:`transport.batch`), and anything else alone, all in order. A burst of N
+calls or replies thus costs one ZeroMQ message, one wake-up of libzmq's I/O thread and one of
+the receiver, instead of N; a lone message waits for nothing. The reader splits a batch and
+hands each message to ``on_message`` as if it had come alone; a malformed batch is refused
+whole (``on_bad_batch``). A ROUTER's queued message to a peer that is gone by the iteration's
+end is reported to the loop's exception handler (``send`` itself raises only for the first).
+
 Frames given to ``on_message`` are ``memoryview`` objects (``zmq.Frame.buffer``, received with
 ``copy=False``): zero copy, they keep the ZeroMQ message alive, and ``transport.codec.decode``
 accepts them directly.
@@ -46,7 +56,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +69,9 @@ import zmq.utils.monitor
 from transport.codec import DEFAULT_INLINE_THRESHOLD, DEFAULT_MAX_MESSAGE_BYTES
 from transport.curve import CurveKeys, authorize
 from transport.endpoints import check_bind_endpoint, check_connect_endpoint, ipc_endpoint, tcp_loopback_endpoint
-from transport.errors import TransportError
+from transport.batch import (BATCH_MARKER, MAX_BATCH_BYTES, MAX_BATCH_ELEMENT_BYTES, MAX_BATCH_MESSAGES, batch_overhead,
+                             is_batch, pack_batch, split_batch)
+from transport.errors import DecodeError, TransportError
 from transport.shm_pool import mark_sent
 
 __all__ = ["RouterSocket", "DealerSocket", "ipc_endpoint", "tcp_loopback_endpoint", "owned_frames",
@@ -72,6 +84,12 @@ DEFAULT_HEARTBEAT_MS = (2000, 30000)
 MAX_MESSAGES_PER_WAKEUP = 4096
 """A drain hands at most this many messages to ``on_message`` before yielding to the loop (and
 rescheduling itself), so a flood on one socket cannot starve other tasks."""
+
+
+# plain ints: pyzmq's enum members make every ``&`` / ``|`` build an enum object (measured
+# 16 enum constructions per actor call in cProfile)
+_EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
+_SNDMORE = int(zmq.SNDMORE) | _NOBLOCK
 
 
 def owned_frames(frames: list[Any]) -> list[bytes]:
@@ -113,6 +131,11 @@ class _LoopSocket:
         self._fd: int | None = None
         self._drain_scheduled = False
         self._closed = False
+        self._head = 0  # frames before the message: a ROUTER's peer identity
+        self._on_bad_batch: Callable[[bytes | None, DecodeError], None] | None = None
+        # messages sent after the first of a loop iteration, per peer (None for a DEALER)
+        self._outbox: dict[bytes | None, list[list[bytes]]] = {}
+        self._flush_scheduled = False
 
     def _open(self, socket_type: int, what: str) -> zmq.Socket:
         if self._closed:
@@ -166,41 +189,100 @@ class _LoopSocket:
 
     def _drain(self) -> None:
         count = 0
-        while not self._closed and self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            if count == MAX_MESSAGES_PER_WAKEUP:
+        head = self._head
+        sock = self._sock
+        while not self._closed and sock.getsockopt(_EVENTS) & _POLLIN:
+            if count >= MAX_MESSAGES_PER_WAKEUP:
                 self._schedule_drain()
                 return
             try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                frame = sock.recv(_NOBLOCK, copy=False)
             except zmq.Again:
                 break
-            count += 1
-            try:
-                self._dispatch(frames)
-            except Exception as exc:
-                # The socket keeps serving: report through the loop's exception handler (logged
-                # by default) instead of losing the reader callback.
-                self._loop.call_exception_handler(
-                    {"message": f"{type(self).__name__} on_message callback failed", "exception": exc, "socket": self}
-                )
+            frames = [frame]
+            while frame.more:  # the rest of a multipart message is already here
+                frame = sock.recv(_NOBLOCK, copy=False)
+                frames.append(frame)
+            peer = frames[0].bytes if head else None
+            if len(frames) == head + 1 and is_batch(frames[head].buffer):
+                try:
+                    messages = [[view] for view in split_batch(frames[head].buffer)]
+                except DecodeError as exc:  # refused whole: nothing of it was delivered
+                    count += 1
+                    self._report(peer, exc)
+                    continue
+            else:
+                messages = [[f.buffer for f in frames[head:]]]
+            count += len(messages)
+            for views in messages:
+                try:
+                    self._deliver(peer, views)
+                except Exception as exc:
+                    # The socket keeps serving: report through the loop's exception handler
+                    # (logged by default) instead of losing the reader callback.
+                    self._loop.call_exception_handler(
+                        {"message": f"{type(self).__name__} on_message callback failed", "exception": exc,
+                         "socket": self})
 
-    def _dispatch(self, frames: list[zmq.Frame]) -> None:
+    def _report(self, peer: bytes | None, exc: DecodeError) -> None:
+        if self._on_bad_batch is not None:
+            try:
+                self._on_bad_batch(peer, exc)
+                return
+            except Exception as hook_exc:
+                exc = hook_exc
+        self._loop.call_exception_handler(
+            {"message": f"{type(self).__name__}: malformed batch from {peer!r}", "exception": exc, "socket": self})
+
+    def _deliver(self, peer: bytes | None, views: list[memoryview]) -> None:
         raise NotImplementedError
 
-    def _send(self, frames: list[Any], peer_text: str) -> None:
+    def _send(self, frames: list[Any], peer: bytes | None, peer_text: str) -> None:
         if self._sock is None or self._closed:
             state = "closed" if self._closed else "not bound/connected yet"
             raise TransportError(f"{type(self).__name__} for {self._endpoint!r} is {state}")
+        # owned bytes: the caller may reuse its buffers as soon as we return
+        owned = owned_frames(frames)
+        if self._outbox or self._flush_scheduled:
+            # not the first message of this loop iteration: it waits for the iteration's end,
+            # where every message queued meanwhile leaves in as few ZeroMQ messages as possible
+            self._outbox.setdefault(peer, []).append(owned)
+            return
+        self._send_now(peer, _alone(owned), owned[:1], peer_text)  # the first goes at once: no added latency
+        self._flush_scheduled = True
+        self._loop.call_soon(self._tick)
+
+    def _send_now(self, peer: bytes | None, owned: list[bytes], headers: list[bytes], peer_text: str) -> None:
         try:
-            # owned bytes by reference: the caller may reuse its buffers as soon as we return
-            owned = owned_frames(frames)
-            self._sock.send_multipart(owned, zmq.NOBLOCK, copy=False)
-            mark_sent(owned)  # a message's shared-memory slots are the receiver's to release now
+            # owned bytes by reference (copy=False)
+            sock = self._sock
+            if peer is not None:
+                sock.send(peer, _SNDMORE)
+            for frame in owned[:-1]:
+                sock.send(frame, _SNDMORE, copy=False)
+            sock.send(owned[-1], _NOBLOCK, copy=False)
         except zmq.ZMQError as exc:
             if exc.errno == zmq.EHOSTUNREACH:
                 raise TransportError(f"{self._endpoint}: peer {peer_text} is not connected") from exc
             raise TransportError(f"{self._endpoint}: send to {peer_text} failed: {exc}") from exc
-        self._schedule_drain()  # a send may have consumed the FD's edge for incoming messages
+        mark_sent(headers)  # a message's shared-memory slots are the receiver's to release now
+
+    def _tick(self) -> None:
+        """End of a loop iteration with sends: flush what was queued, then drain (a send may
+        have consumed the FD's edge for incoming messages)."""
+        self._flush_scheduled = False
+        if self._closed:
+            return
+        outbox, self._outbox = self._outbox, {}
+        for peer, messages in outbox.items():
+            try:
+                for owned, headers in _coalesce(messages, min(MAX_BATCH_BYTES, self._max_message_bytes)):
+                    self._send_now(peer, owned, headers, repr(peer) if peer is not None else self._endpoint)
+            except TransportError as exc:  # the rest for this peer is dropped (slots released)
+                self._loop.call_exception_handler(
+                    {"message": f"{type(self).__name__}: queued messages not sent", "exception": exc,
+                     "socket": self})
+        self._drain()
 
     def _close_socket(self) -> bool:
         if self._closed:
@@ -210,6 +292,7 @@ class _LoopSocket:
             if self._fd is not None and self._loop is not None and not self._loop.is_closed():
                 self._loop.remove_reader(self._fd)
             self._sock.close(linger=0)
+        self._outbox = {}  # discarded as LINGER 0 discards: their shared-memory slots are released
         return True
 
     @property
@@ -230,6 +313,9 @@ class RouterSocket(_LoopSocket):
         context: ZeroMQ context; default ``zmq.Context.instance()`` (never terminated here).
         curve: the run's CURVE keys; required for ``tcp://``.
         max_message_bytes: largest frame accepted from a peer (ZMQ_MAXMSGSIZE); bytes.
+        on_bad_batch: ``on_bad_batch(peer_identity, error)``, called for a malformed batch
+            (:func:`transport.batch.split_batch`'s ``DecodeError``, naming the element), which
+            is refused whole; default: the loop's exception handler.
 
     Options besides the shared ones (module docstring): ROUTER_MANDATORY, so ``send`` to an
     unknown peer raises instead of silently dropping; ROUTER_HANDOVER, so a restarted peer that
@@ -244,9 +330,12 @@ class RouterSocket(_LoopSocket):
         context: zmq.Context | None = None,
         curve: CurveKeys | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        on_bad_batch: Callable[[bytes | None, DecodeError], None] | None = None,
     ) -> None:
         super().__init__(endpoint, context, curve, max_message_bytes)
         self._on_message = on_message
+        self._on_bad_batch = on_bad_batch
+        self._head = 1
         self._ipc_file: str | None = None
         self._bound_endpoint: str | None = None
 
@@ -292,7 +381,8 @@ class RouterSocket(_LoopSocket):
 
     def send(self, peer: bytes, frames: list) -> None:
         """Queue one message to ``peer`` (an identity received by ``on_message``, or a
-        DealerSocket's ``identity``). Returns at once; ZeroMQ sends from its I/O thread.
+        DealerSocket's ``identity``). Returns at once; ZeroMQ sends from its I/O thread, the
+        first message of a loop iteration at once, later ones in one batch at its end.
 
         Args:
             peer: routing identity, bytes.
@@ -301,16 +391,19 @@ class RouterSocket(_LoopSocket):
                 may modify or reuse its buffers at once.
 
         Raises:
-            TransportError: socket not bound or closed, no frames, or ``peer`` not connected.
+            TransportError: socket not bound or closed, no frames, or ``peer`` not connected
+                (known at once only for the first message of a loop iteration; a later one to
+                a peer that is gone is reported to the loop's exception handler: module
+                docstring, "Batches").
         """
         if not isinstance(peer, bytes) or not peer:
             raise TransportError(f"peer identity must be non-empty bytes, got {peer!r}")
         if not frames:
             raise TransportError(f"message to peer {peer!r} has no frames")
-        self._send([peer, *frames], repr(peer))
+        self._send(frames, peer, repr(peer))
 
-    def _dispatch(self, frames: list[zmq.Frame]) -> None:
-        self._on_message(frames[0].bytes, [f.buffer for f in frames[1:]])
+    def _deliver(self, peer: bytes | None, views: list[memoryview]) -> None:
+        self._on_message(peer, views)
 
     def close(self) -> None:
         """Stop receiving, close the socket (LINGER 0: unsent messages are discarded) and remove
@@ -343,6 +436,8 @@ class DealerSocket(_LoopSocket):
         on_connect: ``on_connect()``, called from the loop after each successful handshake
             (the first connection and every reconnection); only with ``on_disconnect``.
         heartbeat_ms: ``(interval, timeout)`` of ZMTP heartbeats, milliseconds.
+        on_bad_batch: ``on_bad_batch(None, error)`` for a malformed batch, as for
+            :class:`RouterSocket`.
 
     Raises:
         TransportError: invalid ``identity`` or ``context``.
@@ -360,6 +455,7 @@ class DealerSocket(_LoopSocket):
         on_disconnect: Callable[[str], None] | None = None,
         heartbeat_ms: tuple[int, int] = DEFAULT_HEARTBEAT_MS,
         on_connect: Callable[[], None] | None = None,
+        on_bad_batch: Callable[[bytes | None, DecodeError], None] | None = None,
     ) -> None:
         if identity is not None and (
             not isinstance(identity, bytes) or not 1 <= len(identity) <= 255 or identity.startswith(b"\0")
@@ -367,6 +463,7 @@ class DealerSocket(_LoopSocket):
             raise TransportError(f"identity must be 1..255 bytes not starting with NUL, got {identity!r}")
         super().__init__(endpoint, context, curve, max_message_bytes)
         self._on_message = on_message
+        self._on_bad_batch = on_bad_batch
         self._identity = identity
         self._on_disconnect = on_disconnect
         self._on_connect = on_connect
@@ -448,7 +545,8 @@ class DealerSocket(_LoopSocket):
                 {"message": f"DealerSocket {what} callback failed", "exception": exc, "socket": self})
 
     def send(self, frames: list) -> None:
-        """Queue one message to the peer. Returns at once; ZeroMQ sends from its I/O thread.
+        """Queue one message to the peer. Returns at once; ZeroMQ sends from its I/O thread, the
+        first message of a loop iteration at once, later ones in one batch at its end.
 
         Args:
             frames: one or more ``bytes``/``memoryview``/buffer objects/``zmq.Frame``; anything
@@ -460,10 +558,10 @@ class DealerSocket(_LoopSocket):
         """
         if not frames:
             raise TransportError(f"message to {self._endpoint!r} has no frames")
-        self._send(list(frames), self._endpoint)
+        self._send(frames, None, self._endpoint)
 
-    def _dispatch(self, frames: list[zmq.Frame]) -> None:
-        self._on_message([f.buffer for f in frames])
+    def _deliver(self, peer: bytes | None, views: list[memoryview]) -> None:
+        self._on_message(views)
 
     def close(self) -> None:
         """Stop receiving and close the socket (LINGER 0: unsent messages are discarded).
@@ -474,6 +572,47 @@ class DealerSocket(_LoopSocket):
             self._sock.disable_monitor()
             self._monitor.close(linger=0)
         self._close_socket()
+
+
+def _alone(owned: list[bytes]) -> list[bytes]:
+    """A message sent on its own: as it is, unless its one frame starts with the batch marker
+    (not a codec header, but a raw payload may), which then travels as a batch of one so that
+    the receiver cannot take it for a batch."""
+    if len(owned) == 1 and owned[0][:1] == b"\xc1":
+        return [pack_batch(owned)]
+    return owned
+
+
+def _coalesce(messages: list[list[bytes]], max_bytes: int) -> Iterator[tuple[list[bytes], list[bytes]]]:
+    """``messages`` (each a list of owned frames) as the ZeroMQ messages to send, in order, each
+    with the frames whose shared-memory slots it carries: runs of small single-frame messages
+    become batch frames (:mod:`transport.batch`) of at most ``max_bytes`` and
+    :data:`transport.batch.MAX_BATCH_MESSAGES` messages; anything else goes alone."""
+    run: list[bytes] = []
+    size = 0
+
+    def batch() -> tuple[list[bytes], list[bytes]]:
+        if len(run) == 1 and run[0][0] != BATCH_MARKER:
+            return [run[0]], [run[0]]
+        return [pack_batch(run)], run
+
+    for owned in messages:
+        frame = owned[0]
+        if len(owned) == 1 and 0 < len(frame) < MAX_BATCH_ELEMENT_BYTES:
+            if run and (len(run) == MAX_BATCH_MESSAGES
+                        or size + len(frame) + batch_overhead(len(run) + 1) > max_bytes):
+                yield batch()
+                run, size = [], 0
+            if batch_overhead(1) + len(frame) <= max_bytes:
+                run.append(frame)
+                size += len(frame)
+                continue
+        if run:
+            yield batch()
+            run, size = [], 0
+        yield _alone(owned), owned[:1]
+    if run:
+        yield batch()
 
 
 def _private_directory(path: Path) -> None:

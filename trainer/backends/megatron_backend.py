@@ -180,11 +180,11 @@ class MegatronBackend(TrainerBackend):
                 if self.parallel.pp > 1:  # each stage captured its own layers' columns
                     from trainer.backends.megatron_pipeline import gather_stage_choices
 
-                    c = self._model_config
+                    mc = self._model_config
                     if self.routing is not None:
-                        routing = gather_stage_choices(self.routing.layers, c.moe_layers, routing)
+                        routing = gather_stage_choices(self.routing.layers, mc.moe_layers, routing)
                     if self.indexer is not None:
-                        index = gather_stage_choices(self.indexer.layers, c.indexed_layers, index)
+                        index = gather_stage_choices(self.indexer.layers, mc.indexed_layers, index)
                 choices = tuple(None if c is None else pad(c)
                                 for pair in (routing, index) for c in (pair or (None, None)))
         finally:

@@ -289,7 +289,8 @@ def torch_first_step(tmp_path_factory):
 
 
 @pytest.mark.parametrize("layout", [("--tp-size", "2"), ("--dp-size", "2", "--ep-size", "2"),
-                                    ("--pp-size", "2")], ids=["tp2_sp", "dp2_ep2_distopt", "pp2"])
+                                    ("--pp-size", "2"), ("--pp-size", "2", "--preflight", "always")],
+                         ids=["tp2_sp", "dp2_ep2_distopt", "pp2", "pp2_preflight"])
 def test_replayrl_train_runs_the_megatron_trainer_on_two_ranks(tmp_path, torch_first_step, layout):
     # docs/design.md §19: the trainer is two processes (trainer, trainer_1) in one megatron
     # world; both steps train, the second on samples from the pushed weights, and the first

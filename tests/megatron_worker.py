@@ -1,11 +1,12 @@
 """Test helper run under torchrun (gloo): one MegatronBackend per rank on the tests' checkpoint.
 
 Usage: torchrun --nproc-per-node N tests/megatron_worker.py CHECKPOINT OUT --case main|r3|pp|ckpt
-[--tp N] [--ep N] [--pp N] [--split-data]
+[--tp N] [--ep N] [--pp N] [--split-data] [--perturb-last-stage]
 
 ``main``: preflight logprobs and routing (support replay + R3 trace, and full vocabulary without
-replay), the gathered weights, one optimizer step (grad norm, weights after). ``r3``: record the
-routing, perturb the routers, forward without and with replay of the recorded routing.
+replay), the gathered weights, one optimizer step (``forward_backward``; grad norm, weights
+after). ``r3``: record the routing, perturb the routers (only the last pipeline stage's with
+``--perturb-last-stage``), forward without and with replay of the recorded routing.
 ``pp``: the routing replay targets each pipeline stage feeds its routers. ``ckpt``: one step,
 save, a fresh backend loads it (version and digest compared).
 Rank 0 writes OUT/result.npz (all ranks' values must agree; the worker checks that itself).
@@ -28,6 +29,7 @@ def main() -> None:
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--split-data", action="store_true")
+    ap.add_argument("--perturb-last-stage", action="store_true")
     args = ap.parse_args()
 
     import numpy as np
@@ -81,12 +83,12 @@ def main() -> None:
                           index_used=a.indexer_topk.numpy(), index_own=a.own_indexer_topk.numpy())
             result.update({f"w0/{k}": v for k, v in backend.weights().items()})
             backend.zero_grad()
-            backend.backward(-backend.train_logprobs(replayed).sum())
+            backend.forward_backward(replayed, lambda logp: -logp.sum())
             result["grad_norm"] = np.array(backend.clip_and_step(1.0))
             result.update({f"w1/{k}": v for k, v in backend.weights().items()})
         elif args.case == "ckpt":
             backend.zero_grad()
-            backend.backward(-backend.train_logprobs(replayed).sum())
+            backend.forward_backward(replayed, lambda logp: -logp.sum())
             backend.clip_and_step(1.0)
             directory = Path(args.out) / "ckpt"
             directory.mkdir(exist_ok=True)
@@ -101,11 +103,14 @@ def main() -> None:
             # each rank holds its shard of the distributed optimizer's moments
             result["opt_keys"] = np.array(any(k.startswith("opt/") for k in before))
         else:  # r3
+            from megatron.core import parallel_state as ps
+
             rec = backend.preflight_logprobs(plain)  # routers record their own choice
+            perturb = not args.perturb_last_stage or ps.is_pipeline_last_stage()
             with torch.no_grad():
                 g = torch.Generator().manual_seed(11)
                 for name, p in backend.model.named_parameters():
-                    if name.endswith("mlp.router.weight"):
+                    if perturb and name.endswith("mlp.router.weight"):
                         p.add_(torch.randn(p.shape, generator=g) * 0.05)
             batch = collate(samples, routing=False, indexer=False, support=True)
             import dataclasses

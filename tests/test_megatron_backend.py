@@ -1,9 +1,11 @@
 """--train-backend megatron against the torch trainer, and its parallel layouts under torchrun
 (gloo, CPU): the same logprobs (support replay with R3 and indexer replay, full vocabulary),
 routing and indexer choices, weights and
-optimizer step as the torch backend for the same checkpoint; TP=2+SP, EP=2 and DP=2 with the
-distributed optimizer give the one-rank values; record -> perturb the router -> replay restores
-the routing; pipeline stages feed their routers the right global layers of the trace.
+optimizer step as the torch backend for the same checkpoint; TP=2+SP, EP=2, DP=2 with the
+distributed optimizer and PP=2 (megatron's pipeline schedule) give the one-rank values;
+record -> perturb the router -> replay restores the routing, also with the routers of the last
+pipeline stage perturbed; pipeline stages feed their routers the right global layers of the
+trace.
 
 megatron-core runs in torchrun worker processes (tests/megatron_worker.py), never in the pytest
 process: its CPU compatibility layer is process-wide."""
@@ -93,6 +95,15 @@ def test_registry_resolves_megatron_lazily():
     assert cls.__name__ == "MegatronBackend"
 
 
+def test_layouts_that_do_not_divide_the_model_name_the_flag():
+    from trainer.backends.megatron_model import MegatronModelError, MegatronParallel, transformer_config
+
+    with pytest.raises(MegatronModelError, match=r"num_hidden_layers=4 is not a multiple of --pp-size 3"):
+        transformer_config(cases.config(), MegatronParallel(pp=3))
+    with pytest.raises(MegatronModelError, match=r"num_experts=8 is not a multiple of --ep-size 3"):
+        transformer_config(cases.config(), MegatronParallel(ep=3))
+
+
 def test_megatron_backend_matches_the_torch_trainer(one_rank, reference):
     got, ref = one_rank, reference
     np.testing.assert_allclose(got["logp_replay"], ref["logp_replay"], atol=2e-5)
@@ -121,7 +132,8 @@ def test_megatron_backend_matches_the_torch_trainer(one_rank, reference):
         np.testing.assert_allclose(got[k], ref[k], atol=STEP_ATOL, err_msg=k)
 
 
-@pytest.mark.parametrize("layout", [("--tp", "2"), ("--ep", "2")], ids=["tp2_sp", "ep2_dp2_distopt"])
+@pytest.mark.parametrize("layout", [("--tp", "2"), ("--ep", "2"), ("--pp", "2")],
+                         ids=["tp2_sp", "ep2_dp2_distopt", "pp2"])
 def test_two_rank_layouts_give_the_one_rank_values(checkpoint, one_rank, tmp_path, layout):
     got = _run(checkpoint, tmp_path, 2, "--case", "main", *layout)
     for key in ("logp_replay", "logp_plain"):
@@ -171,12 +183,39 @@ def test_record_perturb_replay_restores_the_routing(checkpoint, tmp_path):
     np.testing.assert_allclose(got["logp"], ref.logprobs.numpy(), atol=2e-5)
 
 
-@pytest.mark.parametrize("nproc,layout", [(1, ()), (2, ("--ep", "2"))], ids=["one_rank", "ep2"])
+@pytest.mark.parametrize("nproc,layout", [(1, ()), (2, ("--ep", "2")), (2, ("--pp", "2"))],
+                         ids=["one_rank", "ep2", "pp2"])
 def test_checkpoint_round_trip_restores_weights_optimizer_and_version(checkpoint, tmp_path, nproc, layout):
     got = _run(checkpoint, tmp_path, nproc, "--case", "ckpt", *layout)
     assert int(got["version"]) == 5
     assert bool(got["same_keys"]) and bool(got["same_values"]) and bool(got["opt_keys"])
     assert (tmp_path / "ckpt" / "model" / "config.json").exists()
+
+
+def test_pipeline_r3_replays_the_last_stages_own_layers(checkpoint, tmp_path):
+    # docs/design.md §22: PP=2, routers perturbed on stage 1 only (layers 2-3, trace columns
+    # 1-2); stage 0's layer 1 (column 0) routes as recorded, stage 1's layers route differently
+    # until the recorded trace is replayed: each stage must feed its routers its own columns
+    got = _run(checkpoint, tmp_path, 2, "--case", "r3", "--pp", "2", "--perturb-last-stage")
+    rec, free, used, own = got["recorded"], got["free"], got["used"], got["own"]
+    assert np.array_equal(free[:, :, 0], rec[:, :, 0])
+    assert (free[:, :, 1:] != rec[:, :, 1:]).any(), "the perturbed routers must route differently"
+    assert np.array_equal(used, rec)  # choices of both stages, back in global layer order
+    assert np.array_equal(own[:, :, 1], free[:, :, 1])  # layer 2's input is stage 0's, unchanged
+    assert (own[:, :, 1] != used[:, :, 1]).any()
+    # independent: the embedded torch model with the gathered (perturbed) weights, same replay
+    model, _ = load_pretrained(checkpoint, dtype=torch.float32)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(torch.from_numpy(got[f"w/{n}"]))
+    backend = TorchBackend(str(checkpoint), TrainerConfig(temperature=0.8), list(VOCABULARY))
+    backend.model.load_state_dict(model.state_dict())
+    batch = collate(cases.samples(cases.perturbed(checkpoint)), routing=False, indexer=False, support=True)
+    ref = backend.preflight_logprobs(dataclasses.replace(batch, routed_experts=torch.from_numpy(rec)))
+    np.testing.assert_allclose(got["logp"], ref.logprobs.numpy(), atol=2e-5)
+    free_ref = backend.preflight_logprobs(batch)
+    tok = batch.key_padding_mask.numpy()
+    assert np.array_equal(free[tok], free_ref.routed_experts.numpy()[tok])
 
 
 def test_pipeline_stages_replay_their_own_global_layers(checkpoint, tmp_path):
@@ -249,8 +288,9 @@ def torch_first_step(tmp_path_factory):
     return _train(tmp_path_factory.mktemp("torch1"), 1)[0]
 
 
-@pytest.mark.parametrize("layout", [("--tp-size", "2"), ("--dp-size", "2", "--ep-size", "2")],
-                         ids=["tp2_sp", "dp2_ep2_distopt"])
+@pytest.mark.parametrize("layout", [("--tp-size", "2"), ("--dp-size", "2", "--ep-size", "2"),
+                                    ("--pp-size", "2"), ("--pp-size", "2", "--preflight", "always")],
+                         ids=["tp2_sp", "dp2_ep2_distopt", "pp2", "pp2_preflight"])
 def test_replayrl_train_runs_the_megatron_trainer_on_two_ranks(tmp_path, torch_first_step, layout):
     # docs/design.md §19: the trainer is two processes (trainer, trainer_1) in one megatron
     # world; both steps train, the second on samples from the pushed weights, and the first

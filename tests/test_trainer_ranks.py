@@ -35,6 +35,22 @@ def test_the_run_config_refuses_a_batch_that_does_not_split_over_the_ranks():
     assert build_config({**SMALL, "dp-size": 4}).trainer.dp_size == 4
 
 
+def test_pipeline_layouts_that_cannot_run_are_refused_naming_the_flag(tmp_path):
+    # docs/design.md §22: stages hold equal layer ranges (the embedded default has 4 layers),
+    # pipelines are megatron's, the interleaved (VPP) schedule is not offered
+    with pytest.raises(ConfigError, match=r"--pp-size 3 must divide the policy's 4 layers"):
+        build_config({**SMALL, "train-backend": "megatron", "pp-size": 3})
+    with pytest.raises(ConfigError, match=r"--tp-size / --ep-size / --pp-size need --train-backend megatron"):
+        build_config({**SMALL, "pp-size": 2})
+    with pytest.raises(ConfigError, match=r"--vpp-size"):
+        build_config({**SMALL, "train-backend": "megatron", "pp-size": 2, "vpp-size": 2})
+    # trainer ranks = dp x tp x pp: rank 0 (stage 0) leads, trainer_1 holds stage 1
+    config = build_config({**SMALL, "train-backend": "megatron", "pp-size": 2,
+                           "output-dir": str(tmp_path)})
+    names = [s.name for s in actor_specs(config, tmp_path / "ckpt", rank_port=29999)]
+    assert [n for n in names if n.startswith("trainer")] == ["trainer", "trainer_1"]
+
+
 def test_rank_group_fields_are_checked():
     with pytest.raises(RankGroupError, match="rank"):
         RankGroup(rank=2, size=2, host="127.0.0.1", port=1234)

@@ -203,6 +203,11 @@ class RunConfig:
              f"--rollout-batch-size x --n-samples-per-prompt = "
              f"{self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt} samples "
              f"do not split evenly over --dp-size {self.trainer.dp_size} trainer ranks"),
+            # each pipeline stage holds an equal, contiguous layer range (docs/design.md §22)
+            (policy.num_hidden_layers % self.trainer.pp_size == 0,
+             f"--pp-size {self.trainer.pp_size} must divide the policy's "
+             f"{policy.num_hidden_layers} layers (config.json 'num_hidden_layers'): every "
+             f"pipeline stage holds an equal share"),
         ]
         if self.eval_interval and not self.rollout.eval_prompt_data:
             checks.append((False, "--eval-interval needs at least one --eval-prompt-data NAME FILE"))

@@ -61,10 +61,13 @@ class TrainerConfig:
         dp_size: data-parallel trainer ranks (``--dp-size``; docs/design.md §19 "Trainer
             ranks"): each trains a contiguous, equal share of every batch, and the refill
             quantum makes every replacement batch split evenly over them.
-        tp_size, ep_size: the megatron trainer's tensor- and expert-parallel sizes
-            (``--tp-size`` / ``--ep-size``); the trainer has ``dp_size x tp_size`` ranks.
+        tp_size, ep_size, pp_size: the megatron trainer's tensor-, expert- and
+            pipeline-parallel sizes (``--tp-size`` / ``--ep-size`` / ``--pp-size``); the
+            trainer has ``dp_size x tp_size x pp_size`` ranks (docs/design.md §22 "Pipeline
+            parallelism in the megatron backend").
         vpp_size, microbatch_group_size: the virtual pipeline layout of the refill quantum;
-            no backend pipelines yet, so ``vpp_size`` is 1.
+            the megatron backend runs its stages without the interleaved (VPP) schedule, so
+            ``vpp_size`` is 1.
     """
 
     lr: float = setting(3e-4, "lr", "AdamW learning rate", POSITIVE)
@@ -129,12 +132,15 @@ class TrainerConfig:
                            "trains an equal share of every batch; also the refill quantum's)",
                            Range(low=1))
     tp_size: int = setting(1, "tp-size", "tensor-parallel size of the megatron trainer "
-                           "(sequence parallel with it); trainer ranks = --dp-size x --tp-size",
-                           Range(low=1))
+                           "(sequence parallel with it); trainer ranks = --dp-size x --tp-size "
+                           "x --pp-size", Range(low=1))
     ep_size: int = setting(1, "ep-size", "expert-parallel size of the megatron trainer (divides "
                            "--dp-size x --tp-size)", Range(low=1))
+    pp_size: int = setting(1, "pp-size", "pipeline-parallel stages of the megatron trainer "
+                           "(divides the model's layers; megatron's 1F1B schedule)", Range(low=1))
     vpp_size: int = setting(1, "vpp-size", "virtual pipeline size (refill quantum)",
-                            Choices((1,), why="the embedded trainer has no pipeline"))
+                            Choices((1,), why="the megatron backend's pipeline runs without the "
+                                    "interleaved (VPP) schedule"))
     microbatch_group_size: int = setting(1, "microbatch-group-size", "VPP microbatch group",
                                          Range(low=1))
     train_backend: str = setting("torch", "train-backend", "trainer backend (registry name)",
@@ -149,9 +155,9 @@ class TrainerConfig:
              "--logprobs-chunk-size needs --use-support-replay (the fused path projects the support)"),
             (not self.rs_batch_refill or self.rs_mode != "none",
              "--rs-batch-refill needs --rs-mode token|sequence|geometric (nothing would be rejected)"),
-            (self.train_backend == "megatron" or (self.tp_size, self.ep_size) == (1, 1),
-             "--tp-size / --ep-size need --train-backend megatron (the torch trainer replicates "
-             "the whole model on every rank)"),
+            (self.train_backend == "megatron" or (self.tp_size, self.ep_size, self.pp_size) == (1, 1, 1),
+             "--tp-size / --ep-size / --pp-size need --train-backend megatron (the torch trainer "
+             "replicates the whole model on every rank)"),
             ((self.dp_size * self.tp_size) % self.ep_size == 0,
              f"--ep-size {self.ep_size} must divide the {self.dp_size * self.tp_size} trainer "
              f"ranks (--dp-size x --tp-size)"),

@@ -127,9 +127,11 @@ class RankStep:
     def update(self, samples: list[Sample], advantages: torch.Tensor,
                token_accept: dict[int, torch.Tensor], loss_accept: dict[int, torch.Tensor],
                denominator: float, *, fused: bool, grad_scale: float = 1.0) -> dict:
-        """This rank's share of the update: per microbatch forward, loss, backward; then clip
-        and optimizer step (collectives of the backend: every rank of the group calls this
-        once per step, with the same number of microbatches).
+        """This rank's share of the update: per microbatch the backend's
+        ``forward_backward`` with this step's PPO/TIS loss; then clip and optimizer step
+        (collectives of the backend: every rank of the group calls this once per step, with
+        the same number of microbatches). The metrics come from the detached logprobs every
+        rank receives (under pipeline parallelism the loss itself runs on the last stage).
 
         Args:
             samples: this rank's share, in the step's order.
@@ -145,7 +147,9 @@ class RankStep:
         Returns:
             the :data:`UPDATE_SUMS` token sums, ``max_prox_drift``, ``rates`` (flip / drift
             rates per microbatch, fused only), ``forward_seconds``, ``backward_seconds``,
-            ``optimizer_seconds`` and ``grad_norm`` (not finite: nothing was applied).
+            ``optimizer_seconds`` and ``grad_norm`` (not finite: nothing was applied);
+            forward / backward split at the loss (a pipeline stage without the loss counts its
+            whole pass as forward).
         Raises:
             TrainStepError: the training forward does not reproduce the preflight (nothing
                 applied on this rank).
@@ -159,38 +163,49 @@ class RankStep:
         offset, rates, seconds = 0, {}, {"forward": 0.0, "backward": 0.0}
         for chunk, batch in self.batches(samples):
             t0 = time.perf_counter()
-            if fused:
-                out = self.backend.train_forward(batch)
-                logp, prox = out.logprobs, out.logprobs.detach()
-                self.replay_rates(rates, batch, out)
-            else:
-                logp = self.backend.train_logprobs(batch)
-                prox = torch.cat(self.cache.take([s.sample_id for s in chunk]))
+            cached = None if fused else torch.cat(self.cache.take([s.sample_id for s in chunk]))
             accept = torch.cat([token_accept[s.sample_id] for s in chunk])
             trained = torch.cat([loss_accept[s.sample_id] for s in chunk])
-            # The same gate, re-applied to this forward, must reproduce the preflight decision:
-            # the weights have not moved yet, so logp equals the proximal logprobs up to rounding.
-            drift = float((logp.detach() - prox).abs().max()) if len(prox) else 0.0
-            sums["max_prox_drift"] = max(sums["max_prox_drift"], drift)
-            recheck = [accept] if fused else self.gate.decide(
-                list(torch.split(logp.detach(), [len(s.response_ids) for s in chunk])),
-                per_sample_tensors(chunk, "rollout_logprobs"), sampled_masks(chunk))[1]
-            if not fused and (drift > 1e-3 or not torch.equal(torch.cat(recheck), accept)):
-                raise TrainStepError(f"training forward does not reproduce the preflight (max "
-                                     f"|logp - logp_prox| = {drift:.2e}); refusing the step")
             counts = torch.tensor([len(s.response_ids) for s in chunk])
             adv_tok = torch.repeat_interleave(advantages[offset:offset + len(chunk)], counts)
             offset += len(chunk)
-            loss, m = policy_loss(logp, prox, batch.rollout_logprobs, adv_tok, batch.loss_mask,
-                                  eps_low=cfg.eps_clip, eps_high=cfg.eps_clip_high,
-                                  tis_cap=cfg.tis_cap, token_accept=trained,
-                                  sampled_mask=batch.sampled_mask, denominator=cfg.rs_denominator)
-            # policy_loss averages over this microbatch's denominator; rescale to the step's
-            mb_den = float(m["loss_tokens"] if cfg.rs_denominator == "loss_tokens" else m["accepted_tokens"])
-            t1 = time.perf_counter()
-            self.backend.backward(loss * (mb_den * grad_scale / denominator))
+            mb_loss = lambda logp, prox: policy_loss(
+                logp, prox, batch.rollout_logprobs, adv_tok, batch.loss_mask, eps_low=cfg.eps_clip,
+                eps_high=cfg.eps_clip_high, tis_cap=cfg.tis_cap, token_accept=trained,
+                sampled_mask=batch.sampled_mask, denominator=cfg.rs_denominator)
+            seen: dict = {}
+
+            def loss_fn(logp: torch.Tensor) -> torch.Tensor:
+                # runs where the loss lives (the last pipeline stage), between the forward and
+                # the backward; fused: the proximal logprobs are this forward's, detached
+                seen["t"] = time.perf_counter()
+                loss, seen["m"] = mb_loss(logp, logp.detach() if cached is None else cached)
+                # policy_loss averages over this microbatch's denominator; rescale to the step's
+                mb_den = float(seen["m"]["loss_tokens"] if cfg.rs_denominator == "loss_tokens"
+                               else seen["m"]["accepted_tokens"])
+                return loss * (mb_den * grad_scale / denominator)
+
+            out = self.backend.forward_backward(batch, loss_fn, capture=fused)
+            t2 = time.perf_counter()
+            logp = out.logprobs  # detached, on every rank
+            prox = logp if cached is None else cached
+            if fused:
+                self.replay_rates(rates, batch, out)
+            # The same gate, re-applied to this forward, must reproduce the preflight decision:
+            # the weights have not moved yet, so logp equals the proximal logprobs up to rounding.
+            drift = float((logp - prox).abs().max()) if len(prox) else 0.0
+            sums["max_prox_drift"] = max(sums["max_prox_drift"], drift)
+            recheck = [accept] if fused else self.gate.decide(
+                list(torch.split(logp, [len(s.response_ids) for s in chunk])),
+                per_sample_tensors(chunk, "rollout_logprobs"), sampled_masks(chunk))[1]
+            if not fused and (drift > 1e-3 or not torch.equal(torch.cat(recheck), accept)):
+                # the optimizer step is not reached; the next step's zero_grad drops the gradients
+                raise TrainStepError(f"training forward does not reproduce the preflight (max "
+                                     f"|logp - logp_prox| = {drift:.2e}); refusing the step")
+            m = seen["m"] if "m" in seen else mb_loss(logp, prox)[1]  # a stage without the loss
+            t1 = seen.get("t", t2)
             seconds["forward"] += t1 - t0
-            seconds["backward"] += time.perf_counter() - t1
+            seconds["backward"] += t2 - t1
             mask = batch.loss_mask > 0
             # behaviour logprobs exist only where the engine sampled (not at a synthetic EOS)
             sampled = batch.sampled_mask > 0

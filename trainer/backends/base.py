@@ -9,22 +9,25 @@ backend on accelerators moves them). The per-step call order, driven by
 
     preflight_logprobs(mb) for every microbatch (and every refill round)
     zero_grad()
-    for every microbatch: train_logprobs(mb) -> loss (computed by the actor) -> backward(loss)
+    for every microbatch: forward_backward(mb, loss_fn) (the loss is the actor's)
     clip_and_step(max_norm)
 
 or, when no RS gate, refill or replay check needs the proximal logprobs before the update,
-without the preflight: ``zero_grad()``, then ``train_forward(mb)`` (logprobs with gradients
-plus the routing / indexer choices) -> loss -> ``backward(loss)`` per microbatch, then
-``clip_and_step``.
+without the preflight: ``zero_grad()``, then ``forward_backward(mb, loss_fn, capture=True)``
+(the logprobs, whose detached values are the proximal ones, plus the routing / indexer
+choices) per microbatch, then ``clip_and_step``. The default ``forward_backward`` is
+``train_logprobs`` / ``train_forward`` -> ``loss_fn`` -> ``backward``.
 
 plus :meth:`TrainerBackend.weights` after a step (the weight push), and checkpoint save /
 load, :meth:`TrainerBackend.digest` and :meth:`TrainerBackend.parameter_count` on request.
 """
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -136,6 +139,34 @@ class TrainerBackend(ABC):
             NotImplementedError: this backend does not provide it.
         """
         raise NotImplementedError(f"{type(self).__name__} has no train_forward")
+
+    def forward_backward(self, batch: TrainBatch,
+                         loss_fn: Callable[[torch.Tensor], torch.Tensor], *,
+                         capture: bool = False) -> ReplayedForward:
+        """One microbatch's training forward and the backward of ``loss_fn(logprobs)``.
+
+        The update's one entry point per microbatch: a backend whose loss exists on only some
+        of its ranks (the last stage of a pipeline, docs/design.md §22 "Pipeline parallelism
+        in the megatron backend") runs ``loss_fn`` there and its backward through every rank.
+        This implementation is :meth:`train_forward` (``capture``) or :meth:`train_logprobs`,
+        ``loss_fn`` and :meth:`backward`.
+
+        Args:
+            batch: the microbatch.
+            loss_fn: float32 [N] logprobs (with gradients) -> scalar loss to back-propagate.
+            capture: also return the routing / indexer choices the forward made.
+
+        Returns:
+            :class:`ReplayedForward` with the logprobs DETACHED (float32 [N], on every rank)
+            and, with ``capture``, the choices (else None fields).
+
+        Raises:
+            as :meth:`train_logprobs` / :meth:`train_forward`.
+        """
+        out = self.train_forward(batch) if capture else ReplayedForward(
+            self.train_logprobs(batch), None, None, None, None)
+        self.backward(loss_fn(out.logprobs))
+        return dataclasses.replace(out, logprobs=out.logprobs.detach())
 
     @abstractmethod
     def zero_grad(self) -> None:

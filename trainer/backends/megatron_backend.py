@@ -21,9 +21,12 @@ Forward (docs/design.md §16 "The megatron-core backend"):
   (``--use-packing``) would need per-segment positions and are refused.
 
 Every rank of the world constructs the backend and makes the same calls in the same order
-(they are collectives when the world has more than one rank). Pipeline parallelism needs
-megatron's pipeline schedule and is not offered by this backend (``MegatronParallel.pp`` must
-be 1 here).
+(they are collectives when the world has more than one rank). With pipeline parallelism
+(``--pp-size``) each rank holds one stage and every forward goes through megatron-core's
+pipeline schedule (:mod:`trainer.backends.megatron_pipeline`; docs/design.md §22 "Pipeline
+parallelism in the megatron backend"): the training pass is :meth:`MegatronBackend.forward_backward`,
+the logprobs reach every stage from the last one, the captured choices of all stages are
+assembled in global layer order.
 """
 from __future__ import annotations
 
@@ -65,17 +68,14 @@ class MegatronBackend(TrainerBackend):
 
     Raises:
         MegatronModelError: a layout that
-            does not fit the world or the model, ``pp > 1`` or ``--use-packing``.
+            does not fit the world or the model, or ``--use-packing``.
         rollout.model.CheckpointError: an unreadable checkpoint.
     """
 
     def __init__(self, checkpoint_dir: str, config: TrainerConfig, vocab_tokens: Sequence[str],
                  *, parallel: MegatronParallel | None = None) -> None:
         own_world = parallel is None
-        parallel = parallel or MegatronParallel(tp=config.tp_size, ep=config.ep_size)
-        if parallel.pp != 1:
-            raise MegatronModelError("MegatronBackend runs without pipeline parallelism (pp=1); "
-                                     f"got pp={parallel.pp}")
+        parallel = parallel or MegatronParallel(tp=config.tp_size, ep=config.ep_size, pp=config.pp_size)
         if config.use_packing:
             raise MegatronModelError("--use-packing is not supported by --train-backend megatron "
                                      "(packed rows need per-segment RoPE positions)")
@@ -128,10 +128,15 @@ class MegatronBackend(TrainerBackend):
         return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
 
     # -- forwards -----------------------------------------------------------------------------
-    def _forward(self, batch: TrainBatch, capture: bool):
+    def _forward(self, batch: TrainBatch, capture: bool, loss_fn=None):
         """Logprobs float32 [N] and, with ``capture``, the (used, own) routing and (used, own)
-        indexer choices, each ``[B, S_full, L, K]`` or None."""
+        indexer choices, each ``[B, S_full, L, K]`` or None. Under pipeline parallelism the
+        forward is megatron's schedule, with the backward of ``loss_fn(logprobs)`` when given,
+        and the logprobs are the last stage's, detached."""
         cfg = self.config
+        if self.parallel.pp > 1 and loss_fn is None and torch.is_grad_enabled():
+            raise NotImplementedError("under pipeline parallelism logprobs with gradients exist "
+                                      "only on the last stage: train with forward_backward")
         t = _check_temperature(cfg.temperature)
         full = batch.tokens.shape[1]
         width = int(batch.pos.max()) + 1 if len(batch.pos) else 1
@@ -158,21 +163,28 @@ class MegatronBackend(TrainerBackend):
             self.indexer.begin(keys, index)
         try:
             with self._scope():
-                logits = self.ddp(tokens, positions, attention_mask=None)  # [B, S, V / tp]
-                rows = logits[batch.row, batch.pos].float()
-                if batch.support is not None:
-                    logp = vocab_parallel_support_logprobs(rows, batch.support, t, group=self.tp_group)
-                else:
-                    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+                if self.parallel.pp > 1:
+                    from trainer.backends.megatron_pipeline import broadcast_from_last_stage, run_schedule
 
-                    logp = -vocab_parallel_cross_entropy(rows / t, batch.targets.long())
-                    logp = torch.where(batch.targets >= 0, logp, torch.zeros_like(logp))
+                    logp = run_schedule(self.ddp, tokens, positions,
+                                        lambda logits: self._logprobs(logits, batch, t), loss_fn)
+                    logp = broadcast_from_last_stage(logp, len(batch.row))
+                else:
+                    logp = self._logprobs(self.ddp(tokens, positions, attention_mask=None), batch, t)
             choices = (None, None, None, None)
             if capture:
                 pad = lambda c: torch.cat([c[:, :full], c.new_full(
                     (c.shape[0], max(0, full - c.shape[1]), *c.shape[2:]), -1)], 1)
                 routing = self.routing.collect(tokens.shape[0]) if self.routing is not None else None
                 index = self.indexer.collect() if self.indexer is not None else None
+                if self.parallel.pp > 1:  # each stage captured its own layers' columns
+                    from trainer.backends.megatron_pipeline import gather_stage_choices
+
+                    mc = self._model_config
+                    if self.routing is not None:
+                        routing = gather_stage_choices(self.routing.layers, mc.moe_layers, routing)
+                    if self.indexer is not None:
+                        index = gather_stage_choices(self.indexer.layers, mc.indexed_layers, index)
                 choices = tuple(None if c is None else pad(c)
                                 for pair in (routing, index) for c in (pair or (None, None)))
         finally:
@@ -181,6 +193,17 @@ class MegatronBackend(TrainerBackend):
             if self.indexer is not None:
                 self.indexer.end()
         return logp, choices
+
+    def _logprobs(self, logits: torch.Tensor, batch: TrainBatch, t: float) -> torch.Tensor:
+        """float32 [N] logprobs of ``batch``'s response tokens from vocabulary-parallel logits
+        ``[B, S, V / tp]`` (support replay, or the full vocabulary)."""
+        rows = logits[batch.row, batch.pos].float()
+        if batch.support is not None:
+            return vocab_parallel_support_logprobs(rows, batch.support, t, group=self.tp_group)
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        logp = -vocab_parallel_cross_entropy(rows / t, batch.targets.long())
+        return torch.where(batch.targets >= 0, logp, torch.zeros_like(logp))
 
     def preflight_logprobs(self, batch: TrainBatch) -> ReplayedForward:
         """See :meth:`TrainerBackend.preflight_logprobs` (a no-grad, capturing forward)."""
@@ -195,6 +218,15 @@ class MegatronBackend(TrainerBackend):
     def train_forward(self, batch: TrainBatch) -> ReplayedForward:
         """See :meth:`TrainerBackend.train_forward` (a capturing forward with gradients)."""
         logp, choices = self._forward(batch, capture=True)
+        return ReplayedForward(logp, *choices)
+
+    def forward_backward(self, batch: TrainBatch, loss_fn, *, capture: bool = False) -> ReplayedForward:
+        """See :meth:`TrainerBackend.forward_backward`; under pipeline parallelism one pass of
+        megatron's schedule (forward through every stage, ``loss_fn`` on the last, backward
+        through every stage), the logprobs broadcast from the last stage."""
+        if self.parallel.pp == 1:
+            return super().forward_backward(batch, loss_fn, capture=capture)
+        logp, choices = self._forward(batch, capture=capture, loss_fn=loss_fn)
         return ReplayedForward(logp, *choices)
 
     # -- update -------------------------------------------------------------------------------

@@ -116,14 +116,15 @@ def transformer_config(config: ModelConfig, parallel: MegatronParallel):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     p = parallel
-    checks = [("vocab_size", config.vocab_size, p.tp), ("num_key_value_heads",
-              config.num_key_value_heads, p.tp), ("num_hidden_layers", config.num_hidden_layers, p.pp)]
+    checks = [("vocab_size", config.vocab_size, p.tp, "--tp-size"),
+              ("num_key_value_heads", config.num_key_value_heads, p.tp, "--tp-size"),
+              ("num_hidden_layers", config.num_hidden_layers, p.pp, "--pp-size")]
     if config.moe_layers:
-        checks.append(("num_experts", config.num_experts, p.ep))
-    for name, value, size in checks:
+        checks.append(("num_experts", config.num_experts, p.ep, "--ep-size"))
+    for name, value, size, flag in checks:
         if value % size:
-            raise MegatronModelError(f"ModelConfig.{name}={value} is not a multiple of {size} "
-                                     f"(parallel layout {p})")
+            raise MegatronModelError(f"ModelConfig.{name}={value} is not a multiple of {flag} "
+                                     f"{size} (parallel layout {p})")
     moe = bool(config.moe_layers)
     extra = {}
     if moe:
@@ -148,6 +149,9 @@ def transformer_config(config: ModelConfig, parallel: MegatronParallel):
         pipeline_model_parallel_size=p.pp, pipeline_dtype=torch.float32,
         gradient_accumulation_fusion=False, persist_layer_norm=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
+        # pipeline p2p: the device synchronize after batched send / recv works around an old
+        # CUDA PyTorch race; without CUDA there is nothing to synchronize (docs/design.md §22)
+        batch_p2p_sync=torch.cuda.is_available(),
         **extra)
 
 

@@ -2,7 +2,7 @@
 (gloo, CPU): the same logprobs (support replay with R3 and indexer replay, full vocabulary),
 routing and indexer choices, weights and
 optimizer step as the torch backend for the same checkpoint; TP=2+SP, EP=2 and DP=2 with the
-distributed optimizer give the one-rank values; record -> perturb the router -> replay restores
+distributed optimizer, CP=2 and TP=2+SP x CP=2 give the one-rank values; record -> perturb the router -> replay restores
 the routing; pipeline stages feed their routers the right global layers of the trace.
 
 megatron-core runs in torchrun worker processes (tests/megatron_worker.py), never in the pytest
@@ -121,9 +121,14 @@ def test_megatron_backend_matches_the_torch_trainer(one_rank, reference):
         np.testing.assert_allclose(got[k], ref[k], atol=STEP_ATOL, err_msg=k)
 
 
-@pytest.mark.parametrize("layout", [("--tp", "2"), ("--ep", "2")], ids=["tp2_sp", "ep2_dp2_distopt"])
-def test_two_rank_layouts_give_the_one_rank_values(checkpoint, one_rank, tmp_path, layout):
-    got = _run(checkpoint, tmp_path, 2, "--case", "main", *layout)
+@pytest.mark.parametrize("nproc,layout", [
+    (2, ("--tp", "2")), (2, ("--ep", "2")), (2, ("--cp", "2")), (4, ("--tp", "2", "--cp", "2"))],
+    ids=["tp2_sp", "ep2_dp2_distopt", "cp2", "tp2_sp_cp2"])
+def test_parallel_layouts_give_the_one_rank_values(checkpoint, one_rank, tmp_path, nproc, layout):
+    # CP (docs/design.md §23): each rank forwards 2 of 4 chunks of every row (13 positions
+    # padded to 16) and attends to all keys; its logprobs, the routing it replays and records
+    # and the indexer's choices over all keys come back in the one-rank order
+    got = _run(checkpoint, tmp_path, nproc, "--case", "main", *layout)
     for key in ("logp_replay", "logp_plain"):
         np.testing.assert_allclose(got[key], one_rank[key], atol=1e-5, err_msg=key)
     for key in ("used", "own", "index_used", "index_own"):
@@ -249,8 +254,8 @@ def torch_first_step(tmp_path_factory):
     return _train(tmp_path_factory.mktemp("torch1"), 1)[0]
 
 
-@pytest.mark.parametrize("layout", [("--tp-size", "2"), ("--dp-size", "2", "--ep-size", "2")],
-                         ids=["tp2_sp", "dp2_ep2_distopt"])
+@pytest.mark.parametrize("layout", [("--tp-size", "2"), ("--dp-size", "2", "--ep-size", "2"),
+                                    ("--cp-size", "2")], ids=["tp2_sp", "dp2_ep2_distopt", "cp2"])
 def test_replayrl_train_runs_the_megatron_trainer_on_two_ranks(tmp_path, torch_first_step, layout):
     # docs/design.md §19: the trainer is two processes (trainer, trainer_1) in one megatron
     # world; both steps train, the second on samples from the pushed weights, and the first

@@ -294,9 +294,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def trainer_rank_count(config: RunConfig) -> int:
-    """Trainer processes of a run: ``--dp-size x --tp-size`` (docs/design.md §19 "Trainer
-    ranks")."""
-    return config.trainer.dp_size * config.trainer.tp_size
+    """Trainer processes of a run: ``--dp-size x --tp-size x --cp-size`` (docs/design.md §19
+    "Trainer ranks")."""
+    return config.trainer.dp_size * config.trainer.tp_size * config.trainer.cp_size
 
 
 def actor_specs(config: RunConfig, checkpoint_dir: Path,

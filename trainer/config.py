@@ -62,7 +62,11 @@ class TrainerConfig:
             ranks"): each trains a contiguous, equal share of every batch, and the refill
             quantum makes every replacement batch split evenly over them.
         tp_size, ep_size: the megatron trainer's tensor- and expert-parallel sizes
-            (``--tp-size`` / ``--ep-size``); the trainer has ``dp_size x tp_size`` ranks.
+            (``--tp-size`` / ``--ep-size``).
+        cp_size: the megatron trainer's context-parallel size (``--cp-size``; docs/design.md
+            §23 "Context parallelism in the megatron backend"): each rank of a CP group holds
+            2 of ``2 x cp_size`` chunks of every row. The trainer has ``dp_size x tp_size x
+            cp_size`` ranks; CP ranks are not data-parallel ranks (they train the same share).
         vpp_size, microbatch_group_size: the virtual pipeline layout of the refill quantum;
             no backend pipelines yet, so ``vpp_size`` is 1.
     """
@@ -132,7 +136,10 @@ class TrainerConfig:
                            "(sequence parallel with it); trainer ranks = --dp-size x --tp-size",
                            Range(low=1))
     ep_size: int = setting(1, "ep-size", "expert-parallel size of the megatron trainer (divides "
-                           "--dp-size x --tp-size)", Range(low=1))
+                           "--dp-size x --tp-size x --cp-size)", Range(low=1))
+    cp_size: int = setting(1, "cp-size", "context-parallel size of the megatron trainer (each "
+                           "rank holds 2 of 2 x N chunks of every row); trainer ranks = "
+                           "--dp-size x --tp-size x --cp-size", Range(low=1))
     vpp_size: int = setting(1, "vpp-size", "virtual pipeline size (refill quantum)",
                             Choices((1,), why="the embedded trainer has no pipeline"))
     microbatch_group_size: int = setting(1, "microbatch-group-size", "VPP microbatch group",
@@ -152,9 +159,16 @@ class TrainerConfig:
             (self.train_backend == "megatron" or (self.tp_size, self.ep_size) == (1, 1),
              "--tp-size / --ep-size need --train-backend megatron (the torch trainer replicates "
              "the whole model on every rank)"),
-            ((self.dp_size * self.tp_size) % self.ep_size == 0,
-             f"--ep-size {self.ep_size} must divide the {self.dp_size * self.tp_size} trainer "
-             f"ranks (--dp-size x --tp-size)"),
+            (self.train_backend == "megatron" or self.cp_size == 1,
+             "--cp-size needs --train-backend megatron (the torch trainer holds whole rows on "
+             "every rank)"),
+            (self.cp_size == 1 or not self.use_packing,
+             f"--cp-size {self.cp_size} shards right-padded rows; --use-packing is not supported "
+             f"with it"),
+            ((self.dp_size * self.tp_size * self.cp_size) % self.ep_size == 0,
+             f"--ep-size {self.ep_size} must divide the "
+             f"{self.dp_size * self.tp_size * self.cp_size} trainer ranks "
+             f"(--dp-size x --tp-size x --cp-size)"),
         ]
         for ok, message in checks:
             if not ok:

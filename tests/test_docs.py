@@ -48,6 +48,7 @@ SECTIONS = {
     19: "Trainer ranks",
     20: "Shared-memory array transport",
     21: "REPL attach and multi-host runs",
+    23: "Context parallelism in the megatron backend",
 }
 
 _HEADING = re.compile(r"^## (\d+)\. (\S.*?)\s*$", re.MULTILINE)

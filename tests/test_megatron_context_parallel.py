@@ -13,6 +13,7 @@ from tools.config import ConfigError, build_config
 from tools.launcher import trainer_rank_count
 from trainer.backends.megatron_context_parallel import ContextParallel, row_layout
 from trainer.config import TrainerConfig, TrainerConfigError
+from trainer.packing import PackingError
 
 SMALL = {"num-steps": 1, "rollout-batch-size": 2, "n-samples-per-prompt": 2}
 
@@ -48,6 +49,12 @@ def test_ranks_hold_megatrons_load_balanced_chunks(cp):
     x = torch.arange(2 * width).reshape(2, width)
     assert ContextParallel(1, cp, None, 1).shard(x).tolist() == \
         [[r * width + p for p in _megatron_chunks(width, 1, cp)] for r in range(2)]
+
+
+def test_a_width_that_does_not_split_is_refused_naming_the_padded_one():
+    with pytest.raises(PackingError, match="CP row of 13 positions .* pad it to 16"):
+        ContextParallel(0, 2, None, tp_size=1).positions(13)
+    assert ContextParallel(0, 2, None, tp_size=1).width(13) == 16
 
 
 def test_causal_mask_masks_the_keys_after_each_local_querys_global_position():

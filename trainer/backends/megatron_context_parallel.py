@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from trainer.packing import PackedLayout
+from trainer.packing import PackedLayout, PackingError
 from trainer.parallel.context_parallel import cp_shard_indices, cp_unshard
 
 __all__ = ["ContextParallel", "row_layout", "context_parallel_attention_class"]
@@ -63,6 +63,7 @@ class ContextParallel:
 
     def __init__(self, rank: int, size: int, group, tp_size: int) -> None:
         self.rank, self.size, self.group, self.tp_size = int(rank), int(size), group, int(tp_size)
+        self._positions: dict[int, torch.Tensor] = {}  # width -> positions (read by every layer)
 
     @classmethod
     def from_megatron(cls) -> "ContextParallel":
@@ -81,12 +82,16 @@ class ContextParallel:
         chunk ``rank`` then chunk ``2 * size - 1 - rank``.
 
         Raises:
-            trainer.packing.PackedFieldError: ``width`` is not a padded row width.
+            trainer.packing.PackingError: ``width`` is not a padded row width (:meth:`width`).
         """
-        return torch.from_numpy(np.array(self._indices(width)))
-
-    def _indices(self, width: int) -> np.ndarray:
-        return cp_shard_indices(row_layout(width, self.size, self.tp_size), self.rank, self.size)
+        if width not in self._positions:
+            layout = row_layout(width, self.size, self.tp_size)
+            if layout.total_length != width:
+                raise PackingError(f"a CP row of {width} positions does not split into "
+                                   f"{2 * self.size} chunks over {self.tp_size} SP ranks; pad it "
+                                   f"to {layout.total_length} (ContextParallel.width)")
+            self._positions[width] = torch.from_numpy(np.array(cp_shard_indices(layout, self.rank, self.size)))
+        return self._positions[width]
 
     def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's positions of ``x`` along ``dim`` (of size ``W``), in shard order."""

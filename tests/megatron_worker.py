@@ -1,7 +1,7 @@
 """Test helper run under torchrun (gloo): one MegatronBackend per rank on the tests' checkpoint.
 
 Usage: torchrun --nproc-per-node N tests/megatron_worker.py CHECKPOINT OUT --case main|r3|pp|ckpt
-[--tp N] [--ep N] [--pp N] [--split-data] [--perturb-last-stage]
+[--tp N] [--ep N] [--pp N] [--cp N] [--split-data] [--perturb-last-stage]
 
 ``main``: preflight logprobs and routing (support replay + R3 trace, and full vocabulary without
 replay), the gathered weights, one optimizer step (``forward_backward``; grad norm, weights
@@ -28,6 +28,7 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--cp", type=int, default=1)
     ap.add_argument("--split-data", action="store_true")
     ap.add_argument("--perturb-last-stage", action="store_true")
     args = ap.parse_args()
@@ -43,7 +44,7 @@ def main() -> None:
     from trainer.config import TrainerConfig
 
     torch.set_num_threads(1)
-    parallel = MegatronParallel(tp=args.tp, ep=args.ep, pp=args.pp)
+    parallel = MegatronParallel(tp=args.tp, ep=args.ep, pp=args.pp, cp=args.cp)
     result = {}
     if args.case == "pp":
         from trainer.backends.megatron_model import build_gpt_model, init_parallel

@@ -49,6 +49,7 @@ SECTIONS = {
     20: "Shared-memory array transport",
     21: "REPL attach and multi-host runs",
     22: "Pipeline parallelism in the megatron backend",
+    23: "Context parallelism in the megatron backend",
 }
 
 _HEADING = re.compile(r"^## (\d+)\. (\S.*?)\s*$", re.MULTILINE)

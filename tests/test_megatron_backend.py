@@ -2,10 +2,10 @@
 (gloo, CPU): the same logprobs (support replay with R3 and indexer replay, full vocabulary),
 routing and indexer choices, weights and
 optimizer step as the torch backend for the same checkpoint; TP=2+SP, EP=2, DP=2 with the
-distributed optimizer and PP=2 (megatron's pipeline schedule) give the one-rank values;
-record -> perturb the router -> replay restores the routing, also with the routers of the last
-pipeline stage perturbed; pipeline stages feed their routers the right global layers of the
-trace.
+distributed optimizer, PP=2 (megatron's pipeline schedule), CP=2 and TP=2+SP x CP=2 give the
+one-rank values; record -> perturb the router -> replay restores the routing, also with the
+routers of the last pipeline stage perturbed; pipeline stages feed their routers the right
+global layers of the trace.
 
 megatron-core runs in torchrun worker processes (tests/megatron_worker.py), never in the pytest
 process: its CPU compatibility layer is process-wide."""
@@ -132,10 +132,15 @@ def test_megatron_backend_matches_the_torch_trainer(one_rank, reference):
         np.testing.assert_allclose(got[k], ref[k], atol=STEP_ATOL, err_msg=k)
 
 
-@pytest.mark.parametrize("layout", [("--tp", "2"), ("--ep", "2"), ("--pp", "2")],
-                         ids=["tp2_sp", "ep2_dp2_distopt", "pp2"])
-def test_two_rank_layouts_give_the_one_rank_values(checkpoint, one_rank, tmp_path, layout):
-    got = _run(checkpoint, tmp_path, 2, "--case", "main", *layout)
+@pytest.mark.parametrize("nproc,layout", [
+    (2, ("--tp", "2")), (2, ("--ep", "2")), (2, ("--pp", "2")), (2, ("--cp", "2")),
+    (4, ("--tp", "2", "--cp", "2"))],
+    ids=["tp2_sp", "ep2_dp2_distopt", "pp2", "cp2", "tp2_sp_cp2"])
+def test_parallel_layouts_give_the_one_rank_values(checkpoint, one_rank, tmp_path, nproc, layout):
+    # CP (docs/design.md §23): each rank forwards 2 of 4 chunks of every row (13 positions
+    # padded to 16) and attends to all keys; its logprobs, the routing it replays and records
+    # and the indexer's choices over all keys come back in the one-rank order
+    got = _run(checkpoint, tmp_path, nproc, "--case", "main", *layout)
     for key in ("logp_replay", "logp_plain"):
         np.testing.assert_allclose(got[key], one_rank[key], atol=1e-5, err_msg=key)
     for key in ("used", "own", "index_used", "index_own"):
@@ -289,8 +294,9 @@ def torch_first_step(tmp_path_factory):
 
 
 @pytest.mark.parametrize("layout", [("--tp-size", "2"), ("--dp-size", "2", "--ep-size", "2"),
-                                    ("--pp-size", "2"), ("--pp-size", "2", "--preflight", "always")],
-                         ids=["tp2_sp", "dp2_ep2_distopt", "pp2", "pp2_preflight"])
+                                    ("--pp-size", "2"), ("--pp-size", "2", "--preflight", "always"),
+                                    ("--cp-size", "2")],
+                         ids=["tp2_sp", "dp2_ep2_distopt", "pp2", "pp2_preflight", "cp2"])
 def test_replayrl_train_runs_the_megatron_trainer_on_two_ranks(tmp_path, torch_first_step, layout):
     # docs/design.md §19: the trainer is two processes (trainer, trainer_1) in one megatron
     # world; both steps train, the second on samples from the pushed weights, and the first

@@ -49,6 +49,8 @@ CASES = {
     "te_general_gemm": ((), 1, ["NameError: name 'te_general_gemm' is not defined"]),
     "alltoall_split_sizes": (("--ep", "2"), 2, ["all_to_all_single(): incompatible function arguments"]),
     "sp_layernorm": (("--tp", "2"), 2, ["sequence parallel not supported by torch LayerNorm"]),
+    "cp_rotary": (("--cp", "2"), 2, ["in get_pos_emb_on_this_cp_rank",
+                                     "pin_memory=True requires a CUDA or other accelerator"]),
 }
 
 

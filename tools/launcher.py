@@ -294,9 +294,11 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def trainer_rank_count(config: RunConfig) -> int:
-    """Trainer processes of a run: ``--dp-size x --tp-size x --pp-size`` (docs/design.md §19
-    "Trainer ranks", §22 "Pipeline parallelism in the megatron backend")."""
-    return config.trainer.dp_size * config.trainer.tp_size * config.trainer.pp_size
+    """Trainer processes of a run: ``--dp-size x --tp-size x --pp-size x --cp-size``
+    (docs/design.md §19 "Trainer ranks", §22 "Pipeline parallelism in the megatron backend",
+    §23 "Context parallelism in the megatron backend")."""
+    t = config.trainer
+    return t.dp_size * t.tp_size * t.pp_size * t.cp_size
 
 
 def actor_specs(config: RunConfig, checkpoint_dir: Path,

@@ -7,7 +7,7 @@ Usage (one node; several nodes: the same command on each, with torchrun's ``--nn
     torchrun --nproc-per-node 4 -m tools.torchrun_entry --curve-keys DIR [replayrl train flags]
 
 Roles: rank 0 runs the driver loop and serves ``version_clock`` and ``rollout_manager``;
-the last ``T = --dp-size x --tp-size`` ranks serve the trainer ranks ``trainer``,
+the last ``T = --dp-size x --tp-size x --cp-size`` ranks serve the trainer ranks ``trainer``,
 ``trainer_1`` .. (docs/design.md §19 "Trainer ranks"); the ranks between serve ``engine_0 ..``.
 The actor with index ``i`` in the run's actor list listens on ``tcp://ADDR:MASTER_PORT + 1 + i``,
 where ``ADDR`` is its rank's address toward ``MASTER_ADDR`` (:mod:`tools.rank_hosts`); the ranks

@@ -62,9 +62,13 @@ class TrainerConfig:
             ranks"): each trains a contiguous, equal share of every batch, and the refill
             quantum makes every replacement batch split evenly over them.
         tp_size, ep_size, pp_size: the megatron trainer's tensor-, expert- and
-            pipeline-parallel sizes (``--tp-size`` / ``--ep-size`` / ``--pp-size``); the
-            trainer has ``dp_size x tp_size x pp_size`` ranks (docs/design.md §22 "Pipeline
-            parallelism in the megatron backend").
+            pipeline-parallel sizes (``--tp-size`` / ``--ep-size`` / ``--pp-size``;
+            docs/design.md §22 "Pipeline parallelism in the megatron backend").
+        cp_size: the megatron trainer's context-parallel size (``--cp-size``; docs/design.md
+            §23 "Context parallelism in the megatron backend"): each rank of a CP group holds
+            2 of ``2 x cp_size`` chunks of every row. The trainer has ``dp_size x tp_size x
+            pp_size x cp_size`` ranks; CP ranks are not data-parallel ranks (they train the
+            same share).
         vpp_size, microbatch_group_size: the virtual pipeline layout of the refill quantum;
             the megatron backend runs its stages without the interleaved (VPP) schedule, so
             ``vpp_size`` is 1.
@@ -133,11 +137,14 @@ class TrainerConfig:
                            Range(low=1))
     tp_size: int = setting(1, "tp-size", "tensor-parallel size of the megatron trainer "
                            "(sequence parallel with it); trainer ranks = --dp-size x --tp-size "
-                           "x --pp-size", Range(low=1))
+                           "x --pp-size x --cp-size", Range(low=1))
     ep_size: int = setting(1, "ep-size", "expert-parallel size of the megatron trainer (divides "
-                           "--dp-size x --tp-size)", Range(low=1))
+                           "--dp-size x --tp-size x --cp-size)", Range(low=1))
     pp_size: int = setting(1, "pp-size", "pipeline-parallel stages of the megatron trainer "
                            "(divides the model's layers; megatron's 1F1B schedule)", Range(low=1))
+    cp_size: int = setting(1, "cp-size", "context-parallel size of the megatron trainer (each "
+                           "rank holds 2 of 2 x N chunks of every row); trainer ranks = "
+                           "--dp-size x --tp-size x --pp-size x --cp-size", Range(low=1))
     vpp_size: int = setting(1, "vpp-size", "virtual pipeline size (refill quantum)",
                             Choices((1,), why="the megatron backend's pipeline runs without the "
                                     "interleaved (VPP) schedule"))
@@ -158,9 +165,19 @@ class TrainerConfig:
             (self.train_backend == "megatron" or (self.tp_size, self.ep_size, self.pp_size) == (1, 1, 1),
              "--tp-size / --ep-size / --pp-size need --train-backend megatron (the torch trainer "
              "replicates the whole model on every rank)"),
-            ((self.dp_size * self.tp_size) % self.ep_size == 0,
-             f"--ep-size {self.ep_size} must divide the {self.dp_size * self.tp_size} trainer "
-             f"ranks (--dp-size x --tp-size)"),
+            (self.train_backend == "megatron" or self.cp_size == 1,
+             "--cp-size needs --train-backend megatron (the torch trainer holds whole rows on "
+             "every rank)"),
+            (self.cp_size == 1 or not self.use_packing,
+             f"--cp-size {self.cp_size} shards right-padded rows; --use-packing is not supported "
+             f"with it"),
+            (self.cp_size == 1 or self.pp_size == 1,
+             f"--cp-size {self.cp_size} with --pp-size {self.pp_size}: context parallelism runs "
+             f"without pipeline stages (the CP attention is not in the pipeline schedule yet)"),
+            ((self.dp_size * self.tp_size * self.cp_size) % self.ep_size == 0,
+             f"--ep-size {self.ep_size} must divide the "
+             f"{self.dp_size * self.tp_size * self.cp_size} trainer ranks "
+             f"(--dp-size x --tp-size x --cp-size)"),
         ]
         for ok, message in checks:
             if not ok:

@@ -18,7 +18,11 @@ Forward (docs/design.md §16 "The megatron-core backend"):
   ``vocab_parallel_cross_entropy``;
 * rows are right-padded, so the causal mask alone keeps real queries off padding keys and
   megatron's RoPE positions ``0 .. S-1`` are the batch's position ids; packed rows
-  (``--use-packing``) would need per-segment positions and are refused.
+  (``--use-packing``) would need per-segment positions and are refused;
+* with context parallelism (``--cp-size``) each rank forwards its 2 of ``2 * cp`` chunks of
+  every row, replays the routing trace's matching rows, computes the logprobs of its own
+  positions and gathers them back (:mod:`trainer.backends.megatron_context_parallel`,
+  docs/design.md §23 "Context parallelism in the megatron backend").
 
 Every rank of the world constructs the backend and makes the same calls in the same order
 (they are collectives when the world has more than one rank). With pipeline parallelism
@@ -44,6 +48,7 @@ from rollout.model.loader import load_pretrained
 from rollout.model.config import ModelConfig
 from rollout.model.qwen3_moe import Qwen3MoeForCausalLM
 from trainer.backends.base import ReplayedForward, TrainerBackend
+from trainer.backends.megatron_context_parallel import ContextParallel, row_layout
 from trainer.backends.megatron_model import MegatronModelError, MegatronParallel, build_gpt_model, init_parallel
 from trainer.batch import TrainBatch
 from trainer.config import TrainerConfig
@@ -62,7 +67,8 @@ class MegatronBackend(TrainerBackend):
         config: trainer settings (``torch_threads``, ``seed``, optimizer, replay switches).
         vocab_tokens: the tokenizer vocabulary written with checkpoints.
         parallel: the layout of a world of megatron ranks (torchrun's, every rank constructs
-            the backend); None (the trainer ranks of a run): ``--tp-size`` / ``--ep-size`` over
+            the backend); None (the trainer ranks of a run): ``--tp-size`` / ``--ep-size`` /
+            ``--cp-size`` over
             the trainer ranks' process group (docs/design.md §19 "Trainer ranks"), or one rank
             in a process group of its own when the run has one trainer rank.
 
@@ -75,7 +81,11 @@ class MegatronBackend(TrainerBackend):
     def __init__(self, checkpoint_dir: str, config: TrainerConfig, vocab_tokens: Sequence[str],
                  *, parallel: MegatronParallel | None = None) -> None:
         own_world = parallel is None
-        parallel = parallel or MegatronParallel(tp=config.tp_size, ep=config.ep_size, pp=config.pp_size)
+        parallel = parallel or MegatronParallel(tp=config.tp_size, ep=config.ep_size,
+                                                pp=config.pp_size, cp=config.cp_size)
+        if parallel.pp > 1 and parallel.cp > 1:
+            raise MegatronModelError(f"--cp-size {parallel.cp} with --pp-size {parallel.pp}: "
+                                     "context parallelism runs without pipeline stages")
         if config.use_packing:
             raise MegatronModelError("--use-packing is not supported by --train-backend megatron "
                                      "(packed rows need per-segment RoPE positions)")
@@ -86,6 +96,7 @@ class MegatronBackend(TrainerBackend):
         torch.manual_seed(config.seed)
         hf_model, self._model_config = load_pretrained(checkpoint_dir, dtype=torch.float32)
         init_parallel(parallel, config.seed, own_world=own_world)
+        self.context = ContextParallel.from_megatron() if parallel.cp > 1 else None
 
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -140,7 +151,8 @@ class MegatronBackend(TrainerBackend):
         t = _check_temperature(cfg.temperature)
         full = batch.tokens.shape[1]
         width = int(batch.pos.max()) + 1 if len(batch.pos) else 1
-        width += -width % self.parallel.tp  # SP splits the sequence evenly over TP ranks
+        # SP splits the sequence evenly over TP ranks, CP into 2 x cp chunks (§23)
+        width = row_layout(width, self.parallel.cp, self.parallel.tp).total_length
         tokens = torch.zeros(batch.tokens.shape[0], width, dtype=torch.long)
         n = min(width, full)
         tokens[:, :n] = batch.tokens[:, :n]
@@ -150,10 +162,14 @@ class MegatronBackend(TrainerBackend):
             trace = batch.routed_experts[:, :n]
             if n < width:
                 trace = torch.cat([trace, trace.new_full((trace.shape[0], width - n, *trace.shape[2:]), -1)], 1)
+        cp = self.context
+        if cp is not None:  # this rank's chunks of every row; RoPE slices itself alike
+            tokens, positions = cp.shard(tokens), cp.shard(positions)
+            trace = cp.shard(trace) if trace is not None else None
         if self.routing is not None:
             self.routing.begin(trace)
         if self.indexer is not None:
-            keys = torch.zeros(tokens.shape, dtype=torch.bool)
+            keys = torch.zeros((tokens.shape[0], width), dtype=torch.bool)  # whole rows under CP
             keys[:, :n] = batch.key_padding_mask[:, :n]
             index = None
             if cfg.use_indexer_replay and batch.indexer_topk is not None:
@@ -169,13 +185,15 @@ class MegatronBackend(TrainerBackend):
                     logp = run_schedule(self.ddp, tokens, positions,
                                         lambda logits: self._logprobs(logits, batch, t), loss_fn)
                     logp = broadcast_from_last_stage(logp, len(batch.row))
-                else:
+                else:  # logits [B, S / cp, V / tp]
                     logp = self._logprobs(self.ddp(tokens, positions, attention_mask=None), batch, t)
             choices = (None, None, None, None)
             if capture:
                 pad = lambda c: torch.cat([c[:, :full], c.new_full(
                     (c.shape[0], max(0, full - c.shape[1]), *c.shape[2:]), -1)], 1)
                 routing = self.routing.collect(tokens.shape[0]) if self.routing is not None else None
+                if cp is not None and routing is not None:  # [B, S / cp, ...] -> [B, S, ...]
+                    routing = tuple(cp.gather(c, 1) for c in routing)
                 index = self.indexer.collect() if self.indexer is not None else None
                 if self.parallel.pp > 1:  # each stage captured its own layers' columns
                     from trainer.backends.megatron_pipeline import gather_stage_choices
@@ -196,14 +214,22 @@ class MegatronBackend(TrainerBackend):
 
     def _logprobs(self, logits: torch.Tensor, batch: TrainBatch, t: float) -> torch.Tensor:
         """float32 [N] logprobs of ``batch``'s response tokens from vocabulary-parallel logits
-        ``[B, S, V / tp]`` (support replay, or the full vocabulary)."""
-        rows = logits[batch.row, batch.pos].float()
-        if batch.support is not None:
-            return vocab_parallel_support_logprobs(rows, batch.support, t, group=self.tp_group)
-        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+        ``[B, S / cp, V / tp]`` (support replay, or the full vocabulary); under context
+        parallelism each rank computes its own positions' and they are gathered back (§23)."""
+        def of(rows: torch.Tensor, select) -> torch.Tensor:  # the tokens `select` (None: all)
+            pick = (lambda a: a) if select is None else (lambda a: a[select])
+            rows = rows.float()
+            if batch.support is not None:
+                return vocab_parallel_support_logprobs(rows, pick(batch.support), t, group=self.tp_group)
+            from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-        logp = -vocab_parallel_cross_entropy(rows / t, batch.targets.long())
-        return torch.where(batch.targets >= 0, logp, torch.zeros_like(logp))
+            targets = pick(batch.targets)
+            logp = -vocab_parallel_cross_entropy(rows / t, targets.long())
+            return torch.where(targets >= 0, logp, torch.zeros_like(logp))
+
+        if self.context is None:
+            return of(logits[batch.row, batch.pos], None)
+        return self.context.logprobs(logits, batch.row, batch.pos, of)
 
     def preflight_logprobs(self, batch: TrainBatch) -> ReplayedForward:
         """See :meth:`TrainerBackend.preflight_logprobs` (a no-grad, capturing forward)."""

@@ -31,6 +31,10 @@ Items (:data:`ITEMS`):
 * ``sp_layernorm`` -- the local (torch) norm asserts ``not sequence_parallel``; under sequence
   parallelism it is built as usual and its weights are marked ``sequence_parallel`` so that
   megatron's ``finalize_model_grads`` sums their gradients over the tensor-parallel group.
+* ``cp_rotary`` -- under context parallelism the rotary embedding takes its CP rank's two
+  chunks of the table (``get_pos_emb_on_this_cp_rank``) with an index tensor built with
+  ``pin_memory=True`` and moved by ``.cuda()``; the same selection with a CPU index tensor
+  (docs/design.md §23 "Context parallelism in the megatron backend").
 """
 from __future__ import annotations
 
@@ -44,7 +48,7 @@ from torch.overrides import TorchFunctionMode
 __all__ = ["ITEMS", "CompatError", "enable", "enabled_items", "cpu_device_scope"]
 
 ITEMS = ("current_device", "rng_tracker", "streams", "cuda_allocations", "param_type",
-         "te_general_gemm", "alltoall_split_sizes", "sp_layernorm")
+         "te_general_gemm", "alltoall_split_sizes", "sp_layernorm", "cp_rotary")
 """Names of the compatibility items, in the order :func:`enable` applies them."""
 
 _ENABLED: set[str] = set()
@@ -236,6 +240,23 @@ def _patch_sp_norm() -> None:
     torch_norm.WrappedTorchNorm.__new__ = __new__
 
 
+def _patch_cp_rotary() -> None:
+    from megatron.core.models.common.embeddings import rotary_pos_embedding
+
+    def get_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
+        """megatron-core 0.16.1's ``rope_utils.get_pos_emb_on_this_cp_rank`` with the index
+        tensor on the table's device: chunks ``r`` and ``2c - 1 - r`` of ``2c`` along ``seq_dim``."""
+        if cp_group is None:
+            raise ValueError("cp_group must be provided to get positional embedding per CP rank")
+        size, rank = cp_group.size(), cp_group.rank()
+        index = torch.tensor([rank, 2 * size - rank - 1], device=pos_emb.device)
+        pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * size, -1, *pos_emb.shape[seq_dim + 1:])
+        pos_emb = pos_emb.index_select(seq_dim, index)
+        return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2:])
+
+    rotary_pos_embedding.get_pos_emb_on_this_cp_rank = get_pos_emb_on_this_cp_rank
+
+
 # --------------------------------------------------------------------------- enable
 
 
@@ -308,4 +329,5 @@ _APPLY = {
     "te_general_gemm": _apply_te_general_gemm,
     "alltoall_split_sizes": _patch_all_to_all,
     "sp_layernorm": _patch_sp_norm,
+    "cp_rotary": _patch_cp_rotary,
 }

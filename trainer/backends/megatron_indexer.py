@@ -13,7 +13,9 @@ convention). Everything else (QKV, q/k norm, RoPE, softmax, output projection, T
 megatron's (docs/design.md §16 "The megatron-core backend").
 
 Under sequence parallelism each rank all-gathers the (no-grad) attention input over the TP
-group, so every TP rank computes the same slots. The indexer's weights are frozen, as in the
+group, and under context parallelism over the CP group (back in global order), so every rank
+scores every query against all keys and computes the same slots; the CP core attention takes
+its own query rows of the mask (docs/design.md §23 "Context parallelism in the megatron backend"). The indexer's weights are frozen, as in the
 embedded model.
 
 :class:`IndexerReplay` carries one forward's inputs (the padding layout and the replayed trace,
@@ -120,12 +122,16 @@ def indexed_attention_class(config: ModelConfig, replay: IndexerReplay):
 
         def forward(self, hidden_states, attention_mask=None, **kwargs):
             """hidden_states ``[S_local, B, hidden]``; ``attention_mask`` is replaced by the
-            indexer's mask of this layer."""
+            indexer's mask of this layer (``[B, 1, S, S]`` over the whole row)."""
             x = hidden_states.detach()
             if self.config.sequence_parallel and ps.get_tensor_model_parallel_world_size() > 1:
                 parts = [torch.empty_like(x) for _ in range(ps.get_tensor_model_parallel_world_size())]
                 dist.all_gather(parts, x.contiguous(), group=ps.get_tensor_model_parallel_group())
                 x = torch.cat(parts)
+            if ps.get_context_parallel_world_size() > 1:
+                from trainer.backends.megatron_context_parallel import ContextParallel
+
+                x = ContextParallel.from_megatron().gather(x, 0)
             with torch.no_grad():
                 mask = replay.mask(self.layer_number - 1, x.transpose(0, 1), self.indexer)
             return super().forward(hidden_states, attention_mask=mask, **kwargs)

@@ -19,7 +19,9 @@ with the local (non-TransformerEngine) layer specs computes the same function as
 The DSA-style indexer of ``ModelConfig.indexed_layers`` is the embedded model's own, placed in
 front of megatron's self-attention on those layers
 (:mod:`trainer.backends.megatron_indexer`): megatron-core's DSA indexer needs TransformerEngine
-and multi-latent attention and cannot be built on CPU.
+and multi-latent attention and cannot be built on CPU. Under context parallelism every layer's
+core attention is :mod:`trainer.backends.megatron_context_parallel`'s (megatron-core's local
+attention refuses ``context_parallel_size > 1``).
 """
 from __future__ import annotations
 
@@ -49,16 +51,19 @@ class MegatronParallel:
             requires it for MoE layers under TP).
         ep: expert-parallel size.
         pp: pipeline-parallel size (stages hold contiguous, equal layer ranges).
+        cp: context-parallel size (each rank holds 2 of ``2 * cp`` chunks of every row;
+            :mod:`trainer.backends.megatron_context_parallel`).
 
-    The data-parallel size is what remains of the world: ``world / (tp * pp)``.
+    The data-parallel size is what remains of the world: ``world / (tp * pp * cp)``.
     """
 
     tp: int = 1
     ep: int = 1
     pp: int = 1
+    cp: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tp", "ep", "pp"):
+        for name in ("tp", "ep", "pp", "cp"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise MegatronModelError(f"MegatronParallel.{name} must be an int >= 1, got {v!r}")
@@ -79,8 +84,8 @@ def init_parallel(parallel: MegatronParallel, seed: int, *, own_world: bool = Fa
     Applies :mod:`trainer.backends.megatron_cpu_compat` first (it does nothing with CUDA).
 
     Raises:
-        MegatronModelError: the world size is not a multiple of ``tp * pp``, or ``ep`` does
-            not divide ``world / pp``.
+        MegatronModelError: the world size is not a multiple of ``tp * pp * cp``, or ``ep``
+            does not divide ``world / pp``.
     """
     from trainer.backends import megatron_cpu_compat
 
@@ -97,12 +102,13 @@ def init_parallel(parallel: MegatronParallel, seed: int, *, own_world: bool = Fa
 
     world = dist.get_world_size()
     p = parallel
-    if world % (p.tp * p.pp) or (world // p.pp) % p.ep:
+    if world % (p.tp * p.pp * p.cp) or (world // p.pp) % p.ep:
         raise MegatronModelError(f"world size {world} does not fit tp={p.tp} x pp={p.pp} "
-                                 f"(x ep={p.ep} over the non-pipeline ranks)")
+                                 f"x cp={p.cp} (x ep={p.ep} over the non-pipeline ranks)")
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    ps.initialize_model_parallel(p.tp, p.pp, expert_model_parallel_size=p.ep)
+    ps.initialize_model_parallel(p.tp, p.pp, context_parallel_size=p.cp,
+                                 expert_model_parallel_size=p.ep)
     model_parallel_cuda_manual_seed(int(seed))
 
 
@@ -147,6 +153,7 @@ def transformer_config(config: ModelConfig, parallel: MegatronParallel):
         bf16=False, fp16=False, tensor_model_parallel_size=p.tp,
         sequence_parallel=p.sequence_parallel, expert_model_parallel_size=p.ep,
         pipeline_model_parallel_size=p.pp, pipeline_dtype=torch.float32,
+        context_parallel_size=p.cp,
         gradient_accumulation_fusion=False, persist_layer_norm=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
         # pipeline p2p: the device synchronize after batched send / recv works around an old
@@ -189,6 +196,13 @@ def build_gpt_model(config: ModelConfig, parallel: MegatronParallel):
             if layer in config.indexed_layers:  # layer specs are shared objects: copy, then swap
                 spec.layer_specs[j] = copy.deepcopy(spec.layer_specs[j])
                 spec.layer_specs[j].submodules.self_attention.module = attention
+    if parallel.cp > 1:  # megatron's local attention has no CP (docs/design.md §23)
+        from trainer.backends.megatron_context_parallel import context_parallel_attention_class
+
+        core = context_parallel_attention_class()
+        for j, layer_spec in enumerate(spec.layer_specs):
+            spec.layer_specs[j] = copy.deepcopy(layer_spec)
+            spec.layer_specs[j].submodules.self_attention.submodules.core_attention = core
     model = GPTModel(tcfg, spec, vocab_size=config.vocab_size,
                      max_sequence_length=config.max_position_embeddings,
                      pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),

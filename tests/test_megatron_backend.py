@@ -215,18 +215,7 @@ def test_replayrl_train_runs_with_the_megatron_backend(tmp_path):
 def test_torchrun_launcher_runs_the_megatron_trainer_rank(tmp_path, curve_keys_dir):
     # the trainer is one rank of an actor world whose other ranks never join a process group:
     # the backend must make a process group of its own instead of waiting for them
-    import json
-
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=3",
-         f"--master-port={_port()}", "-m", "tools.torchrun_entry", "--num-steps", "2",
-         "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--no-progress",
-         "--output-dir", str(tmp_path), "--train-backend", "megatron", "--ready-timeout", "120",
-         "--curve-keys", curve_keys_dir],
-        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
-        timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = _torchrun_train(tmp_path, 3, curve_keys_dir, "--train-backend", "megatron")
     assert [r["trainer_version"] for r in rows] == [1, 2]
 
 
@@ -249,13 +238,35 @@ def torch_first_step(tmp_path_factory):
     return _train(tmp_path_factory.mktemp("torch1"), 1)[0]
 
 
-@pytest.mark.parametrize("layout", [("--tp-size", "2"), ("--dp-size", "2", "--ep-size", "2")],
-                         ids=["tp2_sp", "dp2_ep2_distopt"])
-def test_replayrl_train_runs_the_megatron_trainer_on_two_ranks(tmp_path, torch_first_step, layout):
+def _torchrun_train(out: Path, nproc: int, curve_keys: str, *flags: str) -> list[dict]:
+    """``torchrun --nproc-per-node nproc -m tools.torchrun_entry`` for two steps, the flags of
+    :func:`_train`; the metrics rows."""
+    import json
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+         f"--master-port={_port()}", "-m", "tools.torchrun_entry", "--num-steps", "2",
+         "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--no-progress",
+         "--output-dir", str(out), "--ready-timeout", "120", "--curve-keys", curve_keys, *flags],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+        timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("launch", ["replayrl_train", "torchrun"])
+def test_the_megatron_trainer_trains_on_two_ranks(tmp_path, torch_first_step, curve_keys_dir, launch):
     # docs/design.md §19: the trainer is two processes (trainer, trainer_1) in one megatron
     # world; both steps train, the second on samples from the pushed weights, and the first
-    # takes the torch trainer's step on the same batch (same gradient norm)
-    rows = _train(tmp_path, 2, "--train-backend", "megatron", *layout)
+    # takes the torch trainer's step on the same batch (same gradient norm). `replayrl train`
+    # runs DP=2 + EP=2 with the distributed optimizer; torchrun runs TP=2 + SP on 4 ranks
+    # (driver, one engine, trainer, trainer_1: the plan counts --dp-size x --tp-size trainer
+    # ranks), its trainer ranks meeting in a group of their own inside the 4-rank world
+    if launch == "torchrun":
+        rows = _torchrun_train(tmp_path, 4, curve_keys_dir, "--train-backend", "megatron",
+                               "--tp-size", "2")
+    else:
+        rows = _train(tmp_path, 2, "--train-backend", "megatron", "--dp-size", "2", "--ep-size", "2")
     assert [r["trainer_version"] for r in rows] == [1, 2]
     assert [r["staleness_max"] for r in rows] == [0, 1]
     assert all(r["routing_flip_rate"] == 0 and r["indexer_flip_rate"] == 0 for r in rows)

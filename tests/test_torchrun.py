@@ -75,6 +75,9 @@ def test_two_trainer_ranks_under_torchrun(tmp_path, curve_keys_dir):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["trainer_version"] for r in rows] == [1, 2]
     assert [r["loss_tokens"] > 0 for r in rows] == [True, True]
+    # every trainable parameter gets a gradient each step (tests/test_model_expert_stack.py):
+    # DDP is not asked to look for unused ones, and so does not warn that it found none
+    assert "find_unused_parameters" not in proc.stderr
 
 
 def test_the_plan_gives_the_last_ranks_to_the_trainer_ranks(tmp_path):

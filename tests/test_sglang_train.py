@@ -27,9 +27,8 @@ TIMING = ("seconds", "per_second")  # wall-clock figures differ between any two 
 
 @pytest.fixture(scope="module")
 def serve_url():
-    flags = [f"--{k}={v}" if not isinstance(v, bool) else (f"--{k}" if v else f"--no-{k}")
-             for k, v in SMALL.items()]
-    proc = subprocess.Popen([sys.executable, "-m", "tools.cli", "serve", "--port", "0", *flags],
+    # the embedded default policy: serve takes train's model flags only (none needed here)
+    proc = subprocess.Popen([sys.executable, "-m", "tools.cli", "serve", "--port", "0"],
                             cwd=REPO, stdout=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": str(REPO)})
     try:

@@ -142,7 +142,7 @@ def test_repl_command_reads_stdin_and_stops_every_actor(tmp_path):
     script = "\n".join([
         "print('CLOCK', version_clock.state())",
         "print('PIDS', sorted(a.__ping__()['pid'] for a in actors.values()))",
-        "trainer.no_such_method()",  # the error is shown, the console goes on
+        "trainer.trian()",  # a typo: one line, no traceback; the console goes on
         "print('STILL', trainer.state()['version'])",
         "exit()",
     ]) + "\n"
@@ -159,9 +159,39 @@ def test_repl_command_reads_stdin_and_stops_every_actor(tmp_path):
     pids = ast.literal_eval(lines["PIDS"])
     assert len(set(pids)) == 4  # clock, engine, manager, trainer
     assert lines["STILL"] == "0"
-    assert "has no method 'no_such_method'" in proc.stderr
+    # the refused call as one line naming the actor, the method and the close match
+    assert ("\nActorCallError: actor 'trainer' (TrainerActor) has no method 'trian'; did you "
+            "mean 'train'?\n") in proc.stderr.replace(">>> ", "\n")
+    assert "Traceback" not in proc.stderr
     assert not [p for p in pids if _alive(p)]
     assert [p for p in tmp.iterdir() if p.name.startswith("replayrl-")] == []  # ipc dir gone
+
+
+def test_a_refused_call_prints_one_line_and_other_errors_their_traceback(capsys):
+    from tools.repl_console import Console
+
+    def typo():
+        raise ActorCallError("actor 'trainer' (TrainerActor) has no method 'trian'; did you mean 'train'?")
+
+    console = Console({"typo": typo, "boom": lambda: 1 / 0})
+    console.push("typo()")
+    assert capsys.readouterr().err == ("ActorCallError: actor 'trainer' (TrainerActor) has no "
+                                       "method 'trian'; did you mean 'train'?\n")
+    console.push("boom()")
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback") and err.endswith("ZeroDivisionError: division by zero\n")
+
+
+def test_metrics_keeps_the_step_column_whatever_keys_are_asked():
+    from tools.repl_views import metrics_text
+
+    rows = [{"step": 3, "reward_mean": 0.25, "samples": 4}, {"step": 4, "reward_mean": 0.5}]
+    assert metrics_text(rows, ["reward_mean", "samples"]).splitlines() == [
+        "step  reward_mean  samples",
+        "   3         0.25        4",
+        "   4          0.5        -"]
+    # asked for explicitly (anywhere), it stays one column, the first
+    assert metrics_text(rows, ["reward_mean", "step"]).splitlines()[0] == "step  reward_mean"
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")

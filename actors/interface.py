@@ -10,6 +10,7 @@ the import direction of the packages (``tools -> {rollout, trainer} -> actors``)
 """
 from __future__ import annotations
 
+import difflib
 import inspect
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -118,13 +119,21 @@ class ActorInterface:
         """Check that ``method(*args, **kwargs)`` fits the remote method's signature.
 
         Raises:
-            ActorCallError: no such public method (the message lists the methods), or the
-                arguments do not bind (the message gives the signature).
+            ActorCallError: no such public method (the message names the closest methods,
+                or lists them all when none is close), or the arguments do not bind (the
+                message gives the signature).
         """
         signature = self.signatures.get(method)
         if signature is None:
+            # a misspelling: the closest names, best first (difflib's similarity ratio >= 0.7:
+            # one swapped or missing letter in a short name; 0.6, its default, also offered
+            # 'echo' for 'recrod'), else every method
+            close = [repr(m) for m in difflib.get_close_matches(method, self.signatures, n=3,
+                                                                cutoff=0.7)]
+            hint = (f"did you mean {' or '.join(close)}?" if close
+                    else f"its methods: {', '.join(sorted(self.signatures))}")
             raise ActorCallError(f"actor {self.actor!r} ({self.actor_class}) has no method "
-                                 f"{method!r}; its methods: {', '.join(sorted(self.signatures))}")
+                                 f"{method!r}; {hint}")
         try:
             signature.bind(*args, **kwargs)
         except TypeError as exc:

@@ -33,6 +33,7 @@ from actors.actor import Actor, ActorServer
 from actors.directory import Directory
 from actors.errors import ActorDied, ActorError, PeerLost, RemoteError
 from actors.loop import run_event_loop
+from actors.process_title import set_process_title
 from actors.ref import (close_connections, connection_lost, use_curve_keys,
                         use_heartbeat_deadline, use_shared_memory)
 from actors.run_dir import leave_run_dir
@@ -162,8 +163,9 @@ async def serve_actor(actor: Actor, name: str, directory: Directory,
 
 def _child_main(spec: ActorSpec, endpoints: dict[str, str], curve_keys: str,
                 heartbeat_deadline_s: float, shm: tuple[int, int], parent_pid: int, run_dir: str,
-                log_level: int) -> None:
+                log_level: int, run_name: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher owns Ctrl-C
+    set_process_title(spec.name, run_name or run_dir)
     os.environ.update(spec.env)
     if spec.cpus:
         os.sched_setaffinity(0, spec.cpus)
@@ -210,6 +212,8 @@ class Supervisor:
         on_replaced: coroutine function called with the name of a replaced actor once it
             serves (the launcher pushes the current weights to a replaced engine); its error
             ends the run.
+        run_name: the run in each actor process's title (``ps``: ``replayrl actor NAME run
+            RUN``, :mod:`actors.process_title`); empty: ``run_dir``.
     Raises:
         ValueError: duplicate names, an unknown ``on_lost``, or an ``expendable`` name that
             is not among ``specs``.
@@ -218,7 +222,8 @@ class Supervisor:
     def __init__(self, specs: list[ActorSpec], directory: Directory, run_dir: str | Path,
                  *, ready_timeout: float = 120.0, log_level: int = logging.WARNING,
                  expendable: tuple[str, ...] = (), on_lost: str = "fail",
-                 on_replaced: Callable[[str], Awaitable[Any]] | None = None) -> None:
+                 on_replaced: Callable[[str], Awaitable[Any]] | None = None,
+                 run_name: str = "") -> None:
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
             raise ValueError(f"actor names must be unique, got {names}")
@@ -234,6 +239,7 @@ class Supervisor:
         self.expendable = tuple(expendable)
         self.on_lost = on_lost
         self.on_replaced = on_replaced
+        self.run_name = run_name
         self.processes: dict[str, mp.process.BaseProcess] = {}
         self.dropped: dict[str, str] = {}  # name -> why it was lost (on_lost "drop")
         self.replacements: dict[str, int] = {}  # name -> processes started in its place
@@ -268,7 +274,7 @@ class Supervisor:
             target=_child_main, name=f"replayrl-{spec.name}", daemon=False,
             args=(spec, self.directory.to_dict(), self.directory.curve_keys,
                   self.directory.heartbeat_deadline_s, self.directory.shm, os.getpid(),
-                  str(self.run_dir), self.log_level))
+                  str(self.run_dir), self.log_level, self.run_name))
         proc.start()
         self.processes[spec.name] = proc
 

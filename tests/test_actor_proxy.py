@@ -37,8 +37,12 @@ async def test_proxy_checks_calls_at_the_call_site(run_dir):
 
         with pytest.raises(ActorCallError) as info:
             await a.recrod(6)  # misspelt
-        message = str(info.value)
-        assert "actor 'a' (EchoActor) has no method 'recrod'" in message and "record" in message
+        # the closest names, best first; an unlike name lists every method instead
+        assert str(info.value) == ("actor 'a' (EchoActor) has no method 'recrod'; did you mean "
+                                   "'record' or 'recorded'?")
+        with pytest.raises(ActorCallError, match=r"has no method 'zzz'; its methods: crash, echo, "
+                                                 r"fail, pid, record, recorded, sleep, "):
+            await a.zzz()
 
         with pytest.raises(ActorCallError, match=r"a\.record\(i: int\) -> None: too many"):
             await a.record(7, 8)

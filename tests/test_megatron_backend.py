@@ -236,42 +236,19 @@ def test_pipeline_stages_replay_their_own_global_layers(checkpoint, tmp_path):
             assert np.array_equal(got[f"target{rank}_{layer}"], want), (rank, layer)
 
 
-def test_replayrl_train_runs_with_the_megatron_backend(tmp_path):
-    # the whole system (engines, manager, clock, TrainerActor) with the megatron trainer: it
-    # steps, its weight pushes reach the engines (staleness 1 on the second step) and the
-    # replayed routing / indexer choices are the engines' (flip rate 0)
-    import json
-
-    proc = subprocess.run(
-        [sys.executable, "-m", "tools.cli", "train", "--train-backend", "megatron", "--num-steps",
-         "3", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--no-progress",
-         "--output-dir", str(tmp_path)],
-        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
-        timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+def test_torchrun_launcher_runs_the_megatron_trainer_rank(tmp_path, curve_keys_dir, torch_first_step):
+    # the whole system (engines, manager, clock, TrainerActor) with the megatron trainer on one
+    # rank: it steps, its weight pushes reach the engines (staleness 1 from the second step) and
+    # the replayed routing / indexer choices are the engines' (flip rate 0); its first step is
+    # the torch trainer's. Under torchrun the trainer is one rank of an actor world whose other
+    # ranks never join a process group: the backend must make a process group of its own
+    # instead of waiting for them. (`replayrl train` with megatron: the two-rank test below.)
+    rows = _torchrun_train(tmp_path, 3, curve_keys_dir, "--train-backend", "megatron", steps=3)
     assert [r["trainer_version"] for r in rows] == [1, 2, 3]
     assert [r["staleness_max"] for r in rows] == [0, 1, 1]
     assert all(r["routing_flip_rate"] == 0 and r["indexer_flip_rate"] == 0 for r in rows)
-    assert json.loads((tmp_path / "config.json").read_text())["trainer"]["train_backend"] == "megatron"
-
-
-def test_torchrun_launcher_runs_the_megatron_trainer_rank(tmp_path, curve_keys_dir):
-    # the trainer is one rank of an actor world whose other ranks never join a process group:
-    # the backend must make a process group of its own instead of waiting for them
-    import json
-
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=3",
-         f"--master-port={_port()}", "-m", "tools.torchrun_entry", "--num-steps", "2",
-         "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--no-progress",
-         "--output-dir", str(tmp_path), "--train-backend", "megatron", "--ready-timeout", "120",
-         "--curve-keys", curve_keys_dir],
-        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
-        timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["trainer_version"] for r in rows] == [1, 2]
+    assert rows[0]["loss_tokens"] == torch_first_step["loss_tokens"]
+    assert rows[0]["grad_norm"] == pytest.approx(torch_first_step["grad_norm"], rel=1e-4)
 
 
 def _train(out: Path, steps: int, *flags: str) -> list[dict]:
@@ -293,15 +270,40 @@ def torch_first_step(tmp_path_factory):
     return _train(tmp_path_factory.mktemp("torch1"), 1)[0]
 
 
-@pytest.mark.parametrize("layout", [("--tp-size", "2"), ("--dp-size", "2", "--ep-size", "2"),
-                                    ("--pp-size", "2"), ("--pp-size", "2", "--preflight", "always"),
-                                    ("--cp-size", "2")],
-                         ids=["tp2_sp", "dp2_ep2_distopt", "pp2", "pp2_preflight", "cp2"])
-def test_replayrl_train_runs_the_megatron_trainer_on_two_ranks(tmp_path, torch_first_step, layout):
+def _torchrun_train(out: Path, nproc: int, curve_keys: str, *flags: str, steps: int = 2) -> list[dict]:
+    """``torchrun --nproc-per-node nproc -m tools.torchrun_entry`` for ``steps`` steps, the
+    flags of :func:`_train`; the metrics rows."""
+    import json
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+         f"--master-port={_port()}", "-m", "tools.torchrun_entry", "--num-steps", str(steps),
+         "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--no-progress",
+         "--output-dir", str(out), "--ready-timeout", "120", "--curve-keys", curve_keys, *flags],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+        timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("launch,layout", [
+    ("replayrl_train", ("--dp-size", "2", "--ep-size", "2")), ("torchrun", ("--tp-size", "2")),
+    ("replayrl_train", ("--pp-size", "2")), ("replayrl_train", ("--pp-size", "2", "--preflight", "always")),
+    ("replayrl_train", ("--cp-size", "2"))],
+    ids=["dp2_ep2_distopt", "torchrun_tp2_sp", "pp2", "pp2_preflight", "cp2"])
+def test_the_megatron_trainer_trains_on_two_ranks(tmp_path, torch_first_step, curve_keys_dir, launch,
+                                                   layout):
     # docs/design.md §19: the trainer is two processes (trainer, trainer_1) in one megatron
     # world; both steps train, the second on samples from the pushed weights, and the first
-    # takes the torch trainer's step on the same batch (same gradient norm)
-    rows = _train(tmp_path, 2, "--train-backend", "megatron", *layout)
+    # takes the torch trainer's step on the same batch (same gradient norm). `replayrl train`
+    # runs DP=2 + EP=2 with the distributed optimizer; torchrun runs TP=2 + SP on 4 ranks
+    # (driver, one engine, trainer, trainer_1: the plan counts --dp-size x --tp-size trainer
+    # ranks), its trainer ranks meeting in a group of their own inside the 4-rank world; PP=2
+    # (§22) and CP=2 (§23) run under `replayrl train` too
+    if launch == "torchrun":
+        rows = _torchrun_train(tmp_path, 4, curve_keys_dir, "--train-backend", "megatron", *layout)
+    else:
+        rows = _train(tmp_path, 2, "--train-backend", "megatron", *layout)
     assert [r["trainer_version"] for r in rows] == [1, 2]
     assert [r["staleness_max"] for r in rows] == [0, 1]
     assert all(r["routing_flip_rate"] == 0 and r["indexer_flip_rate"] == 0 for r in rows)

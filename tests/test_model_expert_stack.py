@@ -49,3 +49,30 @@ def test_a_fused_adamw_step_is_seen_by_the_next_no_grad_forward():
     fresh.load_state_dict(model.state_dict())
     after = _logits(model, tokens)
     assert not torch.equal(after, before) and torch.equal(after, _logits(fresh, tokens))
+
+
+def test_an_expert_no_token_reached_gets_a_zero_gradient_not_none():
+    # the trainer's DDP runs without find_unused_parameters (trainer/backends/torch_backend.py):
+    # that holds only while every trainable parameter is in every training forward's graph
+    cfg = default_config(30)
+    model = Qwen3MoeForCausalLM(cfg)
+    model.init_weights(0)
+    tokens = torch.randint(0, 30, (2, 5), generator=torch.Generator().manual_seed(2))
+    k = cfg.num_experts_per_tok
+    assert cfg.num_experts > k  # some expert stays unreached
+    # R3 replay sends every token of every MoE layer to experts 0 .. k-1
+    replay = torch.arange(k).expand(2, 5, len(cfg.moe_layers), k).contiguous()
+    out = model(tokens, torch.arange(5).expand_as(tokens), routed_experts=replay).logits
+    out.square().mean().backward()
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert [n for n, p in trainable.items() if p.grad is None] == []
+    for layer in cfg.moe_layers:
+        experts = model.model.layers[layer].mlp.experts
+        for e, expert in enumerate(experts):
+            grads = [p.grad for p in expert.parameters()]
+            if e < k:
+                assert all(g.abs().sum() > 0 for g in grads), (layer, e)
+            else:
+                assert all(torch.count_nonzero(g) == 0 for g in grads), (layer, e)
+    # the frozen indexer is no trainable parameter at all: DDP skips it
+    assert not any(".indexer." in n for n in trainable)

@@ -14,7 +14,7 @@ import pytest
 
 from actors import ActorCallError, ActorDied, ActorSpec, ActorTimeout, RemoteError, UnknownActor
 from tools.config import build_config
-from tools.repl import ConsoleProxy, ReplSession, SessionClosed
+from tools.repl import ConsoleProxy, ReplError, ReplSession, SessionClosed
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = {"rollout-batch-size": 2, "n-samples-per-prompt": 2, "num-steps": 1, "progress": False}
@@ -142,7 +142,7 @@ def test_repl_command_reads_stdin_and_stops_every_actor(tmp_path):
     script = "\n".join([
         "print('CLOCK', version_clock.state())",
         "print('PIDS', sorted(a.__ping__()['pid'] for a in actors.values()))",
-        "trainer.no_such_method()",  # the error is shown, the console goes on
+        "trainer.trian()",  # a typo: one line, no traceback; the console goes on
         "print('STILL', trainer.state()['version'])",
         "exit()",
     ]) + "\n"
@@ -159,9 +159,39 @@ def test_repl_command_reads_stdin_and_stops_every_actor(tmp_path):
     pids = ast.literal_eval(lines["PIDS"])
     assert len(set(pids)) == 4  # clock, engine, manager, trainer
     assert lines["STILL"] == "0"
-    assert "has no method 'no_such_method'" in proc.stderr
+    # the refused call as one line naming the actor, the method and the close match
+    assert ("\nActorCallError: actor 'trainer' (TrainerActor) has no method 'trian'; did you "
+            "mean 'train'?\n") in proc.stderr.replace(">>> ", "\n")
+    assert "Traceback" not in proc.stderr
     assert not [p for p in pids if _alive(p)]
     assert [p for p in tmp.iterdir() if p.name.startswith("replayrl-")] == []  # ipc dir gone
+
+
+def test_a_refused_call_prints_one_line_and_other_errors_their_traceback(capsys):
+    from tools.repl_console import Console
+
+    def typo():
+        raise ActorCallError("actor 'trainer' (TrainerActor) has no method 'trian'; did you mean 'train'?")
+
+    console = Console({"typo": typo, "boom": lambda: 1 / 0})
+    console.push("typo()")
+    assert capsys.readouterr().err == ("ActorCallError: actor 'trainer' (TrainerActor) has no "
+                                       "method 'trian'; did you mean 'train'?\n")
+    console.push("boom()")
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback") and err.endswith("ZeroDivisionError: division by zero\n")
+
+
+def test_metrics_keeps_the_step_column_whatever_keys_are_asked():
+    from tools.repl_views import metrics_text
+
+    rows = [{"step": 3, "reward_mean": 0.25, "samples": 4}, {"step": 4, "reward_mean": 0.5}]
+    assert metrics_text(rows, ["reward_mean", "samples"]).splitlines() == [
+        "step  reward_mean  samples",
+        "   3         0.25        4",
+        "   4          0.5        -"]
+    # asked for explicitly (anywhere), it stays one column, the first
+    assert metrics_text(rows, ["reward_mean", "step"]).splitlines()[0] == "step  reward_mean"
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
@@ -195,7 +225,7 @@ def test_attach_through_a_terminal_pauses_resumes_and_detaches_without_disturbin
     tmp.mkdir()
     env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": str(REPO), HOLD_ENV: str(release),
            "PROMPT_TOOLKIT_NO_CPR": "1", "TERM": "xterm"}
-    steps = 4
+    steps = 3  # step 1 trains while rollout 2 waits at the paused gate; step 2 after detaching
     run = subprocess.Popen(
         [sys.executable, "-m", "tools.cli", "train", "--rollout-batch-size", "2",
          "--n-samples-per-prompt", "2", "--num-steps", str(steps), "--no-progress",
@@ -207,15 +237,14 @@ def test_attach_through_a_terminal_pauses_resumes_and_detaches_without_disturbin
         endpoints = json.loads((out / "attach.json").read_text())["endpoints"]
         config = build_config({**TINY, "num-steps": steps})
 
-        # attached by one actor's address (a pipe, not a terminal): it finds every actor
-        by_address = subprocess.run(
-            [sys.executable, "-m", "tools.cli", "repl", "--attach", endpoints["version_clock"]],
-            cwd=REPO, env=env, input="print('NAMES', sorted(actors))\nmetrics()\n",
-            capture_output=True, text=True, timeout=120)
-        assert by_address.returncode == 0, by_address.stderr
-        assert ast.literal_eval(re.search(r"NAMES (.*)", by_address.stdout).group(1)) == sorted(endpoints)
-        assert "metrics.jsonl is on the driver's host" in by_address.stderr
-        assert "step()" not in by_address.stdout.split("attached")[0].replace("steps nothing", "")
+        # attached by one actor's address: it finds every actor; the metrics are on the
+        # driver's host and the help offers no step() (a session in this process: the
+        # console's command line is the terminal session's below)
+        with ReplSession(config, attach=endpoints["version_clock"]) as by_address:
+            assert sorted(by_address.namespace["actors"]) == sorted(endpoints)
+            with pytest.raises(ReplError, match="metrics.jsonl is on the driver's host"):
+                by_address.namespace["metrics"]()
+            assert "step()" not in by_address.namespace["help_text"].replace("steps nothing", "")
 
         repl = pexpect.spawn(sys.executable, ["-m", "tools.cli", "repl", "--attach", str(out)],
                              cwd=str(REPO), env=env, encoding="utf-8", timeout=120,
@@ -299,7 +328,7 @@ def test_attach_through_a_terminal_pauses_resumes_and_detaches_without_disturbin
             run.wait()
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(steps))
-    assert [r["trainer_version"] for r in rows] == [1, 2, 3, 4]
+    assert [r["trainer_version"] for r in rows] == [1, 2, 3]
     assert all(0 <= r["staleness_max"] <= 1 for r in rows)
     assert not (out / "attach.json").exists()
     assert [p for p in tmp.iterdir() if p.name.startswith("replayrl-")] == []

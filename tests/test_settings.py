@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
 
 from actors.settings import POSITIVE, Choices, Range, Rule, check_settings, setting, settings_of, show_value
-from tools.config import FLAGS, ConfigError, add_run_flags, build_config, flag_table_markdown
+from tools.config import (FLAGS, ConfigError, add_run_flags, build_config, config_from_args,
+                          flag_table_markdown)
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -96,6 +98,28 @@ def test_every_flag_is_added_to_the_parser_with_its_type():
                           "metrics_hook": ["a:b", "c:d"], "rollout_top_k": -1}
     options = {o for action in parser._actions for o in action.option_strings}
     assert {f"--{name}" for name in FLAGS} <= options
+
+
+def test_serve_lists_its_own_flags_and_the_model_flags_only(capsys, tmp_path):
+    from tools.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    # the options column of the help (help texts may mention other flags)
+    shown = {flag for line in capsys.readouterr().out.splitlines()
+             for flag in re.findall(r"--[a-z][a-z0-9-]*", line.split("  ")[1] if line.startswith("  -") else "")}
+    assert shown == {"--help", "--config", "--host", "--port", "--hf-checkpoint", "--model-indexer",
+                     "--no-model-indexer", "--engine-dtype", "--engine-torch-threads"}
+    with pytest.raises(SystemExit):  # a training flag is refused, not silently ignored
+        build_parser().parse_args(["serve", "--num-steps", "3"])
+    assert "unrecognized arguments: --num-steps" in capsys.readouterr().err
+    args = build_parser().parse_args(["serve", "--no-model-indexer", "--engine-dtype", "float32",
+                                      "--engine-torch-threads", "2", "--port", "0"])
+    config = config_from_args(args)
+    assert (config.model_indexer, config.engine_dtype, config.engine_torch_threads) == (False, "float32", 2)
+    assert not config.policy_config.indexed_layers
+    with pytest.raises(KeyError, match="no-such-flag"):
+        add_run_flags(argparse.ArgumentParser(), only=("no-such-flag",))
 
 
 def test_readme_flag_table_is_the_generated_one():

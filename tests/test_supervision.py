@@ -109,3 +109,22 @@ def test_unknown_loss_policy_and_expendable_names_are_refused(tmp_path):
         Supervisor([ActorSpec("a", ECHO)], directory, tmp_path, on_lost="ignore")
     with pytest.raises(ValueError, match="not among"):
         Supervisor([ActorSpec("a", ECHO)], directory, tmp_path, expendable=("z",))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/comm"), reason="reads /proc (Linux)")
+async def test_ps_names_each_actor_process_and_its_run(run_dir):
+    def shown(pid: int) -> tuple[str, str]:
+        # the command line as ps -f shows it (NUL-separated, padded), the comm name as top does
+        cmdline = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode().strip()
+        return cmdline, open(f"/proc/{pid}/comm").read().strip()
+
+    directory = Directory.for_run(run_dir, ["rollout_manager", "engine_0"])
+    specs = [ActorSpec("rollout_manager", ECHO), ActorSpec("engine_0", ECHO)]
+    async with Supervisor(specs, directory, run_dir, run_name="/data/run-7") as sup:
+        titles = {name: shown(proc.pid) for name, proc in sup.processes.items()}
+    # comm: "rrl:" and the name, cut by the kernel at 15 characters (TASK_COMM_LEN 16 with NUL)
+    assert titles == {"rollout_manager": ("replayrl actor rollout_manager run /data/run-7", "rrl:rollout_man"),
+                      "engine_0": ("replayrl actor engine_0 run /data/run-7", "rrl:engine_0")}
+    directory = Directory.for_run(run_dir, ["a"])
+    async with Supervisor([ActorSpec("a", ECHO)], directory, run_dir) as sup:  # no run name
+        assert shown(sup.processes["a"].pid) == (f"replayrl actor a run {run_dir}", "rrl:a")

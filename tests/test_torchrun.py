@@ -75,6 +75,9 @@ def test_two_trainer_ranks_under_torchrun(tmp_path, curve_keys_dir):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["trainer_version"] for r in rows] == [1, 2]
     assert [r["loss_tokens"] > 0 for r in rows] == [True, True]
+    # every trainable parameter gets a gradient each step (tests/test_model_expert_stack.py):
+    # DDP is not asked to look for unused ones, and so does not warn that it found none
+    assert "find_unused_parameters" not in proc.stderr
 
 
 def test_the_plan_gives_the_last_ranks_to_the_trainer_ranks(tmp_path):
@@ -90,6 +93,12 @@ def test_the_plan_gives_the_last_ranks_to_the_trainer_ranks(tmp_path):
     assert next(s for s in specs if s.name == "trainer").kwargs["ranks"]["port"] == 40007
     with pytest.raises(ConfigError, match="--nproc-per-node >= 4"):
         plan(3, config)  # no room for a driver, an engine and 2 trainer ranks
+    # megatron TP=2: --dp-size 1 x --tp-size 2 trainer ranks, the rest engines
+    tp = build_config({"rollout-batch-size": 2, "n-samples-per-prompt": 2, "train-backend": "megatron",
+                       "tp-size": 2, "output-dir": str(tmp_path)})
+    _, roles = plan(4, tp)
+    assert roles == {0: ["version_clock", "rollout_manager"], 1: ["engine_0"], 2: ["trainer"],
+                     3: ["trainer_1"]}
 
 
 def test_trainer_ranks_meet_at_the_trainer_actors_host(tmp_path):

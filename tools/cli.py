@@ -73,6 +73,11 @@ def _bench(args: argparse.Namespace) -> int:
                      failures=())
 
 
+SERVE_RUN_FLAGS = ("hf-checkpoint", "model-indexer", "engine-dtype", "engine-torch-threads")
+"""The run flags ``replayrl serve`` reads (:func:`tools.serve.main`: the policy's shape and the
+engine's precision and threads); the training flags are not its."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     parser = argparse.ArgumentParser(prog="replayrl", description=__doc__.splitlines()[0])
@@ -93,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     repl.set_defaults(func=_repl)
     serve = sub.add_parser("serve", help="the embedded engine behind SGLang's HTTP API "
                                          "(what --rollout-engine sglang talks to; extra 'serve')")
-    add_run_flags(serve)
+    add_run_flags(serve, only=SERVE_RUN_FLAGS)
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
     serve.add_argument("--port", type=int, default=30000,
                        help="port (default: 30000, SGLang's; 0 = any free port)")

@@ -23,7 +23,7 @@ from dataclasses import MISSING, asdict, dataclass, field, replace
 from functools import cached_property
 from dataclasses import fields as dataclass_fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Collection
 
 from actors.settings import Choices, Range, Rule, Setting, check_settings, setting, settings_of, show_value
 from rollout.config import RolloutConfig
@@ -393,14 +393,24 @@ FLAGS: dict[str, Flag] = _collect_flags()
 """flag name (no dashes) -> :class:`Flag`: the argparse flags, config-file keys and README rows."""
 
 
-def add_run_flags(parser: argparse.ArgumentParser) -> None:
-    """Add ``--config`` and every flag of :data:`FLAGS` to ``parser``.
+def add_run_flags(parser: argparse.ArgumentParser, only: Collection[str] | None = None) -> None:
+    """Add ``--config`` and every flag of :data:`FLAGS` (or only those named in ``only``,
+    without dashes) to ``parser``.
 
     Defaults are suppressed (``argparse.SUPPRESS``), so only the flags given on the command line
     override the config file; booleans get ``--x`` / ``--no-x``, repeatable flags append.
+
+    Raises:
+        KeyError: a name in ``only`` is no flag of :data:`FLAGS` (a programming error).
     """
+    if only is not None:
+        unknown = sorted(set(only) - set(FLAGS))
+        if unknown:
+            raise KeyError(f"add_run_flags: no such run flag(s) {unknown}")
     parser.add_argument("--config", type=Path, help="TOML or JSON file with the same keys as the flags")
     for flag in FLAGS.values():
+        if only is not None and flag.name not in only:
+            continue
         s = flag.setting
         extra: dict[str, Any] = {"metavar": s.metavar} if s.metavar else {}
         help_ = s.help.replace("%", "%%")  # argparse %-formats help texts

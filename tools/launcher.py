@@ -438,7 +438,7 @@ async def launch(config: RunConfig, log_level: int = logging.WARNING,
             # that long, so a slow start succeeds and a failed one shows the engine's own error
             ready = max(120.0, config.engine_start_timeout_s + 60.0)
             async with Supervisor(specs, directory, run_dir, log_level=log_level,
-                                  ready_timeout=ready,
+                                  ready_timeout=ready, run_name=str(output),
                                   **engine_supervision(config, directory)) as supervisor:
                 # every actor answers: a console may attach (`replayrl repl --attach OUTPUT_DIR`)
                 write_attach_card(output, directory)

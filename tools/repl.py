@@ -213,7 +213,8 @@ class ReplSession:
         self._stop_event = asyncio.Event()
         try:
             supervisor = Supervisor(self.specs, self.directory, self.run_dir,
-                                    ready_timeout=self.ready_timeout, log_level=self.log_level)
+                                    ready_timeout=self.ready_timeout, log_level=self.log_level,
+                                    run_name=str(self.config.output_dir))
             self.supervisor = supervisor
             async with supervisor:
                 self._watch = asyncio.ensure_future(supervisor.watch())

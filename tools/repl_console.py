@@ -20,6 +20,8 @@ from prompt_toolkit import PromptSession
 from prompt_toolkit.completion import Completer, Completion
 from prompt_toolkit.history import InMemoryHistory
 
+from actors import ActorCallError
+
 __all__ = ["Console", "NamespaceCompleter"]
 
 _WORD = re.compile(r"[\w.]+")
@@ -72,6 +74,17 @@ class Console(code.InteractiveConsole):
         """``code.InteractiveConsole.interact`` with the prompts :attr:`PS1` / :attr:`PS2`."""
         sys.ps1, sys.ps2 = self.PS1, self.PS2
         super().interact(banner=banner, exitmsg=exitmsg)
+
+    def showtraceback(self) -> None:
+        """A call the actor's interface refused (a misspelt method, arguments that do not fit)
+        is the user's typo, not a failure: one line naming the actor, the method and the close
+        matches or the signature (:class:`actors.ActorCallError`), without the console's own
+        frames. Every other error shows its traceback, as ``python -i`` does."""
+        error = sys.exc_info()[1]
+        if isinstance(error, ActorCallError):
+            self.write(f"{type(error).__name__}: {error}\n")
+            return
+        super().showtraceback()
 
     def raw_input(self, prompt: str = "") -> str:
         """One line from the user; ``EOFError`` on Ctrl-D, ``KeyboardInterrupt`` on Ctrl-C."""

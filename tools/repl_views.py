@@ -79,9 +79,11 @@ def _cell(value: Any) -> str:
 
 
 def metrics_text(rows: Sequence[dict], keys: Sequence[str] = METRIC_KEYS) -> str:
-    """A fixed-width table of ``keys`` (``-`` where a row lacks one), one line per row."""
+    """A fixed-width table of ``step`` and ``keys`` (``-`` where a row lacks one), one line per
+    row; ``step`` is always the first column (a row means nothing without it)."""
     if not rows:
         return "(no step recorded yet)"
+    keys = ["step", *(k for k in keys if k != "step")]
     table = [list(keys)] + [[_cell(row.get(k)) for k in keys] for row in rows]
     widths = [max(len(r[i]) for r in table) for i in range(len(keys))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in table)

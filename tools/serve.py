@@ -172,8 +172,9 @@ async def serve(config: ModelConfig, dtype: str, host: str, port: int,
 
 
 def main(args: argparse.Namespace) -> int:
-    """``replayrl serve``: the run flags choose the policy's shape and precision (as ``train``
-    would); prints ``serving on URL`` once listening."""
+    """``replayrl serve``: the run flags of :data:`tools.cli.SERVE_RUN_FLAGS` choose the
+    policy's shape and the engine's precision and threads (as in ``train``); prints
+    ``serving on URL`` once listening."""
     import torch
 
     from tools.config import config_from_args

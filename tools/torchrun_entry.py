@@ -43,6 +43,7 @@ from typing import Callable
 
 from actors import ActorError, Directory, run_event_loop
 from actors.directory import DEFAULT_HEARTBEAT_DEADLINE_S
+from actors.process_title import set_process_title
 from actors.ref import use_curve_keys, use_heartbeat_deadline
 from actors.spawn import ActorSpec, import_actor_class, serve_actor
 from tools.attach import remove_attach_card, write_attach_card
@@ -279,6 +280,8 @@ def main(argv: list[str] | None = None,
             if tokenizer == Path(config.output_dir) / "tokenizer-init":
                 write_embedded_tokenizer(tokenizer)  # the embedded tokenizer, its own copy
             check_prompt_data(config, tokenizer)  # a bad row stops the run before it starts
+        # `ps` tells the ranks apart (rank 0: the driver loop and its two actors)
+        set_process_title("driver" if "version_clock" in mine else "+".join(mine), config.output_dir)
         if "version_clock" in mine:
             print(run_event_loop(_drive(config, specs, directory, args.ready_timeout)))
         else:

@@ -402,7 +402,8 @@ class Qwen3MoeForCausalLM(nn.Module):
         compute_logits: False skips the LM head (``logits`` is None): a caller that projects
             only candidate tokens from ``hidden`` (fused support replay) never holds [B, S, V].
 
-        Experts that no token was routed to get no gradient (`grad` stays None).
+        Experts that no token was routed to get a zero gradient (all experts' weights take
+        part in one grouped matmul), so every trainable parameter is in the graph.
         Returns `CausalLMOutput`. Raises `ModelInputError` naming the argument for a wrong shape,
         dtype or value, or a cache of another model / batch / padding.
         """

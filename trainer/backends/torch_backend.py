@@ -209,11 +209,14 @@ class TorchBackend(TrainerBackend):
         self.checkpoint_dir = checkpoint_dir
         self.ddp = None
         if dist.is_initialized() and dist.get_world_size() > 1:
-            # every rank loaded the same checkpoint (DDP also broadcasts rank 0's weights);
-            # find_unused_parameters: an expert no token of this rank's microbatch reached
-            # gets no gradient here, and DDP must not wait for it
-            self.ddp = torch.nn.parallel.DistributedDataParallel(
-                _LogprobForward(self.model), find_unused_parameters=True)
+            # every rank loaded the same checkpoint (DDP also broadcasts rank 0's weights).
+            # No find_unused_parameters: every trainable parameter is in every training
+            # forward's graph. The MoE block stacks all experts' weights into one grouped
+            # matmul, so an expert no token of this rank's microbatch reached gets a zero
+            # gradient, not none; the indexer, whose top-k has no gradient, is frozen
+            # (requires_grad False), and DDP skips it. With the flag DDP walked the graph
+            # each step to find nothing and warned so once per rank.
+            self.ddp = torch.nn.parallel.DistributedDataParallel(_LogprobForward(self.model))
 
     def _make_optimizer(self) -> torch.optim.AdamW:
         cfg = self.config

@@ -167,6 +167,19 @@ def test_dp2_distributed_optimizer_averages_the_ranks_gradients(checkpoint, refe
         np.testing.assert_allclose(got[f"w1/{k}"], v, atol=STEP_ATOL, err_msg=k)
 
 
+def _torch_backend_with(checkpoint, got: dict):
+    """The torch trainer holding the worker's gathered (perturbed) weights ``got["w/NAME"]``,
+    and the perturbed case's batch (support replay, no traces)."""
+    model, _ = load_pretrained(checkpoint, dtype=torch.float32)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(torch.from_numpy(got[f"w/{n}"]))
+    backend = TorchBackend(str(checkpoint), TrainerConfig(temperature=0.8), list(VOCABULARY))
+    backend.model.load_state_dict(model.state_dict())
+    batch = collate(cases.samples(cases.perturbed(checkpoint)), routing=False, indexer=False, support=True)
+    return backend, batch
+
+
 def test_record_perturb_replay_restores_the_routing(checkpoint, tmp_path):
     got = _run(checkpoint, tmp_path, 1, "--case", "r3")
     rec, free, used, own = got["recorded"], got["free"], got["used"], got["own"]
@@ -177,13 +190,7 @@ def test_record_perturb_replay_restores_the_routing(checkpoint, tmp_path):
     assert np.array_equal(own[:, :, 0], free[:, :, 0])
     assert (own[:, :, 0] != used[:, :, 0]).any()
     # independent: the embedded torch model with the perturbed weights and the same replay
-    model, _ = load_pretrained(checkpoint, dtype=torch.float32)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            p.copy_(torch.from_numpy(got[f"w/{n}"]))
-    backend = TorchBackend(str(checkpoint), TrainerConfig(temperature=0.8), list(VOCABULARY))
-    backend.model.load_state_dict(model.state_dict())
-    batch = collate(cases.samples(cases.perturbed(checkpoint)), routing=False, indexer=False, support=True)
+    backend, batch = _torch_backend_with(checkpoint, got)
     ref = backend.preflight_logprobs(dataclasses.replace(batch, routed_experts=torch.from_numpy(rec)))
     np.testing.assert_allclose(got["logp"], ref.logprobs.numpy(), atol=2e-5)
 
@@ -209,13 +216,7 @@ def test_pipeline_r3_replays_the_last_stages_own_layers(checkpoint, tmp_path):
     assert np.array_equal(own[:, :, 1], free[:, :, 1])  # layer 2's input is stage 0's, unchanged
     assert (own[:, :, 1] != used[:, :, 1]).any()
     # independent: the embedded torch model with the gathered (perturbed) weights, same replay
-    model, _ = load_pretrained(checkpoint, dtype=torch.float32)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            p.copy_(torch.from_numpy(got[f"w/{n}"]))
-    backend = TorchBackend(str(checkpoint), TrainerConfig(temperature=0.8), list(VOCABULARY))
-    backend.model.load_state_dict(model.state_dict())
-    batch = collate(cases.samples(cases.perturbed(checkpoint)), routing=False, indexer=False, support=True)
+    backend, batch = _torch_backend_with(checkpoint, got)
     ref = backend.preflight_logprobs(dataclasses.replace(batch, routed_experts=torch.from_numpy(rec)))
     np.testing.assert_allclose(got["logp"], ref.logprobs.numpy(), atol=2e-5)
     free_ref = backend.preflight_logprobs(batch)

@@ -319,9 +319,12 @@ def _spawn_server(target, endpoint: str):
     ready = ctx.Event()
     server = ctx.Process(target=target, args=(endpoint, ready), daemon=True)
     server.start()
-    if not ready.wait(60):
-        server.kill()
-        raise RuntimeError(f"echo server {target.__name__} did not bind {endpoint!r} within 60 s")
+    deadline = time.monotonic() + 60
+    while not ready.wait(0.1):
+        if not server.is_alive() or time.monotonic() > deadline:
+            server.kill()
+            raise RuntimeError(f"echo server {target.__name__} did not bind {endpoint!r} "
+                               f"(exit code {server.exitcode}; waited up to 60 s)")
     return server
 
 

@@ -56,6 +56,7 @@ from transport.shm_pool import ShmPool, ShmReader
 SIZES = {"4 KiB": 4 << 10, "1 MiB": 1 << 20, "64 MiB": 64 << 20}
 _OVERHEAD_SIZE = "1 MiB"  # the size whose per-message overhead is printed (issue 13 item 6)
 _TARGET_OF_MEMCPY = 0.9  # issue 13 item 6: one way >= 0.9x memcpy at >= 1 MiB
+_FLOOR_TIMEOUT_S = 60  # an echo server of the floor rows that stops answering fails the run
 _BYTES_PER_RUN = 256 << 20  # per measurement: enough to dominate setup
 _SMALL = {"k": "tell", "id": 1, "m": "record", "a": [1], "kw": {}}
 
@@ -300,14 +301,18 @@ async def _asyncio_round_trip_p50(endpoint: str, payload: bytes, calls: int) -> 
         await reply
 
     try:
-        for _ in range(200):
-            await round_trip(payload)
-        latencies = []
-        for _ in range(calls):
-            start = time.perf_counter()
-            await round_trip(payload)
-            latencies.append(time.perf_counter() - start)
-        await round_trip(b"stop")
+        # one timer for the whole run (not per round trip): a server that died is an error, not a hang
+        async with asyncio.timeout(_FLOOR_TIMEOUT_S + calls * 0.05):
+            for _ in range(200):
+                await round_trip(payload)
+            latencies = []
+            for _ in range(calls):
+                start = time.perf_counter()
+                await round_trip(payload)
+                latencies.append(time.perf_counter() - start)
+            await round_trip(b"stop")
+    except TimeoutError as exc:
+        raise RuntimeError(f"echo server at {endpoint!r} stopped answering") from exc
     finally:
         dealer.close()
     return statistics.median(latencies)
@@ -347,6 +352,7 @@ def socket_floor(run_dir: str, calls: int) -> SocketFloor:
         _stop(server)
     server = _spawn_server(_asyncio_echo_server, ipc_endpoint(run_dir, "floor-b.sock"))
     sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.RCVTIMEO, _FLOOR_TIMEOUT_S * 1000)  # a dead server: zmq.Again, not a hang
     try:
         sock.connect(ipc_endpoint(run_dir, "floor-b.sock"))
         raw_client = _raw_round_trip_p50(sock, payload, calls)

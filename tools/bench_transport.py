@@ -10,6 +10,13 @@ transport table is its output):
 * actor call round trip, median of single calls (1 in flight), and calls/s with 64 in flight,
   to an actor in another process (``ActorRef.call`` over ipc), against a raw pyzmq DEALER ->
   ROUTER echo of a message of the same size, also in another process;
+* the floor under that round trip, in the same run and against the same raw baseline: an echo
+  at the socket level (``transport.sockets``: a ``DealerSocket`` client awaiting a future, a
+  ``RouterSocket`` replying from ``on_message``; raw bytes, no codec, no actor), and each
+  side of it against the raw blocking other side, the asyncio side run by
+  ``actors.loop.run_event_loop`` as actors run (uvloop when installed);
+* for a 1 MiB array one way, the time per message above the memcpy of the same bytes, next
+  to what 0.9x memcpy would allow;
 * a weight push (``transport.array_bundle`` of 16 float32 arrays, ``--push-mib`` in all) to
   an actor in another process that reads every array, as ZeroMQ frames and through the pool;
 * small messages/s: a small call envelope encoded, sent, received and decoded one way;
@@ -34,17 +41,22 @@ import os
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import zmq
 
 from actors import Actor, ActorSpec, Directory, Supervisor
+from actors.loop import run_event_loop
 from actors.ref import use_shared_memory
 from transport import Codec, DealerSocket, RouterSocket, ipc_endpoint
 from transport.array_bundle import pack_arrays, unpack_arrays
 from transport.shm_pool import ShmPool, ShmReader
 
 SIZES = {"4 KiB": 4 << 10, "1 MiB": 1 << 20, "64 MiB": 64 << 20}
+_OVERHEAD_SIZE = "1 MiB"  # the size whose per-message overhead is printed (issue 13 item 6)
+_TARGET_OF_MEMCPY = 0.9  # issue 13 item 6: one way >= 0.9x memcpy at >= 1 MiB
+_FLOOR_TIMEOUT_S = 60  # an echo server of the floor rows that stops answering fails the run
 _BYTES_PER_RUN = 256 << 20  # per measurement: enough to dominate setup
 _SMALL = {"k": "tell", "id": 1, "m": "record", "a": [1], "kw": {}}
 
@@ -187,17 +199,9 @@ def raw_zmq_calls(endpoint: str, calls: int, in_flight: int) -> tuple[float, flo
     ready.wait(30)
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.connect(endpoint)
-    payload = Codec().encode({"k": "call", "id": 123456, "m": "echo", "a": [1], "kw": {}})[0]
+    payload = _call_payload()
     try:
-        for _ in range(200):
-            sock.send(payload)
-            sock.recv()
-        latencies = []
-        for _ in range(calls):
-            start = time.perf_counter()
-            sock.send(payload)
-            sock.recv()
-            latencies.append(time.perf_counter() - start)
+        p50 = _raw_round_trip_p50(sock, payload, calls)
         total = calls * 4
         start = time.perf_counter()
         for _ in range(in_flight):
@@ -214,7 +218,186 @@ def raw_zmq_calls(endpoint: str, calls: int, in_flight: int) -> tuple[float, flo
         server.join(10)
         if server.is_alive():
             server.kill()
-    return statistics.median(latencies), rate
+    return p50, rate
+
+
+def _call_payload() -> bytes:
+    """One frame of the size of an actor call's request (the round-trip payload of every echo)."""
+    return Codec().encode({"k": "call", "id": 123456, "m": "echo", "a": [1], "kw": {}})[0]
+
+
+def _raw_round_trip_p50(sock: zmq.Socket, payload: bytes, calls: int) -> float:
+    """Median seconds of ``calls`` blocking send + recv round trips on a connected DEALER,
+    after 200 untimed ones."""
+    for _ in range(200):
+        sock.send(payload)
+        sock.recv()
+    latencies = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        sock.send(payload)
+        sock.recv()
+        latencies.append(time.perf_counter() - start)
+    return statistics.median(latencies)
+
+
+# -- the socket-level floor under a call (docs/design.md §20 "Shared-memory array transport") --
+@dataclass(frozen=True)
+class SocketFloor:
+    """Median round-trip seconds (1 in flight, the call-request payload, raw bytes) of echoes
+    without codec or actor, each with its server in another process.
+
+    Attributes:
+        asyncio_both: ``DealerSocket`` client against a ``RouterSocket`` echo server.
+        raw_client: blocking pyzmq DEALER client against the ``RouterSocket`` echo server.
+        raw_server: ``DealerSocket`` client against the blocking pyzmq ROUTER echo server.
+    """
+
+    asyncio_both: float
+    raw_client: float
+    raw_server: float
+
+
+async def _asyncio_echo(endpoint: str, ready) -> None:
+    """Echo every message from ``on_message`` until one whose last frame is ``b"stop"``."""
+    stopped = asyncio.get_running_loop().create_future()
+
+    def on_message(peer: bytes, frames: list) -> None:
+        router.send(peer, frames)  # the views are copied by send (transport.sockets.owned_frames)
+        if frames[-1] == b"stop" and not stopped.done():
+            stopped.set_result(None)
+
+    router = RouterSocket(endpoint, on_message)
+    router.bind()
+    ready.set()
+    try:
+        await stopped
+        await asyncio.sleep(0.1)  # LINGER 0: let ZeroMQ's I/O thread flush the stop reply first
+    finally:
+        router.close()
+
+
+def _asyncio_echo_server(endpoint: str, ready) -> None:
+    """Process entry: :func:`_asyncio_echo` on the loop an actor process runs."""
+    run_event_loop(_asyncio_echo(endpoint, ready))
+
+
+async def _asyncio_round_trip_p50(endpoint: str, payload: bytes, calls: int) -> float:
+    """Median seconds of ``calls`` round trips of a ``DealerSocket`` awaiting a future that its
+    ``on_message`` resolves (200 untimed first), then a ``b"stop"`` round trip."""
+    loop = asyncio.get_running_loop()
+    reply: asyncio.Future | None = None
+
+    def on_message(frames: list) -> None:
+        reply.set_result(None)
+
+    dealer = DealerSocket(endpoint, on_message)
+    dealer.connect()
+
+    async def round_trip(frame: bytes) -> None:
+        nonlocal reply
+        reply = loop.create_future()
+        dealer.send([frame])
+        await reply
+
+    try:
+        # one timer for the whole run (not per round trip): a server that died is an error, not a hang
+        async with asyncio.timeout(_FLOOR_TIMEOUT_S + calls * 0.05):
+            for _ in range(200):
+                await round_trip(payload)
+            latencies = []
+            for _ in range(calls):
+                start = time.perf_counter()
+                await round_trip(payload)
+                latencies.append(time.perf_counter() - start)
+            await round_trip(b"stop")
+    except TimeoutError as exc:
+        raise RuntimeError(f"echo server at {endpoint!r} stopped answering") from exc
+    finally:
+        dealer.close()
+    return statistics.median(latencies)
+
+
+def _spawn_server(target, endpoint: str):
+    """Start ``target(endpoint, ready)`` in a spawned process; return it once it has bound."""
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    server = ctx.Process(target=target, args=(endpoint, ready), daemon=True)
+    server.start()
+    deadline = time.monotonic() + 60
+    while not ready.wait(0.1):
+        if not server.is_alive() or time.monotonic() > deadline:
+            server.kill()
+            raise RuntimeError(f"echo server {target.__name__} did not bind {endpoint!r} "
+                               f"(exit code {server.exitcode}; waited up to 60 s)")
+    return server
+
+
+def _stop(server) -> None:
+    server.join(10)
+    if server.is_alive():
+        server.kill()
+
+
+def socket_floor(run_dir: str, calls: int) -> SocketFloor:
+    """Measure the three :class:`SocketFloor` round trips over ipc endpoints in ``run_dir``
+    (a directory of mode 0700), ``calls`` timed round trips each, the asyncio client on
+    :func:`actors.loop.run_event_loop`."""
+    payload = _call_payload()
+    server = _spawn_server(_asyncio_echo_server, ipc_endpoint(run_dir, "floor-a.sock"))
+    try:
+        asyncio_both = run_event_loop(_asyncio_round_trip_p50(ipc_endpoint(run_dir, "floor-a.sock"),
+                                                              payload, calls))
+    finally:
+        _stop(server)
+    server = _spawn_server(_asyncio_echo_server, ipc_endpoint(run_dir, "floor-b.sock"))
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.RCVTIMEO, _FLOOR_TIMEOUT_S * 1000)  # a dead server: zmq.Again, not a hang
+    try:
+        sock.connect(ipc_endpoint(run_dir, "floor-b.sock"))
+        raw_client = _raw_round_trip_p50(sock, payload, calls)
+        sock.send(b"stop")
+        sock.recv()
+    finally:
+        sock.close(linger=0)
+        _stop(server)
+    server = _spawn_server(_raw_echo_server, ipc_endpoint(run_dir, "floor-c.sock"))
+    try:
+        raw_server = run_event_loop(_asyncio_round_trip_p50(ipc_endpoint(run_dir, "floor-c.sock"),
+                                                            payload, calls))
+    finally:
+        _stop(server)
+    return SocketFloor(asyncio_both, raw_client, raw_server)
+
+
+def floor_rows(floor: SocketFloor, raw_p50: float) -> list[str]:
+    """The table rows of ``floor`` (seconds), each against ``raw_p50``, the raw pyzmq
+    DEALER/ROUTER round trip of the same run (seconds)."""
+    rows = [("asyncio sockets both sides (no codec, no actor)", floor.asyncio_both),
+            ("raw pyzmq client -> asyncio socket server", floor.raw_client),
+            ("asyncio socket client -> raw pyzmq server", floor.raw_server)]
+    return [f"| floor: echo round trip, 1 in flight (p50), {what} | {seconds * 1e6:.0f} us "
+            f"| {seconds / raw_p50:.2f}x raw zmq |" for what, seconds in rows]
+
+
+def overhead_row(label: str, nbytes: int, memcpy: float, frames: float, shm: float) -> str:
+    """A table row: per-message time of one-way ``nbytes`` messages above a memcpy of them.
+
+    Args:
+        label: the size's name (e.g. ``"1 MiB"``).
+        nbytes: message size, bytes.
+        memcpy, frames, shm: bytes/s of memcpy, of one way as ZeroMQ frames and through the pool.
+
+    The memcpy takes ``nbytes / memcpy`` seconds; a message ``nbytes / rate``; the overhead is
+    their difference. At ``_TARGET_OF_MEMCPY`` (0.9x) a message may take ``memcpy_s / 0.9``,
+    i.e. an overhead of ``memcpy_s * (1 / 0.9 - 1)``.
+    """
+    copy_s = nbytes / memcpy
+    allowed = copy_s * (1 / _TARGET_OF_MEMCPY - 1)
+    return (f"| one-way {label} array, time per message above memcpy | memcpy {copy_s * 1e6:.1f} us; "
+            f"ZeroMQ frames {(nbytes / frames - copy_s) * 1e6:+.1f} us, shared memory "
+            f"{(nbytes / shm - copy_s) * 1e6:+.1f} us | {_TARGET_OF_MEMCPY}x memcpy allows "
+            f"{allowed * 1e6:+.1f} us |")
 
 
 async def _push_seconds(ref, bundle: dict, repeats: int) -> float:
@@ -332,12 +515,17 @@ def _table(args: argparse.Namespace) -> None:
         shm = one_way_bytes_per_s(nbytes, True, args.repeats)
         print(line + f"ZeroMQ frames {frames / 1e9:.2f} GB/s, shared memory {shm / 1e9:.2f} GB/s "
               f"| frames {frames / base:.3f}x, shared memory {shm / base:.3f}x memcpy |")
+        if label == _OVERHEAD_SIZE:
+            print(overhead_row(label, nbytes, base, frames, shm))
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
         raw_p50, raw_rate = raw_zmq_calls(ipc_endpoint(tmp, "raw.sock"), args.calls, 64)
+        floor = socket_floor(tmp, args.calls)
     p50, rate, push_frames, push_shm = asyncio.run(_actor_figures(args.calls, 64, args.push_mib << 20,
                                                                   args.repeats))
     print(f"| call round trip, 1 in flight (p50) | actor {p50 * 1e6:.0f} us; raw pyzmq DEALER/ROUTER "
           f"{raw_p50 * 1e6:.0f} us | {p50 / raw_p50:.2f}x raw zmq |")
+    for row in floor_rows(floor, raw_p50):
+        print(row)
     print(f"| calls/s, 64 in flight | actor {rate / 1e3:.1f}k/s; raw pyzmq {raw_rate / 1e3:.1f}k/s "
           f"| {rate / raw_rate:.2f}x raw zmq |")
     print(f"| weight push of {args.push_mib} MiB (16 arrays, one bundle) to an actor that reads it | "

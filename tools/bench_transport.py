@@ -133,7 +133,7 @@ def one_way_bytes_per_s(nbytes: int, shm: bool, repeats: int) -> float:
     rates = []
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
         for i in range(repeats + 1):  # the first run makes the slots and mappings: not counted
-            seconds = asyncio.run(_one_way(ipc_endpoint(tmp, f"b{i}.sock"), codec, [array], count,
+            seconds = run_event_loop(_one_way(ipc_endpoint(tmp, f"b{i}.sock"), codec, [array], count,
                                            pool, reader, yield_every))
             if i:
                 rates.append(nbytes * count / seconds)
@@ -148,7 +148,7 @@ def small_messages_per_s(repeats: int, count: int = 50_000) -> float:
     rates = []
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
         for i in range(repeats):
-            seconds = asyncio.run(_one_way(ipc_endpoint(tmp, f"s{i}.sock"), codec, [_SMALL], count,
+            seconds = run_event_loop(_one_way(ipc_endpoint(tmp, f"s{i}.sock"), codec, [_SMALL], count,
                                            None, None, 64))
             rates.append(count / seconds)
     return statistics.median(rates)
@@ -520,7 +520,7 @@ def _table(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
         raw_p50, raw_rate = raw_zmq_calls(ipc_endpoint(tmp, "raw.sock"), args.calls, 64)
         floor = socket_floor(tmp, args.calls)
-    p50, rate, push_frames, push_shm = asyncio.run(_actor_figures(args.calls, 64, args.push_mib << 20,
+    p50, rate, push_frames, push_shm = run_event_loop(_actor_figures(args.calls, 64, args.push_mib << 20,
                                                                   args.repeats))
     print(f"| call round trip, 1 in flight (p50) | actor {p50 * 1e6:.0f} us; raw pyzmq DEALER/ROUTER "
           f"{raw_p50 * 1e6:.0f} us | {p50 / raw_p50:.2f}x raw zmq |")

@@ -51,6 +51,28 @@ def test_pipeline_layouts_that_cannot_run_are_refused_naming_the_flag(tmp_path):
     assert [n for n in names if n.startswith("trainer")] == ["trainer", "trainer_1"]
 
 
+def test_megatron_layouts_the_model_cannot_split_into_are_refused_before_start():
+    # the embedded policy (rollout/model/config.py default_config): vocabulary 44, 4 query
+    # heads, 2 KV heads, dense width 256, 8 experts of width 64 -- megatron-core would fail on
+    # these inside its constructors, after every actor started
+    megatron = {**SMALL, "train-backend": "megatron"}
+    with pytest.raises(ConfigError, match=r"vocab_size=44 is not a multiple of --tp-size 3"):
+        build_config({**megatron, "tp-size": 3})
+    with pytest.raises(ConfigError, match=r"num_key_value_heads=2 is not a multiple of --tp-size 4"):
+        build_config({**megatron, "tp-size": 4})
+    with pytest.raises(ConfigError, match=r"num_experts=8 is not a multiple of --ep-size 16"):
+        build_config({**megatron, "dp-size": 4, "ep-size": 16,
+                      "rollout-batch-size": 16, "n-samples-per-prompt": 4, "cp-size": 4})
+    # expert layers take --tp-size x --ep-size ranks of a stage: EP comes from DP x CP
+    with pytest.raises(ConfigError, match=r"--ep-size 2 must divide --dp-size x --cp-size = 1"):
+        build_config({**megatron, "tp-size": 2, "ep-size": 2})
+    with pytest.raises(ConfigError, match=r"--ep-size 4 must divide --dp-size x --cp-size = 2"):
+        build_config({**megatron, "tp-size": 2, "dp-size": 2, "ep-size": 4})
+    assert build_config({**megatron, "tp-size": 2, "dp-size": 2, "ep-size": 2}).trainer.ep_size == 2
+    with pytest.raises(ConfigError, match=r"--use-packing is not supported by --train-backend megatron"):
+        build_config({**megatron, "use-packing": True})
+
+
 def test_rank_group_fields_are_checked():
     with pytest.raises(RankGroupError, match="rank"):
         RankGroup(rank=2, size=2, host="127.0.0.1", port=1234)

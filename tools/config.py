@@ -209,6 +209,14 @@ class RunConfig:
              f"{policy.num_hidden_layers} layers (config.json 'num_hidden_layers'): every "
              f"pipeline stage holds an equal share"),
         ]
+        if self.trainer.train_backend == "megatron":
+            # the same arithmetic megatron-core would fail on after every process started
+            from trainer.backends.megatron_model import MegatronParallel, layout_errors
+
+            t = self.trainer
+            layout = MegatronParallel(tp=t.tp_size, ep=t.ep_size, pp=t.pp_size, cp=t.cp_size)
+            checks += [(False, f"{problem} (the policy's config.json)")
+                       for problem in layout_errors(policy, layout)]
         if self.eval_interval and not self.rollout.eval_prompt_data:
             checks.append((False, "--eval-interval needs at least one --eval-prompt-data NAME FILE"))
         if self.rollout.eval_prompt_data and not self.eval_interval:

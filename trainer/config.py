@@ -139,7 +139,7 @@ class TrainerConfig:
                            "(sequence parallel with it); trainer ranks = --dp-size x --tp-size "
                            "x --pp-size x --cp-size", Range(low=1))
     ep_size: int = setting(1, "ep-size", "expert-parallel size of the megatron trainer (divides "
-                           "--dp-size x --tp-size x --cp-size)", Range(low=1))
+                           "--dp-size x --cp-size)", Range(low=1))
     pp_size: int = setting(1, "pp-size", "pipeline-parallel stages of the megatron trainer "
                            "(divides the model's layers; megatron's 1F1B schedule)", Range(low=1))
     cp_size: int = setting(1, "cp-size", "context-parallel size of the megatron trainer (each "
@@ -174,10 +174,16 @@ class TrainerConfig:
             (self.cp_size == 1 or self.pp_size == 1,
              f"--cp-size {self.cp_size} with --pp-size {self.pp_size}: context parallelism runs "
              f"without pipeline stages (the CP attention is not in the pipeline schedule yet)"),
-            ((self.dp_size * self.tp_size * self.cp_size) % self.ep_size == 0,
-             f"--ep-size {self.ep_size} must divide the "
-             f"{self.dp_size * self.tp_size * self.cp_size} trainer ranks "
-             f"(--dp-size x --tp-size x --cp-size)"),
+            # megatron lays the expert layers out as (expert TP = --tp-size) x EP x expert DP
+            # within a pipeline stage, so EP groups come from the DP x CP ranks of one TP slice
+            ((self.dp_size * self.cp_size) % self.ep_size == 0,
+             f"--ep-size {self.ep_size} must divide --dp-size x --cp-size = "
+             f"{self.dp_size * self.cp_size} (megatron's expert layers use --tp-size x "
+             f"--ep-size ranks of each pipeline stage, the expert tensor-parallel size being "
+             f"--tp-size)"),
+            (self.train_backend != "megatron" or not self.use_packing,
+             "--use-packing is not supported by --train-backend megatron (packed rows need "
+             "per-segment RoPE positions)"),
         ]
         for ok, message in checks:
             if not ok:

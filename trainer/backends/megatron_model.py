@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from rollout.model.config import ModelConfig
 
-__all__ = ["MegatronModelError", "MegatronParallel", "build_gpt_model", "init_parallel",
+__all__ = ["MegatronModelError", "MegatronParallel", "build_gpt_model", "init_parallel", "layout_errors",
            "transformer_config"]
 
 
@@ -102,14 +102,47 @@ def init_parallel(parallel: MegatronParallel, seed: int, *, own_world: bool = Fa
 
     world = dist.get_world_size()
     p = parallel
-    if world % (p.tp * p.pp * p.cp) or (world // p.pp) % p.ep:
+    # expert layers: expert TP (= tp) x ep x expert DP ranks in every pipeline stage
+    if world % (p.tp * p.pp * p.cp) or (world // (p.pp * p.tp)) % p.ep:
         raise MegatronModelError(f"world size {world} does not fit tp={p.tp} x pp={p.pp} "
-                                 f"x cp={p.cp} (x ep={p.ep} over the non-pipeline ranks)")
+                                 f"x cp={p.cp} (x ep={p.ep} over the ranks of one TP slice of "
+                                 f"a stage)")
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(p.tp, p.pp, context_parallel_size=p.cp,
                                  expert_model_parallel_size=p.ep)
     model_parallel_cuda_manual_seed(int(seed))
+
+
+def layout_errors(config: ModelConfig, parallel: MegatronParallel) -> list[str]:
+    """What keeps ``config`` from splitting over ``parallel``, one sentence each (empty: fits).
+
+    megatron-core divides the vocabulary, the attention heads, the query groups and the MLP
+    widths over the tensor-parallel ranks (the experts' width over the expert tensor-parallel
+    ranks, which megatron sets to ``tp``), the experts over the expert-parallel ranks and the
+    layers over the pipeline stages; a size that does not divide fails deep inside its
+    constructors. Pure arithmetic (no megatron import), so the run's configuration check can
+    refuse a layout before any process starts (docs/design.md §16 "The megatron-core backend").
+
+    Args:
+        config: the policy's architecture.
+        parallel: the layout (``tp``, ``ep``, ``pp``).
+
+    Returns:
+        e.g. ``["ModelConfig.vocab_size=44 is not a multiple of --tp-size 3"]``.
+    """
+    p = parallel
+    checks = [("vocab_size", config.vocab_size, p.tp, "--tp-size"),
+              ("num_attention_heads", config.num_attention_heads, p.tp, "--tp-size"),
+              ("num_key_value_heads", config.num_key_value_heads, p.tp, "--tp-size"),
+              ("num_hidden_layers", config.num_hidden_layers, p.pp, "--pp-size")]
+    if len(config.moe_layers) < config.num_hidden_layers:  # dense MLP layers
+        checks.append(("intermediate_size", config.intermediate_size, p.tp, "--tp-size"))
+    if config.moe_layers:
+        checks += [("num_experts", config.num_experts, p.ep, "--ep-size"),
+                   ("moe_intermediate_size", config.moe_intermediate_size, p.tp, "--tp-size")]
+    return [f"ModelConfig.{name}={value} is not a multiple of {flag} {size}"
+            for name, value, size, flag in checks if value % size]
 
 
 def transformer_config(config: ModelConfig, parallel: MegatronParallel):
@@ -122,15 +155,9 @@ def transformer_config(config: ModelConfig, parallel: MegatronParallel):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     p = parallel
-    checks = [("vocab_size", config.vocab_size, p.tp, "--tp-size"),
-              ("num_key_value_heads", config.num_key_value_heads, p.tp, "--tp-size"),
-              ("num_hidden_layers", config.num_hidden_layers, p.pp, "--pp-size")]
-    if config.moe_layers:
-        checks.append(("num_experts", config.num_experts, p.ep, "--ep-size"))
-    for name, value, size, flag in checks:
-        if value % size:
-            raise MegatronModelError(f"ModelConfig.{name}={value} is not a multiple of {flag} "
-                                     f"{size} (parallel layout {p})")
+    problems = layout_errors(config, p)
+    if problems:
+        raise MegatronModelError(f"{problems[0]} (parallel layout {p})")
     moe = bool(config.moe_layers)
     extra = {}
     if moe:

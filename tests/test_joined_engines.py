@@ -176,3 +176,46 @@ def test_a_missing_rank_or_joined_engine_is_named():
     hosts.set("2", "10.0.0.3")
     with pytest.raises(RendezvousError, match=r"no address from rank 1, joined engine 1 within 1 s"):
         join_run("127.0.0.1", port, "10.0.0.9", timeout_s=1)
+
+
+@pytest.mark.parametrize("failure", ["RemoteError: trainer.train_step raised: boom", ""])
+def test_a_joined_rank_fails_when_the_driver_stops_it_after_a_failed_run(curve_keys_dir, failure):
+    from actors import ActorError, ActorSpec, Directory
+    from actors.ref import use_curve_keys
+    from tools.launcher import free_port
+    from tools.torchrun_entry import RunFailed, _serve_watched
+
+    directory = Directory({"version_clock": f"tcp://127.0.0.1:{free_port()}",  # no driver here
+                           "engine_1": f"tcp://127.0.0.1:{free_port()}"}, curve_keys_dir,
+                          heartbeat_deadline_s=1.0)
+    raised: list[BaseException] = []
+
+    def rank() -> None:
+        try:
+            _serve_watched(["engine_1"], [ActorSpec("engine_1", "tests.actor_fixtures:EchoActor")],
+                           directory, ready_timeout=60, rank="joined 0")
+        except BaseException as exc:  # noqa: BLE001 (handed to the test's thread)
+            raised.append(exc)
+
+    thread = threading.Thread(target=rank, daemon=True)
+    thread.start()
+
+    async def stop() -> None:  # as the driver's _drive stops a joined engine
+        use_curve_keys(directory.keys())
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                await directory.ref("engine_1").call("__ping__", timeout=1.0)
+                break
+            except ActorError:
+                assert time.monotonic() < deadline, "the rank never served"
+        await directory.ref("engine_1").call("__stop__", failure, timeout=5.0)
+
+    asyncio.run(stop())
+    thread.join(30)
+    assert not thread.is_alive()
+    if failure:
+        assert [type(e) for e in raised] == [RunFailed]
+        assert str(raised[0]) == f"the driver ended the run with a failure: {failure}"
+    else:
+        assert raised == []

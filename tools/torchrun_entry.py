@@ -209,31 +209,44 @@ def directory_for(specs: list[ActorSpec], hosts: dict[str, str], base_port: int,
                       for i, s in enumerate(specs)}, curve_keys, heartbeat_deadline_s)
 
 
-async def _serve_rank(names: list[str], specs: list[ActorSpec], directory: Directory) -> None:
+class RunFailed(RuntimeError):
+    """The driver stopped this rank because the run failed (its reason in the message)."""
+
+
+async def _serve_rank(names: list[str], specs: list[ActorSpec], directory: Directory) -> list[str]:
     by_name = {s.name: s for s in specs}
     actors = [import_actor_class(by_name[n].cls)(**by_name[n].kwargs) for n in names]
-    await asyncio.gather(*(serve_actor(a, n, directory, parent_pid=os.getppid())
-                           for a, n in zip(actors, names)))
+    return await asyncio.gather(*(serve_actor(a, n, directory, parent_pid=os.getppid())
+                                  for a, n in zip(actors, names)))
 
 
 def _serve_watched(names: list[str], specs: list[ActorSpec], directory: Directory,
                    ready_timeout: float, rank: int | str) -> None:
-    """Serve ``names`` until the driver stops them; exit the process if the driver is lost."""
+    """Serve ``names`` until the driver stops them; exit the process if the driver is lost.
+
+    Raises:
+        RunFailed: the driver stopped them because the run failed, so that this rank (a
+            joined host's too, whose torchrun nothing else tells) exits failed as well.
+    """
     watch = DriverWatch(directory, ready_timeout, rank=rank).start()
     try:
-        run_event_loop(_serve_rank(names, specs, directory))
+        failures = run_event_loop(_serve_rank(names, specs, directory))
     finally:
         watch.close()
+    failure = next((f for f in failures if f), "")
+    if failure:
+        raise RunFailed(f"the driver ended the run with a failure: {failure}")
 
 
 async def _drive(config: RunConfig, specs: list[ActorSpec], directory: Directory,
-                 ready_timeout: float) -> str:
+                 ready_timeout: float, joined: frozenset[str] = frozenset()) -> str:
     by_name = {s.name: s for s in specs}
     use_curve_keys(directory.keys())  # the driver's own calls are CURVE clients too
     use_heartbeat_deadline(directory.heartbeat_deadline_s)
     local = [asyncio.ensure_future(serve_actor(import_actor_class(by_name[n].cls)(**by_name[n].kwargs), n,
                                                directory)) for n in DRIVER_ACTORS]
     remote = [s.name for s in specs if s.name not in DRIVER_ACTORS]
+    failure = ""
     try:
         deadline = time.monotonic() + ready_timeout
         for name in remote:
@@ -251,11 +264,19 @@ async def _drive(config: RunConfig, specs: list[ActorSpec], directory: Directory
             await train_loop(directory, config, recorder.record)
         recorder.plot()
         return recorder.summary()
+    except BaseException as exc:
+        # joined engines learn that the run failed with their stop, and exit failed too: no
+        # agent of the run's torchrun reports for them. The run's own ranks stop as usual (an
+        # own rank exiting failed first would have its agent terminate this rank before it
+        # reports why); their torchrun fails with rank 0.
+        failure = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
+        raise
     finally:
         remove_attach_card(config.output_dir, directory)
         for name in [*remote, *DRIVER_ACTORS]:
             try:
-                await directory.ref(name).call("__stop__", timeout=5.0)
+                await directory.ref(name).call("__stop__", failure if name in joined else "",
+                                               timeout=5.0)
             except ActorError:
                 pass
         await asyncio.gather(*local, return_exceptions=True)
@@ -338,7 +359,8 @@ def main(argv: list[str] | None = None,
             # the run's record, as `replayrl train` writes it, with the engines the ranks give
             write_run_config(dataclasses.replace(config, num_engines=len(
                 [s for s in specs if s.name.startswith("engine_")])), Path(config.output_dir))
-            print(run_event_loop(_drive(config, specs, directory, args.ready_timeout)))
+            joined_names = frozenset(joined_engine(world_size, config, j) for j in range(joined_count))
+            print(run_event_loop(_drive(config, specs, directory, args.ready_timeout, joined_names)))
         else:
             _serve_watched(mine, specs, directory, args.ready_timeout, who)
         return 0

@@ -136,3 +136,12 @@ def test_trainer_ranks_meet_at_the_trainer_actors_host(tmp_path):
     assert moved["trainer_1"].kwargs["group"] == {**next(
         s for s in specs if s.name == "trainer_1").kwargs["group"], "host": "10.0.0.7"}
     assert moved["engine_0"] == next(s for s in specs if s.name == "engine_0")
+
+
+def test_ready_timeout_is_explained_in_the_help(capsys):
+    from tools.torchrun_entry import main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "--ready-timeout SECONDS how long the ranks (and joined engines) may take" in help_text

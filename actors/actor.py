@@ -56,7 +56,8 @@ class Actor:
     """Base class of actors. Subclasses define ``async def`` public methods.
 
     The runtime sets ``self.name`` and ``self.directory`` before :meth:`on_start` runs.
-    Built-in remote methods: ``__ping__`` (liveness; returns ``{"name", "pid"}``), ``__stop__``,
+    Built-in remote methods: ``__ping__`` (liveness; returns ``{"name", "pid"}``), ``__stop__``
+    (optional argument: why the run failed, which :func:`actors.spawn.serve_actor` returns),
     ``__interface__`` (the class's public methods, signatures and docstrings,
     :mod:`actors.interface`, which typed proxies check calls against) and ``__directory__``
     (the run's endpoints, ``{name: endpoint}``, so a console given one actor's address finds
@@ -112,6 +113,7 @@ class ActorServer:
         # an ipc peer is on this node: large arrays both ways go through shared memory (§20)
         self._local = shares_memory(endpoint)
         self.stopped = asyncio.Event()
+        self.failure = ""  # set by __stop__(failure): the run this actor served failed
         self._queue: asyncio.Queue = asyncio.Queue()
         self._tasks: set[asyncio.Task] = set()
         self._router = RouterSocket(endpoint, self._on_message, curve=curve,
@@ -236,7 +238,8 @@ class ActorServer:
         directory = self.actor.directory
         return directory.to_dict() if directory is not None else {self.actor.name: self.endpoint}
 
-    async def _stop(self) -> bool:
+    async def _stop(self, failure: str = "") -> bool:
+        self.failure = str(failure)
         self.stopped.set()
         return True
 

@@ -127,8 +127,13 @@ def import_actor_class(path: str) -> type[Actor]:
 
 
 async def serve_actor(actor: Actor, name: str, directory: Directory,
-                      parent_pid: int | None = None) -> None:
-    """Run ``actor`` under ``name`` until ``__stop__`` (or until the parent process is gone)."""
+                      parent_pid: int | None = None) -> str:
+    """Run ``actor`` under ``name`` until ``__stop__`` (or until the parent process is gone).
+
+    Returns:
+        ``""``, or the failure ``__stop__`` was given (a torchrun driver stopping its ranks
+        after the run failed: tools/torchrun_entry.py).
+    """
     actor.name, actor.directory = name, directory
     keys = directory.keys()
     use_curve_keys(keys)
@@ -150,6 +155,7 @@ async def serve_actor(actor: Actor, name: str, directory: Directory,
                     log.warning("%s: parent %d is gone; stopping", name, parent_pid)
                     break
         await asyncio.sleep(0.05)  # let the reply to __stop__ leave the socket
+        return server.failure
     finally:
         if profile is not None:
             profile.disable()

@@ -123,3 +123,99 @@ async def test_a_rank_leaves_when_its_driver_never_answers(curve_keys_dir):
     assert await _wait(exits.done, 30)
     assert exits.codes == [EXIT_DRIVER_LOST]
     watch.close()
+
+
+def test_a_joined_host_with_other_model_flags_is_refused_before_it_joins(tmp_path):
+    import torch.distributed as dist
+
+    from tools.launcher import free_port
+    from tools.rank_hosts import join_run
+    from tools.torchrun_entry import check_joined_settings
+
+    run = _config(tmp_path / "run")
+    # per-host flags may differ: its own output directory, console, and --num-engines
+    check_joined_settings(run.to_json(), _config(tmp_path / "host", progress=False,
+                                                 **{"num-engines": 3}))
+    joiner = _config(tmp_path / "host", **{"model-indexer": False, "rollout-max-response-len": 7})
+    with pytest.raises(ConfigError, match=r"--model-indexer \(run: True, here: False\).*"
+                                          r"--rollout-max-response-len \(run: 2, here: 7\)"):
+        check_joined_settings(run.to_json(), joiner)
+    assert "--output-dir" not in _refusal(run, joiner)
+    # through the store: the run's rank 0 publishes its settings, the joiner never publishes
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    store.set("replayrl/settings", run.to_json())
+    store.set("replayrl/plan", "2 1")
+    with pytest.raises(ConfigError, match="--model-indexer"):
+        join_run("127.0.0.1", port, "10.0.0.9", timeout_s=30,
+                 check=lambda settings: check_joined_settings(settings, joiner))
+    assert not dist.PrefixStore("replayrl/host/", store).check(["joined-0"])
+
+
+def _refusal(run, joiner) -> str:
+    from tools.torchrun_entry import check_joined_settings
+
+    try:
+        check_joined_settings(run.to_json(), joiner)
+    except ConfigError as exc:
+        return str(exc)
+    raise AssertionError("not refused")
+
+
+def test_a_missing_rank_or_joined_engine_is_named():
+    import torch.distributed as dist
+
+    from tools.launcher import free_port
+    from tools.rank_hosts import RendezvousError, join_run
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    store.set("replayrl/plan", "3 2")  # ranks 0..2 and joined engines 0, 1
+    hosts = dist.PrefixStore("replayrl/host/", store)  # as exchange_addresses publishes them
+    hosts.set("0", "10.0.0.1")
+    hosts.set("2", "10.0.0.3")
+    with pytest.raises(RendezvousError, match=r"no address from rank 1, joined engine 1 within 1 s"):
+        join_run("127.0.0.1", port, "10.0.0.9", timeout_s=1)
+
+
+@pytest.mark.parametrize("failure", ["RemoteError: trainer.train_step raised: boom", ""])
+def test_a_joined_rank_fails_when_the_driver_stops_it_after_a_failed_run(curve_keys_dir, failure):
+    from actors import ActorError, ActorSpec, Directory
+    from actors.ref import use_curve_keys
+    from tools.launcher import free_port
+    from tools.torchrun_entry import RunFailed, _serve_watched
+
+    directory = Directory({"version_clock": f"tcp://127.0.0.1:{free_port()}",  # no driver here
+                           "engine_1": f"tcp://127.0.0.1:{free_port()}"}, curve_keys_dir,
+                          heartbeat_deadline_s=1.0)
+    raised: list[BaseException] = []
+
+    def rank() -> None:
+        try:
+            _serve_watched(["engine_1"], [ActorSpec("engine_1", "tests.actor_fixtures:EchoActor")],
+                           directory, ready_timeout=60, rank="joined 0")
+        except BaseException as exc:  # noqa: BLE001 (handed to the test's thread)
+            raised.append(exc)
+
+    thread = threading.Thread(target=rank, daemon=True)
+    thread.start()
+
+    async def stop() -> None:  # as the driver's _drive stops a joined engine
+        use_curve_keys(directory.keys())
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                await directory.ref("engine_1").call("__ping__", timeout=1.0)
+                break
+            except ActorError:
+                assert time.monotonic() < deadline, "the rank never served"
+        await directory.ref("engine_1").call("__stop__", failure, timeout=5.0)
+
+    asyncio.run(stop())
+    thread.join(30)
+    assert not thread.is_alive()
+    if failure:
+        assert [type(e) for e in raised] == [RunFailed]
+        assert str(raised[0]) == f"the driver ended the run with a failure: {failure}"
+    else:
+        assert raised == []

@@ -36,6 +36,17 @@ def test_three_ranks_train_two_steps(tmp_path, curve_keys_dir):
     assert [r["trainer_version"] for r in rows] == [1, 2]
     assert [r["staleness_max"] for r in rows] == [0, 1]
     assert "last10%=" in proc.stdout
+    # rank 0 writes the run's record as `replayrl train` does; it gives the settings back
+    import argparse
+
+    from tools.config import add_run_flags, config_from_args
+
+    record = json.loads((tmp_path / "config.json").read_text())
+    assert (record["num_steps"], record["num_engines"], record["rollout"]["rollout_batch_size"]) == (2, 1, 2)
+    parser = argparse.ArgumentParser()
+    add_run_flags(parser)
+    again = config_from_args(parser.parse_args(["--config", str(tmp_path / "config.json")]))
+    assert again.to_json() == (tmp_path / "config.json").read_text()
 
 
 def test_too_few_ranks_fail_closed(tmp_path):
@@ -97,6 +108,18 @@ def test_the_plan_gives_the_last_ranks_to_the_trainer_ranks(tmp_path):
     tp = build_config({"rollout-batch-size": 2, "n-samples-per-prompt": 2, "train-backend": "megatron",
                        "tp-size": 2, "output-dir": str(tmp_path)})
     _, roles = plan(4, tp)
+    # the ranks decide the engines: an --num-engines that differs is refused, naming both;
+    # the default (1) and the plan's own count are accepted
+    assert [s.name for s in plan(5, config)[0] if s.name.startswith("engine_")] == ["engine_0",
+                                                                                   "engine_1"]
+    plan(5, build_config({"rollout-batch-size": 2, "n-samples-per-prompt": 2, "dp-size": 2,
+                          "num-engines": 2, "output-dir": str(tmp_path)}))
+    four = build_config({"rollout-batch-size": 2, "n-samples-per-prompt": 2, "num-engines": 4,
+                         "output-dir": str(tmp_path)})
+    with pytest.raises(ConfigError, match="--num-engines 4 differs from the 1 engine"):
+        plan(3, four)
+    with pytest.raises(ConfigError, match="--num-engines 4 differs from the 3 engine"):
+        plan(2, four, joined=3)  # a joined host plans the same way
     assert roles == {0: ["version_clock", "rollout_manager"], 1: ["engine_0"], 2: ["trainer"],
                      3: ["trainer_1"]}
 
@@ -113,3 +136,12 @@ def test_trainer_ranks_meet_at_the_trainer_actors_host(tmp_path):
     assert moved["trainer_1"].kwargs["group"] == {**next(
         s for s in specs if s.name == "trainer_1").kwargs["group"], "host": "10.0.0.7"}
     assert moved["engine_0"] == next(s for s in specs if s.name == "engine_0")
+
+
+def test_ready_timeout_is_explained_in_the_help(capsys):
+    from tools.torchrun_entry import main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "--ready-timeout SECONDS how long the ranks (and joined engines) may take" in help_text

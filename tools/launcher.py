@@ -101,6 +101,16 @@ def check_load(config: RunConfig) -> int:
     return version
 
 
+def write_run_config(config: RunConfig, output: Path) -> Path:
+    """Write the run's record ``output/config.json`` (:meth:`tools.config.RunConfig.to_json`;
+    ``--config`` of it gives the settings back), creating ``output``; returns the file's path.
+    Both launchers write it (``replayrl train`` and rank 0 under torchrun)."""
+    output.mkdir(parents=True, exist_ok=True)
+    path = output / "config.json"
+    path.write_text(config.to_json())
+    return path
+
+
 def write_initial_checkpoint(config: RunConfig, directory: Path) -> Path:
     """Build the embedded default policy from ``config.trainer.seed`` and save it as an HF dir,
     which the run then loads like any ``--hf-checkpoint`` (docs/design.md §14 "Hugging Face
@@ -421,7 +431,7 @@ async def launch(config: RunConfig, log_level: int = logging.WARNING,
             shutil.rmtree(output, ignore_errors=True)
         raise
     # written only now: a configuration error leaves an earlier run's record as it was
-    (output / "config.json").write_text(config.to_json())
+    write_run_config(config, output)
     run_dir = create_run_dir()  # short path: AF_UNIX limit; stale ones of killed launchers go
     directory = None
     try:

@@ -14,18 +14,21 @@ no agent of that world waits for it or is torn down with it (docs/design.md §21
 multi-host runs"). Its ranks reach the same store as plain TCPStore clients, take a slot with an
 atomic counter (``replayrl/joined``) and publish under ``replayrl/host/joined-<slot>``; rank 0 of
 the run publishes the run's world size and joined-engine count (``replayrl/plan``) so every
-joined rank builds the same plan.
+joined rank builds the same plan, and the run's settings (``replayrl/settings``, its
+``config.json``) so a joined rank can refuse to join a run it would not fit.
 """
 from __future__ import annotations
 
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Callable
 
 __all__ = ["own_address", "exchange_addresses", "join_run", "JoinedRank", "RendezvousError"]
 
 _PLAN_KEY = "replayrl/plan"  # "<world size> <joined engines>", set by rank 0 of the run
 _SLOT_KEY = "replayrl/joined"  # counter: joined ranks so far
+_SETTINGS_KEY = "replayrl/settings"  # the run's RunConfig.to_json(), set by rank 0 before the plan
 
 
 def _host_keys(world_size: int, joined: int) -> list[str]:
@@ -56,17 +59,18 @@ def own_address(master_addr: str, master_port: int) -> str:
 
 
 def exchange_addresses(rank: int, world_size: int, address: str, timeout_s: float,
-                       joined: int = 0) -> list[str]:
+                       joined: int = 0, settings: str = "") -> list[str]:
     """Publish this rank's ``address`` and return every rank's, in rank order, followed by the
     ``joined`` engines' (:func:`join_run`) in slot order.
 
     Uses ``torch.distributed.rendezvous("env://")`` (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
     ``WORLD_SIZE`` as torchrun sets them; under torchrun the agent hosts the store). Rank 0 also
-    publishes the plan joined ranks read (``world_size``, ``joined``).
+    publishes the run's ``settings`` (JSON text) and the plan joined ranks read (``world_size``,
+    ``joined``).
 
     Raises:
-        RendezvousError: a rank or joined engine did not publish within ``timeout_s`` seconds,
-            or the store cannot be reached.
+        RendezvousError: a rank or joined engine did not publish within ``timeout_s`` seconds
+            (names the missing ones), or the store cannot be reached.
     """
     import torch.distributed as dist
 
@@ -74,6 +78,7 @@ def exchange_addresses(rank: int, world_size: int, address: str, timeout_s: floa
     try:
         store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
         if rank == 0:
+            store.set(_SETTINGS_KEY, settings)  # before the plan, which joined ranks wait for
             store.set(_PLAN_KEY, f"{world_size} {joined}")
         return _publish_and_wait(dist.PrefixStore("replayrl/host/", store), str(rank), address,
                                  _host_keys(world_size, joined), timeout)
@@ -86,7 +91,15 @@ def exchange_addresses(rank: int, world_size: int, address: str, timeout_s: floa
 def _publish_and_wait(store, key: str, address: str, keys: list[str],
                       timeout: timedelta) -> list[str]:
     store.set(key, address)
-    store.wait(keys, timeout)
+    try:
+        store.wait(keys, timeout)
+    except RuntimeError:  # torch's DistStoreError: the timeout; name who never came
+        missing = [("joined engine " + k.removeprefix("joined-")) if k.startswith("joined-")
+                   else f"rank {k}" for k in keys if not store.check([k])]
+        if not missing:
+            raise
+        raise RendezvousError(f"no address from {', '.join(missing)} within "
+                              f"{timeout.total_seconds():g} s") from None
     return [store.get(k).decode() for k in keys]
 
 
@@ -108,10 +121,14 @@ class JoinedRank:
     addresses: list[str]
 
 
-def join_run(host: str, port: int, address: str, timeout_s: float) -> JoinedRank:
+def join_run(host: str, port: int, address: str, timeout_s: float,
+             check: Callable[[str], None] | None = None) -> JoinedRank:
     """Take a joined-engine slot in the run whose torchrun store is at ``host:port`` (its
     ``MASTER_ADDR`` / ``MASTER_PORT``), publish ``address`` under it and wait for every rank's
     and joined engine's address.
+
+    ``check`` is called with the run's settings (rank 0's JSON text) before this rank publishes
+    its address; what it raises propagates and the rank never joins.
 
     Raises:
         RendezvousError: the store cannot be reached, the run's rank 0 did not publish its plan
@@ -129,6 +146,15 @@ def join_run(host: str, port: int, address: str, timeout_s: float) -> JoinedRank
         if slot >= joined:
             raise RendezvousError(f"joined engine slot {slot} at {host}:{port}: the run expects "
                                   f"--joined-engines {joined}; start no more joined ranks than that")
+        settings = store.get(_SETTINGS_KEY).decode() if store.check([_SETTINGS_KEY]) else ""
+    except RendezvousError:
+        raise
+    except (RuntimeError, ValueError, OSError) as exc:
+        raise RendezvousError(f"joining the run at {host}:{port} through its rendezvous store "
+                              f"failed: {type(exc).__name__}: {exc}") from None
+    if check is not None:
+        check(settings)
+    try:
         addresses = _publish_and_wait(dist.PrefixStore("replayrl/host/", store), f"joined-{slot}",
                                       address, _host_keys(world_size, joined), timeout)
         return JoinedRank(slot, world_size, joined, addresses)

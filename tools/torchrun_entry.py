@@ -7,7 +7,7 @@ Usage (one node; several nodes: the same command on each, with torchrun's ``--nn
     torchrun --nproc-per-node 4 -m tools.torchrun_entry --curve-keys DIR [replayrl train flags]
 
 Roles: rank 0 runs the driver loop and serves ``version_clock`` and ``rollout_manager``;
-the last ``T = --dp-size x --tp-size x --cp-size`` ranks serve the trainer ranks ``trainer``,
+the last ``T = --dp-size x --tp-size x --pp-size x --cp-size`` ranks serve the trainer ranks ``trainer``,
 ``trainer_1`` .. (docs/design.md §19 "Trainer ranks"); the ranks between serve ``engine_0 ..``.
 The actor with index ``i`` in the run's actor list listens on ``tcp://ADDR:MASTER_PORT + 1 + i``,
 where ``ADDR`` is its rank's address toward ``MASTER_ADDR`` (:mod:`tools.rank_hosts`); the ranks
@@ -23,7 +23,9 @@ torchrun with ``--join-run MASTER_ADDR:MASTER_PORT`` (the run's) and the same tr
     torchrun --standalone --nproc-per-node K -m tools.torchrun_entry --curve-keys DIR \
         --join-run node0.example:29500 [the run's replayrl train flags]
 
-Their engines come after the run's own (``engine_{E}`` ..). A joined host's loss is handled by
+Their engines come after the run's own (``engine_{E}`` ..). Rank 0 publishes the run's settings
+in the store and a joined host refuses to join when its own differ (:func:`check_joined_settings`;
+only :data:`PER_HOST_FLAGS` may differ). A joined host's loss is handled by
 ``--engine-failure regenerate`` like any lost engine, and no agent of the run's torchrun waits
 for it or is stopped with it. Every rank but the driver exits by itself when its connection
 to the driver stays lost (:mod:`tools.driver_watch`). ``--engine-failure restart`` is refused
@@ -34,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import json
 import logging
 import os
 import sys
@@ -47,10 +50,10 @@ from actors.process_title import set_process_title
 from actors.ref import use_curve_keys, use_heartbeat_deadline
 from actors.spawn import ActorSpec, import_actor_class, serve_actor
 from tools.attach import remove_attach_card, write_attach_card
-from tools.config import ConfigError, RunConfig, add_run_flags, config_from_args
+from tools.config import FLAGS, ConfigError, RunConfig, add_run_flags, config_from_args
 from tools.exit_codes import exit_code
 from tools.launcher import (actor_specs, check_prompt_data, initial_checkpoint, trainer_rank_count,
-                            write_embedded_tokenizer)
+                            write_embedded_tokenizer, write_run_config)
 from trainer.rank_group import follower_names
 from tools.metrics import MetricsRecorder
 from tools.driver_watch import DriverWatch
@@ -58,6 +61,13 @@ from tools.rank_hosts import exchange_addresses, join_run, own_address
 from tools.train_loop import checkpoint_next_step, train_loop
 
 DRIVER_ACTORS = ("version_clock", "rollout_manager")
+
+PER_HOST_FLAGS = ("output-dir", "save", "curve-keys", "progress", "num-engines")
+"""Flags a joined host may set otherwise than the run (:func:`check_joined_settings`): where
+its own files go and are read from (its output directory, its checkpoints' directory, its copy
+of the CURVE keys), its console, and ``--num-engines``, which the plan decides on every host
+(:func:`plan`). Every other flag shapes the model, the engines or the algorithm and must
+agree: a joined engine built otherwise fails only later, at the first weight push."""
 
 
 def plan(world_size: int, config: RunConfig, base_port: int = 29500,
@@ -70,9 +80,13 @@ def plan(world_size: int, config: RunConfig, base_port: int = 29500,
     driver and them serve ``engine_0`` .. ``engine_{E-1}``; ``joined`` more engines
     (:func:`joined_engine`) are served from outside the torchrun world.
 
+    The ranks decide the engine count: ``--num-engines`` is accepted when it equals the
+    plan's count or is left at its default.
+
     Raises:
-        ConfigError: fewer than ``1 + T`` ranks, or no engine at all (neither a rank between
-            the driver and the trainer ranks nor a joined one).
+        ConfigError: fewer than ``1 + T`` ranks, no engine at all (neither a rank between
+            the driver and the trainer ranks nor a joined one), or a ``--num-engines`` other
+            than its default that differs from the plan's count (names both).
     """
     trainers = trainer_rank_count(config)
     own_engines = world_size - 1 - trainers
@@ -81,6 +95,13 @@ def plan(world_size: int, config: RunConfig, base_port: int = 29500,
                           f"engine(s), {trainers} trainer rank(s)), or engines joined with "
                           f"--joined-engines, got {world_size} rank(s) and {joined} joined")
     engines = own_engines + joined
+    # an explicit --num-engines cannot be told from the default when both are equal: the
+    # default is accepted, anything else must be what the ranks give
+    if config.num_engines not in (engines, FLAGS["num-engines"].default):
+        raise ConfigError(f"--num-engines {config.num_engines} differs from the {engines} "
+                          f"engine(s) the ranks give under torchrun ({world_size} rank(s) - 1 "
+                          f"driver - {trainers} trainer rank(s) + {joined} joined); drop "
+                          f"--num-engines or change --nproc-per-node / --joined-engines")
     config = dataclasses.replace(config, num_engines=engines)
     actors = len(DRIVER_ACTORS) + engines + trainers
     specs = actor_specs(config, _checkpoint_dir(config), rank_port=base_port + 1 + actors)
@@ -99,6 +120,33 @@ def plan(world_size: int, config: RunConfig, base_port: int = 29500,
 def joined_engine(world_size: int, config: RunConfig, slot: int) -> str:
     """The engine a joined rank in ``slot`` serves: the run's own engines come first."""
     return f"engine_{world_size - 1 - trainer_rank_count(config) + slot}"
+
+
+def check_joined_settings(run_settings: str, config: RunConfig) -> None:
+    """Refuse a joined host whose settings differ from the run's.
+
+    Args:
+        run_settings: the run's :meth:`tools.config.RunConfig.to_json`, as rank 0 publishes it.
+        config: the joined host's own settings.
+    Raises:
+        ConfigError: a flag other than :data:`PER_HOST_FLAGS` differs; names every such flag
+            with the run's value and this host's.
+    """
+    if not run_settings:
+        raise ConfigError("--join-run: the run published no settings to compare with (its "
+                          "rank 0 runs another replayrl version); use the same version")
+    run, own = json.loads(run_settings), json.loads(config.to_json())
+
+    def value(record: dict, section: str | None, field: str):
+        return record[field] if section is None else record[section][field]
+
+    differing = [f"--{flag.name} (run: {value(run, *flag.targets[0])!r}, here: "
+                 f"{value(own, *flag.targets[0])!r})"
+                 for flag in FLAGS.values() if flag.name not in PER_HOST_FLAGS
+                 and any(value(run, *t) != value(own, *t) for t in flag.targets)]
+    if differing:
+        raise ConfigError("--join-run: this host's settings differ from the run's: "
+                          + "; ".join(differing) + "; give the run's training flags")
 
 
 def refuse_restart(config: RunConfig) -> None:
@@ -161,31 +209,44 @@ def directory_for(specs: list[ActorSpec], hosts: dict[str, str], base_port: int,
                       for i, s in enumerate(specs)}, curve_keys, heartbeat_deadline_s)
 
 
-async def _serve_rank(names: list[str], specs: list[ActorSpec], directory: Directory) -> None:
+class RunFailed(RuntimeError):
+    """The driver stopped this rank because the run failed (its reason in the message)."""
+
+
+async def _serve_rank(names: list[str], specs: list[ActorSpec], directory: Directory) -> list[str]:
     by_name = {s.name: s for s in specs}
     actors = [import_actor_class(by_name[n].cls)(**by_name[n].kwargs) for n in names]
-    await asyncio.gather(*(serve_actor(a, n, directory, parent_pid=os.getppid())
-                           for a, n in zip(actors, names)))
+    return await asyncio.gather(*(serve_actor(a, n, directory, parent_pid=os.getppid())
+                                  for a, n in zip(actors, names)))
 
 
 def _serve_watched(names: list[str], specs: list[ActorSpec], directory: Directory,
                    ready_timeout: float, rank: int | str) -> None:
-    """Serve ``names`` until the driver stops them; exit the process if the driver is lost."""
+    """Serve ``names`` until the driver stops them; exit the process if the driver is lost.
+
+    Raises:
+        RunFailed: the driver stopped them because the run failed, so that this rank (a
+            joined host's too, whose torchrun nothing else tells) exits failed as well.
+    """
     watch = DriverWatch(directory, ready_timeout, rank=rank).start()
     try:
-        run_event_loop(_serve_rank(names, specs, directory))
+        failures = run_event_loop(_serve_rank(names, specs, directory))
     finally:
         watch.close()
+    failure = next((f for f in failures if f), "")
+    if failure:
+        raise RunFailed(f"the driver ended the run with a failure: {failure}")
 
 
 async def _drive(config: RunConfig, specs: list[ActorSpec], directory: Directory,
-                 ready_timeout: float) -> str:
+                 ready_timeout: float, joined: frozenset[str] = frozenset()) -> str:
     by_name = {s.name: s for s in specs}
     use_curve_keys(directory.keys())  # the driver's own calls are CURVE clients too
     use_heartbeat_deadline(directory.heartbeat_deadline_s)
     local = [asyncio.ensure_future(serve_actor(import_actor_class(by_name[n].cls)(**by_name[n].kwargs), n,
                                                directory)) for n in DRIVER_ACTORS]
     remote = [s.name for s in specs if s.name not in DRIVER_ACTORS]
+    failure = ""
     try:
         deadline = time.monotonic() + ready_timeout
         for name in remote:
@@ -203,11 +264,19 @@ async def _drive(config: RunConfig, specs: list[ActorSpec], directory: Directory
             await train_loop(directory, config, recorder.record)
         recorder.plot()
         return recorder.summary()
+    except BaseException as exc:
+        # joined engines learn that the run failed with their stop, and exit failed too: no
+        # agent of the run's torchrun reports for them. The run's own ranks stop as usual (an
+        # own rank exiting failed first would have its agent terminate this rank before it
+        # reports why); their torchrun fails with rank 0.
+        failure = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
+        raise
     finally:
         remove_attach_card(config.output_dir, directory)
         for name in [*remote, *DRIVER_ACTORS]:
             try:
-                await directory.ref(name).call("__stop__", timeout=5.0)
+                await directory.ref(name).call("__stop__", failure if name in joined else "",
+                                               timeout=5.0)
             except ActorError:
                 pass
         await asyncio.gather(*local, return_exceptions=True)
@@ -223,7 +292,10 @@ def main(argv: list[str] | None = None,
     """
     parser = argparse.ArgumentParser(prog="python -m tools.torchrun_entry", description=__doc__.splitlines()[0])
     add_run_flags(parser)
-    parser.add_argument("--ready-timeout", type=float, default=180.0)
+    parser.add_argument("--ready-timeout", type=float, default=180.0, metavar="SECONDS",
+                        help="how long the ranks (and joined engines) may take to publish their "
+                             "addresses and answer, and a rank to first reach the driver "
+                             "(default: 180)")
     parser.add_argument("--joined-engines", type=int, default=0, metavar="N",
                         help="engines served by hosts that join with --join-run (the run's "
                              "ranks wait for them at start)")
@@ -252,13 +324,14 @@ def main(argv: list[str] | None = None,
                 raise ConfigError(f"--join-run {args.join_run!r}: expected HOST:PORT")
             base = int(run_port)
             joined = join_run(run_host.strip("[]"), base, own_address(run_host.strip("[]"), base),
-                              args.ready_timeout)
+                              args.ready_timeout,
+                              check=lambda settings: check_joined_settings(settings, config))
             world_size, joined_count, addresses = joined.world_size, joined.joined, joined.addresses
             mine = [joined_engine(world_size, config, joined.slot)]
         else:
             base, world_size, joined_count = port, world, args.joined_engines
             addresses = exchange_addresses(rank, world, own_address(host, port), args.ready_timeout,
-                                           joined_count)
+                                           joined_count, settings=config.to_json())
             mine = None
         specs, roles = plan(world_size, config, base, joined_count)
         if transform_specs is not None:
@@ -283,7 +356,11 @@ def main(argv: list[str] | None = None,
         # `ps` tells the ranks apart (rank 0: the driver loop and its two actors)
         set_process_title("driver" if "version_clock" in mine else "+".join(mine), config.output_dir)
         if "version_clock" in mine:
-            print(run_event_loop(_drive(config, specs, directory, args.ready_timeout)))
+            # the run's record, as `replayrl train` writes it, with the engines the ranks give
+            write_run_config(dataclasses.replace(config, num_engines=len(
+                [s for s in specs if s.name.startswith("engine_")])), Path(config.output_dir))
+            joined_names = frozenset(joined_engine(world_size, config, j) for j in range(joined_count))
+            print(run_event_loop(_drive(config, specs, directory, args.ready_timeout, joined_names)))
         else:
             _serve_watched(mine, specs, directory, args.ready_timeout, who)
         return 0

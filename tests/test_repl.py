@@ -182,6 +182,25 @@ def test_a_refused_call_prints_one_line_and_other_errors_their_traceback(capsys)
     assert err.startswith("Traceback") and err.endswith("ZeroDivisionError: division by zero\n")
 
 
+def test_an_unknown_actor_or_metrics_key_prints_one_line(capsys):
+    from tools.repl_console import Console
+    from tools.repl_views import metrics_text
+
+    def methods(name):  # what Directory.proxy raises for a name the run does not have
+        raise UnknownActor(f"no actor named {name!r}; known: ['clock', 'trainer']")
+
+    rows = [{"step": 1, "reward_mean": 0.5}]
+    console = Console({"methods": methods, "metrics": lambda keys: metrics_text(rows, keys)})
+    console.push("methods('nosuch')")
+    # the message itself, not the KeyError repr (quoted) and no traceback
+    assert capsys.readouterr().err == ("UnknownActor: no actor named 'nosuch'; "
+                                       "known: ['clock', 'trainer']\n")
+    console.push("metrics(['reward_maen'])")
+    assert capsys.readouterr().err == ("MetricKeyError: no metrics row of the last 1 has key(s) "
+                                       "'reward_maen'; 'reward_maen': did you mean "
+                                       "'reward_mean'?\n")
+
+
 def test_metrics_keeps_the_step_column_whatever_keys_are_asked():
     from tools.repl_views import metrics_text
 
@@ -192,6 +211,26 @@ def test_metrics_keeps_the_step_column_whatever_keys_are_asked():
         "   4          0.5        -"]
     # asked for explicitly (anywhere), it stays one column, the first
     assert metrics_text(rows, ["reward_mean", "step"]).splitlines()[0] == "step  reward_mean"
+
+
+def test_metrics_takes_one_key_as_a_string_and_refuses_keys_no_row_has():
+    from tools.repl_views import MetricKeyError, metrics_text
+
+    rows = [{"step": 3, "reward_mean": 0.25, "samples": 4}, {"step": 4, "reward_mean": 0.5}]
+    # one key, not one column per letter
+    assert metrics_text(rows, "reward_mean").splitlines() == [
+        "step  reward_mean", "   3         0.25", "   4          0.5"]
+    # a key in some rows only is shown ('-' elsewhere); one in none is refused, naming it
+    with pytest.raises(MetricKeyError, match=r"'rewrd_mean': did you mean 'reward_mean'\?"):
+        metrics_text(rows, ["samples", "rewrd_mean"])
+    with pytest.raises(MetricKeyError) as refused:
+        metrics_text(rows, ["nonexistent"])
+    assert str(refused.value) == ("no metrics row of the last 2 has key(s) 'nonexistent'; "
+                                  "the rows' keys: reward_mean, samples, step")
+    # the default columns are shown whether or not the rows have them
+    assert metrics_text(rows).splitlines()[0].split() == [
+        "step", "trainer_version", "reward_mean", "staleness_max", "samples",
+        "response_len_mean", "step_seconds"]
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")

@@ -122,6 +122,22 @@ def test_serve_lists_its_own_flags_and_the_model_flags_only(capsys, tmp_path):
         add_run_flags(argparse.ArgumentParser(), only=("no-such-flag",))
 
 
+@pytest.mark.parametrize("command", ["train", "repl", "serve"])
+def test_a_default_shown_in_help_names_only_flags_the_command_has(command, capsys):
+    from tools.cli import build_parser
+
+    parser = build_parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # help lines rejoined
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    options = {o for a in sub.choices[command]._actions for o in a.option_strings}
+    # a default such as "the embedded model from --seed" under a command without --seed
+    named = {f for default in re.findall(r"\(default: ([^)]*)\)", text)
+             for f in re.findall(r"--[a-z][a-z0-9-]*", default)}
+    assert named <= options, f"{command} --help: defaults name {sorted(named - options)}"
+
+
 def test_readme_flag_table_is_the_generated_one():
     text = README.read_text()
     lines = text.splitlines()

@@ -53,7 +53,8 @@ def measure(fn: Callable[[bytes], object], frame: bytes) -> tuple[str, float, fl
 
 def main(argv: list[str] | None = None) -> None:
     """Print one line per frame shape: codec and plain msgpack outcome, ms and peak x wire."""
-    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
+    argparse.ArgumentParser(prog="replayrl bench decode",
+                            description=__doc__.splitlines()[0]).parse_args(argv)
     for label, body in SHAPES.items():
         frame = frame_of(body)
         ours = measure(lambda f: decode([f]), frame)

@@ -393,7 +393,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m tools.bench_logprobs``."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="replayrl bench logprobs", description=__doc__.splitlines()[0])
     add_arguments(parser)
     args = parser.parse_args(argv)
     try:

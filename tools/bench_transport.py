@@ -482,7 +482,7 @@ def ray_figures(calls: int, in_flight: int, repeats: int) -> tuple[float, float,
 
 def main(argv: list[str] | None = None) -> None:
     """Print the conditions and the table (module docstring)."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="replayrl bench transport", description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--calls", type=int, default=4000, help="single calls timed (x4 at 64 in flight)")
     parser.add_argument("--push-mib", type=int, default=256, help="size of the weight push timed")

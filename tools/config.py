@@ -134,7 +134,7 @@ class RunConfig:
                                   "registry rollout.engines.ENGINES (checked by the launcher)")
     hf_checkpoint: str = setting("", "hf-checkpoint", "initial policy: a Hugging Face Qwen3 / "
                                  "Qwen3-MoE checkpoint directory (safetensors, sharded or not)",
-                                 default_text="the embedded model from --seed", metavar="DIR")
+                                 default_text="the embedded model", metavar="DIR")
     save_hf: str = setting("", "save-hf", "write the policy as a Hugging Face checkpoint to "
                            "DIR/step-N every --save-interval steps and after the last step",
                            metavar="DIR")

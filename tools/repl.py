@@ -41,7 +41,7 @@ from tools.attach import AttachTarget, resolve_attach
 from tools.config import RunConfig, config_from_args
 from tools.exit_codes import exit_code
 from tools.repl_console import Console
-from tools.repl_views import METRIC_KEYS, Shown, methods_text, metrics_rows, metrics_text, sample_text
+from tools.repl_views import Shown, methods_text, metrics_rows, metrics_text, sample_text
 from tools.train_loop import step_metrics, sync_step
 
 log = logging.getLogger(__name__)
@@ -442,16 +442,17 @@ class ReplSession:
         return {**state, "generation": self.call(MANAGER, "generation_status",
                                                  timeout=self.call_timeout)}
 
-    def metrics(self, n: int = 5, keys: list[str] | None = None) -> Shown:
-        """The last ``n`` metrics rows as a table of ``keys`` (default
-        :data:`tools.repl_views.METRIC_KEYS`): an attached run's ``metrics.jsonl``, or the
-        rows :meth:`step` returned in a session's own run.
+    def metrics(self, n: int = 5, keys: str | list[str] | None = None) -> Shown:
+        """The last ``n`` metrics rows as a table of ``keys`` (one key as a ``str``, or a list;
+        default :data:`tools.repl_views.METRIC_KEYS`): an attached run's ``metrics.jsonl``, or
+        the rows :meth:`step` returned in a session's own run.
 
         Returns:
             :class:`tools.repl_views.Shown`; ``.value`` is the list of rows (dicts).
         Raises:
             ReplError: attached by an address, so the driver's ``metrics.jsonl`` is elsewhere
                 (attach by the run's output directory), or the file is unreadable.
+            tools.repl_views.MetricKeyError: a key of ``keys`` is in none of the rows shown.
         """
         if self.attach:
             output = self.target.output_dir if self.target is not None else ""
@@ -466,7 +467,7 @@ class ReplSession:
                 raise ReplError(f"metrics: {exc}") from None
         else:
             rows = self.rows[-n:] if n >= 1 else []
-        return Shown(metrics_text(rows, keys or METRIC_KEYS), rows)
+        return Shown(metrics_text(rows, keys or None), rows)
 
     def sample(self, rows: int = 4) -> Shown:
         """The last sample the rollout manager scored, with its traces (first ``rows`` rows of

@@ -20,11 +20,15 @@ from prompt_toolkit import PromptSession
 from prompt_toolkit.completion import Completer, Completion
 from prompt_toolkit.history import InMemoryHistory
 
-from actors import ActorCallError
+from actors import ActorCallError, UnknownActor
+from tools.repl_views import MetricKeyError
 
 __all__ = ["Console", "NamespaceCompleter"]
 
 _WORD = re.compile(r"[\w.]+")
+
+_TYPOS = (ActorCallError, UnknownActor, MetricKeyError)
+"""Errors :meth:`Console.showtraceback` prints as one line (the user's typo)."""
 
 
 class NamespaceCompleter(Completer):
@@ -76,13 +80,18 @@ class Console(code.InteractiveConsole):
         super().interact(banner=banner, exitmsg=exitmsg)
 
     def showtraceback(self) -> None:
-        """A call the actor's interface refused (a misspelt method, arguments that do not fit)
-        is the user's typo, not a failure: one line naming the actor, the method and the close
-        matches or the signature (:class:`actors.ActorCallError`), without the console's own
-        frames. Every other error shows its traceback, as ``python -i`` does."""
+        """A call the user mistyped is a typo, not a failure: one line naming what was refused
+        and the close matches, without the console's own frames -- a misspelt method or
+        arguments that do not fit (:class:`actors.ActorCallError`), an actor name the run does
+        not have (:class:`actors.UnknownActor`), a metrics key no row has
+        (:class:`tools.repl_views.MetricKeyError`). Every other error shows its traceback, as
+        ``python -i`` does."""
         error = sys.exc_info()[1]
-        if isinstance(error, ActorCallError):
-            self.write(f"{type(error).__name__}: {error}\n")
+        if isinstance(error, _TYPOS):
+            # UnknownActor is a KeyError, whose str() is the repr of its message: print the
+            # message itself
+            message = error.args[0] if len(error.args) == 1 else str(error)
+            self.write(f"{type(error).__name__}: {message}\n")
             return
         super().showtraceback()
 

@@ -7,6 +7,7 @@ return: its ``repr`` is the text, ``.value`` the data.
 """
 from __future__ import annotations
 
+import difflib
 import json
 import textwrap
 from pathlib import Path
@@ -16,7 +17,7 @@ import numpy as np
 
 from actors import ActorInterface
 
-__all__ = ["Shown", "methods_text", "metrics_rows", "metrics_text", "sample_text"]
+__all__ = ["MetricKeyError", "Shown", "methods_text", "metrics_rows", "metrics_text", "sample_text"]
 
 TRACE_NAMES = ("sample_support", "routed_experts", "indexer_topk")
 """The trace columns of a sample (``rollout.sample.TRACE_FIELDS``; named here, not imported:
@@ -25,6 +26,11 @@ the console reads them from the wire, as plain arrays)."""
 METRIC_KEYS = ("step", "trainer_version", "reward_mean", "staleness_max", "samples",
                "response_len_mean", "step_seconds")
 """Columns :func:`metrics_text` shows by default."""
+
+
+class MetricKeyError(ValueError):
+    """``metrics(keys=...)`` named a key no shown row has (a typo, not a failure: the console
+    prints it as one line)."""
 
 
 class Shown:
@@ -78,15 +84,50 @@ def _cell(value: Any) -> str:
     return "-" if value is None else str(value)
 
 
-def metrics_text(rows: Sequence[dict], keys: Sequence[str] = METRIC_KEYS) -> str:
+def metrics_text(rows: Sequence[dict], keys: str | Sequence[str] | None = None) -> str:
     """A fixed-width table of ``step`` and ``keys`` (``-`` where a row lacks one), one line per
-    row; ``step`` is always the first column (a row means nothing without it)."""
+    row; ``step`` is always the first column (a row means nothing without it).
+
+    Args:
+        rows: metrics rows (dicts), oldest first.
+        keys: one key (a ``str``) or several; ``None`` = :data:`METRIC_KEYS`, shown whether or
+            not the rows have them.
+    Raises:
+        MetricKeyError: a key given in ``keys`` is in none of ``rows`` (the message names it,
+            with the close matches among the rows' keys, or all of them when none is close).
+    """
+    if keys is None:
+        keys = METRIC_KEYS
+    else:
+        # a bare string is one key: iterating it would make a column of each letter
+        keys = (keys,) if isinstance(keys, str) else tuple(keys)
+        if rows:
+            _check_keys(keys, rows)
     if not rows:
         return "(no step recorded yet)"
     keys = ["step", *(k for k in keys if k != "step")]
     table = [list(keys)] + [[_cell(row.get(k)) for k in keys] for row in rows]
     widths = [max(len(r[i]) for r in table) for i in range(len(keys))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in table)
+
+
+def _check_keys(keys: Sequence[str], rows: Sequence[dict]) -> None:
+    known = sorted({k for row in rows for k in row})
+    unknown = [k for k in keys if k != "step" and k not in known]
+    if not unknown:
+        return
+    # the same hint as a misspelt actor method (actors/interface.py ActorInterface.check_call)
+    hints, listed = [], False
+    for key in unknown:
+        close = difflib.get_close_matches(str(key), known, n=3, cutoff=0.7)
+        if close:
+            hints.append(f"{key!r}: did you mean {' or '.join(map(repr, close))}?")
+        elif not listed:
+            hints.append(f"the rows' keys: {', '.join(known)}")
+            listed = True
+    hint = "; ".join(hints)
+    raise MetricKeyError(f"no metrics row of the last {len(rows)} has key(s) "
+                         f"{', '.join(map(repr, unknown))}; {hint}")
 
 
 def _array_line(name: str, value: Any, rows: int) -> list[str]:

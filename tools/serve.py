@@ -14,7 +14,9 @@ exercised end to end against a real server on CPU (docs/design.md §17 "SGLang e
 * ``GET /health``, ``GET /health_generate``.
 
 It starts without weights (``weight_version`` ``"default"``); ``/generate`` is refused with
-HTTP 400 until the first ``/update_weights_from_disk``. Generation runs on one worker thread,
+HTTP 400 until the first ``/update_weights_from_disk``, which replaces every weight: so the
+server takes only the policy's shape from the run flags (the same for every ``--seed``), and
+has no ``--seed`` -- the weights it generates with are always the pushed ones. Generation runs on one worker thread,
 one call at a time, so health checks stay answered during a long call. Built on aiohttp's
 server (extra ``serve``). It binds to loopback unless told otherwise: ``model_path`` names a
 directory on the server's host.

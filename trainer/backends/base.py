@@ -35,6 +35,7 @@ import torch
 from rollout.model.config import ModelConfig
 from transport.array_bundle import pack_arrays
 from trainer.batch import TrainBatch
+from trainer.config import TrainerConfig
 
 __all__ = ["ReplayedForward", "TrainerBackend"]
 
@@ -214,11 +215,14 @@ class TrainerBackend(ABC):
 
     @classmethod
     @abstractmethod
-    def check_checkpoint(cls, directory: Path) -> int:
+    def check_checkpoint(cls, directory: Path, config: TrainerConfig) -> int:
         """Read and check :meth:`save_checkpoint` output without a policy in memory (the
-        launcher's check of ``--load`` before any actor starts); returns its version.
+        launcher's check of ``--load`` before any actor starts) against the run's trainer
+        ``config`` (its parallel layout); returns its version.
 
         Raises:
+            trainer.backends.checkpoint_layout.CheckpointLayoutError (a ValueError): another
+                backend's checkpoint, or one saved under a layout other than ``config``'s.
             rollout.model.CheckpointError / ValueError: a missing, truncated or malformed file
                 (named).
         """

@@ -35,7 +35,6 @@ import torch
 from rollout.model.config import ModelConfig
 from transport.array_bundle import pack_arrays
 from trainer.batch import TrainBatch
-from trainer.config import TrainerConfig
 
 __all__ = ["ReplayedForward", "TrainerBackend"]
 
@@ -215,10 +214,11 @@ class TrainerBackend(ABC):
 
     @classmethod
     @abstractmethod
-    def check_checkpoint(cls, directory: Path, config: TrainerConfig) -> int:
+    def check_checkpoint(cls, directory: Path, config) -> int:
         """Read and check :meth:`save_checkpoint` output without a policy in memory (the
         launcher's check of ``--load`` before any actor starts) against the run's trainer
-        ``config`` (its parallel layout); returns its version.
+        ``config`` (a ``trainer.config.TrainerConfig``, not imported here: that module imports
+        the backend registry; its parallel layout); returns its version.
 
         Raises:
             trainer.backends.checkpoint_layout.CheckpointLayoutError (a ValueError): another

@@ -119,3 +119,25 @@ def test_layout_flags_and_rank_count():
     assert layout.flags() == "--tp-size 2 --pp-size 1 --cp-size 2 --ep-size 4 --dp-size 3"
     assert layout.ranks == 12  # EP splits the DP x TP x CP ranks, adds none
     assert CheckpointLayout.from_record(layout.record(), Path("f")) == layout
+
+
+def test_every_torchrun_rank_refuses_the_layout_before_exchanging_addresses(
+        model_dir, tmp_path, monkeypatch, capsys, curve_keys_dir):
+    from tools import torchrun_entry
+
+    ckpt = _megatron_checkpoint(tmp_path / "ckpt", model_dir, 2, TP2)
+    clock = {"max_staleness": 1, "trainer_version": 3, "engine_versions": {}}
+    (ckpt / "run_state.json").write_text(json.dumps({"next_step": 3, "clock": clock}))
+
+    def no_exchange(*args, **kwargs):
+        raise AssertionError("the ranks met before the checkpoint was checked")
+
+    monkeypatch.setattr(torchrun_entry, "exchange_addresses", no_exchange)
+    monkeypatch.setenv("WORLD_SIZE", "4")  # driver, engine, two trainer ranks
+    for rank in ("0", "3"):  # the driver and a trainer rank alike
+        monkeypatch.setenv("RANK", rank)
+        code = torchrun_entry.main(["--load", str(ckpt), "--num-steps", "5", "--train-backend",
+                                    "megatron", "--cp-size", "2", "--curve-keys",
+                                    curve_keys_dir, "--output-dir", str(tmp_path / "out")])
+        assert code == 2  # tools.exit_codes: a configuration error
+        assert "was saved with --tp-size 2" in capsys.readouterr().err

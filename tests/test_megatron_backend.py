@@ -28,6 +28,7 @@ from rollout.model.loader import load_pretrained  # noqa: E402
 from rollout.task import VOCABULARY  # noqa: E402
 from tests import megatron_cases as cases  # noqa: E402
 from trainer.backends import resolve_backend  # noqa: E402
+from trainer.backends.checkpoint_layout import CheckpointLayoutError  # noqa: E402
 from trainer.backends.torch_backend import TorchBackend  # noqa: E402
 from trainer.batch import collate  # noqa: E402
 from trainer.config import TrainerConfig  # noqa: E402
@@ -195,13 +196,23 @@ def test_record_perturb_replay_restores_the_routing(checkpoint, tmp_path):
     np.testing.assert_allclose(got["logp"], ref.logprobs.numpy(), atol=2e-5)
 
 
-@pytest.mark.parametrize("nproc,layout", [(1, ()), (2, ("--ep", "2")), (2, ("--pp", "2"))],
-                         ids=["one_rank", "ep2", "pp2"])
-def test_checkpoint_round_trip_restores_weights_optimizer_and_version(checkpoint, tmp_path, nproc, layout):
+@pytest.mark.parametrize("nproc,layout,saved", [
+    (1, (), dict(dp_size=1)), (2, ("--ep", "2"), dict(dp_size=2, ep_size=2)),
+    (2, ("--pp", "2"), dict(dp_size=1, pp_size=2))], ids=["one_rank", "ep2", "pp2"])
+def test_checkpoint_round_trip_restores_weights_optimizer_and_version(checkpoint, tmp_path, nproc,
+                                                                     layout, saved):
     got = _run(checkpoint, tmp_path, nproc, "--case", "ckpt", *layout)
     assert int(got["version"]) == 5
     assert bool(got["same_keys"]) and bool(got["same_values"]) and bool(got["opt_keys"])
-    assert (tmp_path / "ckpt" / "model" / "config.json").exists()
+    ckpt = tmp_path / "ckpt"
+    assert (ckpt / "model" / "config.json").exists()
+    # every rank file records the world's layout (the worker gave it as --tp/--ep/--pp over
+    # its torchrun world, never as TrainerConfig flags); only the same flags resume it
+    cls = resolve_backend("megatron")
+    assert cls.check_checkpoint(ckpt, TrainerConfig(train_backend="megatron", **saved)) == 5
+    other = dict(saved, dp_size=saved["dp_size"] * 2) if nproc == 1 else dict(dp_size=1, tp_size=2)
+    with pytest.raises(CheckpointLayoutError, match="was saved with"):
+        cls.check_checkpoint(ckpt, TrainerConfig(train_backend="megatron", **other))
 
 
 def test_pipeline_r3_replays_the_last_stages_own_layers(checkpoint, tmp_path):

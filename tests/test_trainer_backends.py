@@ -199,7 +199,7 @@ def test_rejected_checkpoint_changes_nothing(checkpoint, tmp_path, damage):
     with pytest.raises((ValueError, CheckpointError)):
         fresh.load_checkpoint(tmp_path)
     with pytest.raises((ValueError, CheckpointError)):
-        type(fresh).check_checkpoint(tmp_path)
+        type(fresh).check_checkpoint(tmp_path, TrainerConfig())
     assert fresh.digest() == before  # new weights were not swapped in before the refusal
     assert torch.equal(torch.get_rng_state(), draw_state)
 

@@ -82,15 +82,17 @@ def check_writable(directory: Path, flag: str) -> None:
 
 def check_load(config: RunConfig) -> int:
     """Read and check every file of the ``--load`` checkpoint (model, trainer state, clock
-    state) before any actor starts, so a truncated checkpoint fails in seconds, not after the
-    actors have started; returns its trainer version.
+    state) before any actor starts, so a truncated checkpoint, another backend's or one saved
+    under another parallel layout (docs/design.md §16 "The megatron-core backend") fails in
+    seconds, not after the actors have started; returns its trainer version.
 
     Raises:
-        ConfigError: a missing, truncated or malformed file (names the flag and the file).
+        ConfigError: a missing, truncated or malformed file (names the flag and the file), or
+            a checkpoint that does not fit ``--train-backend`` and the layout flags.
     """
     path = Path(config.load)
     try:
-        version = resolve_backend(config.trainer.train_backend).check_checkpoint(path)
+        version = resolve_backend(config.trainer.train_backend).check_checkpoint(path, config.trainer)
         state = strict_json.loads((path / "run_state.json").read_text())
         clock = VersionRules.from_state_dict(state["clock"])
     except (ModelError, VersionError, ValueError, OSError, KeyError, TypeError) as exc:

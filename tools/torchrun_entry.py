@@ -52,8 +52,8 @@ from actors.spawn import ActorSpec, import_actor_class, serve_actor
 from tools.attach import remove_attach_card, write_attach_card
 from tools.config import FLAGS, ConfigError, RunConfig, add_run_flags, config_from_args
 from tools.exit_codes import exit_code
-from tools.launcher import (actor_specs, check_prompt_data, initial_checkpoint, trainer_rank_count,
-                            write_embedded_tokenizer, write_run_config)
+from tools.launcher import (actor_specs, check_load, check_prompt_data, initial_checkpoint,
+                            trainer_rank_count, write_embedded_tokenizer, write_run_config)
 from trainer.rank_group import follower_names
 from tools.metrics import MetricsRecorder
 from tools.driver_watch import DriverWatch
@@ -315,6 +315,8 @@ def main(argv: list[str] | None = None,
             if args.joined_engines < 0:
                 raise ConfigError(f"--joined-engines must be >= 0, got {args.joined_engines}")
             plan(world, config, port, args.joined_engines)  # a bad layout fails before all else
+            if config.load:  # every rank, as the launcher: a checkpoint of another backend or
+                check_load(config)  # layout fails here on all ranks alike, not in load_checkpoint
         if not config.curve_keys:
             raise ConfigError("torchrun ranks talk over tcp: pass --curve-keys DIR (made by "
                               "`replayrl keys DIR`)")

@@ -214,11 +214,15 @@ class TrainerBackend(ABC):
 
     @classmethod
     @abstractmethod
-    def check_checkpoint(cls, directory: Path) -> int:
+    def check_checkpoint(cls, directory: Path, config) -> int:
         """Read and check :meth:`save_checkpoint` output without a policy in memory (the
-        launcher's check of ``--load`` before any actor starts); returns its version.
+        launcher's check of ``--load`` before any actor starts) against the run's trainer
+        ``config`` (a ``trainer.config.TrainerConfig``, not imported here: that module imports
+        the backend registry; its parallel layout); returns its version.
 
         Raises:
+            trainer.backends.checkpoint_layout.CheckpointLayoutError (a ValueError): another
+                backend's checkpoint, or one saved under a layout other than ``config``'s.
             rollout.model.CheckpointError / ValueError: a missing, truncated or malformed file
                 (named).
         """

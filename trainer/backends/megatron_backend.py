@@ -48,6 +48,7 @@ from rollout.model.loader import load_pretrained
 from rollout.model.config import ModelConfig
 from rollout.model.qwen3_moe import Qwen3MoeForCausalLM
 from trainer.backends.base import ReplayedForward, TrainerBackend
+from trainer.backends.checkpoint_layout import CheckpointLayout, check_layout, refuse_other_backend
 from trainer.backends.megatron_context_parallel import ContextParallel, row_layout
 from trainer.backends.megatron_model import MegatronModelError, MegatronParallel, build_gpt_model, init_parallel
 from trainer.batch import TrainBatch
@@ -312,14 +313,16 @@ class MegatronBackend(TrainerBackend):
     def save_checkpoint(self, directory: Path, version: int) -> None:
         """``directory/model`` (HF format, written by rank 0) and
         ``directory/trainer_state.rank<r>.pt`` per rank (this rank's optimizer shard state,
-        ``version``, torch RNG state). A collective."""
+        ``version``, torch RNG state, and the world's ``layout``: the shards fit no other, see
+        :mod:`trainer.backends.checkpoint_layout`). A collective."""
         model = self._hf_model()
         rank = dist.get_rank()
         directory = Path(directory)
         if rank == 0:
             self._save_pretrained(model, directory / "model")
         torch.save({"optimizer": self._inner_states(), "version": version,
-                    "torch_rng": torch.get_rng_state()}, directory / f"trainer_state.rank{rank}.pt")
+                    "torch_rng": torch.get_rng_state(), "layout": self.layout().record()},
+                   directory / f"trainer_state.rank{rank}.pt")
         dist.barrier()
 
     def _save_pretrained(self, model: Qwen3MoeForCausalLM, directory: Path) -> None:
@@ -336,24 +339,48 @@ class MegatronBackend(TrainerBackend):
             self._save_pretrained(model, Path(directory))
         dist.barrier()
 
+    def layout(self) -> CheckpointLayout:
+        """This world's megatron layout (megatron's own group sizes), as saved with
+        checkpoints."""
+        from megatron.core import parallel_state as ps
+
+        return CheckpointLayout(tp=ps.get_tensor_model_parallel_world_size(),
+                                pp=ps.get_pipeline_model_parallel_world_size(),
+                                cp=ps.get_context_parallel_world_size(),
+                                ep=ps.get_expert_model_parallel_world_size(),
+                                dp=ps.get_data_parallel_world_size())
+
     @classmethod
-    def check_checkpoint(cls, directory: Path) -> int:
+    def check_checkpoint(cls, directory: Path, config: TrainerConfig) -> int:
         """See :meth:`TrainerBackend.check_checkpoint`: the HF model files load and every
-        rank's state file reads (``weights_only``) with one int ``version >= 0`` and an
-        ``optimizer`` list; returns that version. The optimizer shards' fit to this run's
-        layout is checked by :meth:`load_checkpoint`, which needs the model built."""
+        rank's state file reads (``weights_only``) with one int ``version >= 0``, an
+        ``optimizer`` list and the same ``layout``, which must be the one ``config`` asks for
+        (:func:`trainer.backends.checkpoint_layout.check_layout`; a file without one, from
+        before layouts were recorded, passes when the file count is the run's rank count);
+        returns that version. The shards' shapes are checked by :meth:`load_checkpoint`, which
+        needs the model built.
+
+        Raises:
+            trainer.backends.checkpoint_layout.CheckpointLayoutError: a torch checkpoint, or
+                one saved under another layout.
+        """
         directory = Path(directory)
+        refuse_other_backend(directory, "megatron")
         with torch.random.fork_rng(devices=[]):
             load_pretrained(directory / "model", dtype=torch.float32)
         paths = sorted(directory.glob("trainer_state.rank*.pt"))
         if not paths:
             raise ValueError(f"{directory}: no trainer_state.rank<r>.pt (a megatron checkpoint)")
-        versions = set()
-        for path in paths:
-            versions.add(_read_rank_state(path)["version"])
+        states = {path: _read_rank_state(path) for path in paths}
+        versions = {s["version"] for s in states.values()}
         if len(versions) != 1:
             raise ValueError(f"{directory}: the ranks' state files disagree on the version: "
                              f"{sorted(versions)}")
+        layouts = {_saved_layout(path, s) for path, s in states.items()}
+        if len(layouts) != 1:
+            raise ValueError(f"{directory}: the ranks' state files disagree on the layout: "
+                             f"{sorted(x.flags() if x else 'none' for x in layouts)}")
+        check_layout(directory, layouts.pop(), len(paths), CheckpointLayout.of_config(config))
         return versions.pop()
 
     def load_checkpoint(self, directory: Path, min_version: int = 0) -> int:
@@ -364,13 +391,25 @@ class MegatronBackend(TrainerBackend):
 
         Raises:
             actors.version_clock.VersionRegression: the saved version is below ``min_version``.
+            trainer.backends.checkpoint_layout.CheckpointLayoutError: a torch checkpoint, or
+                one saved under another layout than this world's.
             rollout.model.CheckpointError: unreadable model files. ValueError: an unreadable
                 or malformed state file.
         """
         from trainer.backends.megatron_weights import load_hf_weights
 
         directory = Path(directory)
-        state = _read_rank_state(directory / f"trainer_state.rank{dist.get_rank()}.pt")
+        refuse_other_backend(directory, "megatron")
+        path = directory / f"trainer_state.rank{dist.get_rank()}.pt"
+        # checked again here (the launcher did before any process started): shards of another
+        # layout may load with wrong shapes and fail only at the first optimizer step; a rank
+        # beyond the saved world has no file, so rank 0's tells the layout
+        probe = path if path.exists() else directory / "trainer_state.rank0.pt"
+        state = _read_rank_state(probe)
+        check_layout(directory, _saved_layout(probe, state),
+                     len(list(directory.glob("trainer_state.rank*.pt"))), self.layout())
+        if probe != path:
+            state = _read_rank_state(path)
         if state["version"] < min_version:
             raise VersionRegression(f"checkpoint {directory} is at version {state['version']}, "
                                     f"behind the trainer's {min_version}; versions never move "
@@ -404,12 +443,19 @@ class MegatronBackend(TrainerBackend):
         return {k: np.ascontiguousarray(v).tobytes() for k, v in arrays.items()}
 
 
+def _saved_layout(path: Path, state: dict) -> CheckpointLayout | None:
+    """The ``layout`` a rank's state file records; None for a file from before layouts were
+    recorded. Raises ValueError: a malformed record (names the file)."""
+    return CheckpointLayout.from_record(state["layout"], path) if "layout" in state else None
+
+
 def _read_rank_state(path: Path) -> dict:
     """One rank's ``trainer_state.rank<r>.pt`` (``weights_only``: no pickle code runs), checked.
 
     Raises:
         ValueError: unreadable, or without ``optimizer`` (list), ``version`` (int >= 0) and
-            ``torch_rng`` (names the file and the field).
+            ``torch_rng`` (names the file and the field). ``layout`` is optional (files from
+            before it was recorded lack it).
     """
     try:
         state = torch.load(path, weights_only=True)

@@ -32,6 +32,7 @@ from rollout.model.loader import load_pretrained
 from rollout.model.config import ModelConfig
 from rollout.model.qwen3_moe import Qwen3MoeForCausalLM
 from trainer.backends.base import ReplayedForward, TrainerBackend
+from trainer.backends.checkpoint_layout import refuse_other_backend
 from trainer.batch import TrainBatch
 from trainer.config import TrainerConfig
 from trainer.logprobs import (full_vocab_logprobs, fused_support_logprobs, support_entropy,
@@ -308,10 +309,11 @@ class TorchBackend(TrainerBackend):
             save_pretrained(self.model, directory, tokenizer_from=self.checkpoint_dir)
 
     @classmethod
-    def check_checkpoint(cls, directory: Path) -> int:
+    def check_checkpoint(cls, directory: Path, config: TrainerConfig) -> int:
         """See :meth:`TrainerBackend.check_checkpoint`: reads ``model`` and ``trainer_state.pt``
         completely, checks the latter's fields, and loads its optimizer state into an optimizer
-        over the checkpoint's own parameters (their count and sizes must fit)."""
+        over the checkpoint's own parameters (their count and sizes must fit). ``config`` is
+        not read: every data-parallel rank holds the whole optimizer state."""
         directory = Path(directory)
         model, state, version = _read_checkpoint(directory)
         params = [p for p in model.parameters() if p.requires_grad]  # as __init__ takes them
@@ -391,9 +393,11 @@ def _read_checkpoint(directory: Path) -> tuple[Qwen3MoeForCausalLM, dict, int]:
     changes nothing (not even the global RNG). Returns ``(model, trainer state, version)``.
 
     Raises:
+        trainer.backends.checkpoint_layout.CheckpointLayoutError: a megatron checkpoint.
         rollout.model.CheckpointError: unreadable model files. ValueError: a missing,
             unreadable or malformed ``trainer_state.pt`` (names the file and the field).
     """
+    refuse_other_backend(directory, "torch")  # a megatron checkpoint: say so, not "no file"
     with torch.random.fork_rng(devices=[]):  # building the model draws initial weights
         model, _ = load_pretrained(directory / "model", dtype=torch.float32)
     path = directory / "trainer_state.pt"

@@ -339,17 +339,23 @@ def _stop(server) -> None:
         server.kill()
 
 
+def _asyncio_client_p50(server_fn, endpoint: str, payload: bytes, calls: int) -> float:
+    """p50 seconds of our asyncio client's round trips against ``server_fn`` serving
+    ``endpoint`` in a process of its own (stopped afterwards)."""
+    server = _spawn_server(server_fn, endpoint)
+    try:
+        return run_event_loop(_asyncio_round_trip_p50(endpoint, payload, calls))
+    finally:
+        _stop(server)
+
+
 def socket_floor(run_dir: str, calls: int) -> SocketFloor:
     """Measure the three :class:`SocketFloor` round trips over ipc endpoints in ``run_dir``
     (a directory of mode 0700), ``calls`` timed round trips each, the asyncio client on
     :func:`actors.loop.run_event_loop`."""
     payload = _call_payload()
-    server = _spawn_server(_asyncio_echo_server, ipc_endpoint(run_dir, "floor-a.sock"))
-    try:
-        asyncio_both = run_event_loop(_asyncio_round_trip_p50(ipc_endpoint(run_dir, "floor-a.sock"),
-                                                              payload, calls))
-    finally:
-        _stop(server)
+    asyncio_both = _asyncio_client_p50(_asyncio_echo_server, ipc_endpoint(run_dir, "floor-a.sock"),
+                                       payload, calls)
     server = _spawn_server(_asyncio_echo_server, ipc_endpoint(run_dir, "floor-b.sock"))
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.RCVTIMEO, _FLOOR_TIMEOUT_S * 1000)  # a dead server: zmq.Again, not a hang
@@ -361,12 +367,8 @@ def socket_floor(run_dir: str, calls: int) -> SocketFloor:
     finally:
         sock.close(linger=0)
         _stop(server)
-    server = _spawn_server(_raw_echo_server, ipc_endpoint(run_dir, "floor-c.sock"))
-    try:
-        raw_server = run_event_loop(_asyncio_round_trip_p50(ipc_endpoint(run_dir, "floor-c.sock"),
-                                                            payload, calls))
-    finally:
-        _stop(server)
+    raw_server = _asyncio_client_p50(_raw_echo_server, ipc_endpoint(run_dir, "floor-c.sock"),
+                                     payload, calls)
     return SocketFloor(asyncio_both, raw_client, raw_server)
 
 

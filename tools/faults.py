@@ -89,13 +89,19 @@ class SignalledEngine(EmbeddedEngine):
         return super()._generate(prompts, params, **kwargs)
 
 
-class SignalledTrainer(TrainerActor):
-    """:class:`trainer.trainer_actor.TrainerActor` whose ``train`` carries a :class:`Fault`."""
+class _CarriesFault:
+    """The ``fault_signal`` / ``fault_at_call`` / ``fault_marker`` keywords of an actor spec made
+    into ``self.fault`` (a :class:`Fault`); every other argument goes to the actor class after
+    it in the MRO."""
 
     def __init__(self, *args: Any, fault_signal: str, fault_at_call: int, fault_marker: str,
                  **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.fault = Fault(fault_signal, fault_at_call, fault_marker)
+
+
+class SignalledTrainer(_CarriesFault, TrainerActor):
+    """:class:`trainer.trainer_actor.TrainerActor` whose ``train`` carries a :class:`Fault`."""
 
     async def train(self, rollout_id: int) -> dict:
         """As :meth:`TrainerActor.train`, after the fault's call count."""
@@ -103,14 +109,9 @@ class SignalledTrainer(TrainerActor):
         return await super().train(rollout_id)
 
 
-class SignalledClock(VersionClock):
+class SignalledClock(_CarriesFault, VersionClock):
     """:class:`actors.version_clock.VersionClock` whose ``set_trainer_version`` carries a
     :class:`Fault`."""
-
-    def __init__(self, *args: Any, fault_signal: str, fault_at_call: int, fault_marker: str,
-                 **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.fault = Fault(fault_signal, fault_at_call, fault_marker)
 
     async def set_trainer_version(self, version: int) -> int:
         """As :meth:`VersionClock.set_trainer_version`, after the fault's call count."""
@@ -118,13 +119,8 @@ class SignalledClock(VersionClock):
         return await super().set_trainer_version(version)
 
 
-class SignalledManager(RolloutManager):
+class SignalledManager(_CarriesFault, RolloutManager):
     """:class:`rollout.manager.RolloutManager` whose ``generate`` carries a :class:`Fault`."""
-
-    def __init__(self, *args: Any, fault_signal: str, fault_at_call: int, fault_marker: str,
-                 **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.fault = Fault(fault_signal, fault_at_call, fault_marker)
 
     async def generate(self, rollout_id: int, min_version: int | None = None) -> dict:
         """As :meth:`RolloutManager.generate`, after the fault's call count."""

@@ -314,7 +314,8 @@ def main(argv: list[str] | None = None,
         if not args.join_run:
             if args.joined_engines < 0:
                 raise ConfigError(f"--joined-engines must be >= 0, got {args.joined_engines}")
-            plan(world, config, port, args.joined_engines)  # a bad layout fails before all else
+            # a bad layout fails before all else
+            specs, roles = plan(world, config, port, args.joined_engines)
             if config.load:  # every rank, as the launcher: a checkpoint of another backend or
                 check_load(config)  # layout fails here on all ranks alike, not in load_checkpoint
         if not config.curve_keys:
@@ -330,12 +331,12 @@ def main(argv: list[str] | None = None,
                               check=lambda settings: check_joined_settings(settings, config))
             world_size, joined_count, addresses = joined.world_size, joined.joined, joined.addresses
             mine = [joined_engine(world_size, config, joined.slot)]
+            specs, roles = plan(world_size, config, base, joined_count)
         else:
             base, world_size, joined_count = port, world, args.joined_engines
             addresses = exchange_addresses(rank, world, own_address(host, port), args.ready_timeout,
                                            joined_count, settings=config.to_json())
             mine = None
-        specs, roles = plan(world_size, config, base, joined_count)
         if transform_specs is not None:
             specs = transform_specs(specs)
         if mine is None:

@@ -1,12 +1,12 @@
 """asyncio actor runtime on the ZeroMQ transport. Knows nothing of models or RL."""
-from actors.actor import Actor, ActorServer, concurrent
-from actors.directory import Directory, UnknownActor
-from actors.errors import ActorDied, ActorError, ActorTimeout, ProtocolError, RemoteError
-from actors.interface import ActorCallError, ActorInterface
-from actors.loop import run_event_loop
-from actors.proxy import ActorProxy
-from actors.ref import ActorRef, close_connections
-from actors.spawn import ActorSpec, Supervisor, import_callable, import_object, serve_actor
+from replayrl.actors.actor import Actor, ActorServer, concurrent
+from replayrl.actors.directory import Directory, UnknownActor
+from replayrl.actors.errors import ActorDied, ActorError, ActorTimeout, ProtocolError, RemoteError
+from replayrl.actors.interface import ActorCallError, ActorInterface
+from replayrl.actors.loop import run_event_loop
+from replayrl.actors.proxy import ActorProxy
+from replayrl.actors.ref import ActorRef, close_connections
+from replayrl.actors.spawn import ActorSpec, Supervisor, import_callable, import_object, serve_actor
 
 __all__ = [
     "Actor", "ActorServer", "concurrent", "Directory", "UnknownActor", "ActorDied", "ActorError",

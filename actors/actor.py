@@ -17,19 +17,19 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import msgpack
 
-from actors.envelope import CALL, err_reply, ok_reply, parse_request
-from actors.errors import ProtocolError
-from actors.interface import RUNTIME_NAMES, describe
-from actors.log_limit import RateLimitedLog, clip
-from actors.proxy import ActorProxy
-from actors.ref import shared_memory_pool, shared_memory_reader
-from transport import Codec, RouterSocket
-from transport.curve import CurveKeys
-from transport.endpoints import shares_memory
+from replayrl.actors.envelope import CALL, err_reply, ok_reply, parse_request
+from replayrl.actors.errors import ProtocolError
+from replayrl.actors.interface import RUNTIME_NAMES, describe
+from replayrl.actors.log_limit import RateLimitedLog, clip
+from replayrl.actors.proxy import ActorProxy
+from replayrl.actors.ref import shared_memory_pool, shared_memory_reader
+from replayrl.transport import Codec, RouterSocket
+from replayrl.transport.curve import CurveKeys
+from replayrl.transport.endpoints import shares_memory
 
 if TYPE_CHECKING:
-    from actors.directory import Directory
-    from actors.ref import ActorRef
+    from replayrl.actors.directory import Directory
+    from replayrl.actors.ref import ActorRef
 
 log = logging.getLogger(__name__)
 _CONCURRENT = "_replayrl_concurrent"
@@ -38,7 +38,7 @@ _BUILTINS = ("__ping__", "__stop__", "__interface__", "__directory__")
 
 DEFAULT_MAX_PENDING = 4096
 """Calls an actor holds (queued or running) before it refuses new ones with ``Overloaded``: a
-flood of requests costs bounded memory; a caller's own in-flight limit (``actors.ref``) keeps a
+flood of requests costs bounded memory; a caller's own in-flight limit (``replayrl.actors.ref``) keeps a
 well-behaved caller below it."""
 
 
@@ -57,9 +57,9 @@ class Actor:
 
     The runtime sets ``self.name`` and ``self.directory`` before :meth:`on_start` runs.
     Built-in remote methods: ``__ping__`` (liveness; returns ``{"name", "pid"}``), ``__stop__``
-    (optional argument: why the run failed, which :func:`actors.spawn.serve_actor` returns),
+    (optional argument: why the run failed, which :func:`replayrl.actors.spawn.serve_actor` returns),
     ``__interface__`` (the class's public methods, signatures and docstrings,
-    :mod:`actors.interface`, which typed proxies check calls against) and ``__directory__``
+    :mod:`replayrl.actors.interface`, which typed proxies check calls against) and ``__directory__``
     (the run's endpoints, ``{name: endpoint}``, so a console given one actor's address finds
     the others: docs/design.md §21 "REPL attach and multi-host runs").
     """
@@ -77,7 +77,7 @@ class Actor:
         """A reference to another actor of this run, looked up in the directory.
 
         Raises:
-            actors.directory.UnknownActor: no actor of that name in the directory.
+            replayrl.actors.directory.UnknownActor: no actor of that name in the directory.
         """
         if self.directory is None:
             raise RuntimeError(f"actor {self.name!r} has no directory")
@@ -87,7 +87,7 @@ class Actor:
         """A typed proxy to another actor of this run (``timeout`` in seconds, ``None`` = forever).
 
         Raises:
-            actors.directory.UnknownActor: no actor of that name in the directory.
+            replayrl.actors.directory.UnknownActor: no actor of that name in the directory.
         """
         return ActorProxy(self.ref(name), timeout)
 
@@ -98,8 +98,8 @@ class ActorServer:
     Args:
         actor: the actor.
         endpoint: where to listen (``tcp://`` needs ``curve``).
-        codec: message codec and limits (default :class:`transport.Codec`).
-        curve: the run's CURVE keys (:mod:`transport.curve`).
+        codec: message codec and limits (default :class:`replayrl.transport.Codec`).
+        curve: the run's CURVE keys (:mod:`replayrl.transport.curve`).
         max_pending: calls held at once, queued or running; more are refused with an
             ``Overloaded`` error reply (builtins are always answered).
     """

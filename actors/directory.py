@@ -12,12 +12,12 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Iterable, Mapping
 
-from actors.errors import ActorError
-from actors.proxy import ActorProxy
-from actors.ref import ActorRef, heartbeat_ms
-from transport import ipc_endpoint, strict_json, tcp_loopback_endpoint
-from transport.curve import CurveKeys
-from transport.shm_pool import DEFAULT_SHM_MIN_ARRAY_BYTES, DEFAULT_SHM_POOL_BYTES
+from replayrl.actors.errors import ActorError
+from replayrl.actors.proxy import ActorProxy
+from replayrl.actors.ref import ActorRef, heartbeat_ms
+from replayrl.transport import ipc_endpoint, strict_json, tcp_loopback_endpoint
+from replayrl.transport.curve import CurveKeys
+from replayrl.transport.shm_pool import DEFAULT_SHM_MIN_ARRAY_BYTES, DEFAULT_SHM_POOL_BYTES
 
 
 DEFAULT_HEARTBEAT_DEADLINE_S = 30.0
@@ -36,7 +36,7 @@ class Directory:
     deadline (``heartbeat_deadline_s``: a peer silent that long is lost, docs/design.md §18
     "Engine fault tolerance") and the shared-memory pool every process of the run uses for
     large arrays to ipc peers (``shm``: ``(max bytes, min array bytes)``,
-    :func:`actors.ref.use_shared_memory`; docs/design.md §20).
+    :func:`replayrl.actors.ref.use_shared_memory`; docs/design.md §20).
 
     Raises:
         ValueError: a tcp endpoint without ``curve_keys``.
@@ -84,7 +84,7 @@ class Directory:
         """The run's CURVE keys (None when the directory names none).
 
         Raises:
-            transport.TransportError: the key files are missing, unreadable or too open.
+            replayrl.transport.TransportError: the key files are missing, unreadable or too open.
         """
         return CurveKeys.load(self.curve_keys) if self.curve_keys else None
 

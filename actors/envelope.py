@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from actors.errors import ProtocolError
-from actors.log_limit import MAX_TRACEBACK_TEXT, clip
+from replayrl.actors.errors import ProtocolError
+from replayrl.actors.log_limit import MAX_TRACEBACK_TEXT, clip
 
 CALL, TELL, OK, ERR = "call", "tell", "ok", "err"
 
@@ -28,7 +28,7 @@ def ok_reply(call_id: int, value: Any) -> dict:
 
 def err_reply(call_id: int, type_name: str, message: str, traceback_text: str) -> dict:
     """Build an error reply: remote exception type name, message and formatted traceback, each
-    cut to a bounded length (:func:`actors.log_limit.clip`; the traceback keeps its end), so a
+    cut to a bounded length (:func:`replayrl.actors.log_limit.clip`; the traceback keeps its end), so a
     hostile request cannot make the reply large."""
     return {"k": ERR, "id": call_id, "t": clip(type_name, 200), "msg": clip(message),
             "tb": clip(traceback_text, MAX_TRACEBACK_TEXT, keep_end=True)}

@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from actors.errors import ActorError
+from replayrl.actors.errors import ActorError
 
-# Lifecycle hooks of actors.Actor: public names, but the runtime calls them, never a peer.
+# Lifecycle hooks of replayrl.actors.Actor: public names, but the runtime calls them, never a peer.
 LIFECYCLE_HOOKS = frozenset({"on_start", "on_stop"})
 RUNTIME_NAMES = LIFECYCLE_HOOKS | {"ref", "proxy", "name", "directory"}
-"""Every public name of :class:`actors.Actor` itself: the runtime's, never callable by a peer,
+"""Every public name of :class:`replayrl.actors.Actor` itself: the runtime's, never callable by a peer,
 whatever a subclass overrides (a test keeps this equal to the class's public names)."""
 
 
@@ -97,8 +97,8 @@ class ActorInterface:
 
     @classmethod
     def from_description(cls, actor: str, description: dict) -> "ActorInterface":
-        """Rebuild the signatures. Raises :class:`actors.ProtocolError` on a malformed description."""
-        from actors.errors import ProtocolError
+        """Rebuild the signatures. Raises :class:`replayrl.actors.ProtocolError` on a malformed description."""
+        from replayrl.actors.errors import ProtocolError
 
         try:
             signatures, texts, docs = {}, {}, {}

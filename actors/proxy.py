@@ -1,9 +1,9 @@
 """Typed calls between actors: ``await proxy.method(*args, **kwargs)`` instead of method-name strings.
 
-An :class:`ActorProxy` wraps an :class:`actors.ActorRef`. Attribute access names a remote method;
+An :class:`ActorProxy` wraps an :class:`replayrl.actors.ActorRef`. Attribute access names a remote method;
 calling it first checks the method and the arguments against the actor's interface
-(:mod:`actors.interface`, fetched once per connection) and only then sends the call. A misspelt
-method or a wrong argument count therefore raises :class:`actors.interface.ActorCallError` in
+(:mod:`replayrl.actors.interface`, fetched once per connection) and only then sends the call. A misspelt
+method or a wrong argument count therefore raises :class:`replayrl.actors.interface.ActorCallError` in
 the caller, with the actor's name and the method's signature, and nothing reaches the actor.
 The reply timeout belongs to the proxy (:meth:`ActorProxy.with_timeout` makes another), so it
 never collides with a remote method's own ``timeout`` argument.
@@ -12,16 +12,16 @@ from __future__ import annotations
 
 from typing import Any, Coroutine
 
-from actors.interface import ActorInterface
-from actors.envelope import CALL
-from actors.ref import ActorRef, Message
+from replayrl.actors.interface import ActorInterface
+from replayrl.actors.envelope import CALL
+from replayrl.actors.ref import ActorRef, Message
 
 
 class ActorProxy:
     """Typed handle on one actor; cheap to create, safe to copy, used inside an event loop.
 
     Args:
-        ref: the actor's reference (:meth:`actors.Directory.ref`).
+        ref: the actor's reference (:meth:`replayrl.actors.Directory.ref`).
         timeout: seconds every call (and the one-time interface fetch) waits for its reply;
             ``None`` waits forever.
     """
@@ -62,12 +62,12 @@ class RemoteMethod:
         """Check the call against the actor's interface, then make it; await the result.
 
         The arguments are encoded, and their array data copied, now (as
-        :meth:`actors.ActorRef.call`): a write to an argument after this call, before the
+        :meth:`replayrl.actors.ActorRef.call`): a write to an argument after this call, before the
         awaitable ran, does not reach the actor.
 
         Raises (when awaited):
-            actors.interface.ActorCallError: no such method, or the arguments do not bind.
-            actors.RemoteError / actors.ActorTimeout: as :meth:`actors.ActorRef.call`.
+            replayrl.actors.interface.ActorCallError: no such method, or the arguments do not bind.
+            replayrl.actors.RemoteError / replayrl.actors.ActorTimeout: as :meth:`replayrl.actors.ActorRef.call`.
         """
         return self._checked(Message.of(CALL, self.method, args, kwargs, self.proxy.ref.endpoint),
                              args, kwargs)

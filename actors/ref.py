@@ -11,15 +11,15 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Coroutine
 
-from actors.envelope import CALL, ERR, OK, TELL, request
-from actors.errors import ActorTimeout, PeerLost, ProtocolError, RemoteError
-from actors.interface import ActorInterface
-from actors.log_limit import RateLimitedLog, clip
-from transport import Codec, DealerSocket, owned_frames
-from transport.curve import CurveKeys
-from transport.endpoints import shares_memory
-from transport.shm_pool import DEFAULT_SHM_MIN_ARRAY_BYTES, DEFAULT_SHM_POOL_BYTES, ShmPool, ShmReader
-from transport.sockets import DEFAULT_HEARTBEAT_MS
+from replayrl.actors.envelope import CALL, ERR, OK, TELL, request
+from replayrl.actors.errors import ActorTimeout, PeerLost, ProtocolError, RemoteError
+from replayrl.actors.interface import ActorInterface
+from replayrl.actors.log_limit import RateLimitedLog, clip
+from replayrl.transport import Codec, DealerSocket, owned_frames
+from replayrl.transport.curve import CurveKeys
+from replayrl.transport.endpoints import shares_memory
+from replayrl.transport.shm_pool import DEFAULT_SHM_MIN_ARRAY_BYTES, DEFAULT_SHM_POOL_BYTES, ShmPool, ShmReader
+from replayrl.transport.sockets import DEFAULT_HEARTBEAT_MS
 
 log = logging.getLogger(__name__)
 _CALL_IDS = itertools.count(1)
@@ -27,7 +27,7 @@ _CALL_IDS = itertools.count(1)
 DEFAULT_MAX_IN_FLIGHT = 1024
 """Calls one process has in flight to one actor; further calls wait for a slot before they are
 sent (backpressure: a caller that starts 10,000 calls never has more than this many queued at
-the peer, below its ``actors.actor.DEFAULT_MAX_PENDING``)."""
+the peer, below its ``replayrl.actors.actor.DEFAULT_MAX_PENDING``)."""
 
 
 class _Connection:
@@ -137,7 +137,7 @@ class Message:
         call_id: the request's id (replies are matched by it).
         method: the remote method's name.
         frames: the encoded request; empty when encoding failed.
-        error: the encoding error (e.g. ``transport.EncodeError``), raised when the message
+        error: the encoding error (e.g. ``replayrl.transport.EncodeError``), raised when the message
             would be sent; ``None`` otherwise.
     """
 
@@ -183,7 +183,7 @@ def heartbeat_ms(deadline_s: float) -> tuple[int, int]:
 def use_heartbeat_deadline(deadline_s: float) -> None:
     """Connections this process opens from now on drop a peer silent for ``deadline_s``
     seconds, failing its calls with :class:`PeerLost` (:func:`heartbeat_ms`); one run per
-    process (:class:`actors.Directory` carries the run's deadline)."""
+    process (:class:`replayrl.actors.Directory` carries the run's deadline)."""
     POOL.heartbeat_ms = heartbeat_ms(deadline_s)
 
 
@@ -199,7 +199,7 @@ def use_shared_memory(max_bytes: int, min_array_bytes: int) -> None:
     ``min_array_bytes`` (docs/design.md §20 "Shared-memory array transport").
 
     Raises:
-        transport.TransportError: a negative size or ``min_array_bytes`` < 1.
+        replayrl.transport.TransportError: a negative size or ``min_array_bytes`` < 1.
     """
     pool = ShmPool(max_bytes, min_array_bytes)  # checks the values before anything changes
     old, POOL.shm = POOL.shm, (pool if max_bytes > 0 else None)
@@ -219,7 +219,7 @@ def shared_memory_reader() -> ShmReader:
 
 def use_curve_keys(keys: CurveKeys | None) -> None:
     """The CURVE keys this process's connections to ``tcp://`` actors use from now on (one run
-    per process; :class:`actors.Directory` carries where they are)."""
+    per process; :class:`replayrl.actors.Directory` carries where they are)."""
     POOL.curve = keys
 
 
@@ -256,13 +256,13 @@ class ActorRef:
             ActorTimeout: no reply within ``timeout`` seconds; a late reply is discarded.
             PeerLost: the connection was lost (process gone, heartbeats unanswered, keys
                 refused) before the reply came.
-            transport.EncodeError: an argument cannot be encoded (nothing was sent).
+            replayrl.transport.EncodeError: an argument cannot be encoded (nothing was sent).
         """
         return self.send(Message.of(CALL, method, args, kwargs, self.endpoint), timeout)
 
     async def send(self, message: Message, timeout: float | None = None) -> Any:
         """Send a :class:`Message` made by :meth:`Message.of` with ``CALL`` and await its reply
-        (as :meth:`call`; used by :class:`actors.ActorProxy`, which checks the call first)."""
+        (as :meth:`call`; used by :class:`replayrl.actors.ActorProxy`, which checks the call first)."""
         if message.error is not None:
             raise message.error
         conn = POOL.get(self.endpoint)
@@ -328,7 +328,7 @@ class ActorRef:
         the caller may write to its arrays at once.
 
         Raises:
-            transport.EncodeError: an argument cannot be encoded (nothing was sent).
+            replayrl.transport.EncodeError: an argument cannot be encoded (nothing was sent).
         """
         conn = POOL.get(self.endpoint)
         conn.socket.send(conn.codec.encode(request(TELL, next(_CALL_IDS), method, args, kwargs),

@@ -29,14 +29,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
-from actors.actor import Actor, ActorServer
-from actors.directory import Directory
-from actors.errors import ActorDied, ActorError, PeerLost, RemoteError
-from actors.loop import run_event_loop
-from actors.process_title import set_process_title
-from actors.ref import (close_connections, connection_lost, use_curve_keys,
+from replayrl.actors.actor import Actor, ActorServer
+from replayrl.actors.directory import Directory
+from replayrl.actors.errors import ActorDied, ActorError, PeerLost, RemoteError
+from replayrl.actors.loop import run_event_loop
+from replayrl.actors.process_title import set_process_title
+from replayrl.actors.ref import (close_connections, connection_lost, use_curve_keys,
                         use_heartbeat_deadline, use_shared_memory)
-from actors.run_dir import leave_run_dir
+from replayrl.actors.run_dir import leave_run_dir
 
 log = logging.getLogger(__name__)
 _PARENT_POLL_SECONDS = 0.5
@@ -132,7 +132,7 @@ async def serve_actor(actor: Actor, name: str, directory: Directory,
 
     Returns:
         ``""``, or the failure ``__stop__`` was given (a torchrun driver stopping its ranks
-        after the run failed: tools/torchrun_entry.py).
+        after the run failed: tools/run/torchrun_entry.py).
     """
     actor.name, actor.directory = name, directory
     keys = directory.keys()
@@ -219,7 +219,7 @@ class Supervisor:
             serves (the launcher pushes the current weights to a replaced engine); its error
             ends the run.
         run_name: the run in each actor process's title (``ps``: ``replayrl actor NAME run
-            RUN``, :mod:`actors.process_title`); empty: ``run_dir``.
+            RUN``, :mod:`replayrl.actors.process_title`); empty: ``run_dir``.
     Raises:
         ValueError: duplicate names, an unknown ``on_lost``, or an ``expendable`` name that
             is not among ``specs``.

@@ -6,7 +6,7 @@ it last loaded. Rules (docs/design.md §5 "Actor contract"):
 - versions never decrease: a regression raises :class:`VersionRegression` (a failover that
   resets a counter must be loud, not silently re-admit old samples);
 - an engine serves no request before its first weight load of the run (enforced by the engine
-  interface itself, ``rollout.engines.base.Engine.generate``; this clock only records loads);
+  interface itself, ``replayrl.rollout.engines.base.Engine.generate``; this clock only records loads);
 - a sample generated at version ``v`` may enter a step at trainer version ``t`` only if
   ``0 <= t - v <= max_staleness`` (default 1, one-step off-policy as in slime / AReaL);
 - a replacement sample of exact refill must carry exactly the preflight version.
@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from actors.actor import Actor
+from replayrl.actors.actor import Actor
 
 
 class VersionError(ValueError):

@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from rollout.sample import SampleError
+from replayrl.rollout.sample import SampleError
 
 __all__ = [
     "CaptureError",

@@ -14,7 +14,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from rollout.task import DigitTask
+from replayrl.rollout.task import DigitTask
 
 
 class DataExhausted(RuntimeError):

@@ -1,11 +1,11 @@
-"""The engine actor: hosts any rollout engine (:mod:`rollout.engines`) in its own process.
+"""The engine actor: hosts any rollout engine (:mod:`replayrl.rollout.engines`) in its own process.
 
 It is built from the engine's ``"module:Class"`` path (resolved from the registry by the
 launcher) and the engine's constructor kwargs, and serves two requests: ``load_weights`` (a
 weight push of one policy version) and ``generate`` (one turn per prompt). Every reply to
 ``generate`` carries the version the engine served, which becomes each sample's
 ``policy_version``. Readiness ("no request before the first weight load") is the engine
-interface's rule (:meth:`rollout.engines.base.Engine.generate`), so it holds for every engine.
+interface's rule (:meth:`replayrl.rollout.engines.base.Engine.generate`), so it holds for every engine.
 
 ``load_weights`` is served concurrently with queued ``generate`` requests, and ``generate`` may
 name the ``min_version`` it must be served at: the trainer can then push and go on training
@@ -22,27 +22,27 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from actors import Actor, concurrent
-from rollout.engines import check_capture, load_engine_class
-from rollout.engines.base import EngineError, EngineNotReady, generations_to_columns
-from rollout.sampler import SamplingParams
-from transport.array_bundle import unpack_arrays
+from replayrl.actors import Actor, concurrent
+from replayrl.rollout.engines import check_capture, load_engine_class
+from replayrl.rollout.engines.base import EngineError, EngineNotReady, generations_to_columns
+from replayrl.rollout.sampler import SamplingParams
+from replayrl.transport.array_bundle import unpack_arrays
 
 
 class EngineActor(Actor):
-    """Actor around one :class:`rollout.engines.base.Engine`.
+    """Actor around one :class:`replayrl.rollout.engines.base.Engine`.
 
     Args:
-        engine_class: ``"module:Class"`` of an ``Engine`` subclass (``rollout.engines.ENGINES``).
+        engine_class: ``"module:Class"`` of an ``Engine`` subclass (``replayrl.rollout.engines.ENGINES``).
         engine_kwargs: the engine's constructor keyword arguments (plain data).
         traces: the trace fields every ``generate`` captures: the run's required traces
-            (``rollout.sample.required_traces``), no more, no less.
+            (``replayrl.rollout.sample.required_traces``), no more, no less.
         torch_threads: intra-op threads for this process (the trainer runs beside it).
         version_wait_s: the longest a ``generate`` with ``min_version`` waits for that version.
 
     Raises:
-        rollout.engines.EngineError: ``engine_class`` is not an importable ``Engine`` subclass.
-        rollout.engines.EngineCaptureError: the engine cannot capture one of ``traces``.
+        replayrl.rollout.engines.EngineError: ``engine_class`` is not an importable ``Engine`` subclass.
+        replayrl.rollout.engines.EngineCaptureError: the engine cannot capture one of ``traces``.
     """
 
     def __init__(self, engine_class: str, engine_kwargs: Mapping[str, Any], traces: list[str],
@@ -67,11 +67,11 @@ class EngineActor(Actor):
         """Load a full weight set of policy ``version``; returns seconds spent.
 
         Args:
-            weights: the arrays as one bundle (``transport.array_bundle.pack_arrays``): a
+            weights: the arrays as one bundle (``replayrl.transport.array_bundle.pack_arrays``): a
                 hundred small frames cost far more to send than one.
         Raises:
-            transport.DecodeError: a malformed bundle (nothing loaded).
-            rollout.engines.EngineInputError: ``version`` is below the version already loaded.
+            replayrl.transport.DecodeError: a malformed bundle (nothing loaded).
+            replayrl.rollout.engines.EngineInputError: ``version`` is below the version already loaded.
             Whatever the engine's weight loading raises (previous weights stay).
         """
         start = time.perf_counter()
@@ -91,8 +91,8 @@ class EngineActor(Actor):
         """Return once the engine serves ``min_version`` or later.
 
         Raises:
-            rollout.engines.EngineError: the push of a version ``>= min_version`` failed here.
-            rollout.engines.EngineNotReady: no such version within ``version_wait_s``.
+            replayrl.rollout.engines.EngineError: the push of a version ``>= min_version`` failed here.
+            replayrl.rollout.engines.EngineNotReady: no such version within ``version_wait_s``.
         """
         deadline = time.monotonic() + self.version_wait_s
         while self.engine.version is None or self.engine.version < min_version:
@@ -113,18 +113,18 @@ class EngineActor(Actor):
 
         Args:
             prompts: ``B >= 1`` int token-id arrays (each the whole context of its turn).
-            sampling: :class:`rollout.sampler.SamplingParams` fields.
-            max_new_tokens, eos_token_id, seed: as :meth:`rollout.engines.base.Engine.generate`.
+            sampling: :class:`replayrl.rollout.sampler.SamplingParams` fields.
+            max_new_tokens, eos_token_id, seed: as :meth:`replayrl.rollout.engines.base.Engine.generate`.
             min_version: serve only at this policy version or later: wait (up to
                 ``version_wait_s``) for a push still on its way.
 
         Returns:
-            ``{"version": int, "generations": rollout.engines.base.generations_to_columns(...)}``.
+            ``{"version": int, "generations": replayrl.rollout.engines.base.generations_to_columns(...)}``.
 
         Raises:
-            rollout.engines.EngineNotReady: no weights loaded yet in this run, or
+            replayrl.rollout.engines.EngineNotReady: no weights loaded yet in this run, or
                 ``min_version`` did not arrive in time.
-            rollout.engines.EngineError (and subclasses): the engine rejected the request.
+            replayrl.rollout.engines.EngineError (and subclasses): the engine rejected the request.
         """
         if min_version is not None:
             await self._wait_for_version(min_version)

@@ -1,6 +1,6 @@
 """The rollout engines a RolloutManager dispatches prompt groups to, and what a lost one costs.
 
-An engine is lost when a call to it fails with :class:`actors.errors.PeerLost`: its process
+An engine is lost when a call to it fails with :class:`replayrl.actors.errors.PeerLost`: its process
 exited, or it stayed silent past the run's heartbeat deadline (``--heartbeat-deadline-s``).
 The reply of that call never comes, so the prompt groups it carried are unfinished and none of
 their trajectories exist anywhere yet. ``--engine-failure`` decides what happens (docs/design.md
@@ -24,7 +24,7 @@ import asyncio
 import logging
 from typing import Awaitable, Callable, TypeVar
 
-from actors.errors import PeerLost
+from replayrl.actors.errors import PeerLost
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -119,7 +119,7 @@ class EnginePool:
             ``(result, reruns)``: ``reruns`` counts the times the work was started again
             because its engine was lost.
         Raises:
-            actors.errors.PeerLost: an engine was lost under ``fail``.
+            replayrl.actors.errors.PeerLost: an engine was lost under ``fail``.
             EnginesLost: as :meth:`_another`.
             Whatever ``work`` raises otherwise.
         """

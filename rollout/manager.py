@@ -26,21 +26,21 @@ import numpy as np
 
 import json
 
-from actors import Actor, concurrent, import_callable
-from rollout.config import RolloutConfig
-from rollout.data_source import Prompt, PromptDataSource
-from rollout.engine_pool import EnginePool
-from rollout.engines.base import generations_from_columns
-from rollout.evaluation import eval_metrics
-from rollout.generation_gate import GenerationGate
-from rollout.prompt_data import load_run_prompts
-from rollout.rewards import RewardError, RewardGuard, exact_reward, load_math_verify, math_reward
-from rollout.sample import Sample, samples_to_columns
-from rollout.task import DigitTask
-from rollout.tokenizer import load_tokenizer
-from rollout.tool_env import DigitToolEnv
-from rollout.trajectory import TrajectoryError, append_synthetic_eos
-from rollout.turn_loop import Episode, assemble, run_episodes
+from replayrl.actors import Actor, concurrent, import_callable
+from replayrl.rollout.config import RolloutConfig
+from replayrl.rollout.data_source import Prompt, PromptDataSource
+from replayrl.rollout.engine_pool import EnginePool
+from replayrl.rollout.engines.base import generations_from_columns
+from replayrl.rollout.evaluation import eval_metrics
+from replayrl.rollout.generation_gate import GenerationGate
+from replayrl.rollout.prompt_data import load_run_prompts
+from replayrl.rollout.rewards import RewardError, RewardGuard, exact_reward, load_math_verify, math_reward
+from replayrl.rollout.sample import Sample, samples_to_columns
+from replayrl.rollout.task import DigitTask
+from replayrl.rollout.tokenizer import load_tokenizer
+from replayrl.rollout.tool_env import DigitToolEnv
+from replayrl.rollout.trajectory import TrajectoryError, append_synthetic_eos
+from replayrl.rollout.turn_loop import Episode, assemble, run_episodes
 
 
 def observation_segments(loss_mask: np.ndarray) -> int:
@@ -59,7 +59,7 @@ class RolloutManager(Actor):
     Args:
         config: :meth:`RolloutConfig.to_dict` output.
         engines: names of the engine actors in the run's directory.
-        require_traces: the run's required traces (``rollout.sample.required_traces``, the
+        require_traces: the run's required traces (``replayrl.rollout.sample.required_traces``, the
             same list the engines capture); a trajectory without one is an error at assembly,
             never trained silently.
         max_positions: the policy's ``max_position_embeddings``; a multi-turn trajectory whose
@@ -67,15 +67,15 @@ class RolloutManager(Actor):
         tokenizer_dir: the checkpoint directory whose tokenizer encodes the prompts
             (``--tokenizer``, by default the run's initial checkpoint).
         vocab_size: the policy's vocabulary size (prompt ids must lie below it).
-        engine_failure: ``--engine-failure`` (:data:`rollout.engine_pool.ENGINE_FAILURE_POLICIES`):
+        engine_failure: ``--engine-failure`` (:data:`replayrl.rollout.engine_pool.ENGINE_FAILURE_POLICIES`):
             what a lost engine's unfinished prompt groups get (docs/design.md §18 "Engine
             fault tolerance").
 
     Raises:
         RolloutError: no engine, or ``--custom-reward`` not importable.
-        rollout.tokenizer.TokenizerError, rollout.prompt_data.PromptDataError: the tokenizer or
+        replayrl.rollout.tokenizer.TokenizerError, replayrl.rollout.prompt_data.PromptDataError: the tokenizer or
             a prompt row is unusable (the launcher checks both before any process starts).
-        rollout.rewards.RewardError: ``--rm-type math`` without the math-verify package.
+        replayrl.rollout.rewards.RewardError: ``--rm-type math`` without the math-verify package.
     """
 
     def __init__(self, config: dict, engines: list[str], require_traces: list[str],
@@ -145,7 +145,7 @@ class RolloutManager(Actor):
                            min_version: int | None) -> tuple[list[list[Episode]], int]:
         """``n`` episodes per prompt (``[len(prompts)][n]``), whole prompts split over engines,
         served at policy ``min_version`` or later, and the number of prompt groups that were
-        generated again because their engine was lost (:class:`rollout.engine_pool.EnginePool`).
+        generated again because their engine was lost (:class:`replayrl.rollout.engine_pool.EnginePool`).
 
         The split, and each chunk's seed, depend on the run's engine count only, never on
         which engines are alive: a chunk regenerated on another engine is the same request,
@@ -202,7 +202,7 @@ class RolloutManager(Actor):
         reward guard's time limit.
 
         Raises:
-            rollout.rewards.RewardFailure: the reward raised or ran over the limit, under
+            replayrl.rollout.rewards.RewardFailure: the reward raised or ran over the limit, under
                 ``--reward-failure error`` (names the sample and the prompt's row).
         """
         cfg = self.config
@@ -233,7 +233,7 @@ class RolloutManager(Actor):
         """Generate, score and store one batch; returns its summary (floats, seconds).
 
         ``min_version``: the policy version the engines must serve it at, or later (they wait
-        for a weight push still on its way; ``rollout.engine_actor.EngineActor.generate``).
+        for a weight push still on its way; ``replayrl.rollout.engine_actor.EngineActor.generate``).
 
         The summary's ``engines_alive`` and ``groups_regenerated`` give the capacity: engines
         in the pool when the batch was complete, and the prompt groups generated again because
@@ -241,9 +241,9 @@ class RolloutManager(Actor):
 
         Raises:
             RolloutError: a batch with this id is already stored.
-            actors.RemoteError / ActorTimeout: an engine failed or did not answer in time.
-            rollout.engine_pool.EnginesLost: no engine left (``--engine-failure regenerate``)
-                or none restored in time (``restart``); actors.errors.PeerLost: an engine
+            replayrl.actors.RemoteError / ActorTimeout: an engine failed or did not answer in time.
+            replayrl.rollout.engine_pool.EnginesLost: no engine left (``--engine-failure regenerate``)
+                or none restored in time (``restart``); replayrl.actors.errors.PeerLost: an engine
                 lost under ``fail``.
         """
         if rollout_id in self.batches:
@@ -286,10 +286,10 @@ class RolloutManager(Actor):
         settings; nothing is stored or trained and the training data's position is untouched.
 
         Returns:
-            :func:`rollout.evaluation.eval_metrics` of each set (``eval/NAME/reward_mean``,
+            :func:`replayrl.rollout.evaluation.eval_metrics` of each set (``eval/NAME/reward_mean``,
             ``eval/NAME/pass@k`` ...), plus ``eval_seconds``.
         Raises:
-            rollout.rewards.RewardFailure, actors.RemoteError: as :meth:`generate`.
+            replayrl.rollout.rewards.RewardFailure, replayrl.actors.RemoteError: as :meth:`generate`.
         """
         cfg = self.config
         start = time.perf_counter()
@@ -315,7 +315,7 @@ class RolloutManager(Actor):
     @concurrent
     async def generate_replacements(self, n_groups: int, min_version: int | None = None) -> dict:
         """Exact refill: ``n_groups`` fresh prompt groups from the current policy, as columns
-        (``rollout.sample.samples_to_columns``).
+        (``replayrl.rollout.sample.samples_to_columns``).
 
         ``min_version``: as :meth:`generate` (the trainer passes its preflight version).
         Replacement prompts come from their own seeded stream, so refill never shifts the prompts
@@ -332,13 +332,13 @@ class RolloutManager(Actor):
 
     def _assemble(self, episode: Episode, prompt: Prompt, group_id: int, rollout_id: int) -> dict:
         """Assemble one trajectory (``merge_turns``, required traces, one policy version): the
-        keyword arguments of its :class:`rollout.sample.Sample` but the reward, which
+        keyword arguments of its :class:`replayrl.rollout.sample.Sample` but the reward, which
         :meth:`_reward` gives. The arrays are read-only already (a verifier cannot change
         them, and the Sample takes them without another copy).
 
         With ``--rollout-append-eos-on-truncation``, a trajectory that hit its length cap
         (``finish_reason == "length"``, status ``truncated``) and does not already end with a
-        sampled EOS gets a synthetic EOS (``rollout.trajectory.append_synthetic_eos``) before it
+        sampled EOS gets a synthetic EOS (``replayrl.rollout.trajectory.append_synthetic_eos``) before it
         is scored. The reward is then the verifier's (the tool environment's, or
         ``--custom-reward``'s) for the response as it will be trained, EOS included: reward,
         tokens and advantage describe one sequence, and a custom verifier sees exactly the
@@ -349,8 +349,8 @@ class RolloutManager(Actor):
         ``truncated``: the engine did not stop by itself.
 
         Raises:
-            rollout.turn_loop.MixedVersionError: turns from different weight versions.
-            rollout.trajectory.TrajectoryError: a required trace missing or misaligned; with the
+            replayrl.rollout.turn_loop.MixedVersionError: turns from different weight versions.
+            replayrl.rollout.trajectory.TrajectoryError: a required trace missing or misaligned; with the
                 synthetic EOS, a trajectory whose ``P + R + 1`` tokens would not fit the model's
                 ``max_position_embeddings`` (field ``synthetic_eos``).
         """
@@ -393,7 +393,7 @@ class RolloutManager(Actor):
             wait: return only once no engine request is in flight (the engines are idle).
         Returns:
             ``{"paused": True, "in_flight": int, "held": int}``
-            (:meth:`rollout.generation_gate.GenerationGate.state`).
+            (:meth:`replayrl.rollout.generation_gate.GenerationGate.state`).
         """
         self.gate.pause()
         if wait:
@@ -413,7 +413,7 @@ class RolloutManager(Actor):
 
     async def last_sample(self) -> dict:
         """The most recently scored trajectory (training or refill), as one-row columns
-        (``rollout.sample.samples_to_columns``: ids, loss mask, logprobs, reward and every
+        (``replayrl.rollout.sample.samples_to_columns``: ids, loss mask, logprobs, reward and every
         captured trace, e.g. ``routed_experts`` int32 ``[P + R - 1, layers, top_k]``);
         ``{}`` before the first rollout. Read-only: nothing is taken from a stored batch."""
         if self.latest_sample is None:
@@ -427,7 +427,7 @@ class RolloutManager(Actor):
 
         Raises:
             ValueError: ``engine`` is not one of the run's engines.
-            actors.ActorTimeout: this process cannot reach it within
+            replayrl.actors.ActorTimeout: this process cannot reach it within
                 ``--rollout-timeout-seconds``.
         """
         if engine not in self.engines:
@@ -438,7 +438,7 @@ class RolloutManager(Actor):
         return self.pool.live()
 
     async def take_batch(self, rollout_id: int) -> dict:
-        """Hand over (and forget) a stored batch as columns (``rollout.sample.samples_to_columns``),
+        """Hand over (and forget) a stored batch as columns (``replayrl.rollout.sample.samples_to_columns``),
         groups contiguous.
 
         Raises:

@@ -20,10 +20,10 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping, Sequence
 
-from rollout.config import RolloutConfig
-from rollout.data_source import Prompt
-from rollout.task import DigitTask
-from rollout.tokenizer import PromptTokenizer, TokenizerError
+from replayrl.rollout.config import RolloutConfig
+from replayrl.rollout.data_source import Prompt
+from replayrl.rollout.task import DigitTask
+from replayrl.rollout.tokenizer import PromptTokenizer, TokenizerError
 
 __all__ = ["PromptDataError", "PromptRow", "BUILTIN_FILE", "BUILTIN_SETTINGS", "read_rows",
            "digit_task_rows", "builtin_rows", "tokenize_rows", "RunPrompts", "load_run_prompts"]
@@ -137,8 +137,8 @@ def read_rows(path: str | Path, input_key: str = "prompt", label_key: str = "lab
 
 def digit_task_rows(task: DigitTask, seed: int, dataset_size: int) -> list[dict[str, str]]:
     """The embedded task's prompts as text rows ``{"prompt", "label"}``: the same draws as
-    :func:`rollout.data_source.digit_task_prompts`, written in the task's words."""
-    from rollout.data_source import digit_task_prompts
+    :func:`replayrl.rollout.data_source.digit_task_prompts`, written in the task's words."""
+    from replayrl.rollout.data_source import digit_task_prompts
 
     return [{"prompt": task.decode(p.prompt_ids), "label": p.label}
             for p in digit_task_prompts(task, seed, dataset_size)]
@@ -159,7 +159,7 @@ def builtin_rows(config: RolloutConfig, seed: int) -> list[PromptRow]:
 
 def tokenize_rows(rows: Sequence[PromptRow], tokenizer: PromptTokenizer, *, input_key: str,
                   vocab_size: int, max_prompt_len: int) -> list[Prompt]:
-    """The rows as :class:`rollout.data_source.Prompt` records, index = row position.
+    """The rows as :class:`replayrl.rollout.data_source.Prompt` records, index = row position.
 
     Args:
         vocab_size: the policy's vocabulary; an id at or past it cannot be forwarded.

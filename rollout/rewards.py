@@ -1,7 +1,7 @@
 """Built-in rewards (``--rm-type``) and the guard every reward call runs under.
 
 * ``digits``: the embedded task's verifier on the final segment
-  (:meth:`rollout.tool_env.DigitToolEnv.reward`), the default;
+  (:meth:`replayrl.rollout.tool_env.DigitToolEnv.reward`), the default;
 * ``exact``: 1.0 when the response text equals the label after :func:`normalise`, else 0.0;
 * ``math``: 1.0 when the response's final answer (a ``\\boxed{}`` answer first, else the last
   expression) is mathematically equivalent to the label, checked by Hugging Face's

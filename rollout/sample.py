@@ -51,18 +51,18 @@ def required_traces(model_config: Any, *, support_replay: bool, routing_replay: 
     replay: ``sample_support`` with support replay on; ``routed_experts`` with R3 on and at least
     one MoE layer; ``indexer_topk`` with indexer replay on and at least one indexed layer. The
     launcher asks the engines to capture exactly these, the rollout side assembles every
-    trajectory with them required (``rollout.trajectory.merge_turns``) and the trainer refuses
+    trajectory with them required (``replayrl.rollout.trajectory.merge_turns``) and the trainer refuses
     a batch lacking one (:func:`check_required_traces`), so a trajectory lacking one is an
     error, never a sample trained without its replay.
 
     Args:
         model_config: the policy's shape: anything with ``moe_layers`` and
-            ``indexed_layers`` (a ``rollout.model.config.ModelConfig``).
+            ``indexed_layers`` (a ``replayrl.rollout.model.config.ModelConfig``).
         support_replay, routing_replay, indexer_replay: the trainer's replay switches
             (``--use-support-replay``, ``--use-routing-replay``, ``--use-indexer-replay``).
 
     Returns:
-        A tuple of trace field names (a subset of ``rollout.sample.TRACE_FIELDS``).
+        A tuple of trace field names (a subset of ``replayrl.rollout.sample.TRACE_FIELDS``).
     """
     on = {"sample_support": support_replay,
           "routed_experts": routing_replay and len(model_config.moe_layers) > 0,
@@ -209,7 +209,7 @@ class Sample:
         are 0 already (``loss_mask`` 0). Everything that reads ``rollout_logprobs`` -- RS gates
         (token / sequence / geometric, sums and token count), TIS weights, the exact-refill
         admission, the |rollout - trainer logprob| metrics -- reads it under this mask; the
-        synthetic row's placeholder (``rollout.trajectory.SYNTHETIC_EOS_LOGPROB``) is never a
+        synthetic row's placeholder (``replayrl.rollout.trajectory.SYNTHETIC_EOS_LOGPROB``) is never a
         behaviour logprob (docs/design.md §7 "Trainer math", §8 "Rejection sampling"). Equal to
         ``loss_mask`` when ``synthetic_eos`` is False.
         """
@@ -266,7 +266,7 @@ def pack_rows(values: Sequence[np.ndarray | None]) -> np.ndarray | list | None:
     Returns ``None`` when no item has one; the items' rows concatenated in order when every
     item has one with the same trailing shape; otherwise ``values`` as a list (one entry per
     item). Inverse: :func:`unpack_rows`. Used by :func:`samples_to_columns` and
-    ``rollout.engines.base.generations_to_columns``.
+    ``replayrl.rollout.engines.base.generations_to_columns``.
     """
     if all(v is None for v in values):
         return None

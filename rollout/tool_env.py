@@ -26,7 +26,7 @@ from typing import Sequence
 
 import numpy as np
 
-from rollout.task import DIGITS, OPERATORS, VOCABULARY, DigitTask
+from replayrl.rollout.task import DIGITS, OPERATORS, VOCABULARY, DigitTask
 
 __all__ = ["ToolEnvError", "DigitToolEnv"]
 
@@ -102,6 +102,6 @@ class DigitToolEnv:
         """Reward in [0, 1]: ``task.reward`` of :meth:`final_answer` (0 if it is a tool call).
 
         Raises:
-            ToolEnvError: lengths differ. rollout.task.TaskError: a token outside the vocabulary.
+            ToolEnvError: lengths differ. replayrl.rollout.task.TaskError: a token outside the vocabulary.
         """
         return self.task.reward(self.final_answer(response_ids, loss_mask), answer_id)

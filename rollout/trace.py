@@ -17,7 +17,7 @@ rows):
 * :meth:`~TokenMetadataTrace.finalize` checks the total row count against what the caller
   expects and hands out read-only arrays, exactly once.
 
-Every error is a :class:`TraceError`, a :class:`rollout.sample.SampleError` naming the sample
+Every error is a :class:`TraceError`, a :class:`replayrl.rollout.sample.SampleError` naming the sample
 and the field.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from rollout.sample import SampleError
+from replayrl.rollout.sample import SampleError
 
 __all__ = [
     "TraceError",

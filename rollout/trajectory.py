@@ -1,6 +1,6 @@
 """Trajectory transformations that keep every per-token array aligned.
 
-Pure functions: a :class:`rollout.sample.Sample` is frozen, so each returns a new one (or a new
+Pure functions: a :class:`replayrl.rollout.sample.Sample` is frozen, so each returns a new one (or a new
 :class:`MergedTrajectory`) and never touches its input. Row spaces (docs/design.md §3 "Sample
 contract"): ``response_ids``, ``loss_mask``, ``rollout_logprobs`` and ``sample_support`` have
 ``R`` rows; ``routed_experts`` and ``indexer_topk`` have ``P + R - 1`` rows, one per forwarded
@@ -10,7 +10,7 @@ position (the last token is never forwarded).
 * :func:`append_synthetic_eos` -- end a length-truncated response with an EOS the engine never
   sampled (at most one per trajectory).
 * :func:`merge_turns` -- one trajectory from engine turns and environment observations,
-  through :class:`rollout.trace.TokenMetadataTrace` (every trajectory, single- or multi-turn).
+  through :class:`replayrl.rollout.trace.TokenMetadataTrace` (every trajectory, single- or multi-turn).
 
 Conventions for rows nobody captured: support rows of observation tokens are all ``-1``
 (column 0 included: a padding row to the trainer, ``trainer/logprobs.py``); routing / indexer
@@ -28,10 +28,10 @@ from typing import Any, Collection, Literal, Mapping, Sequence
 
 import numpy as np
 
-from rollout.capture import check_route_offset, check_sampled_logprob
-from rollout.sample import TRACE_FIELDS, Sample, SampleError
-from rollout.sample import MissingTraceError as _MissingTrace
-from rollout.trace import TokenMetadataTrace
+from replayrl.rollout.capture import check_route_offset, check_sampled_logprob
+from replayrl.rollout.sample import TRACE_FIELDS, Sample, SampleError
+from replayrl.rollout.sample import MissingTraceError as _MissingTrace
+from replayrl.rollout.trace import TokenMetadataTrace
 
 __all__ = [
     "TrajectoryError",
@@ -128,7 +128,7 @@ def append_synthetic_eos(sample: Sample, eos_id: int) -> Sample:
     Used when a response hit its length cap: training on the EOS teaches the policy to stop.
     The run applies it with ``--rollout-append-eos-on-truncation`` (``rollout/manager.py``,
     before scoring). The trainer trains the row with no behaviour ratio (TIS weight 1) and
-    keeps it out of every RS gate (:attr:`rollout.sample.Sample.sampled_mask`).
+    keeps it out of every RS gate (:attr:`replayrl.rollout.sample.Sample.sampled_mask`).
     New last row of every row space:
 
     * ``response_ids`` += ``eos_id``; ``loss_mask`` += 1; ``rollout_logprobs`` +=
@@ -205,7 +205,7 @@ class MergedTrajectory:
     dropped_turns: int = 0
 
     def sample_fields(self) -> dict[str, np.ndarray | None]:
-        """The six per-token fields as keyword arguments of :class:`rollout.sample.Sample`."""
+        """The six per-token fields as keyword arguments of :class:`replayrl.rollout.sample.Sample`."""
         return {name: getattr(self, name) for name in
                 ("response_ids", "loss_mask", "rollout_logprobs", *TRACE_FIELDS)}
 
@@ -243,12 +243,12 @@ def merge_turns(
     Args:
         prompt_ids: the ``P`` tokens of the original prompt.
         turns: ``n >= 1`` engine turn records, objects or mappings with the fields of
-            :class:`rollout.engines.base.Generation`: ``response_ids`` int ``[R_k >= 1]``,
+            :class:`replayrl.rollout.engines.base.Generation`: ``response_ids`` int ``[R_k >= 1]``,
             ``rollout_logprobs`` float ``[R_k]`` (finite), ``finish_reason`` str, optional
             ``sample_support`` ``[R_k, 1+W]``, optional ``routed_experts`` / ``indexer_topk``
             with one row per position the engine forwarded, and optional ``route_start``
             (default 0): the context position of the first per-position row (an external
-            engine asked for rows from an offset, :func:`rollout.capture.check_route_offset`).
+            engine asked for rows from an offset, :func:`replayrl.rollout.capture.check_route_offset`).
             Turn ``k`` was generated from the context ``C_k`` = prompt + everything before it,
             so it carries ``len(C_k) + R_k - 1 - route_start`` per-position rows.
         observations: ``n - 1`` token sequences, observation ``k`` following turn ``k``.
@@ -263,7 +263,7 @@ def merge_turns(
             Neither ever fills the gap with zeros or with ``-1`` (which would silently train
             those rows without replay).
 
-    Row assembly (each through a :class:`rollout.trace.TokenMetadataTrace`):
+    Row assembly (each through a :class:`replayrl.rollout.trace.TokenMetadataTrace`):
 
     * response rows: turn ``k``'s ``R_k`` rows, then ``O_k`` observation rows (loss_mask 0,
       logprob :data:`OBSERVATION_LOGPROB`, support all ``-1``);
@@ -289,8 +289,8 @@ def merge_turns(
             turn 0 lacks; a ``route_start`` past the rows still needed.
         MissingTraceError: a field of ``require`` missing from turn 0.
         TraceGapError: a later turn lacks a trace, with ``on_trace_gap="raise"``.
-        rollout.capture.CaptureError: a non-finite sampled logprob, an invalid route offset.
-        rollout.trace.TraceError: inconsistent trace shapes between turns (names the field).
+        replayrl.rollout.capture.CaptureError: a non-finite sampled logprob, an invalid route offset.
+        replayrl.rollout.trace.TraceError: inconsistent trace shapes between turns (names the field).
     """
     sid = sample_id
     if on_trace_gap not in ("raise", "keep_prefix"):

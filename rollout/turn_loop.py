@@ -9,7 +9,7 @@ single-turn trajectory is this same loop stopped after turn 0.
 
 The loop returns :class:`Episode` records -- turns, observations and the weight version of
 each turn -- and :func:`assemble` turns one into a trajectory through
-:func:`rollout.trajectory.merge_turns` (one assembly path for every trajectory), so:
+:func:`replayrl.rollout.trajectory.merge_turns` (one assembly path for every trajectory), so:
 
 * generated tokens keep their engine logprob and support row; observation tokens get
   loss_mask 0, logprob 0.0 and all ``-1`` support rows;
@@ -25,9 +25,9 @@ from typing import Awaitable, Callable, Collection, Sequence
 
 import numpy as np
 
-from rollout.engines.base import Generation
-from rollout.tool_env import DigitToolEnv
-from rollout.trajectory import MergedTrajectory, TrajectoryError, merge_turns
+from replayrl.rollout.engines.base import Generation
+from replayrl.rollout.tool_env import DigitToolEnv
+from replayrl.rollout.trajectory import MergedTrajectory, TrajectoryError, merge_turns
 
 __all__ = ["TurnLoopError", "MixedVersionError", "Episode", "GenerateTurn", "turn_seed",
            "run_episodes", "assemble"]
@@ -108,7 +108,7 @@ async def run_episodes(
             Same seed, prompts and weights give the same episodes.
         env: the tool environment, or ``None`` (no tools: every turn is final).
         render_observation: turns the environment's observation ids into the ids appended to
-            the context (``rollout.tokenizer.PromptTokenizer.render_observation``: the chat
+            the context (``replayrl.rollout.tokenizer.PromptTokenizer.render_observation``: the chat
             template's tool turn); ``None`` appends them unchanged. Either way the next turn's
             context is the previous context's exact ids plus the turn's ids plus these, never
             a re-tokenisation of the conversation's text (docs/design.md §15 "Prompt data,
@@ -120,7 +120,7 @@ async def run_episodes(
     Raises:
         TurnLoopError: ``max_turns`` / ``max_new_tokens`` / ``max_positions`` / ``seed`` not an
             int in range, or ``generate_turn`` returned a wrong number of generations.
-        rollout.tool_env.ToolEnvError: a tool call on a prompt that is not a task prompt.
+        replayrl.rollout.tool_env.ToolEnvError: a tool call on a prompt that is not a task prompt.
         Whatever ``generate_turn`` raises (e.g. the engine's errors, over the wire).
     """
     for name, value, low in (("max_turns", max_turns, 1), ("max_new_tokens", max_new_tokens, 1),
@@ -175,15 +175,15 @@ def assemble(episode: Episode, *, sample_id: int,
     Args:
         episode: a :func:`run_episodes` record.
         sample_id: named in every error.
-        require: trace fields every turn must carry (``rollout.sample.required_traces``).
+        require: trace fields every turn must carry (``replayrl.rollout.sample.required_traces``).
 
     Returns:
-        ``(merged, version)``: :func:`rollout.trajectory.merge_turns` of the turns and
+        ``(merged, version)``: :func:`replayrl.rollout.trajectory.merge_turns` of the turns and
         observations, and the weight version every turn was served by.
 
     Raises:
         MixedVersionError: the turns were served by different weight versions.
-        rollout.trajectory.TrajectoryError (and subclasses): see ``merge_turns`` (e.g. a
+        replayrl.rollout.trajectory.TrajectoryError (and subclasses): see ``merge_turns`` (e.g. a
             required trace missing).
     """
     if len(set(episode.versions)) != 1:

@@ -7,7 +7,7 @@ import sys
 
 import numpy as np
 
-from actors import Actor, concurrent
+from replayrl.actors import Actor, concurrent
 
 
 class EchoActor(Actor):

@@ -11,7 +11,7 @@ torch.set_num_threads(1)
 
 import pytest  # noqa: E402
 
-from transport.curve import CurveKeys, create_keys  # noqa: E402
+from replayrl.transport.curve import CurveKeys, create_keys  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from trainer.trainer_actor import TrainerActor
+from replayrl.trainer.trainer_actor import TrainerActor
 
 
 class FailingTrainer(TrainerActor):
@@ -30,7 +30,7 @@ class DiesWhileSaving(TrainerActor):
     async def save_checkpoint(self, directory: str) -> str:
         type(self).saves += 1
         if type(self).saves == 2:
-            from rollout.model.checkpoint import save_pretrained
+            from replayrl.rollout.model.checkpoint import save_pretrained
 
             save_pretrained(self.backend.model, Path(directory) / "model", tokens=self.backend.vocab_tokens)
             os._exit(9)

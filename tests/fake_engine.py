@@ -13,10 +13,10 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from rollout.engines.base import Engine, EngineInputError, Generation
-from rollout.model.config import ModelConfig
-from rollout.sample import TRACE_FIELDS
-from rollout.sampler import SamplingParams
+from replayrl.rollout.engines.base import Engine, EngineInputError, Generation
+from replayrl.rollout.model.config import ModelConfig
+from replayrl.rollout.sample import TRACE_FIELDS
+from replayrl.rollout.sampler import SamplingParams
 
 
 def _read_only(arr: np.ndarray) -> np.ndarray:

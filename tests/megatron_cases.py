@@ -9,11 +9,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rollout.model.checkpoint import save_pretrained
-from rollout.model.config import ModelConfig, default_config
-from rollout.model.qwen3_moe import Qwen3MoeForCausalLM
-from rollout.sample import Sample
-from rollout.task import VOCABULARY
+from replayrl.rollout.model.checkpoint import save_pretrained
+from replayrl.rollout.model.config import ModelConfig, default_config
+from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
+from replayrl.rollout.sample import Sample
+from replayrl.rollout.task import VOCABULARY
 
 V = len(VOCABULARY)
 
@@ -33,7 +33,7 @@ def write_checkpoint(directory: Path, seed: int = 3) -> Path:
 def perturbed(checkpoint: Path, scale: float = 0.05, seed: int = 7) -> Qwen3MoeForCausalLM:
     """The checkpoint's torch model with every router and indexer query weight perturbed by
     N(0, scale)."""
-    from rollout.model.loader import load_pretrained
+    from replayrl.rollout.model.loader import load_pretrained
 
     model, _ = load_pretrained(checkpoint, dtype=torch.float32)
     g = torch.Generator().manual_seed(seed)

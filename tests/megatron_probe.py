@@ -24,9 +24,9 @@ def main() -> None:
 
     import torch
 
-    from rollout.model.config import default_config
-    from trainer.backends import megatron_cpu_compat as compat
-    from trainer.backends.megatron_model import MegatronParallel, build_gpt_model, init_parallel
+    from replayrl.rollout.model.config import default_config
+    from replayrl.trainer.backends import megatron_cpu_compat as compat
+    from replayrl.trainer.backends.megatron_model import MegatronParallel, build_gpt_model, init_parallel
 
     compat.enable(skip=[s for s in args.skip.split(",") if s])
     parallel = MegatronParallel(tp=args.tp, ep=args.ep, cp=args.cp)

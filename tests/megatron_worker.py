@@ -37,18 +37,18 @@ def main() -> None:
     import torch
     import torch.distributed as dist
 
-    from rollout.task import VOCABULARY
+    from replayrl.rollout.task import VOCABULARY
     from tests import megatron_cases as cases
-    from trainer.backends.megatron_model import MegatronParallel
-    from trainer.batch import collate
-    from trainer.config import TrainerConfig
+    from replayrl.trainer.backends.megatron_model import MegatronParallel
+    from replayrl.trainer.batch import collate
+    from replayrl.trainer.config import TrainerConfig
 
     torch.set_num_threads(1)
     parallel = MegatronParallel(tp=args.tp, ep=args.ep, pp=args.pp, cp=args.cp)
     result = {}
     if args.case == "pp":
-        from trainer.backends.megatron_model import build_gpt_model, init_parallel
-        from trainer.backends.megatron_replay import RoutingReplay
+        from replayrl.trainer.backends.megatron_model import build_gpt_model, init_parallel
+        from replayrl.trainer.backends.megatron_replay import RoutingReplay
 
         init_parallel(parallel, seed=1)
         model, _, indexer = build_gpt_model(cases.config(), parallel)
@@ -66,7 +66,7 @@ def main() -> None:
         result = {k: v for part in gathered for k, v in part.items()}
         result["trace"] = batch.routed_experts.numpy()
     else:
-        from trainer.backends.megatron_backend import MegatronBackend
+        from replayrl.trainer.backends.megatron_backend import MegatronBackend
 
         cfg = TrainerConfig(temperature=0.8, lr=1e-2)
         backend = MegatronBackend(args.checkpoint, cfg, list(VOCABULARY), parallel=parallel)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from rollout.model import Qwen3MoeForCausalLM
+from replayrl.rollout.model import Qwen3MoeForCausalLM
 
 
 def decisive_model(cfg, seed: int, norm_jitter: float = 0.0) -> Qwen3MoeForCausalLM:

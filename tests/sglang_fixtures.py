@@ -10,8 +10,8 @@ from typing import Any, Callable
 
 from aiohttp import ClientSession, web
 
-from rollout.model.config import ModelConfig
-from tools.serve import ServeState, build_app
+from replayrl.rollout.model.config import ModelConfig
+from replayrl.tools.serve import ServeState, build_app
 
 
 class AppThread:

@@ -5,8 +5,8 @@ import tempfile
 
 import pytest
 
-from actors import (ActorCallError, ActorSpec, Directory, RemoteError, Supervisor)
-from actors.interface import describe
+from replayrl.actors import (ActorCallError, ActorSpec, Directory, RemoteError, Supervisor)
+from replayrl.actors.interface import describe
 from tests.actor_fixtures import EchoActor
 
 ECHO = "tests.actor_fixtures:EchoActor"

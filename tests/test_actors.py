@@ -8,10 +8,10 @@ import time
 import numpy as np
 import pytest
 
-from actors import (ActorDied, ActorServer, ActorSpec, ActorTimeout, Directory, RemoteError,
+from replayrl.actors import (ActorDied, ActorServer, ActorSpec, ActorTimeout, Directory, RemoteError,
                     Supervisor, UnknownActor)
 from tests.actor_fixtures import EchoActor
-from transport import Codec, DealerSocket
+from replayrl.transport import Codec, DealerSocket
 
 ECHO = "tests.actor_fixtures:EchoActor"
 

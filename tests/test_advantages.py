@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from trainer.advantages import AdvantageError, baseline_groups, grpo_advantages
+from replayrl.trainer.advantages import AdvantageError, baseline_groups, grpo_advantages
 
 
 def test_group_mean_subtracted_per_contiguous_group():

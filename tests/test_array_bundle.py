@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from transport import DecodeError
-from transport.array_bundle import pack_arrays, unpack_arrays
-from transport.codec import Codec
+from replayrl.transport import DecodeError
+from replayrl.transport.array_bundle import pack_arrays, unpack_arrays
+from replayrl.transport.codec import Codec
 
 
 def _arrays():

@@ -1,4 +1,4 @@
-"""transport.batch and the sockets' coalescing (docs/design.md §20 "Shared-memory array
+"""replayrl.transport.batch and the sockets' coalescing (docs/design.md §20 "Shared-memory array
 transport", "Batches"): the batch frame's layout (checked against bytes built by hand with
 struct), order, limits, malformed batches refused whole naming the element, shared-memory slots
 released exactly once, and a live actor that survives a malformed batch.
@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import zmq
 
-from actors import ActorSpec, Directory, Supervisor
-from transport import Codec, DealerSocket, DecodeError, RouterSocket, ipc_endpoint
-from transport.batch import MAX_BATCH_MESSAGES, pack_batch, split_batch
-from transport.shm_pool import ShmPool, ShmReader
+from replayrl.actors import ActorSpec, Directory, Supervisor
+from replayrl.transport import Codec, DealerSocket, DecodeError, RouterSocket, ipc_endpoint
+from replayrl.transport.batch import MAX_BATCH_MESSAGES, pack_batch, split_batch
+from replayrl.transport.shm_pool import ShmPool, ShmReader
 
 GUARD_S = 60
 MiB = 1 << 20

@@ -5,7 +5,7 @@ import importlib
 
 import pytest
 
-from tools.cli import BENCHES
+from replayrl.tools.cli import BENCHES
 
 
 @pytest.mark.parametrize("name", sorted(BENCHES))

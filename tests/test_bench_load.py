@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from tools.bench_load import summarize
+from replayrl.tools.bench.load import summarize
 
 
 def test_summary_by_hand():
@@ -21,12 +21,12 @@ def test_missing_loader_is_an_error():
 
 
 def test_replayrl_load_adds_one_model_not_two(tmp_path):
-    """Peak resident memory a load adds, in a fresh process (tools.bench_load's child): the
+    """Peak resident memory a load adds, in a fresh process (replayrl.tools.bench.load's child): the
     fp32 model plus about one shard, well below two fp32 copies of the weights."""
     import argparse
 
     pytest.importorskip("transformers")
-    from tools.bench_load import run_child, write_checkpoint
+    from replayrl.tools.bench.load import run_child, write_checkpoint
 
     args = argparse.Namespace(hidden=256, layers=4, experts=8, vocab=8000, shard_size="8MB")
     n = write_checkpoint(args, tmp_path / "ckpt")

@@ -1,4 +1,4 @@
-"""Smoke test of tools/bench_logprobs.py at vocabulary 1000: the table has one row per (path, N)
+"""Smoke test of tools/bench/logprobs.py at vocabulary 1000: the table has one row per (path, N)
 and every path agrees with the full-vocabulary logprob on rows whose support is the vocabulary.
 No timing is asserted."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tools.bench_logprobs import PATHS, BenchConfig, make_inputs, measure_here, main
+from replayrl.tools.bench.logprobs import PATHS, BenchConfig, make_inputs, measure_here, main
 
 
 def _table_rows(text: str) -> list[list[str]]:

@@ -1,7 +1,7 @@
 """Parity targets of the issue, measured on a small run of the parity benchmark."""
 from __future__ import annotations
 
-from tools.bench_parity import run, table
+from replayrl.tools.bench.parity import run, table
 
 
 def test_replays_make_trainer_match_engine():

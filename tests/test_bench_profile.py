@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import cProfile
 
-from actors.spawn import write_profile
-from tools.bench_profile import breakdown, top_functions
+from replayrl.actors.spawn import write_profile
+from replayrl.tools.bench.profile import breakdown, top_functions
 
 
 def test_breakdown_is_the_median_of_each_seconds_key_after_warmup():

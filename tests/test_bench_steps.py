@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tools import bench_steps, priority
-from tools.bench_steps import run_medians, table
+from replayrl.tools import bench_steps, priority
+from replayrl.tools.bench.steps import run_medians, table
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -83,7 +83,7 @@ def test_bench_steps_alternates_runs_of_the_baseline_worktree_and_this_checkout(
 
 
 def test_bad_arguments_and_an_unknown_baseline_are_named():
-    from tools.bench_steps import main
+    from replayrl.tools.bench.steps import main
 
     with pytest.raises(SystemExit) as stop:
         main(["--baseline", "HEAD", "--steps", "2", "--warmup", "5"])

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from tools.bench_train import table_row
+from replayrl.tools.bench.train import table_row
 
 
 def _rows(rewards, gaps, seconds, flips=None):

@@ -10,16 +10,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollout.task import VOCABULARY
-from tools.config import ConfigError, build_config
-from tools.launcher import check_load, write_initial_checkpoint
-from trainer.backends.checkpoint_layout import CheckpointLayout, CheckpointLayoutError
-from trainer.backends.torch_backend import TorchBackend
-from trainer.config import TrainerConfig
+from replayrl.rollout.task import VOCABULARY
+from replayrl.tools.run.config import ConfigError, build_config
+from replayrl.tools.run.launcher import check_load, write_initial_checkpoint
+from replayrl.trainer.backends.checkpoint_layout import CheckpointLayout, CheckpointLayoutError
+from replayrl.trainer.backends.torch_backend import TorchBackend
+from replayrl.trainer.config import TrainerConfig
 
 pytest.importorskip("megatron.core")
 
-from trainer.backends.megatron_backend import MegatronBackend  # noqa: E402
+from replayrl.trainer.backends.megatron_backend import MegatronBackend  # noqa: E402
 
 TP2 = {"tp": 2, "pp": 1, "cp": 1, "ep": 1, "dp": 1}
 
@@ -123,7 +123,7 @@ def test_layout_flags_and_rank_count():
 
 def test_every_torchrun_rank_refuses_the_layout_before_exchanging_addresses(
         model_dir, tmp_path, monkeypatch, capsys, curve_keys_dir):
-    from tools import torchrun_entry
+    from replayrl.tools import torchrun_entry
 
     ckpt = _megatron_checkpoint(tmp_path / "ckpt", model_dir, 2, TP2)
     clock = {"max_staleness": 1, "trainer_version": 3, "engine_versions": {}}
@@ -139,5 +139,5 @@ def test_every_torchrun_rank_refuses_the_layout_before_exchanging_addresses(
         code = torchrun_entry.main(["--load", str(ckpt), "--num-steps", "5", "--train-backend",
                                     "megatron", "--cp-size", "2", "--curve-keys",
                                     curve_keys_dir, "--output-dir", str(tmp_path / "out")])
-        assert code == 2  # tools.exit_codes: a configuration error
+        assert code == 2  # replayrl.tools.run.exit_codes: a configuration error
         assert "was saved with --tp-size 2" in capsys.readouterr().err

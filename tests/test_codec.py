@@ -1,4 +1,4 @@
-"""transport.codec: round trips compared bit for bit with the input, zero copy above the inline
+"""replayrl.transport.codec: round trips compared bit for bit with the input, zero copy above the inline
 threshold, and typed rejection of malformed messages. Malformed messages are built here with
 msgpack directly, following the wire format in the codec's docstring, not with the encoder."""
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 import zmq
 
-from transport import (
+from replayrl.transport import (
     DEFAULT_INLINE_THRESHOLD,
     Codec,
     CodecConfig,
@@ -355,7 +355,7 @@ def test_restricted_allow_list_rejects_both_ways() -> None:
 
 
 def test_hand_built_message_decodes_to_expected_values() -> None:
-    """The wire format written by hand (docstring of transport.codec) decodes as documented."""
+    """The wire format written by hand (docstring of replayrl.transport.codec) decodes as documented."""
     words = np.array([0x3F80, 0xC000], dtype="<u2").tobytes()  # bf16 1.0, -2.0
     body = np.arange(6, dtype="<i4").tobytes()
     frames = [

@@ -1,4 +1,4 @@
-"""transport.codec under hostile input: what a frame may cost the decoder, numpy's shape rule,
+"""replayrl.transport.codec under hostile input: what a frame may cost the decoder, numpy's shape rule,
 torch-free tensor decoding, and a bounded fuzz of the codec (hypothesis)."""
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from transport import Codec, CodecConfig, DecodeError, MessageTooLarge, TransportError, decode, encode
-from transport.tensor_data import TensorData
+from replayrl.transport import Codec, CodecConfig, DecodeError, MessageTooLarge, TransportError, decode, encode
+from replayrl.transport.tensor_data import TensorData
 
 REPO = Path(__file__).resolve().parents[1]
 EXT_NDARRAY, EXT_TENSOR = 1, 2
@@ -240,7 +240,7 @@ def test_fuzz_live_actor_survives_and_answers(live_actor, envelope, noise, at, e
 
 
 def test_bench_decode_measures_refusal_and_plain_decoding():
-    from tools.bench_decode import frame_of, measure
+    from replayrl.tools.bench.decode import frame_of, measure
 
     frame = frame_of(b"\x90", 1 << 18)
     assert len(frame) == 5 + (1 << 18) and msgpack.unpackb(frame) == [[]] * (1 << 18)

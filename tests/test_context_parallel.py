@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.packing import PackedFieldError, PackedLayout, PackingError
-from trainer.parallel.context_parallel import cp_shard, cp_shard_indices, cp_unshard
+from replayrl.trainer.packing import PackedFieldError, PackedLayout, PackingError
+from replayrl.trainer.parallel.context_parallel import cp_shard, cp_shard_indices, cp_unshard
 
 
 def test_cp2_shard_indices_by_hand():

@@ -7,9 +7,9 @@ import tempfile
 
 import pytest
 
-from actors import ActorSpec, Directory, Supervisor
-from tools.config import build_config
-from tools.launcher import actor_specs, split_cpus, write_initial_checkpoint
+from replayrl.actors import ActorSpec, Directory, Supervisor
+from replayrl.tools.run.config import build_config
+from replayrl.tools.run.launcher import actor_specs, split_cpus, write_initial_checkpoint
 
 
 @pytest.mark.parametrize("allowed, trainer, others", [

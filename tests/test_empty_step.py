@@ -13,10 +13,10 @@ import tempfile
 
 import pytest
 
-from actors import Directory, RemoteError, Supervisor
-from tools.config import build_config
-from tools.launcher import actor_specs, launch, write_initial_checkpoint
-from tools.train_loop import train_loop
+from replayrl.actors import Directory, RemoteError, Supervisor
+from replayrl.tools.run.config import build_config
+from replayrl.tools.run.launcher import actor_specs, launch, write_initial_checkpoint
+from replayrl.tools.run.train_loop import train_loop
 
 # 2 groups x 2 samples x 2 response tokens = 8 loss tokens per step. A geometric ratio of 1e30
 # needs a mean d_t >= 69 nats: no sampled token is that unlikely, so 0 of 8 tokens pass.

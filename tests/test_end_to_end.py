@@ -14,12 +14,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from actors import Directory, RemoteError, Supervisor
-from rollout.model.config import default_config
-from rollout.sample import samples_from_columns
-from rollout.task import VOCABULARY
-from tools.config import build_config
-from tools.launcher import actor_specs, launch, write_initial_checkpoint
+from replayrl.actors import Directory, RemoteError, Supervisor
+from replayrl.rollout.model.config import default_config
+from replayrl.rollout.sample import samples_from_columns
+from replayrl.rollout.task import VOCABULARY
+from replayrl.tools.run.config import build_config
+from replayrl.tools.run.launcher import actor_specs, launch, write_initial_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = {"rollout-batch-size": 4, "n-samples-per-prompt": 4, "progress": False}
@@ -83,8 +83,8 @@ async def test_max_staleness_zero_trains_on_policy_in_sequence(tmp_path):
 
 
 async def test_trainer_dying_while_saving_ends_the_run_and_keeps_the_last_checkpoint(tmp_path):
-    from actors import ActorDied
-    from tools.launcher import check_load
+    from replayrl.actors import ActorDied
+    from replayrl.tools.run.launcher import check_load
 
     config = build_config({**SMALL, "num-steps": 4, "save-interval": 1, "output-dir": str(tmp_path)})
     checkpoint = write_initial_checkpoint(config, tmp_path / "ckpt")
@@ -153,7 +153,7 @@ def test_ctrl_c_stops_every_process_and_removes_ipc_files(tmp_path, signum, code
     tmp.mkdir()
     env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tools.cli", "train", "--num-steps", "500", "--no-progress",
+        [sys.executable, "-m", "replayrl.tools.cli", "train", "--num-steps", "500", "--no-progress",
          "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
          "--output-dir", str(tmp_path / "out")],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

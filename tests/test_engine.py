@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from rollout.engines.base import EngineCaptureError, EngineInputError, EngineNotReady, Generation
-from rollout.engines.embedded import EmbeddedEngine
-from rollout.model.checkpoint import state_dict_arrays
-from rollout.model.config import ModelConfig
-from rollout.model.errors import CheckpointError
-from rollout.model.qwen3_moe import Qwen3MoeForCausalLM
-from rollout.sample import TRACE_FIELDS
-from rollout.sampler import SamplingParams
+from replayrl.rollout.engines.base import EngineCaptureError, EngineInputError, EngineNotReady, Generation
+from replayrl.rollout.engines.embedded import EmbeddedEngine
+from replayrl.rollout.model.checkpoint import state_dict_arrays
+from replayrl.rollout.model.config import ModelConfig
+from replayrl.rollout.model.errors import CheckpointError
+from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
+from replayrl.rollout.sample import TRACE_FIELDS
+from replayrl.rollout.sampler import SamplingParams
 
 PROMPTS = [[5, 9, 3], [7, 1, 4, 4, 8, 2, 6], [11], [3, 8, 12, 30, 1]]
 TOP_K = 12

@@ -9,10 +9,10 @@ import dataclasses
 import numpy as np
 import pytest
 
-from rollout.engine_actor import EngineActor
-from rollout.engines.base import EngineError, EngineNotReady, generations_from_columns
-from rollout.model.config import default_config
-from transport.array_bundle import pack_arrays
+from replayrl.rollout.engine_actor import EngineActor
+from replayrl.rollout.engines.base import EngineError, EngineNotReady, generations_from_columns
+from replayrl.rollout.model.config import default_config
+from replayrl.transport.array_bundle import pack_arrays
 
 WEIGHTS = pack_arrays({"w": np.zeros(3, np.float32)})
 PROMPT = [np.array([1, 3, 5, 6, 7, 2], np.int32)]

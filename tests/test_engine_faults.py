@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from actors import ActorDied, run_event_loop
-from tools.config import build_config
-from tools.faults import faulty_specs
-from tools.launcher import actor_specs, launch, write_initial_checkpoint
+from replayrl.actors import ActorDied, run_event_loop
+from replayrl.tools.run.config import build_config
+from replayrl.tools.bench.fault_injection import faulty_specs
+from replayrl.tools.run.launcher import actor_specs, launch, write_initial_checkpoint
 
 SMALL = {"rollout-batch-size": 4, "n-samples-per-prompt": 4, "progress": False,
          "num-engines": 2, "num-steps": 3}
@@ -128,7 +128,7 @@ async def test_engine_failure_fail_ends_the_run_with_the_engine(tmp_path):
 
 
 async def test_a_stopped_trainer_ends_the_run_at_the_deadline_keeping_the_checkpoint(tmp_path):
-    from tools.launcher import check_load
+    from replayrl.tools.run.launcher import check_load
 
     config = _config(tmp_path, **{"num-engines": 1, "save-interval": 1,
                                   "heartbeat-deadline-s": 1.0})
@@ -150,7 +150,7 @@ async def test_a_stopped_trainer_ends_the_run_at_the_deadline_keeping_the_checkp
 @pytest.mark.parametrize("actor, call", [("version_clock", 2), ("rollout_manager", 3)])
 async def test_a_killed_clock_or_manager_ends_the_run_keeping_the_checkpoint(tmp_path, actor,
                                                                              call):
-    from tools.launcher import check_load
+    from replayrl.tools.run.launcher import check_load
 
     config = _config(tmp_path, **{"num-engines": 1, "save-interval": 1})
     checkpoint = write_initial_checkpoint(config, tmp_path / "ckpt")

@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from actors.errors import PeerLost
-from rollout.engine_pool import EnginePool, EnginesLost
+from replayrl.actors.errors import PeerLost
+from replayrl.rollout.engine_pool import EnginePool, EnginesLost
 
 
 def _work(dead: set[str], calls: list[str]):

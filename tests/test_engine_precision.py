@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout.engines import precision
-from rollout.engines.precision import native_dtype, resolve_dtype
+from replayrl.rollout.engines import precision
+from replayrl.rollout.engines.precision import native_dtype, resolve_dtype
 
 
 def test_explicit_dtypes_pass_through_and_unknown_ones_are_refused():

@@ -10,28 +10,28 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rollout.data_source import PromptDataSource, digit_task_prompts
-from rollout.engines import ENGINES, UnknownEngine, engine_class_path, load_engine_class
-from rollout.engines.base import EngineError
-from rollout.engines.embedded import EmbeddedEngine
-from rollout.model.config import default_config
-from rollout.task import VOCABULARY, DigitTask
-from rollout.sample import required_traces
-from tools.config import ConfigError, build_config
-from tools.launcher import engine_kwargs, launch, resolve_engine
+from replayrl.rollout.data_source import PromptDataSource, digit_task_prompts
+from replayrl.rollout.engines import ENGINES, UnknownEngine, engine_class_path, load_engine_class
+from replayrl.rollout.engines.base import EngineError
+from replayrl.rollout.engines.embedded import EmbeddedEngine
+from replayrl.rollout.model.config import default_config
+from replayrl.rollout.task import VOCABULARY, DigitTask
+from replayrl.rollout.sample import required_traces
+from replayrl.tools.run.config import ConfigError, build_config
+from replayrl.tools.run.launcher import engine_kwargs, launch, resolve_engine
 
 SMALL = {"rollout-batch-size": 4, "n-samples-per-prompt": 4, "progress": False}
 FAKE = "tests.fake_engine:FixedDigitEngine"
 
 
 def test_registry_resolves_names_lazily_and_refuses_unknown_ones():
-    assert engine_class_path("embedded") == "rollout.engines.embedded:EmbeddedEngine"
+    assert engine_class_path("embedded") == "replayrl.rollout.engines.embedded:EmbeddedEngine"
     assert load_engine_class(engine_class_path("embedded")) is EmbeddedEngine
     with pytest.raises(UnknownEngine, match=r"unknown rollout engine 'trtllm'; known engines: "
                                             r"embedded, sglang, vllm"):
         engine_class_path("trtllm")
-    with pytest.raises(EngineError, match="not a rollout.engines.base.Engine subclass"):
-        load_engine_class("rollout.task:DigitTask")
+    with pytest.raises(EngineError, match="not a replayrl.rollout.engines.base.Engine subclass"):
+        load_engine_class("replayrl.rollout.task:DigitTask")
 
 
 def test_required_traces_follow_flags_and_model_layers():
@@ -66,7 +66,7 @@ async def test_unknown_or_unfit_engine_is_a_config_error_before_any_process(tmp_
 
 def test_vllm_is_imported_only_when_its_engine_is_built_and_refuses_the_indexer():
     # a fresh interpreter: importing the registry and the engine class pulls in no vllm
-    code = ("import sys; from rollout.engines import load_engine_class, engine_class_path; "
+    code = ("import sys; from replayrl.rollout.engines import load_engine_class, engine_class_path; "
             "cls = load_engine_class(engine_class_path('vllm')); "
             "print(cls.__name__, 'vllm' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
@@ -82,7 +82,7 @@ def test_vllm_is_imported_only_when_its_engine_is_built_and_refuses_the_indexer(
         resolve_engine(build_config({**SMALL, "rollout-engine": "vllm"}))
     free = build_config({**SMALL, "rollout-engine": "vllm", "model-indexer": False})
     assert free.policy_config.indexed_layers == () and free.policy_config.moe_layers == (1, 2, 3)
-    assert resolve_engine(free) == "rollout.engines.vllm_engine:VllmEngine"
+    assert resolve_engine(free) == "replayrl.rollout.engines.vllm_engine:VllmEngine"
     assert engine_kwargs(free)["call_timeout_s"] == free.rollout.generate_timeout_s
 
 

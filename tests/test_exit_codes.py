@@ -1,10 +1,10 @@
-"""One mapping from how a command ends to its exit code (tools/exit_codes.py)."""
+"""One mapping from how a command ends to its exit code (tools/run/exit_codes.py)."""
 from __future__ import annotations
 
 import pytest
 
-from tools.config import ConfigError
-from tools.exit_codes import Terminated, exit_code
+from replayrl.tools.run.config import ConfigError
+from replayrl.tools.run.exit_codes import Terminated, exit_code
 
 
 def _raises(exc: BaseException):

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rollout.engines.base import (EngineInputError, Generation, generations_from_columns,
+from replayrl.rollout.engines.base import (EngineInputError, Generation, generations_from_columns,
                                   generations_to_columns)
-from transport.codec import Codec
+from replayrl.transport.codec import Codec
 
 
 def _gen(P: int, R: int, *, traces: bool = True, finish: str = "stop") -> Generation:

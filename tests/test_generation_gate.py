@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import asyncio
 
-from rollout.generation_gate import GenerationGate
+from replayrl.rollout.generation_gate import GenerationGate
 
 
 async def test_a_closed_gate_holds_new_requests_and_lets_those_in_flight_finish():

@@ -9,11 +9,11 @@ import json
 import pytest
 import torch
 
-from rollout.model import Qwen3MoeForCausalLM, default_config
-from rollout.model.loader import load_pretrained
-from rollout.task import VOCABULARY
-from tools.config import ConfigError, build_config, config_from_args
-from tools.launcher import engine_kwargs, launch, write_initial_checkpoint
+from replayrl.rollout.model import Qwen3MoeForCausalLM, default_config
+from replayrl.rollout.model.loader import load_pretrained
+from replayrl.rollout.task import VOCABULARY
+from replayrl.tools.run.config import ConfigError, build_config, config_from_args
+from replayrl.tools.run.launcher import engine_kwargs, launch, write_initial_checkpoint
 
 transformers = pytest.importorskip("transformers", reason="checkpoints are written by transformers")
 
@@ -102,8 +102,8 @@ async def test_unreadable_weights_fail_before_any_process_and_keep_the_run_recor
 
 
 def test_trainer_save_hf_loads_in_transformers_with_the_same_logits(tmp_path):
-    from trainer.backends.torch_backend import TorchBackend
-    from trainer.config import TrainerConfig
+    from replayrl.trainer.backends.torch_backend import TorchBackend
+    from replayrl.trainer.config import TrainerConfig
 
     ckpt = _hf_checkpoint(tmp_path / "ckpt")
     (ckpt / "tokenizer_config.json").write_text("{}")  # stands for the checkpoint's tokenizer

@@ -6,8 +6,8 @@ import json
 import pytest
 
 from tests import hook_fixtures
-from tools.config import ConfigError, build_config
-from tools.launcher import launch
+from replayrl.tools.run.config import ConfigError, build_config
+from replayrl.tools.run.launcher import launch
 
 
 async def test_metrics_hook_sees_every_step_and_cannot_change_anything(tmp_path):

@@ -16,15 +16,15 @@ import pytest
 import torch
 import zmq
 
-from actors import (ActorServer, ActorSpec, Directory, RemoteError, Supervisor,
+from replayrl.actors import (ActorServer, ActorSpec, Directory, RemoteError, Supervisor,
                     close_connections)
-from actors.actor import Actor
-from actors.errors import PeerLost
-from actors.interface import RUNTIME_NAMES
-from actors.ref import POOL
+from replayrl.actors.actor import Actor
+from replayrl.actors.errors import PeerLost
+from replayrl.actors.interface import RUNTIME_NAMES
+from replayrl.actors.ref import POOL
 from tests.actor_fixtures import EchoActor
-from transport import Codec, DealerSocket, RouterSocket, TransportError, ipc_endpoint
-from transport.curve import CurveKeys, create_keys
+from replayrl.transport import Codec, DealerSocket, RouterSocket, TransportError, ipc_endpoint
+from replayrl.transport.curve import CurveKeys, create_keys
 
 ECHO = "tests.actor_fixtures:EchoActor"
 REPO = Path(__file__).resolve().parents[1]
@@ -277,8 +277,8 @@ def test_killed_launcher_leaves_no_run_directory(tmp_path):
     script = textwrap.dedent(f"""
         import asyncio, sys
         sys.path.insert(0, {str(REPO)!r})
-        from actors import ActorSpec, Directory, Supervisor, run_event_loop
-        from actors.run_dir import create_run_dir
+        from replayrl.actors import ActorSpec, Directory, Supervisor, run_event_loop
+        from replayrl.actors.run_dir import create_run_dir
 
         async def main():
             run_dir = create_run_dir()
@@ -314,7 +314,7 @@ def test_the_id_of_a_refused_message_is_read_without_decoding_it():
 
     import msgpack
 
-    from actors.actor import _best_effort_id
+    from replayrl.actors.actor import _best_effort_id
 
     n = 1 << 20
     bomb = (b"\x85\xa1a\x91" + b"\xdd" + n.to_bytes(4, "big") + b"\x90" * n
@@ -332,7 +332,7 @@ def test_the_id_of_a_refused_message_is_read_without_decoding_it():
 def test_error_logs_are_rate_limited_and_count_what_they_suppressed():
     import logging
 
-    from actors.log_limit import MAX_ERROR_TEXT, RateLimitedLog, clip
+    from replayrl.actors.log_limit import MAX_ERROR_TEXT, RateLimitedLog, clip
 
     now = [0.0]
     records: list[str] = []
@@ -356,7 +356,7 @@ def test_error_logs_are_rate_limited_and_count_what_they_suppressed():
 def test_keys_command_writes_a_private_key_pair_once(tmp_path, capsys):
     import stat
 
-    from tools.cli import main
+    from replayrl.tools.cli import main
 
     assert main(["keys", str(tmp_path / "k")]) == 0
     secret = tmp_path / "k" / "run.key_secret"

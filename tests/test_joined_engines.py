@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tools.config import ConfigError, build_config
+from replayrl.tools.run.config import ConfigError, build_config
 
 
 def _config(tmp_path, **extra):
@@ -19,7 +19,7 @@ def _config(tmp_path, **extra):
 
 
 def test_joined_engines_come_after_the_runs_own(tmp_path):
-    from tools.torchrun_entry import joined_engine, plan
+    from replayrl.tools.run.torchrun_entry import joined_engine, plan
 
     config = _config(tmp_path)
     # 3 ranks (driver, engine_0, trainer) + 2 joined: engine_1 and engine_2 come from outside
@@ -39,8 +39,8 @@ def test_joined_engines_come_after_the_runs_own(tmp_path):
 def test_a_joined_rank_takes_a_slot_and_sees_every_address():
     import torch.distributed as dist
 
-    from tools.launcher import free_port
-    from tools.rank_hosts import RendezvousError, join_run
+    from replayrl.tools.run.launcher import free_port
+    from replayrl.tools.run.rank_hosts import RendezvousError, join_run
 
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
@@ -57,7 +57,7 @@ def test_a_joined_rank_takes_a_slot_and_sees_every_address():
 
 
 def test_restart_is_refused_under_torchrun_with_the_reason(tmp_path):
-    from tools.torchrun_entry import refuse_restart
+    from replayrl.tools.run.torchrun_entry import refuse_restart
 
     refuse_restart(_config(tmp_path, **{"engine-failure": "regenerate"}))
     with pytest.raises(ConfigError, match="restart is not available under torchrun.*lost "
@@ -86,11 +86,11 @@ async def _wait(event: threading.Event, seconds: float) -> bool:
 
 async def test_a_rank_leaves_when_its_driver_closes_and_stays_when_stopped(curve_keys,
                                                                           curve_keys_dir):
-    from actors import Directory
-    from tools.driver_watch import DriverWatch
-    from tools.exit_codes import EXIT_DRIVER_LOST
-    from tools.launcher import free_port
-    from transport import RouterSocket
+    from replayrl.actors import Directory
+    from replayrl.tools.run.driver_watch import DriverWatch
+    from replayrl.tools.run.exit_codes import EXIT_DRIVER_LOST
+    from replayrl.tools.run.launcher import free_port
+    from replayrl.transport import RouterSocket
 
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     directory = Directory({"version_clock": endpoint}, curve_keys_dir, heartbeat_deadline_s=1.0)
@@ -111,10 +111,10 @@ async def test_a_rank_leaves_when_its_driver_closes_and_stays_when_stopped(curve
 
 
 async def test_a_rank_leaves_when_its_driver_never_answers(curve_keys_dir):
-    from actors import Directory
-    from tools.driver_watch import DriverWatch
-    from tools.exit_codes import EXIT_DRIVER_LOST
-    from tools.launcher import free_port
+    from replayrl.actors import Directory
+    from replayrl.tools.run.driver_watch import DriverWatch
+    from replayrl.tools.run.exit_codes import EXIT_DRIVER_LOST
+    from replayrl.tools.run.launcher import free_port
 
     directory = Directory({"version_clock": f"tcp://127.0.0.1:{free_port()}"}, curve_keys_dir,
                           heartbeat_deadline_s=1.0)
@@ -128,9 +128,9 @@ async def test_a_rank_leaves_when_its_driver_never_answers(curve_keys_dir):
 def test_a_joined_host_with_other_model_flags_is_refused_before_it_joins(tmp_path):
     import torch.distributed as dist
 
-    from tools.launcher import free_port
-    from tools.rank_hosts import join_run
-    from tools.torchrun_entry import check_joined_settings
+    from replayrl.tools.run.launcher import free_port
+    from replayrl.tools.run.rank_hosts import join_run
+    from replayrl.tools.run.torchrun_entry import check_joined_settings
 
     run = _config(tmp_path / "run")
     # per-host flags may differ: its own output directory, console, and --num-engines
@@ -153,7 +153,7 @@ def test_a_joined_host_with_other_model_flags_is_refused_before_it_joins(tmp_pat
 
 
 def _refusal(run, joiner) -> str:
-    from tools.torchrun_entry import check_joined_settings
+    from replayrl.tools.run.torchrun_entry import check_joined_settings
 
     try:
         check_joined_settings(run.to_json(), joiner)
@@ -165,8 +165,8 @@ def _refusal(run, joiner) -> str:
 def test_a_missing_rank_or_joined_engine_is_named():
     import torch.distributed as dist
 
-    from tools.launcher import free_port
-    from tools.rank_hosts import RendezvousError, join_run
+    from replayrl.tools.run.launcher import free_port
+    from replayrl.tools.run.rank_hosts import RendezvousError, join_run
 
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
@@ -180,10 +180,10 @@ def test_a_missing_rank_or_joined_engine_is_named():
 
 @pytest.mark.parametrize("failure", ["RemoteError: trainer.train_step raised: boom", ""])
 def test_a_joined_rank_fails_when_the_driver_stops_it_after_a_failed_run(curve_keys_dir, failure):
-    from actors import ActorError, ActorSpec, Directory
-    from actors.ref import use_curve_keys
-    from tools.launcher import free_port
-    from tools.torchrun_entry import RunFailed, _serve_watched
+    from replayrl.actors import ActorError, ActorSpec, Directory
+    from replayrl.actors.ref import use_curve_keys
+    from replayrl.tools.run.launcher import free_port
+    from replayrl.tools.run.torchrun_entry import RunFailed, _serve_watched
 
     directory = Directory({"version_clock": f"tcp://127.0.0.1:{free_port()}",  # no driver here
                            "engine_1": f"tcp://127.0.0.1:{free_port()}"}, curve_keys_dir,

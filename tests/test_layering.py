@@ -1,7 +1,7 @@
 """The package rules of docs/design.md §1 "Layout", read from the source with ``ast``.
 
 - imports point downwards only: ``tools -> {rollout, trainer} -> actors -> transport``, and
-  ``trainer`` reaches into ``rollout`` only for ``rollout.sample`` and ``rollout.model``;
+  ``trainer`` reaches into ``rollout`` only for ``replayrl.rollout.sample`` and ``replayrl.rollout.model``;
 - no import circle between production modules (``TYPE_CHECKING`` imports included: a circle
   that only type checkers see is still two modules that know each other);
 - every production module has a production caller, except the entry points and the
@@ -17,21 +17,33 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("transport", "actors", "rollout", "trainer", "tools")
-ALLOWED = {  # package -> packages it may import
+PACKAGES = ("transport", "actors", "rollout", "trainer", "tools")  # the layers' folders
+ALLOWED = {  # layer -> layers it may import
     "transport": {"transport"},
     "actors": {"actors", "transport"},
     "rollout": {"rollout", "actors", "transport"},
     "trainer": {"trainer", "actors", "transport", "rollout"},
     "tools": set(PACKAGES),
 }
-TRAINER_MAY_USE = ("rollout.sample", "rollout.model")
-ENTRY_POINTS = {"tools.cli", "tools.torchrun_entry"}  # console script / `torchrun -m`
+TRAINER_MAY_USE = ("replayrl.rollout.sample", "replayrl.rollout.model")
+# the rooms of tools/: the run is the core the others stand on; the console and the benchmarks
+# use the run, never each other; cli.py and serve.py sit beside the rooms
+ROOMS_MAY_USE = {"run": {"run"}, "console": {"console", "run"}, "bench": {"bench", "run"}}
+ENTRY_POINTS = {"replayrl.tools.cli", "replayrl.tools.run.torchrun_entry"}  # console script / `torchrun -m`
 
 
 def _module_name(path: Path) -> str:
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+    return ".".join(["replayrl", *(parts[:-1] if parts[-1] == "__init__" else parts)])
+
+
+def _layer(module: str) -> str:
+    return module.split(".")[1]
+
+
+def _room(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if parts[1] == "tools" and len(parts) > 3 else None
 
 
 def _modules() -> dict[str, Path]:
@@ -72,21 +84,47 @@ PACKAGE_INITS = {name for name, path in MODULES.items() if path.name == "__init_
 
 def test_the_scan_sees_the_known_edges():
     # the checker itself: a known direct import, a lazy import and a "module:Class" string
-    assert "rollout.sample" in GRAPH["trainer.trainer_actor"]
-    assert "rollout.engines.embedded" in USES["rollout.engines"]  # registry string
-    assert "rollout.engines.embedded" not in GRAPH["rollout.engines"]  # not imported at load
-    assert "tools.launcher" in GRAPH["tools.repl"]  # imported inside a method
+    assert "replayrl.rollout.sample" in GRAPH["replayrl.trainer.trainer_actor"]
+    assert "replayrl.rollout.engines.embedded" in USES["replayrl.rollout.engines"]  # registry string
+    assert "replayrl.rollout.engines.embedded" not in GRAPH["replayrl.rollout.engines"]  # not imported at load
+    assert "replayrl.tools.run.launcher" in GRAPH["replayrl.tools.console.repl"]  # imported inside a method
     assert len(MODULES) > 50
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))
 def test_imports_point_downwards(module):
-    package = module.split(".")[0]
-    bad = sorted(m for m in GRAPH[module] if m.split(".")[0] not in ALLOWED[package])
-    if package == "trainer":
-        bad += sorted(m for m in GRAPH[module] if m.split(".")[0] == "rollout"
+    layer = _layer(module)
+    bad = sorted(m for m in GRAPH[module] if _layer(m) not in ALLOWED[layer])
+    if layer == "trainer":
+        bad += sorted(m for m in GRAPH[module] if _layer(m) == "rollout"
                       and not m.startswith(TRAINER_MAY_USE))
     assert not bad, f"{module} imports {bad} against docs/design.md §1"
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if _room(m)))
+def test_tools_rooms_stand_on_the_run_only(module):
+    room = _room(module)
+    bad = sorted(m for m in GRAPH[module] if _layer(m) == "tools"
+                 and (_room(m) not in ROOMS_MAY_USE[room]))
+    assert not bad, f"{module} (room {room}) imports {bad}: rooms may use {ROOMS_MAY_USE[room]}"
+
+
+def test_every_layer_module_is_under_the_replayrl_namespace():
+    # the wheel maps each top-level folder under replayrl (pyproject.toml package-dir); a
+    # bare `import tools` anywhere would only work from a source checkout
+    bare = sorted(f"{name}: {m}" for name, path in MODULES.items()
+                  for m in _bare_imports(path))
+    assert not bare, f"imports outside the replayrl namespace: {bare}"
+
+
+def _bare_imports(path: Path) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                 else [node.module] if isinstance(node, ast.ImportFrom) and node.module
+                 and node.level == 0 else [])
+        found += [n for n in names if n.split(".")[0] in PACKAGES]
+    return found
 
 
 def test_no_import_circle():
@@ -109,7 +147,7 @@ def test_no_import_circle():
 
 def _only_through_own_init(start: str) -> bool:
     """True if every way back to ``start`` passes through a package ``__init__`` that is an
-    ancestor of ``start`` (re-exports such as ``actors/__init__.py`` importing ``actors.ref``)."""
+    ancestor of ``start`` (re-exports such as ``actors/__init__.py`` importing ``replayrl.actors.ref``)."""
     ancestors = {start.rsplit(".", i)[0] for i in range(1, start.count(".") + 1)}
     seen, stack = set(), [m for m in GRAPH[start] if m not in ancestors]
     while stack:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from trainer.logprobs import (
+from replayrl.trainer.logprobs import (
     LogprobError,
     SupportError,
     full_vocab_logprobs,

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.losses import LossError, policy_loss
+from replayrl.trainer.losses import LossError, policy_loss
 
 NAN = float("nan")
 

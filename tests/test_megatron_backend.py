@@ -24,14 +24,14 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from rollout.model.loader import load_pretrained  # noqa: E402
-from rollout.task import VOCABULARY  # noqa: E402
+from replayrl.rollout.model.loader import load_pretrained  # noqa: E402
+from replayrl.rollout.task import VOCABULARY  # noqa: E402
 from tests import megatron_cases as cases  # noqa: E402
-from trainer.backends import resolve_backend  # noqa: E402
-from trainer.backends.checkpoint_layout import CheckpointLayoutError  # noqa: E402
-from trainer.backends.torch_backend import TorchBackend  # noqa: E402
-from trainer.batch import collate  # noqa: E402
-from trainer.config import TrainerConfig  # noqa: E402
+from replayrl.trainer.backends import resolve_backend  # noqa: E402
+from replayrl.trainer.backends.checkpoint_layout import CheckpointLayoutError  # noqa: E402
+from replayrl.trainer.backends.torch_backend import TorchBackend  # noqa: E402
+from replayrl.trainer.batch import collate  # noqa: E402
+from replayrl.trainer.config import TrainerConfig  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = str(REPO / "tests" / "megatron_worker.py")
@@ -97,7 +97,7 @@ def test_registry_resolves_megatron_lazily():
 
 
 def test_layouts_that_do_not_divide_the_model_name_the_flag():
-    from trainer.backends.megatron_model import MegatronModelError, MegatronParallel, transformer_config
+    from replayrl.trainer.backends.megatron_model import MegatronModelError, MegatronParallel, transformer_config
 
     with pytest.raises(MegatronModelError, match=r"num_hidden_layers=4 is not a multiple of --pp-size 3"):
         transformer_config(cases.config(), MegatronParallel(pp=3))
@@ -267,7 +267,7 @@ def _train(out: Path, steps: int, *flags: str) -> list[dict]:
     import json
 
     proc = subprocess.run(
-        [sys.executable, "-m", "tools.cli", "train", "--num-steps", str(steps),
+        [sys.executable, "-m", "replayrl.tools.cli", "train", "--num-steps", str(steps),
          "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--no-progress",
          "--output-dir", str(out), *flags],
         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
@@ -283,13 +283,13 @@ def torch_first_step(tmp_path_factory):
 
 
 def _torchrun_train(out: Path, nproc: int, curve_keys: str, *flags: str, steps: int = 2) -> list[dict]:
-    """``torchrun --nproc-per-node nproc -m tools.torchrun_entry`` for ``steps`` steps, the
+    """``torchrun --nproc-per-node nproc -m replayrl.tools.run.torchrun_entry`` for ``steps`` steps, the
     flags of :func:`_train`; the metrics rows."""
     import json
 
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-         f"--master-port={_port()}", "-m", "tools.torchrun_entry", "--num-steps", str(steps),
+         f"--master-port={_port()}", "-m", "replayrl.tools.run.torchrun_entry", "--num-steps", str(steps),
          "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--no-progress",
          "--output-dir", str(out), "--ready-timeout", "120", "--curve-keys", curve_keys, *flags],
         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,

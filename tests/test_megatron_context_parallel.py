@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from tools.config import ConfigError, build_config
-from tools.launcher import trainer_rank_count
-from trainer.backends.megatron_context_parallel import ContextParallel, row_layout
-from trainer.config import TrainerConfig, TrainerConfigError
-from trainer.packing import PackingError
+from replayrl.tools.run.config import ConfigError, build_config
+from replayrl.tools.run.launcher import trainer_rank_count
+from replayrl.trainer.backends.megatron_context_parallel import ContextParallel, row_layout
+from replayrl.trainer.config import TrainerConfig, TrainerConfigError
+from replayrl.trainer.packing import PackingError
 
 SMALL = {"num-steps": 1, "rollout-batch-size": 2, "n-samples-per-prompt": 2}
 

@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from trainer.backends import megatron_cpu_compat  # noqa: E402
+from replayrl.trainer.backends import megatron_cpu_compat  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 PROBE = str(REPO / "tests" / "megatron_probe.py")

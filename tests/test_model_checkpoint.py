@@ -7,9 +7,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from rollout.model import CheckpointError, Qwen3MoeForCausalLM, default_config
-from rollout.model.loader import load_pretrained
-from rollout.model.checkpoint import (load_state_arrays, save_pretrained,
+from replayrl.rollout.model import CheckpointError, Qwen3MoeForCausalLM, default_config
+from replayrl.rollout.model.loader import load_pretrained
+from replayrl.rollout.model.checkpoint import (load_state_arrays, save_pretrained,
                                       state_dict_arrays)
 
 VOCAB = ["<pad>", "<bos>", "<eos>", "1", "2", "3", "+", "=", "yes", "no"]

@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from rollout.model import ModelConfig, ModelConfigError, Qwen3MoeForCausalLM, default_config
+from replayrl.rollout.model import ModelConfig, ModelConfigError, Qwen3MoeForCausalLM, default_config
 
 
 def test_default_config_values():

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from rollout.model.config import default_config
-from rollout.model.qwen3_moe import Qwen3MoeForCausalLM
+from replayrl.rollout.model.config import default_config
+from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
 
 
 def _logits(model, tokens):

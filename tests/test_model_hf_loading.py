@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from rollout.model import CheckpointError, ModelConfigError
-from rollout.model.loader import load_pretrained, read_hf_config
+from replayrl.rollout.model import CheckpointError, ModelConfigError
+from replayrl.rollout.model.loader import load_pretrained, read_hf_config
 
 transformers = pytest.importorskip(
     "transformers", reason="transformers is not installed: the HF parity reference is unavailable")
@@ -212,7 +212,7 @@ def test_directory_without_safetensors(tmp_path):
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_our_save_of_a_loaded_checkpoint_round_trips_through_transformers(tmp_path, kind):
-    from rollout.model.checkpoint import save_pretrained
+    from replayrl.rollout.model.checkpoint import save_pretrained
 
     extra = {"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}}
     if kind == "moe":

@@ -1,7 +1,7 @@
 """The embedded model computes what transformers' Qwen3MoeForCausalLM computes on the same checkpoint.
 
 The reference is transformers itself, loaded with `from_pretrained` from the directory written by
-`rollout.model.checkpoint.save_pretrained` (indexer off, fp32, eager attention).
+`replayrl.rollout.model.checkpoint.save_pretrained` (indexer off, fp32, eager attention).
 """
 
 import dataclasses
@@ -9,8 +9,8 @@ import dataclasses
 import pytest
 import torch
 
-from rollout.model import default_config
-from rollout.model.checkpoint import save_pretrained
+from replayrl.rollout.model import default_config
+from replayrl.rollout.model.checkpoint import save_pretrained
 from tests.model_helpers import decisive_model
 
 transformers = pytest.importorskip(

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from rollout.model import ModelInputError, default_config
+from replayrl.rollout.model import ModelInputError, default_config
 from tests.model_helpers import decisive_model
 
 V = 32

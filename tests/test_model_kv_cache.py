@@ -8,7 +8,7 @@ on its own (no padding). Traces are compared after mapping key slots to position
 import pytest
 import torch
 
-from rollout.model import KVCache, ModelInputError, Qwen3MoeForCausalLM, default_config
+from replayrl.rollout.model import KVCache, ModelInputError, Qwen3MoeForCausalLM, default_config
 from tests.model_helpers import decisive_model
 
 V = 32

@@ -72,7 +72,7 @@ def _torchrun(ns: str, node_rank: int, master: str, out: Path, keys: str, env: d
     return subprocess.Popen(
         ["ip", "netns", "exec", ns, sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
          f"--node-rank={node_rank}", "--nproc-per-node=2", f"--master-addr={master}",
-         "--master-port=29500", "-m", "tools.torchrun_entry", "--curve-keys", keys,
+         "--master-port=29500", "-m", "replayrl.tools.run.torchrun_entry", "--curve-keys", keys,
          "--num-steps", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
          "--no-progress", "--output-dir", str(out), *extra],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -100,7 +100,7 @@ def test_a_run_trains_across_two_namespace_hosts(two_hosts, tmp_path, curve_keys
             except (OSError, ValueError):
                 time.sleep(0.2)
         console = subprocess.run(
-            ["ip", "netns", "exec", ns_b, sys.executable, "-m", "tools.cli", "repl", "--attach",
+            ["ip", "netns", "exec", ns_b, sys.executable, "-m", "replayrl.tools.cli", "repl", "--attach",
              f"tcp://{addr_a}:29501", "--curve-keys", curve_keys_dir],
             cwd=REPO, env=env, capture_output=True, text=True, timeout=180,
             input="print('NAMES', sorted(actors))\nprint('CLOCK', version_clock.state())\n"
@@ -154,9 +154,9 @@ def fault_free(tmp_path_factory) -> list[dict]:
     reason = _why_not()
     if reason:
         pytest.skip(reason)
-    from actors import run_event_loop
-    from tools.config import build_config
-    from tools.launcher import launch
+    from replayrl.actors import run_event_loop
+    from replayrl.tools.run.config import build_config
+    from replayrl.tools.run.launcher import launch
 
     result = run_event_loop(launch(build_config({
         "num-steps": 3, "rollout-batch-size": 4, "n-samples-per-prompt": 4, "num-engines": 2,
@@ -174,7 +174,7 @@ def test_a_lost_engine_host_is_regenerated_and_the_run_finishes(two_hosts, fault
     trains what a fault-free two-engine run trains, and host B's rank and torchrun exit by
     themselves."""
     from tests.torchrun_fault_entry import FAULT_ENV
-    from tools.exit_codes import EXIT_DRIVER_LOST
+    from replayrl.tools.run.exit_codes import EXIT_DRIVER_LOST
 
     (ns_a, addr_a, _), (ns_b, _, veth_b) = two_hosts
     reference = fault_free
@@ -184,7 +184,7 @@ def test_a_lost_engine_host_is_regenerated_and_the_run_finishes(two_hosts, fault
     node_a = subprocess.Popen(
         ["ip", "netns", "exec", ns_a, sys.executable, "-m", "torch.distributed.run",
          "--nnodes=1", "--nproc-per-node=3", f"--master-addr={addr_a}", "--master-port=29500",
-         "-m", "tools.torchrun_entry", *common, "--joined-engines", "1",
+         "-m", "replayrl.tools.run.torchrun_entry", *common, "--joined-engines", "1",
          "--output-dir", str(tmp_path / "host-a")],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     node_b = subprocess.Popen(

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from rollout.config import RolloutConfig
-from rollout.prompt_data import load_run_prompts
-from rollout.task import VOCABULARY
-from rollout.tokenizer import load_tokenizer
-from tools.metrics import MetricsRecorder
+from replayrl.rollout.config import RolloutConfig
+from replayrl.rollout.prompt_data import load_run_prompts
+from replayrl.rollout.task import VOCABULARY
+from replayrl.rollout.tokenizer import load_tokenizer
+from replayrl.tools.run.metrics import MetricsRecorder
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -68,7 +68,7 @@ def test_a_resumed_run_keeps_the_earlier_rows_before_its_checkpoint(tmp_path):
 
 
 def test_a_failing_metrics_hook_is_named_with_its_step_and_traceback(tmp_path):
-    from tools.metrics import MetricsHookError
+    from replayrl.tools.run.metrics import MetricsHookError
 
     def failing_logger(config, metrics):
         raise RuntimeError("hook boom")

@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from actors import RemoteError
-from rollout.task import DigitTask
-from tools.config import ConfigError, build_config
-from tools.launcher import launch, write_initial_checkpoint
+from replayrl.actors import RemoteError
+from replayrl.rollout.task import DigitTask
+from replayrl.tools.run.config import ConfigError, build_config
+from replayrl.tools.run.launcher import launch, write_initial_checkpoint
 
 TEMPLATE = ("{{ bos_token }}{% for m in messages %} {{ m['content'] }}{% endfor %}"
             "{% if add_generation_prompt %} ={% endif %}")

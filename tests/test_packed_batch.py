@@ -5,16 +5,16 @@ import numpy as np
 import pytest
 import torch
 
-from rollout.engines.embedded import EmbeddedEngine
-from rollout.sample import TRACE_FIELDS
-from rollout.model.checkpoint import state_dict_arrays
-from rollout.model.config import default_config
-from rollout.model.qwen3_moe import Qwen3MoeForCausalLM
-from rollout.sample import Sample, SampleError
-from rollout.sampler import SamplingParams
-from rollout.trajectory import merge_turns
-from trainer.backends.torch_backend import response_logprobs
-from trainer.batch import collate, collate_packed
+from replayrl.rollout.engines.embedded import EmbeddedEngine
+from replayrl.rollout.sample import TRACE_FIELDS
+from replayrl.rollout.model.checkpoint import state_dict_arrays
+from replayrl.rollout.model.config import default_config
+from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
+from replayrl.rollout.sample import Sample, SampleError
+from replayrl.rollout.sampler import SamplingParams
+from replayrl.rollout.trajectory import merge_turns
+from replayrl.trainer.backends.torch_backend import response_logprobs
+from replayrl.trainer.batch import collate, collate_packed
 
 
 @pytest.fixture(scope="module")

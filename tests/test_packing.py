@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from rollout.sample import SampleError
-from trainer.packing import PackedFieldError, PackedLayout, PackingError
+from replayrl.rollout.sample import SampleError
+from replayrl.trainer.packing import PackedFieldError, PackedLayout, PackingError
 
 CASES = json.loads((Path(__file__).parent / "cases" / "packed_shift.json").read_text())
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from rollout.model.config import default_config
-from rollout.model.qwen3_moe import Qwen3MoeForCausalLM
-from rollout.sample import Sample
-from trainer.backends.torch_backend import response_logprobs
-from trainer.batch import collate
-from trainer.prefix_tree import PrefixTree
+from replayrl.rollout.model.config import default_config
+from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
+from replayrl.rollout.sample import Sample
+from replayrl.trainer.backends.torch_backend import response_logprobs
+from replayrl.trainer.batch import collate
+from replayrl.trainer.prefix_tree import PrefixTree
 
 
 def test_slots_segments_and_indexer_shift_by_hand():

@@ -7,14 +7,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rollout.config import RolloutConfig
-from rollout.data_source import DataExhausted, PromptDataSource, digit_task_prompts
-from rollout.prompt_data import (BUILTIN_FILE, PromptDataError, digit_task_rows, load_run_prompts,
+from replayrl.rollout.config import RolloutConfig
+from replayrl.rollout.data_source import DataExhausted, PromptDataSource, digit_task_prompts
+from replayrl.rollout.prompt_data import (BUILTIN_FILE, PromptDataError, digit_task_rows, load_run_prompts,
                                  read_rows)
-from rollout.task import VOCABULARY, DigitTask
-from rollout.tokenizer import TokenizerError, load_tokenizer
-from tools.config import build_config
-from tools.launcher import write_initial_checkpoint
+from replayrl.rollout.task import VOCABULARY, DigitTask
+from replayrl.rollout.tokenizer import TokenizerError, load_tokenizer
+from replayrl.tools.run.config import build_config
+from replayrl.tools.run.launcher import write_initial_checkpoint
 
 # renders "<bos> max 3 1 4 2 =" for the user message "max 3 1 4 2", a tool message " = 4"
 TEMPLATE = ("{{ bos_token }}{% for m in messages %} {{ m['content'] }}{% endfor %}"

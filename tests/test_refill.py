@@ -9,17 +9,17 @@ import numpy as np
 import pytest
 import torch
 
-from actors import Directory, RemoteError, Supervisor
-from actors.version_clock import StaleSample, VersionRules
-from rollout.sample import Sample, samples_to_columns
+from replayrl.actors import Directory, RemoteError, Supervisor
+from replayrl.actors.version_clock import StaleSample, VersionRules
+from replayrl.rollout.sample import Sample, samples_to_columns
 from tests.fakes import FakeProxy
-from tools.config import build_config
-from tools.launcher import actor_specs, launch, write_initial_checkpoint
-from trainer.config import TrainerConfig
-from trainer.proximal_cache import ProximalLogprobCache
-from trainer.rejection.refill import RefillCoordinator
-from trainer.rejection.refill_planner import RefillExhausted
-from trainer.rejection.rs_policy import RSConfigError, RSGate
+from replayrl.tools.run.config import build_config
+from replayrl.tools.run.launcher import actor_specs, launch, write_initial_checkpoint
+from replayrl.trainer.config import TrainerConfig
+from replayrl.trainer.proximal_cache import ProximalLogprobCache
+from replayrl.trainer.rejection.refill import RefillCoordinator
+from replayrl.trainer.rejection.refill_planner import RefillExhausted
+from replayrl.trainer.rejection.rs_policy import RSConfigError, RSGate
 
 CASE = json.loads((Path(__file__).parent / "cases" / "refill_admission.json").read_text())
 
@@ -160,8 +160,8 @@ def _traced_sample(model, sample_id, group_id, rollout_lp, rng, perturb_rows=())
 
 
 async def test_replacement_replay_rates_are_reported(tmp_path, _restore_threads):
-    from rollout.task import VOCABULARY
-    from trainer.trainer_actor import TrainerActor
+    from replayrl.rollout.task import VOCABULARY
+    from replayrl.trainer.trainer_actor import TrainerActor
 
     config = build_config({"n-samples-per-prompt": 2, "rollout-batch-size": 1})
     checkpoint = write_initial_checkpoint(config, tmp_path / "ckpt")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.rejection.refill_planner import (
+from replayrl.trainer.rejection.refill_planner import (
     RefillConfigError,
     RefillExhausted,
     RefillRequest,
@@ -15,7 +15,7 @@ from trainer.rejection.refill_planner import (
     refill_quantum,
     replacement_target,
 )
-from trainer.rejection.rs_gates import group_admission
+from replayrl.trainer.rejection.rs_gates import group_admission
 
 CASES = Path(__file__).parent / "cases"
 PLANNER = json.loads((CASES / "refill_planner.json").read_text())

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from actors import ActorCallError, ActorDied, ActorSpec, ActorTimeout, RemoteError, UnknownActor
-from tools.config import build_config
-from tools.repl import ConsoleProxy, ReplError, ReplSession, SessionClosed
+from replayrl.actors import ActorCallError, ActorDied, ActorSpec, ActorTimeout, RemoteError, UnknownActor
+from replayrl.tools.run.config import build_config
+from replayrl.tools.console.repl import ConsoleProxy, ReplError, ReplSession, SessionClosed
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = {"rollout-batch-size": 2, "n-samples-per-prompt": 2, "num-steps": 1, "progress": False}
@@ -147,7 +147,7 @@ def test_repl_command_reads_stdin_and_stops_every_actor(tmp_path):
         "exit()",
     ]) + "\n"
     proc = subprocess.run(
-        [sys.executable, "-m", "tools.cli", "repl", "--rollout-batch-size", "2",
+        [sys.executable, "-m", "replayrl.tools.cli", "repl", "--rollout-batch-size", "2",
          "--n-samples-per-prompt", "2", "--num-steps", "1", "--no-progress",
          "--output-dir", str(tmp_path / "out")],
         cwd=REPO, env=env, input=script, capture_output=True, text=True, timeout=120)
@@ -168,7 +168,7 @@ def test_repl_command_reads_stdin_and_stops_every_actor(tmp_path):
 
 
 def test_a_refused_call_prints_one_line_and_other_errors_their_traceback(capsys):
-    from tools.repl_console import Console
+    from replayrl.tools.console.prompt import Console
 
     def typo():
         raise ActorCallError("actor 'trainer' (TrainerActor) has no method 'trian'; did you mean 'train'?")
@@ -183,8 +183,8 @@ def test_a_refused_call_prints_one_line_and_other_errors_their_traceback(capsys)
 
 
 def test_an_unknown_actor_or_metrics_key_prints_one_line(capsys):
-    from tools.repl_console import Console
-    from tools.repl_views import metrics_text
+    from replayrl.tools.console.prompt import Console
+    from replayrl.tools.console.views import metrics_text
 
     def methods(name):  # what Directory.proxy raises for a name the run does not have
         raise UnknownActor(f"no actor named {name!r}; known: ['clock', 'trainer']")
@@ -202,7 +202,7 @@ def test_an_unknown_actor_or_metrics_key_prints_one_line(capsys):
 
 
 def test_metrics_keeps_the_step_column_whatever_keys_are_asked():
-    from tools.repl_views import metrics_text
+    from replayrl.tools.console.views import metrics_text
 
     rows = [{"step": 3, "reward_mean": 0.25, "samples": 4}, {"step": 4, "reward_mean": 0.5}]
     assert metrics_text(rows, ["reward_mean", "samples"]).splitlines() == [
@@ -214,7 +214,7 @@ def test_metrics_keeps_the_step_column_whatever_keys_are_asked():
 
 
 def test_metrics_takes_one_key_as_a_string_and_refuses_keys_no_row_has():
-    from tools.repl_views import MetricKeyError, metrics_text
+    from replayrl.tools.console.views import MetricKeyError, metrics_text
 
     rows = [{"step": 3, "reward_mean": 0.25, "samples": 4}, {"step": 4, "reward_mean": 0.5}]
     # one key, not one column per letter
@@ -257,7 +257,7 @@ def test_attach_through_a_terminal_pauses_resumes_and_detaches_without_disturbin
     docstrings (Tab-completes one), sees the clock, metrics and a sample's traces, pauses
     generation, and detaches while paused; the run then finishes every step with exact versions."""
     pexpect = pytest.importorskip("pexpect")
-    from rollout.manager import RolloutManager
+    from replayrl.rollout.manager import RolloutManager
     from tests.hook_fixtures import HOLD_ENV
 
     tmp, out, release = tmp_path / "tmp", tmp_path / "out", tmp_path / "release"
@@ -266,7 +266,7 @@ def test_attach_through_a_terminal_pauses_resumes_and_detaches_without_disturbin
            "PROMPT_TOOLKIT_NO_CPR": "1", "TERM": "xterm"}
     steps = 3  # step 1 trains while rollout 2 waits at the paused gate; step 2 after detaching
     run = subprocess.Popen(
-        [sys.executable, "-m", "tools.cli", "train", "--rollout-batch-size", "2",
+        [sys.executable, "-m", "replayrl.tools.cli", "train", "--rollout-batch-size", "2",
          "--n-samples-per-prompt", "2", "--num-steps", str(steps), "--no-progress",
          "--output-dir", str(out), "--metrics-hook", "tests.hook_fixtures:hold_after_first_step"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -285,7 +285,7 @@ def test_attach_through_a_terminal_pauses_resumes_and_detaches_without_disturbin
                 by_address.namespace["metrics"]()
             assert "step()" not in by_address.namespace["help_text"].replace("steps nothing", "")
 
-        repl = pexpect.spawn(sys.executable, ["-m", "tools.cli", "repl", "--attach", str(out)],
+        repl = pexpect.spawn(sys.executable, ["-m", "replayrl.tools.cli", "repl", "--attach", str(out)],
                              cwd=str(REPO), env=env, encoding="utf-8", timeout=120,
                              dimensions=(50, 200))
         # a new prompt turns bracketed paste on (prompt_toolkit); the line just typed is
@@ -375,11 +375,11 @@ def test_attach_through_a_terminal_pauses_resumes_and_detaches_without_disturbin
 
 def test_attach_to_no_run_fails_clearly(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-m", "tools.cli", "repl", "--attach", str(tmp_path)],
+    proc = subprocess.run([sys.executable, "-m", "replayrl.tools.cli", "repl", "--attach", str(tmp_path)],
                           cwd=REPO, env=env, input="", capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert f"--attach {tmp_path}: no attach.json: no run is live there" in proc.stderr
-    proc = subprocess.run([sys.executable, "-m", "tools.cli", "repl", "--attach",
+    proc = subprocess.run([sys.executable, "-m", "replayrl.tools.cli", "repl", "--attach",
                            "tcp://127.0.0.1:1"], cwd=REPO, env=env, input="",
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "a tcp run needs its CURVE keys" in proc.stderr

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from rollout.model import Qwen3MoeForCausalLM, default_config
-from trainer.parallel.replay_registry import fill_own_choice
-from trainer.replay import ReplayError, ReplayMismatch, check_replay, flip_rate, replayed_rows
+from replayrl.rollout.model import Qwen3MoeForCausalLM, default_config
+from replayrl.trainer.parallel.replay_registry import fill_own_choice
+from replayrl.trainer.replay import ReplayError, ReplayMismatch, check_replay, flip_rate, replayed_rows
 
 V = 32
 

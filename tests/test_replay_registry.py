@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from rollout.model import Qwen3MoeForCausalLM, default_config
-from trainer.parallel.replay_registry import ReplayRegistry, fill_own_choice, sp_slice
-from trainer.replay import ReplayError
+from replayrl.rollout.model import Qwen3MoeForCausalLM, default_config
+from replayrl.trainer.parallel.replay_registry import ReplayRegistry, fill_own_choice, sp_slice
+from replayrl.trainer.replay import ReplayError
 
 V = 32
 

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from actors.version_clock import StaleSample, VersionClock
-from rollout.task import VOCABULARY
-from tools.cli import build_parser
-from tools.config import build_config, config_from_args
-from tools.launcher import launch, write_initial_checkpoint
-from trainer.backends.torch_backend import TorchBackend
-from trainer.config import TrainerConfig
+from replayrl.actors.version_clock import StaleSample, VersionClock
+from replayrl.rollout.task import VOCABULARY
+from replayrl.tools.cli import build_parser
+from replayrl.tools.run.config import build_config, config_from_args
+from replayrl.tools.run.launcher import launch, write_initial_checkpoint
+from replayrl.trainer.backends.torch_backend import TorchBackend
+from replayrl.trainer.config import TrainerConfig
 
 SMALL = {"rollout-batch-size": 2, "n-samples-per-prompt": 2, "progress": False}
 
@@ -112,9 +112,9 @@ async def test_a_real_run_and_its_resume_write_strict_json_that_reads_back(tmp_p
 async def test_load_is_checked_before_any_actor_starts(tmp_path, _restore_threads, damage):
     import multiprocessing
 
-    from tools.config import ConfigError
-    from tools.launcher import check_load
-    from transport import strict_json
+    from replayrl.tools.run.config import ConfigError
+    from replayrl.tools.run.launcher import check_load
+    from replayrl.transport import strict_json
 
     base = build_config({**SMALL, "num-steps": 3, "output-dir": str(tmp_path / "out")})
     saved = TorchBackend(write_initial_checkpoint(base, tmp_path / "init"), base.trainer, list(VOCABULARY))

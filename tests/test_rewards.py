@@ -8,8 +8,8 @@ import time
 import numpy as np
 import pytest
 
-from rollout.evaluation import eval_metrics, pass_at_k
-from rollout.rewards import RewardFailure, RewardGuard, exact_reward, math_reward, normalise
+from replayrl.rollout.evaluation import eval_metrics, pass_at_k
+from replayrl.rollout.rewards import RewardFailure, RewardGuard, exact_reward, math_reward, normalise
 
 
 def test_exact_reward_compares_normalised_text():

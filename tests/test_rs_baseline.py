@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from rollout.sample import Sample, samples_to_columns
-from rollout.task import VOCABULARY
+from replayrl.rollout.sample import Sample, samples_to_columns
+from replayrl.rollout.task import VOCABULARY
 from tests.fakes import FakeProxy
-from tools.config import build_config
-from tools.launcher import write_initial_checkpoint
-from trainer.config import TrainerConfig
-from trainer.trainer_actor import EmptyStep, TrainerActor
+from replayrl.tools.run.config import build_config
+from replayrl.tools.run.launcher import write_initial_checkpoint
+from replayrl.trainer.config import TrainerConfig
+from replayrl.trainer.trainer_actor import EmptyStep, TrainerActor
 
 RESPONSE_LEN = 3
 RS = {"rs_mode": "sequence", "rs_lower": 0.5, "rs_upper": 2.0}

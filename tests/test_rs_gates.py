@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.rejection.rs_gates import (
+from replayrl.trainer.rejection.rs_gates import (
     RSBoundsError,
     RSError,
     SAMPLE_LOG_WEIGHTS,

@@ -1,4 +1,4 @@
-"""Run configuration precedence and validation (tools/config.py) and edge_means (tools/metrics.py)."""
+"""Run configuration precedence and validation (tools/run/config.py) and edge_means (tools/run/metrics.py)."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from rollout.config import RolloutConfig
-from tools.cli import build_parser
-from tools.config import ConfigError, RunConfig, build_config, config_from_args
-from tools.metrics import edge_means
-from trainer.config import TrainerConfig
+from replayrl.rollout.config import RolloutConfig
+from replayrl.tools.cli import build_parser
+from replayrl.tools.run.config import ConfigError, RunConfig, build_config, config_from_args
+from replayrl.tools.run.metrics import edge_means
+from replayrl.trainer.config import TrainerConfig
 
 
 def parse(*argv: str):
@@ -215,7 +215,7 @@ def test_edge_means_of_nothing_raises():
 
 
 async def test_an_unusable_output_dir_is_a_config_error_naming_the_flag(tmp_path):
-    from tools.launcher import launch
+    from replayrl.tools.run.launcher import launch
 
     afile = tmp_path / "afile"
     afile.write_text("")

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from tools.config import ConfigError, build_config, config_from_args
-from tools.cli import build_parser
+from replayrl.tools.run.config import ConfigError, build_config, config_from_args
+from replayrl.tools.cli import build_parser
 
 
 @pytest.mark.parametrize("values, flag", [

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rollout.sample import Sample, SampleError
+from replayrl.rollout.sample import Sample, SampleError
 
 CASES = {c["name"]: c for c in json.loads((Path(__file__).parent / "cases" / "trace_alignment.json").read_text())}
 

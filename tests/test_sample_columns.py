@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rollout.sample import Sample, SampleError, samples_from_columns, samples_to_columns
-from transport.codec import Codec
+from replayrl.rollout.sample import Sample, SampleError, samples_from_columns, samples_to_columns
+from replayrl.transport.codec import Codec
 
 
 def _sample(sid: int, P: int, R: int, *, traces: bool = True, width: int = 3, **kw) -> Sample:
@@ -132,7 +132,7 @@ def _mutations(rng: np.random.Generator, cols: dict) -> dict:
 def test_the_batch_check_accepts_exactly_what_per_sample_construction_accepts():
     """The column-wide check that lets samples_from_columns skip per-sample checks must never
     accept a batch Sample would refuse, and should accept every batch Sample accepts."""
-    from rollout import sample as module
+    from replayrl.rollout import sample as module
     rng = np.random.default_rng(0)
     base = samples_to_columns([_sample(i, 2 + i % 3, 1 + i % 4) for i in range(6)])
     seen = set()

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from rollout.sampler import (
+from replayrl.rollout.sampler import (
     NonFiniteLogitsError,
     SamplerError,
     SamplingParams,

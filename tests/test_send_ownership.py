@@ -8,8 +8,8 @@ import asyncio
 import numpy as np
 import pytest
 
-from actors import Actor, ActorProxy, Directory
-from actors.actor import ActorServer
+from replayrl.actors import Actor, ActorProxy, Directory
+from replayrl.actors.actor import ActorServer
 
 N = 16 * 1024 * 1024  # 64 MiB of float32: ZeroMQ's I/O thread is still reading when we write
 

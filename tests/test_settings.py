@@ -1,4 +1,4 @@
-"""Settings fields (actors/settings.py) and what tools/config.py generates from them."""
+"""Settings fields (actors/settings.py) and what tools/run/config.py generates from them."""
 from __future__ import annotations
 
 import argparse
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from actors.settings import POSITIVE, Choices, Range, Rule, check_settings, setting, settings_of, show_value
-from tools.config import (FLAGS, ConfigError, add_run_flags, build_config, config_from_args,
+from replayrl.actors.settings import POSITIVE, Choices, Range, Rule, check_settings, setting, settings_of, show_value
+from replayrl.tools.run.config import (FLAGS, ConfigError, add_run_flags, build_config, config_from_args,
                           flag_table_markdown)
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -101,7 +101,7 @@ def test_every_flag_is_added_to_the_parser_with_its_type():
 
 
 def test_serve_lists_its_own_flags_and_the_model_flags_only(capsys, tmp_path):
-    from tools.cli import build_parser
+    from replayrl.tools.cli import build_parser
 
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--help"])
@@ -124,7 +124,7 @@ def test_serve_lists_its_own_flags_and_the_model_flags_only(capsys, tmp_path):
 
 @pytest.mark.parametrize("command", ["train", "repl", "serve"])
 def test_a_default_shown_in_help_names_only_flags_the_command_has(command, capsys):
-    from tools.cli import build_parser
+    from replayrl.tools.cli import build_parser
 
     parser = build_parser()
     with pytest.raises(SystemExit):
@@ -147,7 +147,7 @@ def test_readme_flag_table_is_the_generated_one():
         end += 1
     table = "\n".join(lines[start:end]) + "\n"
     assert table == flag_table_markdown(), (
-        "README.md's flag table is out of date: replace it with the output of python -m tools.config")
+        "README.md's flag table is out of date: replace it with the output of python -m replayrl.tools.run.config")
     assert table.count("\n") == len(FLAGS) + 2
 
 

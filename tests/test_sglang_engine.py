@@ -16,19 +16,19 @@ import pytest
 
 pytest.importorskip("aiohttp")
 
-from rollout.engines.base import EngineNotReady  # noqa: E402
-from rollout.engines.embedded import EmbeddedEngine  # noqa: E402
-from rollout.engines.sglang_engine import SglangEngine  # noqa: E402
-from rollout.engines.sglang_protocol import (SglangRequestError, SglangResponseError,  # noqa: E402
+from replayrl.rollout.engines.base import EngineNotReady  # noqa: E402
+from replayrl.rollout.engines.embedded import EmbeddedEngine  # noqa: E402
+from replayrl.rollout.engines.sglang_engine import SglangEngine  # noqa: E402
+from replayrl.rollout.engines.sglang_protocol import (SglangRequestError, SglangResponseError,  # noqa: E402
                                              SglangUnavailable, SglangVersionError, decode_item,
                                              encode_int32, generate_request,
                                              parse_generate_request)
-from rollout.model.checkpoint import state_dict_arrays  # noqa: E402
-from rollout.model.config import ModelConfig, default_config  # noqa: E402
-from rollout.model.qwen3_moe import Qwen3MoeForCausalLM  # noqa: E402
-from rollout.sample import TRACE_FIELDS  # noqa: E402
-from rollout.sampler import SamplingParams  # noqa: E402
-from rollout.task import VOCABULARY  # noqa: E402
+from replayrl.rollout.model.checkpoint import state_dict_arrays  # noqa: E402
+from replayrl.rollout.model.config import ModelConfig, default_config  # noqa: E402
+from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM  # noqa: E402
+from replayrl.rollout.sample import TRACE_FIELDS  # noqa: E402
+from replayrl.rollout.sampler import SamplingParams  # noqa: E402
+from replayrl.rollout.task import VOCABULARY  # noqa: E402
 from tests.sglang_fixtures import (FaultProxy, corrupt_base64, drop_first_row,  # noqa: E402
                                    serve_thread)
 

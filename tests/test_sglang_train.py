@@ -14,11 +14,11 @@ import pytest
 
 pytest.importorskip("aiohttp")
 
-from actors import Directory, Supervisor  # noqa: E402
-from rollout.sample import TRACE_FIELDS, samples_from_columns  # noqa: E402
-from tools.config import build_config  # noqa: E402
-from tools.launcher import actor_specs, write_initial_checkpoint  # noqa: E402
-from tools.train_loop import train_loop  # noqa: E402
+from replayrl.actors import Directory, Supervisor  # noqa: E402
+from replayrl.rollout.sample import TRACE_FIELDS, samples_from_columns  # noqa: E402
+from replayrl.tools.run.config import build_config  # noqa: E402
+from replayrl.tools.run.launcher import actor_specs, write_initial_checkpoint  # noqa: E402
+from replayrl.tools.run.train_loop import train_loop  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = {"rollout-batch-size": 4, "n-samples-per-prompt": 4, "progress": False, "seed": 3}
@@ -28,7 +28,7 @@ TIMING = ("seconds", "per_second")  # wall-clock figures differ between any two 
 @pytest.fixture(scope="module")
 def serve_url():
     # the embedded default policy: serve takes train's model flags only (none needed here)
-    proc = subprocess.Popen([sys.executable, "-m", "tools.cli", "serve", "--port", "0"],
+    proc = subprocess.Popen([sys.executable, "-m", "replayrl.tools.cli", "serve", "--port", "0"],
                             cwd=REPO, stdout=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": str(REPO)})
     try:

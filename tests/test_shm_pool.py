@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from actors import ActorSpec, Directory, Supervisor
-from actors.ref import Message, POOL, shared_memory_pool, use_shared_memory
-from transport import Codec, CodecConfig, DealerSocket, DecodeError, MessageTooLarge, TransportError
-from transport.shm_pool import ShmHeader, ShmPool, ShmReader, mark_sent
+from replayrl.actors import ActorSpec, Directory, Supervisor
+from replayrl.actors.ref import Message, POOL, shared_memory_pool, use_shared_memory
+from replayrl.transport import Codec, CodecConfig, DealerSocket, DecodeError, MessageTooLarge, TransportError
+from replayrl.transport.shm_pool import ShmHeader, ShmPool, ShmReader, mark_sent
 
 ECHO = "tests.actor_fixtures:EchoActor"
 MiB = 1 << 20

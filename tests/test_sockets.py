@@ -1,4 +1,4 @@
-"""transport.sockets: RouterSocket/DealerSocket echo over ipc:// and tcp:// loopback with many
+"""replayrl.transport.sockets: RouterSocket/DealerSocket echo over ipc:// and tcp:// loopback with many
 messages in flight, large out-of-band arrays, endpoint checks and error paths.
 
 Waits use asyncio.wait_for only as a hang guard (generous limit); nothing asserts on timing."""
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from transport.curve import CurveKeys
-from transport import (
+from replayrl.transport.curve import CurveKeys
+from replayrl.transport import (
     DealerSocket,
     RouterSocket,
     TransportError,
@@ -238,7 +238,7 @@ async def test_non_loopback_tcp_bind_without_keys_is_refused(endpoint: str) -> N
 async def test_a_wildcard_tcp_bind_with_keys_serves_only_key_holders(curve_keys: CurveKeys,
                                                                     tmp_path: Path) -> None:
     """Across hosts an actor listens beyond loopback; CURVE, not the address, admits peers."""
-    from transport.curve import CurveKeys as Keys, create_keys
+    from replayrl.transport.curve import CurveKeys as Keys, create_keys
 
     got: list = []
     router = RouterSocket("tcp://0.0.0.0:0", lambda peer, frames: (

@@ -1,9 +1,9 @@
-"""The one metrics row of a step (tools/train_loop.py:step_metrics), used by train and the REPL."""
+"""The one metrics row of a step (tools/run/train_loop.py:step_metrics), used by train and the REPL."""
 from __future__ import annotations
 
 import pytest
 
-from tools.train_loop import step_metrics
+from replayrl.tools.run.train_loop import step_metrics
 
 
 def test_row_merges_summary_training_and_push_and_drops_policy_versions():
@@ -25,7 +25,7 @@ def test_skipped_row_is_written_logged_and_shown_without_update_figures(tmp_path
     import json
     import logging
 
-    from tools.metrics import MetricsRecorder, progress_status
+    from replayrl.tools.run.metrics import MetricsRecorder, progress_status
 
     # a skipped step has no grad_norm / train_rollout_logprob_abs_diff / ...: nothing may fail
     row = {"step": 3, "reward_mean": 0.5, "skipped": 1, "skip_reason": "no_accepted_tokens",
@@ -42,7 +42,7 @@ def test_skipped_row_is_written_logged_and_shown_without_update_figures(tmp_path
 
 async def test_nothing_is_pushed_after_a_skipped_step():
     from tests.fakes import FakeProxy
-    from tools.train_loop import NO_PUSH, push_after
+    from replayrl.tools.run.train_loop import NO_PUSH, push_after
 
     pushed = []
 

@@ -10,9 +10,9 @@ import tempfile
 
 import pytest
 
-from actors import ActorDied, ActorSpec, Directory, Supervisor
-from actors.errors import PeerLost
-from actors.ref import heartbeat_ms
+from replayrl.actors import ActorDied, ActorSpec, Directory, Supervisor
+from replayrl.actors.errors import PeerLost
+from replayrl.actors.ref import heartbeat_ms
 
 ECHO = "tests.actor_fixtures:EchoActor"
 

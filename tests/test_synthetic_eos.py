@@ -10,24 +10,24 @@ import numpy as np
 import pytest
 import torch
 
-from rollout.config import RolloutConfig
-from rollout.engines.base import Generation
-from rollout.engines.embedded import EmbeddedEngine
-from rollout.data_source import Prompt
-from rollout.manager import RolloutManager
-from rollout.sample import TRACE_FIELDS, Sample
-from rollout.sampler import SamplingParams
-from rollout.task import VOCABULARY, DigitTask
-from rollout.trajectory import SYNTHETIC_EOS_LOGPROB, append_synthetic_eos, merge_turns
-from rollout.turn_loop import Episode
+from replayrl.rollout.config import RolloutConfig
+from replayrl.rollout.engines.base import Generation
+from replayrl.rollout.engines.embedded import EmbeddedEngine
+from replayrl.rollout.data_source import Prompt
+from replayrl.rollout.manager import RolloutManager
+from replayrl.rollout.sample import TRACE_FIELDS, Sample
+from replayrl.rollout.sampler import SamplingParams
+from replayrl.rollout.task import VOCABULARY, DigitTask
+from replayrl.rollout.trajectory import SYNTHETIC_EOS_LOGPROB, append_synthetic_eos, merge_turns
+from replayrl.rollout.turn_loop import Episode
 from tests.fakes import FakeProxy
-from tools.config import build_config
-from tools.launcher import launch, write_initial_checkpoint
-from trainer.batch import collate
-from trainer.config import TrainerConfig
-from trainer.losses import policy_loss
-from trainer.rejection.refill import RefillCoordinator
-from trainer.rejection.rs_policy import RSGate
+from replayrl.tools.run.config import build_config
+from replayrl.tools.run.launcher import launch, write_initial_checkpoint
+from replayrl.trainer.batch import collate
+from replayrl.trainer.config import TrainerConfig
+from replayrl.trainer.losses import policy_loss
+from replayrl.trainer.rejection.refill import RefillCoordinator
+from replayrl.trainer.rejection.rs_policy import RSGate
 
 TASK = DigitTask()
 EOS = TASK.eos_id
@@ -53,7 +53,7 @@ def _geometric_weight(prox, rollout, rows) -> float:
 @pytest.fixture(scope="module")
 def on_policy(tmp_path_factory):
     """Twelve length-capped samples from an fp32 engine holding the trainer's own weights."""
-    from trainer.trainer_actor import TrainerActor
+    from replayrl.trainer.trainer_actor import TrainerActor
 
     before = torch.get_num_threads()
     config = build_config({"n-samples-per-prompt": 4, "rollout-batch-size": 3, "progress": False})

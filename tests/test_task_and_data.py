@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from rollout.data_source import PromptDataSource, digit_task_prompts
-from rollout.task import DigitTask, TaskError
+from replayrl.rollout.data_source import PromptDataSource, digit_task_prompts
+from replayrl.rollout.task import DigitTask, TaskError
 
 # The vocabulary written out by hand: <pad> <bos> <eos>, digits 0..9, operators, "=".
 PAD, BOS, EOS = 0, 1, 2
@@ -203,7 +203,7 @@ def test_zero_and_negative_batch_sizes():
 
 
 def test_observation_segments_count_tool_calls_by_hand():
-    from rollout.manager import observation_segments
+    from replayrl.rollout.manager import observation_segments
     assert observation_segments(np.array([1, 1, 0, 0, 1, 0, 0, 1], np.uint8)) == 2
     assert observation_segments(np.array([0, 1], np.uint8)) == 1
     assert observation_segments(np.array([1, 1], np.uint8)) == 0

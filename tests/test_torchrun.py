@@ -22,7 +22,7 @@ def _free_port() -> int:
 def _torchrun(nproc: int, out: Path, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-         f"--master-port={_free_port()}", "-m", "tools.torchrun_entry", "--num-steps", "2",
+         f"--master-port={_free_port()}", "-m", "replayrl.tools.run.torchrun_entry", "--num-steps", "2",
          "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--no-progress",
          "--output-dir", str(out), *extra],
         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
@@ -39,7 +39,7 @@ def test_three_ranks_train_two_steps(tmp_path, curve_keys_dir):
     # rank 0 writes the run's record as `replayrl train` does; it gives the settings back
     import argparse
 
-    from tools.config import add_run_flags, config_from_args
+    from replayrl.tools.run.config import add_run_flags, config_from_args
 
     record = json.loads((tmp_path / "config.json").read_text())
     assert (record["num_steps"], record["num_engines"], record["rollout"]["rollout_batch_size"]) == (2, 1, 2)
@@ -64,9 +64,9 @@ def test_ranks_refuse_to_start_without_curve_keys(tmp_path):
 def test_each_rank_listens_on_its_own_address_toward_the_master():
     import pytest
 
-    from actors import ActorSpec
-    from tools.rank_hosts import RendezvousError, own_address
-    from tools.torchrun_entry import directory_for
+    from replayrl.actors import ActorSpec
+    from replayrl.tools.run.rank_hosts import RendezvousError, own_address
+    from replayrl.tools.run.torchrun_entry import directory_for
 
     assert own_address("127.0.0.1", 29500) == "127.0.0.1"  # one node: the loopback route
     with pytest.raises(RendezvousError, match="MASTER_ADDR=no-such-host.invalid"):
@@ -92,8 +92,8 @@ def test_two_trainer_ranks_under_torchrun(tmp_path, curve_keys_dir):
 
 
 def test_the_plan_gives_the_last_ranks_to_the_trainer_ranks(tmp_path):
-    from tools.config import ConfigError, build_config
-    from tools.torchrun_entry import plan
+    from replayrl.tools.run.config import ConfigError, build_config
+    from replayrl.tools.run.torchrun_entry import plan
 
     config = build_config({"rollout-batch-size": 2, "n-samples-per-prompt": 2, "dp-size": 2,
                            "output-dir": str(tmp_path)})
@@ -125,8 +125,8 @@ def test_the_plan_gives_the_last_ranks_to_the_trainer_ranks(tmp_path):
 
 
 def test_trainer_ranks_meet_at_the_trainer_actors_host(tmp_path):
-    from tools.config import build_config
-    from tools.torchrun_entry import plan, with_trainer_group_host
+    from replayrl.tools.run.config import build_config
+    from replayrl.tools.run.torchrun_entry import plan, with_trainer_group_host
 
     config = build_config({"rollout-batch-size": 2, "n-samples-per-prompt": 2, "dp-size": 2,
                            "output-dir": str(tmp_path)})
@@ -139,7 +139,7 @@ def test_trainer_ranks_meet_at_the_trainer_actors_host(tmp_path):
 
 
 def test_ready_timeout_is_explained_in_the_help(capsys):
-    from tools.torchrun_entry import main
+    from replayrl.tools.run.torchrun_entry import main
 
     with pytest.raises(SystemExit):
         main(["--help"])

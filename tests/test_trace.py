@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rollout.sample import SampleError
-from rollout.trace import (TokenMetadataTrace, TraceError, TraceFinalizedError, TraceRowsError,
+from replayrl.rollout.sample import SampleError
+from replayrl.rollout.trace import (TokenMetadataTrace, TraceError, TraceFinalizedError, TraceRowsError,
                            TraceSchemaError)
 
 CASES = {c["name"]: c for c in json.loads((Path(__file__).parent / "cases" / "trace_alignment.json").read_text())}

@@ -12,20 +12,20 @@ import numpy as np
 import pytest
 import torch
 
-from actors.version_clock import VersionRegression
-from rollout.model.checkpoint import save_pretrained
-from rollout.model.errors import CheckpointError
-from rollout.model.config import default_config
-from rollout.model.qwen3_moe import Qwen3MoeForCausalLM
-from rollout.sample import Sample
-from rollout.task import VOCABULARY
-from tools.config import ConfigError, build_config
-from trainer.backends import BACKENDS, UnknownBackendError, resolve_backend
-from trainer.backends.base import ReplayedForward, TrainerBackend
-from trainer.backends.torch_backend import TorchBackend
-from trainer.batch import collate
-from trainer.config import TrainerConfig, TrainerConfigError
-from transport.array_bundle import pack_arrays, unpack_arrays
+from replayrl.actors.version_clock import VersionRegression
+from replayrl.rollout.model.checkpoint import save_pretrained
+from replayrl.rollout.model.errors import CheckpointError
+from replayrl.rollout.model.config import default_config
+from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
+from replayrl.rollout.sample import Sample
+from replayrl.rollout.task import VOCABULARY
+from replayrl.tools.run.config import ConfigError, build_config
+from replayrl.trainer.backends import BACKENDS, UnknownBackendError, resolve_backend
+from replayrl.trainer.backends.base import ReplayedForward, TrainerBackend
+from replayrl.trainer.backends.torch_backend import TorchBackend
+from replayrl.trainer.batch import collate
+from replayrl.trainer.config import TrainerConfig, TrainerConfigError
+from replayrl.transport.array_bundle import pack_arrays, unpack_arrays
 
 V = len(VOCABULARY)
 
@@ -34,10 +34,10 @@ V = len(VOCABULARY)
 
 
 def test_registry_resolves_torch_to_the_torch_backend():
-    assert BACKENDS["torch"] == "trainer.backends.torch_backend:TorchBackend"
+    assert BACKENDS["torch"] == "replayrl.trainer.backends.torch_backend:TorchBackend"
     cls = resolve_backend("torch")
     assert cls is TorchBackend and issubclass(cls, TrainerBackend)
-    assert BACKENDS["megatron"] == "trainer.backends.megatron_backend:MegatronBackend"
+    assert BACKENDS["megatron"] == "replayrl.trainer.backends.megatron_backend:MegatronBackend"
     with pytest.raises(TypeError):
         BACKENDS["megatron"] = "x:Y"  # one registry, read-only
 
@@ -59,8 +59,8 @@ def test_unknown_backend_is_a_configuration_error_naming_the_flag():
 
 def test_registry_and_config_do_not_import_a_backend():
     # the registry holds strings: choosing a backend is what imports it (megatron-core later)
-    code = ("import sys, trainer.config, trainer.backends; "
-            "assert 'trainer.backends.torch_backend' not in sys.modules, 'imported eagerly'")
+    code = ("import sys, replayrl.trainer.config, replayrl.trainer.backends; "
+            "assert 'replayrl.trainer.backends.torch_backend' not in sys.modules, 'imported eagerly'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 

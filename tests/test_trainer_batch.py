@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from rollout.sample import Sample, SampleError
-from trainer.batch import collate
-from trainer.proximal_cache import ProximalCacheError, ProximalLogprobCache
+from replayrl.rollout.sample import Sample, SampleError
+from replayrl.trainer.batch import collate
+from replayrl.trainer.proximal_cache import ProximalCacheError, ProximalLogprobCache
 
 L_MOE, K_ROUTER, L_IDX, K_IDX = 2, 2, 1, 3
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from rollout.model.config import default_config
-from rollout.model.qwen3_moe import Qwen3MoeForCausalLM
-from rollout.sample import Sample
-from trainer.backends.torch_backend import _shared_prefix, response_logprobs
-from trainer.batch import collate
+from replayrl.rollout.model.config import default_config
+from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
+from replayrl.rollout.sample import Sample
+from replayrl.trainer.backends.torch_backend import _shared_prefix, response_logprobs
+from replayrl.trainer.batch import collate
 
 
 def _setup(seed=0):

@@ -7,10 +7,10 @@ import tempfile
 import numpy as np
 import pytest
 
-from actors import Directory, Supervisor
-from tools.config import ConfigError, build_config
-from tools.launcher import actor_specs, write_initial_checkpoint
-from trainer.rank_group import RankGroup, RankGroupError, follower_names, shard, shard_bounds
+from replayrl.actors import Directory, Supervisor
+from replayrl.tools.run.config import ConfigError, build_config
+from replayrl.tools.run.launcher import actor_specs, write_initial_checkpoint
+from replayrl.trainer.rank_group import RankGroup, RankGroupError, follower_names, shard, shard_bounds
 
 SMALL = {"rollout-batch-size": 2, "n-samples-per-prompt": 2, "progress": False}
 
@@ -86,7 +86,7 @@ def test_the_launcher_starts_one_process_per_trainer_rank(tmp_path):
     specs = actor_specs(config, tmp_path / "ckpt", rank_port=29999)
     by_name = {s.name: s for s in specs}
     assert by_name["trainer"].kwargs["ranks"] == {"size": 2, "host": "127.0.0.1", "port": 29999}
-    assert by_name["trainer_1"].cls == "trainer.trainer_rank:TrainerRank"
+    assert by_name["trainer_1"].cls == "replayrl.trainer.trainer_rank:TrainerRank"
     assert by_name["trainer_1"].kwargs["group"]["rank"] == 1
     one = actor_specs(build_config({**SMALL, "output-dir": str(tmp_path)}), tmp_path / "ckpt")
     # one rank: no extra process and no group
@@ -162,7 +162,7 @@ async def test_exact_refill_over_two_ranks_requests_whole_quanta(tmp_path):
     # n = 3 samples per group over 2 data-parallel ranks: the quantum is q = 2 / gcd(2, 3) = 2
     # groups (6 samples, 3 per rank), so every replacement batch splits evenly (docs/design.md
     # §9 "Exact refill", §19); the steps train exactly --rollout-batch-size groups
-    from tools.launcher import launch
+    from replayrl.tools.run.launcher import launch
 
     config = build_config({"rollout-batch-size": 2, "n-samples-per-prompt": 3, "progress": False,
                            "dp-size": 2, "num-steps": 2, "output-dir": str(tmp_path),

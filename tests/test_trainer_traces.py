@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-from rollout.sample import MissingTraceError, Sample, SampleError
-from rollout.task import VOCABULARY
-from tools.config import build_config
-from tools.launcher import write_initial_checkpoint
-from tools.metrics import progress_status
-from trainer.config import TrainerConfig
-from trainer.trainer_actor import TrainerActor
+from replayrl.rollout.sample import MissingTraceError, Sample, SampleError
+from replayrl.rollout.task import VOCABULARY
+from replayrl.tools.run.config import build_config
+from replayrl.tools.run.launcher import write_initial_checkpoint
+from replayrl.tools.run.metrics import progress_status
+from replayrl.trainer.config import TrainerConfig
+from replayrl.trainer.trainer_actor import TrainerActor
 
 
 @pytest.fixture

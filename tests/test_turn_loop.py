@@ -16,16 +16,16 @@ import numpy as np
 import pytest
 import torch
 
-from rollout.engines.embedded import EmbeddedEngine
-from rollout.model.checkpoint import state_dict_arrays
-from rollout.model.config import default_config
-from rollout.model.qwen3_moe import Qwen3MoeForCausalLM
-from rollout.sample import TRACE_FIELDS, Sample
-from rollout.sampler import SamplingParams
-from rollout.task import VOCABULARY, DigitTask
-from rollout.tool_env import DigitToolEnv, ToolEnvError
-from rollout.trajectory import MissingTraceError
-from rollout.turn_loop import (MixedVersionError, TurnLoopError, assemble, run_episodes,
+from replayrl.rollout.engines.embedded import EmbeddedEngine
+from replayrl.rollout.model.checkpoint import state_dict_arrays
+from replayrl.rollout.model.config import default_config
+from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
+from replayrl.rollout.sample import TRACE_FIELDS, Sample
+from replayrl.rollout.sampler import SamplingParams
+from replayrl.rollout.task import VOCABULARY, DigitTask
+from replayrl.rollout.tool_env import DigitToolEnv, ToolEnvError
+from replayrl.rollout.trajectory import MissingTraceError
+from replayrl.rollout.turn_loop import (MixedVersionError, TurnLoopError, assemble, run_episodes,
                                turn_seed)
 
 CASES = {c["name"]: c for c in json.loads((Path(__file__).parent / "cases" / "trace_alignment.json").read_text())}

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.version_clock import (StaleSample, VersionClock, VersionError,
+from replayrl.actors.version_clock import (StaleSample, VersionClock, VersionError,
                                   VersionRegression, VersionRules)
 
 CASES = json.loads((Path(__file__).parent / "cases" / "staleness.json").read_text())

@@ -6,8 +6,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from tools.bench_engine import main as bench_engine  # noqa: E402
-from tools.bench_parity import run, table  # noqa: E402
+from replayrl.tools.bench.engine import main as bench_engine  # noqa: E402
+from replayrl.tools.bench.parity import run, table  # noqa: E402
 
 
 def test_replays_make_the_trainer_match_vllm():

@@ -15,14 +15,14 @@ import torch
 
 pytest.importorskip("vllm")
 
-from rollout.capture import CaptureError  # noqa: E402
-from rollout.engines.base import EngineError, EngineInputError  # noqa: E402
-from rollout.engines.vllm_engine import EngineTimeout, VllmEngine  # noqa: E402
-from rollout.model.checkpoint import state_dict_arrays  # noqa: E402
-from rollout.model.config import default_config, without_indexer  # noqa: E402
-from rollout.model.qwen3_moe import Qwen3MoeForCausalLM  # noqa: E402
-from rollout.sampler import SamplingParams  # noqa: E402
-from rollout.task import VOCABULARY  # noqa: E402
+from replayrl.rollout.capture import CaptureError  # noqa: E402
+from replayrl.rollout.engines.base import EngineError, EngineInputError  # noqa: E402
+from replayrl.rollout.engines.vllm_engine import EngineTimeout, VllmEngine  # noqa: E402
+from replayrl.rollout.model.checkpoint import state_dict_arrays  # noqa: E402
+from replayrl.rollout.model.config import default_config, without_indexer  # noqa: E402
+from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM  # noqa: E402
+from replayrl.rollout.sampler import SamplingParams  # noqa: E402
+from replayrl.rollout.task import VOCABULARY  # noqa: E402
 
 CFG = without_indexer(default_config(len(VOCABULARY)))
 EOS = VOCABULARY.index("<eos>")

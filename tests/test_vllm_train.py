@@ -9,8 +9,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from tools.config import build_config  # noqa: E402
-from tools.launcher import launch  # noqa: E402
+from replayrl.tools.run.config import build_config  # noqa: E402
+from replayrl.tools.run.launcher import launch  # noqa: E402
 
 
 async def test_twenty_steps_on_vllm_learn_with_zero_routing_flips(tmp_path):

@@ -1,13 +1,13 @@
-"""``python -m tests.torchrun_fault_entry`` = ``tools.torchrun_entry`` with one faulty actor on
-this torchrun's ranks (``tools.faults.faulty_specs``), named by ``$REPLAYRL_TEST_FAULT`` as
+"""``python -m tests.torchrun_fault_entry`` = ``replayrl.tools.run.torchrun_entry`` with one faulty actor on
+this torchrun's ranks (``replayrl.tools.bench.fault_injection.faulty_specs``), named by ``$REPLAYRL_TEST_FAULT`` as
 ``ACTOR:SIGNAL:CALL:MARKER`` (e.g. ``engine_1:HANG:2:/tmp/fault.json``)."""
 from __future__ import annotations
 
 import os
 import sys
 
-from tools.faults import faulty_specs
-from tools.torchrun_entry import main
+from replayrl.tools.bench.fault_injection import faulty_specs
+from replayrl.tools.run.torchrun_entry import main
 
 FAULT_ENV = "REPLAYRL_TEST_FAULT"
 

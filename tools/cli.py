@@ -1,9 +1,9 @@
 """``replayrl`` command line: ``train``, ``repl``, ``keys`` and ``bench {parity,refill,logprobs,transport,peer,profile,train,load,engine,decode,steps,faults}``.
 
-Exit codes (:mod:`tools.exit_codes`): 0 success, 1 a run failed (the failing actor's traceback
+Exit codes (:mod:`replayrl.tools.run.exit_codes`): 0 success, 1 a run failed (the failing actor's traceback
 is printed), 2 bad configuration, 130 interrupted by Ctrl-C, 143 SIGTERM (``train``).
 
-``serve`` puts the embedded engine behind SGLang's HTTP API (:mod:`tools.serve`).
+``serve`` puts the embedded engine behind SGLang's HTTP API (:mod:`replayrl.tools.serve`).
 """
 from __future__ import annotations
 
@@ -11,15 +11,15 @@ import argparse
 import logging
 import sys
 
-from tools.config import add_run_flags, config_from_args
-from tools.exit_codes import exit_code, handle_sigterm
+from replayrl.tools.run.config import add_run_flags, config_from_args
+from replayrl.tools.run.exit_codes import exit_code, handle_sigterm
 
 
 def _train(args: argparse.Namespace) -> int:
     def run() -> int:
         # imported here: torch takes seconds, and a Ctrl-C meanwhile must still exit 130
-        from actors import run_event_loop
-        from tools.launcher import launch
+        from replayrl.actors import run_event_loop
+        from replayrl.tools.run.launcher import launch
 
         config = config_from_args(args)
         handle_sigterm()
@@ -32,14 +32,14 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _repl(args: argparse.Namespace) -> int:
-    from tools.repl import main as repl_main
+    from replayrl.tools.console.repl import main as repl_main
 
     return repl_main(args)
 
 
 def _serve(args: argparse.Namespace) -> int:
     def run() -> int:
-        from tools.serve import main as serve_main
+        from replayrl.tools.serve import main as serve_main
 
         return serve_main(args)
 
@@ -48,7 +48,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _keys(args: argparse.Namespace) -> int:
     def run() -> int:
-        from transport.curve import create_keys
+        from replayrl.transport.curve import create_keys
 
         print(f"CURVE key pair written: {create_keys(args.directory)} (pass --curve-keys "
               f"{args.directory} to every process of the run)")
@@ -57,12 +57,12 @@ def _keys(args: argparse.Namespace) -> int:
     return exit_code(run)
 
 
-BENCHES = {"parity": "tools.bench_parity", "refill": "tools.bench_refill",
-           "logprobs": "tools.bench_logprobs", "transport": "tools.bench_transport",
-           "peer": "tools.bench_peer", "profile": "tools.bench_profile",
-           "train": "tools.bench_train", "load": "tools.bench_load",
-           "engine": "tools.bench_engine", "decode": "tools.bench_decode",
-           "steps": "tools.bench_steps", "faults": "tools.bench_faults"}
+BENCHES = {"parity": "replayrl.tools.bench.parity", "refill": "replayrl.tools.bench.refill",
+           "logprobs": "replayrl.tools.bench.logprobs", "transport": "replayrl.tools.bench.transport",
+           "peer": "replayrl.tools.bench.peer", "profile": "replayrl.tools.bench.profile",
+           "train": "replayrl.tools.bench.train", "load": "replayrl.tools.bench.load",
+           "engine": "replayrl.tools.bench.engine", "decode": "replayrl.tools.bench.decode",
+           "steps": "replayrl.tools.bench.steps", "faults": "replayrl.tools.bench.faults"}
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -74,7 +74,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 SERVE_RUN_FLAGS = ("hf-checkpoint", "model-indexer", "engine-dtype", "engine-torch-threads")
-"""The run flags ``replayrl serve`` reads (:func:`tools.serve.main`: the policy's shape and the
+"""The run flags ``replayrl serve`` reads (:func:`replayrl.tools.serve.main`: the policy's shape and the
 engine's precision and threads); the training flags are not its."""
 
 

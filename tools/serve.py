@@ -2,7 +2,7 @@
 
 Serves the subset of SGLang's endpoints that ``--rollout-engine sglang`` uses, with SGLang's
 field names and encodings (``rollout/engines/sglang_protocol.py``, checked against
-:data:`rollout.engines.sglang_protocol.SGLANG_VERSION_CHECKED`), so the SGLang client is
+:data:`replayrl.rollout.engines.sglang_protocol.SGLANG_VERSION_CHECKED`), so the SGLang client is
 exercised end to end against a real server on CPU (docs/design.md §17 "SGLang engine"):
 
 * ``POST /generate`` -- one batched embedded-engine call per request body;
@@ -30,12 +30,12 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from rollout.engines.base import EngineError
-from rollout.engines.embedded import EmbeddedEngine
-from rollout.engines.precision import resolve_dtype
-from rollout.engines.sglang_protocol import encode_item, parse_generate_request
-from rollout.model.config import ModelConfig
-from rollout.model.errors import CheckpointError
+from replayrl.rollout.engines.base import EngineError
+from replayrl.rollout.engines.embedded import EmbeddedEngine
+from replayrl.rollout.engines.precision import resolve_dtype
+from replayrl.rollout.engines.sglang_protocol import encode_item, parse_generate_request
+from replayrl.rollout.model.config import ModelConfig
+from replayrl.rollout.model.errors import CheckpointError
 
 __all__ = ["ServeState", "build_app", "main"]
 
@@ -174,12 +174,12 @@ async def serve(config: ModelConfig, dtype: str, host: str, port: int,
 
 
 def main(args: argparse.Namespace) -> int:
-    """``replayrl serve``: the run flags of :data:`tools.cli.SERVE_RUN_FLAGS` choose the
+    """``replayrl serve``: the run flags of :data:`replayrl.tools.cli.SERVE_RUN_FLAGS` choose the
     policy's shape and the engine's precision and threads (as in ``train``); prints
     ``serving on URL`` once listening."""
     import torch
 
-    from tools.config import config_from_args
+    from replayrl.tools.run.config import config_from_args
 
     config = config_from_args(args)
     torch.set_num_threads(config.engine_torch_threads)

@@ -15,7 +15,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from rollout.sample import Sample, SampleError
+from replayrl.rollout.sample import Sample, SampleError
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class TrainBatch:
         loss_mask: float32 [N]; rollout_logprobs: float32 [N] (NaN allowed where mask is 0).
         sampled_mask: float32 [N]: ``loss_mask`` without the synthetic-EOS rows, i.e. the loss
             tokens the engine sampled and whose ``rollout_logprobs`` is a behaviour logprob
-            (:attr:`rollout.sample.Sample.sampled_mask`); equal to ``loss_mask`` when no sample
+            (:attr:`replayrl.rollout.sample.Sample.sampled_mask`); equal to ``loss_mask`` when no sample
             carries a synthetic EOS.
         segment_ids: int64 [1, T] for a packed batch (one row, block-diagonal attention), else
             None.
@@ -59,7 +59,7 @@ def per_sample_tensors(samples: Sequence[Sample], field: str) -> list[torch.Tens
 
 
 def sampled_masks(samples: Sequence[Sample]) -> list[torch.Tensor]:
-    """One uint8 tensor [R_i] per sample: :attr:`rollout.sample.Sample.sampled_mask`, the loss
+    """One uint8 tensor [R_i] per sample: :attr:`replayrl.rollout.sample.Sample.sampled_mask`, the loss
     tokens the engine sampled (what every RS gate and TIS weight reads; the synthetic EOS row and
     observation rows are 0)."""
     return [torch.from_numpy(np.array(s.sampled_mask)) for s in samples]
@@ -69,7 +69,7 @@ def token_counts(samples: Sequence[Sample], token_accept: dict[int, torch.Tensor
     """``(loss tokens, loss tokens the RS gate accepted)`` over ``samples``.
 
     ``token_accept`` maps sample id -> bool [R] from
-    :meth:`trainer.rejection.rs_policy.RSGate.decide`.
+    :meth:`replayrl.trainer.rejection.rs_policy.RSGate.decide`.
     """
     if not samples:
         return 0, 0
@@ -127,7 +127,7 @@ def _response_fields(samples: Sequence[Sample], support: bool) -> dict:
 
 def collate_packed(samples: Sequence[Sample], *, routing: bool, indexer: bool, support: bool,
                    pad_to_multiple_of: int = 1) -> TrainBatch:
-    """Pack ``samples`` into ONE row through a single :class:`trainer.packing.PackedLayout`.
+    """Pack ``samples`` into ONE row through a single :class:`replayrl.trainer.packing.PackedLayout`.
 
     Tokens, traces (routing rows, indexer key slots shifted to packed positions) and the
     positions predicting each response token all come from the same layout, so they cannot
@@ -135,9 +135,9 @@ def collate_packed(samples: Sequence[Sample], *, routing: bool, indexer: bool, s
     each sample. The per-response-token fields are in the same order as :func:`collate`'s.
 
     Raises:
-        SampleError / trainer.packing.PackedFieldError: as :func:`collate`, naming the sample.
+        SampleError / replayrl.trainer.packing.PackedFieldError: as :func:`collate`, naming the sample.
     """
-    from trainer.packing import PackedLayout
+    from replayrl.trainer.packing import PackedLayout
 
     if not samples:
         raise ValueError("collate_packed needs at least one sample")

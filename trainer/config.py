@@ -1,16 +1,16 @@
 """Configuration of the trainer side: optimizer, loss, replays, timeouts.
 
 Each field's flag, help and allowed range are declared with it
-(:func:`actors.settings.setting`); ``tools/config.py`` builds the flags, the config-file keys and
+(:func:`replayrl.actors.settings.setting`); ``tools/run/config.py`` builds the flags, the config-file keys and
 the README's flag table from them. Conditions on two fields stay in ``__post_init__``.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from actors.settings import POSITIVE, Choices, Range, check_settings, setting
-from trainer.backends import BACKENDS
-from trainer.rejection.rs_policy import RSGate
+from replayrl.actors.settings import POSITIVE, Choices, Range, check_settings, setting
+from replayrl.trainer.backends import BACKENDS
+from replayrl.trainer.rejection.rs_policy import RSGate
 
 
 class TrainerConfigError(ValueError):
@@ -35,7 +35,7 @@ class TrainerConfig:
             experts / keys against the trainer's own choice, per token; the defaults (0, 1)
             never fail. A step that violates them raises before training, listing mismatches.
         use_packing: each microbatch is one packed row (``--use-packing``) built from one
-            :class:`trainer.packing.PackedLayout`, instead of right-padded rows.
+            :class:`replayrl.trainer.packing.PackedLayout`, instead of right-padded rows.
         logprobs_chunk_size: > 0 uses the fused chunked LM-head path for support replay
             (``--logprobs-chunk-size``; peak memory bounded by the chunk, not N x V).
         preflight: ``auto`` runs the separate preflight forward only when the RS gate, exact
@@ -46,9 +46,9 @@ class TrainerConfig:
         seed: torch seed of the trainer process.
         rs_mode, rs_lower, rs_upper: the RS gate (``--rs-mode none|token|sequence|geometric``).
         rs_denominator: loss denominator when RS rejects tokens without refill
-            (``loss_tokens`` | ``accepted_tokens``), see :mod:`trainer.rejection.rs_policy`.
+            (``loss_tokens`` | ``accepted_tokens``), see :mod:`replayrl.trainer.rejection.rs_policy`.
         stop_on_empty_step: a step with nothing to train (no accepted loss token, or no prompt
-            group with two accepted samples) raises :class:`trainer.trainer_actor.EmptyStep`
+            group with two accepted samples) raises :class:`replayrl.trainer.trainer_actor.EmptyStep`
             and ends the run (``--stop-on-empty-step``); off, the step is skipped (nothing
             moves, the row says ``skipped: 1``) and the run goes on.
         rs_batch_refill: exact refill (``--rs-batch-refill``): train on exactly
@@ -56,7 +56,7 @@ class TrainerConfig:
         rs_refill_max_rounds: replacement rounds before the step fails.
         rs_refill_max_candidate_cache_bytes: byte cap of the proximal-logprob cache.
         rs_refill_rpc_timeout_s: timeout of every actor call on the refill path.
-        train_backend: the model-owning backend, a name in :data:`trainer.backends.BACKENDS`
+        train_backend: the model-owning backend, a name in :data:`replayrl.trainer.backends.BACKENDS`
             (``--train-backend``).
         dp_size: data-parallel trainer ranks (``--dp-size``; docs/design.md §19 "Trainer
             ranks"): each trains a contiguous, equal share of every batch, and the refill

@@ -99,9 +99,9 @@ def policy_loss(
         eps_low, eps_high: clip range ``[1 - eps_low, 1 + eps_high]``; ``0 <= eps_low < 1``,
             ``eps_high >= 0`` (DAPO uses ``eps_high = 0.28``).
         tis_cap: TIS cap ``C > 0``; ``None`` disables TIS (``w = 1``).
-        token_accept: optional bool tensor [N] from token RS (``trainer.rejection.rs_gates.token_gate``).
+        token_accept: optional bool tensor [N] from token RS (``replayrl.trainer.rejection.rs_gates.token_gate``).
         sampled_mask: optional tensor [N] of 0/1: 1 = the engine sampled this loss token, so
-            ``logp_rollout`` holds its behaviour logprob (``trainer.batch.TrainBatch.sampled_mask``).
+            ``logp_rollout`` holds its behaviour logprob (``replayrl.trainer.batch.TrainBatch.sampled_mask``).
             A loss token with 0 here (a synthetic EOS) gets ``w = 1`` and is left out of
             ``logprob_abs_diff_mean`` and ``tis_weight_mean``; its ``logp_rollout`` is not read.
             Must be 0 wherever ``loss_mask`` is 0. ``None``: every loss token was sampled.
@@ -143,7 +143,7 @@ def policy_loss(
         contrib = mask
     else:
         if not isinstance(token_accept, Tensor) or token_accept.dtype != torch.bool:
-            raise LossError("token_accept must be a bool tensor (from trainer.rejection.rs_gates.token_gate)")
+            raise LossError("token_accept must be a bool tensor (from replayrl.trainer.rejection.rs_gates.token_gate)")
         contrib = mask & _as_bool_mask(token_accept, n, "token_accept")
 
     if sampled_mask is None:

@@ -16,7 +16,7 @@ rows, routing and indexer traces -- goes through the same frozen :class:`PackedL
   same segment, and the last real position of every segment (and every padding position)
   predicts nothing (:meth:`PackedLayout.next_token_targets`, ``tests/cases/packed_shift.json``);
 * a layout built for context parallelism (CP) of size ``c`` (``from_lengths(..., cp_size=c)``)
-  pads every segment to a multiple of ``2c``, so :mod:`trainer.parallel.context_parallel` can
+  pads every segment to a multiple of ``2c``, so :mod:`replayrl.trainer.parallel.context_parallel` can
   cut it into the load-balanced shards of Megatron-LM / TransformerEngine.
 
 Row spaces. Per-sample arrays do not all start at the sample's first token: a trajectory of
@@ -47,7 +47,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from rollout.sample import SampleError
+from replayrl.rollout.sample import SampleError
 
 __all__ = [
     "PackingError",

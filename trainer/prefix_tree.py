@@ -90,7 +90,7 @@ class PrefixTree:
         """``x`` [B, W, ...] laid out as [U, tree_width, ...]; slots no row writes hold ``fill``.
 
         The trunk is written by every row of its tree row; the caller guarantees those rows are
-        equal there (:func:`trainer.backends.torch_backend._shared_prefix` checks it).
+        equal there (:func:`replayrl.trainer.backends.torch_backend._shared_prefix` checks it).
         """
         out = x.new_full((self.rows, self.tree_width, *x.shape[2:]), fill)
         out[self.inverse[:, None], self.slot] = x

@@ -3,10 +3,10 @@
 :class:`RankStep` holds a rank's backend and its :class:`ProximalLogprobCache` and runs, on the
 samples it is given, the preflight forward (proximal logprobs into the cache, replay rates,
 support entropies) and the update (per microbatch: forward, PPO/TIS loss, backward; then clip
-and optimizer step). The ``trainer`` actor (:class:`trainer.trainer_actor.TrainerActor`) owns
+and optimizer step). The ``trainer`` actor (:class:`replayrl.trainer.trainer_actor.TrainerActor`) owns
 one for rank 0 and makes every decision that needs the whole batch (clock checks, RS gate and
 refill, GRPO advantages, the loss denominator, skipping); with ``--dp-size N > 1`` the ranks
-``1 .. N-1`` (:class:`trainer.trainer_rank.TrainerRank`) each own one too and run the same
+``1 .. N-1`` (:class:`replayrl.trainer.trainer_rank.TrainerRank`) each own one too and run the same
 calls on their shares (docs/design.md §19 "Trainer ranks").
 """
 from __future__ import annotations
@@ -16,13 +16,13 @@ from typing import Iterator
 
 import torch
 
-from rollout.sample import Sample, check_required_traces, required_traces
-from trainer.backends.base import TrainerBackend
-from trainer.batch import TrainBatch, collate, collate_packed, per_sample_tensors, sampled_masks
-from trainer.config import TrainerConfig
-from trainer.losses import policy_loss
-from trainer.proximal_cache import ProximalLogprobCache
-from trainer.replay import batch_flip_rate, check_replay
+from replayrl.rollout.sample import Sample, check_required_traces, required_traces
+from replayrl.trainer.backends.base import TrainerBackend
+from replayrl.trainer.batch import TrainBatch, collate, collate_packed, per_sample_tensors, sampled_masks
+from replayrl.trainer.config import TrainerConfig
+from replayrl.trainer.losses import policy_loss
+from replayrl.trainer.proximal_cache import ProximalLogprobCache
+from replayrl.trainer.replay import batch_flip_rate, check_replay
 
 __all__ = ["RankStep", "TrainStepError", "UPDATE_SUMS"]
 
@@ -69,7 +69,7 @@ class RankStep:
         """``(chunk, TrainBatch)`` per microbatch of ``--micro-batch-size`` samples.
 
         Raises:
-            rollout.sample.MissingTraceError: a sample lacks a trace an enabled replay needs.
+            replayrl.rollout.sample.MissingTraceError: a sample lacks a trace an enabled replay needs.
         """
         # every forward (preflight, refill, training) refuses a sample lacking a replayed trace
         # before any work: the model's own routing in its place would train the wrong policy

@@ -16,7 +16,7 @@ checks, on the live path, that the replay did what it should:
   ``*_drift_rate``).
 
 Replay on a split model (the PP layer registry, SP slicing, filling ``-1`` rows for a router
-that cannot take them) lives in :mod:`trainer.parallel.replay_registry` and shares
+that cannot take them) lives in :mod:`replayrl.trainer.parallel.replay_registry` and shares
 :class:`ReplayError`.
 
 Source: Ma et al. 2025, "Stabilizing MoE Reinforcement Learning by Aligning Training and

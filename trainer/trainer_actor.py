@@ -6,11 +6,11 @@ One call of :meth:`TrainerActor.train` is one optimizer step on one rollout batc
 2. ask the VersionClock to admit every sample (``0 <= t - v <= max_staleness``);
 3. preflight forward at the weights the step starts from -> proximal logprobs in the
    (pinned when possible) :class:`ProximalLogprobCache`, and the replay flip / drift rates;
-4. RS gate (:class:`trainer.rejection.rs_policy.RSGate`); with exact refill, whole prompt
+4. RS gate (:class:`replayrl.trainer.rejection.rs_policy.RSGate`); with exact refill, whole prompt
    groups are admitted or dropped and replacements are generated at exactly the preflight
    version until ``rollout_batch_size`` groups are admitted or ``--rs-refill-max-rounds`` is
    spent, in which case the step raises before the optimizer is touched
-   (:class:`trainer.rejection.refill.RefillCoordinator`, which gets the cache, the preflight and
+   (:class:`replayrl.trainer.rejection.refill.RefillCoordinator`, which gets the cache, the preflight and
    the actor refs, not this actor);
 5. GRPO advantages over the trained groups (with RS and no refill, each group's baseline over
    the samples the gate accepted; a group with fewer than two trains on nothing), loss
@@ -25,10 +25,10 @@ they are and the metrics say ``skipped: 1`` and why (``skip_reason``), whichever
 
 Everything that touches the weights or the optimizer (forwards, backward, clip + step, weight
 export, checkpoints) goes through the backend chosen by ``--train-backend``
-(:class:`trainer.backends.base.TrainerBackend`); this actor only orchestrates.
+(:class:`replayrl.trainer.backends.base.TrainerBackend`); this actor only orchestrates.
 :meth:`push_weights` sends the backend's full weight set to every engine over the transport
 and records each engine's new version with the clock. The loop that orders these calls lives in
-``tools/train_loop.py`` (slime's ``train_async.py`` shape).
+``tools/run/train_loop.py`` (slime's ``train_async.py`` shape).
 """
 from __future__ import annotations
 
@@ -40,19 +40,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from actors import Actor
-from actors.errors import PeerLost
-from rollout.sample import Sample, samples_from_columns, samples_to_columns
-from trainer.advantages import baseline_groups, grpo_advantages
-from trainer.backends import resolve_backend
-from trainer.backends.base import TrainerBackend
-from trainer.batch import token_counts
-from trainer.config import TrainerConfig, TrainerConfigError
-from trainer.rank_group import RankGroup, follower_names, shard
-from trainer.rank_step import UPDATE_SUMS, RankStep, TrainStepError
-from trainer.rejection.refill import RefillCoordinator, gate_metrics
-from trainer.replay import mean_rates
-from transport.array_bundle import pack_arrays
+from replayrl.actors import Actor
+from replayrl.actors.errors import PeerLost
+from replayrl.rollout.sample import Sample, samples_from_columns, samples_to_columns
+from replayrl.trainer.advantages import baseline_groups, grpo_advantages
+from replayrl.trainer.backends import resolve_backend
+from replayrl.trainer.backends.base import TrainerBackend
+from replayrl.trainer.batch import token_counts
+from replayrl.trainer.config import TrainerConfig, TrainerConfigError
+from replayrl.trainer.rank_group import RankGroup, follower_names, shard
+from replayrl.trainer.rank_step import UPDATE_SUMS, RankStep, TrainStepError
+from replayrl.trainer.rejection.refill import RefillCoordinator, gate_metrics
+from replayrl.trainer.replay import mean_rates
+from replayrl.transport.array_bundle import pack_arrays
 
 __all__ = ["EmptyStep", "SKIP_REASONS", "TrainStepError", "TrainerActor"]
 
@@ -69,7 +69,7 @@ prompt group has fewer than two accepted samples (no baseline, docs/design.md §
 class TrainerActor(Actor):
     """Actor that orchestrates the steps; the policy and its optimizer live in its backend.
 
-    The backend (``--train-backend``, :mod:`trainer.backends`) owns the weights and runs the
+    The backend (``--train-backend``, :mod:`replayrl.trainer.backends`) owns the weights and runs the
     forwards, backward, clip + optimizer step, weight export and checkpoints; this actor owns
     the proximal-logprob cache, the RS gate and everything between the actors.
 
@@ -77,7 +77,7 @@ class TrainerActor(Actor):
     (docs/design.md §19 "Trainer ranks"): it joins their process group before building its
     backend, makes every whole-batch decision, and gives each data-parallel rank its
     contiguous share of every preflight and update through the ``trainer_1 ..`` actors
-    (:class:`trainer.trainer_rank.TrainerRank`), running its own share meanwhile. Weights are
+    (:class:`replayrl.trainer.trainer_rank.TrainerRank`), running its own share meanwhile. Weights are
     pushed from here alone.
 
     Args:
@@ -91,11 +91,11 @@ class TrainerActor(Actor):
         engine_failure: ``--engine-failure``; with ``regenerate`` or ``restart`` a weight push
             goes on without an engine lost during it (:meth:`_record_loads`).
         ranks: ``{"size", "host", "port"}`` of the trainer ranks' group
-            (:class:`trainer.rank_group.RankGroup` without ``rank``); None: one rank.
+            (:class:`replayrl.trainer.rank_group.RankGroup` without ``rank``); None: one rank.
 
     Raises:
-        trainer.config.TrainerConfigError: a bad setting (e.g. an unknown ``--train-backend``).
-        rollout.model.CheckpointError: an unreadable ``checkpoint_dir``.
+        replayrl.trainer.config.TrainerConfigError: a bad setting (e.g. an unknown ``--train-backend``).
+        replayrl.rollout.model.CheckpointError: an unreadable ``checkpoint_dir``.
     """
 
     def __init__(self, checkpoint_dir: str, config: dict, n_samples_per_prompt: int,
@@ -126,7 +126,7 @@ class TrainerActor(Actor):
 
     @property
     def gate(self):
-        """The RS gate (:class:`trainer.rejection.rs_policy.RSGate`) of the preflight decision
+        """The RS gate (:class:`replayrl.trainer.rejection.rs_policy.RSGate`) of the preflight decision
         and of its re-check in the update."""
         return self.local.gate
 
@@ -214,7 +214,7 @@ class TrainerActor(Actor):
         """Await every engine's load, then record the ones that loaded with the clock.
 
         Under ``--engine-failure regenerate`` / ``restart`` an engine lost during the push
-        (:class:`actors.errors.PeerLost`) is skipped: the rollout manager takes it out of its
+        (:class:`replayrl.actors.errors.PeerLost`) is skipped: the rollout manager takes it out of its
         pool, and a restarted one gets the weights of the moment it serves again
         (:meth:`push_weights_to`); any other error, or any loss under ``fail``, is raised.
         """
@@ -239,8 +239,8 @@ class TrainerActor(Actor):
             ``{"version", "bytes", "seconds"}`` as :meth:`push_weights`.
         Raises:
             ValueError: ``engine`` is not one of the run's engines.
-            actors.ActorTimeout: the engine not reachable within ``--rpc-timeout-seconds``.
-            actors.RemoteError / actors.ActorError: the load or the record failed.
+            replayrl.actors.ActorTimeout: the engine not reachable within ``--rpc-timeout-seconds``.
+            replayrl.actors.RemoteError / replayrl.actors.ActorError: the load or the record failed.
         """
         if engine not in self.engines:
             raise ValueError(f"unknown engine {engine!r}; the run's engines: {self.engines}")
@@ -257,7 +257,7 @@ class TrainerActor(Actor):
         """Return once the last push finished (loaded and recorded); re-raise its error.
 
         Raises:
-            actors.RemoteError / actors.ActorTimeout: an engine or the clock failed the push.
+            replayrl.actors.RemoteError / replayrl.actors.ActorTimeout: an engine or the clock failed the push.
         """
         push, self._push = self._push, None
         if push is not None:
@@ -268,7 +268,7 @@ class TrainerActor(Actor):
         """Proximal logprobs of ``samples`` at the current weights into the cache (this rank).
 
         Returns the replay rates, one value per microbatch (NaN when it has no captured real
-        row; :func:`trainer.replay.mean_rates` makes the step metrics): ``*_flip_rate`` =
+        row; :func:`replayrl.trainer.replay.mean_rates` makes the step metrics): ``*_flip_rate`` =
         fraction of captured rows where the trainer used other experts / keys than the engine
         (0 when the replay works), ``*_drift_rate`` = where the trainer's own router / indexer
         would have chosen differently (numerics plus policy change since the sample was
@@ -276,11 +276,11 @@ class TrainerActor(Actor):
         trace.
 
         Raises:
-            rollout.sample.MissingTraceError: a sample lacks a trace an enabled replay needs
-                (``rollout.sample.required_traces``); names the sample and the field.
-            trainer.replay.ReplayMismatch: the engine's and the trainer's own choices disagree
+            replayrl.rollout.sample.MissingTraceError: a sample lacks a trace an enabled replay needs
+                (``replayrl.rollout.sample.required_traces``); names the sample and the field.
+            replayrl.trainer.replay.ReplayMismatch: the engine's and the trainer's own choices disagree
                 beyond ``--replay-min-overlap-ratio`` / ``--replay-max-mismatch-fraction``.
-            trainer.proximal_cache.ProximalCacheError: the cache's byte cap is exceeded.
+            replayrl.trainer.proximal_cache.ProximalCacheError: the cache's byte cap is exceeded.
         """
         return self.local.preflight(samples)
 
@@ -290,7 +290,7 @@ class TrainerActor(Actor):
         whole batch here), the rates in rank order. With one rank, :meth:`preflight`.
 
         Raises:
-            as :meth:`preflight`; actors.RemoteError: another rank raised it.
+            as :meth:`preflight`; replayrl.actors.RemoteError: another rank raised it.
         """
         if not self.followers:
             return self.preflight(samples)
@@ -330,9 +330,9 @@ class TrainerActor(Actor):
         """One optimizer step on rollout ``rollout_id``; returns float metrics.
 
         Raises:
-            actors.RemoteError: the clock rejected a stale sample, or the manager has no batch.
-            rollout.sample.SampleError: a malformed trajectory (named).
-            trainer.rejection.refill_planner.RefillExhausted: too few admitted groups (nothing applied).
+            replayrl.actors.RemoteError: the clock rejected a stale sample, or the manager has no batch.
+            replayrl.rollout.sample.SampleError: a malformed trajectory (named).
+            replayrl.trainer.rejection.refill_planner.RefillExhausted: too few admitted groups (nothing applied).
             TrainStepError: a non-finite gradient, or a training forward that does not
                 reproduce the preflight gate (nothing applied).
             EmptyStep: nothing to train and ``--stop-on-empty-step`` (nothing applied).
@@ -423,7 +423,7 @@ class TrainerActor(Actor):
     async def _update(self, samples: list[Sample], token_accept: dict[int, torch.Tensor],
                       fused: bool = False) -> dict:
         """The loss forward / backward per microbatch and the optimizer step, every
-        data-parallel rank on its share (:meth:`trainer.rank_step.RankStep.update`). ``fused``:
+        data-parallel rank on its share (:meth:`replayrl.trainer.rank_step.RankStep.update`). ``fused``:
         no preflight ran; the proximal logprobs are this forward's, detached (same weights), and
         the replay rates come from it too (:meth:`needs_preflight`)."""
         cfg = self.config
@@ -547,10 +547,10 @@ class TrainerActor(Actor):
         on each rank (the backend validates every file before it swaps anything in).
 
         Raises:
-            actors.version_clock.VersionRegression: the checkpoint's version is below the
+            replayrl.actors.version_clock.VersionRegression: the checkpoint's version is below the
                 trainer's (nothing was loaded).
-            rollout.model.CheckpointError / ValueError: a bad checkpoint (nothing was loaded).
-            actors.RemoteError: another rank refused it.
+            replayrl.rollout.model.CheckpointError / ValueError: a bad checkpoint (nothing was loaded).
+            replayrl.actors.RemoteError: another rank refused it.
         """
         path = Path(directory)
         version, theirs = await self._on_ranks(

@@ -8,17 +8,17 @@ Knows nothing of RL (docs/design.md §1 "Layout"). Public names:
   :data:`DEFAULT_INLINE_THRESHOLD`, :data:`DEFAULT_MAX_MESSAGE_BYTES`, :data:`DEFAULT_ALLOWED_DTYPES`;
 * sockets: :class:`RouterSocket`, :class:`DealerSocket`, :func:`owned_frames`,
   :func:`ipc_endpoint`, :func:`tcp_loopback_endpoint`;
-* :mod:`transport.strict_json`: the one writer / reader of JSON files and lines (no NaN or
+* :mod:`replayrl.transport.strict_json`: the one writer / reader of JSON files and lines (no NaN or
   infinity: strict parsers refuse them);
-* :mod:`transport.curve`: a run's CurveZMQ keys (``replayrl keys``), required by every tcp
+* :mod:`replayrl.transport.curve`: a run's CurveZMQ keys (``replayrl keys``), required by every tcp
   socket;
-* :mod:`transport.batch`: the batch frame in which a socket sends several small messages as
+* :mod:`replayrl.transport.batch`: the batch frame in which a socket sends several small messages as
   one ZeroMQ message;
-* :mod:`transport.tensor_data`: :class:`~transport.tensor_data.TensorData`, a tensor decoded
+* :mod:`replayrl.transport.tensor_data`: :class:`~replayrl.transport.tensor_data.TensorData`, a tensor decoded
   in a process without torch.
 """
 
-from transport.codec import (
+from replayrl.transport.codec import (
     DEFAULT_ALLOWED_DTYPES,
     DEFAULT_INLINE_THRESHOLD,
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -27,9 +27,9 @@ from transport.codec import (
     decode,
     encode,
 )
-from transport.endpoints import ipc_endpoint, tcp_loopback_endpoint
-from transport.errors import DecodeError, EncodeError, MessageTooLarge, TransportError
-from transport.sockets import DealerSocket, RouterSocket, owned_frames
+from replayrl.transport.endpoints import ipc_endpoint, tcp_loopback_endpoint
+from replayrl.transport.errors import DecodeError, EncodeError, MessageTooLarge, TransportError
+from replayrl.transport.sockets import DealerSocket, RouterSocket, owned_frames
 
 __all__ = [
     "TransportError",

@@ -18,7 +18,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from transport.errors import DecodeError
+from replayrl.transport.errors import DecodeError
 
 __all__ = ["bundle_of_buffer", "pack_arrays", "unpack_arrays"]
 

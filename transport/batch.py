@@ -2,7 +2,7 @@
 "Shared-memory array transport", "Batches").
 
 A socket that has more than one single-frame message ready for one peer in one loop iteration
-sends them as one ZeroMQ message of one frame (``transport.sockets``), so a burst of N small
+sends them as one ZeroMQ message of one frame (``replayrl.transport.sockets``), so a burst of N small
 messages costs one ZeroMQ message (one wake-up of libzmq's I/O thread and of the receiver)
 instead of N. Layout, all integers little-endian uint32:
 
@@ -14,7 +14,7 @@ any payload. Each body is the frame of one message, delivered in order.
 
 Receiving checks the whole frame before anything is delivered: a batch holds at most
 :data:`MAX_BATCH_MESSAGES` messages, every length is > 0 and the lengths add up to the frame
-exactly. A malformed batch is refused whole with a :class:`transport.DecodeError` that names
+exactly. A malformed batch is refused whole with a :class:`replayrl.transport.DecodeError` that names
 the first bad element; each body is then an ordinary message, checked by the codec's limits as
 if it had come alone.
 """
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import struct
 
-from transport.errors import DecodeError
+from replayrl.transport.errors import DecodeError
 
 __all__ = ["BATCH_MARKER", "MAX_BATCH_MESSAGES", "MAX_BATCH_ELEMENT_BYTES", "MAX_BATCH_BYTES",
            "is_batch", "pack_batch", "split_batch"]
@@ -32,7 +32,7 @@ BATCH_MARKER = 0xC1
 
 MAX_BATCH_MESSAGES = 4096
 """Most messages in one batch; a receiver refuses more (and a socket's reader counts each one
-towards its per-wake-up limit, ``transport.sockets.MAX_MESSAGES_PER_WAKEUP``)."""
+towards its per-wake-up limit, ``replayrl.transport.sockets.MAX_MESSAGES_PER_WAKEUP``)."""
 
 MAX_BATCH_ELEMENT_BYTES = 64 << 10
 """Single-frame messages of at least this many bytes go alone, not in a batch (joining copies

@@ -34,7 +34,7 @@ No pickle anywhere: an unknown type is an :class:`EncodeError`, an unknown ext c
 msgpack's built-in timestamp, -1) a :class:`DecodeError`.
 
 A torch tensor decodes to a ``torch.Tensor`` in a process that already imported torch and to a
-:class:`transport.tensor_data.TensorData` (dtype, shape, read-only bytes) anywhere else, which
+:class:`replayrl.transport.tensor_data.TensorData` (dtype, shape, read-only bytes) anywhere else, which
 re-encodes as the same tensor: decoding never imports torch.
 
 Limits on what a received message may cost (docs/design.md §4 "Transport contract"), each
@@ -53,7 +53,7 @@ Memory and lifetime
 * Encoding an out-of-band array does not copy it (a non-contiguous or big-endian array is first
   copied once into a C-contiguous little-endian one): the frame is a ``memoryview`` of the array's
   memory, so the frames of ``encode(x)`` change when ``x`` does. The sockets copy such frames
-  when a message is sent (``transport.sockets.owned_frames``): a write after ``send`` returned
+  when a message is sent (``replayrl.transport.sockets.owned_frames``): a write after ``send`` returned
   cannot reach the message; a write between ``encode`` and ``send`` does.
 * Decoding builds arrays over the received frames without copying (``np.frombuffer`` /
   ``torch.frombuffer``). Decoded numpy arrays are read-only (``flags.writeable`` is False); copy
@@ -79,9 +79,9 @@ import msgpack
 import numpy as np
 import zmq
 
-from transport.errors import DecodeError, EncodeError, MessageTooLarge, TransportError
-from transport.shm_pool import ShmHeader, ShmPool, ShmReader
-from transport.tensor_data import TensorData, tensor_from_buffer
+from replayrl.transport.errors import DecodeError, EncodeError, MessageTooLarge, TransportError
+from replayrl.transport.shm_pool import ShmHeader, ShmPool, ShmReader
+from replayrl.transport.tensor_data import TensorData, tensor_from_buffer
 
 __all__ = [
     "DEFAULT_INLINE_THRESHOLD",
@@ -98,7 +98,7 @@ __all__ = [
 # The wire is little-endian and decoding is zero copy, so a big-endian host would have to byte
 # swap every array; no supported platform is big-endian, so refuse rather than carry that path.
 if sys.byteorder != "little":  # pragma: no cover - no big-endian CI
-    raise ImportError("transport.codec requires a little-endian host")
+    raise ImportError("replayrl.transport.codec requires a little-endian host")
 
 DEFAULT_INLINE_THRESHOLD = 16 * 1024
 """Arrays with fewer bytes than this travel inline in frame 0. pyzmq copies frames under 64 KiB
@@ -724,7 +724,7 @@ class Codec:
 
         Returns:
             ``[header, *buffers]``: frame 0 the msgpack header (``bytes``; a
-            :class:`transport.shm_pool.ShmHeader` holding the message's slots when it has any),
+            :class:`replayrl.transport.shm_pool.ShmHeader` holding the message's slots when it has any),
             frames 1.. one ``memoryview`` (uint8, C order) per other array of at least
             ``inline_threshold`` bytes, sharing the array's memory. Do not modify those arrays
             until the frames are sent.

@@ -8,7 +8,7 @@ every process of the run (:meth:`CurveKeys.load`). Every actor's ROUTER is a CUR
 the run's key pair; every DEALER is a CURVE client with the same key pair; the ZAP handler of
 each serving process (:func:`authorize`) admits exactly the run's public key. A peer without
 the secret file completes no handshake, so it can call nothing. ipc sockets rely on their
-directory's mode 0700 instead (:mod:`transport.sockets`).
+directory's mode 0700 instead (:mod:`replayrl.transport.sockets`).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from transport.errors import TransportError
+from replayrl.transport.errors import TransportError
 
 __all__ = ["CurveKeys", "create_keys", "authorize", "KEY_NAME"]
 

@@ -2,7 +2,7 @@
 
 ``ipc://`` on one node, ``tcp://`` across nodes (docs/design.md §4 "Transport contract"). A tcp
 listener may bind any address, loopback or not: every tcp socket is CURVE-authenticated with the
-run's keys (``transport.sockets`` refuses a tcp socket without them), so the address does not
+run's keys (``replayrl.transport.sockets`` refuses a tcp socket without them), so the address does not
 decide who may call (docs/design.md §21 "REPL attach and multi-host runs").
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from transport.errors import TransportError
+from replayrl.transport.errors import TransportError
 
 __all__ = [
     "IPC_PATH_MAX_BYTES",

@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from transport.errors import DecodeError, TransportError
+from replayrl.transport.errors import DecodeError, TransportError
 
 __all__ = ["ShmPool", "ShmReader", "ShmHeader", "DEFAULT_SHM_POOL_BYTES", "DEFAULT_SHM_MIN_ARRAY_BYTES",
            "mark_sent"]

@@ -14,7 +14,7 @@ drain only stops when ``ZMQ_EVENTS`` shows no ``POLLIN``.
 Batches (docs/design.md §20 "Shared-memory array transport"): the first message a socket sends
 in a loop iteration leaves at once; those sent after it in the same iteration wait for the
 iteration's end (one ``call_soon``), where runs of small single-frame messages to one peer leave
-as one batch frame (:mod:`transport.batch`), and anything else alone, all in order. A burst of N
+as one batch frame (:mod:`replayrl.transport.batch`), and anything else alone, all in order. A burst of N
 calls or replies thus costs one ZeroMQ message, one wake-up of libzmq's I/O thread and one of
 the receiver, instead of N; a lone message waits for nothing. The reader splits a batch and
 hands each message to ``on_message`` as if it had come alone; a malformed batch is refused
@@ -22,7 +22,7 @@ whole (``on_bad_batch``). A ROUTER's queued message to a peer that is gone by th
 end is reported to the loop's exception handler (``send`` itself raises only for the first).
 
 Frames given to ``on_message`` are ``memoryview`` objects (``zmq.Frame.buffer``, received with
-``copy=False``): zero copy, they keep the ZeroMQ message alive, and ``transport.codec.decode``
+``copy=False``): zero copy, they keep the ZeroMQ message alive, and ``replayrl.transport.codec.decode``
 accepts them directly.
 
 A message is the sender's no longer once ``send`` returns: ZeroMQ reads a frame later, from its
@@ -39,7 +39,7 @@ never block or drop; memory is bounded by the callers' in-flight limits), MAXMSG
 buffering it (the codec then bounds the sum of the frames).
 
 Security (docs/design.md §4 "Transport contract"): a ``tcp://`` socket needs the run's
-:class:`transport.curve.CurveKeys` (CurveZMQ encryption and authentication, a ZAP handler that
+:class:`replayrl.transport.curve.CurveKeys` (CurveZMQ encryption and authentication, a ZAP handler that
 admits only the run's key) and refuses to bind or connect without them; an ``ipc://`` socket
 binds only inside a directory of mode 0700 owned by this user (created so when missing).
 
@@ -66,13 +66,13 @@ import stat
 
 import zmq.utils.monitor
 
-from transport.codec import DEFAULT_INLINE_THRESHOLD, DEFAULT_MAX_MESSAGE_BYTES
-from transport.curve import CurveKeys, authorize
-from transport.endpoints import check_bind_endpoint, check_connect_endpoint, ipc_endpoint, tcp_loopback_endpoint
-from transport.batch import (BATCH_MARKER, MAX_BATCH_BYTES, MAX_BATCH_ELEMENT_BYTES, MAX_BATCH_MESSAGES, batch_overhead,
+from replayrl.transport.codec import DEFAULT_INLINE_THRESHOLD, DEFAULT_MAX_MESSAGE_BYTES
+from replayrl.transport.curve import CurveKeys, authorize
+from replayrl.transport.endpoints import check_bind_endpoint, check_connect_endpoint, ipc_endpoint, tcp_loopback_endpoint
+from replayrl.transport.batch import (BATCH_MARKER, MAX_BATCH_BYTES, MAX_BATCH_ELEMENT_BYTES, MAX_BATCH_MESSAGES, batch_overhead,
                              is_batch, pack_batch, split_batch)
-from transport.errors import DecodeError, TransportError
-from transport.shm_pool import mark_sent
+from replayrl.transport.errors import DecodeError, TransportError
+from replayrl.transport.shm_pool import mark_sent
 
 __all__ = ["RouterSocket", "DealerSocket", "ipc_endpoint", "tcp_loopback_endpoint", "owned_frames",
            "MAX_MESSAGES_PER_WAKEUP", "DEFAULT_HEARTBEAT_MS"]
@@ -314,7 +314,7 @@ class RouterSocket(_LoopSocket):
         curve: the run's CURVE keys; required for ``tcp://``.
         max_message_bytes: largest frame accepted from a peer (ZMQ_MAXMSGSIZE); bytes.
         on_bad_batch: ``on_bad_batch(peer_identity, error)``, called for a malformed batch
-            (:func:`transport.batch.split_batch`'s ``DecodeError``, naming the element), which
+            (:func:`replayrl.transport.batch.split_batch`'s ``DecodeError``, naming the element), which
             is refused whole; default: the loop's exception handler.
 
     Options besides the shared ones (module docstring): ROUTER_MANDATORY, so ``send`` to an
@@ -347,7 +347,7 @@ class RouterSocket(_LoopSocket):
 
         Raises:
             TransportError: not inside a running loop, already bound or closed, bad endpoint
-                (see :func:`transport.endpoints.check_bind_endpoint`), tcp (any address)
+                (see :func:`replayrl.transport.endpoints.check_bind_endpoint`), tcp (any address)
                 without CURVE keys, an ipc directory that other users can enter or
                 that another user owns, or ZeroMQ refused the bind (address in use...); after a
                 refused bind the socket is closed (make a new RouterSocket to retry).
@@ -586,8 +586,8 @@ def _alone(owned: list[bytes]) -> list[bytes]:
 def _coalesce(messages: list[list[bytes]], max_bytes: int) -> Iterator[tuple[list[bytes], list[bytes]]]:
     """``messages`` (each a list of owned frames) as the ZeroMQ messages to send, in order, each
     with the frames whose shared-memory slots it carries: runs of small single-frame messages
-    become batch frames (:mod:`transport.batch`) of at most ``max_bytes`` and
-    :data:`transport.batch.MAX_BATCH_MESSAGES` messages; anything else goes alone."""
+    become batch frames (:mod:`replayrl.transport.batch`) of at most ``max_bytes`` and
+    :data:`replayrl.transport.batch.MAX_BATCH_MESSAGES` messages; anything else goes alone."""
     run: list[bytes] = []
     size = 0
 

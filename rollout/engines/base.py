@@ -22,8 +22,8 @@ from typing import Any, ClassVar, Collection, Literal, Mapping, Sequence
 
 import numpy as np
 
-from rollout.sample import TRACE_FIELDS, pack_rows, unpack_rows
-from rollout.sampler import SamplingParams
+from replayrl.rollout.sample import TRACE_FIELDS, pack_rows, unpack_rows
+from replayrl.rollout.sampler import SamplingParams
 
 __all__ = [
     "EngineError",
@@ -131,7 +131,7 @@ def generations_to_columns(generations: Sequence[Generation]) -> dict[str, Any]:
 
 def generations_from_columns(columns: Mapping[str, Any]) -> list[Generation]:
     """Rebuild the generations of :func:`generations_to_columns` (arrays are views into the
-    columns; ``rollout.trajectory.merge_turns`` checks their contents).
+    columns; ``replayrl.rollout.trajectory.merge_turns`` checks their contents).
 
     Raises:
         EngineInputError: a missing or unknown column, or a column whose rows disagree with
@@ -169,7 +169,7 @@ def check_capture(engine: type["Engine"], traces: Collection[str]) -> frozenset[
 
     Args:
         engine: an :class:`Engine` subclass.
-        traces: trace field names (subset of ``rollout.sample.TRACE_FIELDS``).
+        traces: trace field names (subset of ``replayrl.rollout.sample.TRACE_FIELDS``).
 
     Raises:
         EngineCaptureError: a name that is no trace, or a trace ``engine`` cannot capture
@@ -196,7 +196,7 @@ class Engine(ABC):
     data (they travel to the engine actor's process through msgpack).
 
     Attributes:
-        capturable_traces: the trace fields (``rollout.sample.TRACE_FIELDS``) this engine can
+        capturable_traces: the trace fields (``replayrl.rollout.sample.TRACE_FIELDS``) this engine can
             record at all; a run that requires another one is refused before it starts.
     """
 
@@ -210,7 +210,7 @@ class Engine(ABC):
         """Refuse, before any process starts, a policy this engine cannot serve as it is.
 
         Args:
-            model_config: the policy's shape (a ``rollout.model.config.ModelConfig``).
+            model_config: the policy's shape (a ``replayrl.rollout.model.config.ModelConfig``).
 
         Raises:
             EngineInputError: the engine would compute another model than the trainer's
@@ -256,7 +256,7 @@ class Engine(ABC):
 
         Args:
             prompts: ``B >= 1`` non-empty token-id sequences (the whole context of the turn).
-            params: sampling parameters (see :mod:`rollout.sampler`).
+            params: sampling parameters (see :mod:`replayrl.rollout.sampler`).
             max_new_tokens: response length cap, ``>= 1``.
             eos_token_id: id whose sampling finishes a row (``finish_reason == "stop"``).
             seed: seeds the call's sampling; same seed, prompts, params and weights give the

@@ -1,10 +1,10 @@
 """The embedded generation engine: batched sampling from the embedded model with a KV cache.
 
-The engine runs :class:`rollout.model.qwen3_moe.Qwen3MoeForCausalLM` in the rollout dtype
+The engine runs :class:`replayrl.rollout.model.qwen3_moe.Qwen3MoeForCausalLM` in the rollout dtype
 (bf16 by default; the trainer runs fp32, so a real train-inference mismatch exists, docs/design.md §13 "Embedded default") and records, for every generated turn, the traces it is asked for among the
 three the trainer replays: the sampler support (``sample_support``), the MoE routing
 (``routed_experts``, R3) and the sparse-attention indexer choices (``indexer_topk``). It is the
-first implementation of :class:`rollout.engines.base.Engine` (registry name ``"embedded"``).
+first implementation of :class:`replayrl.rollout.engines.base.Engine` (registry name ``"embedded"``).
 
 Batching: all prompts of a call are left-padded to the longest one; each distinct padded prompt
 is prefilled once and its cache rows shared by every row that repeats it (a prompt group). The padding is masked out
@@ -22,12 +22,12 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from rollout.engines.base import Engine, EngineError, EngineInputError, Generation
-from rollout.model.checkpoint import load_state_arrays
-from rollout.model.config import ModelConfig
-from rollout.model.qwen3_moe import Qwen3MoeForCausalLM
-from rollout.sample import TRACE_FIELDS
-from rollout.sampler import SamplingParams, sample
+from replayrl.rollout.engines.base import Engine, EngineError, EngineInputError, Generation
+from replayrl.rollout.model.checkpoint import load_state_arrays
+from replayrl.rollout.model.config import ModelConfig
+from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
+from replayrl.rollout.sample import TRACE_FIELDS
+from replayrl.rollout.sampler import SamplingParams, sample
 
 __all__ = ["EmbeddedEngine"]
 
@@ -48,14 +48,14 @@ class EmbeddedEngine(Engine):
     """Batched generation with the embedded Qwen3-MoE model, capturing all replay traces.
 
     Args:
-        model_config: the model shape, a :class:`rollout.model.config.ModelConfig` or its
+        model_config: the model shape, a :class:`replayrl.rollout.model.config.ModelConfig` or its
             fields as a dict (HF names; how the engine actor passes it).
         dtype: compute and weight dtype of the rollout model, a floating ``torch.dtype`` or its
             name (``"bfloat16"``, default: a real train-inference mismatch; ``"float32"``).
         device: torch device the model runs on.
 
     The model starts with uninitialised weights and :attr:`version` ``None``; ``generate`` raises
-    :class:`rollout.engines.base.EngineNotReady` until :meth:`load_weights` succeeded once.
+    :class:`replayrl.rollout.engines.base.EngineNotReady` until :meth:`load_weights` succeeded once.
     ``routed_experts`` / ``indexer_topk`` are ``None`` when requested on a model without MoE /
     indexed layers.
 
@@ -90,13 +90,13 @@ class EmbeddedEngine(Engine):
 
         Args:
             arrays: HF Qwen3-MoE parameter name -> float32 / float16 / float64 numpy array or a
-                floating torch tensor (e.g. ``rollout.model.checkpoint.state_dict_arrays``
+                floating torch tensor (e.g. ``replayrl.rollout.model.checkpoint.state_dict_arrays``
                 output); exactly the model's keys and shapes.
 
         Raises:
             EngineInputError: a value is neither a numpy array nor a floating tensor.
-            rollout.model.errors.CheckpointError: a missing / unexpected key, a wrong shape or
-                dtype (raised by ``rollout.model.checkpoint.load_state_arrays``, which checks
+            replayrl.rollout.model.errors.CheckpointError: a missing / unexpected key, a wrong shape or
+                dtype (raised by ``replayrl.rollout.model.checkpoint.load_state_arrays``, which checks
                 everything before copying, so a bad push leaves the previous weights intact).
         """
         pushed: dict[str, np.ndarray] = {}
@@ -150,7 +150,7 @@ class EmbeddedEngine(Engine):
 
         Args:
             prompts: ``B >= 1`` non-empty token-id sequences (ids in ``[0, vocab_size)``).
-            params: sampling parameters (see :mod:`rollout.sampler`).
+            params: sampling parameters (see :mod:`replayrl.rollout.sampler`).
             max_new_tokens: response length cap, ``>= 1``.
             eos_token_id: id whose sampling finishes a row (``finish_reason == "stop"``).
             seed: seeds the call's single ``torch.Generator``; same seed, prompts, params and
@@ -164,8 +164,8 @@ class EmbeddedEngine(Engine):
             EngineInputError: empty / out-of-vocabulary prompt, ``max_new_tokens < 1``,
                 ``eos_token_id`` outside the vocabulary, or a trajectory longer than
                 ``config.max_position_embeddings``.
-            rollout.sampler.SamplingParamsError: ``top_k > vocab_size``.
-            rollout.sampler.NonFiniteLogitsError: the model produced NaN / inf logits.
+            replayrl.rollout.sampler.SamplingParamsError: ``top_k > vocab_size``.
+            replayrl.rollout.sampler.NonFiniteLogitsError: the model produced NaN / inf logits.
             EngineError: the model's indexer picked a padding key (a model bug; never hidden).
         """
         cfg = self.config

@@ -5,7 +5,7 @@ as its own server processes (GPU hosts; see the runbook in docs/design.md §17 "
 this engine imports nothing of ``sglang``. It needs ``aiohttp`` (extra ``sglang``), imported
 only when the engine is built.
 
-* generation: one batched ``/generate`` per call (``rollout.engines.sglang_protocol``), sent to
+* generation: one batched ``/generate`` per call (``replayrl.rollout.engines.sglang_protocol``), sent to
   this engine's current server; the reply becomes :class:`Generation` objects through the
   protocol's checks (a missing requested field, an off-by-one route offset, bad base64, a
   foreign ``weight_version``: a typed error naming the request, never a zero-filled trace);
@@ -34,13 +34,13 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from rollout.engines.base import Engine, EngineInputError, Generation
-from rollout.engines.sglang_protocol import (SglangError, SglangRequestError, SglangUnavailable,
+from replayrl.rollout.engines.base import Engine, EngineInputError, Generation
+from replayrl.rollout.engines.sglang_protocol import (SglangError, SglangRequestError, SglangUnavailable,
                                              decode_item, generate_request,
                                              parse_urls)
-from rollout.model.config import ModelConfig
-from rollout.sample import TRACE_FIELDS
-from rollout.sampler import SamplingParams
+from replayrl.rollout.model.config import ModelConfig
+from replayrl.rollout.sample import TRACE_FIELDS
+from replayrl.rollout.sampler import SamplingParams
 
 __all__ = ["SglangEngine"]
 

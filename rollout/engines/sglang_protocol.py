@@ -42,9 +42,9 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from rollout.engines.base import EngineError, EngineInputError, Generation
-from rollout.model.config import ModelConfig
-from rollout.sampler import SamplingParams
+from replayrl.rollout.engines.base import EngineError, EngineInputError, Generation
+from replayrl.rollout.model.config import ModelConfig
+from replayrl.rollout.sampler import SamplingParams
 
 __all__ = [
     "SGLANG_VERSION_CHECKED",

@@ -3,10 +3,10 @@
 Shared by rollout (engine, bf16 with a KV cache) and trainer (fp32, replaying the engine's traces).
 """
 
-from rollout.model.config import ModelConfig, default_config
-from rollout.model.errors import CheckpointError, ModelConfigError, ModelError, ModelInputError
-from rollout.model.kv_cache import KVCache
-from rollout.model.qwen3_moe import CausalLMOutput, Qwen3MoeForCausalLM
+from replayrl.rollout.model.config import ModelConfig, default_config
+from replayrl.rollout.model.errors import CheckpointError, ModelConfigError, ModelError, ModelInputError
+from replayrl.rollout.model.kv_cache import KVCache
+from replayrl.rollout.model.qwen3_moe import CausalLMOutput, Qwen3MoeForCausalLM
 
 __all__ = [
     "CausalLMOutput",

@@ -9,7 +9,7 @@ generation_config.json, and the tokenizer: a word-level one built from a vocabul
 files of the checkpoint the run started from, copied unchanged. Indexer weights
 (`self_attn.indexer.*`) are stored too; transformers ignores them with a warning, and an engine
 without the indexer computes dense attention on those layers, i.e. another model.
-Reading is `rollout.model.loader`.
+Reading is `replayrl.rollout.model.loader`.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from rollout.model.config import ModelConfig
-from rollout.model.errors import CheckpointError
-from rollout.model.qwen3_moe import Qwen3MoeForCausalLM
-from transport import strict_json
+from replayrl.rollout.model.config import ModelConfig
+from replayrl.rollout.model.errors import CheckpointError
+from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
+from replayrl.transport import strict_json
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")
 WEIGHTS_NAME = "model.safetensors"

@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from rollout.model.errors import ModelConfigError
-from rollout.model.rope import normalize_rope_scaling
+from replayrl.rollout.model.errors import ModelConfigError
+from replayrl.rollout.model.rope import normalize_rope_scaling
 
 HF_ARCHITECTURE = "Qwen3MoeForCausalLM"
 HF_MODEL_TYPE = "qwen3_moe"
@@ -35,10 +35,10 @@ class ModelConfig:
 
     Indexer (DSA-style, DeepSeek-V3.2 "lightning indexer", simplified): on every layer of
     `index_layers`, when `index_topk > 0`, each query attends only to the `index_topk` causal keys
-    with the highest indexer score (see `rollout.model.indexer`). `index_topk = 0` turns it off.
+    with the highest indexer score (see `replayrl.rollout.model.indexer`). `index_topk = 0` turns it off.
 
     `tie_word_embeddings`: the LM head shares the embedding matrix. `rope_scaling`: the RoPE
-    scaling as sorted `(key, value)` pairs (`rollout.model.rope`; `()` = default RoPE); a dict
+    scaling as sorted `(key, value)` pairs (`replayrl.rollout.model.rope`; `()` = default RoPE); a dict
     or a list of pairs is normalised on construction.
 
     Raises `ModelConfigError` naming the field when a value is out of range or inconsistent.
@@ -201,7 +201,7 @@ class ModelConfig:
 
         Reads `num_experts` or transformers-5's `num_local_experts`; `rope_theta` at top level or
         in `rope_parameters`, the scaling from `rope_scaling` or `rope_parameters` (default,
-        linear, yarn, llama3: `rollout.model.rope`); `head_dim` defaults to hidden_size //
+        linear, yarn, llama3: `replayrl.rollout.model.rope`); `head_dim` defaults to hidden_size //
         num_attention_heads, `mlp_only_layers` to (), `decoder_sparse_step` to 1,
         `tie_word_embeddings` to False, the indexer (`replayrl_indexer`) to off.
 

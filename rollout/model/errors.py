@@ -1,4 +1,4 @@
-"""Typed errors of the embedded model (rollout.model).
+"""Typed errors of the embedded model (replayrl.rollout.model).
 
 Every error raised on bad input by this package derives from `ModelError`, so a caller can
 catch the whole family; the message names the offending field, key or shape.
@@ -6,7 +6,7 @@ catch the whole family; the message names the offending field, key or shape.
 
 
 class ModelError(Exception):
-    """Base class of all errors raised by `rollout.model`."""
+    """Base class of all errors raised by `replayrl.rollout.model`."""
 
 
 class ModelConfigError(ModelError, ValueError):

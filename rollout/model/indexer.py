@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rollout.model.errors import ModelInputError
+from replayrl.rollout.model.errors import ModelInputError
 
 
 class Indexer(nn.Module):

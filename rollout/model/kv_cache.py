@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from rollout.model.errors import ModelInputError
+from replayrl.rollout.model.errors import ModelInputError
 
 
 class KVCache:

@@ -1,7 +1,7 @@
 """Loading Hugging Face checkpoint directories into the model, tensor by tensor.
 
 Reads what transformers' `save_pretrained` writes for `Qwen3ForCausalLM` / `Qwen3MoeForCausalLM`
-(and what `rollout.model.checkpoint.save_pretrained` writes): `config.json` plus either one
+(and what `replayrl.rollout.model.checkpoint.save_pretrained` writes): `config.json` plus either one
 `model.safetensors` or shards listed in `model.safetensors.index.json`, in any stored floating
 dtype. The model is built on the meta device, allocated once in the target dtype, and each
 tensor is read from its shard (`safetensors.safe_open`, memory-mapped) and copied into its
@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from rollout.model.config import ModelConfig
-from rollout.model.errors import CheckpointError
-from rollout.model.qwen3_moe import Qwen3MoeForCausalLM
+from replayrl.rollout.model.config import ModelConfig
+from replayrl.rollout.model.errors import CheckpointError
+from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"

@@ -25,11 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rollout.model.config import ModelConfig
-from rollout.model.errors import ModelInputError
-from rollout.model.indexer import Indexer, resolve_replay, select_topk, slots_to_mask
-from rollout.model.kv_cache import KVCache
-from rollout.model.rope import rope_frequencies
+from replayrl.rollout.model.config import ModelConfig
+from replayrl.rollout.model.errors import ModelInputError
+from replayrl.rollout.model.indexer import Indexer, resolve_replay, select_topk, slots_to_mask
+from replayrl.rollout.model.kv_cache import KVCache
+from replayrl.rollout.model.rope import rope_frequencies
 
 
 @dataclass(frozen=True)
@@ -302,7 +302,7 @@ class Qwen3MoeForCausalLM(nn.Module):
     """Qwen3-MoE causal LM (HF parameter names) with R3 / indexer capture and replay.
 
     Build with `Qwen3MoeForCausalLM(config)` then `init_weights(seed)` or load weights
-    (rollout.model.checkpoint). `model.to(torch.bfloat16)` gives the engine's bf16 model; the
+    (replayrl.rollout.model.checkpoint). `model.to(torch.bfloat16)` gives the engine's bf16 model; the
     trainer runs fp32.
     """
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from rollout.model.errors import ModelConfigError
+from replayrl.rollout.model.errors import ModelConfigError
 
 SUPPORTED_TYPES = ("default", "linear", "yarn", "llama3")
 # keys each type reads (besides rope_type); any other key is refused so no setting is ignored

@@ -4,7 +4,7 @@ A backend owns the policy weights and the optimizer and does everything that tou
 the replayed forwards (preflight / proximal logprobs with the captured traces, and the
 training forward), backward per microbatch, gradient clip + optimizer step, the weight arrays
 pushed to the engines, checkpoint save / load and the weight digest. The interface is
-:class:`trainer.backends.base.TrainerBackend`; :class:`trainer.trainer_actor.TrainerActor` keeps
+:class:`replayrl.trainer.backends.base.TrainerBackend`; :class:`replayrl.trainer.trainer_actor.TrainerActor` keeps
 the orchestration (batches, version clock, proximal cache, RS gate / refill, advantages,
 losses, metrics, weight push) and talks to the backend only through that interface.
 
@@ -18,16 +18,16 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
-from actors import import_object
+from replayrl.actors import import_object
 
 if TYPE_CHECKING:
-    from trainer.backends.base import TrainerBackend
+    from replayrl.trainer.backends.base import TrainerBackend
 
 __all__ = ["BACKENDS", "UnknownBackendError", "resolve_backend"]
 
 BACKENDS: Mapping[str, str] = MappingProxyType({
-    "torch": "trainer.backends.torch_backend:TorchBackend",
-    "megatron": "trainer.backends.megatron_backend:MegatronBackend",
+    "torch": "replayrl.trainer.backends.torch_backend:TorchBackend",
+    "megatron": "replayrl.trainer.backends.megatron_backend:MegatronBackend",
 })
 """Backend name (``--train-backend``) -> ``"module:Class"`` of a :class:`TrainerBackend`."""
 
@@ -48,7 +48,7 @@ def resolve_backend(name: str) -> "type[TrainerBackend]":
     if name not in BACKENDS:
         raise UnknownBackendError(f"unknown trainer backend {name!r}; known backends: "
                                   f"{', '.join(sorted(BACKENDS))}")
-    from trainer.backends.base import TrainerBackend
+    from replayrl.trainer.backends.base import TrainerBackend
 
     cls = import_object(BACKENDS[name])
     if not (isinstance(cls, type) and issubclass(cls, TrainerBackend)):

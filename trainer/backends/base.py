@@ -5,7 +5,7 @@ One backend instance lives in each trainer rank's process for the whole run (one
 §19 "Trainer ranks"). Every call is synchronous
 and runs on the caller's thread; tensors crossing the interface are CPU torch tensors (a
 backend on accelerators moves them). The per-step call order, driven by
-:class:`trainer.trainer_actor.TrainerActor`, is::
+:class:`replayrl.trainer.trainer_actor.TrainerActor`, is::
 
     preflight_logprobs(mb) for every microbatch (and every refill round)
     zero_grad()
@@ -32,9 +32,9 @@ from typing import Callable
 import numpy as np
 import torch
 
-from rollout.model.config import ModelConfig
-from transport.array_bundle import pack_arrays
-from trainer.batch import TrainBatch
+from replayrl.rollout.model.config import ModelConfig
+from replayrl.transport.array_bundle import pack_arrays
+from replayrl.trainer.batch import TrainBatch
 
 __all__ = ["ReplayedForward", "TrainerBackend"]
 
@@ -52,11 +52,11 @@ class ReplayedForward:
         indexer_topk, own_indexer_topk: int [B, S, L_idx, K_index] keys used / own choice
             (``-1`` = empty slot); None for a model without an indexer.
         support_entropy: float32 [N] (nats, detached), the policy's entropy over each response
-            token's sampled support (:func:`trainer.logprobs.support_entropy`; observation
+            token's sampled support (:func:`replayrl.trainer.logprobs.support_entropy`; observation
             rows 0); None where the backend does not compute it (e.g. the fused LM head path).
 
     ``B, S`` are the microbatch's rows and positions (one packed row with ``--use-packing``),
-    the same axes as the :class:`trainer.batch.TrainBatch` traces they are compared with.
+    the same axes as the :class:`replayrl.trainer.batch.TrainBatch` traces they are compared with.
     """
 
     logprobs: torch.Tensor
@@ -72,13 +72,13 @@ class TrainerBackend(ABC):
 
     A subclass is constructed as ``Backend(checkpoint_dir, config, vocab_tokens)``: load the
     Hugging Face checkpoint directory ``checkpoint_dir`` (the initial policy), build the
-    optimizer from ``config`` (a :class:`trainer.config.TrainerConfig`: lr, betas, weight decay,
+    optimizer from ``config`` (a :class:`replayrl.trainer.config.TrainerConfig`: lr, betas, weight decay,
     seed, replay switches, temperature, logprob chunk size) and keep ``vocab_tokens`` (the
     tokenizer vocabulary written with checkpoints). Register it in
-    :data:`trainer.backends.BACKENDS`.
+    :data:`replayrl.trainer.backends.BACKENDS`.
 
     Both forwards compute the logprob of every response token of a
-    :class:`trainer.batch.TrainBatch` at temperature ``config.temperature`` (logits / T),
+    :class:`replayrl.trainer.batch.TrainBatch` at temperature ``config.temperature`` (logits / T),
     replaying the batch's routing / indexer traces when present and enabled
     (``use_routing_replay`` / ``use_indexer_replay``) and normalising over the captured support
     when the batch has one (support replay), so that ``logp_prox - logp_rollout`` measures only
@@ -114,7 +114,7 @@ class TrainerBackend(ABC):
             :class:`ReplayedForward` with the used and own routing / indexer choices.
 
         Raises:
-            rollout.model.ModelInputError / trainer.logprobs.LogprobError: a malformed trace
+            replayrl.rollout.model.ModelInputError / replayrl.trainer.logprobs.LogprobError: a malformed trace
                 or support row.
         """
 
@@ -190,7 +190,7 @@ class TrainerBackend(ABC):
         """The full weight set under Hugging Face parameter names (what engines load)."""
 
     def weight_bundle(self) -> dict:
-        """:meth:`weights` packed for a weight push (:func:`transport.array_bundle.pack_arrays`:
+        """:meth:`weights` packed for a weight push (:func:`replayrl.transport.array_bundle.pack_arrays`:
         one buffer per dtype, a copy the caller owns). A backend may build it with fewer copies."""
         return pack_arrays(self.weights())
 
@@ -217,13 +217,13 @@ class TrainerBackend(ABC):
     def check_checkpoint(cls, directory: Path, config) -> int:
         """Read and check :meth:`save_checkpoint` output without a policy in memory (the
         launcher's check of ``--load`` before any actor starts) against the run's trainer
-        ``config`` (a ``trainer.config.TrainerConfig``, not imported here: that module imports
+        ``config`` (a ``replayrl.trainer.config.TrainerConfig``, not imported here: that module imports
         the backend registry; its parallel layout); returns its version.
 
         Raises:
-            trainer.backends.checkpoint_layout.CheckpointLayoutError (a ValueError): another
+            replayrl.trainer.backends.checkpoint_layout.CheckpointLayoutError (a ValueError): another
                 backend's checkpoint, or one saved under a layout other than ``config``'s.
-            rollout.model.CheckpointError / ValueError: a missing, truncated or malformed file
+            replayrl.rollout.model.CheckpointError / ValueError: a missing, truncated or malformed file
                 (named).
         """
 
@@ -231,7 +231,7 @@ class TrainerBackend(ABC):
     def load_checkpoint(self, directory: Path, min_version: int = 0) -> int:
         """Restore :meth:`save_checkpoint` output; returns the trainer version saved with it.
         Atomic: everything is read and checked before anything changes; a saved version below
-        ``min_version`` raises ``actors.version_clock.VersionRegression``.
+        ``min_version`` raises ``replayrl.actors.version_clock.VersionRegression``.
 
         Weights, optimizer state and RNG come from the checkpoint; every setting of this run's
         config (learning rate, weight decay, betas, ...) stays as configured, never replaced by

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from trainer.config import TrainerConfig
+from replayrl.trainer.config import TrainerConfig
 
 __all__ = ["CheckpointLayout", "CheckpointLayoutError", "check_layout", "refuse_other_backend"]
 

@@ -1,19 +1,19 @@
 """The megatron-core trainer backend (``--train-backend megatron``), on CPU with gloo or on GPUs.
 
-:class:`MegatronBackend` is a :class:`trainer.backends.base.TrainerBackend` whose policy is a
-megatron-core ``GPTModel`` (:mod:`trainer.backends.megatron_model`) wrapped in megatron's
+:class:`MegatronBackend` is a :class:`replayrl.trainer.backends.base.TrainerBackend` whose policy is a
+megatron-core ``GPTModel`` (:mod:`replayrl.trainer.backends.megatron_model`) wrapped in megatron's
 ``DistributedDataParallel`` and trained with megatron's optimizer (Adam with decoupled weight
 decay, the distributed optimizer when data parallelism is on), loaded from and exported to the
-same Hugging Face checkpoint the engines hold (:mod:`trainer.backends.megatron_weights`).
+same Hugging Face checkpoint the engines hold (:mod:`replayrl.trainer.backends.megatron_weights`).
 
 Forward (docs/design.md §16 "The megatron-core backend"):
 
 * the batch's routing trace is replayed through megatron-core's own ``RouterReplay``
-  (:mod:`trainer.backends.megatron_replay`), which also returns the experts used and the
+  (:mod:`replayrl.trainer.backends.megatron_replay`), which also returns the experts used and the
   routers' own choice for the flip / drift metrics; the indexer trace through the embedded
-  indexer placed in front of megatron's attention (:mod:`trainer.backends.megatron_indexer`);
+  indexer placed in front of megatron's attention (:mod:`replayrl.trainer.backends.megatron_indexer`);
 * logits stay vocabulary-parallel (each TP rank holds ``V / tp`` columns); support-replay
-  logprobs come from :func:`trainer.parallel.vocab_parallel.vocab_parallel_support_logprobs`
+  logprobs come from :func:`replayrl.trainer.parallel.vocab_parallel.vocab_parallel_support_logprobs`
   (one MAX and one SUM all-reduce), full-vocabulary ones from megatron's
   ``vocab_parallel_cross_entropy``;
 * rows are right-padded, so the causal mask alone keeps real queries off padding keys and
@@ -21,13 +21,13 @@ Forward (docs/design.md §16 "The megatron-core backend"):
   (``--use-packing``) would need per-segment positions and are refused;
 * with context parallelism (``--cp-size``) each rank forwards its 2 of ``2 * cp`` chunks of
   every row, replays the routing trace's matching rows, computes the logprobs of its own
-  positions and gathers them back (:mod:`trainer.backends.megatron_context_parallel`,
+  positions and gathers them back (:mod:`replayrl.trainer.backends.megatron_context_parallel`,
   docs/design.md §23 "Context parallelism in the megatron backend").
 
 Every rank of the world constructs the backend and makes the same calls in the same order
 (they are collectives when the world has more than one rank). With pipeline parallelism
 (``--pp-size``) each rank holds one stage and every forward goes through megatron-core's
-pipeline schedule (:mod:`trainer.backends.megatron_pipeline`; docs/design.md §22 "Pipeline
+pipeline schedule (:mod:`replayrl.trainer.backends.megatron_pipeline`; docs/design.md §22 "Pipeline
 parallelism in the megatron backend"): the training pass is :meth:`MegatronBackend.forward_backward`,
 the logprobs reach every stage from the last one, the captured choices of all stages are
 assembled in global layer order.
@@ -42,19 +42,19 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from actors.version_clock import VersionRegression
-from rollout.model.checkpoint import load_state_arrays, save_pretrained
-from rollout.model.loader import load_pretrained
-from rollout.model.config import ModelConfig
-from rollout.model.qwen3_moe import Qwen3MoeForCausalLM
-from trainer.backends.base import ReplayedForward, TrainerBackend
-from trainer.backends.checkpoint_layout import CheckpointLayout, check_layout, refuse_other_backend
-from trainer.backends.megatron_context_parallel import ContextParallel, row_layout
-from trainer.backends.megatron_model import MegatronModelError, MegatronParallel, build_gpt_model, init_parallel
-from trainer.batch import TrainBatch
-from trainer.config import TrainerConfig
-from trainer.logprobs import _check_temperature
-from trainer.parallel.vocab_parallel import vocab_parallel_support_logprobs
+from replayrl.actors.version_clock import VersionRegression
+from replayrl.rollout.model.checkpoint import load_state_arrays, save_pretrained
+from replayrl.rollout.model.loader import load_pretrained
+from replayrl.rollout.model.config import ModelConfig
+from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
+from replayrl.trainer.backends.base import ReplayedForward, TrainerBackend
+from replayrl.trainer.backends.checkpoint_layout import CheckpointLayout, check_layout, refuse_other_backend
+from replayrl.trainer.backends.megatron_context_parallel import ContextParallel, row_layout
+from replayrl.trainer.backends.megatron_model import MegatronModelError, MegatronParallel, build_gpt_model, init_parallel
+from replayrl.trainer.batch import TrainBatch
+from replayrl.trainer.config import TrainerConfig
+from replayrl.trainer.logprobs import _check_temperature
+from replayrl.trainer.parallel.vocab_parallel import vocab_parallel_support_logprobs
 
 __all__ = ["MegatronBackend"]
 
@@ -76,7 +76,7 @@ class MegatronBackend(TrainerBackend):
     Raises:
         MegatronModelError: a layout that
             does not fit the world or the model, or ``--use-packing``.
-        rollout.model.CheckpointError: an unreadable checkpoint.
+        replayrl.rollout.model.CheckpointError: an unreadable checkpoint.
     """
 
     def __init__(self, checkpoint_dir: str, config: TrainerConfig, vocab_tokens: Sequence[str],
@@ -103,9 +103,9 @@ class MegatronBackend(TrainerBackend):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        from trainer.backends.megatron_cpu_compat import cpu_device_scope
-        from trainer.backends.megatron_replay import RoutingReplay
-        from trainer.backends.megatron_weights import load_hf_weights
+        from replayrl.trainer.backends.megatron_cpu_compat import cpu_device_scope
+        from replayrl.trainer.backends.megatron_replay import RoutingReplay
+        from replayrl.trainer.backends.megatron_weights import load_hf_weights
 
         self._scope = cpu_device_scope
         with self._scope():
@@ -181,7 +181,7 @@ class MegatronBackend(TrainerBackend):
         try:
             with self._scope():
                 if self.parallel.pp > 1:
-                    from trainer.backends.megatron_pipeline import broadcast_from_last_stage, run_schedule
+                    from replayrl.trainer.backends.megatron_pipeline import broadcast_from_last_stage, run_schedule
 
                     logp = run_schedule(self.ddp, tokens, positions,
                                         lambda logits: self._logprobs(logits, batch, t), loss_fn)
@@ -197,7 +197,7 @@ class MegatronBackend(TrainerBackend):
                     routing = tuple(cp.gather(c, 1) for c in routing)
                 index = self.indexer.collect() if self.indexer is not None else None
                 if self.parallel.pp > 1:  # each stage captured its own layers' columns
-                    from trainer.backends.megatron_pipeline import gather_stage_choices
+                    from replayrl.trainer.backends.megatron_pipeline import gather_stage_choices
 
                     mc = self._model_config
                     if self.routing is not None:
@@ -300,7 +300,7 @@ class MegatronBackend(TrainerBackend):
     # -- weights and checkpoints ----------------------------------------------------------------
     def weights(self) -> dict[str, np.ndarray]:
         """See :meth:`TrainerBackend.weights` (gathered from every rank: a collective)."""
-        from trainer.backends.megatron_weights import gather_hf_weights
+        from replayrl.trainer.backends.megatron_weights import gather_hf_weights
 
         with self._scope():
             return gather_hf_weights(self.model, self._model_config)
@@ -314,7 +314,7 @@ class MegatronBackend(TrainerBackend):
         """``directory/model`` (HF format, written by rank 0) and
         ``directory/trainer_state.rank<r>.pt`` per rank (this rank's optimizer shard state,
         ``version``, torch RNG state, and the world's ``layout``: the shards fit no other, see
-        :mod:`trainer.backends.checkpoint_layout`). A collective."""
+        :mod:`replayrl.trainer.backends.checkpoint_layout`). A collective."""
         model = self._hf_model()
         rank = dist.get_rank()
         directory = Path(directory)
@@ -355,13 +355,13 @@ class MegatronBackend(TrainerBackend):
         """See :meth:`TrainerBackend.check_checkpoint`: the HF model files load and every
         rank's state file reads (``weights_only``) with one int ``version >= 0``, an
         ``optimizer`` list and the same ``layout``, which must be the one ``config`` asks for
-        (:func:`trainer.backends.checkpoint_layout.check_layout`; a file without one, from
+        (:func:`replayrl.trainer.backends.checkpoint_layout.check_layout`; a file without one, from
         before layouts were recorded, passes when the file count is the run's rank count);
         returns that version. The shards' shapes are checked by :meth:`load_checkpoint`, which
         needs the model built.
 
         Raises:
-            trainer.backends.checkpoint_layout.CheckpointLayoutError: a torch checkpoint, or
+            replayrl.trainer.backends.checkpoint_layout.CheckpointLayoutError: a torch checkpoint, or
                 one saved under another layout.
         """
         directory = Path(directory)
@@ -385,18 +385,18 @@ class MegatronBackend(TrainerBackend):
 
     def load_checkpoint(self, directory: Path, min_version: int = 0) -> int:
         """Restore :meth:`save_checkpoint` output; the optimizer's hyperparameters stay this
-        run's (as :meth:`trainer.backends.torch_backend.TorchBackend.load_checkpoint`).
+        run's (as :meth:`replayrl.trainer.backends.torch_backend.TorchBackend.load_checkpoint`).
         Everything is read and checked (files, version against ``min_version``) before any
         weight changes.
 
         Raises:
-            actors.version_clock.VersionRegression: the saved version is below ``min_version``.
-            trainer.backends.checkpoint_layout.CheckpointLayoutError: a torch checkpoint, or
+            replayrl.actors.version_clock.VersionRegression: the saved version is below ``min_version``.
+            replayrl.trainer.backends.checkpoint_layout.CheckpointLayoutError: a torch checkpoint, or
                 one saved under another layout than this world's.
-            rollout.model.CheckpointError: unreadable model files. ValueError: an unreadable
+            replayrl.rollout.model.CheckpointError: unreadable model files. ValueError: an unreadable
                 or malformed state file.
         """
-        from trainer.backends.megatron_weights import load_hf_weights
+        from replayrl.trainer.backends.megatron_weights import load_hf_weights
 
         directory = Path(directory)
         refuse_other_backend(directory, "megatron")

@@ -3,7 +3,7 @@
 With ``--cp-size c > 1`` every right-padded row of a microbatch is cut into ``2c`` equal chunks
 and CP rank ``r`` holds chunks ``r`` and ``2c - 1 - r`` (the load-balanced causal layout of
 Megatron-LM's ``get_batch_on_this_cp_rank``): :func:`row_layout` describes the row as one
-:class:`trainer.packing.PackedLayout` segment and :func:`trainer.parallel.context_parallel.cp_shard_indices`
+:class:`replayrl.trainer.packing.PackedLayout` segment and :func:`replayrl.trainer.parallel.context_parallel.cp_shard_indices`
 gives a rank's positions. megatron-core's ``RotaryEmbedding`` slices the rotary table per CP
 rank itself (``get_pos_emb_on_this_cp_rank``, the same two chunks), so each rank's tokens get
 their global RoPE positions (docs/design.md §23 "Context parallelism in the megatron backend").
@@ -31,8 +31,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from trainer.packing import PackedLayout, PackingError
-from trainer.parallel.context_parallel import cp_shard_indices, cp_unshard
+from replayrl.trainer.packing import PackedLayout, PackingError
+from replayrl.trainer.parallel.context_parallel import cp_shard_indices, cp_unshard
 
 __all__ = ["ContextParallel", "row_layout", "context_parallel_attention_class"]
 
@@ -46,7 +46,7 @@ def row_layout(width: int, cp_size: int, tp_size: int) -> PackedLayout:
     TP ranks); with ``cp_size == 1`` to a multiple of ``tp_size``.
 
     Raises:
-        trainer.packing.PackingError: a non-positive size.
+        replayrl.trainer.packing.PackingError: a non-positive size.
     """
     return PackedLayout.from_lengths([max(int(width), 1)], pad_to_multiple_of=cp_size * tp_size,
                                      cp_size=cp_size)
@@ -82,7 +82,7 @@ class ContextParallel:
         chunk ``rank`` then chunk ``2 * size - 1 - rank``.
 
         Raises:
-            trainer.packing.PackingError: ``width`` is not a padded row width (:meth:`width`).
+            replayrl.trainer.packing.PackingError: ``width`` is not a padded row width (:meth:`width`).
         """
         if width not in self._positions:
             layout = row_layout(width, self.size, self.tp_size)

@@ -2,12 +2,12 @@
 
 megatron-core 0.16.1's own DSA indexer needs TransformerEngine and multi-latent attention (it
 cannot be built on CPU) and has no replay injection point. The embedded policy's indexer
-(:mod:`rollout.model.indexer`: a lightning-indexer scorer whose top-k keys restrict the layer's
+(:mod:`replayrl.rollout.model.indexer`: a lightning-indexer scorer whose top-k keys restrict the layer's
 attention) is therefore placed in front of megatron's local ``SelfAttention``:
 ``IndexedSelfAttention`` (built by :func:`indexed_attention_class`) scores the layer's attention
 input, picks or replays the key slots exactly as
-:class:`rollout.model.qwen3_moe.Qwen3MoeAttention` does (:func:`~rollout.model.indexer.select_topk`,
-:func:`~rollout.model.indexer.resolve_replay`, :func:`~rollout.model.indexer.slots_to_mask`)
+:class:`replayrl.rollout.model.qwen3_moe.Qwen3MoeAttention` does (:func:`~replayrl.rollout.model.indexer.select_topk`,
+:func:`~replayrl.rollout.model.indexer.resolve_replay`, :func:`~replayrl.rollout.model.indexer.slots_to_mask`)
 and hands megatron's attention the resulting mask (``True`` = masked out, megatron's
 convention). Everything else (QKV, q/k norm, RoPE, softmax, output projection, TP / SP) is
 megatron's (docs/design.md §16 "The megatron-core backend").
@@ -19,7 +19,7 @@ its own query rows of the mask (docs/design.md §23 "Context parallelism in the 
 embedded model.
 
 :class:`IndexerReplay` carries one forward's inputs (the padding layout and the replayed trace,
-read per global layer through :class:`trainer.parallel.replay_registry.ReplayRegistry`) to the
+read per global layer through :class:`replayrl.trainer.parallel.replay_registry.ReplayRegistry`) to the
 indexed layers and collects the slots they used and their own choices.
 """
 from __future__ import annotations
@@ -27,9 +27,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from rollout.model.config import ModelConfig
-from rollout.model.indexer import Indexer, resolve_replay, select_topk, slots_to_mask
-from trainer.parallel.replay_registry import ReplayRegistry
+from replayrl.rollout.model.config import ModelConfig
+from replayrl.rollout.model.indexer import Indexer, resolve_replay, select_topk, slots_to_mask
+from replayrl.trainer.parallel.replay_registry import ReplayRegistry
 
 __all__ = ["IndexerReplay", "indexed_attention_class"]
 
@@ -75,7 +75,7 @@ class IndexerReplay:
         for attention inputs ``x`` ``[B, S, hidden]``; records the slots used and own.
 
         Raises:
-            rollout.model.ModelInputError: a replayed slot that is padding or in the future.
+            replayrl.rollout.model.ModelInputError: a replayed slot that is padding or in the future.
             RuntimeError: called outside :meth:`begin` / :meth:`end`.
         """
         if self._inputs is None:
@@ -129,7 +129,7 @@ def indexed_attention_class(config: ModelConfig, replay: IndexerReplay):
                 dist.all_gather(parts, x.contiguous(), group=ps.get_tensor_model_parallel_group())
                 x = torch.cat(parts)
             if ps.get_context_parallel_world_size() > 1:
-                from trainer.backends.megatron_context_parallel import ContextParallel
+                from replayrl.trainer.backends.megatron_context_parallel import ContextParallel
 
                 x = ContextParallel.from_megatron().gather(x, 0)
             with torch.no_grad():

@@ -1,9 +1,9 @@
 """The embedded policy as a megatron-core ``GPTModel``: parallel setup, config mapping, build.
 
-:func:`transformer_config` maps a :class:`rollout.model.config.ModelConfig` (Hugging Face
+:func:`transformer_config` maps a :class:`replayrl.rollout.model.config.ModelConfig` (Hugging Face
 ``Qwen3MoeConfig`` names) onto megatron-core's ``TransformerConfig`` so that the GPTModel built
 with the local (non-TransformerEngine) layer specs computes the same function as
-:class:`rollout.model.qwen3_moe.Qwen3MoeForCausalLM` (docs/design.md §16 "The megatron-core backend"):
+:class:`replayrl.rollout.model.qwen3_moe.Qwen3MoeForCausalLM` (docs/design.md §16 "The megatron-core backend"):
 
 * RMSNorm everywhere, RMSNorm on q and k over ``head_dim`` before RoPE (``qk_layernorm``);
 * rotate-half RoPE with base ``rope_theta``; GQA with ``num_key_value_heads`` query groups;
@@ -18,9 +18,9 @@ with the local (non-TransformerEngine) layer specs computes the same function as
 
 The DSA-style indexer of ``ModelConfig.indexed_layers`` is the embedded model's own, placed in
 front of megatron's self-attention on those layers
-(:mod:`trainer.backends.megatron_indexer`): megatron-core's DSA indexer needs TransformerEngine
+(:mod:`replayrl.trainer.backends.megatron_indexer`): megatron-core's DSA indexer needs TransformerEngine
 and multi-latent attention and cannot be built on CPU. Under context parallelism every layer's
-core attention is :mod:`trainer.backends.megatron_context_parallel`'s (megatron-core's local
+core attention is :mod:`replayrl.trainer.backends.megatron_context_parallel`'s (megatron-core's local
 attention refuses ``context_parallel_size > 1``).
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from rollout.model.config import ModelConfig
+from replayrl.rollout.model.config import ModelConfig
 
 __all__ = ["MegatronModelError", "MegatronParallel", "build_gpt_model", "init_parallel", "layout_errors",
            "transformer_config"]
@@ -52,7 +52,7 @@ class MegatronParallel:
         ep: expert-parallel size.
         pp: pipeline-parallel size (stages hold contiguous, equal layer ranges).
         cp: context-parallel size (each rank holds 2 of ``2 * cp`` chunks of every row;
-            :mod:`trainer.backends.megatron_context_parallel`).
+            :mod:`replayrl.trainer.backends.megatron_context_parallel`).
 
     The data-parallel size is what remains of the world: ``world / (tp * pp * cp)``.
     """
@@ -78,16 +78,16 @@ def init_parallel(parallel: MegatronParallel, seed: int, *, own_world: bool = Fa
     """Initialise torch.distributed (gloo) and megatron's parallel groups and RNG states.
 
     With ``own_world`` (the one-rank TrainerActor, also when it is one rank of a
-    ``tools.torchrun_entry`` actor world whose other ranks never join a process group), or
+    ``replayrl.tools.run.torchrun_entry`` actor world whose other ranks never join a process group), or
     without torchrun's environment, the process gets a one-rank gloo group with an in-process
     store; otherwise it joins torchrun's world (``env://``: every rank is a megatron rank).
-    Applies :mod:`trainer.backends.megatron_cpu_compat` first (it does nothing with CUDA).
+    Applies :mod:`replayrl.trainer.backends.megatron_cpu_compat` first (it does nothing with CUDA).
 
     Raises:
         MegatronModelError: the world size is not a multiple of ``tp * pp * cp``, or ``ep``
             does not divide ``world / pp``.
     """
-    from trainer.backends import megatron_cpu_compat
+    from replayrl.trainer.backends import megatron_cpu_compat
 
     megatron_cpu_compat.enable()
     if not dist.is_initialized():
@@ -193,11 +193,11 @@ def build_gpt_model(config: ModelConfig, parallel: MegatronParallel):
     """This rank's part of the policy as a megatron-core ``GPTModel`` (local layer specs).
 
     Call after :func:`init_parallel`. The weights are megatron's random init; load real ones
-    with :func:`trainer.backends.megatron_weights.load_hf_weights`.
+    with :func:`replayrl.trainer.backends.megatron_weights.load_hf_weights`.
 
     Returns:
         ``(model, transformer_config, indexer)``: ``indexer`` is the
-        :class:`trainer.backends.megatron_indexer.IndexerReplay` of this stage's indexed layers,
+        :class:`replayrl.trainer.backends.megatron_indexer.IndexerReplay` of this stage's indexed layers,
         or None when the indexer is off.
 
     Raises:
@@ -213,7 +213,7 @@ def build_gpt_model(config: ModelConfig, parallel: MegatronParallel):
     if config.indexed_layers:
         from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-        from trainer.backends.megatron_indexer import IndexerReplay, indexed_attention_class
+        from replayrl.trainer.backends.megatron_indexer import IndexerReplay, indexed_attention_class
 
         offset = get_transformer_layer_offset(tcfg)
         local = [offset + j for j in range(len(spec.layer_specs))]
@@ -224,7 +224,7 @@ def build_gpt_model(config: ModelConfig, parallel: MegatronParallel):
                 spec.layer_specs[j] = copy.deepcopy(spec.layer_specs[j])
                 spec.layer_specs[j].submodules.self_attention.module = attention
     if parallel.cp > 1:  # megatron's local attention has no CP (docs/design.md §23)
-        from trainer.backends.megatron_context_parallel import context_parallel_attention_class
+        from replayrl.trainer.backends.megatron_context_parallel import context_parallel_attention_class
 
         core = context_parallel_attention_class()
         for j, layer_spec in enumerate(spec.layer_specs):

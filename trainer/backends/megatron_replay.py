@@ -10,12 +10,12 @@ gradients). Its layout is one int64 tensor ``[tokens, K]`` per MoE layer, tokens
 
 :class:`RoutingReplay` converts our padded batch trace ``routed_experts`` (int32
 ``[B, S, L_moe, K]``, ``-1`` rows = nothing captured) into that layout for the MoE layers of the
-local pipeline stage only (:class:`trainer.parallel.replay_registry.ReplayRegistry` over the
-stage's global layer ids, :func:`trainer.parallel.replay_registry.sp_slice` for the SP rank),
+local pipeline stage only (:class:`replayrl.trainer.parallel.replay_registry.ReplayRegistry` over the
+stage's global layer ids, :func:`replayrl.trainer.parallel.replay_registry.sp_slice` for the SP rank),
 and back: the experts used and the router's own top-k, all-gathered over the SP ranks, as
 ``[B, S, L_local, K]``. Each layer's replay instance (:class:`_TraceRouterReplay`) also computes
 the router's own top-k under replay, fills ``-1`` rows with it
-(:func:`trainer.parallel.replay_registry.fill_own_choice`, as the embedded model does) and keeps
+(:func:`replayrl.trainer.parallel.replay_registry.fill_own_choice`, as the embedded model does) and keeps
 it for the flip / drift metrics (docs/design.md §16 "The megatron-core backend").
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from trainer.parallel.replay_registry import ReplayRegistry, fill_own_choice, sp_slice
+from replayrl.trainer.parallel.replay_registry import ReplayRegistry, fill_own_choice, sp_slice
 
 __all__ = ["RoutingReplay"]
 
@@ -56,7 +56,7 @@ class RoutingReplay:
 
     Args:
         model: this rank's ``GPTModel`` (its decoder layers carry global ``layer_number``).
-        config: the :class:`rollout.model.config.ModelConfig` it was built from.
+        config: the :class:`replayrl.rollout.model.config.ModelConfig` it was built from.
 
     Replaces every router's ``RouterReplay`` with the trace-aware one and makes them the
     process's ``RouterReplay.global_router_replay_instances`` (one model per process).
@@ -102,7 +102,7 @@ class RoutingReplay:
             ``torch.chunk`` slice of the sequence.
 
         Raises:
-            trainer.parallel.replay_registry.ReplayError: a trace of the wrong shape.
+            replayrl.trainer.parallel.replay_registry.ReplayError: a trace of the wrong shape.
         """
         out = []
         for layer in self.layers:

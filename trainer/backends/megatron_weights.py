@@ -1,8 +1,8 @@
 """Weight conversion both ways between Hugging Face Qwen3-MoE names and megatron-core's GPTModel.
 
-The engines load Hugging Face names (:func:`rollout.model.checkpoint.state_dict_arrays`); the
+The engines load Hugging Face names (:func:`replayrl.rollout.model.checkpoint.state_dict_arrays`); the
 megatron trainer holds each rank's shard of a ``GPTModel`` built by
-:func:`trainer.backends.megatron_model.build_gpt_model`. The mapping (docs/design.md §16 "The megatron-core backend"), per global layer ``i`` and global expert ``e``:
+:func:`replayrl.trainer.backends.megatron_model.build_gpt_model`. The mapping (docs/design.md §16 "The megatron-core backend"), per global layer ``i`` and global expert ``e``:
 
 ======================================================  ==============================================
 Hugging Face                                            megatron-core (unsharded)
@@ -37,7 +37,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from rollout.model.config import ModelConfig
+from replayrl.rollout.model.config import ModelConfig
 
 __all__ = ["WeightMapError", "hf_to_megatron", "megatron_to_hf", "load_hf_weights",
            "gather_hf_weights"]

@@ -1,6 +1,6 @@
 """The torch trainer backend: the embedded fp32 Qwen3-MoE policy, AdamW; one rank or DDP.
 
-:class:`TorchBackend` is the first :class:`trainer.backends.base.TrainerBackend`
+:class:`TorchBackend` is the first :class:`replayrl.trainer.backends.base.TrainerBackend`
 (``--train-backend torch``, the default). Its forward is :func:`response_logprobs`. In a
 process group of several trainer ranks (``--dp-size N``, docs/design.md §19 "Trainer ranks")
 every rank holds the whole policy and its training forward runs under torch's
@@ -25,20 +25,20 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from actors.version_clock import VersionRegression
-from rollout.model.checkpoint import save_pretrained, state_dict_arrays
-from rollout.model.errors import CheckpointError
-from rollout.model.loader import load_pretrained
-from rollout.model.config import ModelConfig
-from rollout.model.qwen3_moe import Qwen3MoeForCausalLM
-from trainer.backends.base import ReplayedForward, TrainerBackend
-from trainer.backends.checkpoint_layout import refuse_other_backend
-from trainer.batch import TrainBatch
-from trainer.config import TrainerConfig
-from trainer.logprobs import (full_vocab_logprobs, fused_support_logprobs, support_entropy,
+from replayrl.actors.version_clock import VersionRegression
+from replayrl.rollout.model.checkpoint import save_pretrained, state_dict_arrays
+from replayrl.rollout.model.errors import CheckpointError
+from replayrl.rollout.model.loader import load_pretrained
+from replayrl.rollout.model.config import ModelConfig
+from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
+from replayrl.trainer.backends.base import ReplayedForward, TrainerBackend
+from replayrl.trainer.backends.checkpoint_layout import refuse_other_backend
+from replayrl.trainer.batch import TrainBatch
+from replayrl.trainer.config import TrainerConfig
+from replayrl.trainer.logprobs import (full_vocab_logprobs, fused_support_logprobs, support_entropy,
                               support_logprobs)
-from trainer.prefix_tree import PrefixTree
-from transport.array_bundle import bundle_of_buffer
+from replayrl.trainer.prefix_tree import PrefixTree
+from replayrl.transport.array_bundle import bundle_of_buffer
 
 __all__ = ["TorchBackend", "response_logprobs"]
 
@@ -56,16 +56,16 @@ def response_logprobs(model: Qwen3MoeForCausalLM, batch: TrainBatch, temperature
     present and enabled.
 
     With ``entropy_out`` (a list), the per-token support entropy (float32 [N], nats, detached;
-    :func:`trainer.logprobs.support_entropy`, docs/design.md §7 "Trainer math") is appended to it
+    :func:`replayrl.trainer.logprobs.support_entropy`, docs/design.md §7 "Trainer math") is appended to it
     when the logits exist (a support and no fused path); nothing is appended otherwise.
 
     Returns:
         ``(logprobs, out)``: float32 [N] (nats, response tokens in batch order; differentiable
         unless under ``torch.no_grad``) and the model's
-        :class:`rollout.model.qwen3_moe.CausalLMOutput` (used / own choices when ``capture``).
+        :class:`replayrl.rollout.model.qwen3_moe.CausalLMOutput` (used / own choices when ``capture``).
 
     Raises:
-        rollout.model.ModelInputError: a malformed trace. trainer.logprobs.LogprobError: a
+        replayrl.rollout.model.ModelInputError: a malformed trace. replayrl.trainer.logprobs.LogprobError: a
             malformed support row.
     """
     fused = chunk_size > 0 and batch.support is not None
@@ -118,7 +118,7 @@ def _shared_prefix(inputs: dict, prefix: int) -> tuple[int, torch.Tensor, torch.
     """``(prefix, first, inverse)`` when rows share their first ``prefix`` positions, else None.
 
     The first ``prefix`` positions (up to the earliest predicting one) are forwarded once per
-    distinct row (:class:`trainer.prefix_tree.PrefixTree`) when every row is real there and rows with equal tokens there also carry equal
+    distinct row (:class:`replayrl.trainer.prefix_tree.PrefixTree`) when every row is real there and rows with equal tokens there also carry equal
     positions and routing / indexer traces (the samples of a GRPO group share their prompt,
     and the engine forwarded it identically for each). ``first`` (int64 [U]) is the first row
     of each distinct prefix, ``inverse`` (int64 [B]) the distinct prefix of every row.
@@ -194,7 +194,7 @@ class TorchBackend(TrainerBackend):
             ``--hf-checkpoint``).
 
     Raises:
-        rollout.model.CheckpointError / ModelConfigError: an unreadable checkpoint.
+        replayrl.rollout.model.CheckpointError / ModelConfigError: an unreadable checkpoint.
     """
 
     def __init__(self, checkpoint_dir: str, config: TrainerConfig,
@@ -339,9 +339,9 @@ class TorchBackend(TrainerBackend):
         ones, so ``--lr`` given at resume would be silently replaced by the checkpoint's.
 
         Raises:
-            actors.version_clock.VersionRegression: the saved version is below
+            replayrl.actors.version_clock.VersionRegression: the saved version is below
                 ``min_version`` (the trainer's current one).
-            rollout.model.CheckpointError: unreadable model files, or tensors that do not match
+            replayrl.rollout.model.CheckpointError: unreadable model files, or tensors that do not match
                 this policy (names the tensor). ValueError: an unreadable or malformed
                 ``trainer_state.pt``. In every case nothing was changed.
         """
@@ -393,8 +393,8 @@ def _read_checkpoint(directory: Path) -> tuple[Qwen3MoeForCausalLM, dict, int]:
     changes nothing (not even the global RNG). Returns ``(model, trainer state, version)``.
 
     Raises:
-        trainer.backends.checkpoint_layout.CheckpointLayoutError: a megatron checkpoint.
-        rollout.model.CheckpointError: unreadable model files. ValueError: a missing,
+        replayrl.trainer.backends.checkpoint_layout.CheckpointLayoutError: a megatron checkpoint.
+        replayrl.rollout.model.CheckpointError: unreadable model files. ValueError: a missing,
             unreadable or malformed ``trainer_state.pt`` (names the file and the field).
     """
     refuse_other_backend(directory, "torch")  # a megatron checkpoint: say so, not "no file"

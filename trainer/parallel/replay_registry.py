@@ -16,13 +16,13 @@ layers have no column). The embedded trainer replays the whole trace on one rank
   its slice of the activations: the same split as ``torch.chunk(x, sp_size, dim)`` (Megatron's
   ``scatter_to_sequence_parallel_region``), so token ``t``'s router sees token ``t``'s replay.
 * All ``-1`` rows mean "no replay here, use the layer's own choice" (observation tokens, a
-  synthetic EOS, padding; :func:`trainer.replay.replayed_rows` finds them).
+  synthetic EOS, padding; :func:`replayrl.trainer.replay.replayed_rows` finds them).
   :func:`fill_own_choice` substitutes the own choice for a backend whose router cannot take
   ``-1`` (gathering router probabilities at ``-1`` or masking every key of an attention row
   would give NaN gradients).
 
-The live checks of a replayed forward (:func:`trainer.replay.check_replay`, the flip rates)
-stay in :mod:`trainer.replay`.
+The live checks of a replayed forward (:func:`replayrl.trainer.replay.check_replay`, the flip rates)
+stay in :mod:`replayrl.trainer.replay`.
 
 Source: Ma et al. 2025, "Stabilizing MoE Reinforcement Learning by Aligning Training and
 Inference Routers" (R3), as implemented in slime / Megatron-LM routing replay; docs/design.md §2
@@ -36,7 +36,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import torch
 
-from trainer.replay import ReplayError, _int_id
+from replayrl.trainer.replay import ReplayError, _int_id
 
 __all__ = ["ReplayRegistry", "sp_slice", "fill_own_choice"]
 
@@ -71,12 +71,12 @@ class ReplayRegistry:
 
     @classmethod
     def for_routing(cls, config: Any) -> "ReplayRegistry":
-        """Registry over ``config.moe_layers`` (a :class:`rollout.model.config.ModelConfig`)."""
+        """Registry over ``config.moe_layers`` (a :class:`replayrl.rollout.model.config.ModelConfig`)."""
         return cls(config.moe_layers, config.num_hidden_layers, kind="routing")
 
     @classmethod
     def for_indexer(cls, config: Any) -> "ReplayRegistry":
-        """Registry over ``config.indexed_layers`` (a :class:`rollout.model.config.ModelConfig`)."""
+        """Registry over ``config.indexed_layers`` (a :class:`replayrl.rollout.model.config.ModelConfig`)."""
         return cls(config.indexed_layers, config.num_hidden_layers, kind="indexer")
 
     def register(self, global_layer_ids: Iterable[int]) -> tuple[int, ...]:

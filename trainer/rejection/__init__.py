@@ -1,12 +1,12 @@
 """Rejection sampling (RS) and exact refill: what decides which samples a step trains on.
 
-* :mod:`trainer.rejection.rs_gates` -- the token / sequence / geometric gate formulas on
+* :mod:`replayrl.trainer.rejection.rs_gates` -- the token / sequence / geometric gate formulas on
   ``d = logp_prox - logp_rollout`` and group-atomic admission;
-* :mod:`trainer.rejection.rs_policy` -- :class:`~trainer.rejection.rs_policy.RSGate`, the run's
+* :mod:`replayrl.trainer.rejection.rs_policy` -- :class:`~replayrl.trainer.rejection.rs_policy.RSGate`, the run's
   gate (``--rs-mode``), applied identically by the preflight and the training forward;
-* :mod:`trainer.rejection.refill_planner` -- the refill quantum and the rounds of one step
+* :mod:`replayrl.trainer.rejection.refill_planner` -- the refill quantum and the rounds of one step
   (pure bookkeeping, no I/O);
-* :mod:`trainer.rejection.refill` -- :class:`~trainer.rejection.refill.RefillCoordinator`,
+* :mod:`replayrl.trainer.rejection.refill` -- :class:`~replayrl.trainer.rejection.refill.RefillCoordinator`,
   which drives the planner against the RolloutManager and the VersionClock.
 
 docs/design.md §7 "Trainer math" and "Exact refill".

@@ -5,13 +5,13 @@ what the step trains on:
 
 - RS off: everything;
 - RS on, refill off: every sample, with rejected tokens masked out of the loss (the loss
-  denominator policy is :mod:`trainer.rejection.rs_policy`'s; the update takes each group's
+  denominator policy is :mod:`replayrl.trainer.rejection.rs_policy`'s; the update takes each group's
   baseline over its accepted samples, docs/design.md §8);
 - RS on, refill on: whole prompt groups (group-atomic admission). Rejected groups are dropped
   and ``ceil(deficit / q) * q`` replacement groups are requested from the RolloutManager, which
   generates them from the current policy; each replacement's version must equal the preflight
   version exactly (checked by the VersionClock). After ``--rs-refill-max-rounds`` rounds still
-  short, :class:`trainer.rejection.refill_planner.RefillExhausted` is raised, before any
+  short, :class:`replayrl.trainer.rejection.refill_planner.RefillExhausted` is raised, before any
   optimizer work.
 
 Only admitted cache entries move on; rejected and surplus entries are discarded at once.
@@ -29,15 +29,15 @@ from collections.abc import Awaitable, Callable
 
 import torch
 
-from actors import ActorProxy
-from rollout.sample import Sample, samples_from_columns
-from trainer.batch import per_sample_tensors, sampled_masks, token_counts
-from trainer.config import TrainerConfig
-from trainer.proximal_cache import ProximalLogprobCache
-from trainer.rejection.refill_planner import plan_refill_rounds, refill_quantum
-from trainer.rejection.rs_gates import group_admission
-from trainer.rejection.rs_policy import RSGate
-from trainer.replay import mean_rates
+from replayrl.actors import ActorProxy
+from replayrl.rollout.sample import Sample, samples_from_columns
+from replayrl.trainer.batch import per_sample_tensors, sampled_masks, token_counts
+from replayrl.trainer.config import TrainerConfig
+from replayrl.trainer.proximal_cache import ProximalLogprobCache
+from replayrl.trainer.rejection.refill_planner import plan_refill_rounds, refill_quantum
+from replayrl.trainer.rejection.rs_gates import group_admission
+from replayrl.trainer.rejection.rs_policy import RSGate
+from replayrl.trainer.replay import mean_rates
 
 Preflight = Callable[[list[Sample]], Awaitable[dict[str, list[float]]]]
 """Proximal logprobs of the samples into the cache; returns per-microbatch replay rates
@@ -98,11 +98,11 @@ class RefillCoordinator:
         replacements' preflight measured (``refill_routing_flip_rate``,
         ``refill_routing_drift_rate``, ``refill_indexer_flip_rate``,
         ``refill_indexer_drift_rate``: the mean over all replacement microbatches of the step,
-        as :func:`trainer.replay.mean_rates`), only when replacements were generated.
+        as :func:`replayrl.trainer.replay.mean_rates`), only when replacements were generated.
 
         Raises:
             RefillExhausted: still short of ``target_groups`` after the allowed rounds.
-            actors.RemoteError / ActorTimeout: a refill call failed or timed out.
+            replayrl.actors.RemoteError / ActorTimeout: a refill call failed or timed out.
         """
         start = time.perf_counter()
         accept, token_accept = self._decide(samples)

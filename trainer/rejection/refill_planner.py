@@ -231,7 +231,7 @@ def plan_refill_rounds(
 
     Args:
         initial_admission: ``{group_id: admitted}`` for the ``target_groups`` initial groups
-            (from :func:`trainer.rejection.rs_gates.group_admission`), in generation order.
+            (from :func:`replayrl.trainer.rejection.rs_gates.group_admission`), in generation order.
         target_groups: ``rollout_batch_size`` (groups per step).
         quantum: replacement quantum from :func:`refill_quantum`.
         max_rounds: replacement rounds allowed (``>= 0``).

@@ -12,7 +12,7 @@ Per response token ``t`` with loss mask ``m_t`` (docs/design.md §7 "Trainer mat
     geometric gate:  accept exp(sum_t m_t d_t / max(sum m, 1)) in [lower, upper]
 
 ``m_t`` is 1 exactly at the tokens the engine sampled (the caller passes
-:attr:`rollout.sample.Sample.sampled_mask`, which is the loss mask without a synthetic EOS).
+:attr:`replayrl.rollout.sample.Sample.sampled_mask`, which is the loss mask without a synthetic EOS).
 Tokens with ``m_t = 0`` (prompt, observation, padding, a synthetic EOS) never influence a gate,
 neither a sum nor the token count of the geometric mean; their ``d_t`` may be NaN or inf (the
 rollout logprob of an observation slot or of an appended EOS is undefined). Sums are taken in

@@ -1,7 +1,7 @@
 """The RS gate of a run, applied identically by the preflight and the training forward.
 
 One frozen :class:`RSGate` turns per-sample proximal / behaviour logprobs into per-sample and
-per-token accept decisions using the formulas in :mod:`trainer.rejection.rs_gates` (docs/design.md §7 "Trainer math"). Modes:
+per-token accept decisions using the formulas in :mod:`replayrl.trainer.rejection.rs_gates` (docs/design.md §7 "Trainer math"). Modes:
 
 - ``none``: everything is accepted (plain decoupled PPO + TIS);
 - ``token``: token ``t`` is accepted iff ``exp(d_t)`` is in ``[lower, upper]``; a *sample*
@@ -9,7 +9,7 @@ per-token accept decisions using the formulas in :mod:`trainer.rejection.rs_gate
 - ``sequence`` / ``geometric``: the sample's ``exp(sum m d)`` / ``exp(mean m d)`` in bounds
   decides the sample, and all its tokens with it.
 
-``m`` here is the mask of tokens the engine sampled (:attr:`rollout.sample.Sample.sampled_mask`),
+``m`` here is the mask of tokens the engine sampled (:attr:`replayrl.rollout.sample.Sample.sampled_mask`),
 not the loss mask: a synthetic EOS is trained on but has no behaviour logprob, so it never
 enters a gate (docs/design.md §8 "Rejection sampling").
 
@@ -32,7 +32,7 @@ from typing import Sequence
 
 import torch
 
-from trainer.rejection.rs_gates import SAMPLE_LOG_WEIGHTS, compute_log_ratio, sample_gate, token_gate
+from replayrl.trainer.rejection.rs_gates import SAMPLE_LOG_WEIGHTS, compute_log_ratio, sample_gate, token_gate
 
 MODES = ("none", "token", "sequence", "geometric")
 
@@ -65,8 +65,8 @@ class RSGate:
                sampled_mask: Sequence[torch.Tensor]) -> tuple[list[bool], list[torch.Tensor]]:
         """Gate a list of samples (float32 [R_i] each).
 
-        ``sampled_mask`` is each sample's :attr:`rollout.sample.Sample.sampled_mask` (uint8 or
-        bool [R_i], ``trainer.batch.sampled_masks``): only tokens the engine sampled have a
+        ``sampled_mask`` is each sample's :attr:`replayrl.rollout.sample.Sample.sampled_mask` (uint8 or
+        bool [R_i], ``replayrl.trainer.batch.sampled_masks``): only tokens the engine sampled have a
         behaviour logprob, so only they enter a gate. A synthetic EOS (loss-bearing, not
         sampled) changes neither a sequence sum nor the token count of a geometric mean; token
         RS accepts it (it has no ratio to reject), and a sample gate's decision covers it with
@@ -76,7 +76,7 @@ class RSGate:
             ``(sample_accept, token_accept)``: one bool per sample, and one bool tensor [R_i]
             per sample (True = the token may contribute to the loss).
         Raises:
-            trainer.rejection.rs_gates.RSError: non-finite ratio at a sampled token (naming it).
+            replayrl.trainer.rejection.rs_gates.RSError: non-finite ratio at a sampled token (naming it).
         """
         if not self.active:
             return [True] * len(logp_prox), [torch.ones(len(m), dtype=torch.bool) for m in sampled_mask]

@@ -22,18 +22,18 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rollout.data_source import PromptDataSource, digit_task_prompts
-from rollout.engines.embedded import EmbeddedEngine
-from rollout.model.checkpoint import state_dict_arrays
-from rollout.model.config import default_config, without_indexer
-from rollout.model.qwen3_moe import Qwen3MoeForCausalLM
-from rollout.sample import TRACE_FIELDS, Sample
-from rollout.sampler import SamplingParams
-from rollout.task import VOCABULARY, DigitTask
-from rollout.trajectory import merge_turns
-from trainer.backends.torch_backend import response_logprobs
-from trainer.batch import collate
-from trainer.replay import batch_flip_rate
+from replayrl.rollout.data_source import PromptDataSource, digit_task_prompts
+from replayrl.rollout.engines.embedded import EmbeddedEngine
+from replayrl.rollout.model.checkpoint import state_dict_arrays
+from replayrl.rollout.model.config import default_config, without_indexer
+from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
+from replayrl.rollout.sample import TRACE_FIELDS, Sample
+from replayrl.rollout.sampler import SamplingParams
+from replayrl.rollout.task import VOCABULARY, DigitTask
+from replayrl.rollout.trajectory import merge_turns
+from replayrl.trainer.backends.torch_backend import response_logprobs
+from replayrl.trainer.batch import collate
+from replayrl.trainer.replay import batch_flip_rate
 
 CONFIGS = [  # (name, routing, indexer, support)
     ("all off", False, False, False),
@@ -69,7 +69,7 @@ def generate(engine_dtype: torch.dtype, prompts: int, seed: int, top_k: int,
     model.init_weights(seed)
     model.eval()
     if engine == "vllm":
-        from rollout.engines.vllm_engine import VllmEngine  # imports vllm
+        from replayrl.rollout.engines.vllm_engine import VllmEngine  # imports vllm
 
         rollout = VllmEngine(cfg, dtype=engine_dtype)
         traces = rollout.capturable_traces

@@ -7,7 +7,7 @@ small ``max_shard_size`` into a temporary directory, so both loaders read the ve
 (from the page cache after the write). Each loader then runs ``--repeats`` times, each time in
 a fresh Python process (torch, transformers and replayrl imported before the clock starts):
 
-* ``replayrl``     -- ``rollout.model.loader.load_pretrained(dir, float32)``;
+* ``replayrl``     -- ``replayrl.rollout.model.loader.load_pretrained(dir, float32)``;
 * ``transformers`` -- ``AutoModelForCausalLM.from_pretrained(dir, dtype=float32)`` (baseline).
 
 Reported per loader: the best wall time of the load call, and its peak RSS: ``VmHWM`` after the
@@ -74,7 +74,7 @@ def child(loader: str, directory: str, logits_out: str) -> dict:
     import torch
     import transformers
 
-    from rollout.model.loader import load_pretrained
+    from replayrl.rollout.model.loader import load_pretrained
 
     torch.set_num_threads(1)
     ids = torch.arange(32)[None] % 97
@@ -104,11 +104,9 @@ def child(loader: str, directory: str, logits_out: str) -> dict:
 
 def run_child(loader: str, directory: Path, logits_out: Path) -> dict:
     """Run :func:`child` in a fresh interpreter; returns its result."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, "-m", "tools.bench_load", "--child", loader,
+    out = subprocess.run([sys.executable, "-m", "replayrl.tools.bench.load", "--child", loader,
                           str(directory), str(logits_out)],
-                         capture_output=True, text=True, check=False, env=env)
+                         capture_output=True, text=True, check=False)
     if out.returncode != 0:
         raise RuntimeError(f"{loader} child failed:\n{out.stderr[-4000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -37,7 +37,7 @@ thread stayed within 0.35-0.5 s and even ran the full-vocabulary baseline faster
 like. The load average before and after the run is printed with the table. Memory does not
 depend on threads or load.
 
-Usage: ``python -m tools.bench_logprobs [--tokens 256 1024 4096] [--hidden 256] ...``
+Usage: ``python -m replayrl.tools.bench.logprobs [--tokens 256 1024 4096] [--hidden 256] ...``
 (also ``replayrl bench logprobs`` once wired into ``tools/cli.py``).
 """
 
@@ -57,8 +57,8 @@ from pathlib import Path
 
 import torch
 
-from trainer.logprobs import full_vocab_logprobs, fused_support_logprobs, support_logprobs
-from transport import strict_json
+from replayrl.trainer.logprobs import full_vocab_logprobs, fused_support_logprobs, support_logprobs
+from replayrl.transport import strict_json
 
 __all__ = ["BenchError", "BenchConfig", "Measurement", "PATHS", "make_inputs", "measure_here",
            "run_bench", "format_table", "add_arguments", "run_from_args", "main"]
@@ -279,7 +279,7 @@ def _measure(cfg: BenchConfig, path: str, n: int) -> Measurement:
 
 
 def _child_argv(cfg: BenchConfig, path: str, n: int) -> list[str]:
-    return [sys.executable, "-m", "tools.bench_logprobs", "--child", path, str(n),
+    return [sys.executable, "-m", "replayrl.tools.bench.logprobs", "--child", path, str(n),
             "--vocab", str(cfg.vocab), "--hidden", str(cfg.hidden), "--top-k", str(cfg.top_k),
             "--temperature", repr(cfg.temperature), "--chunk-size", str(cfg.chunk_size),
             "--eos-every", str(cfg.eos_every), "--seed", str(cfg.seed),
@@ -287,10 +287,7 @@ def _child_argv(cfg: BenchConfig, path: str, n: int) -> list[str]:
 
 
 def _run_child(cfg: BenchConfig, path: str, n: int) -> Measurement:
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(root)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    proc = subprocess.run(_child_argv(cfg, path, n), cwd=root, env=env, capture_output=True, text=True)
+    proc = subprocess.run(_child_argv(cfg, path, n), capture_output=True, text=True)
     if proc.returncode != 0:
         raise BenchError(f"{path} N={n} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
     return Measurement(**json.loads(proc.stdout.strip().splitlines()[-1]))
@@ -392,7 +389,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m tools.bench_logprobs``."""
+    """Entry point of ``python -m replayrl.tools.bench.logprobs``."""
     parser = argparse.ArgumentParser(prog="replayrl bench logprobs", description=__doc__.splitlines()[0])
     add_arguments(parser)
     args = parser.parse_args(argv)

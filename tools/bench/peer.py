@@ -1,11 +1,11 @@
 """``replayrl bench peer``: replayrl against Hugging Face TRL's ``GRPOTrainer``, same budget.
 
 Both sides start from the same ``checkpoint-init`` (written by
-:func:`tools.launcher.write_initial_checkpoint`; transformers' ``Qwen3MoeForCausalLM`` loads it
+:func:`replayrl.tools.run.launcher.write_initial_checkpoint`; transformers' ``Qwen3MoeForCausalLM`` loads it
 and ignores the DSA indexer weights), see the same prompt token ids in the same order (the
-embedded task's seeded :class:`rollout.data_source.PromptDataSource`, decoded to text for TRL
+embedded task's seeded :class:`replayrl.rollout.data_source.PromptDataSource`, decoded to text for TRL
 and checked to encode back to the same ids), are scored by the same verifier
-(:meth:`rollout.tool_env.DigitToolEnv.reward` on the completion ids) and train with the same
+(:meth:`replayrl.rollout.tool_env.DigitToolEnv.reward` on the completion ids) and train with the same
 budget: ``rollout-batch-size`` prompts x ``n-samples-per-prompt`` completions per optimizer
 step, the same sampling, AdamW and PPO clip settings, no KL, no std normalisation, one optimizer
 step per generation batch, on the same torch thread budget (TRL: one process with
@@ -170,14 +170,14 @@ def _fmt(x: float | None, spec: str = ".3f", none: str = "not reached") -> str:
 
 
 def _engine_dtype(name: str) -> str:
-    from rollout.engines.precision import resolve_dtype  # imports torch: only when reporting
+    from replayrl.rollout.engines.precision import resolve_dtype  # imports torch: only when reporting
 
     return resolve_dtype(name)
 
 
 def run_config(steps: int, seed: int, output_dir: str, overrides: dict | None = None):
-    """The replayrl :class:`tools.config.RunConfig` of one side-run: defaults, ``--no-progress``."""
-    from tools.config import build_config
+    """The replayrl :class:`replayrl.tools.run.config.RunConfig` of one side-run: defaults, ``--no-progress``."""
+    from replayrl.tools.run.config import build_config
 
     return build_config({"num-steps": steps, "seed": seed, "output-dir": output_dir,
                          "progress": False, **(overrides or {})})
@@ -259,8 +259,8 @@ def settings_table(config) -> str:
 def prompt_stream(config) -> list:
     """The prompts replayrl's RolloutManager draws for ``config.num_steps`` steps, in order:
     ``rollout_batch_size`` per step from the same seeded data source (``rollout/manager.py``)."""
-    from rollout.data_source import PromptDataSource, digit_task_prompts
-    from rollout.task import DigitTask
+    from replayrl.rollout.data_source import PromptDataSource, digit_task_prompts
+    from replayrl.rollout.task import DigitTask
 
     r = config.rollout
     source = PromptDataSource(digit_task_prompts(DigitTask(num_digits=r.num_digits,
@@ -273,8 +273,8 @@ def indexer_is_dense(config) -> bool:
     """True when the DSA indexer keeps every key of every query that produces a trained logit
     (prompt length + new tokens - 1 <= index_topk), so transformers' dense attention, which
     ignores the indexer weights, computes the same function as replayrl's model."""
-    from rollout.model.config import default_config
-    from rollout.task import VOCABULARY
+    from replayrl.rollout.model.config import default_config
+    from replayrl.rollout.task import VOCABULARY
 
     positions = config.rollout.num_digits + 3 + config.rollout.max_response_len - 1
     return positions <= default_config(len(VOCABULARY)).index_topk
@@ -293,9 +293,9 @@ def run_replayrl(config) -> SideRun:
     Raises:
         PeerBenchError: a step was skipped, or its prompts differ from :func:`prompt_stream`.
     """
-    from actors import run_event_loop
-    from tools.launcher import launch
-    from transport import strict_json
+    from replayrl.actors import run_event_loop
+    from replayrl.tools.run.launcher import launch
+    from replayrl.transport import strict_json
 
     result = run_event_loop(launch(config))
     rows = [strict_json.loads(line) for line in Path(result.metrics_path).read_text().splitlines()]
@@ -332,9 +332,8 @@ def run_trl(config, checkpoint: Path, work: Path) -> SideRun:
     spec_path.write_text(json.dumps(spec))
     env = {**os.environ, "OMP_NUM_THREADS": str(TRL_THREADS), "TOKENIZERS_PARALLELISM": "false",
            "TRANSFORMERS_VERBOSITY": "error"}
-    proc = subprocess.run([sys.executable, "-m", "tools.bench_peer", "--trl-worker",
+    proc = subprocess.run([sys.executable, "-m", "replayrl.tools.bench.peer", "--trl-worker",
                            str(spec_path), str(result_path)], env=env,
-                          cwd=str(Path(__file__).resolve().parent.parent),
                           capture_output=True, text=True)
     if proc.returncode != 0:
         raise PeerBenchError(f"TRL side failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
@@ -360,8 +359,8 @@ def trl_worker(spec_path: str, result_path: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from rollout.task import DigitTask
-    from rollout.tool_env import DigitToolEnv
+    from replayrl.rollout.task import DigitTask
+    from replayrl.rollout.tool_env import DigitToolEnv
 
     task = DigitTask(num_digits=spec["num_digits"], num_values=spec["num_values"])
     env = DigitToolEnv(task)
@@ -438,7 +437,7 @@ def run_seed(steps: int, seed: int, work: Path, trl_first: bool,
     Raises:
         PeerBenchError: the checkpoint replayrl trained from is not the one TRL loaded.
     """
-    from tools.launcher import write_initial_checkpoint
+    from replayrl.tools.run.launcher import write_initial_checkpoint
 
     config = run_config(steps, seed, str(work / "replayrl"), overrides)
     checkpoint = write_initial_checkpoint(config, work / "checkpoint-init")
@@ -470,7 +469,7 @@ def report(pairs: list[tuple[SideRun, SideRun, dict]], threshold: float, window:
            "prompts here are longer than index_topk, so TRL trains a dense-attention model, "
            "replayrl a sparse one."),
         "Same prompt token ids in the same order (checked on both sides), same verifier "
-        "(rollout.tool_env.DigitToolEnv.reward on the completion ids).",
+        "(replayrl.rollout.tool_env.DigitToolEnv.reward on the completion ids).",
         "",
         settings_table(config),
         "",
@@ -580,15 +579,15 @@ def main(argv: list[str] | None = None) -> int:
     import importlib.util
 
     if importlib.util.find_spec("trl") is None:
-        from tools.exit_codes import EXIT_CONFIG
+        from replayrl.tools.run.exit_codes import EXIT_CONFIG
 
         print(f"replayrl bench peer: TRL is not installed; {TRL_EXTRA}", file=sys.stderr)
         return EXIT_CONFIG
-    from tools.priority import autogroup_priority
+    from replayrl.tools.bench.priority import autogroup_priority
 
     with autogroup_priority(args.priority):
         report = bench(args.steps, args.seeds, args.threshold, args.window, overrides)
-    print(("--priority: both sides ran ahead of other sessions' jobs (tools/priority.py)\n\n"
+    print(("--priority: both sides ran ahead of other sessions' jobs (tools/bench/priority.py)\n\n"
            if args.priority else "") + report, flush=True)
     return 0
 

@@ -7,7 +7,7 @@ both see the same machine load. Each run is a fresh process tree, exactly as a u
 every ``*_seconds`` key of ``metrics.jsonl`` (the per-step breakdown, docs/design.md §5) it
 prints the median over steps ``--warmup .. steps - 2`` of each run (the first steps warm up; the
 last has no overlapping generation), the median of those over the runs, and the ratio this /
-baseline. With ``--priority`` the runs go ahead of other sessions' jobs (:mod:`tools.priority`).
+baseline. With ``--priority`` the runs go ahead of other sessions' jobs (:mod:`replayrl.tools.bench.priority`).
 
 Needs ``git`` and a git checkout of replayrl; the baseline must accept the same flags.
 """
@@ -22,11 +22,12 @@ import tempfile
 from pathlib import Path
 from typing import Sequence
 
-from tools.bench_profile import breakdown
-from tools.priority import autogroup_priority
-from transport import strict_json
+from replayrl.tools.bench.profile import breakdown
+from replayrl.tools.bench.priority import autogroup_priority
+from replayrl.tools.bench.source_tree import importable
+from replayrl.transport import strict_json
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_medians(tree: Path, steps: int, warmup: int, output_dir: Path,
@@ -36,9 +37,16 @@ def run_medians(tree: Path, steps: int, warmup: int, output_dir: Path,
     Raises:
         subprocess.CalledProcessError: the run failed (its output is shown).
     """
-    subprocess.run([sys.executable, "-m", "tools.cli", "train", "--num-steps", str(steps),
+    # a baseline from before the replayrl namespace (pyproject.toml package-dir) runs as bare
+    # top-level packages; a namespaced one through a folder of symlinks (source_tree.py)
+    if '"replayrl.tools.cli:main"' in (tree / "pyproject.toml").read_text():
+        module = "replayrl.tools.cli"
+        path = importable(tree, output_dir.parent / f"importable-{output_dir.name}")
+    else:
+        module, path = "tools.cli", tree
+    subprocess.run([sys.executable, "-m", module, "train", "--num-steps", str(steps),
                     "--no-progress", "--output-dir", str(output_dir), *extra],
-                   cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)}, check=True,
+                   cwd=tree, env={**os.environ, "PYTHONPATH": str(path)}, check=True,
                    stdout=subprocess.DEVNULL)
     rows = [strict_json.loads(line) for line in
             (output_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]

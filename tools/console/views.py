@@ -1,7 +1,7 @@
 """What the REPL prints: an actor's methods with their docstrings, metrics rows, one sample's
 traces (docs/design.md §21 "REPL attach and multi-host runs").
 
-Pure functions from plain data (an :class:`actors.ActorInterface`, metrics rows, the columns of
+Pure functions from plain data (an :class:`replayrl.actors.ActorInterface`, metrics rows, the columns of
 ``RolloutManager.last_sample``) to text, and :class:`Shown`, the value the console helpers
 return: its ``repr`` is the text, ``.value`` the data.
 """
@@ -15,12 +15,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from actors import ActorInterface
+from replayrl.actors import ActorInterface
 
 __all__ = ["MetricKeyError", "Shown", "methods_text", "metrics_rows", "metrics_text", "sample_text"]
 
 TRACE_NAMES = ("sample_support", "routed_experts", "indexer_topk")
-"""The trace columns of a sample (``rollout.sample.TRACE_FIELDS``; named here, not imported:
+"""The trace columns of a sample (``replayrl.rollout.sample.TRACE_FIELDS``; named here, not imported:
 the console reads them from the wire, as plain arrays)."""
 
 METRIC_KEYS = ("step", "trainer_version", "reward_mean", "staleness_max", "samples",

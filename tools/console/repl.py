@@ -3,9 +3,9 @@
 Two ways in (docs/design.md §21 "REPL attach and multi-host runs"):
 
 * ``replayrl repl [run flags]`` starts the run's actors exactly as ``replayrl train`` starts
-  them (one process each, under a :class:`actors.Supervisor`), but nothing drives the loop: the
+  them (one process each, under a :class:`replayrl.actors.Supervisor`), but nothing drives the loop: the
   user does, one call (or ``step(k)``) at a time. Leaving stops every actor.
-* ``replayrl repl --attach OUTPUT_DIR`` (the run's ``attach.json``, :mod:`tools.attach``) or
+* ``replayrl repl --attach OUTPUT_DIR`` (the run's ``attach.json``, :mod:`replayrl.tools.run.attach_card``) or
   ``--attach tcp://host:port --curve-keys DIR`` (any one actor's address) joins a run that a
   launcher drives. The console is one more client of the actors: it starts, stops and steps
   nothing; leaving closes only its own connections (and resumes generation if this console
@@ -13,7 +13,7 @@ Two ways in (docs/design.md §21 "REPL attach and multi-host runs"):
 
 The actor runtime is asyncio and a connection belongs to the event loop that opened it, so the
 session runs one event loop in a background thread and the console (main thread,
-:class:`tools.repl_console.Console`) hands every call to it with
+:class:`replayrl.tools.console.prompt.Console`) hands every call to it with
 :func:`asyncio.run_coroutine_threadsafe`, blocking until the reply.
 
 Console namespace (see :data:`HELP_TEXT`): ``actors`` (name -> :class:`ConsoleProxy`), one
@@ -34,15 +34,15 @@ import time
 from pathlib import Path
 from typing import Any, Coroutine
 
-from actors import (ActorError, ActorSpec, Directory, Supervisor, close_connections,
+from replayrl.actors import (ActorError, ActorSpec, Directory, Supervisor, close_connections,
                     run_event_loop)
-from actors.run_dir import create_run_dir
-from tools.attach import AttachTarget, resolve_attach
-from tools.config import RunConfig, config_from_args
-from tools.exit_codes import exit_code
-from tools.repl_console import Console
-from tools.repl_views import Shown, methods_text, metrics_rows, metrics_text, sample_text
-from tools.train_loop import step_metrics, sync_step
+from replayrl.actors.run_dir import create_run_dir
+from replayrl.tools.run.attach_card import AttachTarget, resolve_attach
+from replayrl.tools.run.config import RunConfig, config_from_args
+from replayrl.tools.run.exit_codes import exit_code
+from replayrl.tools.console.prompt import Console
+from replayrl.tools.console.views import Shown, methods_text, metrics_rows, metrics_text, sample_text
+from replayrl.tools.run.train_loop import step_metrics, sync_step
 
 log = logging.getLogger(__name__)
 
@@ -76,12 +76,12 @@ replayrl repl: the run's actors are live; every call blocks until the actor repl
   help_text                    this text
 Helpers that print return a value whose .value holds the data.
 
-A remote failure raises actors.RemoteError carrying the actor's traceback; an actor process
-that dies makes every later call raise actors.ActorDied (attached: actors.PeerLost).
+A remote failure raises replayrl.actors.RemoteError carrying the actor's traceback; an actor process
+that dies makes every later call raise replayrl.actors.ActorDied (attached: replayrl.actors.PeerLost).
 Ctrl-C cancels the call in flight. {leave_line}"""
 
 _OWN_LINES = """\
-  step(k)                      one loop iteration as in tools/train_loop.py:
+  step(k)                      one loop iteration as in tools/run/train_loop.py:
                                generate rollout k, train on it, push the new weights; returns
                                the merged metrics (trainer.push_weights() once first: engines
                                serve nothing before their first weight load)"""
@@ -115,14 +115,14 @@ class ReplSession:
     :meth:`stop` stops them all (polite ``__stop__``, then SIGTERM / SIGKILL), joins the loop
     thread and removes the run's ipc directory.
 
-    Attached (``attach`` names a run, :func:`tools.attach.resolve_attach`): :meth:`start`
+    Attached (``attach`` names a run, :func:`replayrl.tools.run.attach_card.resolve_attach`): :meth:`start`
     finds the run's actors and pings each; :meth:`stop` resumes generation if this session
     paused it, then closes this process's connections and nothing else. Both are idempotent.
 
     Args:
         config: the run's configuration (``config.transport`` picks ipc or tcp endpoints; when
             attaching, ``config.curve_keys`` are the keys for a tcp address).
-        specs: actor specs replacing :func:`tools.launcher.actor_specs` (tests use small actors).
+        specs: actor specs replacing :func:`replayrl.tools.run.launcher.actor_specs` (tests use small actors).
         attach: a running run's output directory, attach card or one actor's address.
         call_timeout: default reply timeout of proxied calls, in seconds.
         ready_timeout: seconds every actor gets to answer its first ping.
@@ -168,9 +168,9 @@ class ReplSession:
         """Start (or attach to) every actor and fill :attr:`namespace`; returns ``self``.
 
         Raises:
-            actors.ActorDied: an actor process exited while starting (its traceback attached).
-            actors.ActorError: an actor did not answer within ``ready_timeout`` seconds.
-            tools.attach.AttachError: ``attach`` names no live run.
+            replayrl.actors.ActorDied: an actor process exited while starting (its traceback attached).
+            replayrl.actors.ActorError: an actor did not answer within ``ready_timeout`` seconds.
+            replayrl.tools.run.attach_card.AttachError: ``attach`` names no live run.
             ReplError: the session was already started.
         """
         if self._thread is not None:
@@ -197,7 +197,7 @@ class ReplSession:
         if specs is None:
             # imported here: the launcher pulls in the model (torch), which tests with small
             # actors and attached consoles do not need
-            from tools.launcher import actor_specs, initial_checkpoint
+            from replayrl.tools.run.launcher import actor_specs, initial_checkpoint
             output = Path(self.config.output_dir)
             output.mkdir(parents=True, exist_ok=True)
             (output / "config.json").write_text(self.config.to_json())
@@ -299,13 +299,13 @@ class ReplSession:
         """Run ``coro`` on the session's loop and block until it finishes; return its result.
 
         On a session's own actors the coroutine races the supervisor's watch, so an actor
-        process that dies ends the wait with :class:`actors.ActorDied` instead of a timeout
-        (attached, a lost peer fails the call with :class:`actors.errors.PeerLost`). Ctrl-C (KeyboardInterrupt) cancels
+        process that dies ends the wait with :class:`replayrl.actors.ActorDied` instead of a timeout
+        (attached, a lost peer fails the call with :class:`replayrl.actors.errors.PeerLost`). Ctrl-C (KeyboardInterrupt) cancels
         the coroutine on the loop before propagating.
 
         Raises:
             SessionClosed: the session is not running.
-            whatever ``coro`` raises (e.g. :class:`actors.RemoteError`, :class:`actors.ActorTimeout`).
+            whatever ``coro`` raises (e.g. :class:`replayrl.actors.RemoteError`, :class:`replayrl.actors.ActorTimeout`).
         """
         if not self._open or self._loop is None or self._loop.is_closed():
             coro.close()
@@ -347,12 +347,12 @@ class ReplSession:
         Args:
             timeout: seconds to wait for the reply; ``None`` waits forever (Ctrl-C still cancels).
         Raises:
-            actors.UnknownActor: no actor named ``name``.
-            actors.ActorCallError: no such method, or the arguments do not fit its signature
+            replayrl.actors.UnknownActor: no actor named ``name``.
+            replayrl.actors.ActorCallError: no such method, or the arguments do not fit its signature
                 (nothing was sent).
-            actors.RemoteError: the remote method raised (remote traceback attached).
-            actors.ActorTimeout: no reply within ``timeout`` seconds.
-            actors.ActorDied: an actor process of the run exited.
+            replayrl.actors.RemoteError: the remote method raised (remote traceback attached).
+            replayrl.actors.ActorTimeout: no reply within ``timeout`` seconds.
+            replayrl.actors.ActorDied: an actor process of the run exited.
             SessionClosed: the session is not running.
         """
         directory = self._directory()
@@ -364,8 +364,8 @@ class ReplSession:
         """Fire-and-forget ``method`` on ``name`` (sent from the loop; no reply, no error back).
 
         Raises:
-            actors.UnknownActor: no actor named ``name``.
-            actors.ActorCallError: no such method, or the arguments do not fit its signature
+            replayrl.actors.UnknownActor: no actor named ``name``.
+            replayrl.actors.ActorCallError: no such method, or the arguments do not fit its signature
                 (nothing was sent).
             SessionClosed: the session is not running.
         """
@@ -378,7 +378,7 @@ class ReplSession:
         self.run(send())
 
     def step(self, k: int, timeout: float | None = DEFAULT_STEP_TIMEOUT) -> dict:
-        """One iteration of :func:`tools.train_loop.train_loop`, without the overlap.
+        """One iteration of :func:`replayrl.tools.run.train_loop.train_loop`, without the overlap.
 
         Generates rollout ``k`` on the engines, trains one optimizer step on it and pushes the
         new weights to every engine (nothing after a step the trainer skipped, ``skipped: 1``).
@@ -388,15 +388,15 @@ class ReplSession:
             k: rollout id (each id is generated and taken once).
             timeout: seconds each of the three calls may take; ``None`` waits forever.
         Returns:
-            The metrics row ``train_loop`` would record (:func:`tools.train_loop.step_metrics`):
+            The metrics row ``train_loop`` would record (:func:`replayrl.tools.run.train_loop.step_metrics`):
             ``step`` (= ``k``), the generation summary (without ``policy_versions``), the
             trainer's metrics (``trainer_version``, ``loss_tokens``, ...),
             ``weight_push_seconds``, ``weight_push_bytes`` (bytes) and ``step_seconds`` (wall
             seconds of the whole step).
         Raises:
-            actors.RemoteError: generation, training or the push failed (e.g. ``EngineNotReady``
+            replayrl.actors.RemoteError: generation, training or the push failed (e.g. ``EngineNotReady``
                 before the first push, ``RolloutError`` for a rollout id used twice).
-            actors.ActorTimeout / actors.ActorDied / SessionClosed: as for :meth:`call`.
+            replayrl.actors.ActorTimeout / replayrl.actors.ActorDied / SessionClosed: as for :meth:`call`.
         """
         if self.attach:
             raise ReplError("step() drives a session's own actors; an attached run is stepped "
@@ -415,10 +415,10 @@ class ReplSession:
 
     # -- views ---------------------------------------------------------------------------------
     def interface(self, name: str):
-        """The :class:`actors.ActorInterface` of actor ``name`` (methods, signatures, docstrings).
+        """The :class:`replayrl.actors.ActorInterface` of actor ``name`` (methods, signatures, docstrings).
 
         Raises:
-            actors.UnknownActor, actors.ActorTimeout, SessionClosed: as :meth:`call`.
+            replayrl.actors.UnknownActor, replayrl.actors.ActorTimeout, SessionClosed: as :meth:`call`.
         """
         return self.run(self._directory().proxy(name, self.call_timeout).interface())
 
@@ -426,9 +426,9 @@ class ReplSession:
         """Every actor's (or one actor's) methods: signature and the docstring's first paragraph.
 
         Returns:
-            :class:`tools.repl_views.Shown`; ``.value`` maps actor name -> ActorInterface.
+            :class:`replayrl.tools.console.views.Shown`; ``.value`` maps actor name -> ActorInterface.
         Raises:
-            actors.UnknownActor: no actor named ``name``; as :meth:`call` otherwise.
+            replayrl.actors.UnknownActor: no actor named ``name``; as :meth:`call` otherwise.
         """
         names = [name] if name is not None else self._directory().names()
         interfaces = {n: self.interface(n) for n in names}
@@ -444,15 +444,15 @@ class ReplSession:
 
     def metrics(self, n: int = 5, keys: str | list[str] | None = None) -> Shown:
         """The last ``n`` metrics rows as a table of ``keys`` (one key as a ``str``, or a list;
-        default :data:`tools.repl_views.METRIC_KEYS`): an attached run's ``metrics.jsonl``, or
+        default :data:`replayrl.tools.console.views.METRIC_KEYS`): an attached run's ``metrics.jsonl``, or
         the rows :meth:`step` returned in a session's own run.
 
         Returns:
-            :class:`tools.repl_views.Shown`; ``.value`` is the list of rows (dicts).
+            :class:`replayrl.tools.console.views.Shown`; ``.value`` is the list of rows (dicts).
         Raises:
             ReplError: attached by an address, so the driver's ``metrics.jsonl`` is elsewhere
                 (attach by the run's output directory), or the file is unreadable.
-            tools.repl_views.MetricKeyError: a key of ``keys`` is in none of the rows shown.
+            replayrl.tools.console.views.MetricKeyError: a key of ``keys`` is in none of the rows shown.
         """
         if self.attach:
             output = self.target.output_dir if self.target is not None else ""
@@ -474,7 +474,7 @@ class ReplSession:
         each): ``RolloutManager.last_sample``.
 
         Returns:
-            :class:`tools.repl_views.Shown`; ``.value`` is the sample's columns.
+            :class:`replayrl.tools.console.views.Shown`; ``.value`` is the sample's columns.
         """
         columns = self.call(MANAGER, "last_sample", timeout=self.call_timeout)
         return Shown(sample_text(columns, rows), columns)
@@ -524,8 +524,8 @@ class ReplSession:
 class ConsoleProxy:
     """Synchronous stand-in for one actor: ``proxy.method(*args, **kw)`` blocks for the reply.
 
-    Each call goes through a typed :class:`actors.ActorProxy`, so a misspelt method or a wrong
-    argument list raises :class:`actors.ActorCallError` with the signature before anything is
+    Each call goes through a typed :class:`replayrl.actors.ActorProxy`, so a misspelt method or a wrong
+    argument list raises :class:`replayrl.actors.ActorCallError` with the signature before anything is
     sent. ``dir()`` and ``repr()`` show the actor's methods and signatures, asked from the actor
     itself (its ``__interface__``). ``__ping__`` is forwarded too; other ``_`` names are not.
     The reply timeout is the session's ``call_timeout``; ``call(...)`` in the console takes
@@ -596,7 +596,7 @@ def main(args) -> int:
     and open a console on them.
 
     Args:
-        args: the parsed ``repl`` flags (see :func:`tools.config.add_run_flags`) and
+        args: the parsed ``repl`` flags (see :func:`replayrl.tools.run.config.add_run_flags`) and
             ``--attach`` (a running run's output directory or one actor's address).
     Returns:
         Exit code: 0 on Ctrl-D / ``exit()`` (or the code given to ``exit(n)``), 1 when the actors

@@ -5,14 +5,14 @@ Under torchrun nothing else ends a rank whose driver (rank 0: the loop, the cloc
 manager) is gone or cut off: the rank only serves, its torchrun agent watches local processes
 only, and a cut link raises no error on a server socket. So every rank but the driver holds
 one more connection, to the driver's ``version_clock``, with the run's CURVE keys and ZMTP
-heartbeats at the run's deadline (``--heartbeat-deadline-s``, :func:`actors.ref.heartbeat_ms`),
+heartbeats at the run's deadline (``--heartbeat-deadline-s``, :func:`replayrl.actors.ref.heartbeat_ms`),
 watched from a thread with its own event loop: libzmq answers and times out heartbeats on its
 I/O thread, and the watch reads the socket monitor on its own loop, so a rank whose own loop is
 blocked (an engine inside a long ``generate``) still notices.
 
 When that connection drops (heartbeats unanswered past the deadline: link cut or host frozen;
 or closed: driver process gone) and is not back within ``grace_s`` seconds, the process exits
-at once with :data:`tools.exit_codes.EXIT_DRIVER_LOST`. The grace lets a normal end finish: the
+at once with :data:`replayrl.tools.run.exit_codes.EXIT_DRIVER_LOST`. The grace lets a normal end finish: the
 driver stops every other rank (``__stop__``) before its own actors close, so a rank that is
 stopping as told has closed the watch long before. A hard ``os._exit`` rather than an exception,
 because the rank's main thread may be blocked in native code that would never see one.
@@ -24,10 +24,10 @@ import logging
 import os
 import threading
 
-from actors.directory import Directory
-from actors.ref import heartbeat_ms
-from tools.exit_codes import EXIT_DRIVER_LOST
-from transport import DealerSocket
+from replayrl.actors.directory import Directory
+from replayrl.actors.ref import heartbeat_ms
+from replayrl.tools.run.exit_codes import EXIT_DRIVER_LOST
+from replayrl.transport import DealerSocket
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class DriverWatch:
         rank: this rank, for the log line.
         exit: called with the exit code instead of ``os._exit`` (tests).
     Raises:
-        transport.TransportError: the CURVE key files are missing or too open.
+        replayrl.transport.TransportError: the CURVE key files are missing or too open.
     """
 
     def __init__(self, directory: Directory, ready_timeout_s: float, grace_s: float | None = None,

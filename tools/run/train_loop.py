@@ -33,9 +33,9 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from actors import Directory
-from tools.config import RunConfig
-from transport import strict_json
+from replayrl.actors import Directory
+from replayrl.tools.run.config import RunConfig
+from replayrl.transport import strict_json
 
 
 NO_PUSH = {"version": None, "seconds": 0.0, "bytes": 0}
@@ -53,7 +53,7 @@ async def push_after(trained: dict, trainer, wait: bool = True) -> dict:
     Returns:
         the ``push_weights`` result, or a copy of :data:`NO_PUSH` when ``trained["skipped"]``.
     Raises:
-        actors.RemoteError: the push (or, with ``wait=False``, the previous one) failed.
+        replayrl.actors.RemoteError: the push (or, with ``wait=False``, the previous one) failed.
     """
     if trained.get("skipped"):
         return dict(NO_PUSH)
@@ -98,7 +98,7 @@ async def sync_step(manager, trainer, step: int) -> tuple[dict, dict, dict, dict
         whole generation) and ``wait_for_trainer_seconds`` (the engines waited for training and
         the push); seconds.
     Raises:
-        actors.RemoteError: generation, training or the push failed.
+        replayrl.actors.RemoteError: generation, training or the push failed.
     """
     start = time.perf_counter()
     summary = await manager.generate(step)

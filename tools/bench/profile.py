@@ -20,7 +20,7 @@ import pstats
 import statistics
 from pathlib import Path
 
-from actors.spawn import PROFILE_ENV
+from replayrl.actors.spawn import PROFILE_ENV
 
 
 def breakdown(rows: list[dict], warmup: int) -> dict[str, float]:
@@ -50,18 +50,19 @@ def main(argv: list[str] | None = None) -> int:
                              "(Linux autogroup nice -20; needs root)")
     parser.add_argument("run_args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
-    from actors import run_event_loop
-    from tools.cli import build_parser
-    from tools.config import config_from_args
-    from tools.launcher import launch
+    from replayrl.actors import run_event_loop
+    from replayrl.tools.run.config import add_run_flags, config_from_args
+    from replayrl.tools.run.launcher import launch
 
     run_args = [a for a in args.run_args if a != "--"]
-    config = config_from_args(build_parser().parse_args(
-        ["train", "--num-steps", str(args.steps), "--no-progress", "--output-dir", args.output_dir,
+    train_flags = argparse.ArgumentParser(prog="replayrl bench profile -- (train flags)")
+    add_run_flags(train_flags)
+    config = config_from_args(train_flags.parse_args(
+        ["--num-steps", str(args.steps), "--no-progress", "--output-dir", args.output_dir,
          *run_args]))
     profile_dir = Path(args.output_dir) / "profile"
     os.environ[PROFILE_ENV] = str(profile_dir)  # inherited by every spawned actor process
-    from tools.priority import autogroup_priority
+    from replayrl.tools.bench.priority import autogroup_priority
 
     try:
         with autogroup_priority(args.priority):

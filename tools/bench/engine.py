@@ -19,13 +19,13 @@ from dataclasses import dataclass
 
 import torch
 
-from rollout.data_source import PromptDataSource, digit_task_prompts
-from rollout.engines.embedded import EmbeddedEngine
-from rollout.model.checkpoint import state_dict_arrays
-from rollout.model.config import default_config, without_indexer
-from rollout.model.qwen3_moe import Qwen3MoeForCausalLM
-from rollout.sampler import SamplingParams
-from rollout.task import VOCABULARY, DigitTask
+from replayrl.rollout.data_source import PromptDataSource, digit_task_prompts
+from replayrl.rollout.engines.embedded import EmbeddedEngine
+from replayrl.rollout.model.checkpoint import state_dict_arrays
+from replayrl.rollout.model.config import default_config, without_indexer
+from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
+from replayrl.rollout.sampler import SamplingParams
+from replayrl.rollout.task import VOCABULARY, DigitTask
 
 TRACES = frozenset({"sample_support", "routed_experts"})
 
@@ -57,7 +57,7 @@ def measure(name: str, batch_size: int, batches: int, response_len: int, dtype: 
 
     start = time.perf_counter()
     if name == "vllm":
-        from rollout.engines.vllm_engine import VllmEngine  # imports vllm
+        from replayrl.rollout.engines.vllm_engine import VllmEngine  # imports vllm
 
         engine = VllmEngine(cfg, dtype=dtype)
     else:

@@ -7,7 +7,7 @@ two-character strings, of 300s), decodes it once with ``transport.decode`` and o
 outcome, the wall time and the peak Python memory (tracemalloc) per wire byte of each, and the
 ratio of the two times (docs/design.md §4 "Transport contract").
 
-Usage: ``replayrl bench decode`` (``python -m tools.bench_decode``)
+Usage: ``replayrl bench decode`` (``python -m replayrl.tools.bench.decode``)
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from typing import Callable
 
 import msgpack
 
-from transport import DecodeError, decode
+from replayrl.transport import DecodeError, decode
 
 SHAPES = {"empty lists (0x90)": b"\x90", "empty dicts (0x80)": b"\x80",
           "lists of one empty list": b"\x91\x90", "2-char strings": b"\xa2ab",

@@ -13,9 +13,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from actors import ActorError, ActorRef, Directory
-from actors.ref import use_curve_keys
-from transport import strict_json
+from replayrl.actors import ActorError, ActorRef, Directory
+from replayrl.actors.ref import use_curve_keys
+from replayrl.transport import strict_json
 
 __all__ = ["ATTACH_CARD", "AttachError", "AttachTarget", "write_attach_card",
            "remove_attach_card", "resolve_attach"]
@@ -94,7 +94,7 @@ async def resolve_attach(target: str, curve_keys: str = "", timeout: float = 10.
     """The run at ``target``: an output directory or card path, or one actor's address.
 
     Must run inside the event loop that will make the console's calls. Sets this process's
-    CURVE keys (:func:`actors.ref.use_curve_keys`).
+    CURVE keys (:func:`replayrl.actors.ref.use_curve_keys`).
 
     Args:
         target: a directory holding ``attach.json``, the card itself, or ``tcp://host:port`` /
@@ -122,7 +122,7 @@ async def resolve_attach(target: str, curve_keys: str = "", timeout: float = 10.
         found = _read_card(Path(target), curve_keys)
     try:
         use_curve_keys(found.directory.keys())
-    except Exception as exc:  # transport.TransportError: unreadable or too open key files
+    except Exception as exc:  # replayrl.transport.TransportError: unreadable or too open key files
         raise AttachError(f"--attach {target}: {exc}") from None
     for name in found.directory.names():
         try:

@@ -6,18 +6,18 @@ transport table is its output):
 * one-way array throughput at 4 KiB, 1 MiB and 64 MiB float32 (encode -> ipc send -> receive
   -> decode, both ends on one asyncio loop, the decoded array dropped at once) as a fraction
   of ``np.copyto`` into a reused buffer of the same size: as ZeroMQ frames (the pool off) and
-  through the shared-memory pool (``transport.shm_pool``); 4 KiB travels inline either way;
+  through the shared-memory pool (``replayrl.transport.shm_pool``); 4 KiB travels inline either way;
 * actor call round trip, median of single calls (1 in flight), and calls/s with 64 in flight,
   to an actor in another process (``ActorRef.call`` over ipc), against a raw pyzmq DEALER ->
   ROUTER echo of a message of the same size, also in another process;
 * the floor under that round trip, in the same run and against the same raw baseline: an echo
-  at the socket level (``transport.sockets``: a ``DealerSocket`` client awaiting a future, a
+  at the socket level (``replayrl.transport.sockets``: a ``DealerSocket`` client awaiting a future, a
   ``RouterSocket`` replying from ``on_message``; raw bytes, no codec, no actor), and each
   side of it against the raw blocking other side, the asyncio side run by
-  ``actors.loop.run_event_loop`` as actors run (uvloop when installed);
+  ``replayrl.actors.loop.run_event_loop`` as actors run (uvloop when installed);
 * for a 1 MiB array one way, the time per message above the memcpy of the same bytes, next
   to what 0.9x memcpy would allow;
-* a weight push (``transport.array_bundle`` of 16 float32 arrays, ``--push-mib`` in all) to
+* a weight push (``replayrl.transport.array_bundle`` of 16 float32 arrays, ``--push-mib`` in all) to
   an actor in another process that reads every array, as ZeroMQ frames and through the pool;
 * small messages/s: a small call envelope encoded, sent, received and decoded one way;
 * where Ray is installed (``pip install ray``, not a dependency): a Ray actor call's median
@@ -27,9 +27,9 @@ The machine's load average and core count are printed first: the figures are med
 ``--repeats`` runs and move with whatever else the machine runs.
 
 With ``--priority`` the benchmark and the actor it spawns run ahead of other sessions' jobs
-(:mod:`tools.priority`), both sides of every ratio alike.
+(:mod:`replayrl.tools.bench.priority`), both sides of every ratio alike.
 
-Usage: ``python -m tools.bench_transport [--repeats 3] [--calls 4000] [--push-mib 256] [--priority]``
+Usage: ``python -m replayrl.tools.bench.transport [--repeats 3] [--calls 4000] [--push-mib 256] [--priority]``
 """
 
 from __future__ import annotations
@@ -46,12 +46,12 @@ from dataclasses import dataclass
 import numpy as np
 import zmq
 
-from actors import Actor, ActorSpec, Directory, Supervisor
-from actors.loop import run_event_loop
-from actors.ref import use_shared_memory
-from transport import Codec, DealerSocket, RouterSocket, ipc_endpoint
-from transport.array_bundle import pack_arrays, unpack_arrays
-from transport.shm_pool import ShmPool, ShmReader
+from replayrl.actors import Actor, ActorSpec, Directory, Supervisor
+from replayrl.actors.loop import run_event_loop
+from replayrl.actors.ref import use_shared_memory
+from replayrl.transport import Codec, DealerSocket, RouterSocket, ipc_endpoint
+from replayrl.transport.array_bundle import pack_arrays, unpack_arrays
+from replayrl.transport.shm_pool import ShmPool, ShmReader
 
 SIZES = {"4 KiB": 4 << 10, "1 MiB": 1 << 20, "64 MiB": 64 << 20}
 _OVERHEAD_SIZE = "1 MiB"  # the size whose per-message overhead is printed (issue 13 item 6)
@@ -263,7 +263,7 @@ async def _asyncio_echo(endpoint: str, ready) -> None:
     stopped = asyncio.get_running_loop().create_future()
 
     def on_message(peer: bytes, frames: list) -> None:
-        router.send(peer, frames)  # the views are copied by send (transport.sockets.owned_frames)
+        router.send(peer, frames)  # the views are copied by send (replayrl.transport.sockets.owned_frames)
         if frames[-1] == b"stop" and not stopped.done():
             stopped.set_result(None)
 
@@ -352,7 +352,7 @@ def _asyncio_client_p50(server_fn, endpoint: str, payload: bytes, calls: int) ->
 def socket_floor(run_dir: str, calls: int) -> SocketFloor:
     """Measure the three :class:`SocketFloor` round trips over ipc endpoints in ``run_dir``
     (a directory of mode 0700), ``calls`` timed round trips each, the asyncio client on
-    :func:`actors.loop.run_event_loop`."""
+    :func:`replayrl.actors.loop.run_event_loop`."""
     payload = _call_payload()
     asyncio_both = _asyncio_client_p50(_asyncio_echo_server, ipc_endpoint(run_dir, "floor-a.sock"),
                                        payload, calls)
@@ -417,7 +417,7 @@ async def _actor_figures(calls: int, in_flight: int, push_bytes: int,
     """Call p50 and rate, and a ``push_bytes`` weight push's seconds as frames and through the pool."""
     with tempfile.TemporaryDirectory(prefix="bench-") as run_dir:
         directory = Directory.for_run(run_dir, ["echo"])
-        async with Supervisor([ActorSpec("echo", "tools.bench_transport:BenchEcho", {})], directory, run_dir):
+        async with Supervisor([ActorSpec("echo", "replayrl.tools.bench.transport:BenchEcho", {})], directory, run_dir):
             ref = directory.ref("echo")
             p50, rate = await _actor_calls(ref, calls, in_flight)
             # a weight push as the trainer sends it: named arrays packed one buffer per dtype
@@ -492,7 +492,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="on a machine shared with other users' jobs, run this benchmark and "
                              "its actor first (Linux autogroup nice -20; needs root)")
     args = parser.parse_args(argv)
-    from tools.priority import autogroup_priority
+    from replayrl.tools.bench.priority import autogroup_priority
 
     with autogroup_priority(args.priority):
         _table(args)
@@ -503,7 +503,7 @@ def _table(args: argparse.Namespace) -> None:
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"conditions: {os.cpu_count()} CPUs, load average {load} (1, 5, 15 min); "
           f"medians of {args.repeats} runs; ipc on one node"
-          f"{'; --priority: ahead of other sessions (tools/priority.py)' if args.priority else ''}")
+          f"{'; --priority: ahead of other sessions (tools/bench/priority.py)' if args.priority else ''}")
     print()
     print("| measurement | result | against the baseline of this run |")
     print("|---|---|---|")

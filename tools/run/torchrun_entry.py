@@ -4,13 +4,13 @@ many.
 Usage (one node; several nodes: the same command on each, with torchrun's ``--nnodes``,
 ``--node-rank``, ``--master-addr`` and ``--master-port``)::
 
-    torchrun --nproc-per-node 4 -m tools.torchrun_entry --curve-keys DIR [replayrl train flags]
+    torchrun --nproc-per-node 4 -m replayrl.tools.run.torchrun_entry --curve-keys DIR [replayrl train flags]
 
 Roles: rank 0 runs the driver loop and serves ``version_clock`` and ``rollout_manager``;
 the last ``T = --dp-size x --tp-size x --pp-size x --cp-size`` ranks serve the trainer ranks ``trainer``,
 ``trainer_1`` .. (docs/design.md §19 "Trainer ranks"); the ranks between serve ``engine_0 ..``.
 The actor with index ``i`` in the run's actor list listens on ``tcp://ADDR:MASTER_PORT + 1 + i``,
-where ``ADDR`` is its rank's address toward ``MASTER_ADDR`` (:mod:`tools.rank_hosts`); the ranks
+where ``ADDR`` is its rank's address toward ``MASTER_ADDR`` (:mod:`replayrl.tools.run.rank_hosts`); the ranks
 exchange their addresses through torchrun's rendezvous store, so every rank builds the same
 directory (docs/design.md §21 "REPL attach and multi-host runs"). Every socket is
 CURVE-authenticated with the run's keys (``--curve-keys DIR``, made by ``replayrl keys DIR`` and
@@ -20,7 +20,7 @@ Engine hosts the run survives losing (docs/design.md §21): with ``--joined-engi
 also expects ``N`` engines from outside its torchrun world; each such host runs its own one-node
 torchrun with ``--join-run MASTER_ADDR:MASTER_PORT`` (the run's) and the same training flags::
 
-    torchrun --standalone --nproc-per-node K -m tools.torchrun_entry --curve-keys DIR \
+    torchrun --standalone --nproc-per-node K -m replayrl.tools.run.torchrun_entry --curve-keys DIR \
         --join-run node0.example:29500 [the run's replayrl train flags]
 
 Their engines come after the run's own (``engine_{E}`` ..). Rank 0 publishes the run's settings
@@ -28,7 +28,7 @@ in the store and a joined host refuses to join when its own differ (:func:`check
 only :data:`PER_HOST_FLAGS` may differ). A joined host's loss is handled by
 ``--engine-failure regenerate`` like any lost engine, and no agent of the run's torchrun waits
 for it or is stopped with it. Every rank but the driver exits by itself when its connection
-to the driver stays lost (:mod:`tools.driver_watch`). ``--engine-failure restart`` is refused
+to the driver stays lost (:mod:`replayrl.tools.run.driver_watch`). ``--engine-failure restart`` is refused
 here: no process of the run can start a replacement on another host.
 """
 from __future__ import annotations
@@ -44,21 +44,21 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from actors import ActorError, Directory, run_event_loop
-from actors.directory import DEFAULT_HEARTBEAT_DEADLINE_S
-from actors.process_title import set_process_title
-from actors.ref import use_curve_keys, use_heartbeat_deadline
-from actors.spawn import ActorSpec, import_actor_class, serve_actor
-from tools.attach import remove_attach_card, write_attach_card
-from tools.config import FLAGS, ConfigError, RunConfig, add_run_flags, config_from_args
-from tools.exit_codes import exit_code
-from tools.launcher import (actor_specs, check_load, check_prompt_data, initial_checkpoint,
+from replayrl.actors import ActorError, Directory, run_event_loop
+from replayrl.actors.directory import DEFAULT_HEARTBEAT_DEADLINE_S
+from replayrl.actors.process_title import set_process_title
+from replayrl.actors.ref import use_curve_keys, use_heartbeat_deadline
+from replayrl.actors.spawn import ActorSpec, import_actor_class, serve_actor
+from replayrl.tools.run.attach_card import remove_attach_card, write_attach_card
+from replayrl.tools.run.config import FLAGS, ConfigError, RunConfig, add_run_flags, config_from_args
+from replayrl.tools.run.exit_codes import exit_code
+from replayrl.tools.run.launcher import (actor_specs, check_load, check_prompt_data, initial_checkpoint,
                             trainer_rank_count, write_embedded_tokenizer, write_run_config)
-from trainer.rank_group import follower_names
-from tools.metrics import MetricsRecorder
-from tools.driver_watch import DriverWatch
-from tools.rank_hosts import exchange_addresses, join_run, own_address
-from tools.train_loop import checkpoint_next_step, train_loop
+from replayrl.trainer.rank_group import follower_names
+from replayrl.tools.run.metrics import MetricsRecorder
+from replayrl.tools.run.driver_watch import DriverWatch
+from replayrl.tools.run.rank_hosts import exchange_addresses, join_run, own_address
+from replayrl.tools.run.train_loop import checkpoint_next_step, train_loop
 
 DRIVER_ACTORS = ("version_clock", "rollout_manager")
 
@@ -74,7 +74,7 @@ def plan(world_size: int, config: RunConfig, base_port: int = 29500,
          joined: int = 0) -> tuple[list[ActorSpec], dict[int, list[str]]]:
     """Actor specs of the run and the actor names each rank serves.
 
-    The last ``T`` ranks (``T`` = :func:`tools.launcher.trainer_rank_count`, ``--dp-size``)
+    The last ``T`` ranks (``T`` = :func:`replayrl.tools.run.launcher.trainer_rank_count`, ``--dp-size``)
     serve the trainer ranks (``trainer``, ``trainer_1`` ..), which meet in their own process
     group at ``base_port + 1 + len(specs)``, the port after the actors'. The ranks between the
     driver and them serve ``engine_0`` .. ``engine_{E-1}``; ``joined`` more engines
@@ -126,7 +126,7 @@ def check_joined_settings(run_settings: str, config: RunConfig) -> None:
     """Refuse a joined host whose settings differ from the run's.
 
     Args:
-        run_settings: the run's :meth:`tools.config.RunConfig.to_json`, as rank 0 publishes it.
+        run_settings: the run's :meth:`replayrl.tools.run.config.RunConfig.to_json`, as rank 0 publishes it.
         config: the joined host's own settings.
     Raises:
         ConfigError: a flag other than :data:`PER_HOST_FLAGS` differs; names every such flag
@@ -179,7 +179,7 @@ def with_trainer_group_host(specs: list[ActorSpec], host: str) -> list[ActorSpec
 
 
 def _checkpoint_dir(config: RunConfig):
-    """Where the trainer reads the initial policy (``tools.launcher.initial_checkpoint``)."""
+    """Where the trainer reads the initial policy (``replayrl.tools.run.launcher.initial_checkpoint``)."""
     if config.hf_checkpoint:
         return Path(config.hf_checkpoint)
     return Path(config.output_dir) / "checkpoint-init"
@@ -284,13 +284,13 @@ async def _drive(config: RunConfig, specs: list[ActorSpec], directory: Directory
 
 def main(argv: list[str] | None = None,
          transform_specs: Callable[[list[ActorSpec]], list[ActorSpec]] | None = None) -> int:
-    """Entry point of one torchrun rank; exit codes as :func:`tools.exit_codes.exit_code`
-    (and :data:`tools.exit_codes.EXIT_DRIVER_LOST` from :mod:`tools.driver_watch`).
+    """Entry point of one torchrun rank; exit codes as :func:`replayrl.tools.run.exit_codes.exit_code`
+    (and :data:`replayrl.tools.run.exit_codes.EXIT_DRIVER_LOST` from :mod:`replayrl.tools.run.driver_watch`).
 
     ``transform_specs`` rewrites the planned actor specs on every rank (tests inject faulty
-    actors this way, as ``tools.launcher.launch(specs=...)``).
+    actors this way, as ``replayrl.tools.run.launcher.launch(specs=...)``).
     """
-    parser = argparse.ArgumentParser(prog="python -m tools.torchrun_entry", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m replayrl.tools.run.torchrun_entry", description=__doc__.splitlines()[0])
     add_run_flags(parser)
     parser.add_argument("--ready-timeout", type=float, default=180.0, metavar="SECONDS",
                         help="how long the ranks (and joined engines) may take to publish their "

@@ -1,16 +1,16 @@
 """How a replayrl command ends, as a process exit code — one mapping for every entry point.
 
 ``replayrl train``, ``replayrl repl``, ``replayrl bench`` and each rank of
-``tools.torchrun_entry`` run their body through :func:`exit_code`:
+``replayrl.tools.run.torchrun_entry`` run their body through :func:`exit_code`:
 
 ====  =================================================================================
 code  meaning
 ====  =================================================================================
 0     the body returned 0 (or the code it returned)
 1     the run failed: an actor died or raised (its traceback is part of the message)
-2     configuration error (:class:`tools.config.ConfigError`), before or after start
+2     configuration error (:class:`replayrl.tools.run.config.ConfigError`), before or after start
 3     a torchrun rank lost its driver (link cut, host or driver gone) and left on its own
-      (:mod:`tools.driver_watch`)
+      (:mod:`replayrl.tools.run.driver_watch`)
 130   Ctrl-C (``KeyboardInterrupt``); every actor was stopped on the way out
 143   SIGTERM (timeout, slurm, k8s) once :func:`handle_sigterm` is installed
 ====  =================================================================================
@@ -21,7 +21,7 @@ import signal
 import sys
 from typing import Callable
 
-from tools.config import ConfigError
+from replayrl.tools.run.config import ConfigError
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
 EXIT_DRIVER_LOST = 3

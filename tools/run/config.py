@@ -1,15 +1,15 @@
 """Run configuration: slime-style flags, an optional TOML/JSON config file, validation.
 
 Precedence: built-in defaults < ``--config FILE`` < command-line flags. Every flag maps to a
-field of :class:`RunConfig` (run level), :class:`rollout.config.RolloutConfig` or
-:class:`trainer.config.TrainerConfig` (``--seed`` and ``--rollout-temperature`` to one field of
+field of :class:`RunConfig` (run level), :class:`replayrl.rollout.config.RolloutConfig` or
+:class:`replayrl.trainer.config.TrainerConfig` (``--seed`` and ``--rollout-temperature`` to one field of
 each side); the config file uses the same names with dashes or underscores
 (``rollout-batch-size = 16`` or ``rollout_batch_size = 16``).
 
 A flag's name, default, help and range are declared once, on its field, with
-:func:`actors.settings.setting`; :data:`FLAGS` collects them, and the argparse flags, the
+:func:`replayrl.actors.settings.setting`; :data:`FLAGS` collects them, and the argparse flags, the
 config-file keys and type checks and the README's flag table (:func:`flag_table_markdown`,
-printed by ``python -m tools.config``) are generated from it. Adding a setting is one line in
+printed by ``python -m replayrl.tools.run.config``) are generated from it. Adding a setting is one line in
 one dataclass, e.g. ``backend: str = setting("fsdp", "train-backend", "trainer backend",
 Choices(("fsdp", "megatron")))``.
 """
@@ -25,19 +25,19 @@ from dataclasses import fields as dataclass_fields
 from pathlib import Path
 from typing import Any, Collection
 
-from actors.settings import Choices, Range, Rule, Setting, check_settings, setting, settings_of, show_value
-from rollout.config import RolloutConfig
-from rollout.engine_pool import ENGINE_FAILURE_POLICIES
-from rollout.engines.precision import DTYPES
-from rollout.engines.sglang_protocol import parse_urls
-from rollout.model.config import ModelConfig, default_config, without_indexer
-from rollout.model.errors import ModelError
-from rollout.model.loader import read_hf_config
-from rollout.task import VOCABULARY
-from trainer.config import TrainerConfig
-from transport import TransportError, strict_json
-from transport.curve import CurveKeys
-from transport.shm_pool import DEFAULT_SHM_MIN_ARRAY_BYTES, DEFAULT_SHM_POOL_BYTES
+from replayrl.actors.settings import Choices, Range, Rule, Setting, check_settings, setting, settings_of, show_value
+from replayrl.rollout.config import RolloutConfig
+from replayrl.rollout.engine_pool import ENGINE_FAILURE_POLICIES
+from replayrl.rollout.engines.precision import DTYPES
+from replayrl.rollout.engines.sglang_protocol import parse_urls
+from replayrl.rollout.model.config import ModelConfig, default_config, without_indexer
+from replayrl.rollout.model.errors import ModelError
+from replayrl.rollout.model.loader import read_hf_config
+from replayrl.rollout.task import VOCABULARY
+from replayrl.trainer.config import TrainerConfig
+from replayrl.transport import TransportError, strict_json
+from replayrl.transport.curve import CurveKeys
+from replayrl.transport.shm_pool import DEFAULT_SHM_MIN_ARRAY_BYTES, DEFAULT_SHM_POOL_BYTES
 
 
 class ConfigError(ValueError):
@@ -58,10 +58,10 @@ class RunConfig:
     Attributes:
         num_steps: optimizer steps (= rollouts) to run (``--num-steps``, slime ``--num-rollout``).
         max_staleness: VersionClock window (``--max-staleness``); 0 runs the synchronous
-            on-policy loop (:func:`tools.train_loop.sync_step`).
+            on-policy loop (:func:`replayrl.tools.run.train_loop.sync_step`).
         num_engines: engine actors (``--num-engines``).
         engine_dtype: ``auto`` (bf16 where the hardware computes it natively, else float32;
-            :mod:`rollout.engines.precision`), ``bfloat16`` or ``float32`` (``--engine-dtype``).
+            :mod:`replayrl.rollout.engines.precision`), ``bfloat16`` or ``float32`` (``--engine-dtype``).
         output_dir: where metrics.jsonl, the plot and the checkpoint go (``--output-dir``).
         transport: ``ipc`` (one node) or ``tcp`` (loopback) (``--transport``).
         curve_keys: the run's CURVE key directory (``--curve-keys``; required by tcp).
@@ -73,7 +73,7 @@ class RunConfig:
         metrics_hooks: ``module:function`` loggers called after each step with the frozen
             config and a read-only view of the metrics (``--metrics-hook``, repeatable).
         rollout_engine: the rollout engine's registry name (``--rollout-engine``,
-            ``rollout.engines.ENGINES``); the launcher rejects an unknown one.
+            ``replayrl.rollout.engines.ENGINES``); the launcher rejects an unknown one.
         hf_checkpoint: the initial policy, a Hugging Face Qwen3 / Qwen3-MoE checkpoint
             directory (``--hf-checkpoint``); ``""`` = the embedded default built from ``--seed``
             (docs/design.md §14 "Hugging Face checkpoints").
@@ -81,7 +81,7 @@ class RunConfig:
             ``--save-interval`` steps and after the last step (``--save-hf``; ``""`` = never).
         cpu_affinity: ``split`` gives the trainer process the first half of the launcher's
             CPUs and every other actor the rest; ``off`` leaves placement to the OS
-            (``--cpu-affinity``; :func:`tools.launcher.split_cpus`).
+            (``--cpu-affinity``; :func:`replayrl.tools.run.launcher.split_cpus`).
         eval_interval: steps between evaluations of ``--eval-prompt-data`` (0 = never).
         use_tensorboard: write TensorBoard event files beside ``metrics.jsonl``.
         model_indexer: the policy has the sparse-attention indexer (``--model-indexer``);
@@ -95,9 +95,9 @@ class RunConfig:
         sglang_weight_dir: directory the SGLang engine writes weight pushes to, readable by
             every server at the same path (``""`` = a temporary directory on this host).
         heartbeat_deadline_s: seconds of silence after which an actor is lost
-            (``--heartbeat-deadline-s``; :class:`actors.Supervisor`).
+            (``--heartbeat-deadline-s``; :class:`replayrl.actors.Supervisor`).
         engine_failure: what a lost engine costs (``--engine-failure``,
-            :data:`rollout.engine_pool.ENGINE_FAILURE_POLICIES`; docs/design.md §18 "Engine
+            :data:`replayrl.rollout.engine_pool.ENGINE_FAILURE_POLICIES`; docs/design.md §18 "Engine
             fault tolerance"); a lost trainer, clock or manager always ends the run.
         shm_pool_bytes, shm_min_array_bytes: the shared-memory pool of every process for arrays
             to ipc peers (``--shm-pool-bytes``, 0 = off; ``--shm-min-array-bytes``; bytes;
@@ -131,7 +131,7 @@ class RunConfig:
         "read-only view of the metrics", Rule(lambda hooks: all(":" in h for h in hooks),
                                               "module:function"), metavar="MODULE:FUNCTION")
     rollout_engine: str = setting("embedded", "rollout-engine", "rollout engine, a name in the "
-                                  "registry rollout.engines.ENGINES (checked by the launcher)")
+                                  "registry replayrl.rollout.engines.ENGINES (checked by the launcher)")
     hf_checkpoint: str = setting("", "hf-checkpoint", "initial policy: a Hugging Face Qwen3 / "
                                  "Qwen3-MoE checkpoint directory (safetensors, sharded or not)",
                                  default_text="the embedded model", metavar="DIR")
@@ -211,7 +211,7 @@ class RunConfig:
         ]
         if self.trainer.train_backend == "megatron":
             # the same arithmetic megatron-core would fail on after every process started
-            from trainer.backends.megatron_model import MegatronParallel, layout_errors
+            from replayrl.trainer.backends.megatron_model import MegatronParallel, layout_errors
 
             t = self.trainer
             layout = MegatronParallel(tp=t.tp_size, ep=t.ep_size, pp=t.pp_size, cp=t.cp_size)
@@ -373,7 +373,7 @@ class Flag:
 
 
 def _collect_flags() -> dict[str, Flag]:
-    """Every :func:`actors.settings.setting` field with a flag, by flag name, in section order
+    """Every :func:`replayrl.actors.settings.setting` field with a flag, by flag name, in section order
     (run, rollout, trainer) then field order.
 
     Raises:
@@ -441,7 +441,7 @@ def add_run_flags(parser: argparse.ArgumentParser, only: Collection[str] | None 
 def flag_table_markdown() -> str:
     """The README's flag table: one row per flag of :data:`FLAGS` with its default, allowed
     values and help, as GitHub markdown (``|`` in a cell escaped). ``tests/test_settings.py``
-    checks that README.md contains exactly this; ``python -m tools.config`` prints it."""
+    checks that README.md contains exactly this; ``python -m replayrl.tools.run.config`` prints it."""
     def cell(text: str) -> str:
         return text.replace("|", "\\|")
 

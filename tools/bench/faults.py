@@ -2,14 +2,14 @@
 
 Runs the real multi-process system on the embedded default with small settings: two
 fault-free reference runs (two engines, one engine), then one run per fault, each hitting a
-real process with a real signal at a known call (:mod:`tools.faults`):
+real process with a real signal at a known call (:mod:`replayrl.tools.bench.fault_injection`):
 
 - an engine SIGKILLed, or SIGSTOPped (then killed at ``--heartbeat-deadline-s``), in the
   middle of rollout 1 under ``--engine-failure regenerate`` (two engines), ``restart`` (one
   engine: the rollout waits for the new process) and ``fail``;
 - the trainer SIGSTOPped at step 1, the clock and the rollout manager SIGKILLed in step 1,
   with ``--save-interval 1``: the run must end with that actor's ``ActorDied`` and its last
-  checkpoint must load (``tools.launcher.check_load``).
+  checkpoint must load (``replayrl.tools.run.launcher.check_load``).
 
 Columns: the outcome; *time to recover*, the seconds step 0 (which waits for rollout 1) took
 beyond the same step of the fault-free run with as many engines, measured in this run; for a
@@ -28,10 +28,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from actors import ActorDied
-from tools.config import ConfigError, build_config
-from tools.faults import faulty_specs
-from tools.launcher import actor_specs, check_load, launch, write_initial_checkpoint
+from replayrl.actors import ActorDied
+from replayrl.tools.run.config import ConfigError, build_config
+from replayrl.tools.bench.fault_injection import faulty_specs
+from replayrl.tools.run.launcher import actor_specs, check_load, launch, write_initial_checkpoint
 
 SAME = ("prompt_indices", "samples", "reward_mean", "response_len_mean", "trainer_version",
         "staleness_max", "grad_norm", "train_rollout_logprob_abs_diff", "accepted_tokens")
@@ -40,7 +40,7 @@ SAME = ("prompt_indices", "samples", "reward_mean", "response_len_mean", "traine
 
 @dataclass(frozen=True)
 class FaultCase:
-    """One fault: the ``actor`` hit, the ``signal`` and the ``call`` (:mod:`tools.faults`), the
+    """One fault: the ``actor`` hit, the ``signal`` and the ``call`` (:mod:`replayrl.tools.bench.fault_injection`), the
     ``policy`` (``--engine-failure``) and the engines of the run."""
 
     name: str
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="*", default=[],
                         help="run only the faults whose name contains one of these words")
     args = parser.parse_args(argv)
-    from actors import run_event_loop
+    from replayrl.actors import run_event_loop
 
     print(run_event_loop(bench(args.steps, args.rollout_batch_size, args.n_samples_per_prompt,
                                args.heartbeat_deadline_s, args.only)))

@@ -20,8 +20,8 @@ from prompt_toolkit import PromptSession
 from prompt_toolkit.completion import Completer, Completion
 from prompt_toolkit.history import InMemoryHistory
 
-from actors import ActorCallError, UnknownActor
-from tools.repl_views import MetricKeyError
+from replayrl.actors import ActorCallError, UnknownActor
+from replayrl.tools.console.views import MetricKeyError
 
 __all__ = ["Console", "NamespaceCompleter"]
 
@@ -82,9 +82,9 @@ class Console(code.InteractiveConsole):
     def showtraceback(self) -> None:
         """A call the user mistyped is a typo, not a failure: one line naming what was refused
         and the close matches, without the console's own frames -- a misspelt method or
-        arguments that do not fit (:class:`actors.ActorCallError`), an actor name the run does
-        not have (:class:`actors.UnknownActor`), a metrics key no row has
-        (:class:`tools.repl_views.MetricKeyError`). Every other error shows its traceback, as
+        arguments that do not fit (:class:`replayrl.actors.ActorCallError`), an actor name the run does
+        not have (:class:`replayrl.actors.UnknownActor`), a metrics key no row has
+        (:class:`replayrl.tools.console.views.MetricKeyError`). Every other error shows its traceback, as
         ``python -i`` does."""
         error = sys.exc_info()[1]
         if isinstance(error, _TYPOS):

@@ -7,7 +7,7 @@ and its prompt groups regenerated under ``--engine-failure`` (docs/design.md §1
 tolerance"); any other actor that dies ends the run at once with its traceback; Ctrl-C (or any
 error here) stops every actor; the run's ipc directory is removed in every case. While the
 actors serve, ``<output-dir>/attach.json`` tells ``replayrl repl --attach`` where they are
-(:mod:`tools.attach`).
+(:mod:`replayrl.tools.run.attach_card`).
 """
 from __future__ import annotations
 
@@ -22,29 +22,29 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from actors import ActorSpec, Directory, Supervisor, import_callable
-from actors.run_dir import create_run_dir
-from actors.version_clock import VersionError, VersionRules
-from rollout.model.errors import ModelError
-from rollout.model.loader import check_weight_files
-from trainer.backends import resolve_backend
-from trainer.rank_group import follower_names
-from transport import strict_json
-from rollout.engines import EngineError, check_capture, engine_class_path, load_engine_class
-from rollout.engines.precision import resolve_dtype
-from rollout.engines.sglang_protocol import parse_urls
-from rollout.model.checkpoint import save_pretrained, save_word_tokenizer
-from rollout.model.config import default_config
-from rollout.model.qwen3_moe import Qwen3MoeForCausalLM
-from rollout.prompt_data import PromptDataError, load_run_prompts
-from rollout.rewards import RewardError, load_math_verify
-from rollout.tokenizer import TokenizerError, load_tokenizer
-from rollout.task import VOCABULARY
-from rollout.sample import required_traces
-from tools.attach import remove_attach_card, write_attach_card
-from tools.config import ConfigError, RunConfig
-from tools.metrics import MetricsRecorder
-from tools.train_loop import checkpoint_next_step, train_loop
+from replayrl.actors import ActorSpec, Directory, Supervisor, import_callable
+from replayrl.actors.run_dir import create_run_dir
+from replayrl.actors.version_clock import VersionError, VersionRules
+from replayrl.rollout.model.errors import ModelError
+from replayrl.rollout.model.loader import check_weight_files
+from replayrl.trainer.backends import resolve_backend
+from replayrl.trainer.rank_group import follower_names
+from replayrl.transport import strict_json
+from replayrl.rollout.engines import EngineError, check_capture, engine_class_path, load_engine_class
+from replayrl.rollout.engines.precision import resolve_dtype
+from replayrl.rollout.engines.sglang_protocol import parse_urls
+from replayrl.rollout.model.checkpoint import save_pretrained, save_word_tokenizer
+from replayrl.rollout.model.config import default_config
+from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
+from replayrl.rollout.prompt_data import PromptDataError, load_run_prompts
+from replayrl.rollout.rewards import RewardError, load_math_verify
+from replayrl.rollout.tokenizer import TokenizerError, load_tokenizer
+from replayrl.rollout.task import VOCABULARY
+from replayrl.rollout.sample import required_traces
+from replayrl.tools.run.attach_card import remove_attach_card, write_attach_card
+from replayrl.tools.run.config import ConfigError, RunConfig
+from replayrl.tools.run.metrics import MetricsRecorder
+from replayrl.tools.run.train_loop import checkpoint_next_step, train_loop
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,7 @@ def check_load(config: RunConfig) -> int:
 
 
 def write_run_config(config: RunConfig, output: Path) -> Path:
-    """Write the run's record ``output/config.json`` (:meth:`tools.config.RunConfig.to_json`;
+    """Write the run's record ``output/config.json`` (:meth:`replayrl.tools.run.config.RunConfig.to_json`;
     ``--config`` of it gives the settings back), creating ``output``; returns the file's path.
     Both launchers write it (``replayrl train`` and rank 0 under torchrun)."""
     output.mkdir(parents=True, exist_ok=True)
@@ -126,7 +126,7 @@ def write_initial_checkpoint(config: RunConfig, directory: Path) -> Path:
 def initial_checkpoint(config: RunConfig, output: Path) -> Path:
     """The checkpoint directory the run starts from: ``--hf-checkpoint``, or the embedded
     default written to ``output/checkpoint-init``. Engines and trainer read the policy from it
-    through the same loader (``rollout.model.loader``) either way."""
+    through the same loader (``replayrl.rollout.model.loader``) either way."""
     if config.hf_checkpoint:
         return Path(config.hf_checkpoint)
     return write_initial_checkpoint(config, output / "checkpoint-init")
@@ -164,7 +164,7 @@ def _checked_initial_checkpoint(config: RunConfig, output: Path) -> Path:
 
 def run_required_traces(config: RunConfig) -> list[str]:
     """The traces every trajectory of this run must carry and the engines capture
-    (:func:`rollout.sample.required_traces` of the embedded policy and the replay flags)."""
+    (:func:`replayrl.rollout.sample.required_traces` of the embedded policy and the replay flags)."""
     t = config.trainer
     return list(required_traces(config.policy_config,
                                 support_replay=t.use_support_replay,
@@ -176,7 +176,7 @@ def resolve_engine(config: RunConfig) -> str:
     """The ``"module:Class"`` of the run's rollout engine, checked against the required traces.
 
     Imports the engine class (not its heavy dependencies at registry load), so a test can
-    register a fake engine in ``rollout.engines.ENGINES`` before launching.
+    register a fake engine in ``replayrl.rollout.engines.ENGINES`` before launching.
 
     Raises:
         ConfigError: ``--rollout-engine`` names no registered engine (the message lists the
@@ -204,7 +204,7 @@ def engine_kwargs(config: RunConfig, index: int = 0) -> dict:
 
     Every engine gets the policy's shape and precision: ``model_config`` (``ModelConfig``
     fields, HF names) and ``dtype`` (``--engine-dtype``, with ``auto`` resolved here for the
-    CPU the engines run on: :func:`rollout.engines.precision.resolve_dtype`). The vLLM engine
+    CPU the engines run on: :func:`replayrl.rollout.engines.precision.resolve_dtype`). The vLLM engine
     also gets its start-up timeout (``--engine-start-timeout-seconds``) and per-call timeout
     (``--rollout-timeout-seconds``, the one the manager waits an engine call for). The SGLang
     engine ``index`` gets ``--sglang-urls`` rotated to start at URL ``index`` (its server; the
@@ -337,26 +337,26 @@ def actor_specs(config: RunConfig, checkpoint_dir: Path,
                  "port": rank_port if rank_port is not None else free_port()}
     vocab_tokens = [] if config.hf_checkpoint else list(VOCABULARY)
     specs = [
-        ActorSpec("version_clock", "actors.version_clock:VersionClock",
+        ActorSpec("version_clock", "replayrl.actors.version_clock:VersionClock",
                   {"max_staleness": config.max_staleness}),
-        *(ActorSpec(name, "rollout.engine_actor:EngineActor",
+        *(ActorSpec(name, "replayrl.rollout.engine_actor:EngineActor",
                     {"engine_class": engine_class, "engine_kwargs": engine_kwargs(config, i),
                      "traces": required, "torch_threads": config.engine_torch_threads})
           for i, name in enumerate(engines)),
-        ActorSpec("rollout_manager", "rollout.manager:RolloutManager",
+        ActorSpec("rollout_manager", "replayrl.rollout.manager:RolloutManager",
                   {"config": config.rollout.to_dict(), "engines": engines,
                    "require_traces": required,
                    "max_positions": model.max_position_embeddings,
                    "tokenizer_dir": str(tokenizer_dir(config, checkpoint_dir)),
                    "vocab_size": model.vocab_size, "engine_failure": config.engine_failure}),
-        ActorSpec("trainer", "trainer.trainer_actor:TrainerActor",
+        ActorSpec("trainer", "replayrl.trainer.trainer_actor:TrainerActor",
                   {"checkpoint_dir": str(checkpoint_dir), "config": config.trainer.to_dict(),
                    "n_samples_per_prompt": config.rollout.n_samples_per_prompt,
                    "rollout_batch_size": config.rollout.rollout_batch_size,
                    # empty: checkpoints carry the --hf-checkpoint's own tokenizer files
                    "vocab_tokens": vocab_tokens, "engines": engines,
                    "engine_failure": config.engine_failure, "ranks": group}),
-        *(ActorSpec(name, "trainer.trainer_rank:TrainerRank",
+        *(ActorSpec(name, "replayrl.trainer.trainer_rank:TrainerRank",
                     {"checkpoint_dir": str(checkpoint_dir), "config": config.trainer.to_dict(),
                      "vocab_tokens": vocab_tokens, "group": {**group, "rank": rank}})
           for rank, name in enumerate(follower_names(ranks), start=1)),
@@ -367,11 +367,11 @@ def actor_specs(config: RunConfig, checkpoint_dir: Path,
 
 
 ENGINE_LOSS = {"regenerate": "drop", "restart": "replace", "fail": "fail"}
-"""``--engine-failure`` -> what the :class:`actors.Supervisor` does with a lost engine process."""
+"""``--engine-failure`` -> what the :class:`replayrl.actors.Supervisor` does with a lost engine process."""
 
 
 def engine_supervision(config: RunConfig, directory: Directory) -> dict:
-    """The :class:`actors.Supervisor` arguments for the run's engines under
+    """The :class:`replayrl.actors.Supervisor` arguments for the run's engines under
     ``--engine-failure`` (docs/design.md §18 "Engine fault tolerance"): they are expendable;
     a restarted one first loads the trainer's current weights (recorded by the clock), then
     rejoins the rollout manager's pool."""
@@ -394,8 +394,8 @@ async def launch(config: RunConfig, log_level: int = logging.WARNING,
             ``--save-hf``, an unknown / unfit ``--rollout-engine``, unusable prompt data or
             tokenizer (:func:`check_prompt_data`), or a bad ``--load`` checkpoint
             (:func:`check_load`), all before any process starts.
-        actors.ActorDied: an actor process exited (its traceback is in the message).
-        actors.RemoteError: an actor method raised (remote traceback in the message).
+        replayrl.actors.ActorDied: an actor process exited (its traceback is in the message).
+        replayrl.actors.RemoteError: an actor method raised (remote traceback in the message).
     """
     # everything that can be checked is checked before any process starts
     output = Path(config.output_dir)

@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from tools.metrics import edge_means
-from tools.priority import autogroup_priority
-from transport import strict_json
+from replayrl.tools.run.metrics import edge_means
+from replayrl.tools.bench.priority import autogroup_priority
+from replayrl.transport import strict_json
 
 HEADER = ("| seed | reward, first 10 % of steps | reward, last 10 % | ratio | mean abs(rollout - "
           "trainer logprob) | max routing / indexer flip rate | seconds of steps | wall seconds "
@@ -60,7 +60,7 @@ def run_seed(seed: int, output_dir: Path, extra: Sequence[str]) -> tuple[list[di
     Raises:
         RuntimeError: the command exited non-zero (its stderr attached).
     """
-    command = [sys.executable, "-m", "tools.cli", "train", "--seed", str(seed), "--no-progress",
+    command = [sys.executable, "-m", "replayrl.tools.cli", "train", "--seed", str(seed), "--no-progress",
                "--output-dir", str(output_dir), *extra]
     start = time.perf_counter()
     proc = subprocess.run(command, capture_output=True, text=True)

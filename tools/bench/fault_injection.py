@@ -22,8 +22,8 @@ Which call is hit (the one-step overlapped loop, docs/design.md §6 "Version clo
   ``k - 1``;
 - the rollout manager's ``generate``: call ``k + 1`` is rollout ``k``.
 
-:func:`faulty_specs` swaps one of them into a run's :class:`actors.ActorSpec` list
-(``tools.launcher.launch(config, specs=...)``).
+:func:`faulty_specs` swaps one of them into a run's :class:`replayrl.actors.ActorSpec` list
+(``replayrl.tools.run.launcher.launch(config, specs=...)``).
 """
 from __future__ import annotations
 
@@ -35,11 +35,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from actors import ActorSpec
-from actors.version_clock import VersionClock
-from rollout.engines.embedded import EmbeddedEngine
-from rollout.manager import RolloutManager
-from trainer.trainer_actor import TrainerActor
+from replayrl.actors import ActorSpec
+from replayrl.actors.version_clock import VersionClock
+from replayrl.rollout.engines.embedded import EmbeddedEngine
+from replayrl.rollout.manager import RolloutManager
+from replayrl.trainer.trainer_actor import TrainerActor
 
 FAULT_SIGNALS = ("SIGKILL", "SIGSTOP", "HANG")
 """Signals a fault can send (``HANG``: none, the call just never returns)."""
@@ -76,7 +76,7 @@ class Fault:
 
 
 class SignalledEngine(EmbeddedEngine):
-    """:class:`rollout.engines.embedded.EmbeddedEngine` whose ``generate`` carries a
+    """:class:`replayrl.rollout.engines.embedded.EmbeddedEngine` whose ``generate`` carries a
     :class:`Fault` (``fault_signal``, ``fault_at_call``, ``fault_marker``)."""
 
     def __init__(self, model_config: Any, dtype: str = "bfloat16", *, fault_signal: str,
@@ -101,7 +101,7 @@ class _CarriesFault:
 
 
 class SignalledTrainer(_CarriesFault, TrainerActor):
-    """:class:`trainer.trainer_actor.TrainerActor` whose ``train`` carries a :class:`Fault`."""
+    """:class:`replayrl.trainer.trainer_actor.TrainerActor` whose ``train`` carries a :class:`Fault`."""
 
     async def train(self, rollout_id: int) -> dict:
         """As :meth:`TrainerActor.train`, after the fault's call count."""
@@ -110,7 +110,7 @@ class SignalledTrainer(_CarriesFault, TrainerActor):
 
 
 class SignalledClock(_CarriesFault, VersionClock):
-    """:class:`actors.version_clock.VersionClock` whose ``set_trainer_version`` carries a
+    """:class:`replayrl.actors.version_clock.VersionClock` whose ``set_trainer_version`` carries a
     :class:`Fault`."""
 
     async def set_trainer_version(self, version: int) -> int:
@@ -120,7 +120,7 @@ class SignalledClock(_CarriesFault, VersionClock):
 
 
 class SignalledManager(_CarriesFault, RolloutManager):
-    """:class:`rollout.manager.RolloutManager` whose ``generate`` carries a :class:`Fault`."""
+    """:class:`replayrl.rollout.manager.RolloutManager` whose ``generate`` carries a :class:`Fault`."""
 
     async def generate(self, rollout_id: int, min_version: int | None = None) -> dict:
         """As :meth:`RolloutManager.generate`, after the fault's call count."""

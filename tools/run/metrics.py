@@ -10,7 +10,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from transport import strict_json
+from replayrl.transport import strict_json
 
 log = logging.getLogger("replayrl")
 
@@ -138,7 +138,7 @@ class MetricsRecorder:
         (``null`` in the file): the row kept, the line written and the hooks' view agree.
 
         Raises:
-            transport.strict_json.NonFiniteJSON / TypeError: a value JSON cannot hold.
+            replayrl.transport.strict_json.NonFiniteJSON / TypeError: a value JSON cannot hold.
             MetricsHookError: a hook raised (after the row was written).
         """
         metrics = strict_json.finite_or_none(metrics)

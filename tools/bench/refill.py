@@ -18,9 +18,9 @@ import argparse
 import tempfile
 import time
 
-from actors import RemoteError
-from tools.config import build_config
-from tools.launcher import launch
+from replayrl.actors import RemoteError
+from replayrl.tools.run.config import build_config
+from replayrl.tools.run.launcher import launch
 
 
 async def _run(values: dict) -> tuple[list[dict], float]:
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rs-upper", type=float, default=1.1)
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args(argv)
-    from actors import run_event_loop
+    from replayrl.actors import run_event_loop
 
     print(run_event_loop(bench(args.steps, args.rollout_batch_size, args.n_samples_per_prompt,
                                args.rs_mode, args.rs_lower, args.rs_upper, args.seed)))

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from replayrl.tools import bench_peer as bp
+from replayrl.tools.bench import peer as bp
 
 
 def test_median_and_warmup_by_hand():

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from replayrl.tools import bench_steps, priority
+from replayrl.tools.bench import priority
+from replayrl.tools.bench import steps as bench_steps
 from replayrl.tools.bench.steps import run_medians, table
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import re
 
-from replayrl.tools import bench_transport as bt
+from replayrl.tools.bench import transport as bt
 
 
 def test_overhead_row_by_hand():

@@ -123,7 +123,7 @@ def test_layout_flags_and_rank_count():
 
 def test_every_torchrun_rank_refuses_the_layout_before_exchanging_addresses(
         model_dir, tmp_path, monkeypatch, capsys, curve_keys_dir):
-    from replayrl.tools import torchrun_entry
+    from replayrl.tools.run import torchrun_entry
 
     ckpt = _megatron_checkpoint(tmp_path / "ckpt", model_dir, 2, TP2)
     clock = {"max_staleness": 1, "trainer_version": 3, "engine_versions": {}}

@@ -25,6 +25,7 @@ from replayrl.actors.ref import POOL
 from tests.actor_fixtures import EchoActor
 from replayrl.transport import Codec, DealerSocket, RouterSocket, TransportError, ipc_endpoint
 from replayrl.transport.curve import CurveKeys, create_keys
+from tests.child_env import PYTHONPATH
 
 ECHO = "tests.actor_fixtures:EchoActor"
 REPO = Path(__file__).resolve().parents[1]
@@ -291,7 +292,7 @@ def test_killed_launcher_leaves_no_run_directory(tmp_path):
     """)
     tmp = tmp_path / "tmp"
     tmp.mkdir()
-    env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": PYTHONPATH}
     proc = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, text=True)
     try:
         run_dir, *pids = proc.stdout.readline().split()

@@ -32,6 +32,7 @@ from replayrl.trainer.backends.checkpoint_layout import CheckpointLayoutError  #
 from replayrl.trainer.backends.torch_backend import TorchBackend  # noqa: E402
 from replayrl.trainer.batch import collate  # noqa: E402
 from replayrl.trainer.config import TrainerConfig  # noqa: E402
+from tests.child_env import PYTHONPATH
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = str(REPO / "tests" / "megatron_worker.py")
@@ -52,7 +53,7 @@ def _run(checkpoint: Path, out: Path, nproc: int, *args: str) -> dict[str, np.nd
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
          f"--master-port={_port()}", WORKER, str(checkpoint), str(out), *args],
-        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+        cwd=REPO, env={**os.environ, "PYTHONPATH": PYTHONPATH, "OMP_NUM_THREADS": "1"},
         capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return dict(np.load(out / "result.npz"))
@@ -270,7 +271,7 @@ def _train(out: Path, steps: int, *flags: str) -> list[dict]:
         [sys.executable, "-m", "replayrl.tools.cli", "train", "--num-steps", str(steps),
          "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--no-progress",
          "--output-dir", str(out), *flags],
-        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+        cwd=REPO, env={**os.environ, "PYTHONPATH": PYTHONPATH}, capture_output=True, text=True,
         timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -292,7 +293,7 @@ def _torchrun_train(out: Path, nproc: int, curve_keys: str, *flags: str, steps: 
          f"--master-port={_port()}", "-m", "replayrl.tools.run.torchrun_entry", "--num-steps", str(steps),
          "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--no-progress",
          "--output-dir", str(out), "--ready-timeout", "120", "--curve-keys", curve_keys, *flags],
-        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+        cwd=REPO, env={**os.environ, "PYTHONPATH": PYTHONPATH}, capture_output=True, text=True,
         timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

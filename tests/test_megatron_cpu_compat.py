@@ -14,6 +14,7 @@ import pytest
 pytest.importorskip("megatron.core")
 
 from replayrl.trainer.backends import megatron_cpu_compat  # noqa: E402
+from tests.child_env import PYTHONPATH
 
 REPO = Path(__file__).resolve().parents[1]
 PROBE = str(REPO / "tests" / "megatron_probe.py")
@@ -26,7 +27,7 @@ def _port() -> int:
 
 
 def _probe(*args: str, nproc: int = 1) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH, "OMP_NUM_THREADS": "1"}
     cmd = ([sys.executable, PROBE] if nproc == 1 else
            [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
             f"--master-port={_port()}", PROBE])

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from tests.child_env import PYTHONPATH
 
 REPO = Path(__file__).resolve().parents[1]
 SUBNET = "10.213.7"  # private, and only inside the two namespaces
@@ -86,7 +87,7 @@ def test_a_run_trains_across_two_namespace_hosts(two_hosts, tmp_path, curve_keys
 
     (ns_a, addr_a, _), (ns_b, addr_b, _) = two_hosts
     release = tmp_path / "release"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(tmp_path), HOLD_ENV: str(release)}
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH, "TMPDIR": str(tmp_path), HOLD_ENV: str(release)}
     out_a, out_b = tmp_path / "host-a", tmp_path / "host-b"  # no shared directory is needed
     hold = ("--custom-reward", "tests.hook_fixtures:held_reward", "--reward-timeout-seconds", "300")
     node_a = _torchrun(ns_a, 0, addr_a, out_a, curve_keys_dir, env, *hold)
@@ -179,7 +180,7 @@ def test_a_lost_engine_host_is_regenerated_and_the_run_finishes(two_hosts, fault
     (ns_a, addr_a, _), (ns_b, _, veth_b) = two_hosts
     reference = fault_free
     marker = tmp_path / "fault.json"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(tmp_path)}
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH, "TMPDIR": str(tmp_path)}
     common = ("--curve-keys", curve_keys_dir, *CUT_RUN)
     node_a = subprocess.Popen(
         ["ip", "netns", "exec", ns_a, sys.executable, "-m", "torch.distributed.run",

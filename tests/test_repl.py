@@ -15,6 +15,7 @@ import pytest
 from replayrl.actors import ActorCallError, ActorDied, ActorSpec, ActorTimeout, RemoteError, UnknownActor
 from replayrl.tools.run.config import build_config
 from replayrl.tools.console.repl import ConsoleProxy, ReplError, ReplSession, SessionClosed
+from tests.child_env import PYTHONPATH
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = {"rollout-batch-size": 2, "n-samples-per-prompt": 2, "num-steps": 1, "progress": False}
@@ -138,7 +139,7 @@ def test_remote_errors_timeouts_and_a_dying_actor_reach_the_console(tmp_path):
 def test_repl_command_reads_stdin_and_stops_every_actor(tmp_path):
     tmp = tmp_path / "tmp"
     tmp.mkdir()
-    env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": PYTHONPATH}
     script = "\n".join([
         "print('CLOCK', version_clock.state())",
         "print('PIDS', sorted(a.__ping__()['pid'] for a in actors.values()))",
@@ -262,7 +263,7 @@ def test_attach_through_a_terminal_pauses_resumes_and_detaches_without_disturbin
 
     tmp, out, release = tmp_path / "tmp", tmp_path / "out", tmp_path / "release"
     tmp.mkdir()
-    env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": str(REPO), HOLD_ENV: str(release),
+    env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": PYTHONPATH, HOLD_ENV: str(release),
            "PROMPT_TOOLKIT_NO_CPR": "1", "TERM": "xterm"}
     steps = 3  # step 1 trains while rollout 2 waits at the paused gate; step 2 after detaching
     run = subprocess.Popen(
@@ -374,7 +375,7 @@ def test_attach_through_a_terminal_pauses_resumes_and_detaches_without_disturbin
 
 
 def test_attach_to_no_run_fails_clearly(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH}
     proc = subprocess.run([sys.executable, "-m", "replayrl.tools.cli", "repl", "--attach", str(tmp_path)],
                           cwd=REPO, env=env, input="", capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1

@@ -19,6 +19,7 @@ from replayrl.rollout.sample import TRACE_FIELDS, samples_from_columns  # noqa: 
 from replayrl.tools.run.config import build_config  # noqa: E402
 from replayrl.tools.run.launcher import actor_specs, write_initial_checkpoint  # noqa: E402
 from replayrl.tools.run.train_loop import train_loop  # noqa: E402
+from tests.child_env import PYTHONPATH
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = {"rollout-batch-size": 4, "n-samples-per-prompt": 4, "progress": False, "seed": 3}
@@ -30,7 +31,7 @@ def serve_url():
     # the embedded default policy: serve takes train's model flags only (none needed here)
     proc = subprocess.Popen([sys.executable, "-m", "replayrl.tools.cli", "serve", "--port", "0"],
                             cwd=REPO, stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+                            env={**os.environ, "PYTHONPATH": PYTHONPATH})
     try:
         line = proc.stdout.readline()  # "serving on URL" once bound (torch import: seconds)
         assert line.startswith("serving on http://"), line

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests.child_env import PYTHONPATH
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -25,7 +26,7 @@ def _torchrun(nproc: int, out: Path, *extra: str, env: dict | None = None) -> su
          f"--master-port={_free_port()}", "-m", "replayrl.tools.run.torchrun_entry", "--num-steps", "2",
          "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--no-progress",
          "--output-dir", str(out), *extra],
-        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
+        cwd=REPO, env={**os.environ, "PYTHONPATH": PYTHONPATH, **(env or {})},
         capture_output=True, text=True, timeout=240)
 
 

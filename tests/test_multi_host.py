@@ -230,7 +230,7 @@ def test_a_lost_engine_host_is_regenerated_and_the_run_finishes(two_hosts, fault
         for key in TRAINED:
             assert row[key] == ref[key], (row["step"], key)
     assert "last10%=" in out_a
-    # the figures the README quotes (shown with -s; not asserted: no timed assertions)
+    # the figures docs/benchmarks.md quotes (shown with -s; not asserted: no timed assertions)
     print(f"\n{fault}: host B's torchrun gone {b_gone:.1f} s after the fault; step 0 (waits "
           f"for rollout 1) {rows[0]['step_seconds']:.1f} s vs {reference[0]['step_seconds']:.1f} s "
           f"fault-free; deadline 3 s")

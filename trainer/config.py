@@ -2,7 +2,7 @@
 
 Each field's flag, help and allowed range are declared with it
 (:func:`replayrl.actors.settings.setting`); ``tools/run/config.py`` builds the flags, the config-file keys and
-the README's flag table from them. Conditions on two fields stay in ``__post_init__``.
+the flag table of docs/configuration.md from them. Conditions on two fields stay in ``__post_init__``.
 """
 from __future__ import annotations
 

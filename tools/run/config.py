@@ -8,7 +8,7 @@ each side); the config file uses the same names with dashes or underscores
 
 A flag's name, default, help and range are declared once, on its field, with
 :func:`replayrl.actors.settings.setting`; :data:`FLAGS` collects them, and the argparse flags, the
-config-file keys and type checks and the README's flag table (:func:`flag_table_markdown`,
+config-file keys and type checks and the flag table of docs/configuration.md (:func:`flag_table_markdown`,
 printed by ``python -m replayrl.tools.run.config``) are generated from it. Adding a setting is one line in
 one dataclass, e.g. ``backend: str = setting("fsdp", "train-backend", "trainer backend",
 Choices(("fsdp", "megatron")))``.
@@ -360,7 +360,7 @@ class Flag:
         return self.setting.flag
 
     def shown_default(self, markdown: bool = False) -> str:
-        """The default as ``--help`` (``repr`` of strings) or the README (code spans) shows it;
+        """The default as ``--help`` (``repr`` of strings) or docs/configuration.md (code spans) shows it;
         ``—`` for an empty string or tuple."""
         s = self.setting
         if s.default_text:
@@ -398,7 +398,7 @@ def _collect_flags() -> dict[str, Flag]:
 
 
 FLAGS: dict[str, Flag] = _collect_flags()
-"""flag name (no dashes) -> :class:`Flag`: the argparse flags, config-file keys and README rows."""
+"""flag name (no dashes) -> :class:`Flag`: the argparse flags, config-file keys and docs/configuration.md rows."""
 
 
 def add_run_flags(parser: argparse.ArgumentParser, only: Collection[str] | None = None) -> None:
@@ -439,9 +439,9 @@ def add_run_flags(parser: argparse.ArgumentParser, only: Collection[str] | None 
 
 
 def flag_table_markdown() -> str:
-    """The README's flag table: one row per flag of :data:`FLAGS` with its default, allowed
-    values and help, as GitHub markdown (``|`` in a cell escaped). ``tests/test_settings.py``
-    checks that README.md contains exactly this; ``python -m replayrl.tools.run.config`` prints it."""
+    """The flag table of docs/configuration.md: one row per flag of :data:`FLAGS` with its default, allowed
+    values and help, as GitHub markdown (``|`` in a cell escaped). ``tests/test_docs.py``
+    checks that docs/configuration.md contains exactly this; ``python -m replayrl.tools.run.config`` prints it."""
     def cell(text: str) -> str:
         return text.replace("|", "\\|")
 

@@ -1,7 +1,6 @@
 """The torchrun launcher across hosts: two test hosts made as network namespaces joined by a veth
 pair (iproute2), one run training across them over CURVE tcp, and one surviving the cut of an
-engine host's link (docs/design.md §21 "REPL attach and multi-host runs", §18 "Engine fault
-tolerance").
+engine host's link (docs/design.md#attach-and-multi-host, docs/design.md#engine-faults).
 
 Needs root and ``ip netns`` (CI runs as root); skipped with the reason otherwise.
 """

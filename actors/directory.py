@@ -32,11 +32,11 @@ class UnknownActor(ActorError, KeyError):
 class Directory:
     """Immutable mapping ``name -> endpoint`` (``ipc://...`` or ``tcp://host:port``), plus where
     the run's CURVE keys are (``curve_keys``, a directory written by ``replayrl keys``; required
-    when any endpoint is tcp, docs/design.md §4 "Transport contract"), the run's liveness
-    deadline (``heartbeat_deadline_s``: a peer silent that long is lost, docs/design.md §18
-    "Engine fault tolerance") and the shared-memory pool every process of the run uses for
+    when any endpoint is tcp, docs/design.md#transport-contract), the run's liveness
+    deadline (``heartbeat_deadline_s``: a peer silent that long is lost, docs/design.md#engine-faults)
+    and the shared-memory pool every process of the run uses for
     large arrays to ipc peers (``shm``: ``(max bytes, min array bytes)``,
-    :func:`replayrl.actors.ref.use_shared_memory`; docs/design.md §20).
+    :func:`replayrl.actors.ref.use_shared_memory`; docs/design.md#shm-transport).
 
     Raises:
         ValueError: a tcp endpoint without ``curve_keys``.

@@ -1,6 +1,6 @@
 """Client side of the actor runtime: :class:`ActorRef` and the per-process connection pool.
 
-One ZeroMQ DEALER socket per peer endpoint per process (docs/design.md §4 "Transport contract": one socket per peer, not per
+One ZeroMQ DEALER socket per peer endpoint per process (docs/design.md#transport-contract: one socket per peer, not per
 request); every ``ActorRef`` to the same endpoint shares it, and replies are matched to calls by id.
 """
 from __future__ import annotations
@@ -102,7 +102,7 @@ class _Pool:
         self.curve: CurveKeys | None = None  # the run's keys, for tcp peers (use_curve_keys)
         self.max_in_flight = DEFAULT_MAX_IN_FLIGHT
         self.heartbeat_ms = DEFAULT_HEARTBEAT_MS
-        # large arrays to and from ipc peers (docs/design.md §20); slots are made on first use
+        # large arrays to and from ipc peers (docs/design.md#shm-transport); slots are made on first use
         self.shm: ShmPool | None = ShmPool(DEFAULT_SHM_POOL_BYTES, DEFAULT_SHM_MIN_ARRAY_BYTES)
         self.shm_reader = ShmReader()
 
@@ -150,7 +150,7 @@ class Message:
     def of(cls, kind: str, method: str, args: tuple, kwargs: dict, endpoint: str = "") -> "Message":
         """Encode ``method(*args, **kwargs)`` for the actor at ``endpoint`` now and copy its array
         data: large arrays into this process's shared-memory pool for an ipc peer, everything
-        else into bytes the message owns (docs/design.md §20)."""
+        else into bytes the message owns (docs/design.md#shm-transport)."""
         call_id = next(_CALL_IDS)
         try:
             frames = owned_frames(POOL.codec.encode(request(kind, call_id, method, args, kwargs),
@@ -196,7 +196,7 @@ def connection_lost(endpoint: str) -> str | None:
 def use_shared_memory(max_bytes: int, min_array_bytes: int) -> None:
     """How this process sends large arrays to ipc peers from now on: through a pool of at most
     ``max_bytes`` of shared memory (0: never; as ZeroMQ frames), for arrays of at least
-    ``min_array_bytes`` (docs/design.md §20 "Shared-memory array transport").
+    ``min_array_bytes`` (docs/design.md#shm-transport).
 
     Raises:
         replayrl.transport.TransportError: a negative size or ``min_array_bytes`` < 1.

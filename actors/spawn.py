@@ -207,7 +207,7 @@ class Supervisor:
     heartbeat deadline (this process's connection to it drops, e.g. a SIGSTOPped process);
     a silent one is killed (SIGKILL) so it can never come back with stale state. A lost actor
     ends the run (:meth:`watch` raises :class:`ActorDied`) unless it is one of ``expendable``
-    and ``on_lost`` says otherwise (docs/design.md §18 "Engine fault tolerance").
+    and ``on_lost`` says otherwise (docs/design.md#engine-faults).
 
     Args:
         expendable: names of actors the run can lose (the rollout engines).

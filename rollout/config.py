@@ -3,7 +3,7 @@
 Flag names follow slime (``--rollout-batch-size``, ``--n-samples-per-prompt``,
 ``--rollout-temperature``, ...); each field's flag, help and allowed range
 are declared with it (:func:`replayrl.actors.settings.setting`); ``tools/run/config.py`` builds the flags,
-the config-file keys and the README's flag table from them.
+the config-file keys and the flag table of docs/configuration.md from them.
 """
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ class RolloutConfig:
             read-only arrays and this frozen config; must return a finite float.
         append_eos_on_truncation: end every length-capped trajectory (``finish_reason ==
             "length"``, status ``truncated``) with a synthetic EOS
-            (``replayrl.rollout.trajectory.append_synthetic_eos``, docs/design.md §2 "Trace arrays"),
+            (``replayrl.rollout.trajectory.append_synthetic_eos``, docs/design.md#trace-arrays),
             so the policy is trained to stop (``--rollout-append-eos-on-truncation``; off by
             default). The reward is the verifier's for the response as trained, EOS included.
     """

@@ -10,7 +10,7 @@ interface's rule (:meth:`replayrl.rollout.engines.base.Engine.generate`), so it 
 ``load_weights`` is served concurrently with queued ``generate`` requests, and ``generate`` may
 name the ``min_version`` it must be served at: the trainer can then push and go on training
 while the engine loads, and a generation requested for the new policy waits here for it
-instead of the driver waiting for the push (docs/design.md §6 "Version clock"). Both run
+instead of the driver waiting for the push (docs/design.md#version-clock). Both run
 synchronously inside, so a load never lands in the middle of a generation.
 """
 from __future__ import annotations

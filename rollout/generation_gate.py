@@ -1,5 +1,4 @@
-"""The pause / resume point of the rollout side (docs/design.md §21 "REPL attach and multi-host
-runs").
+"""The pause / resume point of the rollout side (docs/design.md#attach-and-multi-host).
 
 Every engine request of the RolloutManager (one per turn of a prompt chunk: generation, exact
 refill and evaluation alike) passes :meth:`GenerationGate.request` before it is sent. Closing the

@@ -14,8 +14,7 @@ groups of a lost engine are generated again on another one (``rollout/engine_poo
 
 Prompts come from ``--prompt-data`` (or the built-in task's shipped file) through the run's
 tokenizer (``rollout/tokenizer.py``, ``rollout/prompt_data.py``); ``evaluate`` scores the
-``--eval-prompt-data`` sets with the evaluation sampling settings (docs/design.md §15 "Prompt
-data, tokenizer and rewards").
+``--eval-prompt-data`` sets with the evaluation sampling settings (docs/design.md#prompt-data).
 """
 from __future__ import annotations
 
@@ -68,8 +67,7 @@ class RolloutManager(Actor):
             (``--tokenizer``, by default the run's initial checkpoint).
         vocab_size: the policy's vocabulary size (prompt ids must lie below it).
         engine_failure: ``--engine-failure`` (:data:`replayrl.rollout.engine_pool.ENGINE_FAILURE_POLICIES`):
-            what a lost engine's unfinished prompt groups get (docs/design.md §18 "Engine
-            fault tolerance").
+            what a lost engine's unfinished prompt groups get (docs/design.md#engine-faults).
 
     Raises:
         RolloutError: no engine, or ``--custom-reward`` not importable.
@@ -237,7 +235,7 @@ class RolloutManager(Actor):
 
         The summary's ``engines_alive`` and ``groups_regenerated`` give the capacity: engines
         in the pool when the batch was complete, and the prompt groups generated again because
-        their engine was lost (docs/design.md §18 "Engine fault tolerance").
+        their engine was lost (docs/design.md#engine-faults).
 
         Raises:
             RolloutError: a batch with this id is already stored.
@@ -381,7 +379,7 @@ class RolloutManager(Actor):
     @concurrent  # waits for the engines; must not hold up take_batch behind it
     async def pause_generation(self, wait: bool = True) -> dict:
         """Pause generation: engine requests not yet sent wait until :meth:`resume_generation`;
-        those already at an engine finish (docs/design.md §21 "REPL attach and multi-host runs").
+        those already at an engine finish (docs/design.md#attach-and-multi-host).
 
         Weight versions are untouched: a held request is later served at whatever version the
         engine then has, and the loop pushes no weights while a rollout it waits for is held, so

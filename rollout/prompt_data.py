@@ -10,7 +10,7 @@ that lacks a key or holds the wrong type is a :class:`PromptDataError` naming th
 The built-in digit task is data of the same kind: its prompts ship as
 ``rollout/data/digits.jsonl`` (text rows ``{"prompt": "<bos> max 3 1 4 2 =", "label": "4"}``,
 the embedded task's default dataset for ``--seed 1``), tokenised by the embedded word-level
-tokenizer like any user file (docs/design.md §15 "Prompt data, tokenizer and rewards").
+tokenizer like any user file (docs/design.md#prompt-data).
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 A :class:`Sample` is one trajectory of a prompt group. It is immutable: its arrays are
 read-only numpy arrays, checked once at construction, so every later stage can trust the
-alignment instead of re-validating or copying. Shapes (docs/design.md §3 "Sample contract"):
+alignment instead of re-validating or copying. Shapes (docs/design.md#sample-contract):
 
 ==================  ======================  ==============================================
 field               dtype / shape           meaning
@@ -20,7 +20,7 @@ synthetic_eos       bool                    the last token is an EOS the engine 
 ==================  ======================  ==============================================
 
 Derived, not a field: :attr:`Sample.sampled_mask`, the loss tokens the engine sampled, i.e. the
-rows whose ``rollout_logprobs`` is a behaviour logprob (docs/design.md §2 "Trace arrays").
+rows whose ``rollout_logprobs`` is a behaviour logprob (docs/design.md#trace-arrays).
 """
 from __future__ import annotations
 
@@ -210,7 +210,7 @@ class Sample:
         (token / sequence / geometric, sums and token count), TIS weights, the exact-refill
         admission, the |rollout - trainer logprob| metrics -- reads it under this mask; the
         synthetic row's placeholder (``replayrl.rollout.trajectory.SYNTHETIC_EOS_LOGPROB``) is never a
-        behaviour logprob (docs/design.md §7 "Trainer math", §8 "Rejection sampling"). Equal to
+        behaviour logprob (docs/design.md#trainer-math, docs/design.md#rejection-sampling). Equal to
         ``loss_mask`` when ``synthetic_eos`` is False.
         """
         mask = np.array(self.loss_mask)

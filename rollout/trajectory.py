@@ -1,8 +1,8 @@
 """Trajectory transformations that keep every per-token array aligned.
 
 Pure functions: a :class:`replayrl.rollout.sample.Sample` is frozen, so each returns a new one (or a new
-:class:`MergedTrajectory`) and never touches its input. Row spaces (docs/design.md §3 "Sample
-contract"): ``response_ids``, ``loss_mask``, ``rollout_logprobs`` and ``sample_support`` have
+:class:`MergedTrajectory`) and never touches its input. Row spaces (docs/design.md#sample-contract):
+``response_ids``, ``loss_mask``, ``rollout_logprobs`` and ``sample_support`` have
 ``R`` rows; ``routed_experts`` and ``indexer_topk`` have ``P + R - 1`` rows, one per forwarded
 position (the last token is never forwarded).
 
@@ -52,7 +52,7 @@ POSITION_FIELDS = ("routed_experts", "indexer_topk")
 # recognises it by `synthetic_eos` and its all -1 support row and uses the full-vocabulary
 # fallback; the placeholder only has to be finite to satisfy the Sample contract. It is not a
 # behaviour logprob: Sample.sampled_mask leaves the row out of every RS gate, TIS weight and
-# logprob metric (docs/design.md §7, §8), so its value never matters.
+# logprob metric (docs/design.md#trainer-math, docs/design.md#rejection-sampling), so its value never matters.
 OBSERVATION_LOGPROB = 0.0
 SYNTHETIC_EOS_LOGPROB = 0.0
 
@@ -123,7 +123,7 @@ def _with_row(arr: np.ndarray | None, row: Sequence[int] | int) -> np.ndarray | 
 
 
 def append_synthetic_eos(sample: Sample, eos_id: int) -> Sample:
-    """Append one EOS token the engine did not sample (docs/design.md §2 "Trace arrays").
+    """Append one EOS token the engine did not sample (docs/design.md#trace-arrays).
 
     Used when a response hit its length cap: training on the EOS teaches the policy to stop.
     The run applies it with ``--rollout-append-eos-on-truncation`` (``rollout/manager.py``,

@@ -111,8 +111,7 @@ async def run_episodes(
             the context (``replayrl.rollout.tokenizer.PromptTokenizer.render_observation``: the chat
             template's tool turn); ``None`` appends them unchanged. Either way the next turn's
             context is the previous context's exact ids plus the turn's ids plus these, never
-            a re-tokenisation of the conversation's text (docs/design.md §15 "Prompt data,
-            tokenizer and rewards").
+            a re-tokenisation of the conversation's text (docs/design.md#prompt-data).
 
     Returns:
         ``B`` :class:`Episode` records in prompt order.

@@ -1,5 +1,5 @@
-"""``replayrl bench transport``'s floor rows (docs/design.md §20 "Shared-memory array
-transport"): the overhead arithmetic against hand-computed values, and the socket-level floor
+"""``replayrl bench transport``'s floor rows (docs/design.md#shm-transport):
+the overhead arithmetic against hand-computed values, and the socket-level floor
 measured with tiny counts (figures positive and finite; no timed assertion)."""
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """A megatron checkpoint records its parallel layout and is refused, before any process
-starts, under another layout or by the other backend (docs/design.md §16 "The megatron-core
-backend"). The state files are written by hand here; a real save's record is checked by
+starts, under another layout or by the other backend (docs/design.md#megatron-backend).
+The state files are written by hand here; a real save's record is checked by
 tests/test_megatron_backend.py's round trip."""
 from __future__ import annotations
 

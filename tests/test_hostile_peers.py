@@ -1,5 +1,5 @@
-"""Bad input and load against live actors (docs/design.md §4 "Transport contract", §5 "Actor
-contract"): oversized and amplifying frames, floods, dead peers, peers without the run's CURVE
+"""Bad input and load against live actors (docs/design.md#transport-contract, docs/design.md#actor-contract):
+oversized and amplifying frames, floods, dead peers, peers without the run's CURVE
 key, killed launchers. Every wait is a hang guard; nothing asserts on timing."""
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The pieces that let a torchrun run lose an engine host (docs/design.md §21 "REPL attach and
-multi-host runs"): the plan with joined engines, joining through the run's store, the refusal
+"""The pieces that let a torchrun run lose an engine host (docs/design.md#attach-and-multi-host):
+the plan with joined engines, joining through the run's store, the refusal
 of ``--engine-failure restart`` and a rank leaving when its driver is lost. The run itself is
 tests/test_multi_host.py (network namespaces, root)."""
 from __future__ import annotations

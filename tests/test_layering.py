@@ -1,12 +1,12 @@
-"""The package rules of docs/design.md §1 "Layout", read from the source with ``ast``.
+"""The package rules of docs/design.md#layout, read from the source with ``ast``.
 
 - imports point downwards only: ``tools -> {rollout, trainer} -> actors -> transport``, and
   ``trainer`` reaches into ``rollout`` only for ``replayrl.rollout.sample`` and ``replayrl.rollout.model``;
 - no import circle between production modules (``TYPE_CHECKING`` imports included: a circle
   that only type checkers see is still two modules that know each other);
 - every production module has a production caller, except the entry points and the
-  context-parallel piece, kept for a megatron-core backend with CP (docs/design.md §12
-  "Parallel pieces"); the megatron backend calls the vocabulary-parallel and replay-registry
+  context-parallel piece, kept for a megatron-core backend with CP (docs/design.md#parallel-pieces);
+  the megatron backend calls the vocabulary-parallel and replay-registry
   pieces.
 """
 from __future__ import annotations
@@ -98,7 +98,7 @@ def test_imports_point_downwards(module):
     if layer == "trainer":
         bad += sorted(m for m in GRAPH[module] if _layer(m) == "rollout"
                       and not m.startswith(TRAINER_MAY_USE))
-    assert not bad, f"{module} imports {bad} against docs/design.md §1"
+    assert not bad, f"{module} imports {bad} against docs/design.md#layout"
 
 
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if _room(m)))

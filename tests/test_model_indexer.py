@@ -1,6 +1,6 @@
 """Indexer selection, trace shapes and the whole forward against a naive float64 numpy loop.
 
-The reference below is written from the formulas (docs/design.md §13 "Embedded default", rollout/model/indexer.py docstring,
+The reference below is written from the formulas (docs/design.md#embedded-default, rollout/model/indexer.py docstring,
 HF Qwen3-MoE math), one token and one head at a time, independently of the model code.
 """
 

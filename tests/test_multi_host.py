@@ -1,7 +1,6 @@
 """The torchrun launcher across hosts: two test hosts made as network namespaces joined by a veth
 pair (iproute2), one run training across them over CURVE tcp, and one surviving the cut of an
-engine host's link (docs/design.md §21 "REPL attach and multi-host runs", §18 "Engine fault
-tolerance").
+engine host's link (docs/design.md#attach-and-multi-host, docs/design.md#engine-faults).
 
 Needs root and ``ip netns`` (CI runs as root); skipped with the reason otherwise.
 """
@@ -231,7 +230,7 @@ def test_a_lost_engine_host_is_regenerated_and_the_run_finishes(two_hosts, fault
         for key in TRAINED:
             assert row[key] == ref[key], (row["step"], key)
     assert "last10%=" in out_a
-    # the figures the README quotes (shown with -s; not asserted: no timed assertions)
+    # the figures docs/benchmarks.md quotes (shown with -s; not asserted: no timed assertions)
     print(f"\n{fault}: host B's torchrun gone {b_gone:.1f} s after the fault; step 0 (waits "
           f"for rollout 1) {rows[0]['step_seconds']:.1f} s vs {reference[0]['step_seconds']:.1f} s "
           f"fault-free; deadline 3 s")

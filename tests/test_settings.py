@@ -4,16 +4,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
-from pathlib import Path
 
 import pytest
 
 from replayrl.actors.settings import POSITIVE, Choices, Range, Rule, check_settings, setting, settings_of, show_value
-from replayrl.tools.run.config import (FLAGS, ConfigError, add_run_flags, build_config, config_from_args,
-                          flag_table_markdown)
-
-README = Path(__file__).resolve().parent.parent / "README.md"
-
+from replayrl.tools.run.config import FLAGS, ConfigError, add_run_flags, build_config, config_from_args
 
 class Bad(ValueError):
     pass
@@ -136,19 +131,6 @@ def test_a_default_shown_in_help_names_only_flags_the_command_has(command, capsy
     named = {f for default in re.findall(r"\(default: ([^)]*)\)", text)
              for f in re.findall(r"--[a-z][a-z0-9-]*", default)}
     assert named <= options, f"{command} --help: defaults name {sorted(named - options)}"
-
-
-def test_readme_flag_table_is_the_generated_one():
-    text = README.read_text()
-    lines = text.splitlines()
-    start = lines.index("| flag | default | allowed | meaning |")
-    end = start
-    while end < len(lines) and lines[end].startswith("|"):
-        end += 1
-    table = "\n".join(lines[start:end]) + "\n"
-    assert table == flag_table_markdown(), (
-        "README.md's flag table is out of date: replace it with the output of python -m replayrl.tools.run.config")
-    assert table.count("\n") == len(FLAGS) + 2
 
 
 @pytest.mark.parametrize("flag", ["lr", "clip-grad", "tis-cap", "eps-clip-high", "rollout-temperature",

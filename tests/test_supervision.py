@@ -1,5 +1,5 @@
-"""The supervisor's loss handling with real processes and real signals (docs/design.md §18
-"Engine fault tolerance"): silent past the heartbeat deadline -> killed; an expendable actor
+"""The supervisor's loss handling with real processes and real signals (docs/design.md#engine-faults):
+silent past the heartbeat deadline -> killed; an expendable actor
 dropped or replaced; anything else ends the run."""
 from __future__ import annotations
 

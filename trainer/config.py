@@ -2,7 +2,7 @@
 
 Each field's flag, help and allowed range are declared with it
 (:func:`replayrl.actors.settings.setting`); ``tools/run/config.py`` builds the flags, the config-file keys and
-the README's flag table from them. Conditions on two fields stay in ``__post_init__``.
+the flag table of docs/configuration.md from them. Conditions on two fields stay in ``__post_init__``.
 """
 from __future__ import annotations
 
@@ -58,14 +58,14 @@ class TrainerConfig:
         rs_refill_rpc_timeout_s: timeout of every actor call on the refill path.
         train_backend: the model-owning backend, a name in :data:`replayrl.trainer.backends.BACKENDS`
             (``--train-backend``).
-        dp_size: data-parallel trainer ranks (``--dp-size``; docs/design.md §19 "Trainer
-            ranks"): each trains a contiguous, equal share of every batch, and the refill
+        dp_size: data-parallel trainer ranks (``--dp-size``; docs/design.md#trainer-ranks):
+            each trains a contiguous, equal share of every batch, and the refill
             quantum makes every replacement batch split evenly over them.
         tp_size, ep_size, pp_size: the megatron trainer's tensor-, expert- and
             pipeline-parallel sizes (``--tp-size`` / ``--ep-size`` / ``--pp-size``;
-            docs/design.md §22 "Pipeline parallelism in the megatron backend").
-        cp_size: the megatron trainer's context-parallel size (``--cp-size``; docs/design.md
-            §23 "Context parallelism in the megatron backend"): each rank of a CP group holds
+            docs/design.md#pipeline-parallel).
+        cp_size: the megatron trainer's context-parallel size (``--cp-size``; docs/design.md#context-parallel):
+            each rank of a CP group holds
             2 of ``2 x cp_size`` chunks of every row. The trainer has ``dp_size x tp_size x
             pp_size x cp_size`` ranks; CP ranks are not data-parallel ranks (they train the
             same share).

@@ -1,12 +1,12 @@
 """Policy-gradient loss: decoupled PPO clip with truncated importance sampling (TIS).
 
-Per response token ``t`` with loss mask ``m_t`` (docs/design.md §7 "Trainer math")::
+Per response token ``t`` with loss mask ``m_t`` (docs/design.md#trainer-math)::
 
     r_t = exp(logp_t - logp_prox_t)                       # policy vs proximal policy
     w_t = min(exp(logp_prox_t - logp_rollout_t), C)       # TIS weight, detached
     l_t = -w_t * min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t)
 
-Tokens the engine never sampled (a synthetic EOS, docs/design.md §2 "Trace arrays"; ``s_t = 0``
+Tokens the engine never sampled (a synthetic EOS, docs/design.md#trace-arrays; ``s_t = 0``
 in ``sampled_mask`` while ``m_t = 1``) have no behaviour logprob, so they have no behaviour
 ratio: ``w_t = 1`` and ``l_t`` is the clipped term on the proximal ratio ``r_t`` alone, with
 the sample's advantage. The proximal policy is the trust-region anchor of the decoupled

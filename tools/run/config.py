@@ -8,7 +8,7 @@ each side); the config file uses the same names with dashes or underscores
 
 A flag's name, default, help and range are declared once, on its field, with
 :func:`replayrl.actors.settings.setting`; :data:`FLAGS` collects them, and the argparse flags, the
-config-file keys and type checks and the README's flag table (:func:`flag_table_markdown`,
+config-file keys and type checks and the flag table of docs/configuration.md (:func:`flag_table_markdown`,
 printed by ``python -m replayrl.tools.run.config``) are generated from it. Adding a setting is one line in
 one dataclass, e.g. ``backend: str = setting("fsdp", "train-backend", "trainer backend",
 Choices(("fsdp", "megatron")))``.
@@ -76,7 +76,7 @@ class RunConfig:
             ``replayrl.rollout.engines.ENGINES``); the launcher rejects an unknown one.
         hf_checkpoint: the initial policy, a Hugging Face Qwen3 / Qwen3-MoE checkpoint
             directory (``--hf-checkpoint``); ``""`` = the embedded default built from ``--seed``
-            (docs/design.md §14 "Hugging Face checkpoints").
+            (docs/design.md#hf-checkpoints).
         save_hf: write a Hugging Face checkpoint of the policy to ``save_hf/step-N`` every
             ``--save-interval`` steps and after the last step (``--save-hf``; ``""`` = never).
         cpu_affinity: ``split`` gives the trainer process the first half of the launcher's
@@ -91,17 +91,17 @@ class RunConfig:
         sglang_urls: SGLang server base URLs, comma-separated (``--sglang-urls``); engine ``i``
             starts on URL ``i`` and fails over to the others in order (at least
             ``--num-engines`` URLs: each server has one engine pushing its weights)
-            (docs/design.md §17 "SGLang engine").
+            (docs/design.md#sglang-engine).
         sglang_weight_dir: directory the SGLang engine writes weight pushes to, readable by
             every server at the same path (``""`` = a temporary directory on this host).
         heartbeat_deadline_s: seconds of silence after which an actor is lost
             (``--heartbeat-deadline-s``; :class:`replayrl.actors.Supervisor`).
         engine_failure: what a lost engine costs (``--engine-failure``,
-            :data:`replayrl.rollout.engine_pool.ENGINE_FAILURE_POLICIES`; docs/design.md §18 "Engine
-            fault tolerance"); a lost trainer, clock or manager always ends the run.
+            :data:`replayrl.rollout.engine_pool.ENGINE_FAILURE_POLICIES`; docs/design.md#engine-faults);
+            a lost trainer, clock or manager always ends the run.
         shm_pool_bytes, shm_min_array_bytes: the shared-memory pool of every process for arrays
             to ipc peers (``--shm-pool-bytes``, 0 = off; ``--shm-min-array-bytes``; bytes;
-            docs/design.md §20 "Shared-memory array transport").
+            docs/design.md#shm-transport).
     """
 
     num_steps: int = setting(400, "num-steps", "optimizer steps (one rollout each)", Range(low=1))
@@ -197,13 +197,13 @@ class RunConfig:
              f"{policy.max_position_embeddings} positions"),
             (self.trainer.temperature == self.rollout.temperature,
              "--rollout-temperature must reach the trainer unchanged (logprobs of logits / T)"),
-            # each trainer rank trains an equal share (docs/design.md §19 "Trainer ranks")
+            # each trainer rank trains an equal share (docs/design.md#trainer-ranks)
             ((self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt)
              % self.trainer.dp_size == 0,
              f"--rollout-batch-size x --n-samples-per-prompt = "
              f"{self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt} samples "
              f"do not split evenly over --dp-size {self.trainer.dp_size} trainer ranks"),
-            # each pipeline stage holds an equal, contiguous layer range (docs/design.md §22)
+            # each pipeline stage holds an equal, contiguous layer range (docs/design.md#pipeline-parallel)
             (policy.num_hidden_layers % self.trainer.pp_size == 0,
              f"--pp-size {self.trainer.pp_size} must divide the policy's "
              f"{policy.num_hidden_layers} layers (config.json 'num_hidden_layers'): every "
@@ -360,7 +360,7 @@ class Flag:
         return self.setting.flag
 
     def shown_default(self, markdown: bool = False) -> str:
-        """The default as ``--help`` (``repr`` of strings) or the README (code spans) shows it;
+        """The default as ``--help`` (``repr`` of strings) or docs/configuration.md (code spans) shows it;
         ``—`` for an empty string or tuple."""
         s = self.setting
         if s.default_text:
@@ -398,7 +398,7 @@ def _collect_flags() -> dict[str, Flag]:
 
 
 FLAGS: dict[str, Flag] = _collect_flags()
-"""flag name (no dashes) -> :class:`Flag`: the argparse flags, config-file keys and README rows."""
+"""flag name (no dashes) -> :class:`Flag`: the argparse flags, config-file keys and docs/configuration.md rows."""
 
 
 def add_run_flags(parser: argparse.ArgumentParser, only: Collection[str] | None = None) -> None:
@@ -439,9 +439,9 @@ def add_run_flags(parser: argparse.ArgumentParser, only: Collection[str] | None 
 
 
 def flag_table_markdown() -> str:
-    """The README's flag table: one row per flag of :data:`FLAGS` with its default, allowed
-    values and help, as GitHub markdown (``|`` in a cell escaped). ``tests/test_settings.py``
-    checks that README.md contains exactly this; ``python -m replayrl.tools.run.config`` prints it."""
+    """The flag table of docs/configuration.md: one row per flag of :data:`FLAGS` with its default, allowed
+    values and help, as GitHub markdown (``|`` in a cell escaped). ``tests/test_docs.py``
+    checks that docs/configuration.md contains exactly this; ``python -m replayrl.tools.run.config`` prints it."""
     def cell(text: str) -> str:
         return text.replace("|", "\\|")
 

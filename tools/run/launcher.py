@@ -3,8 +3,8 @@
 Processes: ``version_clock``, ``rollout_manager``, ``engine_0..``, ``trainer`` and, with
 ``--dp-size N > 1``, the trainer ranks ``trainer_1 .. trainer_{N-1}``; this process drives the
 loop. A lost engine (exited, or silent past ``--heartbeat-deadline-s``) is dropped or restarted
-and its prompt groups regenerated under ``--engine-failure`` (docs/design.md §18 "Engine fault
-tolerance"); any other actor that dies ends the run at once with its traceback; Ctrl-C (or any
+and its prompt groups regenerated under ``--engine-failure`` (docs/design.md#engine-faults);
+any other actor that dies ends the run at once with its traceback; Ctrl-C (or any
 error here) stops every actor; the run's ipc directory is removed in every case. While the
 actors serve, ``<output-dir>/attach.json`` tells ``replayrl repl --attach`` where they are
 (:mod:`replayrl.tools.run.attach_card`).
@@ -83,7 +83,7 @@ def check_writable(directory: Path, flag: str) -> None:
 def check_load(config: RunConfig) -> int:
     """Read and check every file of the ``--load`` checkpoint (model, trainer state, clock
     state) before any actor starts, so a truncated checkpoint, another backend's or one saved
-    under another parallel layout (docs/design.md §16 "The megatron-core backend") fails in
+    under another parallel layout (docs/design.md#megatron-backend) fails in
     seconds, not after the actors have started; returns its trainer version.
 
     Raises:
@@ -115,8 +115,7 @@ def write_run_config(config: RunConfig, output: Path) -> Path:
 
 def write_initial_checkpoint(config: RunConfig, directory: Path) -> Path:
     """Build the embedded default policy from ``config.trainer.seed`` and save it as an HF dir,
-    which the run then loads like any ``--hf-checkpoint`` (docs/design.md §14 "Hugging Face
-    checkpoints")."""
+    which the run then loads like any ``--hf-checkpoint`` (docs/design.md#hf-checkpoints)."""
     model = Qwen3MoeForCausalLM(config.policy_config)
     model.init_weights(config.trainer.seed)
     save_pretrained(model, directory, tokens=list(VOCABULARY))
@@ -196,7 +195,7 @@ def resolve_engine(config: RunConfig) -> str:
 
 
 SGLANG_RETRIES = 2
-"""Resends of one SGLang request after a server did not answer (docs/design.md §17)."""
+"""Resends of one SGLang request after a server did not answer (docs/design.md#sglang-engine)."""
 
 
 def engine_kwargs(config: RunConfig, index: int = 0) -> dict:
@@ -307,8 +306,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def trainer_rank_count(config: RunConfig) -> int:
     """Trainer processes of a run: ``--dp-size x --tp-size x --pp-size x --cp-size``
-    (docs/design.md §19 "Trainer ranks", §22 "Pipeline parallelism in the megatron backend",
-    §23 "Context parallelism in the megatron backend")."""
+    (docs/design.md#trainer-ranks, docs/design.md#pipeline-parallel,
+    docs/design.md#context-parallel)."""
     t = config.trainer
     return t.dp_size * t.tp_size * t.pp_size * t.cp_size
 
@@ -372,7 +371,7 @@ ENGINE_LOSS = {"regenerate": "drop", "restart": "replace", "fail": "fail"}
 
 def engine_supervision(config: RunConfig, directory: Directory) -> dict:
     """The :class:`replayrl.actors.Supervisor` arguments for the run's engines under
-    ``--engine-failure`` (docs/design.md §18 "Engine fault tolerance"): they are expendable;
+    ``--engine-failure`` (docs/design.md#engine-faults): they are expendable;
     a restarted one first loads the trainer's current weights (recorded by the clock), then
     rejoins the rollout manager's pool."""
     async def restored(engine: str) -> None:

@@ -8,15 +8,15 @@ Usage (one node; several nodes: the same command on each, with torchrun's ``--nn
 
 Roles: rank 0 runs the driver loop and serves ``version_clock`` and ``rollout_manager``;
 the last ``T = --dp-size x --tp-size x --pp-size x --cp-size`` ranks serve the trainer ranks ``trainer``,
-``trainer_1`` .. (docs/design.md §19 "Trainer ranks"); the ranks between serve ``engine_0 ..``.
+``trainer_1`` .. (docs/design.md#trainer-ranks); the ranks between serve ``engine_0 ..``.
 The actor with index ``i`` in the run's actor list listens on ``tcp://ADDR:MASTER_PORT + 1 + i``,
 where ``ADDR`` is its rank's address toward ``MASTER_ADDR`` (:mod:`replayrl.tools.run.rank_hosts`); the ranks
 exchange their addresses through torchrun's rendezvous store, so every rank builds the same
-directory (docs/design.md §21 "REPL attach and multi-host runs"). Every socket is
+directory (docs/design.md#attach-and-multi-host). Every socket is
 CURVE-authenticated with the run's keys (``--curve-keys DIR``, made by ``replayrl keys DIR`` and
 copied to every host), loopback and network alike.
 
-Engine hosts the run survives losing (docs/design.md §21): with ``--joined-engines N`` the run
+Engine hosts the run survives losing (docs/design.md#attach-and-multi-host): with ``--joined-engines N`` the run
 also expects ``N`` engines from outside its torchrun world; each such host runs its own one-node
 torchrun with ``--join-run MASTER_ADDR:MASTER_PORT`` (the run's) and the same training flags::
 

@@ -16,7 +16,7 @@ and back: the experts used and the router's own top-k, all-gathered over the SP 
 ``[B, S, L_local, K]``. Each layer's replay instance (:class:`_TraceRouterReplay`) also computes
 the router's own top-k under replay, fills ``-1`` rows with it
 (:func:`replayrl.trainer.parallel.replay_registry.fill_own_choice`, as the embedded model does) and keeps
-it for the flip / drift metrics (docs/design.md §16 "The megatron-core backend").
+it for the flip / drift metrics (docs/design.md#megatron-backend).
 """
 from __future__ import annotations
 

@@ -25,8 +25,7 @@ The live checks of a replayed forward (:func:`replayrl.trainer.replay.check_repl
 stay in :mod:`replayrl.trainer.replay`.
 
 Source: Ma et al. 2025, "Stabilizing MoE Reinforcement Learning by Aligning Training and
-Inference Routers" (R3), as implemented in slime / Megatron-LM routing replay; docs/design.md §2
-"Trace arrays".
+Inference Routers" (R3), as implemented in slime / Megatron-LM routing replay; docs/design.md#trace-arrays.
 """
 
 from __future__ import annotations

@@ -9,5 +9,5 @@
 * :mod:`replayrl.trainer.rejection.refill` -- :class:`~replayrl.trainer.rejection.refill.RefillCoordinator`,
   which drives the planner against the RolloutManager and the VersionClock.
 
-docs/design.md §7 "Trainer math" and "Exact refill".
+docs/design.md#trainer-math and docs/design.md#exact-refill.
 """

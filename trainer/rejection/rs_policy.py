@@ -1,7 +1,7 @@
 """The RS gate of a run, applied identically by the preflight and the training forward.
 
 One frozen :class:`RSGate` turns per-sample proximal / behaviour logprobs into per-sample and
-per-token accept decisions using the formulas in :mod:`replayrl.trainer.rejection.rs_gates` (docs/design.md §7 "Trainer math"). Modes:
+per-token accept decisions using the formulas in :mod:`replayrl.trainer.rejection.rs_gates` (docs/design.md#trainer-math). Modes:
 
 - ``none``: everything is accepted (plain decoupled PPO + TIS);
 - ``token``: token ``t`` is accepted iff ``exp(d_t)`` is in ``[lower, upper]``; a *sample*
@@ -11,7 +11,7 @@ per-token accept decisions using the formulas in :mod:`replayrl.trainer.rejectio
 
 ``m`` here is the mask of tokens the engine sampled (:attr:`replayrl.rollout.sample.Sample.sampled_mask`),
 not the loss mask: a synthetic EOS is trained on but has no behaviour logprob, so it never
-enters a gate (docs/design.md §8 "Rejection sampling").
+enters a gate (docs/design.md#rejection-sampling).
 
 Loss denominator under RS (documented choice, tested in tests/test_refill.py): with refill off,
 rejected tokens contribute 0 and the denominator is ``--rs-denominator``: ``loss_tokens`` (all
@@ -19,7 +19,7 @@ loss tokens of the step, so rejection shrinks the update like a smaller learning
 slime's masked RS) or ``accepted_tokens`` (only accepted ones). With exact refill on, every
 trained sample is admitted whole, so both denominators are the same number.
 
-What else the decisions mean without refill (docs/design.md §8, applied by the TrainerActor):
+What else the decisions mean without refill (docs/design.md#rejection-sampling, applied by the TrainerActor):
 each group's GRPO baseline is over its samples the gate accepted (a token-mode sample counts
 when at least one of its loss tokens is kept), a group with fewer than two trains on nothing,
 and a step with no accepted token is skipped (or ends the run with ``--stop-on-empty-step``).

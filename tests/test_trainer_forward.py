@@ -63,7 +63,11 @@ def test_fused_chunked_path_equals_the_logits_path_in_values_and_gradients():
     (v0, g0, e0, l0), (v1, g1, e1, l1) = results
     assert l0 is not None and l1 is None  # the fused forward never built [B, S, V] logits
     assert torch.allclose(v0, v1, atol=1e-6)
-    assert torch.allclose(g0, g1, atol=1e-6) and torch.allclose(e0, e1, atol=1e-6)
+    # float32 gradients summed in another order (chunks of 3 rows): measured 1.4e-6 apart on
+    # the embedding gradient, whose largest entry is 2.5, i.e. 6e-7 of it; 1e-6 absolute was
+    # tighter than float32 round-off on the small entries
+    scale = max(float(g0.abs().max()), float(e0.abs().max()))
+    assert torch.allclose(g0, g1, atol=2e-6 * scale) and torch.allclose(e0, e1, atol=2e-6 * scale)
 
 
 def _group_samples(seed: int, rows_with_other_trace: tuple[int, ...] = ()):

@@ -50,6 +50,7 @@ SECTIONS = {
     21: "REPL attach and multi-host runs",
     22: "Pipeline parallelism in the megatron backend",
     23: "Context parallelism in the megatron backend",
+    24: "Errors",
 }
 
 _HEADING = re.compile(r"^## (\d+)\. (\S.*?)\s*$", re.MULTILINE)

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from replayrl.rollout.sample import SampleError
-from replayrl.trainer.packing import PackedFieldError, PackedLayout, PackingError
+from replayrl.trainer.errors import PackedFieldError, PackingError
+from replayrl.trainer.packing import PackedLayout
 
 CASES = json.loads((Path(__file__).parent / "cases" / "packed_shift.json").read_text())
 

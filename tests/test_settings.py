@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from replayrl.actors.settings import POSITIVE, Choices, Range, Rule, check_settings, setting, settings_of, show_value
-from replayrl.tools.run.config import (FLAGS, ConfigError, add_run_flags, build_config, config_from_args,
-                          flag_table_markdown)
+from replayrl.tools.errors import ConfigError
+from replayrl.tools.run.config import (
+    FLAGS, add_run_flags, build_config, config_from_args, flag_table_markdown)
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 

@@ -16,13 +16,13 @@ import pytest
 
 pytest.importorskip("aiohttp")
 
-from replayrl.rollout.engines.base import EngineNotReady  # noqa: E402
+from replayrl.rollout.errors import EngineNotReady  # noqa: E402
 from replayrl.rollout.engines.embedded import EmbeddedEngine  # noqa: E402
 from replayrl.rollout.engines.sglang_engine import SglangEngine  # noqa: E402
-from replayrl.rollout.engines.sglang_protocol import (SglangRequestError, SglangResponseError,  # noqa: E402
-                                             SglangUnavailable, SglangVersionError, decode_item,
-                                             encode_int32, generate_request,
-                                             parse_generate_request)
+from replayrl.rollout.engines.sglang_protocol import (
+    decode_item, encode_int32, generate_request, parse_generate_request)
+from replayrl.rollout.errors import (
+    SglangRequestError, SglangResponseError, SglangUnavailable, SglangVersionError)
 from replayrl.rollout.model.checkpoint import state_dict_arrays  # noqa: E402
 from replayrl.rollout.model.config import ModelConfig, default_config  # noqa: E402
 from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM  # noqa: E402

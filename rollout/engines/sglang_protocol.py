@@ -42,17 +42,15 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from replayrl.rollout.engines.base import EngineError, EngineInputError, Generation
+from replayrl.rollout.engines.base import Generation
+from replayrl.rollout.errors import EngineInputError
 from replayrl.rollout.model.config import ModelConfig
+from replayrl.rollout.errors import SglangRequestError, SglangResponseError, SglangVersionError
 from replayrl.rollout.sampler import SamplingParams
 
 __all__ = [
     "SGLANG_VERSION_CHECKED",
-    "SglangError",
-    "SglangRequestError",
     "SglangResponseError",
-    "SglangVersionError",
-    "SglangUnavailable",
     "parse_urls",
     "request_seeds",
     "generate_request",
@@ -75,29 +73,6 @@ _REQUEST_KEYS = frozenset({
 _SAMPLING_KEYS = frozenset({"temperature", "top_p", "top_k", "min_p", "max_new_tokens",
                             "stop_token_ids", "no_stop_trim", "skip_special_tokens",
                             "sampling_seed", "ignore_eos"})
-
-
-class SglangError(EngineError):
-    """Base class of the SGLang engine's errors (each names the server and the request)."""
-
-
-class SglangRequestError(SglangError, ValueError):
-    """The server refused a request (HTTP 4xx, or ``finish_reason`` abort): message names the
-    URL, the request ids and the server's message. Not retried: resending would fail again."""
-
-
-class SglangResponseError(SglangError, ValueError):
-    """A reply lacks a requested field or holds one that cannot be a trace of this request
-    (wrong length, off-by-one route rows, bad base64, ids outside their range). The message
-    names the request id and the field; nothing is filled in or clamped."""
-
-
-class SglangVersionError(SglangResponseError):
-    """A reply's ``weight_version`` is not the version the engine pushed (names both)."""
-
-
-class SglangUnavailable(SglangError, ConnectionError):
-    """No server answered within the bounded retries (names every URL tried and why)."""
 
 
 def parse_urls(text: str | Sequence[str]) -> tuple[str, ...]:

@@ -30,7 +30,7 @@ __all__ = [
     "SamplerError", "SamplingParamsError", "NonFiniteLogitsError",
     "EngineError", "EngineNotReady", "EngineInputError", "EngineCaptureError", "EngineTimeout",
     "UnknownEngine", "EnginesLost", "SglangRequestError", "SglangResponseError",
-    "SglangVersionError", "SglangUnavailable", "SglangNoAnswer",
+    "SglangUnavailable", "SglangNoAnswer",
     "CaptureError", "TraceSchemaError", "TraceRowsError", "TraceFinalizedError",
 ]
 
@@ -133,12 +133,9 @@ class SglangRequestError(EngineError, ValueError):
 class SglangResponseError(EngineError, ValueError):
     """An SGLang reply lacks a requested field or holds one that cannot be a trace of this
     request (wrong length, off-by-one route rows, bad base64, ids outside their range), or the
-    reply list does not match the request list. The message names the server or the request id
+    reply list does not match the request list, or its ``weight_version`` is not the version the
+    engine pushed (names both). The message names the server or the request id
     and the field; nothing is filled in or clamped."""
-
-
-class SglangVersionError(EngineError, ValueError):
-    """An SGLang reply's ``weight_version`` is not the version the engine pushed (names both)."""
 
 
 class SglangUnavailable(EngineError, ConnectionError):

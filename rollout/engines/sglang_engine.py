@@ -269,7 +269,7 @@ class SglangEngine(Engine):
         Raises:
             EngineInputError: empty / out-of-vocabulary prompt, ``max_new_tokens < 1``.
             SglangRequestError: the server refused or aborted the request.
-            SglangResponseError / SglangVersionError: a reply item failed a check (names the
+            SglangResponseError: a reply item failed a check, a foreign weight version too (names the
                 request id and the field).
             SglangUnavailable: no server answered within the retries.
         """

@@ -45,7 +45,7 @@ import numpy as np
 from replayrl.rollout.engines.base import Generation
 from replayrl.rollout.errors import EngineInputError
 from replayrl.rollout.model.config import ModelConfig
-from replayrl.rollout.errors import SglangRequestError, SglangResponseError, SglangVersionError
+from replayrl.rollout.errors import SglangRequestError, SglangResponseError
 from replayrl.rollout.sampler import SamplingParams
 
 __all__ = [
@@ -196,9 +196,8 @@ def decode_item(item: Any, *, rid: str, prompt: Sequence[int], config: ModelConf
 
     Raises:
         SglangRequestError: the server aborted the request (``finish_reason`` abort).
-        SglangVersionError: ``meta_info.weight_version`` differs, or the reply spans several
-            weight versions.
-        SglangResponseError: any field missing, malformed or inconsistent (named).
+        SglangResponseError: any field missing, malformed or inconsistent (named), among them a
+            ``meta_info.weight_version`` that differs, or a reply spanning several weight versions.
     """
     if not isinstance(item, Mapping) or not isinstance(item.get("meta_info"), Mapping):
         raise SglangResponseError(f"request {rid}: reply item is not an object with meta_info")
@@ -212,11 +211,11 @@ def decode_item(item: Any, *, rid: str, prompt: Sequence[int], config: ModelConf
                                  f"{finish.get('message')!r}")
     version = _need(meta, "weight_version", rid)
     if str(version) != weight_version:
-        raise SglangVersionError(f"request {rid}: field 'weight_version': served by weights "
+        raise SglangResponseError(f"request {rid}: field 'weight_version': served by weights "
                                  f"{version!r}, expected {weight_version!r}")
     spans = meta.get("weight_versions")
     if spans is not None and len(spans) != 1:
-        raise SglangVersionError(f"request {rid}: field 'weight_versions': the response mixes "
+        raise SglangResponseError(f"request {rid}: field 'weight_versions': the response mixes "
                                  f"weight versions {spans!r}")
     ids = item.get("output_ids")
     if not isinstance(ids, list) or not ids or not all(

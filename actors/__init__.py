@@ -1,8 +1,10 @@
 """asyncio actor runtime on the ZeroMQ transport. Knows nothing of models or RL."""
 from replayrl.actors.actor import Actor, ActorServer, concurrent
-from replayrl.actors.directory import Directory, UnknownActor
+from replayrl.actors.directory import Directory
+from replayrl.actors.errors import UnknownActor
 from replayrl.actors.errors import ActorDied, ActorError, ActorTimeout, ProtocolError, RemoteError
-from replayrl.actors.interface import ActorCallError, ActorInterface
+from replayrl.actors.errors import ActorCallError
+from replayrl.actors.interface import ActorInterface
 from replayrl.actors.loop import run_event_loop
 from replayrl.actors.proxy import ActorProxy
 from replayrl.actors.ref import ActorRef, close_connections

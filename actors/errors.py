@@ -2,7 +2,14 @@
 
 Every error an actor call can raise on the caller's side derives from :class:`ActorError`, so a
 driver can tell "the remote method failed" (:class:`RemoteError`) from "the actor is gone"
-(:class:`ActorDied`) from "no answer in time" (:class:`ActorTimeout`).
+(:class:`ActorDied`) from "no answer in time" (:class:`ActorTimeout`). What a caller catches:
+
+- the call cannot be made: :class:`ActorCallError` (a ``TypeError``: no such method, bad
+  arguments), :class:`UnknownActor` (a ``KeyError``: no such name in the directory),
+  :class:`ProtocolError` (a malformed message);
+- the remote side failed: :class:`RemoteError` (the method raised), :class:`ActorDied`,
+  :class:`PeerLost`, :class:`ActorTimeout` (a ``TimeoutError``);
+- a version-clock rule was broken: :class:`VersionError` (a ``ValueError``) and its two kinds.
 """
 from __future__ import annotations
 
@@ -62,3 +69,27 @@ class PeerLost(ActorError):
 
 class ProtocolError(ActorError):
     """A message reached an actor but is not a valid call (bad envelope, unknown method, ...)."""
+
+
+class ActorCallError(ActorError, TypeError):
+    """A call names no method of the actor, or its arguments do not fit the method's signature.
+
+    Raised in the caller's process before anything is sent; the message names the actor, the
+    method and the signature.
+    """
+
+
+class UnknownActor(ActorError, KeyError):
+    """No actor of that name is in the directory."""
+
+
+class VersionError(ActorError, ValueError):
+    """Base class of version-clock rule violations."""
+
+
+class VersionRegression(VersionError):
+    """A trainer or engine version moved backwards."""
+
+
+class StaleSample(VersionError):
+    """A sample's policy version is outside ``[t - max_staleness, t]``."""

@@ -16,21 +16,13 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from replayrl.actors.errors import ActorError
+from replayrl.actors.errors import ActorCallError
 
 # Lifecycle hooks of replayrl.actors.Actor: public names, but the runtime calls them, never a peer.
 LIFECYCLE_HOOKS = frozenset({"on_start", "on_stop"})
 RUNTIME_NAMES = LIFECYCLE_HOOKS | {"ref", "proxy", "name", "directory"}
 """Every public name of :class:`replayrl.actors.Actor` itself: the runtime's, never callable by a peer,
 whatever a subclass overrides (a test keeps this equal to the class's public names)."""
-
-
-class ActorCallError(ActorError, TypeError):
-    """A call names no method of the actor, or its arguments do not fit the method's signature.
-
-    Raised in the caller's process before anything is sent; the message names the actor, the
-    method and the signature.
-    """
 
 
 def public_methods(cls: type) -> dict[str, Any]:

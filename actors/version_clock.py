@@ -20,18 +20,7 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from replayrl.actors.actor import Actor
-
-
-class VersionError(ValueError):
-    """Base class of version-clock rule violations."""
-
-
-class VersionRegression(VersionError):
-    """A trainer or engine version moved backwards."""
-
-
-class StaleSample(VersionError):
-    """A sample's policy version is outside ``[t - max_staleness, t]``."""
+from replayrl.actors.errors import StaleSample, VersionError, VersionRegression
 
 
 @dataclass

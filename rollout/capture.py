@@ -19,18 +19,13 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from replayrl.rollout.sample import SampleError
+from replayrl.rollout.errors import CaptureError
 
 __all__ = [
-    "CaptureError",
     "normalize_support_row",
     "check_sampled_logprob",
     "check_route_offset",
 ]
-
-
-class CaptureError(SampleError):
-    """An external engine's capture cannot become a trace row (names the sample and the field)."""
 
 
 def _is_int(value: Any) -> bool:

@@ -12,10 +12,7 @@ from dataclasses import asdict, dataclass
 import json
 
 from replayrl.actors.settings import POSITIVE, Choices, Range, Rule, check_settings, setting
-
-
-class RolloutConfigError(ValueError):
-    """An unsupported rollout setting; the message names the flag."""
+from replayrl.rollout.errors import RolloutConfigError
 
 
 _MODULE_FUNCTION = Rule(lambda v: not v or ":" in v, "module:function")

@@ -14,11 +14,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from replayrl.rollout.errors import DataExhausted
 from replayrl.rollout.task import DigitTask
-
-
-class DataExhausted(RuntimeError):
-    """Every allowed epoch (``--num-epoch``) of the prompt data was drawn."""
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,8 @@ import torch
 
 from replayrl.actors import Actor, concurrent
 from replayrl.rollout.engines import check_capture, load_engine_class
-from replayrl.rollout.engines.base import EngineError, EngineNotReady, generations_to_columns
+from replayrl.rollout.engines.base import generations_to_columns
+from replayrl.rollout.errors import EngineError, EngineNotReady
 from replayrl.rollout.sampler import SamplingParams
 from replayrl.transport.array_bundle import unpack_arrays
 

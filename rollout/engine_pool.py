@@ -24,17 +24,13 @@ import logging
 from typing import Awaitable, Callable, TypeVar
 
 from replayrl.actors.errors import PeerLost
+from replayrl.rollout.errors import EnginesLost
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 ENGINE_FAILURE_POLICIES = ("regenerate", "restart", "fail")
 """``--engine-failure`` values (see the module docstring)."""
-
-
-class EnginesLost(RuntimeError):
-    """No engine is left to serve a rollout (every one lost under ``regenerate``, or none
-    restored in time under ``restart``); names the engines and why each was lost."""
 
 
 class EnginePool:

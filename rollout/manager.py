@@ -33,12 +33,14 @@ from replayrl.rollout.engines.base import generations_from_columns
 from replayrl.rollout.evaluation import eval_metrics
 from replayrl.rollout.generation_gate import GenerationGate
 from replayrl.rollout.prompt_data import load_run_prompts
-from replayrl.rollout.rewards import RewardError, RewardGuard, exact_reward, load_math_verify, math_reward
+from replayrl.rollout.errors import RewardError
+from replayrl.rollout.rewards import RewardGuard, exact_reward, load_math_verify, math_reward
 from replayrl.rollout.sample import Sample, samples_to_columns
 from replayrl.rollout.task import DigitTask
 from replayrl.rollout.tokenizer import load_tokenizer
 from replayrl.rollout.tool_env import DigitToolEnv
 from replayrl.rollout.trajectory import TrajectoryError, append_synthetic_eos
+from replayrl.rollout.errors import RolloutError
 from replayrl.rollout.turn_loop import Episode, assemble, run_episodes
 
 
@@ -46,10 +48,6 @@ def observation_segments(loss_mask: np.ndarray) -> int:
     """Number of maximal runs of observation tokens (loss mask 0): one per tool call answered."""
     obs = np.asarray(loss_mask) == 0
     return int(obs[0]) + int(np.count_nonzero(obs[1:] & ~obs[:-1])) if len(obs) else 0
-
-
-class RolloutError(RuntimeError):
-    """A rollout could not be produced or handed over (names the rollout id)."""
 
 
 class RolloutManager(Actor):

@@ -22,10 +22,11 @@ from typing import Any, Mapping, Sequence
 
 from replayrl.rollout.config import RolloutConfig
 from replayrl.rollout.data_source import Prompt
+from replayrl.rollout.errors import PromptDataError, TokenizerError
 from replayrl.rollout.task import DigitTask
-from replayrl.rollout.tokenizer import PromptTokenizer, TokenizerError
+from replayrl.rollout.tokenizer import PromptTokenizer
 
-__all__ = ["PromptDataError", "PromptRow", "BUILTIN_FILE", "BUILTIN_SETTINGS", "read_rows",
+__all__ = [ "PromptRow", "BUILTIN_FILE", "BUILTIN_SETTINGS", "read_rows",
            "digit_task_rows", "builtin_rows", "tokenize_rows", "RunPrompts", "load_run_prompts"]
 
 BUILTIN_FILE = Path(__file__).resolve().parent / "data" / "digits.jsonl"
@@ -33,10 +34,6 @@ BUILTIN_SETTINGS = {"seed": 1, "num_digits": 4, "num_values": 5, "dataset_size":
 """The settings whose embedded dataset :data:`BUILTIN_FILE` holds (the defaults)."""
 REPLACEMENT_SEED_OFFSET = 7919
 """Replacement (refill) prompts come from their own seeded stream, ``seed + 7919``."""
-
-
-class PromptDataError(ValueError):
-    """A prompt file or row that cannot be used; the message names file, line and key."""
 
 
 @dataclass(frozen=True)

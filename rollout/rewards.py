@@ -21,16 +21,10 @@ import threading
 import unicodedata
 from typing import Any, Callable
 
-__all__ = ["RewardError", "RewardFailure", "normalise", "exact_reward", "math_reward",
+from replayrl.rollout.errors import RewardError, RewardFailure
+
+__all__ = [ "normalise", "exact_reward", "math_reward",
            "load_math_verify", "RewardGuard"]
-
-
-class RewardError(ValueError):
-    """A reward that cannot be used as configured (e.g. the ``math`` extra is missing)."""
-
-
-class RewardFailure(RuntimeError):
-    """A reward call raised or ran over its time limit; the message names the sample."""
 
 
 _SPACES = re.compile(r"\s+")

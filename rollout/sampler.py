@@ -31,27 +31,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from replayrl.rollout.errors import (
+    NonFiniteLogitsError,
+    SamplerError,
+    SamplingParamsError,
+)
 
 __all__ = [
-    "SamplerError",
-    "SamplingParamsError",
-    "NonFiniteLogitsError",
     "SamplingParams",
     "SampleOutput",
     "sample",
 ]
-
-
-class SamplerError(ValueError):
-    """Base class of every error raised by the sampler."""
-
-
-class SamplingParamsError(SamplerError):
-    """A sampling parameter is outside its valid range (the message names the field)."""
-
-
-class NonFiniteLogitsError(SamplerError):
-    """A logit among the top-k candidates of a row is NaN or infinite (message names the row)."""
 
 
 @dataclass(frozen=True)

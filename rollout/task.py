@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from replayrl.rollout.errors import TaskError
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")
 OPERATORS = ("max", "min", "first", "last")
@@ -23,10 +24,6 @@ DIGITS = tuple(str(d) for d in range(10))
 # rarely produces a well-formed answer and the reward starts near zero.
 FILLER = tuple(chr(c) for c in range(ord("a"), ord("z") + 1))
 VOCABULARY = SPECIAL_TOKENS + DIGITS + OPERATORS + ("=",) + FILLER
-
-
-class TaskError(ValueError):
-    """Bad task configuration or a token outside the task vocabulary."""
 
 
 @dataclass(frozen=True)

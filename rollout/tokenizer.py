@@ -19,17 +19,14 @@ from types import MappingProxyType
 from typing import Any, Mapping, Sequence
 
 import numpy as np
+from replayrl.rollout.errors import TokenizerError
 
-__all__ = ["TokenizerError", "PromptTokenizer", "load_tokenizer"]
+__all__ = [ "PromptTokenizer", "load_tokenizer"]
 
 # A fixed two-message conversation the observation delta is rendered after: the delta of a tool
 # turn is the text the template adds for that message (and the next generation prompt), which a
 # template computes from the roles alone, not from earlier contents.
 _BASE_CONVERSATION = ({"role": "user", "content": "x"}, {"role": "assistant", "content": "y"})
-
-
-class TokenizerError(ValueError):
-    """A tokenizer directory or a prompt the tokenizer cannot serve (names the directory / flag)."""
 
 
 @dataclass(frozen=True)

@@ -26,18 +26,15 @@ from typing import Sequence
 
 import numpy as np
 
+from replayrl.rollout.errors import ToolEnvError
 from replayrl.rollout.task import DIGITS, OPERATORS, VOCABULARY, DigitTask
 
-__all__ = ["ToolEnvError", "DigitToolEnv"]
+__all__ = [ "DigitToolEnv"]
 
 _OPERATOR_IDS = {VOCABULARY.index(op): op for op in OPERATORS}
 _DIGIT_IDS = {VOCABULARY.index(d): int(d) for d in DIGITS}
 _EQUALS_ID = VOCABULARY.index("=")
 _APPLY = {"max": max, "min": min, "first": lambda ds: ds[0], "last": lambda ds: ds[-1]}
-
-
-class ToolEnvError(ValueError):
-    """A prompt or trajectory the tool environment cannot interpret (message names it)."""
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ rows):
 * :meth:`~TokenMetadataTrace.finalize` checks the total row count against what the caller
   expects and hands out read-only arrays, exactly once.
 
-Every error is a :class:`TraceError`, a :class:`replayrl.rollout.sample.SampleError` naming the sample
+Every error is a :class:`SampleError`, a :class:`replayrl.rollout.sample.SampleError` naming the sample
 and the field.
 """
 from __future__ import annotations
@@ -27,33 +27,14 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from replayrl.rollout.errors import TraceFinalizedError, TraceRowsError, TraceSchemaError
 from replayrl.rollout.sample import SampleError
 
 __all__ = [
-    "TraceError",
-    "TraceSchemaError",
-    "TraceRowsError",
-    "TraceFinalizedError",
     "TokenMetadataTrace",
 ]
 
 _INT32 = np.iinfo(np.int32)
-
-
-class TraceError(SampleError):
-    """Base class of every TokenMetadataTrace error (names the sample and the field)."""
-
-
-class TraceSchemaError(TraceError):
-    """A chunk's field names, trailing shapes, dtypes or values disagree with the schema."""
-
-
-class TraceRowsError(TraceError):
-    """Row counts disagree: inside one chunk, with a ``rows`` argument, or at finalize."""
-
-
-class TraceFinalizedError(TraceError):
-    """The trace was already finalized (append / append_padding / finalize called again)."""
 
 
 class TokenMetadataTrace:
@@ -98,7 +79,7 @@ class TokenMetadataTrace:
         """True once :meth:`finalize` has returned."""
         return self._finalized
 
-    def _fail(self, cls: type[TraceError], field: str, problem: str) -> TraceError:
+    def _fail(self, cls: type[SampleError], field: str, problem: str) -> SampleError:
         return cls(self.sample_id, field, problem)
 
     def _check_open(self, what: str) -> None:

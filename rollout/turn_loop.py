@@ -27,17 +27,14 @@ import numpy as np
 
 from replayrl.rollout.engines.base import Generation
 from replayrl.rollout.tool_env import DigitToolEnv
+from replayrl.rollout.errors import TurnLoopError
 from replayrl.rollout.trajectory import MergedTrajectory, TrajectoryError, merge_turns
 
-__all__ = ["TurnLoopError", "MixedVersionError", "Episode", "GenerateTurn", "turn_seed",
+__all__ = [ "MixedVersionError", "Episode", "GenerateTurn", "turn_seed",
            "run_episodes", "assemble"]
 
 # (contexts, seed) -> (one Generation per context, the weight version that served them)
 GenerateTurn = Callable[[list[list[int]], int], Awaitable[tuple[list[Generation], int]]]
-
-
-class TurnLoopError(ValueError):
-    """A :func:`run_episodes` argument is malformed (the message names it)."""
 
 
 class MixedVersionError(TrajectoryError):

@@ -13,7 +13,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from replayrl.rollout.engines.base import Engine, EngineInputError, Generation
+from replayrl.rollout.engines.base import Engine, Generation
+from replayrl.rollout.errors import EngineInputError
 from replayrl.rollout.model.config import ModelConfig
 from replayrl.rollout.sample import TRACE_FIELDS
 from replayrl.rollout.sampler import SamplingParams

@@ -9,7 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from replayrl.rollout.capture import CaptureError, check_route_offset, check_sampled_logprob, normalize_support_row
+from replayrl.rollout.capture import (
+    check_route_offset, check_sampled_logprob, normalize_support_row)
+from replayrl.rollout.errors import CaptureError
 
 CASES = {c["name"]: c for c in json.loads((Path(__file__).parent / "cases" / "trace_alignment.json").read_text())}
 NEG_INF = float("-inf")

@@ -43,7 +43,7 @@ KNOWN_ANCHORS = (
     "version-clock", "trainer-math", "rejection-sampling", "exact-refill", "engines",
     "trainer-backends", "parallel-pieces", "embedded-default", "hf-checkpoints", "prompt-data",
     "megatron-backend", "sglang-engine", "engine-faults", "trainer-ranks", "shm-transport",
-    "attach-and-multi-host", "pipeline-parallel", "context-parallel",
+    "attach-and-multi-host", "pipeline-parallel", "context-parallel", "errors",
 )
 
 _ANCHOR_LINE = re.compile(r'^<a id="([A-Za-z0-9_-]+)"></a>$')

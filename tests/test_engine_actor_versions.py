@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from replayrl.rollout.engine_actor import EngineActor
-from replayrl.rollout.engines.base import EngineError, EngineNotReady, generations_from_columns
+from replayrl.rollout.engines.base import generations_from_columns
+from replayrl.rollout.errors import EngineError, EngineNotReady
 from replayrl.rollout.model.config import default_config
 from replayrl.transport.array_bundle import pack_arrays
 

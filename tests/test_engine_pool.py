@@ -8,7 +8,8 @@ import asyncio
 import pytest
 
 from replayrl.actors.errors import PeerLost
-from replayrl.rollout.engine_pool import EnginePool, EnginesLost
+from replayrl.rollout.engine_pool import EnginePool
+from replayrl.rollout.errors import EnginesLost
 
 
 def _work(dead: set[str], calls: list[str]):

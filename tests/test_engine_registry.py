@@ -11,13 +11,15 @@ import numpy as np
 import pytest
 
 from replayrl.rollout.data_source import PromptDataSource, digit_task_prompts
-from replayrl.rollout.engines import ENGINES, UnknownEngine, engine_class_path, load_engine_class
-from replayrl.rollout.engines.base import EngineError
+from replayrl.rollout.engines import ENGINES, engine_class_path, load_engine_class
+from replayrl.rollout.errors import UnknownEngine
+from replayrl.rollout.errors import EngineError
 from replayrl.rollout.engines.embedded import EmbeddedEngine
 from replayrl.rollout.model.config import default_config
 from replayrl.rollout.task import VOCABULARY, DigitTask
 from replayrl.rollout.sample import required_traces
-from replayrl.tools.run.config import ConfigError, build_config
+from replayrl.tools.errors import ConfigError
+from replayrl.tools.run.config import build_config
 from replayrl.tools.run.launcher import engine_kwargs, launch, resolve_engine
 
 SMALL = {"rollout-batch-size": 4, "n-samples-per-prompt": 4, "progress": False}

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from replayrl.tools.run.config import ConfigError
-from replayrl.tools.run.exit_codes import Terminated, exit_code
+from replayrl.tools.errors import ConfigError
+from replayrl.tools.errors import Terminated
+from replayrl.tools.run.exit_codes import exit_code
 
 
 def _raises(exc: BaseException):

@@ -6,7 +6,8 @@ import json
 import pytest
 
 from tests import hook_fixtures
-from replayrl.tools.run.config import ConfigError, build_config
+from replayrl.tools.errors import ConfigError
+from replayrl.tools.run.config import build_config
 from replayrl.tools.run.launcher import launch
 
 

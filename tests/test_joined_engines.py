@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from replayrl.tools.run.config import ConfigError, build_config
+from replayrl.tools.errors import ConfigError
+from replayrl.tools.run.config import build_config
 
 
 def _config(tmp_path, **extra):
@@ -40,7 +41,8 @@ def test_a_joined_rank_takes_a_slot_and_sees_every_address():
     import torch.distributed as dist
 
     from replayrl.tools.run.launcher import free_port
-    from replayrl.tools.run.rank_hosts import RendezvousError, join_run
+    from replayrl.tools.errors import RendezvousError
+    from replayrl.tools.run.rank_hosts import join_run
 
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
@@ -166,7 +168,8 @@ def test_a_missing_rank_or_joined_engine_is_named():
     import torch.distributed as dist
 
     from replayrl.tools.run.launcher import free_port
-    from replayrl.tools.run.rank_hosts import RendezvousError, join_run
+    from replayrl.tools.errors import RendezvousError
+    from replayrl.tools.run.rank_hosts import join_run
 
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
@@ -183,7 +186,8 @@ def test_a_joined_rank_fails_when_the_driver_stops_it_after_a_failed_run(curve_k
     from replayrl.actors import ActorError, ActorSpec, Directory
     from replayrl.actors.ref import use_curve_keys
     from replayrl.tools.run.launcher import free_port
-    from replayrl.tools.run.torchrun_entry import RunFailed, _serve_watched
+    from replayrl.tools.errors import RunFailed
+    from replayrl.tools.run.torchrun_entry import _serve_watched
 
     directory = Directory({"version_clock": f"tcp://127.0.0.1:{free_port()}",  # no driver here
                            "engine_1": f"tcp://127.0.0.1:{free_port()}"}, curve_keys_dir,

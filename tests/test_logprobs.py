@@ -10,14 +10,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from replayrl.trainer.errors import LogprobError, SupportError
 from replayrl.trainer.logprobs import (
-    LogprobError,
-    SupportError,
-    full_vocab_logprobs,
-    fused_support_logprobs,
-    support_entropy,
-    support_logprobs,
-)
+    full_vocab_logprobs, fused_support_logprobs, support_entropy, support_logprobs)
 
 CASES = Path(__file__).parent / "cases"
 

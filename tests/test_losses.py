@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from replayrl.trainer.losses import LossError, policy_loss
+from replayrl.trainer.errors import LossError
+from replayrl.trainer.losses import policy_loss
 
 NAN = float("nan")
 

@@ -28,7 +28,7 @@ from replayrl.rollout.model.loader import load_pretrained  # noqa: E402
 from replayrl.rollout.task import VOCABULARY  # noqa: E402
 from tests import megatron_cases as cases  # noqa: E402
 from replayrl.trainer.backends import resolve_backend  # noqa: E402
-from replayrl.trainer.backends.checkpoint_layout import CheckpointLayoutError  # noqa: E402
+from replayrl.trainer.errors import CheckpointLayoutError  # noqa: E402
 from replayrl.trainer.backends.torch_backend import TorchBackend  # noqa: E402
 from replayrl.trainer.batch import collate  # noqa: E402
 from replayrl.trainer.config import TrainerConfig  # noqa: E402
@@ -98,7 +98,8 @@ def test_registry_resolves_megatron_lazily():
 
 
 def test_layouts_that_do_not_divide_the_model_name_the_flag():
-    from replayrl.trainer.backends.megatron_model import MegatronModelError, MegatronParallel, transformer_config
+    from replayrl.trainer.backends.megatron_model import MegatronParallel, transformer_config
+    from replayrl.trainer.errors import MegatronModelError
 
     with pytest.raises(MegatronModelError, match=r"num_hidden_layers=4 is not a multiple of --pp-size 3"):
         transformer_config(cases.config(), MegatronParallel(pp=3))

@@ -9,11 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from replayrl.tools.run.config import ConfigError, build_config
+from replayrl.tools.errors import ConfigError
+from replayrl.tools.run.config import build_config
 from replayrl.tools.run.launcher import trainer_rank_count
 from replayrl.trainer.backends.megatron_context_parallel import ContextParallel, row_layout
-from replayrl.trainer.config import TrainerConfig, TrainerConfigError
-from replayrl.trainer.packing import PackingError
+from replayrl.trainer.config import TrainerConfig
+from replayrl.trainer.errors import TrainerConfigError
+from replayrl.trainer.errors import PackingError
 
 SMALL = {"num-steps": 1, "rollout-batch-size": 2, "n-samples-per-prompt": 2}
 

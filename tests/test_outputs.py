@@ -68,7 +68,7 @@ def test_a_resumed_run_keeps_the_earlier_rows_before_its_checkpoint(tmp_path):
 
 
 def test_a_failing_metrics_hook_is_named_with_its_step_and_traceback(tmp_path):
-    from replayrl.tools.run.metrics import MetricsHookError
+    from replayrl.tools.errors import MetricsHookError
 
     def failing_logger(config, metrics):
         raise RuntimeError("hook boom")

@@ -11,7 +11,8 @@ import pytest
 
 from replayrl.actors import RemoteError
 from replayrl.rollout.task import DigitTask
-from replayrl.tools.run.config import ConfigError, build_config
+from replayrl.tools.errors import ConfigError
+from replayrl.tools.run.config import build_config
 from replayrl.tools.run.launcher import launch, write_initial_checkpoint
 
 TEMPLATE = ("{{ bos_token }}{% for m in messages %} {{ m['content'] }}{% endfor %}"

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from replayrl.rollout.sample import SampleError
-from replayrl.trainer.packing import PackedFieldError, PackedLayout, PackingError
+from replayrl.trainer.errors import PackedFieldError, PackingError
+from replayrl.trainer.packing import PackedLayout
 
 CASES = json.loads((Path(__file__).parent / "cases" / "packed_shift.json").read_text())
 
@@ -126,7 +126,10 @@ def test_errors_name_the_sample_and_the_field():
     layout = PackedLayout.from_lengths([3, 2], sample_ids=["s0", "s1"])
     with pytest.raises(PackedFieldError, match=r"sample s1: field 'loss_mask'.*3 rows.*2 tokens") as err:
         layout.pack([np.zeros(3), np.zeros(3)], 0.0, field="loss_mask")
-    assert isinstance(err.value, SampleError) and isinstance(err.value, PackingError)
+    # a PackingError (one project base, docs/design.md#errors) naming the sample and the
+    # field as a SampleError does
+    assert isinstance(err.value, PackingError) and isinstance(err.value, ValueError)
+    assert (err.value.sample_id, err.value.field) == ("s1", "loss_mask")
     with pytest.raises(PackedFieldError, match="s1.*routed_experts.*shape"):
         layout.pack([np.zeros((2, 3, 2), np.int32), np.zeros((1, 2, 2), np.int32)], -1,
                     field="routed_experts", offsets=[0, 0])

@@ -8,11 +8,13 @@ import numpy as np
 import pytest
 
 from replayrl.rollout.config import RolloutConfig
-from replayrl.rollout.data_source import DataExhausted, PromptDataSource, digit_task_prompts
-from replayrl.rollout.prompt_data import (BUILTIN_FILE, PromptDataError, digit_task_rows, load_run_prompts,
-                                 read_rows)
+from replayrl.rollout.data_source import PromptDataSource, digit_task_prompts
+from replayrl.rollout.errors import DataExhausted
+from replayrl.rollout.errors import PromptDataError
+from replayrl.rollout.prompt_data import BUILTIN_FILE, digit_task_rows, load_run_prompts, read_rows
 from replayrl.rollout.task import VOCABULARY, DigitTask
-from replayrl.rollout.tokenizer import TokenizerError, load_tokenizer
+from replayrl.rollout.errors import TokenizerError
+from replayrl.rollout.tokenizer import load_tokenizer
 from replayrl.tools.run.config import build_config
 from replayrl.tools.run.launcher import write_initial_checkpoint
 

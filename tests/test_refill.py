@@ -10,16 +10,18 @@ import pytest
 import torch
 
 from replayrl.actors import Directory, RemoteError, Supervisor
-from replayrl.actors.version_clock import StaleSample, VersionRules
+from replayrl.actors.errors import StaleSample
+from replayrl.actors.version_clock import VersionRules
 from replayrl.rollout.sample import Sample, samples_to_columns
 from tests.fakes import FakeProxy
 from replayrl.tools.run.config import build_config
 from replayrl.tools.run.launcher import actor_specs, launch, write_initial_checkpoint
 from replayrl.trainer.config import TrainerConfig
 from replayrl.trainer.proximal_cache import ProximalLogprobCache
+from replayrl.trainer.errors import RefillExhausted
 from replayrl.trainer.rejection.refill import RefillCoordinator
-from replayrl.trainer.rejection.refill_planner import RefillExhausted
-from replayrl.trainer.rejection.rs_policy import RSConfigError, RSGate
+from replayrl.trainer.errors import TrainerConfigError
+from replayrl.trainer.rejection.rs_policy import RSGate
 
 CASE = json.loads((Path(__file__).parent / "cases" / "refill_admission.json").read_text())
 
@@ -203,9 +205,9 @@ async def test_replacement_replay_rates_are_reported(tmp_path, _restore_threads)
 
 
 def test_gate_flags_fail_closed():
-    with pytest.raises(RSConfigError, match="--rs-mode"):
+    with pytest.raises(TrainerConfigError, match="--rs-mode"):
         RSGate("tokens")
-    with pytest.raises(RSConfigError, match="--rs-lower"):
+    with pytest.raises(TrainerConfigError, match="--rs-lower"):
         RSGate("sequence", 2.0, 1.0)
     with pytest.raises(ValueError, match="--rs-batch-refill needs --rs-mode"):
         TrainerConfig(rs_batch_refill=True)

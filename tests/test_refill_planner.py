@@ -7,14 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from replayrl.trainer.errors import RefillConfigError, RefillExhausted
 from replayrl.trainer.rejection.refill_planner import (
-    RefillConfigError,
-    RefillExhausted,
-    RefillRequest,
-    plan_refill_rounds,
-    refill_quantum,
-    replacement_target,
-)
+    RefillRequest, plan_refill_rounds, refill_quantum, replacement_target)
 from replayrl.trainer.rejection.rs_gates import group_admission
 
 CASES = Path(__file__).parent / "cases"

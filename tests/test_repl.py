@@ -14,7 +14,8 @@ import pytest
 
 from replayrl.actors import ActorCallError, ActorDied, ActorSpec, ActorTimeout, RemoteError, UnknownActor
 from replayrl.tools.run.config import build_config
-from replayrl.tools.console.repl import ConsoleProxy, ReplError, ReplSession, SessionClosed
+from replayrl.tools.console.repl import ConsoleProxy, ReplSession
+from replayrl.tools.errors import ReplError, SessionClosed
 from tests.child_env import PYTHONPATH
 
 REPO = Path(__file__).resolve().parents[1]
@@ -215,7 +216,8 @@ def test_metrics_keeps_the_step_column_whatever_keys_are_asked():
 
 
 def test_metrics_takes_one_key_as_a_string_and_refuses_keys_no_row_has():
-    from replayrl.tools.console.views import MetricKeyError, metrics_text
+    from replayrl.tools.console.views import metrics_text
+    from replayrl.tools.errors import MetricKeyError
 
     rows = [{"step": 3, "reward_mean": 0.25, "samples": 4}, {"step": 4, "reward_mean": 0.5}]
     # one key, not one column per letter

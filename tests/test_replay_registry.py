@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from replayrl.rollout.model import Qwen3MoeForCausalLM, default_config
+from replayrl.trainer.errors import ReplayError
 from replayrl.trainer.parallel.replay_registry import ReplayRegistry, fill_own_choice, sp_slice
-from replayrl.trainer.replay import ReplayError
 
 V = 32
 

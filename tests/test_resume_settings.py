@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from replayrl.actors.version_clock import StaleSample, VersionClock
+from replayrl.actors.errors import StaleSample
+from replayrl.actors.version_clock import VersionClock
 from replayrl.rollout.task import VOCABULARY
 from replayrl.tools.cli import build_parser
 from replayrl.tools.run.config import build_config, config_from_args
@@ -112,7 +113,7 @@ async def test_a_real_run_and_its_resume_write_strict_json_that_reads_back(tmp_p
 async def test_load_is_checked_before_any_actor_starts(tmp_path, _restore_threads, damage):
     import multiprocessing
 
-    from replayrl.tools.run.config import ConfigError
+    from replayrl.tools.errors import ConfigError
     from replayrl.tools.run.launcher import check_load
     from replayrl.transport import strict_json
 

@@ -18,7 +18,8 @@ from tests.fakes import FakeProxy
 from replayrl.tools.run.config import build_config
 from replayrl.tools.run.launcher import write_initial_checkpoint
 from replayrl.trainer.config import TrainerConfig
-from replayrl.trainer.trainer_actor import EmptyStep, TrainerActor
+from replayrl.trainer.errors import EmptyStep
+from replayrl.trainer.trainer_actor import TrainerActor
 
 RESPONSE_LEN = 3
 RS = {"rs_mode": "sequence", "rs_lower": 0.5, "rs_upper": 2.0}

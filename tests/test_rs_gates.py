@@ -9,17 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from replayrl.trainer.errors import RSBoundsError, RSError
 from replayrl.trainer.rejection.rs_gates import (
-    RSBoundsError,
-    RSError,
-    SAMPLE_LOG_WEIGHTS,
-    compute_log_ratio,
-    geometric_log_weight,
-    group_admission,
-    sample_gate,
-    sequence_log_weight,
-    token_gate,
-)
+    SAMPLE_LOG_WEIGHTS, compute_log_ratio, geometric_log_weight, group_admission, sample_gate,
+    sequence_log_weight, token_gate)
 
 CASES = json.loads((Path(__file__).parent / "cases" / "rs_gates.json").read_text())
 

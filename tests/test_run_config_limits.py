@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from replayrl.tools.run.config import ConfigError, build_config, config_from_args
+from replayrl.tools.errors import ConfigError
+from replayrl.tools.run.config import build_config, config_from_args
 from replayrl.tools.cli import build_parser
 
 

@@ -10,13 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from replayrl.rollout.sampler import (
-    NonFiniteLogitsError,
-    SamplerError,
-    SamplingParams,
-    SamplingParamsError,
-    sample,
-)
+from replayrl.rollout.errors import NonFiniteLogitsError, SamplerError, SamplingParamsError
+from replayrl.rollout.sampler import SamplingParams, sample
 
 CASES = Path(__file__).parent / "cases"
 

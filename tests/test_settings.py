@@ -8,7 +8,8 @@ import re
 import pytest
 
 from replayrl.actors.settings import POSITIVE, Choices, Range, Rule, check_settings, setting, settings_of, show_value
-from replayrl.tools.run.config import FLAGS, ConfigError, add_run_flags, build_config, config_from_args
+from replayrl.tools.errors import ConfigError
+from replayrl.tools.run.config import FLAGS, add_run_flags, build_config, config_from_args
 
 class Bad(ValueError):
     pass

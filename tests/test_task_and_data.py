@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from replayrl.rollout.data_source import PromptDataSource, digit_task_prompts
-from replayrl.rollout.task import DigitTask, TaskError
+from replayrl.rollout.errors import TaskError
+from replayrl.rollout.task import DigitTask
 
 # The vocabulary written out by hand: <pad> <bos> <eos>, digits 0..9, operators, "=".
 PAD, BOS, EOS = 0, 1, 2

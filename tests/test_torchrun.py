@@ -66,7 +66,8 @@ def test_each_rank_listens_on_its_own_address_toward_the_master():
     import pytest
 
     from replayrl.actors import ActorSpec
-    from replayrl.tools.run.rank_hosts import RendezvousError, own_address
+    from replayrl.tools.errors import RendezvousError
+    from replayrl.tools.run.rank_hosts import own_address
     from replayrl.tools.run.torchrun_entry import directory_for
 
     assert own_address("127.0.0.1", 29500) == "127.0.0.1"  # one node: the loopback route
@@ -93,7 +94,8 @@ def test_two_trainer_ranks_under_torchrun(tmp_path, curve_keys_dir):
 
 
 def test_the_plan_gives_the_last_ranks_to_the_trainer_ranks(tmp_path):
-    from replayrl.tools.run.config import ConfigError, build_config
+    from replayrl.tools.errors import ConfigError
+    from replayrl.tools.run.config import build_config
     from replayrl.tools.run.torchrun_entry import plan
 
     config = build_config({"rollout-batch-size": 2, "n-samples-per-prompt": 2, "dp-size": 2,

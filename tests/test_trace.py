@@ -8,15 +8,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from replayrl.rollout.errors import TraceFinalizedError, TraceRowsError, TraceSchemaError
 from replayrl.rollout.sample import SampleError
-from replayrl.rollout.trace import (TokenMetadataTrace, TraceError, TraceFinalizedError, TraceRowsError,
-                           TraceSchemaError)
+from replayrl.rollout.trace import TokenMetadataTrace
 
 CASES = {c["name"]: c for c in json.loads((Path(__file__).parent / "cases" / "trace_alignment.json").read_text())}
 SID = 17
 
 
-def expect(cls, field, fn, *args, **kwargs) -> TraceError:
+def expect(cls, field, fn, *args, **kwargs) -> SampleError:
     with pytest.raises(cls) as info:
         fn(*args, **kwargs)
     err = info.value

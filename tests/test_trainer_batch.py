@@ -10,7 +10,8 @@ import torch
 
 from replayrl.rollout.sample import Sample, SampleError
 from replayrl.trainer.batch import collate
-from replayrl.trainer.proximal_cache import ProximalCacheError, ProximalLogprobCache
+from replayrl.trainer.errors import ProximalCacheError
+from replayrl.trainer.proximal_cache import ProximalLogprobCache
 
 L_MOE, K_ROUTER, L_IDX, K_IDX = 2, 2, 1, 3
 

@@ -8,9 +8,11 @@ import numpy as np
 import pytest
 
 from replayrl.actors import Directory, Supervisor
-from replayrl.tools.run.config import ConfigError, build_config
+from replayrl.tools.errors import ConfigError
+from replayrl.tools.run.config import build_config
 from replayrl.tools.run.launcher import actor_specs, write_initial_checkpoint
-from replayrl.trainer.rank_group import RankGroup, RankGroupError, follower_names, shard, shard_bounds
+from replayrl.trainer.errors import RankGroupError
+from replayrl.trainer.rank_group import RankGroup, follower_names, shard, shard_bounds
 
 SMALL = {"rollout-batch-size": 2, "n-samples-per-prompt": 2, "progress": False}
 

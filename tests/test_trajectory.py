@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from replayrl.rollout.capture import CaptureError
+from replayrl.rollout.errors import CaptureError
 from replayrl.rollout.sample import Sample, SampleError
 from replayrl.rollout.trajectory import (MissingTraceError, TraceGapError, TrajectoryError,
                                 append_synthetic_eos, merge_turns, truncate)

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from replayrl.actors.version_clock import (StaleSample, VersionClock, VersionError,
-                                  VersionRegression, VersionRules)
+from replayrl.actors.errors import StaleSample, VersionError, VersionRegression
+from replayrl.actors.version_clock import VersionClock, VersionRules
 
 CASES = json.loads((Path(__file__).parent / "cases" / "staleness.json").read_text())
 

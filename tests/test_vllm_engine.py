@@ -15,9 +15,8 @@ import torch
 
 pytest.importorskip("vllm")
 
-from replayrl.rollout.capture import CaptureError  # noqa: E402
-from replayrl.rollout.engines.base import EngineError, EngineInputError  # noqa: E402
-from replayrl.rollout.engines.vllm_engine import EngineTimeout, VllmEngine  # noqa: E402
+from replayrl.rollout.engines.vllm_engine import VllmEngine  # noqa: E402
+from replayrl.rollout.errors import CaptureError, EngineError, EngineInputError, EngineTimeout  # noqa: E402
 from replayrl.rollout.model.checkpoint import state_dict_arrays  # noqa: E402
 from replayrl.rollout.model.config import default_config, without_indexer  # noqa: E402
 from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM  # noqa: E402

@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from replayrl.trainer.logprobs import LogprobError, support_logprobs
+from replayrl.trainer.errors import LogprobError
+from replayrl.trainer.logprobs import support_logprobs
 from replayrl.trainer.parallel.vocab_parallel import vocab_parallel_support_logprobs
 
 WORLD, N, V, K, T = 2, 9, 16, 4, 0.8

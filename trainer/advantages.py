@@ -12,13 +12,10 @@ step threw away; a group with fewer than two of them has no baseline and trains 
 from __future__ import annotations
 
 import torch
+from replayrl.trainer.errors import AdvantageError
 from torch import Tensor
 
-__all__ = ["AdvantageError", "baseline_groups", "grpo_advantages"]
-
-
-class AdvantageError(ValueError):
-    """Bad input to an advantage estimator (shape, group size, non-finite reward)."""
+__all__ = [ "baseline_groups", "grpo_advantages"]
 
 
 def _check_accepted(accepted: Tensor, numel: int) -> Tensor:

@@ -10,11 +10,8 @@ from dataclasses import asdict, dataclass
 
 from replayrl.actors.settings import POSITIVE, Choices, Range, check_settings, setting
 from replayrl.trainer.backends import BACKENDS
+from replayrl.trainer.errors import TrainerConfigError
 from replayrl.trainer.rejection.rs_policy import RSGate
-
-
-class TrainerConfigError(ValueError):
-    """An unsupported trainer setting; the message names the flag."""
 
 
 @dataclass(frozen=True)
@@ -188,7 +185,7 @@ class TrainerConfig:
         for ok, message in checks:
             if not ok:
                 raise TrainerConfigError(message)
-        RSGate(self.rs_mode, self.rs_lower, self.rs_upper)  # raises RSConfigError naming flags
+        RSGate(self.rs_mode, self.rs_lower, self.rs_upper)  # raises TrainerConfigError naming flags
 
     @property
     def rs_gate(self) -> RSGate:

@@ -32,24 +32,15 @@ from __future__ import annotations
 import math
 
 import torch
+from replayrl.trainer.errors import LogprobError, SupportError
 from torch import Tensor
 
 __all__ = [
-    "LogprobError",
-    "SupportError",
     "full_vocab_logprobs",
     "support_logprobs",
     "support_entropy",
     "fused_support_logprobs",
 ]
-
-
-class LogprobError(ValueError):
-    """Bad input to a trainer logprob path (shapes, dtypes, temperature, chunk size)."""
-
-
-class SupportError(LogprobError):
-    """A ``sample_support`` row is inconsistent; the message names the row index."""
 
 
 # --------------------------------------------------------------------------- validation

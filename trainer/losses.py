@@ -32,15 +32,12 @@ import math
 from typing import Literal
 
 import torch
+from replayrl.trainer.errors import LossError
 from torch import Tensor
 
-__all__ = ["LossError", "policy_loss"]
+__all__ = [ "policy_loss"]
 
 Denominator = Literal["loss_tokens", "accepted_tokens"]
-
-
-class LossError(ValueError):
-    """Bad input to a loss (shapes, mask values, hyper-parameters, non-finite loss-token input)."""
 
 
 def _as_bool_mask(x: Tensor, n: int, name: str) -> Tensor:

@@ -47,11 +47,9 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from replayrl.rollout.sample import SampleError
+from replayrl.trainer.errors import PackedFieldError, PackingError
 
 __all__ = [
-    "PackingError",
-    "PackedFieldError",
     "PackedLayout",
     "IGNORE_INDEX",
 ]
@@ -59,14 +57,6 @@ __all__ = [
 IGNORE_INDEX = -100
 """Default "no target" value of :meth:`PackedLayout.next_token_targets` (torch's
 ``cross_entropy`` ignore_index)."""
-
-
-class PackingError(ValueError):
-    """Bad input to the packing layout: lengths, multiples, CP size / rank, packed shapes."""
-
-
-class PackedFieldError(SampleError, PackingError):
-    """A per-sample array does not fit the layout; names the sample and the field."""
 
 
 def _positive_int(value: Any, name: str) -> int:

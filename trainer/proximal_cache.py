@@ -9,10 +9,7 @@ then uses pageable memory and reports ``pinned=False`` instead of failing.
 from __future__ import annotations
 
 import torch
-
-
-class ProximalCacheError(RuntimeError):
-    """Cache over its byte cap, or a lookup of a sample that is not cached (named)."""
+from replayrl.trainer.errors import ProximalCacheError
 
 
 def can_pin_memory() -> bool:

@@ -14,13 +14,11 @@ import datetime
 from dataclasses import dataclass
 from typing import Sequence, TypeVar
 
-__all__ = ["RankGroup", "RankGroupError", "follower_names", "shard_bounds", "shard"]
+from replayrl.trainer.errors import RankGroupError
+
+__all__ = ["RankGroup", "follower_names", "shard_bounds", "shard"]
 
 T = TypeVar("T")
-
-
-class RankGroupError(ValueError):
-    """A rank layout or a batch that does not fit the trainer ranks; names the field."""
 
 
 def follower_names(size: int) -> list[str]:

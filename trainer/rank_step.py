@@ -22,18 +22,15 @@ from replayrl.trainer.batch import TrainBatch, collate, collate_packed, per_samp
 from replayrl.trainer.config import TrainerConfig
 from replayrl.trainer.losses import policy_loss
 from replayrl.trainer.proximal_cache import ProximalLogprobCache
+from replayrl.trainer.errors import TrainStepError
 from replayrl.trainer.replay import batch_flip_rate, check_replay
 
-__all__ = ["RankStep", "TrainStepError", "UPDATE_SUMS"]
+__all__ = ["RankStep", "UPDATE_SUMS"]
 
 UPDATE_SUMS = ("abs_logprob_diff", "clipfrac", "tis_weight_mean")
 """Token sums one rank's update returns, added over ranks (then divided by the step's token
 counts): ``|logp_prox - logp_rollout|`` over sampled tokens, the clip fraction times loss
 tokens, the TIS weight mean times sampled tokens."""
-
-
-class TrainStepError(RuntimeError):
-    """A step could not run; raised before the optimizer step, weights untouched."""
 
 
 class RankStep:

@@ -31,10 +31,9 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
+from replayrl.trainer.errors import ReplayError, ReplayMismatch
 
 __all__ = [
-    "ReplayError",
-    "ReplayMismatch",
     "Mismatch",
     "ReplayCheck",
     "replayed_rows",
@@ -43,10 +42,6 @@ __all__ = [
     "batch_flip_rate",
     "mean_rates",
 ]
-
-
-class ReplayError(ValueError):
-    """Bad input to a replay check or manager: layer ids, trace shapes, SP rank, thresholds."""
 
 
 @dataclass(frozen=True)
@@ -61,25 +56,6 @@ class Mismatch:
     layer: int
     used: tuple[int, ...]
     own: tuple[int, ...]
-
-
-class ReplayMismatch(ReplayError):
-    """The replayed choices disagree with the layers' own choices beyond the allowed bounds.
-
-    Attributes:
-        check: the :class:`ReplayCheck` that failed (overlaps, fractions, first mismatches).
-    """
-
-    def __init__(self, kind: str, check: "ReplayCheck", min_overlap_ratio: float,
-                 max_mismatch_fraction: float) -> None:
-        self.check = check
-        listed = "; ".join(f"token {m.token} layer {m.layer}: used {list(m.used)} own {list(m.own)}"
-                           for m in check.mismatches)
-        super().__init__(
-            f"{kind} replay mismatch: min per-token overlap {check.min_overlap:.3f} "
-            f"(allowed >= {min_overlap_ratio}), {check.mismatched_tokens}/{check.n_tokens} tokens "
-            f"with a mismatch = {check.mismatch_fraction:.3f} (allowed <= {max_mismatch_fraction}); "
-            f"first mismatches: {listed}")
 
 
 @dataclass(frozen=True, eq=False)

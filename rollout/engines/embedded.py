@@ -22,7 +22,8 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from replayrl.rollout.engines.base import Engine, EngineError, EngineInputError, Generation
+from replayrl.rollout.engines.base import Engine, Generation
+from replayrl.rollout.errors import EngineError, EngineInputError
 from replayrl.rollout.model.checkpoint import load_state_arrays
 from replayrl.rollout.model.config import ModelConfig
 from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM

@@ -34,12 +34,13 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from replayrl.rollout.engines.base import Engine, EngineInputError, Generation
-from replayrl.rollout.engines.sglang_protocol import (SglangError, SglangRequestError, SglangUnavailable,
-                                             decode_item, generate_request,
-                                             parse_urls)
+from replayrl.rollout.engines.base import Engine, Generation
+from replayrl.rollout.errors import EngineInputError
+from replayrl.rollout.engines.sglang_protocol import decode_item, generate_request, parse_urls
+from replayrl.rollout.errors import SglangRequestError, SglangResponseError, SglangUnavailable
 from replayrl.rollout.model.config import ModelConfig
 from replayrl.rollout.sample import TRACE_FIELDS
+from replayrl.rollout.errors import SglangNoAnswer
 from replayrl.rollout.sampler import SamplingParams
 
 __all__ = ["SglangEngine"]
@@ -47,10 +48,6 @@ __all__ = ["SglangEngine"]
 
 # SGLang's own /health_generate waits up to 20 s (HEALTH_CHECK_TIMEOUT) for a busy scheduler
 _HEALTH_TIMEOUT_S = 30.0
-
-
-class _Retry(Exception):
-    """A server did not answer (connection / timeout / 5xx); try the next URL."""
 
 
 class SglangEngine(Engine):
@@ -124,7 +121,7 @@ class SglangEngine(Engine):
     async def _request(self, method: str, url: str, path: str, body: Any = None,
                        what: str = "", timeout_s: float | None = None) -> Any:
         """One HTTP request (``timeout_s``, default the session's ``call_timeout_s``); JSON
-        reply (or text). Raises _Retry when the server did not answer, SglangRequestError on
+        reply (or text). Raises SglangNoAnswer when the server did not answer, SglangRequestError on
         a 4xx (names ``what``)."""
         aiohttp = self._aiohttp
         timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s else None
@@ -133,7 +130,7 @@ class SglangEngine(Engine):
                                              timeout=timeout) as resp:
                 text = await resp.text()
                 if resp.status >= 500:
-                    raise _Retry(f"{url}{path}: HTTP {resp.status}: {text[:200]}")
+                    raise SglangNoAnswer(f"{url}{path}: HTTP {resp.status}: {text[:200]}")
                 if resp.status >= 400:
                     raise SglangRequestError(f"{url}{path} refused {what}: HTTP {resp.status}: "
                                              f"{text[:500]}")
@@ -142,7 +139,7 @@ class SglangEngine(Engine):
                 except json.JSONDecodeError:
                     return text
         except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
-            raise _Retry(f"{url}{path}: {type(exc).__name__}: {exc}") from None
+            raise SglangNoAnswer(f"{url}{path}: {type(exc).__name__}: {exc}") from None
 
     async def _wait_healthy(self, url: str, timeout_s: float) -> None:
         deadline = self._loop.time() + timeout_s
@@ -152,7 +149,7 @@ class SglangEngine(Engine):
                 await self._request("GET", url, "/health", what="health check",
                                     timeout_s=min(_HEALTH_TIMEOUT_S, timeout_s))
                 return
-            except (_Retry, SglangRequestError) as exc:
+            except (SglangNoAnswer, SglangRequestError) as exc:
                 why = str(exc)
             if self._loop.time() >= deadline:
                 raise SglangUnavailable(f"SGLang server {url} not healthy within {timeout_s} s: "
@@ -185,7 +182,7 @@ class SglangEngine(Engine):
                 if attempt:
                     await self._wait_healthy(url, self.call_timeout_s)
                 return await attempt_fn(url, attempt > 0)
-            except (_Retry, SglangUnavailable) as exc:
+            except (SglangNoAnswer, SglangUnavailable) as exc:
                 errors.append(str(exc))
                 self.urls.append(self.urls.pop(0))  # sticky failover: next URL first from now on
                 await asyncio.sleep(min(0.2 * 2 ** attempt, 2.0))
@@ -239,7 +236,7 @@ class SglangEngine(Engine):
                         await self._push(url, path, version)
                         answered.append(url)
                         break
-                    except _Retry as exc:
+                    except SglangNoAnswer as exc:
                         if tries == tries_left:
                             silent.append((url, str(exc)))
                         else:
@@ -272,7 +269,7 @@ class SglangEngine(Engine):
         Raises:
             EngineInputError: empty / out-of-vocabulary prompt, ``max_new_tokens < 1``.
             SglangRequestError: the server refused or aborted the request.
-            SglangResponseError / SglangVersionError: a reply item failed a check (names the
+            SglangResponseError: a reply item failed a check, a foreign weight version too (names the
                 request id and the field).
             SglangUnavailable: no server answered within the retries.
         """
@@ -300,7 +297,7 @@ class SglangEngine(Engine):
                 await self._push(url, self._pushed, int(self.version))
             reply = await self._request("POST", url, "/generate", body, what=what)
             if not isinstance(reply, list) or len(reply) != len(rows):
-                raise SglangError(f"{url}/generate: {what}: expected a list of {len(rows)} "
+                raise SglangResponseError(f"{url}/generate: {what}: expected a list of {len(rows)} "
                                   f"items, got {type(reply).__name__}")
             aborted = [item for item in reply if isinstance(item, Mapping)
                        and isinstance(item.get("meta_info"), Mapping)
@@ -308,7 +305,7 @@ class SglangEngine(Engine):
                        and item["meta_info"]["finish_reason"].get("type") == "abort"]
             if aborted:  # e.g. another client paused the server for a weight update: resend
                 meta = aborted[0]["meta_info"]
-                raise _Retry(f"{url}/generate: request {meta.get('id')} aborted by the server: "
+                raise SglangNoAnswer(f"{url}/generate: request {meta.get('id')} aborted by the server: "
                              f"{meta['finish_reason'].get('message')!r}")
             return reply
 

@@ -42,17 +42,15 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from replayrl.rollout.engines.base import EngineError, EngineInputError, Generation
+from replayrl.rollout.engines.base import Generation
+from replayrl.rollout.errors import EngineInputError
 from replayrl.rollout.model.config import ModelConfig
+from replayrl.rollout.errors import SglangRequestError, SglangResponseError
 from replayrl.rollout.sampler import SamplingParams
 
 __all__ = [
     "SGLANG_VERSION_CHECKED",
-    "SglangError",
-    "SglangRequestError",
     "SglangResponseError",
-    "SglangVersionError",
-    "SglangUnavailable",
     "parse_urls",
     "request_seeds",
     "generate_request",
@@ -75,29 +73,6 @@ _REQUEST_KEYS = frozenset({
 _SAMPLING_KEYS = frozenset({"temperature", "top_p", "top_k", "min_p", "max_new_tokens",
                             "stop_token_ids", "no_stop_trim", "skip_special_tokens",
                             "sampling_seed", "ignore_eos"})
-
-
-class SglangError(EngineError):
-    """Base class of the SGLang engine's errors (each names the server and the request)."""
-
-
-class SglangRequestError(SglangError, ValueError):
-    """The server refused a request (HTTP 4xx, or ``finish_reason`` abort): message names the
-    URL, the request ids and the server's message. Not retried: resending would fail again."""
-
-
-class SglangResponseError(SglangError, ValueError):
-    """A reply lacks a requested field or holds one that cannot be a trace of this request
-    (wrong length, off-by-one route rows, bad base64, ids outside their range). The message
-    names the request id and the field; nothing is filled in or clamped."""
-
-
-class SglangVersionError(SglangResponseError):
-    """A reply's ``weight_version`` is not the version the engine pushed (names both)."""
-
-
-class SglangUnavailable(SglangError, ConnectionError):
-    """No server answered within the bounded retries (names every URL tried and why)."""
 
 
 def parse_urls(text: str | Sequence[str]) -> tuple[str, ...]:
@@ -221,9 +196,8 @@ def decode_item(item: Any, *, rid: str, prompt: Sequence[int], config: ModelConf
 
     Raises:
         SglangRequestError: the server aborted the request (``finish_reason`` abort).
-        SglangVersionError: ``meta_info.weight_version`` differs, or the reply spans several
-            weight versions.
-        SglangResponseError: any field missing, malformed or inconsistent (named).
+        SglangResponseError: any field missing, malformed or inconsistent (named), among them a
+            ``meta_info.weight_version`` that differs, or a reply spanning several weight versions.
     """
     if not isinstance(item, Mapping) or not isinstance(item.get("meta_info"), Mapping):
         raise SglangResponseError(f"request {rid}: reply item is not an object with meta_info")
@@ -237,11 +211,11 @@ def decode_item(item: Any, *, rid: str, prompt: Sequence[int], config: ModelConf
                                  f"{finish.get('message')!r}")
     version = _need(meta, "weight_version", rid)
     if str(version) != weight_version:
-        raise SglangVersionError(f"request {rid}: field 'weight_version': served by weights "
+        raise SglangResponseError(f"request {rid}: field 'weight_version': served by weights "
                                  f"{version!r}, expected {weight_version!r}")
     spans = meta.get("weight_versions")
     if spans is not None and len(spans) != 1:
-        raise SglangVersionError(f"request {rid}: field 'weight_versions': the response mixes "
+        raise SglangResponseError(f"request {rid}: field 'weight_versions': the response mixes "
                                  f"weight versions {spans!r}")
     ids = item.get("output_ids")
     if not isinstance(ids, list) or not ids or not all(

@@ -34,23 +34,22 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from replayrl.rollout.capture import CaptureError, check_sampled_logprob, normalize_support_row
-from replayrl.rollout.engines.base import Engine, EngineError, EngineInputError, Generation
+from replayrl.rollout.capture import check_sampled_logprob, normalize_support_row
+from replayrl.rollout.errors import CaptureError
+from replayrl.rollout.engines.base import Engine, Generation
+from replayrl.rollout.errors import EngineError, EngineInputError
 from replayrl.rollout.engines.vllm_routing import RoutingRecorder
 from replayrl.rollout.model.checkpoint import save_model_files
 from replayrl.rollout.model.config import ModelConfig
 from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
+from replayrl.rollout.errors import EngineTimeout
 from replayrl.rollout.sampler import SamplingParams
 
-__all__ = ["VllmEngine", "EngineTimeout"]
+__all__ = ["VllmEngine"]
 
 # vLLM samples greedily below this temperature (vllm/v1/sample/sampler.py _SAMPLING_EPS) and
 # then returns unprocessed logprobs, which no support row describes.
 _GREEDY_BELOW = 1e-5
-
-
-class EngineTimeout(EngineError, TimeoutError):
-    """vLLM did not start or answer in time; the engine is unusable afterwards (names the call)."""
 
 
 def _read_only(a: np.ndarray) -> np.ndarray:

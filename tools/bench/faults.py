@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from replayrl.actors import ActorDied
-from replayrl.tools.run.config import ConfigError, build_config
+from replayrl.tools.errors import ConfigError
+from replayrl.tools.run.config import build_config
 from replayrl.tools.bench.fault_injection import faulty_specs
 from replayrl.tools.run.launcher import actor_specs, check_load, launch, write_initial_checkpoint
 

@@ -58,17 +58,14 @@ from pathlib import Path
 import torch
 
 from replayrl.trainer.logprobs import full_vocab_logprobs, fused_support_logprobs, support_logprobs
+from replayrl.tools.errors import BenchError
 from replayrl.transport import strict_json
 
-__all__ = ["BenchError", "BenchConfig", "Measurement", "PATHS", "make_inputs", "measure_here",
+__all__ = [ "BenchConfig", "Measurement", "PATHS", "make_inputs", "measure_here",
            "run_bench", "format_table", "add_arguments", "run_from_args", "main"]
 
 PATHS = ("full", "gather", "fused")
 _MIB = float(1 << 20)
-
-
-class BenchError(ValueError):
-    """A benchmark setting that cannot run (sizes, top-k larger than the vocabulary, ...)."""
 
 
 @dataclass(frozen=True)

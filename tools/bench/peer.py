@@ -35,13 +35,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
+from replayrl.tools.errors import PeerBenchError
 
 TRL_EXTRA = "pip install 'replayrl[bench]'  (the bench extra: trl>=1.16)"
 TRL_THREADS = 2
-
-
-class PeerBenchError(RuntimeError):
-    """The peer benchmark cannot run or its two sides did not see the same inputs."""
 
 
 # ---------------------------------------------------------------- pure summary functions

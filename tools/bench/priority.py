@@ -14,11 +14,9 @@ import contextlib
 from pathlib import Path
 from typing import Iterator
 
+from replayrl.tools.errors import PriorityError
+
 AUTOGROUP = Path("/proc/self/autogroup")
-
-
-class PriorityError(RuntimeError):
-    """The autogroup nice value could not be read or set (no autogroup support, not root)."""
 
 
 def _read() -> int:

@@ -21,7 +21,7 @@ from prompt_toolkit.completion import Completer, Completion
 from prompt_toolkit.history import InMemoryHistory
 
 from replayrl.actors import ActorCallError, UnknownActor
-from replayrl.tools.console.views import MetricKeyError
+from replayrl.tools.errors import MetricKeyError
 
 __all__ = ["Console", "NamespaceCompleter"]
 

@@ -42,6 +42,7 @@ from replayrl.tools.run.config import RunConfig, config_from_args
 from replayrl.tools.run.exit_codes import exit_code
 from replayrl.tools.console.prompt import Console
 from replayrl.tools.console.views import Shown, methods_text, metrics_rows, metrics_text, sample_text
+from replayrl.tools.errors import ReplError, SessionClosed
 from replayrl.tools.run.train_loop import step_metrics, sync_step
 
 log = logging.getLogger(__name__)
@@ -94,14 +95,6 @@ _ATTACHED_LEAVE = ("Ctrl-D or exit() detaches: the run goes on (generation is re
 MANAGER = "rollout_manager"
 """The actor whose gate pauses generation (``RolloutManager.pause_generation``)."""
 CLOCK = "version_clock"
-
-
-class ReplError(RuntimeError):
-    """Base class of the REPL's own errors."""
-
-
-class SessionClosed(ReplError):
-    """A call was made on a :class:`ReplSession` that is not started or already stopped."""
 
 
 class ReplSession:

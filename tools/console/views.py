@@ -16,8 +16,9 @@ from typing import Any, Sequence
 import numpy as np
 
 from replayrl.actors import ActorInterface
+from replayrl.tools.errors import MetricKeyError
 
-__all__ = ["MetricKeyError", "Shown", "methods_text", "metrics_rows", "metrics_text", "sample_text"]
+__all__ = [ "Shown", "methods_text", "metrics_rows", "metrics_text", "sample_text"]
 
 TRACE_NAMES = ("sample_support", "routed_experts", "indexer_topk")
 """The trace columns of a sample (``replayrl.rollout.sample.TRACE_FIELDS``; named here, not imported:
@@ -26,11 +27,6 @@ the console reads them from the wire, as plain arrays)."""
 METRIC_KEYS = ("step", "trainer_version", "reward_mean", "staleness_max", "samples",
                "response_len_mean", "step_seconds")
 """Columns :func:`metrics_text` shows by default."""
-
-
-class MetricKeyError(ValueError):
-    """``metrics(keys=...)`` named a key no shown row has (a typo, not a failure: the console
-    prints it as one line)."""
 
 
 class Shown:

@@ -15,17 +15,14 @@ from pathlib import Path
 
 from replayrl.actors import ActorError, ActorRef, Directory
 from replayrl.actors.ref import use_curve_keys
+from replayrl.tools.errors import AttachError
 from replayrl.transport import strict_json
 
-__all__ = ["ATTACH_CARD", "AttachError", "AttachTarget", "write_attach_card",
+__all__ = ["ATTACH_CARD", "AttachTarget", "write_attach_card",
            "remove_attach_card", "resolve_attach"]
 
 ATTACH_CARD = "attach.json"
 """File name of the card in the run's output directory."""
-
-
-class AttachError(RuntimeError):
-    """The attach target is no running run (the message names the path or address and why)."""
 
 
 @dataclass(frozen=True)

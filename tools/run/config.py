@@ -37,11 +37,8 @@ from replayrl.rollout.task import VOCABULARY
 from replayrl.trainer.config import TrainerConfig
 from replayrl.transport import TransportError, strict_json
 from replayrl.transport.curve import CurveKeys
+from replayrl.tools.errors import ConfigError
 from replayrl.transport.shm_pool import DEFAULT_SHM_MIN_ARRAY_BYTES, DEFAULT_SHM_POOL_BYTES
-
-
-class ConfigError(ValueError):
-    """An unknown key, a bad value, or an unsupported combination (names the flags)."""
 
 
 def _http_urls(text: str) -> bool:

@@ -21,14 +21,10 @@ import signal
 import sys
 from typing import Callable
 
-from replayrl.tools.run.config import ConfigError
+from replayrl.tools.errors import ConfigError, Terminated
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
 EXIT_DRIVER_LOST = 3
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM handled like Ctrl-C: the same unwinding stops every actor, then exit 143."""
 
 
 def _on_sigterm(signum, frame) -> None:

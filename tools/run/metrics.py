@@ -10,6 +10,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from replayrl.tools.errors import MetricsHookError
 from replayrl.transport import strict_json
 
 log = logging.getLogger("replayrl")
@@ -72,11 +73,6 @@ def open_tensorboard(directory: Path) -> Any:
         raise ImportError("--use-tensorboard needs the tensorboard package: "
                           "pip install 'replayrl[tensorboard]'") from exc
     return SummaryWriter(log_dir=str(directory))
-
-
-class MetricsHookError(RuntimeError):
-    """A ``--metrics-hook`` raised; the message names the hook and the step and carries its
-    traceback (the run ends: a logger that fails would otherwise lose rows silently)."""
 
 
 class MetricsRecorder:

@@ -24,7 +24,9 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable
 
-__all__ = ["own_address", "exchange_addresses", "join_run", "JoinedRank", "RendezvousError"]
+from replayrl.tools.errors import RendezvousError
+
+__all__ = ["own_address", "exchange_addresses", "join_run", "JoinedRank"]
 
 _PLAN_KEY = "replayrl/plan"  # "<world size> <joined engines>", set by rank 0 of the run
 _SLOT_KEY = "replayrl/joined"  # counter: joined ranks so far
@@ -34,10 +36,6 @@ _SETTINGS_KEY = "replayrl/settings"  # the run's RunConfig.to_json(), set by ran
 def _host_keys(world_size: int, joined: int) -> list[str]:
     """The store keys (under ``replayrl/host/``) of the run's ranks, then its joined engines."""
     return [str(r) for r in range(world_size)] + [f"joined-{j}" for j in range(joined)]
-
-
-class RendezvousError(RuntimeError):
-    """The ranks could not exchange their addresses (names the rank and the master)."""
 
 
 def own_address(master_addr: str, master_port: int) -> str:

@@ -50,7 +50,8 @@ from replayrl.actors.process_title import set_process_title
 from replayrl.actors.ref import use_curve_keys, use_heartbeat_deadline
 from replayrl.actors.spawn import ActorSpec, import_actor_class, serve_actor
 from replayrl.tools.run.attach_card import remove_attach_card, write_attach_card
-from replayrl.tools.run.config import FLAGS, ConfigError, RunConfig, add_run_flags, config_from_args
+from replayrl.tools.errors import ConfigError
+from replayrl.tools.run.config import FLAGS, RunConfig, add_run_flags, config_from_args
 from replayrl.tools.run.exit_codes import exit_code
 from replayrl.tools.run.launcher import (actor_specs, check_load, check_prompt_data, initial_checkpoint,
                             trainer_rank_count, write_embedded_tokenizer, write_run_config)
@@ -58,6 +59,7 @@ from replayrl.trainer.rank_group import follower_names
 from replayrl.tools.run.metrics import MetricsRecorder
 from replayrl.tools.run.driver_watch import DriverWatch
 from replayrl.tools.run.rank_hosts import exchange_addresses, join_run, own_address
+from replayrl.tools.errors import RunFailed
 from replayrl.tools.run.train_loop import checkpoint_next_step, train_loop
 
 DRIVER_ACTORS = ("version_clock", "rollout_manager")
@@ -207,10 +209,6 @@ def directory_for(specs: list[ActorSpec], hosts: dict[str, str], base_port: int,
 
     return Directory({s.name: f"tcp://{where(s.name)}:{base_port + 1 + i}"
                       for i, s in enumerate(specs)}, curve_keys, heartbeat_deadline_s)
-
-
-class RunFailed(RuntimeError):
-    """The driver stopped this rank because the run failed (its reason in the message)."""
 
 
 async def _serve_rank(names: list[str], specs: list[ActorSpec], directory: Directory) -> list[str]:

@@ -19,6 +19,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from replayrl.actors import import_object
+from replayrl.trainer.errors import UnknownBackendError
 
 if TYPE_CHECKING:
     from replayrl.trainer.backends.base import TrainerBackend
@@ -30,10 +31,6 @@ BACKENDS: Mapping[str, str] = MappingProxyType({
     "megatron": "replayrl.trainer.backends.megatron_backend:MegatronBackend",
 })
 """Backend name (``--train-backend``) -> ``"module:Class"`` of a :class:`TrainerBackend`."""
-
-
-class UnknownBackendError(ValueError):
-    """A backend name that is not in :data:`BACKENDS`; the message lists the known names."""
 
 
 def resolve_backend(name: str) -> "type[TrainerBackend]":

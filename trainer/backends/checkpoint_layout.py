@@ -15,14 +15,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from replayrl.trainer.config import TrainerConfig
+from replayrl.trainer.errors import CheckpointLayoutError
 
-__all__ = ["CheckpointLayout", "CheckpointLayoutError", "check_layout", "refuse_other_backend"]
+__all__ = ["CheckpointLayout", "check_layout", "refuse_other_backend"]
 
 _SIZES = ("tp", "pp", "cp", "ep", "dp")
-
-
-class CheckpointLayoutError(ValueError):
-    """A checkpoint saved under another parallel layout, or by another trainer backend."""
 
 
 @dataclass(frozen=True)

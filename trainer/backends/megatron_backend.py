@@ -42,7 +42,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from replayrl.actors.version_clock import VersionRegression
+from replayrl.actors.errors import VersionRegression
 from replayrl.rollout.model.checkpoint import load_state_arrays, save_pretrained
 from replayrl.rollout.model.loader import load_pretrained
 from replayrl.rollout.model.config import ModelConfig
@@ -50,7 +50,9 @@ from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
 from replayrl.trainer.backends.base import ReplayedForward, TrainerBackend
 from replayrl.trainer.backends.checkpoint_layout import CheckpointLayout, check_layout, refuse_other_backend
 from replayrl.trainer.backends.megatron_context_parallel import ContextParallel, row_layout
-from replayrl.trainer.backends.megatron_model import MegatronModelError, MegatronParallel, build_gpt_model, init_parallel
+from replayrl.trainer.backends.megatron_model import (
+    MegatronParallel, build_gpt_model, init_parallel)
+from replayrl.trainer.errors import MegatronModelError
 from replayrl.trainer.batch import TrainBatch
 from replayrl.trainer.config import TrainerConfig
 from replayrl.trainer.logprobs import _check_temperature

@@ -31,7 +31,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from replayrl.trainer.packing import PackedLayout, PackingError
+from replayrl.trainer.errors import PackingError
+from replayrl.trainer.packing import PackedLayout
 from replayrl.trainer.parallel.context_parallel import cp_shard_indices, cp_unshard
 
 __all__ = ["ContextParallel", "row_layout", "context_parallel_attention_class"]

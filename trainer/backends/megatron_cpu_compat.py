@@ -43,9 +43,10 @@ import functools
 from typing import Iterable, Iterator
 
 import torch
+from replayrl.trainer.errors import CompatError
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["ITEMS", "CompatError", "enable", "enabled_items", "cpu_device_scope"]
+__all__ = ["ITEMS", "enable", "enabled_items", "cpu_device_scope"]
 
 ITEMS = ("current_device", "rng_tracker", "streams", "cuda_allocations", "param_type",
          "te_general_gemm", "alltoall_split_sizes", "sp_layernorm", "cp_rotary")
@@ -53,10 +54,6 @@ ITEMS = ("current_device", "rng_tracker", "streams", "cuda_allocations", "param_
 
 _ENABLED: set[str] = set()
 _SKIPPED: set[str] = set()  # switched off for the life of the process (tests only)
-
-
-class CompatError(ValueError):
-    """An unknown item name, or an item switched off after it was applied."""
 
 
 # --------------------------------------------------------------------------- streams / events

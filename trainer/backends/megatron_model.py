@@ -33,13 +33,10 @@ import torch
 import torch.distributed as dist
 
 from replayrl.rollout.model.config import ModelConfig
+from replayrl.trainer.errors import MegatronModelError
 
-__all__ = ["MegatronModelError", "MegatronParallel", "build_gpt_model", "init_parallel", "layout_errors",
+__all__ = [ "MegatronParallel", "build_gpt_model", "init_parallel", "layout_errors",
            "transformer_config"]
-
-
-class MegatronModelError(ValueError):
-    """A model or parallel layout the megatron backend cannot build; names the field."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -38,17 +38,14 @@ import torch
 import torch.distributed as dist
 
 from replayrl.rollout.model.config import ModelConfig
+from replayrl.trainer.errors import WeightMapError
 
-__all__ = ["WeightMapError", "hf_to_megatron", "megatron_to_hf", "load_hf_weights",
+__all__ = [ "hf_to_megatron", "megatron_to_hf", "load_hf_weights",
            "gather_hf_weights"]
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _INDEXER = ("wq.weight", "wk.weight", "weights_proj.weight")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
-
-
-class WeightMapError(ValueError):
-    """A weight set whose names or shapes do not match the model; names the parameter."""
 
 
 def _need(state: dict, name: str) -> torch.Tensor:

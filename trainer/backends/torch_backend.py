@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from replayrl.actors.version_clock import VersionRegression
+from replayrl.actors.errors import VersionRegression
 from replayrl.rollout.model.checkpoint import save_pretrained, state_dict_arrays
 from replayrl.rollout.model.errors import CheckpointError
 from replayrl.rollout.model.loader import load_pretrained

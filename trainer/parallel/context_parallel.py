@@ -18,7 +18,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from replayrl.trainer.packing import PackedFieldError, PackedLayout, PackingError
+from replayrl.trainer.errors import PackedFieldError, PackingError
+from replayrl.trainer.packing import PackedLayout
 
 __all__ = ["cp_shard_indices", "cp_shard", "cp_unshard"]
 

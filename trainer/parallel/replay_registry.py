@@ -35,7 +35,8 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import torch
 
-from replayrl.trainer.replay import ReplayError, _int_id
+from replayrl.trainer.errors import ReplayError
+from replayrl.trainer.replay import _int_id
 
 __all__ = ["ReplayRegistry", "sp_slice", "fill_own_choice"]
 

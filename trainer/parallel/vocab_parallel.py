@@ -25,13 +25,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from replayrl.trainer.errors import LogprobError
 from replayrl.trainer.logprobs import (
-    LogprobError,
-    _check_logits,
-    _check_temperature,
-    _fallback_slots,
-    _validate_support,
-)
+    _check_logits, _check_temperature, _fallback_slots, _validate_support)
 
 __all__ = ["vocab_parallel_support_logprobs"]
 

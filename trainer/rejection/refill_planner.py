@@ -18,10 +18,9 @@ import math
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, replace
 
+from replayrl.trainer.errors import RefillConfigError, RefillExhausted
+
 __all__ = [
-    "RefillError",
-    "RefillConfigError",
-    "RefillExhausted",
     "RefillRequest",
     "RefillPlan",
     "refill_quantum",
@@ -30,29 +29,6 @@ __all__ = [
 ]
 
 GroupId = Hashable
-
-
-class RefillError(Exception):
-    """Base class of exact-refill planning errors."""
-
-
-class RefillConfigError(RefillError, ValueError):
-    """Bad planner input: a non-positive size, a negative deficit, an inconsistent round."""
-
-
-class RefillExhausted(RefillError):
-    """Still short of the target after ``max_rounds`` replacement rounds.
-
-    Raised before the optimizer step, so weights and optimizer state stay unchanged.
-    Attributes: ``target_groups``, ``admitted`` (group ids admitted so far), ``rounds``.
-    """
-
-    def __init__(self, target_groups: int, admitted: tuple, rounds: int):
-        self.target_groups, self.admitted, self.rounds = target_groups, admitted, rounds
-        super().__init__(
-            f"exact refill exhausted: {len(admitted)} of {target_groups} prompt groups admitted "
-            f"after {rounds} replacement round(s), the maximum; refusing the optimizer step"
-        )
 
 
 def _positive_int(value: object, name: str) -> int:

@@ -33,11 +33,10 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from types import MappingProxyType
 
 import torch
+from replayrl.trainer.errors import RSBoundsError, RSError
 from torch import Tensor
 
 __all__ = [
-    "RSError",
-    "RSBoundsError",
     "compute_log_ratio",
     "token_gate",
     "sequence_log_weight",
@@ -47,14 +46,6 @@ __all__ = [
     "sample_gate",
     "group_admission",
 ]
-
-
-class RSError(ValueError):
-    """Bad input to an RS gate (shapes, mask values, non-finite ratio at a loss token)."""
-
-
-class RSBoundsError(RSError):
-    """Gate bounds that cannot define an acceptance interval."""
 
 
 # --------------------------------------------------------------------------- validation

@@ -32,13 +32,10 @@ from typing import Sequence
 
 import torch
 
+from replayrl.trainer.errors import TrainerConfigError
 from replayrl.trainer.rejection.rs_gates import SAMPLE_LOG_WEIGHTS, compute_log_ratio, sample_gate, token_gate
 
 MODES = ("none", "token", "sequence", "geometric")
-
-
-class RSConfigError(ValueError):
-    """Unsupported RS settings; the message names the flags."""
 
 
 @dataclass(frozen=True)
@@ -51,9 +48,9 @@ class RSGate:
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
-            raise RSConfigError(f"--rs-mode must be one of {MODES}, got {self.mode!r}")
+            raise TrainerConfigError(f"--rs-mode must be one of {MODES}, got {self.mode!r}")
         if self.mode != "none" and not (0 < self.lower <= self.upper and math.isfinite(self.lower)):
-            raise RSConfigError(f"--rs-lower / --rs-upper must satisfy 0 < lower <= upper with a "
+            raise TrainerConfigError(f"--rs-lower / --rs-upper must satisfy 0 < lower <= upper with a "
                                 f"finite lower bound, got {self.lower} / {self.upper}")
 
     @property

@@ -1,0 +1,172 @@
+"""Typed errors of the rollout layer (docs/design.md#errors).
+
+Every error the rollout layer raises derives from :class:`RolloutError`, so a driver can catch
+the layer with one class. Below it the tree is shallow, grouped by what a caller does about it:
+
+- bad input or a setting refused before anything runs (each also a :class:`ValueError`):
+  :class:`RolloutConfigError`, :class:`TokenizerError`, :class:`PromptDataError`,
+  :class:`RewardError`, :class:`TaskError`, :class:`ToolEnvError`, :class:`TurnLoopError`,
+  :class:`SamplerError` (and its two kinds);
+- an inference engine or its server failed: :class:`EngineError` and its kinds (each names the
+  engine, the request or the field), :class:`EnginesLost` when no engine is left;
+- a run-time failure of one rollout step: :class:`RewardFailure`, :class:`DataExhausted`, and
+  :class:`RolloutError` itself (the rollout manager's "no such rollout" / "already stored");
+- a trajectory that violates the data contract: :class:`replayrl.rollout.sample.SampleError` and
+  its kinds (:class:`CaptureError`, the trace errors), naming the sample and the field;
+- the embedded model's errors: :class:`replayrl.rollout.model.errors.ModelError`.
+
+Classes that subclass a builtin (``ValueError``, ``RuntimeError``, ``KeyError``, ...) do so
+because callers and tests catch that builtin.
+"""
+from __future__ import annotations
+
+# TODO(integrator): SampleError moves here from replayrl.rollout.sample (as
+# ``SampleError(RolloutError, ValueError)``) once the sample / trajectory rewrite has merged.
+from replayrl.rollout.sample import SampleError
+
+__all__ = [
+    "RolloutError", "RolloutConfigError", "TokenizerError", "PromptDataError", "RewardError",
+    "RewardFailure", "DataExhausted", "TaskError", "ToolEnvError", "TurnLoopError",
+    "SamplerError", "SamplingParamsError", "NonFiniteLogitsError",
+    "EngineError", "EngineNotReady", "EngineInputError", "EngineCaptureError", "EngineTimeout",
+    "UnknownEngine", "EnginesLost", "SglangRequestError", "SglangResponseError",
+    "SglangUnavailable", "SglangNoAnswer",
+    "CaptureError", "TraceSchemaError", "TraceRowsError", "TraceFinalizedError",
+]
+
+
+class RolloutError(Exception):
+    """Base class of every rollout-layer error; raised as itself when a rollout cannot be
+    produced or handed over (no engine, a rollout id stored twice or not stored; names the id)."""
+
+
+# --- bad input / settings refused before anything runs ------------------------------------------
+
+class RolloutConfigError(RolloutError, ValueError):
+    """An unsupported rollout setting; the message names the flag."""
+
+
+class TokenizerError(RolloutError, ValueError):
+    """A tokenizer directory or a prompt the tokenizer cannot serve (names the directory / flag)."""
+
+
+class PromptDataError(RolloutError, ValueError):
+    """A prompt file or row that cannot be used; the message names file, line and key."""
+
+
+class RewardError(RolloutError, ValueError):
+    """A reward that cannot be used as configured (e.g. the ``math`` extra is missing)."""
+
+
+class TaskError(RolloutError, ValueError):
+    """Bad task configuration or a token outside the task vocabulary."""
+
+
+class ToolEnvError(RolloutError, ValueError):
+    """A prompt or trajectory the tool environment cannot interpret (message names it)."""
+
+
+class TurnLoopError(RolloutError, ValueError):
+    """A :func:`replayrl.rollout.turn_loop.run_episodes` argument is malformed (the message
+    names it)."""
+
+
+class SamplerError(RolloutError, ValueError):
+    """Base class of every error raised by the sampler (:mod:`replayrl.rollout.sampler`)."""
+
+
+class SamplingParamsError(SamplerError):
+    """A sampling parameter is outside its valid range (the message names the field)."""
+
+
+class NonFiniteLogitsError(SamplerError):
+    """A logit among the top-k candidates of a row is NaN or infinite (message names the row)."""
+
+
+# --- run-time failures of a rollout step ----------------------------------------------------------
+
+class RewardFailure(RolloutError, RuntimeError):
+    """A reward call raised or ran over its time limit; the message names the sample."""
+
+
+class DataExhausted(RolloutError, RuntimeError):
+    """Every allowed epoch (``--num-epoch``) of the prompt data was drawn."""
+
+
+# --- inference engines ----------------------------------------------------------------------------
+
+class EngineError(RolloutError, RuntimeError):
+    """Base class of every error raised by a rollout engine or the engine registry."""
+
+
+class EngineNotReady(EngineError):
+    """``generate`` was called before the first ``load_weights`` (docs/design.md#version-clock:
+    an engine serves no request before its first weight load)."""
+
+
+class EngineInputError(EngineError, ValueError):
+    """A ``generate`` / ``load_weights`` argument is malformed (message names the field)."""
+
+
+class EngineCaptureError(EngineError, ValueError):
+    """A trace was requested that the engine cannot capture, or the name is no trace at all
+    (message names the engine and the trace)."""
+
+
+class EngineTimeout(EngineError, TimeoutError):
+    """vLLM did not start or answer in time; the engine is unusable afterwards (names the call)."""
+
+
+class UnknownEngine(EngineError, KeyError):
+    """An engine name that is not in :data:`replayrl.rollout.engines.ENGINES` (the message lists
+    the known names)."""
+
+    def __str__(self) -> str:  # KeyError would quote the whole message
+        return str(self.args[0]) if self.args else ""
+
+
+class SglangRequestError(EngineError, ValueError):
+    """The SGLang server refused a request (HTTP 4xx, or ``finish_reason`` abort): message names
+    the URL, the request ids and the server's message. Not retried: resending would fail again."""
+
+
+class SglangResponseError(EngineError, ValueError):
+    """An SGLang reply lacks a requested field or holds one that cannot be a trace of this
+    request (wrong length, off-by-one route rows, bad base64, ids outside their range), or the
+    reply list does not match the request list, or its ``weight_version`` is not the version the
+    engine pushed (names both). The message names the server or the request id
+    and the field; nothing is filled in or clamped."""
+
+
+class SglangUnavailable(EngineError, ConnectionError):
+    """No SGLang server answered within the bounded retries (names every URL tried and why)."""
+
+
+class SglangNoAnswer(EngineError):
+    """One SGLang server did not answer (connection / timeout / 5xx, or an aborted request):
+    the engine tries the next URL; it raises :class:`SglangUnavailable` when none is left."""
+
+
+class EnginesLost(RolloutError, RuntimeError):
+    """No engine is left to serve a rollout (every one lost under ``regenerate``, or none
+    restored in time under ``restart``); names the engines and why each was lost."""
+
+
+# --- data contract: a trajectory that cannot be trained on (names the sample and the field) ------
+
+class CaptureError(SampleError):
+    """An external engine's capture cannot become a trace row (names the sample and the field)."""
+
+
+class TraceSchemaError(SampleError):
+    """A :class:`replayrl.rollout.trace.TokenMetadataTrace` chunk's field names, trailing
+    shapes, dtypes or values disagree with the schema."""
+
+
+class TraceRowsError(SampleError):
+    """Row counts of a trace disagree: inside one chunk, with a ``rows`` argument, or at
+    finalize."""
+
+
+class TraceFinalizedError(SampleError):
+    """The trace was already finalized (append / append_padding / finalize called again)."""

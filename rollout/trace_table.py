@@ -42,8 +42,9 @@ class TraceSpec:
     Attributes:
         name: the field name on Sample, Generation, MergedTrajectory and in the column form.
         dtype: numpy dtype of the stored array (int32 for every trace today).
-        shape: names of the per-token dimensions after the row axis, e.g. ``("layers",
-            "top_k")``; the array is ``[rows, *shape]``, so its rank is ``1 + len(shape)``.
+        shape: names of the per-token dimensions after the row axis (``W`` support width,
+            ``L_moe`` / ``L_idx`` MoE / indexed layers, ``K`` router top-k, ``K_idx`` indexer
+            top-k); the array is ``[rows, *shape]``, so its rank is ``1 + len(shape)``.
         rows: row space, ``"response"`` (``R`` rows) or ``"position"`` (``P + R - 1`` rows).
         pad: value of a row nobody captured (observation tokens, a synthetic EOS, batch
             padding): ``-1`` = "nothing here", which the model reads as "no replay".
@@ -78,11 +79,11 @@ class TraceSpec:
 
 
 TRACES: tuple[TraceSpec, ...] = (
-    TraceSpec("sample_support", np.int32, ("1+support_width",), "response", -1, "support",
+    TraceSpec("sample_support", np.int32, ("1+W",), "response", -1, "support",
               "--use-support-replay", "use_support_replay", None, "support"),
-    TraceSpec("routed_experts", np.int32, ("moe_layers", "top_k"), "position", -1, "routing",
+    TraceSpec("routed_experts", np.int32, ("L_moe", "K"), "position", -1, "routing",
               "--use-routing-replay", "use_routing_replay", "moe_layers", "routed_experts"),
-    TraceSpec("indexer_topk", np.int32, ("indexed_layers", "index_topk"), "position", -1,
+    TraceSpec("indexer_topk", np.int32, ("L_idx", "K_idx"), "position", -1,
               "indexer", "--use-indexer-replay", "use_indexer_replay", "indexed_layers",
               "indexer_topk", key_slots=True),
 )

@@ -24,7 +24,7 @@ from replayrl.rollout.sample import TRACE_FIELDS, Sample
 from replayrl.rollout.sampler import SamplingParams
 from replayrl.rollout.task import VOCABULARY, DigitTask
 from replayrl.rollout.tool_env import DigitToolEnv, ToolEnvError
-from replayrl.rollout.trajectory import MissingTraceError
+from replayrl.rollout.sample import MissingTraceError
 from replayrl.rollout.turn_loop import (MixedVersionError, TurnLoopError, assemble, run_episodes,
                                turn_seed)
 

@@ -58,6 +58,11 @@ class TraceSpec:
             when its replay is on).
         batch_field: the ``TrainBatch`` field carrying it to the trainer's forward.
         key_slots: values are key positions inside the trajectory (packing shifts them).
+        flip_rates: the trainer's forward reports the choices it used and its own
+            (``out.<name>``, ``out.own_<name>``); they are compared with the engine's as the
+            metrics ``<replay>_flip_rate`` / ``<replay>_drift_rate``, and the trace travels to
+            the forward whenever captured, replayed or not. False: it travels only when its
+            replay is on.
     """
 
     name: str
@@ -71,6 +76,7 @@ class TraceSpec:
     layers: str | None
     batch_field: str
     key_slots: bool = False
+    flip_rates: bool = False
 
     @property
     def ndim(self) -> int:
@@ -82,10 +88,11 @@ TRACES: tuple[TraceSpec, ...] = (
     TraceSpec("sample_support", np.int32, ("1+W",), "response", -1, "support",
               "--use-support-replay", "use_support_replay", None, "support"),
     TraceSpec("routed_experts", np.int32, ("L_moe", "K"), "position", -1, "routing",
-              "--use-routing-replay", "use_routing_replay", "moe_layers", "routed_experts"),
+              "--use-routing-replay", "use_routing_replay", "moe_layers", "routed_experts",
+              flip_rates=True),
     TraceSpec("indexer_topk", np.int32, ("L_idx", "K_idx"), "position", -1,
               "indexer", "--use-indexer-replay", "use_indexer_replay", "indexed_layers",
-              "indexer_topk", key_slots=True),
+              "indexer_topk", key_slots=True, flip_rates=True),
 )
 """Every trace, in canonical order (the order of ``TRACE_FIELDS`` and of the dataclass fields)."""
 

@@ -27,7 +27,6 @@ rows whose ``rollout_logprobs`` is a behaviour logprob (docs/design.md §2 "Trac
 """
 from __future__ import annotations
 
-import math
 from dataclasses import MISSING, dataclass, fields
 from typing import Any, Mapping, Sequence
 

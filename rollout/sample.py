@@ -162,10 +162,12 @@ def check_contract(sample_ids: Sequence[Any], P: np.ndarray, R: np.ndarray, loss
         return
     P, R = np.asarray(P, dtype=np.int64), np.asarray(R, dtype=np.int64)
     ends = np.cumsum(R)
-    owner = np.repeat(np.arange(n), R)
+    owner = np.repeat(np.arange(n), R) if n > 1 else np.zeros(len(loss_mask), dtype=np.intp)
     synthetic = np.asarray(synthetic_eos, dtype=bool)
 
     def per_sample(row_mask: np.ndarray) -> np.ndarray:  # bool [sum R] -> bool [N]
+        if n == 1:  # one Sample's construction: the common case, half the time
+            return np.array([row_mask.any()])
         return np.bincount(owner[row_mask], minlength=n) > 0
 
     loss_bearing = loss_mask == 1

@@ -346,7 +346,8 @@ class RolloutManager(Actor):
 
         Raises:
             replayrl.rollout.turn_loop.MixedVersionError: turns from different weight versions.
-            replayrl.rollout.trajectory.TrajectoryError: a required trace missing or misaligned; with the
+            replayrl.rollout.sample.MissingTraceError: a required trace missing.
+            replayrl.rollout.trajectory.TrajectoryError: a trace misaligned; with the
                 synthetic EOS, a trajectory whose ``P + R + 1`` tokens would not fit the model's
                 ``max_position_embeddings`` (field ``synthetic_eos``).
         """

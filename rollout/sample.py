@@ -19,19 +19,26 @@ indexer_topk        int32 [P+R-1, L, K_idx] sparse-attention keys the engine pic
 synthetic_eos       bool                    the last token is an EOS the engine never sampled
 ==================  ======================  ==============================================
 
+The three traces are the rows of ``replayrl.rollout.trace_table.TRACES`` (name, dtype, per-token
+shape, row space, padding, replay flag); :class:`Sample` gets one field per row from there.
+
 Derived, not a field: :attr:`Sample.sampled_mask`, the loss tokens the engine sampled, i.e. the
 rows whose ``rollout_logprobs`` is a behaviour logprob (docs/design.md#trace-arrays).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import MISSING, dataclass, fields
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from replayrl.rollout import trace_table
+from replayrl.rollout.trace_table import trace_fields
+
 STATUSES = ("completed", "truncated", "aborted")
-TRACE_FIELDS = ("sample_support", "routed_experts", "indexer_topk")
+TRACE_FIELDS = tuple(row.name for row in trace_table.TRACES)
+"""Every trace field name, in table order (read once at import; code that must follow a patched
+table reads ``trace_table.TRACES`` itself)."""
 
 
 class SampleError(ValueError):
@@ -43,36 +50,42 @@ class SampleError(ValueError):
         super().__init__(f"sample {sample_id}: field {field_name!r}: {problem}")
 
 
-def required_traces(model_config: Any, *, support_replay: bool, routing_replay: bool,
-                    indexer_replay: bool) -> tuple[str, ...]:
-    """The trace fields every trajectory of a run must carry, in ``TRACE_FIELDS`` order.
+def required_traces(model_config: Any, **replays: bool) -> tuple[str, ...]:
+    """The trace fields every trajectory of a run must carry, in table order.
 
     A trace is required exactly when the trainer replays it and the model has something to
-    replay: ``sample_support`` with support replay on; ``routed_experts`` with R3 on and at least
-    one MoE layer; ``indexer_topk`` with indexer replay on and at least one indexed layer. The
+    replay: its replay is on and, for a trace tied to layers (``TraceSpec.layers``, e.g.
+    ``moe_layers`` for ``routed_experts``), the model has at least one such layer. The
     launcher asks the engines to capture exactly these, the rollout side assembles every
     trajectory with them required (``replayrl.rollout.trajectory.merge_turns``) and the trainer refuses
     a batch lacking one (:func:`check_required_traces`), so a trajectory lacking one is an
     error, never a sample trained without its replay.
 
     Args:
-        model_config: the policy's shape: anything with ``moe_layers`` and
-            ``indexed_layers`` (a ``replayrl.rollout.model.config.ModelConfig``).
-        support_replay, routing_replay, indexer_replay: the trainer's replay switches
-            (``--use-support-replay``, ``--use-routing-replay``, ``--use-indexer-replay``).
+        model_config: the policy's shape: anything with the table's ``layers`` attributes
+            (``moe_layers``, ``indexed_layers``: a ``replayrl.rollout.model.config.ModelConfig``).
+        replays: ``<replay>_replay=bool`` per table row (``support_replay``, ``routing_replay``,
+            ``indexer_replay``: the trainer's ``--use-support-replay`` ... switches); a row
+            without its keyword counts as off.
 
     Returns:
         A tuple of trace field names (a subset of ``replayrl.rollout.sample.TRACE_FIELDS``).
+
+    Raises:
+        TypeError: a keyword that names no table row's replay.
     """
-    on = {"sample_support": support_replay,
-          "routed_experts": routing_replay and len(model_config.moe_layers) > 0,
-          "indexer_topk": indexer_replay and len(model_config.indexed_layers) > 0}
-    return tuple(name for name in TRACE_FIELDS if on[name])
+    rows = trace_table.TRACES
+    unknown = sorted(set(replays) - {f"{row.replay}_replay" for row in rows})
+    if unknown:
+        raise TypeError(f"required_traces: unknown keyword {unknown[0]!r}")
+    return tuple(row.name for row in rows
+                 if replays.get(f"{row.replay}_replay", False)
+                 and (row.layers is None or len(getattr(model_config, row.layers)) > 0))
 
 
-REPLAY_FLAGS = {"sample_support": "--use-support-replay", "routed_experts": "--use-routing-replay",
-                "indexer_topk": "--use-indexer-replay"}
-"""trace field -> the flag of the replay that needs it (for messages)."""
+def replay_flag(name: str) -> str:
+    """The command-line switch of the replay that needs trace ``name`` (for messages)."""
+    return trace_table.spec(name).flag
 
 
 class MissingTraceError(SampleError):
@@ -93,7 +106,7 @@ def check_required_traces(samples: Any, required: Any) -> None:
     for s in samples:
         for name in required:
             if getattr(s, name) is None:
-                raise MissingTraceError(s.sample_id, name, f"absent, but {REPLAY_FLAGS[name]} "
+                raise MissingTraceError(s.sample_id, name, f"absent, but {replay_flag(name)} "
                                         f"is on and the model has layers to replay it; the "
                                         f"engine must capture it")
 
@@ -115,14 +128,121 @@ def _frozen_array(sample_id: Any, name: str, value: Any, dtype: np.dtype, ndim: 
     return arr
 
 
+_TOKEN_ARRAYS = {"prompt_ids": np.int32, "response_ids": np.int32, "loss_mask": np.uint8,
+                 "rollout_logprobs": np.float32}
+"""The non-trace arrays of a sample: name -> dtype (each 1-d)."""
+
+
+def check_contract(sample_ids: Sequence[Any], P: np.ndarray, R: np.ndarray, loss_mask: np.ndarray,
+                   rollout_logprobs: np.ndarray, status: Sequence[Any], reward: Sequence[float],
+                   synthetic_eos: np.ndarray, sample_support: np.ndarray | None) -> None:
+    """The value checks of the sample contract, for ``N`` samples at once.
+
+    The one check both :class:`Sample` (``N = 1``) and :func:`samples_from_columns` (a whole
+    batch, then no per-sample check) make. Shapes and dtypes are already right: the arrays
+    hold the samples' rows concatenated in order.
+
+    Args:
+        sample_ids: ``N`` ids (named in the error).
+        P, R: int ``[N]`` prompt / response lengths.
+        loss_mask: uint8 ``[sum R]``; rollout_logprobs: float32 ``[sum R]``.
+        status: ``N`` statuses; reward: ``N`` floats; synthetic_eos: bool ``[N]``.
+        sample_support: int32 ``[sum R, 1+W]`` or None.
+
+    Raises:
+        SampleError: for the first sample (in order) breaking a check, naming it and the field
+            of its first broken check: an empty prompt (``prompt_ids``), a loss mask value
+            other than 0 / 1, a non-finite logprob at a loss-bearing row, an unknown
+            ``status``, a non-finite ``reward``, ``synthetic_eos`` on an empty response, or a
+            loss-bearing row without support that is not the one synthetic EOS in the last
+            row (``sample_support``).
+    """
+    n = len(P)
+    if n == 0:
+        return
+    P, R = np.asarray(P, dtype=np.int64), np.asarray(R, dtype=np.int64)
+    ends = np.cumsum(R)
+    owner = np.repeat(np.arange(n), R) if n > 1 else np.zeros(len(loss_mask), dtype=np.intp)
+    synthetic = np.asarray(synthetic_eos, dtype=bool)
+
+    def per_sample(row_mask: np.ndarray) -> np.ndarray:  # bool [sum R] -> bool [N]
+        if n == 1:  # one Sample's construction: the common case, half the time
+            return np.array([row_mask.any()])
+        return np.bincount(owner[row_mask], minlength=n) > 0
+
+    loss_bearing = loss_mask == 1
+    bad = {
+        "prompt_ids": P < 1,
+        "loss_mask": per_sample(loss_mask > 1),
+        "rollout_logprobs": per_sample(loss_bearing & ~np.isfinite(rollout_logprobs)),
+        "status": np.array([not (isinstance(x, str) and x in STATUSES) for x in status]),
+        "reward": ~np.isfinite(np.asarray(reward, dtype=np.float64)),
+        "synthetic_eos": synthetic & (R == 0),
+    }
+    if sample_support is not None:
+        last = np.zeros(len(loss_mask), dtype=bool)
+        last[(ends - 1)[R > 0]] = True
+        eos_row = last & synthetic[owner]
+        no_candidates = (sample_support[:, 1:] == -1).all(axis=1)
+        # a loss-bearing row without captured candidates can only be the one synthetic EOS
+        # appended last (its logprob uses the full-vocabulary fallback); any other such row
+        # would silently train on a distribution the engine never sampled from. A synthetic
+        # EOS row has no candidates.
+        bad["sample_support"] = (per_sample(loss_bearing & no_candidates & ~eos_row)
+                                 | per_sample(eos_row & ~no_candidates))
+    failing = np.zeros(n, dtype=bool)
+    for mask in bad.values():
+        failing |= mask
+    if not failing.any():
+        return
+    i = int(np.flatnonzero(failing)[0])
+    field = next(name for name, mask in bad.items() if mask[i])
+    rows = slice(int(ends[i] - R[i]), int(ends[i]))
+    raise SampleError(sample_ids[i], field, _problem(
+        field, loss=loss_mask[rows], logp=rollout_logprobs[rows], status=status[i],
+        reward=reward[i], synthetic=bool(synthetic[i]),
+        support=None if sample_support is None else sample_support[rows]))
+
+
+def _problem(field: str, *, loss: np.ndarray, logp: np.ndarray, status: Any, reward: Any,
+             synthetic: bool, support: np.ndarray | None) -> str:
+    """The message of :func:`check_contract`'s broken check ``field``, from one sample's rows."""
+    if field == "prompt_ids":
+        return "empty prompt"
+    if field == "loss_mask":
+        return "values must be 0 or 1"
+    if field == "rollout_logprobs":
+        bad = (loss == 1) & ~np.isfinite(logp)
+        return f"non-finite at loss-bearing positions {np.flatnonzero(bad)[:8].tolist()}"
+    if field == "status":
+        return f"{status!r} not in {STATUSES}"
+    if field == "reward":
+        return f"not finite: {reward}"
+    if field == "synthetic_eos":
+        return "set on an empty response"
+    unsupported = np.flatnonzero((loss == 1) & (support[:, 1:] == -1).all(axis=1))
+    if len(unsupported) > 1:
+        return (f"{len(unsupported)} loss-bearing rows without support "
+                f"{unsupported[:8].tolist()}: at most one synthetic EOS per trajectory")
+    if synthetic and (support[-1, 1:] != -1).any():
+        return "synthetic EOS row must have no captured candidates"
+    return (f"row {unsupported[0]} is loss-bearing without support and is not a synthetic EOS "
+            f"in the last row")
+
+
 @dataclass(frozen=True, eq=False)
+@trace_fields(before="synthetic_eos")
 class Sample:
     """One trajectory; see the module docstring for every field's dtype and shape.
+
+    Besides the fields below it has one field per trace of ``trace_table.TRACES``
+    (``sample_support``, ``routed_experts``, ``indexer_topk``: ``np.ndarray | None``, default
+    ``None``, keyword-only), placed before ``synthetic_eos``.
 
     Raises:
         SampleError: at construction, naming the sample and field, when a dtype, rank or length
             disagrees with the contract, a loss-bearing logprob is not finite, or ``status`` is
-            unknown.
+            unknown (:func:`check_contract`).
     """
 
     sample_id: int
@@ -135,69 +255,37 @@ class Sample:
     rollout_logprobs: np.ndarray
     reward: float = 0.0
     status: str = "completed"
-    sample_support: np.ndarray | None = None
-    routed_experts: np.ndarray | None = None
-    indexer_topk: np.ndarray | None = None
     synthetic_eos: bool = False
 
     def __post_init__(self) -> None:
         sid = self.sample_id
         put = object.__setattr__
-        put(self, "prompt_ids", _frozen_array(sid, "prompt_ids", self.prompt_ids, np.int32, 1))
-        put(self, "response_ids", _frozen_array(sid, "response_ids", self.response_ids, np.int32, 1))
-        put(self, "loss_mask", _frozen_array(sid, "loss_mask", self.loss_mask, np.uint8, 1))
-        put(self, "rollout_logprobs",
-            _frozen_array(sid, "rollout_logprobs", self.rollout_logprobs, np.float32, 1))
+        for name, dtype in _TOKEN_ARRAYS.items():
+            put(self, name, _frozen_array(sid, name, getattr(self, name), dtype, 1))
         P, R = len(self.prompt_ids), len(self.response_ids)
-        if P == 0:
-            raise SampleError(sid, "prompt_ids", "empty prompt")
         for name in ("loss_mask", "rollout_logprobs"):
             if len(getattr(self, name)) != R:
                 raise SampleError(sid, name, f"length {len(getattr(self, name))} != "
                                              f"len(response_ids) {R}")
-        if np.any(self.loss_mask > 1):
-            raise SampleError(sid, "loss_mask", "values must be 0 or 1")
-        bad = (self.loss_mask == 1) & ~np.isfinite(self.rollout_logprobs)
-        if bad.any():
-            raise SampleError(sid, "rollout_logprobs",
-                              f"non-finite at loss-bearing positions {np.flatnonzero(bad)[:8].tolist()}")
-        if self.status not in STATUSES:
-            raise SampleError(sid, "status", f"{self.status!r} not in {STATUSES}")
-        if not math.isfinite(float(self.reward)):
-            raise SampleError(sid, "reward", f"not finite: {self.reward}")
-        put(self, "reward", float(self.reward))
-        expected_rows = {"sample_support": R, "routed_experts": P + R - 1, "indexer_topk": P + R - 1}
-        ranks = {"sample_support": 2, "routed_experts": 3, "indexer_topk": 3}
-        for name in TRACE_FIELDS:
-            value = getattr(self, name)
+        for row in trace_table.TRACES:
+            value = getattr(self, row.name)
             if value is None:
                 continue
-            arr = _frozen_array(sid, name, value, np.int32, ranks[name])
-            if arr.shape[0] != expected_rows[name]:
-                raise SampleError(sid, name, f"{arr.shape[0]} rows, expected {expected_rows[name]} "
-                                             f"(P={P}, R={R})")
-            put(self, name, arr)
-        if self.synthetic_eos and R == 0:
-            raise SampleError(sid, "synthetic_eos", "set on an empty response")
-        if self.sample_support is not None:
-            self._check_unsupported_rows()
-
-    def _check_unsupported_rows(self) -> None:
-        # A loss-bearing row without captured candidates can only be the one synthetic EOS
-        # appended last: its logprob then uses the full-vocabulary fallback. Any other such row
-        # would silently train on a distribution the engine never sampled from.
-        sid, support = self.sample_id, self.sample_support
-        unsupported = np.flatnonzero((self.loss_mask == 1) & (support[:, 1:] == -1).all(axis=1))
-        if len(unsupported) > 1:
-            raise SampleError(sid, "sample_support",
-                              f"{len(unsupported)} loss-bearing rows without support "
-                              f"{unsupported[:8].tolist()}: at most one synthetic EOS per trajectory")
-        if self.synthetic_eos and (support[-1, 1:] != -1).any():
-            raise SampleError(sid, "sample_support", "synthetic EOS row must have no captured candidates")
-        if len(unsupported) == 1 and not (self.synthetic_eos and unsupported[0] == len(support) - 1):
-            raise SampleError(sid, "sample_support",
-                              f"row {unsupported[0]} is loss-bearing without support and is not a "
-                              f"synthetic EOS in the last row")
+            arr = _frozen_array(sid, row.name, value, row.dtype, row.ndim)
+            expected = max(int(trace_table.rows_in(row, P, R)), 0)
+            if arr.shape[0] != expected:
+                raise SampleError(sid, row.name, f"{arr.shape[0]} rows, expected {expected} "
+                                                 f"(P={P}, R={R})")
+            put(self, row.name, arr)
+        reward = self.reward
+        try:
+            reward = float(reward)
+        except (TypeError, ValueError):
+            raise SampleError(sid, "reward", f"not a number: {reward!r}") from None
+        check_contract([sid], np.array([P]), np.array([R]), self.loss_mask, self.rollout_logprobs,
+                       [self.status], [reward], np.array([bool(self.synthetic_eos)]),
+                       self.sample_support)
+        put(self, "reward", reward)
 
     @property
     def sampled_mask(self) -> np.ndarray:
@@ -257,7 +345,6 @@ class Sample:
 # -- a batch of samples on the wire -----------------------------------------------------------
 _SCALARS = {"sample_id": np.int64, "group_id": np.int64, "rollout_id": np.int64,
             "policy_version": np.int64, "reward": np.float64, "synthetic_eos": np.bool_}
-_PER_TOKEN = {"response_ids": np.int32, "loss_mask": np.uint8, "rollout_logprobs": np.float32}
 
 
 def pack_rows(values: Sequence[np.ndarray | None]) -> np.ndarray | list | None:
@@ -314,10 +401,10 @@ def samples_to_columns(samples: Sequence[Sample]) -> dict[str, Any]:
     - ``prompt_lengths``, ``response_lengths`` int64 ``[N]``;
     - ``prompt_ids`` int32 ``[sum P]``; ``response_ids`` int32, ``loss_mask`` uint8,
       ``rollout_logprobs`` float32, each ``[sum R]``;
-    - each trace of ``TRACE_FIELDS``: ``None`` when no sample has it; the samples' rows
-      concatenated (``[sum R, 1+W]`` for the support, ``[sum (P+R-1), L, K]`` for routing and
-      indexer) when every sample has it with the same trailing shape; otherwise a list of
-      ``N`` per-sample arrays or ``None``.
+    - each trace of ``trace_table.TRACES``: ``None`` when no sample has it; the samples' rows
+      concatenated (``[sum R, ...]`` for response rows, e.g. the support, ``[sum (P+R-1), ...]``
+      for position rows, e.g. routing and indexer) when every sample has it with the same
+      trailing shape; otherwise a list of ``N`` per-sample arrays or ``None``.
 
     Arrays are new (concatenated) arrays; the samples are not changed. Inverse:
     :func:`samples_from_columns`.
@@ -327,11 +414,11 @@ def samples_to_columns(samples: Sequence[Sample]) -> dict[str, Any]:
     cols["status"] = [s.status for s in samples]
     cols["prompt_lengths"] = np.array([len(s.prompt_ids) for s in samples], dtype=np.int64)
     cols["response_lengths"] = np.array([len(s.response_ids) for s in samples], dtype=np.int64)
-    for name, dtype in {"prompt_ids": np.int32, **_PER_TOKEN}.items():
+    for name, dtype in _TOKEN_ARRAYS.items():
         cols[name] = (np.concatenate([getattr(s, name) for s in samples]) if samples
                       else np.zeros(0, dtype))
-    for name in TRACE_FIELDS:
-        cols[name] = pack_rows([getattr(s, name) for s in samples])
+    for row in trace_table.TRACES:
+        cols[row.name] = pack_rows([getattr(s, row.name) for s in samples])
     return cols
 
 
@@ -339,8 +426,8 @@ def samples_from_columns(columns: Mapping[str, Any]) -> list[Sample]:
     """Rebuild the samples of :func:`samples_to_columns` (e.g. a decoded message).
 
     Each sample's arrays are views into the columns (no copy when the columns are read-only,
-    as decoded messages are) and every sample is checked by :class:`Sample` as at any other
-    construction.
+    as decoded messages are) and every sample passes :func:`check_contract`, the check
+    :class:`Sample` makes at any other construction (here once for the whole batch).
 
     Raises:
         SampleError: a missing or unknown column, a column whose length disagrees with the
@@ -350,8 +437,9 @@ def samples_from_columns(columns: Mapping[str, Any]) -> list[Sample]:
     if not isinstance(columns, Mapping):
         raise SampleError("batch", "<message>", f"expected a mapping of columns, got "
                                                 f"{type(columns).__name__}")
-    names = {*_SCALARS, "status", "prompt_lengths", "response_lengths", "prompt_ids",
-             *_PER_TOKEN, *TRACE_FIELDS}
+    traces = trace_table.TRACES
+    names = {*_SCALARS, "status", "prompt_lengths", "response_lengths", *_TOKEN_ARRAYS,
+             *(row.name for row in traces)}
     for problem, found in (("unknown column", set(columns) - names),
                            ("missing column", names - set(columns))):
         if found:
@@ -375,75 +463,47 @@ def samples_from_columns(columns: Mapping[str, Any]) -> list[Sample]:
         if arr.shape != (n,):
             raise SampleError("batch", name, f"shape {arr.shape}, expected ({n},)")
         scalars[name] = arr.tolist()
-    rows = {"prompt_ids": P, **{name: R for name in _PER_TOKEN},
-            "sample_support": R, "routed_experts": np.maximum(P + R - 1, 0),
-            "indexer_topk": np.maximum(P + R - 1, 0)}
+    rows = {"prompt_ids": P, **{name: R for name in _TOKEN_ARRAYS if name != "prompt_ids"},
+            **{row.name: trace_table.rows_in(row, P, R) for row in traces}}
     split = {}
     for name, counts in rows.items():
         try:
             split[name] = unpack_rows(columns[name], counts)
         except ValueError as exc:
             raise SampleError("batch", name, str(exc)) from None
-    if _columns_keep_the_contract(columns, P, R, scalars):
-        # every check Sample.__post_init__ makes already passed for the whole batch at once
-        # (about 30 us per sample saved); the arrays are read-only views of the columns
-        return [_checked_sample(**{name: scalars[name][i] for name in _SCALARS},
-                                status=columns["status"][i],
-                                **{name: split[name][i] for name in rows}) for i in range(n)]
-    # a batch failing any of them is built sample by sample: the first violation raises the
-    # error Sample names (sample and field), exactly as without columns
-    return [Sample(**{name: scalars[name][i] for name in _SCALARS}, status=columns["status"][i],
-                   **{name: split[name][i] for name in rows})
-            for i in range(n)]
+    per_sample = [{**{name: scalars[name][i] for name in _SCALARS}, "status": columns["status"][i],
+                   **{name: split[name][i] for name in rows}} for i in range(n)]
+    if not _columns_are_frozen_views(columns, traces):
+        # arrays to convert or copy: each sample converts its own (and checks the contract)
+        return [Sample(**kw) for kw in per_sample]
+    # the same contract check Sample makes, once for the whole batch (about 30 us per sample
+    # saved); the samples' arrays are then read-only views of the columns
+    check_contract(scalars["sample_id"], P, R, columns["loss_mask"], columns["rollout_logprobs"],
+                   columns["status"], scalars["reward"],
+                   np.asarray(scalars["synthetic_eos"], dtype=bool), columns.get("sample_support"))
+    return [_checked_sample(**kw) for kw in per_sample]
 
 
-_COLUMN_RANKS = {"prompt_ids": (np.int32, 1), "response_ids": (np.int32, 1),
-                 "loss_mask": (np.uint8, 1), "rollout_logprobs": (np.float32, 1),
-                 "sample_support": (np.int32, 2), "routed_experts": (np.int32, 3),
-                 "indexer_topk": (np.int32, 3)}
-
-
-def _columns_keep_the_contract(columns: Mapping[str, Any], P: np.ndarray, R: np.ndarray,
-                               scalars: dict[str, list]) -> bool:
-    """True when every sample of the columns passes every check of ``Sample.__post_init__``
-    (the same checks, made once per column instead of once per sample); False sends the batch
-    through per-sample construction. Rows per sample already match the lengths (checked by
-    the caller). tests/test_sample_columns.py checks both paths accept the same batches."""
-    for name, (dtype, ndim) in _COLUMN_RANKS.items():
+def _columns_are_frozen_views(columns: Mapping[str, Any], traces: Sequence[Any]) -> bool:
+    """True when every array column already has its field's dtype and rank and is read-only,
+    so the samples may hold views of it unchanged (a writable column would let the caller
+    mutate samples); a trace column may also be ``None`` (no sample has it). A list column
+    (ragged traces) is False: its samples are built one by one."""
+    wanted = {**{name: (dtype, 1) for name, dtype in _TOKEN_ARRAYS.items()},
+              **{row.name: (row.dtype, row.ndim) for row in traces}}
+    trace_names = {row.name for row in traces}
+    for name, (dtype, ndim) in wanted.items():
         value = columns[name]
-        if value is None and name in TRACE_FIELDS:
+        if value is None and name in trace_names:
             continue
         if (not isinstance(value, np.ndarray) or value.dtype != dtype or value.ndim != ndim
-                or value.flags.writeable):  # a writable column would let the caller mutate samples
-            return False
-    n = len(P)
-    if n == 0:
-        return True
-    loss, logp = columns["loss_mask"], columns["rollout_logprobs"]
-    synthetic = np.asarray(scalars["synthetic_eos"], dtype=bool)
-    if (P.min() < 1 or (loss > 1).any() or not np.isfinite(logp[loss == 1]).all()
-            or not set(columns["status"]) <= set(STATUSES) or not all(isinstance(x, str) for x in columns["status"])
-            or not np.isfinite(np.asarray(scalars["reward"], dtype=np.float64)).all()
-            or (synthetic & (R == 0)).any()):
-        return False
-    support = columns["sample_support"]
-    if support is not None:
-        last = np.zeros(len(loss), dtype=bool)
-        last[(np.cumsum(R) - 1)[R > 0]] = True
-        owner = np.repeat(np.arange(n), R)
-        no_candidates = (support[:, 1:] == -1).all(axis=1)
-        unsupported = np.flatnonzero((loss == 1) & no_candidates)
-        # only a synthetic EOS, in its sample's last row, may be loss-bearing without support,
-        # and a synthetic EOS row has no candidates
-        if not (last[unsupported] & synthetic[owner[unsupported]]).all():
-            return False
-        if not no_candidates[last & synthetic[owner]].all():
+                or value.flags.writeable):
             return False
     return True
 
 
 def _checked_sample(**fields: Any) -> Sample:
-    """A Sample whose fields passed :func:`_columns_keep_the_contract` (no second check)."""
+    """A Sample whose fields passed :func:`check_contract` as frozen views (no second check)."""
     sample = object.__new__(Sample)
     for name, value in fields.items():
         object.__setattr__(sample, name, value)

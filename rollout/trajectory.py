@@ -18,7 +18,9 @@ rows nobody computed are all ``-1``, which the model reads as "no replay, use yo
 (``rollout/model/qwen3_moe.py``). Nothing is ever filled with zeros: expert 0 / key 0 would
 be replayed as if the engine had chosen them.
 
-Every error is a :class:`TrajectoryError` (a ``SampleError``) naming the sample and the field.
+Every error is a :class:`TrajectoryError` (a ``SampleError``) naming the sample and the field,
+except a required trace never captured: :class:`replayrl.rollout.sample.MissingTraceError`.
+Which traces exist, and in which row space, is read from ``replayrl.rollout.trace_table.TRACES``.
 """
 from __future__ import annotations
 
@@ -29,14 +31,14 @@ from typing import Any, Collection, Literal, Mapping, Sequence
 import numpy as np
 
 from replayrl.rollout.capture import check_route_offset, check_sampled_logprob
-from replayrl.rollout.sample import TRACE_FIELDS, Sample, SampleError
-from replayrl.rollout.sample import MissingTraceError as _MissingTrace
+from replayrl.rollout import trace_table
+from replayrl.rollout.sample import MissingTraceError, Sample, SampleError
 from replayrl.rollout.trace import TokenMetadataTrace
+from replayrl.rollout.trace_table import trace_fields
 
 __all__ = [
     "TrajectoryError",
     "TraceGapError",
-    "MissingTraceError",
     "OBSERVATION_LOGPROB",
     "SYNTHETIC_EOS_LOGPROB",
     "MergedTrajectory",
@@ -45,7 +47,6 @@ __all__ = [
     "merge_turns",
 ]
 
-POSITION_FIELDS = ("routed_experts", "indexer_topk")
 # Finite placeholders in rollout_logprobs for rows the engine never sampled. Observation rows
 # have loss_mask 0 so no gate or loss reads them; 0.0 rather than NaN keeps masked arithmetic
 # (NaN * 0 = NaN) safe in any consumer. The synthetic EOS row is loss-bearing: the trainer
@@ -65,10 +66,6 @@ class TraceGapError(TrajectoryError):
     """A turn lacks a trace that earlier turns of the same trajectory carry."""
 
 
-class MissingTraceError(TrajectoryError, _MissingTrace):
-    """A trace that is enabled (required) was not captured for this trajectory at all."""
-
-
 def _copy_rows(arr: np.ndarray | None, n: int) -> np.ndarray | None:
     return None if arr is None else np.array(arr[:n])
 
@@ -78,7 +75,7 @@ def truncate(sample: Sample, max_response_len: int) -> Sample:
 
     ``response_ids``, ``loss_mask``, ``rollout_logprobs`` and ``sample_support`` keep
     ``n = min(R, max_response_len)`` rows; ``routed_experts`` and ``indexer_topk`` keep
-    ``P + n - 1`` (case ``truncate_keeps_traces_aligned``: P=6, R=12, n=7 -> 7 and 12 rows).
+    ``P + n - 1`` (every trace by its row space in ``trace_table.TRACES``) (case ``truncate_keeps_traces_aligned``: P=6, R=12, n=7 -> 7 and 12 rows).
 
     Returns:
         ``sample`` itself when ``R <= max_response_len`` (nothing to cut; samples are
@@ -99,26 +96,24 @@ def truncate(sample: Sample, max_response_len: int) -> Sample:
     R = len(sample.response_ids)
     if R <= n:
         return sample
-    per_position = len(sample.prompt_ids) + n - 1
+    P = len(sample.prompt_ids)
     return dataclasses.replace(
         sample,
         response_ids=np.array(sample.response_ids[:n]),
         loss_mask=np.array(sample.loss_mask[:n]),
         rollout_logprobs=np.array(sample.rollout_logprobs[:n]),
-        sample_support=_copy_rows(sample.sample_support, n),
-        routed_experts=_copy_rows(sample.routed_experts, per_position),
-        indexer_topk=_copy_rows(sample.indexer_topk, per_position),
+        **{row.name: _copy_rows(getattr(sample, row.name), int(trace_table.rows_in(row, P, n)))
+           for row in trace_table.TRACES},
         status="aborted" if sample.status == "aborted" else "truncated",
         synthetic_eos=False,
     )
 
 
-def _with_row(arr: np.ndarray | None, row: Sequence[int] | int) -> np.ndarray | None:
+def _with_pad_row(arr: np.ndarray | None, row: trace_table.TraceSpec) -> np.ndarray | None:
+    """``arr`` with one more row of the trace's padding value (``None`` stays ``None``)."""
     if arr is None:
         return None
-    extra = np.full((1, *arr.shape[1:]), -1, dtype=np.int32)
-    if not isinstance(row, int):
-        extra[0] = row
+    extra = np.full((1, *arr.shape[1:]), row.pad, dtype=row.dtype)
     return np.concatenate([arr, extra], axis=0)
 
 
@@ -135,7 +130,8 @@ def append_synthetic_eos(sample: Sample, eos_id: int) -> Sample:
       :data:`SYNTHETIC_EOS_LOGPROB` (finite placeholder; ``synthetic_eos=True`` makes the
       trainer use the full-vocabulary logprob for this row);
     * ``sample_support`` += ``[eos_id, -1, ..., -1]`` (sampled id, no captured candidates);
-    * ``routed_experts`` / ``indexer_topk`` += one all ``-1`` row: it is the row of the
+    * ``routed_experts`` / ``indexer_topk`` (every position-row trace) += one all ``-1`` row
+      (the trace's padding value): it is the row of the
       *previous* last token (position ``P + R - 1``), which the engine sampled but never
       forwarded, so there is no choice to replay and the trainer uses its own.
 
@@ -158,22 +154,23 @@ def append_synthetic_eos(sample: Sample, eos_id: int) -> Sample:
     eos = int(eos_id)
     if len(sample.response_ids) and int(sample.response_ids[-1]) == eos:
         raise TrajectoryError(sid, "response_ids", f"already ends with a sampled EOS {eos}")
-    support_row: Sequence[int] | int = -1
-    if sample.sample_support is not None:
-        support_row = [eos] + [-1] * (sample.sample_support.shape[1] - 1)
+    # every trace gets one padding row (nothing captured for the new token, or for the
+    # previous last token's position, never forwarded)
+    traces = {row.name: _with_pad_row(getattr(sample, row.name), row) for row in trace_table.TRACES}
+    if traces.get("sample_support") is not None:
+        traces["sample_support"][-1, 0] = eos  # the support's column 0 is the sampled id
     return dataclasses.replace(
         sample,
         response_ids=np.append(sample.response_ids, np.int32(eos)),
         loss_mask=np.append(sample.loss_mask, np.uint8(1)),
         rollout_logprobs=np.append(sample.rollout_logprobs, np.float32(SYNTHETIC_EOS_LOGPROB)),
-        sample_support=_with_row(sample.sample_support, support_row),
-        routed_experts=_with_row(sample.routed_experts, -1),
-        indexer_topk=_with_row(sample.indexer_topk, -1),
+        **traces,
         synthetic_eos=True,
     )
 
 
 @dataclass(frozen=True, eq=False)  # eq on arrays would be ambiguous
+@trace_fields(before="finish_reason")
 class MergedTrajectory:
     """The response side of one multi-turn trajectory (output of :func:`merge_turns`).
 
@@ -188,6 +185,8 @@ class MergedTrajectory:
         routed_experts: int32 ``[P+R-1, L, K]`` or None; row ``t`` from the turn whose engine
             forward first computed position ``t`` (see :func:`merge_turns`).
         indexer_topk: int32 ``[P+R-1, L_idx, K_idx]`` or None; same rows as routed_experts.
+            (One such field per row of ``trace_table.TRACES``, keyword-only, default None:
+            response-row traces as sample_support, position-row traces as routed_experts.)
         finish_reason: the last kept turn's finish reason (e.g. ``"stop"`` / ``"length"``).
         num_turns: turns kept.
         dropped_turns: turns dropped at a trace gap (only with ``on_trace_gap="keep_prefix"``);
@@ -197,17 +196,16 @@ class MergedTrajectory:
     response_ids: np.ndarray
     loss_mask: np.ndarray
     rollout_logprobs: np.ndarray
-    sample_support: np.ndarray | None
-    routed_experts: np.ndarray | None
-    indexer_topk: np.ndarray | None
     finish_reason: str
     num_turns: int
     dropped_turns: int = 0
 
     def sample_fields(self) -> dict[str, np.ndarray | None]:
-        """The six per-token fields as keyword arguments of :class:`replayrl.rollout.sample.Sample`."""
+        """The per-token fields (three arrays and every trace) as keyword arguments of
+        :class:`replayrl.rollout.sample.Sample`."""
         return {name: getattr(self, name) for name in
-                ("response_ids", "loss_mask", "rollout_logprobs", *TRACE_FIELDS)}
+                ("response_ids", "loss_mask", "rollout_logprobs",
+                 *(row.name for row in trace_table.TRACES))}
 
 
 def _get(record: Any, name: str, default: Any = None) -> Any:
@@ -225,8 +223,12 @@ def _ids(sid: Any, field: str, value: Any) -> np.ndarray:
     return arr.astype(np.int32)
 
 
+def _trace_names() -> tuple[str, ...]:
+    return tuple(row.name for row in trace_table.TRACES)
+
+
 def _present(turn: Any) -> set[str]:
-    return {name for name in TRACE_FIELDS if _get(turn, name) is not None}
+    return {name for name in _trace_names() if _get(turn, name) is not None}
 
 
 def merge_turns(
@@ -287,102 +289,29 @@ def merge_turns(
         TrajectoryError: no turn; ``len(observations) != len(turns) - 1``; an empty turn; a
             row count or length mismatch (names the field and the turn); a turn with a trace
             turn 0 lacks; a ``route_start`` past the rows still needed.
-        MissingTraceError: a field of ``require`` missing from turn 0.
+        replayrl.rollout.sample.MissingTraceError: a field of ``require`` missing from turn 0.
         TraceGapError: a later turn lacks a trace, with ``on_trace_gap="raise"``.
         replayrl.rollout.capture.CaptureError: a non-finite sampled logprob, an invalid route offset.
-        replayrl.rollout.trace.TraceError: inconsistent trace shapes between turns (names the field).
+        replayrl.rollout.errors.TraceSchemaError: inconsistent trace shapes between turns (names the field).
     """
     sid = sample_id
-    if on_trace_gap not in ("raise", "keep_prefix"):
-        raise TrajectoryError(sid, "on_trace_gap", f"must be 'raise' or 'keep_prefix', got {on_trace_gap!r}")
-    unknown = set(require) - set(TRACE_FIELDS)
-    if unknown:
-        raise TrajectoryError(sid, sorted(unknown)[0], f"unknown trace; known: {TRACE_FIELDS}")
-    prompt = _ids(sid, "prompt_ids", prompt_ids)
-    if len(prompt) == 0:
-        raise TrajectoryError(sid, "prompt_ids", "empty prompt")
-    if len(turns) == 0:
-        raise TrajectoryError(sid, "turns", "no turn to merge")
-    if len(observations) != len(turns) - 1:
-        raise TrajectoryError(sid, "observations", f"{len(observations)} observations for "
-                                                   f"{len(turns)} turns; expected {len(turns) - 1}")
-
-    schema = _present(turns[0])
-    missing = [name for name in TRACE_FIELDS if name in require and name not in schema]
-    if missing:
-        raise MissingTraceError(sid, missing[0], "enabled but not captured; refusing to train "
-                                                 "this trajectory without replay")
-    kept = len(turns)
-    for k in range(1, len(turns)):
-        have = _present(turns[k])
-        extra = sorted(have - schema)
-        if extra:
-            raise TrajectoryError(sid, extra[0], f"turn {k} carries it but turn 0 does not")
-        gap = [name for name in TRACE_FIELDS if name in schema and name not in have]
-        if gap:
-            if on_trace_gap == "raise":
-                raise TraceGapError(sid, gap[0], f"turn {k} of {len(turns)} lacks it while turn 0 "
-                                                 "carries it (trace gap)")
-            kept = k
-            break
-
-    response_rows = TokenMetadataTrace(sid)
-    position_rows = TokenMetadataTrace(sid)
+    prompt = _check_merge_inputs(sid, prompt_ids, turns, observations, require, on_trace_gap)
+    kept = _turns_to_keep(sid, turns, require, on_trace_gap)
+    response_rows = TokenMetadataTrace(sid)  # R rows: turns' response rows, observation padding
+    position_rows = TokenMetadataTrace(sid)  # P + R - 1 rows: each position's first forward
     response_ids: list[np.ndarray] = []
     loss_mask: list[np.ndarray] = []
     logprobs: list[np.ndarray] = []
     context_len = len(prompt)
     for k in range(kept):
-        turn = turns[k]
-        ids = _ids(sid, "response_ids", _get(turn, "response_ids"))
-        R_k = len(ids)
-        if R_k == 0:
-            raise TrajectoryError(sid, "response_ids", f"turn {k} generated no token")
-        lp = np.asarray(_get(turn, "rollout_logprobs"), dtype=np.float64)
-        if lp.shape != (R_k,):
-            raise TrajectoryError(sid, "rollout_logprobs",
-                                  f"turn {k}: shape {lp.shape} != response length ({R_k},)")
-        base = sum(len(r) for r in response_ids)
-        for j in np.flatnonzero(~np.isfinite(lp))[:1]:
-            check_sampled_logprob(lp[j], sid, base + int(j))  # raises, naming the position
-        support = _get(turn, "sample_support")
-        if support is not None:
-            support = np.asarray(support)
-            if support.ndim != 2 or support.shape[0] != R_k:
-                raise TrajectoryError(sid, "sample_support",
-                                      f"turn {k}: shape {support.shape}, expected ({R_k}, 1+W)")
-            if (support[:, 0] != ids).any():
-                raise TrajectoryError(sid, "sample_support",
-                                      f"turn {k}: column 0 differs from the sampled response_ids")
-        response_rows.append({} if support is None else {"sample_support": support}, rows=R_k)
+        ids, lp, chunk = _turn_response(sid, k, turns[k], first_row=sum(len(r) for r in response_ids))
+        response_rows.append(chunk, rows=len(ids))
         response_ids.append(ids)
-        loss_mask.append(np.ones(R_k, np.uint8))
-        logprobs.append(lp.astype(np.float32))
-
-        offset = position_rows.rows  # rows already taken = first position this turn must supply
-        check_route_offset(offset, context_len, sample_id=sid)
-        route_start = _get(turn, "route_start", 0)
-        route_start = check_route_offset(route_start, context_len, sample_id=sid)
-        if route_start > offset:
-            raise TrajectoryError(sid, "route_start",
-                                  f"turn {k}: rows start at position {route_start} but position "
-                                  f"{offset} is not covered by earlier turns")
-        forwarded = context_len + R_k - 1  # positions this turn's engine forward covered
-        chunk = {}
-        for name in POSITION_FIELDS:
-            arr = _get(turn, name)
-            if arr is None:
-                continue
-            arr = np.asarray(arr)
-            if arr.ndim < 1 or arr.shape[0] != forwarded - route_start:
-                raise TrajectoryError(
-                    sid, name, f"turn {k}: {arr.shape[0] if arr.ndim else 0} rows, expected "
-                               f"{forwarded - route_start} (context {context_len} + R_k {R_k} - 1 "
-                               f"- route_start {route_start})")
-            chunk[name] = arr[offset - route_start:]
-        position_rows.append(chunk, rows=forwarded - offset)
-        context_len += R_k
-
+        loss_mask.append(np.ones(len(ids), np.uint8))
+        logprobs.append(lp)
+        chunk, rows = _turn_positions(sid, k, turns[k], context_len, len(ids), position_rows.rows)
+        position_rows.append(chunk, rows=rows)
+        context_len += len(ids)
         if k + 1 < kept:
             obs = _ids(sid, "observations", observations[k])
             response_rows.append_padding(len(obs))
@@ -396,8 +325,7 @@ def merge_turns(
         raise TrajectoryError(sid, "finish_reason", f"turn {kept - 1}: expected a string, got "
                                                     f"{finish_reason!r}")
     R = context_len - len(prompt)
-    response = response_rows.finalize(R)
-    position = position_rows.finalize(len(prompt) + R - 1)
+    traces = {**response_rows.finalize(R), **position_rows.finalize(len(prompt) + R - 1)}
 
     def frozen(arr: np.ndarray) -> np.ndarray:
         arr.flags.writeable = False
@@ -407,10 +335,141 @@ def merge_turns(
         response_ids=frozen(np.concatenate(response_ids)),
         loss_mask=frozen(np.concatenate(loss_mask)),
         rollout_logprobs=frozen(np.concatenate(logprobs)),
-        sample_support=response.get("sample_support"),
-        routed_experts=position.get("routed_experts"),
-        indexer_topk=position.get("indexer_topk"),
+        **{name: traces.get(name) for name in _trace_names()},
         finish_reason=finish_reason,
         num_turns=kept,
         dropped_turns=len(turns) - kept,
     )
+
+
+def _check_merge_inputs(sid: Any, prompt_ids: Sequence[int], turns: Sequence[Any],
+                        observations: Sequence[Sequence[int]], require: Collection[str],
+                        on_trace_gap: str) -> np.ndarray:
+    """:func:`merge_turns`' arguments as a whole; returns the prompt as int32 ``[P >= 1]``.
+
+    Raises:
+        TrajectoryError: an unknown ``on_trace_gap`` or required trace, an empty or non-integer
+            prompt, no turn, or not exactly one observation between two turns.
+    """
+    if on_trace_gap not in ("raise", "keep_prefix"):
+        raise TrajectoryError(sid, "on_trace_gap", f"must be 'raise' or 'keep_prefix', got {on_trace_gap!r}")
+    known = _trace_names()
+    unknown = set(require) - set(known)
+    if unknown:
+        raise TrajectoryError(sid, sorted(unknown)[0], f"unknown trace; known: {known}")
+    prompt = _ids(sid, "prompt_ids", prompt_ids)
+    if len(prompt) == 0:
+        raise TrajectoryError(sid, "prompt_ids", "empty prompt")
+    if len(turns) == 0:
+        raise TrajectoryError(sid, "turns", "no turn to merge")
+    if len(observations) != len(turns) - 1:
+        raise TrajectoryError(sid, "observations", f"{len(observations)} observations for "
+                                                   f"{len(turns)} turns; expected {len(turns) - 1}")
+    return prompt
+
+
+def _turns_to_keep(sid: Any, turns: Sequence[Any], require: Collection[str],
+                   on_trace_gap: str) -> int:
+    """How many turns keep the trace schema turn 0 fixes (``len(turns)`` without a gap).
+
+    Turn 0's traces are the trajectory's; every later turn must carry exactly those. A turn
+    carrying more is an error; one carrying fewer is a trace gap (raised, or the trajectory is
+    cut before it with ``on_trace_gap="keep_prefix"``).
+
+    Raises:
+        MissingTraceError: a trace of ``require`` missing from turn 0.
+        TrajectoryError: a later turn carries a trace turn 0 lacks.
+        TraceGapError: a later turn lacks one of turn 0's traces, with ``on_trace_gap="raise"``.
+    """
+    names = _trace_names()
+    schema = _present(turns[0])
+    missing = [name for name in names if name in require and name not in schema]
+    if missing:
+        raise MissingTraceError(sid, missing[0], "enabled but not captured; refusing to train "
+                                                 "this trajectory without replay")
+    for k in range(1, len(turns)):
+        have = _present(turns[k])
+        extra = sorted(have - schema)
+        if extra:
+            raise TrajectoryError(sid, extra[0], f"turn {k} carries it but turn 0 does not")
+        gap = [name for name in names if name in schema and name not in have]
+        if gap:
+            if on_trace_gap == "raise":
+                raise TraceGapError(sid, gap[0], f"turn {k} of {len(turns)} lacks it while turn 0 "
+                                                 "carries it (trace gap)")
+            return k
+    return len(turns)
+
+
+def _turn_response(sid: Any, k: int, turn: Any, *, first_row: int
+                   ) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+    """Turn ``k``'s response rows: ``(response_ids int32 [R_k], rollout_logprobs float32
+    [R_k], response-row traces {name: [R_k, ...]})``.
+
+    Args:
+        first_row: the turn's first row in the merged response (for error positions).
+    Raises:
+        TrajectoryError: no token, a logprob / trace row count differing from ``R_k``, a
+            support whose column 0 is not the sampled ids.
+        replayrl.rollout.capture.CaptureError: a non-finite sampled logprob.
+    """
+    ids = _ids(sid, "response_ids", _get(turn, "response_ids"))
+    R_k = len(ids)
+    if R_k == 0:
+        raise TrajectoryError(sid, "response_ids", f"turn {k} generated no token")
+    lp = np.asarray(_get(turn, "rollout_logprobs"), dtype=np.float64)
+    if lp.shape != (R_k,):
+        raise TrajectoryError(sid, "rollout_logprobs",
+                              f"turn {k}: shape {lp.shape} != response length ({R_k},)")
+    for j in np.flatnonzero(~np.isfinite(lp))[:1]:
+        check_sampled_logprob(lp[j], sid, first_row + int(j))  # raises, naming the position
+    chunk = {}
+    for row in trace_table.TRACES:
+        arr = _get(turn, row.name) if row.rows == "response" else None
+        if arr is None:
+            continue
+        arr = np.asarray(arr)
+        if arr.ndim != row.ndim or arr.shape[0] != R_k:
+            raise TrajectoryError(sid, row.name, f"turn {k}: shape {arr.shape}, expected "
+                                                 f"({R_k}, {', '.join(row.shape)})")
+        if row.name == "sample_support" and (arr[:, 0] != ids).any():
+            raise TrajectoryError(sid, row.name,
+                                  f"turn {k}: column 0 differs from the sampled response_ids")
+        chunk[row.name] = arr
+    return ids, lp.astype(np.float32), chunk
+
+
+def _turn_positions(sid: Any, k: int, turn: Any, context_len: int, R_k: int,
+                    offset: int) -> tuple[dict[str, np.ndarray], int]:
+    """Turn ``k``'s new position rows: ``({name: [rows, ...]}, rows)``.
+
+    The turn's engine forward covered positions ``0 .. context_len + R_k - 2`` (its rows start
+    at ``route_start``); the first ``offset`` positions were taken from earlier turns, so the
+    turn contributes positions ``offset .. context_len + R_k - 2`` (see :func:`merge_turns`).
+
+    Raises:
+        TrajectoryError: a ``route_start`` past ``offset``, a row count other than
+            ``context_len + R_k - 1 - route_start``.
+        replayrl.rollout.capture.CaptureError: an invalid offset or ``route_start``.
+    """
+    check_route_offset(offset, context_len, sample_id=sid)
+    route_start = _get(turn, "route_start", 0)
+    route_start = check_route_offset(route_start, context_len, sample_id=sid)
+    if route_start > offset:
+        raise TrajectoryError(sid, "route_start",
+                              f"turn {k}: rows start at position {route_start} but position "
+                              f"{offset} is not covered by earlier turns")
+    forwarded = context_len + R_k - 1  # positions this turn's engine forward covered
+    chunk = {}
+    for row in trace_table.TRACES:
+        arr = _get(turn, row.name) if row.rows == "position" else None
+        if arr is None:
+            continue
+        arr = np.asarray(arr)
+        if arr.ndim < 1 or arr.shape[0] != forwarded - route_start:
+            raise TrajectoryError(
+                sid, row.name, f"turn {k}: {arr.shape[0] if arr.ndim else 0} rows, expected "
+                               f"{forwarded - route_start} (context {context_len} + R_k {R_k} - 1 "
+                               f"- route_start {route_start})")
+        chunk[row.name] = arr[offset - route_start:]
+    return chunk, forwarded - offset

@@ -1,7 +1,8 @@
 """The package rules of docs/design.md#layout, read from the source with ``ast``.
 
 - imports point downwards only: ``tools -> {rollout, trainer} -> actors -> transport``, and
-  ``trainer`` reaches into ``rollout`` only for ``replayrl.rollout.sample`` and ``replayrl.rollout.model``;
+  ``trainer`` reaches into ``rollout`` only for ``replayrl.rollout.sample``, the trace table it
+  reads (``replayrl.rollout.trace_table``) and ``replayrl.rollout.model``;
 - no import circle between production modules (``TYPE_CHECKING`` imports included: a circle
   that only type checkers see is still two modules that know each other);
 - every production module has a production caller, except the entry points and the
@@ -25,7 +26,9 @@ ALLOWED = {  # layer -> layers it may import
     "trainer": {"trainer", "actors", "transport", "rollout"},
     "tools": set(PACKAGES),
 }
-TRAINER_MAY_USE = ("replayrl.rollout.sample", "replayrl.rollout.model")
+# the trace table is part of the sample contract: the trainer batch and the flip / drift rates
+# read each trace's row space, padding, batch field and replay switch from it
+TRAINER_MAY_USE = ("replayrl.rollout.sample", "replayrl.rollout.trace_table", "replayrl.rollout.model")
 # the rooms of tools/: the run is the core the others stand on; the console and the benchmarks
 # use the run, never each other; cli.py and serve.py sit beside the rooms
 ROOMS_MAY_USE = {"run": {"run"}, "console": {"console", "run"}, "bench": {"bench", "run"}}

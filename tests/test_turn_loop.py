@@ -23,10 +23,9 @@ from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
 from replayrl.rollout.sample import TRACE_FIELDS, Sample
 from replayrl.rollout.sampler import SamplingParams
 from replayrl.rollout.task import VOCABULARY, DigitTask
-from replayrl.rollout.errors import ToolEnvError
+from replayrl.rollout.errors import ToolEnvError, TurnLoopError
+from replayrl.rollout.sample import MissingTraceError
 from replayrl.rollout.tool_env import DigitToolEnv
-from replayrl.rollout.trajectory import MissingTraceError
-from replayrl.rollout.errors import TurnLoopError
 from replayrl.rollout.turn_loop import MixedVersionError, assemble, run_episodes, turn_seed
 
 CASES = {c["name"]: c for c in json.loads((Path(__file__).parent / "cases" / "trace_alignment.json").read_text())}

@@ -16,6 +16,7 @@ from typing import Iterator
 
 import torch
 
+from replayrl.rollout import trace_table
 from replayrl.rollout.sample import Sample, check_required_traces, required_traces
 from replayrl.trainer.backends.base import TrainerBackend
 from replayrl.trainer.batch import TrainBatch, collate, collate_packed, per_sample_tensors, sampled_masks
@@ -53,8 +54,8 @@ class RankStep:
         self.gate = config.rs_gate
         self.entropies: list[torch.Tensor] = []
         self.required_traces = required_traces(
-            backend.model_config, support_replay=config.use_support_replay,
-            routing_replay=config.use_routing_replay, indexer_replay=config.use_indexer_replay)
+            backend.model_config, **{f"{row.replay}_replay": getattr(config, row.setting)
+                                     for row in trace_table.TRACES})
 
     def take_entropies(self) -> torch.Tensor:
         """The entropies collected so far, concatenated (float32 [n]); clears them."""
@@ -75,12 +76,13 @@ class RankStep:
         cfg, mbs = self.config, self.config.micro_batch_size
         for i in range(0, len(samples), mbs):
             chunk = samples[i:i + mbs]
-            # traces travel whenever captured (the flip metrics compare against them); the
-            # forward replays only the enabled ones
+            # traces with flip rates travel whenever captured (the flip metrics compare against
+            # them; the forward replays only the enabled ones), the others when replayed
             build = collate_packed if cfg.use_packing else collate
-            yield chunk, build(chunk, routing=chunk[0].routed_experts is not None,
-                               indexer=chunk[0].indexer_topk is not None,
-                               support=cfg.use_support_replay)
+            yield chunk, build(chunk, **{
+                row.replay: (getattr(chunk[0], row.name) is not None if row.flip_rates
+                             else getattr(cfg, row.setting))
+                for row in trace_table.TRACES})
 
     def preflight(self, samples: list[Sample]) -> dict[str, list[float]]:
         """Proximal logprobs of ``samples`` at the current weights into :attr:`cache`; the
@@ -102,9 +104,11 @@ class RankStep:
         and its support entropies over sampled tokens to :attr:`entropies`."""
         if getattr(out, "support_entropy", None) is not None:
             self.entropies.append(out.support_entropy[batch.sampled_mask > 0])
-        for name, engine, used, own in (
-                ("routing", batch.routed_experts, out.routed_experts, out.own_routed_experts),
-                ("indexer", batch.indexer_topk, out.indexer_topk, out.own_indexer_topk)):
+        for row in trace_table.TRACES:
+            if not row.flip_rates:
+                continue
+            name, engine = row.replay, getattr(batch, row.batch_field)
+            used, own = getattr(out, row.name), getattr(out, f"own_{row.name}")
             if engine is not None:
                 self._check_replay(name, engine, own, batch.key_padding_mask)
                 rates.setdefault(f"{name}_flip_rate", []).append(batch_flip_rate(engine, used, batch.key_padding_mask))
@@ -115,8 +119,8 @@ class RankStep:
         cfg = self.config
         if cfg.replay_min_overlap_ratio == 0 and cfg.replay_max_mismatch_fraction == 1:
             return
-        model_config = self.backend.model_config
-        layers = model_config.moe_layers if kind == "routing" else model_config.indexed_layers
+        layers = getattr(self.backend.model_config,
+                         next(row.layers for row in trace_table.TRACES if row.replay == kind))
         check_replay(engine.reshape(-1, *engine.shape[2:]), own.reshape(-1, *own.shape[2:]),
                      real.reshape(-1), cfg.replay_min_overlap_ratio, cfg.replay_max_mismatch_fraction,
                      layer_ids=layers, kind=kind)

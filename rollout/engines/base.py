@@ -22,8 +22,10 @@ from typing import Any, ClassVar, Collection, Literal, Mapping, Sequence
 
 import numpy as np
 
+from replayrl.rollout import trace_table
 from replayrl.rollout.sample import TRACE_FIELDS, pack_rows, unpack_rows
 from replayrl.rollout.errors import EngineCaptureError, EngineInputError, EngineNotReady
+from replayrl.rollout.trace_table import trace_fields
 from replayrl.rollout.sampler import SamplingParams
 
 __all__ = [
@@ -36,6 +38,7 @@ __all__ = [
 
 
 @dataclass(frozen=True, eq=False)  # eq on arrays would be ambiguous; compare fields explicitly
+@trace_fields(before="finish_reason")
 class Generation:
     """One generated turn of one trajectory (numpy arrays, read-only).
 
@@ -56,15 +59,15 @@ class Generation:
         indexer_topk: int32 ``[P + R - 1, L_idx, index_topk]`` selected key *positions* in this
             trajectory (0 = first prompt token), ``-1`` = no key; or ``None`` when not
             requested / indexer off.
+        (one such field per row of ``replayrl.rollout.trace_table.TRACES``: keyword-only,
+        default ``None`` = not captured; response-row traces have ``R`` rows, position-row
+        traces ``P + R - 1``)
         finish_reason: ``"stop"`` (EOS sampled, included in ``response_ids``) or ``"length"``
             (``max_new_tokens`` reached without EOS).
     """
 
     response_ids: np.ndarray
     rollout_logprobs: np.ndarray
-    sample_support: np.ndarray | None
-    routed_experts: np.ndarray | None
-    indexer_topk: np.ndarray | None
     finish_reason: Literal["stop", "length"]
 
     def to_dict(self) -> dict[str, Any]:
@@ -84,7 +87,11 @@ class Generation:
         return cls(**record)
 
 
-_ARRAY_FIELDS = ("response_ids", "rollout_logprobs", *TRACE_FIELDS)
+_TOKEN_FIELDS = ("response_ids", "rollout_logprobs")
+
+
+def _array_fields() -> tuple[str, ...]:
+    return (*_TOKEN_FIELDS, *(row.name for row in trace_table.TRACES))
 
 
 def generations_to_columns(generations: Sequence[Generation]) -> dict[str, Any]:
@@ -100,10 +107,11 @@ def generations_to_columns(generations: Sequence[Generation]) -> dict[str, Any]:
     cols: dict[str, Any] = {"finish_reason": [g.finish_reason for g in generations],
                             "response_lengths": np.array([len(g.response_ids) for g in generations],
                                                          dtype=np.int64)}
-    trace_rows = [next((len(t) for t in (g.routed_experts, g.indexer_topk) if t is not None), 0)
+    position = [row.name for row in trace_table.TRACES if row.rows == "position"]
+    trace_rows = [next((len(t) for t in (getattr(g, name) for name in position) if t is not None), 0)
                   for g in generations]
     cols["trace_lengths"] = np.array(trace_rows, dtype=np.int64)
-    for name in _ARRAY_FIELDS:
+    for name in _array_fields():
         cols[name] = pack_rows([getattr(g, name) for g in generations])
     return cols
 
@@ -116,7 +124,8 @@ def generations_from_columns(columns: Mapping[str, Any]) -> list[Generation]:
         EngineInputError: a missing or unknown column, or a column whose rows disagree with
             the lengths (named by the column).
     """
-    names = {"finish_reason", "response_lengths", "trace_lengths", *_ARRAY_FIELDS}
+    array_fields = _array_fields()
+    names = {"finish_reason", "response_lengths", "trace_lengths", *array_fields}
     if not isinstance(columns, Mapping) or set(columns) != names:
         got = sorted(columns) if isinstance(columns, Mapping) else type(columns).__name__
         raise EngineInputError(f"generation columns {got} != {sorted(names)}")
@@ -132,14 +141,15 @@ def generations_from_columns(columns: Mapping[str, Any]) -> list[Generation]:
                                f"{len(lengths['trace_lengths'])} trace lengths and "
                                f"{len(columns['finish_reason'])} finish reasons")
     split = {}
-    for name in _ARRAY_FIELDS:
-        counts = lengths["response_lengths" if name in ("response_ids", "rollout_logprobs",
-                                                        "sample_support") else "trace_lengths"]
+    response_rows = {*_TOKEN_FIELDS, *(row.name for row in trace_table.TRACES
+                                       if row.rows == "response")}
+    for name in array_fields:
+        counts = lengths["response_lengths" if name in response_rows else "trace_lengths"]
         try:
             split[name] = unpack_rows(columns[name], counts)
         except ValueError as exc:
             raise EngineInputError(f"generation column {name!r}: {exc}") from None
-    return [Generation(**{name: split[name][i] for name in _ARRAY_FIELDS},
+    return [Generation(**{name: split[name][i] for name in array_fields},
                        finish_reason=columns["finish_reason"][i]) for i in range(n)]
 
 

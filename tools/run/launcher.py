@@ -44,6 +44,7 @@ from replayrl.rollout.rewards import load_math_verify
 from replayrl.rollout.errors import TokenizerError
 from replayrl.rollout.tokenizer import load_tokenizer
 from replayrl.rollout.task import VOCABULARY
+from replayrl.rollout import trace_table
 from replayrl.rollout.sample import required_traces
 from replayrl.tools.run.attach_card import remove_attach_card, write_attach_card
 from replayrl.tools.errors import ConfigError
@@ -171,9 +172,8 @@ def run_required_traces(config: RunConfig) -> list[str]:
     (:func:`replayrl.rollout.sample.required_traces` of the embedded policy and the replay flags)."""
     t = config.trainer
     return list(required_traces(config.policy_config,
-                                support_replay=t.use_support_replay,
-                                routing_replay=t.use_routing_replay,
-                                indexer_replay=t.use_indexer_replay))
+                                **{f"{row.replay}_replay": getattr(t, row.setting)
+                                   for row in trace_table.TRACES}))
 
 
 def resolve_engine(config: RunConfig) -> str:

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from replayrl.rollout.config import RolloutConfig
-from replayrl.rollout.data_source import DataExhausted, PromptDataSource, digit_task_prompts
-from replayrl.rollout.prompt_data import (BUILTIN_FILE, PromptDataError, digit_task_rows, load_run_prompts,
-                                 read_rows)
-from replayrl.rollout.task import VOCABULARY, DigitTask
+from replayrl.rollout.data_source import DataExhausted, PromptDataSource
+from replayrl.rollout.prompt_data import PromptDataError, load_run_prompts, read_rows
+from replayrl.rollout.tasks.digits import BUILTIN_FILE, digit_task_prompts, digit_task_rows
+from replayrl.rollout.tasks.digit_puzzle import VOCABULARY, DigitTask
 from replayrl.rollout.tokenizer import TokenizerError, load_tokenizer
 from replayrl.tools.run.config import build_config
 from replayrl.tools.run.launcher import write_initial_checkpoint

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from replayrl.actors.version_clock import StaleSample, VersionClock
-from replayrl.rollout.task import VOCABULARY
+from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
 from replayrl.tools.cli import build_parser
 from replayrl.tools.run.config import build_config, config_from_args
 from replayrl.tools.run.launcher import launch, write_initial_checkpoint

@@ -39,7 +39,8 @@ from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
 from replayrl.rollout.prompt_data import PromptDataError, load_run_prompts
 from replayrl.rollout.rewards import RewardError, load_math_verify
 from replayrl.rollout.tokenizer import TokenizerError, load_tokenizer
-from replayrl.rollout.task import VOCABULARY
+from replayrl.rollout.tasks import task_class_path, task_name
+from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
 from replayrl.rollout.sample import required_traces
 from replayrl.tools.run.attach_card import remove_attach_card, write_attach_card
 from replayrl.tools.run.config import ConfigError, RunConfig
@@ -348,7 +349,9 @@ def actor_specs(config: RunConfig, checkpoint_dir: Path,
                    "require_traces": required,
                    "max_positions": model.max_position_embeddings,
                    "tokenizer_dir": str(tokenizer_dir(config, checkpoint_dir)),
-                   "vocab_size": model.vocab_size, "engine_failure": config.engine_failure}),
+                   "vocab_size": model.vocab_size, "engine_failure": config.engine_failure,
+                   # resolved here, so a task registered in this process reaches the manager's
+                   "task": task_class_path(task_name(config.rollout))}),
         ActorSpec("trainer", "replayrl.trainer.trainer_actor:TrainerActor",
                   {"checkpoint_dir": str(checkpoint_dir), "config": config.trainer.to_dict(),
                    "n_samples_per_prompt": config.rollout.n_samples_per_prompt,

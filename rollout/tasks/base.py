@@ -4,9 +4,10 @@ A task gives the rollout manager three things, and the manager knows nothing els
 
 * its prompts (:meth:`Task.prompts`): the training prompts, the prompts exact refill draws
   from, and the name errors give them, tokenised by the run's tokenizer;
-* its reward (:meth:`Task.reward`): how one trajectory is scored, as a :class:`RewardCall` the
-  manager runs under its reward guard (``rollout/rewards.py``) (``--custom-reward`` replaces it for every task); by
-  default the configured ``--rm-type`` (``rollout/tasks/rm_type.py``);
+* its reward (:meth:`Task.reward`): how one trajectory is scored, as a
+  :class:`replayrl.rollout.rewards.RewardCall` the manager runs under its reward guard
+  (``--custom-reward`` replaces it for every task); by default the configured ``--rm-type``
+  (``rollout/tasks/rm_type.py``);
 * its multi-turn environment (:meth:`Task.environment`), or ``None`` when it has none: a run
   with ``--rollout-max-turns > 1`` on such a task is refused before any process starts.
 

@@ -2,7 +2,8 @@
 
 Adding a task = one module in this package implementing :class:`Task` plus one line in
 :data:`TASKS`; ``--task NAME`` selects it. The registry holds ``"module:Class"`` strings, so
-importing this package imports no task module. The launcher resolves the run's task name here,
+importing this package imports no task class's module (only the interface and the built-in
+``--rm-type`` rewards, which every task may use). The launcher resolves the run's task name here,
 in its own process, and hands the class path to the rollout manager; a test may register a
 fake task by adding an entry before the run is configured.
 """

@@ -41,8 +41,11 @@ class RolloutConfig:
         temperature, top_k, top_p, min_p: sampling (``--rollout-temperature`` ...); ``top_k``
             -1 keeps the whole vocabulary as support.
         max_response_len: new tokens per turn (``--rollout-max-response-len``).
-        max_turns: generated turns per trajectory; > 1 enables the tool environment
-            (``--rollout-max-turns``).
+        max_turns: generated turns per trajectory; > 1 enables the task's environment
+            (``--rollout-max-turns``; a task without one is refused).
+        task: the task's registry name (``--task``, ``replayrl.rollout.tasks.TASKS``); ``""`` =
+            ``prompt_file`` with ``--prompt-data``, else ``digits``
+            (``replayrl.rollout.tasks.task_name``).
         num_digits: digits per prompt of the embedded task.
         num_values: prompt digits are drawn from ``0 .. num_values - 1``.
         dataset_size: distinct prompts in the embedded dataset.
@@ -87,6 +90,10 @@ class RolloutConfig:
                                              "end length-capped responses with a synthetic EOS "
                                              "(trained with no behaviour ratio; scored with it)")
 
+    task: str = setting("", "task", "the task (its prompts, reward and multi-turn environment), "
+                        "a name in the registry replayrl.rollout.tasks.TASKS: digits (the "
+                        "built-in digit task) or prompt_file (--prompt-data)", metavar="NAME",
+                        default_text="prompt_file with --prompt-data, else digits")
     prompt_data: str = setting("", "prompt-data", "prompt file, JSONL or Parquet (one prompt "
                                "per row); empty = the built-in digit task's shipped prompts",
                                metavar="FILE", default_text="built-in digits")

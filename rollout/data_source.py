@@ -1,7 +1,7 @@
 """A seeded, epoch-based stream of prompts with a checkpointable cursor.
 
-The prompts are fixed when the source is built (from a prompt file, or the built-in task's
-shipped prompts: ``rollout/prompt_data.py``); each epoch visits them in a permutation drawn
+The prompts are fixed when the source is built (the run's task's: a prompt file, or the
+built-in task's shipped prompts, ``rollout/tasks/``); each epoch visits them in a permutation drawn
 from ``(seed, epoch)``. A request that crosses an epoch boundary is filled from the next epoch,
 so every batch has exactly the size asked for. The state is only ``(epoch, cursor)``: a resumed
 source produces the same next batch as an uninterrupted one.
@@ -15,7 +15,6 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from replayrl.rollout.errors import DataExhausted
-from replayrl.rollout.task import DigitTask
 
 
 @dataclass(frozen=True)
@@ -38,26 +37,6 @@ class Prompt:
     label: str = ""
     metadata: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     source: str = ""
-
-
-def digit_task_prompts(task: DigitTask, seed: int, dataset_size: int) -> list[Prompt]:
-    """The embedded task's ``dataset_size`` prompts drawn from ``seed`` as token ids.
-
-    The reference the built-in prompt data is checked against (its rows are the text of these
-    prompts, ``rollout/prompt_data.py``).
-
-    Raises:
-        ValueError: ``dataset_size < 1``.
-    """
-    if dataset_size < 1:
-        raise ValueError(f"dataset_size must be >= 1, got {dataset_size}")
-    rng = np.random.default_rng([seed, 0x5EED])
-    prompts = []
-    for i in range(dataset_size):
-        ids, answer = task.make_prompt(rng)
-        ids.flags.writeable = False
-        prompts.append(Prompt(i, ids, answer, task.vocabulary[answer]))
-    return prompts
 
 
 class PromptDataSource:

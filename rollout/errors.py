@@ -26,7 +26,8 @@ from replayrl.rollout.sample import SampleError
 
 __all__ = [
     "RolloutError", "RolloutConfigError", "TokenizerError", "PromptDataError", "RewardError",
-    "RewardFailure", "DataExhausted", "TaskError", "ToolEnvError", "TurnLoopError",
+    "RewardFailure", "DataExhausted", "TaskError", "TaskConfigError", "UnknownTask",
+    "ToolEnvError", "TurnLoopError",
     "SamplerError", "SamplingParamsError", "NonFiniteLogitsError",
     "EngineError", "EngineNotReady", "EngineInputError", "EngineCaptureError", "EngineTimeout",
     "UnknownEngine", "EnginesLost", "SglangRequestError", "SglangResponseError",
@@ -60,6 +61,19 @@ class RewardError(RolloutError, ValueError):
 
 class TaskError(RolloutError, ValueError):
     """Bad task configuration or a token outside the task vocabulary."""
+
+
+class TaskConfigError(RolloutError, ValueError):
+    """A task that cannot run with the given settings, or no such task (the message names the
+    flags or the registered names)."""
+
+
+class UnknownTask(TaskConfigError, KeyError):
+    """A task name that is not in ``replayrl.rollout.tasks.TASKS`` (the message lists the known
+    names)."""
+
+    def __str__(self) -> str:  # KeyError would quote the whole message
+        return str(self.args[0]) if self.args else ""
 
 
 class ToolEnvError(RolloutError, ValueError):

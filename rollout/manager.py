@@ -3,17 +3,20 @@
 For each ``rollout_id`` it draws ``rollout_batch_size`` prompts from the seeded data source and
 produces ``n_samples_per_prompt`` trajectories per prompt (groups are split across engines,
 whole groups per engine). It drives the turn loop itself (``rollout/turn_loop.py``): one
-``generate`` request to the engine actor per turn, the tool environment between turns when
+``generate`` request to the engine actor per turn, the task's environment between turns when
 ``max_turns > 1``. Every trajectory, single- or multi-turn, is then assembled by the same
-``merge_turns`` call with the run's required traces and scored by the same verifier
-(``--rm-type``, ``rollout/rewards.py``, or ``--custom-reward``) under one time limit. The batch
+``merge_turns`` call with the run's required traces and scored by the task's reward
+(``--rm-type`` by default, ``rollout/tasks/rm_type.py``) or ``--custom-reward`` under one
+time limit (``rollout/rewards.py``). The batch
 is kept until the trainer takes it, so the trajectories cross the wire once (engine -> manager
 -> trainer), never through the driver. Its data-source state is checkpointable. The prompt
 groups of a lost engine are generated again on another one (``rollout/engine_pool.py``,
 ``--engine-failure``).
 
-Prompts come from ``--prompt-data`` (or the built-in task's shipped file) through the run's
-tokenizer (``rollout/tokenizer.py``, ``rollout/prompt_data.py``); ``evaluate`` scores the
+The task (``--task``, ``rollout/tasks/``) gives the prompts, the reward and the environment;
+the manager holds no task code. Prompts come from the task (``--prompt-data``, or the built-in
+task's shipped file) through the run's tokenizer (``rollout/tokenizer.py``,
+``rollout/prompt_data.py``); ``evaluate`` scores the
 ``--eval-prompt-data`` sets with the evaluation sampling settings (docs/design.md#prompt-data).
 """
 from __future__ import annotations
@@ -33,12 +36,10 @@ from replayrl.rollout.engines.base import generations_from_columns
 from replayrl.rollout.evaluation import eval_metrics
 from replayrl.rollout.generation_gate import GenerationGate
 from replayrl.rollout.prompt_data import load_run_prompts
-from replayrl.rollout.errors import RewardError
-from replayrl.rollout.rewards import RewardGuard, exact_reward, load_math_verify, math_reward
+from replayrl.rollout.rewards import RewardGuard, load_math_verify
 from replayrl.rollout.sample import Sample, samples_to_columns
-from replayrl.rollout.task import DigitTask
+from replayrl.rollout.tasks import make_task
 from replayrl.rollout.tokenizer import load_tokenizer
-from replayrl.rollout.tool_env import DigitToolEnv
 from replayrl.rollout.trajectory import TrajectoryError, append_synthetic_eos
 from replayrl.rollout.errors import RolloutError
 from replayrl.rollout.turn_loop import Episode, assemble, run_episodes
@@ -66,9 +67,14 @@ class RolloutManager(Actor):
         vocab_size: the policy's vocabulary size (prompt ids must lie below it).
         engine_failure: ``--engine-failure`` (:data:`replayrl.rollout.engine_pool.ENGINE_FAILURE_POLICIES`):
             what a lost engine's unfinished prompt groups get (docs/design.md#engine-faults).
+        task: the ``"module:Class"`` of the run's task (the launcher resolves ``--task`` in its
+            own process: ``replayrl.rollout.tasks.task_class_path``); ``""`` = the one the
+            config selects (``replayrl.rollout.tasks.make_task``).
 
     Raises:
-        RolloutError: no engine, or ``--custom-reward`` not importable.
+        RolloutError: no engine, ``--custom-reward`` not importable, or
+            ``--rollout-max-turns > 1`` with a task that has no environment.
+        replayrl.rollout.errors.TaskConfigError: the task is unknown or refuses the settings.
         replayrl.rollout.tokenizer.TokenizerError, replayrl.rollout.prompt_data.PromptDataError: the tokenizer or
             a prompt row is unusable (the launcher checks both before any process starts).
         replayrl.rollout.rewards.RewardError: ``--rm-type math`` without the math-verify package.
@@ -76,7 +82,7 @@ class RolloutManager(Actor):
 
     def __init__(self, config: dict, engines: list[str], require_traces: list[str],
                  max_positions: int, tokenizer_dir: str, vocab_size: int,
-                 engine_failure: str = "fail") -> None:
+                 engine_failure: str = "fail", task: str = "") -> None:
         self.config = RolloutConfig(**config)
         if not engines:
             raise RolloutError("RolloutManager needs at least one engine")
@@ -84,12 +90,13 @@ class RolloutManager(Actor):
         # a lost engine's unfinished groups are regenerated (or the run ends) per --engine-failure
         self.pool = EnginePool(self.engines, engine_failure, self.config.generate_timeout_s)
         self.max_positions = int(max_positions)
-        self.task = DigitTask(num_digits=self.config.num_digits, num_values=self.config.num_values)
-        # One verifier for every trajectory: the tool environment's reward is the task's reward
-        # of the final turn, which for a single-turn trajectory (loss mask all ones) is the
-        # task's reward of the whole response. The environment answers tool calls only when
-        # the run allows more than one turn.
-        self.tool_env = DigitToolEnv(self.task)
+        self.task = make_task(self.config, task)
+        # The environment answers tool calls only when the run allows more than one turn; one
+        # reward scores every trajectory, single- or multi-turn (the task's, on its final turn).
+        self.env = self.task.environment() if self.config.max_turns > 1 else None
+        if self.config.max_turns > 1 and self.env is None:
+            raise RolloutError(f"--rollout-max-turns {self.config.max_turns}: the task "
+                               f"{type(self.task).__name__} has no multi-turn environment")
         # the launcher already refused an unimportable --custom-reward before any process started
         self.custom_reward = (import_callable(self.config.custom_reward, "--custom-reward")
                               if self.config.custom_reward else None)
@@ -101,7 +108,7 @@ class RolloutManager(Actor):
             load_math_verify()  # a missing extra fails at start, not at the first reward
         self.reward_guard = RewardGuard(cfg.reward_timeout_s, cfg.reward_failure)
         prompts = load_run_prompts(cfg, self.tokenizer, vocab_size=vocab_size,
-                                   max_positions=self.max_positions)
+                                   max_positions=self.max_positions, task=self.task)
         self.data = PromptDataSource(prompts.train, cfg.seed, cfg.num_epoch, prompts.name)
         # Replacement prompts have their own seeded stream (the built-in task: its own dataset)
         self.replacement_data = PromptDataSource(prompts.replacement, cfg.seed + 7919, 0,
@@ -133,7 +140,7 @@ class RolloutManager(Actor):
         return await run_episodes(generate_turn, prompts, max_turns=cfg.max_turns,
                                   max_new_tokens=max_new_tokens,
                                   max_positions=self.max_positions, seed=seed,
-                                  env=self.tool_env if cfg.max_turns > 1 else None,
+                                  env=self.env,
                                   render_observation=self.tokenizer.render_observation)
 
     async def _run_prompts(self, prompts: list[Prompt], n: int, seed_key: list[int],
@@ -194,8 +201,8 @@ class RolloutManager(Actor):
 
     async def _reward(self, sample_id: int | str, prompt: Prompt, response_ids: np.ndarray,
                       loss_mask: np.ndarray) -> float:
-        """The reward of one trajectory (``--custom-reward``, else ``--rm-type``), under the
-        reward guard's time limit.
+        """The reward of one trajectory (``--custom-reward``, else the task's: ``--rm-type`` by
+        default), under the reward guard's time limit.
 
         Raises:
             replayrl.rollout.rewards.RewardFailure: the reward raised or ran over the limit, under
@@ -206,23 +213,10 @@ class RolloutManager(Actor):
         if self.custom_reward is not None:
             return await self.reward_guard.score(name, self.custom_reward, prompt.prompt_ids,
                                                  response_ids, loss_mask, prompt.answer_id, cfg)
-        # the built-in digits / exact rewards are bounded by the response length and run inline;
-        # a custom reward and math-verify can run long and get a thread and the time limit
-        if cfg.rm_type == "digits":
-            return self.reward_guard.score_inline(name, self._digits_reward, response_ids,
-                                                  loss_mask, prompt.answer_id)
-        # text rewards read the final segment, decoded here on the actor's thread
-        text = self.tokenizer.decode(self.tool_env.final_answer(response_ids, loss_mask))
-        if cfg.rm_type == "exact":
-            return self.reward_guard.score_inline(name, exact_reward, text, prompt.label)
-        return await self.reward_guard.score(name, math_reward, text, prompt.label)
-
-    def _digits_reward(self, response_ids: np.ndarray, loss_mask: np.ndarray,
-                       answer_id: int) -> float:
-        if answer_id < 0:
-            raise RewardError("--rm-type digits needs a label that is one token of the "
-                              "vocabulary (the answer digit)")
-        return self.tool_env.reward(response_ids, loss_mask, answer_id)
+        # a bounded reward (digits / exact) runs inline; a custom reward and math-verify can
+        # run long and get a thread and the time limit
+        return await self.reward_guard.run(name, self.task.reward(self.tokenizer, prompt,
+                                                                   response_ids, loss_mask))
 
     @concurrent
     async def generate(self, rollout_id: int, min_version: int | None = None) -> dict:
@@ -335,9 +329,9 @@ class RolloutManager(Actor):
         With ``--rollout-append-eos-on-truncation``, a trajectory that hit its length cap
         (``finish_reason == "length"``, status ``truncated``) and does not already end with a
         sampled EOS gets a synthetic EOS (``replayrl.rollout.trajectory.append_synthetic_eos``) before it
-        is scored. The reward is then the verifier's (the tool environment's, or
-        ``--custom-reward``'s) for the response as it will be trained, EOS included: reward,
-        tokens and advantage describe one sequence, and a custom verifier sees exactly the
+        is scored. The reward is then the verifier's (the task's, or ``--custom-reward``'s)
+        for the response as it will be trained, EOS included: reward, tokens and advantage
+        describe one sequence, and a custom verifier sees exactly the
         arrays the trainer trains on. (SkyRL instead scores the text without its appended EOS
         and places that reward on the EOS.) On the digit task a capped response keeps its
         reward unless the EOS lands right after the first digit (``--rollout-max-response-len

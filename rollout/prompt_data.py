@@ -8,9 +8,10 @@ that lacks a key or holds the wrong type is a :class:`PromptDataError` naming th
 (row) and the key; nothing is skipped.
 
 The built-in digit task is data of the same kind: its prompts ship as
-``rollout/data/digits.jsonl`` (text rows ``{"prompt": "<bos> max 3 1 4 2 =", "label": "4"}``,
-the embedded task's default dataset for ``--seed 1``), tokenised by the embedded word-level
-tokenizer like any user file (docs/design.md#prompt-data).
+``rollout/data/digits.jsonl`` (``rollout/tasks/digits.py``), tokenised by the embedded
+word-level tokenizer like any user file. A run's training and refill prompts are its task's
+(``rollout/tasks/``); its evaluation sets are prompt files whatever the task
+(docs/design.md#prompt-data).
 """
 from __future__ import annotations
 
@@ -23,17 +24,11 @@ from typing import Any, Mapping, Sequence
 from replayrl.rollout.config import RolloutConfig
 from replayrl.rollout.data_source import Prompt
 from replayrl.rollout.errors import PromptDataError, TokenizerError
-from replayrl.rollout.task import DigitTask
+from replayrl.rollout.tasks import Task, make_task
 from replayrl.rollout.tokenizer import PromptTokenizer
 
-__all__ = [ "PromptRow", "BUILTIN_FILE", "BUILTIN_SETTINGS", "read_rows",
-           "digit_task_rows", "builtin_rows", "tokenize_rows", "RunPrompts", "load_run_prompts"]
-
-BUILTIN_FILE = Path(__file__).resolve().parent / "data" / "digits.jsonl"
-BUILTIN_SETTINGS = {"seed": 1, "num_digits": 4, "num_values": 5, "dataset_size": 4096}
-"""The settings whose embedded dataset :data:`BUILTIN_FILE` holds (the defaults)."""
-REPLACEMENT_SEED_OFFSET = 7919
-"""Replacement (refill) prompts come from their own seeded stream, ``seed + 7919``."""
+__all__ = ["PromptRow", "read_rows", "tokenize_rows", "RunPrompts",
+           "load_run_prompts"]
 
 
 @dataclass(frozen=True)
@@ -132,28 +127,6 @@ def read_rows(path: str | Path, input_key: str = "prompt", label_key: str = "lab
     return rows
 
 
-def digit_task_rows(task: DigitTask, seed: int, dataset_size: int) -> list[dict[str, str]]:
-    """The embedded task's prompts as text rows ``{"prompt", "label"}``: the same draws as
-    :func:`replayrl.rollout.data_source.digit_task_prompts`, written in the task's words."""
-    from replayrl.rollout.data_source import digit_task_prompts
-
-    return [{"prompt": task.decode(p.prompt_ids), "label": p.label}
-            for p in digit_task_prompts(task, seed, dataset_size)]
-
-
-def builtin_rows(config: RolloutConfig, seed: int) -> list[PromptRow]:
-    """The built-in task's rows for ``seed``: the shipped file when the task settings are the
-    ones it was made with (:data:`BUILTIN_SETTINGS`), else drawn from the task generator."""
-    settings = {"seed": seed, "num_digits": config.num_digits, "num_values": config.num_values,
-                "dataset_size": config.dataset_size}
-    if settings == BUILTIN_SETTINGS:
-        return read_rows(BUILTIN_FILE)
-    task = DigitTask(num_digits=config.num_digits, num_values=config.num_values)
-    return [PromptRow(f"digit task (seed {seed}):{i + 1}", r["prompt"], r["label"],
-                      MappingProxyType({}))
-            for i, r in enumerate(digit_task_rows(task, seed, config.dataset_size))]
-
-
 def tokenize_rows(rows: Sequence[PromptRow], tokenizer: PromptTokenizer, *, input_key: str,
                   vocab_size: int, max_prompt_len: int) -> list[Prompt]:
     """The rows as :class:`replayrl.rollout.data_source.Prompt` records, index = row position.
@@ -190,9 +163,9 @@ class RunPrompts:
     """The prompts of a run: training, replacement (refill) and evaluation sets.
 
     Attributes:
-        train: the training prompts (``--prompt-data`` or the built-in task).
-        replacement: the prompts exact refill draws from (the built-in task: its dataset for
-            ``seed + 7919``; a prompt file: the same prompts, drawn in their own order).
+        train: the training prompts (the task's: ``--prompt-data`` or the built-in task).
+        replacement: the prompts exact refill draws from (the task's: the built-in task's
+            dataset for ``seed + 7919``; a prompt file: the same prompts, in their own order).
         evals: ``(name, prompts)`` of every ``--eval-prompt-data`` set, in order.
         name: how errors name the training data (the file, or ``"built-in digits"``).
     """
@@ -204,29 +177,26 @@ class RunPrompts:
 
 
 def load_run_prompts(config: RolloutConfig, tokenizer: PromptTokenizer, *, vocab_size: int,
-                     max_positions: int) -> RunPrompts:
+                     max_positions: int, task: Task | None = None) -> RunPrompts:
     """Read and tokenise every prompt set of a run (the launcher does it once before any
     process starts, so a bad row stops the run there; the manager again for its own use).
 
+    Args:
+        task: the run's task, whose prompts are the training and refill prompts; ``None`` =
+            the one ``config`` selects (``replayrl.rollout.tasks.make_task``).
     Raises:
         PromptDataError: see :func:`read_rows` and :func:`tokenize_rows`.
+        replayrl.rollout.errors.TaskConfigError: ``task`` is ``None`` and ``config`` selects no
+            usable task.
     """
-    def tokens(rows: Sequence[PromptRow], response_len: int) -> list[Prompt]:
-        return tokenize_rows(rows, tokenizer, input_key=config.input_key, vocab_size=vocab_size,
-                             max_prompt_len=max_positions - response_len)
-
-    def from_file(path: str) -> list[PromptRow]:
-        return read_rows(path, config.input_key, config.label_key, config.metadata_key)
-
+    if task is None:
+        task = make_task(config)
     length = config.max_response_len
-    if config.prompt_data:
-        train = tokens(from_file(config.prompt_data), length)
-        replacement, name = train, config.prompt_data
-    else:
-        train = tokens(builtin_rows(config, config.seed), length)
-        replacement = tokens(builtin_rows(config, config.seed + REPLACEMENT_SEED_OFFSET), length)
-        name = "built-in digits"
+    own = task.prompts(tokenizer, vocab_size=vocab_size, max_prompt_len=max_positions - length)
     eval_length = config.eval_max_response_len or length
-    evals = tuple((n, tokens(from_file(f), eval_length)) for n, f in config.eval_sets())
-    return RunPrompts(train, replacement, evals, name)
-
+    evals = tuple((n, tokenize_rows(read_rows(f, config.input_key, config.label_key,
+                                              config.metadata_key),
+                                    tokenizer, input_key=config.input_key, vocab_size=vocab_size,
+                                    max_prompt_len=max_positions - eval_length))
+                  for n, f in config.eval_sets())
+    return RunPrompts(own.train, own.replacement, evals, own.name)

@@ -1,7 +1,7 @@
 """Built-in rewards (``--rm-type``) and the guard every reward call runs under.
 
 * ``digits``: the embedded task's verifier on the final segment
-  (:meth:`replayrl.rollout.tool_env.DigitToolEnv.reward`), the default;
+  (:meth:`replayrl.rollout.tasks.calculator.DigitToolEnv.reward`), the default;
 * ``exact``: 1.0 when the response text equals the label after :func:`normalise`, else 0.0;
 * ``math``: 1.0 when the response's final answer (a ``\\boxed{}`` answer first, else the last
   expression) is mathematically equivalent to the label, checked by Hugging Face's
@@ -19,12 +19,13 @@ import logging
 import re
 import threading
 import unicodedata
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from replayrl.rollout.errors import RewardError, RewardFailure
 
-__all__ = [ "normalise", "exact_reward", "math_reward",
-           "load_math_verify", "RewardGuard"]
+__all__ = ["normalise", "exact_reward", "math_reward", "load_math_verify", "RewardCall",
+           "RewardGuard"]
 
 
 _SPACES = re.compile(r"\s+")
@@ -74,6 +75,24 @@ def math_reward(response_text: str, label: str) -> float:
     if not gold or not answer:
         return 0.0
     return 1.0 if verify(gold, answer, timeout_seconds=None) else 0.0
+
+
+@dataclass(frozen=True)
+class RewardCall:
+    """One reward computation, as a task states it (``replayrl.rollout.tasks.base.Task.reward``)
+    for :meth:`RewardGuard.run`.
+
+    Attributes:
+        fn: the verifier; ``fn(*args)`` returns the reward, a finite float.
+        args: its arguments (read-only arrays, text, labels).
+        bounded: the work is bounded by the response length (a token or string comparison):
+            it runs inline on the caller's thread (:meth:`RewardGuard.score_inline`); otherwise
+            on a thread of its own under the time limit (:meth:`RewardGuard.score`).
+    """
+
+    fn: Callable[..., Any]
+    args: tuple
+    bounded: bool = False
 
 
 class RewardGuard:
@@ -155,6 +174,16 @@ class RewardGuard:
             return value
         except Exception as exc:
             return self._failed(sample, f"reward raised {type(exc).__name__}: {exc}")
+
+    async def run(self, sample: str, call: RewardCall) -> float:
+        """:meth:`score_inline` of a bounded ``call``, else :meth:`score`.
+
+        Raises:
+            RewardFailure: as :meth:`score`.
+        """
+        if call.bounded:
+            return self.score_inline(sample, call.fn, *call.args)
+        return await self.score(sample, call.fn, *call.args)
 
     def _failed(self, sample: str, why: str) -> float:
         if self.failure == "error":

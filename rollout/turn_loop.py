@@ -2,8 +2,8 @@
 
 Each turn is one batched engine call (``generate_turn``, e.g. one ``EngineActor.generate``
 request) over the trajectories still running, with the whole context (prompt, earlier turns,
-observations) as the prompt. After a turn the tool environment (``rollout/tool_env.py``) either
-answers a tool call with observation tokens, which are appended to the context, or ends the
+observations) as the prompt. After a turn the task's environment (``rollout/tasks/base.py``)
+either answers a tool call with observation tokens, which are appended to the context, or ends the
 episode. Without an environment (single-turn runs, ``max_turns == 1``) every turn is final, so a
 single-turn trajectory is this same loop stopped after turn 0.
 
@@ -26,8 +26,8 @@ from typing import Awaitable, Callable, Collection, Sequence
 import numpy as np
 
 from replayrl.rollout.engines.base import Generation
-from replayrl.rollout.tool_env import DigitToolEnv
 from replayrl.rollout.errors import TurnLoopError
+from replayrl.rollout.tasks.base import Environment
 from replayrl.rollout.trajectory import MergedTrajectory, TrajectoryError, merge_turns
 
 __all__ = [ "MixedVersionError", "Episode", "GenerateTurn", "turn_seed",
@@ -87,7 +87,7 @@ async def run_episodes(
     max_new_tokens: int,
     max_positions: int,
     seed: int,
-    env: DigitToolEnv | None,
+    env: Environment | None,
     render_observation: Callable[[np.ndarray], np.ndarray] | None = None,
 ) -> list[Episode]:
     """Run the turn loop for a batch of trajectories on one engine.
@@ -103,7 +103,8 @@ async def run_episodes(
             would not fit ends with ``"length"``.
         seed: ``>= 0``; turn ``t`` uses :func:`turn_seed(seed, t, max_turns) <turn_seed>`.
             Same seed, prompts and weights give the same episodes.
-        env: the tool environment, or ``None`` (no tools: every turn is final).
+        env: the task's environment (``replayrl.rollout.tasks.base.Environment``), or ``None``
+            (no tools: every turn is final).
         render_observation: turns the environment's observation ids into the ids appended to
             the context (``replayrl.rollout.tokenizer.PromptTokenizer.render_observation``: the chat
             template's tool turn); ``None`` appends them unchanged. Either way the next turn's
@@ -116,7 +117,9 @@ async def run_episodes(
     Raises:
         TurnLoopError: ``max_turns`` / ``max_new_tokens`` / ``max_positions`` / ``seed`` not an
             int in range, or ``generate_turn`` returned a wrong number of generations.
-        replayrl.rollout.tool_env.ToolEnvError: a tool call on a prompt that is not a task prompt.
+        Whatever ``env.observe`` raises (the digit task's calculator:
+            ``replayrl.rollout.tasks.calculator.ToolEnvError``, a tool call on a prompt that is not
+            a task prompt).
         Whatever ``generate_turn`` raises (e.g. the engine's errors, over the wire).
     """
     for name, value, low in (("max_turns", max_turns, 1), ("max_new_tokens", max_new_tokens, 1),

@@ -13,7 +13,7 @@ from replayrl.rollout.model.checkpoint import save_pretrained
 from replayrl.rollout.model.config import ModelConfig, default_config
 from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
 from replayrl.rollout.sample import Sample
-from replayrl.rollout.task import VOCABULARY
+from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
 
 V = len(VOCABULARY)
 

@@ -37,7 +37,7 @@ def main() -> None:
     import torch
     import torch.distributed as dist
 
-    from replayrl.rollout.task import VOCABULARY
+    from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
     from tests import megatron_cases as cases
     from replayrl.trainer.backends.megatron_model import MegatronParallel
     from replayrl.trainer.batch import collate

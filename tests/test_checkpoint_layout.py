@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from replayrl.rollout.task import VOCABULARY
+from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
 from replayrl.tools.errors import ConfigError
 from replayrl.tools.run.config import build_config
 from replayrl.tools.run.launcher import check_load, write_initial_checkpoint

@@ -10,13 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from replayrl.rollout.data_source import PromptDataSource, digit_task_prompts
+from replayrl.rollout.data_source import PromptDataSource
 from replayrl.rollout.engines import ENGINES, engine_class_path, load_engine_class
-from replayrl.rollout.errors import UnknownEngine
-from replayrl.rollout.errors import EngineError
+from replayrl.rollout.errors import EngineError, UnknownEngine
 from replayrl.rollout.engines.embedded import EmbeddedEngine
 from replayrl.rollout.model.config import default_config
-from replayrl.rollout.task import VOCABULARY, DigitTask
+from replayrl.rollout.tasks.digit_puzzle import VOCABULARY, DigitTask
+from replayrl.rollout.tasks.digits import digit_task_prompts
 from replayrl.rollout.sample import required_traces
 from replayrl.tools.errors import ConfigError
 from replayrl.tools.run.config import build_config
@@ -33,7 +33,7 @@ def test_registry_resolves_names_lazily_and_refuses_unknown_ones():
                                             r"embedded, sglang, vllm"):
         engine_class_path("trtllm")
     with pytest.raises(EngineError, match="not a replayrl.rollout.engines.base.Engine subclass"):
-        load_engine_class("replayrl.rollout.task:DigitTask")
+        load_engine_class("replayrl.rollout.tasks.digit_puzzle:DigitTask")
 
 
 def test_required_traces_follow_flags_and_model_layers():

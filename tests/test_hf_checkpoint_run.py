@@ -11,7 +11,7 @@ import torch
 
 from replayrl.rollout.model import Qwen3MoeForCausalLM, default_config
 from replayrl.rollout.model.loader import load_pretrained
-from replayrl.rollout.task import VOCABULARY
+from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
 from replayrl.tools.errors import ConfigError
 from replayrl.tools.run.config import build_config, config_from_args
 from replayrl.tools.run.launcher import engine_kwargs, launch, write_initial_checkpoint

@@ -25,7 +25,7 @@ import torch
 pytest.importorskip("megatron.core")
 
 from replayrl.rollout.model.loader import load_pretrained  # noqa: E402
-from replayrl.rollout.task import VOCABULARY  # noqa: E402
+from replayrl.rollout.tasks.digit_puzzle import VOCABULARY  # noqa: E402
 from tests import megatron_cases as cases  # noqa: E402
 from replayrl.trainer.backends import resolve_backend  # noqa: E402
 from replayrl.trainer.errors import CheckpointLayoutError  # noqa: E402

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from replayrl.actors import RemoteError
-from replayrl.rollout.task import DigitTask
+from replayrl.rollout.tasks.digit_puzzle import DigitTask
 from replayrl.tools.errors import ConfigError
 from replayrl.tools.run.config import build_config
 from replayrl.tools.run.launcher import launch, write_initial_checkpoint

@@ -162,7 +162,7 @@ def _traced_sample(model, sample_id, group_id, rollout_lp, rng, perturb_rows=())
 
 
 async def test_replacement_replay_rates_are_reported(tmp_path, _restore_threads):
-    from replayrl.rollout.task import VOCABULARY
+    from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
     from replayrl.trainer.trainer_actor import TrainerActor
 
     config = build_config({"n-samples-per-prompt": 2, "rollout-batch-size": 1})

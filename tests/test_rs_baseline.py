@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from replayrl.rollout.sample import Sample, samples_to_columns
-from replayrl.rollout.task import VOCABULARY
+from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
 from tests.fakes import FakeProxy
 from replayrl.tools.run.config import build_config
 from replayrl.tools.run.launcher import write_initial_checkpoint

@@ -17,7 +17,7 @@ from replayrl.rollout.data_source import Prompt
 from replayrl.rollout.manager import RolloutManager
 from replayrl.rollout.sample import TRACE_FIELDS, Sample
 from replayrl.rollout.sampler import SamplingParams
-from replayrl.rollout.task import VOCABULARY, DigitTask
+from replayrl.rollout.tasks.digit_puzzle import VOCABULARY, DigitTask
 from replayrl.rollout.trajectory import SYNTHETIC_EOS_LOGPROB, append_synthetic_eos, merge_turns
 from replayrl.rollout.turn_loop import Episode
 from tests.fakes import FakeProxy

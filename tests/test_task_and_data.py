@@ -1,4 +1,4 @@
-"""The embedded task (rollout/task.py) and the prompt data source (rollout/data_source.py)."""
+"""The embedded task (rollout/tasks/digit_puzzle.py, rollout/tasks/digits.py) and the prompt data source (rollout/data_source.py)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import json
 import numpy as np
 import pytest
 
-from replayrl.rollout.data_source import PromptDataSource, digit_task_prompts
+from replayrl.rollout.data_source import PromptDataSource
 from replayrl.rollout.errors import TaskError
-from replayrl.rollout.task import DigitTask
+from replayrl.rollout.tasks.digit_puzzle import DigitTask
+from replayrl.rollout.tasks.digits import digit_task_prompts
 
 # The vocabulary written out by hand: <pad> <bos> <eos>, digits 0..9, operators, "=".
 PAD, BOS, EOS = 0, 1, 2

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from replayrl.rollout.sample import MissingTraceError, Sample, SampleError
-from replayrl.rollout.task import VOCABULARY
+from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
 from replayrl.tools.run.config import build_config
 from replayrl.tools.run.launcher import write_initial_checkpoint
 from replayrl.tools.run.metrics import progress_status

@@ -1,4 +1,4 @@
-"""Multi-turn tool use (rollout/tool_env.py, rollout/turn_loop.py) on the embedded default.
+"""Multi-turn tool use (rollout/tasks/calculator.py, rollout/turn_loop.py) on the embedded default.
 
 The independent end-to-end check: for every generated multi-turn trajectory, ONE fp32 forward
 of prompt + response (the trainer's view, observations included) replaying the returned
@@ -22,10 +22,10 @@ from replayrl.rollout.model.config import default_config
 from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
 from replayrl.rollout.sample import TRACE_FIELDS, Sample
 from replayrl.rollout.sampler import SamplingParams
-from replayrl.rollout.task import VOCABULARY, DigitTask
 from replayrl.rollout.errors import ToolEnvError, TurnLoopError
 from replayrl.rollout.sample import MissingTraceError
-from replayrl.rollout.tool_env import DigitToolEnv
+from replayrl.rollout.tasks.calculator import DigitToolEnv
+from replayrl.rollout.tasks.digit_puzzle import VOCABULARY, DigitTask
 from replayrl.rollout.turn_loop import MixedVersionError, assemble, run_episodes, turn_seed
 
 CASES = {c["name"]: c for c in json.loads((Path(__file__).parent / "cases" / "trace_alignment.json").read_text())}

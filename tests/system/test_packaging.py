@@ -5,6 +5,7 @@ script, ``python -m`` and the spawned actor processes run from it (issue: instal
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -20,9 +21,14 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("dist")
+    # built from a copy: setuptools reuses an in-tree build/ folder, whose stale modules (a file
+    # since moved) would end up in the wheel
+    source = tmp_path_factory.mktemp("source") / "replayrl"
+    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(
+        ".git", "build", "dist", "*.egg-info", ".venv*", "runs", "__pycache__", ".pytest_cache"))
     # no build isolation: setuptools is already here and nothing may be downloaded
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
-                    "--no-build-isolation", "-w", str(out), str(REPO)], check=True)
+                    "--no-build-isolation", "-w", str(out), str(source)], check=True)
     (path,) = out.glob("replayrl-*.whl")
     return path
 

@@ -5,7 +5,7 @@ Both sides start from the same ``checkpoint-init`` (written by
 and ignores the DSA indexer weights), see the same prompt token ids in the same order (the
 embedded task's seeded :class:`replayrl.rollout.data_source.PromptDataSource`, decoded to text for TRL
 and checked to encode back to the same ids), are scored by the same verifier
-(:meth:`replayrl.rollout.tool_env.DigitToolEnv.reward` on the completion ids) and train with the same
+(:meth:`replayrl.rollout.tasks.calculator.DigitToolEnv.reward` on the completion ids) and train with the same
 budget: ``rollout-batch-size`` prompts x ``n-samples-per-prompt`` completions per optimizer
 step, the same sampling, AdamW and PPO clip settings, no KL, no std normalisation, one optimizer
 step per generation batch, on the same torch thread budget (TRL: one process with
@@ -256,8 +256,9 @@ def settings_table(config) -> str:
 def prompt_stream(config) -> list:
     """The prompts replayrl's RolloutManager draws for ``config.num_steps`` steps, in order:
     ``rollout_batch_size`` per step from the same seeded data source (``rollout/manager.py``)."""
-    from replayrl.rollout.data_source import PromptDataSource, digit_task_prompts
-    from replayrl.rollout.task import DigitTask
+    from replayrl.rollout.data_source import PromptDataSource
+    from replayrl.rollout.tasks.digit_puzzle import DigitTask
+    from replayrl.rollout.tasks.digits import digit_task_prompts
 
     r = config.rollout
     source = PromptDataSource(digit_task_prompts(DigitTask(num_digits=r.num_digits,
@@ -271,7 +272,7 @@ def indexer_is_dense(config) -> bool:
     (prompt length + new tokens - 1 <= index_topk), so transformers' dense attention, which
     ignores the indexer weights, computes the same function as replayrl's model."""
     from replayrl.rollout.model.config import default_config
-    from replayrl.rollout.task import VOCABULARY
+    from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
 
     positions = config.rollout.num_digits + 3 + config.rollout.max_response_len - 1
     return positions <= default_config(len(VOCABULARY)).index_topk
@@ -356,8 +357,8 @@ def trl_worker(spec_path: str, result_path: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from replayrl.rollout.task import DigitTask
-    from replayrl.rollout.tool_env import DigitToolEnv
+    from replayrl.rollout.tasks.digit_puzzle import DigitTask
+    from replayrl.rollout.tasks.calculator import DigitToolEnv
 
     task = DigitTask(num_digits=spec["num_digits"], num_values=spec["num_values"])
     env = DigitToolEnv(task)
@@ -466,7 +467,7 @@ def report(pairs: list[tuple[SideRun, SideRun, dict]], threshold: float, window:
            "prompts here are longer than index_topk, so TRL trains a dense-attention model, "
            "replayrl a sparse one."),
         "Same prompt token ids in the same order (checked on both sides), same verifier "
-        "(replayrl.rollout.tool_env.DigitToolEnv.reward on the completion ids).",
+        "(replayrl.rollout.tasks.calculator.DigitToolEnv.reward on the completion ids).",
         "",
         settings_table(config),
         "",

@@ -33,7 +33,8 @@ from replayrl.rollout.engines.sglang_protocol import parse_urls
 from replayrl.rollout.model.config import ModelConfig, default_config, without_indexer
 from replayrl.rollout.model.errors import ModelError
 from replayrl.rollout.model.loader import read_hf_config
-from replayrl.rollout.task import VOCABULARY
+from replayrl.rollout.tasks import TaskConfigError, make_task, task_name
+from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
 from replayrl.trainer.config import TrainerConfig
 from replayrl.transport import TransportError, strict_json
 from replayrl.transport.curve import CurveKeys
@@ -225,6 +226,7 @@ class RunConfig:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+        self._check_task()
         if (self.rollout_engine == "sglang") != bool(self.sglang_urls):
             raise ConfigError("--rollout-engine sglang needs --sglang-urls, and --sglang-urls "
                               "is only read by --rollout-engine sglang")
@@ -268,6 +270,26 @@ class RunConfig:
         r = self.rollout
         return r.num_digits + 3 + r.max_turns * (r.max_response_len + 2)
 
+    def _check_task(self) -> None:
+        """The run's task (``--task``, or what ``--prompt-data`` implies) is registered and
+        takes these settings, and a multi-turn run's task has an environment.
+
+        Raises:
+            ConfigError: an unknown task, settings the task refuses, or
+                ``--rollout-max-turns > 1`` with a task that has no environment (names the flags).
+        """
+        r = self.rollout
+        name = task_name(r)
+        try:
+            task = make_task(r)
+        except TaskConfigError as exc:
+            raise ConfigError(f"--task {name}: {exc}") from None
+        if r.max_turns > 1 and task.environment() is None:
+            chosen = f"--task {name}" if r.task else f"--task {name} (chosen by --prompt-data)"
+            raise ConfigError(f"--rollout-max-turns {r.max_turns} needs the task's multi-turn "
+                              f"environment, but {chosen} has none; use --rollout-max-turns 1 "
+                              f"or a task with an environment (e.g. --task digits)")
+
     def _check_keys(self) -> None:
         if not self.curve_keys:
             raise ConfigError("--transport tcp needs --curve-keys DIR: any local user reaches a "
@@ -299,7 +321,7 @@ class RunConfig:
     def data_settings(self) -> dict[str, Any]:
         """The settings that define the prompt stream; a resume must keep them."""
         r = self.rollout
-        return {"seed": r.seed, "rollout_batch_size": r.rollout_batch_size,
+        return {"task": task_name(r), "seed": r.seed, "rollout_batch_size": r.rollout_batch_size,
                 "n_samples_per_prompt": r.n_samples_per_prompt, "num_digits": r.num_digits,
                 "num_values": r.num_values, "dataset_size": r.dataset_size,
                 "prompt_data": r.prompt_data, "input_key": r.input_key,

@@ -37,14 +37,13 @@ from replayrl.rollout.engines.sglang_protocol import parse_urls
 from replayrl.rollout.model.checkpoint import save_pretrained, save_word_tokenizer
 from replayrl.rollout.model.config import default_config
 from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
-from replayrl.rollout.errors import PromptDataError
-from replayrl.rollout.prompt_data import load_run_prompts
-from replayrl.rollout.errors import RewardError
-from replayrl.rollout.rewards import load_math_verify
-from replayrl.rollout.errors import TokenizerError
-from replayrl.rollout.tokenizer import load_tokenizer
-from replayrl.rollout.task import VOCABULARY
 from replayrl.rollout import trace_table
+from replayrl.rollout.errors import PromptDataError, RewardError, TokenizerError
+from replayrl.rollout.prompt_data import load_run_prompts
+from replayrl.rollout.rewards import load_math_verify
+from replayrl.rollout.tokenizer import load_tokenizer
+from replayrl.rollout.tasks import task_class_path, task_name
+from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
 from replayrl.rollout.sample import required_traces
 from replayrl.tools.run.attach_card import remove_attach_card, write_attach_card
 from replayrl.tools.errors import ConfigError
@@ -352,7 +351,9 @@ def actor_specs(config: RunConfig, checkpoint_dir: Path,
                    "require_traces": required,
                    "max_positions": model.max_position_embeddings,
                    "tokenizer_dir": str(tokenizer_dir(config, checkpoint_dir)),
-                   "vocab_size": model.vocab_size, "engine_failure": config.engine_failure}),
+                   "vocab_size": model.vocab_size, "engine_failure": config.engine_failure,
+                   # resolved here, so a task registered in this process reaches the manager's
+                   "task": task_class_path(task_name(config.rollout))}),
         ActorSpec("trainer", "replayrl.trainer.trainer_actor:TrainerActor",
                   {"checkpoint_dir": str(checkpoint_dir), "config": config.trainer.to_dict(),
                    "n_samples_per_prompt": config.rollout.n_samples_per_prompt,

@@ -1,6 +1,6 @@
 """A tiny tool environment on the embedded digit task, for multi-turn rollouts.
 
-The task (``rollout/task.py``): prompt ``<bos> op d1 .. dn =``, answer one digit then ``<eos>``.
+The task (``rollout/tasks/digit_puzzle.py``): prompt ``<bos> op d1 .. dn =``, answer one digit then ``<eos>``.
 The tool is a calculator over the prompt's digits, spoken in the task's own vocabulary so the
 embedded model needs no new tokens:
 
@@ -27,7 +27,7 @@ from typing import Sequence
 import numpy as np
 
 from replayrl.rollout.errors import ToolEnvError
-from replayrl.rollout.task import DIGITS, OPERATORS, VOCABULARY, DigitTask
+from replayrl.rollout.tasks.digit_puzzle import DIGITS, OPERATORS, VOCABULARY, DigitTask
 
 __all__ = [ "DigitToolEnv"]
 
@@ -99,6 +99,6 @@ class DigitToolEnv:
         """Reward in [0, 1]: ``task.reward`` of :meth:`final_answer` (0 if it is a tool call).
 
         Raises:
-            ToolEnvError: lengths differ. replayrl.rollout.task.TaskError: a token outside the vocabulary.
+            ToolEnvError: lengths differ. replayrl.rollout.tasks.digit_puzzle.TaskError: a token outside the vocabulary.
         """
         return self.task.reward(self.final_answer(response_ids, loss_mask), answer_id)

@@ -1,0 +1,79 @@
+"""The task room: one interface (:mod:`replayrl.rollout.tasks.base`), its implementations, one registry.
+
+Adding a task = one module in this package implementing :class:`Task` plus one line in
+:data:`TASKS`; ``--task NAME`` selects it. The registry holds ``"module:Class"`` strings, so
+importing this package imports no task class's module (only the interface and the built-in
+``--rm-type`` rewards, which every task may use). The launcher resolves the run's task name here,
+in its own process, and hands the class path to the rollout manager; a test may register a
+fake task by adding an entry before the run is configured.
+"""
+from __future__ import annotations
+
+from replayrl.actors import import_object
+from replayrl.rollout.config import RolloutConfig
+from replayrl.rollout.errors import TaskConfigError, UnknownTask
+from replayrl.rollout.tasks.base import Environment, RewardCall, Task, TaskPrompts
+
+__all__ = [
+    "TASKS",
+    "UnknownTask",
+    "task_name",
+    "task_class_path",
+    "load_task_class",
+    "make_task",
+    "Task",
+    "TaskConfigError",
+    "TaskPrompts",
+    "RewardCall",
+    "Environment",
+]
+
+# registry name -> "package.module:ClassName" of a Task subclass
+TASKS: dict[str, str] = {
+    "digits": "replayrl.rollout.tasks.digits:DigitsTask",  # the built-in digit puzzle
+    "prompt_file": "replayrl.rollout.tasks.prompt_file:PromptFileTask",  # --prompt-data FILE
+}
+
+
+def task_name(config: RolloutConfig) -> str:
+    """The run's task: ``--task``, else what the other flags imply (``prompt_file`` with
+    ``--prompt-data``, ``digits`` without)."""
+    return config.task or ("prompt_file" if config.prompt_data else "digits")
+
+
+def task_class_path(name: str) -> str:
+    """The ``"module:Class"`` path registered under ``name``.
+
+    Raises:
+        UnknownTask: ``name`` is not registered (names it and lists the known tasks).
+    """
+    try:
+        return TASKS[name]
+    except (KeyError, TypeError):
+        raise UnknownTask(f"unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))}") from None
+
+
+def load_task_class(path: str) -> type[Task]:
+    """Import the :class:`Task` subclass named by ``path`` (``"module:Class"``).
+
+    Raises:
+        TaskConfigError: not importable, or not a :class:`Task` subclass (names the path).
+    """
+    try:
+        cls = import_object(path)
+    except ValueError as exc:
+        raise TaskConfigError(f"task class {exc}") from None
+    if not (isinstance(cls, type) and issubclass(cls, Task)):
+        raise TaskConfigError(f"task class {path} is not a replayrl.rollout.tasks.base.Task subclass")
+    return cls
+
+
+def make_task(config: RolloutConfig, path: str = "") -> Task:
+    """The run's task, built from ``config``: the class at ``path``, or (``""``) the one
+    registered under :func:`task_name`.
+
+    Raises:
+        UnknownTask, TaskConfigError: as :func:`task_class_path`, :func:`load_task_class` and
+            the task's constructor (settings it cannot run with).
+    """
+    return load_task_class(path or task_class_path(task_name(config)))(config)

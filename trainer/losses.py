@@ -35,7 +35,7 @@ import torch
 from replayrl.trainer.errors import LossError
 from torch import Tensor
 
-__all__ = [ "policy_loss"]
+__all__ = ["clipped_terms", "policy_loss", "tis_weights"]
 
 Denominator = Literal["loss_tokens", "accepted_tokens"]
 
@@ -120,6 +120,40 @@ def policy_loss(
             input at a loss token (``logp_rollout``: at a sampled loss token), naming the
             positions.
     """
+    n = _check_inputs(logp, logp_prox, logp_rollout, advantages, eps_low=eps_low,
+                      eps_high=eps_high, tis_cap=tis_cap, denominator=denominator)
+    mask, contrib, sampled = _token_masks(n, loss_mask, token_accept, sampled_mask)
+    _check_finite((("logp", logp, mask), ("logp_prox", logp_prox, mask),
+                   ("logp_rollout", logp_rollout, sampled), ("advantages", advantages, mask)))
+
+    dtype = torch.promote_types(logp.dtype, torch.float32)
+    zero = torch.zeros((), dtype=dtype, device=logp.device)
+    # Sanitise every input outside the loss mask *before* any exp or product.
+    lp = torch.where(mask, logp.to(dtype), zero)
+    prox = torch.where(mask, logp_prox.detach().to(dtype), zero)
+    # a token the engine never sampled has no behaviour logprob: its placeholder is not read
+    roll = torch.where(sampled, logp_rollout.detach().to(dtype), zero)
+    adv = torch.where(mask, advantages.detach().to(dtype), zero)
+
+    log_r = lp - prox
+    ratio = torch.exp(log_r)
+    w = tis_weights(prox, roll, sampled, tis_cap)
+    unclipped, clipped = clipped_terms(ratio, adv, eps_low, eps_high)
+    per_token = -w * torch.minimum(unclipped, clipped)
+    per_token = torch.where(contrib, per_token, zero)
+    loss = _token_mean(per_token, mask, contrib, denominator)
+
+    with torch.no_grad():
+        metrics = _loss_metrics(mask, contrib, sampled, prox=prox, roll=roll, log_r=log_r,
+                                ratio=ratio, w=w, unclipped=unclipped, clipped=clipped)
+    return loss, metrics
+
+
+def _check_inputs(logp: Tensor, logp_prox: Tensor, logp_rollout: Tensor, advantages: Tensor, *,
+                  eps_low: float, eps_high: float, tis_cap: float | None,
+                  denominator: str) -> int:
+    """The token count ``N`` of :func:`policy_loss`'s inputs, after checking their shapes and
+    the hyper-parameters (raises :class:`LossError` as documented there)."""
     if not isinstance(logp, Tensor) or logp.dim() != 1 or not logp.is_floating_point():
         raise LossError(f"logp must be a 1-D float tensor, got {type(logp).__name__}")
     n = logp.shape[0]
@@ -134,7 +168,15 @@ def policy_loss(
                         f"eps_low={eps_low!r}, eps_high={eps_high!r}")
     if tis_cap is not None and not (tis_cap > 0.0):
         raise LossError(f"tis_cap must be > 0 or None, got {tis_cap!r}")
+    return n
 
+
+def _token_masks(n: int, loss_mask: Tensor, token_accept: Tensor | None,
+                 sampled_mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """Bool ``[N]`` masks ``(loss, contributing, sampled)``: loss tokens; loss tokens RS
+    accepted (all loss tokens when ``token_accept`` is None); loss tokens the engine sampled
+    (all loss tokens when ``sampled_mask`` is None). Raises :class:`LossError` for a mask of
+    the wrong shape, with values other than 0/1, or ``sampled_mask`` set outside the loss."""
     mask = _as_bool_mask(loss_mask, n, "loss_mask")
     if token_accept is None:
         contrib = mask
@@ -151,55 +193,89 @@ def policy_loss(
         if bool(outside.any()):
             raise LossError(f"sampled_mask set where loss_mask is 0 at positions "
                             f"{torch.nonzero(outside).flatten().tolist()[:8]}")
+    return mask, contrib, sampled
 
-    for name, x, where in (("logp", logp, mask), ("logp_prox", logp_prox, mask),
-                           ("logp_rollout", logp_rollout, sampled), ("advantages", advantages, mask)):
+
+def _check_finite(inputs: tuple[tuple[str, Tensor, Tensor], ...]) -> None:
+    """Raise :class:`LossError` naming the first ``(name, tensor, where)`` of ``inputs`` that
+    holds a non-finite value where the bool mask ``where`` is set, and its positions."""
+    for name, x, where in inputs:
         bad = where & ~torch.isfinite(x.detach())
         if bool(bad.any()):
             raise LossError(f"non-finite {name} at loss tokens {torch.nonzero(bad).flatten().tolist()[:8]}")
 
-    dtype = torch.promote_types(logp.dtype, torch.float32)
-    zero = torch.zeros((), dtype=dtype, device=logp.device)
-    # Sanitise every input outside the loss mask *before* any exp or product.
-    lp = torch.where(mask, logp.to(dtype), zero)
-    prox = torch.where(mask, logp_prox.detach().to(dtype), zero)
-    # a token the engine never sampled has no behaviour logprob: its placeholder is not read
-    roll = torch.where(sampled, logp_rollout.detach().to(dtype), zero)
-    adv = torch.where(mask, advantages.detach().to(dtype), zero)
 
-    log_r = lp - prox
-    ratio = torch.exp(log_r)
+def tis_weights(logp_prox: Tensor, logp_rollout: Tensor, sampled: Tensor,
+                tis_cap: float | None) -> Tensor:
+    """Truncated importance weights ``w_t = min(exp(logp_prox_t - logp_rollout_t), C)``.
+
+    Args:
+        logp_prox: float tensor [N], proximal logprobs (nats), finite everywhere (sanitised).
+        logp_rollout: float tensor [N] of the same dtype, behaviour logprobs (nats), finite
+            everywhere (sanitised: 0 where ``sampled`` is False).
+        sampled: bool tensor [N]: the engine sampled the token, so it has a behaviour ratio.
+        tis_cap: the cap ``C > 0``; ``None`` disables TIS.
+
+    Returns:
+        Float tensor [N] in ``logp_prox``'s dtype: ``w_t``, or 1 at a token the engine never
+        sampled (no behaviour ratio) and everywhere when ``tis_cap`` is None. Carries no
+        gradient when its inputs are detached. Raises nothing (inputs are checked by
+        :func:`policy_loss`).
+    """
     if tis_cap is None:
-        w = torch.ones_like(prox)
-    else:
-        w = torch.clamp(torch.exp(prox - roll), max=float(tis_cap))
-        w = torch.where(sampled, w, torch.ones_like(w))  # no behaviour ratio: weight 1
-    unclipped = ratio * adv
-    clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv
-    per_token = -w * torch.minimum(unclipped, clipped)
-    per_token = torch.where(contrib, per_token, zero)
+        return torch.ones_like(logp_prox)
+    w = torch.clamp(torch.exp(logp_prox - logp_rollout), max=float(tis_cap))
+    return torch.where(sampled, w, torch.ones_like(w))  # no behaviour ratio: weight 1
 
+
+def clipped_terms(ratio: Tensor, advantages: Tensor, eps_low: float,
+                  eps_high: float) -> tuple[Tensor, Tensor]:
+    """The two PPO surrogate terms ``(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t)``.
+
+    Args:
+        ratio: float tensor [N], ``r_t = exp(logp_t - logp_prox_t)`` (may carry gradient).
+        advantages: float tensor [N] of the same dtype, ``A_t``.
+        eps_low, eps_high: the clip range (checked by :func:`policy_loss`).
+
+    Returns:
+        ``(unclipped, clipped)``, float tensors [N] in ``ratio``'s dtype; the surrogate is
+        their element-wise minimum, and the clip is active where ``clipped < unclipped``.
+        Raises nothing.
+    """
+    return ratio * advantages, torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * advantages
+
+
+def _token_mean(per_token: Tensor, mask: Tensor, contrib: Tensor, denominator: str) -> Tensor:
+    """Sum of ``per_token`` (0 outside ``contrib``) over the denominator's token count
+    (``max(count, 1)``): loss tokens or accepted loss tokens, see :func:`policy_loss`."""
     n_loss = int(mask.sum())
     n_acc = int(contrib.sum())
     count = n_loss if denominator == "loss_tokens" else n_acc
-    loss = per_token.sum() / max(count, 1)
+    return per_token.sum() / max(count, 1)
 
-    with torch.no_grad():
-        c = contrib.to(dtype)
-        denom_c = max(n_acc, 1)
-        c_sampled = (contrib & sampled).to(dtype)
-        n_acc_sampled = int((contrib & sampled).sum())
-        n_sampled = int(sampled.sum())
-        abs_diff = torch.where(sampled, (prox - roll).abs(), zero)
-        metrics = {
-            "clip_fraction": float(((clipped < unclipped).to(dtype) * c).sum() / denom_c),
-            "tis_weight_mean": (float((w * c_sampled).sum() / n_acc_sampled)
-                                if n_acc_sampled else 0.0),
-            "approx_kl": float((((ratio - 1.0) - log_r) * c).sum() / denom_c),
-            "logprob_abs_diff_mean": float(abs_diff.sum() / max(n_sampled, 1)),
-            "loss_tokens": float(n_loss),
-            "sampled_tokens": float(n_sampled),
-            "accepted_tokens": float(n_acc),
-            "accepted_fraction": n_acc / n_loss if n_loss else 0.0,
-        }
-    return loss, metrics
+
+def _loss_metrics(mask: Tensor, contrib: Tensor, sampled: Tensor, *, prox: Tensor, roll: Tensor,
+                  log_r: Tensor, ratio: Tensor, w: Tensor, unclipped: Tensor,
+                  clipped: Tensor) -> dict[str, float]:
+    """:func:`policy_loss`'s metrics (see its Returns) from its masks and per-token terms."""
+    dtype = prox.dtype
+    zero = torch.zeros((), dtype=dtype, device=prox.device)
+    n_loss = int(mask.sum())
+    n_acc = int(contrib.sum())
+    c = contrib.to(dtype)
+    denom_c = max(n_acc, 1)
+    c_sampled = (contrib & sampled).to(dtype)
+    n_acc_sampled = int((contrib & sampled).sum())
+    n_sampled = int(sampled.sum())
+    abs_diff = torch.where(sampled, (prox - roll).abs(), zero)
+    return {
+        "clip_fraction": float(((clipped < unclipped).to(dtype) * c).sum() / denom_c),
+        "tis_weight_mean": (float((w * c_sampled).sum() / n_acc_sampled)
+                            if n_acc_sampled else 0.0),
+        "approx_kl": float((((ratio - 1.0) - log_r) * c).sum() / denom_c),
+        "logprob_abs_diff_mean": float(abs_diff.sum() / max(n_sampled, 1)),
+        "loss_tokens": float(n_loss),
+        "sampled_tokens": float(n_sampled),
+        "accepted_tokens": float(n_acc),
+        "accepted_fraction": n_acc / n_loss if n_loss else 0.0,
+    }

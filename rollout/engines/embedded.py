@@ -203,98 +203,56 @@ class EmbeddedEngine(Engine):
         seed: int,
         traces: frozenset[str],
     ) -> list[Generation]:
+        """Prefill, then one decode step per new token until every row stopped or
+        ``max_new_tokens``; ``rows`` are checked and fit the context (see :meth:`_generate`)."""
         dev = self.device
-        batch = len(rows)
-        lengths = torch.tensor([len(r) for r in rows], dtype=torch.int64, device=dev)
-        p_max = int(lengths.max())
-        pads = p_max - lengths  # left-pad count per row = key-slot offset of its first token
-
-        input_ids = torch.full((batch, p_max), _PAD_FEED_ID, dtype=torch.int64, device=dev)
-        for i, r in enumerate(rows):
-            input_ids[i, p_max - len(r):] = torch.tensor(r, dtype=torch.int64, device=dev)
-        slots = torch.arange(p_max, device=dev).unsqueeze(0)
-        key_mask = slots >= pads.unsqueeze(1)  # [B, P_max], True = real token
-        # Padding slots get position 0: they are masked out, so any in-range position works.
-        position_ids = (slots - pads.unsqueeze(1)).clamp_min(0)
-
+        batch = _PaddedBatch(rows, dev)
         want_routing = "routed_experts" in traces and len(self.config.moe_layers) > 0
         want_indexer = "indexer_topk" in traces and len(self.config.indexed_layers) > 0
-        want_support = "sample_support" in traces  # computed anyway: the sampler needs it
-        capture = want_routing or want_indexer
-
+        forward = _Forward(self.model, want_routing, want_indexer)
         generator = torch.Generator(device=dev)
         generator.manual_seed(int(seed))
-        cache = self.model.new_kv_cache()
+        state = _DecodeState(len(rows), max_new_tokens, width, dev)
 
-        routed_steps: list[torch.Tensor] = []  # each [B, S, L_moe, K], S over forwarded slots
-        indexer_steps: list[torch.Tensor] = []
-
-        def forward(ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-            out = self.model(ids, pos, key_padding_mask=mask, kv_cache=cache, capture=capture)
-            if want_routing:
-                routed_steps.append(out.routed_experts)
-            if want_indexer:
-                indexer_steps.append(out.indexer_topk)
-            return out.logits[:, -1, :]
-
-        # Per-step outputs stay on the device and are gathered once at the end.
-        tokens = torch.full((batch, max_new_tokens), _PAD_FEED_ID, dtype=torch.int64, device=dev)
-        logprobs = torch.zeros((batch, max_new_tokens), dtype=torch.float32, device=dev)
-        support = torch.full((batch, max_new_tokens, 1 + width), -1, dtype=torch.int32, device=dev)
-        resp_len = torch.zeros(batch, dtype=torch.int64, device=dev)
-        finished = torch.zeros(batch, dtype=torch.bool, device=dev)
-        stopped = torch.zeros(batch, dtype=torch.bool, device=dev)
-
-        # Prefill each distinct (left-padded) prompt once: the samples of a prompt group share
-        # it, so their prefill rows would be identical computations. The rows of the cache, the
-        # captured choices and the last logits are then indexed back to one per row.
-        rows_key = torch.cat([input_ids, key_mask.long()], dim=1)
-        _, inverse = torch.unique(rows_key, dim=0, return_inverse=True)
-        distinct = int(inverse.max()) + 1
-        if distinct < batch:
-            first = torch.full((distinct,), batch, dtype=torch.int64, device=dev).scatter_reduce(
-                0, inverse, torch.arange(batch, device=dev), "amin")
-            logits = forward(input_ids[first], position_ids[first], key_mask[first])[inverse]
-            cache = cache.select_rows(inverse)
-            for steps in (routed_steps, indexer_steps):
-                if steps:
-                    steps[-1] = steps[-1][inverse]
-        else:
-            logits = forward(input_ids, position_ids, key_mask)
+        logits = _prefill(forward, batch)
+        key_mask = batch.key_mask
         for step in range(max_new_tokens):
             if step > 0:
-                active = ~finished
-                if not bool(active.any()):
+                active = ~state.finished
+                if not bool(active.any()):  # every row sampled EOS
                     break
-                feed = torch.where(active, tokens[:, step - 1], _PAD_FEED_ID).unsqueeze(1)
-                pos = (lengths + step - 1).unsqueeze(1)
+                # one decode step: each row's last token through the KV cache (finished rows
+                # are fed a pad token, masked out as a key; their outputs are discarded)
+                feed = torch.where(active, state.tokens[:, step - 1], _PAD_FEED_ID).unsqueeze(1)
+                pos = (batch.lengths + step - 1).unsqueeze(1)
                 key_mask = torch.cat([key_mask, active.unsqueeze(1)], dim=1)
                 logits = forward(feed, pos, key_mask)
-            active_rows = (~finished).nonzero().flatten()
-            out = sample(logits.index_select(0, active_rows), params, generator)
-            tokens[active_rows, step] = out.ids
-            logprobs[active_rows, step] = out.logprobs
-            support[active_rows, step] = out.support
-            resp_len[active_rows] += 1
-            hit_eos = out.ids == eos_token_id
-            stopped[active_rows[hit_eos]] = True
-            finished[active_rows[hit_eos]] = True
+            state.sample(step, logits, params, generator, eos_token_id)
+        return self._generations(batch, state, forward, want_support="sample_support" in traces)
 
-        # Whole-batch conversions, then per-row slices: one host copy per output instead of
-        # one per row and output. Every slice below is of a fresh array (never an engine
-        # buffer) and read-only.
-        routed = _read_only(torch.cat(routed_steps, dim=1), np.int32) if want_routing else None
+    def _generations(self, batch: "_PaddedBatch", state: "_DecodeState", forward: "_Forward", *,
+                     want_support: bool) -> list[Generation]:
+        """One :class:`Generation` per row from the call's device buffers.
+
+        Whole-batch conversions, then per-row slices: one host copy per output instead of one
+        per row and output. Every slice is of a fresh array (never an engine buffer) and
+        read-only. Trace rows cover the key slots of the ``P + R - 1`` forwarded tokens.
+        """
+        routed = (_read_only(torch.cat(forward.routed_steps, dim=1), np.int32)
+                  if forward.want_routing else None)
         indexer = None
-        if want_indexer:
-            slots = torch.cat(indexer_steps, dim=1)
-            first_slot = pads.view(-1, *[1] * (slots.dim() - 1))
+        if forward.want_indexer:
+            slots = torch.cat(forward.indexer_steps, dim=1)
+            first_slot = batch.pads.view(-1, *[1] * (slots.dim() - 1))
             indexer = _read_only(self._slots_to_positions(slots, first_slot), np.int32)
-        tokens_np, logprobs_np = _read_only(tokens, np.int32), _read_only(logprobs, np.float32)
-        support_np = _read_only(support, np.int32) if want_support else None
-        lens, firsts, stops = resp_len.tolist(), pads.tolist(), stopped.tolist()
+        tokens_np = _read_only(state.tokens, np.int32)
+        logprobs_np = _read_only(state.logprobs, np.float32)
+        support_np = _read_only(state.support, np.int32) if want_support else None
+        lens, firsts, stops = state.resp_len.tolist(), batch.pads.tolist(), state.stopped.tolist()
+        p_max = batch.p_max
 
         generations = []
-        for i in range(batch):
+        for i in range(len(lens)):
             r = lens[i]
             first, end = firsts[i], p_max + r - 1  # key slots of the P + R - 1 forwarded tokens
             generations.append(
@@ -327,3 +285,129 @@ class EmbeddedEngine(Engine):
                 f"outside the trajectory"
             )
         return torch.where(picked, slots - pad, slots)
+
+
+class _PaddedBatch:
+    """The prompts of one call left-padded to the longest, as the model's prefill inputs.
+
+    Attributes (all on ``device``): ``input_ids`` int64 ``[B, P_max]`` (padding slots hold
+    ``_PAD_FEED_ID``); ``key_mask`` bool ``[B, P_max]``, True = real token; ``position_ids``
+    int64 ``[B, P_max]`` counting ``0..`` over each row's real tokens (0 in padding slots,
+    which are masked out, so any in-range position works); ``lengths`` int64 ``[B]`` prompt
+    lengths; ``pads`` int64 ``[B]`` left-pad counts (= key slot of each row's first token);
+    ``p_max`` the longest prompt length (int).
+    """
+
+    __slots__ = ("input_ids", "key_mask", "position_ids", "lengths", "pads", "p_max")
+
+    def __init__(self, rows: list[list[int]], device: torch.device) -> None:
+        batch = len(rows)
+        self.lengths = torch.tensor([len(r) for r in rows], dtype=torch.int64, device=device)
+        self.p_max = p_max = int(self.lengths.max())
+        self.pads = pads = p_max - self.lengths
+        self.input_ids = torch.full((batch, p_max), _PAD_FEED_ID, dtype=torch.int64, device=device)
+        for i, r in enumerate(rows):
+            self.input_ids[i, p_max - len(r):] = torch.tensor(r, dtype=torch.int64, device=device)
+        slots = torch.arange(p_max, device=device).unsqueeze(0)
+        self.key_mask = slots >= pads.unsqueeze(1)
+        self.position_ids = (slots - pads.unsqueeze(1)).clamp_min(0)
+
+
+class _Forward:
+    """The model forward of one generate call: owns its KV cache and collects the traces.
+
+    Calling it runs one forward over ``ids`` / ``pos`` / ``mask`` (int64 ``[B, S]`` / int64
+    ``[B, S]`` / bool ``[B, keys]``) through the cache and returns the last position's logits
+    ``[B, V]`` (engine dtype); each call appends its routing ``[B, S, L_moe, K]`` and indexer
+    key slots ``[B, S, L_idx, K_idx]`` to :attr:`routed_steps` / :attr:`indexer_steps` when
+    wanted (they stay on the device and are gathered once at the end).
+    """
+
+    __slots__ = ("model", "cache", "want_routing", "want_indexer", "capture", "routed_steps",
+                 "indexer_steps")
+
+    def __init__(self, model: Qwen3MoeForCausalLM, want_routing: bool, want_indexer: bool) -> None:
+        self.model = model
+        self.cache = model.new_kv_cache()
+        self.want_routing = want_routing
+        self.want_indexer = want_indexer
+        self.capture = want_routing or want_indexer
+        self.routed_steps: list[torch.Tensor] = []
+        self.indexer_steps: list[torch.Tensor] = []
+
+    def __call__(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        out = self.model(ids, pos, key_padding_mask=mask, kv_cache=self.cache, capture=self.capture)
+        if self.want_routing:
+            self.routed_steps.append(out.routed_experts)
+        if self.want_indexer:
+            self.indexer_steps.append(out.indexer_topk)
+        return out.logits[:, -1, :]
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Replace the cache rows and the last captured step by their rows ``index`` (int64
+        ``[B]``): a forward over distinct rows, expanded back to one row per prompt."""
+        self.cache = self.cache.select_rows(index)
+        for steps in (self.routed_steps, self.indexer_steps):
+            if steps:
+                steps[-1] = steps[-1][index]
+
+
+def _prefill(forward: _Forward, batch: _PaddedBatch) -> torch.Tensor:
+    """Prefill the call's prompts; returns the last logits ``[B, V]``.
+
+    Each distinct (left-padded) prompt is forwarded once: the samples of a prompt group share
+    it, so their prefill rows would be identical computations. The rows of the cache, the
+    captured choices and the last logits are then indexed back to one per row.
+    """
+    input_ids, key_mask, position_ids = batch.input_ids, batch.key_mask, batch.position_ids
+    size = input_ids.shape[0]
+    rows_key = torch.cat([input_ids, key_mask.long()], dim=1)
+    _, inverse = torch.unique(rows_key, dim=0, return_inverse=True)
+    distinct = int(inverse.max()) + 1
+    if distinct == size:
+        return forward(input_ids, position_ids, key_mask)
+    dev = input_ids.device
+    first = torch.full((distinct,), size, dtype=torch.int64, device=dev).scatter_reduce(
+        0, inverse, torch.arange(size, device=dev), "amin")
+    logits = forward(input_ids[first], position_ids[first], key_mask[first])[inverse]
+    forward.select_rows(inverse)
+    return logits
+
+
+class _DecodeState:
+    """What one generate call has sampled so far, in device buffers filled one step at a time.
+
+    Attributes (``B`` rows, ``T = max_new_tokens``, ``W`` support width): ``tokens`` int64
+    ``[B, T]``, ``logprobs`` float32 ``[B, T]`` (behaviour logprobs, nats), ``support`` int32
+    ``[B, T, 1 + W]`` (-1 padded), ``resp_len`` int64 ``[B]``, ``finished`` / ``stopped`` bool
+    ``[B]`` (a row that sampled EOS is both; nothing else finishes a row early).
+    """
+
+    __slots__ = ("tokens", "logprobs", "support", "resp_len", "finished", "stopped")
+
+    def __init__(self, batch: int, max_new_tokens: int, width: int, device: torch.device) -> None:
+        self.tokens = torch.full((batch, max_new_tokens), _PAD_FEED_ID, dtype=torch.int64, device=device)
+        self.logprobs = torch.zeros((batch, max_new_tokens), dtype=torch.float32, device=device)
+        self.support = torch.full((batch, max_new_tokens, 1 + width), -1, dtype=torch.int32,
+                                  device=device)
+        self.resp_len = torch.zeros(batch, dtype=torch.int64, device=device)
+        self.finished = torch.zeros(batch, dtype=torch.bool, device=device)
+        self.stopped = torch.zeros(batch, dtype=torch.bool, device=device)
+
+    def sample(self, step: int, logits: torch.Tensor, params: SamplingParams,
+               generator: torch.Generator, eos_token_id: int) -> None:
+        """Sample token ``step`` of every unfinished row from ``logits`` ``[B, V]`` and record
+        it with its logprob and support; a row that sampled ``eos_token_id`` stops.
+
+        Raises:
+            replayrl.rollout.sampler.NonFiniteLogitsError: NaN / inf logits in an active row.
+        """
+        active_rows = (~self.finished).nonzero().flatten()
+        out = sample(logits.index_select(0, active_rows), params, generator)
+        self.tokens[active_rows, step] = out.ids
+        self.logprobs[active_rows, step] = out.logprobs
+        self.support[active_rows, step] = out.support
+        self.resp_len[active_rows] += 1
+        hit_eos = out.ids == eos_token_id
+        self.stopped[active_rows[hit_eos]] = True
+        self.finished[active_rows[hit_eos]] = True

@@ -199,6 +199,29 @@ def decode_item(item: Any, *, rid: str, prompt: Sequence[int], config: ModelConf
         SglangResponseError: any field missing, malformed or inconsistent (named), among them a
             ``meta_info.weight_version`` that differs, or a reply spanning several weight versions.
     """
+    meta, finish, kind = _reply_header(item, rid=rid, weight_version=weight_version)
+    ids = _output_ids(item, meta, finish, kind, rid=rid, prompt_len=len(prompt),
+                      vocab_size=config.vocab_size, max_new_tokens=max_new_tokens,
+                      eos_token_id=eos_token_id)
+    behaviour, support = _behaviour_and_support(meta, ids, rid=rid, width=width,
+                                                vocab_size=config.vocab_size)
+    p, r = len(prompt), len(ids)
+    routed = (_routed_experts(meta, rid=rid, config=config, prompt_len=p, response_len=r)
+              if "routed_experts" in traces and config.moe_layers else None)
+    indexer = (_indexer_topk(meta, rid=rid, config=config, prompt_len=p, response_len=r)
+               if "indexer_topk" in traces and config.indexed_layers else None)
+    return Generation(
+        response_ids=_read_only(np.asarray(ids, dtype=np.int32)),
+        rollout_logprobs=_read_only(behaviour),
+        sample_support=_read_only(support) if "sample_support" in traces else None,
+        routed_experts=routed, indexer_topk=indexer,
+        finish_reason="stop" if kind == "stop" else "length")
+
+
+def _reply_header(item: Any, *, rid: str, weight_version: str) -> tuple[Mapping, Any, Any]:
+    """``(meta_info, finish_reason, finish type)`` of a reply item, after checking that it
+    answers ``rid``, was not aborted and was served by ``weight_version`` alone (raises as
+    :func:`decode_item` documents)."""
     if not isinstance(item, Mapping) or not isinstance(item.get("meta_info"), Mapping):
         raise SglangResponseError(f"request {rid}: reply item is not an object with meta_info")
     meta = item["meta_info"]
@@ -217,16 +240,24 @@ def decode_item(item: Any, *, rid: str, prompt: Sequence[int], config: ModelConf
     if spans is not None and len(spans) != 1:
         raise SglangResponseError(f"request {rid}: field 'weight_versions': the response mixes "
                                  f"weight versions {spans!r}")
+    return meta, finish, kind
+
+
+def _output_ids(item: Mapping, meta: Mapping, finish: Any, kind: Any, *, rid: str,
+                prompt_len: int, vocab_size: int, max_new_tokens: int,
+                eos_token_id: int) -> list[int]:
+    """The reply's ``output_ids`` (``R`` ids in ``[0, vocab_size)``), after checking them
+    against the finish reason (``stop`` ends with EOS, ``length`` has ``max_new_tokens``) and
+    the token counts of ``meta_info`` (raises :class:`SglangResponseError` naming the field)."""
     ids = item.get("output_ids")
     if not isinstance(ids, list) or not ids or not all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < config.vocab_size
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size
             for t in ids):
         raise SglangResponseError(f"request {rid}: field 'output_ids': expected 1 to "
-                                  f"{max_new_tokens} ids in [0, {config.vocab_size})")
-    resp = np.asarray(ids, dtype=np.int32)
-    p, r = len(prompt), len(resp)
+                                  f"{max_new_tokens} ids in [0, {vocab_size})")
+    r = len(ids)
     if kind == "stop":
-        if resp[-1] != eos_token_id or finish.get("matched", eos_token_id) != eos_token_id:
+        if ids[-1] != eos_token_id or finish.get("matched", eos_token_id) != eos_token_id:
             raise SglangResponseError(f"request {rid}: field 'finish_reason': stop on "
                                       f"{finish.get('matched')!r} but the response must end "
                                       f"with EOS {eos_token_id} (no_stop_trim)")
@@ -239,11 +270,20 @@ def decode_item(item: Any, *, rid: str, prompt: Sequence[int], config: ModelConf
     if r > max_new_tokens:
         raise SglangResponseError(f"request {rid}: field 'output_ids': {r} tokens > "
                                   f"max_new_tokens {max_new_tokens}")
-    for key, want in (("prompt_tokens", p), ("completion_tokens", r)):
+    for key, want in (("prompt_tokens", prompt_len), ("completion_tokens", r)):
         if key in meta and meta[key] != want:
             raise SglangResponseError(f"request {rid}: field {key!r}: {meta[key]!r}, sent "
                                       f"{want}")
+    return ids
 
+
+def _behaviour_and_support(meta: Mapping, ids: list[int], *, rid: str, width: int,
+                           vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Behaviour logprobs (float32 ``[R]``, nats) and sampler support (int32 ``[R, 1 + W]``:
+    the sampled id, then the support ids padded with -1) of the ``R`` output tokens, from
+    ``output_token_sampling_logprobs`` / ``output_token_sampling_mask``, after checking that
+    ``output_token_logprobs`` names the same ids (raises :class:`SglangResponseError`)."""
+    r = len(ids)
     triples = _need(meta, "output_token_logprobs", rid)
     if len(triples) != r or any(not isinstance(t, (list, tuple)) or len(t) < 2
                                 or t[1] != ids[k] for k, t in enumerate(triples)):
@@ -266,41 +306,49 @@ def decode_item(item: Any, *, rid: str, prompt: Sequence[int], config: ModelConf
         behaviour[k] = value
         row = masks[k]
         if (not isinstance(row, list) or not 1 <= len(row) <= width
-                or not all(isinstance(t, int) and 0 <= t < config.vocab_size for t in row)
+                or not all(isinstance(t, int) and 0 <= t < vocab_size for t in row)
                 or len(set(row)) != len(row) or ids[k] not in row):
             raise SglangResponseError(
                 f"request {rid}: field 'output_token_sampling_mask': response index {k} must "
-                f"list 1..{width} distinct ids in [0, {config.vocab_size}) including the "
+                f"list 1..{width} distinct ids in [0, {vocab_size}) including the "
                 f"sampled {ids[k]}")
         support[k, 0] = ids[k]
         support[k, 1:1 + len(row)] = row
+    return behaviour, support
 
-    routed = indexer = None
-    if "routed_experts" in traces and config.moe_layers:
-        flat = decode_int32(_need(meta, "routed_experts", rid), rid=rid, field="routed_experts")
-        rows = _rows(flat, p + r - 1, config.num_hidden_layers, config.num_experts_per_tok,
-                     rid=rid, field="routed_experts",
-                     what=f"positions [0, {p + r - 1}) of {p} prompt + {r} response tokens")
-        routed = rows[:, list(config.moe_layers)]
-        if ((routed < 0) | (routed >= config.num_experts)).any():
-            raise SglangResponseError(f"request {rid}: field 'routed_experts': expert ids "
-                                      f"outside [0, {config.num_experts}) in MoE layers")
-        routed = _read_only(routed)
-    if "indexer_topk" in traces and config.indexed_layers:
-        flat = decode_int32(_need(meta, "indexer_topk", rid), rid=rid, field="indexer_topk")
-        indexer = _rows(flat, p + r - 1, len(config.indexed_layers), config.index_topk,
-                        rid=rid, field="indexer_topk",
-                        what=f"positions [0, {p + r - 1})")
-        causal = np.arange(p + r - 1)[:, None, None]
-        if not ((indexer == -1) | ((indexer >= 0) & (indexer <= causal))).all():
-            raise SglangResponseError(f"request {rid}: field 'indexer_topk': key positions "
-                                      f"must be -1 or in [0, row position]")
-        indexer = _read_only(indexer)
-    return Generation(
-        response_ids=_read_only(resp), rollout_logprobs=_read_only(behaviour),
-        sample_support=_read_only(support) if "sample_support" in traces else None,
-        routed_experts=routed, indexer_topk=indexer,
-        finish_reason="stop" if kind == "stop" else "length")
+
+def _routed_experts(meta: Mapping, *, rid: str, config: ModelConfig, prompt_len: int,
+                    response_len: int) -> np.ndarray:
+    """Read-only int32 ``[P + R - 1, len(moe_layers), k]`` expert ids of the MoE layers from
+    ``routed_experts`` (which covers every layer), each in ``[0, num_experts)`` (raises
+    :class:`SglangResponseError`)."""
+    p, r = prompt_len, response_len
+    flat = decode_int32(_need(meta, "routed_experts", rid), rid=rid, field="routed_experts")
+    rows = _rows(flat, p + r - 1, config.num_hidden_layers, config.num_experts_per_tok,
+                 rid=rid, field="routed_experts",
+                 what=f"positions [0, {p + r - 1}) of {p} prompt + {r} response tokens")
+    routed = rows[:, list(config.moe_layers)]
+    if ((routed < 0) | (routed >= config.num_experts)).any():
+        raise SglangResponseError(f"request {rid}: field 'routed_experts': expert ids "
+                                  f"outside [0, {config.num_experts}) in MoE layers")
+    return _read_only(routed)
+
+
+def _indexer_topk(meta: Mapping, *, rid: str, config: ModelConfig, prompt_len: int,
+                  response_len: int) -> np.ndarray:
+    """Read-only int32 ``[P + R - 1, len(indexed_layers), index_topk]`` key positions from
+    ``indexer_topk``, each -1 or causal (``<=`` its row's position; raises
+    :class:`SglangResponseError`)."""
+    p, r = prompt_len, response_len
+    flat = decode_int32(_need(meta, "indexer_topk", rid), rid=rid, field="indexer_topk")
+    indexer = _rows(flat, p + r - 1, len(config.indexed_layers), config.index_topk,
+                    rid=rid, field="indexer_topk",
+                    what=f"positions [0, {p + r - 1})")
+    causal = np.arange(p + r - 1)[:, None, None]
+    if not ((indexer == -1) | ((indexer >= 0) & (indexer <= causal))).all():
+        raise SglangResponseError(f"request {rid}: field 'indexer_topk': key positions "
+                                  f"must be -1 or in [0, row position]")
+    return _read_only(indexer)
 
 
 # -- the server side (replayrl serve) -------------------------------------------------------

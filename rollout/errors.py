@@ -11,7 +11,7 @@ the layer with one class. Below it the tree is shallow, grouped by what a caller
   engine, the request or the field), :class:`EnginesLost` when no engine is left;
 - a run-time failure of one rollout step: :class:`RewardFailure`, :class:`DataExhausted`, and
   :class:`RolloutError` itself (the rollout manager's "no such rollout" / "already stored");
-- a trajectory that violates the data contract: :class:`replayrl.rollout.sample.SampleError` and
+- a trajectory that violates the data contract: :class:`SampleError` and
   its kinds (:class:`CaptureError`, the trace errors), naming the sample and the field;
 - the embedded model's errors: :class:`replayrl.rollout.model.errors.ModelError`.
 
@@ -20,9 +20,8 @@ because callers and tests catch that builtin.
 """
 from __future__ import annotations
 
-# TODO(integrator): SampleError moves here from replayrl.rollout.sample (as
-# ``SampleError(RolloutError, ValueError)``) once the sample / trajectory rewrite has merged.
-from replayrl.rollout.sample import SampleError
+from typing import Any
+
 
 __all__ = [
     "RolloutError", "RolloutConfigError", "TokenizerError", "PromptDataError", "RewardError",
@@ -32,6 +31,7 @@ __all__ = [
     "EngineError", "EngineNotReady", "EngineInputError", "EngineCaptureError", "EngineTimeout",
     "UnknownEngine", "EnginesLost", "SglangRequestError", "SglangResponseError",
     "SglangUnavailable", "SglangNoAnswer",
+    "SampleError", "MissingTraceError", "TrajectoryError", "TraceGapError", "MixedVersionError",
     "CaptureError", "TraceSchemaError", "TraceRowsError", "TraceFinalizedError",
 ]
 
@@ -167,6 +167,33 @@ class EnginesLost(RolloutError, RuntimeError):
 
 
 # --- data contract: a trajectory that cannot be trained on (names the sample and the field) ------
+
+class SampleError(RolloutError, ValueError):
+    """A trajectory violates the contract; the message names the sample and the field
+    (``sample_id`` and ``field`` are also attributes)."""
+
+    def __init__(self, sample_id: Any, field_name: str, problem: str) -> None:
+        self.sample_id = sample_id
+        self.field = field_name
+        super().__init__(f"sample {sample_id}: field {field_name!r}: {problem}")
+
+
+class MissingTraceError(SampleError):
+    """A trace an enabled replay needs is absent from a sample (names the sample and the field)."""
+
+
+class TrajectoryError(SampleError):
+    """A trajectory transformation (truncation, synthetic EOS, merging turns) got inconsistent
+    input (names the sample and the field)."""
+
+
+class TraceGapError(SampleError):
+    """A turn lacks a trace that earlier turns of the same trajectory carry."""
+
+
+class MixedVersionError(SampleError):
+    """The turns of one trajectory were served by different weight versions (names the sample)."""
+
 
 class CaptureError(SampleError):
     """An external engine's capture cannot become a trace row (names the sample and the field)."""

@@ -40,7 +40,8 @@ from replayrl.rollout.rewards import RewardGuard, load_math_verify
 from replayrl.rollout.sample import Sample, samples_to_columns
 from replayrl.rollout.tasks import make_task
 from replayrl.rollout.tokenizer import load_tokenizer
-from replayrl.rollout.trajectory import TrajectoryError, append_synthetic_eos
+from replayrl.rollout.errors import TrajectoryError
+from replayrl.rollout.trajectory import append_synthetic_eos
 from replayrl.rollout.errors import RolloutError
 from replayrl.rollout.turn_loop import Episode, assemble, run_episodes
 
@@ -339,9 +340,9 @@ class RolloutManager(Actor):
         ``truncated``: the engine did not stop by itself.
 
         Raises:
-            replayrl.rollout.turn_loop.MixedVersionError: turns from different weight versions.
-            replayrl.rollout.sample.MissingTraceError: a required trace missing.
-            replayrl.rollout.trajectory.TrajectoryError: a trace misaligned; with the
+            replayrl.rollout.errors.MixedVersionError: turns from different weight versions.
+            replayrl.rollout.errors.MissingTraceError: a required trace missing.
+            replayrl.rollout.errors.TrajectoryError: a trace misaligned; with the
                 synthetic EOS, a trajectory whose ``P + R + 1`` tokens would not fit the model's
                 ``max_position_embeddings`` (field ``synthetic_eos``).
         """

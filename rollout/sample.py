@@ -33,21 +33,13 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from replayrl.rollout import trace_table
+from replayrl.rollout.errors import MissingTraceError, SampleError
 from replayrl.rollout.trace_table import trace_fields
 
 STATUSES = ("completed", "truncated", "aborted")
 TRACE_FIELDS = tuple(row.name for row in trace_table.TRACES)
 """Every trace field name, in table order (read once at import; code that must follow a patched
 table reads ``trace_table.TRACES`` itself)."""
-
-
-class SampleError(ValueError):
-    """A trajectory violates the contract; the message names the sample and the field."""
-
-    def __init__(self, sample_id: Any, field_name: str, problem: str) -> None:
-        self.sample_id = sample_id
-        self.field = field_name
-        super().__init__(f"sample {sample_id}: field {field_name!r}: {problem}")
 
 
 def required_traces(model_config: Any, **replays: bool) -> tuple[str, ...]:
@@ -86,10 +78,6 @@ def required_traces(model_config: Any, **replays: bool) -> tuple[str, ...]:
 def replay_flag(name: str) -> str:
     """The command-line switch of the replay that needs trace ``name`` (for messages)."""
     return trace_table.spec(name).flag
-
-
-class MissingTraceError(SampleError):
-    """A trace an enabled replay needs is absent from a sample (names the sample and the field)."""
 
 
 def check_required_traces(samples: Any, required: Any) -> None:

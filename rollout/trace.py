@@ -17,7 +17,7 @@ rows):
 * :meth:`~TokenMetadataTrace.finalize` checks the total row count against what the caller
   expects and hands out read-only arrays, exactly once.
 
-Every error is a :class:`SampleError`, a :class:`replayrl.rollout.sample.SampleError` naming the sample
+Every error is a :class:`SampleError`, a :class:`replayrl.rollout.errors.SampleError` naming the sample
 and the field.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from replayrl.rollout.errors import TraceFinalizedError, TraceRowsError, TraceSchemaError
-from replayrl.rollout.sample import SampleError
+from replayrl.rollout.errors import SampleError
 
 __all__ = [
     "TokenMetadataTrace",

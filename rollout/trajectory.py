@@ -19,7 +19,7 @@ rows nobody computed are all ``-1``, which the model reads as "no replay, use yo
 be replayed as if the engine had chosen them.
 
 Every error is a :class:`TrajectoryError` (a ``SampleError``) naming the sample and the field,
-except a required trace never captured: :class:`replayrl.rollout.sample.MissingTraceError`.
+except a required trace never captured: :class:`replayrl.rollout.errors.MissingTraceError`.
 Which traces exist, and in which row space, is read from ``replayrl.rollout.trace_table.TRACES``.
 """
 from __future__ import annotations
@@ -32,13 +32,12 @@ import numpy as np
 
 from replayrl.rollout.capture import check_route_offset, check_sampled_logprob
 from replayrl.rollout import trace_table
-from replayrl.rollout.sample import MissingTraceError, Sample, SampleError
+from replayrl.rollout.errors import MissingTraceError, SampleError, TraceGapError, TrajectoryError
+from replayrl.rollout.sample import Sample
 from replayrl.rollout.trace import TokenMetadataTrace
 from replayrl.rollout.trace_table import trace_fields
 
 __all__ = [
-    "TrajectoryError",
-    "TraceGapError",
     "OBSERVATION_LOGPROB",
     "SYNTHETIC_EOS_LOGPROB",
     "MergedTrajectory",
@@ -56,14 +55,6 @@ __all__ = [
 # logprob metric (docs/design.md#trainer-math, docs/design.md#rejection-sampling), so its value never matters.
 OBSERVATION_LOGPROB = 0.0
 SYNTHETIC_EOS_LOGPROB = 0.0
-
-
-class TrajectoryError(SampleError):
-    """A trajectory transformation got inconsistent input (names the sample and the field)."""
-
-
-class TraceGapError(TrajectoryError):
-    """A turn lacks a trace that earlier turns of the same trajectory carry."""
 
 
 def _copy_rows(arr: np.ndarray | None, n: int) -> np.ndarray | None:
@@ -289,7 +280,7 @@ def merge_turns(
         TrajectoryError: no turn; ``len(observations) != len(turns) - 1``; an empty turn; a
             row count or length mismatch (names the field and the turn); a turn with a trace
             turn 0 lacks; a ``route_start`` past the rows still needed.
-        replayrl.rollout.sample.MissingTraceError: a field of ``require`` missing from turn 0.
+        replayrl.rollout.errors.MissingTraceError: a field of ``require`` missing from turn 0.
         TraceGapError: a later turn lacks a trace, with ``on_trace_gap="raise"``.
         replayrl.rollout.capture.CaptureError: a non-finite sampled logprob, an invalid route offset.
         replayrl.rollout.errors.TraceSchemaError: inconsistent trace shapes between turns (names the field).

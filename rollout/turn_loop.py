@@ -26,19 +26,15 @@ from typing import Awaitable, Callable, Collection, Sequence
 import numpy as np
 
 from replayrl.rollout.engines.base import Generation
-from replayrl.rollout.errors import TurnLoopError
+from replayrl.rollout.errors import MixedVersionError, TrajectoryError, TurnLoopError
 from replayrl.rollout.tasks.base import Environment
-from replayrl.rollout.trajectory import MergedTrajectory, TrajectoryError, merge_turns
+from replayrl.rollout.trajectory import MergedTrajectory, merge_turns
 
-__all__ = [ "MixedVersionError", "Episode", "GenerateTurn", "turn_seed",
+__all__ = ["Episode", "GenerateTurn", "turn_seed",
            "run_episodes", "assemble"]
 
 # (contexts, seed) -> (one Generation per context, the weight version that served them)
 GenerateTurn = Callable[[list[list[int]], int], Awaitable[tuple[list[Generation], int]]]
-
-
-class MixedVersionError(TrajectoryError):
-    """The turns of one trajectory were served by different weight versions (names the sample)."""
 
 
 def turn_seed(seed: int, turn: int, max_turns: int) -> int:
@@ -182,7 +178,7 @@ def assemble(episode: Episode, *, sample_id: int,
 
     Raises:
         MixedVersionError: the turns were served by different weight versions.
-        replayrl.rollout.trajectory.TrajectoryError (and subclasses): see ``merge_turns`` (e.g. a
+        replayrl.rollout.errors.TrajectoryError (and subclasses): see ``merge_turns`` (e.g. a
             required trace missing).
     """
     if len(set(episode.versions)) != 1:

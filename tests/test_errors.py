@@ -14,16 +14,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("transport", "actors", "rollout", "trainer", "tools")  # the layers' folders
 LAYER_BASES = {"transport": "TransportError", "actors": "ActorError", "rollout": "RolloutError",
                "trainer": "TrainerError", "tools": "ToolsError"}
-# TODO(integrator): remove these once the sample / trajectory rewrite has merged and moved
-# SampleError, its MissingTraceError and the trajectory errors into rollout/errors.py (with
-# SampleError based on RolloutError); turn_loop's MixedVersionError derives from TrajectoryError,
-# which rollout/errors.py cannot import while it lives in trajectory.py (import circle).
-EXEMPT_FILES = {"rollout/sample.py", "rollout/trajectory.py", "rollout/turn_loop.py"}
 # Exceptions outside their layer's tree on purpose: SIGTERM must unwind like Ctrl-C.
 OUTSIDE_TREE = {"Terminated"}
-# TODO(integrator): SampleError is the rollout layer's data-contract class; until it moves into
-# rollout/errors.py its depth is counted as if it were ``SampleError(RolloutError, ValueError)``.
-PENDING_UNDER_BASE = {"SampleError": "RolloutError"}
 BUILTIN_EXCEPTIONS = {name for name, value in vars(builtins).items()
                       if isinstance(value, type) and issubclass(value, BaseException)}
 
@@ -76,16 +68,13 @@ def test_the_scan_sees_the_known_classes():
 
 def test_every_exception_class_is_declared_in_an_errors_module():
     stray = sorted(f"{rel}: {name}" for name, decls in EXCEPTIONS.items() for rel, _ in decls
-                   if Path(rel).name != "errors.py" and rel not in EXEMPT_FILES)
+                   if Path(rel).name != "errors.py")
     assert not stray, "exception classes outside an errors.py:\n" + "\n".join(stray)
 
 
 def test_no_exception_class_name_is_declared_twice():
     twice = {name: [rel for rel, _ in decls] for name, decls in EXCEPTIONS.items()
              if len(decls) > 1}
-    # TODO(integrator): the sample / trajectory rewrite removes trajectory.py's second
-    # MissingTraceError; then drop this exemption.
-    twice.pop("MissingTraceError", None)
     assert not twice, f"exception classes declared more than once: {twice}"
 
 
@@ -93,8 +82,6 @@ def test_each_exception_has_one_project_base_and_a_shallow_place_in_its_layer():
     problems = []
     for name, decls in EXCEPTIONS.items():
         for rel, bases in decls:
-            if rel in EXEMPT_FILES:
-                continue
             project = [b for b in bases if b in EXCEPTIONS]
             if len(project) > 1:
                 problems.append(f"{rel}: {name} has two project bases {project}")
@@ -105,7 +92,7 @@ def test_each_exception_has_one_project_base_and_a_shallow_place_in_its_layer():
             chain = [name]
             while chain[-1] != layer_base:
                 parents = [b for rel_, bs in EXCEPTIONS.get(chain[-1], []) for b in bs
-                           if b in EXCEPTIONS] or [PENDING_UNDER_BASE.get(chain[-1], "")]
+                           if b in EXCEPTIONS] or [""]
                 parent = parents[0]
                 if not parent or parent in chain:
                     problems.append(f"{rel}: {name} does not derive from {layer_base} "

@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from replayrl.rollout.sample import Sample, SampleError
+from replayrl.rollout.errors import SampleError
+from replayrl.rollout.sample import Sample
 
 CASES = {c["name"]: c for c in json.loads((Path(__file__).parent / "cases" / "trace_alignment.json").read_text())}
 

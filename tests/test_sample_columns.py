@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from replayrl.rollout.sample import Sample, SampleError, samples_from_columns, samples_to_columns
+from replayrl.rollout.errors import SampleError
+from replayrl.rollout.sample import Sample, samples_from_columns, samples_to_columns
 from replayrl.transport.codec import Codec
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from replayrl.rollout.errors import TraceFinalizedError, TraceRowsError, TraceSchemaError
-from replayrl.rollout.sample import SampleError
+from replayrl.rollout.errors import SampleError
 from replayrl.rollout.trace import TokenMetadataTrace
 
 CASES = {c["name"]: c for c in json.loads((Path(__file__).parent / "cases" / "trace_alignment.json").read_text())}

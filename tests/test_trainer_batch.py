@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from replayrl.rollout.sample import Sample, SampleError
+from replayrl.rollout.errors import SampleError
+from replayrl.rollout.sample import Sample
 from replayrl.trainer.batch import collate
 from replayrl.trainer.errors import ProximalCacheError
 from replayrl.trainer.proximal_cache import ProximalLogprobCache

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from replayrl.rollout.sample import MissingTraceError, Sample, SampleError
+from replayrl.rollout.errors import MissingTraceError, SampleError
+from replayrl.rollout.sample import Sample
 from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
 from replayrl.tools.run.config import build_config
 from replayrl.tools.run.launcher import write_initial_checkpoint

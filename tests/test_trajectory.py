@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from replayrl.rollout.errors import CaptureError
-from replayrl.rollout.sample import MissingTraceError, Sample, SampleError
-from replayrl.rollout.trajectory import (TraceGapError, TrajectoryError, append_synthetic_eos,
-                                merge_turns, truncate)
+from replayrl.rollout.errors import (CaptureError, MissingTraceError, SampleError, TraceGapError,
+                                     TrajectoryError)
+from replayrl.rollout.sample import Sample
+from replayrl.rollout.trajectory import append_synthetic_eos, merge_turns, truncate
 from replayrl.trainer.rejection.rs_gates import compute_log_ratio, sample_gate, sequence_log_weight
 
 CASES = {c["name"]: c for c in json.loads((Path(__file__).parent / "cases" / "trace_alignment.json").read_text())}

@@ -22,11 +22,10 @@ from replayrl.rollout.model.config import default_config
 from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
 from replayrl.rollout.sample import TRACE_FIELDS, Sample
 from replayrl.rollout.sampler import SamplingParams
-from replayrl.rollout.errors import ToolEnvError, TurnLoopError
-from replayrl.rollout.sample import MissingTraceError
+from replayrl.rollout.errors import MissingTraceError, MixedVersionError, ToolEnvError, TurnLoopError
 from replayrl.rollout.tasks.calculator import DigitToolEnv
 from replayrl.rollout.tasks.digit_puzzle import VOCABULARY, DigitTask
-from replayrl.rollout.turn_loop import MixedVersionError, assemble, run_episodes, turn_seed
+from replayrl.rollout.turn_loop import assemble, run_episodes, turn_seed
 
 CASES = {c["name"]: c for c in json.loads((Path(__file__).parent / "cases" / "trace_alignment.json").read_text())}
 TASK = DigitTask()

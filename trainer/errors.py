@@ -13,7 +13,7 @@ Every error the trainer raises derives from :class:`TrainerError`. What a caller
 - a step refused at run time, weights untouched: :class:`TrainStepError` (a ``RuntimeError``),
   :class:`ReplayMismatch`, :class:`RefillExhausted`, :class:`ProximalCacheError`.
 
-A sample that breaks the data contract is a :class:`replayrl.rollout.sample.SampleError`, except
+A sample that breaks the data contract is a :class:`replayrl.rollout.errors.SampleError`, except
 inside the packed layout, where it is a :class:`PackedFieldError` (same message form).
 """
 from __future__ import annotations
@@ -79,7 +79,7 @@ class PackedFieldError(PackingError):
     """A per-sample array does not fit the packed layout; names the sample and the field.
 
     The message reads ``sample <id>: field '<name>': <problem>`` as a
-    :class:`replayrl.rollout.sample.SampleError`'s does.
+    :class:`replayrl.rollout.errors.SampleError`'s does.
 
     Attributes:
         sample_id: the sample (its id, or ``#i`` for the i-th segment without ids).

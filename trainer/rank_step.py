@@ -67,7 +67,7 @@ class RankStep:
         """``(chunk, TrainBatch)`` per microbatch of ``--micro-batch-size`` samples.
 
         Raises:
-            replayrl.rollout.sample.MissingTraceError: a sample lacks a trace an enabled replay needs.
+            replayrl.rollout.errors.MissingTraceError: a sample lacks a trace an enabled replay needs.
         """
         # every forward (preflight, refill, training) refuses a sample lacking a replayed trace
         # before any work: the model's own routing in its place would train the wrong policy

@@ -275,7 +275,7 @@ class TrainerActor(Actor):
         trace.
 
         Raises:
-            replayrl.rollout.sample.MissingTraceError: a sample lacks a trace an enabled replay needs
+            replayrl.rollout.errors.MissingTraceError: a sample lacks a trace an enabled replay needs
                 (``replayrl.rollout.sample.required_traces``); names the sample and the field.
             replayrl.trainer.replay.ReplayMismatch: the engine's and the trainer's own choices disagree
                 beyond ``--replay-min-overlap-ratio`` / ``--replay-max-mismatch-fraction``.
@@ -330,7 +330,7 @@ class TrainerActor(Actor):
 
         Raises:
             replayrl.actors.RemoteError: the clock rejected a stale sample, or the manager has no batch.
-            replayrl.rollout.sample.SampleError: a malformed trajectory (named).
+            replayrl.rollout.errors.SampleError: a malformed trajectory (named).
             replayrl.trainer.rejection.refill_planner.RefillExhausted: too few admitted groups (nothing applied).
             TrainStepError: a non-finite gradient, or a training forward that does not
                 reproduce the preflight gate (nothing applied).

@@ -20,7 +20,7 @@ for a trajectory of ``P`` prompt and ``R`` response tokens:
   forwarded).
 
 The trainer reads this module through :mod:`replayrl.rollout.sample`'s layer rule exception
-(tests/test_layering.py ``TRAINER_MAY_USE``): it is part of the rollout -> trainer contract.
+(tests/unit/test_layering.py ``TRAINER_MAY_USE``): it is part of the rollout -> trainer contract.
 Consumers look the table up as ``trace_table.TRACES`` at call time (never ``from ... import
 TRACES``), so a test may monkeypatch it.
 """

@@ -1,6 +1,6 @@
 """A task added the way docs/architecture.md "Where to add" says: this one file, plus one
 registry line (``TASKS["fake"] = "tests.fake_task:FakeTask"``, done by the tests through
-monkeypatch). Used by tests/test_task_room.py.
+monkeypatch). Used by tests/unit/rollout/test_task_room.py.
 
 Prompts: :data:`PROMPTS`, fixed token ids of the embedded vocabulary. Reward: 1.0 when the
 response's first token id is even, else 0.0 (inline: bounded by the response length). No

@@ -313,7 +313,7 @@ def _repack_cpu_experts(model: torch.nn.Module) -> int:
     (``UnquantizedFusedMoEMethod._setup_kernel`` skips ``fused_experts.
     process_weights_after_loading`` on a weight update), so a reload leaves the experts in
     checkpoint layout and the kernel reads them wrongly (|dlogp| ~2e-2 here). Measured by
-    ``tests/test_vllm_engine.py`` (the pushed logits match the trainer's forward).
+    ``tests/system/test_vllm_engine.py`` (the pushed logits match the trainer's forward).
     """
     repacked = 0
     for module in model.modules():

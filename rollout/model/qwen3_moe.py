@@ -1,7 +1,7 @@
 """The embedded default model: a Qwen3-MoE decoder in plain torch, with trace capture and replay.
 
 Math and parameter names follow Hugging Face transformers' `Qwen3MoeForCausalLM` (checked by
-tests/test_model_hf_parity.py): RMSNorm (normalise in float32, cast back, then scale), default
+tests/unit/rollout/test_model_hf_parity.py): RMSNorm (normalise in float32, cast back, then scale), default
 RoPE with rotate-half, grouped-query attention with RMSNorm over head_dim on q and k before RoPE,
 softmax top-k MoE routing (softmax in float32 over the router logits, top-k, renormalise if
 norm_topk_prob, cast back) over SiLU-gated experts, dense SiLU-gated MLPs on the non-MoE layers,
@@ -209,7 +209,7 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
 
         Built anew by every forward, also without gradients: a cache keyed by the weights'
         version counters would go stale, because fused AdamW updates parameters in place
-        without bumping them (tests/test_model_expert_stack.py)."""
+        without bumping them (tests/unit/rollout/test_model_expert_stack.py)."""
         return torch.stack([torch.cat([getattr(e, p).weight for p in projections])
                             if len(projections) > 1 else getattr(e, projections[0]).weight
                             for e in self.experts]).transpose(-2, -1)

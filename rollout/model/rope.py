@@ -4,7 +4,7 @@ Sources: Su et al. 2021 (RoFormer, default RoPE); Chen et al. 2023 "Extending co
 large language models via positional interpolation" (linear); Peng et al. 2023 "YaRN: efficient
 context window extension" (yarn); Meta's Llama 3.1 release (llama3). The formulas, their float32
 arithmetic and the defaults of optional keys follow transformers' `modeling_rope_utils`
-(`ROPE_INIT_FUNCTIONS`), checked against it in tests/test_model_hf_loading.py.
+(`ROPE_INIT_FUNCTIONS`), checked against it in tests/unit/rollout/test_model_hf_loading.py.
 
 The scaling travels as `ModelConfig.rope_scaling`, a sorted tuple of `(key, value)` pairs of the
 config.json `rope_scaling` / `rope_parameters` dict without `rope_theta` (`()` = default RoPE).

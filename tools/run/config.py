@@ -459,7 +459,7 @@ def add_run_flags(parser: argparse.ArgumentParser, only: Collection[str] | None 
 
 def flag_table_markdown() -> str:
     """The flag table of docs/configuration.md: one row per flag of :data:`FLAGS` with its default, allowed
-    values and help, as GitHub markdown (``|`` in a cell escaped). ``tests/test_docs.py``
+    values and help, as GitHub markdown (``|`` in a cell escaped). ``tests/unit/test_docs.py``
     checks that docs/configuration.md contains exactly this; ``python -m replayrl.tools.run.config`` prints it."""
     def cell(text: str) -> str:
         return text.replace("|", "\\|")

@@ -2,7 +2,7 @@
 
 megatron-core assumes a GPU in a handful of places even with the local (non-TransformerEngine)
 layer spec and ``use_cpu_initialization=True``. Each item below is one such place, measured on
-megatron-core 0.16.1 with torch 2.13.0 CPU, and tests/test_megatron_cpu_compat.py shows for
+megatron-core 0.16.1 with torch 2.13.0 CPU, and tests/system/test_megatron_cpu_compat.py shows for
 every item that switching it off gives the named failure (docs/design.md#megatron-backend). The layer is applied by :func:`enable` only where CUDA is absent; with a GPU it does
 nothing, and megatron-core runs unmodified.
 

@@ -13,7 +13,7 @@ per-token accept decisions using the formulas in :mod:`replayrl.trainer.rejectio
 not the loss mask: a synthetic EOS is trained on but has no behaviour logprob, so it never
 enters a gate (docs/design.md#rejection-sampling).
 
-Loss denominator under RS (documented choice, tested in tests/test_refill.py): with refill off,
+Loss denominator under RS (documented choice, tested in tests/system/test_refill.py): with refill off,
 rejected tokens contribute 0 and the denominator is ``--rs-denominator``: ``loss_tokens`` (all
 loss tokens of the step, so rejection shrinks the update like a smaller learning rate, as in
 slime's masked RS) or ``accepted_tokens`` (only accepted ones). With exact refill on, every

@@ -1,0 +1,78 @@
+"""Acceptance: ``replayrl train --rollout-engine sglang --sglang-urls URL`` against
+``replayrl serve`` on loopback trains like the in-process embedded engine (same seed: the same
+first-step batch and the same metrics), through the real multi-process system."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("aiohttp")
+
+from replayrl.actors import Directory, Supervisor  # noqa: E402
+from replayrl.rollout.sample import TRACE_FIELDS, samples_from_columns  # noqa: E402
+from replayrl.tools.run.config import build_config  # noqa: E402
+from replayrl.tools.run.launcher import actor_specs, write_initial_checkpoint  # noqa: E402
+from replayrl.tools.run.train_loop import train_loop  # noqa: E402
+from tests.child_env import PYTHONPATH
+from tests.paths import REPO
+
+SMALL = {"rollout-batch-size": 4, "n-samples-per-prompt": 4, "progress": False, "seed": 3}
+TIMING = ("seconds", "per_second")  # wall-clock figures differ between any two runs
+
+
+@pytest.fixture(scope="module")
+def serve_url():
+    # the embedded default policy: serve takes train's model flags only (none needed here)
+    proc = subprocess.Popen([sys.executable, "-m", "replayrl.tools.cli", "serve", "--port", "0"],
+                            cwd=REPO, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": PYTHONPATH})
+    try:
+        line = proc.stdout.readline()  # "serving on URL" once bound (torch import: seconds)
+        assert line.startswith("serving on http://"), line
+        yield line.split()[-1]
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+async def _first_step_and_batch(config, tmp_path: Path, name: str) -> tuple[dict, list]:
+    """The run's first step through the driver loop (push, generate, train; its metrics row),
+    then rollout 1 generated on the same actors and taken as samples. One start of the actors
+    serves both (the run and a separate batch each started them once: twice the cost)."""
+    checkpoint = write_initial_checkpoint(config, tmp_path / f"ckpt-{name}")
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="rrl-") as run_dir:
+        specs = actor_specs(config, checkpoint)
+        directory = Directory.for_run(run_dir, [s.name for s in specs])
+        async with Supervisor(specs, directory, run_dir):
+            await train_loop(directory, config, rows.append)
+            await directory.ref("rollout_manager").call("generate", 1)
+            return rows[0], samples_from_columns(await directory.ref("rollout_manager")
+                                                 .call("take_batch", 1))
+
+
+async def test_first_step_batch_and_metrics_equal_the_embedded_engine(serve_url, tmp_path):
+    embedded = build_config({**SMALL, "num-steps": 1, "output-dir": str(tmp_path / "e")})
+    sglang = build_config({**SMALL, "num-steps": 1, "output-dir": str(tmp_path / "s"),
+                           "rollout-engine": "sglang", "sglang-urls": serve_url})
+    a, want = await _first_step_and_batch(embedded, tmp_path, "e")
+    b, got = await _first_step_and_batch(sglang, tmp_path, "s")
+    assert len(got) == len(want) == 16
+    for g, w in zip(got, want):
+        assert (g.sample_id, g.group_id, g.status, g.policy_version) == \
+            (w.sample_id, w.group_id, w.status, w.policy_version)
+        assert g.reward == w.reward
+        for name in ("prompt_ids", "response_ids", "loss_mask", "rollout_logprobs", *TRACE_FIELDS):
+            np.testing.assert_array_equal(getattr(g, name), getattr(w, name), err_msg=name)
+
+    assert set(a) == set(b)
+    compared = [k for k in a if isinstance(a[k], (int, float)) and not k.endswith(TIMING)]
+    assert {"reward_mean", "train_rollout_logprob_abs_diff", "routing_flip_rate"} <= set(compared)
+    for key in compared:  # the same batch trains the same: equal up to float rounding
+        assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-9), key

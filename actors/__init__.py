@@ -1,9 +1,15 @@
 """asyncio actor runtime on the ZeroMQ transport. Knows nothing of models or RL."""
 from replayrl.actors.actor import Actor, ActorServer, concurrent
 from replayrl.actors.directory import Directory
-from replayrl.actors.errors import UnknownActor
-from replayrl.actors.errors import ActorDied, ActorError, ActorTimeout, ProtocolError, RemoteError
-from replayrl.actors.errors import ActorCallError
+from replayrl.actors.errors import (
+    ActorCallError,
+    ActorDied,
+    ActorError,
+    ActorTimeout,
+    ProtocolError,
+    RemoteError,
+    UnknownActor,
+)
 from replayrl.actors.interface import ActorInterface
 from replayrl.actors.loop import run_event_loop
 from replayrl.actors.proxy import ActorProxy
@@ -13,5 +19,6 @@ from replayrl.actors.spawn import ActorSpec, Supervisor, import_callable, import
 __all__ = [
     "Actor", "ActorServer", "concurrent", "Directory", "UnknownActor", "ActorDied", "ActorError",
     "ActorTimeout", "ProtocolError", "RemoteError", "run_event_loop", "ActorRef",
-    "close_connections", "ActorCallError", "ActorInterface", "ActorProxy", "ActorSpec", "Supervisor", "import_callable", "import_object", "serve_actor",
+    "close_connections", "ActorCallError", "ActorInterface", "ActorProxy", "ActorSpec", "Supervisor",
+    "import_callable", "import_object", "serve_actor",
 ]

@@ -12,13 +12,12 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Iterable, Mapping
 
+from replayrl.actors.errors import UnknownActor
 from replayrl.actors.proxy import ActorProxy
 from replayrl.actors.ref import ActorRef, heartbeat_ms
 from replayrl.transport import ipc_endpoint, strict_json, tcp_loopback_endpoint
 from replayrl.transport.curve import CurveKeys
-from replayrl.actors.errors import UnknownActor
 from replayrl.transport.shm_pool import DEFAULT_SHM_MIN_ARRAY_BYTES, DEFAULT_SHM_POOL_BYTES
-
 
 DEFAULT_HEARTBEAT_DEADLINE_S = 30.0
 """Seconds of silence (no ZMTP heartbeat answered) after which a peer is lost by default."""

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any, Coroutine
 
-from replayrl.actors.interface import ActorInterface
 from replayrl.actors.envelope import CALL
+from replayrl.actors.interface import ActorInterface
 from replayrl.actors.ref import ActorRef, Message
 
 

@@ -34,8 +34,13 @@ from replayrl.actors.directory import Directory
 from replayrl.actors.errors import ActorDied, ActorError, PeerLost, RemoteError
 from replayrl.actors.loop import run_event_loop
 from replayrl.actors.process_title import set_process_title
-from replayrl.actors.ref import (close_connections, connection_lost, use_curve_keys,
-                        use_heartbeat_deadline, use_shared_memory)
+from replayrl.actors.ref import (
+    close_connections,
+    connection_lost,
+    use_curve_keys,
+    use_heartbeat_deadline,
+    use_shared_memory,
+)
 from replayrl.actors.run_dir import leave_run_dir
 
 log = logging.getLogger(__name__)
@@ -330,9 +335,9 @@ class Supervisor:
                 try:
                     await ref.call("__ping__", timeout=0.5)
                     break
-                except ActorError:
+                except ActorError as last:
                     if time.monotonic() > deadline:
-                        raise ActorError(f"actor {name!r} not ready after {self.ready_timeout} s")
+                        raise ActorError(f"actor {name!r} not ready after {self.ready_timeout} s") from last
                     await asyncio.sleep(0.05)  # a call on a lost connection fails at once
 
     def _silent(self, name: str) -> str | None:

@@ -7,13 +7,11 @@ the config-file keys and the flag table of docs/configuration.md from them.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-
 import json
+from dataclasses import asdict, dataclass
 
 from replayrl.actors.settings import POSITIVE, Choices, Range, Rule, check_settings, setting
 from replayrl.rollout.errors import RolloutConfigError
-
 
 _MODULE_FUNCTION = Rule(lambda v: not v or ":" in v, "module:function")
 

@@ -22,17 +22,17 @@ task's shipped file) through the run's tokenizer (``rollout/tokenizer.py``,
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import numpy as np
-
-import json
 
 from replayrl.actors import Actor, concurrent, import_callable
 from replayrl.rollout.config import RolloutConfig
 from replayrl.rollout.data_source import Prompt, PromptDataSource
 from replayrl.rollout.engine_pool import EnginePool
 from replayrl.rollout.engines.base import generations_from_columns
+from replayrl.rollout.errors import RolloutError, TrajectoryError
 from replayrl.rollout.evaluation import eval_metrics
 from replayrl.rollout.generation_gate import GenerationGate
 from replayrl.rollout.prompt_data import load_run_prompts
@@ -40,9 +40,7 @@ from replayrl.rollout.rewards import RewardGuard, load_math_verify
 from replayrl.rollout.sample import Sample, samples_to_columns
 from replayrl.rollout.tasks import make_task
 from replayrl.rollout.tokenizer import load_tokenizer
-from replayrl.rollout.errors import TrajectoryError
 from replayrl.rollout.trajectory import append_synthetic_eos
-from replayrl.rollout.errors import RolloutError
 from replayrl.rollout.turn_loop import Episode, assemble, run_episodes
 
 

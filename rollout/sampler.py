@@ -31,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from replayrl.rollout.errors import (
     NonFiniteLogitsError,
     SamplerError,

@@ -19,6 +19,7 @@ from types import MappingProxyType
 from typing import Any, Mapping, Sequence
 
 import numpy as np
+
 from replayrl.rollout.errors import TokenizerError
 
 __all__ = [ "PromptTokenizer", "load_tokenizer"]

@@ -27,8 +27,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from replayrl.rollout.errors import TraceFinalizedError, TraceRowsError, TraceSchemaError
-from replayrl.rollout.errors import SampleError
+from replayrl.rollout.errors import SampleError, TraceFinalizedError, TraceRowsError, TraceSchemaError
 
 __all__ = [
     "TokenMetadataTrace",

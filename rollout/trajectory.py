@@ -30,9 +30,9 @@ from typing import Any, Collection, Literal, Mapping, Sequence
 
 import numpy as np
 
-from replayrl.rollout.capture import check_route_offset, check_sampled_logprob
 from replayrl.rollout import trace_table
-from replayrl.rollout.errors import MissingTraceError, SampleError, TraceGapError, TrajectoryError
+from replayrl.rollout.capture import check_route_offset, check_sampled_logprob
+from replayrl.rollout.errors import MissingTraceError, TraceGapError, TrajectoryError
 from replayrl.rollout.sample import Sample
 from replayrl.rollout.trace import TokenMetadataTrace
 from replayrl.rollout.trace_table import trace_fields
@@ -66,7 +66,8 @@ def truncate(sample: Sample, max_response_len: int) -> Sample:
 
     ``response_ids``, ``loss_mask``, ``rollout_logprobs`` and ``sample_support`` keep
     ``n = min(R, max_response_len)`` rows; ``routed_experts`` and ``indexer_topk`` keep
-    ``P + n - 1`` (every trace by its row space in ``trace_table.TRACES``) (case ``truncate_keeps_traces_aligned``: P=6, R=12, n=7 -> 7 and 12 rows).
+    ``P + n - 1`` (every trace by its row space in ``trace_table.TRACES``) (case
+    ``truncate_keeps_traces_aligned``: P=6, R=12, n=7 -> 7 and 12 rows).
 
     Returns:
         ``sample`` itself when ``R <= max_response_len`` (nothing to cut; samples are

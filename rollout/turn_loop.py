@@ -26,7 +26,7 @@ from typing import Awaitable, Callable, Collection, Sequence
 import numpy as np
 
 from replayrl.rollout.engines.base import Generation
-from replayrl.rollout.errors import MixedVersionError, TrajectoryError, TurnLoopError
+from replayrl.rollout.errors import MixedVersionError, TurnLoopError
 from replayrl.rollout.tasks.base import Environment
 from replayrl.rollout.trajectory import MergedTrajectory, merge_turns
 

@@ -34,8 +34,7 @@ def main() -> None:
     cfg = dataclasses.replace(default_config(16), index_topk=0, hidden_size=32, head_dim=8,
                               intermediate_size=32, moe_intermediate_size=16, num_experts=4)
     from megatron.core import parallel_state as ps
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     with compat.cpu_device_scope():

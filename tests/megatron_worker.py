@@ -38,10 +38,10 @@ def main() -> None:
     import torch.distributed as dist
 
     from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
-    from tests import megatron_cases as cases
     from replayrl.trainer.backends.megatron_model import MegatronParallel
     from replayrl.trainer.batch import collate
     from replayrl.trainer.config import TrainerConfig
+    from tests import megatron_cases as cases
 
     torch.set_num_threads(1)
     parallel = MegatronParallel(tp=args.tp, ep=args.ep, pp=args.pp, cp=args.cp)

@@ -1,4 +1,5 @@
-"""``replayrl`` command line: ``train``, ``repl``, ``keys`` and ``bench {parity,refill,logprobs,transport,peer,profile,train,load,engine,decode,steps,faults}``.
+"""``replayrl`` command line: ``train``, ``repl``, ``keys`` and ``bench
+{parity,refill,logprobs,transport,peer,profile,train,load,engine,decode,steps,faults}``.
 
 Exit codes (:mod:`replayrl.tools.run.exit_codes`): 0 success, 1 a run failed (the failing actor's traceback
 is printed), 2 bad configuration, 130 interrupted by Ctrl-C, 143 SIGTERM (``train``).
@@ -106,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     keys = sub.add_parser("keys", help="make a run's CURVE key pair (needed by --transport tcp)")
     keys.add_argument("directory", help="where run.key and run.key_secret (mode 600) are written")
     keys.set_defaults(func=_keys)
-    bench = sub.add_parser("bench", help="benchmarks: parity | refill | logprobs | transport | peer | profile | train | load | engine | decode | steps | faults "
+    bench = sub.add_parser("bench", help="benchmarks: parity | refill | logprobs | transport | peer | profile | "
+                                         "train | load | engine | decode | steps | faults "
                                          "(flags after the name go to the benchmark)")
     bench.add_argument("bench", choices=sorted(BENCHES))
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)

@@ -30,10 +30,10 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from replayrl.rollout.errors import EngineError
 from replayrl.rollout.engines.embedded import EmbeddedEngine
 from replayrl.rollout.engines.precision import resolve_dtype
 from replayrl.rollout.engines.sglang_protocol import encode_item, parse_generate_request
+from replayrl.rollout.errors import EngineError
 from replayrl.rollout.model.config import ModelConfig
 from replayrl.rollout.model.errors import CheckpointError
 

@@ -12,8 +12,9 @@ step threw away; a group with fewer than two of them has no baseline and trains 
 from __future__ import annotations
 
 import torch
-from replayrl.trainer.errors import AdvantageError
 from torch import Tensor
+
+from replayrl.trainer.errors import AdvantageError
 
 __all__ = [ "baseline_groups", "grpo_advantages"]
 

@@ -32,8 +32,9 @@ from __future__ import annotations
 import math
 
 import torch
-from replayrl.trainer.errors import LogprobError, SupportError
 from torch import Tensor
+
+from replayrl.trainer.errors import LogprobError, SupportError
 
 __all__ = [
     "full_vocab_logprobs",

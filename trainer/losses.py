@@ -32,8 +32,9 @@ import math
 from typing import Literal
 
 import torch
-from replayrl.trainer.errors import LossError
 from torch import Tensor
+
+from replayrl.trainer.errors import LossError
 
 __all__ = ["clipped_terms", "policy_loss", "tis_weights"]
 

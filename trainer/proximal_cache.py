@@ -9,6 +9,7 @@ then uses pageable memory and reports ``pinned=False`` instead of failing.
 from __future__ import annotations
 
 import torch
+
 from replayrl.trainer.errors import ProximalCacheError
 
 

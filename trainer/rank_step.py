@@ -21,9 +21,9 @@ from replayrl.rollout.sample import Sample, check_required_traces, required_trac
 from replayrl.trainer.backends.base import TrainerBackend
 from replayrl.trainer.batch import TrainBatch, collate, collate_packed, per_sample_tensors, sampled_masks
 from replayrl.trainer.config import TrainerConfig
+from replayrl.trainer.errors import TrainStepError
 from replayrl.trainer.losses import policy_loss
 from replayrl.trainer.proximal_cache import ProximalLogprobCache
-from replayrl.trainer.errors import TrainStepError
 from replayrl.trainer.replay import batch_flip_rate, check_replay
 
 __all__ = ["RankStep", "UPDATE_SUMS"]

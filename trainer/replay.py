@@ -31,6 +31,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
+
 from replayrl.trainer.errors import ReplayError, ReplayMismatch
 
 __all__ = [
@@ -224,11 +225,11 @@ def check_replay(used: Any, own: Any, loss_rows_mask: Any | None, min_overlap_ra
     n_tokens = int(token_checked.sum())
     mismatched = int(differ.any(1).sum())
     listed = []
-    for t, l in zip(*np.nonzero(differ)):
+    for t, layer in zip(*np.nonzero(differ)):
         if len(listed) == max_listed:
             break
-        listed.append(Mismatch(int(t), ids[l], tuple(sorted(set(u[t, l][u[t, l] >= 0].tolist()))),
-                               tuple(sorted(set(o[t, l][o[t, l] >= 0].tolist())))))
+        listed.append(Mismatch(int(t), ids[layer], tuple(sorted(set(u[t, layer][u[t, layer] >= 0].tolist()))),
+                               tuple(sorted(set(o[t, layer][o[t, layer] >= 0].tolist())))))
     for a in (overlap, token_min):
         a.flags.writeable = False
     check = ReplayCheck(

@@ -48,13 +48,11 @@ from replayrl.trainer.backends import resolve_backend
 from replayrl.trainer.backends.base import TrainerBackend
 from replayrl.trainer.batch import token_counts
 from replayrl.trainer.config import TrainerConfig
-from replayrl.trainer.errors import TrainerConfigError
+from replayrl.trainer.errors import EmptyStep, TrainerConfigError, TrainStepError
 from replayrl.trainer.rank_group import RankGroup, follower_names, shard
-from replayrl.trainer.errors import TrainStepError
 from replayrl.trainer.rank_step import UPDATE_SUMS, RankStep
 from replayrl.trainer.rejection.refill import RefillCoordinator, gate_metrics
 from replayrl.trainer.replay import mean_rates
-from replayrl.trainer.errors import EmptyStep
 from replayrl.transport.array_bundle import pack_arrays
 
 __all__ = [ "SKIP_REASONS", "TrainerActor"]

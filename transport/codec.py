@@ -520,7 +520,8 @@ class _DecodeState:
         if type(name) is not str:
             raise DecodeError(f"{what} dtype name must be a str, got {type(name).__name__}")
         if name not in self.config.allowed_dtypes:
-            raise DecodeError(f"{what} dtype {_clip(name)!r} is not in the allow-list {sorted(self.config.allowed_dtypes)}")
+            raise DecodeError(
+                f"{what} dtype {_clip(name)!r} is not in the allow-list {sorted(self.config.allowed_dtypes)}")
         if what != "torch tensor" and name in _TORCH_ONLY_DTYPES:
             raise DecodeError(f"{what} dtype {name!r} is only allowed for torch tensors")
         return name

@@ -2,7 +2,8 @@
 
 A plain (blocking-API) ZeroMQ socket is registered with ``loop.add_reader`` on its ``zmq.FD``;
 each wake-up drains every ready message with non-blocking receives and hands each one to a
-synchronous ``on_message`` callback. docs/design.md#transport-contract records this at 36k RPC/s with 64 in flight versus
+synchronous ``on_message`` callback. docs/design.md#transport-contract records this at 36k RPC/s
+with 64 in flight versus
 12k/s for one ``await recv`` per message with ``zmq.asyncio``. Works with the standard loop and
 uvloop.
 
@@ -47,7 +48,8 @@ Liveness: a DealerSocket sends ZMTP heartbeats (``heartbeat_ms``; libzmq's I/O t
 them even while the peer's Python code is busy) and watches its connection through a socket
 monitor, so ``on_disconnect`` runs when the peer's process dies or stops answering heartbeats,
 and a caller can fail the calls that can no longer be answered. One socket per peer,
-not per request (docs/design.md#transport-contract): a ``DealerSocket`` per remote actor, one ``RouterSocket`` per actor.
+not per request (docs/design.md#transport-contract): a ``DealerSocket`` per remote actor, one
+``RouterSocket`` per actor.
 
 All methods must be called from the thread running the event loop the socket was opened in.
 """
@@ -56,21 +58,32 @@ from __future__ import annotations
 
 import asyncio
 import os
+import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import zmq
-
-import stat
-
 import zmq.utils.monitor
 
+from replayrl.transport.batch import (
+    BATCH_MARKER,
+    MAX_BATCH_BYTES,
+    MAX_BATCH_ELEMENT_BYTES,
+    MAX_BATCH_MESSAGES,
+    batch_overhead,
+    is_batch,
+    pack_batch,
+    split_batch,
+)
 from replayrl.transport.codec import DEFAULT_INLINE_THRESHOLD, DEFAULT_MAX_MESSAGE_BYTES
 from replayrl.transport.curve import CurveKeys, authorize
-from replayrl.transport.endpoints import check_bind_endpoint, check_connect_endpoint, ipc_endpoint, tcp_loopback_endpoint
-from replayrl.transport.batch import (BATCH_MARKER, MAX_BATCH_BYTES, MAX_BATCH_ELEMENT_BYTES, MAX_BATCH_MESSAGES, batch_overhead,
-                             is_batch, pack_batch, split_batch)
+from replayrl.transport.endpoints import (
+    check_bind_endpoint,
+    check_connect_endpoint,
+    ipc_endpoint,
+    tcp_loopback_endpoint,
+)
 from replayrl.transport.errors import DecodeError, TransportError
 from replayrl.transport.shm_pool import mark_sent
 

@@ -9,8 +9,8 @@ tensors unchanged.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 from replayrl.actors import import_object
 from replayrl.rollout.engines.base import Engine, Generation, check_capture
-from replayrl.rollout.errors import (
-    EngineCaptureError, EngineError, EngineInputError, EngineNotReady)
-from replayrl.rollout.errors import UnknownEngine
+from replayrl.rollout.errors import EngineCaptureError, EngineError, EngineInputError, EngineNotReady, UnknownEngine
 
 __all__ = [
     "ENGINES",

@@ -23,10 +23,10 @@ from typing import Any, ClassVar, Collection, Literal, Mapping, Sequence
 import numpy as np
 
 from replayrl.rollout import trace_table
-from replayrl.rollout.sample import TRACE_FIELDS, pack_rows, unpack_rows
 from replayrl.rollout.errors import EngineCaptureError, EngineInputError, EngineNotReady
-from replayrl.rollout.trace_table import trace_fields
+from replayrl.rollout.sample import TRACE_FIELDS, pack_rows, unpack_rows
 from replayrl.rollout.sampler import SamplingParams
+from replayrl.rollout.trace_table import trace_fields
 
 __all__ = [
     "Generation",
@@ -194,7 +194,7 @@ class Engine(ABC):
     def __init__(self) -> None:
         self._version: int | None = None
 
-    @classmethod
+    @classmethod  # noqa: B027  (an optional hook: the base accepts every model)
     def check_model(cls, model_config: Any) -> None:
         """Refuse, before any process starts, a policy this engine cannot serve as it is.
 

@@ -35,12 +35,16 @@ import numpy as np
 import torch
 
 from replayrl.rollout.engines.base import Engine, Generation
-from replayrl.rollout.errors import EngineInputError
 from replayrl.rollout.engines.sglang_protocol import decode_item, generate_request, parse_urls
-from replayrl.rollout.errors import SglangRequestError, SglangResponseError, SglangUnavailable
+from replayrl.rollout.errors import (
+    EngineInputError,
+    SglangNoAnswer,
+    SglangRequestError,
+    SglangResponseError,
+    SglangUnavailable,
+)
 from replayrl.rollout.model.config import ModelConfig
 from replayrl.rollout.sample import TRACE_FIELDS
-from replayrl.rollout.errors import SglangNoAnswer
 from replayrl.rollout.sampler import SamplingParams
 
 __all__ = ["SglangEngine"]

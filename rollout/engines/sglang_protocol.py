@@ -43,9 +43,8 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from replayrl.rollout.engines.base import Generation
-from replayrl.rollout.errors import EngineInputError
+from replayrl.rollout.errors import EngineInputError, SglangRequestError, SglangResponseError
 from replayrl.rollout.model.config import ModelConfig
-from replayrl.rollout.errors import SglangRequestError, SglangResponseError
 from replayrl.rollout.sampler import SamplingParams
 
 __all__ = [

@@ -35,14 +35,12 @@ import numpy as np
 import torch
 
 from replayrl.rollout.capture import check_sampled_logprob, normalize_support_row
-from replayrl.rollout.errors import CaptureError
 from replayrl.rollout.engines.base import Engine, Generation
-from replayrl.rollout.errors import EngineError, EngineInputError
 from replayrl.rollout.engines.vllm_routing import RoutingRecorder
+from replayrl.rollout.errors import CaptureError, EngineError, EngineInputError, EngineTimeout
 from replayrl.rollout.model.checkpoint import save_model_files
 from replayrl.rollout.model.config import ModelConfig
 from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
-from replayrl.rollout.errors import EngineTimeout
 from replayrl.rollout.sampler import SamplingParams
 
 __all__ = ["VllmEngine"]

@@ -487,7 +487,8 @@ class Qwen3MoeForCausalLM(nn.Module):
                 f"position_ids must lie in [0, max_position_embeddings={cfg.max_position_embeddings}), "
                 f"got [{int(position_ids.min())}, {int(position_ids.max())}]")
         if kv_cache is not None and not isinstance(kv_cache, KVCache):
-            raise ModelInputError(f"kv_cache must be a KVCache from model.new_kv_cache(), got {type(kv_cache).__name__}")
+            raise ModelInputError(
+                f"kv_cache must be a KVCache from model.new_kv_cache(), got {type(kv_cache).__name__}")
         s_past = kv_cache.length if kv_cache is not None else 0
         t = s_past + s
         if key_padding_mask is None:

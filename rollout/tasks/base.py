@@ -24,7 +24,6 @@ import numpy as np
 
 from replayrl.rollout.config import RolloutConfig
 from replayrl.rollout.data_source import Prompt
-from replayrl.rollout.errors import TaskConfigError
 from replayrl.rollout.rewards import RewardCall
 from replayrl.rollout.tasks.rm_type import rm_type_reward
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
 from replayrl.rollout.errors import TaskError
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")

@@ -21,8 +21,8 @@ import numpy as np
 
 from replayrl.rollout.config import RolloutConfig
 from replayrl.rollout.data_source import Prompt
-from replayrl.rollout.prompt_data import PromptRow, read_rows, tokenize_rows
 from replayrl.rollout.errors import TaskConfigError
+from replayrl.rollout.prompt_data import PromptRow, read_rows, tokenize_rows
 from replayrl.rollout.tasks.base import Task, TaskPrompts
 from replayrl.rollout.tasks.calculator import DigitToolEnv
 from replayrl.rollout.tasks.digit_puzzle import DigitTask

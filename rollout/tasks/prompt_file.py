@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from replayrl.rollout.config import RolloutConfig
-from replayrl.rollout.prompt_data import read_rows, tokenize_rows
 from replayrl.rollout.errors import TaskConfigError
+from replayrl.rollout.prompt_data import read_rows, tokenize_rows
 from replayrl.rollout.tasks.base import Task, TaskPrompts
 
 if TYPE_CHECKING:

@@ -5,7 +5,7 @@ import tempfile
 
 import pytest
 
-from replayrl.actors import (ActorCallError, ActorSpec, Directory, RemoteError, Supervisor)
+from replayrl.actors import ActorCallError, ActorSpec, Directory, RemoteError, Supervisor
 from replayrl.actors.interface import describe
 from tests.actor_fixtures import EchoActor
 

@@ -8,10 +8,18 @@ import time
 import numpy as np
 import pytest
 
-from replayrl.actors import (ActorDied, ActorServer, ActorSpec, ActorTimeout, Directory, RemoteError,
-                    Supervisor, UnknownActor)
-from tests.actor_fixtures import EchoActor
+from replayrl.actors import (
+    ActorDied,
+    ActorServer,
+    ActorSpec,
+    ActorTimeout,
+    Directory,
+    RemoteError,
+    Supervisor,
+    UnknownActor,
+)
 from replayrl.transport import Codec, DealerSocket
+from tests.actor_fixtures import EchoActor
 
 ECHO = "tests.actor_fixtures:EchoActor"
 

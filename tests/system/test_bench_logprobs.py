@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from replayrl.tools.bench.logprobs import PATHS, BenchConfig, make_inputs, measure_here, main
+from replayrl.tools.bench.logprobs import PATHS, BenchConfig, main, make_inputs, measure_here
 
 
 def _table_rows(text: str) -> list[list[str]]:

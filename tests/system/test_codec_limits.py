@@ -5,7 +5,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import tracemalloc
-from pathlib import Path
 
 import msgpack
 import numpy as np
@@ -212,7 +211,8 @@ def _ping_through(sock, call_id: int) -> dict:
 
 _envelopes = st.fixed_dictionaries({"k": st.sampled_from(["call", "tell", "ok", "x"]), "id": st.integers(-5, 2**40),
                                     "m": st.sampled_from(["echo", "on_start", "__stop__x", "ref", "", "total"]),
-                                    "a": st.lists(_values, max_size=3), "kw": st.dictionaries(st.text(max_size=3), _values, max_size=2)})
+                                    "a": st.lists(_values, max_size=3),
+                                    "kw": st.dictionaries(st.text(max_size=3), _values, max_size=2)})
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,

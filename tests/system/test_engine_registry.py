@@ -5,19 +5,18 @@ import dataclasses
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from replayrl.rollout.data_source import PromptDataSource
 from replayrl.rollout.engines import ENGINES, engine_class_path, load_engine_class
-from replayrl.rollout.errors import EngineError, UnknownEngine
 from replayrl.rollout.engines.embedded import EmbeddedEngine
+from replayrl.rollout.errors import EngineError, UnknownEngine
 from replayrl.rollout.model.config import default_config
+from replayrl.rollout.sample import required_traces
 from replayrl.rollout.tasks.digit_puzzle import VOCABULARY, DigitTask
 from replayrl.rollout.tasks.digits import digit_task_prompts
-from replayrl.rollout.sample import required_traces
 from replayrl.tools.errors import ConfigError
 from replayrl.tools.run.config import build_config
 from replayrl.tools.run.launcher import engine_kwargs, launch, resolve_engine

@@ -21,7 +21,10 @@ transformers = pytest.importorskip("transformers", reason="checkpoints are writt
 SMALL = {"rollout-batch-size": 2, "n-samples-per-prompt": 2, "progress": False}
 
 
-def _hf_checkpoint(path, vocab_size=len(VOCABULARY) + 5, **extra):
+EXTENDED_VOCAB = len(VOCABULARY) + 5
+
+
+def _hf_checkpoint(path, vocab_size=EXTENDED_VOCAB, **extra):
     """A tiny random dense Qwen3 written by transformers (no indexer block)."""
     torch.manual_seed(0)
     cfg = transformers.Qwen3Config(vocab_size=vocab_size, hidden_size=32, intermediate_size=64,

@@ -5,10 +5,10 @@ import json
 
 import pytest
 
-from tests import hook_fixtures
 from replayrl.tools.errors import ConfigError
 from replayrl.tools.run.config import build_config
 from replayrl.tools.run.launcher import launch
+from tests import hook_fixtures
 
 
 async def test_metrics_hook_sees_every_step_and_cannot_change_anything(tmp_path):

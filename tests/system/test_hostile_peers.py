@@ -16,15 +16,14 @@ import pytest
 import torch
 import zmq
 
-from replayrl.actors import (ActorServer, ActorSpec, Directory, RemoteError, Supervisor,
-                    close_connections)
+from replayrl.actors import ActorServer, ActorSpec, Directory, RemoteError, Supervisor, close_connections
 from replayrl.actors.actor import Actor
 from replayrl.actors.errors import PeerLost
 from replayrl.actors.interface import RUNTIME_NAMES
 from replayrl.actors.ref import POOL
-from tests.actor_fixtures import EchoActor
 from replayrl.transport import Codec, DealerSocket, RouterSocket, TransportError, ipc_endpoint
 from replayrl.transport.curve import CurveKeys, create_keys
+from tests.actor_fixtures import EchoActor
 from tests.child_env import PYTHONPATH
 from tests.paths import REPO
 
@@ -271,7 +270,8 @@ def test_no_pickle_on_the_wire():
                         and getattr(node.func.value, "id", None) == "torch":
                     kwargs = {k.arg: k.value for k in node.keywords}
                     assert isinstance(kwargs.get("weights_only"), ast.Constant) \
-                        and kwargs["weights_only"].value is True, f"{path}:{node.lineno}: torch.load without weights_only"
+                        and kwargs["weights_only"].value is True, \
+                        f"{path}:{node.lineno}: torch.load without weights_only"
 
 
 def test_killed_launcher_leaves_no_run_directory(tmp_path):

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from tests.child_env import PYTHONPATH
 from tests.paths import REPO
 
@@ -173,8 +174,8 @@ def test_a_lost_engine_host_is_regenerated_and_the_run_finishes(two_hosts, fault
     at the heartbeat deadline, its two groups are generated again on engine_0, every step
     trains what a fault-free two-engine run trains, and host B's rank and torchrun exit by
     themselves."""
-    from tests.torchrun_fault_entry import FAULT_ENV
     from replayrl.tools.run.exit_codes import EXIT_DRIVER_LOST
+    from tests.torchrun_fault_entry import FAULT_ENV
 
     (ns_a, addr_a, _), (ns_b, _, veth_b) = two_hosts
     reference = fault_free

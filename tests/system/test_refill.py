@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import tempfile
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,15 +12,14 @@ from replayrl.actors import Directory, RemoteError, Supervisor
 from replayrl.actors.errors import StaleSample
 from replayrl.actors.version_clock import VersionRules
 from replayrl.rollout.sample import Sample, samples_to_columns
-from tests.fakes import FakeProxy
 from replayrl.tools.run.config import build_config
 from replayrl.tools.run.launcher import actor_specs, launch, write_initial_checkpoint
 from replayrl.trainer.config import TrainerConfig
+from replayrl.trainer.errors import RefillExhausted, TrainerConfigError
 from replayrl.trainer.proximal_cache import ProximalLogprobCache
-from replayrl.trainer.errors import RefillExhausted
 from replayrl.trainer.rejection.refill import RefillCoordinator
-from replayrl.trainer.errors import TrainerConfigError
 from replayrl.trainer.rejection.rs_policy import RSGate
+from tests.fakes import FakeProxy
 from tests.paths import CASES
 
 CASE = json.loads((CASES / "refill_admission.json").read_text())
@@ -78,7 +76,7 @@ class FakeTrainer:
 
 def _initial(groups: dict[str, list[bool]]) -> list[Sample]:
     samples = []
-    for g, (name, oks) in enumerate(groups.items()):
+    for g, oks in enumerate(groups.values()):
         samples += [_sample(g * 10 + i, g, 7, ok) for i, ok in enumerate(oks)]
     return samples
 

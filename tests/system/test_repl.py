@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from replayrl.actors import ActorCallError, ActorDied, ActorSpec, ActorTimeout, RemoteError, UnknownActor
-from replayrl.tools.run.config import build_config
 from replayrl.tools.console.repl import ConsoleProxy, ReplSession
 from replayrl.tools.errors import ReplError, SessionClosed
+from replayrl.tools.run.config import build_config
 from tests.child_env import PYTHONPATH
 from tests.paths import REPO
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from replayrl.actors import ActorSpec, Directory, Supervisor
-from replayrl.actors.ref import Message, POOL, shared_memory_pool, use_shared_memory
+from replayrl.actors.ref import POOL, Message, shared_memory_pool, use_shared_memory
 from replayrl.transport import Codec, CodecConfig, DealerSocket, DecodeError, MessageTooLarge, TransportError
 from replayrl.transport.shm_pool import ShmHeader, ShmPool, ShmReader, mark_sent
 

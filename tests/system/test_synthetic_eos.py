@@ -1,5 +1,6 @@
 """A synthetic EOS has no behaviour logprob: it enters no RS gate, no TIS weight and no
-|rollout - trainer logprob| metric (docs/design.md#trace-arrays, docs/design.md#trainer-math, docs/design.md#rejection-sampling), and the run can produce one
+|rollout - trainer logprob| metric (docs/design.md#trace-arrays, docs/design.md#trainer-math,
+docs/design.md#rejection-sampling), and the run can produce one
 (``--rollout-append-eos-on-truncation``). Every expected value is a naive float64 loop here."""
 from __future__ import annotations
 
@@ -11,16 +12,15 @@ import pytest
 import torch
 
 from replayrl.rollout.config import RolloutConfig
+from replayrl.rollout.data_source import Prompt
 from replayrl.rollout.engines.base import Generation
 from replayrl.rollout.engines.embedded import EmbeddedEngine
-from replayrl.rollout.data_source import Prompt
 from replayrl.rollout.manager import RolloutManager
 from replayrl.rollout.sample import TRACE_FIELDS, Sample
 from replayrl.rollout.sampler import SamplingParams
 from replayrl.rollout.tasks.digit_puzzle import VOCABULARY, DigitTask
 from replayrl.rollout.trajectory import SYNTHETIC_EOS_LOGPROB, append_synthetic_eos, merge_turns
 from replayrl.rollout.turn_loop import Episode
-from tests.fakes import FakeProxy
 from replayrl.tools.run.config import build_config
 from replayrl.tools.run.launcher import launch, write_initial_checkpoint
 from replayrl.trainer.batch import collate
@@ -28,6 +28,7 @@ from replayrl.trainer.config import TrainerConfig
 from replayrl.trainer.losses import policy_loss
 from replayrl.trainer.rejection.refill import RefillCoordinator
 from replayrl.trainer.rejection.rs_policy import RSGate
+from tests.fakes import FakeProxy
 
 TASK = DigitTask()
 EOS = TASK.eos_id

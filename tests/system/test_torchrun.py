@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from tests.child_env import PYTHONPATH
 from tests.paths import REPO
-
 
 
 def _free_port() -> int:

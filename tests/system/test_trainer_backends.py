@@ -4,9 +4,9 @@ grad norm and a hand-written AdamW step, fail-closed on a non-finite norm, check
 from __future__ import annotations
 
 import math
-from pathlib import Path
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,20 +14,19 @@ import torch
 
 from replayrl.actors.errors import VersionRegression
 from replayrl.rollout.model.checkpoint import save_pretrained
-from replayrl.rollout.model.errors import CheckpointError
 from replayrl.rollout.model.config import default_config
+from replayrl.rollout.model.errors import CheckpointError
 from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
 from replayrl.rollout.sample import Sample
 from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
 from replayrl.tools.errors import ConfigError
 from replayrl.tools.run.config import build_config
 from replayrl.trainer.backends import BACKENDS, resolve_backend
-from replayrl.trainer.errors import UnknownBackendError
 from replayrl.trainer.backends.base import ReplayedForward, TrainerBackend
 from replayrl.trainer.backends.torch_backend import TorchBackend
 from replayrl.trainer.batch import collate
 from replayrl.trainer.config import TrainerConfig
-from replayrl.trainer.errors import TrainerConfigError
+from replayrl.trainer.errors import TrainerConfigError, UnknownBackendError
 from replayrl.transport.array_bundle import pack_arrays, unpack_arrays
 
 V = len(VOCABULARY)

@@ -30,6 +30,7 @@ import tokenize
 from pathlib import Path
 
 import pytest
+
 from tests.paths import REPO
 
 ROOT = REPO

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import builtins
 from pathlib import Path
+
 from tests.paths import REPO
 
 ROOT = REPO

@@ -16,6 +16,7 @@ import ast
 from pathlib import Path
 
 import pytest
+
 from tests.paths import REPO
 
 ROOT = REPO

@@ -1,7 +1,8 @@
 """pyproject.toml lists every package under the ``replayrl`` namespace (setuptools' ``find``
 cannot prefix a namespace, so the list is written out) and maps each layer's folder."""
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 REPO = Path(__file__).resolve().parents[2]
 LAYERS = ("transport", "actors", "rollout", "trainer", "tools")

@@ -9,7 +9,8 @@ on the spot; ``SIGSTOP`` freezes it, its ZeroMQ I/O thread too, so heartbeats go
 until the supervisor kills it at the deadline. ``HANG`` sends no signal: the process blocks in
 the call and stays connected (its I/O thread answers heartbeats), which is what an engine whose
 host is about to be cut off looks like; the multi-host test then cuts the link. The call in
-flight is never answered, which is what a crashed or hung process does to its caller. The marker file also arms the fault once
+flight is never answered, which is what a crashed or hung process does to its caller. The marker
+file also arms the fault once
 per run: a process started in the engine's place (``--engine-failure restart``, same
 arguments) finds it and never signals.
 

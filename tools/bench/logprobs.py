@@ -57,8 +57,8 @@ from pathlib import Path
 
 import torch
 
-from replayrl.trainer.logprobs import full_vocab_logprobs, fused_support_logprobs, support_logprobs
 from replayrl.tools.errors import BenchError
+from replayrl.trainer.logprobs import full_vocab_logprobs, fused_support_logprobs, support_logprobs
 from replayrl.transport import strict_json
 
 __all__ = [ "BenchConfig", "Measurement", "PATHS", "make_inputs", "measure_here",
@@ -75,7 +75,8 @@ class BenchConfig:
     vocab ``V`` and hidden ``H`` of the LM head; top_k ``K`` support candidates per row
     (``K <= V``); temperature ``> 0``; chunk_size rows per fused chunk; eos_every: one
     synthetic-EOS row at the end of every ``eos_every`` rows (0 = none); seed; repeats: most
-    timed calls per configuration (>= 1); threads: torch intra-op threads (>= 1); repeat_budget_s: no further call once the calls made
+    timed calls per configuration (>= 1); threads: torch intra-op threads (>= 1); repeat_budget_s:
+    no further call once the calls made
     so far took this many seconds (the slowest configurations are timed once).
     """
 
@@ -334,7 +335,8 @@ def format_table(cfg: BenchConfig, results: list[Measurement]) -> str:
         f"peak = VmHWM - VmRSS around one call in a fresh process ({', '.join(methods)}); it "
         f"includes the LM-head gradient, {cfg.vocab * cfg.hidden * 4 / _MIB:.1f} MiB for every path; "
         "[N, V] float32 logits are " + ", ".join(
-            f"{n * cfg.vocab * 4 / _MIB:.1f} MiB at N={n}" for n in sorted(full) or sorted({m.tokens for m in results})) + ".",
+            f"{n * cfg.vocab * 4 / _MIB:.1f} MiB at N={n}"
+            for n in sorted(full) or sorted({m.tokens for m in results})) + ".",
         "dlogp / dgrad_h: max abs deviation from a float64 full-vocabulary reference on the rows "
         "whose support is the whole vocabulary (synthetic-EOS rows, or all rows if top_k == V).",
     ]

@@ -35,6 +35,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
+
 from replayrl.tools.errors import PeerBenchError
 
 TRL_EXTRA = "pip install 'replayrl[bench]'  (the bench extra: trl>=1.16)"
@@ -357,8 +358,8 @@ def trl_worker(spec_path: str, result_path: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from replayrl.rollout.tasks.digit_puzzle import DigitTask
     from replayrl.rollout.tasks.calculator import DigitToolEnv
+    from replayrl.rollout.tasks.digit_puzzle import DigitTask
 
     task = DigitTask(num_digits=spec["num_digits"], num_values=spec["num_values"])
     env = DigitToolEnv(task)

@@ -22,8 +22,8 @@ import tempfile
 from pathlib import Path
 from typing import Sequence
 
-from replayrl.tools.bench.profile import breakdown
 from replayrl.tools.bench.priority import autogroup_priority
+from replayrl.tools.bench.profile import breakdown
 from replayrl.tools.bench.source_tree import importable
 from replayrl.transport import strict_json
 

@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from replayrl.tools.run.metrics import edge_means
 from replayrl.tools.bench.priority import autogroup_priority
+from replayrl.tools.run.metrics import edge_means
 from replayrl.transport import strict_json
 
 HEADER = ("| seed | reward, first 10 % of steps | reward, last 10 % | ratio | mean abs(rollout - "

@@ -7,9 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from replayrl.tools.errors import ReplError
 from replayrl.tools.console.runs import CLOCK, MANAGER, AttachedRun, OwnRun
 from replayrl.tools.console.views import Shown, methods_text, metrics_rows, metrics_text, sample_text
+from replayrl.tools.errors import ReplError
 
 __all__ = ["ConsoleHelpers"]
 

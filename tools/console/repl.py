@@ -34,12 +34,11 @@ from typing import Any, Coroutine
 
 from replayrl.actors import ActorSpec, Directory, Supervisor
 from replayrl.tools.console.actor_loop import ActorLoop
-from replayrl.tools.errors import ReplError, SessionClosed
 from replayrl.tools.console.helpers import ConsoleHelpers
-from replayrl.tools.console.namespace import (HELP_TEXT, ConsoleMethod, ConsoleProxy,
-                                              build_namespace)
+from replayrl.tools.console.namespace import HELP_TEXT, ConsoleMethod, ConsoleProxy, build_namespace
 from replayrl.tools.console.prompt import Console
 from replayrl.tools.console.runs import CLOCK, MANAGER, AttachedRun, OwnRun
+from replayrl.tools.errors import ReplError, SessionClosed
 from replayrl.tools.run.attach_card import AttachTarget
 from replayrl.tools.run.config import RunConfig, config_from_args
 from replayrl.tools.run.exit_codes import exit_code
@@ -194,7 +193,8 @@ class ReplSession:
 
         On a session's own actors the coroutine races the supervisor's watch, so an actor
         process that dies ends the wait with :class:`replayrl.actors.ActorDied` instead of a timeout
-        (attached, a lost peer fails the call with :class:`replayrl.actors.errors.PeerLost`). Ctrl-C (KeyboardInterrupt) cancels
+        (attached, a lost peer fails the call with :class:`replayrl.actors.errors.PeerLost`).
+        Ctrl-C (KeyboardInterrupt) cancels
         the coroutine on the loop before propagating.
 
         Raises:

@@ -18,12 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import tomllib
 from dataclasses import MISSING, asdict, dataclass, field, replace
-from functools import cached_property
 from dataclasses import fields as dataclass_fields
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Collection
+
+import tomllib
 
 from replayrl.actors.settings import Choices, Range, Rule, Setting, check_settings, setting, settings_of, show_value
 from replayrl.rollout.config import RolloutConfig
@@ -35,10 +36,10 @@ from replayrl.rollout.model.errors import ModelError
 from replayrl.rollout.model.loader import read_hf_config
 from replayrl.rollout.tasks import TaskConfigError, make_task, task_name
 from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
+from replayrl.tools.errors import ConfigError
 from replayrl.trainer.config import TrainerConfig
 from replayrl.transport import TransportError, strict_json
 from replayrl.transport.curve import CurveKeys
-from replayrl.tools.errors import ConfigError
 from replayrl.transport.shm_pool import DEFAULT_SHM_MIN_ARRAY_BYTES, DEFAULT_SHM_POOL_BYTES
 
 

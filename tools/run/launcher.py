@@ -23,33 +23,33 @@ from pathlib import Path
 from typing import Sequence
 
 from replayrl.actors import ActorSpec, Directory, Supervisor, import_callable
-from replayrl.actors.run_dir import create_run_dir
 from replayrl.actors.errors import VersionError
+from replayrl.actors.run_dir import create_run_dir
 from replayrl.actors.version_clock import VersionRules
-from replayrl.rollout.model.errors import ModelError
-from replayrl.rollout.model.loader import check_weight_files
-from replayrl.trainer.backends import resolve_backend
-from replayrl.trainer.rank_group import follower_names
-from replayrl.transport import strict_json
+from replayrl.rollout import trace_table
 from replayrl.rollout.engines import EngineError, check_capture, engine_class_path, load_engine_class
 from replayrl.rollout.engines.precision import resolve_dtype
 from replayrl.rollout.engines.sglang_protocol import parse_urls
+from replayrl.rollout.errors import PromptDataError, RewardError, TokenizerError
 from replayrl.rollout.model.checkpoint import save_pretrained, save_word_tokenizer
 from replayrl.rollout.model.config import default_config
+from replayrl.rollout.model.errors import ModelError
+from replayrl.rollout.model.loader import check_weight_files
 from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
-from replayrl.rollout import trace_table
-from replayrl.rollout.errors import PromptDataError, RewardError, TokenizerError
 from replayrl.rollout.prompt_data import load_run_prompts
 from replayrl.rollout.rewards import load_math_verify
-from replayrl.rollout.tokenizer import load_tokenizer
+from replayrl.rollout.sample import required_traces
 from replayrl.rollout.tasks import task_class_path, task_name
 from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
-from replayrl.rollout.sample import required_traces
-from replayrl.tools.run.attach_card import remove_attach_card, write_attach_card
+from replayrl.rollout.tokenizer import load_tokenizer
 from replayrl.tools.errors import ConfigError
+from replayrl.tools.run.attach_card import remove_attach_card, write_attach_card
 from replayrl.tools.run.config import RunConfig
 from replayrl.tools.run.metrics import MetricsRecorder
 from replayrl.tools.run.train_loop import checkpoint_next_step, train_loop
+from replayrl.trainer.backends import resolve_backend
+from replayrl.trainer.rank_group import follower_names
+from replayrl.transport import strict_json
 
 
 @dataclass(frozen=True)

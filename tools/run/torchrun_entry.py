@@ -49,18 +49,24 @@ from replayrl.actors.directory import DEFAULT_HEARTBEAT_DEADLINE_S
 from replayrl.actors.process_title import set_process_title
 from replayrl.actors.ref import use_curve_keys, use_heartbeat_deadline
 from replayrl.actors.spawn import ActorSpec, import_actor_class, serve_actor
+from replayrl.tools.errors import ConfigError, RunFailed
 from replayrl.tools.run.attach_card import remove_attach_card, write_attach_card
-from replayrl.tools.errors import ConfigError
 from replayrl.tools.run.config import FLAGS, RunConfig, add_run_flags, config_from_args
-from replayrl.tools.run.exit_codes import exit_code
-from replayrl.tools.run.launcher import (actor_specs, check_load, check_prompt_data, initial_checkpoint,
-                            trainer_rank_count, write_embedded_tokenizer, write_run_config)
-from replayrl.trainer.rank_group import follower_names
-from replayrl.tools.run.metrics import MetricsRecorder
 from replayrl.tools.run.driver_watch import DriverWatch
+from replayrl.tools.run.exit_codes import exit_code
+from replayrl.tools.run.launcher import (
+    actor_specs,
+    check_load,
+    check_prompt_data,
+    initial_checkpoint,
+    trainer_rank_count,
+    write_embedded_tokenizer,
+    write_run_config,
+)
+from replayrl.tools.run.metrics import MetricsRecorder
 from replayrl.tools.run.rank_hosts import exchange_addresses, join_run, own_address
-from replayrl.tools.errors import RunFailed
 from replayrl.tools.run.train_loop import checkpoint_next_step, train_loop
+from replayrl.trainer.rank_group import follower_names
 
 DRIVER_ACTORS = ("version_clock", "rollout_manager")
 
@@ -252,9 +258,9 @@ async def _drive(config: RunConfig, specs: list[ActorSpec], directory: Directory
                 try:
                     await directory.ref(name).call("__ping__", timeout=1.0)
                     break
-                except ActorError:
+                except ActorError as last:
                     if time.monotonic() > deadline:
-                        raise ActorError(f"rank serving {name!r} not ready after {ready_timeout} s")
+                        raise ActorError(f"rank serving {name!r} not ready after {ready_timeout} s") from last
         write_attach_card(config.output_dir, directory)  # `replayrl repl --attach` finds the run
         resume = checkpoint_next_step(Path(config.load)) if config.load else None
         with MetricsRecorder(config.output_dir, config.num_steps, config.progress,
@@ -288,7 +294,8 @@ def main(argv: list[str] | None = None,
     ``transform_specs`` rewrites the planned actor specs on every rank (tests inject faulty
     actors this way, as ``replayrl.tools.run.launcher.launch(specs=...)``).
     """
-    parser = argparse.ArgumentParser(prog="python -m replayrl.tools.run.torchrun_entry", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m replayrl.tools.run.torchrun_entry",
+                                     description=__doc__.splitlines()[0])
     add_run_flags(parser)
     parser.add_argument("--ready-timeout", type=float, default=180.0, metavar="SECONDS",
                         help="how long the ranks (and joined engines) may take to publish their "

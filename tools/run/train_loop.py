@@ -36,7 +36,6 @@ from replayrl.actors import Directory
 from replayrl.tools.run.config import RunConfig
 from replayrl.transport import strict_json
 
-
 NO_PUSH = {"version": None, "seconds": 0.0, "bytes": 0}
 """The ``push`` figures of a step after which nothing was pushed (a skipped step)."""
 

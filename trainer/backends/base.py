@@ -33,8 +33,8 @@ import numpy as np
 import torch
 
 from replayrl.rollout.model.config import ModelConfig
-from replayrl.transport.array_bundle import pack_arrays
 from replayrl.trainer.batch import TrainBatch
+from replayrl.transport.array_bundle import pack_arrays
 
 __all__ = ["ReplayedForward", "TrainerBackend"]
 

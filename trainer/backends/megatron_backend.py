@@ -44,17 +44,16 @@ import torch.distributed as dist
 
 from replayrl.actors.errors import VersionRegression
 from replayrl.rollout.model.checkpoint import load_state_arrays, save_pretrained
-from replayrl.rollout.model.loader import load_pretrained
 from replayrl.rollout.model.config import ModelConfig
+from replayrl.rollout.model.loader import load_pretrained
 from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
 from replayrl.trainer.backends.base import ReplayedForward, TrainerBackend
 from replayrl.trainer.backends.checkpoint_layout import CheckpointLayout, check_layout, refuse_other_backend
 from replayrl.trainer.backends.megatron_context_parallel import ContextParallel, row_layout
-from replayrl.trainer.backends.megatron_model import (
-    MegatronParallel, build_gpt_model, init_parallel)
-from replayrl.trainer.errors import MegatronModelError
+from replayrl.trainer.backends.megatron_model import MegatronParallel, build_gpt_model, init_parallel
 from replayrl.trainer.batch import TrainBatch
 from replayrl.trainer.config import TrainerConfig
+from replayrl.trainer.errors import MegatronModelError
 from replayrl.trainer.logprobs import _check_temperature
 from replayrl.trainer.parallel.vocab_parallel import vocab_parallel_support_logprobs
 
@@ -218,7 +217,8 @@ class MegatronBackend(TrainerBackend):
     def _logprobs(self, logits: torch.Tensor, batch: TrainBatch, t: float) -> torch.Tensor:
         """float32 [N] logprobs of ``batch``'s response tokens from vocabulary-parallel logits
         ``[B, S / cp, V / tp]`` (support replay, or the full vocabulary); under context
-        parallelism each rank computes its own positions' and they are gathered back (docs/design.md#context-parallel)."""
+        parallelism each rank computes its own positions' and they are gathered back
+        (docs/design.md#context-parallel)."""
         def of(rows: torch.Tensor, select) -> torch.Tensor:  # the tokens `select` (None: all)
             pick = (lambda a: a) if select is None else (lambda a: a[select])
             rows = rows.float()

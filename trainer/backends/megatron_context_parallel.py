@@ -3,7 +3,8 @@
 With ``--cp-size c > 1`` every right-padded row of a microbatch is cut into ``2c`` equal chunks
 and CP rank ``r`` holds chunks ``r`` and ``2c - 1 - r`` (the load-balanced causal layout of
 Megatron-LM's ``get_batch_on_this_cp_rank``): :func:`row_layout` describes the row as one
-:class:`replayrl.trainer.packing.PackedLayout` segment and :func:`replayrl.trainer.parallel.context_parallel.cp_shard_indices`
+:class:`replayrl.trainer.packing.PackedLayout` segment and
+:func:`replayrl.trainer.parallel.context_parallel.cp_shard_indices`
 gives a rank's positions. megatron-core's ``RotaryEmbedding`` slices the rotary table per CP
 rank itself (``get_pos_emb_on_this_cp_rank``, the same two chunks), so each rank's tokens get
 their global RoPE positions (docs/design.md#context-parallel).

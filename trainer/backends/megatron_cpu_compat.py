@@ -3,7 +3,8 @@
 megatron-core assumes a GPU in a handful of places even with the local (non-TransformerEngine)
 layer spec and ``use_cpu_initialization=True``. Each item below is one such place, measured on
 megatron-core 0.16.1 with torch 2.13.0 CPU, and tests/system/test_megatron_cpu_compat.py shows for
-every item that switching it off gives the named failure (docs/design.md#megatron-backend). The layer is applied by :func:`enable` only where CUDA is absent; with a GPU it does
+every item that switching it off gives the named failure (docs/design.md#megatron-backend). The
+layer is applied by :func:`enable` only where CUDA is absent; with a GPU it does
 nothing, and megatron-core runs unmodified.
 
 Items (:data:`ITEMS`):
@@ -43,8 +44,9 @@ import functools
 from typing import Iterable, Iterator
 
 import torch
-from replayrl.trainer.errors import CompatError
 from torch.overrides import TorchFunctionMode
+
+from replayrl.trainer.errors import CompatError
 
 __all__ = ["ITEMS", "enable", "enabled_items", "cpu_device_scope"]
 

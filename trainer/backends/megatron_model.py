@@ -146,7 +146,8 @@ def transformer_config(config: ModelConfig, parallel: MegatronParallel):
     """megatron-core ``TransformerConfig`` of ``config`` under ``parallel`` (fp32, CPU init).
 
     Raises:
-        MegatronModelError: a size does not divide over the ranks (vocabulary, query groups and experts must be multiples of tp / tp /
+        MegatronModelError: a size does not divide over the ranks (vocabulary, query groups and
+        experts must be multiples of tp / tp /
             ep; layers of pp).
     """
     from megatron.core.transformer.transformer_config import TransformerConfig

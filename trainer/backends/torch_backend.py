@@ -27,16 +27,15 @@ import torch.distributed as dist
 
 from replayrl.actors.errors import VersionRegression
 from replayrl.rollout.model.checkpoint import save_pretrained, state_dict_arrays
+from replayrl.rollout.model.config import ModelConfig
 from replayrl.rollout.model.errors import CheckpointError
 from replayrl.rollout.model.loader import load_pretrained
-from replayrl.rollout.model.config import ModelConfig
 from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
 from replayrl.trainer.backends.base import ReplayedForward, TrainerBackend
 from replayrl.trainer.backends.checkpoint_layout import refuse_other_backend
 from replayrl.trainer.batch import TrainBatch
 from replayrl.trainer.config import TrainerConfig
-from replayrl.trainer.logprobs import (full_vocab_logprobs, fused_support_logprobs, support_entropy,
-                              support_logprobs)
+from replayrl.trainer.logprobs import full_vocab_logprobs, fused_support_logprobs, support_entropy, support_logprobs
 from replayrl.trainer.prefix_tree import PrefixTree
 from replayrl.transport.array_bundle import bundle_of_buffer
 
@@ -118,7 +117,8 @@ def _shared_prefix(inputs: dict, prefix: int) -> tuple[int, torch.Tensor, torch.
     """``(prefix, first, inverse)`` when rows share their first ``prefix`` positions, else None.
 
     The first ``prefix`` positions (up to the earliest predicting one) are forwarded once per
-    distinct row (:class:`replayrl.trainer.prefix_tree.PrefixTree`) when every row is real there and rows with equal tokens there also carry equal
+    distinct row (:class:`replayrl.trainer.prefix_tree.PrefixTree`) when every row is real there
+    and rows with equal tokens there also carry equal
     positions and routing / indexer traces (the samples of a GRPO group share their prompt,
     and the engine forwarded it identically for each). ``first`` (int64 [U]) is the first row
     of each distinct prefix, ``inverse`` (int64 [B]) the distinct prefix of every row.

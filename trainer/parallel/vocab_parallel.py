@@ -26,8 +26,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from replayrl.trainer.errors import LogprobError
-from replayrl.trainer.logprobs import (
-    _check_logits, _check_temperature, _fallback_slots, _validate_support)
+from replayrl.trainer.logprobs import _check_logits, _check_temperature, _fallback_slots, _validate_support
 
 __all__ = ["vocab_parallel_support_logprobs"]
 

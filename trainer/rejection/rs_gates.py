@@ -33,8 +33,9 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from types import MappingProxyType
 
 import torch
-from replayrl.trainer.errors import RSBoundsError, RSError
 from torch import Tensor
+
+from replayrl.trainer.errors import RSBoundsError, RSError
 
 __all__ = [
     "compute_log_ratio",

@@ -1,7 +1,8 @@
 """The RS gate of a run, applied identically by the preflight and the training forward.
 
 One frozen :class:`RSGate` turns per-sample proximal / behaviour logprobs into per-sample and
-per-token accept decisions using the formulas in :mod:`replayrl.trainer.rejection.rs_gates` (docs/design.md#trainer-math). Modes:
+per-token accept decisions using the formulas in :mod:`replayrl.trainer.rejection.rs_gates`
+(docs/design.md#trainer-math). Modes:
 
 - ``none``: everything is accepted (plain decoupled PPO + TIS);
 - ``token``: token ``t`` is accepted iff ``exp(d_t)`` is in ``[lower, upper]``; a *sample*

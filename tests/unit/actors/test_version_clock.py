@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -76,6 +75,7 @@ async def test_load_state_never_moves_versions_backwards_and_changes_nothing_whe
     with pytest.raises(VersionError, match="malformed"):
         await clock.load_state({"trainer_version": 9})
     assert await clock.state() == before
-    await clock.load_state({"max_staleness": 3, "trainer_version": 6, "engine_versions": {"engine_0": 6, "engine_1": 2}})
+    await clock.load_state({"max_staleness": 3, "trainer_version": 6,
+                            "engine_versions": {"engine_0": 6, "engine_1": 2}})
     assert await clock.state() == {"max_staleness": 1, "trainer_version": 6,
                                    "engine_versions": {"engine_0": 6, "engine_1": 2}}

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from replayrl.rollout.capture import (
-    check_route_offset, check_sampled_logprob, normalize_support_row)
+from replayrl.rollout.capture import check_route_offset, check_sampled_logprob, normalize_support_row
 from replayrl.rollout.errors import CaptureError
 from tests.paths import CASES
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from replayrl.rollout.engines.base import Generation
-from replayrl.rollout.errors import EngineCaptureError, EngineInputError, EngineNotReady
 from replayrl.rollout.engines.embedded import EmbeddedEngine
+from replayrl.rollout.errors import EngineCaptureError, EngineInputError, EngineNotReady
 from replayrl.rollout.model.checkpoint import state_dict_arrays
 from replayrl.rollout.model.config import ModelConfig
 from replayrl.rollout.model.errors import CheckpointError

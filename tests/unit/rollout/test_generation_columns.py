@@ -5,8 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from replayrl.rollout.engines.base import (
-    Generation, generations_from_columns, generations_to_columns)
+from replayrl.rollout.engines.base import Generation, generations_from_columns, generations_to_columns
 from replayrl.rollout.errors import EngineInputError
 from replayrl.transport.codec import Codec
 

@@ -8,9 +8,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from replayrl.rollout.model import CheckpointError, Qwen3MoeForCausalLM, default_config
+from replayrl.rollout.model.checkpoint import load_state_arrays, save_pretrained, state_dict_arrays
 from replayrl.rollout.model.loader import load_pretrained
-from replayrl.rollout.model.checkpoint import (load_state_arrays, save_pretrained,
-                                      state_dict_arrays)
 
 VOCAB = ["<pad>", "<bos>", "<eos>", "1", "2", "3", "+", "=", "yes", "no"]
 
@@ -74,7 +73,7 @@ def test_tokenizer_is_word_level_over_the_given_vocabulary(tmp_path):
     tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
     assert tok.encode("<bos> 1 + 2 = 3 <eos>").ids == [1, 3, 6, 4, 7, 5, 2]
     assert tok.decode([3, 6, 4], skip_special_tokens=True) == "1 + 2"
-    with pytest.raises(Exception):
+    with pytest.raises(Exception):  # noqa: B017  (tokenizers raises its own untyped error)
         tok.encode("1 + 4")  # unknown word: no silent <unk>
     cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
     assert (cfg["bos_token"], cfg["eos_token"], cfg["pad_token"]) == ("<bos>", "<eos>", "<pad>")

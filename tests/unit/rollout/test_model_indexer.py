@@ -101,10 +101,12 @@ def reference(model, ids, expert_replay=None, slot_replay=None):
                     w = w / w.sum()
                 for e, we in zip(chosen[i], w):
                     e = f"{p}mlp.experts.{e}."
-                    out[i] += we * (_silu(x[i] @ W[e + "gate_proj.weight"].T) * (x[i] @ W[e + "up_proj.weight"].T)) @ W[e + "down_proj.weight"].T
+                    hidden = _silu(x[i] @ W[e + "gate_proj.weight"].T) * (x[i] @ W[e + "up_proj.weight"].T)
+                    out[i] += we * hidden @ W[e + "down_proj.weight"].T
             experts_out.append(chosen)
         else:
-            out = (_silu(x @ W[p + "mlp.gate_proj.weight"].T) * (x @ W[p + "mlp.up_proj.weight"].T)) @ W[p + "mlp.down_proj.weight"].T
+            hidden = _silu(x @ W[p + "mlp.gate_proj.weight"].T) * (x @ W[p + "mlp.up_proj.weight"].T)
+            out = hidden @ W[p + "mlp.down_proj.weight"].T
         h = h + out
     h = _rms(h, W["model.norm.weight"], cfg.rms_norm_eps)
     return h @ W["lm_head.weight"].T, np.stack(experts_out, 1), np.stack(slots_out, 1)

@@ -8,8 +8,8 @@ import time
 import numpy as np
 import pytest
 
-from replayrl.rollout.evaluation import eval_metrics, pass_at_k
 from replayrl.rollout.errors import RewardFailure
+from replayrl.rollout.evaluation import eval_metrics, pass_at_k
 from replayrl.rollout.rewards import RewardGuard, exact_reward, math_reward, normalise
 
 

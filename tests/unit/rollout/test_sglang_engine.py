@@ -16,20 +16,22 @@ import pytest
 
 pytest.importorskip("aiohttp")
 
-from replayrl.rollout.errors import EngineNotReady  # noqa: E402
 from replayrl.rollout.engines.embedded import EmbeddedEngine  # noqa: E402
 from replayrl.rollout.engines.sglang_engine import SglangEngine  # noqa: E402
-from replayrl.rollout.engines.sglang_protocol import (  # noqa: E402
-    decode_item, encode_int32, generate_request, parse_generate_request)
-from replayrl.rollout.errors import SglangRequestError, SglangResponseError, SglangUnavailable  # noqa: E402
+from replayrl.rollout.engines.sglang_protocol import decode_item, encode_int32, generate_request, parse_generate_request  # noqa: E402
+from replayrl.rollout.errors import (  # noqa: E402
+    EngineNotReady,  # noqa: E402
+    SglangRequestError,
+    SglangResponseError,
+    SglangUnavailable,
+)
 from replayrl.rollout.model.checkpoint import state_dict_arrays  # noqa: E402
 from replayrl.rollout.model.config import ModelConfig, default_config  # noqa: E402
 from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM  # noqa: E402
 from replayrl.rollout.sample import TRACE_FIELDS  # noqa: E402
 from replayrl.rollout.sampler import SamplingParams  # noqa: E402
 from replayrl.rollout.tasks.digit_puzzle import VOCABULARY  # noqa: E402
-from tests.sglang_fixtures import (FaultProxy, corrupt_base64, drop_first_row,  # noqa: E402
-                                   serve_thread)
+from tests.sglang_fixtures import FaultProxy, corrupt_base64, drop_first_row, serve_thread  # noqa: E402
 
 CFG = default_config(len(VOCABULARY))
 EOS = VOCABULARY.index("<eos>")

@@ -1,4 +1,5 @@
-"""The embedded task (rollout/tasks/digit_puzzle.py, rollout/tasks/digits.py) and the prompt data source (rollout/data_source.py)."""
+"""The embedded task (rollout/tasks/digit_puzzle.py, rollout/tasks/digits.py) and the prompt data
+source (rollout/data_source.py)."""
 
 from __future__ import annotations
 

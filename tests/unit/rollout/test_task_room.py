@@ -15,15 +15,21 @@ from replayrl.rollout.config import RolloutConfig
 from replayrl.rollout.engine_actor import EngineActor
 from replayrl.rollout.manager import RolloutError, RolloutManager
 from replayrl.rollout.sample import samples_from_columns
-from replayrl.rollout.tasks import (TASKS, TaskConfigError, UnknownTask, load_task_class,
-                                    make_task, task_class_path, task_name)
+from replayrl.rollout.tasks import (
+    TASKS,
+    TaskConfigError,
+    UnknownTask,
+    load_task_class,
+    make_task,
+    task_class_path,
+    task_name,
+)
 from replayrl.rollout.tasks.calculator import DigitToolEnv
 from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
 from replayrl.rollout.tasks.digits import DigitsTask
 from replayrl.rollout.tasks.prompt_file import PromptFileTask
 from replayrl.tools.run.config import ConfigError, build_config
-from replayrl.tools.run.launcher import (engine_kwargs, resolve_engine, run_required_traces,
-                                         write_initial_checkpoint)
+from replayrl.tools.run.launcher import engine_kwargs, resolve_engine, run_required_traces, write_initial_checkpoint
 from replayrl.transport.array_bundle import pack_arrays
 from tests.fake_task import PROMPTS
 from tests.fakes import FakeProxy

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from replayrl.rollout.errors import TraceFinalizedError, TraceRowsError, TraceSchemaError
-from replayrl.rollout.errors import SampleError
+from replayrl.rollout.errors import SampleError, TraceFinalizedError, TraceRowsError, TraceSchemaError
 from replayrl.rollout.trace import TokenMetadataTrace
 from tests.paths import CASES
 

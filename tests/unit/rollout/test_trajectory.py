@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from replayrl.rollout.errors import (CaptureError, MissingTraceError, SampleError, TraceGapError,
-                                     TrajectoryError)
+from replayrl.rollout.errors import CaptureError, MissingTraceError, SampleError, TraceGapError, TrajectoryError
 from replayrl.rollout.sample import Sample
 from replayrl.rollout.trajectory import append_synthetic_eos, merge_turns, truncate
 from replayrl.trainer.rejection.rs_gates import compute_log_ratio, sample_gate, sequence_log_weight

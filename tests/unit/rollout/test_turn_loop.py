@@ -10,19 +10,18 @@ from __future__ import annotations
 
 import asyncio
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from replayrl.rollout.engines.embedded import EmbeddedEngine
+from replayrl.rollout.errors import MissingTraceError, MixedVersionError, ToolEnvError, TurnLoopError
 from replayrl.rollout.model.checkpoint import state_dict_arrays
 from replayrl.rollout.model.config import default_config
 from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
 from replayrl.rollout.sample import TRACE_FIELDS, Sample
 from replayrl.rollout.sampler import SamplingParams
-from replayrl.rollout.errors import MissingTraceError, MixedVersionError, ToolEnvError, TurnLoopError
 from replayrl.rollout.tasks.calculator import DigitToolEnv
 from replayrl.rollout.tasks.digit_puzzle import VOCABULARY, DigitTask
 from replayrl.rollout.turn_loop import assemble, run_episodes, turn_seed
@@ -88,8 +87,11 @@ def test_one_verifier_scores_single_turn_responses_like_the_task(response, expec
 # ------------------------------------------------------------------------------ end to end
 
 
+CALCULATOR = DigitToolEnv()
+
+
 def generate(engine, prompts, *, max_turns, max_new_tokens, seed, traces=TRACE_FIELDS,
-             env=DigitToolEnv()):
+             env=CALCULATOR):
     """The manager's path without actors: the turn loop on ``engine``, then ``assemble``."""
 
     async def generate_turn(contexts, turn_seed):

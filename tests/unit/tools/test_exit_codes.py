@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from replayrl.tools.errors import ConfigError
-from replayrl.tools.errors import Terminated
+from replayrl.tools.errors import ConfigError, Terminated
 from replayrl.tools.run.exit_codes import exit_code
 
 

@@ -40,8 +40,8 @@ def test_joined_engines_come_after_the_runs_own(tmp_path):
 def test_a_joined_rank_takes_a_slot_and_sees_every_address():
     import torch.distributed as dist
 
-    from replayrl.tools.run.launcher import free_port
     from replayrl.tools.errors import RendezvousError
+    from replayrl.tools.run.launcher import free_port
     from replayrl.tools.run.rank_hosts import join_run
 
     port = free_port()
@@ -167,8 +167,8 @@ def _refusal(run, joiner) -> str:
 def test_a_missing_rank_or_joined_engine_is_named():
     import torch.distributed as dist
 
-    from replayrl.tools.run.launcher import free_port
     from replayrl.tools.errors import RendezvousError
+    from replayrl.tools.run.launcher import free_port
     from replayrl.tools.run.rank_hosts import join_run
 
     port = free_port()
@@ -185,8 +185,8 @@ def test_a_missing_rank_or_joined_engine_is_named():
 def test_a_joined_rank_fails_when_the_driver_stops_it_after_a_failed_run(curve_keys_dir, failure):
     from replayrl.actors import ActorError, ActorSpec, Directory
     from replayrl.actors.ref import use_curve_keys
-    from replayrl.tools.run.launcher import free_port
     from replayrl.tools.errors import RunFailed
+    from replayrl.tools.run.launcher import free_port
     from replayrl.tools.run.torchrun_entry import _serve_watched
 
     directory = Directory({"version_clock": f"tcp://127.0.0.1:{free_port()}",  # no driver here

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
@@ -13,7 +12,6 @@ from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
 from replayrl.rollout.tokenizer import load_tokenizer
 from replayrl.tools.run.metrics import MetricsRecorder
 from tests.paths import REPO
-
 
 
 def test_tensorboard_events_hold_every_numeric_metric(tmp_path):

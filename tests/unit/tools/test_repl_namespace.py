@@ -5,10 +5,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from replayrl.tools.errors import ReplError
 from replayrl.tools.console.helpers import ConsoleHelpers
 from replayrl.tools.console.namespace import ConsoleProxy, build_namespace
 from replayrl.tools.console.runs import AttachedRun
+from replayrl.tools.errors import ReplError
 
 
 class _Session:

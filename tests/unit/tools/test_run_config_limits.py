@@ -5,9 +5,9 @@ import json
 
 import pytest
 
+from replayrl.tools.cli import build_parser
 from replayrl.tools.errors import ConfigError
 from replayrl.tools.run.config import build_config, config_from_args
-from replayrl.tools.cli import build_parser
 
 
 @pytest.mark.parametrize("values, flag", [

@@ -11,6 +11,7 @@ from replayrl.actors.settings import POSITIVE, Choices, Range, Rule, check_setti
 from replayrl.tools.errors import ConfigError
 from replayrl.tools.run.config import FLAGS, add_run_flags, build_config, config_from_args
 
+
 class Bad(ValueError):
     pass
 

@@ -41,8 +41,8 @@ def test_skipped_row_is_written_logged_and_shown_without_update_figures(tmp_path
 
 
 async def test_nothing_is_pushed_after_a_skipped_step():
-    from tests.fakes import FakeProxy
     from replayrl.tools.run.train_loop import NO_PUSH, push_after
+    from tests.fakes import FakeProxy
 
     pushed = []
 

@@ -15,9 +15,9 @@ from replayrl.tools.errors import ConfigError
 from replayrl.tools.run.config import build_config
 from replayrl.tools.run.launcher import check_load, write_initial_checkpoint
 from replayrl.trainer.backends.checkpoint_layout import CheckpointLayout
-from replayrl.trainer.errors import CheckpointLayoutError
 from replayrl.trainer.backends.torch_backend import TorchBackend
 from replayrl.trainer.config import TrainerConfig
+from replayrl.trainer.errors import CheckpointLayoutError
 
 pytest.importorskip("megatron.core")
 

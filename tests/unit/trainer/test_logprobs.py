@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from replayrl.trainer.errors import LogprobError, SupportError
-from replayrl.trainer.logprobs import (
-    full_vocab_logprobs, fused_support_logprobs, support_entropy, support_logprobs)
+from replayrl.trainer.logprobs import full_vocab_logprobs, fused_support_logprobs, support_entropy, support_logprobs
 from tests.paths import CASES
 
 CASES = CASES
@@ -71,18 +69,22 @@ def test_support_logprob_cases(case):
     support = torch.tensor([[y] + s for y, s in zip(case["sampled"], case["support"])])
     got = support_logprobs(logits, support, case["temperature"])
     assert got.dtype == torch.float32
-    torch.testing.assert_close(got.double(), torch.tensor(case["expected_support_logprob"], dtype=torch.float64), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got.double(), torch.tensor(case["expected_support_logprob"], dtype=torch.float64),
+                               rtol=1e-6, atol=1e-6)
     full = full_vocab_logprobs(logits, torch.tensor(case["sampled"]), case["temperature"])
-    torch.testing.assert_close(full.double(), torch.tensor(case["expected_full_vocab_logprob"], dtype=torch.float64), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(full.double(), torch.tensor(case["expected_full_vocab_logprob"], dtype=torch.float64),
+                               rtol=1e-6, atol=1e-6)
     # A row with every candidate excluded is the synthetic-EOS fallback: full-vocabulary value.
     fallback = torch.full_like(support, -1)
     fallback[:, 0] = support[:, 0]
     got_fb = support_logprobs(logits, fallback, case["temperature"])
-    torch.testing.assert_close(got_fb.double(), torch.tensor(case["expected_full_vocab_logprob"], dtype=torch.float64), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got_fb.double(), torch.tensor(case["expected_full_vocab_logprob"], dtype=torch.float64),
+                               rtol=1e-6, atol=1e-6)
     # The fused path from hidden = logits, W = I reproduces the same numbers.
     eye = torch.eye(logits.shape[1])
     fused = fused_support_logprobs(logits, eye, support, case["temperature"], chunk_size=1)
-    torch.testing.assert_close(fused.double(), torch.tensor(case["expected_support_logprob"], dtype=torch.float64), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(fused.double(), torch.tensor(case["expected_support_logprob"], dtype=torch.float64),
+                               rtol=1e-6, atol=1e-6)
 
 
 def test_hand_computed_top_k_2():

@@ -14,8 +14,7 @@ from replayrl.tools.run.config import build_config
 from replayrl.tools.run.launcher import trainer_rank_count
 from replayrl.trainer.backends.megatron_context_parallel import ContextParallel, row_layout
 from replayrl.trainer.config import TrainerConfig
-from replayrl.trainer.errors import TrainerConfigError
-from replayrl.trainer.errors import PackingError
+from replayrl.trainer.errors import PackingError, TrainerConfigError
 
 SMALL = {"num-steps": 1, "rollout-batch-size": 2, "n-samples-per-prompt": 2}
 

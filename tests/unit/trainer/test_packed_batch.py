@@ -6,12 +6,11 @@ import pytest
 import torch
 
 from replayrl.rollout.engines.embedded import EmbeddedEngine
-from replayrl.rollout.sample import TRACE_FIELDS
+from replayrl.rollout.errors import SampleError
 from replayrl.rollout.model.checkpoint import state_dict_arrays
 from replayrl.rollout.model.config import default_config
 from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
-from replayrl.rollout.errors import SampleError
-from replayrl.rollout.sample import Sample
+from replayrl.rollout.sample import TRACE_FIELDS, Sample
 from replayrl.rollout.sampler import SamplingParams
 from replayrl.rollout.trajectory import merge_turns
 from replayrl.trainer.backends.torch_backend import response_logprobs

@@ -4,7 +4,6 @@ unpack, against hand-written values (CP shards: tests/unit/trainer/test_context_
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from replayrl.trainer.errors import RefillConfigError, RefillExhausted
 from replayrl.trainer.rejection.refill_planner import (
-    RefillRequest, plan_refill_rounds, refill_quantum, replacement_target)
+    RefillRequest,
+    plan_refill_rounds,
+    refill_quantum,
+    replacement_target,
+)
 from replayrl.trainer.rejection.rs_gates import group_admission
 from tests.paths import CASES
 

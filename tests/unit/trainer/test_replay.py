@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from replayrl.rollout.model import Qwen3MoeForCausalLM, default_config
-from replayrl.trainer.parallel.replay_registry import fill_own_choice
 from replayrl.trainer.errors import ReplayError, ReplayMismatch
+from replayrl.trainer.parallel.replay_registry import fill_own_choice
 from replayrl.trainer.replay import check_replay, flip_rate, replayed_rows
 
 V = 32
@@ -197,8 +197,8 @@ def test_flip_rate_matches_python_sets(repeats):
         used[8, 1], own[8, 1] = [-1, -1, 3, 5], [-1, 3, -1, 5]
     valid = rng.random((T, L)) < 0.8
     sets = lambda row: {int(x) for x in row if x >= 0}
-    expected = np.mean([sets(used[t, l]) != sets(own[t, l])
-                        for t in range(T) for l in range(L) if valid[t, l]])
+    expected = np.mean([sets(used[t, layer]) != sets(own[t, layer])
+                        for t in range(T) for layer in range(L) if valid[t, layer]])
     assert flip_rate(used, own, valid) == pytest.approx(expected, abs=1e-12)
     assert flip_rate(torch.from_numpy(used), torch.from_numpy(own), torch.from_numpy(valid)) == \
         pytest.approx(expected, abs=1e-12)

@@ -14,12 +14,12 @@ import torch
 
 from replayrl.rollout.sample import Sample, samples_to_columns
 from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
-from tests.fakes import FakeProxy
 from replayrl.tools.run.config import build_config
 from replayrl.tools.run.launcher import write_initial_checkpoint
 from replayrl.trainer.config import TrainerConfig
 from replayrl.trainer.errors import EmptyStep
 from replayrl.trainer.trainer_actor import TrainerActor
+from tests.fakes import FakeProxy
 
 RESPONSE_LEN = 3
 RS = {"rs_mode": "sequence", "rs_lower": 0.5, "rs_upper": 2.0}

@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
 
 from replayrl.trainer.errors import RSBoundsError, RSError
 from replayrl.trainer.rejection.rs_gates import (
-    SAMPLE_LOG_WEIGHTS, compute_log_ratio, geometric_log_weight, group_admission, sample_gate,
-    sequence_log_weight, token_gate)
+    SAMPLE_LOG_WEIGHTS,
+    compute_log_ratio,
+    geometric_log_weight,
+    group_admission,
+    sample_gate,
+    sequence_log_weight,
+    token_gate,
+)
 from tests.paths import CASES
 
 CASES = json.loads((CASES / "rs_gates.json").read_text())

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 
-from replayrl.transport.curve import CurveKeys
 from replayrl.transport import (
     DealerSocket,
     RouterSocket,
@@ -23,6 +22,7 @@ from replayrl.transport import (
     ipc_endpoint,
     tcp_loopback_endpoint,
 )
+from replayrl.transport.curve import CurveKeys
 
 HANG_GUARD_S = 60
 N_IN_FLIGHT = 300
@@ -238,7 +238,8 @@ async def test_non_loopback_tcp_bind_without_keys_is_refused(endpoint: str) -> N
 async def test_a_wildcard_tcp_bind_with_keys_serves_only_key_holders(curve_keys: CurveKeys,
                                                                     tmp_path: Path) -> None:
     """Across hosts an actor listens beyond loopback; CURVE, not the address, admits peers."""
-    from replayrl.transport.curve import CurveKeys as Keys, create_keys
+    from replayrl.transport.curve import CurveKeys as Keys
+    from replayrl.transport.curve import create_keys
 
     got: list = []
     router = RouterSocket("tcp://0.0.0.0:0", lambda peer, frames: (

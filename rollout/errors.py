@@ -31,6 +31,7 @@ __all__ = [
     "UnknownEngine", "EnginesLost", "SglangRequestError", "SglangResponseError",
     "SglangUnavailable", "SglangNoAnswer",
     "SampleError", "MissingTraceError", "TrajectoryError", "TraceGapError", "MixedVersionError",
+    "ChatTemplateError",
     "CaptureError", "TraceSchemaError", "TraceRowsError", "TraceFinalizedError",
 ]
 
@@ -175,6 +176,12 @@ class SampleError(RolloutError, ValueError):
         self.sample_id = sample_id
         self.field = field_name
         super().__init__(f"sample {sample_id}: field {field_name!r}: {problem}")
+
+
+class ChatTemplateError(SampleError):
+    """A tool turn cannot be appended to a trajectory's exact ids as the chat template renders
+    the whole conversation (the template rewrites earlier turns when a tool message is added,
+    or puts the turn's end-of-turn token elsewhere); names the sample and the field."""
 
 
 class MissingTraceError(SampleError):

@@ -20,14 +20,16 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from replayrl.rollout.errors import TokenizerError
+from replayrl.rollout.errors import ChatTemplateError, TokenizerError
 
 __all__ = [ "PromptTokenizer", "load_tokenizer"]
 
 # A fixed two-message conversation the observation delta is rendered after: the delta of a tool
 # turn is the text the template adds for that message (and the next generation prompt), which a
-# template computes from the roles alone, not from earlier contents.
-_BASE_CONVERSATION = ({"role": "user", "content": "x"}, {"role": "assistant", "content": "y"})
+# template computes from the roles alone, not from earlier contents. The assistant content is a
+# marker no template writes itself, so the text after it is the template's closing of a turn.
+_BASE_CONVERSATION = ({"role": "user", "content": "x"},
+                      {"role": "assistant", "content": "replayrl-assistant-turn"})
 
 
 @dataclass(frozen=True)
@@ -102,41 +104,89 @@ class PromptTokenizer:
         """The text of ``ids`` with special tokens (EOS, template markers) left out."""
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
 
-    def render_observation(self, observation_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    def render_observation(self, observation_ids: Sequence[int] | np.ndarray,
+                           turn_ids: Sequence[int] | np.ndarray, *,
+                           sample_id: Any = None) -> np.ndarray:
         """The ids to append to a context after a tool call: the observation as a tool turn.
 
         Without the chat template the environment's ids are appended unchanged. With it, the
-        observation's text (:meth:`decode`) becomes a ``{"role": "tool"}`` message and the ids
-        are those of the text the template adds for it (plus the next generation prompt):
-        ``render(base + [tool], generation prompt)`` minus ``render(base)``, tokenised alone.
-        Only this delta is tokenised; the context before it keeps its exact ids.
+        result is the text the template renders between the turn's last generated token and
+        the next turn's content, tokenised alone, so that prompt + turn 0 + observation 0 +
+        turn 1 + ... is, token for token, ``apply_chat_template`` of the whole conversation:
+
+        * the *closing* the template writes after an assistant message's content
+          (``render(base)`` after the content of its assistant message, e.g. Qwen's
+          ``"<|im_end|>\\n"``). A turn ending with a stop id (:attr:`eos_token_ids`) whose text
+          starts the closing keeps that generated token, and only the rest of the closing
+          (the separator, e.g. ``"\\n"``) is appended; a turn cut before its end-of-turn
+          token (``"length"``) gets the whole closing;
+        * the *tool turn*: the observation's text (:meth:`decode`) as a ``{"role": "tool"}``
+          message plus the next generation prompt, ``render(base + [tool], generation
+          prompt)`` minus ``render(base)``.
+
+        Only this text is tokenised; the context before it keeps its exact ids. The caller
+        gives these rows loss mask 0 and no trace rows (``merge_turns``' observation rows).
+
+        Args:
+            observation_ids: the environment's observation ids ``[O_env]``.
+            turn_ids: the ids the policy generated in the turn the observation answers.
+            sample_id: names the trajectory in errors (the turn loop: its row in the batch).
 
         Returns:
             read-only int32 ``[O]``, ``O >= 1``.
 
         Raises:
-            TokenizerError: the template does not extend the base conversation by a suffix
-                (it rewrites earlier turns), or the delta is empty.
+            ChatTemplateError: field ``observations``: the template does not extend the base
+                conversation by a suffix (it rewrites earlier turns when a tool message is
+                added) or does not render an assistant message's content verbatim; field
+                ``response_ids``: the turn ends with a stop id the template renders inside its
+                closing but not right after the content.
+            TokenizerError: the rendering is empty.
         """
         if not self.apply_chat_template:
             out = np.array(observation_ids, dtype=np.int32)
         else:
-            kwargs = dict(self.chat_template_kwargs)
-            base = [dict(m) for m in _BASE_CONVERSATION]
-            before = self.tokenizer.apply_chat_template(base, tokenize=False, **kwargs)
-            after = self.tokenizer.apply_chat_template(
-                base + [{"role": "tool", "content": self.decode(observation_ids)}],
-                tokenize=False, add_generation_prompt=True, **kwargs)
-            if not after.startswith(before):
-                raise TokenizerError(f"tokenizer {self.directory}: the chat template rewrites "
-                                     "earlier turns when a tool message is added; observation "
-                                     "tokens cannot be appended to the exact context")
-            out = np.asarray(self.tokenizer(after[len(before):], add_special_tokens=False)
-                             ["input_ids"], dtype=np.int32)
+            out = np.asarray(self.tokenizer(self._tool_turn_text(observation_ids, turn_ids, sample_id),
+                                            add_special_tokens=False)["input_ids"], dtype=np.int32)
         if len(out) == 0:
             raise TokenizerError("the observation renders to no tokens")
         out.flags.writeable = False
         return out
+
+    def _tool_turn_text(self, observation_ids: Sequence[int] | np.ndarray,
+                        turn_ids: Sequence[int] | np.ndarray, sample_id: Any) -> str:
+        """The text :meth:`render_observation` tokenises: the rest of the turn's closing, then
+        the tool turn and the next generation prompt."""
+        kwargs = dict(self.chat_template_kwargs)
+        base = [dict(m) for m in _BASE_CONVERSATION]
+        before = self.tokenizer.apply_chat_template(base, tokenize=False, **kwargs)
+        after = self.tokenizer.apply_chat_template(
+            base + [{"role": "tool", "content": self.decode(observation_ids)}],
+            tokenize=False, add_generation_prompt=True, **kwargs)
+        if not after.startswith(before):
+            raise ChatTemplateError(sample_id, "observations",
+                                    f"the chat template of {self.directory} rewrites earlier "
+                                    "turns when a tool message is added; observation tokens "
+                                    "cannot be appended to the exact context")
+        content = _BASE_CONVERSATION[-1]["content"]
+        at = before.rfind(content)
+        if at < 0:
+            raise ChatTemplateError(sample_id, "observations",
+                                    f"the chat template of {self.directory} does not render an "
+                                    "assistant message's content verbatim; the text it closes "
+                                    "a turn with is unknown")
+        closing = before[at + len(content):]
+        last = int(turn_ids[-1]) if len(turn_ids) else None
+        if last in self.eos_token_ids:
+            stop = self.tokenizer.decode([last], skip_special_tokens=False)
+            if stop and closing.startswith(stop):
+                closing = closing[len(stop):]  # the generated end-of-turn token is kept
+            elif stop and stop in closing:
+                raise ChatTemplateError(sample_id, "response_ids",
+                                        f"the turn ends with stop id {last} ({stop!r}), which "
+                                        f"the chat template of {self.directory} renders inside "
+                                        f"the closing {closing!r}, not right after the content")
+        return closing + after[len(before):]
 
 
 def _stop_ids(directory: Path, tokenizer: Any) -> tuple[int, ...]:

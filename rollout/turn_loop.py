@@ -84,7 +84,7 @@ async def run_episodes(
     max_positions: int,
     seed: int,
     env: Environment | None,
-    render_observation: Callable[[np.ndarray], np.ndarray] | None = None,
+    render_observation: Callable[..., np.ndarray] | None = None,
 ) -> list[Episode]:
     """Run the turn loop for a batch of trajectories on one engine.
 
@@ -101,11 +101,14 @@ async def run_episodes(
             Same seed, prompts and weights give the same episodes.
         env: the task's environment (``replayrl.rollout.tasks.base.Environment``), or ``None``
             (no tools: every turn is final).
-        render_observation: turns the environment's observation ids into the ids appended to
-            the context (``replayrl.rollout.tokenizer.PromptTokenizer.render_observation``: the chat
-            template's tool turn); ``None`` appends them unchanged. Either way the next turn's
-            context is the previous context's exact ids plus the turn's ids plus these, never
-            a re-tokenisation of the conversation's text (docs/design.md#prompt-data).
+        render_observation: ``render_observation(observation_ids, turn_ids, sample_id=row)``
+            turns the environment's observation ids into the ids appended to the context after
+            the turn ``turn_ids`` (``replayrl.rollout.tokenizer.PromptTokenizer.render_observation``:
+            the separator the chat template writes after the turn's end-of-turn token, then the
+            tool turn); ``row`` is the trajectory's index in ``prompts``. ``None`` appends them
+            unchanged. Either way the next turn's context is the previous context's exact ids
+            plus the turn's ids plus these, never a re-tokenisation of the conversation's text
+            (docs/design.md#prompt-data).
 
     Returns:
         ``B`` :class:`Episode` records in prompt order.
@@ -113,6 +116,8 @@ async def run_episodes(
     Raises:
         TurnLoopError: ``max_turns`` / ``max_new_tokens`` / ``max_positions`` / ``seed`` not an
             int in range, or ``generate_turn`` returned a wrong number of generations.
+        Whatever ``render_observation`` raises (the chat template's
+            ``replayrl.rollout.errors.ChatTemplateError``, naming the row).
         Whatever ``env.observe`` raises (the digit task's calculator:
             ``replayrl.rollout.tasks.calculator.ToolEnvError``, a tool call on a prompt that is not
             a task prompt).
@@ -147,7 +152,7 @@ async def run_episodes(
                 finish[i] = gen.finish_reason
                 continue
             if render_observation is not None:
-                obs = render_observation(obs)
+                obs = render_observation(obs, gen.response_ids, sample_id=i)
             tool_calls[i] += 1
             grown = len(contexts[i]) + len(gen.response_ids) + len(obs)
             if t + 1 == max_turns:

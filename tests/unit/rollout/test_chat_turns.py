@@ -79,6 +79,6 @@ async def test_the_next_turn_appends_the_rendered_observation_to_the_exact_ids(b
 
 def test_without_the_template_the_environment_ids_are_appended_unchanged(bpe_dir):
     tok = load_tokenizer(bpe_dir)
-    assert tok.render_observation(np.array([VOCAB["a"], VOCAB["b"]])).tolist() == [0, 1]
+    assert tok.render_observation(np.array([VOCAB["a"], VOCAB["b"]]), [VOCAB["a"]]).tolist() == [0, 1]
     with pytest.raises(Exception, match="needs --apply-chat-template"):
         tok.encode_prompt([{"role": "user", "content": "b"}])

@@ -8,7 +8,10 @@ replay), the gathered weights, one optimizer step (``forward_backward``; grad no
 after). ``r3``: record the routing, perturb the routers (only the last pipeline stage's with
 ``--perturb-last-stage``), forward without and with replay of the recorded routing.
 ``pp``: the routing replay targets each pipeline stage feeds its routers. ``ckpt``: one step,
-save, a fresh backend loads it (version and digest compared).
+save, a fresh backend loads it (version and digest compared). ``rebuilt``: a second backend is
+built in the process after the first; the first replays the trace (support + R3 + indexer) with
+the second alive, then with it dropped; then a second ``RoutingReplay`` over the first's model
+takes its routers and the first's replay must refuse (the error's class and message recorded).
 Rank 0 writes OUT/result.npz (all ranks' values must agree; the worker checks that itself).
 """
 from __future__ import annotations
@@ -103,6 +106,25 @@ def main() -> None:
             result["same_values"] = np.array(all(before[k] == after[k] for k in before))
             # each rank holds its shard of the distributed optimizer's moments
             result["opt_keys"] = np.array(any(k.startswith("opt/") for k in before))
+        elif args.case == "rebuilt":
+            import gc
+
+            second = MegatronBackend(args.checkpoint, cfg, list(VOCABULARY), parallel=parallel)
+            a = backend.preflight_logprobs(replayed)
+            result.update(logp_alive=a.logprobs.numpy(), used_alive=a.routed_experts.numpy(),
+                          index_alive=a.indexer_topk.numpy())
+            del second
+            gc.collect()
+            a = backend.preflight_logprobs(replayed)
+            result.update(logp_dropped=a.logprobs.numpy(), used_dropped=a.routed_experts.numpy())
+            from replayrl.trainer.backends.megatron_replay import RoutingReplay
+
+            RoutingReplay(backend.model, backend.model_config)  # re-arms the first model's routers
+            try:
+                backend.preflight_logprobs(replayed)
+                result["refused"] = np.array("")
+            except Exception as e:  # noqa: BLE001 -- the test checks the class by name
+                result["refused"] = np.array(f"{type(e).__name__}: {e}")
         else:  # r3
             from megatron.core import parallel_state as ps
 

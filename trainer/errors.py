@@ -11,7 +11,8 @@ Every error the trainer raises derives from :class:`TrainerError`. What a caller
   :class:`RankGroupError`, and the checkpoint / weight-map mismatches
   :class:`CheckpointLayoutError`, :class:`WeightMapError`;
 - a step refused at run time, weights untouched: :class:`TrainStepError` (a ``RuntimeError``),
-  :class:`ReplayMismatch`, :class:`RefillExhausted`, :class:`ProximalCacheError`.
+  :class:`ReplayMismatch`, :class:`ReplayTargetError`, :class:`RefillExhausted`,
+  :class:`ProximalCacheError`.
 
 A sample that breaks the data contract is a :class:`replayrl.rollout.errors.SampleError`, except
 inside the packed layout, where it is a :class:`PackedFieldError` (same message form).
@@ -23,7 +24,7 @@ from typing import Any
 __all__ = [
     "TrainerError", "TrainerConfigError", "UnknownBackendError", "MegatronModelError",
     "CompatError", "AdvantageError", "LossError", "LogprobError", "SupportError", "PackingError",
-    "PackedFieldError", "ReplayError", "ReplayMismatch", "RSError", "RSBoundsError",
+    "PackedFieldError", "ReplayError", "ReplayMismatch", "ReplayTargetError", "RSError", "RSBoundsError",
     "RefillConfigError", "RefillExhausted", "RankGroupError", "CheckpointLayoutError",
     "WeightMapError", "TrainStepError", "EmptyStep", "ProximalCacheError",
 ]
@@ -149,6 +150,20 @@ class TrainStepError(TrainerError, RuntimeError):
 
 class EmptyStep(TrainStepError):
     """A step with nothing to train under ``--stop-on-empty-step``; nothing was applied."""
+
+
+class ReplayTargetError(TrainerError, RuntimeError):
+    """A routing replay armed for one model finds that a router of that model no longer holds
+    its replay instance (another replay took the router, or the model's layers were swapped):
+    the replay would miss the live routers. Raised before the forward.
+
+    Attributes:
+        layer: the global layer id (0-based) of the first router that does not match.
+    """
+
+    def __init__(self, layer: int, problem: str) -> None:
+        self.layer = layer
+        super().__init__(f"routing replay: layer {layer}: {problem}")
 
 
 class RefillExhausted(TrainerError):

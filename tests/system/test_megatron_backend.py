@@ -198,6 +198,35 @@ def test_record_perturb_replay_restores_the_routing(checkpoint, tmp_path):
     np.testing.assert_allclose(got["logp"], ref.logprobs.numpy(), atol=2e-5)
 
 
+def _flip_rate(used: np.ndarray, forced: np.ndarray) -> float:
+    """Fraction of the captured (token, layer) rows of ``forced`` [B, S, L, K] whose expert set
+    differs from ``used``'s."""
+    real = (forced >= 0).all(-1)
+    same = (np.sort(used, -1) == np.sort(forced, -1)).all(-1)
+    return float((~same[real]).mean())
+
+
+def test_replay_reaches_the_live_model_after_a_second_one_is_built(checkpoint, reference, tmp_path):
+    # verl#7340's class: megatron-core keeps every RouterReplay ever built in one global list, so
+    # a model built after this one took its replay; replay must act on the model it is given
+    got = _run(checkpoint, tmp_path, 1, "--case", "rebuilt")
+    forced = reference["trace"]
+    real = forced >= 0
+    assert (reference["own"][real] != forced[real]).any(), "the forced routes must differ from the own"
+    for when in ("alive", "dropped"):  # the second model alive, then dropped
+        used, logp = got[f"used_{when}"], got[f"logp_{when}"]
+        flips = _flip_rate(used, forced)
+        diff = float(np.abs(logp - reference["logp_replay"]).max())
+        assert flips == 0.0 and np.array_equal(used[real], forced[real]), (when, flips, diff)
+        # independent: the torch backend replaying the same trace on the same weights
+        np.testing.assert_allclose(logp, reference["logp_replay"], atol=2e-5, err_msg=when)
+    np.testing.assert_array_equal(got["index_alive"], reference["index_used"])
+    # a second RoutingReplay over the same model took its routers: the first one refuses by layer
+    refused = str(got["refused"])
+    assert refused.startswith("ReplayTargetError: "), refused
+    assert "layer 1" in refused, refused
+
+
 @pytest.mark.parametrize("nproc,layout,saved", [
     (1, (), dict(dp_size=1)), (2, ("--ep", "2"), dict(dp_size=2, ep_size=2)),
     (2, ("--pp", "2"), dict(dp_size=1, pp_size=2))], ids=["one_rank", "ep2", "pp2"])

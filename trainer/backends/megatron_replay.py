@@ -17,15 +17,43 @@ and back: the experts used and the router's own top-k, all-gathered over the SP 
 the router's own top-k under replay, fills ``-1`` rows with it
 (:func:`replayrl.trainer.parallel.replay_registry.fill_own_choice`, as the embedded model does) and keeps
 it for the flip / drift metrics (docs/design.md#megatron-backend).
+
+megatron drives replay through a process-wide list, ``RouterReplay.global_router_replay_instances``,
+that every router ever built appends to: with two models built in one process (a rebuild, a second
+backend, a test), arming "all routers" there arms whichever model's instances the list holds, and
+the other model silently routes by its own choice (verl#7340). :class:`RoutingReplay` therefore
+never uses that list: it arms, reads and clears the instances it installed on its own model's
+routers, keeps them (and the replaced defaults) out of the list, and before each forward checks
+that every MoE router of its model still holds its instance, else
+:class:`replayrl.trainer.errors.ReplayTargetError` naming the layer.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
+from replayrl.trainer.errors import ReplayTargetError
 from replayrl.trainer.parallel.replay_registry import ReplayRegistry, fill_own_choice, sp_slice
 
 __all__ = ["RoutingReplay"]
+
+
+def _unlist(instance) -> None:
+    """Take ``instance`` out of megatron's process-wide ``RouterReplay`` list (if it is there)."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    listed = RouterReplay.global_router_replay_instances
+    listed[:] = [r for r in listed if r is not instance]
+
+
+def _routers(model) -> dict:
+    """Global layer id (0-based) -> ``TopKRouter`` of every MoE layer of ``model``'s decoder."""
+    out = {}
+    for layer in model.decoder.layers:
+        router = getattr(layer.mlp, "router", None)
+        if router is not None:
+            out[layer.layer_number - 1] = router
+    return out
 
 
 def _replay_class():
@@ -36,6 +64,10 @@ def _replay_class():
         keeps the router's choice on rows whose replayed indices are all ``-1``."""
 
         own_topk_idx = None
+
+        def __init__(self) -> None:
+            super().__init__()
+            _unlist(self)  # driven by its RoutingReplay only, never through the global list
 
         def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None,
                             default_compute_topk=None):
@@ -58,30 +90,31 @@ class RoutingReplay:
         model: this rank's ``GPTModel`` (its decoder layers carry global ``layer_number``).
         config: the :class:`replayrl.rollout.model.config.ModelConfig` it was built from.
 
-    Replaces every router's ``RouterReplay`` with the trace-aware one and makes them the
-    process's ``RouterReplay.global_router_replay_instances`` (one model per process).
+    Replaces every router's ``RouterReplay`` with the trace-aware one, which only this object
+    arms, reads and clears (megatron's process-wide instance list is left out: any number of
+    models may live in one process).
+
+    Raises:
+        ValueError: the model's MoE layers are not the config's for this stage.
     """
 
     def __init__(self, model, config) -> None:
         from megatron.core import parallel_state as ps
-        from megatron.core.transformer.moe.router_replay import RouterReplay
 
         cls = _replay_class()
         self.registry = ReplayRegistry.for_routing(config)
         self.topk = config.num_experts_per_tok
-        routers = {}
-        for layer in model.decoder.layers:
-            router = getattr(layer.mlp, "router", None)
-            gid = layer.layer_number - 1
-            if router is not None:
-                router.router_replay = cls()
-                routers[gid] = router.router_replay
+        self.model = model
+        routers = _routers(model)
         self.registry.register(layer.layer_number - 1 for layer in model.decoder.layers)
         if tuple(routers) != self.registry.layers:
             raise ValueError(f"MoE routers on layers {tuple(routers)} but the model config "
                              f"has MoE layers {self.registry.layers} here")
-        self.instances = [routers[i] for i in self.registry.layers]
-        RouterReplay.global_router_replay_instances[:] = self.instances
+        for router in routers.values():
+            _unlist(router.router_replay)  # megatron's default instance, replaced here
+            router.router_replay = cls()
+        self.routers = routers
+        self.instances = [routers[i].router_replay for i in self.registry.layers]
         self.sp_rank = ps.get_tensor_model_parallel_rank()
         self.sp_size = ps.get_tensor_model_parallel_world_size() if model.config.sequence_parallel else 1
         self.sp_group = ps.get_tensor_model_parallel_group()
@@ -112,17 +145,47 @@ class RoutingReplay:
             out.append(sp_slice(flat, self.sp_rank, self.sp_size).long().contiguous())
         return out
 
-    def begin(self, trace: torch.Tensor | None) -> None:
-        """Arm the routers for one forward: replay ``trace`` (see :meth:`router_targets`), or
-        record the routers' own choice when ``trace`` is None."""
-        from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+    def check_live(self) -> None:
+        """Check that every MoE router of the model holds this object's replay instance.
 
-        RouterReplay.clear_global_indices()
-        if trace is None:
-            RouterReplay.set_global_router_replay_action(RouterReplayAction.RECORD)
-            return
-        RouterReplay.set_replay_data(self.router_targets(trace))
-        RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        Raises:
+            replayrl.trainer.errors.ReplayTargetError: naming the first layer whose router is
+                not the one armed here, or holds another replay instance (another
+                :class:`RoutingReplay` took it), or is a MoE layer this object does not know.
+        """
+        live = _routers(self.model)
+        for layer in sorted(set(live) | set(self.routers)):
+            router, mine = live.get(layer), self.routers.get(layer)
+            if mine is None:
+                raise ReplayTargetError(layer, "a MoE router of the model that this replay did not arm")
+            if router is not mine:
+                raise ReplayTargetError(layer, "the model's router is not the one this replay armed "
+                                               "(its layers were rebuilt)")
+            if router.router_replay is not self.instances[self.layers.index(layer)]:
+                raise ReplayTargetError(layer, "the router holds another replay instance "
+                                               f"({type(router.router_replay).__name__} "
+                                               f"{id(router.router_replay):#x}): another routing replay "
+                                               "took it; build a new one for this model")
+
+    def begin(self, trace: torch.Tensor | None) -> None:
+        """Arm this model's routers for one forward: replay ``trace`` (see
+        :meth:`router_targets`), or record the routers' own choice when ``trace`` is None.
+
+        Raises:
+            replayrl.trainer.errors.ReplayTargetError: as :meth:`check_live`.
+            replayrl.trainer.parallel.replay_registry.ReplayError: as :meth:`router_targets`.
+        """
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        self.check_live()
+        targets = self.router_targets(trace) if trace is not None else None
+        for i, instance in enumerate(self.instances):
+            instance.clear_indices()
+            if targets is None:
+                instance.set_router_replay_action(RouterReplayAction.RECORD)
+            else:
+                instance.set_target_indices(targets[i])
+                instance.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
     def collect(self, batch_rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The experts used and the routers' own top-k of the last forward.
@@ -150,7 +213,6 @@ class RoutingReplay:
 
     def end(self) -> None:
         """Drop the targets and recorded indices and leave the routers in their own mode."""
-        from megatron.core.transformer.moe.router_replay import RouterReplay
-
-        RouterReplay.clear_global_indices()
-        RouterReplay.clear_global_router_replay_action()
+        for instance in self.instances:
+            instance.clear_indices()
+            instance.clear_router_replay_action()

@@ -12,6 +12,12 @@ name the ``min_version`` it must be served at: the trainer can then push and go 
 while the engine loads, and a generation requested for the new policy waits here for it
 instead of the driver waiting for the push (docs/design.md#version-clock). Both run
 synchronously inside, so a load never lands in the middle of a generation.
+
+A multi-turn episode spans several ``generate`` calls; it holds a version pin
+(:mod:`replayrl.rollout.version_pins`) from :meth:`EngineActor.open_pin` to
+:meth:`EngineActor.release_pin`, and a load of a newer version waits until no pin of an older
+one is held, so the episode's turns all come from the weights it started with. Nothing else
+waits for pins: a run without them (single-turn) loads exactly as before.
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ from replayrl.rollout.engines import check_capture, load_engine_class
 from replayrl.rollout.engines.base import generations_to_columns
 from replayrl.rollout.errors import EngineError, EngineNotReady
 from replayrl.rollout.sampler import SamplingParams
+from replayrl.rollout.version_pins import VersionPins
 from replayrl.transport.array_bundle import unpack_arrays
 
 
@@ -40,6 +47,9 @@ class EngineActor(Actor):
             (``replayrl.rollout.sample.required_traces``), no more, no less.
         torch_threads: intra-op threads for this process (the trainer runs beside it).
         version_wait_s: the longest a ``generate`` with ``min_version`` waits for that version.
+        pin_lease_s: seconds a version pin outlives its holder's silence while the engine is
+            idle (:class:`replayrl.rollout.version_pins.VersionPins`); keep it well below the
+            trainer's ``--rpc-timeout-seconds``, which bounds a load held by pins.
 
     Raises:
         replayrl.rollout.engines.EngineError: ``engine_class`` is not an importable ``Engine`` subclass.
@@ -47,7 +57,8 @@ class EngineActor(Actor):
     """
 
     def __init__(self, engine_class: str, engine_kwargs: Mapping[str, Any], traces: list[str],
-                 torch_threads: int = 1, version_wait_s: float = 300.0) -> None:
+                 torch_threads: int = 1, version_wait_s: float = 300.0,
+                 pin_lease_s: float = 60.0) -> None:
         torch.set_num_threads(torch_threads)
         cls = load_engine_class(engine_class)
         self.traces = tuple(sorted(check_capture(cls, traces)))  # fail at start, not mid-run
@@ -55,6 +66,7 @@ class EngineActor(Actor):
         self.version_wait_s = version_wait_s
         self._loaded: asyncio.Event | None = None  # set after every load attempt, then renewed
         self._failed: tuple[int, str] | None = None  # (version, error) of the last failed load
+        self.pins = VersionPins(pin_lease_s)  # multi-turn episodes across a push
 
     async def on_stop(self) -> None:
         """Release the engine's resources (an HTTP session, a temporary weight directory) when
@@ -65,7 +77,11 @@ class EngineActor(Actor):
 
     @concurrent
     async def load_weights(self, version: int, weights: Mapping[str, Any]) -> float:
-        """Load a full weight set of policy ``version``; returns seconds spent.
+        """Load a full weight set of policy ``version``; returns seconds spent loading.
+
+        The load first waits for earlier loads and until no version pin of an older version is
+        held (:meth:`open_pin`; a pin lapses after ``pin_lease_s`` unused), so a multi-turn
+        episode in flight finishes on its weights; without pins it starts at once.
 
         Args:
             weights: the arrays as one bundle (``replayrl.transport.array_bundle.pack_arrays``): a
@@ -75,18 +91,53 @@ class EngineActor(Actor):
             replayrl.rollout.engines.EngineInputError: ``version`` is below the version already loaded.
             Whatever the engine's weight loading raises (previous weights stay).
         """
-        start = time.perf_counter()
-        try:
-            self.engine.load_weights(unpack_arrays(weights), version=version)
-            self._failed = None
-        except Exception as exc:
-            self._failed = (version, f"{type(exc).__name__}: {exc}")
-            raise
-        finally:
-            if self._loaded is not None:
-                self._loaded.set()
-                self._loaded = None
-        return time.perf_counter() - start
+        async with self.pins.exclusive(version):
+            start = time.perf_counter()
+            try:
+                self.engine.load_weights(unpack_arrays(weights), version=version)
+                self._failed = None
+            except Exception as exc:
+                self._failed = (version, f"{type(exc).__name__}: {exc}")
+                raise
+            finally:
+                if self._loaded is not None:
+                    self._loaded.set()
+                    self._loaded = None
+            return time.perf_counter() - start
+
+    @concurrent
+    async def open_pin(self, pin: str, min_version: int | None = None) -> int:
+        """Pin the version the engine serves for a multi-turn episode batch until
+        :meth:`release_pin`: no newer weights load meanwhile (docs/design.md#version-clock).
+
+        Waits first for ``min_version`` (as :meth:`generate`) and for any load already waiting
+        or loading, so a pending push lands before the episode starts, never during it.
+
+        Args:
+            pin: the holder's id, unique among the pins held (e.g. ``"rollout_manager:17"``).
+            min_version: pin this policy version or a later one.
+        Returns:
+            the pinned version: every ``generate`` naming ``pin`` is served at it, unless the
+            pin lapsed (``pin_lease_s``).
+        Raises:
+            replayrl.rollout.engines.EngineNotReady: no weights loaded yet, or ``min_version``
+                did not arrive within ``version_wait_s``.
+            replayrl.rollout.engines.EngineError: the load of a version ``>= min_version`` failed.
+            replayrl.rollout.engines.EngineInputError: ``pin`` is empty or already held.
+        """
+        if min_version is not None:
+            await self._wait_for_version(min_version)
+        await self.pins.no_load()
+        if self.engine.version is None:
+            raise EngineNotReady("open_pin before the first weight load of the run")
+        self.pins.open(pin, self.engine.version)
+        return int(self.engine.version)
+
+    @concurrent
+    async def release_pin(self, pin: str) -> bool:
+        """End the episode batch of ``pin``: a load it held back may go on. Idempotent;
+        returns whether the pin was still held (``False`` after it lapsed)."""
+        return self.pins.release(pin)
 
     async def _wait_for_version(self, min_version: int) -> None:
         """Return once the engine serves ``min_version`` or later.
@@ -109,7 +160,8 @@ class EngineActor(Actor):
                                      f"version {min_version}; serving {self.engine.version}") from None
 
     async def generate(self, prompts: list[np.ndarray], sampling: dict, *, max_new_tokens: int,
-                       eos_token_id: int, seed: int, min_version: int | None = None) -> dict:
+                       eos_token_id: int, seed: int, min_version: int | None = None,
+                       pin: str | None = None) -> dict:
         """Generate one turn per prompt, capturing this actor's ``traces``.
 
         Args:
@@ -118,6 +170,9 @@ class EngineActor(Actor):
             max_new_tokens, eos_token_id, seed: as :meth:`replayrl.rollout.engines.base.Engine.generate`.
             min_version: serve only at this policy version or later: wait (up to
                 ``version_wait_s``) for a push still on its way.
+            pin: the version pin (:meth:`open_pin`) of the episode batch this turn belongs to;
+                ``None`` for a call outside one. A held pin's version is the one served (a
+                lapsed or unknown pin is served at the engine's version; the reply says which).
 
         Returns:
             ``{"version": int, "generations": replayrl.rollout.engines.base.generations_to_columns(...)}``.
@@ -129,7 +184,11 @@ class EngineActor(Actor):
         """
         if min_version is not None:
             await self._wait_for_version(min_version)
-        gens = self.engine.generate([np.asarray(p).tolist() for p in prompts],
-                                    SamplingParams(**sampling), max_new_tokens=max_new_tokens,
-                                    eos_token_id=eos_token_id, seed=seed, traces=self.traces)
+        self.pins.touch(pin)  # a turn of a pinned episode (pin=None: none)
+        try:
+            gens = self.engine.generate([np.asarray(p).tolist() for p in prompts],
+                                        SamplingParams(**sampling), max_new_tokens=max_new_tokens,
+                                        eos_token_id=eos_token_id, seed=seed, traces=self.traces)
+        finally:
+            self.pins.served()
         return {"version": self.engine.version, "generations": generations_to_columns(gens)}

@@ -13,6 +13,13 @@ is kept until the trainer takes it, so the trajectories cross the wire once (eng
 groups of a lost engine are generated again on another one (``rollout/engine_pool.py``,
 ``--engine-failure``).
 
+A multi-turn episode batch holds a version pin on its engine from its first turn to its last
+(``replayrl.rollout.engine_actor.EngineActor.open_pin``), so a weight push that arrives between
+turns loads after it and every trajectory comes from one policy. Should a pin lapse all the
+same, the batch's mixed trajectories are never trained: the whole batch (whole prompt groups) is
+generated again at the newer version and counted (``episodes_regenerated``;
+docs/design.md#version-clock).
+
 The task (``--task``, ``rollout/tasks/``) gives the prompts, the reward and the environment;
 the manager holds no task code. Prompts come from the task (``--prompt-data``, or the built-in
 task's shipped file) through the run's tokenizer (``rollout/tokenizer.py``,
@@ -22,7 +29,9 @@ task's shipped file) through the run's tokenizer (``rollout/tokenizer.py``,
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
+import logging
 import time
 
 import numpy as np
@@ -42,6 +51,13 @@ from replayrl.rollout.tasks import make_task
 from replayrl.rollout.tokenizer import load_tokenizer
 from replayrl.rollout.trajectory import append_synthetic_eos
 from replayrl.rollout.turn_loop import Episode, assemble, run_episodes
+
+log = logging.getLogger(__name__)
+
+MIXED_VERSION_RERUNS = 2
+"""How many times a multi-turn episode batch whose turns still came from two weight versions
+(a lapsed version pin) is generated again before the trajectory's ``MixedVersionError`` ends
+the rollout."""
 
 
 def observation_segments(loss_mask: np.ndarray) -> int:
@@ -120,34 +136,90 @@ class RolloutManager(Actor):
         self.next_group_id = 0
         self.gate = GenerationGate()  # pause_generation / resume_generation
         self.latest_sample: Sample | None = None  # for consoles: last_sample()
+        self._pin_ids = itertools.count()  # version pins of multi-turn episode batches
+        self._releases: set[asyncio.Future] = set()  # pin releases sent after a failure
 
     async def _episodes(self, engine: str, prompts: list[np.ndarray], seed: int, sampling: dict,
-                        max_new_tokens: int, min_version: int | None) -> list[Episode]:
+                        max_new_tokens: int, min_version: int | None
+                        ) -> tuple[list[Episode], int]:
         """The turn loop of ``prompts`` on one engine actor (one ``generate`` request per turn,
-        each served at ``min_version`` or later)."""
+        each served at ``min_version`` or later), and the number of episodes generated again
+        because their turns came from two weight versions.
+
+        Multi-turn batches hold a version pin for their duration (:meth:`_pinned_episodes`);
+        a batch that still saw two versions (its pin lapsed) is generated again, whole and
+        with the same seed, at the newest version it saw, up to :data:`MIXED_VERSION_RERUNS`
+        times; the last attempt's episodes are returned as they are (assembly then raises
+        ``MixedVersionError``). Single-turn batches are one call, unpinned, as always.
+        """
+        if self.config.max_turns == 1:
+            return await self._pinned_episodes(engine, prompts, seed, sampling, max_new_tokens,
+                                               min_version, pin=False), 0
+        regenerated = 0
+        for attempt in range(MIXED_VERSION_RERUNS + 1):
+            episodes = await self._pinned_episodes(engine, prompts, seed, sampling,
+                                                   max_new_tokens, min_version, pin=True)
+            mixed = [e.versions for e in episodes if len(set(e.versions)) > 1]
+            if not mixed or attempt == MIXED_VERSION_RERUNS:
+                return episodes, regenerated
+            regenerated += len(episodes)
+            min_version = max(v for versions in mixed for v in versions)
+            log.warning("%d of %d episodes on %s crossed a weight push (turn versions %s); "
+                        "generating the batch again at version %d", len(mixed), len(episodes),
+                        engine, mixed[0], min_version)
+        raise AssertionError("unreachable")
+
+    async def _pinned_episodes(self, engine: str, prompts: list[np.ndarray], seed: int,
+                               sampling: dict, max_new_tokens: int, min_version: int | None,
+                               pin: bool) -> list[Episode]:
+        """One run of the turn loop of ``prompts`` on ``engine``; with ``pin``, under a version
+        pin opened (at ``min_version`` or later) before the first turn and released after the
+        last (on failure: released without waiting, or left to lapse)."""
         cfg = self.config
         actor = self.proxy(engine, timeout=cfg.generate_timeout_s)
+        pin_id = f"{self.name or 'rollout_manager'}:{next(self._pin_ids)}" if pin else None
+        if pin_id is not None:
+            await actor.open_pin(pin_id, min_version)
 
         async def generate_turn(contexts: list[list[int]], turn_seed: int):
             async with self.gate.request():  # held here while generation is paused
-                reply = await actor.generate([np.asarray(c, dtype=np.int32) for c in contexts],
-                                             sampling, max_new_tokens=max_new_tokens,
-                                             eos_token_id=self.tokenizer.eos_token_id,
-                                             seed=turn_seed, min_version=min_version)
+                if pin_id is None:
+                    reply = await actor.generate([np.asarray(c, dtype=np.int32) for c in contexts],
+                                                 sampling, max_new_tokens=max_new_tokens,
+                                                 eos_token_id=self.tokenizer.eos_token_id,
+                                                 seed=turn_seed, min_version=min_version)
+                else:  # the pin's version is at min_version or later already
+                    reply = await actor.generate([np.asarray(c, dtype=np.int32) for c in contexts],
+                                                 sampling, max_new_tokens=max_new_tokens,
+                                                 eos_token_id=self.tokenizer.eos_token_id,
+                                                 seed=turn_seed, pin=pin_id)
             return generations_from_columns(reply["generations"]), reply["version"]
 
-        return await run_episodes(generate_turn, prompts, max_turns=cfg.max_turns,
-                                  max_new_tokens=max_new_tokens,
-                                  max_positions=self.max_positions, seed=seed,
-                                  env=self.env,
-                                  render_observation=self.tokenizer.render_observation)
+        try:
+            episodes = await run_episodes(generate_turn, prompts, max_turns=cfg.max_turns,
+                                          max_new_tokens=max_new_tokens,
+                                          max_positions=self.max_positions, seed=seed,
+                                          env=self.env,
+                                          render_observation=self.tokenizer.render_observation)
+        except BaseException:
+            if pin_id is not None:  # the engine may be lost: do not wait for it here
+                release = asyncio.ensure_future(actor.release_pin(pin_id))
+                self._releases.add(release)
+                release.add_done_callback(lambda f: (self._releases.discard(f),
+                                                     f.cancelled() or f.exception()))
+            raise
+        if pin_id is not None:
+            await actor.release_pin(pin_id)
+        return episodes
 
     async def _run_prompts(self, prompts: list[Prompt], n: int, seed_key: list[int],
                            sampling: dict, max_new_tokens: int,
-                           min_version: int | None) -> tuple[list[list[Episode]], int]:
+                           min_version: int | None) -> tuple[list[list[Episode]], int, int]:
         """``n`` episodes per prompt (``[len(prompts)][n]``), whole prompts split over engines,
-        served at policy ``min_version`` or later, and the number of prompt groups that were
-        generated again because their engine was lost (:class:`replayrl.rollout.engine_pool.EnginePool`).
+        served at policy ``min_version`` or later, the number of prompt groups that were
+        generated again because their engine was lost (:class:`replayrl.rollout.engine_pool.EnginePool`),
+        and the number of episodes generated again because their turns crossed a weight push
+        (:meth:`_episodes`).
 
         The split, and each chunk's seed, depend on the run's engine count only, never on
         which engines are alive: a chunk regenerated on another engine is the same request,
@@ -165,23 +237,25 @@ class RolloutManager(Actor):
             self.pool.run(engine, chunk_work(chunk, int(seed)))
             for engine, chunk, seed in zip(self.engines, chunks, seeds) if chunk))
         out: list[list[Episode]] = [[] for _ in prompts]
-        regenerated = 0
-        for chunk, (episodes, reruns) in zip([c for c in chunks if c], replies):
+        regenerated = mixed = 0
+        for chunk, ((episodes, again), reruns) in zip([c for c in chunks if c], replies):
             regenerated += reruns * len(chunk)
+            mixed += again
             episode = iter(episodes)
             for g in chunk:
                 out[g] = [next(episode) for _ in range(n)]
-        return out, regenerated
+        return out, regenerated, mixed
 
     async def _generate_groups(self, prompts: list[Prompt], rollout_id: int,
                                seed_key: list[int], min_version: int | None
-                               ) -> tuple[list[Sample], int]:
+                               ) -> tuple[list[Sample], int, int]:
         """Generate ``n_samples_per_prompt`` trajectories per prompt, assemble and score them;
-        returns them and the number of groups regenerated after an engine loss."""
+        returns them, the number of groups regenerated after an engine loss and the number of
+        episodes regenerated because they crossed a weight push."""
         cfg = self.config
         group_ids = list(range(self.next_group_id, self.next_group_id + len(prompts)))
         self.next_group_id += len(prompts)
-        episodes, regenerated = await self._run_prompts(
+        episodes, regenerated, mixed = await self._run_prompts(
             prompts, cfg.n_samples_per_prompt, seed_key, cfg.sampling_dict(),
             cfg.max_response_len, min_version)
         # sample ids in the order the engines' chunks come back, as before (engine 0's groups
@@ -196,7 +270,7 @@ class RolloutManager(Actor):
         samples.sort(key=lambda s: (s.group_id, s.sample_id))  # groups contiguous for GRPO
         if samples:
             self.latest_sample = samples[-1]
-        return samples, regenerated
+        return samples, regenerated, mixed
 
     async def _reward(self, sample_id: int | str, prompt: Prompt, response_ids: np.ndarray,
                       loss_mask: np.ndarray) -> float:
@@ -226,7 +300,10 @@ class RolloutManager(Actor):
 
         The summary's ``engines_alive`` and ``groups_regenerated`` give the capacity: engines
         in the pool when the batch was complete, and the prompt groups generated again because
-        their engine was lost (docs/design.md#engine-faults).
+        their engine was lost (docs/design.md#engine-faults). With ``--rollout-max-turns > 1`` it
+        also has ``tool_calls_mean`` and ``episodes_regenerated`` (trajectories generated again,
+        whole batches, because a weight push landed between their turns after their version pin
+        lapsed; docs/design.md#version-clock).
 
         Raises:
             RolloutError: a batch with this id is already stored.
@@ -242,8 +319,8 @@ class RolloutManager(Actor):
         # rollout must record: a prefetched batch the model never trained on is drawn again.
         self.data_state_before[rollout_id] = self.data.state_dict()
         prompts = self.data.next_batch(self.config.rollout_batch_size)  # before any await
-        samples, regenerated = await self._generate_groups(prompts, rollout_id, [rollout_id],
-                                                           min_version)
+        samples, regenerated, mixed = await self._generate_groups(prompts, rollout_id,
+                                                                  [rollout_id], min_version)
         self.batches[rollout_id] = samples
         rewards = np.array([s.reward for s in samples])
         summary = {"rollout_id": rollout_id, "samples": len(samples),
@@ -262,6 +339,9 @@ class RolloutManager(Actor):
         if self.config.max_turns > 1:
             summary["tool_calls_mean"] = float(np.mean([observation_segments(s.loss_mask)
                                                         for s in samples]))
+            # trajectories generated again because a weight push landed between their turns
+            # and their version pin had lapsed (docs/design.md#version-clock)
+            summary["episodes_regenerated"] = mixed
         if self.config.reward_failure == "zero":
             summary["reward_failures"] = self.reward_guard.failures  # run total so far
         return summary
@@ -285,7 +365,7 @@ class RolloutManager(Actor):
         n = cfg.n_samples_per_eval_prompt
         out: dict = {}
         for k, (name, prompts) in enumerate(self.eval_sets):
-            episodes, _ = await self._run_prompts(
+            episodes, _, _ = await self._run_prompts(
                 prompts, n, [1 << 21, int(step), k], cfg.eval_sampling_dict(),
                 cfg.eval_max_response_len or cfg.max_response_len, min_version)
             rewards = []
@@ -315,8 +395,8 @@ class RolloutManager(Actor):
             raise RolloutError(f"generate_replacements needs n_groups >= 1, got {n_groups}")
         self.replacement_calls += 1
         prompts = self.replacement_data.next_batch(n_groups)
-        samples, _ = await self._generate_groups(prompts, -1, [1 << 20, self.replacement_calls],
-                                                 min_version)
+        samples, _, _ = await self._generate_groups(prompts, -1,
+                                                    [1 << 20, self.replacement_calls], min_version)
         return samples_to_columns(samples)
 
     def _assemble(self, episode: Episode, prompt: Prompt, group_id: int, rollout_id: int) -> dict:

@@ -6,6 +6,9 @@ the reward of every trajectory is known from the prompt alone. Its traces are va
 embedded policy: support rows ``[y, y, -1, ...]`` (logprob 0 over a one-token support), experts
 ``0..K-1`` in every MoE layer, and each position's indexer keys the newest ``index_topk``
 positions up to itself.
+
+:class:`ToolCallingEngine` makes a multi-turn episode of every prompt: while its context holds
+no calculator answer yet it calls the tool (the prompt's own operator), then answers as above.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from replayrl.rollout.errors import EngineInputError
 from replayrl.rollout.model.config import ModelConfig
 from replayrl.rollout.sample import TRACE_FIELDS
 from replayrl.rollout.sampler import SamplingParams
+from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
 
 
 def _read_only(arr: np.ndarray) -> np.ndarray:
@@ -53,7 +57,7 @@ class FixedDigitEngine(Engine):
         out = []
         for j, prompt in enumerate(prompts):
             prompt = [int(t) for t in prompt]
-            response = np.array([prompt[2] if j % 2 == 0 else prompt[-2], eos_token_id], np.int32)
+            response = np.array(self._response(j, prompt, eos_token_id), np.int32)
             rows = len(prompt) + len(response) - 1
             support = np.full((len(response), 1 + width), -1, np.int32)
             support[:, 0] = support[:, 1] = response
@@ -71,6 +75,22 @@ class FixedDigitEngine(Engine):
                 indexer_topk=_read_only(keys) if "indexer_topk" in traces else None,
                 finish_reason="stop"))
         return out
+
+    def _response(self, j: int, prompt: list[int], eos_token_id: int) -> list[int]:
+        """Row ``j``'s turn for context ``prompt``: its first / last digit, then EOS."""
+        return [prompt[2] if j % 2 == 0 else prompt[-2], eos_token_id]
+
+
+class ToolCallingEngine(FixedDigitEngine):
+    """Calls the calculator with the prompt's operator first (one token), then answers with
+    the calculator's digit and EOS: every episode has two turns and one tool call."""
+
+    EQUALS = VOCABULARY.index("=")
+
+    def _response(self, j: int, prompt: list[int], eos_token_id: int) -> list[int]:
+        if prompt.count(self.EQUALS) < 2:  # the prompt's own "=" only: no tool answer yet
+            return [prompt[1]]
+        return [prompt[-1], eos_token_id]  # the calculator's answer "= d": d
 
 
 class NoRoutingEngine(FixedDigitEngine):

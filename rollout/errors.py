@@ -205,6 +205,11 @@ class CaptureError(SampleError):
     """An external engine's capture cannot become a trace row (names the sample and the field)."""
 
 
+class TraceShapeError(SampleError):
+    """A trace's per-token shape (layer columns x top-k) is not the model's (names the sample,
+    the field, both shapes)."""
+
+
 class TraceSchemaError(SampleError):
     """A :class:`replayrl.rollout.trace.TokenMetadataTrace` chunk's field names, trailing
     shapes, dtypes or values disagree with the schema."""

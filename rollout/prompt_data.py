@@ -16,6 +16,7 @@ word-level tokenizer like any user file. A run's training and refill prompts are
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -26,6 +27,7 @@ from replayrl.rollout.data_source import Prompt
 from replayrl.rollout.errors import PromptDataError, TokenizerError
 from replayrl.rollout.tasks import Task, make_task
 from replayrl.rollout.tokenizer import PromptTokenizer
+from replayrl.transport import strict_json
 
 __all__ = ["PromptRow", "read_rows", "tokenize_rows", "RunPrompts",
            "load_run_prompts"]
@@ -113,6 +115,8 @@ def read_rows(path: str | Path, input_key: str = "prompt", label_key: str = "lab
         if isinstance(label, bool) or not isinstance(label, (str, int, float)):
             raise PromptDataError(f"{where}: key {label_key!r} must be a string or a number, "
                                   f"got {label!r:.80}")
+        if isinstance(label, float) and not math.isfinite(label):
+            raise PromptDataError(f"{where}: key {label_key!r} must be finite, got {label!r}")
         metadata = raw.get(metadata_key, {})
         if metadata is None:
             metadata = {}
@@ -120,7 +124,7 @@ def read_rows(path: str | Path, input_key: str = "prompt", label_key: str = "lab
             raise PromptDataError(f"{where}: key {metadata_key!r} must be a JSON object, got "
                                   f"{metadata!r:.80}")
         rows.append(PromptRow(where, _prompt(raw[input_key], where, input_key),
-                              label if isinstance(label, str) else json.dumps(label),
+                              label if isinstance(label, str) else strict_json.dumps(label),
                               MappingProxyType(dict(metadata))))
     if not rows:
         raise PromptDataError(f"{path}: no rows")

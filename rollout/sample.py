@@ -33,7 +33,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from replayrl.rollout import trace_table
-from replayrl.rollout.errors import MissingTraceError, SampleError
+from replayrl.rollout.errors import MissingTraceError, SampleError, TraceShapeError
 from replayrl.rollout.trace_table import trace_fields
 
 STATUSES = ("completed", "truncated", "aborted")
@@ -97,6 +97,35 @@ def check_required_traces(samples: Any, required: Any) -> None:
                 raise MissingTraceError(s.sample_id, name, f"absent, but {replay_flag(name)} "
                                         f"is on and the model has layers to replay it; the "
                                         f"engine must capture it")
+
+
+def check_trace_shapes(samples: Any, model_config: Any) -> None:
+    """Refuse samples whose traces do not have the model's per-token shape.
+
+    The one check of a trace's shape against the model, for every trace of
+    ``trace_table.TRACES`` tied to the model (:func:`replayrl.rollout.trace_table.model_shape`:
+    ``routed_experts`` ``[rows, len(moe_layers), num_experts_per_tok]``, ``indexer_topk``
+    ``[rows, len(indexed_layers), index_topk]``), whether its replay is on or off (a trace
+    travels to the forward for the flip rates either way). A sample without the trace is not
+    checked here (:func:`check_required_traces`).
+
+    Args:
+        samples: iterable of :class:`Sample`.
+        model_config: the policy's shape (a ``replayrl.rollout.model.config.ModelConfig``).
+    Raises:
+        TraceShapeError: the first sample (in order) with a trace of another per-token shape
+            (more or fewer layer columns, another top-k width), naming the sample, the field,
+            its shape and the model's.
+    """
+    shapes = [(row, trace_table.model_shape(row, model_config)) for row in trace_table.TRACES]
+    shapes = [(row, want) for row, want in shapes if want is not None]
+    for s in samples:
+        for row, want in shapes:
+            arr = getattr(s, row.name)
+            if arr is not None and arr.shape[1:] != want:
+                raise TraceShapeError(s.sample_id, row.name, (
+                    f"per-token shape {tuple(arr.shape[1:])} (layer columns x top-k), but the "
+                    f"model's is {want}: {want[0]} {row.layers}, {row.width} {want[1]}"))
 
 
 def _frozen_array(sample_id: Any, name: str, value: Any, dtype: np.dtype, ndim: int) -> np.ndarray:

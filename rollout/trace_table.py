@@ -32,7 +32,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-__all__ = ["TraceSpec", "TRACES", "spec", "trace_fields", "rows_in"]
+__all__ = ["TraceSpec", "TRACES", "spec", "trace_fields", "rows_in", "model_shape"]
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,10 @@ class TraceSpec:
             metrics ``<replay>_flip_rate`` / ``<replay>_drift_rate``, and the trace travels to
             the forward whenever captured, replayed or not. False: it travels only when its
             replay is on.
+        width: the model-config attribute giving the trace's last dimension (the top-k:
+            ``num_experts_per_tok``, ``index_topk``); with :attr:`layers` it makes the
+            per-token shape the model expects (:func:`model_shape`). ``None``: the width is
+            not the model's (the support width is the sampler's).
     """
 
     name: str
@@ -77,6 +81,7 @@ class TraceSpec:
     batch_field: str
     key_slots: bool = False
     flip_rates: bool = False
+    width: str | None = None
 
     @property
     def ndim(self) -> int:
@@ -89,10 +94,10 @@ TRACES: tuple[TraceSpec, ...] = (
               "--use-support-replay", "use_support_replay", None, "support"),
     TraceSpec("routed_experts", np.int32, ("L_moe", "K"), "position", -1, "routing",
               "--use-routing-replay", "use_routing_replay", "moe_layers", "routed_experts",
-              flip_rates=True),
+              flip_rates=True, width="num_experts_per_tok"),
     TraceSpec("indexer_topk", np.int32, ("L_idx", "K_idx"), "position", -1,
               "indexer", "--use-indexer-replay", "use_indexer_replay", "indexed_layers",
-              "indexer_topk", key_slots=True, flip_rates=True),
+              "indexer_topk", key_slots=True, flip_rates=True, width="index_topk"),
 )
 """Every trace, in canonical order (the order of ``TRACE_FIELDS`` and of the dataclass fields)."""
 
@@ -113,6 +118,16 @@ def rows_in(row: TraceSpec, P: Any, R: Any) -> Any:
     """Rows of trace ``row`` for prompt length ``P`` and response length ``R`` (ints or int
     arrays): ``R`` for response rows, ``P + R - 1`` (never below 0) for position rows."""
     return R if row.rows == "response" else np.maximum(P + R - 1, 0)
+
+
+def model_shape(row: TraceSpec, model_config: Any) -> tuple[int, int] | None:
+    """The per-token shape ``(layers, top-k)`` the model gives trace ``row``: the number of
+    ``row.layers`` (e.g. ``len(moe_layers)``) and the value of ``row.width`` (e.g.
+    ``num_experts_per_tok``) of ``model_config`` (a ``replayrl.rollout.model.config.ModelConfig``);
+    ``None`` for a trace whose shape is not the model's (``layers`` or ``width`` unset)."""
+    if row.layers is None or row.width is None:
+        return None
+    return len(getattr(model_config, row.layers)), int(getattr(model_config, row.width))
 
 
 def trace_fields(*, before: str | None = None, optional: bool = True, attr: str = "name"):

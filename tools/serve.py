@@ -36,17 +36,24 @@ from replayrl.rollout.engines.sglang_protocol import encode_item, parse_generate
 from replayrl.rollout.errors import EngineError
 from replayrl.rollout.model.config import ModelConfig
 from replayrl.rollout.model.errors import CheckpointError
+from replayrl.transport import strict_json
 
 __all__ = ["ServeState", "build_app", "main"]
 
 log = logging.getLogger(__name__)
 
 
-def _error(status: int, message: str):
+def _json_response(body: Any, status: int = 200):
+    """``aiohttp.web.json_response`` written by the project's strict JSON writer
+    (``replayrl.transport.strict_json``: never ``NaN`` / ``Infinity``)."""
     from aiohttp import web
 
+    return web.json_response(body, status=status, dumps=strict_json.dumps)
+
+
+def _error(status: int, message: str):
     # SGLang's error body (http_server._create_error_response): {"error": {"message", "code"}}
-    return web.json_response({"error": {"message": message, "code": status}}, status=status)
+    return _json_response({"error": {"message": message, "code": status}}, status=status)
 
 
 class ServeState:
@@ -98,7 +105,7 @@ def build_app(state: ServeState):
                              request=batch, weight_version=version)
                  for g, rid, p in zip(gens, batch.rids, batch.prompts)]
         single = not isinstance(body.get("input_ids", [[]])[0], list)
-        return web.json_response(items[0] if single else items)
+        return _json_response(items[0] if single else items)
 
     async def update_weights_from_disk(request: web.Request) -> web.Response:
         from safetensors.torch import load_file  # bf16 files too (numpy has no bf16)
@@ -106,12 +113,12 @@ def build_app(state: ServeState):
         body = await request.json()
         path, version = body.get("model_path"), body.get("weight_version")
         if not isinstance(version, str) or not version.isdigit():
-            return web.json_response({"success": False, "message": f"weight_version must be a "
+            return _json_response({"success": False, "message": f"weight_version must be a "
                                       f"decimal policy version, got {version!r}",
                                       "num_paused_requests": 0}, status=400)
         files = sorted(Path(str(path)).glob("*.safetensors")) if path else []
         if not files:
-            return web.json_response({"success": False, "message": f"no *.safetensors in "
+            return _json_response({"success": False, "message": f"no *.safetensors in "
                                       f"model_path {path!r}", "num_paused_requests": 0},
                                      status=400)
         arrays: dict[str, Any] = {}
@@ -122,21 +129,21 @@ def build_app(state: ServeState):
                 await asyncio.to_thread(state.engine.load_weights, arrays,
                                         version=state.loads + 1)
             except (CheckpointError, EngineError) as exc:  # the old weights stay
-                return web.json_response({"success": False, "message": f"{type(exc).__name__}: "
+                return _json_response({"success": False, "message": f"{type(exc).__name__}: "
                                           f"{exc}", "num_paused_requests": 0}, status=400)
             state.loads += 1
             state.weight_version = version
-        return web.json_response({"success": True, "message": f"Succeeded to update model "
+        return _json_response({"success": True, "message": f"Succeeded to update model "
                                   f"weights. Weight version updated to {version}.",
                                   "num_paused_requests": 0})
 
     async def pause(request: web.Request) -> web.Response:
         state.running.clear()
-        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+        return _json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def resume(request: web.Request) -> web.Response:
         state.running.set()
-        return web.json_response({"message": "Generation continued successfully.",
+        return _json_response({"message": "Generation continued successfully.",
                                   "status": "ok"})
 
     async def flush_cache(request: web.Request) -> web.Response:

@@ -17,7 +17,7 @@ from typing import Iterator
 import torch
 
 from replayrl.rollout import trace_table
-from replayrl.rollout.sample import Sample, check_required_traces, required_traces
+from replayrl.rollout.sample import Sample, check_required_traces, check_trace_shapes, required_traces
 from replayrl.trainer.backends.base import TrainerBackend
 from replayrl.trainer.batch import TrainBatch, collate, collate_packed, per_sample_tensors, sampled_masks
 from replayrl.trainer.config import TrainerConfig
@@ -68,11 +68,16 @@ class RankStep:
 
         Raises:
             replayrl.rollout.errors.MissingTraceError: a sample lacks a trace an enabled replay needs.
+            replayrl.rollout.errors.TraceShapeError: a trace has another per-token shape than
+                the model's (more or fewer layer columns, another top-k).
         """
         # every forward (preflight, refill, training) refuses a sample lacking a replayed trace
         # before any work: the model's own routing in its place would train the wrong policy
         # and the missing replay would show as no flips
         check_required_traces(samples, self.required_traces)
+        # and a trace of another shape than the model's, naming the sample (the model's own
+        # shape checks could name neither it nor, replay off, the field)
+        check_trace_shapes(samples, self.backend.model_config)
         cfg, mbs = self.config, self.config.micro_batch_size
         for i in range(0, len(samples), mbs):
             chunk = samples[i:i + mbs]

@@ -301,17 +301,19 @@ def batch_flip_rate(engine: torch.Tensor, other: torch.Tensor, real: torch.Tenso
     return flip_rate(e, other.reshape(-1, *other.shape[2:]), replayed_rows(e) & real.reshape(-1)[:, None])
 
 
-def mean_rates(rates: Mapping[str, Sequence[float]]) -> dict[str, float]:
+def mean_rates(rates: Mapping[str, Sequence[float]]) -> dict[str, float | None]:
     """Step metrics from per-microbatch rates: the mean of each list, ignoring NaN entries.
 
-    A NaN entry is a microbatch without a captured real row (:func:`batch_flip_rate`); a list
-    of only NaN reports 0.0, the value a replay that never had to act would show.
+    A NaN entry is a microbatch without a captured real row (:func:`batch_flip_rate`). A list
+    of only NaN (e.g. traces of only ``-1`` rows: nothing captured, nothing compared) reports
+    ``None``: the metric is undefined (``null`` in ``metrics.jsonl``, ``n/a`` in the progress
+    line), never 0.0, which would claim a perfect replay that never happened.
 
     Args:
         rates: metric name -> per-microbatch values in [0, 1] or NaN (e.g.
             ``{"routing_flip_rate": [0.0, 0.01]}``).
 
     Returns:
-        metric name -> float, in the order of ``rates``.
+        metric name -> float, or None when no entry is a number, in the order of ``rates``.
     """
-    return {k: float(np.nanmean(v)) if not np.isnan(v).all() else 0.0 for k, v in rates.items()}
+    return {k: float(np.nanmean(v)) if not np.isnan(v).all() else None for k, v in rates.items()}

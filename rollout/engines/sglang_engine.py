@@ -46,6 +46,7 @@ from replayrl.rollout.errors import (
 from replayrl.rollout.model.config import ModelConfig
 from replayrl.rollout.sample import TRACE_FIELDS
 from replayrl.rollout.sampler import SamplingParams
+from replayrl.transport import strict_json
 
 __all__ = ["SglangEngine"]
 
@@ -120,7 +121,8 @@ class SglangEngine(Engine):
 
     async def _open(self):
         return self._aiohttp.ClientSession(
-            timeout=self._aiohttp.ClientTimeout(total=self.call_timeout_s))
+            timeout=self._aiohttp.ClientTimeout(total=self.call_timeout_s),
+            json_serialize=strict_json.dumps)  # request bodies are strict JSON too
 
     async def _request(self, method: str, url: str, path: str, body: Any = None,
                        what: str = "", timeout_s: float | None = None) -> Any:
@@ -212,7 +214,7 @@ class SglangEngine(Engine):
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
         save_file(tensors, str(partial / "model.safetensors"))
-        (partial / "config.json").write_text(json.dumps(self.config.to_hf_dict(self.dtype)))
+        (partial / "config.json").write_text(strict_json.dumps(self.config.to_hf_dict(self.dtype)))
         shutil.rmtree(path, ignore_errors=True)
         partial.rename(path)  # a server never reads a half-written version
         return path

@@ -42,6 +42,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from replayrl.rollout import trace_table
 from replayrl.rollout.engines.base import Generation
 from replayrl.rollout.errors import EngineInputError, SglangRequestError, SglangResponseError
 from replayrl.rollout.model.config import ModelConfig
@@ -322,8 +323,9 @@ def _routed_experts(meta: Mapping, *, rid: str, config: ModelConfig, prompt_len:
     ``routed_experts`` (which covers every layer), each in ``[0, num_experts)`` (raises
     :class:`SglangResponseError`)."""
     p, r = prompt_len, response_len
+    _, k = trace_table.model_shape(trace_table.spec("routed_experts"), config)
     flat = decode_int32(_need(meta, "routed_experts", rid), rid=rid, field="routed_experts")
-    rows = _rows(flat, p + r - 1, config.num_hidden_layers, config.num_experts_per_tok,
+    rows = _rows(flat, p + r - 1, config.num_hidden_layers, k,
                  rid=rid, field="routed_experts",
                  what=f"positions [0, {p + r - 1}) of {p} prompt + {r} response tokens")
     routed = rows[:, list(config.moe_layers)]
@@ -339,9 +341,9 @@ def _indexer_topk(meta: Mapping, *, rid: str, config: ModelConfig, prompt_len: i
     ``indexer_topk``, each -1 or causal (``<=`` its row's position; raises
     :class:`SglangResponseError`)."""
     p, r = prompt_len, response_len
+    layers, k = trace_table.model_shape(trace_table.spec("indexer_topk"), config)
     flat = decode_int32(_need(meta, "indexer_topk", rid), rid=rid, field="indexer_topk")
-    indexer = _rows(flat, p + r - 1, len(config.indexed_layers), config.index_topk,
-                    rid=rid, field="indexer_topk",
+    indexer = _rows(flat, p + r - 1, layers, k, rid=rid, field="indexer_topk",
                     what=f"positions [0, {p + r - 1})")
     causal = np.arange(p + r - 1)[:, None, None]
     if not ((indexer == -1) | ((indexer >= 0) & (indexer <= causal))).all():

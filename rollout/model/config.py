@@ -11,6 +11,7 @@ implement (docs/design.md#hf-checkpoints).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -94,6 +95,9 @@ class ModelConfig:
             if self.moe_intermediate_size <= 0:
                 raise ModelConfigError(
                     f"ModelConfig.moe_intermediate_size must be > 0, got {self.moe_intermediate_size}")
+        for name in ("rms_norm_eps", "rope_theta"):
+            if not math.isfinite(getattr(self, name)):
+                raise ModelConfigError(f"ModelConfig.{name} must be finite, got {getattr(self, name)!r}")
         if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
             raise ModelConfigError("ModelConfig.rms_norm_eps and rope_theta must be > 0")
         for name in ("mlp_only_layers", "index_layers"):
@@ -208,11 +212,16 @@ class ModelConfig:
         Raises `ModelConfigError` naming the field, e.g. `config.json field
         'rope_scaling.rope_type'='dynamic' is not supported`, for another architecture or
         model_type, a value the model code does not implement (activation, attention bias,
-        sliding window, partial rotary factor, a RoPE type, a non-full-attention layer type) or
-        a missing field.
+        sliding window, partial rotary factor, a RoPE type, a non-full-attention layer type), a
+        missing field, or a non-finite number at any depth (e.g. `"rope_theta": 1e400`, which
+        `json` reads as inf, or `NaN` / `Infinity`): such a value could not be written back as
+        strict JSON (`replayrl.transport.strict_json`) nor mean anything to the model.
         """
         def bad(field: str, value: Any, why: str = "is not supported") -> ModelConfigError:
             return ModelConfigError(f"config.json field {field!r}={value!r} {why}")
+
+        for field, value in _non_finite(d):
+            raise bad(field, value, "is not finite")
 
         model_type = d.get("model_type")
         if model_type not in HF_ARCHITECTURES:
@@ -292,6 +301,19 @@ class ModelConfig:
             if isinstance(exc, ModelConfigError):
                 raise
             raise ModelConfigError(f"config.json holds a value of the wrong type: {exc}") from None
+
+
+def _non_finite(obj: Any, path: str = ""):
+    """Yield ``(key path, value)`` of every non-finite float in nested dicts / lists, in order
+    (paths as ``rope_parameters.rope_theta``, ``layer_types[2]``)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        yield path or "<top level>", obj
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            yield from _non_finite(value, f"{path}.{key}" if path else str(key))
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            yield from _non_finite(value, f"{path}[{i}]")
 
 
 def default_config(vocab_size: int) -> ModelConfig:

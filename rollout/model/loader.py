@@ -30,7 +30,8 @@ def read_hf_config(directory: str | Path) -> ModelConfig:
     """The `ModelConfig` of a checkpoint directory's `config.json`.
 
     Raises `CheckpointError` naming the file when it cannot be read or parsed;
-    `ModelConfigError` naming the field for an architecture or value the model does not implement.
+    `ModelConfigError` naming the field for an architecture or value the model does not implement,
+    or for a non-finite number (`1e400`, which `json` reads as inf, `NaN`, `Infinity`).
     """
     path = Path(directory) / "config.json"
     try:

@@ -29,7 +29,6 @@ Which call is hit (the one-step overlapped loop, docs/design.md#version-clock):
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import signal
 import time
@@ -41,6 +40,7 @@ from replayrl.actors.version_clock import VersionClock
 from replayrl.rollout.engines.embedded import EmbeddedEngine
 from replayrl.rollout.manager import RolloutManager
 from replayrl.trainer.trainer_actor import TrainerActor
+from replayrl.transport import strict_json
 
 FAULT_SIGNALS = ("SIGKILL", "SIGSTOP", "HANG")
 """Signals a fault can send (``HANG``: none, the call just never returns)."""
@@ -69,8 +69,8 @@ class Fault:
         """Count one call; at ``at_call`` (unless the marker exists) signal this process."""
         self.calls += 1
         if self.calls == self.at_call and not self.marker.exists():
-            self.marker.write_text(json.dumps({"signal": self.signal, "call": self.calls,
-                                               "pid": os.getpid(), "time": time.time()}))
+            self.marker.write_text(strict_json.dumps({"signal": self.signal, "call": self.calls,
+                                                      "pid": os.getpid(), "time": time.time()}))
             if self.signal != "HANG":
                 os.kill(os.getpid(), getattr(signal, self.signal))
             time.sleep(3600)  # a stopped process resumes here only if continued: still silent

@@ -135,7 +135,9 @@ def main(argv: list[str] | None = None) -> int:
                         help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(child(*args.child)))
+        from replayrl.transport import strict_json
+
+        print(strict_json.dumps(child(*args.child)))
         return 0
     with tempfile.TemporaryDirectory(prefix="rrl-bench-load-") as tmp:
         ckpt = Path(tmp) / "ckpt"

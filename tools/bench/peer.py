@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Sequence
 
 from replayrl.tools.errors import PeerBenchError
+from replayrl.transport import strict_json
 
 TRL_EXTRA = "pip install 'replayrl[bench]'  (the bench extra: trl>=1.16)"
 TRL_THREADS = 2
@@ -328,7 +329,7 @@ def run_trl(config, checkpoint: Path, work: Path) -> SideRun:
             "prompts": [{"index": p.index, "ids": [int(i) for i in p.prompt_ids],
                          "answer_id": int(p.answer_id)} for p in prompts]}
     spec_path, result_path = work / "trl_spec.json", work / "trl_result.json"
-    spec_path.write_text(json.dumps(spec))
+    spec_path.write_text(strict_json.dumps(spec))
     env = {**os.environ, "OMP_NUM_THREADS": str(TRL_THREADS), "TOKENIZERS_PARALLELISM": "false",
            "TRANSFORMERS_VERBOSITY": "error"}
     proc = subprocess.run([sys.executable, "-m", "replayrl.tools.bench.peer", "--trl-worker",
@@ -422,8 +423,8 @@ def trl_worker(spec_path: str, result_path: str) -> None:
         if got != expected[step * b:(step + 1) * b]:
             raise PeerBenchError(f"TRL step {step}: prompts {got} are not the stream's "
                                  f"{expected[step * b:(step + 1) * b]}")
-    Path(result_path).write_text(json.dumps({"step_seconds": timer.seconds, "rewards": rewards,
-                                             "completions": completions_seen}))
+    Path(result_path).write_text(strict_json.dumps({"step_seconds": timer.seconds, "rewards": rewards,
+                                                    "completions": completions_seen}))
 
 
 # ---------------------------------------------------------------- report

@@ -95,6 +95,8 @@ def test_jsonl_rows_with_chat_template_labels_and_metadata(checkpoint, tmp_path)
     ('{"prompt": 7, "label": "1"}', r"p\.jsonl:2: key 'prompt' must be a non-empty string"),
     ('{"prompt": "max 1', r"p\.jsonl:2: not valid JSON"),
     ('[1, 2]', r"p\.jsonl:2: a row must be a JSON object"),
+    ('{"prompt": "max 1 2", "label": 1e400}', r"p\.jsonl:2: key 'label' must be finite, got inf"),
+    ('{"prompt": "max 1 2", "label": NaN}', r"p\.jsonl:2: key 'label' must be finite, got nan"),
 ])
 def test_a_bad_row_names_file_line_and_key(tmp_path, line, match):
     path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "max 1 2", "label": "2"}, line])

@@ -186,7 +186,7 @@ def encode_sets(array: np.ndarray, universe: np.ndarray) -> dict[str, Any] | Non
     q = d_gaps >> d_l
     unary = np.zeros(int((q + 1).sum()), np.uint8)
     unary[np.cumsum(q + 1) - 1] = 1
-    low = _pack_fields(d_gaps & ((np.int64(1) << d_l) - 1), d_l)
+    low = _pack_groups(d_gaps & ((np.int64(1) << d_l) - 1), d_l)
     count_dtype = np.uint16 if k <= np.iinfo(np.uint16).max else np.uint32
     return {"codec": "sets", "shape": [int(d) for d in a.shape], "kind": kind,
             "count": count[kind >= BITMAP].astype(count_dtype), "rice": l_row.astype(np.uint8),
@@ -210,30 +210,50 @@ def _best_rice(gaps: np.ndarray, count: np.ndarray) -> tuple[np.ndarray, np.ndar
     return best_l, best
 
 
-def _pack_fields(values: np.ndarray, widths: np.ndarray) -> np.ndarray:
-    """``values[i]`` in ``widths[i]`` bits (MSB first), back to back, packed into bytes."""
-    total = int(widths.sum())
-    if total == 0:
-        return np.zeros(0, np.uint8)
-    offsets = np.cumsum(widths) - widths
-    owner = np.repeat(np.arange(len(values)), widths)
-    j = np.arange(total) - offsets[owner]
-    bits = (values[owner] >> (widths[owner] - 1 - j)) & 1
-    return np.packbits(bits.astype(np.uint8))
+def _pack_groups(values: np.ndarray, widths: np.ndarray) -> np.ndarray:
+    """The low-bit stream: for each distinct width ``w`` ascending, the values of that width
+    (in element order) in ``w`` bits each, MSB first, packed and byte-aligned per group."""
+    parts = []
+    for w in np.unique(widths).tolist():
+        if w == 0:
+            continue
+        v = values[widths == w]
+        bits = (v[:, None] >> np.arange(w - 1, -1, -1)) & 1
+        parts.append(np.packbits(bits.astype(np.uint8).reshape(-1)))
+    return np.concatenate(parts) if parts else np.zeros(0, np.uint8)
 
 
-def _read_fields(packed: np.ndarray, widths: np.ndarray) -> np.ndarray:
-    """Inverse of :func:`_pack_fields` (widths at most 31): int64 values."""
-    if len(widths) == 0:
-        return np.zeros(0, np.int64)
-    offsets = np.cumsum(widths) - widths
-    b = np.concatenate([packed, np.zeros(8, np.uint8)]).astype(np.uint64)
-    at = offsets >> 3
-    window = (b[at] << np.uint64(32)) | (b[at + 1] << np.uint64(24)) | (b[at + 2] << np.uint64(16)) \
-        | (b[at + 3] << np.uint64(8)) | b[at + 4]
-    shift = (40 - (offsets & 7) - widths).astype(np.uint64)
-    mask = (np.uint64(1) << widths.astype(np.uint64)) - np.uint64(1)
-    return ((window >> shift) & mask).astype(np.int64)
+def _read_group(packed: np.ndarray, m: int, w: int) -> np.ndarray:
+    """``m`` values of ``w`` bits (1..32) from ``packed`` (one group of :func:`_pack_groups`):
+    int64. Up to 8 bits, every 8 values fill ``w`` whole bytes: each such block is read as
+    one integer and its 8 values shifted out; wider values are right-aligned into big-endian
+    2- or 4-byte words."""
+    if w <= 8:
+        blocks = -(-m // 8)
+        raw = np.zeros(blocks * w, np.uint8)
+        raw[:packed.size] = packed
+        raw = raw.reshape(blocks, w).astype(np.uint64)
+        acc = np.zeros(blocks, np.uint64)
+        for j in range(w):
+            acc = (acc << np.uint64(8)) | raw[:, j]
+        out = np.empty((blocks, 8), np.int64)
+        mask = np.uint64((1 << w) - 1)
+        for j in range(8):
+            out[:, j] = (acc >> np.uint64(w * (7 - j))) & mask
+        return out.reshape(-1)[:m]
+    size = 8 if w <= 8 else 16 if w <= 16 else 32
+    bits = np.zeros((m, size), np.uint8)
+    bits[:, size - w:] = np.unpackbits(packed, count=m * w).reshape(m, w)
+    words = np.packbits(bits, axis=1)
+    return words.view(f">u{size // 8}").reshape(m).astype(np.int64)
+
+
+def _fill_rows(out: np.ndarray, rows: np.ndarray, counts: np.ndarray, values: np.ndarray) -> None:
+    """Write ``values`` (each row's indices back to back, in row order) left-aligned into the
+    rows ``rows`` (bool mask) of ``out``: a boolean-mask assignment fills in row-major order."""
+    block = np.full((len(counts), out.shape[1]), -1, dtype=out.dtype)
+    block[np.arange(out.shape[1])[None, :] < counts[:, None]] = values
+    out[rows] = block
 
 
 def decode_sets(encoded: Mapping[str, Any], universe: np.ndarray, dtype: Any = np.int32) -> np.ndarray:
@@ -287,44 +307,56 @@ def _decode_bitmap_rows(encoded, out, rows, n, row_count) -> None:
     packed = _array(encoded, "bitmap")
     if packed.size != (total + 7) // 8:
         raise TraceCodecError(f"sets: bitmap of {packed.size} bytes for {total} bits")
-    where = np.flatnonzero(np.unpackbits(packed, count=total))
+    where = np.flatnonzero(np.unpackbits(packed, count=total).view(bool))
     if len(where) != int(counts.sum()):
         raise TraceCodecError(f"sets: bitmap holds {len(where)} indices, counts say {int(counts.sum())}")
-    owner = np.repeat(np.arange(len(sizes)), counts)
     starts = np.cumsum(sizes) - sizes
-    values = where - starts[owner]
-    if ((values < 0) | (values >= sizes[owner])).any():
-        raise TraceCodecError("sets: bitmap rows hold other counts than their 'count'")
-    slot = np.arange(len(owner)) - (np.cumsum(counts) - counts)[owner]
-    out[np.flatnonzero(rows)[owner], slot] = values
+    values = where - np.repeat(starts, counts)
+    _check_rows(values, counts, sizes, "bitmap")
+    _fill_rows(out, rows, counts, values)
 
 
 def _decode_delta_rows(encoded, out, rows, n, row_count) -> None:
     """Fill ``out[rows]`` from the unary and low-bit streams of Rice-coded gaps."""
     counts = row_count[rows]
-    rice = _array(encoded, "rice").astype(np.int64)
+    rice = _array(encoded, "rice")
     if rice.shape != counts.shape or (rice > _MAX_RICE).any():
         raise TraceCodecError(f"sets: rice {rice.shape} for {len(counts)} delta rows")
     unary = _array(encoded, "unary")
-    ones = np.flatnonzero(np.unpackbits(unary))
+    ones = np.flatnonzero(np.unpackbits(unary).view(bool))
     total = int(counts.sum())
     if len(ones) != total or unary.size != (int(ones[-1]) // 8 + 1 if total else 0):
         raise TraceCodecError(f"sets: unary stream of {len(ones)} codes for {total} indices")
+    gaps = np.diff(ones, prepend=-1) - 1  # the high parts, then whole gaps
     widths = np.repeat(rice, counts)
     low = _array(encoded, "low")
-    if low.size != (int(widths.sum()) + 7) // 8:
-        raise TraceCodecError(f"sets: low stream of {low.size} bytes for {int(widths.sum())} bits")
-    high = np.diff(ones, prepend=-1) - 1
-    gaps = (high << widths) | _read_fields(low, widths)
+    offset = 0
+    for w in np.unique(rice).tolist():
+        if w == 0:
+            continue
+        sel = widths == w
+        m = int(np.count_nonzero(sel))
+        size = (m * w + 7) // 8
+        if offset + size > low.size:
+            raise TraceCodecError(f"sets: low stream of {low.size} bytes is too short")
+        gaps[sel] = (gaps[sel] << w) | _read_group(low[offset:offset + size], m, w)
+        offset += size
+    if offset != low.size:
+        raise TraceCodecError(f"sets: low stream of {low.size} bytes for {offset}")
     steps = np.cumsum(gaps + 1)
-    first = np.cumsum(counts) - counts
-    owner = np.repeat(np.arange(len(counts)), counts)
-    base = np.concatenate([[0], steps])[first][owner]
-    values = steps - base - 1
-    if (values >= n[rows][owner]).any():
-        raise TraceCodecError("sets: a delta-coded index outside its row's universe")
-    slot = np.arange(total) - first[owner]
-    out[np.flatnonzero(rows)[owner], slot] = values
+    before = np.concatenate([[0], steps])[np.cumsum(counts) - counts]  # per row
+    values = steps - np.repeat(before, counts) - 1
+    _check_rows(values, counts, n[rows], "delta-coded")
+    _fill_rows(out, rows, counts, values)
+
+
+def _check_rows(values: np.ndarray, counts: np.ndarray, sizes: np.ndarray, what: str) -> None:
+    """Each row's indices (ascending, back to back) lie in ``[0, size)``: its first is >= 0 and
+    its last below its size."""
+    has = counts > 0
+    last = np.cumsum(counts)[has] - 1
+    if len(last) and ((values[last - counts[has] + 1] < 0).any() or (values[last] >= sizes[has]).any()):
+        raise TraceCodecError(f"sets: a {what} index outside its row's universe")
 
 
 def _shape(encoded: Mapping[str, Any]) -> tuple[int, ...]:

@@ -181,8 +181,10 @@ def encode_sets(array: np.ndarray, universe: np.ndarray) -> dict[str, Any] | Non
     # delta rows: unary high parts and plain low bits, element by element
     d_rows = kind == DELTAS
     l_row = rice[use_deltas[coded]]
-    d_gaps = gaps[d_rows][valid[d_rows]]
-    d_l = np.repeat(l_row.astype(np.int64), count[d_rows])
+    # streams hold the delta rows grouped by Rice parameter (stable: row order within a group)
+    order = np.argsort(l_row, kind="stable")
+    d_gaps = gaps[d_rows][order][valid[d_rows][order]]
+    d_l = np.repeat(l_row[order].astype(np.int64), count[d_rows][order])
     q = d_gaps >> d_l
     unary = np.zeros(int((q + 1).sum()), np.uint8)
     unary[np.cumsum(q + 1) - 1] = 1
@@ -212,7 +214,8 @@ def _best_rice(gaps: np.ndarray, count: np.ndarray) -> tuple[np.ndarray, np.ndar
 
 def _pack_groups(values: np.ndarray, widths: np.ndarray) -> np.ndarray:
     """The low-bit stream: for each distinct width ``w`` ascending, the values of that width
-    (in element order) in ``w`` bits each, MSB first, packed and byte-aligned per group."""
+    (contiguous, as the delta rows are grouped by width) in ``w`` bits each, MSB first, packed
+    and byte-aligned per group."""
     parts = []
     for w in np.unique(widths).tolist():
         if w == 0:
@@ -249,8 +252,9 @@ def _read_group(packed: np.ndarray, m: int, w: int) -> np.ndarray:
 
 
 def _fill_rows(out: np.ndarray, rows: np.ndarray, counts: np.ndarray, values: np.ndarray) -> None:
-    """Write ``values`` (each row's indices back to back, in row order) left-aligned into the
-    rows ``rows`` (bool mask) of ``out``: a boolean-mask assignment fills in row-major order."""
+    """Write ``values`` (each row's indices back to back, in the order of ``rows``) left-aligned
+    into the rows ``rows`` (int indices) of ``out``: a boolean-mask assignment fills in
+    row-major order."""
     block = np.full((len(counts), out.shape[1]), -1, dtype=out.dtype)
     block[np.arange(out.shape[1])[None, :] < counts[:, None]] = values
     out[rows] = block
@@ -313,13 +317,13 @@ def _decode_bitmap_rows(encoded, out, rows, n, row_count) -> None:
     starts = np.cumsum(sizes) - sizes
     values = where - np.repeat(starts, counts)
     _check_rows(values, counts, sizes, "bitmap")
-    _fill_rows(out, rows, counts, values)
+    _fill_rows(out, np.flatnonzero(rows), counts, values)
 
 
 def _decode_delta_rows(encoded, out, rows, n, row_count) -> None:
     """Fill ``out[rows]`` from the unary and low-bit streams of Rice-coded gaps."""
     counts = row_count[rows]
-    rice = _array(encoded, "rice")
+    rice = _array(encoded, "rice").astype(np.int64)
     if rice.shape != counts.shape or (rice > _MAX_RICE).any():
         raise TraceCodecError(f"sets: rice {rice.shape} for {len(counts)} delta rows")
     unary = _array(encoded, "unary")
@@ -327,27 +331,30 @@ def _decode_delta_rows(encoded, out, rows, n, row_count) -> None:
     total = int(counts.sum())
     if len(ones) != total or unary.size != (int(ones[-1]) // 8 + 1 if total else 0):
         raise TraceCodecError(f"sets: unary stream of {len(ones)} codes for {total} indices")
+    order = np.argsort(rice, kind="stable")  # the streams' row order: grouped by parameter
+    rice, counts, sizes = rice[order], counts[order], n[rows][order]
     gaps = np.diff(ones, prepend=-1) - 1  # the high parts, then whole gaps
-    widths = np.repeat(rice, counts)
     low = _array(encoded, "low")
+    ends = np.cumsum(counts)
     offset = 0
     for w in np.unique(rice).tolist():
+        first, last = np.searchsorted(rice, [w, w + 1])
+        a = int(ends[first] - counts[first])
+        b = int(ends[last - 1])
+        m, size = b - a, ((b - a) * w + 7) // 8
         if w == 0:
             continue
-        sel = widths == w
-        m = int(np.count_nonzero(sel))
-        size = (m * w + 7) // 8
         if offset + size > low.size:
             raise TraceCodecError(f"sets: low stream of {low.size} bytes is too short")
-        gaps[sel] = (gaps[sel] << w) | _read_group(low[offset:offset + size], m, w)
+        gaps[a:b] = (gaps[a:b] << w) | _read_group(low[offset:offset + size], m, w)
         offset += size
     if offset != low.size:
         raise TraceCodecError(f"sets: low stream of {low.size} bytes for {offset}")
     steps = np.cumsum(gaps + 1)
-    before = np.concatenate([[0], steps])[np.cumsum(counts) - counts]  # per row
+    before = np.concatenate([[0], steps])[ends - counts]  # per row
     values = steps - np.repeat(before, counts) - 1
-    _check_rows(values, counts, n[rows], "delta-coded")
-    _fill_rows(out, rows, counts, values)
+    _check_rows(values, counts, sizes, "delta-coded")
+    _fill_rows(out, np.flatnonzero(rows)[order], counts, values)
 
 
 def _check_rows(values: np.ndarray, counts: np.ndarray, sizes: np.ndarray, what: str) -> None:

@@ -25,8 +25,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from replayrl.transport.trace_codec import (TraceCodecError, decode_ids, decode_sets, encode_ids,
-                                            encode_sets)
+from replayrl.transport.trace_codec import TraceCodecError, decode_ids, decode_sets, encode_ids, encode_sets
 
 __all__ = ["encode_column", "decode_column", "row_positions"]
 

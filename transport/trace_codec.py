@@ -205,10 +205,10 @@ def _best_rice(gaps: np.ndarray, count: np.ndarray) -> tuple[np.ndarray, np.ndar
     best_l = np.zeros(len(gaps), np.int64)
     best = np.full(len(gaps), np.iinfo(np.int64).max)
     for delta in (-2, -1, 0, 1):
-        l = np.clip(guess + delta, 0, _MAX_RICE)
-        bits = count * (l + 1) + (gaps >> l[:, None]).sum(axis=1)
+        width = np.clip(guess + delta, 0, _MAX_RICE)
+        bits = count * (width + 1) + (gaps >> width[:, None]).sum(axis=1)
         better = bits < best
-        best_l, best = np.where(better, l, best_l), np.where(better, bits, best)
+        best_l, best = np.where(better, width, best_l), np.where(better, bits, best)
     return best_l, best
 
 

@@ -18,8 +18,8 @@ top-8) it prints, per token of a trajectory of that length (mean over its positi
 
 A last row takes the embedded default model (4 layers: 3 MoE of 8 experts top-2, 2 indexed with
 ``index_topk`` 8) with a default step's batch (128 trajectories of 7 prompt + 2 response
-tokens) and puts the decoding of that step's traces against the embedded model's measured
-step time (``--step-seconds``, default 0.0491 s: docs/benchmarks.md "Step time").
+tokens, about the built-in task's) and puts the decoding of that step's traces against the
+embedded model's measured step time (``--step-seconds``, default 0.0491 s: docs/benchmarks.md "Step time").
 
 Indexer choices are synthetic, drawn per (position, layer): the ``--sinks`` first keys
 (attention sinks), the ``--window`` most recent keys, and the rest of the ``k`` uniformly at

@@ -8,8 +8,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from replayrl.transport.codec import Codec
-from replayrl.transport.trace_codec import (ALL, BITMAP, DELTAS, EMPTY, TraceCodecError,
-                                            decode_ids, decode_sets, encode_ids, encode_sets)
+from replayrl.transport.trace_codec import (
+    ALL,
+    BITMAP,
+    DELTAS,
+    EMPTY,
+    TraceCodecError,
+    decode_ids,
+    decode_sets,
+    encode_ids,
+    encode_sets,
+)
 
 
 def _reference_canonical(a: np.ndarray) -> np.ndarray:

@@ -14,6 +14,9 @@ Each row of ``replayrl.rollout.trace_table.TRACES`` names its ``storage``:
   ``-1`` after: the same set, in canonical order (the model reads a row as a set of keys to
   attend to, the flip rates compare sets).
 
+A ``"sets"`` column of more than :data:`CHUNK_SLOTS` slots is encoded in chunks of rows,
+``{"codec": "chunks", "rows": [rows per chunk], "parts": [encoding or array per chunk]}``.
+
 Only a concatenated column (every item has the trace with the same trailing shape, a numpy int
 array) is encoded; a ``None`` or per-item list column, and any column a codec cannot hold
 exactly (e.g. a repeated or non-causal key), travels as it is. The in-memory form is unchanged:
@@ -21,13 +24,19 @@ int32 arrays with ``-1`` padding, as ``replayrl.rollout.sample.Sample`` holds th
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from replayrl.transport.trace_codec import TraceCodecError, decode_ids, decode_sets, encode_ids, encode_sets
 
-__all__ = ["encode_column", "decode_column", "row_positions"]
+__all__ = ["CHUNK_SLOTS", "encode_column", "decode_column", "row_positions"]
+
+CHUNK_SLOTS = 1 << 22
+"""A ``"sets"`` column of more slots than this is encoded in chunks of whole rows of at most
+this many slots each (at least one row): encoding works on int64 copies of its input, so this
+bounds its memory (~32 MiB a copy); a chunk the set codec cannot hold travels as it is."""
 
 
 def row_positions(counts: Sequence[int]) -> np.ndarray:
@@ -56,8 +65,19 @@ def encode_column(row: Any, column: Any, counts: Sequence[int]) -> Any:
         return encode_ids(column) if column.size == 0 or int(column.min()) >= -1 else column
     if column.ndim < 2:
         return column
-    encoded = encode_sets(column, row_positions(counts) + 1)
-    return column if encoded is None else encoded
+    universe = row_positions(counts) + 1
+    per_row = max(1, math.prod(column.shape[1:]))
+    step = max(1, CHUNK_SLOTS // per_row)
+    if len(column) <= step:
+        encoded = encode_sets(column, universe)
+        return column if encoded is None else encoded
+    parts = []
+    for start in range(0, len(column), step):  # a loop over chunks of rows, bounding memory
+        part = column[start:start + step]
+        encoded = encode_sets(part, universe[start:start + step])
+        parts.append(part if encoded is None else encoded)
+    return {"codec": "chunks", "rows": [len(p) if isinstance(p, np.ndarray) else p["shape"][0]
+                                        for p in parts], "parts": parts}
 
 
 def decode_column(row: Any, column: Any, counts: Sequence[int]) -> Any:
@@ -74,13 +94,53 @@ def decode_column(row: Any, column: Any, counts: Sequence[int]) -> Any:
     if codec in ("ids", "ids+1") and row.storage == "ids":
         out = decode_ids(column, row.dtype)
     elif codec == "sets" and row.storage == "sets":
-        total = int(np.sum(counts, dtype=np.int64))
-        shape = column.get("shape")
-        if not isinstance(shape, (list, tuple)) or not shape or shape[0] != total:
-            raise TraceCodecError(f"encoded shape {shape!r} does not hold the {total} rows the "
-                                  f"lengths give"[:300])
+        _check_rows(column.get("shape"), counts)
         out = decode_sets(column, row_positions(counts) + 1, row.dtype)
+    elif codec == "chunks" and row.storage == "sets":
+        out = _decode_chunks(row, column, counts)
     else:
         raise TraceCodecError(f"codec {codec!r} is not the trace's storage {row.storage!r}"[:300])
     out.flags.writeable = False
     return out
+
+
+def _check_rows(shape: Any, counts: Sequence[int]) -> None:
+    total = int(np.sum(counts, dtype=np.int64))
+    if not isinstance(shape, (list, tuple)) or not shape or shape[0] != total:
+        raise TraceCodecError(f"encoded shape {shape!r} does not hold the {total} rows the "
+                              f"lengths give"[:300])
+
+
+def _decode_chunks(row: Any, column: Mapping[str, Any], counts: Sequence[int]) -> np.ndarray:
+    """The rows of a chunked ``"sets"`` column, each chunk decoded into its slice of one output
+    (a loop over chunks, each vectorised)."""
+    rows, parts = column.get("rows"), column.get("parts")
+    if (not isinstance(rows, list) or not isinstance(parts, list) or len(rows) != len(parts)
+            or not parts or not all(type(r) is int and r > 0 for r in rows)):
+        raise TraceCodecError("chunks: expected as many positive 'rows' as 'parts'")
+    universe = row_positions(counts) + 1
+    _check_rows([sum(rows)], counts)
+    first = parts[0]
+    tail = first.shape[1:] if isinstance(first, np.ndarray) else tuple(_shape_of(first)[1:])
+    out = np.empty((len(universe), *tail), dtype=row.dtype)
+    start = 0
+    for n, part in zip(rows, parts):
+        if isinstance(part, np.ndarray):
+            piece = part
+        elif isinstance(part, Mapping) and part.get("codec") == "sets":
+            piece = decode_sets(part, universe[start:start + n], row.dtype)
+        else:
+            raise TraceCodecError(f"chunks: a part that is no array and no sets encoding at row {start}")
+        if piece.shape != (n, *tail):
+            raise TraceCodecError(f"chunks: part of shape {piece.shape} at row {start}, expected "
+                                  f"{(n, *tail)}")
+        out[start:start + n] = piece
+        start += n
+    return out
+
+
+def _shape_of(part: Mapping[str, Any]) -> list:
+    shape = part.get("shape")
+    if not isinstance(shape, (list, tuple)) or not shape:
+        raise TraceCodecError(f"chunks: a part without a shape: {shape!r}"[:200])
+    return list(shape)

@@ -96,3 +96,23 @@ def test_a_malformed_encoded_column_is_named():
     gcols["indexer_topk"] = {**gcols["indexer_topk"], "kind": np.zeros(1, np.uint8)}
     with pytest.raises(EngineInputError, match="'indexer_topk'.*kind"):
         generations_from_columns(gcols)
+
+
+def test_a_large_column_travels_in_chunks_of_rows(monkeypatch):
+    from replayrl.rollout import trace_storage
+
+    monkeypatch.setattr(trace_storage, "CHUNK_SLOTS", 2 * 2 * K)  # two rows of [2, K] a chunk
+    samples = [_sample(0, 4, 3), _sample(1, 3, 2)]  # 6 + 4 rows: chunks of 2, the last ones too
+    dup = samples[1].indexer_topk.copy()
+    dup[3, 0] = [1, 1, -1]  # no set: its chunk travels as it is
+    samples[1] = _sample(1, 3, 2, indexer_topk=dup)
+    cols = samples_to_columns(samples)
+    assert cols["indexer_topk"]["codec"] == "chunks" and cols["indexer_topk"]["rows"] == [2] * 5
+    assert isinstance(cols["indexer_topk"]["parts"][4], np.ndarray)
+    back = samples_from_columns(Codec().decode(Codec().encode(cols)))
+    for a, b in zip(samples, back):
+        assert _as_sets(a.indexer_topk) == _as_sets(b.indexer_topk)
+    assert np.array_equal(back[1].indexer_topk[3], dup[3])
+    cols["indexer_topk"] = {**cols["indexer_topk"], "rows": [2, 2, 2, 2, 1]}
+    with pytest.raises(SampleError, match="'indexer_topk'.*9"):
+        samples_from_columns(cols)

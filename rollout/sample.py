@@ -32,7 +32,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from replayrl.rollout import trace_table
+from replayrl.rollout import trace_storage, trace_table
 from replayrl.rollout.errors import MissingTraceError, SampleError, TraceShapeError
 from replayrl.rollout.trace_table import trace_fields
 
@@ -421,7 +421,9 @@ def samples_to_columns(samples: Sequence[Sample]) -> dict[str, Any]:
     - each trace of ``trace_table.TRACES``: ``None`` when no sample has it; the samples' rows
       concatenated (``[sum R, ...]`` for response rows, e.g. the support, ``[sum (P+R-1), ...]``
       for position rows, e.g. routing and indexer) when every sample has it with the same
-      trailing shape; otherwise a list of ``N`` per-sample arrays or ``None``.
+      trailing shape, stored as its table row's ``storage`` says
+      (:func:`replayrl.rollout.trace_storage.encode_column`: expert ids narrowed, indexer rows
+      as key sets); otherwise a list of ``N`` per-sample arrays or ``None``.
 
     Arrays are new (concatenated) arrays; the samples are not changed. Inverse:
     :func:`samples_from_columns`.
@@ -434,16 +436,20 @@ def samples_to_columns(samples: Sequence[Sample]) -> dict[str, Any]:
     for name, dtype in _TOKEN_ARRAYS.items():
         cols[name] = (np.concatenate([getattr(s, name) for s in samples]) if samples
                       else np.zeros(0, dtype))
+    P, R = cols["prompt_lengths"], cols["response_lengths"]
     for row in trace_table.TRACES:
-        cols[row.name] = pack_rows([getattr(s, row.name) for s in samples])
+        cols[row.name] = trace_storage.encode_column(
+            row, pack_rows([getattr(s, row.name) for s in samples]), trace_table.rows_in(row, P, R))
     return cols
 
 
 def samples_from_columns(columns: Mapping[str, Any]) -> list[Sample]:
     """Rebuild the samples of :func:`samples_to_columns` (e.g. a decoded message).
 
-    Each sample's arrays are views into the columns (no copy when the columns are read-only,
-    as decoded messages are) and every sample passes :func:`check_contract`, the check
+    Encoded trace columns are decoded first (each indexer row's keys come back ascending, ``-1``
+    after: the same set; :mod:`replayrl.rollout.trace_storage`). Each sample's arrays are views
+    into the columns (no copy when the columns are read-only, as decoded messages are) and every
+    sample passes :func:`check_contract`, the check
     :class:`Sample` makes at any other construction (here once for the whole batch).
 
     Raises:
@@ -474,6 +480,14 @@ def samples_from_columns(columns: Mapping[str, Any]) -> list[Sample]:
         raise SampleError("batch", "response_lengths" if len(R) != n else "status",
                           f"{len(R) if len(R) != n else len(columns['status'])} entries for "
                           f"{n} samples")
+    decoded = {}
+    for row in traces:
+        try:
+            decoded[row.name] = trace_storage.decode_column(row, columns[row.name],
+                                                            trace_table.rows_in(row, P, R))
+        except ValueError as exc:
+            raise SampleError("batch", row.name, str(exc)) from None
+    columns = {**columns, **decoded}
     scalars = {}
     for name in _SCALARS:
         arr = np.asarray(columns[name])

@@ -67,6 +67,11 @@ class TraceSpec:
             ``num_experts_per_tok``, ``index_topk``); with :attr:`layers` it makes the
             per-token shape the model expects (:func:`model_shape`). ``None``: the width is
             not the model's (the support width is the sampler's).
+        storage: how the column form (what crosses the wire) stores the trace
+            (:mod:`replayrl.rollout.trace_storage`): ``"raw"`` as it is, ``"ids"`` in the
+            smallest unsigned dtype holding its values (expert ids: uint8 up to 256 experts),
+            ``"sets"`` each row as the set of key positions its query may see (``key_slots``
+            traces: row ``p`` of a trajectory sees keys ``0..p``).
     """
 
     name: str
@@ -82,6 +87,7 @@ class TraceSpec:
     key_slots: bool = False
     flip_rates: bool = False
     width: str | None = None
+    storage: Literal["raw", "ids", "sets"] = "raw"
 
     @property
     def ndim(self) -> int:
@@ -94,10 +100,10 @@ TRACES: tuple[TraceSpec, ...] = (
               "--use-support-replay", "use_support_replay", None, "support"),
     TraceSpec("routed_experts", np.int32, ("L_moe", "K"), "position", -1, "routing",
               "--use-routing-replay", "use_routing_replay", "moe_layers", "routed_experts",
-              flip_rates=True, width="num_experts_per_tok"),
+              flip_rates=True, width="num_experts_per_tok", storage="ids"),
     TraceSpec("indexer_topk", np.int32, ("L_idx", "K_idx"), "position", -1,
               "indexer", "--use-indexer-replay", "use_indexer_replay", "indexed_layers",
-              "indexer_topk", key_slots=True, flip_rates=True, width="index_topk"),
+              "indexer_topk", key_slots=True, flip_rates=True, width="index_topk", storage="sets"),
 )
 """Every trace, in canonical order (the order of ``TRACE_FIELDS`` and of the dataclass fields)."""
 

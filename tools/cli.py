@@ -1,5 +1,6 @@
 """``replayrl`` command line: ``train``, ``repl``, ``keys`` and ``bench
-{parity,refill,logprobs,transport,peer,profile,train,load,engine,decode,steps,faults}``.
+{parity,refill,logprobs,transport,peer,profile,train,load,engine,decode,steps,faults,
+traces}``.
 
 Exit codes (:mod:`replayrl.tools.run.exit_codes`): 0 success, 1 a run failed (the failing actor's traceback
 is printed), 2 bad configuration, 130 interrupted by Ctrl-C, 143 SIGTERM (``train``).
@@ -63,7 +64,8 @@ BENCHES = {"parity": "replayrl.tools.bench.parity", "refill": "replayrl.tools.be
            "peer": "replayrl.tools.bench.peer", "profile": "replayrl.tools.bench.profile",
            "train": "replayrl.tools.bench.train", "load": "replayrl.tools.bench.load",
            "engine": "replayrl.tools.bench.engine", "decode": "replayrl.tools.bench.decode",
-           "steps": "replayrl.tools.bench.steps", "faults": "replayrl.tools.bench.faults"}
+           "steps": "replayrl.tools.bench.steps", "faults": "replayrl.tools.bench.faults",
+           "traces": "replayrl.tools.bench.traces"}
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -108,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     keys.add_argument("directory", help="where run.key and run.key_secret (mode 600) are written")
     keys.set_defaults(func=_keys)
     bench = sub.add_parser("bench", help="benchmarks: parity | refill | logprobs | transport | peer | profile | "
-                                         "train | load | engine | decode | steps | faults "
+                                         "train | load | engine | decode | steps | faults | "
+                                         "traces "
                                          "(flags after the name go to the benchmark)")
     bench.add_argument("bench", choices=sorted(BENCHES))
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)

@@ -22,7 +22,7 @@ from typing import Any, ClassVar, Collection, Literal, Mapping, Sequence
 
 import numpy as np
 
-from replayrl.rollout import trace_table
+from replayrl.rollout import trace_storage, trace_table
 from replayrl.rollout.errors import EngineCaptureError, EngineInputError, EngineNotReady
 from replayrl.rollout.sample import TRACE_FIELDS, pack_rows, unpack_rows
 from replayrl.rollout.sampler import SamplingParams
@@ -102,7 +102,9 @@ def generations_to_columns(generations: Sequence[Generation]) -> dict[str, Any]:
     ``response_lengths`` / ``trace_lengths`` int64 ``[N]`` (``R`` and ``P + R - 1``),
     ``finish_reason`` list of ``N`` str, and per array field the generations' rows
     concatenated in order (``None`` when no generation has it; a list of ``N`` arrays or
-    ``None`` when presence or trailing shapes differ). Inverse: :func:`generations_from_columns`.
+    ``None`` when presence or trailing shapes differ), a trace stored as its table row's
+    ``storage`` says (``replayrl.rollout.trace_storage``; indexer rows come back as the same key
+    sets, ascending). Inverse: :func:`generations_from_columns`.
     """
     cols: dict[str, Any] = {"finish_reason": [g.finish_reason for g in generations],
                             "response_lengths": np.array([len(g.response_ids) for g in generations],
@@ -113,6 +115,9 @@ def generations_to_columns(generations: Sequence[Generation]) -> dict[str, Any]:
     cols["trace_lengths"] = np.array(trace_rows, dtype=np.int64)
     for name in _array_fields():
         cols[name] = pack_rows([getattr(g, name) for g in generations])
+    for row in trace_table.TRACES:
+        counts = cols["response_lengths"] if row.rows == "response" else cols["trace_lengths"]
+        cols[row.name] = trace_storage.encode_column(row, cols[row.name], counts)
     return cols
 
 
@@ -143,10 +148,14 @@ def generations_from_columns(columns: Mapping[str, Any]) -> list[Generation]:
     split = {}
     response_rows = {*_TOKEN_FIELDS, *(row.name for row in trace_table.TRACES
                                        if row.rows == "response")}
+    traces = {row.name: row for row in trace_table.TRACES}
     for name in array_fields:
         counts = lengths["response_lengths" if name in response_rows else "trace_lengths"]
         try:
-            split[name] = unpack_rows(columns[name], counts)
+            value = columns[name]
+            if name in traces:
+                value = trace_storage.decode_column(traces[name], value, counts)
+            split[name] = unpack_rows(value, counts)
         except ValueError as exc:
             raise EngineInputError(f"generation column {name!r}: {exc}") from None
     return [Generation(**{name: split[name][i] for name in array_fields},

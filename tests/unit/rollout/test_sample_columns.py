@@ -8,6 +8,7 @@ import pytest
 from replayrl.rollout.errors import SampleError
 from replayrl.rollout.sample import Sample, samples_from_columns, samples_to_columns
 from replayrl.transport.codec import Codec
+from replayrl.transport.trace_codec import decode_ids
 
 
 def _sample(sid: int, P: int, R: int, *, traces: bool = True, width: int = 3, **kw) -> Sample:
@@ -46,7 +47,11 @@ def test_columns_hold_the_ragged_fields_concatenated_in_sample_order():
     assert cols["prompt_lengths"].tolist() == [3, 2] and cols["response_lengths"].tolist() == [1, 2]
     assert cols["prompt_ids"].tolist() == a.prompt_ids.tolist() + b.prompt_ids.tolist()
     # routing rows: P + R - 1 = 3 then 3
-    assert cols["routed_experts"].shape == (6, 3, 2)
+    # expert ids 0..7 travel as uint8, 6 rows x 3 layers of 2 (no padded row)
+    assert cols["routed_experts"]["shape"] == [6, 3, 2]
+    assert cols["routed_experts"]["values"].dtype == np.uint8
+    assert cols["routed_experts"]["values"].reshape(-1).tolist() == (
+        a.routed_experts.reshape(-1).tolist() + b.routed_experts.reshape(-1).tolist())
     assert cols["indexer_topk"] is None
     assert cols["sample_support"].shape == (3, 4)
 
@@ -159,7 +164,8 @@ def _per_sample_fields(cols: dict) -> list[dict]:
     cut = lambda a, counts: np.split(a, np.cumsum(counts)[:-1])
     rows = {"prompt_ids": P, "response_ids": R, "loss_mask": R, "rollout_logprobs": R,
             "sample_support": R, "routed_experts": P + R - 1}
-    parts = {k: cut(cols[k], c) for k, c in rows.items()}
+    plain = {**cols, "routed_experts": decode_ids(cols["routed_experts"])}  # stored narrowed
+    parts = {k: cut(plain[k], c) for k, c in rows.items()}
     return [dict(sample_id=int(cols["sample_id"][i]), group_id=int(cols["group_id"][i]),
                  rollout_id=int(cols["rollout_id"][i]), policy_version=int(cols["policy_version"][i]),
                  reward=float(cols["reward"][i]), synthetic_eos=bool(cols["synthetic_eos"][i]),

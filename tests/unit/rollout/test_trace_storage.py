@@ -1,0 +1,118 @@
+"""Traces cross the column forms stored as the trace table says: expert ids back exactly,
+indexer rows back as the same key sets (ascending, -1 after), what no codec holds exactly
+travels as it is, and a malformed encoded column is an error naming it."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from replayrl.rollout.engines.base import Generation, generations_from_columns, generations_to_columns
+from replayrl.rollout.errors import EngineInputError, SampleError
+from replayrl.rollout.sample import Sample, samples_from_columns, samples_to_columns
+from replayrl.rollout.trace_storage import row_positions
+from replayrl.transport.codec import Codec
+
+K = 3
+
+
+def _keys(rows: int, rng: np.random.Generator) -> np.ndarray:
+    """Causal indexer rows as an engine lists them: by score (here shuffled), -1 after."""
+    out = np.full((rows, 2, K), -1, np.int32)
+    for p in range(rows):
+        for layer in range(2):
+            c = min(K, p + 1)
+            out[p, layer, :c] = rng.choice(p + 1, size=c, replace=False)
+    return out
+
+
+def _sample(sid: int, P: int, R: int, **kw) -> Sample:
+    rng = np.random.default_rng(sid)
+    rows = P + R - 1
+    kw.setdefault("indexer_topk", _keys(rows, rng))
+    routed = rng.integers(0, 256, (rows, 2, 4)).astype(np.int32)
+    routed[0] = -1  # a row nobody captured
+    return Sample(sample_id=sid, group_id=0, rollout_id=1, policy_version=0,
+                  prompt_ids=rng.integers(0, 9, P), response_ids=rng.integers(0, 9, R),
+                  loss_mask=np.ones(R, np.uint8), rollout_logprobs=-rng.random(R).astype(np.float32),
+                  routed_experts=routed, **kw)
+
+
+def _as_sets(a: np.ndarray) -> list:
+    return [sorted(v for v in row if v >= 0) for row in a.reshape(-1, a.shape[-1]).tolist()]
+
+
+def test_row_positions_count_within_each_item():
+    assert row_positions([3, 0, 2]).tolist() == [0, 1, 2, 0, 1]
+
+
+def test_samples_keep_their_experts_exactly_and_their_keys_as_sets():
+    samples = [_sample(0, 4, 3), _sample(1, 6, 1), _sample(2, 2, 5)]
+    cols = samples_to_columns(samples)
+    assert cols["routed_experts"]["values"].dtype == np.uint8
+    assert cols["indexer_topk"]["codec"] == "sets"
+    back = samples_from_columns(Codec().decode(Codec().encode(cols)))
+    for a, b in zip(samples, back):
+        assert b.routed_experts.dtype == np.int32 and np.array_equal(a.routed_experts, b.routed_experts)
+        assert b.indexer_topk.dtype == np.int32 and not b.indexer_topk.flags.writeable
+        assert _as_sets(a.indexer_topk) == _as_sets(b.indexer_topk)
+        canonical = [s + [-1] * (K - len(s)) for s in _as_sets(a.indexer_topk)]
+        assert b.indexer_topk.reshape(-1, K).tolist() == canonical
+
+
+def test_keys_no_set_codec_holds_travel_as_they_are():
+    dup = _keys(5, np.random.default_rng(3))
+    dup[4, 0] = [2, 2, -1]  # a repeated key: no set
+    sample = _sample(0, 3, 3, indexer_topk=dup)
+    cols = samples_to_columns([sample])
+    assert isinstance(cols["indexer_topk"], np.ndarray)
+    assert np.array_equal(samples_from_columns(cols)[0].indexer_topk, dup)
+
+
+def test_generations_keep_their_experts_exactly_and_their_keys_as_sets():
+    rng = np.random.default_rng(5)
+    gens = [Generation(response_ids=np.arange(R, dtype=np.int32),
+                       rollout_logprobs=np.zeros(R, np.float32),
+                       routed_experts=rng.integers(0, 8, (P + R - 1, 1, 2)).astype(np.int32),
+                       indexer_topk=_keys(P + R - 1, rng), finish_reason="stop")
+            for P, R in ((3, 2), (5, 1))]
+    back = generations_from_columns(Codec().decode(Codec().encode(generations_to_columns(gens))))
+    for a, b in zip(gens, back):
+        assert np.array_equal(a.routed_experts, b.routed_experts)
+        assert _as_sets(a.indexer_topk) == _as_sets(b.indexer_topk)
+
+
+def test_a_malformed_encoded_column_is_named():
+    cols = samples_to_columns([_sample(0, 4, 3)])
+    cols["indexer_topk"] = {**cols["indexer_topk"], "shape": [99, 2, K]}
+    with pytest.raises(SampleError, match="'indexer_topk'.*99"):
+        samples_from_columns(cols)
+    cols = samples_to_columns([_sample(0, 4, 3)])
+    cols["routed_experts"] = {**cols["routed_experts"], "codec": "sets"}
+    with pytest.raises(SampleError, match="'routed_experts'.*storage 'ids'"):
+        samples_from_columns(cols)
+    gcols = generations_to_columns([Generation(
+        response_ids=np.arange(2, dtype=np.int32), rollout_logprobs=np.zeros(2, np.float32),
+        indexer_topk=_keys(4, np.random.default_rng(0)), finish_reason="stop")])
+    gcols["indexer_topk"] = {**gcols["indexer_topk"], "kind": np.zeros(1, np.uint8)}
+    with pytest.raises(EngineInputError, match="'indexer_topk'.*kind"):
+        generations_from_columns(gcols)
+
+
+def test_a_large_column_travels_in_chunks_of_rows(monkeypatch):
+    from replayrl.rollout import trace_storage
+
+    monkeypatch.setattr(trace_storage, "CHUNK_SLOTS", 2 * 2 * K)  # two rows of [2, K] a chunk
+    samples = [_sample(0, 4, 3), _sample(1, 3, 2)]  # 6 + 4 rows: chunks of 2, the last ones too
+    dup = samples[1].indexer_topk.copy()
+    dup[3, 0] = [1, 1, -1]  # no set: its chunk travels as it is
+    samples[1] = _sample(1, 3, 2, indexer_topk=dup)
+    cols = samples_to_columns(samples)
+    assert cols["indexer_topk"]["codec"] == "chunks" and cols["indexer_topk"]["rows"] == [2] * 5
+    assert isinstance(cols["indexer_topk"]["parts"][4], np.ndarray)
+    back = samples_from_columns(Codec().decode(Codec().encode(cols)))
+    for a, b in zip(samples, back):
+        assert _as_sets(a.indexer_topk) == _as_sets(b.indexer_topk)
+    assert np.array_equal(back[1].indexer_topk[3], dup[3])
+    cols["indexer_topk"] = {**cols["indexer_topk"], "rows": [2, 2, 2, 2, 1]}
+    with pytest.raises(SampleError, match="'indexer_topk'.*9"):
+        samples_from_columns(cols)

@@ -1,0 +1,156 @@
+"""Compact trace storage: ids narrowed and index sets coded round-trip exactly (property tests
+against a per-row Python reference), hand-worked encodings, and malformed encodings refused."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from replayrl.transport.codec import Codec
+from replayrl.transport.trace_codec import (
+    ALL,
+    BITMAP,
+    DELTAS,
+    EMPTY,
+    TraceCodecError,
+    decode_ids,
+    decode_sets,
+    encode_ids,
+    encode_sets,
+)
+
+
+def _reference_canonical(a: np.ndarray) -> np.ndarray:
+    """Per row, in plain Python: the indices ascending, then -1."""
+    flat = a.reshape(-1, a.shape[-1])
+    out = [sorted(v for v in row.tolist() if v >= 0) for row in flat]
+    out = [r + [-1] * (a.shape[-1] - len(r)) for r in out]
+    return np.array(out, dtype=np.int32).reshape(a.shape)
+
+
+@st.composite
+def causal_traces(draw):
+    """int32 [N, L, K] key positions: row p draws from p + 1 keys (offset by ``start``, as
+    a trajectory's rows are), rows empty, full, single, k = K or random, -1 slots anywhere."""
+    n = draw(st.integers(0, 40))
+    layers = draw(st.integers(1, 3))
+    k = draw(st.integers(1, 12))
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    out = np.full((n, layers, k), -1, np.int32)
+    for p in range(n):
+        keys = p + 1
+        for layer in range(layers):
+            how = draw(st.sampled_from(["empty", "all", "one", "max", "random", "window"]))
+            top = min(k, keys)
+            c = {"empty": 0, "all": top, "one": 1, "max": top, "window": top,
+                 "random": int(rng.integers(0, top + 1))}[how]
+            if how == "window":
+                chosen = np.arange(keys - c, keys)
+            else:
+                chosen = rng.choice(keys, size=c, replace=False)
+            slots = rng.permutation(k)[:c]
+            out[p, layer, slots] = chosen
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(causal_traces())
+def test_sets_round_trip_to_the_canonical_rows(trace):
+    universe = np.arange(len(trace)) + 1
+    encoded = encode_sets(trace, universe)
+    assert encoded is not None
+    back = decode_sets(Codec().decode(Codec().encode(encoded)), universe)
+    assert back.dtype == np.int32 and np.array_equal(back, _reference_canonical(trace))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 3000), st.integers(1, 64), st.integers(0, 2**32 - 1))
+def test_long_rows_round_trip_whichever_form_is_chosen(keys, k, seed):
+    """Universes far larger than the row (delta codes) and close to it (bitmap)."""
+    rng = np.random.default_rng(seed)
+    trace = np.full((3, 1, k), -1, np.int32)
+    for i, u in enumerate((keys, max(1, keys // 50), keys)):
+        c = min(k, u)
+        trace[i, 0, :c] = rng.choice(u, size=c, replace=False)
+    universe = np.array([keys, max(1, keys // 50), keys])
+    back = decode_sets(encode_sets(trace, universe), universe)
+    assert np.array_equal(back, _reference_canonical(trace))
+
+
+def test_a_row_selecting_every_key_it_sees_costs_no_bytes():
+    # rows p = 0..3 of a trajectory with K = 4: row p selects all p + 1 keys, in any order
+    trace = np.array([[[0, -1, -1, -1]], [[1, 0, -1, -1]], [[-1, 2, 0, 1]], [[3, 1, 2, 0]]], np.int32)
+    enc = encode_sets(trace, np.arange(1, 5))
+    assert enc["kind"].tolist() == [ALL] * 4
+    assert sum(enc[name].size for name in ("count", "rice", "bitmap", "unary", "low")) == 0
+
+
+def test_a_short_universe_takes_the_bitmap_worked_by_hand():
+    # universe 10, set {2, 5, 9}: bitmap 0010010001 (10 bits) beats Rice (9 bits + 8 for l)
+    enc = encode_sets(np.array([[[9, 2, 5]]], np.int32), np.array([10]))
+    assert enc["kind"].tolist() == [BITMAP] and enc["count"].tolist() == [3]
+    assert enc["bitmap"].tolist() == [0b00100100, 0b01000000]
+
+
+def test_a_sparse_row_takes_rice_coded_deltas_worked_by_hand():
+    # universe 1000, set {0, 1, 500, 999}: gaps 0, 0, 498, 498. l = 7 gives 4 * 8 + (0 + 0 +
+    # 3 + 3) = 38 bits (l = 8 also 38; the smaller is kept), far below the 1000-bit bitmap.
+    enc = encode_sets(np.array([[[999, 0, 500, 1]]], np.int32), np.array([1000]))
+    assert enc["kind"].tolist() == [DELTAS] and enc["rice"].tolist() == [7]
+    # unary high parts 0, 0, 3, 3: 1 1 0001 0001
+    assert enc["unary"].tolist() == [0b11000100, 0b01000000]
+    # low 7 bits: 0, 0, 114, 114 (498 = 3 * 128 + 114)
+    assert enc["low"].tolist() == [0, 0b00000011, 0b10010111, 0b00100000]
+    assert decode_sets(enc, np.array([1000])).tolist() == [[[0, 1, 500, 999]]]
+
+
+def test_an_empty_row_and_no_rows():
+    enc = encode_sets(np.full((2, 1, 3), -1, np.int32), np.array([5, 6]))
+    assert enc["kind"].tolist() == [EMPTY, EMPTY]
+    empty = encode_sets(np.zeros((0, 2, 3), np.int32), np.zeros(0, np.int64))
+    assert decode_sets(empty, np.zeros(0, np.int64)).shape == (0, 2, 3)
+
+
+@pytest.mark.parametrize("row, why", [([3, 3, -1], "repeated"), ([0, 7, -1], "outside"),
+                                      ([0, -2, 1], "below -1")])
+def test_what_is_no_set_of_its_universe_is_left_to_the_caller(row, why):
+    assert encode_sets(np.array([[row]], np.int32), np.array([5])) is None, why
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 30), st.integers(1, 8), st.sampled_from([1, 8, 256, 257, 70000]),
+       st.sampled_from(["none", "rows", "slots"]), st.integers(0, 2**32 - 1))
+def test_ids_round_trip_exactly_in_the_smallest_dtype(n, k, experts, padding, seed):
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, experts, (n, 2, k)).astype(np.int32)
+    if padding == "rows" and n:
+        ids[rng.integers(0, n, max(1, n // 3))] = -1
+    if padding == "slots" and n:
+        ids[0, 0, 0] = -1
+    enc = encode_ids(ids)
+    back = decode_ids(Codec().decode(Codec().encode(enc)))
+    assert back.dtype == np.int32 and np.array_equal(back, ids)
+    top = int(ids.max()) + (1 if enc["codec"] == "ids+1" else 0) if ids.size else 0
+    want = np.uint8 if top <= 255 else np.uint16 if top <= 65535 else np.uint32
+    assert enc["values"].dtype == want
+
+
+def test_256_experts_fit_uint8_with_padded_rows():
+    ids = np.array([[[255, 0]], [[-1, -1]], [[7, 200]]], np.int32)
+    enc = encode_ids(ids)
+    assert enc["values"].dtype == np.uint8 and enc["values"].tolist() == [[255, 0], [7, 200]]
+    assert np.unpackbits(enc["pad_rows"], count=3).tolist() == [0, 1, 0]
+    assert decode_ids(enc).tolist() == ids.tolist()
+
+
+@pytest.mark.parametrize("part, value", [
+    ("kind", np.array([9], np.uint8)), ("count", np.array([5, 5], np.uint16)),
+    ("unary", np.array([255, 255], np.uint8)), ("low", np.zeros(0, np.uint8)),
+    ("bitmap", np.array([1], np.int32))])
+def test_malformed_sets_are_refused_naming_the_part(part, value):
+    enc = encode_sets(np.array([[[999, 0, 500, 1]]], np.int32), np.array([1000]))
+    enc[part] = value
+    with pytest.raises(TraceCodecError):
+        decode_sets(enc, np.array([1000]))

@@ -1,0 +1,195 @@
+"""Benchmark: bytes per token of the stored traces against int32 and the information bound, and
+the time to decode them (not a test; docs/benchmarks.md "Trace storage").
+
+For contexts of 4k, 32k and 128k tokens of a GLM-5-sized model (transformers' ``GlmMoeDsaConfig``
+defaults: 78 layers, every one indexed with ``index_topk`` 2048; 75 MoE layers of 256 experts,
+top-8) it prints, per token of a trajectory of that length (mean over its positions):
+
+* int32 as the column form carried it before (indexer rows ``[78, 2048]`` plus routing ``[75,
+  8]``) and miles' host buffer for indexer traces (``index_topk`` int32 per indexed layer);
+* ours (``replayrl.rollout.trace_storage``: indexer rows as key sets, experts as uint8), and
+  the ratio int32 / ours, measured in the same run;
+* the information bound: ``log2 C(keys, k)`` bits per indexer row (a query at position ``p``
+  picks ``k = min(2048, p + 1)`` of ``p + 1`` keys) summed over the layers, plus ``log2(256! /
+  248!)`` bits per routing row (the experts in their order, which is carried), and ours / bound;
+* the CPU time to decode them (one thread, numpy) in microseconds per token; with
+  ``--trainer-us-per-token`` (a trainer's measured step time per token of that context) also
+  its share of the step.
+
+A last row takes the embedded default model (4 layers: 3 MoE of 8 experts top-2, 2 indexed with
+``index_topk`` 8) with a default step's batch (128 trajectories of 7 prompt + 2 response
+tokens, about the built-in task's) and puts the decoding of that step's traces against the
+embedded model's measured step time (``--step-seconds``, default 0.0491 s: docs/benchmarks.md "Step time").
+
+Indexer choices are synthetic, drawn per (position, layer): the ``--sinks`` first keys
+(attention sinks), the ``--window`` most recent keys, and the rest of the ``k`` uniformly at
+random among the other keys, listed in a random order (the engine lists them by score);
+expert ids uniform over the 256 experts, distinct per row. Rows are sampled at ``--positions``
+stratified positions of the context (and ``--layers`` layers each); per-token figures scale
+the sample's mean per row to all layers.
+
+Usage: ``replayrl bench traces [--quick]`` (``python -m replayrl.tools.bench.traces``)
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from typing import Any
+
+import numpy as np
+
+from replayrl.rollout import trace_table
+from replayrl.rollout.trace_storage import decode_column, encode_column
+from replayrl.transport.trace_codec import decode_sets, encode_sets, encoded_nbytes
+
+GLM5 = {"indexed_layers": 78, "index_topk": 2048, "moe_layers": 75, "experts": 256, "top_k": 8}
+"""transformers 5.24 ``GlmMoeDsaConfig()`` defaults (num_hidden_layers 78, indexer_types all
+"full", first_k_dense_replace 3, n_routed_experts 256, num_experts_per_tok 8, index_topk 2048)."""
+
+CONTEXTS = (4096, 32768, 131072)
+
+
+def draw_indexer_rows(positions: np.ndarray, layers: int, k: int, window: int, sinks: int,
+                      rng: np.random.Generator) -> np.ndarray:
+    """int32 ``[len(positions), layers, k]``: per (position p, layer) the keys a causal query
+    at ``p`` selects (all ``p + 1`` when ``p + 1 <= k``, else ``sinks`` first + ``window`` last
+    + random others), in random slot order, ``-1`` after ``p + 1`` keys."""
+    out = np.full((len(positions), layers, k), -1, np.int32)
+    for i, p in enumerate(positions.tolist()):
+        n = p + 1
+        for layer in range(layers):
+            if n <= k:
+                chosen = np.arange(n)
+            else:
+                s, w = min(sinks, k), min(window, k - min(sinks, k))
+                middle = rng.choice(n - s - w, size=k - s - w, replace=False) + s
+                chosen = np.concatenate([np.arange(s), middle, np.arange(n - w, n)])
+            out[i, layer, :len(chosen)] = rng.permutation(chosen)
+    return out
+
+
+def bound_bits_per_token(context: int, k: int, layers: int) -> float:
+    """Mean over positions ``0..context-1`` of ``log2 C(p + 1, min(k, p + 1))``, times
+    ``layers``: the information in one token's indexer rows."""
+    n = np.arange(1, context + 1, dtype=np.float64)
+    kk = np.minimum(k, n)
+    lg = np.vectorize(math.lgamma)
+    bits = (lg(n + 1) - lg(kk + 1) - lg(n - kk + 1)) / math.log(2)
+    return float(bits.mean()) * layers
+
+
+def routing_bound_bits(experts: int, top_k: int) -> float:
+    """``log2(experts! / (experts - top_k)!)``: top_k distinct experts in order."""
+    return (math.lgamma(experts + 1) - math.lgamma(experts - top_k + 1)) / math.log(2)
+
+
+def _timed(fn, repeats: int) -> float:
+    """Best CPU seconds of this thread (``time.thread_time``: other jobs on a shared machine do
+    not count) over ``repeats`` calls of ``fn``."""
+    best = math.inf
+    for _ in range(repeats):
+        start = time.thread_time()
+        fn()
+        best = min(best, time.thread_time() - start)
+    return best
+
+
+def measure_context(context: int, *, positions: int, layers: int, window: int, sinks: int,
+                    repeats: int, rng: np.random.Generator) -> dict[str, Any]:
+    """Per-token figures of one context length (see the module docstring)."""
+    g = GLM5
+    pos = np.unique(((np.arange(positions) + rng.random(positions)) * context / positions)
+                    .astype(np.int64).clip(0, context - 1))
+    idx_spec, route_spec = trace_table.spec("indexer_topk"), trace_table.spec("routed_experts")
+    rows = draw_indexer_rows(pos, layers, g["index_topk"], window, sinks, rng)
+    # the sampled rows sit at positions ``pos``, not 0..: the set codec takes their universes
+    # (p + 1 keys) directly; encode_column / decode_column give it the same for a trajectory
+    enc = encode_sets(rows, pos + 1)
+    ours_idx = encoded_nbytes(enc) / (len(pos) * layers) * g["indexed_layers"]
+    decode_s = _timed(lambda: decode_sets(enc, pos + 1, idx_spec.dtype), repeats)
+    back = decode_sets(enc, pos + 1, idx_spec.dtype)
+    assert np.array_equal(np.sort(np.where(back < 0, 1 << 30, back), -1),
+                          np.sort(np.where(rows < 0, 1 << 30, rows), -1)), "round trip"
+    experts = np.argsort(rng.random((len(pos), g["moe_layers"], g["experts"])), axis=-1)[..., :g["top_k"]]
+    experts = experts.astype(np.int32)
+    counts = np.ones(len(pos), np.int64)
+    enc_r = encode_column(route_spec, experts, counts)
+    ours_route = encoded_nbytes(enc_r) / len(pos)
+    decode_s += _timed(lambda: decode_column(route_spec, enc_r, counts), repeats)
+    int32_idx = g["indexed_layers"] * g["index_topk"] * 4
+    int32_route = g["moe_layers"] * g["top_k"] * 4
+    bound = (bound_bits_per_token(context, g["index_topk"], g["indexed_layers"])
+             + g["moe_layers"] * routing_bound_bits(g["experts"], g["top_k"])) / 8
+    ours = ours_idx + ours_route
+    per_token_s = decode_s / (len(pos) * layers) * g["indexed_layers"]
+    return {"context": context, "int32": int32_idx + int32_route, "miles": int32_idx,
+            "ours": ours, "ours_indexer": ours_idx, "ours_routing": ours_route, "bound": bound,
+            "decode_us_per_token": per_token_s * 1e6, "rows": len(pos) * layers}
+
+
+def measure_embedded(step_seconds: float, repeats: int, rng: np.random.Generator) -> dict[str, Any]:
+    """Decode time of one default step's traces (128 trajectories, 7 + 2 tokens: 8 trace rows
+    each; 3 MoE layers of 8 experts top-2; 2 indexed layers, index_topk 8) against the
+    embedded model's measured step."""
+    n, rows_each, k = 128, 8, 8
+    counts = np.full(n, rows_each, np.int64)
+    idx_spec, route_spec = trace_table.spec("indexer_topk"), trace_table.spec("routed_experts")
+    keys = np.concatenate([draw_indexer_rows(np.arange(rows_each), 2, k, 2, 1, rng)
+                           for _ in range(n)])
+    experts = np.argsort(rng.random((n * rows_each, 3, 8)), axis=-1)[..., :2].astype(np.int32)
+    enc_i, enc_r = encode_column(idx_spec, keys, counts), encode_column(route_spec, experts, counts)
+    decode_s = _timed(lambda: (decode_column(idx_spec, enc_i, counts),
+                               decode_column(route_spec, enc_r, counts)), repeats)
+    tokens = n * rows_each
+    return {"int32": (keys.nbytes + experts.nbytes) / tokens,
+            "ours": (encoded_nbytes(enc_i) + encoded_nbytes(enc_r)) / tokens,
+            "decode_ms": decode_s * 1e3, "step_ms": step_seconds * 1e3}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Print the table (markdown) of the module docstring."""
+    parser = argparse.ArgumentParser(prog="replayrl bench traces", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="few sampled rows and one repeat (for tests; noisier figures)")
+    parser.add_argument("--positions", type=int, default=96, help="sampled positions per context")
+    parser.add_argument("--layers", type=int, default=2, help="sampled layers per position")
+    parser.add_argument("--window", type=int, default=512, help="most recent keys every query selects")
+    parser.add_argument("--sinks", type=int, default=16, help="first keys every query selects")
+    parser.add_argument("--repeats", type=int, default=5, help="decode timings; the best is kept")
+    parser.add_argument("--step-seconds", type=float, default=0.0491,
+                        help="the embedded model's measured step (docs/benchmarks.md 'Step time')")
+    parser.add_argument("--trainer-us-per-token", type=float, nargs=3, default=None,
+                        metavar=("US_4K", "US_32K", "US_128K"),
+                        help="a GLM-5 trainer's measured step microseconds per token at each "
+                             "context: prints decoding's share of it (none measured here)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.positions, args.layers, args.repeats = 8, 1, 1
+    rng = np.random.default_rng(args.seed)
+    print(f"GLM-5 shape: {GLM5['indexed_layers']} indexed layers, index_topk {GLM5['index_topk']}, "
+          f"{GLM5['moe_layers']} MoE layers of {GLM5['experts']} experts top-{GLM5['top_k']}; "
+          f"indexer rows: {args.sinks} sinks + {args.window} most recent + random; "
+          f"{args.positions} positions x {args.layers} layers sampled per context")
+    step = args.trainer_us_per_token
+    print("| context | int32 today (indexer + routing), B/token | miles' int32 indexer buffer, "
+          "B/token | ours, B/token | int32 / ours | bound, B/token | ours / bound | "
+          "decode, CPU us/token |" + (" decode / step |" if step else ""))
+    print("|---|---|---|---|---|---|---|---|" + ("---|" if step else ""))
+    for i, context in enumerate(CONTEXTS):
+        r = measure_context(context, positions=args.positions, layers=args.layers,
+                            window=args.window, sinks=args.sinks, repeats=args.repeats, rng=rng)
+        share = f" {100 * r['decode_us_per_token'] / step[i]:.1f} % |" if step else ""
+        print(f"| {context // 1024}k | {r['int32']:,.0f} | {r['miles']:,.0f} | {r['ours']:,.0f} "
+              f"| {r['int32'] / r['ours']:.1f}x | {r['bound']:,.0f} | {r['ours'] / r['bound']:.2f}x "
+              f"| {r['decode_us_per_token']:,.0f} |" + share)
+    e = measure_embedded(args.step_seconds, args.repeats, rng)
+    print(f"\nembedded default step (128 x (7 + 2) tokens): int32 {e['int32']:.0f} B/token, ours "
+          f"{e['ours']:.1f} B/token; decoding the step's traces {e['decode_ms']:.2f} ms of a "
+          f"{e['step_ms']:.1f} ms step ({100 * e['decode_ms'] / e['step_ms']:.1f} %; step: "
+          f"docs/benchmarks.md, measured)")
+
+
+if __name__ == "__main__":
+    main()

@@ -7,7 +7,8 @@ log the offending message and keep running (docs/design.md#transport-contract).
 
 from __future__ import annotations
 
-__all__ = ["TransportError", "EncodeError", "DecodeError", "MessageTooLarge", "NonFiniteJSON"]
+__all__ = ["TransportError", "EncodeError", "DecodeError", "MessageTooLarge", "NonFiniteJSON",
+           "TraceCodecError"]
 
 
 class TransportError(Exception):
@@ -34,3 +35,8 @@ class MessageTooLarge(DecodeError):
 class NonFiniteJSON(TransportError, ValueError):
     """A NaN / infinity where strict JSON has no value (:mod:`replayrl.transport.strict_json`);
     the message names the key path."""
+
+
+class TraceCodecError(TransportError, ValueError):
+    """An encoded trace that is malformed (sizes that disagree, unknown codec, a value outside
+    its row's universe); the message names the part (:mod:`replayrl.transport.trace_codec`)."""

@@ -39,6 +39,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from replayrl.transport.errors import TraceCodecError
+
 __all__ = ["EMPTY", "ALL", "BITMAP", "DELTAS", "TraceCodecError", "canonical_sets",
            "encode_ids", "decode_ids", "encode_sets", "decode_sets", "encoded_nbytes"]
 
@@ -47,11 +49,6 @@ EMPTY, ALL, BITMAP, DELTAS = 0, 1, 2, 3
 
 _MAX_RICE = 31
 """Largest Rice parameter (low bits per index); universes below 2**31 never need more."""
-
-
-class TraceCodecError(ValueError):
-    """An encoded trace that is malformed (sizes that disagree, unknown codec, a value outside
-    its row's universe); the message names the part."""
 
 
 def _unsigned_for(top: int) -> np.dtype:

@@ -21,7 +21,10 @@ generated again at the newer version and counted (``episodes_regenerated``;
 docs/design.md#version-clock).
 
 The task (``--task``, ``rollout/tasks/``) gives the prompts, the reward and the environment;
-the manager holds no task code. Prompts come from the task (``--prompt-data``, or the built-in
+the manager holds no task code. ``--env`` replaces the task's environment with your own
+(``rollout/tasks/environment.py``): one instance per trajectory, driven through
+``rollout/env_sessions.py``; a trajectory it ends is stored with status ``aborted`` and counted
+(``env_failures``, ``env_failure_messages``). Prompts come from the task (``--prompt-data``, or the built-in
 task's shipped file) through the run's tokenizer (``rollout/tokenizer.py``,
 ``rollout/prompt_data.py``); ``evaluate`` scores the
 ``--eval-prompt-data`` sets with the evaluation sampling settings (docs/design.md#prompt-data).

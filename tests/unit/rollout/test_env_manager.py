@@ -128,3 +128,74 @@ def test_the_run_configuration_checks_env():
                                           ".* is not a replayrl.rollout.tasks.environment"):
         build_config({"env": "replayrl.rollout.tasks.calculator:DigitToolEnv", "progress": False})
     build_config({"env": "retrieval", "rollout-max-turns": 3, "progress": False})
+
+
+async def test_with_a_chat_template_the_trained_ids_are_the_ids_every_engine_call_saw(tmp_path):
+    """The retrieval example through the manager: the fake engine writes a Hermes tool call,
+    then the answer; every engine call's context, and every stored trajectory, is
+    transformers' rendering of the conversation (the template puts "\\n" after <|im_end|>)."""
+    import dataclasses
+    import json
+
+    from replayrl.rollout.config import RolloutConfig
+    from replayrl.rollout.model.config import default_config
+    from replayrl.rollout.tasks import load_environment_class
+    from replayrl.rollout.tokenizer import load_tokenizer
+    from tests.unit.rollout.test_env_interface import TOOLS_TEMPLATE, _ids, _make_tokenizer
+
+    tokdir = _make_tokenizer(tmp_path, "tok", TOOLS_TEMPLATE, ["<|im_start|>", "<|im_end|>"],
+                             "<|im_end|>")
+    env_cls = load_environment_class("retrieval")
+    tok = load_tokenizer(tokdir, apply_chat_template=True, tools=env_cls.tools)
+    question = "what is the capital of Australia?"
+    data = tmp_path / "q.jsonl"
+    data.write_text(json.dumps({"prompt": question, "label": "Canberra"}) + "\n")
+    call = '<tool_call>{"name": "search", "arguments": {"query": "capital of Australia"}}</tool_call>'
+    eot = tok.eos_token_id
+    turns = [_ids(tok, call) + [eot], _ids(tok, "Canberra") + [eot]]
+    prompt_ids = tok.encode_prompt(question).tolist()
+    config = RolloutConfig(rollout_batch_size=1, n_samples_per_prompt=2, max_turns=3,
+                           max_response_len=200, prompt_data=str(data), rm_type="exact",
+                           apply_chat_template=True, env="retrieval", top_k=-1)
+    model = dataclasses.asdict(default_config(12))
+    engine = EngineActor("tests.fake_engine:ScriptedTurnsEngine",
+                         {"model_config": model, "turns": turns, "base": prompt_ids.count(eot)}, [])
+    await engine.load_weights(0, WEIGHTS)
+    seen = []
+
+    class Recording:
+        def __getattr__(self, method):
+            return getattr(engine, method)
+
+        async def generate(self, prompts, *args, **kwargs):
+            seen.extend(p.tolist() for p in prompts)
+            return await engine.generate(prompts, *args, **kwargs)
+
+    manager = RolloutManager(config.to_dict(), ["engine_0"], [], 4096, str(tokdir), 1000)
+    manager.proxy = lambda name, timeout=None: Recording()
+    summary = await manager.generate(0, min_version=0)
+    samples = manager.batches[0]
+
+    import sys
+    tool_text = "\n".join(sys.modules[env_cls.__module__].index().search("capital of Australia"))
+    assert tool_text.startswith("Canberra is the capital city of Australia.")
+    messages = [{"role": "user", "content": question}, {"role": "assistant", "content": call},
+                {"role": "tool", "content": tool_text},
+                {"role": "assistant", "content": "Canberra"}]
+
+    def whole(msgs, **kw):
+        return _ids(tok, tok.tokenizer.apply_chat_template(msgs, tools=list(env_cls.tools),
+                                                           tokenize=False, **kw))
+
+    assert seen == [whole(messages[:1], add_generation_prompt=True)] * 2 + \
+        [whole(messages[:3], add_generation_prompt=True)] * 2
+    full = whole(messages)
+    assert summary["env_failures"] == 0 and summary["reward_mean"] == 1.0
+    for s in samples:
+        trained = s.prompt_ids.tolist() + s.response_ids.tolist()
+        assert trained == full[:-1] and full[-1:] == _ids(tok, "\n")
+        for context in seen:
+            assert trained[:len(context)] == context
+        n0, n1 = len(turns[0]), len(turns[1])
+        assert s.loss_mask.tolist() == [1] * n0 + [0] * (len(s.loss_mask) - n0 - n1) + [1] * n1
+        assert s.status == "completed" and s.reward == 1.0

@@ -44,13 +44,13 @@ from replayrl.rollout.config import RolloutConfig
 from replayrl.rollout.data_source import Prompt, PromptDataSource
 from replayrl.rollout.engine_pool import EnginePool
 from replayrl.rollout.engines.base import generations_from_columns
+from replayrl.rollout.env_sessions import EnvSessions
 from replayrl.rollout.errors import RolloutError, TrajectoryError
 from replayrl.rollout.evaluation import eval_metrics
 from replayrl.rollout.generation_gate import GenerationGate
 from replayrl.rollout.prompt_data import load_run_prompts
 from replayrl.rollout.rewards import RewardGuard, load_math_verify
 from replayrl.rollout.sample import Sample, samples_to_columns
-from replayrl.rollout.env_sessions import EnvSessions
 from replayrl.rollout.tasks import load_environment_class, make_task
 from replayrl.rollout.tokenizer import load_tokenizer
 from replayrl.rollout.trajectory import append_synthetic_eos

@@ -4,9 +4,10 @@ Adding a task = one module in this package implementing :class:`Task` plus one l
 :data:`TASKS`; ``--task NAME`` selects it. The registry holds ``"module:Class"`` strings, so
 importing this package imports no task class's module (only the interface and the built-in
 ``--rm-type`` rewards, which every task may use). Environments (``--env``,
-``rollout/tasks/environment.py``) have their registry beside it, :data:`ENVIRONMENTS`. The launcher resolves the run's task name here,
-in its own process, and hands the class path to the rollout manager; a test may register a
-fake task by adding an entry before the run is configured.
+``rollout/tasks/environment.py``, the interface only is imported) have their registry beside
+it, :data:`ENVIRONMENTS`. The launcher resolves the run's task name here, in its own process,
+and hands the class path to the rollout manager; a test may register a fake task by adding an
+entry before the run is configured.
 """
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ import numpy as np
 from replayrl.rollout.data_source import Prompt
 from replayrl.rollout.errors import ToolEnvError
 from replayrl.rollout.tasks.digit_puzzle import DIGITS, OPERATORS, VOCABULARY, DigitTask
-from replayrl.rollout.tasks.environment import ToolCall, ToolEnvironment, Turn, Step
+from replayrl.rollout.tasks.environment import Step, ToolCall, ToolEnvironment, Turn
 
 __all__ = ["DigitToolEnv", "DigitCalculatorEnv"]
 

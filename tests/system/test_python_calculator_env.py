@@ -8,8 +8,16 @@ import pytest
 
 from replayrl.rollout.tokenizer import load_tokenizer
 from replayrl.rollout.turn_loop import assemble
-from tests.unit.rollout.test_env_interface import (CALC, TOOLS_TEMPLATE, _call, _episodes, _ids,
-                                                   _make_tokenizer, _prompt, _whole)
+from tests.unit.rollout.test_env_interface import (
+    CALC,
+    TOOLS_TEMPLATE,
+    _call,
+    _episodes,
+    _ids,
+    _make_tokenizer,
+    _prompt,
+    _whole,
+)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ separator ("\\n") after the end-of-turn token.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import math
 
 import numpy as np

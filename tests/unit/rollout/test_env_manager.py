@@ -98,7 +98,7 @@ async def test_a_raising_environment_aborts_its_own_trajectories_only(tmp_path, 
         if s.status != "aborted":
             assert s.loss_mask.tolist() == [1, 0, 0, 1, 1] and s.reward == 1.0
     for message in summary["env_failure_messages"]:
-        assert f"(row " in message and "turn 0: raised: RuntimeError: calculator down" in message
+        assert "(row " in message and "turn 0: raised: RuntimeError: calculator down" in message
         assert "CrashOnSecondGroup" in message and "at prompt " in message
 
 

@@ -21,7 +21,7 @@ from replayrl.rollout.data_source import Prompt
 from replayrl.rollout.errors import EnvironmentFailure
 from replayrl.rollout.tasks.environment import ToolEnvironment, Turn, check_step
 
-__all__ = ["Answer", "EnvSessions"]
+__all__ = ["Answer", "EnvSessions", "turn_text"]
 
 ENV_FAILURES = ("abort", "error")
 
@@ -40,6 +40,16 @@ class Answer:
     observation: np.ndarray | None
     reward: float = 0.0
     failure: str = ""
+
+
+def turn_text(tokenizer: Any, ids: np.ndarray) -> str:
+    """The text of one turn as the parser reads it: ``ids`` without their trailing stop ids
+    (``tokenizer.eos_token_ids``), decoded with special tokens kept (a template whose
+    ``<tool_call>`` is a special token still shows it)."""
+    end = len(ids)
+    while end and int(ids[end - 1]) in tokenizer.eos_token_ids:
+        end -= 1
+    return tokenizer.tokenizer.decode([int(t) for t in ids[:end]], skip_special_tokens=False)
 
 
 class EnvSessions:
@@ -132,7 +142,7 @@ class EnvSessions:
             return Answer(None, 0.0, self.failed[row])
         env = self.envs[row]
         ids = np.asarray(generation.response_ids)
-        text = self.tokenizer.decode(ids)
+        text = turn_text(self.tokenizer, ids)
         try:
             calls = env.parse_tool_calls(text)
         except Exception as exc:

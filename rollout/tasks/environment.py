@@ -80,7 +80,8 @@ class Turn:
     Attributes:
         index: the turn's number in its episode, from 0.
         ids: int32 ``[T]``, read-only: the tokens the engine sampled (end-of-turn id included).
-        text: ``ids`` decoded without special tokens.
+        text: ``ids`` decoded, trailing stop ids left out, special tokens kept
+            (``replayrl.rollout.env_sessions.turn_text``).
         tool_calls: the calls :meth:`ToolEnvironment.parse_tool_calls` found in ``text``.
         finish_reason: the engine's ``"stop"`` / ``"length"``.
     """

@@ -243,3 +243,17 @@ async def test_a_failing_reset_ends_the_trajectory_at_its_first_turn(tokdir):
     tok = load_tokenizer(tokdir, apply_chat_template=True)
     (episode,), _ = await _episodes(tok, BadReset, [_prompt(tok, "q")], [[_call("f")]])
     assert episode.finish_reason == "env_error" and "reset: raised: KeyError" in episode.failure
+
+
+def test_a_turn_text_keeps_special_tool_call_tokens_and_drops_the_stop_id(tmp_path):
+    """A template whose <tool_call> is a special token: the parser still sees the call."""
+    from replayrl.rollout.env_sessions import turn_text
+    d = _make_tokenizer(tmp_path, "special_calls", QWEN_TEMPLATE,
+                        ["<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"], "<|im_end|>")
+    tok = load_tokenizer(d, apply_chat_template=True)
+    specials = {s: tok.tokenizer.convert_tokens_to_ids(s) for s in ("<tool_call>", "</tool_call>")}
+    body = '{"name": "f", "arguments": {}}'
+    ids = np.array([specials["<tool_call>"], *_ids(tok, body), specials["</tool_call>"],
+                    tok.eos_token_id], np.int32)
+    assert turn_text(tok, ids) == f"<tool_call>{body}</tool_call>"
+    assert [c.name for c in hermes_tool_calls(turn_text(tok, ids))] == ["f"]

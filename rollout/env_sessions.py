@@ -19,7 +19,7 @@ import numpy as np
 
 from replayrl.rollout.data_source import Prompt
 from replayrl.rollout.errors import EnvironmentFailure
-from replayrl.rollout.tasks.environment import ToolEnvironment, Turn, check_step
+from replayrl.rollout.tasks.environment import Reset, ToolEnvironment, Turn, check_step
 
 __all__ = ["Answer", "EnvSessions", "turn_text"]
 
@@ -106,7 +106,9 @@ class EnvSessions:
 
     async def start(self) -> None:
         """Build and reset every row's environment (concurrently). A row whose environment
-        cannot be built or reset is failed; its first turn ends it (:meth:`respond`).
+        cannot be built or reset, or whose reset returns something but ``None`` or a
+        :class:`Reset` with no tools or the class's ``tools`` (the schema every prompt was
+        rendered with), is failed; its first turn ends it (:meth:`respond`).
 
         Raises:
             EnvironmentFailure: under ``failure="error"``.
@@ -116,7 +118,17 @@ class EnvSessions:
                 env = self.make_env()
                 self.envs[row] = env
                 return await env.reset(self.prompts[row])
-            _, self.failed[row] = await self._guarded(row, None, build_and_reset)
+            reset, self.failed[row] = await self._guarded(row, None, build_and_reset)
+            if self.failed[row] or reset is None:
+                return
+            env = self.envs[row]
+            if not isinstance(reset, Reset):
+                self.failed[row] = self._fail(row, None, "malformed", f"reset() returned "
+                                              f"{type(reset).__name__}, not a Reset or None")
+            elif reset.tools and tuple(map(dict, reset.tools)) != tuple(map(dict, env.tools)):
+                self.failed[row] = self._fail(
+                    row, None, "malformed", f"reset() offers tools other than "
+                    f"{type(env).__name__}.tools, which the prompts were rendered with")
 
         await asyncio.gather(*(one(row) for row in range(len(self.prompts))))
 

@@ -257,3 +257,26 @@ def test_a_turn_text_keeps_special_tool_call_tokens_and_drops_the_stop_id(tmp_pa
                     tok.eos_token_id], np.int32)
     assert turn_text(tok, ids) == f"<tool_call>{body}</tool_call>"
     assert [c.name for c in hermes_tool_calls(turn_text(tok, ids))] == ["f"]
+
+
+@pytest.mark.parametrize("answer, detail", [
+    ("tools", "reset: malformed: reset() returns"),
+    ("other", "reset: malformed: reset() offers tools other than"),
+])
+async def test_a_reset_that_answers_another_schema_or_no_reset_is_refused(tokdir, answer, detail):
+    from replayrl.rollout.tasks.environment import Reset
+
+    class OddReset(ToolEnvironment):
+        tools = ({"type": "function", "function": {"name": "a"}},)
+
+        async def reset(self, prompt):
+            return list(self.tools) if answer == "tools" else Reset(
+                ({"type": "function", "function": {"name": "b"}},))
+
+        async def step(self, turn):
+            raise AssertionError("never stepped")
+
+    tok = load_tokenizer(tokdir, apply_chat_template=True)
+    (episode,), _ = await _episodes(tok, OddReset, [_prompt(tok, "q")], [[_call("a")]])
+    assert episode.finish_reason == "env_error"
+    assert detail.replace("returns", "returned list, not a Reset or None") in episode.failure

@@ -56,6 +56,9 @@ class RolloutConfig:
             (``replayrl.rollout.trajectory.append_synthetic_eos``, docs/design.md#trace-arrays),
             so the policy is trained to stop (``--rollout-append-eos-on-truncation``; off by
             default). The reward is the verifier's for the response as trained, EOS included.
+        env, env_timeout_s, env_failure, env_reward: your own environment (``--env``,
+            ``replayrl.rollout.tasks.environment``), its per-call time limit, what a failing
+            call does and where the reward comes from.
     """
 
     seed: int = setting(1, "seed", "seed of data, sampling and initialisation",
@@ -121,6 +124,21 @@ class RolloutConfig:
     reward_failure: str = setting("error", "reward-failure", "a reward that raises or times out: "
                                   "error (stop, naming the sample) or zero (score 0, counted)",
                                   Choices(("error", "zero")))
+    env: str = setting("", "env", "your own multi-turn environment (tools in the chat "
+                       "template's format, rollout/tasks/environment.py): module:Class or a "
+                       "name in replayrl.rollout.tasks.ENVIRONMENTS; replaces the task's",
+                       metavar="ENV", default_text="the task's environment")
+    env_timeout_s: float = setting(30.0, "env-timeout-seconds", "longest one reset or step "
+                                   "call of --env may take", POSITIVE)
+    env_failure: str = setting("abort", "env-failure", "an --env call that raises, times out, "
+                               "answers a malformed step or an observation longer than the "
+                               "context left: abort (end that trajectory, status aborted, "
+                               "counted) or error (stop the run, naming prompt and turn)",
+                               Choices(("abort", "error")))
+    env_reward: str = setting("verifier", "env-reward", "the reward of an --env trajectory: "
+                              "verifier (the task's --rm-type / --custom-reward), env (the sum "
+                              "of the environment's step rewards) or sum (both added)",
+                              Choices(("verifier", "env", "sum")))
     eval_prompt_data: tuple[str, ...] = setting((), "eval-prompt-data", "evaluation set NAME "
                                                 "and its prompt FILE", Rule(
                                                     lambda v: len(v) % 2 == 0, "NAME FILE pairs"),

@@ -80,6 +80,21 @@ class ToolEnvError(RolloutError, ValueError):
     """A prompt or trajectory the tool environment cannot interpret (message names it)."""
 
 
+class EnvironmentFailure(RolloutError, RuntimeError):
+    """An environment (``--env``, ``rollout/tasks/environment.py``) raised, ran past
+    ``--env-timeout-seconds``, answered something that is not a ``Step`` or gave an observation
+    longer than the context left, under ``--env-failure error`` (the message names the
+    environment, the prompt, the sample row and the turn).
+
+    Attributes:
+        kind: ``"raised"``, ``"timeout"``, ``"malformed"`` or ``"observation_too_long"``.
+    """
+
+    def __init__(self, message: str, kind: str = "raised") -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
 class TurnLoopError(RolloutError, ValueError):
     """A :func:`replayrl.rollout.turn_loop.run_episodes` argument is malformed (the message
     names it)."""

@@ -21,7 +21,10 @@ generated again at the newer version and counted (``episodes_regenerated``;
 docs/design.md#version-clock).
 
 The task (``--task``, ``rollout/tasks/``) gives the prompts, the reward and the environment;
-the manager holds no task code. Prompts come from the task (``--prompt-data``, or the built-in
+the manager holds no task code. ``--env`` replaces the task's environment with your own
+(``rollout/tasks/environment.py``): one instance per trajectory, driven through
+``rollout/env_sessions.py``; a trajectory it ends is stored with status ``aborted`` and counted
+(``env_failures``, ``env_failure_messages``). Prompts come from the task (``--prompt-data``, or the built-in
 task's shipped file) through the run's tokenizer (``rollout/tokenizer.py``,
 ``rollout/prompt_data.py``); ``evaluate`` scores the
 ``--eval-prompt-data`` sets with the evaluation sampling settings (docs/design.md#prompt-data).
@@ -41,13 +44,14 @@ from replayrl.rollout.config import RolloutConfig
 from replayrl.rollout.data_source import Prompt, PromptDataSource
 from replayrl.rollout.engine_pool import EnginePool
 from replayrl.rollout.engines.base import generations_from_columns
+from replayrl.rollout.env_sessions import EnvSessions
 from replayrl.rollout.errors import RolloutError, TrajectoryError
 from replayrl.rollout.evaluation import eval_metrics
 from replayrl.rollout.generation_gate import GenerationGate
 from replayrl.rollout.prompt_data import load_run_prompts
 from replayrl.rollout.rewards import RewardGuard, load_math_verify
 from replayrl.rollout.sample import Sample, samples_to_columns
-from replayrl.rollout.tasks import make_task
+from replayrl.rollout.tasks import load_environment_class, make_task
 from replayrl.rollout.tokenizer import load_tokenizer
 from replayrl.rollout.trajectory import append_synthetic_eos
 from replayrl.rollout.turn_loop import Episode, assemble, run_episodes
@@ -108,8 +112,12 @@ class RolloutManager(Actor):
         self.task = make_task(self.config, task)
         # The environment answers tool calls only when the run allows more than one turn; one
         # reward scores every trajectory, single- or multi-turn (the task's, on its final turn).
-        self.env = self.task.environment() if self.config.max_turns > 1 else None
-        if self.config.max_turns > 1 and self.env is None:
+        # --env (your own environment, rollout/tasks/environment.py) replaces the task's: one
+        # instance per trajectory, built by the turn loop's sessions (rollout/env_sessions.py)
+        self.env_class = load_environment_class(self.config.env) if self.config.env else None
+        self.env = (self.task.environment()
+                    if self.config.max_turns > 1 and self.env_class is None else None)
+        if self.config.max_turns > 1 and self.env is None and self.env_class is None:
             raise RolloutError(f"--rollout-max-turns {self.config.max_turns}: the task "
                                f"{type(self.task).__name__} has no multi-turn environment")
         # the launcher already refused an unimportable --custom-reward before any process started
@@ -118,7 +126,8 @@ class RolloutManager(Actor):
         self.require_traces = tuple(require_traces)
         cfg = self.config
         self.tokenizer = load_tokenizer(tokenizer_dir, apply_chat_template=cfg.apply_chat_template,
-                                        chat_template_kwargs=json.loads(cfg.apply_chat_template_kwargs))
+                                        chat_template_kwargs=json.loads(cfg.apply_chat_template_kwargs),
+                                        tools=self.env_class.tools if self.env_class else ())
         if cfg.rm_type == "math" and not cfg.custom_reward:
             load_math_verify()  # a missing extra fails at start, not at the first reward
         self.reward_guard = RewardGuard(cfg.reward_timeout_s, cfg.reward_failure)
@@ -140,8 +149,8 @@ class RolloutManager(Actor):
         self._releases: set[asyncio.Future] = set()  # pin releases sent after a failure
 
     async def _episodes(self, engine: str, prompts: list[np.ndarray], seed: int, sampling: dict,
-                        max_new_tokens: int, min_version: int | None
-                        ) -> tuple[list[Episode], int]:
+                        max_new_tokens: int, min_version: int | None,
+                        records: list[Prompt] | None = None) -> tuple[list[Episode], int]:
         """The turn loop of ``prompts`` on one engine actor (one ``generate`` request per turn,
         each served at ``min_version`` or later), and the number of episodes generated again
         because their turns came from two weight versions.
@@ -151,14 +160,17 @@ class RolloutManager(Actor):
         with the same seed, at the newest version it saw, up to :data:`MIXED_VERSION_RERUNS`
         times; the last attempt's episodes are returned as they are (assembly then raises
         ``MixedVersionError``). Single-turn batches are one call, unpinned, as always.
+        ``records``: the :class:`Prompt` of each of ``prompts`` (what an ``--env``
+        environment's ``reset`` gets).
         """
         if self.config.max_turns == 1:
             return await self._pinned_episodes(engine, prompts, seed, sampling, max_new_tokens,
-                                               min_version, pin=False), 0
+                                               min_version, pin=False, records=records), 0
         regenerated = 0
         for attempt in range(MIXED_VERSION_RERUNS + 1):
             episodes = await self._pinned_episodes(engine, prompts, seed, sampling,
-                                                   max_new_tokens, min_version, pin=True)
+                                                   max_new_tokens, min_version, pin=True,
+                                                   records=records)
             mixed = [e.versions for e in episodes if len(set(e.versions)) > 1]
             if not mixed or attempt == MIXED_VERSION_RERUNS:
                 return episodes, regenerated
@@ -171,7 +183,7 @@ class RolloutManager(Actor):
 
     async def _pinned_episodes(self, engine: str, prompts: list[np.ndarray], seed: int,
                                sampling: dict, max_new_tokens: int, min_version: int | None,
-                               pin: bool) -> list[Episode]:
+                               pin: bool, records: list[Prompt] | None = None) -> list[Episode]:
         """One run of the turn loop of ``prompts`` on ``engine``; with ``pin``, under a version
         pin opened (at ``min_version`` or later) before the first turn and released after the
         last (on failure: released without waiting, or left to lapse)."""
@@ -195,11 +207,15 @@ class RolloutManager(Actor):
                                                  seed=turn_seed, pin=pin_id)
             return generations_from_columns(reply["generations"]), reply["version"]
 
+        env = self.env
+        if self.env_class is not None:  # fresh instances for this batch, one per trajectory
+            env = EnvSessions(lambda: self.env_class(cfg), records, tokenizer=self.tokenizer,
+                              timeout_s=cfg.env_timeout_s, failure=cfg.env_failure, name=cfg.env)
         try:
             episodes = await run_episodes(generate_turn, prompts, max_turns=cfg.max_turns,
                                           max_new_tokens=max_new_tokens,
                                           max_positions=self.max_positions, seed=seed,
-                                          env=self.env,
+                                          env=env,
                                           render_observation=self.tokenizer.render_observation)
         except BaseException:
             if pin_id is not None:  # the engine may be lost: do not wait for it here
@@ -231,7 +247,7 @@ class RolloutManager(Actor):
         def chunk_work(chunk: list[int], seed: int):
             return lambda engine: self._episodes(
                 engine, [prompts[g].prompt_ids for g in chunk for _ in range(n)], seed, sampling,
-                max_new_tokens, min_version)
+                max_new_tokens, min_version, [prompts[g] for g in chunk for _ in range(n)])
 
         replies = await asyncio.gather(*(
             self.pool.run(engine, chunk_work(chunk, int(seed)))
@@ -248,10 +264,11 @@ class RolloutManager(Actor):
 
     async def _generate_groups(self, prompts: list[Prompt], rollout_id: int,
                                seed_key: list[int], min_version: int | None
-                               ) -> tuple[list[Sample], int, int]:
+                               ) -> tuple[list[Sample], int, int, list[str]]:
         """Generate ``n_samples_per_prompt`` trajectories per prompt, assemble and score them;
-        returns them, the number of groups regenerated after an engine loss and the number of
-        episodes regenerated because they crossed a weight push."""
+        returns them, the number of groups regenerated after an engine loss, the number of
+        episodes regenerated because they crossed a weight push, and the failure message of
+        each trajectory an ``--env`` environment ended (status ``aborted``)."""
         cfg = self.config
         group_ids = list(range(self.next_group_id, self.next_group_id + len(prompts)))
         self.next_group_id += len(prompts)
@@ -261,16 +278,29 @@ class RolloutManager(Actor):
         # sample ids in the order the engines' chunks come back, as before (engine 0's groups
         # first): a resumed or repeated run numbers its samples the same way
         order = [g for i in range(len(self.engines)) for g in range(i, len(prompts), len(self.engines))]
-        unscored = [(self._assemble(e, prompts[g], group_ids[g], rollout_id), prompts[g])
+        unscored = [(self._assemble(e, prompts[g], group_ids[g], rollout_id), prompts[g], e)
                     for g in order for e in episodes[g]]
+        failures = [e.failure for _, _, e in unscored if e.failure]
+        for message in failures:
+            log.warning("%s; the trajectory ends there (status aborted)", message)
         # each Sample is built (and its contract checked) once, with its reward
-        samples = [Sample(**kw, reward=await self._reward(kw["sample_id"], p, kw["response_ids"],
-                                                          kw["loss_mask"]))
-                   for kw, p in unscored]
+        samples = [Sample(**kw, reward=await self._episode_reward(kw, p, e))
+                   for kw, p, e in unscored]
         samples.sort(key=lambda s: (s.group_id, s.sample_id))  # groups contiguous for GRPO
         if samples:
             self.latest_sample = samples[-1]
-        return samples, regenerated, mixed
+        return samples, regenerated, mixed, failures
+
+    async def _episode_reward(self, fields: dict, prompt: Prompt, episode: Episode) -> float:
+        """A trajectory's reward: the verifier's (:meth:`_reward`), or with ``--env``, as
+        ``--env-reward`` says: the verifier's, the environment's step rewards summed
+        (``episode.env_reward``), or both added."""
+        source = self.config.env_reward if self.env_class is not None else "verifier"
+        if source == "env":
+            return float(episode.env_reward)
+        verified = await self._reward(fields["sample_id"], prompt, fields["response_ids"],
+                                      fields["loss_mask"])
+        return verified + float(episode.env_reward) if source == "sum" else verified
 
     async def _reward(self, sample_id: int | str, prompt: Prompt, response_ids: np.ndarray,
                       loss_mask: np.ndarray) -> float:
@@ -319,8 +349,8 @@ class RolloutManager(Actor):
         # rollout must record: a prefetched batch the model never trained on is drawn again.
         self.data_state_before[rollout_id] = self.data.state_dict()
         prompts = self.data.next_batch(self.config.rollout_batch_size)  # before any await
-        samples, regenerated, mixed = await self._generate_groups(prompts, rollout_id,
-                                                                  [rollout_id], min_version)
+        samples, regenerated, mixed, env_failures = await self._generate_groups(
+            prompts, rollout_id, [rollout_id], min_version)
         self.batches[rollout_id] = samples
         rewards = np.array([s.reward for s in samples])
         summary = {"rollout_id": rollout_id, "samples": len(samples),
@@ -342,6 +372,11 @@ class RolloutManager(Actor):
             # trajectories generated again because a weight push landed between their turns
             # and their version pin had lapsed (docs/design.md#version-clock)
             summary["episodes_regenerated"] = mixed
+        if self.env_class is not None:
+            # trajectories an --env environment ended (status aborted), each message naming
+            # the environment, the prompt and the turn (docs/own-data.md)
+            summary["env_failures"] = len(env_failures)
+            summary["env_failure_messages"] = env_failures
         if self.config.reward_failure == "zero":
             summary["reward_failures"] = self.reward_guard.failures  # run total so far
         return summary
@@ -395,8 +430,9 @@ class RolloutManager(Actor):
             raise RolloutError(f"generate_replacements needs n_groups >= 1, got {n_groups}")
         self.replacement_calls += 1
         prompts = self.replacement_data.next_batch(n_groups)
-        samples, _, _ = await self._generate_groups(prompts, -1,
-                                                    [1 << 20, self.replacement_calls], min_version)
+        samples, _, _, _ = await self._generate_groups(prompts, -1,
+                                                       [1 << 20, self.replacement_calls],
+                                                       min_version)
         return samples_to_columns(samples)
 
     def _assemble(self, episode: Episode, prompt: Prompt, group_id: int, rollout_id: int) -> dict:
@@ -428,7 +464,8 @@ class RolloutManager(Actor):
         self.next_sample_id += 1
         merged, version = assemble(episode, sample_id=sample_id, require=self.require_traces)
         fields = merged.sample_fields()
-        status = "completed" if episode.finish_reason == "stop" else "truncated"
+        status = ("completed" if episode.finish_reason == "stop"
+                  else "aborted" if episode.finish_reason == "env_error" else "truncated")
         eos = self.tokenizer.eos_token_id
         if (self.config.append_eos_on_truncation and episode.finish_reason == "length"
                 and int(fields["response_ids"][-1]) != eos):

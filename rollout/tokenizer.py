@@ -45,6 +45,8 @@ class PromptTokenizer:
         apply_chat_template: prompts (and observations) are rendered with the chat template.
         chat_template_kwargs: extra keyword arguments of ``apply_chat_template`` (e.g.
             ``{"enable_thinking": false}``), read-only.
+        tools: the tool schema prompts are rendered with (``apply_chat_template(tools=...)``,
+            an ``--env`` environment's ``tools``); ``()`` renders none.
     """
 
     tokenizer: Any
@@ -52,6 +54,7 @@ class PromptTokenizer:
     eos_token_ids: tuple[int, ...]
     apply_chat_template: bool = False
     chat_template_kwargs: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    tools: tuple[Mapping[str, Any], ...] = ()
 
     @property
     def vocab_size(self) -> int:
@@ -82,9 +85,10 @@ class PromptTokenizer:
         """
         try:
             if self.apply_chat_template:
+                extra = {"tools": [dict(t) for t in self.tools]} if self.tools else {}
                 rendered = self.tokenizer.apply_chat_template(
                     self._messages(prompt), tokenize=False, add_generation_prompt=True,
-                    **dict(self.chat_template_kwargs))
+                    **extra, **dict(self.chat_template_kwargs))
                 ids = self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
             elif isinstance(prompt, str):
                 ids = self.tokenizer(prompt)["input_ids"]
@@ -146,22 +150,44 @@ class PromptTokenizer:
         if not self.apply_chat_template:
             out = np.array(observation_ids, dtype=np.int32)
         else:
-            out = np.asarray(self.tokenizer(self._tool_turn_text(observation_ids, turn_ids, sample_id),
+            out = np.asarray(self.tokenizer(self._tool_turn_text(self.decode(observation_ids),
+                                                                 turn_ids, sample_id),
                                             add_special_tokens=False)["input_ids"], dtype=np.int32)
         if len(out) == 0:
             raise TokenizerError("the observation renders to no tokens")
         out.flags.writeable = False
         return out
 
-    def _tool_turn_text(self, observation_ids: Sequence[int] | np.ndarray,
-                        turn_ids: Sequence[int] | np.ndarray, sample_id: Any) -> str:
+    def render_tool_text(self, text: str, turn_ids: Sequence[int] | np.ndarray, *,
+                         sample_id: Any = None) -> np.ndarray:
+        """The ids to append after a tool call whose answer is ``text`` (an ``--env``
+        environment's observation): as :meth:`render_observation`, with ``text`` as the tool
+        message's content. Without the chat template, ``text`` tokenised alone (no special
+        tokens added).
+
+        Returns:
+            read-only int32 ``[O]``, ``O >= 1``.
+        Raises:
+            ChatTemplateError, TokenizerError: as :meth:`render_observation`.
+        """
+        rendered = (self._tool_turn_text(str(text), turn_ids, sample_id)
+                    if self.apply_chat_template else str(text))
+        out = np.asarray(self.tokenizer(rendered, add_special_tokens=False)["input_ids"],
+                         dtype=np.int32)
+        if len(out) == 0:
+            raise TokenizerError("the observation renders to no tokens")
+        out.flags.writeable = False
+        return out
+
+    def _tool_turn_text(self, content: str, turn_ids: Sequence[int] | np.ndarray,
+                        sample_id: Any) -> str:
         """The text :meth:`render_observation` tokenises: the rest of the turn's closing, then
         the tool turn and the next generation prompt."""
         kwargs = dict(self.chat_template_kwargs)
         base = [dict(m) for m in _BASE_CONVERSATION]
         before = self.tokenizer.apply_chat_template(base, tokenize=False, **kwargs)
         after = self.tokenizer.apply_chat_template(
-            base + [{"role": "tool", "content": self.decode(observation_ids)}],
+            base + [{"role": "tool", "content": content}],
             tokenize=False, add_generation_prompt=True, **kwargs)
         if not after.startswith(before):
             raise ChatTemplateError(sample_id, "observations",
@@ -209,7 +235,8 @@ def _stop_ids(directory: Path, tokenizer: Any) -> tuple[int, ...]:
 
 
 def load_tokenizer(directory: str | Path, *, apply_chat_template: bool = False,
-                   chat_template_kwargs: Mapping[str, Any] | None = None) -> PromptTokenizer:
+                   chat_template_kwargs: Mapping[str, Any] | None = None,
+                   tools: Sequence[Mapping[str, Any]] = ()) -> PromptTokenizer:
     """Read the tokenizer of a Hugging Face checkpoint directory with ``AutoTokenizer``.
 
     Args:
@@ -218,6 +245,7 @@ def load_tokenizer(directory: str | Path, *, apply_chat_template: bool = False,
         apply_chat_template: render prompts with the chat template (``--apply-chat-template``).
         chat_template_kwargs: extra ``apply_chat_template`` arguments
             (``--apply-chat-template-kwargs``).
+        tools: the tool schema prompts are rendered with (the ``--env`` environment's).
 
     Raises:
         TokenizerError: the directory has no loadable tokenizer, no stop id, or no chat template
@@ -238,4 +266,5 @@ def load_tokenizer(directory: str | Path, *, apply_chat_template: bool = False,
                              "template (tokenizer_config.json 'chat_template' or "
                              "chat_template.jinja)")
     return PromptTokenizer(tokenizer, str(path), _stop_ids(path, tokenizer), apply_chat_template,
-                           MappingProxyType(dict(chat_template_kwargs or {})))
+                           MappingProxyType(dict(chat_template_kwargs or {})),
+                           tuple(MappingProxyType(dict(t)) for t in tools))

@@ -20,12 +20,14 @@ each turn -- and :func:`assemble` turns one into a trajectory through
 """
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Collection, Sequence
 
 import numpy as np
 
 from replayrl.rollout.engines.base import Generation
+from replayrl.rollout.env_sessions import EnvSessions
 from replayrl.rollout.errors import MixedVersionError, TurnLoopError
 from replayrl.rollout.tasks.base import Environment
 from replayrl.rollout.trajectory import MergedTrajectory, merge_turns
@@ -65,6 +67,9 @@ class Episode:
             the last allowed turn was a tool call; ``"length"`` when another turn would outgrow
             the model's positions.
         num_tool_calls: tool calls the environment answered or refused at the turn limit.
+        env_reward: the sum of an ``--env`` environment's step rewards (0.0 without one).
+        failure: ``""``, or why an ``--env`` environment ended the trajectory
+            (``finish_reason == "env_error"``; the message names the prompt and the turn).
     """
 
     prompt_ids: tuple[int, ...]
@@ -73,6 +78,8 @@ class Episode:
     versions: tuple[int, ...]
     finish_reason: str
     num_tool_calls: int
+    env_reward: float = 0.0
+    failure: str = ""
 
 
 async def run_episodes(
@@ -83,7 +90,7 @@ async def run_episodes(
     max_new_tokens: int,
     max_positions: int,
     seed: int,
-    env: Environment | None,
+    env: Environment | EnvSessions | None,
     render_observation: Callable[..., np.ndarray] | None = None,
 ) -> list[Episode]:
     """Run the turn loop for a batch of trajectories on one engine.
@@ -99,8 +106,12 @@ async def run_episodes(
             would not fit ends with ``"length"``.
         seed: ``>= 0``; turn ``t`` uses :func:`turn_seed(seed, t, max_turns) <turn_seed>`.
             Same seed, prompts and weights give the same episodes.
-        env: the task's environment (``replayrl.rollout.tasks.base.Environment``), or ``None``
-            (no tools: every turn is final).
+        env: the task's environment (``replayrl.rollout.tasks.base.Environment``), the
+            batch's ``--env`` sessions (:class:`replayrl.rollout.env_sessions.EnvSessions`, row
+            ``i`` = ``prompts[i]``; its answers come rendered already, and a failure or an
+            observation longer than the context left for it -- the positions after the turn
+            minus one for the next turn's first token -- ends that trajectory with
+            ``"env_error"``), or ``None`` (no tools: every turn is final).
         render_observation: ``render_observation(observation_ids, turn_ids, sample_id=row)``
             turns the environment's observation ids into the ids appended to the context after
             the turn ``turn_ids`` (``replayrl.rollout.tokenizer.PromptTokenizer.render_observation``:
@@ -122,6 +133,8 @@ async def run_episodes(
             ``replayrl.rollout.tasks.calculator.ToolEnvError``, a tool call on a prompt that is not
             a task prompt).
         Whatever ``generate_turn`` raises (e.g. the engine's errors, over the wire).
+        replayrl.rollout.errors.EnvironmentFailure: an ``--env`` failure under
+            ``--env-failure error``.
     """
     for name, value, low in (("max_turns", max_turns, 1), ("max_new_tokens", max_new_tokens, 1),
                              ("max_positions", max_positions, 1), ("seed", seed, 0)):
@@ -134,6 +147,11 @@ async def run_episodes(
     observations: list[list[np.ndarray]] = [[] for _ in originals]
     finish: list[str | None] = [None] * len(originals)
     tool_calls = [0] * len(originals)
+    sessions = env if isinstance(env, EnvSessions) else None
+    env_rewards = [0.0] * len(originals)
+    failures = [""] * len(originals)
+    if sessions is not None:
+        await sessions.start()
     active = list(range(len(originals)))
     for t in range(int(max_turns)):
         if not active:
@@ -143,20 +161,37 @@ async def run_episodes(
         if len(gens) != len(active):
             raise TurnLoopError(f"turn {t}: the engine returned {len(gens)} generations for "
                                 f"{len(active)} prompts")
+        answers = (await asyncio.gather(*(sessions.respond(i, t, gen)
+                                          for i, gen in zip(active, gens)))
+                   if sessions is not None else None)
         still = []
-        for i, gen in zip(active, gens):
+        for k, (i, gen) in enumerate(zip(active, gens)):
             turns[i].append(gen)
             versions[i].append(version)
-            obs = env.observe(originals[i], gen.response_ids) if env is not None else None
+            if answers is not None:
+                env_rewards[i] += answers[k].reward
+                if answers[k].failure:
+                    finish[i], failures[i] = "env_error", answers[k].failure
+                    continue
+                obs = answers[k].observation
+            else:
+                obs = env.observe(originals[i], gen.response_ids) if env is not None else None
             if obs is None:
                 finish[i] = gen.finish_reason
                 continue
-            if render_observation is not None:
+            if answers is None and render_observation is not None:
                 obs = render_observation(obs, gen.response_ids, sample_id=i)
             tool_calls[i] += 1
             grown = len(contexts[i]) + len(gen.response_ids) + len(obs)
             if t + 1 == max_turns:
                 finish[i] = "max_turns"
+            elif sessions is not None and grown + 1 > max_positions:
+                left = max_positions - len(contexts[i]) - len(gen.response_ids) - 1
+                finish[i] = "env_error"
+                failures[i] = sessions.failure_at(
+                    i, t, "observation_too_long",
+                    f"the observation is {len(obs)} tokens, longer than the {max(left, 0)} "
+                    f"positions the context has left ({max_positions} in all)")
             elif grown + int(max_new_tokens) - 1 > max_positions:
                 finish[i] = "length"  # another turn would not fit the model's positions
             else:
@@ -165,7 +200,8 @@ async def run_episodes(
                 still.append(i)
         active = still
     return [Episode(tuple(originals[i]), tuple(turns[i]), tuple(observations[i]),
-                    tuple(versions[i]), finish[i], tool_calls[i]) for i in range(len(originals))]
+                    tuple(versions[i]), finish[i], tool_calls[i], env_rewards[i], failures[i])
+            for i in range(len(originals))]
 
 
 def assemble(episode: Episode, *, sample_id: int,

@@ -97,3 +97,24 @@ class NoRoutingEngine(FixedDigitEngine):
     """The same engine, declaring that it cannot capture MoE routing (R3)."""
 
     capturable_traces = frozenset({"sample_support", "indexer_topk"})
+
+
+class ScriptedTurnsEngine(FixedDigitEngine):
+    """Writes a fixed script of turns (token ids, each ending with the end-of-turn id) for any
+    tokenizer: a context holding ``base + 2k`` end-of-turn ids gets turn ``k`` (each answered
+    turn adds its own end-of-turn id and the tool turn's). For ``--env`` tests with a chat
+    template: turn 0 a tool call, turn 1 the answer.
+
+    Args:
+        turns: the script, one id list per turn.
+        base: end-of-turn ids in a rendered prompt.
+    """
+
+    def __init__(self, model_config: Mapping[str, Any], dtype: str = "bfloat16",
+                 turns: Sequence[Sequence[int]] = (), base: int = 0) -> None:
+        super().__init__(model_config, dtype)
+        self.turns = [list(t) for t in turns]
+        self.base = int(base)
+
+    def _response(self, j: int, prompt: list[int], eos_token_id: int) -> list[int]:
+        return self.turns[(prompt.count(eos_token_id) - self.base) // 2]

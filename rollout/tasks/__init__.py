@@ -3,16 +3,23 @@
 Adding a task = one module in this package implementing :class:`Task` plus one line in
 :data:`TASKS`; ``--task NAME`` selects it. The registry holds ``"module:Class"`` strings, so
 importing this package imports no task class's module (only the interface and the built-in
-``--rm-type`` rewards, which every task may use). The launcher resolves the run's task name here,
-in its own process, and hands the class path to the rollout manager; a test may register a
-fake task by adding an entry before the run is configured.
+``--rm-type`` rewards, which every task may use). Environments (``--env``,
+``rollout/tasks/environment.py``, the interface only is imported) have their registry beside
+it, :data:`ENVIRONMENTS`. The launcher resolves the run's task name here, in its own process,
+and hands the class path to the rollout manager; a test may register a fake task by adding an
+entry before the run is configured.
 """
 from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
 
 from replayrl.actors import import_object
 from replayrl.rollout.config import RolloutConfig
 from replayrl.rollout.errors import TaskConfigError, UnknownTask
 from replayrl.rollout.tasks.base import Environment, RewardCall, Task, TaskPrompts
+from replayrl.rollout.tasks.environment import ToolEnvironment
 
 __all__ = [
     "TASKS",
@@ -26,6 +33,9 @@ __all__ = [
     "TaskPrompts",
     "RewardCall",
     "Environment",
+    "ENVIRONMENTS",
+    "ToolEnvironment",
+    "load_environment_class",
 ]
 
 # registry name -> "package.module:ClassName" of a Task subclass
@@ -33,6 +43,55 @@ TASKS: dict[str, str] = {
     "digits": "replayrl.rollout.tasks.digits:DigitsTask",  # the built-in digit puzzle
     "prompt_file": "replayrl.rollout.tasks.prompt_file:PromptFileTask",  # --prompt-data FILE
 }
+
+
+_EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "environments"
+
+# registry name -> "package.module:ClassName" or "path/to/file.py:ClassName" of a
+# ToolEnvironment subclass (--env NAME); --env also takes such a path directly
+ENVIRONMENTS: dict[str, str] = {
+    "digit_calculator": "replayrl.rollout.tasks.calculator:DigitCalculatorEnv",
+    "python_calculator": f"{_EXAMPLES / 'python_calculator.py'}:PythonCalculatorEnv",
+    "retrieval": f"{_EXAMPLES / 'retrieval.py'}:RetrievalEnv",
+}
+
+
+def load_environment_class(spec: str) -> type[ToolEnvironment]:
+    """The :class:`ToolEnvironment` subclass ``--env spec`` names: a name of
+    :data:`ENVIRONMENTS`, ``"module:Class"``, or ``"path/to/file.py:Class"``.
+
+    Raises:
+        TaskConfigError: not registered and not of those forms, not importable, or not a
+            :class:`ToolEnvironment` subclass (names ``--env`` and the value).
+    """
+    path = ENVIRONMENTS.get(spec, spec)
+    module, _, qualname = path.rpartition(":")
+    if not module or not qualname:
+        raise TaskConfigError(f"--env {spec!r}: not a registered environment "
+                              f"({', '.join(sorted(ENVIRONMENTS))}) nor module:Class")
+    try:
+        if module.endswith(".py"):
+            file = Path(module)
+            name = f"replayrl_env_{file.stem}"
+            loaded = sys.modules.get(name)
+            if loaded is None or getattr(loaded, "__file__", None) != str(file):
+                spec_ = importlib.util.spec_from_file_location(name, file)
+                if spec_ is None or not file.is_file():
+                    raise ImportError(f"no file {file}")
+                loaded = importlib.util.module_from_spec(spec_)
+                sys.modules[name] = loaded  # dataclasses in the file resolve their module
+                spec_.loader.exec_module(loaded)
+            cls = loaded
+            for part in qualname.split("."):
+                cls = getattr(cls, part)
+        else:
+            cls = import_object(path)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise TaskConfigError(f"--env {spec}: {exc}") from None
+    if not (isinstance(cls, type) and issubclass(cls, ToolEnvironment)):
+        raise TaskConfigError(f"--env {spec}: {path} is not a "
+                              "replayrl.rollout.tasks.environment.ToolEnvironment subclass")
+    return cls
 
 
 def task_name(config: RolloutConfig) -> str:

@@ -34,7 +34,7 @@ from replayrl.rollout.engines.sglang_protocol import parse_urls
 from replayrl.rollout.model.config import ModelConfig, default_config, without_indexer
 from replayrl.rollout.model.errors import ModelError
 from replayrl.rollout.model.loader import read_hf_config
-from replayrl.rollout.tasks import TaskConfigError, make_task, task_name
+from replayrl.rollout.tasks import TaskConfigError, load_environment_class, make_task, task_name
 from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
 from replayrl.tools.errors import ConfigError
 from replayrl.trainer.config import TrainerConfig
@@ -276,8 +276,9 @@ class RunConfig:
         takes these settings, and a multi-turn run's task has an environment.
 
         Raises:
-            ConfigError: an unknown task, settings the task refuses, or
-                ``--rollout-max-turns > 1`` with a task that has no environment (names the flags).
+            ConfigError: an unknown task, settings the task refuses, an ``--env`` that cannot be
+                loaded, or ``--rollout-max-turns > 1`` with neither ``--env`` nor a task
+                environment (names the flags).
         """
         r = self.rollout
         name = task_name(r)
@@ -285,11 +286,16 @@ class RunConfig:
             task = make_task(r)
         except TaskConfigError as exc:
             raise ConfigError(f"--task {name}: {exc}") from None
-        if r.max_turns > 1 and task.environment() is None:
+        if r.env:
+            try:
+                load_environment_class(r.env)
+            except TaskConfigError as exc:
+                raise ConfigError(str(exc)) from None
+        elif r.max_turns > 1 and task.environment() is None:
             chosen = f"--task {name}" if r.task else f"--task {name} (chosen by --prompt-data)"
             raise ConfigError(f"--rollout-max-turns {r.max_turns} needs the task's multi-turn "
                               f"environment, but {chosen} has none; use --rollout-max-turns 1 "
-                              f"or a task with an environment (e.g. --task digits)")
+                              f"or a task with an environment (e.g. --task digits), or --env")
 
     def _check_keys(self) -> None:
         if not self.curve_keys:

@@ -39,7 +39,7 @@ from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
 from replayrl.rollout.prompt_data import load_run_prompts
 from replayrl.rollout.rewards import load_math_verify
 from replayrl.rollout.sample import required_traces
-from replayrl.rollout.tasks import task_class_path, task_name
+from replayrl.rollout.tasks import load_environment_class, task_class_path, task_name
 from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
 from replayrl.rollout.tokenizer import load_tokenizer
 from replayrl.tools.errors import ConfigError
@@ -274,7 +274,9 @@ def check_prompt_data(config: RunConfig, checkpoint_dir: Path) -> None:
     try:
         tokenizer = load_tokenizer(tokenizer_dir(config, checkpoint_dir),
                                    apply_chat_template=r.apply_chat_template,
-                                   chat_template_kwargs=json.loads(r.apply_chat_template_kwargs))
+                                   chat_template_kwargs=json.loads(r.apply_chat_template_kwargs),
+                                   # prompts render the --env environment's tool schema
+                                   tools=load_environment_class(r.env).tools if r.env else ())
         if tokenizer.vocab_size > model.vocab_size:
             raise ConfigError(f"--tokenizer {tokenizer.directory}: {tokenizer.vocab_size} ids, "
                               f"more than the policy's vocabulary of {model.vocab_size}")

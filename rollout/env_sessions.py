@@ -1,0 +1,178 @@
+"""One batch's environment sessions: the turn loop's side of ``--env`` (``rollout/tasks/environment.py``).
+
+:class:`EnvSessions` holds one :class:`replayrl.rollout.tasks.environment.ToolEnvironment`
+instance per trajectory of an engine batch, resets them, and answers each turn with the ids
+to append (the observation rendered by the chat template as a tool message, tokenised alone:
+``PromptTokenizer.render_tool_text``). Every ``reset`` / ``step`` runs under the per-call time
+limit; an environment that raises, times out or answers a malformed step gives a failure
+message (naming the environment, the prompt, the row and the turn) that ends that trajectory
+(``run_episodes``: ``finish_reason == "env_error"``), or, with ``failure="error"``, raises
+:class:`replayrl.rollout.errors.EnvironmentFailure` and ends the run.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from replayrl.rollout.data_source import Prompt
+from replayrl.rollout.errors import EnvironmentFailure
+from replayrl.rollout.tasks.environment import Reset, ToolEnvironment, Turn, check_step
+
+__all__ = ["Answer", "EnvSessions", "turn_text"]
+
+ENV_FAILURES = ("abort", "error")
+
+
+@dataclass(frozen=True)
+class Answer:
+    """The environment's answer to one turn, ready for the turn loop.
+
+    Attributes:
+        observation: read-only int32 ``[O]`` ids to append (loss mask 0), or ``None`` when the
+            episode ends after this turn.
+        reward: the step's reward (float).
+        failure: ``""``, or the message of a failure that ends this trajectory.
+    """
+
+    observation: np.ndarray | None
+    reward: float = 0.0
+    failure: str = ""
+
+
+def turn_text(tokenizer: Any, ids: np.ndarray) -> str:
+    """The text of one turn as the parser reads it: ``ids`` without their trailing stop ids
+    (``tokenizer.eos_token_ids``), decoded with special tokens kept (a template whose
+    ``<tool_call>`` is a special token still shows it)."""
+    end = len(ids)
+    while end and int(ids[end - 1]) in tokenizer.eos_token_ids:
+        end -= 1
+    return tokenizer.tokenizer.decode([int(t) for t in ids[:end]], skip_special_tokens=False)
+
+
+class EnvSessions:
+    """The environment instances of one batch of trajectories (row ``i`` = ``prompts[i]``).
+
+    Args:
+        make_env: builds one fresh environment (called once per row).
+        prompts: the batch's prompts, one per trajectory.
+        tokenizer: a :class:`replayrl.rollout.tokenizer.PromptTokenizer` (decodes turns,
+            renders observations).
+        timeout_s: seconds one ``reset`` / ``step`` may take, > 0.
+        failure: ``"abort"`` (end the trajectory) or ``"error"`` (raise, ending the run).
+        name: the environment as messages name it (``--env``'s value).
+    Raises:
+        ValueError: ``timeout_s <= 0`` or an unknown ``failure``.
+    """
+
+    def __init__(self, make_env: Callable[[], ToolEnvironment], prompts: Sequence[Prompt], *,
+                 tokenizer: Any, timeout_s: float, failure: str = "abort", name: str = "") -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        if failure not in ENV_FAILURES:
+            raise ValueError(f"failure must be one of {ENV_FAILURES}, got {failure!r}")
+        self.make_env = make_env
+        self.prompts = list(prompts)
+        self.tokenizer = tokenizer
+        self.timeout_s = float(timeout_s)
+        self.failure = failure
+        self.name = name or "environment"
+        self.envs: list[ToolEnvironment | None] = [None] * len(self.prompts)
+        self.failed: list[str] = [""] * len(self.prompts)
+
+    def _where(self, row: int, turn: int | None) -> str:
+        p = self.prompts[row]
+        at = "reset" if turn is None else f"turn {turn}"
+        return f"{self.name} at prompt {p.source or p.index} (row {row}), {at}"
+
+    def _fail(self, row: int, turn: int | None, kind: str, detail: str) -> str:
+        message = f"environment {self._where(row, turn)}: {kind}: {detail}"
+        if self.failure == "error":
+            raise EnvironmentFailure(message, kind)
+        return message
+
+    async def _guarded(self, row: int, turn: int | None, call: Callable[[], Any]) -> tuple[Any, str]:
+        try:
+            return await asyncio.wait_for(call(), self.timeout_s), ""
+        except asyncio.TimeoutError:
+            return None, self._fail(row, turn, "timeout",
+                                    f"no answer within --env-timeout-seconds {self.timeout_s:g}")
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the environment's own error, kept in the message
+            return None, self._fail(row, turn, "raised", f"{type(exc).__name__}: {exc}")
+
+    async def start(self) -> None:
+        """Build and reset every row's environment (concurrently). A row whose environment
+        cannot be built or reset, or whose reset returns something but ``None`` or a
+        :class:`Reset` with no tools or the class's ``tools`` (the schema every prompt was
+        rendered with), is failed; its first turn ends it (:meth:`respond`).
+
+        Raises:
+            EnvironmentFailure: under ``failure="error"``.
+        """
+        async def one(row: int) -> None:
+            async def build_and_reset():
+                env = self.make_env()
+                self.envs[row] = env
+                return await env.reset(self.prompts[row])
+            reset, self.failed[row] = await self._guarded(row, None, build_and_reset)
+            if self.failed[row] or reset is None:
+                return
+            env = self.envs[row]
+            if not isinstance(reset, Reset):
+                self.failed[row] = self._fail(row, None, "malformed", f"reset() returned "
+                                              f"{type(reset).__name__}, not a Reset or None")
+            elif reset.tools and tuple(map(dict, reset.tools)) != tuple(map(dict, env.tools)):
+                self.failed[row] = self._fail(
+                    row, None, "malformed", f"reset() offers tools other than "
+                    f"{type(env).__name__}.tools, which the prompts were rendered with")
+
+        await asyncio.gather(*(one(row) for row in range(len(self.prompts))))
+
+    def failure_at(self, row: int, turn: int, kind: str, detail: str) -> str:
+        """The failure message of a row's turn found by the turn loop (e.g. an observation
+        too long for the context left), or raise it under ``failure="error"``."""
+        return self._fail(row, turn, kind, detail)
+
+    async def respond(self, row: int, turn: int, generation: Any) -> Answer:
+        """The environment's answer to turn ``turn`` of row ``row``.
+
+        Args:
+            generation: the turn's :class:`replayrl.rollout.engines.base.Generation`.
+        Returns:
+            an :class:`Answer`; ``failure`` set when the environment raised, timed out or gave a
+            malformed step (or its reset failed).
+        Raises:
+            EnvironmentFailure: under ``failure="error"``.
+            replayrl.rollout.errors.ChatTemplateError, TokenizerError: the observation cannot be
+                rendered (the run's template, not the environment).
+        """
+        if self.failed[row]:
+            return Answer(None, 0.0, self.failed[row])
+        env = self.envs[row]
+        ids = np.asarray(generation.response_ids)
+        text = turn_text(self.tokenizer, ids)
+        try:
+            calls = env.parse_tool_calls(text)
+        except Exception as exc:
+            return Answer(None, 0.0, self._fail(row, turn, "raised",
+                                                f"parse_tool_calls: {type(exc).__name__}: {exc}"))
+        step, failure = await self._guarded(
+            row, turn, lambda: env.step(Turn(turn, ids, text, tuple(calls),
+                                             generation.finish_reason)))
+        if failure:
+            return Answer(None, 0.0, failure)
+        malformed = check_step(step)
+        if malformed:
+            return Answer(None, 0.0, self._fail(row, turn, "malformed", malformed))
+        if step.done or step.observation is None:
+            return Answer(None, float(step.reward))
+        if isinstance(step.observation, str):
+            obs = self.tokenizer.render_tool_text(step.observation, ids, sample_id=row)
+        else:
+            obs = self.tokenizer.render_observation(np.asarray(step.observation, np.int32), ids,
+                                                    sample_id=row)
+        return Answer(obs, float(step.reward))

@@ -1,0 +1,204 @@
+"""Your own environment: tools the policy calls in its chat template's format (``--env``).
+
+An environment is one class, a subclass of :class:`ToolEnvironment`, chosen by
+``--env module:Class`` or by a name of :data:`replayrl.rollout.tasks.ENVIRONMENTS`. The task
+(``--task``) still gives the prompts and the verifier; the environment answers the policy's
+turns. One instance serves one trajectory (the rollout manager builds it with the run's
+:class:`replayrl.rollout.config.RolloutConfig`), so it may keep per-episode state:
+
+* ``await env.reset(prompt)`` once, before the first turn, with the trajectory's
+  :class:`replayrl.rollout.data_source.Prompt` (``label``, ``metadata``, ``source``); it
+  returns a :class:`Reset` (the tool schema the episode offers; ``None`` = the class's
+  :attr:`ToolEnvironment.tools`). The schema is rendered into every prompt by the chat template
+  (``apply_chat_template(..., tools=ENV.tools)``) when the run's prompts are tokenised, so a
+  prompt's ids are fixed before any turn and never re-tokenised;
+* ``await env.step(turn)`` after each turn, with the :class:`Turn` the policy generated (its
+  ids, its text and the tool calls :meth:`ToolEnvironment.parse_tool_calls` found in it); it
+  returns a :class:`Step`: the observation (text, rendered by the chat template as a
+  ``{"role": "tool"}`` message and appended as ids after the turn's exact ids; or token ids,
+  appended as ``render_observation`` appends the digit calculator's), a reward and whether the
+  episode is done. ``done`` (or no observation) ends the trajectory; its last turn is the
+  final answer the verifier scores.
+
+Each call runs under ``--env-timeout-seconds`` (``asyncio.wait_for``): a ``step`` must
+therefore be a coroutine that yields; blocking work goes to a thread
+(``asyncio.to_thread``) or a subprocess with its own resource limits, as the shipped Python
+calculator does (``examples/environments/python_calculator.py``). A call that raises, times
+out, answers something that is not a :class:`Step`, or whose observation does not fit the
+context left, ends that trajectory (status ``aborted``, counted in ``env_failures`` with a
+message naming the prompt and the turn), or the run under ``--env-failure error``
+(``replayrl.rollout.env_sessions``).
+
+The reward of a trajectory is ``--env-reward``: the verifier's (the task's ``--rm-type`` or
+``--custom-reward``, the default), the sum of the environment's step rewards, or both added.
+
+Tool calls are parsed from the turn's text; the default parser reads the Hermes / Qwen
+format, ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (:func:`hermes_tool_calls`);
+an environment overrides :meth:`ToolEnvironment.parse_tool_calls` for another format.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, ClassVar, Mapping
+
+import numpy as np
+
+from replayrl.rollout.config import RolloutConfig
+from replayrl.rollout.data_source import Prompt
+
+__all__ = ["ToolCall", "Turn", "Reset", "Step", "ToolEnvironment", "hermes_tool_calls",
+           "check_step", "tool_result"]
+
+_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One tool call the policy wrote.
+
+    Attributes:
+        name: the tool's name (``""`` when the call could not be read).
+        arguments: its arguments, read-only.
+        error: why the call could not be read (``""`` when it could): the policy's mistake,
+            which an environment answers (:func:`tool_result`), not an environment failure.
+    """
+
+    name: str
+    arguments: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One turn the policy generated.
+
+    Attributes:
+        index: the turn's number in its episode, from 0.
+        ids: int32 ``[T]``, read-only: the tokens the engine sampled (end-of-turn id included).
+        text: ``ids`` decoded, trailing stop ids left out, special tokens kept
+            (``replayrl.rollout.env_sessions.turn_text``).
+        tool_calls: the calls :meth:`ToolEnvironment.parse_tool_calls` found in ``text``.
+        finish_reason: the engine's ``"stop"`` / ``"length"``.
+    """
+
+    index: int
+    ids: np.ndarray
+    text: str
+    tool_calls: tuple[ToolCall, ...]
+    finish_reason: str
+
+
+@dataclass(frozen=True)
+class Reset:
+    """What :meth:`ToolEnvironment.reset` gives: the tool schema of the episode (JSON-schema
+    function descriptions, as ``apply_chat_template(tools=...)`` takes them)."""
+
+    tools: tuple[Mapping[str, Any], ...] = ()
+
+
+@dataclass(frozen=True)
+class Step:
+    """What :meth:`ToolEnvironment.step` gives.
+
+    Attributes:
+        observation: the tool's answer: text (a tool message), int token ids (``[O]``,
+            appended as the digit calculator's are), or ``None`` (nothing to answer: the turn
+            was the final answer).
+        reward: a finite float, summed over the episode's steps (``--env-reward env`` / ``sum``).
+        done: the episode ends after this turn (its observation, if any, is not appended).
+    """
+
+    observation: str | np.ndarray | None = None
+    reward: float = 0.0
+    done: bool = False
+
+
+def hermes_tool_calls(text: str) -> tuple[ToolCall, ...]:
+    """The tool calls of ``text`` in the Hermes / Qwen chat-template format.
+
+    Each ``<tool_call>{"name": NAME, "arguments": {...}}</tool_call>`` block is one call; a
+    block whose body is not such a JSON object gives a :class:`ToolCall` with ``error`` set
+    (never an exception: a malformed call is the policy's, answered as an error message). An
+    unclosed ``<tool_call>`` (a turn cut at its length cap) is one call with an error.
+
+    Returns:
+        the calls in order of appearance; ``()`` when the text has none.
+    """
+    calls = []
+    for body in _TOOL_CALL.findall(text):
+        try:
+            obj = json.loads(body)
+        except ValueError as exc:
+            calls.append(ToolCall("", error=f"tool call is not JSON: {exc}"))
+            continue
+        if not (isinstance(obj, dict) and isinstance(obj.get("name"), str)
+                and isinstance(obj.get("arguments", {}), dict)):
+            calls.append(ToolCall("", error='tool call must be {"name": str, "arguments": object}'))
+            continue
+        calls.append(ToolCall(obj["name"], MappingProxyType(dict(obj.get("arguments", {})))))
+    if text.count("<tool_call>") > text.count("</tool_call>"):
+        calls.append(ToolCall("", error="unclosed <tool_call>"))
+    return tuple(calls)
+
+
+def tool_result(call: ToolCall, value: str) -> str:
+    """The observation text of one call: ``value``, or ``"error: ..."`` for an unreadable call."""
+    return f"error: {call.error}" if call.error else value
+
+
+def check_step(step: Any) -> str:
+    """Why ``step`` is not a well-formed :class:`Step` (``""`` when it is).
+
+    Well-formed: a :class:`Step` whose observation is ``None``, a ``str`` or a 1-d integer
+    array / list of ints, whose reward is a finite real number and whose ``done`` is a bool.
+    """
+    if not isinstance(step, Step):
+        return f"step() returned {type(step).__name__}, not a Step"
+    obs = step.observation
+    if obs is not None and not isinstance(obs, str):
+        arr = np.asarray(obs) if isinstance(obs, (list, tuple, np.ndarray)) else None
+        if arr is None or arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+            return f"observation is {type(obs).__name__}, not text or a 1-d array of token ids"
+    if (isinstance(step.reward, bool) or not isinstance(step.reward, (int, float, np.number))
+            or not math.isfinite(float(step.reward))):
+        return f"reward {step.reward!r} is not a finite number"
+    if not isinstance(step.done, (bool, np.bool_)):
+        return f"done {step.done!r} is not a bool"
+    return ""
+
+
+class ToolEnvironment(ABC):
+    """A multi-turn environment (see the module docstring); one instance per trajectory.
+
+    Attributes:
+        tools: the tool schema every prompt is rendered with (``apply_chat_template(tools=)``):
+            a tuple of ``{"type": "function", "function": {"name", "description",
+            "parameters"}}`` objects; ``()`` for an environment whose prompts describe their
+            tools themselves.
+
+    Args:
+        config: the run's rollout settings (``None`` in tests that build one by hand).
+    """
+
+    tools: ClassVar[tuple[Mapping[str, Any], ...]] = ()
+
+    def __init__(self, config: RolloutConfig | None = None) -> None:
+        self.config = config
+
+    def parse_tool_calls(self, text: str) -> tuple[ToolCall, ...]:
+        """The tool calls of one turn's text (default: :func:`hermes_tool_calls`)."""
+        return hermes_tool_calls(text)
+
+    async def reset(self, prompt: Prompt) -> Reset | None:
+        """Start the episode of ``prompt`` (default: nothing to set up; the class's tools)."""
+        return Reset(tuple(self.tools))
+
+    @abstractmethod
+    async def step(self, turn: Turn) -> Step:
+        """Answer one turn (see :class:`Step`). Raising ends this trajectory (or the run under
+        ``--env-failure error``); so does running past ``--env-timeout-seconds``."""

@@ -63,6 +63,12 @@ SKIP_REASONS = ("no_loss_tokens", "no_accepted_tokens", "no_group_baseline")
 prompt group has fewer than two accepted samples (no baseline, docs/design.md#rejection-sampling)."""
 
 
+async def _no_preflight(samples: list[Sample]) -> dict[str, list[float]]:
+    """The refill preflight of a step without one (dynamic sampling, no RS gate): nothing
+    cached, no replay rates; the fused update forwards the admitted samples itself."""
+    return {}
+
+
 class TrainerActor(Actor):
     """Actor that orchestrates the steps; the policy and its optimizer live in its backend.
 
@@ -358,14 +364,15 @@ class TrainerActor(Actor):
                 t0 = time.perf_counter()
                 metrics = mean_rates(await self.preflight_ranks(samples))
                 metrics["preflight_seconds"] = time.perf_counter() - t0
-                coordinator = RefillCoordinator(
-                    self.gate, self.config, self.rollout_batch_size, self.n, cache=self.cache,
-                    preflight=self.preflight_ranks,
-                    manager=self.proxy(self.manager_name, cfg.rs_refill_rpc_timeout_s),
-                    clock=clock.with_timeout(cfg.rs_refill_rpc_timeout_s), version=self.version)
-                admitted, token_accept, refill_metrics = await coordinator.admit(samples)
+                admitted, token_accept, refill_metrics = await self._refill(
+                    samples, self.preflight_ranks)
                 metrics.update(refill_metrics)
                 metrics.update(await self._update(admitted, token_accept))
+            elif cfg.dynamic_sampling:  # no gate: refill by rewards alone, no proximal logprob
+                metrics = {"preflight_seconds": 0.0}
+                admitted, token_accept, refill_metrics = await self._refill(samples, _no_preflight)
+                metrics.update(refill_metrics)
+                metrics.update(await self._update(admitted, token_accept, fused=True))
             else:  # no gate: every token accepted, as RSGate("none") decides
                 admitted, token_accept = samples, {s.sample_id: torch.ones(len(s.response_ids), dtype=torch.bool)
                                                    for s in samples}
@@ -390,6 +397,18 @@ class TrainerActor(Actor):
             # step's starting weights (with a preflight: refill candidates included)
             metrics["support_entropy_mean"] = float(entropies.mean())
         return metrics
+
+    async def _refill(self, samples: list[Sample], preflight) -> tuple[list[Sample], dict, dict]:
+        """The step's admission and exact-refill rounds
+        (:class:`replayrl.trainer.rejection.refill.RefillCoordinator`); ``preflight`` fills the
+        cache for replacements (a no-op without an RS gate, where the update is fused)."""
+        cfg = self.config
+        coordinator = RefillCoordinator(
+            self.gate, cfg, self.rollout_batch_size, self.n, cache=self.cache,
+            preflight=preflight,
+            manager=self.proxy(self.manager_name, cfg.rs_refill_rpc_timeout_s),
+            clock=self.proxy(self.clock_name, cfg.rs_refill_rpc_timeout_s), version=self.version)
+        return await coordinator.admit(samples)
 
     def _baseline(self, samples: list[Sample], token_accept: dict[int, torch.Tensor]
                   ) -> tuple[torch.Tensor | None, dict[int, torch.Tensor], int]:

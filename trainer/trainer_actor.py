@@ -11,7 +11,9 @@ One call of :meth:`TrainerActor.train` is one optimizer step on one rollout batc
    version until ``rollout_batch_size`` groups are admitted or ``--rs-refill-max-rounds`` is
    spent, in which case the step raises before the optimizer is touched
    (:class:`replayrl.trainer.rejection.refill.RefillCoordinator`, which gets the cache, the preflight and
-   the actor refs, not this actor);
+   the actor refs, not this actor); with ``--dynamic-sampling`` groups whose rewards are all
+   equal are dropped and refilled the same way (without an RS gate: no preflight, the update
+   is fused);
 5. GRPO advantages over the trained groups (with RS and no refill, each group's baseline over
    the samples the gate accepted; a group with fewer than two trains on nothing), loss
    forward/backward per microbatch with the same replays and the same gate re-applied, clip,

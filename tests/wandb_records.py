@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 
 BLOCK = 32768
@@ -51,18 +52,31 @@ def records(path: Path) -> list:
     return out
 
 
-def offline_run(directory: Path) -> tuple[dict, list[dict]]:
+def offline_run(directory: Path, wait_s: float = 30.0) -> tuple[dict, list[dict]]:
     """``(config, history rows)`` of the one offline run under ``directory/wandb``; each row
     maps a key to its JSON value (W&B's own ``_step``, ``_runtime``, ``_timestamp`` included).
 
+    ``run.finish()`` can return before wandb's service process has written the file out, so
+    this waits (up to ``wait_s`` seconds) for the run's ``exit`` record, its last.
+
     Raises:
-        AssertionError: not exactly one offline run there.
+        AssertionError: not exactly one offline run there, or no ``exit`` record in time.
     """
     files = sorted((Path(directory) / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(files) == 1, f"expected one offline W&B run under {directory}/wandb, got {files}"
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            found = records(files[0])
+        except Exception:  # a record cut off mid-write
+            found = []
+        if any(r.WhichOneof("record_type") == "exit" for r in found):
+            break
+        assert time.monotonic() < deadline, f"{files[0]}: no exit record after {wait_s} s"
+        time.sleep(0.1)
     config: dict = {}
     rows: list[dict] = []
-    for record in records(files[0]):
+    for record in found:
         kind = record.WhichOneof("record_type")
         if kind == "run":
             config.update({i.key: json.loads(i.value_json) for i in record.run.config.update})

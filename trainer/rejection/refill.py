@@ -39,8 +39,8 @@ from replayrl.actors import ActorProxy
 from replayrl.rollout.sample import Sample, samples_from_columns
 from replayrl.trainer.batch import per_sample_tensors, sampled_masks, token_counts
 from replayrl.trainer.config import TrainerConfig
-from replayrl.trainer.rejection.dynamic_sampling import combine_admission, informative_groups
 from replayrl.trainer.proximal_cache import ProximalLogprobCache
+from replayrl.trainer.rejection.dynamic_sampling import combine_admission, informative_groups
 from replayrl.trainer.rejection.refill_planner import plan_refill_rounds, refill_quantum
 from replayrl.trainer.rejection.rs_gates import group_admission
 from replayrl.trainer.rejection.rs_policy import RSGate

@@ -140,7 +140,8 @@ async def test_zero_variance_groups_drop_and_refill_in_quanta():
                    [([1.0, 0.0], True), ([0.0, 1.0], True)]])
     admitted, token_accept, m = await _coordinator(fakes, cfg, target=4).admit(initial)
     assert fakes.requested == [2, 2]
-    assert [g for g in dict.fromkeys(s.group_id for s in admitted)] == [0, 3, 1001, 2000]  # round r, group i: 1000 r + i
+    # replacement group i of round r has id 1000 r + i
+    assert [g for g in dict.fromkeys(s.group_id for s in admitted)] == [0, 3, 1001, 2000]
     assert len(admitted) == 8 and all(bool(t.all()) for t in token_accept.values())
     assert (m["refill_rounds"], m["admitted_groups"], m["rejected_groups"],
             m["surplus_groups"], m["zero_variance_groups"]) == (2, 4, 3, 1, 3)

@@ -30,8 +30,8 @@ VERSION = 5
 
 def _sample(sample_id: int, group_id: int, reward: float, rs_ok: bool = True,
             version: int = VERSION) -> Sample:
-    # logp_prox is 0 (the fake preflight); rollout logprob -2 puts exp(d) = e^2 outside a
-    # sequence band [0.5, 2] (rejected), 0 puts it at exactly 1 (accepted)
+    # logp_prox is 0 (the fake preflight); rollout logprob -1 at both tokens gives
+    # exp(sum d) = e^2 > 2, outside a sequence band [0.5, 2] (rejected); 0 gives exactly 1
     return Sample(sample_id=sample_id, group_id=group_id, rollout_id=0, policy_version=version,
                   prompt_ids=np.array([1, 3], np.int32), response_ids=np.array([5, 6], np.int32),
                   loss_mask=np.array([1, 1], np.uint8),

@@ -53,6 +53,10 @@ class TrainerConfig:
         rs_refill_max_rounds: replacement rounds before the step fails.
         rs_refill_max_candidate_cache_bytes: byte cap of the proximal-logprob cache.
         rs_refill_rpc_timeout_s: timeout of every actor call on the refill path.
+        dynamic_sampling: DAPO dynamic sampling (``--dynamic-sampling``): a prompt group whose
+            rewards are all equal is dropped and refilled by exact refill, so every step trains
+            on exactly ``rollout_batch_size`` groups with differing rewards or fails before the
+            optimizer step (:mod:`replayrl.trainer.rejection.dynamic_sampling`).
         train_backend: the model-owning backend, a name in :data:`replayrl.trainer.backends.BACKENDS`
             (``--train-backend``).
         dp_size: data-parallel trainer ranks (``--dp-size``; docs/design.md#trainer-ranks):
@@ -129,6 +133,10 @@ class TrainerConfig:
         1 << 30, "rs-refill-max-candidate-cache-bytes", "proximal-logprob cache byte cap", Range(low=0, closed="()"))
     rs_refill_rpc_timeout_s: float = setting(300.0, "rs-refill-rpc-timeout-seconds",
                                              "timeout of every refill-path actor call", POSITIVE)
+    dynamic_sampling: bool = setting(False, "dynamic-sampling", "DAPO dynamic sampling: drop "
+                                     "prompt groups whose rewards are all equal and refill them "
+                                     "by exact refill (--rs-refill-max-rounds), so every step "
+                                     "trains on exactly --rollout-batch-size informative groups")
     dp_size: int = setting(1, "dp-size", "data-parallel trainer ranks (torch.distributed; each "
                            "trains an equal share of every batch; also the refill quantum's)",
                            Range(low=1))
@@ -159,6 +167,11 @@ class TrainerConfig:
              "--logprobs-chunk-size needs --use-support-replay (the fused path projects the support)"),
             (not self.rs_batch_refill or self.rs_mode != "none",
              "--rs-batch-refill needs --rs-mode token|sequence|geometric (nothing would be rejected)"),
+            (not self.dynamic_sampling or self.rs_mode == "none" or self.rs_batch_refill,
+             "--dynamic-sampling with --rs-mode token|sequence|geometric needs --rs-batch-refill "
+             "(a group is dropped whole for the gate or for equal rewards, and both refill "
+             "through one path; masking rejected tokens instead would leave groups without a "
+             "baseline)"),
             (self.train_backend == "megatron" or (self.tp_size, self.ep_size, self.pp_size) == (1, 1, 1),
              "--tp-size / --ep-size / --pp-size need --train-backend megatron (the torch trainer "
              "replicates the whole model on every rank)"),

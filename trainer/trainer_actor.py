@@ -11,7 +11,9 @@ One call of :meth:`TrainerActor.train` is one optimizer step on one rollout batc
    version until ``rollout_batch_size`` groups are admitted or ``--rs-refill-max-rounds`` is
    spent, in which case the step raises before the optimizer is touched
    (:class:`replayrl.trainer.rejection.refill.RefillCoordinator`, which gets the cache, the preflight and
-   the actor refs, not this actor);
+   the actor refs, not this actor); with ``--dynamic-sampling`` groups whose rewards are all
+   equal are dropped and refilled the same way (without an RS gate: no preflight, the update
+   is fused);
 5. GRPO advantages over the trained groups (with RS and no refill, each group's baseline over
    the samples the gate accepted; a group with fewer than two trains on nothing), loss
    forward/backward per microbatch with the same replays and the same gate re-applied, clip,
@@ -61,6 +63,12 @@ __all__ = [ "SKIP_REASONS", "TrainerActor"]
 SKIP_REASONS = ("no_loss_tokens", "no_accepted_tokens", "no_group_baseline")
 """``skip_reason`` of a skipped step: the batch has no loss token; the RS gate kept none; every
 prompt group has fewer than two accepted samples (no baseline, docs/design.md#rejection-sampling)."""
+
+
+async def _no_preflight(samples: list[Sample]) -> dict[str, list[float]]:
+    """The refill preflight of a step without one (dynamic sampling, no RS gate): nothing
+    cached, no replay rates; the fused update forwards the admitted samples itself."""
+    return {}
 
 
 class TrainerActor(Actor):
@@ -358,14 +366,15 @@ class TrainerActor(Actor):
                 t0 = time.perf_counter()
                 metrics = mean_rates(await self.preflight_ranks(samples))
                 metrics["preflight_seconds"] = time.perf_counter() - t0
-                coordinator = RefillCoordinator(
-                    self.gate, self.config, self.rollout_batch_size, self.n, cache=self.cache,
-                    preflight=self.preflight_ranks,
-                    manager=self.proxy(self.manager_name, cfg.rs_refill_rpc_timeout_s),
-                    clock=clock.with_timeout(cfg.rs_refill_rpc_timeout_s), version=self.version)
-                admitted, token_accept, refill_metrics = await coordinator.admit(samples)
+                admitted, token_accept, refill_metrics = await self._refill(
+                    samples, self.preflight_ranks)
                 metrics.update(refill_metrics)
                 metrics.update(await self._update(admitted, token_accept))
+            elif cfg.dynamic_sampling:  # no gate: refill by rewards alone, no proximal logprob
+                metrics = {"preflight_seconds": 0.0}
+                admitted, token_accept, refill_metrics = await self._refill(samples, _no_preflight)
+                metrics.update(refill_metrics)
+                metrics.update(await self._update(admitted, token_accept, fused=True))
             else:  # no gate: every token accepted, as RSGate("none") decides
                 admitted, token_accept = samples, {s.sample_id: torch.ones(len(s.response_ids), dtype=torch.bool)
                                                    for s in samples}
@@ -390,6 +399,18 @@ class TrainerActor(Actor):
             # step's starting weights (with a preflight: refill candidates included)
             metrics["support_entropy_mean"] = float(entropies.mean())
         return metrics
+
+    async def _refill(self, samples: list[Sample], preflight) -> tuple[list[Sample], dict, dict]:
+        """The step's admission and exact-refill rounds
+        (:class:`replayrl.trainer.rejection.refill.RefillCoordinator`); ``preflight`` fills the
+        cache for replacements (a no-op without an RS gate, where the update is fused)."""
+        cfg = self.config
+        coordinator = RefillCoordinator(
+            self.gate, cfg, self.rollout_batch_size, self.n, cache=self.cache,
+            preflight=preflight,
+            manager=self.proxy(self.manager_name, cfg.rs_refill_rpc_timeout_s),
+            clock=self.proxy(self.clock_name, cfg.rs_refill_rpc_timeout_s), version=self.version)
+        return await coordinator.admit(samples)
 
     def _baseline(self, samples: list[Sample], token_accept: dict[int, torch.Tensor]
                   ) -> tuple[torch.Tensor | None, dict[int, torch.Tensor], int]:

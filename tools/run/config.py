@@ -83,6 +83,8 @@ class RunConfig:
             (``--cpu-affinity``; :func:`replayrl.tools.run.launcher.split_cpus`).
         eval_interval: steps between evaluations of ``--eval-prompt-data`` (0 = never).
         use_tensorboard: write TensorBoard event files beside ``metrics.jsonl``.
+        use_wandb: log every numeric metric and the run config to Weights & Biases, files
+            under ``<output-dir>/wandb`` (``WANDB_MODE=offline``: no network).
         model_indexer: the policy has the sparse-attention indexer (``--model-indexer``);
             ``--no-model-indexer`` is the indexer-free variant external engines serve.
         engine_start_timeout_s: seconds an engine may take to start (``vllm.LLM`` start-up;
@@ -146,6 +148,9 @@ class RunConfig:
     use_tensorboard: bool = setting(False, "use-tensorboard", "also write every metric as "
                                     "TensorBoard events under <output-dir>/tensorboard (extra "
                                     "'tensorboard')")
+    use_wandb: bool = setting(False, "use-wandb", "also log every metric and the run config to "
+                              "Weights & Biases, files under <output-dir>/wandb; "
+                              "WANDB_MODE=offline needs no network (extra 'wandb')")
     model_indexer: bool = setting(True, "model-indexer", "the policy's sparse-attention indexer "
                                   "(layers 1 and 3); off = the indexer-free Qwen3-MoE variant "
                                   "that --rollout-engine vllm serves")

@@ -421,6 +421,12 @@ async def launch(config: RunConfig, log_level: int = logging.WARNING,
         except ImportError:
             raise ConfigError("--use-tensorboard needs the tensorboard package: "
                               "pip install 'replayrl[tensorboard]'") from None
+    if config.use_wandb:
+        try:
+            import wandb  # noqa: F401  (the extra; imported for real by the recorder)
+        except ImportError:
+            raise ConfigError("--use-wandb needs the wandb package: "
+                              "pip install 'replayrl[wandb]'") from None
     if config.save_hf:
         check_writable(Path(config.save_hf), "--save-hf")
     try:
@@ -451,7 +457,8 @@ async def launch(config: RunConfig, log_level: int = logging.WARNING,
                                       shm=(config.shm_pool_bytes, config.shm_min_array_bytes))
         resume = checkpoint_next_step(Path(config.load)) if config.load else None
         with MetricsRecorder(output, config.num_steps, config.progress, hooks, config,
-                             tensorboard=config.use_tensorboard, resume_step=resume) as recorder:
+                             tensorboard=config.use_tensorboard, resume_step=resume,
+                             wandb=config.use_wandb) as recorder:
             # an engine answers its first ping once built, which may take up to
             # --engine-start-timeout-seconds (vLLM start-up, an SGLang server's /health): wait
             # that long, so a slow start succeeds and a failed one shows the engine's own error

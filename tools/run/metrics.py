@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import traceback
 from pathlib import Path
 from types import MappingProxyType
@@ -75,12 +76,46 @@ def open_tensorboard(directory: Path) -> Any:
     return SummaryWriter(log_dir=str(directory))
 
 
+def open_wandb(directory: Path, config: Any) -> Any:
+    """A Weights & Biases run (``wandb.init``) whose files go under ``directory/wandb``, with
+    the run config (``config.to_json()``, strict JSON: an unbounded ``--rs-upper`` is null).
+
+    The project is ``$WANDB_PROJECT`` or ``replayrl``, the run name the output directory's
+    name. Online or offline is wandb's own choice: ``WANDB_MODE=offline`` writes the whole run
+    to ``directory/wandb/offline-run-*`` without any network (``wandb sync`` uploads it later).
+    wandb's console capture is off (the progress display owns the terminal).
+
+    Raises:
+        ImportError: the ``wandb`` package is missing (names the extra to install).
+    """
+    try:
+        import wandb
+    except ImportError as exc:
+        raise ImportError("--use-wandb needs the wandb package: "
+                          "pip install 'replayrl[wandb]'") from exc
+    directory.mkdir(parents=True, exist_ok=True)
+    run_config = strict_json.loads(config.to_json()) if config is not None else {}
+    return wandb.init(project=os.environ.get("WANDB_PROJECT", "replayrl"), dir=str(directory),
+                      name=directory.resolve().name, config=run_config,
+                      settings=wandb.Settings(console="off"))
+
+
+def scalars(metrics: Mapping) -> dict[str, int | float]:
+    """The numeric values of a row (bools excluded), as TensorBoard and W&B log them: every
+    figure of ``metrics.jsonl`` but the text (``skip_reason``), the lists (``prompt_indices``,
+    ``refill_round_detail``) and the values that were not finite (``None``)."""
+    return {k: v for k, v in metrics.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
 class MetricsRecorder:
     """Writes ``metrics.jsonl`` under ``output_dir`` and drives a rich progress bar.
 
     Use as a context manager; :meth:`record` is the ``on_step`` callback of the train loop.
     With ``tensorboard`` (``--use-tensorboard``) every numeric value of a row is also written as
-    a TensorBoard scalar at its step, under ``output_dir/tensorboard``.
+    a TensorBoard scalar at its step, under ``output_dir/tensorboard``; with ``wandb``
+    (``--use-wandb``) it is logged to a W&B run under ``output_dir/wandb`` at its step, with the
+    run config (:func:`open_wandb`).
     ``hooks`` (``--metrics-hook``) are called after each step as ``hook(config, metrics)`` with
     the frozen run config and a read-only view of the step's metrics: a logger can neither change
     the run nor what later loggers see, and nothing is copied defensively.
@@ -92,9 +127,11 @@ class MetricsRecorder:
 
     def __init__(self, output_dir: str | Path, num_steps: int, show_progress: bool = True,
                  hooks: Sequence[Callable[[Any, Mapping], None]] = (), config: Any = None,
-                 tensorboard: bool = False, resume_step: int | None = None) -> None:
+                 tensorboard: bool = False, resume_step: int | None = None,
+                 wandb: bool = False) -> None:
         self.hooks = tuple(hooks)
         self._tensorboard = open_tensorboard(Path(output_dir) / "tensorboard") if tensorboard else None
+        self._wandb = open_wandb(Path(output_dir), config) if wandb else None
         self.config = config
         self.output_dir = Path(output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -122,6 +159,8 @@ class MetricsRecorder:
         self._file.close()
         if self._tensorboard is not None:
             self._tensorboard.close()
+        if self._wandb is not None:
+            self._wandb.finish(exit_code=1 if exc and exc[0] is not None else 0)
 
     def record(self, metrics: dict) -> None:
         """Append one step's metrics (a flat dict of JSON-able values) as one strict-JSON line.
@@ -152,6 +191,8 @@ class MetricsRecorder:
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     self._tensorboard.add_scalar(key, value, metrics.get("step", len(self.rows)))
             self._tensorboard.flush()
+        if self._wandb is not None:
+            self._wandb.log(scalars(metrics), step=metrics.get("step", len(self.rows)))
         view = frozen(metrics)
         for hook in self.hooks:
             try:

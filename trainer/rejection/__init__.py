@@ -6,6 +6,8 @@
   gate (``--rs-mode``), applied identically by the preflight and the training forward;
 * :mod:`replayrl.trainer.rejection.refill_planner` -- the refill quantum and the rounds of one step
   (pure bookkeeping, no I/O);
+* :mod:`replayrl.trainer.rejection.dynamic_sampling` -- which prompt groups carry a learning
+  signal (rewards not all equal; ``--dynamic-sampling``), pure;
 * :mod:`replayrl.trainer.rejection.refill` -- :class:`~replayrl.trainer.rejection.refill.RefillCoordinator`,
   which drives the planner against the RolloutManager and the VersionClock.
 

@@ -14,6 +14,12 @@ what the step trains on:
   short, :class:`replayrl.trainer.rejection.refill_planner.RefillExhausted` is raised, before any
   optimizer work.
 
+With ``--dynamic-sampling`` (DAPO, :mod:`replayrl.trainer.rejection.dynamic_sampling`) a group
+whose rewards are all equal is dropped too and refilled through the same rounds: a group is
+admitted iff the gate admits it (with ``--rs-batch-refill``; without an RS gate, always) and its
+rewards differ. Without an RS gate no proximal logprobs are needed: the trainer then runs no
+preflight (``preflight`` returns no rates) and the update computes them itself.
+
 Only admitted cache entries move on; rejected and surplus entries are discarded at once.
 Every cross-actor call here has ``--rs-refill-rpc-timeout-seconds``.
 
@@ -34,6 +40,7 @@ from replayrl.rollout.sample import Sample, samples_from_columns
 from replayrl.trainer.batch import per_sample_tensors, sampled_masks, token_counts
 from replayrl.trainer.config import TrainerConfig
 from replayrl.trainer.proximal_cache import ProximalLogprobCache
+from replayrl.trainer.rejection.dynamic_sampling import combine_admission, informative_groups
 from replayrl.trainer.rejection.refill_planner import plan_refill_rounds, refill_quantum
 from replayrl.trainer.rejection.rs_gates import group_admission
 from replayrl.trainer.rejection.rs_policy import RSGate
@@ -84,6 +91,9 @@ class RefillCoordinator:
         self.manager, self.clock, self.version = manager, clock, version
 
     def _decide(self, samples: list[Sample]) -> tuple[list[bool], dict[int, torch.Tensor]]:
+        if not self.gate.active:  # accepts everything; needs no proximal logprob (none cached)
+            return [True] * len(samples), {s.sample_id: torch.ones(len(s.response_ids), dtype=torch.bool)
+                                           for s in samples}
         cache = self.cache
         accept, tokens = self.gate.decide(
             [cache.peek(s.sample_id) for s in samples],
@@ -99,6 +109,10 @@ class RefillCoordinator:
         ``refill_routing_drift_rate``, ``refill_indexer_flip_rate``,
         ``refill_indexer_drift_rate``: the mean over all replacement microbatches of the step,
         as :func:`replayrl.trainer.replay.mean_rates`), only when replacements were generated.
+        With ``--dynamic-sampling`` they include ``zero_variance_groups`` (groups of this step,
+        initial and replacement, whose rewards were all equal; each is also counted in
+        ``rejected_groups``, the groups dropped for any reason), and every
+        ``refill_round_detail`` entry its round's ``zero_variance_groups``.
 
         Raises:
             RefillExhausted: still short of ``target_groups`` after the allowed rounds.
@@ -107,7 +121,8 @@ class RefillCoordinator:
         start = time.perf_counter()
         accept, token_accept = self._decide(samples)
         metrics = gate_metrics(samples, accept, token_accept)
-        if not (self.gate.active and self.config.rs_batch_refill):
+        dynamic = self.config.dynamic_sampling
+        if not (self.gate.active and self.config.rs_batch_refill) and not dynamic:
             metrics["coordinator_seconds"] = time.perf_counter() - start
             return samples, token_accept, metrics
 
@@ -115,10 +130,10 @@ class RefillCoordinator:
         by_group: dict[int, list[Sample]] = {}
         for s in samples:
             by_group.setdefault(s.group_id, []).append(s)
-        admission = group_admission(accept, [s.group_id for s in samples], n_samples_per_prompt=self.n)
+        admission, flat = self._admission(samples, accept)
         quantum = refill_quantum(cfg.dp_size, self.n, cfg.vpp_size, cfg.microbatch_group_size)
         rounds = [{"round": 0, "candidate_groups": len(admission),
-                   "rejected_groups": sum(not ok for ok in admission.values())}]
+                   "rejected_groups": sum(not ok for ok in admission.values()), **flat}]
         plan = plan_refill_rounds(admission, target_groups=self.target_groups, quantum=quantum,
                                   max_rounds=cfg.rs_refill_max_rounds)
         replacement_seconds = replacement_preflight = 0.0
@@ -140,13 +155,14 @@ class RefillCoordinator:
             token_accept.update(r_tokens)
             for s in repl:
                 by_group.setdefault(s.group_id, []).append(s)
-            r_admission = group_admission(r_accept, [s.group_id for s in repl], n_samples_per_prompt=self.n)
+            r_admission, flat = self._admission(repl, r_accept)
             before = len(plan.surplus)
             try:
                 plan = plan.record(r_admission)
             finally:
                 rounds.append({"round": len(rounds), "candidate_groups": len(r_admission),
-                               "rejected_groups": sum(not ok for ok in r_admission.values())})
+                               "rejected_groups": sum(not ok for ok in r_admission.values()),
+                               **flat})
             rounds[-1]["surplus_groups"] = len(plan.surplus) - before
         admitted = [s for g in plan.admitted for s in by_group[g]]
         keep = {s.sample_id for s in admitted}
@@ -159,4 +175,26 @@ class RefillCoordinator:
                        replacement_preflight_seconds=replacement_preflight,
                        coordinator_seconds=time.perf_counter() - start)
         metrics.update({f"refill_{k}": v for k, v in mean_rates(replacement_rates).items()})
+        if dynamic:
+            metrics["zero_variance_groups"] = sum(r["zero_variance_groups"] for r in rounds)
         return admitted, token_accept, metrics
+
+    def _admission(self, samples: list[Sample], accept: list[bool]) -> tuple[dict, dict]:
+        """``({group_id: admitted}, round counts)`` of one round's candidates, in order.
+
+        Admitted = the gate admits the whole group (only with an active gate and
+        ``--rs-batch-refill``) and, with ``--dynamic-sampling``, its rewards differ. The round
+        counts are ``{"zero_variance_groups": k}`` with dynamic sampling (groups whose rewards
+        are all equal, whatever the gate said), else empty.
+        """
+        ids = [s.group_id for s in samples]
+        if self.gate.active and self.config.rs_batch_refill:
+            admission = group_admission(accept, ids, n_samples_per_prompt=self.n)
+        else:  # dynamic sampling alone (refused with a gate but no --rs-batch-refill)
+            admission = dict.fromkeys(ids, True)
+        if not self.config.dynamic_sampling:
+            return admission, {}
+        informative = informative_groups([s.reward for s in samples], ids,
+                                         n_samples_per_prompt=self.n)
+        return (combine_admission(admission, informative),
+                {"zero_variance_groups": sum(not ok for ok in informative.values())})

@@ -38,7 +38,8 @@ def _one_rank_group():
 
 
 def _samples(model) -> list[Sample]:
-    """Four samples of two groups; routing / indexer traces are the model's own choices, each
+    """Four samples of two groups; routing / indexer traces are the model's own choices (none
+    for a model without the layers), each
     response token's support its token and two others (support replay)."""
     rng = np.random.default_rng(0)
     out = []
@@ -56,7 +57,8 @@ def _samples(model) -> list[Sample]:
                           rollout_logprobs=np.full(len(response), -1.0, np.float32),
                           sample_support=support,
                           routed_experts=traced.routed_experts[0].numpy().astype(np.int32),
-                          indexer_topk=traced.indexer_topk[0].numpy().astype(np.int32)))
+                          indexer_topk=None if traced.indexer_topk is None
+                          else traced.indexer_topk[0].numpy().astype(np.int32)))
     return out
 
 
@@ -143,3 +145,30 @@ def test_model_parallel_flags_are_refused_with_fsdp_before_start():
     with pytest.raises(ConfigError, match="do not split evenly over --dp-size 3"):
         build_config({**small, "dp-size": 3})
     assert build_config({**small, "dp-size": 4}).trainer.train_backend == "fsdp"
+
+
+def test_a_transformers_qwen3_moe_checkpoint_trains_sharded_and_saves_for_transformers(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=len(VOCABULARY), hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+        num_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+        tie_word_embeddings=False)
+    transformers.Qwen3MoeForCausalLM(cfg).save_pretrained(tmp_path / "hf")
+    reference = TorchBackend(str(tmp_path / "hf"), TrainerConfig(), [])
+    fsdp = FSDPBackend(str(tmp_path / "hf"), TrainerConfig(train_backend="fsdp"), [])
+    samples = _samples(reference.model)
+    assert samples[0].indexer_topk is None and samples[0].routed_experts is not None
+    batch = collate(samples, routing=True, indexer=False, support=True)
+    for backend in (reference, fsdp):
+        backend.zero_grad()
+        backend.forward_backward(batch, _loss)
+        backend.clip_and_step(1.0)
+    fsdp.save_hf(tmp_path / "out")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    tokens = torch.from_numpy(samples[0].tokens.astype(np.int64))[None]
+    with torch.no_grad():
+        want = reference.model(tokens, torch.arange(tokens.shape[1])[None]).logits
+        got = loaded(tokens).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -98,16 +98,10 @@ class FSDPBackend(TorchBackend):
             fully_shard(layer, mesh=self.mesh, mp_policy=policy)
         fully_shard(self.model, mesh=self.mesh, mp_policy=policy)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = self._make_optimizer()
+        self.optimizer = self._make_optimizer()  # the torch backend's fused AdamW, on DTensors
         self.vocab_tokens = list(vocab_tokens)
         self.checkpoint_dir = checkpoint_dir
         self.ddp = None  # FSDP reduces the gradients itself
-
-    def _make_optimizer(self) -> torch.optim.AdamW:
-        cfg = self.config
-        # foreach, not fused: the fused kernel takes no DTensors on CPU
-        return torch.optim.AdamW(self.params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                 weight_decay=cfg.weight_decay, foreach=True)
 
     def _forward(self, batch: TrainBatch, capture: bool, entropy_out: list | None = None,
                  train: bool = False) -> tuple[torch.Tensor, object]:

@@ -173,11 +173,11 @@ class TrainerConfig:
              "through one path; masking rejected tokens instead would leave groups without a "
              "baseline)"),
             (self.train_backend == "megatron" or (self.tp_size, self.ep_size, self.pp_size) == (1, 1, 1),
-             "--tp-size / --ep-size / --pp-size need --train-backend megatron (the torch trainer "
-             "replicates the whole model on every rank)"),
+             f"--tp-size / --ep-size / --pp-size need --train-backend megatron (--train-backend "
+             f"{self.train_backend} splits only the data over --dp-size ranks)"),
             (self.train_backend == "megatron" or self.cp_size == 1,
-             "--cp-size needs --train-backend megatron (the torch trainer holds whole rows on "
-             "every rank)"),
+             f"--cp-size needs --train-backend megatron (--train-backend {self.train_backend} "
+             f"holds whole rows on every rank)"),
             (self.cp_size == 1 or not self.use_packing,
              f"--cp-size {self.cp_size} shards right-padded rows; --use-packing is not supported "
              f"with it"),

@@ -299,7 +299,10 @@ class TrainerActor(Actor):
         """
         if not self.followers:
             return self.preflight(samples)
-        shares, dp_ranks, firsts = await self._shares(samples, exact=False)
+        # a backend whose forwards are collectives needs equal shares (a batch that does not
+        # split evenly is refused, not left to hang in a collective)
+        shares, dp_ranks, firsts = await self._shares(samples,
+                                                      exact=self.backend.collective_forward)
         calls = [self._rank(f).preflight(samples_to_columns(shares[dp_ranks[i]]))
                  for i, f in enumerate(self.followers, start=1)]
         rates, theirs = await self._on_ranks(lambda: self.preflight(shares[dp_ranks[0]]), calls)

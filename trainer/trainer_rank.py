@@ -5,7 +5,7 @@ it takes the batch, talks to the clock, the manager and the engines, and makes e
 that needs the whole batch (RS gate and refill, advantages, the loss denominator, skipping).
 A :class:`TrainerRank` builds the same backend in the same process group and runs, when rank 0
 calls it, the same per-share work (:class:`replayrl.trainer.rank_step.RankStep`) on the share it is
-sent; the gradients meet in the backend's data-parallel wrapper (torch DDP, megatron's DDP).
+sent; the gradients meet in the backend's data-parallel wrapper (torch DDP, FSDP2, megatron's DDP).
 It never calls another actor.
 """
 from __future__ import annotations

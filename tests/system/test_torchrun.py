@@ -81,9 +81,12 @@ def test_each_rank_listens_on_its_own_address_toward_the_master():
                                    "engine_0": "tcp://10.0.0.1:29502",
                                    "rollout_manager": "tcp://10.0.0.1:29503",
                                    "trainer": "tcp://[fd00::2]:29504"}
-def test_two_trainer_ranks_under_torchrun(tmp_path, curve_keys_dir):
-    # 4 ranks: driver, one engine, the trainer and trainer_1 (docs/design.md#trainer-ranks)
-    proc = _torchrun(4, tmp_path, "--curve-keys", curve_keys_dir, "--dp-size", "2")
+@pytest.mark.parametrize("backend", ["torch", "fsdp"])
+def test_two_trainer_ranks_under_torchrun(tmp_path, curve_keys_dir, backend):
+    # 4 ranks: driver, one engine, the trainer and trainer_1 (docs/design.md#trainer-ranks);
+    # the fsdp backend's ranks meet in the same group and shard the policy over it
+    proc = _torchrun(4, tmp_path, "--curve-keys", curve_keys_dir, "--dp-size", "2",
+                     "--train-backend", backend)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["trainer_version"] for r in rows] == [1, 2]

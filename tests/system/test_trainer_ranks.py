@@ -160,14 +160,18 @@ async def test_two_ranks_take_the_same_step_as_one(tmp_path, one_rank, extra):
     assert digests["trainer_1"] == digests["trainer"]
 
 
-async def test_exact_refill_over_two_ranks_requests_whole_quanta(tmp_path):
+@pytest.mark.parametrize("backend", ["torch", "fsdp"])
+async def test_exact_refill_over_two_ranks_requests_whole_quanta(tmp_path, backend):
     # n = 3 samples per group over 2 data-parallel ranks: the quantum is q = 2 / gcd(2, 3) = 2
     # groups (6 samples, 3 per rank), so every replacement batch splits evenly (docs/design.md#exact-refill,
-    # docs/design.md#trainer-ranks); the steps train exactly --rollout-batch-size groups
+    # docs/design.md#trainer-ranks); the steps train exactly --rollout-batch-size groups. The
+    # fsdp backend's forwards are collectives: its preflights must split exactly, and do
+    # (docs/trainer-ranks.md#fsdp)
     from replayrl.tools.run.launcher import launch
 
     config = build_config({"rollout-batch-size": 2, "n-samples-per-prompt": 3, "progress": False,
                            "dp-size": 2, "num-steps": 2, "output-dir": str(tmp_path),
+                           "train-backend": backend,
                            "rs-mode": "geometric", "rs-lower": 0.97, "rs-upper": 1.03,
                            "rs-batch-refill": True, "rs-refill-max-rounds": 8})
     rows = (await launch(config)).rows

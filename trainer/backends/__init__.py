@@ -29,6 +29,7 @@ __all__ = ["BACKENDS", "UnknownBackendError", "resolve_backend"]
 BACKENDS: Mapping[str, str] = MappingProxyType({
     "torch": "replayrl.trainer.backends.torch_backend:TorchBackend",
     "megatron": "replayrl.trainer.backends.megatron_backend:MegatronBackend",
+    "fsdp": "replayrl.trainer.backends.fsdp_backend:FSDPBackend",
 })
 """Backend name (``--train-backend``) -> ``"module:Class"`` of a :class:`TrainerBackend`."""
 

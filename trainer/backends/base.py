@@ -90,6 +90,12 @@ class TrainerBackend(ABC):
     that every trainer rank calls (a model split over ranks); otherwise every rank holds the
     whole model and rank 0 alone calls them (docs/design.md#trainer-ranks)."""
 
+    collective_forward: bool = False
+    """Whether every forward (the preflight's too) is a collective of the data-parallel ranks
+    (weights sharded over them, FSDP): then a preflight is split over the ranks exactly, like
+    an update, so that every rank runs the same number of microbatches; otherwise a preflight
+    share may be one sample longer than another (docs/design.md#trainer-ranks)."""
+
     def data_parallel(self) -> tuple[int, int]:
         """``(dp_rank, dp_size)``: this rank's place among the data-parallel ranks, which
         train contiguous, equal shares of each batch. ``(0, 1)`` when the process is in no

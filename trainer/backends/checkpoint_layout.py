@@ -7,7 +7,9 @@ of the world that wrote it. Loaded under another layout, the shards either fail 
 ``load_state_dict`` after every actor started or, worse, load with the wrong shapes and crash at
 the first optimizer step; so every rank file records the layout and a resume is checked
 against it before any process starts. The torch backend writes one ``trainer_state.pt``
-instead; each backend names the other when handed its checkpoint.
+instead, the fsdp backend one ``fsdp_state.rank<r>.pt`` per rank (with the layout record:
+its shards are cut by ``--dp-size``); each backend names the writer when handed another's
+checkpoint.
 """
 from __future__ import annotations
 
@@ -74,11 +76,11 @@ class CheckpointLayout:
 
 
 def check_layout(directory: Path, saved: CheckpointLayout | None, rank_files: int,
-                 requested: CheckpointLayout) -> None:
+                 requested: CheckpointLayout, files: str = "trainer_state.rank<r>.pt") -> None:
     """Refuse to load a megatron checkpoint under a layout other than the one it was saved
     with. ``saved`` None is a checkpoint from before layouts were recorded: accepted only
     when its ``rank_files`` count equals ``requested.ranks`` (its layout cannot be told
-    apart further).
+    apart further). ``files`` names the rank files in the messages.
 
     Raises:
         CheckpointLayoutError: the layouts differ (names the saved and the requested flags and
@@ -90,7 +92,7 @@ def check_layout(directory: Path, saved: CheckpointLayout | None, rank_files: in
         if rank_files != requested.ranks:
             raise CheckpointLayoutError(
                 f"checkpoint {directory} records no parallel layout and has {rank_files} "
-                f"trainer_state.rank<r>.pt file(s); this run asks for {requested.flags()} "
+                f"{files} file(s); this run asks for {requested.flags()} "
                 f"({requested.ranks} trainer rank(s)); {fresh}")
         return
     if saved != requested:
@@ -100,22 +102,26 @@ def check_layout(directory: Path, saved: CheckpointLayout | None, rank_files: in
     if rank_files != saved.ranks:
         raise CheckpointLayoutError(f"checkpoint {directory} was saved with {saved.flags()} "
                                     f"({saved.ranks} ranks) but holds {rank_files} "
-                                    f"trainer_state.rank<r>.pt file(s); it is incomplete")
+                                    f"{files} file(s); it is incomplete")
+
+
+_STATE_FILES = {"torch": "trainer_state.pt", "megatron": "trainer_state.rank*.pt",
+                "fsdp": "fsdp_state.rank*.pt"}
+"""Backend name -> the glob of the trainer state file(s) its checkpoints hold."""
 
 
 def refuse_other_backend(directory: Path, backend: str) -> None:
     """Name the backend that wrote ``directory`` when it is not ``backend`` ("torch": one
-    ``trainer_state.pt``; "megatron": ``trainer_state.rank<r>.pt`` per rank).
+    ``trainer_state.pt``; "megatron": ``trainer_state.rank<r>.pt`` per rank; "fsdp":
+    ``fsdp_state.rank<r>.pt`` per rank).
 
     Raises:
-        CheckpointLayoutError: ``directory`` holds the other backend's state files only.
+        CheckpointLayoutError: ``directory`` holds another backend's state files only.
     """
     directory = Path(directory)
-    torch_file = (directory / "trainer_state.pt").exists()
-    rank_files = any(directory.glob("trainer_state.rank*.pt"))
-    other = ("megatron" if rank_files and not torch_file else None) if backend == "torch" else \
-        ("torch" if torch_file and not rank_files else None)
-    if other:
+    writers = [name for name, pattern in _STATE_FILES.items() if any(directory.glob(pattern))]
+    if writers and backend not in writers:
+        other = writers[0]
         raise CheckpointLayoutError(
             f"checkpoint {directory} was written by --train-backend {other}, this run uses "
             f"--train-backend {backend}; resume it with --train-backend {other}, or take its HF "

@@ -1,0 +1,88 @@
+"""--train-backend fsdp over --dp-size ranks (docs/trainer-ranks.md#fsdp): one step of the
+embedded Qwen3-MoE with its DSA indexer (R3, indexer and support replay) at DP=2 against DP=1,
+the weights pushed once by rank 0, gathered from the two ranks' shards."""
+from __future__ import annotations
+
+import asyncio
+import tempfile
+
+import numpy as np
+import pytest
+
+from replayrl.actors import Directory, Supervisor
+from replayrl.tools.run.config import build_config
+from replayrl.tools.run.launcher import actor_specs, write_initial_checkpoint
+from replayrl.trainer.rank_group import follower_names
+
+SMALL = {"rollout-batch-size": 2, "n-samples-per-prompt": 2, "progress": False,
+         "train-backend": "fsdp"}
+
+
+async def _one_step(tmp_path, extra: dict) -> tuple[dict, dict, dict[str, dict]]:
+    """Push, generate rollout 0, train one step, push again; the metrics row, the second push's
+    result and every trainer rank's digest (its shards)."""
+    config = build_config({**SMALL, "num-steps": 1, "output-dir": str(tmp_path), **extra})
+    checkpoint = write_initial_checkpoint(config, tmp_path / "ckpt")
+    specs = actor_specs(config, checkpoint)
+    ranks = ["trainer", *follower_names(config.trainer.dp_size)]
+    with tempfile.TemporaryDirectory(prefix="rrl-") as run_dir:
+        directory = Directory.for_run(run_dir, [s.name for s in specs])
+        async with Supervisor(specs, directory, run_dir):
+            trainer = directory.ref("trainer")
+            await trainer.call("push_weights")
+            before = await trainer.call("weights_digest")
+            await directory.ref("rollout_manager").call("generate", 0)
+            row = await trainer.call("train", 0)
+            push = await trainer.call("push_weights")
+            digests = {name: await directory.ref(name).call("weights_digest") for name in ranks}
+    digests["before"] = before
+    return row, push, digests
+
+
+def _full(digests: list[dict]) -> dict[str, np.ndarray]:
+    """The full tensors (flat float32) from the ranks' shards: FSDP2 cuts dim 0 in rank order,
+    so the row-major bytes of the shards, concatenated, are the tensor's."""
+    return {k: np.frombuffer(b"".join(d[k] for d in digests), dtype=np.float32)
+            for k in digests[0]}
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    return asyncio.run(_one_step(tmp_path_factory.mktemp("fsdp1"), {}))
+
+
+@pytest.mark.parametrize("extra", [{}, {"preflight": "always"}],
+                         ids=["fused-forward", "separate-preflight"])
+async def test_two_fsdp_ranks_take_the_same_step_as_one(tmp_path, one_rank, extra):
+    reference_row, reference_push, reference = one_rank
+    row, push, digests = await _one_step(tmp_path, {"dp-size": 2, **extra})
+    for key in ("loss_tokens", "accepted_tokens", "sampled_tokens", "trained_groups"):
+        assert row[key] == reference_row[key]
+    assert row["grad_norm"] == pytest.approx(reference_row["grad_norm"], rel=1e-5)
+    for key in ("train_rollout_logprob_abs_diff", "tis_weight_mean", "support_entropy_mean"):
+        assert row[key] == pytest.approx(reference_row[key], rel=1e-4, abs=1e-6)
+    # the replays ran: the trainer used the engine's experts and keys everywhere
+    for key in ("routing_flip_rate", "indexer_flip_rate"):
+        assert row[key] == reference_row[key] == 0.0
+    one = _full([reference["trainer"]])
+    two = _full([digests["trainer"], digests["trainer_1"]])
+    start = _full([reference["before"]])
+    assert set(one) == set(two)
+    # each rank holds a part: neither's shard of a weight is the whole tensor
+    assert len(digests["trainer"]["param/model.embed_tokens.weight"]) < \
+        len(reference["trainer"]["param/model.embed_tokens.weight"])
+    moved = max(float(np.abs(one[k] - start[k]).max()) for k in one if k.startswith("param/"))
+    assert moved > 1e-4
+    lr = build_config(SMALL).trainer.lr
+    for k in one:
+        assert one[k].shape == two[k].shape, k
+        if k.startswith("opt/"):
+            scale = float(np.abs(one[k]).max())
+            np.testing.assert_allclose(two[k], one[k], rtol=1e-4, atol=1e-4 * scale, err_msg=k)
+        else:  # the first Adam update is ~ lr x sign(g); rounding noise near |g| ~ eps
+            np.testing.assert_allclose(two[k], one[k], rtol=0, atol=0.2 * lr, err_msg=k)
+    # rank 0 pushed the whole weight set once (version 1), gathered from both ranks' shards:
+    # as many bytes as the full tensors of every weight
+    full_bytes = sum(a.nbytes for k, a in two.items() if k.startswith("param/"))
+    assert push == {**push, "version": 1, "bytes": full_bytes}
+    assert reference_push["bytes"] == full_bytes

@@ -79,10 +79,19 @@ class EmbeddedEngine(Engine):
             dtype = getattr(torch, dtype, None)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise EngineInputError(f"dtype must be a floating torch.dtype, got {dtype!r}")
-        config = model_config if isinstance(model_config, ModelConfig) else ModelConfig(**model_config)
+        from replayrl.rollout.model.families.base import FamilyConfig, FamilyModel
+
+        if isinstance(model_config, Mapping):  # a family's fields carry its "family" name
+            model_config = (FamilyConfig(**model_config) if "family" in model_config
+                            else ModelConfig(**model_config))
+        config = model_config
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
+        if isinstance(config, FamilyConfig):
+            # a family (rollout/model/families/): transformers' model, its DynamicCache
+            self.model = FamilyModel.from_config(config, dtype, self.device).eval()
+            return
         # Built on the meta device and allocated once in the engine dtype: no random init of
         # weights the first push replaces (seconds for a real checkpoint), no fp32 copy.
         self.model = Qwen3MoeForCausalLM.empty(config, dtype, self.device).eval()

@@ -101,6 +101,12 @@ def _save_model(model: Qwen3MoeForCausalLM, directory: str | Path, special: dict
         raise CheckpointError(f"cannot store weights of dtype {model.dtype}")
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
+    if hasattr(model, "hf"):  # a family model (rollout/model/families/): transformers writes it
+        model.hf.save_pretrained(out)
+        hf = json.loads((out / "config.json").read_text())
+        hf.update(special)
+        _write_json(out / "config.json", hf)
+        return out
     hf = cfg.to_hf_dict(torch_dtype=_DTYPE_NAMES[model.dtype])
     hf.update(special)
     _write_json(out / "config.json", hf)

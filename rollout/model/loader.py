@@ -19,6 +19,7 @@ from safetensors import SafetensorError, safe_open
 
 from replayrl.rollout.model.config import ModelConfig
 from replayrl.rollout.model.errors import CheckpointError
+from replayrl.rollout.model.families import is_family
 from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
 
 WEIGHTS_NAME = "model.safetensors"
@@ -40,6 +41,10 @@ def read_hf_config(directory: str | Path) -> ModelConfig:
         raise CheckpointError(f"cannot read {path}: {exc}") from exc
     if not isinstance(hf, dict):
         raise CheckpointError(f"{path}: top level must be an object")
+    if is_family(hf.get("model_type")):  # the family room (rollout/model/families/)
+        from replayrl.rollout.model.families.base import FamilyConfig
+
+        return FamilyConfig.from_hf_dict(hf)
     return ModelConfig.from_hf_dict(hf)
 
 
@@ -57,6 +62,11 @@ def load_pretrained(directory: str | Path, dtype: torch.dtype = torch.float32
     `ModelConfigError` for an unusable config.json.
     """
     cfg = read_hf_config(directory)
+    if not isinstance(cfg, ModelConfig):  # a family: transformers reads its shards
+        from replayrl.rollout.model.families.base import FamilyModel
+
+        check_weight_files(directory)
+        return FamilyModel.from_pretrained(directory, cfg, dtype), cfg
     model = Qwen3MoeForCausalLM.empty(cfg, dtype)
     load_weights_into(model, directory)
     return model, cfg
@@ -74,6 +84,12 @@ def load_weights_into(model: Qwen3MoeForCausalLM, directory: str | Path) -> None
     if cfg != model.config:
         raise CheckpointError(f"{src / 'config.json'} describes another model than the one "
                               f"being loaded into")
+    if not isinstance(cfg, ModelConfig):  # a family model: load it, then copy in place
+        fresh, _ = load_pretrained(src, model.dtype)
+        with torch.no_grad():
+            for name, t in model.state_dict().items():
+                t.copy_(fresh.state_dict()[name])
+        return
     params = model.state_dict()
     tied = cfg.tie_word_embeddings
     loaded: dict[str, Path] = {}

@@ -354,7 +354,7 @@ class FamilyModel(nn.Module):
         try:
             out = self.hf.model(input_ids=input_ids, attention_mask=key_padding_mask.long(),
                                 position_ids=position_ids,
-                                past_key_values=kv_cache.hf if kv_cache is not None else None,
+                                cache=kv_cache.hf if kv_cache is not None else None,
                                 use_cache=kv_cache is not None)
             h = out.last_hidden_state
             logits = self.hf.lm_head(h) if compute_logits else None

@@ -132,7 +132,8 @@ class RunConfig:
     rollout_engine: str = setting("embedded", "rollout-engine", "rollout engine, a name in the "
                                   "registry replayrl.rollout.engines.ENGINES (checked by the launcher)")
     hf_checkpoint: str = setting("", "hf-checkpoint", "initial policy: a Hugging Face Qwen3 / "
-                                 "Qwen3-MoE checkpoint directory (safetensors, sharded or not)",
+                                 "Qwen3-MoE checkpoint directory (safetensors, sharded or not), "
+                                 "or a family of docs/checkpoints.md",
                                  default_text="the embedded model", metavar="DIR")
     save_hf: str = setting("", "save-hf", "write the policy as a Hugging Face checkpoint to "
                            "DIR/step-N every --save-interval steps and after the last step",

@@ -257,6 +257,7 @@ class FamilyModel(nn.Module):
 
     # --- hooks ----------------------------------------------------------------------------
     def _hook_router(self, router: nn.Module, layer: int) -> None:
+        """Replace `router.forward` (global layer `layer`) by capture / replay around it."""
         original = router.forward
         weights_of = self.spec.router_weights
         state = self._state
@@ -277,6 +278,9 @@ class FamilyModel(nn.Module):
         router.forward = forward
 
     def _hook_indexer(self, indexer: nn.Module, layer: int) -> None:
+        """Replace `indexer.forward` (global layer `layer`) by capture / replay around it.
+        What it returns feeds transformers' own sparse mask: a replayed row's -1 slots repeat
+        its first slot (selecting nothing new), an all -1 row keeps the indexer's picks."""
         original = indexer.forward
         state = self._state
         k = self.config.index_topk
@@ -335,6 +339,12 @@ class FamilyModel(nn.Module):
             raise ModelInputError(f"input_ids must be an integer tensor [B, S], got "
                                   f"{input_ids.dtype} {list(input_ids.shape)}")
         b, s = input_ids.shape
+        if b == 0 or s == 0 or int(input_ids.min()) < 0 or int(input_ids.max()) >= cfg.vocab_size:
+            raise ModelInputError(f"input_ids must be non-empty and lie in [0, vocab_size="
+                                  f"{cfg.vocab_size}), got shape {list(input_ids.shape)}")
+        if (not isinstance(position_ids, torch.Tensor) or tuple(position_ids.shape) != (b, s)
+                or position_ids.dtype.is_floating_point):
+            raise ModelInputError(f"position_ids must be an integer tensor [{b}, {s}]")
         s_past = kv_cache.length if kv_cache is not None else 0
         t = s_past + s
         if key_padding_mask is None:

@@ -28,7 +28,8 @@ _FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 
 
 def read_hf_config(directory: str | Path) -> ModelConfig:
-    """The `ModelConfig` of a checkpoint directory's `config.json`.
+    """The `ModelConfig` of a checkpoint directory's `config.json` (a
+    `replayrl.rollout.model.families.base.FamilyConfig` for a `model_type` of the family room).
 
     Raises `CheckpointError` naming the file when it cannot be read or parsed;
     `ModelConfigError` naming the field for an architecture or value the model does not implement,
@@ -50,7 +51,8 @@ def read_hf_config(directory: str | Path) -> ModelConfig:
 
 def load_pretrained(directory: str | Path, dtype: torch.dtype = torch.float32
                     ) -> tuple[Qwen3MoeForCausalLM, ModelConfig]:
-    """Load a Hugging Face checkpoint directory; returns (model in `dtype`, config).
+    """Load a Hugging Face checkpoint directory; returns (model in `dtype`, config). A family
+    checkpoint (rollout/model/families/) loads through transformers into a `FamilyModel`.
 
     Peak memory is the model in `dtype` plus the largest tensor (and the pages of the shard
     being read): the model is built on the meta device and allocated once, then filled tensor

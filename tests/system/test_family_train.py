@@ -1,6 +1,7 @@
 """`replayrl train --hf-checkpoint <tiny random GLM-5>`: engines and trainer run transformers'
 `glm_moe_dsa` model (rollout/model/families/) with routing, indexer and support replay on; the
 trainer's choices equal the engine's (flips 0) and the saved policy loads in transformers.
+Refusals before start: tests/unit/tools/test_run_config_families.py.
 A system test: it starts the run's processes (~1 min on two CPU cores)."""
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import pytest
 import torch
 
 from replayrl.rollout.model.loader import load_pretrained
-from replayrl.tools.errors import ConfigError
 from replayrl.tools.run.config import build_config
 from replayrl.tools.run.launcher import launch
 from tests.family_checkpoints import tiny_hf_checkpoint
@@ -37,14 +37,3 @@ async def test_train_tiny_glm5_with_all_replays_on(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(final.eval()(ids, pos).logits,
                                    hf(input_ids=ids, position_ids=pos).logits, atol=1e-5, rtol=0)
-
-
-@pytest.mark.parametrize("flag,value,message", [
-    ("rollout-engine", "vllm", "--rollout-engine vllm cannot serve the 'gpt_oss' family"),
-    ("dp-size", 2, "the 'gpt_oss' family trains on one rank"),
-])
-def test_family_refuses_what_it_cannot_run_before_start(tmp_path, flag, value, message):
-    tiny_hf_checkpoint("gpt_oss", tmp_path / "ckpt")
-    with pytest.raises(ConfigError, match=message):
-        build_config({"hf-checkpoint": str(tmp_path / "ckpt"), flag: value,
-                      "output-dir": str(tmp_path / "run")})

@@ -27,6 +27,7 @@ from replayrl.rollout.engines.base import Engine, Generation
 from replayrl.rollout.errors import EngineError, EngineInputError
 from replayrl.rollout.model.checkpoint import load_state_arrays
 from replayrl.rollout.model.config import ModelConfig
+from replayrl.rollout.model.families.base import FamilyConfig, FamilyModel
 from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
 from replayrl.rollout.sample import TRACE_FIELDS
 from replayrl.rollout.sampler import SamplingParams, sample
@@ -51,7 +52,9 @@ class EmbeddedEngine(Engine):
 
     Args:
         model_config: the model shape, a :class:`replayrl.rollout.model.config.ModelConfig` or its
-            fields as a dict (HF names; how the engine actor passes it).
+            fields as a dict (HF names; how the engine actor passes it), or a family's
+            :class:`replayrl.rollout.model.families.base.FamilyConfig` (its dict has ``family``):
+            then the model is transformers' (rollout/model/families/), its cache a DynamicCache.
         dtype: compute and weight dtype of the rollout model, a floating ``torch.dtype`` or its
             name (``"bfloat16"``, default: a real train-inference mismatch; ``"float32"``).
         device: torch device the model runs on.
@@ -79,10 +82,17 @@ class EmbeddedEngine(Engine):
             dtype = getattr(torch, dtype, None)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise EngineInputError(f"dtype must be a floating torch.dtype, got {dtype!r}")
-        config = model_config if isinstance(model_config, ModelConfig) else ModelConfig(**model_config)
+        if isinstance(model_config, Mapping):  # a family's fields carry its "family" name
+            model_config = (FamilyConfig(**model_config) if "family" in model_config
+                            else ModelConfig(**model_config))
+        config = model_config
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
+        if isinstance(config, FamilyConfig):
+            # a family (rollout/model/families/): transformers' model, its DynamicCache
+            self.model = FamilyModel.from_config(config, dtype, self.device).eval()
+            return
         # Built on the meta device and allocated once in the engine dtype: no random init of
         # weights the first push replaces (seconds for a real checkpoint), no fp32 copy.
         self.model = Qwen3MoeForCausalLM.empty(config, dtype, self.device).eval()

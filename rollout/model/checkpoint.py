@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 
 from replayrl.rollout.model.config import ModelConfig
 from replayrl.rollout.model.errors import CheckpointError
+from replayrl.rollout.model.families.base import FamilyModel
 from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
 from replayrl.transport import strict_json
 
@@ -101,6 +102,12 @@ def _save_model(model: Qwen3MoeForCausalLM, directory: str | Path, special: dict
         raise CheckpointError(f"cannot store weights of dtype {model.dtype}")
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
+    if isinstance(model, FamilyModel):  # rollout/model/families/: transformers writes it
+        model.hf.save_pretrained(out)
+        hf = json.loads((out / "config.json").read_text())
+        hf.update(special)
+        _write_json(out / "config.json", hf)
+        return out
     hf = cfg.to_hf_dict(torch_dtype=_DTYPE_NAMES[model.dtype])
     hf.update(special)
     _write_json(out / "config.json", hf)

@@ -19,6 +19,7 @@ from safetensors import SafetensorError, safe_open
 
 from replayrl.rollout.model.config import ModelConfig
 from replayrl.rollout.model.errors import CheckpointError
+from replayrl.rollout.model.families import is_family
 from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
 
 WEIGHTS_NAME = "model.safetensors"
@@ -27,7 +28,8 @@ _FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 
 
 def read_hf_config(directory: str | Path) -> ModelConfig:
-    """The `ModelConfig` of a checkpoint directory's `config.json`.
+    """The `ModelConfig` of a checkpoint directory's `config.json` (a
+    `replayrl.rollout.model.families.base.FamilyConfig` for a `model_type` of the family room).
 
     Raises `CheckpointError` naming the file when it cannot be read or parsed;
     `ModelConfigError` naming the field for an architecture or value the model does not implement,
@@ -40,12 +42,17 @@ def read_hf_config(directory: str | Path) -> ModelConfig:
         raise CheckpointError(f"cannot read {path}: {exc}") from exc
     if not isinstance(hf, dict):
         raise CheckpointError(f"{path}: top level must be an object")
+    if is_family(hf.get("model_type")):  # the family room (rollout/model/families/)
+        from replayrl.rollout.model.families.base import FamilyConfig
+
+        return FamilyConfig.from_hf_dict(hf)
     return ModelConfig.from_hf_dict(hf)
 
 
 def load_pretrained(directory: str | Path, dtype: torch.dtype = torch.float32
                     ) -> tuple[Qwen3MoeForCausalLM, ModelConfig]:
-    """Load a Hugging Face checkpoint directory; returns (model in `dtype`, config).
+    """Load a Hugging Face checkpoint directory; returns (model in `dtype`, config). A family
+    checkpoint (rollout/model/families/) loads through transformers into a `FamilyModel`.
 
     Peak memory is the model in `dtype` plus the largest tensor (and the pages of the shard
     being read): the model is built on the meta device and allocated once, then filled tensor
@@ -57,6 +64,11 @@ def load_pretrained(directory: str | Path, dtype: torch.dtype = torch.float32
     `ModelConfigError` for an unusable config.json.
     """
     cfg = read_hf_config(directory)
+    if not isinstance(cfg, ModelConfig):  # a family: transformers reads its shards
+        from replayrl.rollout.model.families.base import FamilyModel
+
+        check_weight_files(directory)
+        return FamilyModel.from_pretrained(directory, cfg, dtype), cfg
     model = Qwen3MoeForCausalLM.empty(cfg, dtype)
     load_weights_into(model, directory)
     return model, cfg
@@ -74,6 +86,12 @@ def load_weights_into(model: Qwen3MoeForCausalLM, directory: str | Path) -> None
     if cfg != model.config:
         raise CheckpointError(f"{src / 'config.json'} describes another model than the one "
                               f"being loaded into")
+    if not isinstance(cfg, ModelConfig):  # a family model: load it, then copy in place
+        fresh, _ = load_pretrained(src, model.dtype)
+        with torch.no_grad():
+            for name, t in model.state_dict().items():
+                t.copy_(fresh.state_dict()[name])
+        return
     params = model.state_dict()
     tied = cfg.tie_word_embeddings
     loaded: dict[str, Path] = {}

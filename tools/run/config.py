@@ -134,7 +134,8 @@ class RunConfig:
     rollout_engine: str = setting("embedded", "rollout-engine", "rollout engine, a name in the "
                                   "registry replayrl.rollout.engines.ENGINES (checked by the launcher)")
     hf_checkpoint: str = setting("", "hf-checkpoint", "initial policy: a Hugging Face Qwen3 / "
-                                 "Qwen3-MoE checkpoint directory (safetensors, sharded or not)",
+                                 "Qwen3-MoE checkpoint directory (safetensors, sharded or not), "
+                                 "or a family of docs/checkpoints.md",
                                  default_text="the embedded model", metavar="DIR")
     save_hf: str = setting("", "save-hf", "write the policy as a Hugging Face checkpoint to "
                            "DIR/step-N every --save-interval steps and after the last step",
@@ -213,7 +214,25 @@ class RunConfig:
              f"{policy.num_hidden_layers} layers (config.json 'num_hidden_layers'): every "
              f"pipeline stage holds an equal share"),
         ]
-        if self.trainer.train_backend == "megatron":
+        family = getattr(policy, "family", "")
+        if family:  # the family room (rollout/model/families/): transformers' model in-process
+            checks += [
+                (self.rollout_engine == "embedded",
+                 f"--rollout-engine {self.rollout_engine} cannot serve the {family!r} family of "
+                 f"--hf-checkpoint {self.hf_checkpoint} (config.json field 'model_type'); "
+                 f"use --rollout-engine embedded"),
+                (self.trainer.train_backend == "torch",
+                 f"--train-backend {self.trainer.train_backend} cannot train the {family!r} "
+                 f"family of --hf-checkpoint {self.hf_checkpoint} (config.json field "
+                 f"'model_type'); use --train-backend torch"),
+                # transformers' experts loop skips experts no token reached: no gradient, so
+                # DDP (which expects one for every parameter) would stop
+                (self.trainer.dp_size == 1,
+                 f"--dp-size {self.trainer.dp_size}: the {family!r} family trains on one rank"),
+                (not self.trainer.use_packing,
+                 f"--use-packing: the {family!r} family model has no packed segments"),
+            ]
+        if self.trainer.train_backend == "megatron" and not family:
             # the same arithmetic megatron-core would fail on after every process started
             from replayrl.trainer.backends.megatron_model import MegatronParallel, layout_errors
 

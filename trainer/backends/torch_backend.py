@@ -81,7 +81,9 @@ def response_logprobs(model: Qwen3MoeForCausalLM, batch: TrainBatch, temperature
     # The shared prefix ends with the earliest predicting position (the last prompt token):
     # its logits are the same for every row of a group.
     prefix = int(batch.pos.min()) + 1 if len(batch.pos) else 0
-    shared = None if batch.segment_ids is not None or not len(batch.pos) else _shared_prefix(
+    # a family model (rollout/model/families/) has no packed segments: no prefix tree
+    tree_ok = getattr(model, "supports_segment_ids", True)
+    shared = None if batch.segment_ids is not None or not len(batch.pos) or not tree_ok else _shared_prefix(
         inputs, prefix)
     if shared is not None:
         tree = PrefixTree.build(shared[0], width, *shared[1:])

@@ -1,0 +1,39 @@
+"""The family room: model families that `--hf-checkpoint` reads besides `qwen3` / `qwen3_moe`.
+
+One file per family and one line in :data:`FAMILIES` (HF ``model_type`` -> ``"module:attribute"``
+of its :class:`replayrl.rollout.model.families.base.FamilySpec`). A family's model is
+transformers' own modeling class, wrapped by
+:class:`replayrl.rollout.model.families.base.FamilyModel` with trace capture and replay at the
+MoE routers and the sparse-attention indexers (docs/architecture.md, "A model family").
+``qwen3`` / ``qwen3_moe`` stay on the embedded model (rollout/model/qwen3_moe.py).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from replayrl.rollout.model.errors import ModelConfigError
+
+FAMILIES: dict[str, str] = {
+    "deepseek_v32": "replayrl.rollout.model.families.deepseek_v32:FAMILY",
+    "glm_moe_dsa": "replayrl.rollout.model.families.glm_moe_dsa:FAMILY",
+    "glm4_moe_lite": "replayrl.rollout.model.families.glm4_moe_lite:FAMILY",
+    "gpt_oss": "replayrl.rollout.model.families.gpt_oss:FAMILY",
+}
+
+
+def is_family(model_type: object) -> bool:
+    """True when ``model_type`` (config.json field) is served by the family room."""
+    return isinstance(model_type, str) and model_type in FAMILIES
+
+
+def family_spec(model_type: str):
+    """The :class:`FamilySpec` registered for ``model_type``.
+
+    Raises ``ModelConfigError`` naming the field ``model_type`` for an unregistered one.
+    """
+    if not is_family(model_type):
+        raise ModelConfigError(f"config.json field 'model_type'={model_type!r} is no registered "
+                               f"family (known: {sorted(FAMILIES)})")
+    module, attribute = FAMILIES[model_type].split(":")
+    return getattr(importlib.import_module(module), attribute)

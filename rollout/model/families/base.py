@@ -32,6 +32,7 @@ from torch import nn
 
 from replayrl.rollout.model.errors import CheckpointError, ModelConfigError, ModelInputError
 from replayrl.rollout.model.qwen3_moe import CausalLMOutput
+from replayrl.transport import strict_json
 
 # config.json fields that change the math in ways the family code does not reproduce
 _REFUSED_FIELDS = ("quantization_config",)
@@ -124,7 +125,7 @@ class FamilyConfig:
             if d.get(name) is not None:
                 raise ModelConfigError(f"config.json field {name!r} is not supported for "
                                        f"model_type {spec.model_type!r}")
-        hf_json = json.dumps(d, sort_keys=True)
+        hf_json = strict_json.dumps(d, sort_keys=True)  # a non-finite value is refused, named
         probe = cls(family=spec.model_type, hf_json=hf_json, vocab_size=0, num_hidden_layers=0,
                     max_position_embeddings=0, num_experts=0, num_experts_per_tok=0, index_topk=0)
         try:

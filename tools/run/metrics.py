@@ -33,6 +33,9 @@ ENTROPY_FLOOR = 0.05
 reward is still below its best is reported as collapsed (docs/design.md#entropy-collapse)."""
 COLLAPSE_WINDOW = 20
 """Steps over which :class:`CollapseWatch` averages the reward and the entropy."""
+COLLAPSE_MARGIN = 0.1
+"""How far below its best the reward must be for :class:`CollapseWatch` to speak: a converged
+run (reward within this of the best a sample scored) is deterministic on purpose."""
 
 
 class CollapseWatch:
@@ -46,7 +49,7 @@ class CollapseWatch:
     """
 
     def __init__(self, floor: float = ENTROPY_FLOOR, window: int = COLLAPSE_WINDOW,
-                 margin: float = 0.05) -> None:
+                 margin: float = COLLAPSE_MARGIN) -> None:
         self.floor, self.window, self.margin = floor, window, margin
         self._rewards: list[float] = []
         self._entropies: list[float] = []

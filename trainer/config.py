@@ -83,7 +83,7 @@ class TrainerConfig:
     tis_cap: float | None = setting(2.0, "tis-cap", "TIS weight cap C",
                                     Range(low=0, closed="()", also=(None,)))
     entropy_coef: float = setting(0.05, "entropy-coef", "entropy bonus beta: each token's "
-                                  "advantage gains -beta x its centred logprob (score-function "
+                                  "advantage gains -beta x its logprob (score-function "
                                   "entropy gradient; 0 = off)", Range(low=0))
     normalize_advantage_std: bool = setting(False, "grpo-std-normalization",
                                             "divide GRPO advantages by the group std")

@@ -107,11 +107,11 @@ def policy_loss(
         denominator: ``"loss_tokens"`` or ``"accepted_tokens"`` (keyword, required: the policy
             is always stated by the caller).
         entropy_coef: ``beta >= 0``, the entropy bonus (docs/design.md#entropy-collapse): each
-            contributing token's advantage becomes ``A_t - beta * (logp_prox_t - mean logp_prox)``
-            (the mean over contributing tokens), the score-function estimate of the gradient of
-            ``beta`` times the policy's entropy (Williams & Peng 1991), so a token the policy
-            rarely samples is pushed up even in a group whose rewards are all equal. 0 = off
-            (the loss is exactly the one above).
+            contributing token's advantage becomes ``A_t - beta * logp_prox_t``, the
+            score-function estimate of the gradient of ``beta`` times the policy's entropy
+            (Williams & Peng 1991), so a token the policy rarely samples is pushed up even in a
+            group whose rewards are all equal. Per token, so microbatches and data-parallel
+            shares do not change it. 0 = off (the loss is exactly the one above).
 
     Returns:
         ``(loss, metrics)``: ``loss`` a 0-dim tensor (float32, or float64 for float64 ``logp``);
@@ -145,9 +145,8 @@ def policy_loss(
     # a token the engine never sampled has no behaviour logprob: its placeholder is not read
     roll = torch.where(sampled, logp_rollout.detach().to(dtype), zero)
     adv = torch.where(mask, advantages.detach().to(dtype), zero)
-    if entropy_coef:
-        centred = prox - (prox * contrib.to(dtype)).sum() / max(int(contrib.sum()), 1)
-        adv = adv - entropy_coef * torch.where(contrib, centred, zero)
+    if entropy_coef:  # per token, so the update does not depend on how the batch is split
+        adv = adv - entropy_coef * torch.where(contrib, prox, zero)
 
     log_r = lp - prox
     ratio = torch.exp(log_r)

@@ -19,12 +19,12 @@ def test_bonus_gradient_is_the_centred_score_function_entropy_term():
     loss, _ = policy_loss(logp, logp.detach(), logp.detach(), torch.zeros(3), torch.ones(3),
                           denominator="loss_tokens", entropy_coef=beta)
     loss.backward()
-    mean = sum(values) / 3
-    # ratio 1 and weight 1: loss = -(1/3) sum_t A'_t r_t with A'_t = -beta (logp_t - mean),
-    # so d loss / d logp_t = beta (logp_t - mean) / 3: the rare token (-2.0) is pushed up
-    expected = [beta * (v - mean) / 3 for v in values]
+    # ratio 1 and weight 1: loss = -(1/3) sum_t A'_t r_t with A'_t = -beta logp_t, so
+    # d loss / d logp_t = beta logp_t / 3: every sampled token is pushed up, the rare one (-2.0)
+    # twenty times harder than the likely one (-0.1)
+    expected = [beta * v / 3 for v in values]
     assert logp.grad.tolist() == pytest.approx(expected, abs=1e-7)
-    assert logp.grad[1] < 0
+    assert logp.grad[1] / logp.grad[0] == pytest.approx(20.0)
 
 
 def test_bonus_skips_tokens_outside_the_loss_and_zero_is_the_plain_loss():
@@ -34,8 +34,8 @@ def test_bonus_skips_tokens_outside_the_loss_and_zero_is_the_plain_loss():
     loss, _ = policy_loss(logp, logp.detach(), logp.detach(), adv, mask,
                           denominator="loss_tokens", entropy_coef=1.0)
     loss.backward()
-    # mean over the two loss tokens -0.6; A' = 0.5 - 0.4 = 0.1 and -0.5 + 0.4 = -0.1
-    assert logp.grad.tolist()[:2] == pytest.approx([-0.1 / 2, 0.1 / 2])
+    # A' = 0.5 + 0.2 = 0.7 and -0.5 + 1.0 = 0.5; d loss / d logp_t = -A'_t / 2 (two loss tokens)
+    assert logp.grad.tolist()[:2] == pytest.approx([-0.7 / 2, -0.5 / 2])
     assert logp.grad[2] == 0
     plain = policy_loss(logp, logp.detach(), logp.detach(), adv, mask, denominator="loss_tokens")
     zero = policy_loss(logp, logp.detach(), logp.detach(), adv, mask, denominator="loss_tokens",
@@ -60,3 +60,18 @@ def test_clip_fraction_by_side():
     _, m = policy_loss(logp, prox, prox, adv, torch.ones(4), eps_low=0.2, eps_high=0.28,
                        denominator="loss_tokens")
     assert (m["clip_fraction_high"], m["clip_fraction_low"], m["clip_fraction"]) == (0.25, 0.25, 0.5)
+
+
+def test_bonus_does_not_depend_on_how_the_tokens_are_split():
+    # two microbatches, each averaged over the step's 4 tokens (the trainer rescales each
+    # microbatch loss to the step's denominator), give the one-batch gradient
+    logp = torch.tensor([-0.3, -1.7, -0.2, -2.5], requires_grad=True)
+    adv = torch.tensor([0.2, 0.2, -0.1, -0.1])
+    whole, _ = policy_loss(logp, logp.detach(), logp.detach(), adv, torch.ones(4),
+                           denominator="loss_tokens", entropy_coef=0.05)
+    (g_whole,) = torch.autograd.grad(whole, logp)
+    parts = sum(policy_loss(logp[i:i + 2], logp[i:i + 2].detach(), logp[i:i + 2].detach(),
+                            adv[i:i + 2], torch.ones(2), denominator="loss_tokens",
+                            entropy_coef=0.05)[0] * 2 / 4 for i in (0, 2))
+    (g_parts,) = torch.autograd.grad(parts, logp)
+    assert torch.allclose(g_whole, g_parts, atol=1e-7)

@@ -354,7 +354,7 @@ class RolloutManager(Actor):
         self.batches[rollout_id] = samples
         rewards = np.array([s.reward for s in samples])
         summary = {"rollout_id": rollout_id, "samples": len(samples),
-                   "reward_mean": float(rewards.mean()),
+                   "reward_mean": float(rewards.mean()), "reward_max": float(rewards.max()),
                    "response_len_mean": float(np.mean([len(s.response_ids) for s in samples])),
                    "truncated_fraction": float(np.mean([s.status == "truncated" for s in samples])),
                    "policy_versions": sorted({s.policy_version for s in samples}),

@@ -22,6 +22,8 @@ class TrainerConfig:
         lr, weight_decay, adam_beta1, adam_beta2, clip_grad: AdamW (``--lr`` ...).
         eps_clip, eps_clip_high: PPO clip range ``[1 - eps_clip, 1 + eps_clip_high]``.
         tis_cap: TIS weight cap ``C`` (``--tis-cap``); ``None`` disables TIS.
+        entropy_coef: the entropy bonus ``beta`` of :func:`replayrl.trainer.losses.policy_loss`
+            (``--entropy-coef``; docs/design.md#entropy-collapse).
         normalize_advantage_std: GRPO divides by the group std (``--grpo-std-normalization``).
         micro_batch_size: samples per forward/backward (gradient accumulation).
         temperature: the rollout temperature (logprobs are of ``logits / temperature``).
@@ -84,6 +86,9 @@ class TrainerConfig:
     eps_clip_high: float = setting(0.28, "eps-clip-high", "PPO clip high: ratio <= 1 + eps", POSITIVE)
     tis_cap: float | None = setting(2.0, "tis-cap", "TIS weight cap C",
                                     Range(low=0, closed="()", also=(None,)))
+    entropy_coef: float = setting(0.05, "entropy-coef", "entropy bonus beta: each token's "
+                                  "advantage gains -beta x its logprob (score-function "
+                                  "entropy gradient; 0 = off)", Range(low=0))
     normalize_advantage_std: bool = setting(False, "grpo-std-normalization",
                                             "divide GRPO advantages by the group std")
     micro_batch_size: int = setting(128, "micro-batch-size", "samples per forward/backward",

@@ -66,6 +66,7 @@ def policy_loss(
     token_accept: Tensor | None = None,
     sampled_mask: Tensor | None = None,
     denominator: Denominator,
+    entropy_coef: float = 0.0,
 ) -> tuple[Tensor, dict[str, float]]:
     """Decoupled-PPO clipped surrogate with TIS, averaged over tokens.
 
@@ -105,11 +106,19 @@ def policy_loss(
             Must be 0 wherever ``loss_mask`` is 0. ``None``: every loss token was sampled.
         denominator: ``"loss_tokens"`` or ``"accepted_tokens"`` (keyword, required: the policy
             is always stated by the caller).
+        entropy_coef: ``beta >= 0``, the entropy bonus (docs/design.md#entropy-collapse): each
+            contributing token's advantage becomes ``A_t - beta * logp_prox_t``, the
+            score-function estimate of the gradient of ``beta`` times the policy's entropy
+            (Williams & Peng 1991), so a token the policy rarely samples is pushed up even in a
+            group whose rewards are all equal. Per token, so microbatches and data-parallel
+            shares do not change it. 0 = off (the loss is exactly the one above).
 
     Returns:
         ``(loss, metrics)``: ``loss`` a 0-dim tensor (float32, or float64 for float64 ``logp``);
         ``metrics`` floats: ``clip_fraction`` (share of contributing tokens whose clipped term
-        is the active one, i.e. gradient zeroed by the clip) and ``approx_kl`` (k3 of policy
+        is the active one, i.e. gradient zeroed by the clip), split by side as
+        ``clip_fraction_low`` (``A_t < 0`` and ``r_t < 1 - eps_low``) and ``clip_fraction_high``
+        (``A_t > 0`` and ``r_t > 1 + eps_high``), and ``approx_kl`` (k3 of policy
         vs proximal) over contributing tokens (loss and accepted); ``tis_weight_mean`` over
         contributing sampled tokens; ``logprob_abs_diff_mean`` (mean
         ``|logp_prox - logp_rollout|``) over sampled loss tokens; ``loss_tokens``,
@@ -122,7 +131,8 @@ def policy_loss(
             positions.
     """
     n = _check_inputs(logp, logp_prox, logp_rollout, advantages, eps_low=eps_low,
-                      eps_high=eps_high, tis_cap=tis_cap, denominator=denominator)
+                      eps_high=eps_high, tis_cap=tis_cap, denominator=denominator,
+                      entropy_coef=entropy_coef)
     mask, contrib, sampled = _token_masks(n, loss_mask, token_accept, sampled_mask)
     _check_finite((("logp", logp, mask), ("logp_prox", logp_prox, mask),
                    ("logp_rollout", logp_rollout, sampled), ("advantages", advantages, mask)))
@@ -135,6 +145,8 @@ def policy_loss(
     # a token the engine never sampled has no behaviour logprob: its placeholder is not read
     roll = torch.where(sampled, logp_rollout.detach().to(dtype), zero)
     adv = torch.where(mask, advantages.detach().to(dtype), zero)
+    if entropy_coef:  # per token, so the update does not depend on how the batch is split
+        adv = adv - entropy_coef * torch.where(contrib, prox, zero)
 
     log_r = lp - prox
     ratio = torch.exp(log_r)
@@ -152,7 +164,7 @@ def policy_loss(
 
 def _check_inputs(logp: Tensor, logp_prox: Tensor, logp_rollout: Tensor, advantages: Tensor, *,
                   eps_low: float, eps_high: float, tis_cap: float | None,
-                  denominator: str) -> int:
+                  denominator: str, entropy_coef: float = 0.0) -> int:
     """The token count ``N`` of :func:`policy_loss`'s inputs, after checking their shapes and
     the hyper-parameters (raises :class:`LossError` as documented there)."""
     if not isinstance(logp, Tensor) or logp.dim() != 1 or not logp.is_floating_point():
@@ -167,6 +179,8 @@ def _check_inputs(logp: Tensor, logp_prox: Tensor, logp_rollout: Tensor, advanta
     if not (0.0 <= eps_low < 1.0) or not (eps_high >= 0.0) or math.isinf(eps_high):
         raise LossError(f"clip range needs 0 <= eps_low < 1 and finite eps_high >= 0, got "
                         f"eps_low={eps_low!r}, eps_high={eps_high!r}")
+    if not (0.0 <= entropy_coef < math.inf):
+        raise LossError(f"entropy_coef must be finite and >= 0, got {entropy_coef!r}")
     if tis_cap is not None and not (tis_cap > 0.0):
         raise LossError(f"tis_cap must be > 0 or None, got {tis_cap!r}")
     return n
@@ -269,8 +283,11 @@ def _loss_metrics(mask: Tensor, contrib: Tensor, sampled: Tensor, *, prox: Tenso
     n_acc_sampled = int((contrib & sampled).sum())
     n_sampled = int(sampled.sum())
     abs_diff = torch.where(sampled, (prox - roll).abs(), zero)
+    active = clipped < unclipped
     return {
-        "clip_fraction": float(((clipped < unclipped).to(dtype) * c).sum() / denom_c),
+        "clip_fraction": float((active.to(dtype) * c).sum() / denom_c),
+        "clip_fraction_low": float(((active & (ratio < 1.0)).to(dtype) * c).sum() / denom_c),
+        "clip_fraction_high": float(((active & (ratio > 1.0)).to(dtype) * c).sum() / denom_c),
         "tis_weight_mean": (float((w * c_sampled).sum() / n_acc_sampled)
                             if n_acc_sampled else 0.0),
         "approx_kl": float((((ratio - 1.0) - log_r) * c).sum() / denom_c),

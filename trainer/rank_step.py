@@ -28,7 +28,7 @@ from replayrl.trainer.replay import batch_flip_rate, check_replay
 
 __all__ = ["RankStep", "UPDATE_SUMS"]
 
-UPDATE_SUMS = ("abs_logprob_diff", "clipfrac", "tis_weight_mean")
+UPDATE_SUMS = ("abs_logprob_diff", "clipfrac", "clipfrac_low", "clipfrac_high", "tis_weight_mean")
 """Token sums one rank's update returns, added over ranks (then divided by the step's token
 counts): ``|logp_prox - logp_rollout|`` over sampled tokens, the clip fraction times loss
 tokens, the TIS weight mean times sampled tokens."""
@@ -178,7 +178,8 @@ class RankStep:
             mb_loss = lambda logp, prox: policy_loss(
                 logp, prox, batch.rollout_logprobs, adv_tok, batch.loss_mask, eps_low=cfg.eps_clip,
                 eps_high=cfg.eps_clip_high, tis_cap=cfg.tis_cap, token_accept=trained,
-                sampled_mask=batch.sampled_mask, denominator=cfg.rs_denominator)
+                sampled_mask=batch.sampled_mask, denominator=cfg.rs_denominator,
+                entropy_coef=cfg.entropy_coef)
             seen: dict = {}
 
             def loss_fn(logp: torch.Tensor) -> torch.Tensor:
@@ -217,6 +218,8 @@ class RankStep:
             sampled = batch.sampled_mask > 0
             sums["abs_logprob_diff"] += float((prox - batch.rollout_logprobs)[sampled].abs().sum())
             sums["clipfrac"] += m["clip_fraction"] * float(mask.sum())
+            sums["clipfrac_low"] += m["clip_fraction_low"] * float(mask.sum())
+            sums["clipfrac_high"] += m["clip_fraction_high"] * float(mask.sum())
             sums["tis_weight_mean"] += m["tis_weight_mean"] * float(sampled.sum())
         t0 = time.perf_counter()
         grad_norm = self.backend.clip_and_step(cfg.clip_grad)

@@ -472,6 +472,12 @@ class TrainerActor(Actor):
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
         adv = grpo_advantages(rewards, self.n, normalize_std=cfg.normalize_advantage_std,
                               accepted=baseline)
+        spread = rewards.reshape(-1, self.n)
+        # prompt groups whose samples all scored the same: advantage 0, no gradient
+        # (docs/design.md#entropy-collapse)
+        signal = {"zero_advantage_group_fraction":
+                  float((spread.amax(dim=1) == spread.amin(dim=1)).float().mean()),
+                  "advantage_abs_mean": float(adv.abs().mean())}
         if self.followers:
             parts = await self._update_ranks(samples, adv, token_accept, loss_accept,
                                              denominator, fused)
@@ -493,6 +499,8 @@ class TrainerActor(Actor):
                 "grad_norm": grad_norm,
                 "train_rollout_logprob_abs_diff": sums["abs_logprob_diff"] / max(sampled_tokens, 1.0),
                 "clipfrac": sums["clipfrac"] / loss_tokens,
+                "clipfrac_low": sums["clipfrac_low"] / loss_tokens,
+                "clipfrac_high": sums["clipfrac_high"] / loss_tokens, **signal,
                 "tis_weight_mean": sums["tis_weight_mean"] / max(sampled_tokens, 1.0),
                 "max_prox_drift": max(p["max_prox_drift"] for p in parts),
                 "proximal_cache_peak_bytes": self.cache.peak_bytes,

@@ -117,6 +117,7 @@ async def test_one_real_step_on_a_registered_fake_engine(tmp_path, monkeypatch):
                   "last": digits[-1]}[words[1]]
         expected += [_hand_reward(digits[0], answer), _hand_reward(digits[-1], answer)] * 2
     assert row["reward_mean"] == pytest.approx(float(np.mean(expected)), abs=1e-12)
+    assert row["reward_max"] == pytest.approx(max(expected), abs=1e-12)  # the collapse watch's best
     assert row["response_len_mean"] == 2.0 and row["truncated_fraction"] == 0.0
     # samples carried the version the fake engine served (0) into a step at trainer version 0
     assert row["staleness_max"] == 0 and row["trainer_version"] == 1

@@ -175,11 +175,13 @@ def _engine_dtype(name: str) -> str:
 
 
 def run_config(steps: int, seed: int, output_dir: str, overrides: dict | None = None):
-    """The replayrl :class:`replayrl.tools.run.config.RunConfig` of one side-run: defaults, ``--no-progress``."""
+    """The replayrl :class:`replayrl.tools.run.config.RunConfig` of one side-run: defaults,
+    ``--no-progress`` and ``--entropy-coef 0`` (TRL's GRPO loss has no entropy bonus, so the
+    two sides train the same objective; docs/design.md#entropy-collapse)."""
     from replayrl.tools.run.config import build_config
 
     return build_config({"num-steps": steps, "seed": seed, "output-dir": output_dir,
-                         "progress": False, **(overrides or {})})
+                         "progress": False, "entropy-coef": 0.0, **(overrides or {})})
 
 
 def trl_settings(config) -> dict:
@@ -233,7 +235,8 @@ def settings_table(config) -> str:
          f"max_grad_norm={k['max_grad_norm']}, optim=adamw_torch, lr_scheduler_type=constant"),
         ("PPO clip", f"[1 - {t.eps_clip}, 1 + {t.eps_clip_high}]",
          f"epsilon={k['epsilon']}, epsilon_high={k['epsilon_high']}"),
-        ("KL / advantage", "no KL; reward - group mean (no std)",
+        ("KL / entropy / advantage", f"no KL; entropy bonus {t.entropy_coef}; reward - group "
+                                     "mean (no std)",
          f"beta=0.0; scale_rewards={k['scale_rewards']!r}"),
         ("loss", "PPO clipped token loss / loss tokens of the step, TIS cap "
                  f"{t.tis_cap} on the one-step-stale behaviour ratio",

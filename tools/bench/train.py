@@ -3,14 +3,20 @@
 Runs ``replayrl train`` exactly as a user does (a fresh process per seed, default settings plus
 whatever flags follow ``--``), reads each run's ``metrics.jsonl`` back and prints one markdown
 row per seed: the reward means of the first and last 10 % of steps and their ratio, the mean
+support entropy of the last 10 % of steps (nats; 0 = a deterministic policy), the mean
 |rollout - trainer logprob| over steps, the largest routing / indexer flip rate, the seconds of
 steps (the sum of ``step_seconds``), and the wall time of the whole command (actor start-up,
-the initial checkpoint and the plot included). The runs are deterministic for a given machine,
-so the reward columns are reproducible; the seconds are this machine's at the time of the run.
+the initial checkpoint and the plot included). With ``--long-steps N`` (default 3000; 0 = off)
+each seed also runs ``--num-steps N``, and the row adds that run's last-10 % reward and
+entropy and the largest fall of a 250-step window's mean reward below an earlier window's
+(:func:`largest_window_fall`; docs/design.md#entropy-collapse). The runs are deterministic for a
+given machine, so the reward columns are reproducible; the seconds are this machine's at the
+time of the run.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import subprocess
 import sys
 import tempfile
@@ -22,9 +28,55 @@ from replayrl.tools.bench.priority import autogroup_priority
 from replayrl.tools.run.metrics import edge_means
 from replayrl.transport import strict_json
 
-HEADER = ("| seed | reward, first 10 % of steps | reward, last 10 % | ratio | mean abs(rollout - "
-          "trainer logprob) | max routing / indexer flip rate | seconds of steps | wall seconds "
-          "of the command |\n|---|---|---|---|---|---|---|---|")
+HEADER = ("| seed | reward, first 10 % of steps | reward, last 10 % | ratio | support entropy, "
+          "last 10 % (nats) | mean abs(rollout - trainer logprob) | max routing / indexer flip "
+          "rate | seconds of steps | wall seconds of the command |")
+LONG_HEADER = ("| {n} steps: reward, last 10 % | {n} steps: entropy, last 10 % | {n} steps: "
+               "largest fall of a {w}-step window |")
+WINDOW = 250
+"""Steps per window of :func:`largest_window_fall`."""
+
+
+def header(long_steps: int) -> str:
+    """The table's header and separator lines (with the longer-budget columns when
+    ``long_steps`` > 0)."""
+    text = HEADER + (LONG_HEADER.format(n=long_steps, w=WINDOW)[1:] if long_steps else "")
+    return text + "\n" + "|---" * (text.count("|") - 1) + "|"
+
+
+def largest_window_fall(rewards: Sequence[float], window: int = WINDOW) -> float:
+    """The largest drop of a window's mean reward below the mean of an earlier window.
+
+    Args:
+        rewards: per-step mean rewards, in step order.
+        window: steps per window; consecutive, non-overlapping windows (a last partial one
+            is left out).
+    Returns:
+        ``max(mean_i - mean_j for windows i < j)``, 0.0 when the window means never fall
+        (or there are fewer than two windows).
+    """
+    means = [sum(rewards[i:i + window]) / window
+             for i in range(0, len(rewards) - window + 1, window)]
+    fall, best = 0.0, -math.inf
+    for m in means:
+        fall, best = max(fall, best - m), max(best, m)
+    return fall
+
+
+def _entropy_last(rows: Sequence[dict]) -> str:
+    values = [r["support_entropy_mean"] for r in rows if r.get("support_entropy_mean") is not None]
+    return f"{edge_means(values)[1]:.3f}" if values else "n/a"
+
+
+def long_cells(rows: Sequence[dict]) -> str:
+    """The longer-budget columns of a row (leading ``|`` left out) from that run's rows.
+
+    Raises:
+        ValueError: ``rows`` is empty.
+    """
+    rewards = [r["reward_mean"] for r in rows]
+    return (f" {edge_means(rewards)[1]:.3f} | {_entropy_last(rows)} | "
+            f"{largest_window_fall(rewards):.3f} |")
 
 
 def table_row(seed: int, rows: Sequence[dict], wall_seconds: float) -> str:
@@ -33,7 +85,7 @@ def table_row(seed: int, rows: Sequence[dict], wall_seconds: float) -> str:
     Args:
         seed: the run's ``--seed``.
         rows: the parsed lines of ``metrics.jsonl`` (needs ``reward_mean``, ``step_seconds``,
-            ``train_rollout_logprob_abs_diff``; flip rates ``n/a`` when absent).
+            ``train_rollout_logprob_abs_diff``; entropy and flip rates ``n/a`` when absent).
         wall_seconds: seconds the whole ``replayrl train`` command took.
     Raises:
         ValueError: ``rows`` is empty.
@@ -49,7 +101,7 @@ def table_row(seed: int, rows: Sequence[dict], wall_seconds: float) -> str:
         return f"{max(values):g}" if values else "n/a"
 
     steps = sum(r["step_seconds"] for r in rows)
-    return (f"| {seed} | {first:.3f} | {last:.3f} | {ratio} | {gap} | "
+    return (f"| {seed} | {first:.3f} | {last:.3f} | {ratio} | {_entropy_last(rows)} | {gap} | "
             f"{worst('routing_flip_rate')} / {worst('indexer_flip_rate')} | {steps:.0f} | "
             f"{wall_seconds:.0f} |")
 
@@ -78,18 +130,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--priority", action="store_true",
                         help="on a machine shared with other users' jobs, run first "
                              "(Linux autogroup nice -20; needs root)")
+    parser.add_argument("--long-steps", type=int, default=3000,
+                        help="also run each seed for this many steps and add its last-10 %% "
+                             "reward, entropy and largest window fall (0 = off)")
     parser.add_argument("train_flags", nargs=argparse.REMAINDER,
                         help="flags passed to every `replayrl train` after `--`")
     args = parser.parse_args(argv)
     extra = [f for f in args.train_flags if f != "--"]
     print(f"replayrl train --seed S {' '.join(extra)} (defaults otherwise), one fresh process "
           f"per seed{'; --priority' if args.priority else ''}", flush=True)
-    print(HEADER, flush=True)
+    print(header(args.long_steps), flush=True)
     with tempfile.TemporaryDirectory(prefix="rrl-bench-train-") as out, \
             autogroup_priority(args.priority):
         for seed in args.seeds:
             rows, wall = run_seed(seed, Path(out) / f"seed-{seed}", extra)
-            print(table_row(seed, rows, wall), flush=True)
+            row = table_row(seed, rows, wall)
+            if args.long_steps:
+                long_rows, _ = run_seed(seed, Path(out) / f"seed-{seed}-long",
+                                        [*extra, "--num-steps", str(args.long_steps)])
+                row += long_cells(long_rows)
+            print(row, flush=True)
     return 0
 
 

@@ -29,6 +29,56 @@ def edge_means(values: Sequence[float], fraction: float = 0.1) -> tuple[float, f
     return sum(values[:k]) / k, sum(values[-k:]) / k
 
 
+ENTROPY_FLOOR = 0.05
+"""Support entropy (nats, mean of the last :data:`COLLAPSE_WINDOW` steps) below which a run whose
+reward is still below its best is reported as collapsed (docs/design.md#entropy-collapse)."""
+COLLAPSE_WINDOW = 20
+"""Steps over which :class:`CollapseWatch` averages the reward and the entropy."""
+COLLAPSE_MARGIN = 0.1
+"""How far below its best the reward must be for :class:`CollapseWatch` to speak: a converged
+run (reward within this of the best a sample scored) is deterministic on purpose."""
+
+
+class CollapseWatch:
+    """Notices entropy collapse: the policy turned (nearly) deterministic while its reward is
+    still below its best, so it samples too few alternatives to learn more.
+
+    Fed one step's metrics at a time (:meth:`see`); says so once, on the first step where the
+    mean support entropy of the last ``window`` steps is below ``floor`` nats while the mean
+    reward of those steps is below the best reward one sample scored so far (``reward_max``;
+    the best step mean when the rows lack it) by more than ``margin``.
+    """
+
+    def __init__(self, floor: float = ENTROPY_FLOOR, window: int = COLLAPSE_WINDOW,
+                 margin: float = COLLAPSE_MARGIN) -> None:
+        self.floor, self.window, self.margin = floor, window, margin
+        self._rewards: list[float] = []
+        self._entropies: list[float] = []
+        self._best = -math.inf
+        self.warned = False
+
+    def see(self, metrics: Mapping) -> str | None:
+        """The one-line warning on the step that first shows collapse, else ``None``
+        (also after it was said once, and for a row without reward or entropy)."""
+        reward, entropy = metrics.get("reward_mean"), metrics.get("support_entropy_mean")
+        if reward is None or entropy is None or self.warned:
+            return None
+        self._best = max(self._best, metrics.get("reward_max") or reward)
+        self._rewards = (self._rewards + [reward])[-self.window:]
+        self._entropies = (self._entropies + [entropy])[-self.window:]
+        if len(self._rewards) < self.window:
+            return None
+        mean_r = sum(self._rewards) / self.window
+        mean_h = sum(self._entropies) / self.window
+        if mean_h < self.floor and mean_r < self._best - self.margin:
+            self.warned = True
+            return (f"replayrl: entropy collapse at step {metrics.get('step')}: support entropy "
+                    f"{mean_h:.3f} < {self.floor} nats while the reward {mean_r:.3f} is below its "
+                    f"best {self._best:.3f}; the policy no longer explores (see "
+                    f"docs/design.md#entropy-collapse: --entropy-coef, --lr)")
+        return None
+
+
 def shown(metrics: Mapping, key: str, spec: str) -> str:
     """``metrics[key]`` formatted with ``spec``, or ``n/a`` when the step has no value for it
     (the key is absent, e.g. no flip rate without a replayed trace, or ``None``, a value
@@ -149,6 +199,7 @@ class MetricsRecorder:
                                   TextColumn("{task.fields[status]}"), TimeElapsedColumn(),
                                   disable=not show_progress)
         self._task = self._progress.add_task("train", total=num_steps, status="starting actors")
+        self.collapse = CollapseWatch()
 
     def __enter__(self) -> "MetricsRecorder":
         self._progress.start()
@@ -185,6 +236,9 @@ class MetricsRecorder:
             log.warning("replayrl: step %s skipped (%s): nothing trained, weights and version %s "
                         "unchanged", metrics.get("step"), metrics.get("skip_reason"),
                         metrics.get("trainer_version"))
+        warning = self.collapse.see(metrics)
+        if warning:
+            log.warning("%s", warning)
         self._progress.update(self._task, advance=1, status=progress_status(metrics))
         if self._tensorboard is not None:
             for key, value in metrics.items():
@@ -205,8 +259,9 @@ class MetricsRecorder:
 
     def plot(self) -> Path:
         """Save ``reward.png`` and return its path: the training reward mean per step with each
-        evaluation set's mean reward and pass@k (``eval/NAME/...`` rows), and below it the mean
-        response length and, when the rows carry it, the support entropy."""
+        evaluation set's mean reward and pass@k (``eval/NAME/...`` rows) and, on a second axis
+        beside it when the rows carry it, the support entropy; below them the mean response
+        length."""
         import matplotlib
 
         matplotlib.use("Agg")
@@ -223,10 +278,19 @@ class MetricsRecorder:
         ax.set_ylabel("mean reward / pass@k")
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-        ax.set_title("replayrl: reward")
-        for key, label in (("response_len_mean", "response tokens"),
-                           ("support_entropy_mean", "support entropy (nats)")):
+        handles, labels = ax.get_legend_handles_labels()
+        entropy = [(r["step"], r["support_entropy_mean"]) for r in self.rows
+                   if r.get("support_entropy_mean") is not None]
+        if entropy:  # beside the reward: a collapse shows as the entropy falling to 0
+            right = ax.twinx()
+            right.plot(*zip(*entropy), color="tab:red", alpha=0.6, label="support entropy (nats)")
+            right.set_ylabel("support entropy (nats)")
+            right.set_ylim(bottom=0)
+            more = right.get_legend_handles_labels()
+            handles, labels = handles + more[0], labels + more[1]
+        ax.legend(handles, labels, fontsize=7)
+        ax.set_title("replayrl: reward and entropy")
+        for key, label in (("response_len_mean", "response tokens"),):
             points = [(r["step"], r[key]) for r in self.rows if r.get(key) is not None]
             if points:
                 low.plot(*zip(*points), marker=".", label=label)
@@ -240,12 +304,17 @@ class MetricsRecorder:
         return path
 
     def summary(self) -> str:
-        """One line: first / last 10 % reward means, their ratio, steps (and how many were
+        """One line: first / last 10 % reward means, their ratio, the support entropy of the
+        last 10 % of steps (nats; ``n/a`` when the rows lack it), steps (and how many were
         skipped, when any), seconds."""
         first, last = edge_means([r["reward_mean"] for r in self.rows])
         ratio = f"{last / first:.1f}x" if first > 0 else "n/a (first10% is 0)"
+        entropies = [r["support_entropy_mean"] for r in self.rows
+                     if r.get("support_entropy_mean") is not None]
+        entropy = f"{edge_means(entropies)[1]:.3f}" if entropies else "n/a"
         seconds = sum(r["step_seconds"] for r in self.rows)
         skipped = sum(1 for r in self.rows if r.get("skipped"))
         steps = f"{len(self.rows)} steps" + (f" ({skipped} skipped)" if skipped else "")
         return (f"replayrl: {steps} in {seconds:.0f}s  reward first10%={first:.3f} "
-                f"last10%={last:.3f} ratio={ratio}  metrics={self.path}")
+                f"last10%={last:.3f} ratio={ratio}  entropy last10%={entropy}  "
+                f"metrics={self.path}")

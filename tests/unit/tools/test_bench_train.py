@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from replayrl.tools.bench.train import table_row
+from replayrl.tools.bench.train import header, largest_window_fall, long_cells, table_row
 
 
 def _rows(rewards, gaps, seconds, flips=None):
@@ -21,15 +21,38 @@ def test_row_by_hand():
     seconds = [0.5] * 20  # 10 s of steps
     flips = [{"routing_flip_rate": 0.0, "indexer_flip_rate": 0.0}] * 19 + [
         {"routing_flip_rate": 0.25, "indexer_flip_rate": 0.0}]
-    row = table_row(2, _rows(rewards, gaps, seconds, flips), wall_seconds=31.4)
-    assert row == "| 2 | 0.200 | 0.900 | 4.5x | 0.0200 | 0.25 / 0 | 10 | 31 |"
+    rows = _rows(rewards, gaps, seconds, flips)
+    for i, row in enumerate(rows):  # entropy of the last 10 % (steps 18, 19): (0.1 + 0.3) / 2
+        row["support_entropy_mean"] = {18: 0.1, 19: 0.3}.get(i, 2.0)
+    row = table_row(2, rows, wall_seconds=31.4)
+    assert row == "| 2 | 0.200 | 0.900 | 4.5x | 0.200 | 0.0200 | 0.25 / 0 | 10 | 31 |"
 
 
 def test_absent_values_are_not_zero():
     rows = _rows([0.0, 0.5], [None, None], [1.0, 1.0])  # no flip keys, no finite gap
-    assert table_row(1, rows, 3.0) == "| 1 | 0.000 | 0.500 | n/a | n/a | n/a / n/a | 2 | 3 |"
+    assert table_row(1, rows, 3.0) == "| 1 | 0.000 | 0.500 | n/a | n/a | n/a | n/a / n/a | 2 | 3 |"
 
 
 def test_no_rows_is_an_error():
     with pytest.raises(ValueError):
         table_row(1, [], 1.0)
+
+
+def test_largest_window_fall_by_hand():
+    # windows of 2: means 0.2, 0.8, 0.5, 0.9, 0.6 -> falls 0.8 - 0.5 = 0.3, 0.9 - 0.6 = 0.3
+    # and 0.8 - 0.6 = 0.2; the largest is 0.3; the trailing single step is left out
+    rewards = [0.1, 0.3, 0.8, 0.8, 0.4, 0.6, 1.0, 0.8, 0.6, 0.6, 0.0]
+    assert largest_window_fall(rewards, window=2) == pytest.approx(0.3)
+    assert largest_window_fall([0.1, 0.2, 0.3, 0.4], window=2) == 0.0  # only rising
+    assert largest_window_fall([0.5], window=2) == 0.0  # no whole window
+
+
+def test_long_cells_and_header():
+    rows = [{"reward_mean": 1.0 if i < 250 else 0.9, "support_entropy_mean": 0.5}
+            for i in range(500)]
+    # last 10 % = 50 steps of 0.9; windows 1.0 then 0.9 fall by 0.1
+    assert long_cells(rows) == " 0.900 | 0.500 | 0.100 |"
+    text = header(3000).splitlines()
+    assert text[0].count("|") == text[1].count("|") == 13
+    assert "3000 steps: reward, last 10 %" in text[0]
+    assert header(0).splitlines()[1] == "|---" * 9 + "|"

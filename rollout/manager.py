@@ -521,11 +521,12 @@ class RolloutManager(Actor):
     async def last_sample(self) -> dict:
         """The most recently scored trajectory (training or refill), as one-row columns
         (``replayrl.rollout.sample.samples_to_columns``: ids, loss mask, logprobs, reward and every
-        captured trace, e.g. ``routed_experts`` int32 ``[P + R - 1, layers, top_k]``);
-        ``{}`` before the first rollout. Read-only: nothing is taken from a stored batch."""
+        captured trace as a plain array, e.g. ``routed_experts`` int32
+        ``[P + R - 1, layers, top_k]``, not the compact wire form); ``{}`` before the first
+        rollout. Read-only: nothing is taken from a stored batch."""
         if self.latest_sample is None:
             return {}
-        return samples_to_columns([self.latest_sample])
+        return samples_to_columns([self.latest_sample], compact=False)
 
     @concurrent
     async def restore_engine(self, engine: str) -> list[str]:

@@ -405,7 +405,7 @@ def unpack_rows(value: Any, counts: Sequence[int]) -> list:
     return [value[start:end] for start, end in zip([0, *ends[:-1]], ends)]
 
 
-def samples_to_columns(samples: Sequence[Sample]) -> dict[str, Any]:
+def samples_to_columns(samples: Sequence[Sample], *, compact: bool = True) -> dict[str, Any]:
     """A batch of samples as one array per field, for the transport codec.
 
     A batch of ``N`` samples crosses the wire as about fifteen arrays instead of seven per
@@ -423,7 +423,9 @@ def samples_to_columns(samples: Sequence[Sample]) -> dict[str, Any]:
       for position rows, e.g. routing and indexer) when every sample has it with the same
       trailing shape, stored as its table row's ``storage`` says
       (:func:`replayrl.rollout.trace_storage.encode_column`: expert ids narrowed, indexer rows
-      as key sets); otherwise a list of ``N`` per-sample arrays or ``None``.
+      as key sets); otherwise a list of ``N`` per-sample arrays or ``None``. With
+      ``compact=False`` every trace stays the plain int32 array (for a reader that is not
+      :func:`samples_from_columns`, e.g. the REPL's ``sample()``).
 
     Arrays are new (concatenated) arrays; the samples are not changed. Inverse:
     :func:`samples_from_columns`.
@@ -438,8 +440,9 @@ def samples_to_columns(samples: Sequence[Sample]) -> dict[str, Any]:
                       else np.zeros(0, dtype))
     P, R = cols["prompt_lengths"], cols["response_lengths"]
     for row in trace_table.TRACES:
-        cols[row.name] = trace_storage.encode_column(
-            row, pack_rows([getattr(s, row.name) for s in samples]), trace_table.rows_in(row, P, R))
+        packed = pack_rows([getattr(s, row.name) for s in samples])
+        cols[row.name] = (trace_storage.encode_column(row, packed, trace_table.rows_in(row, P, R))
+                          if compact else packed)
     return cols
 
 

@@ -295,7 +295,20 @@ def test_attach_through_a_terminal_pauses_resumes_and_detaches_without_disturbin
         # redrawn with "replayrl>" in front of it, so the prompt text alone is no marker
         prompt = re.escape("\x1b[?2004h")
 
+        marks = iter(range(1_000))
+
         def enter(line: str) -> str:
+            """Type one simple statement and return what it printed, up to a marker printed
+            after it (spelt so that the echoed input holds no copy of it): a prompt redrawn early
+            on a loaded machine once cut the captured text short."""
+            mark = next(marks)
+            repl.sendline(f"{line}; print('<<' + 'done{mark}>>')")
+            repl.expect(f"<<done{mark}>>")
+            text = repl.before
+            repl.expect(prompt)
+            return text
+
+        def enter_raw(line: str) -> str:  # a compound statement's line, or the empty line after it
             repl.sendline(line)
             repl.expect(prompt)
             return repl.before
@@ -324,9 +337,9 @@ def test_attach_through_a_terminal_pauses_resumes_and_detaches_without_disturbin
         assert paused == {"paused": True, "in_flight": 0, "held": 0}
         release.touch()  # the driver goes on: step 1 trains, rollout 2 waits at the gate
         enter("import time; t0 = time.monotonic()")
-        enter("while (lambda c: c['trainer_version'] < 2 or c['generation']['held'] == 0)(clock()) "
-              "and time.monotonic() - t0 < 180: time.sleep(0.1)")
-        enter("")  # the empty line that ends the block, as a user types it
+        enter_raw("while (lambda c: c['trainer_version'] < 2 or c['generation']['held'] == 0)(clock()) "
+                  "and time.monotonic() - t0 < 180: time.sleep(0.1)")
+        enter_raw("")  # the empty line that ends the block, as a user types it
         held = ast.literal_eval(re.search(r"HELD= (\{.*\})", enter("print('HELD=', clock())")).group(1))
         # exact versions while paused: step 1 trained (version 2), but the engine still serves
         # version 1: the loop pushes only once the held rollout is generated

@@ -45,7 +45,7 @@ def test_registry_resolves_torch_to_the_torch_backend():
 
 
 def test_unknown_backend_is_named_with_the_known_ones():
-    with pytest.raises(UnknownBackendError, match=r"'nope'.*known backends: megatron, torch"):
+    with pytest.raises(UnknownBackendError, match=r"'nope'.*known backends: fsdp, megatron, torch"):
         resolve_backend("nope")
     assert issubclass(UnknownBackendError, ValueError)
 

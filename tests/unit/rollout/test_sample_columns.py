@@ -171,3 +171,16 @@ def _per_sample_fields(cols: dict) -> list[dict]:
                  reward=float(cols["reward"][i]), synthetic_eos=bool(cols["synthetic_eos"][i]),
                  status=cols["status"][i], indexer_topk=None, **{k: v[i] for k, v in parts.items()})
             for i in range(len(P))]
+
+
+def test_plain_columns_keep_every_trace_as_its_int32_rows():
+    # the REPL's sample() reads these (RolloutManager.last_sample): no compact wire form
+    a, b = _sample(1, 3, 4), _sample(2, 2, 5)
+    cols = samples_to_columns([a, b], compact=False)
+    assert cols["indexer_topk"] is None  # no sample has it
+    for name in ("routed_experts", "sample_support"):
+        expected = np.concatenate([getattr(a, name), getattr(b, name)])
+        assert isinstance(cols[name], np.ndarray) and cols[name].dtype == np.int32
+        np.testing.assert_array_equal(cols[name], expected)
+    for got, want in zip(samples_from_columns(cols), (a, b)):
+        _same(got, want)

@@ -19,7 +19,7 @@ class TrainerConfig:
     """Everything the TrainerActor needs besides the model.
 
     Attributes:
-        lr, weight_decay, adam_beta1, adam_beta2, clip_grad: AdamW (``--lr`` ...).
+        lr, weight_decay, adam_beta1, adam_beta2, adam_eps, clip_grad: AdamW (``--lr`` ...).
         eps_clip, eps_clip_high: PPO clip range ``[1 - eps_clip, 1 + eps_clip_high]``.
         tis_cap: TIS weight cap ``C`` (``--tis-cap``); ``None`` disables TIS.
         entropy_coef: the entropy bonus ``beta`` of :func:`replayrl.trainer.losses.policy_loss`
@@ -81,6 +81,8 @@ class TrainerConfig:
     weight_decay: float = setting(0.0, "weight-decay", "AdamW weight decay", Range(low=0))
     adam_beta1: float = 0.9
     adam_beta2: float = 0.98
+    adam_eps: float = setting(1e-6, "adam-eps", "AdamW epsilon (denominator floor: bounds the step "
+                              "after a run of near-zero gradients)", POSITIVE)
     clip_grad: float = setting(1.0, "clip-grad", "gradient-norm clip", POSITIVE)
     eps_clip: float = setting(0.2, "eps-clip", "PPO clip low: ratio >= 1 - eps", Range(0, 1, "()"))
     eps_clip_high: float = setting(0.28, "eps-clip-high", "PPO clip high: ratio <= 1 + eps", POSITIVE)

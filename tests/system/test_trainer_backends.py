@@ -128,14 +128,14 @@ def test_clip_and_step_is_clipped_adamw(checkpoint):
     norm = math.sqrt(sum(float((g ** 2).sum()) for g in grads.values()))
     got = backend.clip_and_step(1e-3)
     assert got == pytest.approx(norm, rel=1e-5)
-    # first AdamW step by hand: decoupled decay, then m / sqrt(v) = sign(g) up to eps
+    # first AdamW step by hand: decoupled decay, then m / (sqrt(v) + eps), eps = --adam-eps
     scale = min(1.0, 1e-3 / (norm + 1e-6))
     for n, p in backend.model.named_parameters():
         if n not in grads:
             continue
         g = grads[n] * scale
         m_hat, v_hat = g, g * g
-        want = before[n] * (1 - 1e-2 * 0.1) - 1e-2 * m_hat / (v_hat.sqrt() + 1e-8)
+        want = before[n] * (1 - 1e-2 * 0.1) - 1e-2 * m_hat / (v_hat.sqrt() + backend.config.adam_eps)
         torch.testing.assert_close(p.detach().double(), want, atol=1e-6, rtol=1e-5)
 
 

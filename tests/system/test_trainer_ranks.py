@@ -153,7 +153,7 @@ async def test_two_ranks_take_the_same_step_as_one(tmp_path, one_rank, extra):
             scale = float(np.abs(one[k]).max())
             np.testing.assert_allclose(two[k], one[k], rtol=1e-4, atol=1e-4 * scale, err_msg=k)
         else:
-            # the first Adam update is lr x g / (|g| + eps): where |g| is near eps = 1e-8 the
+            # the first Adam update is lr x g / (|g| + eps): where |g| is near eps (--adam-eps) the
             # rounding noise of g moves it by a fraction of lr, elsewhere it is lr x sign(g)
             np.testing.assert_allclose(two[k], one[k], rtol=0, atol=0.2 * lr, err_msg=k)
     # DDP replicas: rank 1 holds bit for bit what rank 0 holds

@@ -201,7 +201,7 @@ def trl_settings(config) -> dict:
         "top_k": r.top_k if r.top_k > 0 else 0, "top_p": r.top_p,
         "min_p": r.min_p if r.min_p > 0 else None,
         "learning_rate": t.lr, "adam_beta1": t.adam_beta1, "adam_beta2": t.adam_beta2,
-        "adam_epsilon": 1e-8, "weight_decay": t.weight_decay, "max_grad_norm": t.clip_grad,
+        "adam_epsilon": t.adam_eps, "weight_decay": t.weight_decay, "max_grad_norm": t.clip_grad,
         "optim": "adamw_torch", "lr_scheduler_type": "constant", "warmup_steps": 0,
         "epsilon": t.eps_clip, "epsilon_high": t.eps_clip_high, "beta": 0.0,
         "scale_rewards": "group" if t.normalize_advantage_std else "none",
@@ -228,10 +228,10 @@ def settings_table(config) -> str:
         ("new tokens", str(r.max_response_len), f"max_completion_length={k['max_completion_length']}"),
         ("sampling", f"temperature {r.temperature}, top-k {r.top_k}, top-p {r.top_p}, min-p {r.min_p}",
          f"temperature={k['temperature']}, top_k={k['top_k']}, top_p={k['top_p']}, min_p={k['min_p']}"),
-        ("AdamW", f"lr {t.lr}, betas ({t.adam_beta1}, {t.adam_beta2}), eps 1e-8 (torch default), "
+        ("AdamW", f"lr {t.lr}, betas ({t.adam_beta1}, {t.adam_beta2}), eps {t.adam_eps}, "
                   f"weight decay {t.weight_decay}, grad-norm clip {t.clip_grad}, constant lr",
          f"learning_rate={k['learning_rate']}, adam_beta1={k['adam_beta1']}, "
-         f"adam_beta2={k['adam_beta2']}, adam_epsilon=1e-8, weight_decay={k['weight_decay']}, "
+         f"adam_beta2={k['adam_beta2']}, adam_epsilon={k['adam_epsilon']}, weight_decay={k['weight_decay']}, "
          f"max_grad_norm={k['max_grad_norm']}, optim=adamw_torch, lr_scheduler_type=constant"),
         ("PPO clip", f"[1 - {t.eps_clip}, 1 + {t.eps_clip_high}]",
          f"epsilon={k['epsilon']}, epsilon_high={k['epsilon_high']}"),

@@ -120,7 +120,7 @@ class MegatronBackend(TrainerBackend):
                 tcfg, DistributedDataParallelConfig(use_distributed_optimizer=distributed), model)
             self.optimizer = get_megatron_optimizer(OptimizerConfig(
                 optimizer="adam", lr=config.lr, weight_decay=config.weight_decay,
-                adam_beta1=config.adam_beta1, adam_beta2=config.adam_beta2, adam_eps=1e-8,
+                adam_beta1=config.adam_beta1, adam_beta2=config.adam_beta2, adam_eps=config.adam_eps,
                 clip_grad=config.clip_grad, bf16=False, fp16=False, params_dtype=torch.float32,
                 use_distributed_optimizer=distributed), [self.ddp])
         self.tp_group = ps.get_tensor_model_parallel_group()

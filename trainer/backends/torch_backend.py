@@ -224,6 +224,7 @@ class TorchBackend(TrainerBackend):
     def _make_optimizer(self) -> torch.optim.AdamW:
         cfg = self.config
         return torch.optim.AdamW(self.params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                 eps=cfg.adam_eps,
                                  weight_decay=cfg.weight_decay, fused=True)  # one kernel per step; same values
 
     @property

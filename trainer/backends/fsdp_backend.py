@@ -42,11 +42,10 @@ import torch.distributed as dist
 
 from replayrl.actors.errors import VersionRegression
 from replayrl.rollout.model.checkpoint import load_state_arrays, save_pretrained
-from replayrl.rollout.model.errors import CheckpointError
 from replayrl.rollout.model.loader import check_weight_files, load_pretrained, read_hf_config
 from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
 from replayrl.trainer.backends.checkpoint_layout import CheckpointLayout, check_layout, refuse_other_backend
-from replayrl.trainer.backends.torch_backend import TorchBackend
+from replayrl.trainer.backends.torch_backend import TorchBackend, _check_weights_fit
 from replayrl.trainer.batch import TrainBatch
 from replayrl.trainer.config import TrainerConfig
 
@@ -242,14 +241,7 @@ class FSDPBackend(TorchBackend):
         with torch.random.fork_rng(devices=[]):
             full, _ = load_pretrained(directory / "model", dtype=torch.float32)
         weights, current = full.state_dict(), self.model.state_dict()
-        if set(weights) != set(current):
-            missing, extra = sorted(set(current) - set(weights)), sorted(set(weights) - set(current))
-            raise CheckpointError(f"{directory}/model: tensors do not match this policy "
-                                  f"(missing {missing[:4]}, unexpected {extra[:4]})")
-        for name, tensor in weights.items():
-            if tensor.shape != current[name].shape:
-                raise CheckpointError(f"{directory}/model: tensor {name} has shape "
-                                      f"{tuple(tensor.shape)}, this policy {tuple(current[name].shape)}")
+        _check_weights_fit(directory, weights, current)
         optimizer_state = state["optimizer"]
         # the saved shards as DTensors laid out as the parameters (an index past them is
         # left as it is: the probe below refuses it)
@@ -264,14 +256,10 @@ class FSDPBackend(TorchBackend):
             raise ValueError(f"{probe_path}: optimizer state does not fit this policy: "
                              f"{type(exc).__name__}: {exc}") from None
         # everything checked: swap
-        configured = [{k: v for k, v in group.items() if k != "params"}
-                      for group in self.optimizer.param_groups]
         with torch.no_grad():
             for name, t in current.items():
                 _local(t).copy_(_local(_shard_like(weights[name], t)))
-        self.optimizer.load_state_dict(optimizer_state)
-        for group, settings in zip(self.optimizer.param_groups, configured):
-            group.update(settings)
+        self._load_optimizer_keeping_settings(optimizer_state)
         torch.set_rng_state(state["torch_rng"])
         return version
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -353,15 +353,7 @@ class TorchBackend(TrainerBackend):
         if version < min_version:
             raise VersionRegression(f"checkpoint {directory} is at version {version}, behind the "
                                     f"trainer's {min_version}; versions never move backwards")
-        current = self.model.state_dict()
-        if set(weights) != set(current):
-            missing, extra = sorted(set(current) - set(weights)), sorted(set(weights) - set(current))
-            raise CheckpointError(f"{directory}/model: tensors do not match this policy "
-                                  f"(missing {missing[:4]}, unexpected {extra[:4]})")
-        for name, tensor in weights.items():
-            if tensor.shape != current[name].shape:
-                raise CheckpointError(f"{directory}/model: tensor {name} has shape "
-                                      f"{tuple(tensor.shape)}, this policy {tuple(current[name].shape)}")
+        _check_weights_fit(directory, weights, self.model.state_dict())
         probe = self._make_optimizer()
         try:
             probe.load_state_dict(state["optimizer"])  # validates groups, sizes; changes no param
@@ -369,14 +361,19 @@ class TorchBackend(TrainerBackend):
             raise ValueError(f"{directory}/trainer_state.pt: optimizer state does not fit this "
                              f"policy: {type(exc).__name__}: {exc}") from None
         # everything checked: swap
-        configured = [{k: v for k, v in group.items() if k != "params"}
-                      for group in self.optimizer.param_groups]
         self.model.load_state_dict(weights)
-        self.optimizer.load_state_dict(state["optimizer"])
-        for group, settings in zip(self.optimizer.param_groups, configured):
-            group.update(settings)
+        self._load_optimizer_keeping_settings(state["optimizer"])
         torch.set_rng_state(state["torch_rng"])
         return version
+
+    def _load_optimizer_keeping_settings(self, optimizer_state: dict) -> None:
+        """Load saved optimizer moments but keep this run's hyperparameters (``lr``, ``betas``,
+        ``eps``, ... per group): ``load_state_dict`` would restore the checkpoint's."""
+        configured = [{k: v for k, v in group.items() if k != "params"}
+                      for group in self.optimizer.param_groups]
+        self.optimizer.load_state_dict(optimizer_state)
+        for group, settings in zip(self.optimizer.param_groups, configured):
+            group.update(settings)
 
     def parameter_count(self) -> int:
         """See :meth:`TrainerBackend.parameter_count`."""
@@ -389,6 +386,24 @@ class TorchBackend(TrainerBackend):
             for key in ("exp_avg", "exp_avg_sq"):
                 arrays[f"opt/{i}/{key}"] = st[key].numpy()
         return {k: np.ascontiguousarray(v).tobytes() for k, v in arrays.items()}
+
+
+def _check_weights_fit(directory: Any, weights: dict, current: dict) -> None:
+    """Refuse checkpoint ``weights`` whose tensor names or shapes differ from this policy's
+    ``current`` state dict.
+
+    Raises:
+        replayrl.rollout.model.CheckpointError: names the missing / unexpected tensors, or the
+            first tensor whose shape differs.
+    """
+    if set(weights) != set(current):
+        missing, extra = sorted(set(current) - set(weights)), sorted(set(weights) - set(current))
+        raise CheckpointError(f"{directory}/model: tensors do not match this policy "
+                              f"(missing {missing[:4]}, unexpected {extra[:4]})")
+    for name, tensor in weights.items():
+        if tensor.shape != current[name].shape:
+            raise CheckpointError(f"{directory}/model: tensor {name} has shape "
+                                  f"{tuple(tensor.shape)}, this policy {tuple(current[name].shape)}")
 
 
 def _read_checkpoint(directory: Path) -> tuple[Qwen3MoeForCausalLM, dict, int]:

@@ -11,7 +11,7 @@ from replayrl.transport.codec import Codec
 from replayrl.transport.trace_codec import (
     ALL,
     BITMAP,
-    DELTAS,
+    ELIAS_FANO,
     EMPTY,
     TraceCodecError,
     decode_ids,
@@ -84,25 +84,28 @@ def test_a_row_selecting_every_key_it_sees_costs_no_bytes():
     trace = np.array([[[0, -1, -1, -1]], [[1, 0, -1, -1]], [[-1, 2, 0, 1]], [[3, 1, 2, 0]]], np.int32)
     enc = encode_sets(trace, np.arange(1, 5))
     assert enc["kind"].tolist() == [ALL] * 4
-    assert sum(enc[name].size for name in ("count", "rice", "bitmap", "unary", "low")) == 0
+    assert sum(enc[name].size for name in ("count", "width", "bitmap", "high", "low")) == 0
 
 
 def test_a_short_universe_takes_the_bitmap_worked_by_hand():
-    # universe 10, set {2, 5, 9}: bitmap 0010010001 (10 bits) beats Rice (9 bits + 8 for l)
+    # universe 10, set {2, 5, 9}: bitmap 0010010001 (10 bits) beats Elias-Fano (at best l = 0:
+    # 3 ones + 10 bucket ends, + 8 for l)
     enc = encode_sets(np.array([[[9, 2, 5]]], np.int32), np.array([10]))
     assert enc["kind"].tolist() == [BITMAP] and enc["count"].tolist() == [3]
     assert enc["bitmap"].tolist() == [0b00100100, 0b01000000]
 
 
-def test_a_sparse_row_takes_rice_coded_deltas_worked_by_hand():
-    # universe 1000, set {0, 1, 500, 999}: gaps 0, 0, 498, 498. l = 7 gives 4 * 8 + (0 + 0 +
-    # 3 + 3) = 38 bits (l = 8 also 38; the smaller is kept), far below the 1000-bit bitmap.
+def test_a_sparse_row_takes_elias_fano_worked_by_hand():
+    # universe 1000, set {0, 1, 500, 999}, c = 4. Width l costs c + (999 >> l) + 1 high bits and
+    # l planes of one byte: l = 8 -> 8 + 64 = 72, l = 7 -> 12 + 56 = 68, l = 6 -> 20 + 48 = 68
+    # (the tie goes to the larger l); far below the 1000-bit bitmap.
     enc = encode_sets(np.array([[[999, 0, 500, 1]]], np.int32), np.array([1000]))
-    assert enc["kind"].tolist() == [DELTAS] and enc["rice"].tolist() == [7]
-    # unary high parts 0, 0, 3, 3: 1 1 0001 0001
-    assert enc["unary"].tolist() == [0b11000100, 0b01000000]
-    # low 7 bits: 0, 0, 114, 114 (498 = 3 * 128 + 114)
-    assert enc["low"].tolist() == [0, 0b00000011, 0b10010111, 0b00100000]
+    assert enc["kind"].tolist() == [ELIAS_FANO] and enc["width"].tolist() == [7]
+    # buckets (s >> 7) 0, 0, 3, 7 of 8: "110" "0" "0" "10" "0" "0" "0" "10" = 1100 0100 0010
+    assert enc["high"].tolist() == [0b11000100, 0b00100000]
+    # low 7 bits 0, 1, 116 (1110100), 103 (1100111): planes bit 0 .. bit 6, 4 bits + padding each
+    assert enc["low"].tolist() == [0b01010000, 0b00010000, 0b00110000, 0, 0b00100000, 0b00110000,
+                                   0b00110000]
     assert decode_sets(enc, np.array([1000])).tolist() == [[[0, 1, 500, 999]]]
 
 
@@ -147,7 +150,7 @@ def test_256_experts_fit_uint8_with_padded_rows():
 
 @pytest.mark.parametrize("part, value", [
     ("kind", np.array([9], np.uint8)), ("count", np.array([5, 5], np.uint16)),
-    ("unary", np.array([255, 255], np.uint8)), ("low", np.zeros(0, np.uint8)),
+    ("high", np.array([255, 255], np.uint8)), ("low", np.zeros(0, np.uint8)),
     ("bitmap", np.array([1], np.int32))])
 def test_malformed_sets_are_refused_naming_the_part(part, value):
     enc = encode_sets(np.array([[[999, 0, 500, 1]]], np.int32), np.array([1000]))

@@ -157,3 +157,92 @@ def test_malformed_sets_are_refused_naming_the_part(part, value):
     enc[part] = value
     with pytest.raises(TraceCodecError):
         decode_sets(enc, np.array([1000]))
+
+
+def _naive_decode_sets(enc, universe) -> np.ndarray:
+    """Per row in plain Python, from the layout the module docstring gives: bitmap rows read
+    ``n`` bits each; Elias-Fano rows walk their high bits (a 1 is an index in the current
+    bucket, a 0 ends the bucket) and take their low bits from the planes (plane b: bit b of
+    every row wider than b, each row's plane padded to whole bytes)."""
+    shape = enc["shape"]
+    k = shape[-1]
+    per = int(np.prod(shape[1:-1]))
+    n = [int(u) for u in universe for _ in range(per)]
+    bitmap, high, low = (np.unpackbits(enc[name]).tolist() for name in ("bitmap", "high", "low"))
+    counts, widths = iter(enc["count"].tolist()), iter(enc["width"].tolist())
+    rows, ef = [], []  # ef: (row, count, width, highs)
+    bm_at = hi_at = 0
+    for r, kind in enumerate(enc["kind"].tolist()):
+        if kind == EMPTY:
+            rows.append([])
+        elif kind == ALL:
+            rows.append(list(range(n[r])))
+        elif kind == BITMAP:
+            c = next(counts)
+            rows.append([i for i in range(n[r]) if bitmap[bm_at + i]])
+            assert len(rows[-1]) == c
+            bm_at += n[r]
+        else:
+            c, w = next(counts), next(widths)
+            bucket, highs = 0, []
+            for bit in high[hi_at:hi_at + c + ((n[r] - 1) >> w) + 1]:
+                if bit:
+                    highs.append(bucket)
+                else:
+                    bucket += 1
+            hi_at += c + ((n[r] - 1) >> w) + 1
+            ef.append((r, c, w, highs))
+            rows.append(None)
+    lows = {r: [0] * c for r, c, _, _ in ef}
+    at = 0
+    for b in range(max([w for _, _, w, _ in ef], default=0)):
+        for r, c, w, _ in ef:
+            if w > b:
+                for j in range(c):
+                    lows[r][j] |= low[at + j] << b
+                at += (c + 7) // 8 * 8
+    for r, c, w, highs in ef:
+        rows[r] = [(h << w) | lo for h, lo in zip(highs, lows[r])]
+    return np.array([row + [-1] * (k - len(row)) for row in rows], np.int32).reshape(shape)
+
+
+def _mixed_trace(rng, universes, k, full_only):
+    """int32 [len(universes), 2, K]: per row a random set of min(K, n) keys (or fewer, when
+    not ``full_only``), in random slot order."""
+    out = np.full((len(universes), 2, k), -1, np.int32)
+    for i, n in enumerate(universes):
+        for layer in range(2):
+            c = min(k, n) if full_only else int(rng.integers(0, min(k, n) + 1))
+            out[i, layer, rng.permutation(k)[:c]] = rng.choice(n, size=c, replace=False)
+    return out
+
+
+@pytest.mark.parametrize("universes, k, full_only", [
+    ([3000, 3100, 5000, 9000], 64, True),  # every row full: Elias-Fano rows consecutive, in place
+    ([70, 3000, 40, 5000, 64, 9000], 64, True),  # 'all' and bitmap rows between them
+    ([70, 3000, 40, 5000, 64, 9000, 1], 64, False),  # partial and empty rows
+    ([1 << 12, 1 << 20, 1 << 26], 4, True),  # widths above 8 and 16 (uint16, uint32 planes)
+])
+def test_decoding_matches_a_naive_decoder_of_the_documented_layout(universes, k, full_only):
+    trace = _mixed_trace(np.random.default_rng(len(universes) * k), universes, k, full_only)
+    universe = np.array(universes)
+    enc = encode_sets(trace, universe)
+    assert ELIAS_FANO in enc["kind"].tolist()
+    want = _naive_decode_sets(enc, universe)
+    assert np.array_equal(want, _reference_canonical(trace))
+    assert np.array_equal(decode_sets(enc, universe), want)
+    assert np.array_equal(decode_sets(enc, universe, np.int64), want)
+
+
+def test_decoding_into_a_slice_of_a_larger_output():
+    trace = _mixed_trace(np.random.default_rng(3), [9, 3000, 5000], 16, False)
+    universe = np.array([9, 3000, 5000])
+    enc = encode_sets(trace, universe)
+    big = np.full((5, 2, 16), 7, np.int32)
+    got = decode_sets(enc, universe, out=big[1:4])
+    assert got.base is big and np.array_equal(big[1:4], _reference_canonical(trace))
+    assert (big[0] == 7).all() and (big[4] == 7).all()  # rows outside the slice untouched
+    for bad in (np.zeros((3, 2, 16), np.uint32), np.zeros((3, 2, 15), np.int32),
+                np.zeros((3, 2, 16), np.int32)[:, :, ::-1]):
+        with pytest.raises(TraceCodecError, match="out must be"):
+            decode_sets(enc, universe, out=bad)

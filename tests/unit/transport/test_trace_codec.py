@@ -201,7 +201,7 @@ def _naive_decode_sets(enc, universe) -> np.ndarray:
                 for j in range(c):
                     lows[r][j] |= low[at + j] << b
                 at += (c + 7) // 8 * 8
-    for r, c, w, highs in ef:
+    for r, _, w, highs in ef:
         rows[r] = [(h << w) | lo for h, lo in zip(highs, lows[r])]
     return np.array([row + [-1] * (k - len(row)) for row in rows], np.int32).reshape(shape)
 

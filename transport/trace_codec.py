@@ -45,14 +45,14 @@ uintX [M - padded, K]}`` or ``{"codec": "ids+1", "shape": [...], "values": uintX
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 import numpy as np
 
 from replayrl.transport.errors import TraceCodecError
 
-__all__ = ["EMPTY", "ALL", "BITMAP", "ELIAS_FANO", "TraceCodecError", "canonical_sets",
-           "encode_ids", "decode_ids", "encode_sets", "decode_sets", "encoded_nbytes"]
+__all__ = ["EMPTY", "ALL", "BITMAP", "ELIAS_FANO", "TraceCodecError", "SetsHeader", "canonical_sets",
+           "encode_ids", "decode_ids", "encode_sets", "decode_sets", "read_sets_header", "encoded_nbytes"]
 
 EMPTY, ALL, BITMAP, ELIAS_FANO = 0, 1, 2, 3
 """Row kinds of the set codec."""
@@ -264,24 +264,27 @@ def _finish(flat, rows, dst, in_place, valid, counts, sizes, what) -> None:
         flat[rows] = dst
 
 
-def decode_sets(encoded: Mapping[str, Any], universe: np.ndarray, dtype: Any = np.int32,
-                out: np.ndarray | None = None) -> np.ndarray:
-    """Inverse of :func:`encode_sets`: ``[N, ..., K]`` of ``dtype`` (default int32), each row its
-    indices ascending then ``-1`` (:func:`canonical_sets` of the array encoded).
+class SetsHeader(NamedTuple):
+    """The checked per-row layout of a sets encoding (:func:`read_sets_header`), numpy arrays:
+    ``shape`` the decoded shape ``[N, ..., K]``; ``n`` int64 ``[M]`` each row's universe;
+    ``kind`` uint8 ``[M]``; ``count`` int64 ``[M]`` indices per row (0 for empty and 'all'
+    rows); ``width`` int64 ``[rows of kind 3]`` their Elias-Fano widths, in row order."""
 
-    Args:
-        encoded: what :func:`encode_sets` returned (e.g. after a trip through the codec).
-        universe: int ``[N]``, the same universe sizes as at encoding.
-        dtype: the output's signed integer dtype (ignored when ``out`` is given).
-        out: optional writable C-contiguous signed integer array of the encoded shape to decode
-            into (e.g. a slice of a larger column); a new array when ``None``.
-    Returns:
-        ``out``, or a new writable array.
+    shape: tuple[int, ...]
+    n: np.ndarray
+    kind: np.ndarray
+    count: np.ndarray
+    width: np.ndarray
+
+
+def read_sets_header(encoded: Mapping[str, Any], universe: np.ndarray) -> SetsHeader:
+    """Check a sets encoding's header and stream sizes against ``universe`` (int ``[N]``) and
+    return its per-row layout; shared by :func:`decode_sets` and the torch decoder.
+
     Raises:
-        TraceCodecError: a malformed encoding, named by its part (sizes that disagree with the
-            kinds, counts or universes; a decoded index outside its row's universe), or an
-            ``out`` of another shape or dtype. Order within a row is not checked: a corrupted
-            ``low`` stream may give a row out of order, never an index outside its universe.
+        TraceCodecError: a malformed encoding, named by its part (a shape without a row axis,
+            universes of another length, unknown kinds, counts or widths that disagree with the
+            kinds or universes, a stream of the wrong size).
     """
     if encoded.get("codec") != "sets":
         raise TraceCodecError(f"sets: unknown codec {encoded.get('codec')!r}")
@@ -298,6 +301,52 @@ def decode_sets(encoded: Mapping[str, Any], universe: np.ndarray, dtype: Any = n
     kind = _array(encoded, "kind")
     if kind.shape != (m,) or (kind > ELIAS_FANO).any():
         raise TraceCodecError(f"sets: kind {kind.shape} for {m} rows (values 0..3)")
+    coded = kind >= BITMAP
+    count = _array(encoded, "count").astype(np.int64)
+    if count.shape != (int(coded.sum()),) or (count > k).any() or (count == 0).any():
+        raise TraceCodecError(f"sets: count {count.shape} for {int(coded.sum())} coded rows of "
+                              f"1 to {k}")
+    if (count >= n[coded]).any():
+        raise TraceCodecError("sets: a coded row's count is not below its universe")
+    if (n[kind == ALL] > k).any():
+        raise TraceCodecError(f"sets: an 'all' row whose universe exceeds the {k} slots")
+    row_count = np.zeros(m, np.int64)
+    row_count[coded] = count
+    ef = kind == ELIAS_FANO
+    width = _array(encoded, "width").astype(np.int64)
+    if width.shape != (int(ef.sum()),) or (width > _MAX_WIDTH).any():
+        raise TraceCodecError(f"sets: width {width.shape} for {int(ef.sum())} Elias-Fano rows")
+    bitmap_bits = int(n[kind == BITMAP].sum())
+    high_bits = int((row_count[ef] + ((n[ef] - 1) >> width) + 1).sum())
+    low_bytes = int((width * ((row_count[ef] + 7) // 8)).sum())
+    for name, want in (("bitmap", (bitmap_bits + 7) // 8), ("high", (high_bits + 7) // 8), ("low", low_bytes)):
+        if _array(encoded, name).size != want:
+            raise TraceCodecError(f"sets: {name} stream of {_array(encoded, name).size} bytes, "
+                                  f"the rows need {want}")
+    return SetsHeader(shape, n, kind, row_count, width)
+
+
+def decode_sets(encoded: Mapping[str, Any], universe: np.ndarray, dtype: Any = np.int32,
+                out: np.ndarray | None = None) -> np.ndarray:
+    """Inverse of :func:`encode_sets`: ``[N, ..., K]`` of ``dtype`` (default int32), each row its
+    indices ascending then ``-1`` (:func:`canonical_sets` of the array encoded).
+
+    Args:
+        encoded: what :func:`encode_sets` returned (e.g. after a trip through the codec).
+        universe: int ``[N]``, the same universe sizes as at encoding.
+        dtype: the output's signed integer dtype (ignored when ``out`` is given).
+        out: optional writable C-contiguous signed integer array of the encoded shape to decode
+            into (e.g. a slice of a larger column); a new array when ``None``.
+    Returns:
+        ``out``, or a new writable array.
+    Raises:
+        TraceCodecError: a malformed encoding, named by its part (see :func:`read_sets_header`;
+            a decoded index outside its row's universe), or an ``out`` of another shape or
+            dtype. Order within a row is not checked: a corrupted ``low`` stream may give a row
+            out of order, never an index outside its universe.
+    """
+    shape, n, kind, row_count, width = read_sets_header(encoded, universe)
+    k, m = shape[-1], math.prod(shape[:-1])
     if out is None:
         out = np.empty(shape, dtype=dtype)
     if (not isinstance(out, np.ndarray) or out.shape != shape or out.dtype.kind != "i"
@@ -306,34 +355,20 @@ def decode_sets(encoded: Mapping[str, Any], universe: np.ndarray, dtype: Any = n
                               f"shape {shape}")
     flat = out.reshape(m, k)
     coded = kind >= BITMAP
-    count = _array(encoded, "count").astype(np.int64)
-    if count.shape != (int(coded.sum()),) or (count > k).any() or (count == 0).any():
-        raise TraceCodecError(f"sets: count {count.shape} for {int(coded.sum())} coded rows of "
-                              f"1 to {k}")
-    if (count >= n[coded]).any():
-        raise TraceCodecError("sets: a coded row's count is not below its universe")
-    every = kind == ALL
-    if (n[every] > k).any():
-        raise TraceCodecError(f"sets: an 'all' row whose universe exceeds the {k} slots")
     if not coded.all():  # empty and 'all' rows: -1, then 0..n-1 for the 'all' ones
+        every = kind == ALL
         flat[~coded] = -1
         cols = np.arange(k)
         flat[every] = np.where(cols[None, :] < n[every, None], cols[None, :], -1)
-    row_count = np.zeros(m, np.int64)
-    row_count[coded] = count
     _decode_bitmap_rows(encoded, flat, np.flatnonzero(kind == BITMAP), n, row_count)
-    _decode_elias_fano_rows(encoded, flat, np.flatnonzero(kind == ELIAS_FANO), n, row_count)
+    _decode_elias_fano_rows(encoded, flat, np.flatnonzero(kind == ELIAS_FANO), n, row_count, width)
     return out
 
 
 def _decode_bitmap_rows(encoded, flat, rows, n, row_count) -> None:
     """Decode the bitmap rows ``rows`` (each ``n`` bits, ``row_count`` ones) into ``flat``."""
     sizes, counts = n[rows], row_count[rows]
-    total = int(sizes.sum())
-    packed = _array(encoded, "bitmap")
-    if packed.size != (total + 7) // 8:
-        raise TraceCodecError(f"sets: bitmap of {packed.size} bytes for {total} bits")
-    where = np.flatnonzero(np.unpackbits(packed, count=total).view(bool))
+    where = np.flatnonzero(np.unpackbits(_array(encoded, "bitmap"), count=int(sizes.sum())).view(bool))
     if len(where) != int(counts.sum()):
         raise TraceCodecError(f"sets: bitmap holds {len(where)} indices, counts say {int(counts.sum())}")
     if not len(rows):
@@ -344,21 +379,14 @@ def _decode_bitmap_rows(encoded, flat, rows, n, row_count) -> None:
     _finish(flat, rows, dst, in_place, valid, counts, sizes, "bitmap")
 
 
-def _decode_elias_fano_rows(encoded, flat, rows, n, row_count) -> None:
+def _decode_elias_fano_rows(encoded, flat, rows, n, row_count, width) -> None:
     """Decode the Elias-Fano rows ``rows`` into ``flat``. The ``j``-th index of a row is the
     ``j``-th one of its high bits, at bit ``bucket + j`` of the row: its bucket is that
     position less ``j`` (one broadcast subtraction), so no running sum is needed; then
     ``bucket << width | low``, all over ``[rows, K]`` blocks at once."""
     counts, sizes = row_count[rows], n[rows]
-    width = _array(encoded, "width").astype(np.int64)
-    if width.shape != counts.shape or (width > _MAX_WIDTH).any():
-        raise TraceCodecError(f"sets: width {width.shape} for {len(counts)} Elias-Fano rows")
     row_bits = counts + ((sizes - 1) >> width) + 1
-    total_bits = int(row_bits.sum())
-    high = _array(encoded, "high")
-    if high.size != (total_bits + 7) // 8:
-        raise TraceCodecError(f"sets: high stream of {high.size} bytes for {total_bits} bits")
-    ones = np.flatnonzero(np.unpackbits(high, count=total_bits).view(bool))
+    ones = np.flatnonzero(np.unpackbits(_array(encoded, "high"), count=int(row_bits.sum())).view(bool))
     total = int(counts.sum())
     bit_start = np.cumsum(row_bits) - row_bits
     first = np.cumsum(counts) - counts  # each row's first index, counted over all rows
@@ -384,9 +412,6 @@ def _read_planes(packed: np.ndarray, width: np.ndarray, counts: np.ndarray, k: i
     past a row's count hold garbage) from the low stream of :func:`_pack_planes`: each plane is
     one contiguous slice, unpacked at once. A loop over planes, not rows."""
     plane_bytes = (counts + 7) // 8
-    if packed.size != int((width * plane_bytes).sum()):
-        raise TraceCodecError(f"sets: low stream of {packed.size} bytes for "
-                              f"{int((width * plane_bytes).sum())}")
     top = int(width.max()) if len(width) else 0
     dt = np.uint8 if top <= 8 else np.uint16 if top <= 16 else np.uint32
     acc = np.zeros((len(width), k), dt)

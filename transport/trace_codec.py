@@ -354,12 +354,16 @@ def decode_sets(encoded: Mapping[str, Any], universe: np.ndarray, dtype: Any = n
         raise TraceCodecError(f"sets: out must be a writable C-contiguous signed int array of "
                               f"shape {shape}")
     flat = out.reshape(m, k)
-    coded = kind >= BITMAP
-    if not coded.all():  # empty and 'all' rows: -1, then 0..n-1 for the 'all' ones
-        every = kind == ALL
-        flat[~coded] = -1
+    if (kind == EMPTY).any():
+        flat[kind == EMPTY] = -1
+    every = np.flatnonzero(kind == ALL)
+    if len(every):  # 0..n-1, then -1
+        dst, in_place = _target(flat, every)
         cols = np.arange(k)
-        flat[every] = np.where(cols[None, :] < n[every, None], cols[None, :], -1)
+        np.copyto(dst, cols[None, :])
+        np.copyto(dst, -1, where=cols[None, :] >= n[every, None])
+        if not in_place:
+            flat[every] = dst
     _decode_bitmap_rows(encoded, flat, np.flatnonzero(kind == BITMAP), n, row_count)
     _decode_elias_fano_rows(encoded, flat, np.flatnonzero(kind == ELIAS_FANO), n, row_count, width)
     return out

@@ -12,7 +12,9 @@ top-8) it prints, per token of a trajectory of that length (mean over its positi
 * the information bound: ``log2 C(keys, k)`` bits per indexer row (a query at position ``p``
   picks ``k = min(2048, p + 1)`` of ``p + 1`` keys) summed over the layers, plus ``log2(256! /
   248!)`` bits per routing row (the experts in their order, which is carried), and ours / bound;
-* the CPU time to decode them (one thread, numpy) in microseconds per token;
+* the CPU time to decode them (one thread, numpy) in microseconds per token, and below the
+  table the indexer rows' time with the torch decoder (``replayrl.trainer.trace_decode``) on
+  the CPU, one thread (it is meant for a GPU, where it has not been run here);
 * decoding's share of a GLM-5 trainer step, which is an ESTIMATE, not a measurement: ``6 x
   active parameters`` FLOPs per trained token (forward and backward; attention and the
   indexer's own FLOPs left out, which only lengthen the step, so the share is an upper bound
@@ -139,6 +141,7 @@ def measure_context(context: int, *, positions: int, layers: int, window: int, s
     enc_r = encode_column(route_spec, experts, counts)
     ours_route = encoded_nbytes(enc_r) / len(pos)
     route_s = _timed(lambda: decode_column(route_spec, enc_r, counts), repeats)  # all MoE layers
+    torch_s = _timed_torch(enc, pos + 1, back, repeats)
     int32_idx = g["indexed_layers"] * g["index_topk"] * 4
     int32_route = g["moe_layers"] * g["top_k"] * 4
     bound = (bound_bits_per_token(context, g["index_topk"], g["indexed_layers"])
@@ -147,7 +150,25 @@ def measure_context(context: int, *, positions: int, layers: int, window: int, s
     per_token_s = decode_s / (len(pos) * layers) * g["indexed_layers"] + route_s / len(pos)
     return {"context": context, "int32": int32_idx + int32_route, "miles": int32_idx,
             "ours": ours, "ours_indexer": ours_idx, "ours_routing": ours_route, "bound": bound,
-            "decode_us_per_token": per_token_s * 1e6, "rows": len(pos) * layers}
+            "decode_us_per_token": per_token_s * 1e6, "rows": len(pos) * layers,
+            "torch_us_per_token": torch_s / (len(pos) * layers) * g["indexed_layers"] * 1e6}
+
+
+def _timed_torch(enc: dict, universe: np.ndarray, want: np.ndarray, repeats: int) -> float:
+    """Best CPU seconds of ``replayrl.trainer.trace_decode.decode_sets_torch`` decoding ``enc``
+    on the CPU with one torch thread (the calling thread: what ``time.thread_time`` counts),
+    after checking it gives ``want`` (the numpy decoder's result)."""
+    import torch
+
+    from replayrl.trainer.trace_decode import decode_sets_torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert np.array_equal(decode_sets_torch(enc, universe).numpy(), want), "torch decoder"
+        return _timed(lambda: decode_sets_torch(enc, universe), repeats)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def measure_embedded(step_seconds: float, repeats: int, rng: np.random.Generator) -> dict[str, Any]:
@@ -233,6 +254,7 @@ def _report(args: argparse.Namespace) -> None:
           f"decode, CPU us/token | decode per rank ({args.decode_cores} cores), us/token | "
           "share of the estimated step | cores for 5 % |" + (" decode / measured step |" if step else ""))
     print("|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if step else ""))
+    torch_us = []
     for i, context in enumerate(CONTEXTS):
         r = measure_context(context, positions=args.positions, layers=args.layers,
                             window=args.window, sinks=args.sinks, repeats=args.repeats, rng=rng)
@@ -243,6 +265,10 @@ def _report(args: argparse.Namespace) -> None:
               f"| {r['int32'] / r['ours']:.1f}x | {r['bound']:,.0f} | {r['ours'] / r['bound']:.2f}x "
               f"| {r['decode_us_per_token']:,.0f} | {rank_us:,.1f} | {100 * rank_us / estimate:.1f} % "
               f"| {math.ceil(need)} |" + share)
+        torch_us.append(r["torch_us_per_token"])
+    print("\nthe torch decoder (replayrl.trainer.trace_decode, written for the trainer's GPU; not run on "
+          "a GPU here) on this CPU, one thread: " + " / ".join(f"{t:,.0f}" for t in torch_us)
+          + " us per token at " + " / ".join(f"{c // 1024}k" for c in CONTEXTS) + " indexer rows")
     e = measure_embedded(args.step_seconds, args.repeats, rng)
     print(f"\nembedded default step (128 x (7 + 2) tokens): int32 {e['int32']:.0f} B/token, ours "
           f"{e['ours']:.1f} B/token; decoding the step's traces {e['decode_ms']:.2f} ms of a "

@@ -10,7 +10,7 @@ Each row of ``replayrl.rollout.trace_table.TRACES`` names its ``storage``:
 * ``"sets"`` -- :func:`replayrl.transport.trace_codec.encode_sets` with row ``p`` of each item
   (trajectory) drawing its set from the ``p + 1`` key positions its causal query sees
   (``indexer_topk``): a row selecting every key it sees costs no bytes, other rows cost the
-  smaller of a bitmap and Rice-coded deltas. Decoding gives each row's keys ascending with
+  smaller of a bitmap and an Elias-Fano code. Decoding gives each row's keys ascending with
   ``-1`` after: the same set, in canonical order (the model reads a row as a set of keys to
   attend to, the flip rates compare sets).
 
@@ -112,8 +112,8 @@ def _check_rows(shape: Any, counts: Sequence[int]) -> None:
 
 
 def _decode_chunks(row: Any, column: Mapping[str, Any], counts: Sequence[int]) -> np.ndarray:
-    """The rows of a chunked ``"sets"`` column, each chunk decoded into its slice of one output
-    (a loop over chunks, each vectorised)."""
+    """The rows of a chunked ``"sets"`` column, each chunk decoded straight into its slice of one
+    preallocated output (a loop over chunks, each vectorised)."""
     rows, parts = column.get("rows"), column.get("parts")
     if (not isinstance(rows, list) or not isinstance(parts, list) or len(rows) != len(parts)
             or not parts or not all(type(r) is int and r > 0 for r in rows)):
@@ -126,15 +126,17 @@ def _decode_chunks(row: Any, column: Mapping[str, Any], counts: Sequence[int]) -
     start = 0
     for n, part in zip(rows, parts):
         if isinstance(part, np.ndarray):
-            piece = part
+            if part.shape != (n, *tail):
+                raise TraceCodecError(f"chunks: part of shape {part.shape} at row {start}, expected "
+                                      f"{(n, *tail)}")
+            out[start:start + n] = part
         elif isinstance(part, Mapping) and part.get("codec") == "sets":
-            piece = decode_sets(part, universe[start:start + n], row.dtype)
+            if tuple(_shape_of(part)) != (n, *tail):
+                raise TraceCodecError(f"chunks: part of shape {_shape_of(part)} at row {start}, "
+                                      f"expected {(n, *tail)}")
+            decode_sets(part, universe[start:start + n], out=out[start:start + n])  # in place
         else:
             raise TraceCodecError(f"chunks: a part that is no array and no sets encoding at row {start}")
-        if piece.shape != (n, *tail):
-            raise TraceCodecError(f"chunks: part of shape {piece.shape} at row {start}, expected "
-                                  f"{(n, *tail)}")
-        out[start:start + n] = piece
         start += n
     return out
 

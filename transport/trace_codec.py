@@ -13,21 +13,31 @@ mapping of small numpy arrays the transport codec sends out of band
   universe ``[0, n_r)`` (e.g. the keys a causal query at position ``p`` may see, ``n_r = p + 1``).
   A row stores as one of: *empty* (all ``-1``, no payload), *all* (every index of the universe,
   possible when ``n_r <= K``; no payload: it is implied by ``n_r``), a *bitmap* of ``n_r`` bits,
-  or *Rice-coded deltas*: the gaps ``d_j = s_j - s_{j-1} - 1`` of the sorted indices (``s_{-1} =
-  -1``) as ``d >> l`` in unary and the low ``l`` bits plain, ``l`` chosen per row. The smaller of
-  bitmap and deltas is kept. Decoding gives the set in canonical order: ascending, ``-1`` after.
-  Order within a row is not carried (a row is a set: the readers of such traces build masks or
-  compare sets); everything else is exact.
+  or *Elias-Fano*: the sorted indices ``s_j`` (``c`` of them) split at a width ``l`` chosen per
+  row into low parts ``s_j & (2**l - 1)`` (``l`` bits each) and high parts ``s_j >> l``, the
+  bucket of the index; the high stream holds, for each of the row's ``((n_r - 1) >> l) + 1``
+  buckets in turn, a ``1`` per index in that bucket and then a ``0``, so ``c * (l + 1) +
+  ((n_r - 1) >> l) + 1`` bits a row (within about 2 bits an index of ``log2 C(n_r, c)``). The
+  smaller of bitmap and Elias-Fano is kept. Decoding gives the set in canonical order:
+  ascending, ``-1`` after. Order within a row is not carried (a row is a set: the readers of
+  such traces build masks or compare sets); everything else is exact.
 
-Decoding is vectorised over all rows at once (no Python loop per row): bit streams are
-unpacked with ``np.unpackbits`` and read with ``np.flatnonzero`` / cumulative sums.
+Decoding is vectorised over all rows at once (no Python loop per row, only per distinct width):
+bit streams are unpacked with ``np.unpackbits`` and read with ``np.flatnonzero``; an
+Elias-Fano index is ``bucket << l | low``, its bucket the position of its ``1`` in the high
+stream less the indices before it, its low part read from bit planes: no running sum over the
+indices is needed (which Rice-coded gaps would).
 
 Bits are packed MSB first (``np.packbits``), rows back to back with no padding between them.
 Set-codec layout (``M`` = number of rows, i.e. the product of every axis but the last)::
 
     {"codec": "sets", "shape": [..., K], "kind": uint8 [M] (0 empty, 1 all, 2 bitmap,
-     3 deltas), "count": uint16|uint32 [rows of kind 2 and 3], "rice": uint8 [rows of kind 3],
-     "bitmap": uint8 [...], "unary": uint8 [...], "low": uint8 [...]}
+     3 Elias-Fano), "count": uint16|uint32 [rows of kind 2 and 3], "width": uint8 [rows of
+     kind 3], "bitmap": uint8 [...], "high": uint8 [...], "low": uint8 [...]}
+
+The Elias-Fano rows' streams hold them grouped by width ascending (in row order within a
+group); ``low`` holds, per group, its ``l`` bit planes (most significant first), each one bit
+per index of the group, byte-aligned.
 
 Ids layout: ``{"codec": "ids", "shape": [...], "pad_rows": uint8 packed bits [M], "values":
 uintX [M - padded, K]}`` or ``{"codec": "ids+1", "shape": [...], "values": uintX [...]}``.
@@ -35,20 +45,20 @@ uintX [M - padded, K]}`` or ``{"codec": "ids+1", "shape": [...], "values": uintX
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 import numpy as np
 
 from replayrl.transport.errors import TraceCodecError
 
-__all__ = ["EMPTY", "ALL", "BITMAP", "DELTAS", "TraceCodecError", "canonical_sets",
-           "encode_ids", "decode_ids", "encode_sets", "decode_sets", "encoded_nbytes"]
+__all__ = ["EMPTY", "ALL", "BITMAP", "ELIAS_FANO", "TraceCodecError", "SetsHeader", "canonical_sets",
+           "encode_ids", "decode_ids", "encode_sets", "decode_sets", "read_sets_header", "encoded_nbytes"]
 
-EMPTY, ALL, BITMAP, DELTAS = 0, 1, 2, 3
+EMPTY, ALL, BITMAP, ELIAS_FANO = 0, 1, 2, 3
 """Row kinds of the set codec."""
 
-_MAX_RICE = 31
-"""Largest Rice parameter (low bits per index); universes below 2**31 never need more."""
+_MAX_WIDTH = 31
+"""Largest Elias-Fano width (low bits per index); universes below 2**32 never need more."""
 
 
 def _unsigned_for(top: int) -> np.dtype:
@@ -162,111 +172,119 @@ def encode_sets(array: np.ndarray, universe: np.ndarray) -> dict[str, Any] | Non
     srt = np.sort(np.where(srt < 0, np.iinfo(np.int64).max, srt), axis=-1)
     valid = np.arange(k)[None, :] < count[:, None]
     srt = np.where(valid, srt, 0)
-    prev = np.concatenate([np.full((len(srt), 1), -1), srt[:, :-1]], axis=1)
-    gaps = np.where(valid, srt - prev - 1, 0)
     kind = np.where(count == 0, EMPTY, np.where(count == n, ALL, BITMAP)).astype(np.uint8)
     coded = kind == BITMAP
-    rice, rice_bits = _best_rice(gaps[coded], count[coded])
-    use_deltas = np.zeros(len(kind), bool)
-    use_deltas[coded] = rice_bits + 8 < n[coded]  # + the row's parameter byte
-    kind[use_deltas] = DELTAS
+    width, ef_bits = _best_width(count[coded], n[coded])
+    use_ef = np.zeros(len(kind), bool)
+    use_ef[coded] = ef_bits + 8 < n[coded]  # + the row's width byte
+    kind[use_ef] = ELIAS_FANO
     bm_rows = kind == BITMAP
     # bitmap stream: each bitmap row's n bits, back to back
     starts = np.cumsum(n[bm_rows]) - n[bm_rows]
     bits = np.zeros(int(n[bm_rows].sum()), np.uint8)
     bits[(starts[:, None] + srt[bm_rows])[valid[bm_rows]]] = 1
-    # delta rows: unary high parts and plain low bits, element by element
-    d_rows = kind == DELTAS
-    l_row = rice[use_deltas[coded]]
-    # streams hold the delta rows grouped by Rice parameter (stable: row order within a group)
-    order = np.argsort(l_row, kind="stable")
-    d_gaps = gaps[d_rows][order][valid[d_rows][order]]
-    d_l = np.repeat(l_row[order].astype(np.int64), count[d_rows][order])
-    q = d_gaps >> d_l
-    unary = np.zeros(int((q + 1).sum()), np.uint8)
-    unary[np.cumsum(q + 1) - 1] = 1
-    low = _pack_groups(d_gaps & ((np.int64(1) << d_l) - 1), d_l)
-    count_dtype = np.uint16 if k <= np.iinfo(np.uint16).max else np.uint32
+    # Elias-Fano rows, in row order
+    ef_w, ef_count, ef_n = width[use_ef[coded]], count[use_ef], n[use_ef]
+    values = srt[use_ef][valid[use_ef]]  # each row's indices ascending, rows back to back
+    w_elem = np.repeat(ef_w, ef_count)
+    row_bits = ef_count + ((ef_n - 1) >> ef_w) + 1
+    local = np.arange(len(values)) - np.repeat(np.cumsum(ef_count) - ef_count, ef_count)
+    high = np.zeros(int(row_bits.sum()), np.uint8)
+    high[np.repeat(np.cumsum(row_bits) - row_bits, ef_count) + (values >> w_elem) + local] = 1
     return {"codec": "sets", "shape": [int(d) for d in a.shape], "kind": kind,
-            "count": count[kind >= BITMAP].astype(count_dtype), "rice": l_row.astype(np.uint8),
-            "bitmap": np.packbits(bits), "unary": np.packbits(unary), "low": low}
+            "count": count[kind >= BITMAP].astype(np.uint16 if k <= np.iinfo(np.uint16).max else np.uint32),
+            "width": ef_w.astype(np.uint8), "bitmap": np.packbits(bits), "high": np.packbits(high),
+            "low": _pack_planes(values, local, ef_w, ef_count)}
 
 
-def _best_rice(gaps: np.ndarray, count: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per row the Rice parameter ``l`` minimising the coded bits ``count * (l + 1) + sum(gaps
-    >> l)``, and those bits; tries the four parameters around ``log2`` of the mean gap."""
-    if len(gaps) == 0:
+def _best_width(count: np.ndarray, n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row (``count`` indices of a universe of ``n``) the Elias-Fano width ``l`` minimising
+    the coded bits ``count * (l + 1) + ((n - 1) >> l) + 1``, and those bits; tries the three
+    widths around ``log2(n / count)``, the larger on a tie (fewer buckets to decode)."""
+    count, n = count.astype(np.int64), n.astype(np.int64)
+    if len(count) == 0:
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    mean = gaps.sum(axis=1) / np.maximum(count, 1)
-    guess = np.floor(np.log2(np.maximum(mean, 1.0))).astype(np.int64)
-    best_l = np.zeros(len(gaps), np.int64)
-    best = np.full(len(gaps), np.iinfo(np.int64).max)
-    for delta in (-2, -1, 0, 1):
-        width = np.clip(guess + delta, 0, _MAX_RICE)
-        bits = count * (width + 1) + (gaps >> width[:, None]).sum(axis=1)
+    guess = np.floor(np.log2(np.maximum(n / np.maximum(count, 1), 1.0))).astype(np.int64)
+    best_l = np.zeros(len(count), np.int64)
+    best = np.full(len(count), np.iinfo(np.int64).max)
+    for delta in (1, 0, -1):
+        width = np.clip(guess + delta, 0, _MAX_WIDTH)
+        bits = count + ((n - 1) >> width) + 1 + width * ((count + 7) // 8 * 8)
         better = bits < best
         best_l, best = np.where(better, width, best_l), np.where(better, bits, best)
     return best_l, best
 
 
-def _pack_groups(values: np.ndarray, widths: np.ndarray) -> np.ndarray:
-    """The low-bit stream: for each distinct width ``w`` ascending, the values of that width
-    (contiguous, as the delta rows are grouped by width) in ``w`` bits each, MSB first, packed
-    and byte-aligned per group."""
+def _pack_planes(values: np.ndarray, local: np.ndarray, width: np.ndarray, count: np.ndarray) -> np.ndarray:
+    """The low-bit stream of the Elias-Fano rows (``width[r]`` low bits of each of their
+    ``count[r]`` indices ``values``; ``local`` each index's slot in its row): plane by plane,
+    least significant first, plane ``b`` holding bit ``b`` of every index of the rows wider
+    than ``b``, row after row, each row's plane padded to whole bytes."""
+    plane_bytes = (count + 7) // 8
     parts = []
-    for w in np.unique(widths).tolist():
-        if w == 0:
-            continue
-        v = values[widths == w]
-        bits = (v[:, None] >> np.arange(w - 1, -1, -1)) & 1
-        parts.append(np.packbits(bits.astype(np.uint8).reshape(-1)))
+    w_elem = np.repeat(width, count)
+    for bit in range(int(width.max()) if len(width) else 0):  # a loop over planes, not rows
+        has = width > bit
+        size = plane_bytes[has] * 8
+        bits = np.zeros(int(size.sum()), np.uint8)
+        at = np.repeat(np.cumsum(size) - size, count[has]) + local[w_elem > bit]
+        bits[at] = (values[w_elem > bit] >> bit) & 1
+        parts.append(np.packbits(bits))
     return np.concatenate(parts) if parts else np.zeros(0, np.uint8)
 
 
-def _read_group(packed: np.ndarray, m: int, w: int) -> np.ndarray:
-    """``m`` values of ``w`` bits (1..32) from ``packed`` (one group of :func:`_pack_groups`):
-    int64. Up to 8 bits, every 8 values fill ``w`` whole bytes: each such block is read as
-    one integer and its 8 values shifted out; wider values are right-aligned into big-endian
-    2- or 4-byte words."""
-    if w <= 8:
-        blocks = -(-m // 8)
-        raw = np.zeros(blocks * w, np.uint8)
-        raw[:packed.size] = packed
-        raw = raw.reshape(blocks, w).astype(np.uint64)
-        acc = np.zeros(blocks, np.uint64)
-        for j in range(w):
-            acc = (acc << np.uint64(8)) | raw[:, j]
-        out = np.empty((blocks, 8), np.int64)
-        mask = np.uint64((1 << w) - 1)
-        for j in range(8):
-            out[:, j] = (acc >> np.uint64(w * (7 - j))) & mask
-        return out.reshape(-1)[:m]
-    size = 8 if w <= 8 else 16 if w <= 16 else 32
-    bits = np.zeros((m, size), np.uint8)
-    bits[:, size - w:] = np.unpackbits(packed, count=m * w).reshape(m, w)
-    words = np.packbits(bits, axis=1)
-    return words.view(f">u{size // 8}").reshape(m).astype(np.int64)
+def _target(flat: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, bool]:
+    """Where rows ``rows`` (ascending int indices into ``flat`` ``[M, K]``) are decoded: a view
+    of ``flat`` when they are consecutive (``True``: written in place), else a new block."""
+    if len(rows) and int(rows[-1]) - int(rows[0]) + 1 == len(rows):
+        return flat[int(rows[0]):int(rows[-1]) + 1], True
+    return np.empty((len(rows), flat.shape[1]), flat.dtype), False
 
 
-def _fill_rows(out: np.ndarray, rows: np.ndarray, counts: np.ndarray, values: np.ndarray) -> None:
-    """Write ``values`` (each row's indices back to back, in the order of ``rows``) left-aligned
-    into the rows ``rows`` (int indices) of ``out``: a boolean-mask assignment fills in
-    row-major order."""
-    block = np.full((len(counts), out.shape[1]), -1, dtype=out.dtype)
-    block[np.arange(out.shape[1])[None, :] < counts[:, None]] = values
-    out[rows] = block
+def _left_aligned(values: np.ndarray, counts: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """``values`` (each row's ``counts[r]`` entries back to back) as ``[R, K]`` with each row's
+    entries left-aligned, and the mask of those slots (``None`` when every row is full: then
+    the block is a reshape, no copy)."""
+    if (counts == k).all():
+        return values.reshape(len(counts), k), None
+    valid = np.arange(k)[None, :] < counts[:, None]
+    block = np.zeros((len(counts), k), values.dtype)
+    block[valid] = values
+    return block, valid
 
 
-def decode_sets(encoded: Mapping[str, Any], universe: np.ndarray, dtype: Any = np.int32) -> np.ndarray:
-    """Inverse of :func:`encode_sets`: ``[N, ..., K]`` of ``dtype`` (default int32), each row its
-    indices ascending then ``-1`` (:func:`canonical_sets` of the array encoded); new, writable.
+def _finish(flat, rows, dst, in_place, valid, counts, sizes, what) -> None:
+    """Check each decoded row's range (its first index >= 0, its last below its universe),
+    write ``-1`` after each row's indices and ``dst`` into ``flat[rows]`` unless in place."""
+    if len(counts) and ((dst[:, 0] < 0).any() or (dst[np.arange(len(counts)), counts - 1] >= sizes).any()):
+        raise TraceCodecError(f"sets: a {what} index outside its row's universe")
+    if valid is not None:
+        dst[~valid] = -1
+    if not in_place:
+        flat[rows] = dst
 
-    Args:
-        encoded: what :func:`encode_sets` returned (e.g. after a trip through the codec).
-        universe: int ``[N]``, the same universe sizes as at encoding.
+
+class SetsHeader(NamedTuple):
+    """The checked per-row layout of a sets encoding (:func:`read_sets_header`), numpy arrays:
+    ``shape`` the decoded shape ``[N, ..., K]``; ``n`` int64 ``[M]`` each row's universe;
+    ``kind`` uint8 ``[M]``; ``count`` int64 ``[M]`` indices per row (0 for empty and 'all'
+    rows); ``width`` int64 ``[rows of kind 3]`` their Elias-Fano widths, in row order."""
+
+    shape: tuple[int, ...]
+    n: np.ndarray
+    kind: np.ndarray
+    count: np.ndarray
+    width: np.ndarray
+
+
+def read_sets_header(encoded: Mapping[str, Any], universe: np.ndarray) -> SetsHeader:
+    """Check a sets encoding's header and stream sizes against ``universe`` (int ``[N]``) and
+    return its per-row layout; shared by :func:`decode_sets` and the torch decoder.
+
     Raises:
-        TraceCodecError: a malformed encoding, named by its part (sizes that disagree with the
-            kinds, counts or universes; a decoded index outside its row's universe).
+        TraceCodecError: a malformed encoding, named by its part (a shape without a row axis,
+            universes of another length, unknown kinds, counts or widths that disagree with the
+            kinds or universes, a stream of the wrong size).
     """
     if encoded.get("codec") != "sets":
         raise TraceCodecError(f"sets: unknown codec {encoded.get('codec')!r}")
@@ -281,86 +299,147 @@ def decode_sets(encoded: Mapping[str, Any], universe: np.ndarray, dtype: Any = n
     m = math.prod(shape[:-1])
     n = np.repeat(n_lead, math.prod(shape[1:-1]))
     kind = _array(encoded, "kind")
-    if kind.shape != (m,) or (kind > DELTAS).any():
+    if kind.shape != (m,) or (kind > ELIAS_FANO).any():
         raise TraceCodecError(f"sets: kind {kind.shape} for {m} rows (values 0..3)")
-    out = np.full((m, k), -1, dtype=dtype)
-    cols = np.arange(k)
-    every = kind == ALL
-    if (n[every] > k).any():
-        raise TraceCodecError(f"sets: an 'all' row whose universe exceeds the {k} slots")
-    out[every] = np.where(cols[None, :] < n[every, None], cols[None, :], -1)
     coded = kind >= BITMAP
     count = _array(encoded, "count").astype(np.int64)
-    if count.shape != (int(coded.sum()),) or (count > k).any():
+    if count.shape != (int(coded.sum()),) or (count > k).any() or (count == 0).any():
         raise TraceCodecError(f"sets: count {count.shape} for {int(coded.sum())} coded rows of "
-                              f"at most {k}")
+                              f"1 to {k}")
+    if (count >= n[coded]).any():
+        raise TraceCodecError("sets: a coded row's count is not below its universe")
+    if (n[kind == ALL] > k).any():
+        raise TraceCodecError(f"sets: an 'all' row whose universe exceeds the {k} slots")
     row_count = np.zeros(m, np.int64)
     row_count[coded] = count
-    _decode_bitmap_rows(encoded, out, kind == BITMAP, n, row_count)
-    _decode_delta_rows(encoded, out, kind == DELTAS, n, row_count)
-    return out.reshape(shape)
+    ef = kind == ELIAS_FANO
+    width = _array(encoded, "width").astype(np.int64)
+    if width.shape != (int(ef.sum()),) or (width > _MAX_WIDTH).any():
+        raise TraceCodecError(f"sets: width {width.shape} for {int(ef.sum())} Elias-Fano rows")
+    bitmap_bits = int(n[kind == BITMAP].sum())
+    high_bits = int((row_count[ef] + ((n[ef] - 1) >> width) + 1).sum())
+    low_bytes = int((width * ((row_count[ef] + 7) // 8)).sum())
+    for name, want in (("bitmap", (bitmap_bits + 7) // 8), ("high", (high_bits + 7) // 8), ("low", low_bytes)):
+        if _array(encoded, name).size != want:
+            raise TraceCodecError(f"sets: {name} stream of {_array(encoded, name).size} bytes, "
+                                  f"the rows need {want}")
+    return SetsHeader(shape, n, kind, row_count, width)
 
 
-def _decode_bitmap_rows(encoded, out, rows, n, row_count) -> None:
-    """Fill ``out[rows]`` from the bitmap stream (each row ``n`` bits, ``row_count`` ones)."""
+def decode_sets(encoded: Mapping[str, Any], universe: np.ndarray, dtype: Any = np.int32,
+                out: np.ndarray | None = None) -> np.ndarray:
+    """Inverse of :func:`encode_sets`: ``[N, ..., K]`` of ``dtype`` (default int32), each row its
+    indices ascending then ``-1`` (:func:`canonical_sets` of the array encoded).
+
+    Args:
+        encoded: what :func:`encode_sets` returned (e.g. after a trip through the codec).
+        universe: int ``[N]``, the same universe sizes as at encoding.
+        dtype: the output's signed integer dtype (ignored when ``out`` is given).
+        out: optional writable C-contiguous signed integer array of the encoded shape to decode
+            into (e.g. a slice of a larger column); a new array when ``None``.
+    Returns:
+        ``out``, or a new writable array.
+    Raises:
+        TraceCodecError: a malformed encoding, named by its part (see :func:`read_sets_header`;
+            a decoded index outside its row's universe), or an ``out`` of another shape or
+            dtype. Order within a row is not checked: a corrupted ``low`` stream may give a row
+            out of order, never an index outside its universe.
+    """
+    shape, n, kind, row_count, width = read_sets_header(encoded, universe)
+    k, m = shape[-1], math.prod(shape[:-1])
+    if out is None:
+        out = np.empty(shape, dtype=dtype)
+    if (not isinstance(out, np.ndarray) or out.shape != shape or out.dtype.kind != "i"
+            or not out.flags.c_contiguous or not out.flags.writeable):
+        raise TraceCodecError(f"sets: out must be a writable C-contiguous signed int array of "
+                              f"shape {shape}")
+    flat = out.reshape(m, k)
+    if (kind == EMPTY).any():
+        flat[kind == EMPTY] = -1
+    every = np.flatnonzero(kind == ALL)
+    if len(every):  # 0..n-1, then -1
+        dst, in_place = _target(flat, every)
+        cols = np.arange(k)
+        np.copyto(dst, cols[None, :])
+        np.copyto(dst, -1, where=cols[None, :] >= n[every, None])
+        if not in_place:
+            flat[every] = dst
+    _decode_bitmap_rows(encoded, flat, np.flatnonzero(kind == BITMAP), n, row_count)
+    _decode_elias_fano_rows(encoded, flat, np.flatnonzero(kind == ELIAS_FANO), n, row_count, width)
+    return out
+
+
+def _decode_bitmap_rows(encoded, flat, rows, n, row_count) -> None:
+    """Decode the bitmap rows ``rows`` (each ``n`` bits, ``row_count`` ones) into ``flat``."""
     sizes, counts = n[rows], row_count[rows]
-    total = int(sizes.sum())
-    packed = _array(encoded, "bitmap")
-    if packed.size != (total + 7) // 8:
-        raise TraceCodecError(f"sets: bitmap of {packed.size} bytes for {total} bits")
-    where = np.flatnonzero(np.unpackbits(packed, count=total).view(bool))
+    where = np.flatnonzero(np.unpackbits(_array(encoded, "bitmap"), count=int(sizes.sum())).view(bool))
     if len(where) != int(counts.sum()):
         raise TraceCodecError(f"sets: bitmap holds {len(where)} indices, counts say {int(counts.sum())}")
-    starts = np.cumsum(sizes) - sizes
-    values = where - np.repeat(starts, counts)
-    _check_rows(values, counts, sizes, "bitmap")
-    _fill_rows(out, np.flatnonzero(rows), counts, values)
+    if not len(rows):
+        return
+    block, valid = _left_aligned(where, counts, flat.shape[1])
+    dst, in_place = _target(flat, rows)
+    np.subtract(block, (np.cumsum(sizes) - sizes)[:, None], out=dst, casting="unsafe")
+    _finish(flat, rows, dst, in_place, valid, counts, sizes, "bitmap")
 
 
-def _decode_delta_rows(encoded, out, rows, n, row_count) -> None:
-    """Fill ``out[rows]`` from the unary and low-bit streams of Rice-coded gaps."""
-    counts = row_count[rows]
-    rice = _array(encoded, "rice").astype(np.int64)
-    if rice.shape != counts.shape or (rice > _MAX_RICE).any():
-        raise TraceCodecError(f"sets: rice {rice.shape} for {len(counts)} delta rows")
-    unary = _array(encoded, "unary")
-    ones = np.flatnonzero(np.unpackbits(unary).view(bool))
+def _decode_elias_fano_rows(encoded, flat, rows, n, row_count, width) -> None:
+    """Decode the Elias-Fano rows ``rows`` into ``flat``. The ``j``-th index of a row is the
+    ``j``-th one of its high bits, at bit ``bucket + j`` of the row: its bucket is that
+    position less ``j`` (one broadcast subtraction), so no running sum is needed; then
+    ``bucket << width | low``, all over ``[rows, K]`` blocks at once."""
+    counts, sizes = row_count[rows], n[rows]
+    row_bits = counts + ((sizes - 1) >> width) + 1
+    ones = np.flatnonzero(np.unpackbits(_array(encoded, "high"), count=int(row_bits.sum())).view(bool))
     total = int(counts.sum())
-    if len(ones) != total or unary.size != (int(ones[-1]) // 8 + 1 if total else 0):
-        raise TraceCodecError(f"sets: unary stream of {len(ones)} codes for {total} indices")
-    order = np.argsort(rice, kind="stable")  # the streams' row order: grouped by parameter
-    rice, counts, sizes = rice[order], counts[order], n[rows][order]
-    gaps = np.diff(ones, prepend=-1) - 1  # the high parts, then whole gaps
-    low = _array(encoded, "low")
-    ends = np.cumsum(counts)
+    bit_start = np.cumsum(row_bits) - row_bits
+    first = np.cumsum(counts) - counts  # each row's first index, counted over all rows
+    if len(ones) != total or (total and (
+            (ones[first] < bit_start).any() or (ones[first + counts - 1] >= bit_start + row_bits).any())):
+        raise TraceCodecError(f"sets: high stream of {len(ones)} ones for {total} indices, or "
+                              f"ones outside their row")
+    low = _read_planes(_array(encoded, "low"), width, counts, flat.shape[1])
+    if not len(rows):
+        return
+    k = flat.shape[1]
+    block, valid = _left_aligned(ones, counts, k)
+    dst, in_place = _target(flat, rows)
+    np.subtract(block, np.arange(k), out=dst, casting="unsafe")  # bit position less j
+    dst -= bit_start[:, None].astype(dst.dtype)  # the bucket
+    dst *= (1 << width)[:, None].astype(dst.dtype)  # << width (numpy's multiply is faster)
+    dst |= low
+    _finish(flat, rows, dst, in_place, valid, counts, sizes, "Elias-Fano")
+
+
+def _read_planes(packed: np.ndarray, width: np.ndarray, counts: np.ndarray, k: int) -> np.ndarray:
+    """The low parts ``[R, K]`` (the smallest unsigned dtype holding ``width.max()`` bits; slots
+    past a row's count hold garbage) from the low stream of :func:`_pack_planes`: each plane is
+    one contiguous slice, unpacked at once. A loop over planes, not rows."""
+    plane_bytes = (counts + 7) // 8
+    top = int(width.max()) if len(width) else 0
+    dt = np.uint8 if top <= 8 else np.uint16 if top <= 16 else np.uint32
+    acc = np.zeros((len(width), k), dt)
     offset = 0
-    for w in np.unique(rice).tolist():
-        first, last = np.searchsorted(rice, [w, w + 1])
-        a = int(ends[first] - counts[first])
-        b = int(ends[last - 1])
-        m, size = b - a, ((b - a) * w + 7) // 8
-        if w == 0:
-            continue
-        if offset + size > low.size:
-            raise TraceCodecError(f"sets: low stream of {low.size} bytes is too short")
-        gaps[a:b] = (gaps[a:b] << w) | _read_group(low[offset:offset + size], m, w)
-        offset += size
-    if offset != low.size:
-        raise TraceCodecError(f"sets: low stream of {low.size} bytes for {offset}")
-    steps = np.cumsum(gaps + 1)
-    before = np.concatenate([[0], steps])[ends - counts]  # per row
-    values = steps - np.repeat(before, counts) - 1
-    _check_rows(values, counts, sizes, "delta-coded")
-    _fill_rows(out, np.flatnonzero(rows)[order], counts, values)
-
-
-def _check_rows(values: np.ndarray, counts: np.ndarray, sizes: np.ndarray, what: str) -> None:
-    """Each row's indices (ascending, back to back) lie in ``[0, size)``: its first is >= 0 and
-    its last below its size."""
-    has = counts > 0
-    last = np.cumsum(counts)[has] - 1
-    if len(last) and ((values[last - counts[has] + 1] < 0).any() or (values[last] >= sizes[has]).any()):
-        raise TraceCodecError(f"sets: a {what} index outside its row's universe")
+    for bit in range(top):
+        has = width > bit
+        size = plane_bytes[has]
+        bits = np.unpackbits(packed[offset:offset + int(size.sum())])
+        offset += int(size.sum())
+        if (size * 8 == k).all():
+            plane = bits.reshape(len(size), k)
+        else:  # rows of other lengths: each row's bits left-aligned
+            plane = np.zeros((len(size), (k + 7) // 8 * 8), np.uint8)
+            plane[np.arange(plane.shape[1])[None, :] < size[:, None] * 8] = bits
+            plane = plane[:, :k]
+        if dt is not np.uint8:
+            plane = plane.astype(dt)
+        if bit:  # a multiply: numpy's shift of small ints by a scalar is ~10x slower
+            np.multiply(plane, dt(1 << bit), out=plane)
+        if has.all():
+            acc |= plane
+        else:
+            acc[has] |= plane
+    return acc
 
 
 def _shape(encoded: Mapping[str, Any]) -> tuple[int, ...]:

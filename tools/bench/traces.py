@@ -12,9 +12,21 @@ top-8) it prints, per token of a trajectory of that length (mean over its positi
 * the information bound: ``log2 C(keys, k)`` bits per indexer row (a query at position ``p``
   picks ``k = min(2048, p + 1)`` of ``p + 1`` keys) summed over the layers, plus ``log2(256! /
   248!)`` bits per routing row (the experts in their order, which is carried), and ours / bound;
-* the CPU time to decode them (one thread, numpy) in microseconds per token; with
-  ``--trainer-us-per-token`` (a trainer's measured step time per token of that context) also
-  its share of the step.
+* the CPU time to decode them (one thread, numpy) in microseconds per token, and below the
+  table the indexer rows' time with the torch decoder (``replayrl.trainer.trace_decode``) on
+  the CPU, one thread (it is meant for a GPU, where it has not been run here);
+* decoding's share of a GLM-5 trainer step, which is an ESTIMATE, not a measurement: ``6 x
+  active parameters`` FLOPs per trained token (forward and backward; attention and the
+  indexer's own FLOPs left out, which only lengthen the step, so the share is an upper bound
+  at the assumed rate) over an assumed sustained rate per GPU (``--active-params``, default
+  40.8 B: transformers' ``GlmMoeDsaConfig()`` counted on the meta device, 743.9 B in all, 8 of
+  256 routed experts a token, the input embedding (a lookup) left out; ``--sustained-tflops``,
+  default 400 TFLOP/s bf16, about 40 % of an H100/H200's dense peak), against the decode time
+  per token of one rank spread over ``--decode-cores`` of that rank's CPU cores (default 8:
+  chunks of a column decode independently) and ``--pipeline-stages`` (default 1: a rank
+  decodes every layer's traces of its tokens; a stage only its own layers'). With
+  ``--trainer-us-per-token`` (a trainer's measured step time per token of that context) the
+  share of that measured step is printed as well.
 
 A last row takes the embedded default model (4 layers: 3 MoE of 8 experts top-2, 2 indexed with
 ``index_topk`` 8) with a default step's batch (128 trajectories of 7 prompt + 2 response
@@ -28,7 +40,7 @@ expert ids uniform over the 256 experts, distinct per row. Rows are sampled at `
 stratified positions of the context (and ``--layers`` layers each); per-token figures scale
 the sample's mean per row to all layers.
 
-Usage: ``replayrl bench traces [--quick]`` (``python -m replayrl.tools.bench.traces``)
+Usage: ``replayrl bench traces [--quick] [--priority]`` (``python -m replayrl.tools.bench.traces``)
 """
 from __future__ import annotations
 
@@ -48,6 +60,18 @@ GLM5 = {"indexed_layers": 78, "index_topk": 2048, "moe_layers": 75, "experts": 2
 "full", first_k_dense_replace 3, n_routed_experts 256, num_experts_per_tok 8, index_topk 2048)."""
 
 CONTEXTS = (4096, 32768, 131072)
+
+GLM5_ACTIVE_PARAMS = 40.8e9
+"""Parameters a GLM-5 token passes through: transformers 5.24 ``GlmMoeDsaConfig()`` built on the
+meta device holds 743.9 B, 724.8 B of them in routed experts of which a token uses 8 of 256;
+that gives 41.8 B, less the 0.95 B input embedding (a lookup, no matmul)."""
+
+
+def estimated_step_us_per_token(active_params: float, sustained_tflops: float) -> float:
+    """An ESTIMATE of a trainer's step time per trained token per GPU, microseconds: ``6 *
+    active_params`` FLOPs (forward 2, backward 4 per parameter) over ``sustained_tflops``
+    (TFLOP/s one GPU sustains). Not a measurement."""
+    return 6.0 * active_params / (sustained_tflops * 1e12) * 1e6
 
 
 def draw_indexer_rows(positions: np.ndarray, layers: int, k: int, window: int, sinks: int,
@@ -116,16 +140,35 @@ def measure_context(context: int, *, positions: int, layers: int, window: int, s
     counts = np.ones(len(pos), np.int64)
     enc_r = encode_column(route_spec, experts, counts)
     ours_route = encoded_nbytes(enc_r) / len(pos)
-    decode_s += _timed(lambda: decode_column(route_spec, enc_r, counts), repeats)
+    route_s = _timed(lambda: decode_column(route_spec, enc_r, counts), repeats)  # all MoE layers
+    torch_s = _timed_torch(enc, pos + 1, back, repeats)
     int32_idx = g["indexed_layers"] * g["index_topk"] * 4
     int32_route = g["moe_layers"] * g["top_k"] * 4
     bound = (bound_bits_per_token(context, g["index_topk"], g["indexed_layers"])
              + g["moe_layers"] * routing_bound_bits(g["experts"], g["top_k"])) / 8
     ours = ours_idx + ours_route
-    per_token_s = decode_s / (len(pos) * layers) * g["indexed_layers"]
+    per_token_s = decode_s / (len(pos) * layers) * g["indexed_layers"] + route_s / len(pos)
     return {"context": context, "int32": int32_idx + int32_route, "miles": int32_idx,
             "ours": ours, "ours_indexer": ours_idx, "ours_routing": ours_route, "bound": bound,
-            "decode_us_per_token": per_token_s * 1e6, "rows": len(pos) * layers}
+            "decode_us_per_token": per_token_s * 1e6, "rows": len(pos) * layers,
+            "torch_us_per_token": torch_s / (len(pos) * layers) * g["indexed_layers"] * 1e6}
+
+
+def _timed_torch(enc: dict, universe: np.ndarray, want: np.ndarray, repeats: int) -> float:
+    """Best CPU seconds of ``replayrl.trainer.trace_decode.decode_sets_torch`` decoding ``enc``
+    on the CPU with one torch thread (the calling thread: what ``time.thread_time`` counts),
+    after checking it gives ``want`` (the numpy decoder's result)."""
+    import torch
+
+    from replayrl.trainer.trace_decode import decode_sets_torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert np.array_equal(decode_sets_torch(enc, universe).numpy(), want), "torch decoder"
+        return _timed(lambda: decode_sets_torch(enc, universe), repeats)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def measure_embedded(step_seconds: float, repeats: int, rng: np.random.Generator) -> dict[str, Any]:
@@ -148,7 +191,12 @@ def measure_embedded(step_seconds: float, repeats: int, rng: np.random.Generator
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Print the table (markdown) of the module docstring."""
+    """Print the table (markdown) of the module docstring.
+
+    Raises:
+        SystemExit: bad flags (argparse).
+        replayrl.tools.errors.PriorityError: ``--priority`` where the autogroup cannot be set.
+    """
     parser = argparse.ArgumentParser(prog="replayrl bench traces", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
                         help="few sampled rows and one repeat (for tests; noisier figures)")
@@ -163,8 +211,30 @@ def main(argv: list[str] | None = None) -> None:
                         metavar=("US_4K", "US_32K", "US_128K"),
                         help="a GLM-5 trainer's measured step microseconds per token at each "
                              "context: prints decoding's share of it (none measured here)")
+    parser.add_argument("--active-params", type=float, default=GLM5_ACTIVE_PARAMS,
+                        help="active parameters per token for the step ESTIMATE (default: GLM-5's)")
+    parser.add_argument("--sustained-tflops", type=float, default=400.0,
+                        help="TFLOP/s one GPU sustains, for the step ESTIMATE (default 400: ~40 %% "
+                             "of an H100/H200's bf16 dense peak)")
+    parser.add_argument("--decode-cores", type=int, default=8,
+                        help="CPU cores of a trainer rank that decode its traces (chunks in parallel)")
+    parser.add_argument("--pipeline-stages", type=int, default=1,
+                        help="pipeline stages: a rank decodes only its stage's layers")
+    parser.add_argument("--priority", action="store_true",
+                        help="on a machine shared with other users' jobs, run first "
+                             "(Linux autogroup nice -20; needs root)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.sustained_tflops <= 0 or args.active_params <= 0 or args.decode_cores < 1 or args.pipeline_stages < 1:
+        parser.error("--active-params, --sustained-tflops, --decode-cores and --pipeline-stages must be positive")
+    from replayrl.tools.bench.priority import autogroup_priority
+
+    with autogroup_priority(args.priority):
+        _report(args)
+
+
+def _report(args: argparse.Namespace) -> None:
+    """Print the table (markdown) of the module docstring for parsed ``args``."""
     if args.quick:
         args.positions, args.layers, args.repeats = 8, 1, 1
     rng = np.random.default_rng(args.seed)
@@ -173,17 +243,32 @@ def main(argv: list[str] | None = None) -> None:
           f"indexer rows: {args.sinks} sinks + {args.window} most recent + random; "
           f"{args.positions} positions x {args.layers} layers sampled per context")
     step = args.trainer_us_per_token
+    estimate = estimated_step_us_per_token(args.active_params, args.sustained_tflops)
+    per_rank = args.decode_cores * args.pipeline_stages
+    print(f"GLM-5 trainer step, an ESTIMATE, not a measurement: 6 x {args.active_params / 1e9:.1f} B "
+          f"active params = {6 * args.active_params:.3g} FLOPs per token / {args.sustained_tflops:g} "
+          f"TFLOP/s sustained per GPU = {estimate:,.0f} us per token per GPU; decoding on "
+          f"{args.decode_cores} CPU core(s) of the rank, {args.pipeline_stages} pipeline stage(s)")
     print("| context | int32 today (indexer + routing), B/token | miles' int32 indexer buffer, "
           "B/token | ours, B/token | int32 / ours | bound, B/token | ours / bound | "
-          "decode, CPU us/token |" + (" decode / step |" if step else ""))
-    print("|---|---|---|---|---|---|---|---|" + ("---|" if step else ""))
+          f"decode, CPU us/token | decode per rank ({args.decode_cores} cores), us/token | "
+          "share of the estimated step | cores for 5 % |" + (" decode / measured step |" if step else ""))
+    print("|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if step else ""))
+    torch_us = []
     for i, context in enumerate(CONTEXTS):
         r = measure_context(context, positions=args.positions, layers=args.layers,
                             window=args.window, sinks=args.sinks, repeats=args.repeats, rng=rng)
+        rank_us = r["decode_us_per_token"] / per_rank
         share = f" {100 * r['decode_us_per_token'] / step[i]:.1f} % |" if step else ""
+        need = r["decode_us_per_token"] / args.pipeline_stages / (0.05 * estimate)
         print(f"| {context // 1024}k | {r['int32']:,.0f} | {r['miles']:,.0f} | {r['ours']:,.0f} "
               f"| {r['int32'] / r['ours']:.1f}x | {r['bound']:,.0f} | {r['ours'] / r['bound']:.2f}x "
-              f"| {r['decode_us_per_token']:,.0f} |" + share)
+              f"| {r['decode_us_per_token']:,.0f} | {rank_us:,.1f} | {100 * rank_us / estimate:.1f} % "
+              f"| {math.ceil(need)} |" + share)
+        torch_us.append(r["torch_us_per_token"])
+    print("\nthe torch decoder (replayrl.trainer.trace_decode, written for the trainer's GPU; not run on "
+          "a GPU here) on this CPU, one thread: " + " / ".join(f"{t:,.0f}" for t in torch_us)
+          + " us per token at " + " / ".join(f"{c // 1024}k" for c in CONTEXTS) + " indexer rows")
     e = measure_embedded(args.step_seconds, args.repeats, rng)
     print(f"\nembedded default step (128 x (7 + 2) tokens): int32 {e['int32']:.0f} B/token, ours "
           f"{e['ours']:.1f} B/token; decoding the step's traces {e['decode_ms']:.2f} ms of a "

@@ -15,6 +15,18 @@ def test_quick_prints_one_row_per_context_and_the_embedded_step(capsys):
     # int32 per token: 78 x 2048 + 75 x 8 int32 = 641,376 bytes, as the issue counts it
     assert all(r.split("|")[2].strip() == "641,376" for r in rows)
     assert "embedded default step" in out
+    assert "ESTIMATE, not a measurement" in out and "612 us per token per GPU" in out
+    for r in rows:  # per rank = one core's time / 8 cores; share = per rank / 612 us
+        cells = [c.strip().replace(",", "") for c in r.split("|")[1:-1]]
+        one_core, per_rank, share = float(cells[7]), float(cells[8]), float(cells[9].rstrip(" %"))
+        assert math.isclose(per_rank, one_core / 8, abs_tol=0.1)
+        assert math.isclose(share, 100 * one_core / 8 / 612.0, rel_tol=0.01, abs_tol=0.1)
+
+
+def test_the_step_estimate_is_six_flops_per_active_parameter():
+    # 6 x 40.8e9 FLOPs at 400e12 FLOP/s: 612e-6 s per token
+    assert math.isclose(traces.estimated_step_us_per_token(40.8e9, 400.0), 612.0, rel_tol=1e-9)
+    assert math.isclose(traces.estimated_step_us_per_token(1e9, 1.0), 6000.0, rel_tol=1e-9)
 
 
 def test_the_bound_counts_the_choices_of_k_of_n_keys():

@@ -11,7 +11,7 @@ from replayrl.transport.codec import Codec
 from replayrl.transport.trace_codec import (
     ALL,
     BITMAP,
-    DELTAS,
+    ELIAS_FANO,
     EMPTY,
     TraceCodecError,
     decode_ids,
@@ -84,25 +84,28 @@ def test_a_row_selecting_every_key_it_sees_costs_no_bytes():
     trace = np.array([[[0, -1, -1, -1]], [[1, 0, -1, -1]], [[-1, 2, 0, 1]], [[3, 1, 2, 0]]], np.int32)
     enc = encode_sets(trace, np.arange(1, 5))
     assert enc["kind"].tolist() == [ALL] * 4
-    assert sum(enc[name].size for name in ("count", "rice", "bitmap", "unary", "low")) == 0
+    assert sum(enc[name].size for name in ("count", "width", "bitmap", "high", "low")) == 0
 
 
 def test_a_short_universe_takes_the_bitmap_worked_by_hand():
-    # universe 10, set {2, 5, 9}: bitmap 0010010001 (10 bits) beats Rice (9 bits + 8 for l)
+    # universe 10, set {2, 5, 9}: bitmap 0010010001 (10 bits) beats Elias-Fano (at best l = 0:
+    # 3 ones + 10 bucket ends, + 8 for l)
     enc = encode_sets(np.array([[[9, 2, 5]]], np.int32), np.array([10]))
     assert enc["kind"].tolist() == [BITMAP] and enc["count"].tolist() == [3]
     assert enc["bitmap"].tolist() == [0b00100100, 0b01000000]
 
 
-def test_a_sparse_row_takes_rice_coded_deltas_worked_by_hand():
-    # universe 1000, set {0, 1, 500, 999}: gaps 0, 0, 498, 498. l = 7 gives 4 * 8 + (0 + 0 +
-    # 3 + 3) = 38 bits (l = 8 also 38; the smaller is kept), far below the 1000-bit bitmap.
+def test_a_sparse_row_takes_elias_fano_worked_by_hand():
+    # universe 1000, set {0, 1, 500, 999}, c = 4. Width l costs c + (999 >> l) + 1 high bits and
+    # l planes of one byte: l = 8 -> 8 + 64 = 72, l = 7 -> 12 + 56 = 68, l = 6 -> 20 + 48 = 68
+    # (the tie goes to the larger l); far below the 1000-bit bitmap.
     enc = encode_sets(np.array([[[999, 0, 500, 1]]], np.int32), np.array([1000]))
-    assert enc["kind"].tolist() == [DELTAS] and enc["rice"].tolist() == [7]
-    # unary high parts 0, 0, 3, 3: 1 1 0001 0001
-    assert enc["unary"].tolist() == [0b11000100, 0b01000000]
-    # low 7 bits: 0, 0, 114, 114 (498 = 3 * 128 + 114)
-    assert enc["low"].tolist() == [0, 0b00000011, 0b10010111, 0b00100000]
+    assert enc["kind"].tolist() == [ELIAS_FANO] and enc["width"].tolist() == [7]
+    # buckets (s >> 7) 0, 0, 3, 7 of 8: "110" "0" "0" "10" "0" "0" "0" "10" = 1100 0100 0010
+    assert enc["high"].tolist() == [0b11000100, 0b00100000]
+    # low 7 bits 0, 1, 116 (1110100), 103 (1100111): planes bit 0 .. bit 6, 4 bits + padding each
+    assert enc["low"].tolist() == [0b01010000, 0b00010000, 0b00110000, 0, 0b00100000, 0b00110000,
+                                   0b00110000]
     assert decode_sets(enc, np.array([1000])).tolist() == [[[0, 1, 500, 999]]]
 
 
@@ -147,10 +150,99 @@ def test_256_experts_fit_uint8_with_padded_rows():
 
 @pytest.mark.parametrize("part, value", [
     ("kind", np.array([9], np.uint8)), ("count", np.array([5, 5], np.uint16)),
-    ("unary", np.array([255, 255], np.uint8)), ("low", np.zeros(0, np.uint8)),
+    ("high", np.array([255, 255], np.uint8)), ("low", np.zeros(0, np.uint8)),
     ("bitmap", np.array([1], np.int32))])
 def test_malformed_sets_are_refused_naming_the_part(part, value):
     enc = encode_sets(np.array([[[999, 0, 500, 1]]], np.int32), np.array([1000]))
     enc[part] = value
     with pytest.raises(TraceCodecError):
         decode_sets(enc, np.array([1000]))
+
+
+def _naive_decode_sets(enc, universe) -> np.ndarray:
+    """Per row in plain Python, from the layout the module docstring gives: bitmap rows read
+    ``n`` bits each; Elias-Fano rows walk their high bits (a 1 is an index in the current
+    bucket, a 0 ends the bucket) and take their low bits from the planes (plane b: bit b of
+    every row wider than b, each row's plane padded to whole bytes)."""
+    shape = enc["shape"]
+    k = shape[-1]
+    per = int(np.prod(shape[1:-1]))
+    n = [int(u) for u in universe for _ in range(per)]
+    bitmap, high, low = (np.unpackbits(enc[name]).tolist() for name in ("bitmap", "high", "low"))
+    counts, widths = iter(enc["count"].tolist()), iter(enc["width"].tolist())
+    rows, ef = [], []  # ef: (row, count, width, highs)
+    bm_at = hi_at = 0
+    for r, kind in enumerate(enc["kind"].tolist()):
+        if kind == EMPTY:
+            rows.append([])
+        elif kind == ALL:
+            rows.append(list(range(n[r])))
+        elif kind == BITMAP:
+            c = next(counts)
+            rows.append([i for i in range(n[r]) if bitmap[bm_at + i]])
+            assert len(rows[-1]) == c
+            bm_at += n[r]
+        else:
+            c, w = next(counts), next(widths)
+            bucket, highs = 0, []
+            for bit in high[hi_at:hi_at + c + ((n[r] - 1) >> w) + 1]:
+                if bit:
+                    highs.append(bucket)
+                else:
+                    bucket += 1
+            hi_at += c + ((n[r] - 1) >> w) + 1
+            ef.append((r, c, w, highs))
+            rows.append(None)
+    lows = {r: [0] * c for r, c, _, _ in ef}
+    at = 0
+    for b in range(max([w for _, _, w, _ in ef], default=0)):
+        for r, c, w, _ in ef:
+            if w > b:
+                for j in range(c):
+                    lows[r][j] |= low[at + j] << b
+                at += (c + 7) // 8 * 8
+    for r, _, w, highs in ef:
+        rows[r] = [(h << w) | lo for h, lo in zip(highs, lows[r])]
+    return np.array([row + [-1] * (k - len(row)) for row in rows], np.int32).reshape(shape)
+
+
+def _mixed_trace(rng, universes, k, full_only):
+    """int32 [len(universes), 2, K]: per row a random set of min(K, n) keys (or fewer, when
+    not ``full_only``), in random slot order."""
+    out = np.full((len(universes), 2, k), -1, np.int32)
+    for i, n in enumerate(universes):
+        for layer in range(2):
+            c = min(k, n) if full_only else int(rng.integers(0, min(k, n) + 1))
+            out[i, layer, rng.permutation(k)[:c]] = rng.choice(n, size=c, replace=False)
+    return out
+
+
+@pytest.mark.parametrize("universes, k, full_only", [
+    ([3000, 3100, 5000, 9000], 64, True),  # every row full: Elias-Fano rows consecutive, in place
+    ([70, 3000, 40, 5000, 64, 9000], 64, True),  # 'all' and bitmap rows between them
+    ([70, 3000, 40, 5000, 64, 9000, 1], 64, False),  # partial and empty rows
+    ([1 << 12, 1 << 20, 1 << 26], 4, True),  # widths above 8 and 16 (uint16, uint32 planes)
+])
+def test_decoding_matches_a_naive_decoder_of_the_documented_layout(universes, k, full_only):
+    trace = _mixed_trace(np.random.default_rng(len(universes) * k), universes, k, full_only)
+    universe = np.array(universes)
+    enc = encode_sets(trace, universe)
+    assert ELIAS_FANO in enc["kind"].tolist()
+    want = _naive_decode_sets(enc, universe)
+    assert np.array_equal(want, _reference_canonical(trace))
+    assert np.array_equal(decode_sets(enc, universe), want)
+    assert np.array_equal(decode_sets(enc, universe, np.int64), want)
+
+
+def test_decoding_into_a_slice_of_a_larger_output():
+    trace = _mixed_trace(np.random.default_rng(3), [9, 3000, 5000], 16, False)
+    universe = np.array([9, 3000, 5000])
+    enc = encode_sets(trace, universe)
+    big = np.full((5, 2, 16), 7, np.int32)
+    got = decode_sets(enc, universe, out=big[1:4])
+    assert got.base is big and np.array_equal(big[1:4], _reference_canonical(trace))
+    assert (big[0] == 7).all() and (big[4] == 7).all()  # rows outside the slice untouched
+    for bad in (np.zeros((3, 2, 16), np.uint32), np.zeros((3, 2, 15), np.int32),
+                np.zeros((3, 2, 16), np.int32)[:, :, ::-1]):
+        with pytest.raises(TraceCodecError, match="out must be"):
+            decode_sets(enc, universe, out=bad)

@@ -202,6 +202,10 @@ class TorchBackend(TrainerBackend):
         replayrl.rollout.model.CheckpointError / ModelConfigError: an unreadable checkpoint.
     """
 
+    lora_config = None
+    """The ``peft.LoraConfig`` of a LoRA run (``--lora-rank``, :mod:`replayrl.trainer.lora`),
+    else None (also for a subclass that does not call this ``__init__``)."""
+
     def __init__(self, checkpoint_dir: str, config: TrainerConfig,
                  vocab_tokens: Sequence[str]) -> None:
         self.config = config
@@ -209,7 +213,6 @@ class TorchBackend(TrainerBackend):
         torch.manual_seed(config.seed)
         self.model, self._model_config = load_pretrained(checkpoint_dir, dtype=torch.float32)
         self.model.train()
-        self.lora_config = None
         if config.lora_rank:  # trainer/lora.py: only the adapters train
             if not isinstance(self.model, Qwen3MoeForCausalLM):
                 raise TrainerConfigError(f"--lora-rank: {checkpoint_dir} is a family checkpoint "

@@ -65,7 +65,7 @@ BENCHES = {"parity": "replayrl.tools.bench.parity", "refill": "replayrl.tools.be
            "train": "replayrl.tools.bench.train", "load": "replayrl.tools.bench.load",
            "engine": "replayrl.tools.bench.engine", "decode": "replayrl.tools.bench.decode",
            "steps": "replayrl.tools.bench.steps", "faults": "replayrl.tools.bench.faults",
-           "traces": "replayrl.tools.bench.traces"}
+           "traces": "replayrl.tools.bench.traces", "lora": "replayrl.tools.bench.lora"}
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     keys.set_defaults(func=_keys)
     bench = sub.add_parser("bench", help="benchmarks: parity | refill | logprobs | transport | peer | profile | "
                                          "train | load | engine | decode | steps | faults | "
-                                         "traces "
+                                         "traces | lora "
                                          "(flags after the name go to the benchmark)")
     bench.add_argument("bench", choices=sorted(BENCHES))
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)

@@ -59,6 +59,8 @@ class TrainerConfig:
             rewards are all equal is dropped and refilled by exact refill, so every step trains
             on exactly ``rollout_batch_size`` groups with differing rewards or fails before the
             optimizer step (:mod:`replayrl.trainer.rejection.dynamic_sampling`).
+        lora_rank, lora_alpha, lora_target_modules: LoRA through peft (``--lora-rank``, 0 =
+            off; :mod:`replayrl.trainer.lora`, docs/design.md#lora).
         train_backend: the model-owning backend, a name in :data:`replayrl.trainer.backends.BACKENDS`
             (``--train-backend``).
         dp_size: data-parallel trainer ranks (``--dp-size``; docs/design.md#trainer-ranks):
@@ -164,10 +166,27 @@ class TrainerConfig:
                                          Range(low=1))
     train_backend: str = setting("torch", "train-backend", "trainer backend (registry name)",
                                  Choices(tuple(BACKENDS)))
+    lora_rank: int = setting(0, "lora-rank", "LoRA rank through peft (0 = off: every weight "
+                             "trains); only the adapters train, sit in the optimizer and are "
+                             "pushed (torch backend, embedded engine)", Range(low=0))
+    lora_alpha: float = setting(16.0, "lora-alpha", "LoRA alpha: the adapters are scaled by "
+                                "alpha / --lora-rank", POSITIVE)
+    lora_target_modules: str = setting("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+                                       "lora-target-modules", "modules LoRA adapts, a comma list "
+                                       "(gate_proj / up_proj / down_proj: the dense MLP and every "
+                                       "expert; gate: the MoE router, only when named)")
 
     def __post_init__(self) -> None:
         check_settings(self, TrainerConfigError)
+        if self.lora_rank:
+            from replayrl.trainer.lora import target_modules
+
+            target_modules(self.lora_target_modules)  # raises naming the unknown name
         checks = [
+            (not self.lora_rank or self.train_backend == "torch",
+             f"--lora-rank needs --train-backend torch (--train-backend {self.train_backend} has "
+             f"no LoRA: megatron-core's modules are not peft's, and the fsdp backend does not "
+             f"wrap adapters yet)"),
             (self.rs_mode != "none" or (self.rs_lower, self.rs_upper) == (0.0, float("inf")),
              "--rs-lower / --rs-upper need --rs-mode token|sequence|geometric"),
             (self.logprobs_chunk_size == 0 or self.use_support_replay,

@@ -127,6 +127,7 @@ class TrainerActor(Actor):
         self.engine_failure = engine_failure  # whether a push survives a lost engine
         self.version = 0
         self._push: asyncio.Future | None = None  # the weight push still in flight, if any
+        self._pushed_base = False  # LoRA: whether the engines hold the base weights (first push)
         self.required_traces = self.local.required_traces
 
     @property
@@ -191,7 +192,8 @@ class TrainerActor(Actor):
         """
         await self.wait_for_push()
         start = time.perf_counter()
-        bundle = await self._weight_bundle()
+        bundle = await self._weight_bundle(full=not self._pushed_base)
+        self._pushed_base = True
         timeout = self.config.rpc_timeout_s
         loads = [asyncio.ensure_future(self.proxy(e, timeout).load_weights(self.version, bundle))
                  for e in self.engines]
@@ -206,13 +208,17 @@ class TrainerActor(Actor):
         return {"version": self.version, "bytes": int(sum(b.nbytes for b in bundle["buffers"])),
                 "seconds": time.perf_counter() - start}
 
-    async def _weight_bundle(self) -> dict:
+    async def _weight_bundle(self, full: bool = True) -> dict:
         """The current weights packed for a push (:meth:`TrainerBackend.weight_bundle`); when
-        the other ranks hold parts of them, they take part in the gather and send nothing."""
+        the other ranks hold parts of them, they take part in the gather and send nothing.
+        Under LoRA (``--lora-rank``) only the adapters unless ``full`` (the first push, a
+        restarted engine): the engines keep the base weights (rollout/model/adapters.py)."""
         if self.backend.collective_io:
             arrays, _ = await self._on_ranks(self.backend.weights,
                                              [self._rank(f).weights() for f in self.followers])
             return pack_arrays(arrays)
+        if self.config.lora_rank:
+            return self.backend.weight_bundle(full=full)
         return self.backend.weight_bundle()
 
     async def _record_loads(self, loads: list[asyncio.Future], version: int) -> None:
@@ -589,6 +595,7 @@ class TrainerActor(Actor):
             raise TrainStepError(f"{directory}: the trainer ranks restored versions "
                                  f"{[version, *theirs]}")
         self.version = version
+        self._pushed_base = False  # LoRA: the checkpoint's base goes with the next push
         return self.version
 
     async def state(self) -> dict:

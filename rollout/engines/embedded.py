@@ -25,6 +25,7 @@ import torch
 
 from replayrl.rollout.engines.base import Engine, Generation
 from replayrl.rollout.errors import EngineError, EngineInputError
+from replayrl.rollout.model.adapters import AdapterMerge, split_adapter_push
 from replayrl.rollout.model.checkpoint import load_state_arrays
 from replayrl.rollout.model.config import ModelConfig
 from replayrl.rollout.model.families.base import FamilyConfig, FamilyModel
@@ -89,6 +90,7 @@ class EmbeddedEngine(Engine):
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
+        self._adapters = AdapterMerge()  # LoRA pushes: the base weights they merge into
         if isinstance(config, FamilyConfig):
             # a family (rollout/model/families/): transformers' model, its DynamicCache
             self.model = FamilyModel.from_config(config, dtype, self.device).eval()
@@ -98,7 +100,9 @@ class EmbeddedEngine(Engine):
         self.model = Qwen3MoeForCausalLM.empty(config, dtype, self.device).eval()
 
     def _load_weights(self, arrays: Mapping[str, np.ndarray | torch.Tensor]) -> None:
-        """Replace every model weight by a weight push, cast to the engine dtype.
+        """Replace every model weight by a weight push, cast to the engine dtype; or, for a
+        LoRA push (:mod:`replayrl.rollout.model.adapters`), merge its adapters into the base
+        weights of the last full set (loaded first when the push holds one).
 
         Args:
             arrays: HF Qwen3-MoE parameter name -> float32 / float16 / float64 numpy array or a
@@ -111,6 +115,14 @@ class EmbeddedEngine(Engine):
                 dtype (raised by ``replayrl.rollout.model.checkpoint.load_state_arrays``, which checks
                 everything before copying, so a bad push leaves the previous weights intact).
         """
+        arrays, factors = split_adapter_push(arrays)
+        if arrays:
+            self._load_full(arrays)
+        if factors:
+            self._adapters.apply(self.model, factors)
+
+    def _load_full(self, arrays: Mapping[str, np.ndarray | torch.Tensor]) -> None:
+        """A full weight set (see :meth:`_load_weights`): the new base of later adapter pushes."""
         pushed: dict[str, np.ndarray] = {}
         for name, value in arrays.items():
             if isinstance(value, torch.Tensor):
@@ -126,6 +138,7 @@ class EmbeddedEngine(Engine):
                     f"{type(value).__name__}"
                 )
         load_state_arrays(self.model, pushed)  # copies in place, cast to the model dtype
+        self._adapters.reset()
 
     def _check_prompts(self, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
         vocab = self.config.vocab_size

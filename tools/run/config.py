@@ -215,6 +215,17 @@ class RunConfig:
              f"pipeline stage holds an equal share"),
         ]
         family = getattr(policy, "family", "")
+        if self.trainer.lora_rank:  # LoRA (trainer/lora.py): adapters pushed, merged by the engine
+            checks += [
+                (self.rollout_engine == "embedded",
+                 f"--lora-rank with --rollout-engine {self.rollout_engine}: replayrl sends adapter "
+                 f"pushes only to the embedded engine, which merges them (vLLM's / SGLang's LoRA "
+                 f"request path is not wired); use --rollout-engine embedded"),
+                (not family,
+                 f"--lora-rank: the {family!r} family of --hf-checkpoint {self.hf_checkpoint} "
+                 f"(transformers' model, fused expert tensors) has no LoRA path yet; LoRA adapts "
+                 f"the embedded Qwen3-MoE policy"),
+            ]
         if family:  # the family room (rollout/model/families/): transformers' model in-process
             checks += [
                 (self.rollout_engine == "embedded",

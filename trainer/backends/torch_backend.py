@@ -16,6 +16,7 @@ Which forwards use what (documented choice, docs/design.md#trainer-math):
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from pathlib import Path
@@ -31,13 +32,15 @@ from replayrl.rollout.model.config import ModelConfig
 from replayrl.rollout.model.errors import CheckpointError
 from replayrl.rollout.model.loader import load_pretrained
 from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
+from replayrl.trainer import lora
 from replayrl.trainer.backends.base import ReplayedForward, TrainerBackend
 from replayrl.trainer.backends.checkpoint_layout import refuse_other_backend
 from replayrl.trainer.batch import TrainBatch
 from replayrl.trainer.config import TrainerConfig
+from replayrl.trainer.errors import TrainerConfigError
 from replayrl.trainer.logprobs import full_vocab_logprobs, fused_support_logprobs, support_entropy, support_logprobs
 from replayrl.trainer.prefix_tree import PrefixTree
-from replayrl.transport.array_bundle import bundle_of_buffer
+from replayrl.transport.array_bundle import bundle_of_buffer, pack_arrays
 
 __all__ = ["TorchBackend", "response_logprobs"]
 
@@ -199,6 +202,10 @@ class TorchBackend(TrainerBackend):
         replayrl.rollout.model.CheckpointError / ModelConfigError: an unreadable checkpoint.
     """
 
+    lora_config = None
+    """The ``peft.LoraConfig`` of a LoRA run (``--lora-rank``, :mod:`replayrl.trainer.lora`),
+    else None (also for a subclass that does not call this ``__init__``)."""
+
     def __init__(self, checkpoint_dir: str, config: TrainerConfig,
                  vocab_tokens: Sequence[str]) -> None:
         self.config = config
@@ -206,6 +213,13 @@ class TorchBackend(TrainerBackend):
         torch.manual_seed(config.seed)
         self.model, self._model_config = load_pretrained(checkpoint_dir, dtype=torch.float32)
         self.model.train()
+        if config.lora_rank:  # trainer/lora.py: only the adapters train
+            if not isinstance(self.model, Qwen3MoeForCausalLM):
+                raise TrainerConfigError(f"--lora-rank: {checkpoint_dir} is a family checkpoint "
+                                         f"(transformers' model); LoRA adapts the embedded Qwen3-MoE")
+            self.lora_config = lora.add_adapters(self.model, config.lora_rank, config.lora_alpha,
+                                                 lora.target_modules(config.lora_target_modules),
+                                                 config.seed)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = self._make_optimizer()
         self.vocab_tokens = list(vocab_tokens)
@@ -239,9 +253,10 @@ class TorchBackend(TrainerBackend):
         kwargs = dict(capture=capture, replay_routing=cfg.use_routing_replay,
                       replay_indexer=cfg.use_indexer_replay, chunk_size=cfg.logprobs_chunk_size,
                       entropy_out=entropy_out)
-        if train and self.ddp is not None:
-            return self.ddp(batch, cfg.temperature, **kwargs)
-        return response_logprobs(self.model, batch, cfg.temperature, **kwargs)
+        with lora.experts_adapted(self.model) if self.lora_config else contextlib.nullcontext():
+            if train and self.ddp is not None:
+                return self.ddp(batch, cfg.temperature, **kwargs)
+            return response_logprobs(self.model, batch, cfg.temperature, **kwargs)
 
     def preflight_logprobs(self, batch: TrainBatch) -> ReplayedForward:
         """See :meth:`TrainerBackend.preflight_logprobs` (a no-grad, capturing forward)."""
@@ -282,13 +297,27 @@ class TorchBackend(TrainerBackend):
         return grad_norm
 
     def weights(self) -> dict[str, np.ndarray]:
-        """See :meth:`TrainerBackend.weights` (the engines' dtype conversion is theirs)."""
+        """See :meth:`TrainerBackend.weights` (the engines' dtype conversion is theirs); under
+        LoRA the merged policy (base + adapters)."""
+        if self.lora_config:
+            return {k: v.detach().to(dtype=torch.float32, copy=True).numpy()
+                    for k, v in lora.merged_state(self.model).items()}
         return state_dict_arrays(self.model)
 
-    def weight_bundle(self) -> dict:
+    def weight_bundle(self, full: bool = True) -> dict:
         """See :meth:`TrainerBackend.weight_bundle`: the float32 weights copied once, by one
         ``torch.cat``, into the bundle's buffer (``weights`` then ``pack_arrays`` copied each
-        tensor twice: ~3.5 of a ~60 ms step on the default model)."""
+        tensor twice: ~3.5 of a ~60 ms step on the default model).
+
+        Under LoRA the bundle holds the adapter factors
+        (:func:`replayrl.trainer.lora.adapter_arrays`), after the base weights when ``full``
+        (a first push, a restarted engine): the engine merges them (rollout/model/adapters.py)."""
+        if self.lora_config:
+            factors = lora.adapter_arrays(self.model)
+            if not full:
+                return pack_arrays(factors)
+            base = {k: v.detach().float().numpy() for k, v in lora.base_state(self.model).items()}
+            return pack_arrays({**base, **factors})
         state = self.model.state_dict()
         if any(t.dtype != torch.float32 for t in state.values()):
             return super().weight_bundle()
@@ -299,17 +328,35 @@ class TorchBackend(TrainerBackend):
 
     def save_checkpoint(self, directory: Path, version: int) -> None:
         """``directory/model`` (HF format) and ``directory/trainer_state.pt`` (optimizer state,
-        ``version``, torch RNG state)."""
-        self.save_hf(directory / "model")
+        ``version``, torch RNG state). Under LoRA ``model`` is the base and ``directory/adapter``
+        peft's adapter files (``peft.PeftModel.from_pretrained(<model loaded from model>,
+        directory/adapter)`` is the policy); the optimizer state is the adapters'."""
+        if self.lora_config:
+            self._save_plain(lora.base_state(self.model), directory / "model")
+            lora.save_adapters(self.model, self.lora_config, directory / lora.ADAPTER_DIR, "../model")
+        else:
+            self.save_hf(directory / "model")
         torch.save({"optimizer": self.optimizer.state_dict(), "version": version,
                     "torch_rng": torch.get_rng_state()}, directory / "trainer_state.pt")
 
     def save_hf(self, directory: Path) -> None:
-        """See :meth:`TrainerBackend.save_hf` (fp32 weights, the run's tokenizer)."""
+        """See :meth:`TrainerBackend.save_hf` (fp32 weights, the run's tokenizer; under LoRA
+        the merged policy, base + adapters)."""
+        if self.lora_config:
+            self._save_plain(lora.merged_state(self.model), directory)
+            return
+        self._save_plain(None, directory)
+
+    def _save_plain(self, state: dict | None, directory: Path) -> None:
+        """Write the policy, or the plain model of ``state`` (HF names), as an HF checkpoint."""
+        model = self.model
+        if state is not None:  # a LoRA policy: a plain model of these weights (a copy)
+            model = Qwen3MoeForCausalLM.empty(self._model_config, torch.float32)
+            model.load_state_dict(state)
         if self.vocab_tokens:
-            save_pretrained(self.model, directory, tokens=self.vocab_tokens)
+            save_pretrained(model, directory, tokens=self.vocab_tokens)
         else:
-            save_pretrained(self.model, directory, tokenizer_from=self.checkpoint_dir)
+            save_pretrained(model, directory, tokenizer_from=self.checkpoint_dir)
 
     @classmethod
     def check_checkpoint(cls, directory: Path, config: TrainerConfig) -> int:
@@ -318,7 +365,7 @@ class TorchBackend(TrainerBackend):
         over the checkpoint's own parameters (their count and sizes must fit). ``config`` is
         not read: every data-parallel rank holds the whole optimizer state."""
         directory = Path(directory)
-        model, state, version = _read_checkpoint(directory)
+        model, state, version = _read_checkpoint(directory, config)
         params = [p for p in model.parameters() if p.requires_grad]  # as __init__ takes them
         try:
             torch.optim.AdamW(params).load_state_dict(state["optimizer"])
@@ -348,7 +395,7 @@ class TorchBackend(TrainerBackend):
                 this policy (names the tensor). ValueError: an unreadable or malformed
                 ``trainer_state.pt``. In every case nothing was changed.
         """
-        model, state, version = _read_checkpoint(Path(directory))
+        model, state, version = _read_checkpoint(Path(directory), self.config)
         weights = model.state_dict()
         if version < min_version:
             raise VersionRegression(f"checkpoint {directory} is at version {version}, behind the "
@@ -406,9 +453,12 @@ def _check_weights_fit(directory: Any, weights: dict, current: dict) -> None:
                                   f"{tuple(tensor.shape)}, this policy {tuple(current[name].shape)}")
 
 
-def _read_checkpoint(directory: Path) -> tuple[Qwen3MoeForCausalLM, dict, int]:
+def _read_checkpoint(directory: Path, config: TrainerConfig | None = None
+                     ) -> tuple[Qwen3MoeForCausalLM, dict, int]:
     """Read ``directory/model`` and ``directory/trainer_state.pt`` and check the latter's fields;
-    changes nothing (not even the global RNG). Returns ``(model, trainer state, version)``.
+    changes nothing (not even the global RNG). Returns ``(model, trainer state, version)``;
+    under ``config``'s LoRA the model carries the adapters of ``directory/adapter`` (checked
+    against the run's ``--lora-*`` settings by :func:`replayrl.trainer.lora.load_adapters`).
 
     Raises:
         replayrl.trainer.backends.checkpoint_layout.CheckpointLayoutError: a megatron checkpoint.
@@ -418,6 +468,12 @@ def _read_checkpoint(directory: Path) -> tuple[Qwen3MoeForCausalLM, dict, int]:
     refuse_other_backend(directory, "torch")  # a megatron checkpoint: say so, not "no file"
     with torch.random.fork_rng(devices=[]):  # building the model draws initial weights
         model, _ = load_pretrained(directory / "model", dtype=torch.float32)
+        if config is not None and config.lora_rank:
+            lora.add_adapters(model, config.lora_rank, config.lora_alpha,
+                              lora.target_modules(config.lora_target_modules), config.seed)
+            adapters = lora.load_adapters(model, directory / lora.ADAPTER_DIR, config.lora_rank,
+                                          config.lora_alpha, lora.target_modules(config.lora_target_modules))
+            model.load_state_dict(adapters, strict=False)
     path = directory / "trainer_state.pt"
     try:
         state = torch.load(path, weights_only=True)  # weights_only: no pickle code runs

@@ -1,0 +1,279 @@
+"""LoRA through peft (``--lora-rank``, trainer/lora.py) on the torch backend: only the adapters
+train and sit in the optimizer, base weights stay bit-identical; an expert's adapter changes
+that expert's output; the push after the first carries only the adapters and the embedded
+engine that merges them computes the trainer's merged policy; a checkpoint holds the adapters,
+loads into ``peft.PeftModel`` over the base transformers reads, and round-trips; what cannot
+run is refused before start."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from replayrl.rollout.engines.embedded import EmbeddedEngine
+from replayrl.rollout.model import Qwen3MoeForCausalLM
+from replayrl.rollout.model.checkpoint import save_pretrained
+from replayrl.rollout.model.loader import load_pretrained
+from replayrl.rollout.sample import Sample
+from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
+from replayrl.tools.errors import ConfigError
+from replayrl.tools.run.config import build_config
+from replayrl.trainer import lora
+from replayrl.trainer.backends.torch_backend import TorchBackend
+from replayrl.trainer.batch import collate
+from replayrl.trainer.config import TrainerConfig
+from replayrl.trainer.errors import TrainerConfigError
+from replayrl.transport.array_bundle import unpack_arrays
+from tests.model_helpers import decisive_model
+
+pytest.importorskip("peft", reason="peft (the lora extra) is not installed")
+
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """The embedded default policy without the indexer (transformers has none), decisive
+    routing (no near ties between the two implementations)."""
+    cfg = build_config({"model-indexer": False}).policy_config
+    directory = tmp_path_factory.mktemp("init") / "model"
+    save_pretrained(decisive_model(cfg, seed=3, norm_jitter=0.2), directory, tokens=list(VOCABULARY))
+    return directory
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)  # the backends set the process's threads
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory):
+    """As :func:`checkpoint` with every layer MoE: peft 0.21, loading an adapter into
+    transformers 5's fused experts, maps every ``gate_proj`` / ``up_proj`` / ``down_proj``
+    target to the experts and drops a dense layer's MLP adapters (docs/design.md#lora)."""
+    cfg = dataclasses.replace(build_config({"model-indexer": False}).policy_config, mlp_only_layers=())
+    directory = tmp_path_factory.mktemp("init-moe") / "model"
+    save_pretrained(decisive_model(cfg, seed=3, norm_jitter=0.2), directory, tokens=list(VOCABULARY))
+    return directory
+
+
+def _config(**kw) -> TrainerConfig:
+    return TrainerConfig(**{"lora_rank": 4, "lora_alpha": 8.0, "lr": 1e-2, **kw})
+
+
+def _samples(model) -> list[Sample]:
+    """Four samples of two groups, routing traces the model's own choices, support replay."""
+    rng = np.random.default_rng(0)
+    out = []
+    for i in range(4):
+        prompt = rng.integers(3, len(VOCABULARY), 5).astype(np.int32)
+        response = rng.integers(3, len(VOCABULARY), 3 + i).astype(np.int32)
+        tokens = torch.from_numpy(np.r_[prompt, response][:-1].astype(np.int64))[None]
+        with torch.no_grad(), lora.experts_adapted(model):
+            traced = model(tokens, torch.arange(tokens.shape[1])[None], capture=True)
+        support = np.stack([response, response, (response + 1) % len(VOCABULARY),
+                            (response + 2) % len(VOCABULARY)], axis=1)
+        out.append(Sample(sample_id=i, group_id=i // 2, rollout_id=0, policy_version=0,
+                          prompt_ids=prompt, response_ids=response,
+                          loss_mask=np.ones(len(response), np.uint8),
+                          rollout_logprobs=np.full(len(response), -1.0, np.float32),
+                          sample_support=support,
+                          routed_experts=traced.routed_experts[0].numpy().astype(np.int32),
+                          indexer_topk=None if traced.indexer_topk is None
+                          else traced.indexer_topk[0].numpy().astype(np.int32)))
+    return out
+
+
+def _loss(logp: torch.Tensor) -> torch.Tensor:
+    return -(logp * torch.linspace(-1.0, 1.0, len(logp))).sum()
+
+
+def _step(backend: TorchBackend) -> None:
+    batch = collate(_samples(backend.model), routing=True,
+                    indexer=bool(backend.model_config.index_layers), support=True)
+    backend.zero_grad()
+    backend.forward_backward(batch, _loss)
+    assert np.isfinite(backend.clip_and_step(1.0))
+
+
+def _randomize_adapters(model, seed: int = 0, scale: float = 0.05) -> None:
+    """Nonzero ``B`` everywhere (peft initialises it to zero: the policy unchanged)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.copy_(scale * torch.randn(p.shape, generator=g))
+
+
+def _adapter_size_by_hand(checkpoint, rank: int, targets) -> int:
+    """r x (in + out) for every nn.Linear of the plain policy whose name ends with a target."""
+    model, _ = load_pretrained(checkpoint)
+    return sum(rank * (m.in_features + m.out_features) for name, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets)
+
+
+def _plain(state: dict, cfg) -> Qwen3MoeForCausalLM:
+    model = Qwen3MoeForCausalLM.empty(cfg, torch.float32)
+    model.load_state_dict(state)
+    return model.eval()
+
+
+def _ids(cfg):
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(3, cfg.vocab_size, (3, 11), generator=g), torch.arange(11).expand(3, 11)
+
+
+def test_only_the_adapters_train_and_sit_in_the_optimizer(checkpoint):
+    backend = TorchBackend(str(checkpoint), _config(), list(VOCABULARY))
+    want = _adapter_size_by_hand(checkpoint, 4, DEFAULT_TARGETS)
+    in_optimizer = sum(p.numel() for g in backend.optimizer.param_groups for p in g["params"])
+    trainable = sum(p.numel() for p in backend.model.parameters() if p.requires_grad)
+    assert in_optimizer == trainable == want > 0
+    # the router is not adapted unless named; every expert projection is
+    names = {n for n, _ in backend.model.named_parameters() if ".lora_A." in n}
+    assert not any(".mlp.gate.lora" in n for n in names)
+    assert "model.layers.1.mlp.experts.7.down_proj.lora_A.default.weight" in names
+    base = {k: v.clone() for k, v in lora.base_state(backend.model).items()}
+    adapters = {n: p.detach().clone() for n, p in backend.model.named_parameters() if ".lora_" in n}
+    _step(backend)
+    for name, t in lora.base_state(backend.model).items():
+        assert torch.equal(t, base[name]), name  # bit-identical
+    moved = [n for n, p in backend.model.named_parameters() if ".lora_" in n and not torch.equal(p, adapters[n])]
+    assert any(".experts." in n for n in moved) and any("self_attn" in n for n in moved)
+
+
+def test_the_router_is_adapted_when_named(checkpoint):
+    backend = TorchBackend(str(checkpoint), _config(lora_target_modules="gate,q_proj"), list(VOCABULARY))
+    names = [n for n, _ in backend.model.named_parameters() if ".lora_A." in n]
+    assert {n.split(".lora_A")[0].rsplit(".", 1)[-1] for n in names} == {"gate", "q_proj"}
+    assert sum(p.numel() for p in backend.params) == _adapter_size_by_hand(checkpoint, 4, ("gate", "q_proj"))
+
+
+def test_an_expert_adapter_changes_that_experts_output(checkpoint):
+    model, cfg = load_pretrained(checkpoint)
+    lora.add_adapters(model, 4, 8.0, ("down_proj",), seed=0)
+    moe = model.model.layers[1].mlp
+    layer = moe.experts[2].down_proj
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        layer.lora_B["default"].weight.copy_(torch.randn(layer.lora_B["default"].weight.shape, generator=g))
+    x = torch.randn(1, 9, cfg.hidden_size, generator=g)
+    with torch.no_grad():
+        base_out, experts, _ = moe(x, None)  # outside the block: the base weights
+        with lora.experts_adapted(model):
+            out, same, _ = moe(x, None)
+    assert torch.equal(same, experts)
+    # by hand: expert 2's output gains routing_weight x (2 * B @ A) @ h, h its hidden activation
+    probs = torch.softmax(x[0] @ moe.gate.weight.T, -1)
+    top = torch.topk(probs, cfg.num_experts_per_tok, -1)
+    w = top.values / top.values.sum(-1, keepdim=True)
+    e2 = moe.experts[2]
+    hidden = torch.nn.functional.silu(x[0] @ e2.gate_proj.weight.T) * (x[0] @ e2.up_proj.weight.T)
+    delta = 2.0 * layer.lora_B["default"].weight @ layer.lora_A["default"].weight  # alpha / r = 2
+    gain = ((top.indices == 2) * w).sum(-1, keepdim=True) * (hidden @ delta.T)
+    assert bool((top.indices == 2).any()) and gain.abs().max() > 1e-3
+    torch.testing.assert_close(out[0] - base_out[0], gain, rtol=0, atol=1e-5)
+    # and it trains: the gradient reaches the expert's factors through the grouped matmul
+    with lora.experts_adapted(model):
+        moe(x, None)[0].square().sum().backward()
+    assert layer.lora_A["default"].weight.grad.abs().max() > 0
+
+
+def test_the_push_after_the_first_carries_only_adapters_and_the_engine_merges_them(checkpoint):
+    backend = TorchBackend(str(checkpoint), _config(), list(VOCABULARY))
+    cfg = backend.model_config
+    engine = EmbeddedEngine(dataclasses.asdict(cfg), dtype=torch.float32)
+    full = backend.weight_bundle(full=True)
+    engine.load_weights(unpack_arrays(full), version=0)
+    ids, pos = _ids(cfg)
+    for version in (1, 2):  # twice: the engine merges into the base it kept, not the last merge
+        _randomize_adapters(backend.model, seed=version)
+        _step(backend)
+        bundle = backend.weight_bundle(full=False)
+        arrays = unpack_arrays(bundle)
+        assert arrays and all(k.endswith((".lora_A", ".lora_B")) for k in arrays)
+        n_adapter = sum(p.numel() for p in backend.params)
+        assert sum(b.nbytes for b in bundle["buffers"]) == 4 * n_adapter
+        assert sum(b.nbytes for b in full["buffers"]) > 10 * 4 * n_adapter
+        engine.load_weights(arrays, version=version)
+        trainer_merged = _plain(lora.merged_state(backend.model), cfg)
+        with torch.no_grad():
+            want = trainer_merged(ids, pos).logits
+            got = engine.model(ids, pos).logits
+            with lora.experts_adapted(backend.model):  # the LoRA policy's own forward
+                own = backend.model(ids, pos).logits
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+        torch.testing.assert_close(own, want, rtol=0, atol=1e-5)
+    base = _plain({k: v for k, v in lora.base_state(backend.model).items()}, cfg)
+    with torch.no_grad():
+        assert (base(ids, pos).logits - want).abs().max() > 1e-3  # the adapters do something
+
+
+def test_a_checkpoint_holds_the_adapters_and_loads_into_peft(moe_checkpoint, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from peft import PeftModel
+
+    checkpoint = moe_checkpoint
+    backend = TorchBackend(str(checkpoint), _config(), list(VOCABULARY))
+    _randomize_adapters(backend.model)
+    _step(backend)
+    backend.save_checkpoint(tmp_path / "ckpt", 5)
+    assert {p.name for p in (tmp_path / "ckpt" / "adapter").iterdir()} == {
+        "adapter_config.json", "adapter_model.safetensors"}
+    hf = transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path / "ckpt" / "model",
+                                                          attn_implementation="eager")
+    peft_model = PeftModel.from_pretrained(hf, tmp_path / "ckpt" / "adapter").eval()
+    ids, pos = _ids(backend.model_config)
+    with torch.no_grad(), lora.experts_adapted(backend.model):
+        ours = backend.model(ids, pos).logits
+        theirs = peft_model(input_ids=ids, position_ids=pos).logits
+        with peft_model.disable_adapter():
+            base = peft_model(input_ids=ids, position_ids=pos).logits
+    assert (base - ours).abs().max() > 1e-3  # the adapters were loaded and do something
+    torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-5)
+    # round trip: a fresh LoRA backend restores weights and optimizer bit for bit
+    assert TorchBackend.check_checkpoint(tmp_path / "ckpt", _config()) == 5
+    again = TorchBackend(str(checkpoint), _config(), list(VOCABULARY))
+    assert again.load_checkpoint(tmp_path / "ckpt") == 5
+    assert again.digest() == backend.digest()
+    with pytest.raises(ValueError, match="lora_alpha"):
+        TorchBackend.check_checkpoint(tmp_path / "ckpt", _config(lora_alpha=4.0))
+
+
+def test_routing_and_indexer_replay_are_unchanged_under_lora(tmp_path):
+    """The embedded default with its indexer: on the same replayed batch, the LoRA policy's
+    preflight uses the experts and keys, and gives the own choices and logprobs, of a plain
+    (no-LoRA) backend holding its merged weights."""
+    checkpoint = tmp_path / "init"
+    cfg = build_config({}).policy_config
+    assert cfg.index_layers  # the indexer is on
+    save_pretrained(decisive_model(cfg, seed=4, norm_jitter=0.2), checkpoint, tokens=list(VOCABULARY))
+    backend = TorchBackend(str(checkpoint), _config(), list(VOCABULARY))
+    _randomize_adapters(backend.model)
+    backend.save_hf(tmp_path / "merged")
+    plain = TorchBackend(str(tmp_path / "merged"), TrainerConfig(), list(VOCABULARY))
+    batch = collate(_samples(backend.model), routing=True, indexer=True, support=True)
+    got, want = backend.preflight_logprobs(batch), plain.preflight_logprobs(batch)
+    for field in ("routed_experts", "own_routed_experts", "indexer_topk"):
+        assert torch.equal(getattr(got, field), getattr(want, field)), field
+    # the indexer's own top-k over keys of near-equal scores may flip on a float rounding
+    # (adapters applied in activation space vs merged into the weights): a few slots at most
+    assert (got.own_indexer_topk != want.own_indexer_topk).float().mean() < 0.02
+    torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=1e-5)
+
+
+def test_what_cannot_run_is_refused_before_start():
+    with pytest.raises(TrainerConfigError, match="--train-backend torch"):
+        TrainerConfig(lora_rank=8, train_backend="megatron")
+    with pytest.raises(TrainerConfigError, match="--train-backend torch"):
+        TrainerConfig(lora_rank=8, train_backend="fsdp")
+    with pytest.raises(TrainerConfigError, match="'mlp'"):
+        TrainerConfig(lora_rank=8, lora_target_modules="q_proj,mlp")
+    with pytest.raises(ConfigError, match="--rollout-engine vllm"):
+        build_config({"lora-rank": 8, "rollout-engine": "vllm", "model-indexer": False})
+    assert build_config({"lora-rank": 8}).trainer.lora_rank == 8
+    assert TrainerConfig().lora_rank == 0  # off by default

@@ -1,0 +1,229 @@
+"""LoRA on the embedded Qwen3-MoE policy through peft (``--lora-rank``; docs/design.md#lora).
+
+:func:`add_adapters` injects peft LoRA layers (``peft.inject_adapter_in_model``, a
+``peft.LoraConfig``) into the policy and freezes every base weight: only the adapters train
+and sit in the optimizer. The targets are module names (``--lora-target-modules``); the
+expert projections ``gate_proj`` / ``up_proj`` / ``down_proj`` of every expert are adapted with
+the dense ones, one adapter per expert (the Hub's per-expert Qwen3-MoE layout, which peft
+converts to transformers' fused expert tensors when it loads the adapter). The router
+``gate`` is adapted only when named.
+
+The MoE block reads its experts' weights (``experts.{e}.gate_proj.weight``) to stack them for
+one grouped matmul instead of calling the expert modules, so peft's ``lora.Linear.forward``
+never runs there: :func:`experts_adapted` wraps a forward and parametrizes each adapted
+expert weight as ``W + scaling * B @ A`` (``torch.nn.utils.parametrize``, the mechanism of
+peft's own ``ParamWrapper``), differentiable into ``A`` and ``B``. Every other adapted module
+(attention, dense MLP, router) is called and goes through peft's forward.
+
+Names: the base weights keep their HF names (:func:`base_state` strips peft's
+``.base_layer``); the adapter file is peft's (``adapter_config.json`` +
+``adapter_model.safetensors``, keys ``base_model.model.<module>.lora_{A,B}.weight``), loaded
+by ``peft.PeftModel.from_pretrained`` on the HF checkpoint of the base. peft is the optional
+extra ``lora``, imported only by a LoRA run.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from torch.nn.utils import parametrize
+
+from replayrl.rollout.model.adapters import LORA_A_SUFFIX, LORA_B_SUFFIX
+from replayrl.trainer.errors import TrainerConfigError
+
+__all__ = ["ADAPTER_DIR", "LORA_MODULES", "add_adapters", "adapter_arrays", "adapter_parameters",
+           "base_state", "experts_adapted", "load_adapters", "merged_state", "save_adapters",
+           "target_modules"]
+
+ADAPTER_NAME = "default"
+ADAPTER_DIR = "adapter"
+"""Checkpoint subdirectory of the peft adapter (beside ``model``, the base)."""
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "gate")
+"""Module names ``--lora-target-modules`` accepts (``gate`` is the MoE router)."""
+
+
+def target_modules(spec: str) -> tuple[str, ...]:
+    """``--lora-target-modules`` (comma list) -> its names, checked.
+
+    Raises:
+        TrainerConfigError: an empty list, or a name not in :data:`LORA_MODULES` (named).
+    """
+    names = tuple(n.strip() for n in spec.split(",") if n.strip())
+    unknown = [n for n in names if n not in LORA_MODULES]
+    if not names or unknown:
+        raise TrainerConfigError(f"--lora-target-modules {spec!r}: expected a comma list of "
+                                 f"{', '.join(LORA_MODULES)} (gate = the MoE router), got "
+                                 f"{unknown or 'nothing'}")
+    return names
+
+
+def _peft():
+    try:
+        import peft
+    except ImportError as exc:  # the optional extra
+        raise TrainerConfigError("--lora-rank needs peft: pip install -e '.[lora]'") from exc
+    return peft
+
+
+def _lora_config(rank: int, alpha: float, targets: tuple[str, ...]):
+    """The ``peft.LoraConfig`` (peft matches a listed name as the module name's last part, so
+    ``gate`` names only the router, never ``gate_proj``)."""
+    return _peft().LoraConfig(r=rank, lora_alpha=alpha, target_modules=sorted(targets),
+                              lora_dropout=0.0, bias="none")
+
+
+def add_adapters(model: torch.nn.Module, rank: int, alpha: float, targets: tuple[str, ...],
+                 seed: int) -> object:
+    """Inject LoRA adapters (peft's init: ``A`` Kaiming-uniform drawn with ``seed``, ``B`` zero,
+    so the policy is unchanged) and freeze every other parameter. Returns the ``LoraConfig``.
+
+    Raises:
+        TrainerConfigError: peft missing, or no module of the model matches ``targets``.
+    """
+    config = _lora_config(rank, alpha, targets)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        try:
+            _peft().inject_adapter_in_model(config, model, adapter_name=ADAPTER_NAME)
+        except ValueError as exc:
+            raise TrainerConfigError(f"--lora-target-modules {','.join(targets)}: {exc}") from None
+    for name, p in model.named_parameters():
+        p.requires_grad_(".lora_" in name)
+    return config
+
+
+def adapter_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The adapters' parameters (``lora_A`` / ``lora_B`` of every adapted module), model order."""
+    return [p for name, p in model.named_parameters() if ".lora_" in name]
+
+
+def _lora_layers(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
+    from peft.tuners.lora import LoraLayer
+
+    for name, module in model.named_modules():
+        if isinstance(module, LoraLayer):
+            yield name, module
+
+
+class _Delta(torch.nn.Module):
+    """Parametrization ``W -> W + scaling * B @ A`` of one peft ``lora.Linear``'s base weight."""
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        super().__init__()
+        self.layer = [layer]  # not a submodule: the parametrization must not own it
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        """weight [out, in] -> the adapted weight, same shape and dtype."""
+        return weight + self.layer[0].get_delta_weight(ADAPTER_NAME).to(weight.dtype)
+
+
+@contextlib.contextmanager
+def experts_adapted(model: torch.nn.Module) -> Iterator[None]:
+    """Within the block, every adapted expert weight reads as ``W + scaling * B @ A``
+    (gradients reach ``A`` and ``B``); outside it the weight is the base again. A no-op for a
+    model without adapted experts. The graph built inside stays valid for a later backward."""
+    experts = [m for name, m in _lora_layers(model) if ".experts." in name]
+    done = []
+    try:
+        for layer in experts:
+            parametrize.register_parametrization(layer.base_layer, "weight", _Delta(layer), unsafe=True)
+            done.append(layer)
+        yield
+    finally:
+        for layer in done:
+            parametrize.remove_parametrizations(layer.base_layer, "weight", leave_parametrized=False)
+
+
+def base_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The base weights under their HF names (peft's ``.base_layer`` removed, adapters left
+    out); the tensors are the model's own (no copy)."""
+    return {name.replace(".base_layer", ""): t for name, t in model.state_dict().items()
+            if ".lora_" not in name}
+
+
+def _factors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor, torch.Tensor, float]]:
+    """(HF weight name, A [r, in], B [out, r], scaling) of every adapted weight."""
+    for name, layer in _lora_layers(model):
+        yield (f"{name}.weight", layer.lora_A[ADAPTER_NAME].weight, layer.lora_B[ADAPTER_NAME].weight,
+               float(layer.scaling[ADAPTER_NAME]))
+
+
+def merged_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The policy as plain weights: :func:`base_state` with ``scaling * B @ A`` added to every
+    adapted weight (new float tensors for those, the model's own for the rest)."""
+    state = dict(base_state(model))
+    with torch.no_grad():
+        for name, a, b, scaling in _factors(model):
+            state[name] = state[name] + (b * scaling) @ a
+    return state
+
+
+def adapter_arrays(model: torch.nn.Module) -> dict:
+    """The adapter push (:mod:`replayrl.rollout.model.adapters`): float32 numpy ``N.lora_A``
+    [r, in] and ``N.lora_B`` [out, r] (times the scaling) per adapted weight ``N``; copies."""
+    out = {}
+    with torch.no_grad():
+        for name, a, b, scaling in _factors(model):
+            out[name + LORA_A_SUFFIX] = a.detach().float().clone().numpy()
+            out[name + LORA_B_SUFFIX] = (b.detach().float() * scaling).numpy()
+    return out
+
+
+def _peft_keys(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Adapter tensors under peft's file keys (``base_model.model.<module>.lora_A.weight``)."""
+    return {"base_model.model." + name.replace(f".{ADAPTER_NAME}.", "."): t
+            for name, t in model.state_dict().items() if ".lora_" in name}
+
+
+def save_adapters(model: torch.nn.Module, config, directory: Path, base_dir: str = "") -> Path:
+    """Write peft's adapter files (``adapter_config.json``, ``adapter_model.safetensors``) of
+    ``model`` to ``directory``; ``base_dir`` is recorded as the base model's path."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config.base_model_name_or_path = base_dir
+    config.save_pretrained(str(directory))
+    save_file({k: t.detach().contiguous() for k, t in _peft_keys(model).items()},
+              str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
+    return directory
+
+
+def load_adapters(model: torch.nn.Module, directory: Path, rank: int, alpha: float,
+                  targets: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """Read :func:`save_adapters` output and check it against ``model``'s adapters and this
+    run's settings; returns the tensors under the model's state-dict names, changes nothing.
+
+    Raises:
+        ValueError: missing / unreadable files, another rank, alpha or target list than this
+            run's, or tensors whose names or shapes differ (named).
+    """
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    try:
+        saved = json.loads((directory / "adapter_config.json").read_text())
+        tensors = load_file(str(directory / "adapter_model.safetensors"))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{directory}: unreadable LoRA adapter: {type(exc).__name__}: {exc}") from None
+    want = _lora_config(rank, alpha, targets)
+    for key in ("r", "lora_alpha", "target_modules"):
+        norm = (lambda v: sorted(v) if isinstance(v, (list, set, tuple)) else v)
+        if norm(saved.get(key)) != norm(getattr(want, key)):
+            raise ValueError(f"{directory}/adapter_config.json: {key} {saved.get(key)!r}, this run "
+                             f"{getattr(want, key)!r} (--lora-rank / --lora-alpha / --lora-target-modules)")
+    current = {"base_model.model." + n.replace(f".{ADAPTER_NAME}.", "."): n
+               for n in model.state_dict() if ".lora_" in n}
+    if set(tensors) != set(current):
+        missing, extra = sorted(set(current) - set(tensors)), sorted(set(tensors) - set(current))
+        raise ValueError(f"{directory}: adapter tensors do not match this policy (missing "
+                         f"{missing[:4]}, unexpected {extra[:4]})")
+    state = model.state_dict()
+    for key, name in current.items():
+        if tensors[key].shape != state[name].shape:
+            raise ValueError(f"{directory}: {key} has shape {tuple(tensors[key].shape)}, this "
+                             f"policy {tuple(state[name].shape)}")
+    return {current[k]: t for k, t in tensors.items()}

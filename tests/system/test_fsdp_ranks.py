@@ -1,18 +1,21 @@
 """--train-backend fsdp over --dp-size ranks (docs/trainer-ranks.md#fsdp): one step of the
 embedded Qwen3-MoE with its DSA indexer (R3, indexer and support replay) at DP=2 against DP=1,
-the weights pushed once by rank 0, gathered from the two ranks' shards."""
+the weights pushed once by rank 0, gathered from the two ranks' shards; the same for a tiny
+GLM-5 (`glm_moe_dsa`: transformers' model with our router / indexer hooks, a DSA family)."""
 from __future__ import annotations
 
 import asyncio
 import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from replayrl.actors import Directory, Supervisor
 from replayrl.tools.run.config import build_config
-from replayrl.tools.run.launcher import actor_specs, write_initial_checkpoint
+from replayrl.tools.run.launcher import actor_specs, tokenizer_dir, write_embedded_tokenizer, write_initial_checkpoint
 from replayrl.trainer.rank_group import follower_names
+from tests.family_checkpoints import tiny_hf_checkpoint
 
 SMALL = {"rollout-batch-size": 2, "n-samples-per-prompt": 2, "progress": False,
          "train-backend": "fsdp"}
@@ -22,7 +25,11 @@ async def _one_step(tmp_path, extra: dict) -> tuple[dict, dict, dict[str, dict]]
     """Push, generate rollout 0, train one step, push again; the metrics row, the second push's
     result and every trainer rank's digest (its shards)."""
     config = build_config({**SMALL, "num-steps": 1, "output-dir": str(tmp_path), **extra})
-    checkpoint = write_initial_checkpoint(config, tmp_path / "ckpt")
+    if config.hf_checkpoint:  # on the built-in task: the embedded tokenizer beside it, as the launcher
+        checkpoint = Path(config.hf_checkpoint)
+        write_embedded_tokenizer(tokenizer_dir(config, checkpoint))
+    else:
+        checkpoint = write_initial_checkpoint(config, tmp_path / "ckpt")
     specs = actor_specs(config, checkpoint)
     ranks = ["trainer", *follower_names(config.trainer.dp_size)]
     with tempfile.TemporaryDirectory(prefix="rrl-") as run_dir:
@@ -83,6 +90,52 @@ async def test_two_fsdp_ranks_take_the_same_step_as_one(tmp_path, one_rank, extr
             np.testing.assert_allclose(two[k], one[k], rtol=0, atol=0.2 * lr, err_msg=k)
     # rank 0 pushed the whole weight set once (version 1), gathered from both ranks' shards:
     # as many bytes as the full tensors of every weight
+    full_bytes = sum(a.nbytes for k, a in two.items() if k.startswith("param/"))
+    assert push == {**push, "version": 1, "bytes": full_bytes}
+    assert reference_push["bytes"] == full_bytes
+
+
+@pytest.fixture(scope="module")
+def glm5(tmp_path_factory):
+    """A tiny random GLM-5 checkpoint (tests/family_checkpoints.py) and its one-rank step."""
+    pytest.importorskip("transformers", reason="checkpoints are written by transformers")
+    directory = tmp_path_factory.mktemp("glm5")
+    tiny_hf_checkpoint("glm_moe_dsa", directory / "ckpt")
+    extra = {"hf-checkpoint": str(directory / "ckpt")}
+    return extra, asyncio.run(_one_step(directory / "dp1", extra))
+
+
+async def test_two_fsdp_ranks_take_one_ranks_step_on_a_dsa_family(tmp_path, glm5):
+    extra, (reference_row, reference_push, reference) = glm5
+    row, push, digests = await _one_step(tmp_path, {**extra, "dp-size": 2})
+    for key in ("loss_tokens", "accepted_tokens", "sampled_tokens", "trained_groups"):
+        assert row[key] == reference_row[key]
+    assert row["grad_norm"] == pytest.approx(reference_row["grad_norm"], rel=1e-5)
+    for key in ("train_rollout_logprob_abs_diff", "tis_weight_mean", "support_entropy_mean"):
+        assert row[key] == pytest.approx(reference_row[key], rel=1e-4, abs=1e-6)
+    # every replay on: the trainer used the engine's experts and indexer keys everywhere
+    for key in ("routing_flip_rate", "indexer_flip_rate"):
+        assert row[key] == reference_row[key] == 0.0
+    one = _full([reference["trainer"]])
+    start = _full([reference["before"]])
+    # a buffer (the routers' e_score_correction_bias) is not sharded: whole on every rank
+    ranks = [digests["trainer"], digests["trainer_1"]]
+    buffers = {k for k in one if all(len(d[k]) == len(reference["trainer"][k]) for d in ranks)}
+    assert any("e_score_correction_bias" in k for k in buffers)
+    assert all(ranks[0][k] == ranks[1][k] for k in buffers)
+    two = {**_full(ranks), **_full([{k: ranks[0][k] for k in buffers}])}
+    assert set(one) == set(two)
+    assert len(digests["trainer"]["param/model.embed_tokens.weight"]) < \
+        len(reference["trainer"]["param/model.embed_tokens.weight"])
+    assert max(float(np.abs(one[k] - start[k]).max()) for k in one if k.startswith("param/")) > 1e-4
+    lr = build_config(SMALL).trainer.lr
+    for k in one:
+        if k.startswith("opt/"):
+            scale = float(np.abs(one[k]).max())
+            np.testing.assert_allclose(two[k], one[k], rtol=1e-4, atol=1e-4 * scale, err_msg=k)
+        else:
+            np.testing.assert_allclose(two[k], one[k], rtol=0, atol=0.2 * lr, err_msg=k)
+    # rank 0 pushed every full weight once (version 1), gathered from both ranks' shards
     full_bytes = sum(a.nbytes for k, a in two.items() if k.startswith("param/"))
     assert push == {**push, "version": 1, "bytes": full_bytes}
     assert reference_push["bytes"] == full_bytes

@@ -96,6 +96,22 @@ def test_two_trainer_ranks_under_torchrun(tmp_path, curve_keys_dir, backend):
     assert "find_unused_parameters" not in proc.stderr
 
 
+def test_a_dsa_family_trains_on_two_fsdp_ranks_under_torchrun(tmp_path, curve_keys_dir):
+    # a tiny GLM-5 (transformers' glm_moe_dsa with our router / indexer hooks) sharded over
+    # trainer and trainer_1, every replay on: the engine's experts and keys are used (flips 0)
+    pytest.importorskip("transformers", reason="checkpoints are written by transformers")
+    from tests.family_checkpoints import tiny_hf_checkpoint
+
+    tiny_hf_checkpoint("glm_moe_dsa", tmp_path / "glm5")
+    proc = _torchrun(4, tmp_path / "run", "--curve-keys", curve_keys_dir, "--dp-size", "2",
+                     "--train-backend", "fsdp", "--hf-checkpoint", str(tmp_path / "glm5"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["trainer_version"] for r in rows] == [1, 2]
+    assert all(r["loss_tokens"] > 0 for r in rows)
+    assert all(r["routing_flip_rate"] == r["indexer_flip_rate"] == 0.0 for r in rows)
+
+
 def test_the_plan_gives_the_last_ranks_to_the_trainer_ranks(tmp_path):
     from replayrl.tools.errors import ConfigError
     from replayrl.tools.run.config import build_config

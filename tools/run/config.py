@@ -232,14 +232,15 @@ class RunConfig:
                  f"--rollout-engine {self.rollout_engine} cannot serve the {family!r} family of "
                  f"--hf-checkpoint {self.hf_checkpoint} (config.json field 'model_type'); "
                  f"use --rollout-engine embedded"),
-                (self.trainer.train_backend == "torch",
+                (self.trainer.train_backend in ("torch", "fsdp"),
                  f"--train-backend {self.trainer.train_backend} cannot train the {family!r} "
                  f"family of --hf-checkpoint {self.hf_checkpoint} (config.json field "
-                 f"'model_type'); use --train-backend torch"),
-                # transformers' experts loop skips experts no token reached: no gradient, so
-                # DDP (which expects one for every parameter) would stop
-                (self.trainer.dp_size == 1,
-                 f"--dp-size {self.trainer.dp_size}: the {family!r} family trains on one rank"),
+                 f"'model_type'); use --train-backend torch or fsdp"),
+                # several ranks shard it with FSDP2 (docs/trainer-ranks.md#fsdp); the torch
+                # backend's DDP is not checked on transformers' models
+                (self.trainer.dp_size == 1 or self.trainer.train_backend == "fsdp",
+                 f"--dp-size {self.trainer.dp_size}: the {family!r} family trains on one rank "
+                 f"with --train-backend {self.trainer.train_backend}; use --train-backend fsdp"),
                 (not self.trainer.use_packing,
                  f"--use-packing: the {family!r} family model has no packed segments"),
             ]

@@ -2,7 +2,9 @@
 
 :class:`FSDPBackend` (``--train-backend fsdp``) builds the policy exactly as
 :class:`replayrl.trainer.backends.torch_backend.TorchBackend` does (``load_pretrained``: the
-embedded default or an ``--hf-checkpoint`` of a family the loader reads) and runs the same
+embedded default or an ``--hf-checkpoint`` of a family the loader reads, transformers' model
+of that family included: :class:`replayrl.rollout.model.families.base.FamilyModel`, whose router
+and indexer hooks capture and replay inside each sharded decoder layer) and runs the same
 forward (:func:`replayrl.trainer.backends.torch_backend.response_logprobs`: routing, indexer and
 support replay, prefix tree, fused LM head), but shards every parameter, gradient and AdamW
 moment over the trainer ranks with torch's FSDP2 (``torch.distributed.fsdp.fully_shard``): one
@@ -42,6 +44,7 @@ import torch.distributed as dist
 
 from replayrl.actors.errors import VersionRegression
 from replayrl.rollout.model.checkpoint import load_state_arrays, save_pretrained
+from replayrl.rollout.model.families.base import FamilyConfig, FamilyModel
 from replayrl.rollout.model.loader import check_weight_files, load_pretrained, read_hf_config
 from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
 from replayrl.trainer.backends.checkpoint_layout import CheckpointLayout, check_layout, refuse_other_backend
@@ -93,7 +96,7 @@ class FSDPBackend(TorchBackend):
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
                                       reduce_dtype=torch.float32 if bf16 else None)
         self.mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
-        for layer in self.model.model.layers:
+        for layer in _decoder_layers(self.model):
             fully_shard(layer, mesh=self.mesh, mp_policy=policy)
         fully_shard(self.model, mesh=self.mesh, mp_policy=policy)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -149,9 +152,13 @@ class FSDPBackend(TorchBackend):
 
         return pack_arrays(self.weights())
 
-    def _hf_model(self) -> Qwen3MoeForCausalLM:
+    def _hf_model(self) -> Qwen3MoeForCausalLM | FamilyModel:
         """An unsharded CPU copy of the policy (a collective; its copy matters on rank 0)."""
-        model = Qwen3MoeForCausalLM.empty(self._model_config, torch.float32)
+        if isinstance(self._model_config, FamilyConfig):
+            with torch.random.fork_rng(devices=[]):  # transformers' init draws random weights
+                model = FamilyModel.from_config(self._model_config, torch.float32)
+        else:
+            model = Qwen3MoeForCausalLM.empty(self._model_config, torch.float32)
         load_state_arrays(model, self.weights())
         return model
 
@@ -270,13 +277,21 @@ class FSDPBackend(TorchBackend):
     def digest(self) -> dict[str, bytes]:
         """See :meth:`TrainerBackend.digest`: THIS rank's shards (no collective) of every weight
         (``param/<name>``) and AdamW moment (``opt/<i>/<key>``); the shards of ranks
-        ``0 .. N-1`` concatenated in rank order are the full tensors' bytes."""
+        ``0 .. N-1`` concatenated in rank order are the full tensors' bytes. A buffer in the
+        state dict (a DeepSeek / GLM router's ``e_score_correction_bias``) is not sharded:
+        every rank gives it whole."""
         arrays = {f"param/{k}": _local(v).detach().cpu().numpy()
                   for k, v in self.model.state_dict().items()}
         for i, st in self.optimizer.state_dict()["state"].items():
             for key in ("exp_avg", "exp_avg_sq"):
                 arrays[f"opt/{i}/{key}"] = _local(st[key]).cpu().numpy()
         return {k: np.ascontiguousarray(v).tobytes() for k, v in arrays.items()}
+
+
+def _decoder_layers(model: Qwen3MoeForCausalLM | FamilyModel) -> torch.nn.ModuleList:
+    """The decoder layers of the policy (one FSDP unit each): the embedded model's
+    ``model.layers``, or those of the transformers model a family model wraps."""
+    return model.hf.model.layers if isinstance(model, FamilyModel) else model.model.layers
 
 
 def _group_backend() -> str:

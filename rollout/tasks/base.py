@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import numpy as np
 
@@ -97,6 +97,17 @@ class Task(ABC):
             loss_mask: uint8 ``[R]``, read-only; 0 on observation tokens.
         """
         return rm_type_reward(self.config.rm_type, tokenizer, prompt, response_ids, loss_mask)
+
+    @classmethod
+    def flag_defaults(cls, config: RolloutConfig) -> dict[str, Any]:
+        """This task's own defaults of run flags: flag name (no dashes) -> value, for ``config``.
+
+        The run configuration (``replayrl.tools.run.config.build_config``) sets each flag left
+        out of the command line and the config file to its value here; a flag that is given
+        keeps its value (the task's constructor may refuse it). By default ``{}``: every flag
+        has its global default.
+        """
+        return {}
 
     def environment(self) -> Environment | None:
         """The multi-turn environment, or ``None`` (the default) when the task has none."""

@@ -34,8 +34,16 @@ from replayrl.rollout.engines.sglang_protocol import parse_urls
 from replayrl.rollout.model.config import ModelConfig, default_config, without_indexer
 from replayrl.rollout.model.errors import ModelError
 from replayrl.rollout.model.loader import read_hf_config
-from replayrl.rollout.tasks import TaskConfigError, load_environment_class, make_task, task_name
+from replayrl.rollout.tasks import (
+    TaskConfigError,
+    load_environment_class,
+    load_task_class,
+    make_task,
+    task_class_path,
+    task_name,
+)
 from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
+from replayrl.rollout.tasks.sort import prompt_tokens
 from replayrl.tools.errors import ConfigError
 from replayrl.trainer.config import TrainerConfig
 from replayrl.transport import TransportError, strict_json
@@ -197,7 +205,8 @@ class RunConfig:
             (self.rollout.top_k <= policy.vocab_size,
              f"--rollout-top-k must be <= the vocabulary size {policy.vocab_size} (or -1)"),
             (self.rollout.prompt_data or self.max_context_tokens <= policy.max_position_embeddings,
-             f"--num-digits + 3 + --rollout-max-turns x (--rollout-max-response-len + 2) = "
+             f"{'--answer-tokens + 2' if task_name(self.rollout) == 'sort' else '--num-digits + 3'}"
+             f" + --rollout-max-turns x (--rollout-max-response-len + 2) = "
              f"{self.max_context_tokens} tokens exceeds the model's "
              f"{policy.max_position_embeddings} positions"),
             (self.trainer.temperature == self.rollout.temperature,
@@ -300,12 +309,14 @@ class RunConfig:
 
     @property
     def max_context_tokens(self) -> int:
-        """Longest trajectory the run can produce: prompt, turns and tool observations.
+        """Longest trajectory the run can produce: prompt (``--num-digits + 3`` tokens, the sort
+        task's ``--answer-tokens + 2``), turns and tool observations.
 
         The last turn has no observation, so its two observation slots in this bound also
         cover the one synthetic EOS of ``--rollout-append-eos-on-truncation``."""
         r = self.rollout
-        return r.num_digits + 3 + r.max_turns * (r.max_response_len + 2)
+        prompt = prompt_tokens(r.answer_tokens) if task_name(r) == "sort" else r.num_digits + 3
+        return prompt + r.max_turns * (r.max_response_len + 2)
 
     def _check_task(self) -> None:
         """The run's task (``--task``, or what ``--prompt-data`` implies) is registered and
@@ -367,6 +378,7 @@ class RunConfig:
         return {"task": task_name(r), "seed": r.seed, "rollout_batch_size": r.rollout_batch_size,
                 "n_samples_per_prompt": r.n_samples_per_prompt, "num_digits": r.num_digits,
                 "num_values": r.num_values, "dataset_size": r.dataset_size,
+                "answer_tokens": r.answer_tokens,
                 "prompt_data": r.prompt_data, "input_key": r.input_key,
                 "label_key": r.label_key, "num_epoch": r.num_epoch, "tokenizer": r.tokenizer,
                 "apply_chat_template": r.apply_chat_template,
@@ -623,6 +635,7 @@ def build_config(values: dict[str, Any]) -> RunConfig:
             value = tuple(value)
         for section, name in flag.targets:
             sections[section][name] = value
+    _task_flag_defaults(values, sections)
     try:
         rollout = RolloutConfig(**sections["rollout"])
         trainer = TrainerConfig(**sections["trainer"])
@@ -630,6 +643,22 @@ def build_config(values: dict[str, Any]) -> RunConfig:
     except (TypeError, ValueError) as exc:
         raise ConfigError(str(exc)) from None
     return _resolve_indexer_replay(config, asked=values.get("use-indexer-replay") is True)
+
+
+def _task_flag_defaults(values: dict[str, Any], sections: dict[str | None, dict[str, Any]]) -> None:
+    """Each flag the run's task sets a default of (``Task.flag_defaults``, e.g. the sort task's
+    ``--rollout-max-response-len``) and ``values`` leaves out is set, in ``sections`` (the
+    keyword arguments of each section's config). An unknown task or settings the task refuses
+    are left for the run configuration's own checks to name."""
+    try:
+        rollout = RolloutConfig(**sections["rollout"])
+        defaults = load_task_class(task_class_path(task_name(rollout))).flag_defaults(rollout)
+    except (TypeError, ValueError, TaskConfigError):
+        return
+    for key, value in defaults.items():
+        if key not in values:
+            for section, name in FLAGS[key].targets:
+                sections[section][name] = value
 
 
 def _resolve_indexer_replay(config: RunConfig, asked: bool) -> RunConfig:

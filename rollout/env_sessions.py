@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -52,6 +52,19 @@ def turn_text(tokenizer: Any, ids: np.ndarray) -> str:
     return tokenizer.tokenizer.decode([int(t) for t in ids[:end]], skip_special_tokens=False)
 
 
+def _check_opening(observation: Any) -> str:
+    """Why a reset's opening observation is malformed (``""`` when it is text or a non-empty
+    sequence of ``{"role": str, "content": str}`` mappings)."""
+    if isinstance(observation, str):
+        return "" if observation else "reset() returned an empty opening observation"
+    if (isinstance(observation, (list, tuple)) and observation
+            and all(isinstance(m, Mapping) and isinstance(m.get("role"), str)
+                    and isinstance(m.get("content"), str) for m in observation)):
+        return ""
+    return (f"reset() returned an opening observation of type {type(observation).__name__}, "
+            "not text or a non-empty sequence of {'role': str, 'content': str} messages")
+
+
 class EnvSessions:
     """The environment instances of one batch of trajectories (row ``i`` = ``prompts[i]``).
 
@@ -81,6 +94,8 @@ class EnvSessions:
         self.name = name or "environment"
         self.envs: list[ToolEnvironment | None] = [None] * len(self.prompts)
         self.failed: list[str] = [""] * len(self.prompts)
+        # per row: the prompt ids with the reset's opening observation rendered in, or None
+        self.openings: list[np.ndarray | None] = [None] * len(self.prompts)
 
     def _where(self, row: int, turn: int | None) -> str:
         p = self.prompts[row]
@@ -108,10 +123,15 @@ class EnvSessions:
         """Build and reset every row's environment (concurrently). A row whose environment
         cannot be built or reset, or whose reset returns something but ``None`` or a
         :class:`Reset` with no tools or the class's ``tools`` (the schema every prompt was
-        rendered with), is failed; its first turn ends it (:meth:`respond`).
+        rendered with), or an opening observation that is neither text nor a sequence of
+        ``{"role": str, "content": str}`` messages, is failed; its first turn ends it
+        (:meth:`respond`). A reset's opening observation is rendered into the row's prompt ids
+        (:attr:`openings`, ``PromptTokenizer.render_opening``).
 
         Raises:
             EnvironmentFailure: under ``failure="error"``.
+            replayrl.rollout.errors.ChatTemplateError: the opening cannot be rendered into the
+                prompt (the run's template, not the environment).
         """
         async def one(row: int) -> None:
             async def build_and_reset():
@@ -129,13 +149,31 @@ class EnvSessions:
                 self.failed[row] = self._fail(
                     row, None, "malformed", f"reset() offers tools other than "
                     f"{type(env).__name__}.tools, which the prompts were rendered with")
+            elif reset.observation is not None:
+                malformed = _check_opening(reset.observation)
+                if malformed:
+                    self.failed[row] = self._fail(row, None, "malformed", malformed)
+                else:
+                    self.openings[row] = self.tokenizer.render_opening(
+                        reset.observation, self.prompts[row].prompt_ids, sample_id=row)
 
         await asyncio.gather(*(one(row) for row in range(len(self.prompts))))
 
-    def failure_at(self, row: int, turn: int, kind: str, detail: str) -> str:
-        """The failure message of a row's turn found by the turn loop (e.g. an observation
-        too long for the context left), or raise it under ``failure="error"``."""
+    def failure_at(self, row: int, turn: int | None, kind: str, detail: str) -> str:
+        """The failure message of a row's turn (``None``: its reset) found by the turn loop
+        (e.g. an observation too long for the context left), or raise it under
+        ``failure="error"``."""
         return self._fail(row, turn, kind, detail)
+
+    def fail_opening(self, row: int, detail: str) -> None:
+        """Fail a row whose opening observation does not fit the context (found by the turn
+        loop): its opening is dropped and its first turn ends it (:meth:`respond`).
+
+        Raises:
+            EnvironmentFailure: under ``failure="error"``.
+        """
+        self.openings[row] = None
+        self.failed[row] = self._fail(row, None, "observation_too_long", detail)
 
     async def respond(self, row: int, turn: int, generation: Any) -> Answer:
         """The environment's answer to turn ``turn`` of row ``row``.

@@ -299,13 +299,15 @@ class RolloutManager(Actor):
         if source == "env":
             return float(episode.env_reward)
         verified = await self._reward(fields["sample_id"], prompt, fields["response_ids"],
-                                      fields["loss_mask"])
+                                      fields["loss_mask"], fields["prompt_ids"])
         return verified + float(episode.env_reward) if source == "sum" else verified
 
     async def _reward(self, sample_id: int | str, prompt: Prompt, response_ids: np.ndarray,
-                      loss_mask: np.ndarray) -> float:
+                      loss_mask: np.ndarray, prompt_ids: np.ndarray | None = None) -> float:
         """The reward of one trajectory (``--custom-reward``, else the task's: ``--rm-type`` by
-        default), under the reward guard's time limit.
+        default), under the reward guard's time limit. ``prompt_ids``: the trajectory's prompt
+        ids as trained (an ``--env`` opening observation included; default ``prompt.prompt_ids``),
+        which ``--custom-reward`` gets.
 
         Raises:
             replayrl.rollout.rewards.RewardFailure: the reward raised or ran over the limit, under
@@ -314,7 +316,8 @@ class RolloutManager(Actor):
         cfg = self.config
         name = f"sample {sample_id} (prompt {prompt.source or prompt.index})"
         if self.custom_reward is not None:
-            return await self.reward_guard.score(name, self.custom_reward, prompt.prompt_ids,
+            return await self.reward_guard.score(name, self.custom_reward,
+                                                 prompt.prompt_ids if prompt_ids is None else prompt_ids,
                                                  response_ids, loss_mask, prompt.answer_id, cfg)
         # a bounded reward (digits / exact) runs inline; a custom reward and math-verify can
         # run long and get a thread and the time limit
@@ -464,18 +467,22 @@ class RolloutManager(Actor):
         self.next_sample_id += 1
         merged, version = assemble(episode, sample_id=sample_id, require=self.require_traces)
         fields = merged.sample_fields()
+        prompt_ids = prompt.prompt_ids
+        if episode.prompt_ids != tuple(int(t) for t in prompt_ids):  # an --env opening observation
+            prompt_ids = np.asarray(episode.prompt_ids, dtype=np.int32)
+            prompt_ids.flags.writeable = False
         status = ("completed" if episode.finish_reason == "stop"
                   else "aborted" if episode.finish_reason == "env_error" else "truncated")
         eos = self.tokenizer.eos_token_id
         if (self.config.append_eos_on_truncation and episode.finish_reason == "length"
                 and int(fields["response_ids"][-1]) != eos):
-            if len(prompt.prompt_ids) + len(fields["response_ids"]) + 1 > self.max_positions:
+            if len(prompt_ids) + len(fields["response_ids"]) + 1 > self.max_positions:
                 raise TrajectoryError(sample_id, "synthetic_eos",
-                                      f"P + R + 1 = {len(prompt.prompt_ids) + len(fields['response_ids']) + 1} "
+                                      f"P + R + 1 = {len(prompt_ids) + len(fields['response_ids']) + 1} "
                                       f"tokens exceed max_position_embeddings {self.max_positions}; "
                                       "--rollout-append-eos-on-truncation needs one more position")
             capped = Sample(sample_id=sample_id, group_id=group_id, rollout_id=rollout_id,
-                            policy_version=version, prompt_ids=prompt.prompt_ids, status=status,
+                            policy_version=version, prompt_ids=prompt_ids, status=status,
                             **fields)
             appended = append_synthetic_eos(capped, eos)
             fields = {name: getattr(appended, name) for name in (*fields, "synthetic_eos")}
@@ -483,7 +490,7 @@ class RolloutManager(Actor):
             if isinstance(value, np.ndarray):
                 value.flags.writeable = False
         return dict(sample_id=sample_id, group_id=group_id, rollout_id=rollout_id,
-                    policy_version=version, prompt_ids=prompt.prompt_ids, status=status, **fields)
+                    policy_version=version, prompt_ids=prompt_ids, status=status, **fields)
 
     @concurrent  # waits for the engines; must not hold up take_batch behind it
     async def pause_generation(self, wait: bool = True) -> dict:

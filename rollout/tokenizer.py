@@ -179,6 +179,77 @@ class PromptTokenizer:
         out.flags.writeable = False
         return out
 
+    def render_opening(self, opening: str | Sequence[Mapping[str, Any]],
+                       prompt_ids: Sequence[int] | np.ndarray, *, sample_id: Any = None) -> np.ndarray:
+        """The prompt ids of an episode whose environment opens it with messages (an ``--env``
+        environment's ``Reset.observation``): the exact ``prompt_ids``, the opening inserted
+        before the generation prompt they end with.
+
+        With the chat template, ``opening`` (text = one ``{"role": "tool"}`` message, or a list
+        of ``{"role", "content"}`` messages, e.g. a system message) is rendered after a user
+        message: ``render(base + opening, generation prompt)`` minus ``render(base)``, with
+        ``base`` a fixed one-message conversation (the text a template adds for a message
+        depends on the roles, not on earlier contents). The result is ``prompt_ids`` without the
+        ids of the generation prompt at their end (``render(base, generation prompt)`` minus
+        ``render(base)``, tokenised alone), then that text tokenised alone: only the opening
+        is tokenised; the prompt keeps its exact ids. Without the chat template, text is
+        tokenised alone (no special tokens added) and appended to ``prompt_ids``.
+
+        Args:
+            opening: the opening messages (see above), non-empty.
+            prompt_ids: the episode's ``[P]`` prompt ids (:meth:`encode_prompt`'s).
+            sample_id: names the trajectory in errors.
+
+        Returns:
+            read-only int32 ``[P']``, ``P' > P - G`` (``G`` the generation prompt's ids).
+
+        Raises:
+            ChatTemplateError: field ``prompt_ids``: the prompt does not end with the template's
+                generation prompt, or the template rewrites earlier turns when the opening is
+                added.
+            TokenizerError: a message list without the chat template, a malformed message, or
+                an empty opening.
+        """
+        messages = ([{"role": "tool", "content": opening}] if isinstance(opening, str)
+                    else [dict(m) for m in opening])
+        if not messages or not all(isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                                   for m in messages):
+            raise TokenizerError("an opening must be text or a non-empty list of "
+                                 "{'role': str, 'content': str} messages")
+        prompt = [int(t) for t in prompt_ids]
+        if not self.apply_chat_template:
+            if not isinstance(opening, str):
+                raise TokenizerError("an opening list of messages needs --apply-chat-template")
+            added = self.tokenizer(opening, add_special_tokens=False)["input_ids"]
+        else:
+            kwargs = dict(self.chat_template_kwargs)
+            if self.tools:
+                kwargs["tools"] = [dict(t) for t in self.tools]
+            base = [dict(_BASE_CONVERSATION[0])]
+            before = self.tokenizer.apply_chat_template(base, tokenize=False, **kwargs)
+            generation = self.tokenizer.apply_chat_template(base, tokenize=False,
+                                                            add_generation_prompt=True, **kwargs)
+            after = self.tokenizer.apply_chat_template(base + messages, tokenize=False,
+                                                       add_generation_prompt=True, **kwargs)
+            if not (generation.startswith(before) and after.startswith(before)):
+                raise ChatTemplateError(sample_id, "prompt_ids",
+                                        f"the chat template of {self.directory} rewrites earlier "
+                                        "turns when an opening message is added; it cannot be "
+                                        "inserted into the exact prompt")
+            cut = self.tokenizer(generation[len(before):], add_special_tokens=False)["input_ids"]
+            if cut and prompt[len(prompt) - len(cut):] != list(cut):
+                raise ChatTemplateError(sample_id, "prompt_ids",
+                                        f"the prompt does not end with the generation prompt "
+                                        f"{generation[len(before):]!r} of the chat template of "
+                                        f"{self.directory}; the opening has no place to go")
+            prompt = prompt[:len(prompt) - len(cut)]
+            added = self.tokenizer(after[len(before):], add_special_tokens=False)["input_ids"]
+        if len(added) == 0:
+            raise TokenizerError("the opening renders to no tokens")
+        out = np.asarray(prompt + list(added), dtype=np.int32)
+        out.flags.writeable = False
+        return out
+
     def _tool_turn_text(self, content: str, turn_ids: Sequence[int] | np.ndarray,
                         sample_id: Any) -> str:
         """The text :meth:`render_observation` tokenises: the rest of the turn's closing, then

@@ -59,7 +59,8 @@ class Episode:
     """The raw outcome of one trajectory's turn loop (assemble it with :func:`assemble`).
 
     Attributes:
-        prompt_ids: the ``P`` original prompt tokens (ints).
+        prompt_ids: the ``P`` prompt tokens (ints): the original prompt, or with an ``--env``
+            environment's opening observation rendered in (``Reset.observation``).
         turns: ``n >= 1`` engine turns, in order.
         observations: ``n - 1`` int32 observation arrays, observation ``k`` after turn ``k``.
         versions: ``n`` weight versions, the one that served each turn.
@@ -111,7 +112,10 @@ async def run_episodes(
             ``i`` = ``prompts[i]``; its answers come rendered already, and a failure or an
             observation longer than the context left for it -- the positions after the turn
             minus one for the next turn's first token -- ends that trajectory with
-            ``"env_error"``), or ``None`` (no tools: every turn is final).
+            ``"env_error"``; a row whose reset gave an opening observation starts from
+            ``sessions.openings[i]`` instead of ``prompts[i]``, or, when that leaves fewer than
+            ``max_new_tokens`` positions, from ``prompts[i]`` with its first turn ending it),
+            or ``None`` (no tools: every turn is final).
         render_observation: ``render_observation(observation_ids, turn_ids, sample_id=row)``
             turns the environment's observation ids into the ids appended to the context after
             the turn ``turn_ids`` (``replayrl.rollout.tokenizer.PromptTokenizer.render_observation``:
@@ -152,6 +156,16 @@ async def run_episodes(
     failures = [""] * len(originals)
     if sessions is not None:
         await sessions.start()
+        for i, opened in enumerate(sessions.openings):  # a reset's opening observation
+            if opened is None:
+                continue
+            if len(opened) + int(max_new_tokens) > max_positions:
+                sessions.fail_opening(i, f"the prompt with its opening observation is "
+                                         f"{len(opened)} tokens; with {max_new_tokens} new tokens "
+                                         f"per turn it does not fit the {max_positions} positions")
+            else:
+                originals[i] = [int(t) for t in opened]
+                contexts[i] = list(originals[i])
     active = list(range(len(originals)))
     for t in range(int(max_turns)):
         if not active:

@@ -8,10 +8,13 @@ turns. One instance serves one trajectory (the rollout manager builds it with th
 
 * ``await env.reset(prompt)`` once, before the first turn, with the trajectory's
   :class:`replayrl.rollout.data_source.Prompt` (``label``, ``metadata``, ``source``); it
-  returns a :class:`Reset` (the tool schema the episode offers; ``None`` = the class's
-  :attr:`ToolEnvironment.tools`). The schema is rendered into every prompt by the chat template
+  returns a :class:`Reset` (the tool schema the episode offers, ``None`` = the class's
+  :attr:`ToolEnvironment.tools`; and optionally an opening observation, text or messages the
+  first turn sees). The schema is rendered into every prompt by the chat template
   (``apply_chat_template(..., tools=ENV.tools)``) when the run's prompts are tokenised, so a
-  prompt's ids are fixed before any turn and never re-tokenised;
+  prompt's ids are fixed before any turn and never re-tokenised; an opening observation is
+  rendered alone and inserted before the prompt's generation prompt
+  (:attr:`Reset.observation`);
 * ``await env.step(turn)`` after each turn, with the :class:`Turn` the policy generated (its
   ids, its text and the tool calls :meth:`ToolEnvironment.parse_tool_calls` found in it); it
   returns a :class:`Step`: the observation (text, rendered by the chat template as a
@@ -95,10 +98,24 @@ class Turn:
 
 @dataclass(frozen=True)
 class Reset:
-    """What :meth:`ToolEnvironment.reset` gives: the tool schema of the episode (JSON-schema
-    function descriptions, as ``apply_chat_template(tools=...)`` takes them)."""
+    """What :meth:`ToolEnvironment.reset` gives.
+
+    Attributes:
+        tools: the tool schema of the episode (JSON-schema function descriptions, as
+            ``apply_chat_template(tools=...)`` takes them); ``()`` = the class's.
+        observation: the opening observation, seen before the first turn: text (one
+            ``{"role": "tool"}`` message, e.g. a first tool result), a sequence of
+            ``{"role": str, "content": str}`` messages (e.g. a system message describing the
+            episode), or ``None`` (none). It is rendered by the chat template before the
+            prompt's generation prompt and tokenised alone
+            (``replayrl.rollout.tokenizer.PromptTokenizer.render_opening``): the trajectory's
+            prompt ids become the exact prompt ids with these ids inserted, the ids the first
+            engine call sees and the trainer trains on. Prompt positions are never trained
+            (loss mask 0 by construction) and have no logprob or sampler-support rows.
+    """
 
     tools: tuple[Mapping[str, Any], ...] = ()
+    observation: str | tuple[Mapping[str, Any], ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from replayrl.rollout.data_source import Prompt
 from replayrl.rollout.env_sessions import EnvSessions
 from replayrl.rollout.errors import EnvironmentFailure
 from replayrl.rollout.tasks import ENVIRONMENTS, load_environment_class
-from replayrl.rollout.tasks.environment import Step, ToolEnvironment, hermes_tool_calls
+from replayrl.rollout.tasks.environment import Reset, Step, ToolEnvironment, hermes_tool_calls
 from replayrl.rollout.tokenizer import load_tokenizer
 from replayrl.rollout.turn_loop import assemble, run_episodes
 from tests.unit.rollout.test_turn_separator import QWEN_TEMPLATE, _gen, _ids, _make_tokenizer
@@ -127,6 +127,76 @@ async def test_trained_ids_are_the_ids_every_engine_call_saw(tokdir, env_cls, ca
     n0, n1 = len(_ids(tok, call)) + 1, len(_ids(tok, answer)) + 1
     assert f["loss_mask"].tolist() == [1] * n0 + [0] * (len(f["loss_mask"]) - n0 - n1) + [1] * n1
     assert (f["rollout_logprobs"][f["loss_mask"] == 0] == 0.0).all()
+
+
+def _opening_env(opening):
+    """An environment whose reset opens the episode with ``opening``; it answers a call with
+    "ok" and ends on a turn without one."""
+    class Opening(ToolEnvironment):
+        async def reset(self, prompt):
+            return Reset(observation=opening)
+
+        async def step(self, turn):
+            return Step(observation="ok") if turn.tool_calls else Step(done=True)
+    return Opening
+
+
+@pytest.mark.parametrize("opening, messages", [
+    ("episode 7: the tools are ready", [{"role": "tool", "content": "episode 7: the tools are ready"}]),
+    ([{"role": "system", "content": "answer in one word"}],
+     [{"role": "system", "content": "answer in one word"}]),
+    ([{"role": "system", "content": "rules"}, {"role": "tool", "content": "first result"}],
+     [{"role": "system", "content": "rules"}, {"role": "tool", "content": "first result"}]),
+])
+async def test_an_opening_observation_is_in_the_ids_the_first_call_saw_and_the_trainer_trains_on(
+        tokdir, opening, messages):
+    tok = load_tokenizer(tokdir, apply_chat_template=True, tools=CALC.tools)
+    prompt = _prompt(tok, "question?")
+    call, answer = _call("calculate", expression="1 + 1"), "2"
+    (episode,), seen = await _episodes(tok, _opening_env(opening), [prompt], [[call, answer]])
+    assert episode.finish_reason == "stop" and episode.failure == "" and episode.num_tool_calls == 1
+    user = [{"role": "user", "content": "question?"}]
+    # the first engine call saw the prompt, then the opening, then the generation prompt
+    first = _whole(tok, user + messages, CALC.tools, add_generation_prompt=True)
+    assert seen[0][0] == first and list(episode.prompt_ids) == first
+    assert first[:len(prompt.prompt_ids) - len(_ids(tok, "<|im_start|>assistant\n"))] == \
+        list(prompt.prompt_ids)[:-len(_ids(tok, "<|im_start|>assistant\n"))]  # exact prompt ids kept
+    conversation = user + messages + [{"role": "assistant", "content": call},
+                                      {"role": "tool", "content": "ok"},
+                                      {"role": "assistant", "content": answer}]
+    merged, _ = assemble(episode, sample_id=0, require=())
+    f = merged.sample_fields()
+    trained = list(episode.prompt_ids) + f["response_ids"].tolist()
+    whole = _whole(tok, conversation, CALC.tools)
+    assert trained == whole[:len(trained)] and whole[len(trained):] == _ids(tok, "\n")
+    for k, contexts in enumerate(seen):
+        assert trained[:len(contexts[0])] == contexts[0], k
+    # the response starts with turn 0: the opening is prompt (never trained), not response
+    n0, n1 = len(_ids(tok, call)) + 1, len(_ids(tok, answer)) + 1
+    assert f["loss_mask"].tolist() == [1] * n0 + [0] * (len(f["loss_mask"]) - n0 - n1) + [1] * n1
+
+
+async def test_an_opening_observation_without_the_chat_template_is_appended_as_text(tokdir):
+    tok = load_tokenizer(tokdir)
+    prompt = Prompt(0, tok.encode_prompt("q?"), -1, "", source="prompts.jsonl:1")
+    (episode,), seen = await _episodes(tok, _opening_env("hello"), [prompt], [["x"]])
+    assert seen[0][0] == list(prompt.prompt_ids) + _ids(tok, "hello") == list(episode.prompt_ids)
+
+
+@pytest.mark.parametrize("opening, detail", [
+    (42, "reset: malformed: reset() returned an opening observation of type int"),
+    ([{"role": "system"}], "reset: malformed: reset() returned an opening observation of type list"),
+    ("", "reset: malformed: reset() returned an empty opening observation"),
+    ("z" * 300, "reset: observation_too_long: the prompt with its opening observation is"),
+])
+async def test_a_malformed_or_too_long_opening_ends_the_trajectory_at_its_first_turn(
+        tokdir, opening, detail):
+    tok = load_tokenizer(tokdir, apply_chat_template=True)
+    prompt = _prompt(tok, "q")
+    (episode,), seen = await _episodes(tok, _opening_env(opening), [prompt], [[_call("f")]],
+                                       max_positions=len(prompt.prompt_ids) + 200)
+    assert episode.finish_reason == "env_error" and detail in episode.failure
+    assert seen[0][0] == list(prompt.prompt_ids) == list(episode.prompt_ids)
 
 
 # ----------------------------------------------------------------------------- the examples

@@ -9,6 +9,8 @@ tool-calling engine of tests/fake_engine.py, a real RolloutManager, a forwarding
 """
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 
@@ -130,10 +132,27 @@ def test_the_run_configuration_checks_env():
     build_config({"env": "retrieval", "rollout-max-turns": 3, "progress": False})
 
 
-async def test_with_a_chat_template_the_trained_ids_are_the_ids_every_engine_call_saw(tmp_path):
+OPENING = [{"role": "system", "content": "cite the passage"}]
+
+
+def _retrieval_with_opening():
+    from replayrl.rollout.tasks import load_environment_class
+    from replayrl.rollout.tasks.environment import Reset
+
+    class RetrievalWithOpening(load_environment_class("retrieval")):
+        async def reset(self, prompt):
+            return Reset(observation=OPENING)
+    return RetrievalWithOpening
+
+
+@pytest.mark.parametrize("opening", [False, True])
+async def test_with_a_chat_template_the_trained_ids_are_the_ids_every_engine_call_saw(
+        tmp_path, monkeypatch, opening):
     """The retrieval example through the manager: the fake engine writes a Hermes tool call,
-    then the answer; every engine call's context, and every stored trajectory, is
-    transformers' rendering of the conversation (the template puts "\\n" after <|im_end|>)."""
+    then the answer; every engine call's context, and every stored trajectory (its prompt ids
+    included), is transformers' rendering of the conversation (the template puts "\\n" after
+    <|im_end|>). With ``opening``, the environment's reset opens the episode with a system
+    message, which the first call sees and the sample's prompt ids hold."""
     import dataclasses
     import json
 
@@ -153,10 +172,17 @@ async def test_with_a_chat_template_the_trained_ids_are_the_ids_every_engine_cal
     call = '<tool_call>{"name": "search", "arguments": {"query": "capital of Australia"}}</tool_call>'
     eot = tok.eos_token_id
     turns = [_ids(tok, call) + [eot], _ids(tok, "Canberra") + [eot]]
-    prompt_ids = tok.encode_prompt(question).tolist()
+    first = [{"role": "user", "content": question}] + (OPENING if opening else [])
+    prompt_ids = _ids(tok, tok.tokenizer.apply_chat_template(
+        first, tools=list(env_cls.tools), tokenize=False, add_generation_prompt=True))
+    env = "retrieval"
+    if opening:
+        monkeypatch.setattr(sys.modules[__name__], "RetrievalWithOpening", _retrieval_with_opening(),
+                            raising=False)
+        env = f"{__name__}:RetrievalWithOpening"
     config = RolloutConfig(rollout_batch_size=1, n_samples_per_prompt=2, max_turns=3,
                            max_response_len=200, prompt_data=str(data), rm_type="exact",
-                           apply_chat_template=True, env="retrieval", top_k=-1)
+                           apply_chat_template=True, env=env, top_k=-1)
     model = dataclasses.asdict(default_config(12))
     engine = EngineActor("tests.fake_engine:ScriptedTurnsEngine",
                          {"model_config": model, "turns": turns, "base": prompt_ids.count(eot)}, [])
@@ -176,22 +202,23 @@ async def test_with_a_chat_template_the_trained_ids_are_the_ids_every_engine_cal
     summary = await manager.generate(0, min_version=0)
     samples = manager.batches[0]
 
-    import sys
     tool_text = "\n".join(sys.modules[env_cls.__module__].index().search("capital of Australia"))
     assert tool_text.startswith("Canberra is the capital city of Australia.")
-    messages = [{"role": "user", "content": question}, {"role": "assistant", "content": call},
-                {"role": "tool", "content": tool_text},
-                {"role": "assistant", "content": "Canberra"}]
+    messages = first + [{"role": "assistant", "content": call},
+                        {"role": "tool", "content": tool_text},
+                        {"role": "assistant", "content": "Canberra"}]
+    n = len(first)
 
     def whole(msgs, **kw):
         return _ids(tok, tok.tokenizer.apply_chat_template(msgs, tools=list(env_cls.tools),
                                                            tokenize=False, **kw))
 
-    assert seen == [whole(messages[:1], add_generation_prompt=True)] * 2 + \
-        [whole(messages[:3], add_generation_prompt=True)] * 2
+    assert seen == [whole(messages[:n], add_generation_prompt=True)] * 2 + \
+        [whole(messages[:n + 2], add_generation_prompt=True)] * 2
     full = whole(messages)
     assert summary["env_failures"] == 0 and summary["reward_mean"] == 1.0
     for s in samples:
+        assert s.prompt_ids.tolist() == prompt_ids
         trained = s.prompt_ids.tolist() + s.response_ids.tolist()
         assert trained == full[:-1] and full[-1:] == _ids(tok, "\n")
         for context in seen:

@@ -28,7 +28,6 @@ import argparse
 import hashlib
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from replayrl.tools.bench.tree_memory import run_sampled
 from replayrl.tools.errors import PeerBenchError
 from replayrl.transport import strict_json
 
@@ -124,13 +124,22 @@ def ratio(ours: float | None, theirs: float | None) -> float | None:
 
 @dataclass(frozen=True)
 class SideRun:
-    """One side's run: per-step wall seconds, mean reward and trained completions."""
+    """One side's run: per-step wall seconds, mean reward and trained completions; per step
+    also (empty when not recorded) the generated tokens, the tokens the trainer forwarded
+    (prompt + completion of every sample) and the trainer's seconds; the peak memory of the
+    side's process tree in bytes (:mod:`replayrl.tools.bench.tree_memory`; None when the side
+    ran in this process)."""
 
     side: str
     seed: int
     step_seconds: tuple[float, ...]
     rewards: tuple[float, ...]
     completions: tuple[int, ...]
+    generated_tokens: tuple[int, ...] = ()
+    trained_tokens: tuple[int, ...] = ()
+    train_seconds: tuple[float, ...] = ()
+    peak_rss_bytes: int | None = None
+    peak_pss_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -276,11 +285,8 @@ def indexer_is_dense(config) -> bool:
     """True when the DSA indexer keeps every key of every query that produces a trained logit
     (prompt length + new tokens - 1 <= index_topk), so transformers' dense attention, which
     ignores the indexer weights, computes the same function as replayrl's model."""
-    from replayrl.rollout.model.config import default_config
-    from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
-
     positions = config.rollout.num_digits + 3 + config.rollout.max_response_len - 1
-    return positions <= default_config(len(VOCABULARY)).index_topk
+    return positions <= config.policy_config.index_topk
 
 
 def _sha256(path: Path) -> str:
@@ -302,7 +308,8 @@ def run_replayrl(config) -> SideRun:
 
     result = run_event_loop(launch(config))
     rows = [strict_json.loads(line) for line in Path(result.metrics_path).read_text().splitlines()]
-    expected = [p.index for p in prompt_stream(config)]
+    expected_prompts = prompt_stream(config)
+    expected = [p.index for p in expected_prompts]
     b = config.rollout.rollout_batch_size
     for row in rows:
         if row.get("skipped"):
@@ -310,8 +317,14 @@ def run_replayrl(config) -> SideRun:
         if row["prompt_indices"] != expected[row["step"] * b:(row["step"] + 1) * b]:
             raise PeerBenchError(f"replayrl step {row['step']}: prompts differ from the stream "
                                  "given to TRL")
+    n = config.rollout.n_samples_per_prompt
+    prompt_tokens = [n * sum(len(p.prompt_ids) for p in expected_prompts[r["step"] * b:(r["step"] + 1) * b])
+                     for r in rows]
+    generated = [round(r["samples"] * r["response_len_mean"]) for r in rows]
     return SideRun("replayrl", config.rollout.seed, tuple(r["step_seconds"] for r in rows),
-                   tuple(r["reward_mean"] for r in rows), tuple(r["samples"] for r in rows))
+                   tuple(r["reward_mean"] for r in rows), tuple(r["samples"] for r in rows),
+                   tuple(generated), tuple(g + p for g, p in zip(generated, prompt_tokens)),
+                   tuple(r["train_seconds"] for r in rows))
 
 
 def run_trl(config, checkpoint: Path, work: Path) -> SideRun:
@@ -335,14 +348,16 @@ def run_trl(config, checkpoint: Path, work: Path) -> SideRun:
     spec_path.write_text(strict_json.dumps(spec))
     env = {**os.environ, "OMP_NUM_THREADS": str(TRL_THREADS), "TOKENIZERS_PARALLELISM": "false",
            "TRANSFORMERS_VERBOSITY": "error"}
-    proc = subprocess.run([sys.executable, "-m", "replayrl.tools.bench.peer", "--trl-worker",
-                           str(spec_path), str(result_path)], env=env,
-                          capture_output=True, text=True)
+    proc, memory = run_sampled([sys.executable, "-m", "replayrl.tools.bench.peer", "--trl-worker",
+                                str(spec_path), str(result_path)], env)
     if proc.returncode != 0:
         raise PeerBenchError(f"TRL side failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
     out = json.loads(result_path.read_text())
     return SideRun("TRL", config.rollout.seed, tuple(out["step_seconds"]), tuple(out["rewards"]),
-                   tuple(out["completions"]))
+                   tuple(out["completions"]), tuple(out["generated_tokens"]),
+                   tuple(g + p for g, p in zip(out["generated_tokens"], out["prompt_tokens"])),
+                   tuple(s - g for s, g in zip(out["step_seconds"], out["generate_seconds"])),
+                   memory.peak_rss_bytes, memory.peak_pss_bytes)
 
 
 def trl_worker(spec_path: str, result_path: str) -> None:
@@ -376,6 +391,7 @@ def trl_worker(spec_path: str, result_path: str) -> None:
         if list(ids) != p["ids"]:
             raise PeerBenchError(f"prompt {p['index']}: TRL's tokenizer gives {list(ids)}, "
                                  f"replayrl trains on {p['ids']}")
+    lengths = {p["index"]: len(p["ids"]) for p in spec["prompts"]}
     dataset = Dataset.from_dict({"prompt": texts,
                                  "answer_id": [p["answer_id"] for p in spec["prompts"]],
                                  "prompt_index": [p["index"] for p in spec["prompts"]]})
@@ -383,6 +399,8 @@ def trl_worker(spec_path: str, result_path: str) -> None:
     rewards: list[float] = []
     completions_seen: list[int] = []
     seen: list[list[int]] = []
+    generated_tokens: list[int] = []
+    prompt_tokens: list[int] = []
 
     def digit_task_verifier(prompts, completions, completion_ids, answer_id, prompt_index, **_):
         """The embedded task's verifier on each completion's ids (TRL keeps the EOS, drops what
@@ -391,6 +409,8 @@ def trl_worker(spec_path: str, result_path: str) -> None:
                           int(a)) for ids, a in zip(completion_ids, answer_id)]
         rewards.append(float(np.mean(out)))
         completions_seen.append(len(out))
+        generated_tokens.append(sum(len(ids) for ids in completion_ids))
+        prompt_tokens.append(sum(lengths[i] for i in prompt_index))
         seen.append(list(prompt_index[::n]))  # TRL repeats each prompt n times in a row
         return out
 
@@ -412,6 +432,21 @@ def trl_worker(spec_path: str, result_path: str) -> None:
 
     timer = StepTimer()
     model = AutoModelForCausalLM.from_pretrained(spec["checkpoint"], dtype=torch.float32)
+    generate_seconds: list[float] = []
+    generate = model.generate
+
+    def timed_generate(*args, **kwargs):
+        """model.generate, its wall seconds added to the current step's (GRPOTrainer calls it
+        on this very model: no DeepSpeed / FSDP wrapper on one CPU process)."""
+        start = time.perf_counter()
+        try:
+            return generate(*args, **kwargs)
+        finally:
+            while len(generate_seconds) <= len(timer.seconds):
+                generate_seconds.append(0.0)
+            generate_seconds[len(timer.seconds)] += time.perf_counter() - start
+
+    model.generate = timed_generate
     args = GRPOConfig(output_dir=spec["output_dir"], **spec["grpo_config"])
     trainer = GRPOTrainer(model=model, reward_funcs=digit_task_verifier, args=args, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[timer])
@@ -426,8 +461,12 @@ def trl_worker(spec_path: str, result_path: str) -> None:
         if got != expected[step * b:(step + 1) * b]:
             raise PeerBenchError(f"TRL step {step}: prompts {got} are not the stream's "
                                  f"{expected[step * b:(step + 1) * b]}")
-    Path(result_path).write_text(strict_json.dumps({"step_seconds": timer.seconds, "rewards": rewards,
-                                                    "completions": completions_seen}))
+    if len(generate_seconds) != steps:
+        raise PeerBenchError(f"TRL generated in {len(generate_seconds)} steps, expected {steps}")
+    Path(result_path).write_text(strict_json.dumps(
+        {"step_seconds": timer.seconds, "rewards": rewards, "completions": completions_seen,
+         "generated_tokens": generated_tokens, "prompt_tokens": prompt_tokens,
+         "generate_seconds": generate_seconds}))
 
 
 # ---------------------------------------------------------------- report
@@ -561,7 +600,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     parser = argparse.ArgumentParser(prog="replayrl bench peer",
                                      description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=100, help="optimizer steps per side (100)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="optimizer steps per side (100; with --grid: quick 20, else 30)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1], help="seeds (1)")
     parser.add_argument("--threshold", type=float, default=0.5,
                         help="reward the trailing window mean must reach (0.5)")
@@ -573,7 +613,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--priority", action="store_true",
                         help="on a machine shared with other users' jobs, run both "
                              "sides first (Linux autogroup nice -20; needs root)")
+    parser.add_argument("--grid", nargs="?", const="quick", default=None, metavar="GRID",
+                        help="model size x answer length grid (tools/bench/peer_grid.py): quick "
+                             "(1m x {2, 64}, the default of a bare --grid), full ({1m, 10m, 50m} "
+                             "x {2, 64, 256}) or SIZES:LENGTHS such as 1m,10m:2,64; first seed only")
+    parser.add_argument("--output-dir", default="runs/peer-grid",
+                        help="where --grid writes its plot peer_grid.png (runs/peer-grid)")
     args = parser.parse_args(argv)
+    if args.steps is None:
+        args.steps = 100 if args.grid is None else {"quick": 20}.get(args.grid, 30)
     if args.steps < 1 or args.window < 1:
         parser.error("--steps and --window must be >= 1")
     overrides = {k: v for k, v in (("rollout-batch-size", args.rollout_batch_size),
@@ -588,8 +636,20 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONFIG
     from replayrl.tools.bench.priority import autogroup_priority
 
+    if args.grid is not None:
+        from replayrl.tools.bench.peer_grid import parse_grid, run_grid
+        from replayrl.tools.errors import BenchError
+
+        try:
+            points = parse_grid(args.grid)
+        except BenchError as exc:
+            parser.error(str(exc))
     with autogroup_priority(args.priority):
-        report = bench(args.steps, args.seeds, args.threshold, args.window, overrides)
+        if args.grid is not None:
+            report = run_grid(points, args.steps, args.seeds[0], args.window, Path(args.output_dir),
+                              overrides)
+        else:
+            report = bench(args.steps, args.seeds, args.threshold, args.window, overrides)
     print(("--priority: both sides ran ahead of other sessions' jobs (tools/bench/priority.py)\n\n"
            if args.priority else "") + report, flush=True)
     return 0

@@ -46,6 +46,8 @@ class RolloutConfig:
             (``replayrl.rollout.tasks.task_name``).
         num_digits: digits per prompt of the embedded task.
         num_values: prompt digits are drawn from ``0 .. num_values - 1``.
+        answer_tokens: digits in each prompt and answer of the sort task (``--answer-tokens``,
+            N; the answer is N digit tokens then EOS, so N + 1 new tokens).
         dataset_size: distinct prompts in the embedded dataset.
         generate_timeout_s: seconds the manager waits for one engine call.
         custom_reward: ``module:function`` replacing the task's verifier (``--custom-reward``),
@@ -80,6 +82,10 @@ class RolloutConfig:
     num_digits: int = setting(4, "num-digits", "digits per prompt of the embedded task", Range(low=1))
     num_values: int = setting(5, "num-values", "prompt digits are drawn from 0 .. num-values - 1",
                               Range(2, 10))
+    answer_tokens: int = setting(16, "answer-tokens", "--task sort: N, the digits in each prompt "
+                                 "and answer (the answer is the N digits sorted, then EOS: N + 1 "
+                                 "new tokens; --rollout-max-response-len defaults to N + 1 there, "
+                                 "the context must hold 2 N + 5 tokens)", Range(low=1), metavar="N")
     dataset_size: int = setting(4096, check=Range(low=1))
     generate_timeout_s: float = setting(300.0, "rollout-timeout-seconds", "engine call timeout",
                                         POSITIVE)
@@ -93,7 +99,8 @@ class RolloutConfig:
 
     task: str = setting("", "task", "the task (its prompts, reward and multi-turn environment), "
                         "a name in the registry replayrl.rollout.tasks.TASKS: digits (the "
-                        "built-in digit task) or prompt_file (--prompt-data)", metavar="NAME",
+                        "built-in digit task), sort (sort --answer-tokens digits) or "
+                        "prompt_file (--prompt-data)", metavar="NAME",
                         default_text="prompt_file with --prompt-data, else digits")
     prompt_data: str = setting("", "prompt-data", "prompt file, JSONL or Parquet (one prompt "
                                "per row); empty = the built-in digit task's shipped prompts",

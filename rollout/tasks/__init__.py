@@ -42,6 +42,7 @@ __all__ = [
 TASKS: dict[str, str] = {
     "digits": "replayrl.rollout.tasks.digits:DigitsTask",  # the built-in digit puzzle
     "prompt_file": "replayrl.rollout.tasks.prompt_file:PromptFileTask",  # --prompt-data FILE
+    "sort": "replayrl.rollout.tasks.sort:SortTask",  # sort the prompt's --answer-tokens digits
 }
 
 

@@ -98,6 +98,15 @@ class Task(ABC):
         """
         return rm_type_reward(self.config.rm_type, tokenizer, prompt, response_ids, loss_mask)
 
+    @classmethod
+    def response_tokens(cls, config: RolloutConfig) -> int:
+        """New tokens per turn one answer of this task needs, 0 (the default) = no need.
+
+        When it is not 0 and ``--rollout-max-response-len`` is not given, the run configuration
+        sets that flag to it (``replayrl.tools.run.config.build_config``).
+        """
+        return 0
+
     def environment(self) -> Environment | None:
         """The multi-turn environment, or ``None`` (the default) when the task has none."""
         return None

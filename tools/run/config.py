@@ -34,8 +34,16 @@ from replayrl.rollout.engines.sglang_protocol import parse_urls
 from replayrl.rollout.model.config import MODEL_SIZES, ModelConfig, embedded_config, without_indexer
 from replayrl.rollout.model.errors import ModelError
 from replayrl.rollout.model.loader import read_hf_config
-from replayrl.rollout.tasks import TaskConfigError, load_environment_class, make_task, task_name
+from replayrl.rollout.tasks import (
+    TaskConfigError,
+    load_environment_class,
+    load_task_class,
+    make_task,
+    task_class_path,
+    task_name,
+)
 from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
+from replayrl.rollout.tasks.sort import prompt_tokens
 from replayrl.tools.errors import ConfigError
 from replayrl.trainer.config import TrainerConfig
 from replayrl.transport import TransportError, strict_json
@@ -202,7 +210,8 @@ class RunConfig:
             (self.rollout.top_k <= policy.vocab_size,
              f"--rollout-top-k must be <= the vocabulary size {policy.vocab_size} (or -1)"),
             (self.rollout.prompt_data or self.max_context_tokens <= policy.max_position_embeddings,
-             f"--num-digits + 3 + --rollout-max-turns x (--rollout-max-response-len + 2) = "
+             f"{'--answer-tokens + 2' if task_name(self.rollout) == 'sort' else '--num-digits + 3'}"
+             f" + --rollout-max-turns x (--rollout-max-response-len + 2) = "
              f"{self.max_context_tokens} tokens exceeds the model's "
              f"{policy.max_position_embeddings} positions"),
             (self.trainer.temperature == self.rollout.temperature,
@@ -298,12 +307,14 @@ class RunConfig:
 
     @property
     def max_context_tokens(self) -> int:
-        """Longest trajectory the run can produce: prompt, turns and tool observations.
+        """Longest trajectory the run can produce: prompt (``--num-digits + 3`` tokens, the sort
+        task's ``--answer-tokens + 2``), turns and tool observations.
 
         The last turn has no observation, so its two observation slots in this bound also
         cover the one synthetic EOS of ``--rollout-append-eos-on-truncation``."""
         r = self.rollout
-        return r.num_digits + 3 + r.max_turns * (r.max_response_len + 2)
+        prompt = prompt_tokens(r.answer_tokens) if task_name(r) == "sort" else r.num_digits + 3
+        return prompt + r.max_turns * (r.max_response_len + 2)
 
     def _check_task(self) -> None:
         """The run's task (``--task``, or what ``--prompt-data`` implies) is registered and
@@ -365,6 +376,7 @@ class RunConfig:
         return {"task": task_name(r), "seed": r.seed, "rollout_batch_size": r.rollout_batch_size,
                 "n_samples_per_prompt": r.n_samples_per_prompt, "num_digits": r.num_digits,
                 "num_values": r.num_values, "dataset_size": r.dataset_size,
+                "answer_tokens": r.answer_tokens,
                 "prompt_data": r.prompt_data, "input_key": r.input_key,
                 "label_key": r.label_key, "num_epoch": r.num_epoch, "tokenizer": r.tokenizer,
                 "apply_chat_template": r.apply_chat_template,
@@ -621,6 +633,7 @@ def build_config(values: dict[str, Any]) -> RunConfig:
             value = tuple(value)
         for section, name in flag.targets:
             sections[section][name] = value
+    _default_response_len(sections["rollout"], given="rollout-max-response-len" in values)
     try:
         rollout = RolloutConfig(**sections["rollout"])
         trainer = TrainerConfig(**sections["trainer"])
@@ -628,6 +641,22 @@ def build_config(values: dict[str, Any]) -> RunConfig:
     except (TypeError, ValueError) as exc:
         raise ConfigError(str(exc)) from None
     return _resolve_indexer_replay(config, asked=values.get("use-indexer-replay") is True)
+
+
+def _default_response_len(rollout: dict[str, Any], given: bool) -> None:
+    """``--rollout-max-response-len`` left out on a task that states the new tokens its answers
+    need (``Task.response_tokens``, e.g. the sort task's ``--answer-tokens + 1``) is set to
+    that, in ``rollout`` (the RolloutConfig keyword arguments). An unknown task or a config the
+    task refuses is left for the run configuration's own checks to name."""
+    if given:
+        return
+    try:
+        config = RolloutConfig(**rollout)
+        need = load_task_class(task_class_path(task_name(config))).response_tokens(config)
+    except (TypeError, ValueError, TaskConfigError):
+        return
+    if need:
+        rollout["max_response_len"] = need
 
 
 def _resolve_indexer_replay(config: RunConfig, asked: bool) -> RunConfig:

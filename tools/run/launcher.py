@@ -39,7 +39,7 @@ from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
 from replayrl.rollout.prompt_data import load_run_prompts
 from replayrl.rollout.rewards import load_math_verify
 from replayrl.rollout.sample import required_traces
-from replayrl.rollout.tasks import load_environment_class, task_class_path, task_name
+from replayrl.rollout.tasks import Task, load_environment_class, load_task_class, task_class_path, task_name
 from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
 from replayrl.rollout.tokenizer import load_tokenizer
 from replayrl.tools.errors import ConfigError
@@ -286,8 +286,10 @@ def check_prompt_data(config: RunConfig, checkpoint_dir: Path) -> None:
             load_math_verify()
     except (TokenizerError, PromptDataError, RewardError) as exc:
         raise ConfigError(str(exc)) from None
-    if r.rm_type == "digits" and not r.custom_reward:
+    own_reward = load_task_class(task_class_path(task_name(r))).reward is not Task.reward
+    if r.rm_type == "digits" and not r.custom_reward and not own_reward:
         # the digits reward compares token ids: a text label would fail at the first reward
+        # (a task with its own reward, e.g. sort, does not score with --rm-type)
         for name, rows in (("--prompt-data", prompts.train), *prompts.evals):
             bad = next((p for p in rows if p.answer_id < 0), None)
             if bad is not None:

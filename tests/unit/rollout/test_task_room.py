@@ -54,7 +54,7 @@ def test_the_flags_select_the_task_as_before():
 
 def test_registry_names_unknown_and_unfit_classes():
     assert task_class_path("digits") == "replayrl.rollout.tasks.digits:DigitsTask"
-    with pytest.raises(UnknownTask, match=r"unknown task 'gsm'; known tasks: digits, prompt_file"):
+    with pytest.raises(UnknownTask, match=r"unknown task 'gsm'; known tasks: digits, prompt_file, sort"):
         task_class_path("gsm")
     with pytest.raises(TaskConfigError, match="not a replayrl.rollout.tasks.base.Task subclass"):
         load_task_class("replayrl.rollout.tasks.digit_puzzle:DigitTask")

@@ -267,25 +267,52 @@ def settings_table(config) -> str:
                       *(f"| {a} | {b} | {c} |" for a, b, c in rows)])
 
 
-def prompt_stream(config) -> list:
+def prompt_stream(config, checkpoint: Path | None = None) -> list:
     """The prompts replayrl's RolloutManager draws for ``config.num_steps`` steps, in order:
-    ``rollout_batch_size`` per step from the same seeded data source (``rollout/manager.py``)."""
+    ``rollout_batch_size`` per step from the same seeded data source (``rollout/manager.py``).
+
+    The digits task's come from its generator; the sort task's (``--task sort``) through the
+    manager's own path (:func:`replayrl.rollout.prompt_data.load_run_prompts` with the tokenizer of
+    ``checkpoint``, the run's checkpoint-init)."""
     from replayrl.rollout.data_source import PromptDataSource
-    from replayrl.rollout.tasks.digit_puzzle import DigitTask
-    from replayrl.rollout.tasks.digits import digit_task_prompts
 
     r = config.rollout
-    source = PromptDataSource(digit_task_prompts(DigitTask(num_digits=r.num_digits,
-                                                           num_values=r.num_values),
-                                                 r.seed, r.dataset_size), r.seed)
+    if is_sort(config):
+        from replayrl.rollout.prompt_data import load_run_prompts
+        from replayrl.rollout.tokenizer import load_tokenizer
+
+        model = config.policy_config
+        prompts = load_run_prompts(r, load_tokenizer(checkpoint), vocab_size=model.vocab_size,
+                                   max_positions=model.max_position_embeddings)
+        source = PromptDataSource(prompts.train, r.seed, r.num_epoch, prompts.name)
+    else:
+        from replayrl.rollout.tasks.digit_puzzle import DigitTask
+        from replayrl.rollout.tasks.digits import digit_task_prompts
+
+        source = PromptDataSource(digit_task_prompts(DigitTask(num_digits=r.num_digits,
+                                                               num_values=r.num_values),
+                                                     r.seed, r.dataset_size), r.seed)
     return source.next_batch(config.num_steps * r.rollout_batch_size)
+
+
+def is_sort(config) -> bool:
+    """The run trains the sort task (``--task sort``); else the digits task (the only two the
+    bench runs on both sides)."""
+    return config.rollout.task == "sort"
+
+
+def prompt_tokens(config) -> int:
+    """Tokens of every prompt of the run's task: ``--answer-tokens + 2`` (sort) or
+    ``--num-digits + 3`` (digits)."""
+    r = config.rollout
+    return r.answer_tokens + 2 if is_sort(config) else r.num_digits + 3
 
 
 def indexer_is_dense(config) -> bool:
     """True when the DSA indexer keeps every key of every query that produces a trained logit
     (prompt length + new tokens - 1 <= index_topk), so transformers' dense attention, which
     ignores the indexer weights, computes the same function as replayrl's model."""
-    positions = config.rollout.num_digits + 3 + config.rollout.max_response_len - 1
+    positions = prompt_tokens(config) + config.rollout.max_response_len - 1
     return positions <= config.policy_config.index_topk
 
 
@@ -308,7 +335,7 @@ def run_replayrl(config) -> SideRun:
 
     result = run_event_loop(launch(config))
     rows = [strict_json.loads(line) for line in Path(result.metrics_path).read_text().splitlines()]
-    expected_prompts = prompt_stream(config)
+    expected_prompts = prompt_stream(config, Path(config.output_dir) / "checkpoint-init")
     expected = [p.index for p in expected_prompts]
     b = config.rollout.rollout_batch_size
     for row in rows:
@@ -337,13 +364,13 @@ def run_trl(config, checkpoint: Path, work: Path) -> SideRun:
 
     if importlib.util.find_spec("trl") is None:
         raise PeerBenchError(f"bench peer needs TRL, which is not installed: {TRL_EXTRA}")
-    prompts = prompt_stream(config)
+    prompts = prompt_stream(config, checkpoint)
     spec = {"checkpoint": str(checkpoint), "output_dir": str(work / "trl"),
             "grpo_config": trl_settings(config), "threads": TRL_THREADS,
             "num_digits": config.rollout.num_digits, "num_values": config.rollout.num_values,
-            "batch": config.rollout.rollout_batch_size,
+            "batch": config.rollout.rollout_batch_size, "task": "sort" if is_sort(config) else "digits",
             "prompts": [{"index": p.index, "ids": [int(i) for i in p.prompt_ids],
-                         "answer_id": int(p.answer_id)} for p in prompts]}
+                         "answer_id": int(p.answer_id), "label": p.label} for p in prompts]}
     spec_path, result_path = work / "trl_spec.json", work / "trl_result.json"
     spec_path.write_text(strict_json.dumps(spec))
     env = {**os.environ, "OMP_NUM_THREADS": str(TRL_THREADS), "TOKENIZERS_PARALLELISM": "false",
@@ -394,7 +421,14 @@ def trl_worker(spec_path: str, result_path: str) -> None:
     lengths = {p["index"]: len(p["ids"]) for p in spec["prompts"]}
     dataset = Dataset.from_dict({"prompt": texts,
                                  "answer_id": [p["answer_id"] for p in spec["prompts"]],
+                                 "label": [p["label"] for p in spec["prompts"]],
                                  "prompt_index": [p["index"] for p in spec["prompts"]]})
+    sort = spec["task"] == "sort"
+    if sort:  # the sort task's verifier: digits' token ids and the checkpoint's EOS
+        from replayrl.rollout.tasks.sort import position_reward
+
+        vocab = tokenizer.get_vocab()
+        eos_ids = (int(tokenizer.eos_token_id),)
     n = spec["grpo_config"]["num_generations"]
     rewards: list[float] = []
     completions_seen: list[int] = []
@@ -402,11 +436,17 @@ def trl_worker(spec_path: str, result_path: str) -> None:
     generated_tokens: list[int] = []
     prompt_tokens: list[int] = []
 
-    def digit_task_verifier(prompts, completions, completion_ids, answer_id, prompt_index, **_):
+    def digit_task_verifier(prompts, completions, completion_ids, answer_id, label, prompt_index, **_):
         """The embedded task's verifier on each completion's ids (TRL keeps the EOS, drops what
-        follows it; replayrl's engine stops at it), with a loss mask of ones (one turn)."""
-        out = [env.reward(np.asarray(ids, dtype=np.int32), np.ones(len(ids), dtype=np.uint8),
-                          int(a)) for ids, a in zip(completion_ids, answer_id)]
+        follows it; replayrl's engine stops at it), with a loss mask of ones (one turn); for the
+        sort task :func:`replayrl.rollout.tasks.sort.position_reward` against the label's digits."""
+        if sort:
+            out = [position_reward(np.asarray(ids, dtype=np.int64),
+                                   np.asarray([vocab[d] for d in lab.split()], dtype=np.int64), eos_ids)
+                   for ids, lab in zip(completion_ids, label)]
+        else:
+            out = [env.reward(np.asarray(ids, dtype=np.int32), np.ones(len(ids), dtype=np.uint8),
+                              int(a)) for ids, a in zip(completion_ids, answer_id)]
         rewards.append(float(np.mean(out)))
         completions_seen.append(len(out))
         generated_tokens.append(sum(len(ids) for ids in completion_ids))

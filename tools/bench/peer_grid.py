@@ -9,10 +9,12 @@ one process), one after the other, alternating which goes first from point to po
 memory of each child's process tree is sampled from ``/proc``
 (:mod:`replayrl.tools.bench.tree_memory`).
 
-Answer length: ``N = 2`` is the digits task (one digit and EOS). For longer ``N`` the task is
-still the digits task with room for ``N`` new tokens: nothing forces the policy to use them (it
-stops at EOS), so the measured mean answer length is printed beside every figure and the token
-rates count the tokens actually generated.
+Answer length ``N`` counts the new tokens of a right answer, EOS included: ``N = 2`` is the
+digits task (one digit and EOS); a longer ``N`` the sort task (``--task sort --answer-tokens
+N-1``: N - 1 digits sorted, then EOS; :mod:`replayrl.rollout.tasks.sort`), both sides scoring
+with its ``position_reward``. Nothing forces a policy to use all ``N`` (it may stop at EOS
+early), so the measured mean answer length is printed beside every figure and the token rates
+count the tokens actually generated.
 
 Per point and side: completions/s, generated tokens/s, trainer tokens/s (prompt + completion
 tokens of the step's samples / the trainer's seconds: replayrl's ``train_seconds``, TRL's step
@@ -61,8 +63,12 @@ class GridPoint:
     answer_tokens: int
 
     def overrides(self) -> dict:
-        """The run settings (flag name -> value) of this point."""
-        return {"model-size": self.model_size, "rollout-max-response-len": self.answer_tokens}
+        """The run settings (flag name -> value) of this point: 2 tokens is the digits task;
+        longer answers the sort task with ``answer_tokens - 1`` digits (then EOS)."""
+        if self.answer_tokens == 2:
+            return {"model-size": self.model_size, "rollout-max-response-len": 2}
+        return {"model-size": self.model_size, "task": "sort", "answer-tokens": self.answer_tokens - 1,
+                "rollout-max-response-len": self.answer_tokens}
 
 
 def parse_grid(text: str) -> list[GridPoint]:

@@ -18,7 +18,10 @@ def test_named_and_spelled_out_grids():
     assert len(full) == 9 and full[0] == pg.GridPoint("1m", 2) and full[-1] == pg.GridPoint("50m", 256)
     assert pg.parse_grid("1m,10m:2,64") == [pg.GridPoint("1m", 2), pg.GridPoint("1m", 64),
                                             pg.GridPoint("10m", 2), pg.GridPoint("10m", 64)]
-    assert pg.GridPoint("10m", 64).overrides() == {"model-size": "10m", "rollout-max-response-len": 64}
+    assert pg.GridPoint("1m", 2).overrides() == {"model-size": "1m", "rollout-max-response-len": 2}
+    # 64 new tokens: 63 digits to sort, then EOS
+    assert pg.GridPoint("10m", 64).overrides() == {"model-size": "10m", "task": "sort", "answer-tokens": 63,
+                                                   "rollout-max-response-len": 64}
 
 
 @pytest.mark.parametrize("text, message", [

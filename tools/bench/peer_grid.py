@@ -290,7 +290,7 @@ def run_point(point: GridPoint, steps: int, seed: int, window: int, work: Path, 
 def grid_report(results: Sequence[PointResult], configs: Sequence, steps: int, window: int,
                 plot: Path) -> str:
     """The printed report: what varies per point, the settings of both sides (of the first
-    point; only model and new tokens change), the table and where the plot is."""
+    point; only model size, new tokens and task change), the table and where the plot is."""
     lines = [f"bench peer --grid: replayrl vs TRL GRPOTrainer, {steps} steps per side and point, "
              f"seed {configs[0].rollout.seed}", ""]
     for res, config in zip(results, configs):
@@ -301,7 +301,8 @@ def grid_report(results: Sequence[PointResult], configs: Sequence, steps: int, w
                  "the dense-attention model, replayrl the sparse one")
         lines.append(f"- {p.model_size} x {p.answer_tokens}: {res.parameters:,} parameters without "
                      f"the indexer; ran {' then '.join(res.order)}; {dense}")
-    lines += ["", "Settings (first point; per point only the model and the new tokens change):", "",
+    lines += ["", "Settings (first point; per point only the model size, the new tokens and, past 2 "
+                  "tokens, the task (--task sort --answer-tokens N-1) change):", "",
               settings_table(configs[0]), "",
               f"Rates: median over steps after the first {warmup_steps(steps)}. trainer tokens/s: "
               "(prompt + completion tokens of the step's samples) / trainer seconds (replayrl "

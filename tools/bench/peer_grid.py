@@ -325,8 +325,9 @@ def run_grid(points: Sequence[GridPoint], steps: int, seed: int, window: int, ou
             res, config = run_point(point, steps, seed, window, work, bool(i % 2), overrides or {})
             results.append(res)
             configs.append(config)
-            print(f"[grid] {point.model_size} x {point.answer_tokens} done: "
-                  f"{ratios(res)}", file=sys.stderr, flush=True)
+            # the point's row as soon as it is measured: a grid stopped early keeps its points
+            print(f"[grid] {point.model_size} x {point.answer_tokens} done:\n"
+                  f"{grid_table([res]).splitlines()[-1]}", file=sys.stderr, flush=True)
     plot = plot_ratios(results, Path(output_dir) / "peer_grid.png")
     return grid_report(results, configs, steps, window, plot)
 

@@ -632,8 +632,12 @@ def bench(steps: int, seeds: Sequence[int], threshold: float, window: int,
     return report(pairs, threshold, window)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Command-line entry: prints the report (``--trl-worker SPEC RESULT`` is the TRL child)."""
+def main(argv: list[str] | None = None, grid=None) -> int:
+    """Command-line entry: prints the report (``--trl-worker SPEC RESULT`` is the TRL child).
+
+    ``grid``: how ``--grid`` runs, ``grid(args, overrides, parser) -> report`` (given by
+    :func:`replayrl.tools.bench.peer_grid.main`, the ``replayrl bench peer`` entry; this module
+    does not import the grid, which imports it)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--trl-worker"]:
         trl_worker(argv[1], argv[2])
@@ -676,18 +680,11 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONFIG
     from replayrl.tools.bench.priority import autogroup_priority
 
-    if args.grid is not None:
-        from replayrl.tools.bench.peer_grid import parse_grid, run_grid
-        from replayrl.tools.errors import BenchError
-
-        try:
-            points = parse_grid(args.grid)
-        except BenchError as exc:
-            parser.error(str(exc))
+    if args.grid is not None and grid is None:
+        parser.error("--grid runs through `replayrl bench peer` (python -m replayrl.tools.bench.peer_grid)")
     with autogroup_priority(args.priority):
         if args.grid is not None:
-            report = run_grid(points, args.steps, args.seeds[0], args.window, Path(args.output_dir),
-                              overrides)
+            report = grid(args, overrides, parser)
         else:
             report = bench(args.steps, args.seeds, args.threshold, args.window, overrides)
     print(("--priority: both sides ran ahead of other sessions' jobs (tools/bench/priority.py)\n\n"

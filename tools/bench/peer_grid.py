@@ -46,6 +46,9 @@ from replayrl.tools.bench.peer import (
     settings_table,
     warmup_steps,
 )
+from replayrl.tools.bench.peer import (
+    main as peer_main,
+)
 from replayrl.tools.bench.tree_memory import run_sampled
 from replayrl.tools.errors import BenchError, PeerBenchError
 from replayrl.transport import strict_json
@@ -332,7 +335,24 @@ def run_grid(points: Sequence[GridPoint], steps: int, seed: int, window: int, ou
     return grid_report(results, configs, steps, window, plot)
 
 
+def _grid(args, overrides: dict, parser) -> str:
+    """``--grid`` of :func:`replayrl.tools.bench.peer.main`: parse it, run it, return the report."""
+    try:
+        points = parse_grid(args.grid)
+    except BenchError as exc:
+        parser.error(str(exc))
+    return run_grid(points, args.steps, args.seeds[0], args.window, Path(args.output_dir), overrides)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``replayrl bench peer``: :func:`replayrl.tools.bench.peer.main` with ``--grid``
+    (``--replayrl-worker SPEC RESULT`` is the replayrl child of a grid point)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--replayrl-worker"]:
+        replayrl_worker(argv[1], argv[2])
+        return 0
+    return peer_main(argv, grid=_grid)
+
+
 if __name__ == "__main__":
-    if sys.argv[1:2] != ["--replayrl-worker"]:
-        raise SystemExit("usage: python -m replayrl.tools.bench.peer_grid --replayrl-worker SPEC RESULT")
-    replayrl_worker(sys.argv[2], sys.argv[3])
+    raise SystemExit(main())

@@ -84,8 +84,9 @@ class RolloutConfig:
                               Range(2, 10))
     answer_tokens: int = setting(16, "answer-tokens", "--task sort: N, the digits in each prompt "
                                  "and answer (the answer is the N digits sorted, then EOS: N + 1 "
-                                 "new tokens; --rollout-max-response-len defaults to N + 1 there, "
-                                 "the context must hold 2 N + 5 tokens)", Range(low=1), metavar="N")
+                                 "new tokens; there --rollout-max-response-len defaults to N + 1 "
+                                 "and --grpo-std-normalization to on, and the context must hold "
+                                 "2 N + 5 tokens)", Range(low=1), metavar="N")
     dataset_size: int = setting(4096, check=Range(low=1))
     generate_timeout_s: float = setting(300.0, "rollout-timeout-seconds", "engine call timeout",
                                         POSITIVE)

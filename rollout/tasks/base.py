@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import numpy as np
 
@@ -99,13 +99,15 @@ class Task(ABC):
         return rm_type_reward(self.config.rm_type, tokenizer, prompt, response_ids, loss_mask)
 
     @classmethod
-    def response_tokens(cls, config: RolloutConfig) -> int:
-        """New tokens per turn one answer of this task needs, 0 (the default) = no need.
+    def flag_defaults(cls, config: RolloutConfig) -> dict[str, Any]:
+        """This task's own defaults of run flags: flag name (no dashes) -> value, for ``config``.
 
-        When it is not 0 and ``--rollout-max-response-len`` is not given, the run configuration
-        sets that flag to it (``replayrl.tools.run.config.build_config``).
+        The run configuration (``replayrl.tools.run.config.build_config``) sets each flag left
+        out of the command line and the config file to its value here; a flag that is given
+        keeps its value (the task's constructor may refuse it). By default ``{}``: every flag
+        has its global default.
         """
-        return 0
+        return {}
 
     def environment(self) -> Environment | None:
         """The multi-turn environment, or ``None`` (the default) when the task has none."""

@@ -7,7 +7,9 @@
   ``seed + 7919`` (:data:`replayrl.rollout.tasks.digits.REPLACEMENT_SEED_OFFSET`).
 * Answer: the prompt's N digits in ascending order, then EOS: N + 1 new tokens. The row's label
   is the N digits as text (``"0 1 1 3"``); ``--rollout-max-response-len`` defaults to N + 1 for
-  this task (:meth:`SortTask.response_tokens`) and a smaller one is refused.
+  this task and a smaller one is refused.
+* The task's own flag defaults (:meth:`SortTask.flag_defaults`): that response length and
+  ``--grpo-std-normalization``; the global defaults are unchanged.
 * Reward: :func:`position_reward`, the fraction of the N + 1 answer positions right.
 * Environment: none (single turn).
 
@@ -16,7 +18,7 @@
 from __future__ import annotations
 
 from types import MappingProxyType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -125,6 +127,19 @@ class SortTask(Task):
                                   f"{need} tokens (the digits and EOS); give at least {need} or "
                                   f"leave it out (it then defaults to {need} for this task)")
         self._digit_ids: dict[str, int] | None = None
+
+    @classmethod
+    def flag_defaults(cls, config: RolloutConfig) -> dict[str, Any]:
+        """The sort task's own defaults, for flags left out (:meth:`Task.flag_defaults`):
+
+        * ``rollout-max-response-len``: :meth:`response_tokens`, the answer's N + 1 tokens;
+        * ``grpo-std-normalization``: on. The reward is a mean over N + 1 positions, so within
+          a group it varies by about ``1 / sqrt(N + 1)`` of a two-token answer's spread; an
+          advantage that is not divided by the group's std is then swamped by the per-token
+          entropy bonus ``-beta log pi`` (``--entropy-coef``), whose size does not shrink with
+          N, and the policy stays at its initial entropy (docs/design.md#sort-task).
+        """
+        return {"rollout-max-response-len": cls.response_tokens(config), "grpo-std-normalization": True}
 
     @classmethod
     def response_tokens(cls, config: RolloutConfig) -> int:

@@ -633,7 +633,7 @@ def build_config(values: dict[str, Any]) -> RunConfig:
             value = tuple(value)
         for section, name in flag.targets:
             sections[section][name] = value
-    _default_response_len(sections["rollout"], given="rollout-max-response-len" in values)
+    _task_flag_defaults(values, sections)
     try:
         rollout = RolloutConfig(**sections["rollout"])
         trainer = TrainerConfig(**sections["trainer"])
@@ -643,20 +643,20 @@ def build_config(values: dict[str, Any]) -> RunConfig:
     return _resolve_indexer_replay(config, asked=values.get("use-indexer-replay") is True)
 
 
-def _default_response_len(rollout: dict[str, Any], given: bool) -> None:
-    """``--rollout-max-response-len`` left out on a task that states the new tokens its answers
-    need (``Task.response_tokens``, e.g. the sort task's ``--answer-tokens + 1``) is set to
-    that, in ``rollout`` (the RolloutConfig keyword arguments). An unknown task or a config the
-    task refuses is left for the run configuration's own checks to name."""
-    if given:
-        return
+def _task_flag_defaults(values: dict[str, Any], sections: dict[str | None, dict[str, Any]]) -> None:
+    """Each flag the run's task sets a default of (``Task.flag_defaults``, e.g. the sort task's
+    ``--rollout-max-response-len``) and ``values`` leaves out is set, in ``sections`` (the
+    keyword arguments of each section's config). An unknown task or settings the task refuses
+    are left for the run configuration's own checks to name."""
     try:
-        config = RolloutConfig(**rollout)
-        need = load_task_class(task_class_path(task_name(config))).response_tokens(config)
+        rollout = RolloutConfig(**sections["rollout"])
+        defaults = load_task_class(task_class_path(task_name(rollout))).flag_defaults(rollout)
     except (TypeError, ValueError, TaskConfigError):
         return
-    if need:
-        rollout["max_response_len"] = need
+    for key, value in defaults.items():
+        if key not in values:
+            for section, name in FLAGS[key].targets:
+                sections[section][name] = value
 
 
 def _resolve_indexer_replay(config: RunConfig, asked: bool) -> RunConfig:

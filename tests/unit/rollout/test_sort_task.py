@@ -112,6 +112,12 @@ def test_registry_and_flags_select_it():
     assert build_config({"task": "sort"}).rollout.max_response_len == 17
     assert build_config({"task": "sort", "rollout-max-response-len": 20}).rollout.max_response_len == 20
     assert build_config({}).rollout.max_response_len == 2  # the digit task as before
+    # GRPO's std division: on by default for sort only, and a given flag wins
+    assert build_config({"task": "sort"}).trainer.normalize_advantage_std is True
+    assert build_config({"task": "sort", "grpo-std-normalization": False}
+                        ).trainer.normalize_advantage_std is False
+    assert build_config({}).trainer.normalize_advantage_std is False
+    assert build_config({"task": "digits"}).trainer == build_config({}).trainer
     # context: <bos>, N digits, =, then the N + 1 answer tokens and 2 slots: 2 N + 5
     assert build_config({"task": "sort", "answer-tokens": 100}).max_context_tokens == 205
 

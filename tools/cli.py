@@ -61,7 +61,7 @@ def _keys(args: argparse.Namespace) -> int:
 
 BENCHES = {"parity": "replayrl.tools.bench.parity", "refill": "replayrl.tools.bench.refill",
            "logprobs": "replayrl.tools.bench.logprobs", "transport": "replayrl.tools.bench.transport",
-           "peer": "replayrl.tools.bench.peer", "profile": "replayrl.tools.bench.profile",
+           "peer": "replayrl.tools.bench.peer_grid", "profile": "replayrl.tools.bench.profile",
            "train": "replayrl.tools.bench.train", "load": "replayrl.tools.bench.load",
            "engine": "replayrl.tools.bench.engine", "decode": "replayrl.tools.bench.decode",
            "steps": "replayrl.tools.bench.steps", "faults": "replayrl.tools.bench.faults",

@@ -347,6 +347,46 @@ def default_config(vocab_size: int) -> ModelConfig:
     )
 
 
+# named sizes of the embedded model (--model-size); "1m" is default_config unchanged
+MODEL_SIZES = ("1m", "10m", "50m")
+
+
+def embedded_config(vocab_size: int, size: str = "1m", min_positions: int = 0) -> ModelConfig:
+    """The embedded model at a named size (``--model-size``), all Qwen3-MoE with the indexer.
+
+    * ``"1m"``: :func:`default_config` (913,280 parameters with the 44-token embedded vocabulary).
+    * ``"10m"``: hidden 256, 6 layers (layer 0 dense, intermediate 1024; layers 1-5 MoE, 8 experts
+      of width 256, top-2), 8 query heads x head_dim 32, 4 KV heads, indexer (2 heads x 16,
+      top-8 keys) on layers 1, 3, 5: 9,905,280 parameters at 44 tokens.
+    * ``"50m"``: hidden 512, 7 layers (layer 0 dense, intermediate 2048; layers 1-6 MoE, 8 experts
+      of width 512, top-2), 8 query heads x head_dim 64, 4 KV heads, indexer (4 heads x 32, top-8)
+      on layers 1, 3, 5: 46,729,600 parameters at 44 tokens.
+
+    ``max_position_embeddings`` is the preset's 256, or ``min_positions`` when that is larger (a
+    run whose answers need more positions; default RoPE does not depend on it, so the weights
+    and the function are the same).
+
+    Raises:
+        ModelConfigError: ``size`` is not one of :data:`MODEL_SIZES`.
+    """
+    base = default_config(vocab_size)
+    if size == "1m":
+        cfg = base
+    elif size == "10m":
+        cfg = replace(base, hidden_size=256, intermediate_size=1024, moe_intermediate_size=256,
+                      num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4,
+                      head_dim=32, index_layers=(1, 3, 5))
+    elif size == "50m":
+        cfg = replace(base, hidden_size=512, intermediate_size=2048, moe_intermediate_size=512,
+                      num_hidden_layers=7, num_attention_heads=8, num_key_value_heads=4,
+                      head_dim=64, index_n_heads=4, index_head_dim=32, index_layers=(1, 3, 5))
+    else:
+        raise ModelConfigError(f"model size must be one of {', '.join(MODEL_SIZES)}, got {size!r}")
+    if min_positions > cfg.max_position_embeddings:
+        cfg = replace(cfg, max_position_embeddings=int(min_positions))
+    return cfg
+
+
 
 def without_indexer(config: ModelConfig) -> ModelConfig:
     """``config`` with the indexer off (``index_topk = 0``, no indexer heads or layers).

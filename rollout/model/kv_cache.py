@@ -7,6 +7,35 @@ import torch
 from replayrl.rollout.model.errors import ModelInputError
 
 
+def append_along(past: torch.Tensor, new: torch.Tensor, dim: int) -> torch.Tensor:
+    """``torch.cat([past, new], dim)`` (same values, same shape and dtype), in place when it can.
+
+    Without autograd, when ``past`` is the leading slice along ``dim`` of a larger contiguous
+    buffer (what this function returned before) with room for ``new``, ``new`` is copied after
+    it and the longer slice of the same buffer is returned: no copy of ``past``. Otherwise a new
+    buffer of twice the needed length along ``dim`` is allocated, filled and sliced. Slots after
+    the returned slice are scratch: a later call may overwrite them, so a cache that was
+    extended must not be extended again from an earlier, shorter slice of the same buffer
+    (:class:`KVCache` never does: it keeps only the latest slice).
+    """
+    if torch.is_grad_enabled() and (past.requires_grad or new.requires_grad):
+        return torch.cat([past, new], dim=dim)
+    length, extra = past.shape[dim], new.shape[dim]
+    base = past._base
+    if (base is not None and base.is_contiguous() and base.dim() == past.dim()
+            and base.shape[dim] >= length + extra and past.data_ptr() == base.data_ptr()
+            and all(base.shape[d] == past.shape[d] for d in range(past.dim()) if d != dim)
+            and base.dtype == new.dtype):
+        base.narrow(dim, length, extra).copy_(new)
+        return base.narrow(dim, 0, length + extra)
+    shape = list(new.shape)
+    shape[dim] = 2 * (length + extra)
+    buffer = new.new_empty(shape)
+    buffer.narrow(dim, 0, length).copy_(past)
+    buffer.narrow(dim, length, extra).copy_(new)
+    return buffer.narrow(dim, 0, length + extra)
+
+
 class KVCache:
     """Keys, values and indexer keys of every token already forwarded, per batch row.
 
@@ -17,8 +46,10 @@ class KVCache:
     Layout (per layer, model dtype): keys and values `[B, num_key_value_heads, S_past, head_dim]`
     after k_norm and RoPE; indexer keys `[B, S_past, index_head_dim]` on indexed layers; and the
     key padding mask `[B, S_past]` (True = real token), used to check that the next call's
-    `key_padding_mask` starts with the same prefix. The cache grows by concatenation, which copies
-    O(S_past) per step: fine for the short sequences of the embedded model.
+    `key_padding_mask` starts with the same prefix. Under autograd the cache grows by
+    concatenation (each step copies O(S_past)); without it (the engine's decode loop) the layers
+    write the new keys in place into buffers with room to spare (:func:`append_along`), which
+    copy only when they double.
     """
 
     def __init__(self, num_layers: int, indexed_layers: tuple[int, ...]) -> None:

@@ -28,7 +28,7 @@ from torch import nn
 from replayrl.rollout.model.config import ModelConfig
 from replayrl.rollout.model.errors import ModelInputError
 from replayrl.rollout.model.indexer import Indexer, resolve_replay, select_topk, slots_to_mask
-from replayrl.rollout.model.kv_cache import KVCache
+from replayrl.rollout.model.kv_cache import KVCache, append_along
 from replayrl.rollout.model.rope import rope_frequencies
 
 
@@ -140,9 +140,9 @@ class Qwen3MoeAttention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         ik = self.indexer.keys(x) if self.indexer is not None else None
         if past is not None:
-            k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
+            k, v = append_along(past[0], k, 2), append_along(past[1], v, 2)
             if ik is not None:
-                ik = torch.cat([past[2], ik], dim=1)
+                ik = append_along(past[2], ik, 1)
 
         slots = own = None
         mask = masks.dense

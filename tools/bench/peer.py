@@ -28,7 +28,6 @@ import argparse
 import hashlib
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from replayrl.tools.bench.tree_memory import run_sampled
 from replayrl.tools.errors import PeerBenchError
 from replayrl.transport import strict_json
 
@@ -124,13 +124,22 @@ def ratio(ours: float | None, theirs: float | None) -> float | None:
 
 @dataclass(frozen=True)
 class SideRun:
-    """One side's run: per-step wall seconds, mean reward and trained completions."""
+    """One side's run: per-step wall seconds, mean reward and trained completions; per step
+    also (empty when not recorded) the generated tokens, the tokens the trainer forwarded
+    (prompt + completion of every sample) and the trainer's seconds; the peak memory of the
+    side's process tree in bytes (:mod:`replayrl.tools.bench.tree_memory`; None when the side
+    ran in this process)."""
 
     side: str
     seed: int
     step_seconds: tuple[float, ...]
     rewards: tuple[float, ...]
     completions: tuple[int, ...]
+    generated_tokens: tuple[int, ...] = ()
+    trained_tokens: tuple[int, ...] = ()
+    train_seconds: tuple[float, ...] = ()
+    peak_rss_bytes: int | None = None
+    peak_pss_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -258,29 +267,53 @@ def settings_table(config) -> str:
                       *(f"| {a} | {b} | {c} |" for a, b, c in rows)])
 
 
-def prompt_stream(config) -> list:
+def prompt_stream(config, checkpoint: Path | None = None) -> list:
     """The prompts replayrl's RolloutManager draws for ``config.num_steps`` steps, in order:
-    ``rollout_batch_size`` per step from the same seeded data source (``rollout/manager.py``)."""
+    ``rollout_batch_size`` per step from the same seeded data source (``rollout/manager.py``).
+
+    The digits task's come from its generator; the sort task's (``--task sort``) through the
+    manager's own path (:func:`replayrl.rollout.prompt_data.load_run_prompts` with the tokenizer of
+    ``checkpoint``, the run's checkpoint-init)."""
     from replayrl.rollout.data_source import PromptDataSource
-    from replayrl.rollout.tasks.digit_puzzle import DigitTask
-    from replayrl.rollout.tasks.digits import digit_task_prompts
 
     r = config.rollout
-    source = PromptDataSource(digit_task_prompts(DigitTask(num_digits=r.num_digits,
-                                                           num_values=r.num_values),
-                                                 r.seed, r.dataset_size), r.seed)
+    if is_sort(config):
+        from replayrl.rollout.prompt_data import load_run_prompts
+        from replayrl.rollout.tokenizer import load_tokenizer
+
+        model = config.policy_config
+        prompts = load_run_prompts(r, load_tokenizer(checkpoint), vocab_size=model.vocab_size,
+                                   max_positions=model.max_position_embeddings)
+        source = PromptDataSource(prompts.train, r.seed, r.num_epoch, prompts.name)
+    else:
+        from replayrl.rollout.tasks.digit_puzzle import DigitTask
+        from replayrl.rollout.tasks.digits import digit_task_prompts
+
+        source = PromptDataSource(digit_task_prompts(DigitTask(num_digits=r.num_digits,
+                                                               num_values=r.num_values),
+                                                     r.seed, r.dataset_size), r.seed)
     return source.next_batch(config.num_steps * r.rollout_batch_size)
+
+
+def is_sort(config) -> bool:
+    """The run trains the sort task (``--task sort``); else the digits task (the only two the
+    bench runs on both sides)."""
+    return config.rollout.task == "sort"
+
+
+def prompt_tokens(config) -> int:
+    """Tokens of every prompt of the run's task: ``--answer-tokens + 2`` (sort) or
+    ``--num-digits + 3`` (digits)."""
+    r = config.rollout
+    return r.answer_tokens + 2 if is_sort(config) else r.num_digits + 3
 
 
 def indexer_is_dense(config) -> bool:
     """True when the DSA indexer keeps every key of every query that produces a trained logit
     (prompt length + new tokens - 1 <= index_topk), so transformers' dense attention, which
     ignores the indexer weights, computes the same function as replayrl's model."""
-    from replayrl.rollout.model.config import default_config
-    from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
-
-    positions = config.rollout.num_digits + 3 + config.rollout.max_response_len - 1
-    return positions <= default_config(len(VOCABULARY)).index_topk
+    positions = prompt_tokens(config) + config.rollout.max_response_len - 1
+    return positions <= config.policy_config.index_topk
 
 
 def _sha256(path: Path) -> str:
@@ -302,7 +335,8 @@ def run_replayrl(config) -> SideRun:
 
     result = run_event_loop(launch(config))
     rows = [strict_json.loads(line) for line in Path(result.metrics_path).read_text().splitlines()]
-    expected = [p.index for p in prompt_stream(config)]
+    expected_prompts = prompt_stream(config, Path(config.output_dir) / "checkpoint-init")
+    expected = [p.index for p in expected_prompts]
     b = config.rollout.rollout_batch_size
     for row in rows:
         if row.get("skipped"):
@@ -310,8 +344,14 @@ def run_replayrl(config) -> SideRun:
         if row["prompt_indices"] != expected[row["step"] * b:(row["step"] + 1) * b]:
             raise PeerBenchError(f"replayrl step {row['step']}: prompts differ from the stream "
                                  "given to TRL")
+    n = config.rollout.n_samples_per_prompt
+    prompt_tokens = [n * sum(len(p.prompt_ids) for p in expected_prompts[r["step"] * b:(r["step"] + 1) * b])
+                     for r in rows]
+    generated = [round(r["samples"] * r["response_len_mean"]) for r in rows]
     return SideRun("replayrl", config.rollout.seed, tuple(r["step_seconds"] for r in rows),
-                   tuple(r["reward_mean"] for r in rows), tuple(r["samples"] for r in rows))
+                   tuple(r["reward_mean"] for r in rows), tuple(r["samples"] for r in rows),
+                   tuple(generated), tuple(g + p for g, p in zip(generated, prompt_tokens)),
+                   tuple(r["train_seconds"] for r in rows))
 
 
 def run_trl(config, checkpoint: Path, work: Path) -> SideRun:
@@ -324,25 +364,27 @@ def run_trl(config, checkpoint: Path, work: Path) -> SideRun:
 
     if importlib.util.find_spec("trl") is None:
         raise PeerBenchError(f"bench peer needs TRL, which is not installed: {TRL_EXTRA}")
-    prompts = prompt_stream(config)
+    prompts = prompt_stream(config, checkpoint)
     spec = {"checkpoint": str(checkpoint), "output_dir": str(work / "trl"),
             "grpo_config": trl_settings(config), "threads": TRL_THREADS,
             "num_digits": config.rollout.num_digits, "num_values": config.rollout.num_values,
-            "batch": config.rollout.rollout_batch_size,
+            "batch": config.rollout.rollout_batch_size, "task": "sort" if is_sort(config) else "digits",
             "prompts": [{"index": p.index, "ids": [int(i) for i in p.prompt_ids],
-                         "answer_id": int(p.answer_id)} for p in prompts]}
+                         "answer_id": int(p.answer_id), "label": p.label} for p in prompts]}
     spec_path, result_path = work / "trl_spec.json", work / "trl_result.json"
     spec_path.write_text(strict_json.dumps(spec))
     env = {**os.environ, "OMP_NUM_THREADS": str(TRL_THREADS), "TOKENIZERS_PARALLELISM": "false",
            "TRANSFORMERS_VERBOSITY": "error"}
-    proc = subprocess.run([sys.executable, "-m", "replayrl.tools.bench.peer", "--trl-worker",
-                           str(spec_path), str(result_path)], env=env,
-                          capture_output=True, text=True)
+    proc, memory = run_sampled([sys.executable, "-m", "replayrl.tools.bench.peer", "--trl-worker",
+                                str(spec_path), str(result_path)], env)
     if proc.returncode != 0:
         raise PeerBenchError(f"TRL side failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
     out = json.loads(result_path.read_text())
     return SideRun("TRL", config.rollout.seed, tuple(out["step_seconds"]), tuple(out["rewards"]),
-                   tuple(out["completions"]))
+                   tuple(out["completions"]), tuple(out["generated_tokens"]),
+                   tuple(g + p for g, p in zip(out["generated_tokens"], out["prompt_tokens"])),
+                   tuple(s - g for s, g in zip(out["step_seconds"], out["generate_seconds"])),
+                   memory.peak_rss_bytes, memory.peak_pss_bytes)
 
 
 def trl_worker(spec_path: str, result_path: str) -> None:
@@ -376,21 +418,39 @@ def trl_worker(spec_path: str, result_path: str) -> None:
         if list(ids) != p["ids"]:
             raise PeerBenchError(f"prompt {p['index']}: TRL's tokenizer gives {list(ids)}, "
                                  f"replayrl trains on {p['ids']}")
+    lengths = {p["index"]: len(p["ids"]) for p in spec["prompts"]}
     dataset = Dataset.from_dict({"prompt": texts,
                                  "answer_id": [p["answer_id"] for p in spec["prompts"]],
+                                 "label": [p["label"] for p in spec["prompts"]],
                                  "prompt_index": [p["index"] for p in spec["prompts"]]})
+    sort = spec["task"] == "sort"
+    if sort:  # the sort task's verifier: digits' token ids and the checkpoint's EOS
+        from replayrl.rollout.tasks.sort import position_reward
+
+        vocab = tokenizer.get_vocab()
+        eos_ids = (int(tokenizer.eos_token_id),)
     n = spec["grpo_config"]["num_generations"]
     rewards: list[float] = []
     completions_seen: list[int] = []
     seen: list[list[int]] = []
+    generated_tokens: list[int] = []
+    prompt_tokens: list[int] = []
 
-    def digit_task_verifier(prompts, completions, completion_ids, answer_id, prompt_index, **_):
+    def digit_task_verifier(prompts, completions, completion_ids, answer_id, label, prompt_index, **_):
         """The embedded task's verifier on each completion's ids (TRL keeps the EOS, drops what
-        follows it; replayrl's engine stops at it), with a loss mask of ones (one turn)."""
-        out = [env.reward(np.asarray(ids, dtype=np.int32), np.ones(len(ids), dtype=np.uint8),
-                          int(a)) for ids, a in zip(completion_ids, answer_id)]
+        follows it; replayrl's engine stops at it), with a loss mask of ones (one turn); for the
+        sort task :func:`replayrl.rollout.tasks.sort.position_reward` against the label's digits."""
+        if sort:
+            out = [position_reward(np.asarray(ids, dtype=np.int64),
+                                   np.asarray([vocab[d] for d in lab.split()], dtype=np.int64), eos_ids)
+                   for ids, lab in zip(completion_ids, label)]
+        else:
+            out = [env.reward(np.asarray(ids, dtype=np.int32), np.ones(len(ids), dtype=np.uint8),
+                              int(a)) for ids, a in zip(completion_ids, answer_id)]
         rewards.append(float(np.mean(out)))
         completions_seen.append(len(out))
+        generated_tokens.append(sum(len(ids) for ids in completion_ids))
+        prompt_tokens.append(sum(lengths[i] for i in prompt_index))
         seen.append(list(prompt_index[::n]))  # TRL repeats each prompt n times in a row
         return out
 
@@ -412,6 +472,21 @@ def trl_worker(spec_path: str, result_path: str) -> None:
 
     timer = StepTimer()
     model = AutoModelForCausalLM.from_pretrained(spec["checkpoint"], dtype=torch.float32)
+    generate_seconds: list[float] = []
+    generate = model.generate
+
+    def timed_generate(*args, **kwargs):
+        """model.generate, its wall seconds added to the current step's (GRPOTrainer calls it
+        on this very model: no DeepSpeed / FSDP wrapper on one CPU process)."""
+        start = time.perf_counter()
+        try:
+            return generate(*args, **kwargs)
+        finally:
+            while len(generate_seconds) <= len(timer.seconds):
+                generate_seconds.append(0.0)
+            generate_seconds[len(timer.seconds)] += time.perf_counter() - start
+
+    model.generate = timed_generate
     args = GRPOConfig(output_dir=spec["output_dir"], **spec["grpo_config"])
     trainer = GRPOTrainer(model=model, reward_funcs=digit_task_verifier, args=args, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[timer])
@@ -426,8 +501,12 @@ def trl_worker(spec_path: str, result_path: str) -> None:
         if got != expected[step * b:(step + 1) * b]:
             raise PeerBenchError(f"TRL step {step}: prompts {got} are not the stream's "
                                  f"{expected[step * b:(step + 1) * b]}")
-    Path(result_path).write_text(strict_json.dumps({"step_seconds": timer.seconds, "rewards": rewards,
-                                                    "completions": completions_seen}))
+    if len(generate_seconds) != steps:
+        raise PeerBenchError(f"TRL generated in {len(generate_seconds)} steps, expected {steps}")
+    Path(result_path).write_text(strict_json.dumps(
+        {"step_seconds": timer.seconds, "rewards": rewards, "completions": completions_seen,
+         "generated_tokens": generated_tokens, "prompt_tokens": prompt_tokens,
+         "generate_seconds": generate_seconds}))
 
 
 # ---------------------------------------------------------------- report
@@ -553,15 +632,20 @@ def bench(steps: int, seeds: Sequence[int], threshold: float, window: int,
     return report(pairs, threshold, window)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Command-line entry: prints the report (``--trl-worker SPEC RESULT`` is the TRL child)."""
+def main(argv: list[str] | None = None, grid=None) -> int:
+    """Command-line entry: prints the report (``--trl-worker SPEC RESULT`` is the TRL child).
+
+    ``grid``: how ``--grid`` runs, ``grid(args, overrides, parser) -> report`` (given by
+    :func:`replayrl.tools.bench.peer_grid.main`, the ``replayrl bench peer`` entry; this module
+    does not import the grid, which imports it)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--trl-worker"]:
         trl_worker(argv[1], argv[2])
         return 0
     parser = argparse.ArgumentParser(prog="replayrl bench peer",
                                      description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=100, help="optimizer steps per side (100)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="optimizer steps per side (100; with --grid: quick 20, else 30)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1], help="seeds (1)")
     parser.add_argument("--threshold", type=float, default=0.5,
                         help="reward the trailing window mean must reach (0.5)")
@@ -573,7 +657,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--priority", action="store_true",
                         help="on a machine shared with other users' jobs, run both "
                              "sides first (Linux autogroup nice -20; needs root)")
+    parser.add_argument("--grid", nargs="?", const="quick", default=None, metavar="GRID",
+                        help="model size x answer length grid (tools/bench/peer_grid.py): quick "
+                             "(1m x {2, 64}, the default of a bare --grid), full ({1m, 10m, 50m} "
+                             "x {2, 64, 256}) or SIZES:LENGTHS such as 1m,10m:2,64; first seed only")
+    parser.add_argument("--output-dir", default="runs/peer-grid",
+                        help="where --grid writes its plot peer_grid.png (runs/peer-grid)")
     args = parser.parse_args(argv)
+    if args.steps is None:
+        args.steps = 100 if args.grid is None else {"quick": 20}.get(args.grid, 30)
     if args.steps < 1 or args.window < 1:
         parser.error("--steps and --window must be >= 1")
     overrides = {k: v for k, v in (("rollout-batch-size", args.rollout_batch_size),
@@ -588,8 +680,13 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONFIG
     from replayrl.tools.bench.priority import autogroup_priority
 
+    if args.grid is not None and grid is None:
+        parser.error("--grid runs through `replayrl bench peer` (python -m replayrl.tools.bench.peer_grid)")
     with autogroup_priority(args.priority):
-        report = bench(args.steps, args.seeds, args.threshold, args.window, overrides)
+        if args.grid is not None:
+            report = grid(args, overrides, parser)
+        else:
+            report = bench(args.steps, args.seeds, args.threshold, args.window, overrides)
     print(("--priority: both sides ran ahead of other sessions' jobs (tools/bench/priority.py)\n\n"
            if args.priority else "") + report, flush=True)
     return 0

@@ -31,7 +31,7 @@ from replayrl.rollout.config import RolloutConfig
 from replayrl.rollout.engine_pool import ENGINE_FAILURE_POLICIES
 from replayrl.rollout.engines.precision import DTYPES
 from replayrl.rollout.engines.sglang_protocol import parse_urls
-from replayrl.rollout.model.config import ModelConfig, default_config, without_indexer
+from replayrl.rollout.model.config import MODEL_SIZES, ModelConfig, embedded_config, without_indexer
 from replayrl.rollout.model.errors import ModelError
 from replayrl.rollout.model.loader import read_hf_config
 from replayrl.rollout.tasks import (
@@ -95,6 +95,8 @@ class RunConfig:
             under ``<output-dir>/wandb`` (``WANDB_MODE=offline``: no network).
         model_indexer: the policy has the sparse-attention indexer (``--model-indexer``);
             ``--no-model-indexer`` is the indexer-free variant external engines serve.
+        model_size: the embedded model's size preset (``--model-size``,
+            :func:`replayrl.rollout.model.config.embedded_config`); only without ``--hf-checkpoint``.
         engine_start_timeout_s: seconds an engine may take to start (``vllm.LLM`` start-up;
             the SGLang engine's wait for its first server's ``/health``).
         sglang_urls: SGLang server base URLs, comma-separated (``--sglang-urls``); engine ``i``
@@ -163,6 +165,9 @@ class RunConfig:
     model_indexer: bool = setting(True, "model-indexer", "the policy's sparse-attention indexer "
                                   "(layers 1 and 3); off = the indexer-free Qwen3-MoE variant "
                                   "that --rollout-engine vllm serves")
+    model_size: str = setting("1m", "model-size", "size of the embedded model, a preset of "
+                              "rollout/model/config.py embedded_config: 1m (the default model), "
+                              "10m or 50m parameters", Choices(MODEL_SIZES))
     engine_start_timeout_s: float = setting(600.0, "engine-start-timeout-seconds",
                                             "seconds an engine may take to start (vLLM: import "
                                             "and vllm.LLM start-up)", Range(low=0, closed="(]"))
@@ -290,18 +295,23 @@ class RunConfig:
     @cached_property
     def policy_config(self) -> ModelConfig:
         """The initial policy's shape: ``--hf-checkpoint``'s config.json, or the embedded
-        default's (same for every seed; without the indexer under ``--no-model-indexer``).
+        model's at ``--model-size`` (same for every seed; without the indexer under
+        ``--no-model-indexer``; positions enough for :attr:`max_context_tokens`).
 
         Raises:
             ConfigError: the checkpoint's config.json is unreadable or holds a value the model
                 does not implement (the message names the directory and the field).
         """
         if not self.hf_checkpoint:
-            cfg = default_config(vocab_size=len(VOCABULARY))
+            # positions grow past the preset's 256 only for answers that need them
+            cfg = embedded_config(len(VOCABULARY), self.model_size, self.max_context_tokens)
             return cfg if self.model_indexer else without_indexer(cfg)
         if not self.model_indexer:
             raise ConfigError("--no-model-indexer shapes the embedded default; an --hf-checkpoint "
                               "policy has the indexer its config.json gives it")
+        if self.model_size != "1m":
+            raise ConfigError(f"--model-size {self.model_size} shapes the embedded model; an "
+                              f"--hf-checkpoint policy has the shape its config.json gives it")
         try:
             return read_hf_config(self.hf_checkpoint)
         except ModelError as exc:

@@ -124,9 +124,6 @@ def test_registry_and_flags_select_it():
 
 @pytest.mark.parametrize("settings, message", [
     ({"answer-tokens": 0}, "--answer-tokens must be >= 1"),
-    ({"answer-tokens": 126}, r"--answer-tokens \+ 2 \+ --rollout-max-turns x "
-                             r"\(--rollout-max-response-len \+ 2\) = 257 tokens exceeds the "
-                             r"model's 256 positions"),
     ({"answer-tokens": 16, "rollout-max-response-len": 16},
      "--task sort: --rollout-max-response-len 16 cannot hold the answer of --answer-tokens 16: "
      "17 tokens"),
@@ -136,6 +133,17 @@ def test_registry_and_flags_select_it():
 def test_bad_settings_are_refused_naming_the_flag(settings, message):
     with pytest.raises(ConfigError, match=message):
         build_config({"task": "sort", **settings})
+
+
+def test_a_context_longer_than_the_checkpoint_names_answer_tokens(tmp_path):
+    # an --hf-checkpoint of the default model has 256 positions (the embedded model is built
+    # with the positions of the run's context, --model-size)
+    checkpoint = write_initial_checkpoint(build_config({}), tmp_path / "ckpt")
+    with pytest.raises(ConfigError, match=r"--answer-tokens \+ 2 \+ --rollout-max-turns x "
+                                          r"\(--rollout-max-response-len \+ 2\) = 257 tokens exceeds the "
+                                          r"model's 256 positions"):
+        build_config({"task": "sort", "answer-tokens": 126, "hf-checkpoint": str(checkpoint)})
+    assert build_config({"task": "sort", "answer-tokens": 126}).policy_config.max_position_embeddings == 257
 
 
 @pytest.fixture

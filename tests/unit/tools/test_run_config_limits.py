@@ -19,8 +19,6 @@ from replayrl.tools.run.config import build_config, config_from_args
     ({"rs-mode": "token", "rs-lower": float("inf"), "rs-upper": float("inf")}, "--rs-lower"),
     ({"rs-lower": 2.0, "rs-upper": 1.0}, "--rs-mode"),
     ({"rollout-top-k": 100000}, "--rollout-top-k"),
-    ({"rollout-max-response-len": 1000}, "--rollout-max-response-len"),
-    ({"num-digits": 300}, "--num-digits"),
     ({"n-samples-per-prompt": 1}, "--n-samples-per-prompt"),
 ])
 def test_out_of_range_values_name_their_flag(values, flag):
@@ -28,11 +26,36 @@ def test_out_of_range_values_name_their_flag(values, flag):
         build_config(values)
 
 
-def test_longest_context_is_exactly_the_model_limit():
+@pytest.fixture(scope="module")
+def checkpoint_256(tmp_path_factory):
+    """An --hf-checkpoint of the default model: 256 positions."""
+    from replayrl.tools.run.launcher import write_initial_checkpoint
+
+    return str(write_initial_checkpoint(build_config({}), tmp_path_factory.mktemp("ckpt") / "init"))
+
+
+@pytest.mark.parametrize("values, flag", [
+    ({"rollout-max-response-len": 1000}, "--rollout-max-response-len"),
+    ({"num-digits": 300}, "--num-digits"),
+])
+def test_contexts_longer_than_a_checkpoint_name_their_flag(values, flag, checkpoint_256):
+    with pytest.raises(ConfigError, match=flag):
+        build_config({**values, "hf-checkpoint": checkpoint_256})
+
+
+def test_longest_context_is_exactly_the_model_limit(checkpoint_256):
     # 250 digits + 3 prompt tokens + 1 turn x (1 token + 2) = 256 positions: accepted
-    assert build_config({"num-digits": 250, "rollout-max-response-len": 1}).max_context_tokens == 256
+    assert build_config({"num-digits": 250, "rollout-max-response-len": 1,
+                         "hf-checkpoint": checkpoint_256}).max_context_tokens == 256
     with pytest.raises(ConfigError, match="257 tokens"):
-        build_config({"num-digits": 251, "rollout-max-response-len": 1})
+        build_config({"num-digits": 251, "rollout-max-response-len": 1, "hf-checkpoint": checkpoint_256})
+
+
+def test_the_embedded_model_gets_the_positions_of_a_long_context():
+    # 251 + 3 + 1 x (1 + 2) = 257: the embedded model is built with 257 positions (default RoPE
+    # does not depend on the count, so shorter runs keep the default model's 256 and weights)
+    assert build_config({"num-digits": 251, "rollout-max-response-len": 1}).policy_config \
+        .max_position_embeddings == 257
 
 
 def test_checkpoints_that_cannot_resume_are_rejected(tmp_path):

@@ -1,0 +1,111 @@
+"""``replayrl bench peer --grid``: grid parsing, per-side figures, ratios, the table, the plot and
+the /proc tree-memory arithmetic, against values worked out by hand."""
+from __future__ import annotations
+
+import pytest
+
+from replayrl.tools.bench import peer_grid as pg
+from replayrl.tools.bench import tree_memory as tm
+from replayrl.tools.bench.peer import SideRun
+from replayrl.tools.errors import BenchError, PeerBenchError
+
+MIB = 1024 * 1024
+
+
+def test_named_and_spelled_out_grids():
+    assert pg.parse_grid("quick") == [pg.GridPoint("1m", 2), pg.GridPoint("1m", 64)]
+    full = pg.parse_grid("full")
+    assert len(full) == 9 and full[0] == pg.GridPoint("1m", 2) and full[-1] == pg.GridPoint("50m", 256)
+    assert pg.parse_grid("1m,10m:2,64") == [pg.GridPoint("1m", 2), pg.GridPoint("1m", 64),
+                                            pg.GridPoint("10m", 2), pg.GridPoint("10m", 64)]
+    assert pg.GridPoint("1m", 2).overrides() == {"model-size": "1m", "rollout-max-response-len": 2}
+    # 64 new tokens: 63 digits to sort, then EOS
+    assert pg.GridPoint("10m", 64).overrides() == {"model-size": "10m", "task": "sort", "answer-tokens": 63,
+                                                   "rollout-max-response-len": 64}
+
+
+@pytest.mark.parametrize("text, message", [
+    ("huge", "quick, full or SIZES:LENGTHS"),
+    ("2m:2", "unknown model size '2m'"),
+    ("1m:two", "must be integers"),
+    ("1m:1", ">= 2"),
+    ("1m:2,2", "repeated"),
+])
+def test_bad_grids_are_refused(text, message):
+    with pytest.raises(BenchError, match=message):
+        pg.parse_grid(text)
+
+
+def test_steady_rate_by_hand():
+    # 10 steps: step 1 is warm-up; per-step rates of the other nine: 100/1, 200/2 ... all 100
+    # except one 300/1 -> median 100
+    amounts = [50, 100, 200, 300, 100, 100, 100, 100, 100, 100]
+    seconds = [5.0, 1.0, 2.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+    assert pg.steady_rate(amounts, seconds) == pytest.approx(100.0)
+    assert pg.steady_rate([8], [2.0]) == pytest.approx(4.0)
+    with pytest.raises(ValueError):
+        pg.steady_rate([1, 2], [1.0])
+
+
+def _run(side, seconds, generated, trained, train_seconds, rewards, rss=None, pss=None):
+    return SideRun(side, 1, tuple(seconds), tuple(rewards), (4,) * len(seconds), tuple(generated),
+                   tuple(trained), tuple(train_seconds), rss, pss)
+
+
+def test_side_figures_by_hand():
+    # 3 steps: the first is warm-up; steps 2-3: 4 completions in 1 s and 2 s -> 4/s and 2/s,
+    # median 3/s; generated 40 and 60 tokens -> 40/s and 30/s, median 35/s; trained 100 tokens in
+    # 0.5 s and 0.25 s -> 200/s and 400/s, median 300/s; mean answer (20+40+60)/12 = 10 tokens;
+    # last two rewards 0.5 and 1.0 -> 0.75
+    run = _run("x", [9.0, 1.0, 2.0], [20, 40, 60], [80, 100, 100], [1.0, 0.5, 0.25],
+               [0.0, 0.5, 1.0], 3 * MIB, 2 * MIB)
+    f = pg.side_figures(run, window=2)
+    assert f.completions_per_second == pytest.approx(3.0)
+    assert f.generated_tokens_per_second == pytest.approx(35.0)
+    assert f.trainer_tokens_per_second == pytest.approx(300.0)
+    assert f.mean_answer_tokens == pytest.approx(10.0)
+    assert f.final_reward == pytest.approx(0.75)
+    assert (f.peak_rss_bytes, f.peak_pss_bytes) == (3 * MIB, 2 * MIB)
+    assert pg.side_figures(run, window=10).final_reward == pytest.approx(0.5)  # all three steps
+    with pytest.raises(PeerBenchError, match="tokens or trainer seconds missing"):
+        pg.side_figures(SideRun("x", 1, (1.0,), (0.0,), (4,)), window=1)
+
+
+def _result(size="1m", n=2):
+    ours = pg.SideFigures(300.0, 3000.0, 9000.0, 10.0, 600 * MIB, 300 * MIB, 0.5)
+    theirs = pg.SideFigures(100.0, 1000.0, 3000.0, 10.0, 400 * MIB, None, 0.25)
+    return pg.PointResult(pg.GridPoint(size, n), ours, theirs, ("replayrl", "TRL"), (1.0, 2.0),
+                          913_280)
+
+
+def test_ratios_table_and_plot(tmp_path):
+    r = pg.ratios(_result())
+    assert r == {"completions/s": pytest.approx(3.0), "generated tokens/s": pytest.approx(3.0),
+                 "trainer tokens/s": pytest.approx(3.0), "peak RSS MiB": pytest.approx(1.5),
+                 "peak PSS MiB": None}
+    table = pg.grid_table([_result()]).splitlines()
+    assert len(table) == 3
+    cells = [c.strip() for c in table[2].strip("|").split("|")]
+    assert cells[:2] == ["1m (0.9 M)", "2 (10.0 / 10.0)"]
+    assert cells[2:5] == ["300", "100", "3.00"]  # completions/s
+    assert cells[11:14] == ["600", "400", "1.50"]  # peak RSS MiB
+    assert cells[14:17] == ["300", "n/a", "n/a"]  # peak PSS: TRL's missing
+    assert cells[17:] == ["0.500", "0.250", "1.0 -> 2.0"]
+    png = pg.plot_ratios([_result("1m", 2), _result("1m", 64), _result("10m", 2)], tmp_path / "g.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_tree_memory_sums_a_process_tree_from_a_fake_proc(tmp_path):
+    # 10 -> 11 -> 12 and 10 -> 13; 20 is not in the tree
+    tree = {10: 1, 11: 10, 12: 11, 13: 10, 20: 1}
+    for pid, ppid in tree.items():
+        d = tmp_path / str(pid)
+        d.mkdir()
+        (d / "stat").write_text(f"{pid} (python -m x) S {ppid} 0 0\n")
+        (d / "status").write_text(f"Name:\tx\nVmRSS:\t    {pid} kB\n")
+        (d / "smaps_rollup").write_text(f"Rss: {pid} kB\nPss:    {pid // 2} kB\n")
+    (tmp_path / "self").mkdir()
+    assert tm.parent_map(tmp_path) == tree
+    assert sorted(tm.descendants(10, tree)) == [10, 11, 12, 13]
+    assert tm.tree_usage(10, tmp_path) == ((10 + 11 + 12 + 13) * 1024, (5 + 5 + 6 + 6) * 1024)
+    assert tm.tree_usage(99, tmp_path) == (0, 0)  # gone: nothing to read

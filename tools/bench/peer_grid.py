@@ -1,0 +1,358 @@
+"""``replayrl bench peer --grid``: replayrl against TRL's ``GRPOTrainer`` over model size x answer length.
+
+Every grid point is one ``bench peer`` comparison (same ``checkpoint-init``, prompt ids,
+verifier, sampling and optimizer settings and budget; :mod:`replayrl.tools.bench.peer`) at
+``--model-size`` ``S`` (:func:`replayrl.rollout.model.config.embedded_config`) and ``N`` new tokens
+per answer (``--rollout-max-response-len N`` on both sides; TRL's ``max_completion_length``).
+Each side runs in its own child process (replayrl: its launcher and the actors it spawns; TRL:
+one process), one after the other, alternating which goes first from point to point, and the
+memory of each child's process tree is sampled from ``/proc``
+(:mod:`replayrl.tools.bench.tree_memory`).
+
+Answer length ``N`` counts the new tokens of a right answer, EOS included: ``N = 2`` is the
+digits task (one digit and EOS); a longer ``N`` the sort task (``--task sort --answer-tokens
+N-1``: N - 1 digits sorted, then EOS; :mod:`replayrl.rollout.tasks.sort`), both sides scoring
+with its ``position_reward``. Nothing forces a policy to use all ``N`` (it may stop at EOS
+early), so the measured mean answer length is printed beside every figure and the token rates
+count the tokens actually generated.
+
+Per point and side: completions/s, generated tokens/s, trainer tokens/s (prompt + completion
+tokens of the step's samples / the trainer's seconds: replayrl's ``train_seconds``, TRL's step
+seconds minus its seconds inside ``model.generate``), each the median over the steady-state
+steps (:func:`replayrl.tools.bench.peer.warmup_steps`); peak summed RSS and PSS of the side's
+process tree; the mean reward of the last ``--window`` steps; and the ratios replayrl / TRL. A
+plot of the ratios over the grid goes to ``--output-dir/peer_grid.png``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Sequence
+
+from replayrl.rollout.model.config import MODEL_SIZES
+from replayrl.tools.bench.peer import (
+    SideRun,
+    _sha256,
+    indexer_is_dense,
+    median,
+    ratio,
+    run_config,
+    run_replayrl,
+    run_trl,
+    settings_table,
+    warmup_steps,
+)
+from replayrl.tools.bench.peer import (
+    main as peer_main,
+)
+from replayrl.tools.bench.tree_memory import run_sampled
+from replayrl.tools.errors import BenchError, PeerBenchError
+from replayrl.transport import strict_json
+
+GRIDS = {"quick": (("1m",), (2, 64)), "full": (MODEL_SIZES, (2, 64, 256))}
+DEFAULT_STEPS = {"quick": 20, "full": 30}
+MIB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class GridPoint:
+    """One point of the grid: the embedded model's size preset and the new tokens per answer."""
+
+    model_size: str
+    answer_tokens: int
+
+    def overrides(self) -> dict:
+        """The run settings (flag name -> value) of this point: 2 tokens is the digits task;
+        longer answers the sort task with ``answer_tokens - 1`` digits (then EOS)."""
+        if self.answer_tokens == 2:
+            return {"model-size": self.model_size, "rollout-max-response-len": 2}
+        return {"model-size": self.model_size, "task": "sort", "answer-tokens": self.answer_tokens - 1,
+                "rollout-max-response-len": self.answer_tokens}
+
+
+def parse_grid(text: str) -> list[GridPoint]:
+    """Grid points of ``--grid TEXT``: ``quick`` (1m x {2, 64}), ``full`` ({1m, 10m, 50m} x
+    {2, 64, 256}) or ``SIZES:LENGTHS``, comma-separated (``1m,10m:2,64``), sizes outer.
+
+    Raises:
+        BenchError: an unknown name or size, a length < 2, a repeated entry, or no ``:``.
+    """
+    if text in GRIDS:
+        sizes, lengths = GRIDS[text]
+    else:
+        if text.count(":") != 1:
+            raise BenchError(f"--grid {text!r}: give quick, full or SIZES:LENGTHS (e.g. 1m,10m:2,64)")
+        left, right = text.split(":")
+        sizes = tuple(s.strip() for s in left.split(","))
+        try:
+            lengths = tuple(int(n) for n in right.split(","))
+        except ValueError:
+            raise BenchError(f"--grid {text!r}: answer lengths must be integers") from None
+        bad = [s for s in sizes if s not in MODEL_SIZES]
+        if bad:
+            raise BenchError(f"--grid {text!r}: unknown model size {bad[0]!r} "
+                             f"(known: {', '.join(MODEL_SIZES)})")
+        if any(n < 2 for n in lengths):
+            raise BenchError(f"--grid {text!r}: answer lengths must be >= 2 (a digit and EOS)")
+        if len(set(sizes)) != len(sizes) or len(set(lengths)) != len(lengths):
+            raise BenchError(f"--grid {text!r}: a size or length is repeated")
+    return [GridPoint(s, n) for s in sizes for n in lengths]
+
+
+def steady_rate(amounts: Sequence[float], seconds: Sequence[float]) -> float:
+    """Median over the steady-state steps (after :func:`warmup_steps`) of ``amount / seconds``.
+
+    Raises:
+        ValueError: the two differ in length, or there is no step.
+    """
+    if len(amounts) != len(seconds):
+        raise ValueError(f"{len(amounts)} amounts but {len(seconds)} step times")
+    skip = warmup_steps(len(seconds))
+    return median([a / s for a, s in zip(amounts[skip:], seconds[skip:])])
+
+
+@dataclass(frozen=True)
+class SideFigures:
+    """The grid figures of one side at one point (rates per second, memory in bytes)."""
+
+    completions_per_second: float
+    generated_tokens_per_second: float
+    trainer_tokens_per_second: float
+    mean_answer_tokens: float
+    peak_rss_bytes: int | None
+    peak_pss_bytes: int | None
+    final_reward: float
+
+
+def side_figures(run: SideRun, window: int) -> SideFigures:
+    """:class:`SideFigures` of ``run``; the reward is the mean over its last ``window`` steps
+    (all steps when fewer).
+
+    Raises:
+        PeerBenchError: the run lacks per-step token counts or trainer seconds.
+    """
+    n = len(run.step_seconds)
+    if not (len(run.generated_tokens) == len(run.trained_tokens) == len(run.train_seconds) == n):
+        raise PeerBenchError(f"{run.side}: per-step tokens or trainer seconds missing")
+    last = run.rewards[-min(window, n):]
+    return SideFigures(
+        steady_rate(run.completions, run.step_seconds),
+        steady_rate(run.generated_tokens, run.step_seconds),
+        steady_rate(run.trained_tokens, run.train_seconds),
+        sum(run.generated_tokens) / sum(run.completions),
+        run.peak_rss_bytes, run.peak_pss_bytes, sum(last) / len(last))
+
+
+# (label, SideFigures field, format); the ratio column is replayrl / TRL
+FIGURES = (("completions/s", "completions_per_second", ".0f"),
+           ("generated tokens/s", "generated_tokens_per_second", ".0f"),
+           ("trainer tokens/s", "trainer_tokens_per_second", ".0f"),
+           ("peak RSS MiB", "peak_rss_bytes", ".0f"),
+           ("peak PSS MiB", "peak_pss_bytes", ".0f"))
+
+
+@dataclass(frozen=True)
+class PointResult:
+    """Both sides' figures at one point, the order they ran in and the load average around it."""
+
+    point: GridPoint
+    ours: SideFigures
+    theirs: SideFigures
+    order: tuple[str, ...]
+    load: tuple[float, float]
+    parameters: int
+
+
+def _value(figures: SideFigures, field: str) -> float | None:
+    v = getattr(figures, field)
+    return None if v is None else (v / MIB if field.startswith("peak_") else v)
+
+
+def ratios(result: PointResult) -> dict[str, float | None]:
+    """``{figure label: replayrl / TRL}`` for every figure of :data:`FIGURES` (None if either
+    side lacks it or TRL's is 0)."""
+    return {label: ratio(_value(result.ours, f), _value(result.theirs, f)) for label, f, _ in FIGURES}
+
+
+def _cell(x: float | None, spec: str) -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
+def grid_table(results: Sequence[PointResult]) -> str:
+    """Markdown table: one row per point; per figure replayrl, TRL and the ratio."""
+    head = ["model", "answer tokens (mean r / T)"]
+    for label, _, _ in FIGURES:
+        head += [f"{label} r", "T", "r/T"]
+    head += ["reward r", "T", "load avg"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * 2 + "---:|" * (len(head) - 2)]
+    for res in results:
+        p = res.point
+        row = [f"{p.model_size} ({res.parameters / 1e6:.1f} M)",
+               f"{p.answer_tokens} ({res.ours.mean_answer_tokens:.1f} / {res.theirs.mean_answer_tokens:.1f})"]
+        r = ratios(res)
+        for label, field, spec in FIGURES:
+            row += [_cell(_value(res.ours, field), spec), _cell(_value(res.theirs, field), spec),
+                    _cell(r[label], ".2f")]
+        row += [f"{res.ours.final_reward:.3f}", f"{res.theirs.final_reward:.3f}",
+                f"{res.load[0]:.1f} -> {res.load[1]:.1f}"]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def plot_ratios(results: Sequence[PointResult], path: Path) -> Path:
+    """PNG of the ratios replayrl / TRL over the grid: one panel per figure, answer tokens on
+    the x axis (log), one line per model size; dashed 2x on the generated-tokens panel and 1x on
+    the memory panels. Returns ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(FIGURES), figsize=(4 * len(FIGURES), 3.6))
+    sizes = list(dict.fromkeys(r.point.model_size for r in results))
+    for ax, (label, field, _) in zip(axes, FIGURES):
+        for size in sizes:
+            pts = [(r.point.answer_tokens, ratios(r)[label]) for r in results if r.point.model_size == size]
+            pts = [(x, y) for x, y in pts if y is not None]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=size)
+        target = 2.0 if field == "generated_tokens_per_second" else 1.0
+        ax.axhline(target, color="grey", linestyle="--", linewidth=1)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("answer tokens (max new)")
+        ax.set_title(f"{label}: replayrl / TRL", fontsize=10)
+        ax.grid(True, alpha=0.3)
+    axes[0].legend(title="model")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------- running the points
+
+
+def replayrl_worker(spec_path: str, result_path: str) -> None:
+    """Child process: one replayrl run (:func:`run_replayrl`) of the spec's settings; writes
+    the :class:`SideRun` as JSON to ``result_path``."""
+    spec = json.loads(Path(spec_path).read_text())
+    config = run_config(spec["steps"], spec["seed"], spec["output_dir"], spec["overrides"])
+    Path(result_path).write_text(strict_json.dumps(asdict(run_replayrl(config))))
+
+
+def run_replayrl_child(steps: int, seed: int, output_dir: Path, overrides: dict, work: Path) -> SideRun:
+    """replayrl in its own process (:func:`replayrl_worker`), its tree's memory sampled.
+
+    Raises:
+        PeerBenchError: the child failed (its stderr's tail in the message).
+    """
+    spec_path, result_path = work / "replayrl_spec.json", work / "replayrl_result.json"
+    spec_path.write_text(strict_json.dumps({"steps": steps, "seed": seed, "output_dir": str(output_dir),
+                                            "overrides": overrides}))
+    proc, memory = run_sampled([sys.executable, "-m", "replayrl.tools.bench.peer_grid",
+                                "--replayrl-worker", str(spec_path), str(result_path)], os.environ)
+    if proc.returncode != 0:
+        raise PeerBenchError(f"replayrl side failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    out = json.loads(result_path.read_text())
+    out.update(peak_rss_bytes=memory.peak_rss_bytes, peak_pss_bytes=memory.peak_pss_bytes)
+    return SideRun(**{k: tuple(v) if isinstance(v, list) else v for k, v in out.items()})
+
+
+def run_point(point: GridPoint, steps: int, seed: int, window: int, work: Path, trl_first: bool,
+              overrides: dict) -> tuple[PointResult, object]:
+    """Both sides at ``point`` in the given order; returns the result and the replayrl config.
+
+    Raises:
+        PeerBenchError: a side failed, or replayrl's checkpoint-init differs from TRL's.
+    """
+    from replayrl.tools.run.launcher import write_initial_checkpoint
+
+    values = {**overrides, **point.overrides()}
+    config = run_config(steps, seed, str(work / "replayrl"), values)
+    checkpoint = write_initial_checkpoint(config, work / "checkpoint-init")
+    before = os.getloadavg()[0]
+    runs = {}
+    for side in (("TRL", "replayrl") if trl_first else ("replayrl", "TRL")):
+        runs[side] = (run_trl(config, checkpoint, work) if side == "TRL"
+                      else run_replayrl_child(steps, seed, work / "replayrl", values, work))
+    ours = work / "replayrl" / "checkpoint-init" / "model.safetensors"
+    if _sha256(ours) != _sha256(checkpoint / "model.safetensors"):
+        raise PeerBenchError(f"{point}: replayrl's checkpoint-init differs from the one TRL loaded")
+    from safetensors.torch import load_file
+
+    parameters = sum(t.numel() for name, t in load_file(str(ours)).items() if ".indexer." not in name)
+    return PointResult(point, side_figures(runs["replayrl"], window), side_figures(runs["TRL"], window),
+                       tuple(runs), (before, os.getloadavg()[0]), parameters), config
+
+
+def grid_report(results: Sequence[PointResult], configs: Sequence, steps: int, window: int,
+                plot: Path) -> str:
+    """The printed report: what varies per point, the settings of both sides (of the first
+    point; only model size, new tokens and task change), the table and where the plot is."""
+    lines = [f"bench peer --grid: replayrl vs TRL GRPOTrainer, {steps} steps per side and point, "
+             f"seed {configs[0].rollout.seed}", ""]
+    for res, config in zip(results, configs):
+        p = res.point
+        dense = ("the indexer keeps every key here: both compute the same function"
+                 if indexer_is_dense(config) else
+                 "answers longer than the indexer's top-k: TRL (transformers, no indexer) trains "
+                 "the dense-attention model, replayrl the sparse one")
+        lines.append(f"- {p.model_size} x {p.answer_tokens}: {res.parameters:,} parameters without "
+                     f"the indexer; ran {' then '.join(res.order)}; {dense}")
+    lines += ["", "Settings (first point; per point only the model size, the new tokens and, past 2 "
+                  "tokens, the task (--task sort --answer-tokens N-1) change):", "",
+              settings_table(configs[0]), "",
+              f"Rates: median over steps after the first {warmup_steps(steps)}. trainer tokens/s: "
+              "(prompt + completion tokens of the step's samples) / trainer seconds (replayrl "
+              "train_seconds; TRL step seconds minus seconds in model.generate). Memory: peak of "
+              "the summed RSS / PSS of each side's process tree, sampled every 0.25 s from /proc "
+              "(RSS counts shared pages once per process). reward: mean of the last "
+              f"{min(window, steps)} steps. load avg: 1-minute load average before and after the "
+              "point. r = replayrl, T = TRL.", "", grid_table(results), "", f"plot: {plot}"]
+    return "\n".join(lines)
+
+
+def run_grid(points: Sequence[GridPoint], steps: int, seed: int, window: int, output_dir: Path,
+             overrides: dict | None = None) -> str:
+    """Run every point (alternating which side goes first), write the plot, return the report."""
+    results, configs = [], []
+    with tempfile.TemporaryDirectory(prefix="rrl-peer-grid-") as tmp:
+        for i, point in enumerate(points):
+            work = Path(tmp) / f"{point.model_size}-{point.answer_tokens}"
+            work.mkdir()
+            res, config = run_point(point, steps, seed, window, work, bool(i % 2), overrides or {})
+            results.append(res)
+            configs.append(config)
+            # the point's row as soon as it is measured: a grid stopped early keeps its points
+            print(f"[grid] {point.model_size} x {point.answer_tokens} done:\n"
+                  f"{grid_table([res]).splitlines()[-1]}", file=sys.stderr, flush=True)
+    plot = plot_ratios(results, Path(output_dir) / "peer_grid.png")
+    return grid_report(results, configs, steps, window, plot)
+
+
+def _grid(args, overrides: dict, parser) -> str:
+    """``--grid`` of :func:`replayrl.tools.bench.peer.main`: parse it, run it, return the report."""
+    try:
+        points = parse_grid(args.grid)
+    except BenchError as exc:
+        parser.error(str(exc))
+    return run_grid(points, args.steps, args.seeds[0], args.window, Path(args.output_dir), overrides)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``replayrl bench peer``: :func:`replayrl.tools.bench.peer.main` with ``--grid``
+    (``--replayrl-worker SPEC RESULT`` is the replayrl child of a grid point)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--replayrl-worker"]:
+        replayrl_worker(argv[1], argv[2])
+        return 0
+    return peer_main(argv, grid=_grid)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -7,11 +7,14 @@ the flag table of docs/configuration.md from them. Conditions on two fields stay
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 from replayrl.actors.settings import POSITIVE, Choices, Range, check_settings, setting
 from replayrl.trainer.backends import BACKENDS
 from replayrl.trainer.errors import TrainerConfigError
-from replayrl.trainer.rejection.rs_policy import RSGate
+
+if TYPE_CHECKING:  # rs_policy imports torch; the settings load in processes without it
+    from replayrl.trainer.rejection.rs_policy import RSGate
 
 
 @dataclass(frozen=True)
@@ -224,11 +227,14 @@ class TrainerConfig:
         for ok, message in checks:
             if not ok:
                 raise TrainerConfigError(message)
-        RSGate(self.rs_mode, self.rs_lower, self.rs_upper)  # raises TrainerConfigError naming flags
+        self.rs_gate  # noqa: B018  (builds the gate: raises TrainerConfigError naming flags)
 
     @property
     def rs_gate(self) -> RSGate:
-        """The RS gate these settings describe."""
+        """The RS gate these settings describe (:mod:`replayrl.trainer.rejection.rs_policy`,
+        imported here so these settings load without torch)."""
+        from replayrl.trainer.rejection.rs_policy import RSGate
+
         return RSGate(self.rs_mode, self.rs_lower, self.rs_upper)
 
     def to_dict(self) -> dict:

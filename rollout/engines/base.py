@@ -25,7 +25,7 @@ import numpy as np
 from replayrl.rollout import trace_storage, trace_table
 from replayrl.rollout.errors import EngineCaptureError, EngineInputError, EngineNotReady
 from replayrl.rollout.sample import TRACE_FIELDS, pack_rows, unpack_rows
-from replayrl.rollout.sampler import SamplingParams
+from replayrl.rollout.sampling_params import SamplingParams
 from replayrl.rollout.trace_table import trace_fields
 
 __all__ = [

@@ -189,7 +189,7 @@ class EmbeddedEngine(Engine):
             EngineInputError: empty / out-of-vocabulary prompt, ``max_new_tokens < 1``,
                 ``eos_token_id`` outside the vocabulary, or a trajectory longer than
                 ``config.max_position_embeddings``.
-            replayrl.rollout.sampler.SamplingParamsError: ``top_k > vocab_size``.
+            replayrl.rollout.errors.SamplingParamsError: ``top_k > vocab_size``.
             replayrl.rollout.sampler.NonFiniteLogitsError: the model produced NaN / inf logits.
             EngineError: the model's indexer picked a padding key (a model bug; never hidden).
         """

@@ -11,8 +11,10 @@ prompts). bf16 against the fp32 trainer stays measured by ``replayrl bench parit
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["DTYPES", "native_dtype", "resolve_dtype"]
 
@@ -34,6 +36,8 @@ def _cpu_flags() -> set[str]:
 
 def native_dtype(device: str | torch.device = "cpu") -> str:
     """``"bfloat16"`` where ``device`` computes bf16 natively (module docstring), else ``"float32"``."""
+    import torch  # here, not at module level: the run's settings (DTYPES) load without torch
+
     device = torch.device(device)
     if device.type == "cuda":
         return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"

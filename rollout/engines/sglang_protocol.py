@@ -46,7 +46,7 @@ from replayrl.rollout import trace_table
 from replayrl.rollout.engines.base import Generation
 from replayrl.rollout.errors import EngineInputError, SglangRequestError, SglangResponseError
 from replayrl.rollout.model.config import ModelConfig
-from replayrl.rollout.sampler import SamplingParams
+from replayrl.rollout.sampling_params import SamplingParams
 
 __all__ = [
     "SGLANG_VERSION_CHECKED",

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from replayrl.rollout.model.errors import ModelConfigError
-from replayrl.rollout.model.rope import normalize_rope_scaling
+from replayrl.rollout.model.rope_scaling import normalize_rope_scaling
 
 HF_ARCHITECTURE = "Qwen3MoeForCausalLM"
 HF_MODEL_TYPE = "qwen3_moe"

@@ -33,7 +33,7 @@ from replayrl.rollout.engines.precision import DTYPES
 from replayrl.rollout.engines.sglang_protocol import parse_urls
 from replayrl.rollout.model.config import MODEL_SIZES, ModelConfig, embedded_config, without_indexer
 from replayrl.rollout.model.errors import ModelError
-from replayrl.rollout.model.loader import read_hf_config
+from replayrl.rollout.model.hf_config import read_hf_config
 from replayrl.rollout.tasks import (
     TaskConfigError,
     load_environment_class,

@@ -63,6 +63,7 @@ def test_sets_round_trip_to_the_canonical_rows(trace):
     assert encoded is not None
     back = decode_sets(Codec().decode(Codec().encode(encoded)), universe)
     assert back.dtype == np.int32 and np.array_equal(back, _reference_canonical(trace))
+    assert np.array_equal(decode_sets(encoded, universe, threads=3), back)  # rows split in 3
 
 
 @settings(max_examples=60, deadline=None)
@@ -223,15 +224,49 @@ def _mixed_trace(rng, universes, k, full_only):
     ([70, 3000, 40, 5000, 64, 9000, 1], 64, False),  # partial and empty rows
     ([1 << 12, 1 << 20, 1 << 26], 4, True),  # widths above 8 and 16 (uint16, uint32 planes)
 ])
-def test_decoding_matches_a_naive_decoder_of_the_documented_layout(universes, k, full_only):
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+def test_decoding_matches_a_naive_decoder_of_the_documented_layout(universes, k, full_only, threads):
     trace = _mixed_trace(np.random.default_rng(len(universes) * k), universes, k, full_only)
     universe = np.array(universes)
     enc = encode_sets(trace, universe)
     assert ELIAS_FANO in enc["kind"].tolist()
     want = _naive_decode_sets(enc, universe)
     assert np.array_equal(want, _reference_canonical(trace))
-    assert np.array_equal(decode_sets(enc, universe), want)
-    assert np.array_equal(decode_sets(enc, universe, np.int64), want)
+    assert np.array_equal(decode_sets(enc, universe, threads=threads), want)
+    assert np.array_equal(decode_sets(enc, universe, np.int64, threads=threads), want)
+
+
+def test_threads_split_rows_mid_stream_and_agree_with_the_naive_decoder():
+    # chunk boundaries fall inside every stream: bitmap and high bits not byte-aligned, each
+    # low plane's rows split, 'all' and empty rows in between
+    rng = np.random.default_rng(7)
+    universes = rng.integers(1, 3000, size=23)
+    universes[[4, 11]] = 30  # rows that may select all their keys
+    trace = _mixed_trace(rng, universes, 40, False)
+    trace[4, 0] = -1  # an empty row
+    trace[11, 1] = np.concatenate([np.arange(30)[::-1], np.full(10, -1)])  # all 30 keys
+    enc = encode_sets(trace, universes)
+    assert {EMPTY, ALL, BITMAP, ELIAS_FANO} <= set(enc["kind"].tolist())
+    want = _naive_decode_sets(enc, universes)
+    for threads in range(1, 50, 3):  # up to more threads than rows
+        out = np.full(trace.shape, 7, np.int32)
+        decode_sets(enc, universes, out=out, threads=threads)
+        assert np.array_equal(out, want), threads
+
+
+@pytest.mark.parametrize("threads", [0, -1, 1.5, "2"])
+def test_bad_thread_counts_are_refused(threads):
+    enc = encode_sets(np.array([[[3, 0]]], np.int32), np.array([9]))
+    with pytest.raises(TraceCodecError, match="threads"):
+        decode_sets(enc, np.array([9]), threads=threads)
+
+
+def test_a_malformed_stream_is_refused_from_a_decoding_thread():
+    trace = _mixed_trace(np.random.default_rng(5), [3000] * 8, 16, True)
+    enc = encode_sets(trace, np.full(8, 3000))
+    enc["high"] = np.zeros_like(enc["high"])  # no ones: every chunk's count disagrees
+    with pytest.raises(TraceCodecError, match="high stream"):
+        decode_sets(enc, np.full(8, 3000), threads=4)
 
 
 def test_decoding_into_a_slice_of_a_larger_output():

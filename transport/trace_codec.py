@@ -235,6 +235,10 @@ def _pack_planes(values: np.ndarray, local: np.ndarray, width: np.ndarray, count
     return np.concatenate(parts) if parts else np.zeros(0, np.uint8)
 
 
+_MIN_CHUNK_SLOTS = 1 << 16
+"""Fewest output slots (rows x ``K``) :func:`decode_sets` gives a thread: below that, handing
+work to a thread costs more than the thread saves."""
+
 _POOLS: dict[int, ThreadPoolExecutor] = {}
 _POOLS_LOCK = threading.Lock()
 
@@ -388,10 +392,10 @@ def decode_sets(encoded: Mapping[str, Any], universe: np.ndarray, dtype: Any = n
     """Inverse of :func:`encode_sets`: ``[N, ..., K]`` of ``dtype`` (default int32), each row its
     indices ascending then ``-1`` (:func:`canonical_sets` of the array encoded).
 
-    With ``threads > 1`` the rows are split into that many chunks of consecutive rows, each
-    decoded straight into its slice of ``out`` by a process-wide pool of that many threads
-    (numpy releases the GIL inside its loops over arrays). The result does not depend on
-    ``threads``.
+    With ``threads > 1`` the rows are split into up to that many chunks of consecutive rows
+    (each at least ``_MIN_CHUNK_SLOTS`` output slots), each decoded straight into its slice of
+    ``out`` by a process-wide pool of ``threads`` threads (numpy releases the GIL inside its
+    loops over arrays). The result does not depend on ``threads``.
 
     Args:
         encoded: what :func:`encode_sets` returned (e.g. after a trip through the codec).
@@ -421,7 +425,8 @@ def decode_sets(encoded: Mapping[str, Any], universe: np.ndarray, dtype: Any = n
                               f"shape {shape}")
     flat = out.reshape(m, k)
     offsets = _offsets(header)
-    step = -(-m // threads) if m else 1
+    parts = max(1, min(threads, m * k // _MIN_CHUNK_SLOTS))
+    step = -(-m // parts) if m else 1
     chunks = [(r, min(r + step, m)) for r in range(0, m, step)]
     if threads == 1 or len(chunks) == 1:
         for r0, r1 in chunks:

@@ -15,6 +15,10 @@ top-8) it prints, per token of a trajectory of that length (mean over its positi
 * the CPU time to decode them (one thread, numpy) in microseconds per token, and below the
   table the indexer rows' time with the torch decoder (``replayrl.trainer.trace_decode``) on
   the CPU, one thread (it is meant for a GPU, where it has not been run here);
+* below the table, the CPU time per token of widening the decoded indexer rows (int32) into
+  the trainer batch's int64 as ``replayrl.trainer.batch`` collates them (a fill of the padded
+  block, then a converting copy), one thread: work after the decode that the trainer does not
+  need (its model takes int32 key slots and widens them on its device);
 * with ``--decode-threads N`` (N > 1), the indexer rows' decode (``decode_sets(threads=N)``)
   timed by the wall clock on N threads and on one, calls alternating, best of ``--repeats``
   each: two more columns, the N-thread time per token and its speedup over one thread,
@@ -164,6 +168,8 @@ def measure_context(context: int, *, positions: int, layers: int, window: int, s
     route_s = _timed(lambda: decode_column(route_spec, enc_r, counts), repeats)  # all MoE layers
     torch_s = _timed_torch(enc, pos + 1, back, repeats)
     per_row = g["indexed_layers"] / (len(pos) * layers) * 1e6  # seconds of the sample -> us/token
+    wide = np.empty(back.shape, np.int64)
+    widen_s = _timed(lambda: (wide.fill(-1), np.copyto(wide, back)), repeats)  # as trainer.batch collates
     threaded = {}
     if decode_threads > 1:
         out = np.empty_like(back)
@@ -180,7 +186,7 @@ def measure_context(context: int, *, positions: int, layers: int, window: int, s
     return {"context": context, "int32": int32_idx + int32_route, "miles": int32_idx,
             "ours": ours, "ours_indexer": ours_idx, "ours_routing": ours_route, "bound": bound,
             "decode_us_per_token": per_token_s * 1e6, "rows": len(pos) * layers,
-            "torch_us_per_token": torch_s * per_row, **threaded}
+            "torch_us_per_token": torch_s * per_row, "widen_us_per_token": widen_s * per_row, **threaded}
 
 
 def _timed_torch(enc: dict, universe: np.ndarray, want: np.ndarray, repeats: int) -> float:
@@ -293,7 +299,7 @@ def _report(args: argparse.Namespace) -> None:
           + (" decode / measured step |" if step else ""))
     print("|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if threads > 1 else "")
           + ("---|" if step else ""))
-    torch_us = []
+    torch_us, widen_us = [], []
     for i, context in enumerate(CONTEXTS):
         r = measure_context(context, positions=args.positions, layers=args.layers,
                             window=args.window, sinks=args.sinks, repeats=args.repeats, rng=rng,
@@ -309,9 +315,13 @@ def _report(args: argparse.Namespace) -> None:
               f"| {r['decode_us_per_token']:,.0f} | {rank_us:,.1f} | {100 * rank_us / estimate:.1f} % "
               f"| {math.ceil(need)} |" + share)
         torch_us.append(r["torch_us_per_token"])
+        widen_us.append(r["widen_us_per_token"])
     print("\nthe torch decoder (replayrl.trainer.trace_decode, written for the trainer's GPU; not run on "
           "a GPU here) on this CPU, one thread: " + " / ".join(f"{t:,.0f}" for t in torch_us)
           + " us per token at " + " / ".join(f"{c // 1024}k" for c in CONTEXTS) + " indexer rows")
+    print("widening the decoded indexer rows to the trainer batch's int64 (replayrl.trainer.batch's "
+          "collation: fill, then a converting copy), one thread: " + " / ".join(f"{t:,.0f}" for t in widen_us)
+          + " CPU us per token at " + " / ".join(f"{c // 1024}k" for c in CONTEXTS) + ", after the decode")
     e = measure_embedded(args.step_seconds, args.repeats, rng)
     print(f"\nembedded default step (128 x (7 + 2) tokens): int32 {e['int32']:.0f} B/token, ours "
           f"{e['ours']:.1f} B/token; decoding the step's traces {e['decode_ms']:.2f} ms of a "

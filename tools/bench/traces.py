@@ -21,8 +21,10 @@ top-8) it prints, per token of a trajectory of that length (mean over its positi
   need (its model takes int32 key slots and widens them on its device);
 * with ``--decode-threads N`` (N > 1), the indexer rows' decode (``decode_sets(threads=N)``)
   timed by the wall clock on N threads and on one, calls alternating, best of ``--repeats``
-  each: two more columns, the N-thread time per token and its speedup over one thread,
-  MEASURED on this machine (run with ``--priority`` on a shared one);
+  each: three more columns, the N-thread time per token, its speedup over one thread, and the
+  CPU time of the N threads together (the work the split adds shows there; the wall clock on
+  a machine shared with other jobs shows the cores they left), MEASURED on this machine (run
+  with ``--priority`` on a shared one);
 * decoding's share of a GLM-5 trainer step, which is an ESTIMATE, not a measurement: ``6 x
   active parameters`` FLOPs per trained token (forward and backward; attention and the
   indexer's own FLOPs left out, which only lengthen the step, so the share is an upper bound
@@ -118,17 +120,19 @@ def routing_bound_bits(experts: int, top_k: int) -> float:
     return (math.lgamma(experts + 1) - math.lgamma(experts - top_k + 1)) / math.log(2)
 
 
-def _timed_wall(fns: list, repeats: int) -> list[float]:
+def _timed_wall(fns: list, repeats: int) -> tuple[list[float], list[float]]:
     """Best wall-clock seconds (``time.perf_counter``: what threads working for the caller take)
-    of each of ``fns`` over ``repeats`` rounds, the calls alternating within a round so that a
-    change in the machine's load touches every one alike."""
-    best = [math.inf] * len(fns)
+    and best CPU seconds of the whole process (``time.process_time``: every thread's) of each of
+    ``fns`` over ``repeats`` rounds, the calls alternating within a round so that a change in
+    the machine's load touches every one alike."""
+    wall, cpu = [math.inf] * len(fns), [math.inf] * len(fns)
     for _ in range(repeats):
         for i, fn in enumerate(fns):
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             fn()
-            best[i] = min(best[i], time.perf_counter() - start)
-    return best
+            wall[i] = min(wall[i], time.perf_counter() - start)
+            cpu[i] = min(cpu[i], time.process_time() - start_cpu)
+    return wall, cpu
 
 
 def _timed(fn, repeats: int) -> float:
@@ -145,7 +149,8 @@ def _timed(fn, repeats: int) -> float:
 def measure_context(context: int, *, positions: int, layers: int, window: int, sinks: int,
                     repeats: int, rng: np.random.Generator, decode_threads: int = 1) -> dict[str, Any]:
     """Per-token figures of one context length (see the module docstring); with
-    ``decode_threads > 1`` also ``threads_us_per_token`` (wall clock, that many threads) and
+    ``decode_threads > 1`` also ``threads_us_per_token`` (wall clock, that many threads),
+    ``threads_cpu_us_per_token`` (the CPU time of all of them) and
     ``one_thread_wall_us_per_token`` (wall clock, one thread, timed alternately)."""
     g = GLM5
     pos = np.unique(((np.arange(positions) + rng.random(positions)) * context / positions)
@@ -174,9 +179,10 @@ def measure_context(context: int, *, positions: int, layers: int, window: int, s
     if decode_threads > 1:
         out = np.empty_like(back)
         assert np.array_equal(decode_sets(enc, pos + 1, out=out, threads=decode_threads), back), "threads"
-        one, many = _timed_wall([lambda: decode_sets(enc, pos + 1, out=out),
+        (one, many), (_, many_cpu) = _timed_wall([lambda: decode_sets(enc, pos + 1, out=out),
                                  lambda: decode_sets(enc, pos + 1, out=out, threads=decode_threads)], repeats)
-        threaded = {"one_thread_wall_us_per_token": one * per_row, "threads_us_per_token": many * per_row}
+        threaded = {"one_thread_wall_us_per_token": one * per_row, "threads_us_per_token": many * per_row,
+                    "threads_cpu_us_per_token": many_cpu * per_row}
     int32_idx = g["indexed_layers"] * g["index_topk"] * 4
     int32_route = g["moe_layers"] * g["top_k"] * 4
     bound = (bound_bits_per_token(context, g["index_topk"], g["indexed_layers"])
@@ -295,9 +301,10 @@ def _report(args: argparse.Namespace) -> None:
           f"decode, CPU us/token | decode per rank ({args.decode_cores} cores, perfect scaling assumed), "
           "us/token | share of the estimated step | cores for 5 % |"
           + (f" indexer decode on {threads} threads, wall us/token (measured) | speedup over 1 thread "
-             "(wall, measured) |" if threads > 1 else "")
+             f"(wall, measured) | CPU us/token of the {threads} threads together (measured) |"
+             if threads > 1 else "")
           + (" decode / measured step |" if step else ""))
-    print("|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if threads > 1 else "")
+    print("|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if threads > 1 else "")
           + ("---|" if step else ""))
     torch_us, widen_us = [], []
     for i, context in enumerate(CONTEXTS):
@@ -308,7 +315,8 @@ def _report(args: argparse.Namespace) -> None:
         share = f" {100 * r['decode_us_per_token'] / step[i]:.1f} % |" if step else ""
         if threads > 1:
             share = (f" {r['threads_us_per_token']:,.0f} | "
-                     f"{r['one_thread_wall_us_per_token'] / r['threads_us_per_token']:.2f}x |") + share
+                     f"{r['one_thread_wall_us_per_token'] / r['threads_us_per_token']:.2f}x | "
+                     f"{r['threads_cpu_us_per_token']:,.0f} |") + share
         need = r["decode_us_per_token"] / args.pipeline_stages / (0.05 * estimate)
         print(f"| {context // 1024}k | {r['int32']:,.0f} | {r['miles']:,.0f} | {r['ours']:,.0f} "
               f"| {r['int32'] / r['ours']:.1f}x | {r['bound']:,.0f} | {r['ours'] / r['bound']:.2f}x "

@@ -53,4 +53,4 @@ def test_decode_threads_add_the_measured_columns(capsys):
     rows = [line for line in out.splitlines() if line.startswith("| ") and "k |" in line]
     for r in rows:
         cells = [c.strip().replace(",", "") for c in r.split("|")[1:-1]]
-        assert len(cells) == 13 and float(cells[11]) > 0 and cells[12].endswith("x")
+        assert len(cells) == 14 and float(cells[11]) > 0 and cells[12].endswith("x") and float(cells[13]) > 0

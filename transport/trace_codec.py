@@ -22,7 +22,7 @@ mapping of small numpy arrays the transport codec sends out of band
   ascending, ``-1`` after. Order within a row is not carried (a row is a set: the readers of
   such traces build masks or compare sets); everything else is exact.
 
-Decoding is vectorised over all rows at once (no Python loop per row, only per distinct width):
+Decoding is vectorised over all rows at once (no Python loop per row, only per bit plane):
 bit streams are unpacked with ``np.unpackbits`` and read with ``np.flatnonzero``; an
 Elias-Fano index is ``bucket << l | low``, its bucket the position of its ``1`` in the high
 stream less the indices before it, its low part read from bit planes: no running sum over the
@@ -35,9 +35,11 @@ Set-codec layout (``M`` = number of rows, i.e. the product of every axis but the
      3 Elias-Fano), "count": uint16|uint32 [rows of kind 2 and 3], "width": uint8 [rows of
      kind 3], "bitmap": uint8 [...], "high": uint8 [...], "low": uint8 [...]}
 
-The Elias-Fano rows' streams hold them grouped by width ascending (in row order within a
-group); ``low`` holds, per group, its ``l`` bit planes (most significant first), each one bit
-per index of the group, byte-aligned.
+The ``bitmap`` and ``high`` streams hold their rows in row order; ``low`` holds bit planes,
+least significant first: plane ``b`` holds bit ``b`` of every index of the Elias-Fano rows wider
+than ``b``, in row order, each row's part padded to whole bytes. So a run of consecutive rows is
+a contiguous run of bits of ``bitmap`` and ``high`` and of bytes of each plane: chunks of rows
+decode independently (:func:`decode_sets` with ``threads``).
 
 Ids layout: ``{"codec": "ids", "shape": [...], "pad_rows": uint8 packed bits [M], "values":
 uintX [M - padded, K]}`` or ``{"codec": "ids+1", "shape": [...], "values": uintX [...]}``.

@@ -346,8 +346,6 @@ def read_sets_header(encoded: Mapping[str, Any], universe: np.ndarray) -> SetsHe
     return SetsHeader(shape, n, kind, row_count, width)
 
 
-
-
 class _Offsets(NamedTuple):
     """Where each flat row's data starts in the streams, int64 ``[M + 1]`` each (entry ``M`` the
     end): ``bitmap`` and ``high`` in bits, ``ef`` the Elias-Fano rows before the row (an index
@@ -510,7 +508,7 @@ def _decode_elias_fano_rows(high: np.ndarray, planes: list[np.ndarray], flat: np
     np.subtract(dst, np.arange(k, dtype=dst.dtype), out=dst)  # bit position less j
     np.subtract(dst, bit_start[:, None].astype(dst.dtype), out=dst)  # the bucket
     if len(width) and width.min() == width.max():  # << width (numpy's multiply is faster)
-        np.multiply(dst, dst.dtype.type(1 << int(width[0])), out=dst)
+        np.multiply(dst, (1 << width[:1]).astype(dst.dtype)[0], out=dst)  # wraps as the per-row one
     else:
         np.multiply(dst, (1 << width)[:, None].astype(dst.dtype), out=dst)
     np.bitwise_or(dst, low, out=dst)

@@ -17,8 +17,8 @@ top-8) it prints, per token of a trajectory of that length (mean over its positi
   the CPU, one thread (it is meant for a GPU, where it has not been run here);
 * below the table, the CPU time per token of widening the decoded indexer rows (int32) into
   the trainer batch's int64 as ``replayrl.trainer.batch`` collates them (a fill of the padded
-  block, then a converting copy), one thread: work after the decode that the trainer does not
-  need (its model takes int32 key slots and widens them on its device);
+  block, then a converting copy), one thread: work after the decode (the embedded model itself
+  accepts int32 key slots and widens them on its device);
 * with ``--decode-threads N`` (N > 1), the indexer rows' decode (``decode_sets(threads=N)``)
   timed by the wall clock on N threads and on one, calls alternating, best of ``--repeats``
   each: three more columns, the N-thread time per token, its speedup over one thread, and the
@@ -179,8 +179,9 @@ def measure_context(context: int, *, positions: int, layers: int, window: int, s
     if decode_threads > 1:
         out = np.empty_like(back)
         assert np.array_equal(decode_sets(enc, pos + 1, out=out, threads=decode_threads), back), "threads"
-        (one, many), (_, many_cpu) = _timed_wall([lambda: decode_sets(enc, pos + 1, out=out),
-                                 lambda: decode_sets(enc, pos + 1, out=out, threads=decode_threads)], repeats)
+        (one, many), (_, many_cpu) = _timed_wall(
+            [lambda: decode_sets(enc, pos + 1, out=out),
+             lambda: decode_sets(enc, pos + 1, out=out, threads=decode_threads)], repeats)
         threaded = {"one_thread_wall_us_per_token": one * per_row, "threads_us_per_token": many * per_row,
                     "threads_cpu_us_per_token": many_cpu * per_row}
     int32_idx = g["indexed_layers"] * g["index_topk"] * 4

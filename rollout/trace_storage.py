@@ -80,13 +80,14 @@ def encode_column(row: Any, column: Any, counts: Sequence[int]) -> Any:
                                         for p in parts], "parts": parts}
 
 
-def decode_column(row: Any, column: Any, counts: Sequence[int]) -> Any:
+def decode_column(row: Any, column: Any, counts: Sequence[int], threads: int = 1) -> Any:
     """Inverse of :func:`encode_column`: a read-only array of ``row.dtype`` for an encoded
-    mapping; anything else unchanged.
+    mapping; anything else unchanged. ``threads`` (``>= 1``) threads decode a ``"sets"``
+    column's rows (``replayrl.transport.trace_codec.decode_sets``; the result is the same).
 
     Raises:
-        ValueError: a malformed encoding (a ``TraceCodecError``, whose message names the part);
-            callers name the column.
+        ValueError: a malformed encoding (a ``TraceCodecError``, whose message names the part)
+            or ``threads`` below 1; callers name the column.
     """
     if not isinstance(column, Mapping):
         return column
@@ -95,9 +96,9 @@ def decode_column(row: Any, column: Any, counts: Sequence[int]) -> Any:
         out = decode_ids(column, row.dtype)
     elif codec == "sets" and row.storage == "sets":
         _check_rows(column.get("shape"), counts)
-        out = decode_sets(column, row_positions(counts) + 1, row.dtype)
+        out = decode_sets(column, row_positions(counts) + 1, row.dtype, threads=threads)
     elif codec == "chunks" and row.storage == "sets":
-        out = _decode_chunks(row, column, counts)
+        out = _decode_chunks(row, column, counts, threads)
     else:
         raise TraceCodecError(f"codec {codec!r} is not the trace's storage {row.storage!r}"[:300])
     out.flags.writeable = False
@@ -111,9 +112,9 @@ def _check_rows(shape: Any, counts: Sequence[int]) -> None:
                               f"lengths give"[:300])
 
 
-def _decode_chunks(row: Any, column: Mapping[str, Any], counts: Sequence[int]) -> np.ndarray:
+def _decode_chunks(row: Any, column: Mapping[str, Any], counts: Sequence[int], threads: int = 1) -> np.ndarray:
     """The rows of a chunked ``"sets"`` column, each chunk decoded straight into its slice of one
-    preallocated output (a loop over chunks, each vectorised)."""
+    preallocated output (a loop over chunks, each vectorised, on ``threads`` threads)."""
     rows, parts = column.get("rows"), column.get("parts")
     if (not isinstance(rows, list) or not isinstance(parts, list) or len(rows) != len(parts)
             or not parts or not all(type(r) is int and r > 0 for r in rows)):
@@ -134,7 +135,7 @@ def _decode_chunks(row: Any, column: Mapping[str, Any], counts: Sequence[int]) -
             if tuple(_shape_of(part)) != (n, *tail):
                 raise TraceCodecError(f"chunks: part of shape {_shape_of(part)} at row {start}, "
                                       f"expected {(n, *tail)}")
-            decode_sets(part, universe[start:start + n], out=out[start:start + n])  # in place
+            decode_sets(part, universe[start:start + n], out=out[start:start + n], threads=threads)  # in place
         else:
             raise TraceCodecError(f"chunks: a part that is no array and no sets encoding at row {start}")
         start += n

@@ -23,19 +23,26 @@ __all__ = ["decode_sets_torch"]
 
 
 def _unpack(packed: np.ndarray, count: int, device: torch.device) -> torch.Tensor:
-    """The first ``count`` bits of ``packed`` (uint8, MSB first) as a bool ``[count]`` tensor."""
+    """The first ``count`` bits of ``packed`` (uint8, MSB first) as a bool ``[count]`` tensor
+    (an AND with each bit's mask: on a CPU torch's shifts are several times slower)."""
     t = torch.from_numpy(np.ascontiguousarray(packed)).to(device)
-    shifts = torch.arange(7, -1, -1, dtype=torch.uint8, device=device)
-    return ((t[:, None] >> shifts) & 1).reshape(-1)[:count].bool()
+    masks = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8, device=device)
+    return (t[:, None] & masks).ne(0).reshape(-1)[:count]
 
 
 def _tensor(a: np.ndarray, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)
 
 
+def _exclusive_cumsum(a: np.ndarray) -> np.ndarray:
+    return np.cumsum(a) - a
+
+
 def decode_sets_torch(encoded: Mapping[str, Any], universe: np.ndarray, device: Any = None,
                       dtype: torch.dtype = torch.int32) -> torch.Tensor:
-    """Inverse of ``encode_sets`` with torch ops on ``device``.
+    """Inverse of ``encode_sets`` with torch ops on ``device``, over ``[rows, K]`` blocks as the
+    numpy decoder does (no per-index ``repeat_interleave`` or gathers: an index is its high
+    bit's position less its slot and its row's start, shifted, OR its low bits).
 
     Args:
         encoded: a ``"sets"`` encoding (numpy arrays, as received).
@@ -58,61 +65,94 @@ def decode_sets_torch(encoded: Mapping[str, Any], universe: np.ndarray, device: 
     if len(every):
         size = _tensor(n[every], dev)[:, None]
         out[_tensor(every, dev)] = torch.where(cols[None, :] < size, cols[None, :], -1).to(dtype)
-    for code in (BITMAP, ELIAS_FANO):
-        rows = np.flatnonzero(kind == code)
-        if not len(rows):
-            continue
+    rows = np.flatnonzero(kind == BITMAP)
+    if len(rows):
         counts, sizes = row_count[rows], n[rows]
-        if code == BITMAP:
-            values = _bitmap_values(encoded, counts, sizes, dev)
-        else:
-            values, wrong = _elias_fano_values(encoded, counts, sizes, width, dev)
-            bad |= wrong
-        c, s = _tensor(counts, dev), _tensor(sizes, dev)
-        last = torch.cumsum(c, 0) - 1
-        bad |= (values[last - c + 1] < 0).any() | (values[last] >= s).any()
-        block = torch.full((len(rows), k), -1, dtype=dtype, device=dev)
-        block[cols[None, :] < c[:, None]] = values.to(dtype)
-        out[_tensor(rows, dev)] = block
+        where = torch.nonzero(_unpack(encoded["bitmap"], int(sizes.sum()), dev)).squeeze(1)
+        if where.numel() != int(counts.sum()):
+            raise TraceCodecError(f"sets: bitmap holds {where.numel()} indices, counts say {int(counts.sum())}")
+        block, valid = _left_aligned(where, counts, k, dev)
+        bad |= _place(out, rows, block - _tensor(_exclusive_cumsum(sizes), dev)[:, None], valid, counts, sizes, dev)
+    rows = np.flatnonzero(kind == ELIAS_FANO)
+    if len(rows):
+        block, valid, wrong = _elias_fano_block(encoded, row_count[rows], n[rows], width, k, dev)
+        bad |= wrong | _place(out, rows, block, valid, row_count[rows], n[rows], dev)
     if bool(bad):  # the one read-back of the device checks
         raise TraceCodecError("sets: an index outside its row's universe, or high-stream ones "
                               "outside their row")
     return out.reshape(shape)
 
 
-def _bitmap_values(encoded, counts, sizes, dev) -> torch.Tensor:
-    """The bitmap rows' indices, rows back to back (int64 on ``dev``)."""
-    where = torch.nonzero(_unpack(encoded["bitmap"], int(sizes.sum()), dev)).squeeze(1)
-    if where.numel() != int(counts.sum()):
-        raise TraceCodecError(f"sets: bitmap holds {where.numel()} indices, counts say {int(counts.sum())}")
-    starts = _tensor(np.cumsum(sizes) - sizes, dev)
-    return where - torch.repeat_interleave(starts, _tensor(counts, dev))
+def _left_aligned(values: torch.Tensor, counts: np.ndarray, k: int,
+                  dev: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``values`` (each row's ``counts[r]`` entries back to back) as ``[R, K]``, each row's
+    entries left-aligned, and the mask of those slots (``None`` when every row is full: then
+    the block is a view, no copy)."""
+    if (counts == k).all():
+        return values.view(len(counts), k), None
+    valid = torch.arange(k, device=dev)[None, :] < _tensor(counts, dev)[:, None]
+    block = torch.zeros((len(counts), k), dtype=values.dtype, device=dev)
+    block[valid] = values
+    return block, valid
 
 
-def _elias_fano_values(encoded, counts, sizes, width, dev) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Elias-Fano rows' indices, rows back to back (int64 on ``dev``), and a bool tensor:
-    whether some row's high-stream ones fall outside the row."""
+def _place(out: torch.Tensor, rows: np.ndarray, block: torch.Tensor, valid: torch.Tensor | None,
+           counts: np.ndarray, sizes: np.ndarray, dev: torch.device) -> torch.Tensor:
+    """Write ``block`` (int64 ``[R, K]``, ``-1`` after each row's ``counts[r]`` indices) into
+    ``out[rows]``; returns a bool tensor: whether a row's first index is negative or its last
+    at least its universe ``sizes[r]`` (rows ascending, so that bounds the whole row)."""
+    last = block.gather(1, _tensor(counts - 1, dev)[:, None]).squeeze(1)
+    wrong = (block[:, 0] < 0).any() | (last >= _tensor(sizes, dev)).any()
+    if valid is not None:
+        block = block.masked_fill(~valid, -1)
+    out[_tensor(rows, dev)] = block.to(out.dtype)
+    return wrong
+
+
+def _elias_fano_block(encoded, counts, sizes, width, k, dev) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The Elias-Fano rows' indices as an int64 ``[R, K]`` block (slots past a row's count hold
+    garbage), the mask of the valid slots (``None``: all), and a bool tensor: whether some row's
+    high-stream ones fall outside the row."""
     row_bits = counts + ((sizes - 1) >> width) + 1
     ones = torch.nonzero(_unpack(encoded["high"], int(row_bits.sum()), dev)).squeeze(1)
     total = int(counts.sum())
     if ones.numel() != total:
         raise TraceCodecError(f"sets: high stream of {ones.numel()} ones for {total} indices")
-    c, w = _tensor(counts, dev), _tensor(width, dev)
-    bit_start = _tensor(np.cumsum(row_bits) - row_bits, dev)
-    first = torch.cumsum(c, 0) - c
+    bit_start = _tensor(_exclusive_cumsum(row_bits), dev)
+    first = _tensor(_exclusive_cumsum(counts), dev)
+    c = _tensor(counts, dev)
     wrong = (ones[first] < bit_start).any() | (ones[first + c - 1] >= bit_start + _tensor(row_bits, dev)).any()
-    local = torch.arange(total, device=dev) - torch.repeat_interleave(first, c)
-    bucket = ones - local - torch.repeat_interleave(bit_start, c)
-    w_elem = torch.repeat_interleave(w, c)
-    low = torch.zeros(total, dtype=torch.int64, device=dev)
+    block, valid = _left_aligned(ones, counts, k, dev)
+    bucket = block - torch.arange(k, device=dev)[None, :] - bit_start[:, None]
+    low = _read_planes(encoded["low"], width, counts, k, dev)
+    # bucket << width | low as a multiply and an add: torch's int64 shift by a tensor is slower on a CPU
+    return bucket * _tensor(1 << width, dev)[:, None] + low, valid, wrong
+
+
+def _read_planes(packed: np.ndarray, width: np.ndarray, counts: np.ndarray, k: int,
+                 dev: torch.device) -> torch.Tensor:
+    """The low parts, int32 ``[R, K]`` (widths are at most 31 bits; slots past a row's count hold
+    garbage), from the low stream: each bit plane is one contiguous slice, unpacked at once. A
+    loop over planes, not rows."""
     plane_bytes = (counts + 7) // 8
-    packed, offset = encoded["low"], 0
-    for bit in range(int(width.max())):  # a loop over planes, not rows
+    acc = torch.zeros((len(width), k), dtype=torch.int32, device=dev)
+    offset = 0
+    for bit in range(int(width.max()) if len(width) else 0):
         has = width > bit
-        size = plane_bytes[has] * 8
-        bits = _unpack(packed[offset:offset + int(size.sum()) // 8], int(size.sum()), dev).long()
-        offset += int(size.sum()) // 8
-        sel = w_elem > bit
-        at = torch.repeat_interleave(_tensor(np.cumsum(size) - size, dev), _tensor(counts[has], dev)) + local[sel]
-        low[sel] |= bits[at] << bit
-    return (bucket << w_elem) | low, wrong
+        size = plane_bytes[has]
+        nbytes = int(size.sum())
+        bits = _unpack(packed[offset:offset + nbytes], nbytes * 8, dev)
+        offset += nbytes
+        if (size * 8 == k).all():
+            plane = bits.view(len(size), k)
+        else:  # rows of other lengths: each row's bits left-aligned
+            wide = -(-k // 8) * 8
+            plane = torch.zeros((len(size), wide), dtype=torch.bool, device=dev)
+            plane[torch.arange(wide, device=dev)[None, :] < _tensor(size * 8, dev)[:, None]] = bits
+            plane = plane[:, :k]
+        part = plane.to(torch.int32) * (1 << bit)
+        if has.all():
+            acc |= part
+        else:
+            acc[_tensor(np.flatnonzero(has), dev)] |= part
+    return acc

@@ -22,7 +22,7 @@ mapping of small numpy arrays the transport codec sends out of band
   ascending, ``-1`` after. Order within a row is not carried (a row is a set: the readers of
   such traces build masks or compare sets); everything else is exact.
 
-Decoding is vectorised over all rows at once (no Python loop per row, only per distinct width):
+Decoding is vectorised over all rows at once (no Python loop per row, only per bit plane):
 bit streams are unpacked with ``np.unpackbits`` and read with ``np.flatnonzero``; an
 Elias-Fano index is ``bucket << l | low``, its bucket the position of its ``1`` in the high
 stream less the indices before it, its low part read from bit planes: no running sum over the
@@ -35,9 +35,11 @@ Set-codec layout (``M`` = number of rows, i.e. the product of every axis but the
      3 Elias-Fano), "count": uint16|uint32 [rows of kind 2 and 3], "width": uint8 [rows of
      kind 3], "bitmap": uint8 [...], "high": uint8 [...], "low": uint8 [...]}
 
-The Elias-Fano rows' streams hold them grouped by width ascending (in row order within a
-group); ``low`` holds, per group, its ``l`` bit planes (most significant first), each one bit
-per index of the group, byte-aligned.
+The ``bitmap`` and ``high`` streams hold their rows in row order; ``low`` holds bit planes,
+least significant first: plane ``b`` holds bit ``b`` of every index of the Elias-Fano rows wider
+than ``b``, in row order, each row's part padded to whole bytes. So a run of consecutive rows is
+a contiguous run of bits of ``bitmap`` and ``high`` and of bytes of each plane: chunks of rows
+decode independently (:func:`decode_sets` with ``threads``).
 
 Ids layout: ``{"codec": "ids", "shape": [...], "pad_rows": uint8 packed bits [M], "values":
 uintX [M - padded, K]}`` or ``{"codec": "ids+1", "shape": [...], "values": uintX [...]}``.
@@ -45,6 +47,8 @@ uintX [M - padded, K]}`` or ``{"codec": "ids+1", "shape": [...], "values": uintX
 from __future__ import annotations
 
 import math
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Mapping, NamedTuple
 
 import numpy as np
@@ -233,6 +237,22 @@ def _pack_planes(values: np.ndarray, local: np.ndarray, width: np.ndarray, count
     return np.concatenate(parts) if parts else np.zeros(0, np.uint8)
 
 
+_MIN_CHUNK_SLOTS = 1 << 16
+"""Fewest output slots (rows x ``K``) :func:`decode_sets` gives a thread: below that, handing
+work to a thread costs more than the thread saves."""
+
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def _pool(threads: int) -> ThreadPoolExecutor:
+    """A process-wide pool of ``threads`` decoding threads (made on first use, then reused)."""
+    with _POOLS_LOCK:
+        if threads not in _POOLS:
+            _POOLS[threads] = ThreadPoolExecutor(threads, thread_name_prefix="decode_sets")
+        return _POOLS[threads]
+
+
 def _target(flat: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, bool]:
     """Where rows ``rows`` (ascending int indices into ``flat`` ``[M, K]``) are decoded: a view
     of ``flat`` when they are consecutive (``True``: written in place), else a new block."""
@@ -326,10 +346,59 @@ def read_sets_header(encoded: Mapping[str, Any], universe: np.ndarray) -> SetsHe
     return SetsHeader(shape, n, kind, row_count, width)
 
 
+class _Offsets(NamedTuple):
+    """Where each flat row's data starts in the streams, int64 ``[M + 1]`` each (entry ``M`` the
+    end): ``bitmap`` and ``high`` in bits, ``ef`` the Elias-Fano rows before the row (an index
+    into the header's ``width``), ``planes`` ``[P, M + 1]`` bytes into ``low`` per bit plane."""
+
+    bitmap: np.ndarray
+    high: np.ndarray
+    ef: np.ndarray
+    planes: np.ndarray
+
+
+def _exclusive_cumsum(values: np.ndarray) -> np.ndarray:
+    """int64 ``[len(values) + 1]``: 0, then the running sums."""
+    out = np.zeros(len(values) + 1, np.int64)
+    np.cumsum(values, out=out[1:])
+    return out
+
+
+def _offsets(header: SetsHeader) -> _Offsets:
+    """The stream offsets of every row of ``header`` (the layout of the module docstring): one
+    running sum per stream, all at once (a chunk's offsets are read at its first and last row)."""
+    _, n, kind, count, width = header
+    m = len(kind)
+    ef = kind == ELIAS_FANO
+    w = np.zeros(m, np.int64)
+    w[ef] = width
+    planes = int(width.max()) if len(width) else 0
+    per_row = np.zeros((3 + planes, m), np.int64)  # bitmap bits, high bits, EF rows, plane bytes
+    per_row[0] = np.where(kind == BITMAP, n, 0)
+    per_row[1] = np.where(ef, count + ((n - 1) >> w) + 1, 0)
+    per_row[2] = ef
+    per_row[3:] = np.where(ef & (w > np.arange(planes)[:, None]), (count + 7) // 8, 0)
+    at = np.zeros((3 + planes, m + 1), np.int64)
+    np.cumsum(per_row, axis=1, out=at[:, 1:])
+    at[3:] += (np.cumsum(at[3:, -1]) - at[3:, -1])[:, None]  # plane b after planes 0..b-1
+    return _Offsets(at[0], at[1], at[2], at[3:])
+
+
+def _bits(packed: np.ndarray, start: int, stop: int) -> np.ndarray:
+    """Bits ``start .. stop - 1`` of ``packed`` (uint8, MSB first) as a bool array."""
+    first = start >> 3
+    return np.unpackbits(packed[first:(stop + 7) >> 3], count=stop - (first << 3))[start & 7:].view(bool)
+
+
 def decode_sets(encoded: Mapping[str, Any], universe: np.ndarray, dtype: Any = np.int32,
-                out: np.ndarray | None = None) -> np.ndarray:
+                out: np.ndarray | None = None, threads: int = 1) -> np.ndarray:
     """Inverse of :func:`encode_sets`: ``[N, ..., K]`` of ``dtype`` (default int32), each row its
     indices ascending then ``-1`` (:func:`canonical_sets` of the array encoded).
+
+    With ``threads > 1`` the rows are split into up to that many chunks of consecutive rows
+    (each at least ``_MIN_CHUNK_SLOTS`` output slots), each decoded straight into its slice of
+    ``out`` by a process-wide pool of ``threads`` threads (numpy releases the GIL inside its
+    loops over arrays). The result does not depend on ``threads``.
 
     Args:
         encoded: what :func:`encode_sets` returned (e.g. after a trip through the codec).
@@ -337,15 +406,19 @@ def decode_sets(encoded: Mapping[str, Any], universe: np.ndarray, dtype: Any = n
         dtype: the output's signed integer dtype (ignored when ``out`` is given).
         out: optional writable C-contiguous signed integer array of the encoded shape to decode
             into (e.g. a slice of a larger column); a new array when ``None``.
+        threads: decoding threads, ``>= 1``.
     Returns:
         ``out``, or a new writable array.
     Raises:
         TraceCodecError: a malformed encoding, named by its part (see :func:`read_sets_header`;
-            a decoded index outside its row's universe), or an ``out`` of another shape or
-            dtype. Order within a row is not checked: a corrupted ``low`` stream may give a row
-            out of order, never an index outside its universe.
+            a decoded index outside its row's universe), an ``out`` of another shape or dtype,
+            or ``threads`` below 1. Order within a row is not checked: a corrupted ``low``
+            stream may give a row out of order, never an index outside its universe.
     """
-    shape, n, kind, row_count, width = read_sets_header(encoded, universe)
+    if type(threads) is not int or threads < 1:
+        raise TraceCodecError(f"sets: threads must be an int >= 1, got {threads!r}")
+    header = read_sets_header(encoded, universe)
+    shape = header.shape
     k, m = shape[-1], math.prod(shape[:-1])
     if out is None:
         out = np.empty(shape, dtype=dtype)
@@ -354,43 +427,69 @@ def decode_sets(encoded: Mapping[str, Any], universe: np.ndarray, dtype: Any = n
         raise TraceCodecError(f"sets: out must be a writable C-contiguous signed int array of "
                               f"shape {shape}")
     flat = out.reshape(m, k)
+    offsets = _offsets(header)
+    parts = max(1, min(threads, m * k // _MIN_CHUNK_SLOTS))
+    step = -(-m // parts) if m else 1
+    chunks = [(r, min(r + step, m)) for r in range(0, m, step)]
+    if threads == 1 or len(chunks) == 1:
+        for r0, r1 in chunks:
+            _decode_chunk(encoded, header, offsets, flat, r0, r1)
+    else:  # the first error raised by a chunk propagates
+        list(_pool(threads).map(lambda c: _decode_chunk(encoded, header, offsets, flat, *c), chunks))
+    return out
+
+
+def _decode_chunk(encoded, header: SetsHeader, offsets: _Offsets, flat: np.ndarray, r0: int, r1: int) -> None:
+    """Decode flat rows ``r0 .. r1 - 1`` into ``flat[r0:r1]``, reading only their part of each
+    stream (:class:`_Offsets`)."""
+    k = flat.shape[1]
+    kind, n, count = header.kind[r0:r1], header.n[r0:r1], header.count[r0:r1]
+    block = flat[r0:r1]
     if (kind == EMPTY).any():
-        flat[kind == EMPTY] = -1
+        block[kind == EMPTY] = -1
     every = np.flatnonzero(kind == ALL)
     if len(every):  # 0..n-1, then -1
-        dst, in_place = _target(flat, every)
+        dst, in_place = _target(block, every)
         cols = np.arange(k)
         np.copyto(dst, cols[None, :])
         np.copyto(dst, -1, where=cols[None, :] >= n[every, None])
         if not in_place:
-            flat[every] = dst
-    _decode_bitmap_rows(encoded, flat, np.flatnonzero(kind == BITMAP), n, row_count)
-    _decode_elias_fano_rows(encoded, flat, np.flatnonzero(kind == ELIAS_FANO), n, row_count, width)
-    return out
+            block[every] = dst
+    rows = np.flatnonzero(kind == BITMAP)
+    if len(rows):
+        bits = _bits(_array(encoded, "bitmap"), int(offsets.bitmap[r0]), int(offsets.bitmap[r1]))
+        _decode_bitmap_rows(bits, block, rows, n[rows], count[rows])
+    rows = np.flatnonzero(kind == ELIAS_FANO)
+    if len(rows):
+        high = _bits(_array(encoded, "high"), int(offsets.high[r0]), int(offsets.high[r1]))
+        low = _array(encoded, "low")
+        planes = [low[int(p[r0]):int(p[r1])] for p in offsets.planes]
+        width = header.width[int(offsets.ef[r0]):int(offsets.ef[r1])]
+        _decode_elias_fano_rows(high, planes, block, rows, n[rows], count[rows], width)
 
 
-def _decode_bitmap_rows(encoded, flat, rows, n, row_count) -> None:
-    """Decode the bitmap rows ``rows`` (each ``n`` bits, ``row_count`` ones) into ``flat``."""
-    sizes, counts = n[rows], row_count[rows]
-    where = np.flatnonzero(np.unpackbits(_array(encoded, "bitmap"), count=int(sizes.sum())).view(bool))
+def _decode_bitmap_rows(bits: np.ndarray, flat: np.ndarray, rows: np.ndarray, sizes: np.ndarray,
+                        counts: np.ndarray) -> None:
+    """Decode the bitmap rows ``rows`` of ``flat`` (each ``sizes[r]`` bits of ``bits``, back to
+    back, ``counts[r]`` ones)."""
+    where = np.flatnonzero(bits)
     if len(where) != int(counts.sum()):
         raise TraceCodecError(f"sets: bitmap holds {len(where)} indices, counts say {int(counts.sum())}")
-    if not len(rows):
-        return
     block, valid = _left_aligned(where, counts, flat.shape[1])
     dst, in_place = _target(flat, rows)
     np.subtract(block, (np.cumsum(sizes) - sizes)[:, None], out=dst, casting="unsafe")
     _finish(flat, rows, dst, in_place, valid, counts, sizes, "bitmap")
 
 
-def _decode_elias_fano_rows(encoded, flat, rows, n, row_count, width) -> None:
-    """Decode the Elias-Fano rows ``rows`` into ``flat``. The ``j``-th index of a row is the
-    ``j``-th one of its high bits, at bit ``bucket + j`` of the row: its bucket is that
-    position less ``j`` (one broadcast subtraction), so no running sum is needed; then
+def _decode_elias_fano_rows(high: np.ndarray, planes: list[np.ndarray], flat: np.ndarray, rows: np.ndarray,
+                            sizes: np.ndarray, counts: np.ndarray, width: np.ndarray) -> None:
+    """Decode the Elias-Fano rows ``rows`` of ``flat`` from their high bits ``high`` (bool, the
+    rows' back to back) and their bytes of each low plane ``planes``. The ``j``-th index of a
+    row is the ``j``-th one of its high bits, at bit ``bucket + j`` of the row: its bucket is
+    that position less ``j`` (one broadcast subtraction), so no running sum is needed; then
     ``bucket << width | low``, all over ``[rows, K]`` blocks at once."""
-    counts, sizes = row_count[rows], n[rows]
     row_bits = counts + ((sizes - 1) >> width) + 1
-    ones = np.flatnonzero(np.unpackbits(_array(encoded, "high"), count=int(row_bits.sum())).view(bool))
+    ones = np.flatnonzero(high)
     total = int(counts.sum())
     bit_start = np.cumsum(row_bits) - row_bits
     first = np.cumsum(counts) - counts  # each row's first index, counted over all rows
@@ -398,33 +497,37 @@ def _decode_elias_fano_rows(encoded, flat, rows, n, row_count, width) -> None:
             (ones[first] < bit_start).any() or (ones[first + counts - 1] >= bit_start + row_bits).any())):
         raise TraceCodecError(f"sets: high stream of {len(ones)} ones for {total} indices, or "
                               f"ones outside their row")
-    low = _read_planes(_array(encoded, "low"), width, counts, flat.shape[1])
-    if not len(rows):
-        return
     k = flat.shape[1]
+    low = _read_planes(planes, width, counts, k)
     block, valid = _left_aligned(ones, counts, k)
     dst, in_place = _target(flat, rows)
-    np.subtract(block, np.arange(k), out=dst, casting="unsafe")  # bit position less j
-    dst -= bit_start[:, None].astype(dst.dtype)  # the bucket
-    dst *= (1 << width)[:, None].astype(dst.dtype)  # << width (numpy's multiply is faster)
-    dst |= low
+    # one narrowing copy, then every pass in dst's dtype (a subtraction that narrows as it goes
+    # takes ~1.2x a copy and a subtraction); numpy runs a per-row operand ([R, 1]) about 3x
+    # slower than a scalar, hence the scalar when every row has the same width
+    np.copyto(dst, block, casting="unsafe")
+    np.subtract(dst, np.arange(k, dtype=dst.dtype), out=dst)  # bit position less j
+    np.subtract(dst, bit_start[:, None].astype(dst.dtype), out=dst)  # the bucket
+    if len(width) and width.min() == width.max():  # << width (numpy's multiply is faster)
+        np.multiply(dst, (1 << width[:1]).astype(dst.dtype)[0], out=dst)  # wraps as the per-row one
+    else:
+        np.multiply(dst, (1 << width)[:, None].astype(dst.dtype), out=dst)
+    np.bitwise_or(dst, low, out=dst)
     _finish(flat, rows, dst, in_place, valid, counts, sizes, "Elias-Fano")
 
 
-def _read_planes(packed: np.ndarray, width: np.ndarray, counts: np.ndarray, k: int) -> np.ndarray:
+def _read_planes(planes: list[np.ndarray], width: np.ndarray, counts: np.ndarray, k: int) -> np.ndarray:
     """The low parts ``[R, K]`` (the smallest unsigned dtype holding ``width.max()`` bits; slots
-    past a row's count hold garbage) from the low stream of :func:`_pack_planes`: each plane is
-    one contiguous slice, unpacked at once. A loop over planes, not rows."""
+    past a row's count hold garbage) from the rows' bytes of each plane of the low stream of
+    :func:`_pack_planes` (``planes[b]``: plane ``b`` of the rows wider than ``b``), each
+    unpacked at once. A loop over planes, not rows."""
     plane_bytes = (counts + 7) // 8
     top = int(width.max()) if len(width) else 0
     dt = np.uint8 if top <= 8 else np.uint16 if top <= 16 else np.uint32
     acc = np.zeros((len(width), k), dt)
-    offset = 0
     for bit in range(top):
         has = width > bit
         size = plane_bytes[has]
-        bits = np.unpackbits(packed[offset:offset + int(size.sum())])
-        offset += int(size.sum())
+        bits = np.unpackbits(planes[bit])
         if (size * 8 == k).all():
             plane = bits.reshape(len(size), k)
         else:  # rows of other lengths: each row's bits left-aligned

@@ -15,6 +15,16 @@ top-8) it prints, per token of a trajectory of that length (mean over its positi
 * the CPU time to decode them (one thread, numpy) in microseconds per token, and below the
   table the indexer rows' time with the torch decoder (``replayrl.trainer.trace_decode``) on
   the CPU, one thread (it is meant for a GPU, where it has not been run here);
+* below the table, the CPU time per token of widening the decoded indexer rows (int32) into
+  the trainer batch's int64 as ``replayrl.trainer.batch`` collates them (a fill of the padded
+  block, then a converting copy), one thread: work after the decode (the embedded model itself
+  accepts int32 key slots and widens them on its device);
+* with ``--decode-threads N`` (N > 1), the indexer rows' decode (``decode_sets(threads=N)``)
+  timed by the wall clock on N threads and on one, calls alternating, best of ``--repeats``
+  each: three more columns, the N-thread time per token, its speedup over one thread, and the
+  CPU time of the N threads together (the work the split adds shows there; the wall clock on
+  a machine shared with other jobs shows the cores they left), MEASURED on this machine (run
+  with ``--priority`` on a shared one);
 * decoding's share of a GLM-5 trainer step, which is an ESTIMATE, not a measurement: ``6 x
   active parameters`` FLOPs per trained token (forward and backward; attention and the
   indexer's own FLOPs left out, which only lengthen the step, so the share is an upper bound
@@ -23,8 +33,10 @@ top-8) it prints, per token of a trajectory of that length (mean over its positi
   256 routed experts a token, the input embedding (a lookup) left out; ``--sustained-tflops``,
   default 400 TFLOP/s bf16, about 40 % of an H100/H200's dense peak), against the decode time
   per token of one rank spread over ``--decode-cores`` of that rank's CPU cores (default 8:
-  chunks of a column decode independently) and ``--pipeline-stages`` (default 1: a rank
-  decodes every layer's traces of its tokens; a stage only its own layers'). With
+  chunks of a column decode independently; one thread's time over the cores, i.e. perfect
+  scaling ASSUMED, which ``--decode-threads`` measures up to the machine's cores) and
+  ``--pipeline-stages`` (default 1: a rank decodes every layer's traces of its tokens; a
+  stage only its own layers'). With
   ``--trainer-us-per-token`` (a trainer's measured step time per token of that context) the
   share of that measured step is printed as well.
 
@@ -40,7 +52,7 @@ expert ids uniform over the 256 experts, distinct per row. Rows are sampled at `
 stratified positions of the context (and ``--layers`` layers each); per-token figures scale
 the sample's mean per row to all layers.
 
-Usage: ``replayrl bench traces [--quick] [--priority]`` (``python -m replayrl.tools.bench.traces``)
+Usage: ``replayrl bench traces [--quick] [--priority] [--decode-threads N]`` (``python -m replayrl.tools.bench.traces``)
 """
 from __future__ import annotations
 
@@ -108,6 +120,21 @@ def routing_bound_bits(experts: int, top_k: int) -> float:
     return (math.lgamma(experts + 1) - math.lgamma(experts - top_k + 1)) / math.log(2)
 
 
+def _timed_wall(fns: list, repeats: int) -> tuple[list[float], list[float]]:
+    """Best wall-clock seconds (``time.perf_counter``: what threads working for the caller take)
+    and best CPU seconds of the whole process (``time.process_time``: every thread's) of each of
+    ``fns`` over ``repeats`` rounds, the calls alternating within a round so that a change in
+    the machine's load touches every one alike."""
+    wall, cpu = [math.inf] * len(fns), [math.inf] * len(fns)
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            start, start_cpu = time.perf_counter(), time.process_time()
+            fn()
+            wall[i] = min(wall[i], time.perf_counter() - start)
+            cpu[i] = min(cpu[i], time.process_time() - start_cpu)
+    return wall, cpu
+
+
 def _timed(fn, repeats: int) -> float:
     """Best CPU seconds of this thread (``time.thread_time``: other jobs on a shared machine do
     not count) over ``repeats`` calls of ``fn``."""
@@ -120,8 +147,11 @@ def _timed(fn, repeats: int) -> float:
 
 
 def measure_context(context: int, *, positions: int, layers: int, window: int, sinks: int,
-                    repeats: int, rng: np.random.Generator) -> dict[str, Any]:
-    """Per-token figures of one context length (see the module docstring)."""
+                    repeats: int, rng: np.random.Generator, decode_threads: int = 1) -> dict[str, Any]:
+    """Per-token figures of one context length (see the module docstring); with
+    ``decode_threads > 1`` also ``threads_us_per_token`` (wall clock, that many threads),
+    ``threads_cpu_us_per_token`` (the CPU time of all of them) and
+    ``one_thread_wall_us_per_token`` (wall clock, one thread, timed alternately)."""
     g = GLM5
     pos = np.unique(((np.arange(positions) + rng.random(positions)) * context / positions)
                     .astype(np.int64).clip(0, context - 1))
@@ -142,6 +172,18 @@ def measure_context(context: int, *, positions: int, layers: int, window: int, s
     ours_route = encoded_nbytes(enc_r) / len(pos)
     route_s = _timed(lambda: decode_column(route_spec, enc_r, counts), repeats)  # all MoE layers
     torch_s = _timed_torch(enc, pos + 1, back, repeats)
+    per_row = g["indexed_layers"] / (len(pos) * layers) * 1e6  # seconds of the sample -> us/token
+    wide = np.empty(back.shape, np.int64)
+    widen_s = _timed(lambda: (wide.fill(-1), np.copyto(wide, back)), repeats)  # as trainer.batch collates
+    threaded = {}
+    if decode_threads > 1:
+        out = np.empty_like(back)
+        assert np.array_equal(decode_sets(enc, pos + 1, out=out, threads=decode_threads), back), "threads"
+        (one, many), (_, many_cpu) = _timed_wall(
+            [lambda: decode_sets(enc, pos + 1, out=out),
+             lambda: decode_sets(enc, pos + 1, out=out, threads=decode_threads)], repeats)
+        threaded = {"one_thread_wall_us_per_token": one * per_row, "threads_us_per_token": many * per_row,
+                    "threads_cpu_us_per_token": many_cpu * per_row}
     int32_idx = g["indexed_layers"] * g["index_topk"] * 4
     int32_route = g["moe_layers"] * g["top_k"] * 4
     bound = (bound_bits_per_token(context, g["index_topk"], g["indexed_layers"])
@@ -151,7 +193,7 @@ def measure_context(context: int, *, positions: int, layers: int, window: int, s
     return {"context": context, "int32": int32_idx + int32_route, "miles": int32_idx,
             "ours": ours, "ours_indexer": ours_idx, "ours_routing": ours_route, "bound": bound,
             "decode_us_per_token": per_token_s * 1e6, "rows": len(pos) * layers,
-            "torch_us_per_token": torch_s / (len(pos) * layers) * g["indexed_layers"] * 1e6}
+            "torch_us_per_token": torch_s * per_row, "widen_us_per_token": widen_s * per_row, **threaded}
 
 
 def _timed_torch(enc: dict, universe: np.ndarray, want: np.ndarray, repeats: int) -> float:
@@ -218,6 +260,9 @@ def main(argv: list[str] | None = None) -> None:
                              "of an H100/H200's bf16 dense peak)")
     parser.add_argument("--decode-cores", type=int, default=8,
                         help="CPU cores of a trainer rank that decode its traces (chunks in parallel)")
+    parser.add_argument("--decode-threads", type=int, default=1,
+                        help="also time the indexer rows' decode on this many threads (wall clock, "
+                             "measured here) against one")
     parser.add_argument("--pipeline-stages", type=int, default=1,
                         help="pipeline stages: a rank decodes only its stage's layers")
     parser.add_argument("--priority", action="store_true",
@@ -225,8 +270,10 @@ def main(argv: list[str] | None = None) -> None:
                              "(Linux autogroup nice -20; needs root)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    if args.sustained_tflops <= 0 or args.active_params <= 0 or args.decode_cores < 1 or args.pipeline_stages < 1:
-        parser.error("--active-params, --sustained-tflops, --decode-cores and --pipeline-stages must be positive")
+    if (args.sustained_tflops <= 0 or args.active_params <= 0 or args.decode_cores < 1 or args.pipeline_stages < 1
+            or args.decode_threads < 1):
+        parser.error("--active-params, --sustained-tflops, --decode-cores, --decode-threads and "
+                     "--pipeline-stages must be positive")
     from replayrl.tools.bench.priority import autogroup_priority
 
     with autogroup_priority(args.priority):
@@ -249,26 +296,41 @@ def _report(args: argparse.Namespace) -> None:
           f"active params = {6 * args.active_params:.3g} FLOPs per token / {args.sustained_tflops:g} "
           f"TFLOP/s sustained per GPU = {estimate:,.0f} us per token per GPU; decoding on "
           f"{args.decode_cores} CPU core(s) of the rank, {args.pipeline_stages} pipeline stage(s)")
+    threads = args.decode_threads
     print("| context | int32 today (indexer + routing), B/token | miles' int32 indexer buffer, "
           "B/token | ours, B/token | int32 / ours | bound, B/token | ours / bound | "
-          f"decode, CPU us/token | decode per rank ({args.decode_cores} cores), us/token | "
-          "share of the estimated step | cores for 5 % |" + (" decode / measured step |" if step else ""))
-    print("|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if step else ""))
-    torch_us = []
+          f"decode, CPU us/token | decode per rank ({args.decode_cores} cores, perfect scaling assumed), "
+          "us/token | share of the estimated step | cores for 5 % |"
+          + (f" indexer decode on {threads} threads, wall us/token (measured) | speedup over 1 thread "
+             f"(wall, measured) | CPU us/token of the {threads} threads together (measured) |"
+             if threads > 1 else "")
+          + (" decode / measured step |" if step else ""))
+    print("|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if threads > 1 else "")
+          + ("---|" if step else ""))
+    torch_us, widen_us = [], []
     for i, context in enumerate(CONTEXTS):
         r = measure_context(context, positions=args.positions, layers=args.layers,
-                            window=args.window, sinks=args.sinks, repeats=args.repeats, rng=rng)
+                            window=args.window, sinks=args.sinks, repeats=args.repeats, rng=rng,
+                            decode_threads=threads)
         rank_us = r["decode_us_per_token"] / per_rank
         share = f" {100 * r['decode_us_per_token'] / step[i]:.1f} % |" if step else ""
+        if threads > 1:
+            share = (f" {r['threads_us_per_token']:,.0f} | "
+                     f"{r['one_thread_wall_us_per_token'] / r['threads_us_per_token']:.2f}x | "
+                     f"{r['threads_cpu_us_per_token']:,.0f} |") + share
         need = r["decode_us_per_token"] / args.pipeline_stages / (0.05 * estimate)
         print(f"| {context // 1024}k | {r['int32']:,.0f} | {r['miles']:,.0f} | {r['ours']:,.0f} "
               f"| {r['int32'] / r['ours']:.1f}x | {r['bound']:,.0f} | {r['ours'] / r['bound']:.2f}x "
               f"| {r['decode_us_per_token']:,.0f} | {rank_us:,.1f} | {100 * rank_us / estimate:.1f} % "
               f"| {math.ceil(need)} |" + share)
         torch_us.append(r["torch_us_per_token"])
+        widen_us.append(r["widen_us_per_token"])
     print("\nthe torch decoder (replayrl.trainer.trace_decode, written for the trainer's GPU; not run on "
           "a GPU here) on this CPU, one thread: " + " / ".join(f"{t:,.0f}" for t in torch_us)
           + " us per token at " + " / ".join(f"{c // 1024}k" for c in CONTEXTS) + " indexer rows")
+    print("widening the decoded indexer rows to the trainer batch's int64 (replayrl.trainer.batch's "
+          "collation: fill, then a converting copy), one thread: " + " / ".join(f"{t:,.0f}" for t in widen_us)
+          + " CPU us per token at " + " / ".join(f"{c // 1024}k" for c in CONTEXTS) + ", after the decode")
     e = measure_embedded(args.step_seconds, args.repeats, rng)
     print(f"\nembedded default step (128 x (7 + 2) tokens): int32 {e['int32']:.0f} B/token, ours "
           f"{e['ours']:.1f} B/token; decoding the step's traces {e['decode_ms']:.2f} ms of a "

@@ -116,3 +116,25 @@ def test_a_large_column_travels_in_chunks_of_rows(monkeypatch):
     cols["indexer_topk"] = {**cols["indexer_topk"], "rows": [2, 2, 2, 2, 1]}
     with pytest.raises(SampleError, match="'indexer_topk'.*9"):
         samples_from_columns(cols)
+
+
+@pytest.mark.parametrize("chunk_slots", [None, 2 * 2 * K])
+def test_threads_decode_a_column_to_the_same_rows(monkeypatch, chunk_slots):
+    from replayrl.rollout import trace_storage, trace_table
+    from replayrl.transport import trace_codec
+
+    monkeypatch.setattr(trace_codec, "_MIN_CHUNK_SLOTS", 1)  # split even these few rows
+    if chunk_slots:
+        monkeypatch.setattr(trace_storage, "CHUNK_SLOTS", chunk_slots)
+    spec = trace_table.spec("indexer_topk")
+    rng = np.random.default_rng(4)
+    keys = np.concatenate([_keys(9, rng), _keys(6, rng)])
+    counts = [9, 6]
+    enc = trace_storage.encode_column(spec, keys, counts)
+    assert enc["codec"] == ("chunks" if chunk_slots else "sets")
+    for threads in (2, 3, 16):
+        got = trace_storage.decode_column(spec, enc, counts, threads=threads)
+        assert _as_sets(got) == _as_sets(keys)  # against the encoded rows, not the decoder
+        assert all((r[r >= 0] == np.sort(r[r >= 0])).all() for r in got.reshape(-1, K))
+    with pytest.raises(ValueError, match="threads"):
+        trace_storage.decode_column(spec, enc, counts, threads=0)

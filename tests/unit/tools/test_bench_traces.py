@@ -43,3 +43,14 @@ def test_drawn_rows_are_causal_sets_with_window_and_sinks():
     assert sorted(rows[0, 0].tolist()) == [-1] * 5 + [0, 1, 2]  # 3 keys <= k: all of them
     picked = set(rows[1, 0].tolist())
     assert len(picked) == 8 and {0, 1, 97, 98, 99} <= picked and max(picked) <= 99
+
+
+def test_decode_threads_add_the_measured_columns(capsys):
+    traces.main(["--quick", "--decode-threads", "2"])
+    out = capsys.readouterr().out
+    assert "indexer decode on 2 threads, wall us/token (measured)" in out
+    assert "perfect scaling assumed" in out and "trainer batch's int64" in out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "k |" in line]
+    for r in rows:
+        cells = [c.strip().replace(",", "") for c in r.split("|")[1:-1]]
+        assert len(cells) == 14 and float(cells[11]) > 0 and cells[12].endswith("x") and float(cells[13]) > 0

@@ -62,3 +62,22 @@ def test_an_index_outside_its_universe_is_refused():
         decode_sets_torch(enc, np.array([960]))
     with pytest.raises(TraceCodecError):
         decode_sets(enc, np.array([960]))
+
+
+@pytest.mark.parametrize("universes, k, full", [
+    ([3000, 3100, 5000, 9000], 64, True),  # full rows of a multiple of 8 slots: no scatter
+    ([70, 3000, 40, 5000, 64, 9000, 1], 64, False),  # 'all', bitmap, partial and empty rows
+    ([1 << 12, 1 << 20, 1 << 26], 8, True),  # widths above 8 and 16
+    ([5000, 7000, 2000], 13, True),  # full rows whose planes end mid-byte
+])
+def test_blocks_of_mixed_kinds_and_widths_match_the_reference(universes, k, full):
+    rng = np.random.default_rng(k + len(universes))
+    trace = np.full((len(universes), 2, k), -1, np.int32)
+    for i, n in enumerate(universes):
+        for layer in range(2):
+            c = min(k, n) if full else int(rng.integers(0, min(k, n) + 1))
+            trace[i, layer, rng.permutation(k)[:c]] = rng.choice(n, size=c, replace=False)
+    universe = np.array(universes, np.int64)
+    enc = encode_sets(trace, universe)
+    assert len(set(enc["width"].tolist())) > 1  # rows of several widths
+    assert np.array_equal(decode_sets_torch(enc, universe).numpy(), _reference_canonical(trace))

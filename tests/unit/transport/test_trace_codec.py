@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from replayrl.transport import trace_codec
 from replayrl.transport.codec import Codec
 from replayrl.transport.trace_codec import (
     ALL,
@@ -63,6 +64,7 @@ def test_sets_round_trip_to_the_canonical_rows(trace):
     assert encoded is not None
     back = decode_sets(Codec().decode(Codec().encode(encoded)), universe)
     assert back.dtype == np.int32 and np.array_equal(back, _reference_canonical(trace))
+    assert np.array_equal(decode_sets(encoded, universe, threads=3), back)
 
 
 @settings(max_examples=60, deadline=None)
@@ -223,15 +225,52 @@ def _mixed_trace(rng, universes, k, full_only):
     ([70, 3000, 40, 5000, 64, 9000, 1], 64, False),  # partial and empty rows
     ([1 << 12, 1 << 20, 1 << 26], 4, True),  # widths above 8 and 16 (uint16, uint32 planes)
 ])
-def test_decoding_matches_a_naive_decoder_of_the_documented_layout(universes, k, full_only):
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+def test_decoding_matches_a_naive_decoder_of_the_documented_layout(universes, k, full_only, threads, monkeypatch):
+    monkeypatch.setattr(trace_codec, "_MIN_CHUNK_SLOTS", 1)
     trace = _mixed_trace(np.random.default_rng(len(universes) * k), universes, k, full_only)
     universe = np.array(universes)
     enc = encode_sets(trace, universe)
     assert ELIAS_FANO in enc["kind"].tolist()
     want = _naive_decode_sets(enc, universe)
     assert np.array_equal(want, _reference_canonical(trace))
-    assert np.array_equal(decode_sets(enc, universe), want)
-    assert np.array_equal(decode_sets(enc, universe, np.int64), want)
+    assert np.array_equal(decode_sets(enc, universe, threads=threads), want)
+    assert np.array_equal(decode_sets(enc, universe, np.int64, threads=threads), want)
+
+
+def test_threads_split_rows_mid_stream_and_agree_with_the_naive_decoder(monkeypatch):
+    monkeypatch.setattr(trace_codec, "_MIN_CHUNK_SLOTS", 1)  # a chunk per thread, however small
+    # chunk boundaries fall inside every stream: bitmap and high bits not byte-aligned, each
+    # low plane's rows split, 'all' and empty rows in between
+    rng = np.random.default_rng(7)
+    universes = rng.integers(1, 3000, size=23)
+    universes[[4, 11]] = 30  # rows that may select all their keys
+    trace = _mixed_trace(rng, universes, 40, False)
+    trace[4, 0] = -1  # an empty row
+    trace[11, 1] = np.concatenate([np.arange(30)[::-1], np.full(10, -1)])  # all 30 keys
+    enc = encode_sets(trace, universes)
+    assert {EMPTY, ALL, BITMAP, ELIAS_FANO} <= set(enc["kind"].tolist())
+    want = _naive_decode_sets(enc, universes)
+    for threads in range(1, 50, 3):  # up to more threads than rows
+        out = np.full(trace.shape, 7, np.int32)
+        decode_sets(enc, universes, out=out, threads=threads)
+        assert np.array_equal(out, want), threads
+
+
+@pytest.mark.parametrize("threads", [0, -1, 1.5, "2"])
+def test_bad_thread_counts_are_refused(threads):
+    enc = encode_sets(np.array([[[3, 0]]], np.int32), np.array([9]))
+    with pytest.raises(TraceCodecError, match="threads"):
+        decode_sets(enc, np.array([9]), threads=threads)
+
+
+def test_a_malformed_stream_is_refused_from_a_decoding_thread(monkeypatch):
+    monkeypatch.setattr(trace_codec, "_MIN_CHUNK_SLOTS", 1)
+    trace = _mixed_trace(np.random.default_rng(5), [3000] * 8, 16, True)
+    enc = encode_sets(trace, np.full(8, 3000))
+    enc["high"] = np.zeros_like(enc["high"])  # no ones: every chunk's count disagrees
+    with pytest.raises(TraceCodecError, match="high stream"):
+        decode_sets(enc, np.full(8, 3000), threads=4)
 
 
 def test_decoding_into_a_slice_of_a_larger_output():
@@ -246,3 +285,13 @@ def test_decoding_into_a_slice_of_a_larger_output():
                 np.zeros((3, 2, 16), np.int32)[:, :, ::-1]):
         with pytest.raises(TraceCodecError, match="out must be"):
             decode_sets(enc, universe, out=bad)
+
+
+def test_threads_on_rows_large_enough_to_be_split_by_default():
+    # 72 rows of K = 2048 are 2.25 x _MIN_CHUNK_SLOTS slots: two threads each take a chunk
+    rng = np.random.default_rng(11)
+    universes = rng.integers(2049, 40000, size=72)
+    trace = _mixed_trace(rng, universes, 2048, True)[:, :1]
+    enc = encode_sets(trace, universes)
+    assert trace.size >= 2 * trace_codec._MIN_CHUNK_SLOTS
+    assert np.array_equal(decode_sets(enc, universes, threads=2), _reference_canonical(trace))

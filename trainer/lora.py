@@ -35,8 +35,8 @@ from replayrl.rollout.model.adapters import LORA_A_SUFFIX, LORA_B_SUFFIX
 from replayrl.trainer.errors import TrainerConfigError
 
 __all__ = ["ADAPTER_DIR", "LORA_MODULES", "add_adapters", "adapter_arrays", "adapter_parameters",
-           "base_state", "experts_adapted", "load_adapters", "merged_state", "save_adapters",
-           "target_modules"]
+           "base_state", "experts_adapted", "hook_experts", "load_adapters", "load_into", "merged_state",
+           "save_adapters", "scalings", "split_state", "target_modules"]
 
 ADAPTER_NAME = "default"
 ADAPTER_DIR = "adapter"
@@ -137,6 +137,60 @@ def experts_adapted(model: torch.nn.Module) -> Iterator[None]:
             parametrize.remove_parametrizations(layer.base_layer, "weight", leave_parametrized=False)
 
 
+def hook_experts(model: torch.nn.Module) -> list:
+    """:func:`experts_adapted` per MoE block, for good: a forward pre-hook on every block whose
+    ``experts`` hold adapters parametrizes them (``W + scaling * B @ A``) and a forward hook
+    removes the parametrizations again, so each block's forward reads its adapted expert
+    weights and nothing else ever sees them. Under FSDP2 (the fsdp backend) this runs inside the
+    decoder layer's unsharded window, on the all-gathered weights: :func:`experts_adapted`
+    around the whole forward would parametrize the sharded ones. A forward that raised leaves
+    nothing behind either: the next pre-hook removes what is left first. Returns the hook
+    handles (``handle.remove()`` undoes them)."""
+    blocks: dict[str, list[torch.nn.Module]] = {}
+    for name, layer in _lora_layers(model):
+        if ".experts." in name:
+            blocks.setdefault(name.split(".experts.")[0], []).append(layer)
+    modules = dict(model.named_modules())
+    handles = []
+
+    def _remove(layers):
+        for layer in layers:
+            if parametrize.is_parametrized(layer.base_layer, "weight"):
+                parametrize.remove_parametrizations(layer.base_layer, "weight", leave_parametrized=False)
+
+    def _pre(layers):
+        def hook(module, args):
+            _remove(layers)
+            for layer in layers:
+                parametrize.register_parametrization(layer.base_layer, "weight", _Delta(layer), unsafe=True)
+        return hook
+
+    for block, layers in blocks.items():
+        handles.append(modules[block].register_forward_pre_hook(_pre(layers)))
+        handles.append(modules[block].register_forward_hook(lambda m, a, o, layers=layers: _remove(layers)))
+    return handles
+
+
+def scalings(model: torch.nn.Module) -> dict[str, float]:
+    """The LoRA scaling (``alpha / r``) of every adapted weight, by its HF weight name."""
+    return {f"{name}.weight": float(layer.scaling[ADAPTER_NAME]) for name, layer in _lora_layers(model)}
+
+
+def split_state(state: dict[str, torch.Tensor], scale: dict[str, float]) -> tuple[dict, dict]:
+    """``(base, factors)`` of a LoRA policy's full state dict (peft's names, e.g. gathered from
+    FSDP2 shards): ``base`` the base weights under HF names (as :func:`base_state`), ``factors``
+    ``N.lora_A`` [r, in] and ``N.lora_B`` [out, r] times ``scale[N]`` (the push's factors, as
+    :func:`adapter_arrays`) per adapted weight ``N`` of ``scale`` (:func:`scalings`). The
+    tensors of ``base`` are those of ``state``; the factors new ones."""
+    base = {name.replace(".base_layer", ""): t for name, t in state.items() if ".lora_" not in name}
+    factors = {}
+    for name, s in scale.items():
+        module = name[:-len(".weight")]
+        factors[name + LORA_A_SUFFIX] = state[f"{module}.lora_A.{ADAPTER_NAME}.weight"].detach().clone()
+        factors[name + LORA_B_SUFFIX] = state[f"{module}.lora_B.{ADAPTER_NAME}.weight"].detach() * s
+    return base, factors
+
+
 def base_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The base weights under their HF names (peft's ``.base_layer`` removed, adapters left
     out); the tensors are the model's own (no copy)."""
@@ -178,18 +232,37 @@ def _peft_keys(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             for name, t in model.state_dict().items() if ".lora_" in name}
 
 
-def save_adapters(model: torch.nn.Module, config, directory: Path, base_dir: str = "") -> Path:
+def save_adapters(model: torch.nn.Module, config, directory: Path, base_dir: str = "",
+                  state: dict[str, torch.Tensor] | None = None) -> Path:
     """Write peft's adapter files (``adapter_config.json``, ``adapter_model.safetensors``) of
-    ``model`` to ``directory``; ``base_dir`` is recorded as the base model's path."""
+    ``model`` to ``directory``; ``base_dir`` is recorded as the base model's path. ``state``:
+    the model's state dict with full tensors (the fsdp backend's, gathered from the shards);
+    None: ``model.state_dict()``."""
     from safetensors.torch import save_file
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     config.base_model_name_or_path = base_dir
     config.save_pretrained(str(directory))
-    save_file({k: t.detach().contiguous() for k, t in _peft_keys(model).items()},
+    keys = {"base_model.model." + name.replace(f".{ADAPTER_NAME}.", "."): t
+            for name, t in state.items() if ".lora_" in name} if state is not None else _peft_keys(model)
+    save_file({k: t.detach().contiguous() for k, t in keys.items()},
               str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
     return directory
+
+
+def load_into(model: torch.nn.Module, directory: Path, rank: int, alpha: float,
+              targets: tuple[str, ...], seed: int) -> torch.nn.Module:
+    """A plain policy read from a LoRA checkpoint's ``model`` -> the LoRA policy: adapters
+    added (:func:`add_adapters`) and set to :func:`save_adapters` output in ``directory``
+    (checked by :func:`load_adapters`). Returns ``model`` (changed in place).
+
+    Raises:
+        TrainerConfigError / ValueError: as :func:`add_adapters` / :func:`load_adapters`.
+    """
+    add_adapters(model, rank, alpha, targets, seed)
+    model.load_state_dict(load_adapters(model, directory, rank, alpha, targets), strict=False)
+    return model
 
 
 def load_adapters(model: torch.nn.Module, directory: Path, rank: int, alpha: float,

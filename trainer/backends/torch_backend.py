@@ -205,6 +205,10 @@ class TorchBackend(TrainerBackend):
     lora_config = None
     """The ``peft.LoraConfig`` of a LoRA run (``--lora-rank``, :mod:`replayrl.trainer.lora`),
     else None (also for a subclass that does not call this ``__init__``)."""
+    experts_hooked = False
+    """Whether the policy's MoE blocks adapt their experts themselves
+    (:func:`replayrl.trainer.lora.hook_experts`, the fsdp backend); else every forward runs
+    under :func:`replayrl.trainer.lora.experts_adapted`."""
 
     def __init__(self, checkpoint_dir: str, config: TrainerConfig,
                  vocab_tokens: Sequence[str]) -> None:
@@ -253,7 +257,8 @@ class TorchBackend(TrainerBackend):
         kwargs = dict(capture=capture, replay_routing=cfg.use_routing_replay,
                       replay_indexer=cfg.use_indexer_replay, chunk_size=cfg.logprobs_chunk_size,
                       entropy_out=entropy_out)
-        with lora.experts_adapted(self.model) if self.lora_config else contextlib.nullcontext():
+        adapted = self.lora_config and not self.experts_hooked
+        with lora.experts_adapted(self.model) if adapted else contextlib.nullcontext():
             if train and self.ddp is not None:
                 return self.ddp(batch, cfg.temperature, **kwargs)
             return response_logprobs(self.model, batch, cfg.temperature, **kwargs)

@@ -53,7 +53,6 @@ from replayrl.trainer.backends.checkpoint_layout import CheckpointLayout, check_
 from replayrl.trainer.backends.torch_backend import TorchBackend, _check_weights_fit
 from replayrl.trainer.batch import TrainBatch
 from replayrl.trainer.config import TrainerConfig
-from replayrl.trainer.errors import TrainerConfigError
 
 __all__ = ["FSDPBackend", "STATE_FILE"]
 
@@ -94,13 +93,10 @@ class FSDPBackend(TorchBackend):
         self.model.to(self.device)
         self.model.train()
         if config.lora_rank:  # trainer/lora.py: adapters added before sharding, only they train
-            if not isinstance(self.model, Qwen3MoeForCausalLM):
-                raise TrainerConfigError(f"--lora-rank: {checkpoint_dir} is a family checkpoint "
-                                         f"(transformers' model); LoRA adapts the embedded Qwen3-MoE")
             self.lora_config = lora.add_adapters(self.model, config.lora_rank, config.lora_alpha,
                                                  lora.target_modules(config.lora_target_modules),
                                                  config.seed)
-            self._scalings = lora.scalings(self.model)
+            self._adapted = lora.adapted_weights(self.model)
             # the experts are adapted inside each MoE block's forward, on the gathered weights
             lora.hook_experts(self.model)
             self.experts_hooked = True
@@ -155,9 +151,9 @@ class FSDPBackend(TorchBackend):
         policy (base + ``scaling * B @ A``, as :func:`replayrl.trainer.lora.merged_state`)."""
         state = self._gathered()
         if self.lora_config:
-            state, factors = lora.split_state(state, self._scalings)
+            state, factors = lora.split_state(state, self._adapted)
             with torch.no_grad():
-                for name in self._scalings:
+                for name in self._adapted:
                     state[name] = state[name] + factors[name + LORA_B_SUFFIX] @ factors[name + LORA_A_SUFFIX]
         return _arrays(state)
 
@@ -168,7 +164,7 @@ class FSDPBackend(TorchBackend):
         bundle (:func:`replayrl.trainer.lora.adapter_arrays`), merged by the engine. A collective."""
         if not self.lora_config:
             return self.weights()
-        base, factors = lora.split_state(self._gathered(), self._scalings)
+        base, factors = lora.split_state(self._gathered(), self._adapted)
         return _arrays({**base, **factors} if full else factors)
 
     def _gathered(self) -> dict[str, torch.Tensor]:
@@ -218,7 +214,7 @@ class FSDPBackend(TorchBackend):
         directory = Path(directory)
         if self.lora_config:
             state = self._gathered()
-            base, _ = lora.split_state(state, self._scalings)
+            base, _ = lora.split_state(state, self._adapted)
             if dist.get_rank() == 0:
                 lora.save_adapters(self.model, self.lora_config, directory / lora.ADAPTER_DIR,
                                    "../model", state=state)

@@ -30,6 +30,7 @@ from replayrl.actors.errors import VersionRegression
 from replayrl.rollout.model.checkpoint import save_pretrained, state_dict_arrays
 from replayrl.rollout.model.config import ModelConfig
 from replayrl.rollout.model.errors import CheckpointError
+from replayrl.rollout.model.families.base import FamilyConfig, FamilyModel
 from replayrl.rollout.model.loader import load_pretrained
 from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
 from replayrl.trainer import lora
@@ -37,7 +38,6 @@ from replayrl.trainer.backends.base import ReplayedForward, TrainerBackend
 from replayrl.trainer.backends.checkpoint_layout import refuse_other_backend
 from replayrl.trainer.batch import TrainBatch
 from replayrl.trainer.config import TrainerConfig
-from replayrl.trainer.errors import TrainerConfigError
 from replayrl.trainer.logprobs import full_vocab_logprobs, fused_support_logprobs, support_entropy, support_logprobs
 from replayrl.trainer.prefix_tree import PrefixTree
 from replayrl.transport.array_bundle import bundle_of_buffer, pack_arrays
@@ -218,9 +218,6 @@ class TorchBackend(TrainerBackend):
         self.model, self._model_config = load_pretrained(checkpoint_dir, dtype=torch.float32)
         self.model.train()
         if config.lora_rank:  # trainer/lora.py: only the adapters train
-            if not isinstance(self.model, Qwen3MoeForCausalLM):
-                raise TrainerConfigError(f"--lora-rank: {checkpoint_dir} is a family checkpoint "
-                                         f"(transformers' model); LoRA adapts the embedded Qwen3-MoE")
             self.lora_config = lora.add_adapters(self.model, config.lora_rank, config.lora_alpha,
                                                  lora.target_modules(config.lora_target_modules),
                                                  config.seed)
@@ -356,7 +353,11 @@ class TorchBackend(TrainerBackend):
         """Write the policy, or the plain model of ``state`` (HF names), as an HF checkpoint."""
         model = self.model
         if state is not None:  # a LoRA policy: a plain model of these weights (a copy)
-            model = Qwen3MoeForCausalLM.empty(self._model_config, torch.float32)
+            if isinstance(self._model_config, FamilyConfig):
+                with torch.random.fork_rng(devices=[]):  # transformers' init draws random weights
+                    model = FamilyModel.from_config(self._model_config, torch.float32)
+            else:
+                model = Qwen3MoeForCausalLM.empty(self._model_config, torch.float32)
             model.load_state_dict(state)
         if self.vocab_tokens:
             save_pretrained(model, directory, tokens=self.vocab_tokens)

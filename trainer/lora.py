@@ -332,8 +332,10 @@ def load_adapters(model: torch.nn.Module, directory: Path, rank: int, alpha: flo
         tensors = load_file(str(directory / "adapter_model.safetensors"))
     except (OSError, ValueError) as exc:
         raise ValueError(f"{directory}: unreadable LoRA adapter: {type(exc).__name__}: {exc}") from None
-    want = _lora_config(rank, alpha, targets)
-    for key in ("r", "lora_alpha", "target_modules"):
+    # this run's settings as peft applied them to this model (on transformers' fused experts
+    # peft 0.21 turns gate_proj / up_proj / down_proj into target_parameters)
+    want = (getattr(_root(model), "peft_config", None) or {}).get(ADAPTER_NAME) or _lora_config(rank, alpha, targets)
+    for key in ("r", "lora_alpha", "target_modules", "target_parameters"):
         norm = (lambda v: sorted(v) if isinstance(v, (list, set, tuple)) else v)
         if norm(saved.get(key)) != norm(getattr(want, key)):
             raise ValueError(f"{directory}/adapter_config.json: {key} {saved.get(key)!r}, this run "

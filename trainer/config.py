@@ -174,7 +174,9 @@ class TrainerConfig:
     lora_target_modules: str = setting("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
                                        "lora-target-modules", "modules LoRA adapts, a comma list "
                                        "(gate_proj / up_proj / down_proj: the dense MLP and every "
-                                       "expert; gate: the MoE router, only when named)")
+                                       "expert, on a family model the fused expert tensors; gate: the "
+                                       "MoE router, only when named, not on a family model; q_a_proj / "
+                                       "q_b_proj / kv_a_proj_with_mqa / kv_b_proj: MLA attention)")
 
     def __post_init__(self) -> None:
         check_settings(self, TrainerConfigError)

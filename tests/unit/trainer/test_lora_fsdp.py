@@ -184,3 +184,22 @@ def test_lora_is_accepted_on_fsdp_and_refused_on_megatron():
     assert TrainerConfig(lora_rank=8, train_backend="fsdp").lora_rank == 8
     with pytest.raises(TrainerConfigError, match="--train-backend torch or fsdp"):
         TrainerConfig(lora_rank=8, train_backend="megatron")
+
+
+async def test_the_trainer_actor_pushes_the_base_once_then_only_the_adapters(checkpoint):
+    """The trainer's collective push path (``--train-backend fsdp``: every rank gathers, rank 0
+    sends): the first bundle holds the base weights and the factors, a later one only the
+    factors, each the backend's :meth:`push_arrays`."""
+    from replayrl.trainer.trainer_actor import TrainerActor
+
+    actor = TrainerActor(str(checkpoint), _config(train_backend="fsdp").to_dict(), n_samples_per_prompt=2,
+                         engines=[], rollout_batch_size=1, vocab_tokens=list(VOCABULARY))
+    assert actor.backend.collective_io
+    for full in (True, False):
+        arrays = unpack_arrays(await actor._weight_bundle(full=full))
+        want = actor.backend.push_arrays(full=full)
+        assert list(arrays) == list(want)
+        for name, array in want.items():
+            np.testing.assert_array_equal(arrays[name], array, err_msg=name)
+        factors = [k for k in arrays if k.endswith((".lora_A", ".lora_B"))]
+        assert factors and (len(factors) < len(arrays)) == full

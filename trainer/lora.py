@@ -1,4 +1,5 @@
-"""LoRA on the embedded Qwen3-MoE policy through peft (``--lora-rank``; docs/design.md#lora).
+"""LoRA on the policy through peft (``--lora-rank``; docs/design.md#lora): the embedded
+Qwen3-MoE or a family's transformers model, on the torch and fsdp backends.
 
 :func:`add_adapters` injects peft LoRA layers (``peft.inject_adapter_in_model``, a
 ``peft.LoraConfig``) into the policy and freezes every base weight: only the adapters train
@@ -8,7 +9,12 @@ the dense ones, one adapter per expert (the Hub's per-expert Qwen3-MoE layout, w
 converts to transformers' fused expert tensors when it loads the adapter). The router
 ``gate`` is adapted only when named.
 
-The MoE block reads its experts' weights (``experts.{e}.gate_proj.weight``) to stack them for
+On a family model (rollout/model/families/) peft 0.21 adapts transformers' fused expert
+tensors itself (``gate_proj`` / ``up_proj`` / ``down_proj`` become ``target_parameters``: a
+``ParamWrapper`` applied in the experts' forward); the names below are then the HF names of
+transformers' model (:func:`_root`), and the push carries per-expert factors.
+
+The embedded MoE block reads its experts' weights (``experts.{e}.gate_proj.weight``) to stack them for
 one grouped matmul instead of calling the expert modules, so peft's ``lora.Linear.forward``
 never runs there: :func:`experts_adapted` wraps a forward and parametrizes each adapted
 expert weight as ``W + scaling * B @ A`` (``torch.nn.utils.parametrize``, the mechanism of

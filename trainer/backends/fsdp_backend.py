@@ -24,6 +24,10 @@ Consequences for the rest of the system, which sees the same :class:`TrainerBack
   (:mod:`replayrl.trainer.backends.checkpoint_layout`);
 - :meth:`digest` is local (this rank's shards, no collective): the shards of ranks
   ``0 .. N-1`` concatenated are the full tensors (FSDP2 shards dim 0 as ``torch.chunk``).
+- LoRA (``--lora-rank``, :mod:`replayrl.trainer.lora`): the adapters are added before
+  ``fully_shard`` and sharded with their layer, only they train and sit in AdamW; the push
+  (:meth:`push_arrays`) and the checkpoint gather them from the shards and are the torch
+  backend's (the factors, after the base on a first push; ``model`` + peft's ``adapter``).
 
 Precision: on CUDA with bf16 the FSDP2 mixed-precision policy computes in bf16 (all-gathered
 weights cast once per unit) over fp32 master weights, gradients reduced in fp32; on CPU it is

@@ -171,13 +171,15 @@ class TrainerConfig:
                                  Choices(tuple(BACKENDS)))
     lora_rank: int = setting(0, "lora-rank", "LoRA rank through peft (0 = off: every weight "
                              "trains); only the adapters train, sit in the optimizer and are "
-                             "pushed (torch backend, embedded engine)", Range(low=0))
+                             "pushed (torch / fsdp backend, embedded engine)", Range(low=0))
     lora_alpha: float = setting(16.0, "lora-alpha", "LoRA alpha: the adapters are scaled by "
                                 "alpha / --lora-rank", POSITIVE)
     lora_target_modules: str = setting("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
                                        "lora-target-modules", "modules LoRA adapts, a comma list "
                                        "(gate_proj / up_proj / down_proj: the dense MLP and every "
-                                       "expert; gate: the MoE router, only when named)")
+                                       "expert, on a family model the fused expert tensors; gate: the "
+                                       "MoE router, only when named, not on a family model; q_a_proj / "
+                                       "q_b_proj / kv_a_proj_with_mqa / kv_b_proj: MLA attention)")
 
     def __post_init__(self) -> None:
         check_settings(self, TrainerConfigError)
@@ -186,10 +188,9 @@ class TrainerConfig:
 
             target_modules(self.lora_target_modules)  # raises naming the unknown name
         checks = [
-            (not self.lora_rank or self.train_backend == "torch",
-             f"--lora-rank needs --train-backend torch (--train-backend {self.train_backend} has "
-             f"no LoRA: megatron-core's modules are not peft's, and the fsdp backend does not "
-             f"wrap adapters yet)"),
+            (not self.lora_rank or self.train_backend in ("torch", "fsdp"),
+             f"--lora-rank needs --train-backend torch or fsdp (--train-backend {self.train_backend} "
+             f"has no LoRA: megatron-core's modules are not peft's)"),
             (self.rs_mode != "none" or (self.rs_lower, self.rs_upper) == (0.0, float("inf")),
              "--rs-lower / --rs-upper need --rs-mode token|sequence|geometric"),
             (self.logprobs_chunk_size == 0 or self.use_support_replay,

@@ -214,6 +214,10 @@ class TrainerActor(Actor):
         Under LoRA (``--lora-rank``) only the adapters unless ``full`` (the first push, a
         restarted engine): the engines keep the base weights (rollout/model/adapters.py)."""
         if self.backend.collective_io:
+            if self.config.lora_rank:
+                arrays, _ = await self._on_ranks(lambda: self.backend.push_arrays(full),
+                                                 [self._rank(f).push_arrays(full) for f in self.followers])
+                return pack_arrays(arrays)
             arrays, _ = await self._on_ranks(self.backend.weights,
                                              [self._rank(f).weights() for f in self.followers])
             return pack_arrays(arrays)

@@ -118,6 +118,11 @@ class TrainerRank(Actor):
         them. Returns the bytes this rank saw."""
         return int(sum(a.nbytes for a in self.backend.weights().values()))
 
+    async def push_arrays(self, full: bool = True) -> int:
+        """Take part in gathering a LoRA push (``TrainerBackend.push_arrays``: the adapters,
+        after the base weights when ``full``); rank 0 sends it. Returns the bytes this rank saw."""
+        return int(sum(a.nbytes for a in self.backend.push_arrays(bool(full)).values()))
+
     async def save_checkpoint(self, directory: str, version: int) -> str:
         """This rank's part of ``TrainerActor.save_checkpoint`` (a backend whose ranks hold
         parts)."""

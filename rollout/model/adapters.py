@@ -4,7 +4,8 @@ A LoRA run (``--lora-rank``, docs/design.md#lora) pushes the base weights with t
 once (the first push, and the push to a restarted engine), then only the adapters: for every
 adapted weight ``W`` (HF name ``N``, float [out, in]) the two arrays ``N + LORA_A_SUFFIX``
 (float32 [r, in]) and ``N + LORA_B_SUFFIX`` (float32 [out, r], already multiplied by the LoRA
-scaling ``alpha / r``), so that the policy's weight is ``W_base + B @ A``.
+scaling ``alpha / r``), so that the policy's weight is ``W_base + B @ A``; a family model's
+fused expert tensor [E, out, in] gets per-expert factors [E, r, in] and [E, out, r] (batched).
 :class:`AdapterMerge` keeps, on the engine, the base of every weight an adapter push touched
 (copied at the first adapter push after a full one) and writes the merged weight into the
 model in place: the engine's forward is unchanged and costs nothing extra (merged, not
@@ -18,6 +19,7 @@ import numpy as np
 import torch
 
 from replayrl.rollout.model.errors import CheckpointError
+from replayrl.rollout.model.families.base import FamilyModel
 
 __all__ = ["LORA_A_SUFFIX", "LORA_B_SUFFIX", "AdapterMerge", "split_adapter_push"]
 
@@ -53,16 +55,19 @@ class AdapterMerge:
         """Merge an adapter push into ``model`` (in place, cast to the model's dtype).
 
         Args:
-            model: the engine's model (HF parameter names).
+            model: the engine's model: the embedded Qwen3-MoE or a family model (weights
+                under their HF names either way).
             arrays: ``N.lora_A`` float [r, in] and ``N.lora_B`` float [out, r] (scaled) per
-                adapted weight ``N``.
+                adapted weight ``N``; for a family's fused expert tensor [E, out, in] the
+                per-expert factors [E, r, in] and [E, out, r] (``W[e] += B[e] @ A[e]``).
 
         Raises:
             CheckpointError: an unpaired factor, a name that is no weight of the model, or factor
                 shapes whose product is not the weight's shape (named); checked before anything
                 changes.
         """
-        params = dict(model.named_parameters())
+        # HF names: a family model (rollout/model/families/) wraps transformers' model as ``hf``
+        params = dict((model.hf if isinstance(model, FamilyModel) else model).named_parameters())
         pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for key in arrays:
             if not key.endswith(LORA_A_SUFFIX):
@@ -75,7 +80,8 @@ class AdapterMerge:
             if name not in params:
                 raise CheckpointError(f"adapter push: {name!r} is no weight of the model")
             want = tuple(params[name].shape)
-            if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1] or (b.shape[0], a.shape[1]) != want:
+            if (a.ndim != b.ndim or a.ndim not in (2, 3) or a.shape[:-2] != b.shape[:-2]
+                    or a.shape[-2] != b.shape[-1] or (*b.shape[:-1], a.shape[-1]) != want):
                 raise CheckpointError(f"adapter push: {name!r} factors B {list(b.shape)} @ A "
                                       f"{list(a.shape)} do not give the weight's shape {list(want)}")
             pairs[name] = (a, b)

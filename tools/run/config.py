@@ -230,15 +230,22 @@ class RunConfig:
         ]
         family = getattr(policy, "family", "")
         if self.trainer.lora_rank:  # LoRA (trainer/lora.py): adapters pushed, merged by the engine
+            from replayrl.trainer.lora import MLA_MODULES, target_modules
+
+            targets = target_modules(self.trainer.lora_target_modules)
             checks += [
                 (self.rollout_engine == "embedded",
                  f"--lora-rank with --rollout-engine {self.rollout_engine}: replayrl sends adapter "
                  f"pushes only to the embedded engine, which merges them (vLLM's / SGLang's LoRA "
                  f"request path is not wired); use --rollout-engine embedded"),
-                (not family,
-                 f"--lora-rank: the {family!r} family of --hf-checkpoint {self.hf_checkpoint} "
-                 f"(transformers' model, fused expert tensors) has no LoRA path yet; LoRA adapts "
-                 f"the embedded Qwen3-MoE policy"),
+                (not family or "gate" not in targets,
+                 f"--lora-target-modules gate with the {family!r} family of --hf-checkpoint "
+                 f"{self.hf_checkpoint}: its router (mlp.gate) is transformers' own top-k module, "
+                 f"not an nn.Linear; peft cannot adapt it (docs/design.md#lora)"),
+                (bool(family) or not set(targets) & set(MLA_MODULES),
+                 f"--lora-target-modules {','.join(sorted(set(targets) & set(MLA_MODULES)))}: MLA "
+                 f"projections of the DeepSeek / GLM families; the embedded Qwen3-MoE has "
+                 f"q_proj / k_proj / v_proj / o_proj"),
             ]
         if family:  # the family room (rollout/model/families/): transformers' model in-process
             checks += [

@@ -200,6 +200,14 @@ class TrainerBackend(ABC):
         one buffer per dtype, a copy the caller owns). A backend may build it with fewer copies."""
         return pack_arrays(self.weights())
 
+    def push_arrays(self, full: bool = True) -> dict[str, np.ndarray]:
+        """The arrays of a weight push from a backend whose ranks hold parts of the weights
+        (:attr:`collective_io`: a collective of every rank, rank 0's result is sent): by
+        default :meth:`weights`. A LoRA backend gives the adapter factors
+        (:mod:`replayrl.rollout.model.adapters`), after the base weights when ``full`` (the
+        first push, a restarted engine)."""
+        return self.weights()
+
     @abstractmethod
     def save_checkpoint(self, directory: Path, version: int) -> None:
         """Write the model (Hugging Face format), optimizer and RNG state and ``version``.

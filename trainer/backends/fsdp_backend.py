@@ -24,6 +24,10 @@ Consequences for the rest of the system, which sees the same :class:`TrainerBack
   (:mod:`replayrl.trainer.backends.checkpoint_layout`);
 - :meth:`digest` is local (this rank's shards, no collective): the shards of ranks
   ``0 .. N-1`` concatenated are the full tensors (FSDP2 shards dim 0 as ``torch.chunk``).
+- LoRA (``--lora-rank``, :mod:`replayrl.trainer.lora`): the adapters are added before
+  ``fully_shard`` and sharded with their layer, only they train and sit in AdamW; the push
+  (:meth:`push_arrays`) and the checkpoint gather them from the shards and are the torch
+  backend's (the factors, after the base on a first push; ``model`` + peft's ``adapter``).
 
 Precision: on CUDA with bf16 the FSDP2 mixed-precision policy computes in bf16 (all-gathered
 weights cast once per unit) over fp32 master weights, gradients reduced in fp32; on CPU it is
@@ -43,10 +47,12 @@ import torch
 import torch.distributed as dist
 
 from replayrl.actors.errors import VersionRegression
+from replayrl.rollout.model.adapters import LORA_A_SUFFIX, LORA_B_SUFFIX
 from replayrl.rollout.model.checkpoint import load_state_arrays, save_pretrained
 from replayrl.rollout.model.families.base import FamilyConfig, FamilyModel
 from replayrl.rollout.model.loader import check_weight_files, load_pretrained, read_hf_config
 from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
+from replayrl.trainer import lora
 from replayrl.trainer.backends.checkpoint_layout import CheckpointLayout, check_layout, refuse_other_backend
 from replayrl.trainer.backends.torch_backend import TorchBackend, _check_weights_fit
 from replayrl.trainer.batch import TrainBatch
@@ -90,6 +96,14 @@ class FSDPBackend(TorchBackend):
         self.model, self._model_config = load_pretrained(checkpoint_dir, dtype=torch.float32)
         self.model.to(self.device)
         self.model.train()
+        if config.lora_rank:  # trainer/lora.py: adapters added before sharding, only they train
+            self.lora_config = lora.add_adapters(self.model, config.lora_rank, config.lora_alpha,
+                                                 lora.target_modules(config.lora_target_modules),
+                                                 config.seed)
+            self._adapted = lora.adapted_weights(self.model)
+            # the experts are adapted inside each MoE block's forward, on the gathered weights
+            lora.hook_experts(self.model)
+            self.experts_hooked = True
         bf16 = self.device.type == "cuda" and torch.cuda.is_bf16_supported()
         # fp32 master weights (the sharded parameters the optimizer updates), bf16 compute
         # where the device has it, gradients reduced in fp32; on CPU everything is fp32
@@ -137,14 +151,32 @@ class FSDPBackend(TorchBackend):
     # -- weights out (collectives) -----------------------------------------------------------
     def weights(self) -> dict[str, np.ndarray]:
         """See :meth:`TrainerBackend.weights`: every tensor all-gathered from the shards (a
-        collective of every rank), float32 numpy arrays under HF names."""
-        out = {}
+        collective of every rank), float32 numpy arrays under HF names; under LoRA the merged
+        policy (base + ``scaling * B @ A``, as :func:`replayrl.trainer.lora.merged_state`)."""
+        state = self._gathered()
+        if self.lora_config:
+            state, factors = lora.split_state(state, self._adapted)
+            with torch.no_grad():
+                for name in self._adapted:
+                    state[name] = state[name] + factors[name + LORA_B_SUFFIX] @ factors[name + LORA_A_SUFFIX]
+        return _arrays(state)
+
+    def push_arrays(self, full: bool = True) -> dict[str, np.ndarray]:
+        """See :meth:`TrainerBackend.push_arrays`: :meth:`weights`, or under LoRA the adapter
+        factors gathered from the shards (float32 ``N.lora_A`` [r, in], ``N.lora_B`` [out, r]
+        times the scaling), after the base weights when ``full``: the torch backend's LoRA
+        bundle (:func:`replayrl.trainer.lora.adapter_arrays`), merged by the engine. A collective."""
+        if not self.lora_config:
+            return self.weights()
+        base, factors = lora.split_state(self._gathered(), self._adapted)
+        return _arrays({**base, **factors} if full else factors)
+
+    def _gathered(self) -> dict[str, torch.Tensor]:
+        """Every state-dict tensor all-gathered from the shards (a collective), float32 CPU
+        copies under the model's own names (peft's under LoRA)."""
         with torch.no_grad():
-            for name, t in self.model.state_dict().items():
-                a = _full(t).detach().to(device="cpu", dtype=torch.float32, copy=True).numpy()
-                a.setflags(write=False)
-                out[name] = a
-        return out
+            return {name: _full(t).detach().to(device="cpu", dtype=torch.float32, copy=True)
+                    for name, t in self.model.state_dict().items()}
 
     def weight_bundle(self) -> dict:
         """See :meth:`TrainerBackend.weight_bundle` (:meth:`weights` packed; a collective)."""
@@ -152,20 +184,23 @@ class FSDPBackend(TorchBackend):
 
         return pack_arrays(self.weights())
 
-    def _hf_model(self) -> Qwen3MoeForCausalLM | FamilyModel:
-        """An unsharded CPU copy of the policy (a collective; its copy matters on rank 0)."""
+    def _hf_model(self, arrays: dict[str, np.ndarray] | None = None) -> Qwen3MoeForCausalLM | FamilyModel:
+        """An unsharded CPU copy of the policy, or the plain model of ``arrays`` (HF names), (a
+        collective without ``arrays``; its copy matters on rank 0)."""
         if isinstance(self._model_config, FamilyConfig):
             with torch.random.fork_rng(devices=[]):  # transformers' init draws random weights
                 model = FamilyModel.from_config(self._model_config, torch.float32)
         else:
             model = Qwen3MoeForCausalLM.empty(self._model_config, torch.float32)
-        load_state_arrays(model, self.weights())
+        load_state_arrays(model, self.weights() if arrays is None else arrays)
         return model
 
-    def save_hf(self, directory: Path) -> None:
+    def save_hf(self, directory: Path, arrays: dict[str, np.ndarray] | None = None) -> None:
         """See :meth:`TrainerBackend.save_hf`: the weights gathered on every rank (a
-        collective), written by rank 0 (fp32, the run's tokenizer)."""
-        model = self._hf_model()
+        collective), written by rank 0 (fp32, the run's tokenizer); under LoRA the merged
+        policy. ``arrays``: write these weights (HF names) instead (no collective but the
+        closing barrier)."""
+        model = self._hf_model(arrays)
         if dist.get_rank() == 0:
             if self.vocab_tokens:
                 save_pretrained(model, directory, tokens=self.vocab_tokens)
@@ -177,9 +212,19 @@ class FSDPBackend(TorchBackend):
         """``directory/model`` (HF format, rank 0) and, per rank,
         ``directory/fsdp_state.rank<r>.pt``: this rank's AdamW state (its shards' moments as
         plain tensors), ``version``, its torch RNG state and the ``layout`` (``dp`` = the
-        ranks: the shards fit no other). A collective."""
+        ranks: the shards fit no other). A collective. Under LoRA, as the torch backend:
+        ``model`` is the base and ``directory/adapter`` peft's adapter files (rank 0), the
+        optimizer state the adapters'."""
         directory = Path(directory)
-        self.save_hf(directory / "model")
+        if self.lora_config:
+            state = self._gathered()
+            base, _ = lora.split_state(state, self._adapted)
+            if dist.get_rank() == 0:
+                lora.save_adapters(self.model, self.lora_config, directory / lora.ADAPTER_DIR,
+                                   "../model", state=state)
+            self.save_hf(directory / "model", _arrays(base))
+        else:
+            self.save_hf(directory / "model")
         state = self.optimizer.state_dict()
         state["state"] = {i: {k: _local(v) for k, v in s.items()}
                           for i, s in state["state"].items()}
@@ -201,6 +246,8 @@ class FSDPBackend(TorchBackend):
         refuse_other_backend(directory, "fsdp")
         read_hf_config(directory / "model")
         check_weight_files(directory / "model")
+        if config.lora_rank:  # the adapters must load into this run's LoRA policy
+            _read_model(directory, config)
         paths = sorted(directory.glob(STATE_FILE.format(rank="*")))
         if not paths:
             raise ValueError(f"{directory}: no {STATE_FILE.format(rank='<r>')} (an fsdp checkpoint)")
@@ -245,9 +292,7 @@ class FSDPBackend(TorchBackend):
         if version < min_version:
             raise VersionRegression(f"checkpoint {directory} is at version {version}, behind the "
                                     f"trainer's {min_version}; versions never move backwards")
-        with torch.random.fork_rng(devices=[]):
-            full, _ = load_pretrained(directory / "model", dtype=torch.float32)
-        weights, current = full.state_dict(), self.model.state_dict()
+        weights, current = _read_model(directory, self.config).state_dict(), self.model.state_dict()
         _check_weights_fit(directory, weights, current)
         optimizer_state = state["optimizer"]
         # the saved shards as DTensors laid out as the parameters (an index past them is
@@ -286,6 +331,33 @@ class FSDPBackend(TorchBackend):
             for key in ("exp_avg", "exp_avg_sq"):
                 arrays[f"opt/{i}/{key}"] = _local(st[key]).cpu().numpy()
         return {k: np.ascontiguousarray(v).tobytes() for k, v in arrays.items()}
+
+
+def _read_model(directory: Path, config: TrainerConfig) -> torch.nn.Module:
+    """The policy of a checkpoint's ``model`` (CPU, fp32), under ``config``'s LoRA with the
+    adapters of ``directory/adapter`` (:func:`replayrl.trainer.lora.load_into`); the global RNG
+    is left as it was.
+
+    Raises:
+        replayrl.rollout.model.CheckpointError: unreadable model files. ValueError: adapters
+            that do not fit this run's ``--lora-*`` settings.
+    """
+    with torch.random.fork_rng(devices=[]):  # building the model draws initial weights
+        model, _ = load_pretrained(directory / "model", dtype=torch.float32)
+        if config.lora_rank:
+            lora.load_into(model, directory / lora.ADAPTER_DIR, config.lora_rank, config.lora_alpha,
+                           lora.target_modules(config.lora_target_modules), config.seed)
+    return model
+
+
+def _arrays(state: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    """CPU float32 tensors -> read-only numpy arrays (no copy)."""
+    out = {}
+    for name, t in state.items():
+        a = t.numpy()
+        a.setflags(write=False)
+        out[name] = a
+    return out
 
 
 def _decoder_layers(model: Qwen3MoeForCausalLM | FamilyModel) -> torch.nn.ModuleList:

@@ -30,6 +30,7 @@ from replayrl.actors.errors import VersionRegression
 from replayrl.rollout.model.checkpoint import save_pretrained, state_dict_arrays
 from replayrl.rollout.model.config import ModelConfig
 from replayrl.rollout.model.errors import CheckpointError
+from replayrl.rollout.model.families.base import FamilyConfig, FamilyModel
 from replayrl.rollout.model.loader import load_pretrained
 from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
 from replayrl.trainer import lora
@@ -37,7 +38,6 @@ from replayrl.trainer.backends.base import ReplayedForward, TrainerBackend
 from replayrl.trainer.backends.checkpoint_layout import refuse_other_backend
 from replayrl.trainer.batch import TrainBatch
 from replayrl.trainer.config import TrainerConfig
-from replayrl.trainer.errors import TrainerConfigError
 from replayrl.trainer.logprobs import full_vocab_logprobs, fused_support_logprobs, support_entropy, support_logprobs
 from replayrl.trainer.prefix_tree import PrefixTree
 from replayrl.transport.array_bundle import bundle_of_buffer, pack_arrays
@@ -205,6 +205,10 @@ class TorchBackend(TrainerBackend):
     lora_config = None
     """The ``peft.LoraConfig`` of a LoRA run (``--lora-rank``, :mod:`replayrl.trainer.lora`),
     else None (also for a subclass that does not call this ``__init__``)."""
+    experts_hooked = False
+    """Whether the policy's MoE blocks adapt their experts themselves
+    (:func:`replayrl.trainer.lora.hook_experts`, the fsdp backend); else every forward runs
+    under :func:`replayrl.trainer.lora.experts_adapted`."""
 
     def __init__(self, checkpoint_dir: str, config: TrainerConfig,
                  vocab_tokens: Sequence[str]) -> None:
@@ -214,9 +218,6 @@ class TorchBackend(TrainerBackend):
         self.model, self._model_config = load_pretrained(checkpoint_dir, dtype=torch.float32)
         self.model.train()
         if config.lora_rank:  # trainer/lora.py: only the adapters train
-            if not isinstance(self.model, Qwen3MoeForCausalLM):
-                raise TrainerConfigError(f"--lora-rank: {checkpoint_dir} is a family checkpoint "
-                                         f"(transformers' model); LoRA adapts the embedded Qwen3-MoE")
             self.lora_config = lora.add_adapters(self.model, config.lora_rank, config.lora_alpha,
                                                  lora.target_modules(config.lora_target_modules),
                                                  config.seed)
@@ -253,7 +254,8 @@ class TorchBackend(TrainerBackend):
         kwargs = dict(capture=capture, replay_routing=cfg.use_routing_replay,
                       replay_indexer=cfg.use_indexer_replay, chunk_size=cfg.logprobs_chunk_size,
                       entropy_out=entropy_out)
-        with lora.experts_adapted(self.model) if self.lora_config else contextlib.nullcontext():
+        adapted = self.lora_config and not self.experts_hooked
+        with lora.experts_adapted(self.model) if adapted else contextlib.nullcontext():
             if train and self.ddp is not None:
                 return self.ddp(batch, cfg.temperature, **kwargs)
             return response_logprobs(self.model, batch, cfg.temperature, **kwargs)
@@ -351,7 +353,11 @@ class TorchBackend(TrainerBackend):
         """Write the policy, or the plain model of ``state`` (HF names), as an HF checkpoint."""
         model = self.model
         if state is not None:  # a LoRA policy: a plain model of these weights (a copy)
-            model = Qwen3MoeForCausalLM.empty(self._model_config, torch.float32)
+            if isinstance(self._model_config, FamilyConfig):
+                with torch.random.fork_rng(devices=[]):  # transformers' init draws random weights
+                    model = FamilyModel.from_config(self._model_config, torch.float32)
+            else:
+                model = Qwen3MoeForCausalLM.empty(self._model_config, torch.float32)
             model.load_state_dict(state)
         if self.vocab_tokens:
             save_pretrained(model, directory, tokens=self.vocab_tokens)

@@ -269,8 +269,6 @@ def test_routing_and_indexer_replay_are_unchanged_under_lora(tmp_path):
 def test_what_cannot_run_is_refused_before_start():
     with pytest.raises(TrainerConfigError, match="--train-backend torch"):
         TrainerConfig(lora_rank=8, train_backend="megatron")
-    with pytest.raises(TrainerConfigError, match="--train-backend torch"):
-        TrainerConfig(lora_rank=8, train_backend="fsdp")
     with pytest.raises(TrainerConfigError, match="'mlp'"):
         TrainerConfig(lora_rank=8, lora_target_modules="q_proj,mlp")
     with pytest.raises(ConfigError, match="--rollout-engine vllm"):

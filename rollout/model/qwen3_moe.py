@@ -27,7 +27,7 @@ from torch import nn
 
 from replayrl.rollout.model.config import ModelConfig
 from replayrl.rollout.model.errors import ModelInputError
-from replayrl.rollout.model.indexer import Indexer, resolve_replay, select_topk, slots_to_mask
+from replayrl.rollout.model.indexer import Indexer, gathered_attention, resolve_replay, select_topk, slots_to_mask
 from replayrl.rollout.model.kv_cache import KVCache, append_along
 from replayrl.rollout.model.rope import rope_frequencies
 
@@ -100,6 +100,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
+# An indexed layer attends over gathered keys (rollout/model/indexer.py gathered_attention) once a
+# row has at least this many key slots per kept key; below, the masked dense kernel is cheaper
+# (fewer ops) and is what the engine and trainer ran before on short rows, digit for digit.
+GATHER_MIN_KEYS_PER_PICK = 4
+
+
 @dataclass(frozen=True)
 class _Masks:
     """Attention masks of one forward, bool `[B, S, T]` with T = S_past + S key slots."""
@@ -108,6 +114,7 @@ class _Masks:
     dense: torch.Tensor        # allowed, plus each query's own slot so padding rows stay finite
     candidates: torch.Tensor   # indexer candidates: allowed and the query itself is not padding
     own_slot: torch.Tensor     # each query's own slot
+    own_slot_index: torch.Tensor  # int64 [S]: the slot of each query, S_past + i
 
 
 class Qwen3MoeAttention(nn.Module):
@@ -147,17 +154,23 @@ class Qwen3MoeAttention(nn.Module):
         slots = own = None
         mask = masks.dense
         if self.indexer is not None:
+            mask = None
             with torch.no_grad():
                 own = select_topk(self.indexer.scores(x, ik), masks.candidates, self.indexer.topk)
             slots = resolve_replay(own, index_replay, masks.allowed, self.layer_idx)
-            mask = slots_to_mask(slots, k.shape[2])
-            # A query without any key (a padding query) attends to itself only: finite, unused.
-            mask = mask | (masks.own_slot & ~mask.any(-1, keepdim=True))
+            if k.shape[2] < GATHER_MIN_KEYS_PER_PICK * self.indexer.topk:
+                mask = slots_to_mask(slots, k.shape[2])
+                # A query without any key (a padding query) attends to itself only: finite, unused.
+                mask = mask | (masks.own_slot & ~mask.any(-1, keepdim=True))
 
-        # enable_gqa: each KV head serves n_heads / n_kv_heads query heads without the
-        # repeat_interleave copies of k and v HF makes (same values)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None],
-                                             scale=self.head_dim ** -0.5, enable_gqa=True)
+        if self.indexer is not None and mask is None:
+            # long rows: only the index_topk kept keys of each query, gathered (O(S k), not O(S T))
+            out = gathered_attention(q, k, v, slots, masks.own_slot_index, self.head_dim ** -0.5)
+        else:
+            # enable_gqa: each KV head serves n_heads / n_kv_heads query heads without the
+            # repeat_interleave copies of k and v HF makes (same values)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None],
+                                                 scale=self.head_dim ** -0.5, enable_gqa=True)
         out = out.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim)
         return self.o_proj(out), (k, v, ik), slots, own
 
@@ -426,7 +439,8 @@ class Qwen3MoeForCausalLM(nn.Module):
                                  | (segment_ids[:, None, :] == -1))
         query_real = key_padding_mask[:, s_past:, None]
         masks = _Masks(allowed=allowed, dense=allowed | own_slot,
-                       candidates=allowed & query_real, own_slot=own_slot)
+                       candidates=allowed & query_real, own_slot=own_slot,
+                       own_slot_index=q_slot)
 
         h = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(position_ids, cfg, h.dtype)

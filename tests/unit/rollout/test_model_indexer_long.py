@@ -95,3 +95,55 @@ def test_topk_selection_ranks_by_score_then_the_later_slot():
             ranked = sorted((j for j in range(12) if candidates[bi, i, j]),
                             key=lambda j: (-float(scores[bi, i, j]), -j))[:8]
             assert got[bi, i].tolist() == ranked + [-1] * (8 - len(ranked))
+
+
+def test_packed_tree_rows_forwarded_per_block_equal_each_branch_alone():
+    # a prefix-tree row (trainer/prefix_tree.py) long enough for the per-block path
+    # (BLOCK_MIN_SLOTS): trunk of P slots (segment -1), n branches of L slots after it; each
+    # branch forwarded alone after the trunk is the reference (no segments, no blocks)
+    from replayrl.rollout.model.qwen3_moe import BLOCK_MIN_SLOTS, _key_blocks
+
+    model = _model(default_config(V), seed=13)
+    P, L, n = 40, 64, 4
+    assert P + n * L >= BLOCK_MIN_SLOTS
+    g = torch.Generator().manual_seed(7)
+    trunk, branches = torch.randint(0, V, (P,), generator=g), torch.randint(0, V, (n, L), generator=g)
+    ids = torch.cat([trunk, branches.reshape(-1)])[None]
+    pos = torch.cat([torch.arange(P), (P + torch.arange(L)).repeat(n)])[None]
+    seg = torch.cat([torch.full((P,), -1), torch.arange(n).repeat_interleave(L)])[None]
+    real = torch.ones_like(ids, dtype=torch.bool)
+    real[0, -5:] = False  # the last branch is shorter: padding at the row's end
+    seen = torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool).tril() & (
+        (seg[:, :, None] == seg[:, None, :]) | (seg[:, None, :] == -1))
+    blocks = _key_blocks(seg, seen)
+    assert blocks is not None and len(blocks) == n  # trunk + branch 0, then one per branch
+    model.zero_grad(set_to_none=True)
+    out = model(ids, pos, key_padding_mask=real, segment_ids=seg, capture=True)
+    (out.logits * real[..., None]).sum().backward()
+    got_grad = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    for j in range(n):
+        ids_j = torch.cat([trunk, branches[j]])[None]
+        real_j = torch.ones_like(ids_j, dtype=torch.bool)
+        if j == n - 1:
+            real_j[0, -5:] = False
+        ref = model(ids_j, torch.arange(P + L)[None], key_padding_mask=real_j, capture=True)
+        (ref.logits * real_j[..., None]).sum().backward()
+        span = slice(P + j * L, P + (j + 1) * L)
+        keep = real_j[0, P:]
+        torch.testing.assert_close(out.logits[0, span][keep], ref.logits[0, P:][keep], atol=2e-5, rtol=0)
+        slots = out.own_indexer_topk[0, span][keep].long()
+        mapped = torch.where(slots >= P, slots - j * L, slots)  # tree slot -> the branch's own slot
+        assert torch.equal(mapped, ref.own_indexer_topk[0, P:][keep].long())
+        assert torch.equal(out.routed_experts[0, span][keep], ref.routed_experts[0, P:][keep])
+        if j == 0:
+            torch.testing.assert_close(out.logits[0, :P], ref.logits[0, :P], atol=2e-5, rtol=0)
+            assert torch.equal(out.own_indexer_topk[0, :P], ref.own_indexer_topk[0, :P])
+    # the trunk's logits count once in the tree and once per branch alone: taking (n - 1)
+    # trunk-alone passes off the accumulated per-branch gradients leaves the tree's
+    model(trunk[None], torch.arange(P)[None]).logits.sum().mul(-(n - 1)).backward()
+    for name, p in model.named_parameters():
+        if name in got_grad:
+            scale = float(got_grad[name].abs().max())
+            torch.testing.assert_close(got_grad[name], p.grad, atol=2e-5 * scale, rtol=0)
+    model.zero_grad(set_to_none=True)

@@ -100,9 +100,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
-# An indexed layer attends over gathered keys (rollout/model/indexer.py gathered_attention) once a
-# row has at least this many key slots per kept key; below, the masked dense kernel is cheaper
-# (fewer ops) and is what the engine and trainer ran before on short rows, digit for digit.
+# Without a KV cache (the trainer's forwards), an indexed layer attends over gathered keys
+# (rollout/model/indexer.py gathered_attention) once a row has at least this many key slots per
+# kept key; below, the masked dense kernel is cheaper (fewer ops) and is what ran before, digit for
+# digit. The engine (a KV cache) keeps the masked kernel, so its samples are unchanged.
 GATHER_MIN_KEYS_PER_PICK = 4
 
 
@@ -145,6 +146,7 @@ class _Masks:
     own_slot: torch.Tensor     # each query's own slot
     own_slot_index: torch.Tensor  # int64 [S]: the slot of each query, S_past + i
     blocks: tuple | None = None  # ((start, end, key slots int64 [T_j]), ...) or None, `_key_blocks`
+    gather: bool = False  # indexed layers may attend over gathered keys (no KV cache: the trainer)
 
 
 class Qwen3MoeAttention(nn.Module):
@@ -188,7 +190,7 @@ class Qwen3MoeAttention(nn.Module):
             with torch.no_grad():
                 own = self._own_picks(x, ik, masks)
             slots = resolve_replay(own, index_replay, masks.allowed, self.layer_idx)
-            if k.shape[2] < GATHER_MIN_KEYS_PER_PICK * self.indexer.topk:
+            if not masks.gather or k.shape[2] < GATHER_MIN_KEYS_PER_PICK * self.indexer.topk:
                 mask = slots_to_mask(slots, k.shape[2])
                 # A query without any key (a padding query) attends to itself only: finite, unused.
                 mask = mask | (masks.own_slot & ~mask.any(-1, keepdim=True))
@@ -492,7 +494,8 @@ class Qwen3MoeForCausalLM(nn.Module):
         dense = allowed | own_slot
         masks = _Masks(allowed=allowed, dense=dense, candidates=allowed & query_real,
                        own_slot=own_slot, own_slot_index=q_slot,
-                       blocks=_key_blocks(segment_ids, dense) if segment_ids is not None else None)
+                       blocks=_key_blocks(segment_ids, dense) if segment_ids is not None else None,
+                       gather=kv_cache is None)
 
         h = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(position_ids, cfg, h.dtype)

@@ -68,16 +68,32 @@ def select_topk(scores: torch.Tensor, candidates: torch.Tensor, k: int) -> torch
     `scores`: float `[B, S, T]`; `candidates`: bool `[B, S, T]` (causal and not padding).
     A row lists its picks by decreasing score, ties to the larger slot (more recent key); a query
     with fewer than `k` candidates lists all of them and fills the rest with -1.
+
+    One `torch.topk` over a unique int64 key per (query, slot), `_ranking_keys`, instead of a
+    full sort over every key: the same picks in the same order (a stable descending sort of the
+    reversed key axis, which this replaced), without sorting the T - k keys nobody keeps.
     """
     b, s, t = scores.shape
-    masked = scores.masked_fill(~candidates, float("-inf"))
-    # Stable descending sort over the reversed key axis puts the later slot first among equals.
-    order = torch.sort(masked.flip(-1), dim=-1, descending=True, stable=True).indices[..., :k]
-    slots = (t - 1) - order
+    masked = scores.float().masked_fill(~candidates, float("-inf"))
+    slots = torch.topk(_ranking_keys(masked), min(k, t), dim=-1).indices
     slots = torch.where(candidates.gather(-1, slots), slots, torch.full_like(slots, -1))
     if t < k:
         slots = torch.cat([slots, slots.new_full((b, s, k - t), -1)], dim=-1)
     return slots
+
+
+def _ranking_keys(scores: torch.Tensor) -> torch.Tensor:
+    """int64 `[..., T]`, ordered as (score, slot) lexicographically, of float32 `scores` `[..., T]`.
+
+    The float32 bit pattern read as int32 orders non-negative floats; flipping the magnitude bits
+    of the negative ones orders those too (IEEE 754 total order, -inf lowest). Adding 0.0 first
+    turns -0.0 into +0.0, which the sort counted as equal. Times T plus the slot: equal scores
+    order by slot, so the larger slot ranks higher, as the tie rule says. No NaN may occur.
+    """
+    t = scores.shape[-1]
+    bits = (scores + 0.0).view(torch.int32)
+    order = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()
+    return order * t + torch.arange(t, device=scores.device)
 
 
 def slots_to_mask(slots: torch.Tensor, num_keys: int) -> torch.Tensor:
@@ -110,3 +126,41 @@ def resolve_replay(own: torch.Tensor, replay: torch.Tensor | None, allowed: torc
             f"row {b}, query {i}: {replay[b, i].tolist()}")
     use_own = ~picked.any(-1, keepdim=True)
     return torch.where(use_own, own, replay)
+
+
+def gathered_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+                       own_slot: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of each query over only its indexer-kept keys, gathered instead of masked.
+
+    q `[B, H, S, D]`, k and v `[B, H_kv, T, D]` (H a multiple of H_kv: grouped-query
+    attention), slots int64 `[B, S, k]` key slots in [0, T) or -1 (none), own_slot int64
+    `[S]` each query's own slot. Returns `[B, H, S, D]` in q's dtype: softmax(scale q.k) over
+    the distinct kept slots of the query (its own slot alone when it keeps none, as the masked
+    path attends a padding query to itself), weighted sum of their values; scores and softmax
+    in float32. The same function as `scaled_dot_product_attention` with the boolean mask of
+    `slots_to_mask` (up to float rounding: sums in another order), in O(S k) instead of O(S T)
+    work and memory.
+    """
+    b, h, s, d = q.shape
+    h_kv, t = k.shape[1], k.shape[2]
+    kept = slots >= 0
+    # a slot listed twice counts once, as in the mask
+    repeat = ((slots[..., :, None] == slots[..., None, :]) & kept[..., None, :]).triu(1).any(-2)
+    kept = kept & ~repeat
+    none = ~kept.any(-1, keepdim=True)
+    first = torch.zeros_like(kept)
+    first[..., 0] = True
+    slots = torch.where(none & first, own_slot[None, :, None].expand_as(slots), slots)
+    kept = kept | (none & first)
+    # flat row of key (batch, kv head, slot) in k.reshape(B * H_kv * T, D)
+    base = (torch.arange(b, device=q.device)[:, None] * h_kv + torch.arange(h_kv, device=q.device)) * t
+    flat = (base[:, :, None, None] + slots.clamp_min(0)[:, None]).reshape(-1)
+    k_sel = k.reshape(-1, d).index_select(0, flat).view(b, h_kv, s, -1, d)
+    v_sel = v.reshape(-1, d).index_select(0, flat).view(b, h_kv, s, -1, d)
+    qg = q.view(b, h_kv, h // h_kv, s, d)
+    logits = torch.einsum("bhgsd,bhskd->bhgsk", qg.float(), k_sel.float()) * scale
+    logits = logits.masked_fill(~kept[:, None, None], float("-inf"))
+    weights = torch.softmax(logits, dim=-1)
+    out = torch.einsum("bhgsk,bhskd->bhgsd", weights, v_sel.float())
+    return out.reshape(b, h, s, d).to(q.dtype)
+

@@ -27,7 +27,7 @@ from torch import nn
 
 from replayrl.rollout.model.config import ModelConfig
 from replayrl.rollout.model.errors import ModelInputError
-from replayrl.rollout.model.indexer import Indexer, resolve_replay, select_topk, slots_to_mask
+from replayrl.rollout.model.indexer import Indexer, gathered_attention, resolve_replay, select_topk, slots_to_mask
 from replayrl.rollout.model.kv_cache import KVCache, append_along
 from replayrl.rollout.model.rope import rope_frequencies
 
@@ -100,6 +100,42 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
+# Without a KV cache (the trainer's forwards), an indexed layer attends over gathered keys
+# (rollout/model/indexer.py gathered_attention) once a row has at least this many key slots per
+# kept key; below, the masked dense kernel is cheaper (fewer ops) and is what ran before, digit for
+# digit. The engine (a KV cache) keeps the masked kernel, so its samples are unchanged.
+GATHER_MIN_KEYS_PER_PICK = 4
+
+
+# Packed rows (segment_ids: a prefix tree or packed samples) of at least this many slots are
+# forwarded per block of queries over only the key slots the block may see (`_key_blocks`).
+BLOCK_MIN_SLOTS = 128
+
+
+def _key_blocks(segment_ids: torch.Tensor, dense: torch.Tensor) -> tuple | None:
+    """Query blocks of packed rows and the key slots each block may see, or None (not worth it).
+
+    segment_ids int `[B, S]`, dense bool `[B, S, S]` (every key a query may attend to). Blocks
+    end where a segment ends in any row, merged up to `BLOCK_MIN_SLOTS // 2` queries each; a
+    block's key slots are those some query of it sees (sorted ascending), so attention and the
+    indexer's scores over them are those over all T slots with the never-seen ones left out.
+    None when the blocks would still cover more than half of the `[S, T]` pairs.
+    """
+    s = segment_ids.shape[1]
+    if s < BLOCK_MIN_SLOTS:
+        return None
+    ends = ((segment_ids[:, 1:] != segment_ids[:, :-1]).any(0).nonzero().flatten() + 1).tolist() + [s]
+    blocks, start, seen = [], 0, dense.any(0)
+    for end in ends:
+        if end - start < BLOCK_MIN_SLOTS // 2 and end < s:
+            continue
+        blocks.append((start, end, seen[start:end].any(0).nonzero().flatten()))
+        start = end
+    if sum((e - b) * len(cols) for b, e, cols in blocks) * 2 > s * s:
+        return None
+    return tuple(blocks)
+
+
 @dataclass(frozen=True)
 class _Masks:
     """Attention masks of one forward, bool `[B, S, T]` with T = S_past + S key slots."""
@@ -108,6 +144,9 @@ class _Masks:
     dense: torch.Tensor        # allowed, plus each query's own slot so padding rows stay finite
     candidates: torch.Tensor   # indexer candidates: allowed and the query itself is not padding
     own_slot: torch.Tensor     # each query's own slot
+    own_slot_index: torch.Tensor  # int64 [S]: the slot of each query, S_past + i
+    blocks: tuple | None = None  # ((start, end, key slots int64 [T_j]), ...) or None, `_key_blocks`
+    gather: bool = False  # indexed layers may attend over gathered keys (no KV cache: the trainer)
 
 
 class Qwen3MoeAttention(nn.Module):
@@ -147,19 +186,46 @@ class Qwen3MoeAttention(nn.Module):
         slots = own = None
         mask = masks.dense
         if self.indexer is not None:
+            mask = None
             with torch.no_grad():
-                own = select_topk(self.indexer.scores(x, ik), masks.candidates, self.indexer.topk)
+                own = self._own_picks(x, ik, masks)
             slots = resolve_replay(own, index_replay, masks.allowed, self.layer_idx)
-            mask = slots_to_mask(slots, k.shape[2])
-            # A query without any key (a padding query) attends to itself only: finite, unused.
-            mask = mask | (masks.own_slot & ~mask.any(-1, keepdim=True))
+            if not masks.gather or k.shape[2] < GATHER_MIN_KEYS_PER_PICK * self.indexer.topk:
+                mask = slots_to_mask(slots, k.shape[2])
+                # A query without any key (a padding query) attends to itself only: finite, unused.
+                mask = mask | (masks.own_slot & ~mask.any(-1, keepdim=True))
 
-        # enable_gqa: each KV head serves n_heads / n_kv_heads query heads without the
-        # repeat_interleave copies of k and v HF makes (same values)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None],
-                                             scale=self.head_dim ** -0.5, enable_gqa=True)
+        if self.indexer is not None and mask is None:
+            # long rows: only the index_topk kept keys of each query, gathered (O(S k), not O(S T))
+            out = gathered_attention(q, k, v, slots, masks.own_slot_index, self.head_dim ** -0.5)
+        elif masks.blocks is not None:
+            # packed rows: each query block over the key slots it may see only
+            out = torch.cat([self._attend(q[:, :, i0:i1], k.index_select(2, cols), v.index_select(2, cols),
+                                          mask[:, i0:i1][:, :, cols]) for i0, i1, cols in masks.blocks], dim=2)
+        else:
+            out = self._attend(q, k, v, mask)
         out = out.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim)
         return self.o_proj(out), (k, v, ik), slots, own
+
+    def _attend(self, q, k, v, mask):
+        """Masked attention: q `[B, H, S, D]`, k / v `[B, H_kv, T, D]`, mask bool `[B, S, T]`."""
+        # enable_gqa: each KV head serves n_heads / n_kv_heads query heads without the
+        # repeat_interleave copies of k and v HF makes (same values)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None],
+                                              scale=self.head_dim ** -0.5, enable_gqa=True)
+
+    def _own_picks(self, x, ik, masks: _Masks) -> torch.Tensor:
+        """The indexer's top-k key slots int64 `[B, S, index_topk]` (`select_topk`), on packed
+        rows scored per query block against the key slots the block may see only (a block's
+        slots ascend, so the tie rule, the later slot first, is unchanged)."""
+        if masks.blocks is None:
+            return select_topk(self.indexer.scores(x, ik), masks.candidates, self.indexer.topk)
+        picks = []
+        for i0, i1, cols in masks.blocks:
+            local = select_topk(self.indexer.scores(x[:, i0:i1], ik.index_select(1, cols)),
+                                masks.candidates[:, i0:i1][:, :, cols], self.indexer.topk)
+            picks.append(torch.where(local >= 0, cols[local.clamp_min(0)], local))
+        return torch.cat(picks, dim=1)
 
 
 class Qwen3MoeMLP(nn.Module):
@@ -425,8 +491,11 @@ class Qwen3MoeForCausalLM(nn.Module):
             allowed = allowed & ((segment_ids[:, :, None] == segment_ids[:, None, :])
                                  | (segment_ids[:, None, :] == -1))
         query_real = key_padding_mask[:, s_past:, None]
-        masks = _Masks(allowed=allowed, dense=allowed | own_slot,
-                       candidates=allowed & query_real, own_slot=own_slot)
+        dense = allowed | own_slot
+        masks = _Masks(allowed=allowed, dense=dense, candidates=allowed & query_real,
+                       own_slot=own_slot, own_slot_index=q_slot,
+                       blocks=_key_blocks(segment_ids, dense) if segment_ids is not None else None,
+                       gather=kv_cache is None)
 
         h = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(position_ids, cfg, h.dtype)

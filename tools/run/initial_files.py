@@ -5,7 +5,8 @@ Four things need torch there: checking the engine class (the embedded engine's m
 torch), resolving ``--engine-dtype auto`` (torch reads the CPU's capability), writing the
 embedded default checkpoint (the model is built and initialised by torch) and resolving which
 transformers class reads the tokenizer (``AutoTokenizer``'s import chain loads torch in
-transformers 5). :func:`initial_files` runs them in a ``spawn`` child and returns the results
+transformers 5). The launcher runs them in a ``spawn`` child (:func:`in_child` of
+:func:`replayrl.tools.run.launcher.write_initial_files`), which returns the results
 (:class:`Resolved`); the launcher and the rollout manager then read the tokenizer with that
 class, without torch (:mod:`replayrl.rollout.tokenizer_class`).
 """
@@ -14,9 +15,9 @@ from __future__ import annotations
 import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
+from typing import Any, Callable, TypeVar
 
-from replayrl.tools.run.config import RunConfig
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -37,40 +38,9 @@ class Resolved:
     tokenizer_class: str
 
 
-def write_initial_files(config: RunConfig, engine: str, checkpoint: Path | None,
-                        tokenizer: Path) -> Resolved:
-    """In this process: check the engine class ``engine`` (``"module:Class"``), resolve the
-    engine dtype, write the embedded default checkpoint to ``checkpoint`` (None: the run has
-    one, ``--hf-checkpoint``), then resolve the tokenizer class of ``tokenizer``.
-
-    Returns:
-        :class:`Resolved`; its ``tokenizer_class`` is ``"auto"`` when the directory does not load
-        here, so the launcher's own check reports the error.
-
-    Raises:
-        replayrl.tools.errors.ConfigError: as :func:`replayrl.tools.run.launcher.check_engine`.
-    """
-    from replayrl.rollout.engines.precision import resolve_dtype
-    from replayrl.rollout.tokenizer_class import AUTO, resolve_tokenizer_class
-    from replayrl.tools.run.launcher import check_engine, write_initial_checkpoint
-
-    check_engine(config, engine)
-    dtype = resolve_dtype(config.engine_dtype)
-    if checkpoint is not None:
-        write_initial_checkpoint(config, checkpoint)
-    try:
-        tokenizer_class = resolve_tokenizer_class(tokenizer)
-    except Exception:  # reported, with the flag, by check_prompt_data's load
-        tokenizer_class = AUTO
-    return Resolved(engine, dtype, tokenizer_class)
-
-
-def initial_files(config: RunConfig, engine: str, checkpoint: Path | None, tokenizer: Path) -> Resolved:
-    """:func:`write_initial_files` in a ``spawn`` child process, which exits when it returns
-    (with its torch runtime); its exceptions are raised here.
-
-    Returns:
-        as :func:`write_initial_files`.
-    """
+def in_child(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` in a ``spawn`` child process, which exits when it returns (with its torch
+    runtime); ``fn`` is a module-level function, ``args`` and the result pickle; its exceptions
+    are raised here."""
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(write_initial_files, config, engine, checkpoint, tokenizer).result()
+        return pool.submit(fn, *args).result()

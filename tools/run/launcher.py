@@ -41,10 +41,11 @@ from replayrl.rollout.sample import required_traces
 from replayrl.rollout.tasks import Task, load_environment_class, load_task_class, task_class_path, task_name
 from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
 from replayrl.rollout.tokenizer import load_tokenizer
+from replayrl.rollout.tokenizer_class import AUTO, resolve_tokenizer_class
 from replayrl.tools.errors import ConfigError
 from replayrl.tools.run.attach_card import remove_attach_card, write_attach_card
 from replayrl.tools.run.config import RunConfig
-from replayrl.tools.run.initial_files import Resolved, initial_files
+from replayrl.tools.run.initial_files import Resolved, in_child
 from replayrl.tools.run.metrics import MetricsRecorder
 from replayrl.tools.run.train_loop import checkpoint_next_step, train_loop
 from replayrl.trainer.backends import resolve_backend
@@ -131,6 +132,31 @@ def write_initial_checkpoint(config: RunConfig, directory: Path) -> Path:
     return directory
 
 
+def write_initial_files(config: RunConfig, engine: str, checkpoint: Path | None,
+                        tokenizer: Path) -> Resolved:
+    """Check the engine class ``engine`` (``"module:Class"``), resolve the engine dtype, write
+    the embedded default checkpoint to ``checkpoint`` (None: the run has one,
+    ``--hf-checkpoint``), then resolve the tokenizer class of ``tokenizer``. Imports torch: the
+    launcher runs it in a child process (:mod:`replayrl.tools.run.initial_files`).
+
+    Returns:
+        :class:`Resolved`; its ``tokenizer_class`` is ``"auto"`` when the directory does not load
+        here, so the launcher's own check reports the error.
+
+    Raises:
+        replayrl.tools.errors.ConfigError: as :func:`check_engine`.
+    """
+    check_engine(config, engine)
+    dtype = resolve_dtype(config.engine_dtype)
+    if checkpoint is not None:
+        write_initial_checkpoint(config, checkpoint)
+    try:
+        tokenizer_class = resolve_tokenizer_class(tokenizer)
+    except Exception:  # reported, with the flag, by check_prompt_data's load
+        tokenizer_class = AUTO
+    return Resolved(engine, dtype, tokenizer_class)
+
+
 def initial_checkpoint(config: RunConfig, output: Path) -> Path:
     """The checkpoint directory the run starts from: ``--hf-checkpoint``, or the embedded
     default written to ``output/checkpoint-init``. Engines and trainer read the policy from it
@@ -161,8 +187,8 @@ def _checked_initial_checkpoint(config: RunConfig, output: Path, engine: str) ->
         checkpoint = Path(config.hf_checkpoint) if config.hf_checkpoint else staged
         if config.hf_checkpoint and not config.rollout.tokenizer and not config.rollout.prompt_data:
             write_embedded_tokenizer(tokenizer_dir(config, checkpoint))
-        resolved = initial_files(config, engine, None if config.hf_checkpoint else staged,
-                                 tokenizer_dir(config, checkpoint))
+        resolved = in_child(write_initial_files, config, engine,
+                            None if config.hf_checkpoint else staged, tokenizer_dir(config, checkpoint))
         check_prompt_data(config, checkpoint, resolved.tokenizer_class)
     except BaseException:
         shutil.rmtree(staged, ignore_errors=True)

@@ -166,6 +166,20 @@ def initial_checkpoint(config: RunConfig, output: Path) -> Path:
     return write_initial_checkpoint(config, output / "checkpoint-init")
 
 
+def resolved_initial_checkpoint(config: RunConfig, output: Path) -> tuple[Path, Resolved]:
+    """:func:`initial_checkpoint` with its torch work (and the engine check, its dtype and the
+    tokenizer class: :func:`write_initial_files`) in a child process; returns the checkpoint
+    directory and what :func:`actor_specs` takes as ``resolved`` (the REPL's own run).
+
+    Raises:
+        ConfigError: as :func:`engine_path` and :func:`check_engine`.
+    """
+    checkpoint = Path(config.hf_checkpoint) if config.hf_checkpoint else output / "checkpoint-init"
+    resolved = in_child(write_initial_files, config, engine_path(config),
+                        None if config.hf_checkpoint else checkpoint, tokenizer_dir(config, checkpoint))
+    return checkpoint, resolved
+
+
 def _checked_initial_checkpoint(config: RunConfig, output: Path, engine: str) -> tuple[Path, Resolved]:
     """:func:`initial_checkpoint` and :func:`check_prompt_data` such that a configuration
     error changes nothing in ``output``: the embedded default is written to

@@ -89,6 +89,9 @@ class RolloutManager(Actor):
         task: the ``"module:Class"`` of the run's task (the launcher resolves ``--task`` in its
             own process: ``replayrl.rollout.tasks.task_class_path``); ``""`` = the one the
             config selects (``replayrl.rollout.tasks.make_task``).
+        tokenizer_class: the class that reads the tokenizer, resolved by the launcher's
+            initial-files child (``replayrl.rollout.tokenizer_class``): loads without torch;
+            None: ``AutoTokenizer`` (imports torch).
 
     Raises:
         RolloutError: no engine, ``--custom-reward`` not importable, or
@@ -101,7 +104,8 @@ class RolloutManager(Actor):
 
     def __init__(self, config: dict, engines: list[str], require_traces: list[str],
                  max_positions: int, tokenizer_dir: str, vocab_size: int,
-                 engine_failure: str = "fail", task: str = "") -> None:
+                 engine_failure: str = "fail", task: str = "",
+                 tokenizer_class: str | None = None) -> None:
         self.config = RolloutConfig(**config)
         if not engines:
             raise RolloutError("RolloutManager needs at least one engine")
@@ -127,7 +131,8 @@ class RolloutManager(Actor):
         cfg = self.config
         self.tokenizer = load_tokenizer(tokenizer_dir, apply_chat_template=cfg.apply_chat_template,
                                         chat_template_kwargs=json.loads(cfg.apply_chat_template_kwargs),
-                                        tools=self.env_class.tools if self.env_class else ())
+                                        tools=self.env_class.tools if self.env_class else (),
+                                        tokenizer_class=tokenizer_class)
         if cfg.rm_type == "math" and not cfg.custom_reward:
             load_math_verify()  # a missing extra fails at start, not at the first reward
         self.reward_guard = RewardGuard(cfg.reward_timeout_s, cfg.reward_failure)

@@ -1,6 +1,7 @@
 """The run's tokenizer and chat template, read from a Hugging Face checkpoint directory.
 
-Everything goes through transformers' own tokenizer classes (``AutoTokenizer``): the directory's
+Everything goes through transformers' own tokenizer classes (``AutoTokenizer``, or the class it
+resolves to: :mod:`replayrl.rollout.tokenizer_class`): the directory's
 ``tokenizer.json`` / ``tokenizer_config.json`` (and ``chat_template.jinja`` when present) give
 the vocabulary and the chat template, ``generation_config.json`` the ids that end a response.
 replayrl never re-implements a tokenizer or a template.
@@ -21,6 +22,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from replayrl.rollout.errors import ChatTemplateError, TokenizerError
+from replayrl.rollout.tokenizer_class import load_tokenizer_object
 
 __all__ = [ "PromptTokenizer", "load_tokenizer"]
 
@@ -307,8 +309,10 @@ def _stop_ids(directory: Path, tokenizer: Any) -> tuple[int, ...]:
 
 def load_tokenizer(directory: str | Path, *, apply_chat_template: bool = False,
                    chat_template_kwargs: Mapping[str, Any] | None = None,
-                   tools: Sequence[Mapping[str, Any]] = ()) -> PromptTokenizer:
-    """Read the tokenizer of a Hugging Face checkpoint directory with ``AutoTokenizer``.
+                   tools: Sequence[Mapping[str, Any]] = (),
+                   tokenizer_class: str | None = None) -> PromptTokenizer:
+    """Read the tokenizer of a Hugging Face checkpoint directory with ``AutoTokenizer``, or with
+    the class it resolves to (``tokenizer_class``), which loads without torch.
 
     Args:
         directory: holds ``tokenizer.json`` / ``tokenizer_config.json`` (and optionally
@@ -317,6 +321,10 @@ def load_tokenizer(directory: str | Path, *, apply_chat_template: bool = False,
         chat_template_kwargs: extra ``apply_chat_template`` arguments
             (``--apply-chat-template-kwargs``).
         tools: the tool schema prompts are rendered with (the ``--env`` environment's).
+        tokenizer_class: ``"module:QualName"`` from
+            :func:`replayrl.rollout.tokenizer_class.resolve_tokenizer_class` (the same
+            tokenizer as ``AutoTokenizer``'s, without importing torch); None or ``"auto"``:
+            ``AutoTokenizer``.
 
     Raises:
         TokenizerError: the directory has no loadable tokenizer, no stop id, or no chat template
@@ -325,10 +333,8 @@ def load_tokenizer(directory: str | Path, *, apply_chat_template: bool = False,
     path = Path(directory)
     if not path.is_dir():
         raise TokenizerError(f"--tokenizer {path}: not a directory")
-    from transformers import AutoTokenizer  # heavy; only processes that tokenise pay for it
-
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        tokenizer = load_tokenizer_object(path, tokenizer_class)
     except Exception as exc:  # transformers raises OSError / ValueError / others
         raise TokenizerError(f"--tokenizer {path}: cannot load a tokenizer: "
                              f"{type(exc).__name__}: {exc}") from None

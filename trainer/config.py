@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from replayrl.actors.settings import POSITIVE, Choices, Range, check_settings, setting
 from replayrl.trainer.backends import BACKENDS
 from replayrl.trainer.errors import TrainerConfigError
+from replayrl.trainer.rejection.rs_settings import check_rs_settings
 
 if TYPE_CHECKING:  # rs_policy imports torch; the settings load in processes without it
     from replayrl.trainer.rejection.rs_policy import RSGate
@@ -228,7 +229,8 @@ class TrainerConfig:
         for ok, message in checks:
             if not ok:
                 raise TrainerConfigError(message)
-        self.rs_gate  # noqa: B018  (builds the gate: raises TrainerConfigError naming flags)
+        # the gate's own check, without building it (rs_policy imports torch)
+        check_rs_settings(self.rs_mode, self.rs_lower, self.rs_upper)
 
     @property
     def rs_gate(self) -> RSGate:

@@ -27,9 +27,9 @@ from replayrl.rollout.model.config import ModelConfig
 from replayrl.rollout.model.errors import CheckpointError
 from replayrl.rollout.model.families.base import FamilyModel
 from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
-from replayrl.transport import strict_json
+from replayrl.rollout.model.word_tokenizer import SPECIAL_TOKENS, save_word_tokenizer
+from replayrl.rollout.model.word_tokenizer import write_json as _write_json
 
-SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")
 WEIGHTS_NAME = "model.safetensors"
 # tokenizer and generation files a checkpoint directory may carry; copied as they are
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -179,31 +179,3 @@ def _check_vocab(tokens: list[str], cfg: ModelConfig) -> None:
     for t in tokens:
         if not t or any(c.isspace() for c in t):
             raise CheckpointError(f"token {t!r} is empty or holds whitespace (the tokenizer splits on it)")
-
-
-def save_word_tokenizer(out: Path, tokens: list[str], max_length: int) -> None:
-    """Word-level `tokenizers` tokenizer: whitespace split, one id per word, specials marked special.
-
-    Writes `out/tokenizer.json` and `out/tokenizer_config.json` (creating `out`); `tokens` is
-    the vocabulary in id order with `<pad>`, `<bos>`, `<eos>`. Without a decoder, `decode`
-    joins the words with single spaces.
-    """
-    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
-
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    tok = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(tokens)}, unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
-    tok.save(str(out / "tokenizer.json"))
-    _write_json(out / "tokenizer_config.json", {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>",
-        "model_max_length": max_length,
-        "clean_up_tokenization_spaces": False,
-        "padding_side": "left",
-    })
-
-
-def _write_json(path: Path, obj: dict) -> None:
-    path.write_text(strict_json.dumps(obj, indent=2, sort_keys=False) + "\n")

@@ -11,7 +11,6 @@ parameter, so a load holds the model plus one tensor, never a second copy of the
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -21,9 +20,8 @@ from replayrl.rollout.model.config import ModelConfig
 from replayrl.rollout.model.errors import CheckpointError
 from replayrl.rollout.model.hf_config import read_hf_config
 from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
+from replayrl.rollout.model.weight_files import INDEX_NAME, WEIGHTS_NAME, _weight_files, check_weight_files  # noqa: F401  (re-exported)
 
-WEIGHTS_NAME = "model.safetensors"
-INDEX_NAME = "model.safetensors.index.json"
 _FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 
 
@@ -90,59 +88,6 @@ def load_weights_into(model: Qwen3MoeForCausalLM, directory: str | Path) -> None
         raise CheckpointError(f"{src}: missing key {missing[0]!r} ({len(missing)} missing)")
     if tied and "lm_head.weight" in loaded:
         _check_tied_head(loaded["lm_head.weight"], params["model.embed_tokens.weight"])
-
-
-def check_weight_files(directory: str | Path) -> int:
-    """Open every weight file of a checkpoint directory and read its safetensors header (not
-    the tensors): what a run checks before any process starts. Returns the tensor count.
-
-    Raises:
-        CheckpointError: no model.safetensors / index, an unreadable index, a missing or
-            truncated shard, or an index naming a tensor its shard does not hold (named).
-    """
-    src = Path(directory)
-    count = 0
-    for path, names in _weight_files(src):
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                stored = set(f.keys())
-        except (OSError, SafetensorError) as exc:
-            raise CheckpointError(f"cannot read {path}: {exc}") from exc
-        absent = sorted(set(names or ()) - stored)
-        if absent:
-            raise CheckpointError(f"{src / INDEX_NAME} maps {absent[0]!r} to {path.name}, "
-                                  f"which does not hold it")
-        count += len(stored)
-    return count
-
-
-def _weight_files(src: Path) -> list[tuple[Path, list[str] | None]]:
-    """(shard path, names the index assigns to it, or None = every tensor of a single file)."""
-    index = src / INDEX_NAME
-    if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"cannot read {index}: {type(exc).__name__}: {exc}") from exc
-        if not isinstance(weight_map, dict):
-            raise CheckpointError(f"{index}: 'weight_map' must map tensor names to files")
-        by_file: dict[str, list[str]] = {}
-        for name, file in weight_map.items():
-            by_file.setdefault(str(file), []).append(name)
-        shards = []
-        for file, names in sorted(by_file.items()):
-            path = src / file
-            if Path(file).name != file or not path.is_file():
-                raise CheckpointError(f"{index} names the shard {file!r}, which is not a file "
-                                      f"in {src}")
-            shards.append((path, names))
-        return shards
-    single = src / WEIGHTS_NAME
-    if single.is_file():
-        return [(single, None)]
-    other = sorted(p.name for p in src.glob("*.bin")) if src.is_dir() else []
-    hint = f" (found {', '.join(other)}: only safetensors weights are read)" if other else ""
-    raise CheckpointError(f"{src} holds neither {WEIGHTS_NAME} nor {INDEX_NAME}{hint}")
 
 
 def _copy_one(f, name: str, path: Path, params: dict[str, torch.Tensor],

@@ -1,12 +1,14 @@
-"""The version clock and the rollout manager do not import torch (issue 24, memory: ~200 MiB RSS
-per process that loads the torch runtime).
+"""The version clock, the rollout manager and the launcher do not import torch (issue 24, memory:
+~200 MiB RSS per process that loads the torch runtime).
 
 A spawned actor process imports the launcher's main module again (``multiprocessing`` runs it
 as ``__mp_main__``: ``replayrl.tools.cli`` for ``replayrl train``), then the spawn bootstrap
 (``replayrl.actors.spawn``), then its actor class. A fresh interpreter does the same here and
-reports which heavy packages ``sys.modules`` holds after each step. (The rollout manager still
-loads torch at run time, through ``transformers.AutoTokenizer``: transformers 5 imports torch
-whenever it is installed; see docs/benchmarks.md#peer-grid.)
+reports which heavy packages ``sys.modules`` holds after each step; the rollout manager is also
+built (its tokenizer and prompts loaded) with the tokenizer class the launcher resolves
+(``replayrl.rollout.tokenizer_class``). The launcher does its torch work in a short child
+(``replayrl.tools.run.initial_files``): a one-step ``replayrl train`` reports what its own
+process imported.
 """
 from __future__ import annotations
 
@@ -15,8 +17,10 @@ import os
 import subprocess
 import sys
 
+from replayrl.rollout.tokenizer_class import resolve_tokenizer_class
 from replayrl.tools.run.config import build_config
-from replayrl.tools.run.launcher import actor_specs
+from replayrl.tools.run.initial_files import Resolved
+from replayrl.tools.run.launcher import actor_specs, resolve_engine, write_initial_checkpoint
 from tests.child_env import PYTHONPATH
 
 HEAVY = ("torch", "transformers")
@@ -26,19 +30,49 @@ import json, runpy, sys
 from replayrl.actors.spawn import import_actor_class
 runpy.run_module("replayrl.tools.cli", run_name="__mp_main__")  # as multiprocessing's spawn does
 loaded = {}
-for name, cls in json.loads(sys.argv[1]):
-    import_actor_class(cls)
+for name, cls, kwargs in json.loads(sys.argv[1]):
+    actor = import_actor_class(cls)
+    if kwargs is not None:
+        actor(**kwargs)
+        name += " built"
     loaded[name] = sorted(m for m in %r if m in sys.modules)
 print(json.dumps(loaded))
 """ % (HEAVY,)
 
 
 def test_clock_and_manager_processes_import_no_torch(tmp_path):
-    specs = {s.name: s.cls for s in actor_specs(build_config({}), tmp_path)}
+    config = build_config({})
+    checkpoint = write_initial_checkpoint(config, tmp_path / "ckpt")
+    resolved = Resolved(resolve_engine(config), "float32", resolve_tokenizer_class(checkpoint))
+    specs = {s.name: s for s in actor_specs(config, checkpoint, resolved=resolved)}
     # the engine last: it needs torch, which shows the probe sees an import when there is one
-    order = [[name, specs[name]] for name in ("version_clock", "rollout_manager", "engine_0")]
+    order = [["version_clock", specs["version_clock"].cls, None],
+             ["rollout_manager", specs["rollout_manager"].cls, None],
+             ["rollout_manager", specs["rollout_manager"].cls, specs["rollout_manager"].kwargs],
+             ["engine_0", specs["engine_0"].cls, None]]
     out = subprocess.run([sys.executable, "-c", PROBE, json.dumps(order)], capture_output=True,
-                         text=True, timeout=120, env={**os.environ, "PYTHONPATH": PYTHONPATH})
+                         text=True, timeout=180, env={**os.environ, "PYTHONPATH": PYTHONPATH})
     assert out.returncode == 0, out.stderr
     loaded = json.loads(out.stdout.strip().splitlines()[-1])
-    assert loaded == {"version_clock": [], "rollout_manager": [], "engine_0": ["torch"]}
+    # built, the manager has transformers' tokenizer class (which loads without torch)
+    assert loaded == {"version_clock": [], "rollout_manager": [], "rollout_manager built": ["transformers"],
+                      "engine_0": ["torch", "transformers"]}
+
+
+LAUNCHER = """
+import atexit, runpy, sys
+atexit.register(lambda: print("LAUNCHER", sorted(m for m in %r if m in sys.modules)))
+sys.argv = ["replayrl"] + sys.argv[1:]
+runpy.run_module("replayrl.tools.cli", run_name="__main__")
+""" % (HEAVY,)
+
+
+def test_the_launcher_process_imports_no_torch(tmp_path):
+    args = ["train", "--num-steps", "1", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
+            "--no-progress", "--output-dir", str(tmp_path / "run")]
+    out = subprocess.run([sys.executable, "-c", LAUNCHER, *args], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "PYTHONPATH": PYTHONPATH})
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "run" / "metrics.jsonl").read_text().count("\n") == 1
+    # transformers' tokenizer classes load without torch; its package is imported for them
+    assert out.stdout.strip().splitlines()[-1] == "LAUNCHER ['transformers']"

@@ -140,13 +140,14 @@ class ReplSession:
     def _own_specs(self) -> list[ActorSpec]:
         specs = self._specs
         if specs is None:
-            # imported here: the launcher pulls in the model (torch), which tests with small
-            # actors and attached consoles do not need
-            from replayrl.tools.run.launcher import actor_specs, initial_checkpoint
+            # imported here: tests with small actors and attached consoles do not need it; the
+            # checkpoint is written (torch) in a child, so the rollout manager loads no torch
+            from replayrl.tools.run.launcher import actor_specs, resolved_initial_checkpoint
             output = Path(self.config.output_dir)
             output.mkdir(parents=True, exist_ok=True)
             (output / "config.json").write_text(self.config.to_json())
-            specs = actor_specs(self.config, initial_checkpoint(self.config, output))
+            checkpoint, resolved = resolved_initial_checkpoint(self.config, output)
+            specs = actor_specs(self.config, checkpoint, resolved=resolved)
         return list(specs)
 
     def stop(self) -> None:

@@ -31,20 +31,21 @@ from replayrl.rollout.engines import EngineError, check_capture, engine_class_pa
 from replayrl.rollout.engines.precision import resolve_dtype
 from replayrl.rollout.engines.sglang_protocol import parse_urls
 from replayrl.rollout.errors import PromptDataError, RewardError, TokenizerError
-from replayrl.rollout.model.checkpoint import save_pretrained, save_word_tokenizer
 from replayrl.rollout.model.config import default_config
 from replayrl.rollout.model.errors import ModelError
-from replayrl.rollout.model.loader import check_weight_files
-from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
+from replayrl.rollout.model.weight_files import check_weight_files
+from replayrl.rollout.model.word_tokenizer import save_word_tokenizer
 from replayrl.rollout.prompt_data import load_run_prompts
 from replayrl.rollout.rewards import load_math_verify
 from replayrl.rollout.sample import required_traces
 from replayrl.rollout.tasks import Task, load_environment_class, load_task_class, task_class_path, task_name
 from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
 from replayrl.rollout.tokenizer import load_tokenizer
+from replayrl.rollout.tokenizer_class import AUTO, resolve_tokenizer_class
 from replayrl.tools.errors import ConfigError
 from replayrl.tools.run.attach_card import remove_attach_card, write_attach_card
 from replayrl.tools.run.config import RunConfig
+from replayrl.tools.run.initial_files import Resolved, in_child
 from replayrl.tools.run.metrics import MetricsRecorder
 from replayrl.tools.run.train_loop import checkpoint_next_step, train_loop
 from replayrl.trainer.backends import resolve_backend
@@ -120,11 +121,40 @@ def write_run_config(config: RunConfig, output: Path) -> Path:
 
 def write_initial_checkpoint(config: RunConfig, directory: Path) -> Path:
     """Build the embedded default policy from ``config.trainer.seed`` and save it as an HF dir,
-    which the run then loads like any ``--hf-checkpoint`` (docs/design.md#hf-checkpoints)."""
+    which the run then loads like any ``--hf-checkpoint`` (docs/design.md#hf-checkpoints).
+    Imports torch (the launcher itself does it in a child process: :func:`write_initial_files`)."""
+    from replayrl.rollout.model.checkpoint import save_pretrained
+    from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
+
     model = Qwen3MoeForCausalLM(config.policy_config)
     model.init_weights(config.trainer.seed)
     save_pretrained(model, directory, tokens=list(VOCABULARY))
     return directory
+
+
+def write_initial_files(config: RunConfig, engine: str, checkpoint: Path | None,
+                        tokenizer: Path) -> Resolved:
+    """Check the engine class ``engine`` (``"module:Class"``), resolve the engine dtype, write
+    the embedded default checkpoint to ``checkpoint`` (None: the run has one,
+    ``--hf-checkpoint``), then resolve the tokenizer class of ``tokenizer``. Imports torch: the
+    launcher runs it in a child process (:mod:`replayrl.tools.run.initial_files`).
+
+    Returns:
+        :class:`Resolved`; its ``tokenizer_class`` is ``"auto"`` when the directory does not load
+        here, so the launcher's own check reports the error.
+
+    Raises:
+        replayrl.tools.errors.ConfigError: as :func:`check_engine`.
+    """
+    check_engine(config, engine)
+    dtype = resolve_dtype(config.engine_dtype)
+    if checkpoint is not None:
+        write_initial_checkpoint(config, checkpoint)
+    try:
+        tokenizer_class = resolve_tokenizer_class(tokenizer)
+    except Exception:  # reported, with the flag, by check_prompt_data's load
+        tokenizer_class = AUTO
+    return Resolved(engine, dtype, tokenizer_class)
 
 
 def initial_checkpoint(config: RunConfig, output: Path) -> Path:
@@ -136,34 +166,53 @@ def initial_checkpoint(config: RunConfig, output: Path) -> Path:
     return write_initial_checkpoint(config, output / "checkpoint-init")
 
 
-def _checked_initial_checkpoint(config: RunConfig, output: Path) -> Path:
+def resolved_initial_checkpoint(config: RunConfig, output: Path) -> tuple[Path, Resolved]:
+    """:func:`initial_checkpoint` with its torch work (and the engine check, its dtype and the
+    tokenizer class: :func:`write_initial_files`) in a child process; returns the checkpoint
+    directory and what :func:`actor_specs` takes as ``resolved`` (the REPL's own run).
+
+    Raises:
+        ConfigError: as :func:`engine_path` and :func:`check_engine`.
+    """
+    checkpoint = Path(config.hf_checkpoint) if config.hf_checkpoint else output / "checkpoint-init"
+    resolved = in_child(write_initial_files, config, engine_path(config),
+                        None if config.hf_checkpoint else checkpoint, tokenizer_dir(config, checkpoint))
+    return checkpoint, resolved
+
+
+def _checked_initial_checkpoint(config: RunConfig, output: Path, engine: str) -> tuple[Path, Resolved]:
     """:func:`initial_checkpoint` and :func:`check_prompt_data` such that a configuration
     error changes nothing in ``output``: the embedded default is written to
     ``output/.checkpoint-init.partial`` and renamed to ``checkpoint-init`` only once the prompt
-    data passed (an earlier run's checkpoint there stays until then).
+    data passed (an earlier run's checkpoint there stays until then). The engine class
+    ``engine`` is checked (:func:`check_engine`), its dtype and the tokenizer class resolved and
+    the checkpoint written in a child process
+    (:func:`replayrl.tools.run.initial_files.initial_files`): this process loads no torch.
+
+    Returns:
+        (the initial checkpoint directory, what :func:`actor_specs` takes as ``resolved``).
 
     Raises:
-        ConfigError: as :func:`check_prompt_data`.
+        ConfigError: as :func:`check_engine` and :func:`check_prompt_data`.
     """
     staged = output / ".checkpoint-init.partial"
     shutil.rmtree(staged, ignore_errors=True)  # left by a launcher killed here
     try:
-        if config.hf_checkpoint:
-            checkpoint = Path(config.hf_checkpoint)
-        else:
-            checkpoint = write_initial_checkpoint(config, staged)
+        checkpoint = Path(config.hf_checkpoint) if config.hf_checkpoint else staged
         if config.hf_checkpoint and not config.rollout.tokenizer and not config.rollout.prompt_data:
             write_embedded_tokenizer(tokenizer_dir(config, checkpoint))
-        check_prompt_data(config, checkpoint)
+        resolved = in_child(write_initial_files, config, engine,
+                            None if config.hf_checkpoint else staged, tokenizer_dir(config, checkpoint))
+        check_prompt_data(config, checkpoint, resolved.tokenizer_class)
     except BaseException:
         shutil.rmtree(staged, ignore_errors=True)
         raise
     if config.hf_checkpoint:
-        return checkpoint
+        return checkpoint, resolved
     final = output / "checkpoint-init"
     shutil.rmtree(final, ignore_errors=True)
     os.replace(staged, final)
-    return final
+    return final, resolved
 
 
 def run_required_traces(config: RunConfig) -> list[str]:
@@ -176,33 +225,54 @@ def run_required_traces(config: RunConfig) -> list[str]:
 
 
 def resolve_engine(config: RunConfig) -> str:
-    """The ``"module:Class"`` of the run's rollout engine, checked against the required traces.
+    """The ``"module:Class"`` of the run's rollout engine, checked against the required traces
+    (:func:`engine_path`, then :func:`check_engine`, which imports the engine class).
 
-    Imports the engine class (not its heavy dependencies at registry load), so a test can
-    register a fake engine in ``replayrl.rollout.engines.ENGINES`` before launching.
+    Raises:
+        ConfigError: as :func:`engine_path` and :func:`check_engine`.
+    """
+    path = engine_path(config)
+    check_engine(config, path)
+    return path
+
+
+def engine_path(config: RunConfig) -> str:
+    """The ``"module:Class"`` registered for ``--rollout-engine`` in
+    ``replayrl.rollout.engines.ENGINES`` of this process (a test may register a fake engine
+    there before launching); imports nothing.
 
     Raises:
         ConfigError: ``--rollout-engine`` names no registered engine (the message lists the
-            known ones), the class does not import, it cannot capture a required trace
-            (names the engine and the trace) or it cannot serve the policy (e.g. vLLM and the
-            indexer).
+            known ones).
     """
-    name = config.rollout_engine
     try:
-        path = engine_class_path(name)
+        return engine_class_path(config.rollout_engine)
+    except EngineError as exc:
+        raise ConfigError(f"--rollout-engine {config.rollout_engine}: {exc}") from None
+
+
+def check_engine(config: RunConfig, path: str) -> None:
+    """Import the engine class ``path`` (not its heavy dependencies at registry load) and check
+    that it captures every required trace and can serve the policy. The launcher runs it in its
+    initial-files child (:mod:`replayrl.tools.run.initial_files`): the embedded engine imports torch.
+
+    Raises:
+        ConfigError: the class does not import, it cannot capture a required trace (names the
+            engine and the trace) or it cannot serve the policy (e.g. vLLM and the indexer).
+    """
+    try:
         cls = load_engine_class(path)
         check_capture(cls, run_required_traces(config))
         cls.check_model(config.policy_config)
     except EngineError as exc:
-        raise ConfigError(f"--rollout-engine {name}: {exc}") from None
-    return path
+        raise ConfigError(f"--rollout-engine {config.rollout_engine}: {exc}") from None
 
 
 SGLANG_RETRIES = 2
 """Resends of one SGLang request after a server did not answer (docs/design.md#sglang-engine)."""
 
 
-def engine_kwargs(config: RunConfig, index: int = 0) -> dict:
+def engine_kwargs(config: RunConfig, index: int = 0, dtype: str | None = None) -> dict:
     """Constructor kwargs of the run's engine (plain data; they cross to the engine process).
 
     Every engine gets the policy's shape and precision: ``model_config`` (``ModelConfig``
@@ -212,10 +282,12 @@ def engine_kwargs(config: RunConfig, index: int = 0) -> dict:
     (``--rollout-timeout-seconds``, the one the manager waits an engine call for). The SGLang
     engine ``index`` gets ``--sglang-urls`` rotated to start at URL ``index`` (its server; the
     others are its failover order), the weight directory, and a per-request timeout that lets its
-    ``1 + SGLANG_RETRIES`` tries fit in the manager's wait.
+    ``1 + SGLANG_RETRIES`` tries fit in the manager's wait. ``dtype``: the engine dtype
+    already resolved (the launcher's initial-files child); None: resolved here (imports torch
+    for ``auto``).
     """
     kwargs = {"model_config": dataclasses.asdict(config.policy_config),
-              "dtype": resolve_dtype(config.engine_dtype)}
+              "dtype": dtype or resolve_dtype(config.engine_dtype)}
     if config.rollout_engine == "vllm":
         kwargs.update(start_timeout_s=config.engine_start_timeout_s,
                       call_timeout_s=config.rollout.generate_timeout_s)
@@ -260,8 +332,9 @@ def write_embedded_tokenizer(directory: Path) -> Path:
     return directory
 
 
-def check_prompt_data(config: RunConfig, checkpoint_dir: Path) -> None:
-    """Read the tokenizer and every prompt set here, before any process starts.
+def check_prompt_data(config: RunConfig, checkpoint_dir: Path, tokenizer_class: str | None = None) -> None:
+    """Read the tokenizer (with ``tokenizer_class``: see :func:`replayrl.rollout.tokenizer.load_tokenizer`)
+    and every prompt set here, before any process starts.
 
     Raises:
         ConfigError: the tokenizer cannot be loaded or has more ids than the policy's
@@ -276,7 +349,8 @@ def check_prompt_data(config: RunConfig, checkpoint_dir: Path) -> None:
                                    apply_chat_template=r.apply_chat_template,
                                    chat_template_kwargs=json.loads(r.apply_chat_template_kwargs),
                                    # prompts render the --env environment's tool schema
-                                   tools=load_environment_class(r.env).tools if r.env else ())
+                                   tools=load_environment_class(r.env).tools if r.env else (),
+                                   tokenizer_class=tokenizer_class)
         if tokenizer.vocab_size > model.vocab_size:
             raise ConfigError(f"--tokenizer {tokenizer.directory}: {tokenizer.vocab_size} ids, "
                               f"more than the policy's vocabulary of {model.vocab_size}")
@@ -321,8 +395,13 @@ def trainer_rank_count(config: RunConfig) -> int:
 
 
 def actor_specs(config: RunConfig, checkpoint_dir: Path,
-                rank_port: int | None = None) -> list[ActorSpec]:
+                rank_port: int | None = None, resolved: Resolved | None = None) -> list[ActorSpec]:
     """The processes of a run, in start order.
+
+    ``resolved``: the engine class, engine dtype and tokenizer class the launcher's
+    initial-files child worked out (:mod:`replayrl.tools.run.initial_files`); None: the engine
+    and its dtype are resolved here and the rollout manager reads the tokenizer with
+    ``AutoTokenizer`` (each imports torch).
 
     With several trainer ranks (:func:`trainer_rank_count`) the ``trainer`` actor is rank 0 and
     ``trainer_1 ..`` follow it; they meet at ``tcp://127.0.0.1:rank_port`` (a free port when
@@ -331,7 +410,8 @@ def actor_specs(config: RunConfig, checkpoint_dir: Path,
     Raises:
         ConfigError: as :func:`resolve_engine`.
     """
-    engine_class = resolve_engine(config)
+    engine_class = resolved.engine_class if resolved else resolve_engine(config)
+    dtype = resolved.engine_dtype if resolved else None
     required = run_required_traces(config)
     model = config.policy_config
     engines = [f"engine_{i}" for i in range(config.num_engines)]
@@ -347,7 +427,7 @@ def actor_specs(config: RunConfig, checkpoint_dir: Path,
         ActorSpec("version_clock", "replayrl.actors.version_clock:VersionClock",
                   {"max_staleness": config.max_staleness}),
         *(ActorSpec(name, "replayrl.rollout.engine_actor:EngineActor",
-                    {"engine_class": engine_class, "engine_kwargs": engine_kwargs(config, i),
+                    {"engine_class": engine_class, "engine_kwargs": engine_kwargs(config, i, dtype),
                      "traces": required, "torch_threads": config.engine_torch_threads})
           for i, name in enumerate(engines)),
         ActorSpec("rollout_manager", "replayrl.rollout.manager:RolloutManager",
@@ -356,6 +436,7 @@ def actor_specs(config: RunConfig, checkpoint_dir: Path,
                    "max_positions": model.max_position_embeddings,
                    "tokenizer_dir": str(tokenizer_dir(config, checkpoint_dir)),
                    "vocab_size": model.vocab_size, "engine_failure": config.engine_failure,
+                   "tokenizer_class": resolved.tokenizer_class if resolved else None,
                    # resolved here, so a task registered in this process reaches the manager's
                    "task": task_class_path(task_name(config.rollout))}),
         ActorSpec("trainer", "replayrl.trainer.trainer_actor:TrainerActor",
@@ -409,7 +490,7 @@ async def launch(config: RunConfig, log_level: int = logging.WARNING,
     # everything that can be checked is checked before any process starts
     output = Path(config.output_dir)
     created = not output.exists()  # (--save's check may create it below)
-    resolve_engine(config)
+    engine = engine_path(config)  # its class is checked in the initial-files child (torch)
     hooks = [load_hook(h, "--metrics-hook") for h in config.metrics_hooks]
     if config.rollout.custom_reward:
         load_hook(config.rollout.custom_reward, "--custom-reward")
@@ -442,7 +523,7 @@ async def launch(config: RunConfig, log_level: int = logging.WARNING,
             logging.getLogger(__name__).warning(
                 "indexer replay: not applicable (the policy from --hf-checkpoint %s has no "
                 "indexer block); indexer metrics are n/a", config.hf_checkpoint)
-        checkpoint = _checked_initial_checkpoint(config, output)
+        checkpoint, resolved = _checked_initial_checkpoint(config, output, engine)
     except BaseException:
         if created:  # a configuration error leaves no new output directory behind
             shutil.rmtree(output, ignore_errors=True)
@@ -452,7 +533,7 @@ async def launch(config: RunConfig, log_level: int = logging.WARNING,
     run_dir = create_run_dir()  # short path: AF_UNIX limit; stale ones of killed launchers go
     directory = None
     try:
-        specs = specs if specs is not None else actor_specs(config, checkpoint)
+        specs = specs if specs is not None else actor_specs(config, checkpoint, resolved=resolved)
         directory = Directory.for_run(run_dir, [s.name for s in specs], config.transport,
                                       curve_keys=config.curve_keys,
                                       heartbeat_deadline_s=config.heartbeat_deadline_s,

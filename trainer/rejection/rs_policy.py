@@ -27,16 +27,13 @@ and a step with no accepted token is skipped (or ends the run with ``--stop-on-e
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
-from replayrl.trainer.errors import TrainerConfigError
 from replayrl.trainer.rejection.rs_gates import SAMPLE_LOG_WEIGHTS, compute_log_ratio, sample_gate, token_gate
-
-MODES = ("none", "token", "sequence", "geometric")
+from replayrl.trainer.rejection.rs_settings import MODES, check_rs_settings  # noqa: F401  (MODES re-exported)
 
 
 @dataclass(frozen=True)
@@ -48,11 +45,7 @@ class RSGate:
     upper: float = float("inf")
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise TrainerConfigError(f"--rs-mode must be one of {MODES}, got {self.mode!r}")
-        if self.mode != "none" and not (0 < self.lower <= self.upper and math.isfinite(self.lower)):
-            raise TrainerConfigError(f"--rs-lower / --rs-upper must satisfy 0 < lower <= upper with a "
-                                f"finite lower bound, got {self.lower} / {self.upper}")
+        check_rs_settings(self.mode, self.lower, self.upper)
 
     @property
     def active(self) -> bool:

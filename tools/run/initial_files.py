@@ -1,0 +1,46 @@
+"""The run's torch work before the actors start, done in a short child process so the launcher
+never imports torch (issue 24, memory: a torch runtime is ~250 MiB RSS held for the whole run).
+
+Four things need torch there: checking the engine class (the embedded engine's module imports
+torch), resolving ``--engine-dtype auto`` (torch reads the CPU's capability), writing the
+embedded default checkpoint (the model is built and initialised by torch) and resolving which
+transformers class reads the tokenizer (``AutoTokenizer``'s import chain loads torch in
+transformers 5). The launcher runs them in a ``spawn`` child (:func:`in_child` of
+:func:`replayrl.tools.run.launcher.write_initial_files`), which returns the results
+(:class:`Resolved`); the launcher and the rollout manager then read the tokenizer with that
+class, without torch (:mod:`replayrl.rollout.tokenizer_class`).
+"""
+from __future__ import annotations
+
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, TypeVar
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """What the launcher hands its actors that only a process with torch can work out.
+
+    Attributes:
+        engine_class: the engine's ``"module:Class"``, checked against the run
+            (:func:`replayrl.tools.run.launcher.check_engine`).
+        engine_dtype: ``--engine-dtype`` with ``auto`` resolved for this machine's CPU
+            (:func:`replayrl.rollout.engines.precision.resolve_dtype`).
+        tokenizer_class: the class the rollout manager reads the tokenizer with
+            (:func:`replayrl.rollout.tokenizer_class.resolve_tokenizer_class`).
+    """
+
+    engine_class: str
+    engine_dtype: str
+    tokenizer_class: str
+
+
+def in_child(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` in a ``spawn`` child process, which exits when it returns (with its torch
+    runtime); ``fn`` is a module-level function, ``args`` and the result pickle; its exceptions
+    are raised here."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()

@@ -9,11 +9,24 @@ from typing import Any
 
 from replayrl.rollout.engine_actor import EngineActor
 from replayrl.rollout.manager import RolloutManager
+from replayrl.rollout.sample import Sample, samples_from_columns
 from replayrl.rollout.tasks import task_class_path
 from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
 from replayrl.tools.run.launcher import engine_kwargs, resolve_engine, run_required_traces, write_initial_checkpoint
 from replayrl.transport.array_bundle import pack_arrays
 from tests.fakes import FakeProxy
+
+
+@dataclass
+class StepResult:
+    """What :meth:`StepRig.one_step` saw: the manager's generation summary, the trainer's step
+    metrics, the samples it trained on, and its weights (name -> array) before and after."""
+
+    summary: dict
+    metrics: dict
+    samples: list[Sample]
+    before: dict
+    after: dict
 
 
 @dataclass
@@ -49,6 +62,15 @@ class StepRig:
         proxies = {"rollout_manager": FakeProxy(take_batch=self.take_batch, **(manager_methods or {})),
                    "version_clock": clock}
         self.trainer.proxy = lambda name, timeout=None: proxies[name]
+
+    async def one_step(self) -> StepResult:
+        """Rollout 0 at version 0, then the trainer's step 0 on it (:meth:`connect`'s fakes)."""
+        summary = await self.manager.generate(0, min_version=0)
+        self.connect()
+        before = self.trainer.backend.weights()
+        metrics = await self.trainer.train(0)
+        return StepResult(summary, metrics, samples_from_columns(self.taken[0]), before,
+                          self.trainer.backend.weights())
 
 
 async def step_rig(config, directory: Path, task: str) -> StepRig:

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from replayrl.rollout.config import RolloutConfig
-from replayrl.rollout.sample import samples_from_columns
 from replayrl.rollout.tasks import TASKS, make_task, task_class_path
 from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
 from replayrl.rollout.tasks.sort import SortTask, position_reward, sort_rows
@@ -150,13 +149,8 @@ async def test_one_training_step_through_the_sort_task(tmp_path, _restore_thread
                            "n-samples-per-prompt": n, "progress": False,
                            "output-dir": str(tmp_path)})
     rig = await step_rig(config, tmp_path, "sort")
-    summary = await rig.manager.generate(0, min_version=0)
-    rig.connect()
-    trainer = rig.trainer
-    before = trainer.backend.weights()
-    metrics = await trainer.train(0)
-
-    samples = samples_from_columns(rig.taken[0])
+    step = await rig.one_step()
+    summary, metrics, samples, before, after = step.summary, step.metrics, step.samples, step.before, step.after
     assert len(samples) == groups * n
     for s in samples:
         assert len(s.prompt_ids) == answer + 2 and 1 <= len(s.response_ids) <= answer + 1
@@ -164,7 +158,6 @@ async def test_one_training_step_through_the_sort_task(tmp_path, _restore_thread
     assert [s.reward for s in samples] == pytest.approx(rewards)
     assert summary["reward_mean"] == pytest.approx(sum(rewards) / len(rewards))
     assert metrics["loss_tokens"] == sum(len(s.response_ids) for s in samples)
-    assert trainer.version == 1
-    after = trainer.backend.weights()
+    assert rig.trainer.version == 1
     if any(len(set(rewards[g * n:(g + 1) * n])) > 1 for g in range(groups)):
         assert any(not np.array_equal(before[k], after[k]) for k in before)

@@ -3,8 +3,8 @@ multi-turn run whose task has no environment, and one training step of a task ad
 docs/architecture.md says (tests/fake_task.py plus one registry line).
 
 The step runs in-process (tests/step_rig.py): a real EngineActor, RolloutManager and
-TrainerActor, joined by fake proxies (tests/fakes.py) instead of processes. Its expected rewards are the fake task's rule
-applied here, by hand, to the tokens the engine sampled."""
+TrainerActor, joined by fake proxies (tests/fakes.py) instead of processes. Its expected
+rewards are the fake task's rule applied here, by hand, to the tokens the engine sampled."""
 from __future__ import annotations
 
 import numpy as np
@@ -13,7 +13,6 @@ import torch
 
 from replayrl.rollout.config import RolloutConfig
 from replayrl.rollout.manager import RolloutError, RolloutManager
-from replayrl.rollout.sample import samples_from_columns
 from replayrl.rollout.tasks import (
     TASKS,
     TaskConfigError,
@@ -98,13 +97,8 @@ async def test_a_registered_task_trains_one_step(fake_task, tmp_path, _restore_t
                            "n-samples-per-prompt": n, "progress": False,
                            "output-dir": str(tmp_path)})
     rig = await step_rig(config, tmp_path, fake_task)
-    summary = await rig.manager.generate(0, min_version=0)
-    rig.connect()
-    trainer = rig.trainer
-    before = trainer.backend.weights()
-    metrics = await trainer.train(0)
-
-    samples = samples_from_columns(rig.taken[0])
+    step = await rig.one_step()
+    summary, metrics, samples, before, after = step.summary, step.metrics, step.samples, step.before, step.after
     assert len(samples) == groups * n
     # every prompt is one of the fake task's, each group of n shares one
     assert {tuple(s.prompt_ids.tolist()) for s in samples} <= set(PROMPTS)
@@ -119,8 +113,7 @@ async def test_a_registered_task_trains_one_step(fake_task, tmp_path, _restore_t
     # one optimizer step over every response token (single turn: loss mask all ones)
     assert metrics["loss_tokens"] == sum(len(s.response_ids) for s in samples)
     assert (metrics["skipped"], metrics["trained_groups"]) == (0, groups)
-    assert trainer.version == 1
-    after = trainer.backend.weights()
+    assert rig.trainer.version == 1
     # a group with rewards that differ has a non-zero advantage, so the weights moved
     if any(len(set(by_hand[g * n:(g + 1) * n])) > 1 for g in range(groups)):
         assert any(not np.array_equal(before[k], after[k]) for k in before)

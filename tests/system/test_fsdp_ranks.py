@@ -16,6 +16,7 @@ from replayrl.tools.run.config import build_config
 from replayrl.tools.run.launcher import actor_specs, tokenizer_dir, write_embedded_tokenizer, write_initial_checkpoint
 from replayrl.trainer.rank_group import follower_names
 from tests.family_checkpoints import tiny_hf_checkpoint
+from tests.rank_checks import assert_same_step_metrics, assert_same_update
 
 SMALL = {"rollout-batch-size": 2, "n-samples-per-prompt": 2, "progress": False,
          "train-backend": "fsdp"}
@@ -53,6 +54,22 @@ def _full(digests: list[dict]) -> dict[str, np.ndarray]:
             for k in digests[0]}
 
 
+def _assert_replayed_step_as_one(row: dict, reference_row: dict) -> None:
+    """The one-rank step's metrics (tests/rank_checks.py), and the replays ran: the trainer used
+    the engine's experts and indexer keys everywhere (flip rates 0 on both)."""
+    assert_same_step_metrics(row, reference_row)
+    for key in ("routing_flip_rate", "indexer_flip_rate"):
+        assert row[key] == reference_row[key] == 0.0
+
+
+def _assert_pushed_whole_once(push: dict, reference_push: dict, two: dict[str, np.ndarray]) -> None:
+    """Rank 0 pushed the whole weight set once (version 1), gathered from both ranks' shards:
+    as many bytes as the full tensors ``two`` of every weight, as the one-rank push did."""
+    full_bytes = sum(a.nbytes for k, a in two.items() if k.startswith("param/"))
+    assert push == {**push, "version": 1, "bytes": full_bytes}
+    assert reference_push["bytes"] == full_bytes
+
+
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory):
     return asyncio.run(_one_step(tmp_path_factory.mktemp("fsdp1"), {}))
@@ -63,36 +80,13 @@ def one_rank(tmp_path_factory):
 async def test_two_fsdp_ranks_take_the_same_step_as_one(tmp_path, one_rank, extra):
     reference_row, reference_push, reference = one_rank
     row, push, digests = await _one_step(tmp_path, {"dp-size": 2, **extra})
-    for key in ("loss_tokens", "accepted_tokens", "sampled_tokens", "trained_groups"):
-        assert row[key] == reference_row[key]
-    assert row["grad_norm"] == pytest.approx(reference_row["grad_norm"], rel=1e-5)
-    for key in ("train_rollout_logprob_abs_diff", "tis_weight_mean", "support_entropy_mean"):
-        assert row[key] == pytest.approx(reference_row[key], rel=1e-4, abs=1e-6)
-    # the replays ran: the trainer used the engine's experts and keys everywhere
-    for key in ("routing_flip_rate", "indexer_flip_rate"):
-        assert row[key] == reference_row[key] == 0.0
-    one = _full([reference["trainer"]])
+    _assert_replayed_step_as_one(row, reference_row)
     two = _full([digests["trainer"], digests["trainer_1"]])
-    start = _full([reference["before"]])
-    assert set(one) == set(two)
     # each rank holds a part: neither's shard of a weight is the whole tensor
     assert len(digests["trainer"]["param/model.embed_tokens.weight"]) < \
         len(reference["trainer"]["param/model.embed_tokens.weight"])
-    moved = max(float(np.abs(one[k] - start[k]).max()) for k in one if k.startswith("param/"))
-    assert moved > 1e-4
-    lr = build_config(SMALL).trainer.lr
-    for k in one:
-        assert one[k].shape == two[k].shape, k
-        if k.startswith("opt/"):
-            scale = float(np.abs(one[k]).max())
-            np.testing.assert_allclose(two[k], one[k], rtol=1e-4, atol=1e-4 * scale, err_msg=k)
-        else:  # the first Adam update is ~ lr x sign(g); rounding noise near |g| ~ eps
-            np.testing.assert_allclose(two[k], one[k], rtol=0, atol=0.2 * lr, err_msg=k)
-    # rank 0 pushed the whole weight set once (version 1), gathered from both ranks' shards:
-    # as many bytes as the full tensors of every weight
-    full_bytes = sum(a.nbytes for k, a in two.items() if k.startswith("param/"))
-    assert push == {**push, "version": 1, "bytes": full_bytes}
-    assert reference_push["bytes"] == full_bytes
+    assert_same_update(_full([reference["trainer"]]), two, _full([reference["before"]]), build_config(SMALL).trainer.lr)
+    _assert_pushed_whole_once(push, reference_push, two)
 
 
 @pytest.fixture(scope="module")
@@ -108,34 +102,15 @@ def glm5(tmp_path_factory):
 async def test_two_fsdp_ranks_take_one_ranks_step_on_a_dsa_family(tmp_path, glm5):
     extra, (reference_row, reference_push, reference) = glm5
     row, push, digests = await _one_step(tmp_path, {**extra, "dp-size": 2})
-    for key in ("loss_tokens", "accepted_tokens", "sampled_tokens", "trained_groups"):
-        assert row[key] == reference_row[key]
-    assert row["grad_norm"] == pytest.approx(reference_row["grad_norm"], rel=1e-5)
-    for key in ("train_rollout_logprob_abs_diff", "tis_weight_mean", "support_entropy_mean"):
-        assert row[key] == pytest.approx(reference_row[key], rel=1e-4, abs=1e-6)
-    # every replay on: the trainer used the engine's experts and indexer keys everywhere
-    for key in ("routing_flip_rate", "indexer_flip_rate"):
-        assert row[key] == reference_row[key] == 0.0
+    _assert_replayed_step_as_one(row, reference_row)
     one = _full([reference["trainer"]])
-    start = _full([reference["before"]])
     # a buffer (the routers' e_score_correction_bias) is not sharded: whole on every rank
     ranks = [digests["trainer"], digests["trainer_1"]]
     buffers = {k for k in one if all(len(d[k]) == len(reference["trainer"][k]) for d in ranks)}
     assert any("e_score_correction_bias" in k for k in buffers)
     assert all(ranks[0][k] == ranks[1][k] for k in buffers)
     two = {**_full(ranks), **_full([{k: ranks[0][k] for k in buffers}])}
-    assert set(one) == set(two)
     assert len(digests["trainer"]["param/model.embed_tokens.weight"]) < \
         len(reference["trainer"]["param/model.embed_tokens.weight"])
-    assert max(float(np.abs(one[k] - start[k]).max()) for k in one if k.startswith("param/")) > 1e-4
-    lr = build_config(SMALL).trainer.lr
-    for k in one:
-        if k.startswith("opt/"):
-            scale = float(np.abs(one[k]).max())
-            np.testing.assert_allclose(two[k], one[k], rtol=1e-4, atol=1e-4 * scale, err_msg=k)
-        else:
-            np.testing.assert_allclose(two[k], one[k], rtol=0, atol=0.2 * lr, err_msg=k)
-    # rank 0 pushed every full weight once (version 1), gathered from both ranks' shards
-    full_bytes = sum(a.nbytes for k, a in two.items() if k.startswith("param/"))
-    assert push == {**push, "version": 1, "bytes": full_bytes}
-    assert reference_push["bytes"] == full_bytes
+    assert_same_update(one, two, _full([reference["before"]]), build_config(SMALL).trainer.lr)
+    _assert_pushed_whole_once(push, reference_push, two)

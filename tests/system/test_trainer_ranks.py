@@ -13,6 +13,7 @@ from replayrl.tools.run.config import build_config
 from replayrl.tools.run.launcher import actor_specs, write_initial_checkpoint
 from replayrl.trainer.errors import RankGroupError
 from replayrl.trainer.rank_group import RankGroup, follower_names, shard, shard_bounds
+from tests.rank_checks import assert_same_step_metrics, assert_same_update
 
 SMALL = {"rollout-batch-size": 2, "n-samples-per-prompt": 2, "progress": False}
 
@@ -135,27 +136,9 @@ async def test_two_ranks_take_the_same_step_as_one(tmp_path, one_rank, extra):
     row, digests = await _one_step(tmp_path, {"dp-size": 2, **extra})
     # the same batch, split in two: same token counts, same loss, same gradient up to the
     # order of the float sums
-    for key in ("loss_tokens", "accepted_tokens", "sampled_tokens", "trained_groups"):
-        assert row[key] == reference_row[key]
-    assert row["grad_norm"] == pytest.approx(reference_row["grad_norm"], rel=1e-5)
-    for key in ("train_rollout_logprob_abs_diff", "tis_weight_mean", "support_entropy_mean"):
-        assert row[key] == pytest.approx(reference_row[key], rel=1e-4, abs=1e-6)
+    assert_same_step_metrics(row, reference_row)
     one, two, start = _arrays(reference["trainer"]), _arrays(digests["trainer"]), _arrays(digests["before"])
-    assert set(one) == set(two)
-    moved = max(float(np.abs(one[k] - start[k]).max()) for k in one if k.startswith("param/"))
-    assert moved > 1e-4  # the step did move the weights (by about --lr)
-    lr = build_config(SMALL).trainer.lr
-    for k in one:
-        if k.startswith("opt/"):
-            # Adam's moments hold the gradient (0.1 g) and its square: the two-rank gradient is
-            # the one-rank one up to the order of the float sums (a wrong scale or a missing
-            # share fails here and in grad_norm)
-            scale = float(np.abs(one[k]).max())
-            np.testing.assert_allclose(two[k], one[k], rtol=1e-4, atol=1e-4 * scale, err_msg=k)
-        else:
-            # the first Adam update is lr x g / (|g| + eps): where |g| is near eps (--adam-eps) the
-            # rounding noise of g moves it by a fraction of lr, elsewhere it is lr x sign(g)
-            np.testing.assert_allclose(two[k], one[k], rtol=0, atol=0.2 * lr, err_msg=k)
+    assert_same_update(one, two, start, build_config(SMALL).trainer.lr)
     # DDP replicas: rank 1 holds bit for bit what rank 0 holds
     assert digests["trainer_1"] == digests["trainer"]
 

@@ -1,7 +1,7 @@
 """The sort task (``--task sort``, rollout/tasks/sort.py): its reward by hand, its seeded
 prompts, its registry line, the refusal of settings it cannot run with, and one in-process
 training step through it (a real EngineActor, RolloutManager and TrainerActor joined by fake
-proxies, as tests/unit/rollout/test_task_room.py does for the fake task).
+proxies, tests/step_rig.py, as tests/unit/rollout/test_task_room.py does for the fake task).
 
 Expected values are computed here independently of the task's code: digit token ids from the
 embedded vocabulary's order, answers by sorting the prompt's digits, rewards by counting
@@ -13,23 +13,13 @@ import pytest
 import torch
 
 from replayrl.rollout.config import RolloutConfig
-from replayrl.rollout.engine_actor import EngineActor
-from replayrl.rollout.manager import RolloutManager
-from replayrl.rollout.sample import samples_from_columns
 from replayrl.rollout.tasks import TASKS, make_task, task_class_path
 from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
 from replayrl.rollout.tasks.sort import SortTask, position_reward, sort_rows
 from replayrl.rollout.tokenizer import load_tokenizer
 from replayrl.tools.run.config import ConfigError, build_config
-from replayrl.tools.run.launcher import (
-    engine_kwargs,
-    resolve_engine,
-    run_required_traces,
-    write_embedded_tokenizer,
-    write_initial_checkpoint,
-)
-from replayrl.transport.array_bundle import pack_arrays
-from tests.fakes import FakeProxy
+from replayrl.tools.run.launcher import write_embedded_tokenizer, write_initial_checkpoint
+from tests.step_rig import step_rig
 
 # the embedded vocabulary, by hand: <pad> <bos> <eos> then the digits 0-9 at ids 3-12
 BOS, EOS, EQUALS = 1, 2, VOCABULARY.index("=")
@@ -154,45 +144,13 @@ def _restore_threads():
 
 
 async def test_one_training_step_through_the_sort_task(tmp_path, _restore_threads):
-    from replayrl.trainer.trainer_actor import TrainerActor
-
     groups, n, answer = 2, 4, 8
     config = build_config({"task": "sort", "answer-tokens": answer, "rollout-batch-size": groups,
                            "n-samples-per-prompt": n, "progress": False,
                            "output-dir": str(tmp_path)})
-    checkpoint = write_initial_checkpoint(config, tmp_path / "ckpt")
-    model = config.policy_config
-    required = run_required_traces(config)
-    trainer = TrainerActor(str(checkpoint), config.trainer.to_dict(), n_samples_per_prompt=n,
-                           engines=[], rollout_batch_size=groups, vocab_tokens=list(VOCABULARY))
-    engine = EngineActor(resolve_engine(config), engine_kwargs(config), required)
-    await engine.load_weights(0, pack_arrays(trainer.backend.weights()))
-    manager = RolloutManager(config.rollout.to_dict(), ["engine_0"], required,
-                             model.max_position_embeddings, str(checkpoint), model.vocab_size,
-                             task=task_class_path("sort"))
-    manager.proxy = lambda name, timeout=None: FakeProxy(generate=engine.generate)
-
-    summary = await manager.generate(0, min_version=0)
-    taken = []
-
-    async def take_batch(rollout_id):
-        taken.append(await manager.take_batch(rollout_id))
-        return taken[-1]
-
-    async def check_samples(ids, versions):
-        return trainer.version
-
-    async def set_trainer_version(version):
-        return version
-
-    clock = FakeProxy(check_samples=check_samples, set_trainer_version=set_trainer_version)
-    clock._methods["with_timeout"] = lambda timeout: clock
-    proxies = {"rollout_manager": FakeProxy(take_batch=take_batch), "version_clock": clock}
-    trainer.proxy = lambda name, timeout=None: proxies[name]
-    before = trainer.backend.weights()
-    metrics = await trainer.train(0)
-
-    samples = samples_from_columns(taken[0])
+    rig = await step_rig(config, tmp_path, "sort")
+    step = await rig.one_step()
+    summary, metrics, samples, before, after = step.summary, step.metrics, step.samples, step.before, step.after
     assert len(samples) == groups * n
     for s in samples:
         assert len(s.prompt_ids) == answer + 2 and 1 <= len(s.response_ids) <= answer + 1
@@ -200,7 +158,6 @@ async def test_one_training_step_through_the_sort_task(tmp_path, _restore_thread
     assert [s.reward for s in samples] == pytest.approx(rewards)
     assert summary["reward_mean"] == pytest.approx(sum(rewards) / len(rewards))
     assert metrics["loss_tokens"] == sum(len(s.response_ids) for s in samples)
-    assert trainer.version == 1
-    after = trainer.backend.weights()
+    assert rig.trainer.version == 1
     if any(len(set(rewards[g * n:(g + 1) * n])) > 1 for g in range(groups)):
         assert any(not np.array_equal(before[k], after[k]) for k in before)

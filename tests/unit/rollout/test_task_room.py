@@ -2,9 +2,9 @@
 multi-turn run whose task has no environment, and one training step of a task added the way
 docs/architecture.md says (tests/fake_task.py plus one registry line).
 
-The step runs in-process: a real EngineActor, RolloutManager and TrainerActor, joined by fake
-proxies (tests/fakes.py) instead of processes. Its expected rewards are the fake task's rule
-applied here, by hand, to the tokens the engine sampled."""
+The step runs in-process (tests/step_rig.py): a real EngineActor, RolloutManager and
+TrainerActor, joined by fake proxies (tests/fakes.py) instead of processes. Its expected
+rewards are the fake task's rule applied here, by hand, to the tokens the engine sampled."""
 from __future__ import annotations
 
 import numpy as np
@@ -12,9 +12,7 @@ import pytest
 import torch
 
 from replayrl.rollout.config import RolloutConfig
-from replayrl.rollout.engine_actor import EngineActor
 from replayrl.rollout.manager import RolloutError, RolloutManager
-from replayrl.rollout.sample import samples_from_columns
 from replayrl.rollout.tasks import (
     TASKS,
     TaskConfigError,
@@ -29,10 +27,8 @@ from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
 from replayrl.rollout.tasks.digits import DigitsTask
 from replayrl.rollout.tasks.prompt_file import PromptFileTask
 from replayrl.tools.run.config import ConfigError, build_config
-from replayrl.tools.run.launcher import engine_kwargs, resolve_engine, run_required_traces, write_initial_checkpoint
-from replayrl.transport.array_bundle import pack_arrays
 from tests.fake_task import PROMPTS
-from tests.fakes import FakeProxy
+from tests.step_rig import step_rig
 
 
 @pytest.fixture
@@ -96,46 +92,13 @@ def _restore_threads():
 
 
 async def test_a_registered_task_trains_one_step(fake_task, tmp_path, _restore_threads):
-    from replayrl.trainer.trainer_actor import TrainerActor
-
     groups, n = 2, 4
     config = build_config({"task": fake_task, "rollout-batch-size": groups,
                            "n-samples-per-prompt": n, "progress": False,
                            "output-dir": str(tmp_path)})
-    checkpoint = write_initial_checkpoint(config, tmp_path / "ckpt")
-    model = config.policy_config
-    required = run_required_traces(config)
-    trainer = TrainerActor(str(checkpoint), config.trainer.to_dict(), n_samples_per_prompt=n,
-                           engines=[], rollout_batch_size=groups, vocab_tokens=list(VOCABULARY))
-    engine = EngineActor(resolve_engine(config), engine_kwargs(config), required)
-    await engine.load_weights(0, pack_arrays(trainer.backend.weights()))
-    manager = RolloutManager(config.rollout.to_dict(), ["engine_0"], required,
-                             model.max_position_embeddings, str(checkpoint), model.vocab_size,
-                             task=task_class_path(fake_task))
-    manager.proxy = lambda name, timeout=None: FakeProxy(generate=engine.generate)
-
-    summary = await manager.generate(0, min_version=0)
-
-    taken = []
-
-    async def take_batch(rollout_id):
-        taken.append(await manager.take_batch(rollout_id))
-        return taken[-1]
-
-    async def check_samples(ids, versions):
-        return trainer.version
-
-    async def set_trainer_version(version):
-        return version
-
-    clock = FakeProxy(check_samples=check_samples, set_trainer_version=set_trainer_version)
-    clock._methods["with_timeout"] = lambda timeout: clock
-    proxies = {"rollout_manager": FakeProxy(take_batch=take_batch), "version_clock": clock}
-    trainer.proxy = lambda name, timeout=None: proxies[name]
-    before = trainer.backend.weights()
-    metrics = await trainer.train(0)
-
-    samples = samples_from_columns(taken[0])
+    rig = await step_rig(config, tmp_path, fake_task)
+    step = await rig.one_step()
+    summary, metrics, samples, before, after = step.summary, step.metrics, step.samples, step.before, step.after
     assert len(samples) == groups * n
     # every prompt is one of the fake task's, each group of n shares one
     assert {tuple(s.prompt_ids.tolist()) for s in samples} <= set(PROMPTS)
@@ -150,8 +113,7 @@ async def test_a_registered_task_trains_one_step(fake_task, tmp_path, _restore_t
     # one optimizer step over every response token (single turn: loss mask all ones)
     assert metrics["loss_tokens"] == sum(len(s.response_ids) for s in samples)
     assert (metrics["skipped"], metrics["trained_groups"]) == (0, groups)
-    assert trainer.version == 1
-    after = trainer.backend.weights()
+    assert rig.trainer.version == 1
     # a group with rewards that differ has a non-zero advantage, so the weights moved
     if any(len(set(by_hand[g * n:(g + 1) * n])) > 1 for g in range(groups)):
         assert any(not np.array_equal(before[k], after[k]) for k in before)

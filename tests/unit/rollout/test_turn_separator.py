@@ -10,8 +10,8 @@ hand from the template's text, never from the code under test.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
-import string
 from pathlib import Path
 
 import numpy as np
@@ -21,17 +21,22 @@ from replayrl.rollout.engines.base import Generation
 from replayrl.rollout.errors import ChatTemplateError
 from replayrl.rollout.tokenizer import load_tokenizer
 from replayrl.rollout.turn_loop import assemble, run_episodes
+from tests.paths import REPO
 
-# Qwen2.5's layout: every message closes with "<|im_end|>\n"; tool results are a user turn.
-QWEN_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{%- if message.role == 'tool' %}"
-    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
-    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
-    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
-    "{%- else %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
-    "{%- endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+def _example_checkpoint_module():
+    """examples/environments/make_checkpoint.py (a script, not a package), loaded by path."""
+    spec = importlib.util.spec_from_file_location(
+        "example_make_checkpoint", REPO / "examples" / "environments" / "make_checkpoint.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_EXAMPLE = _example_checkpoint_module()
+# Qwen's layout, the example checkpoint's template: every message closes with "<|im_end|>\n";
+# tool results are a user turn (its tools system turn renders nothing here: no tools are given).
+QWEN_TEMPLATE = _EXAMPLE.TEMPLATE
 # Another layout: a blank line ("\n\n", two tokens here) after the end-of-turn token.
 BLANK_LINE_TEMPLATE = (
     "{%- for message in messages %}{{- '<|turn|>' + message.role + ': ' + message.content"
@@ -52,7 +57,7 @@ NEWLINE_FIRST_TEMPLATE = (
     " + '\\n<|im_end|>\\n' }}{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
 
-CHARS = sorted(set(string.ascii_letters + string.digits + string.punctuation + " \n"))
+CHARS = _EXAMPLE.CHARS  # one token per printable ASCII character
 
 
 def _make_tokenizer(root: Path, name: str, template: str, special: list[str], eos: str) -> Path:

@@ -1,6 +1,6 @@
 """One --dynamic-sampling optimizer step, in-process: a real EngineActor, RolloutManager and
-TrainerActor joined by fake proxies (tests/fakes.py), as tests/unit/rollout/test_task_room.py
-drives a step.
+TrainerActor joined by fake proxies (tests/fakes.py), built by tests/step_rig.py as for
+tests/unit/rollout/test_task_room.py's step.
 
 The task is tests/fake_task.py's with one change: the first prompt's reward is always 1, so
 its groups never carry a learning signal. Which groups must drop, how many replacement
@@ -15,16 +15,11 @@ import torch
 
 from replayrl.actors.errors import StaleSample
 from replayrl.actors.version_clock import VersionRules
-from replayrl.rollout.engine_actor import EngineActor
-from replayrl.rollout.manager import RolloutManager
 from replayrl.rollout.sample import samples_from_columns
-from replayrl.rollout.tasks import TASKS, RewardCall, task_class_path
-from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
+from replayrl.rollout.tasks import TASKS, RewardCall
 from replayrl.tools.run.config import build_config
-from replayrl.tools.run.launcher import engine_kwargs, resolve_engine, run_required_traces, write_initial_checkpoint
-from replayrl.transport.array_bundle import pack_arrays
 from tests.fake_task import FakeTask, first_token_even
-from tests.fakes import FakeProxy
+from tests.step_rig import step_rig
 
 
 def _always_one(response_ids: np.ndarray) -> float:
@@ -55,8 +50,6 @@ def _restore_threads():
 
 async def test_step_trains_on_exactly_the_configured_informative_groups(monkeypatch, tmp_path,
                                                                          _restore_threads):
-    from replayrl.trainer.trainer_actor import TrainerActor
-
     monkeypatch.setitem(TASKS, "first_prompt_solved",
                         "tests.unit.trainer.test_dynamic_sampling_step:FirstPromptSolved")
     groups, n = 3, 2
@@ -64,47 +57,24 @@ async def test_step_trains_on_exactly_the_configured_informative_groups(monkeypa
                            "n-samples-per-prompt": n, "progress": False, "seed": 3,
                            "dynamic-sampling": True, "rs-refill-max-rounds": 20,
                            "output-dir": str(tmp_path)})
-    checkpoint = write_initial_checkpoint(config, tmp_path / "ckpt")
-    model = config.policy_config
-    required = run_required_traces(config)
-    trainer = TrainerActor(str(checkpoint), config.trainer.to_dict(), n_samples_per_prompt=n,
-                           engines=[], rollout_batch_size=groups, vocab_tokens=list(VOCABULARY))
-    engine = EngineActor(resolve_engine(config), engine_kwargs(config), required)
-    await engine.load_weights(0, pack_arrays(trainer.backend.weights()))
-    manager = RolloutManager(config.rollout.to_dict(), ["engine_0"], required,
-                             model.max_position_embeddings, str(checkpoint), model.vocab_size,
-                             task=task_class_path("first_prompt_solved"))
-    manager.proxy = lambda name, timeout=None: FakeProxy(generate=engine.generate)
+    rig = await step_rig(config, tmp_path, "first_prompt_solved")
+    trainer, manager = rig.trainer, rig.manager
     await manager.generate(0, min_version=0)
 
-    taken, replacements, rules = [], [], VersionRules()
-
-    async def take_batch(rollout_id):
-        taken.append(await manager.take_batch(rollout_id))
-        return taken[-1]
+    replacements, rules = [], VersionRules()
 
     async def generate_replacements(n_groups, min_version):
         assert min_version == trainer.version == 0
         replacements.append(await manager.generate_replacements(n_groups, min_version))
         return replacements[-1]
 
-    async def check_samples(ids, versions):
-        return trainer.version
-
     async def check_replacements(preflight_version, ids, versions):
         bad = [s for s, v in zip(ids, versions) if not rules.replacement_ok(preflight_version, v)]
         if bad:
             raise StaleSample(f"not at the preflight version: {bad}")
 
-    async def set_trainer_version(version):
-        return version
-
-    clock = FakeProxy(check_samples=check_samples, check_replacements=check_replacements,
-                      set_trainer_version=set_trainer_version)
-    proxies = {"rollout_manager": FakeProxy(take_batch=take_batch,
-                                            generate_replacements=generate_replacements),
-               "version_clock": clock}
-    trainer.proxy = lambda name, timeout=None: proxies[name]
+    rig.connect(manager_methods={"generate_replacements": generate_replacements},
+                clock_methods={"check_replacements": check_replacements})
     trained = []
     update = trainer._update
 
@@ -117,7 +87,7 @@ async def test_step_trains_on_exactly_the_configured_informative_groups(monkeypa
 
     # by hand: every candidate group (initial, then each replacement round in request order)
     # and whether its rewards differ; the first `groups` informative ones are trained on
-    rounds = [samples_from_columns(taken[0])] + [samples_from_columns(r) for r in replacements]
+    rounds = [samples_from_columns(rig.taken[0])] + [samples_from_columns(r) for r in replacements]
     candidates = []
     for batch in rounds:
         for s in batch:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 from replayrl.rollout.model.loader import load_pretrained
 from replayrl.rollout.sample import Sample
@@ -21,6 +20,9 @@ from replayrl.trainer.backends.torch_backend import TorchBackend
 from replayrl.trainer.batch import collate
 from replayrl.trainer.config import TrainerConfig
 from replayrl.trainer.errors import CheckpointLayoutError
+from tests.backend_fixtures import assert_fsdp_takes_the_torch_step, assert_same_arrays, traced_samples, train_step
+
+pytestmark = pytest.mark.usefixtures("one_rank_group")
 
 
 @pytest.fixture(scope="module")
@@ -28,42 +30,8 @@ def checkpoint(tmp_path_factory):
     return write_initial_checkpoint(build_config({}), tmp_path_factory.mktemp("init") / "model")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_rank_group():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)  # the backends set the process's threads
-    if dist.is_initialized():  # the group of one the fsdp backend made in this process
-        dist.destroy_process_group()
-
-
 def _samples(model) -> list[Sample]:
-    """Four samples of two groups; routing / indexer traces are the model's own choices (none
-    for a model without the layers), each
-    response token's support its token and two others (support replay)."""
-    rng = np.random.default_rng(0)
-    out = []
-    for i in range(4):
-        prompt = rng.integers(3, len(VOCABULARY), 5).astype(np.int32)
-        response = rng.integers(3, len(VOCABULARY), 3 + i).astype(np.int32)
-        tokens = torch.from_numpy(np.r_[prompt, response][:-1].astype(np.int64))[None]
-        with torch.no_grad():
-            traced = model(tokens, torch.arange(tokens.shape[1])[None], capture=True)
-        support = np.stack([response, response, (response + 1) % len(VOCABULARY),
-                            (response + 2) % len(VOCABULARY)], axis=1)
-        out.append(Sample(sample_id=i, group_id=i // 2, rollout_id=0, policy_version=0,
-                          prompt_ids=prompt, response_ids=response,
-                          loss_mask=np.ones(len(response), np.uint8),
-                          rollout_logprobs=np.full(len(response), -1.0, np.float32),
-                          sample_support=support,
-                          routed_experts=traced.routed_experts[0].numpy().astype(np.int32),
-                          indexer_topk=None if traced.indexer_topk is None
-                          else traced.indexer_topk[0].numpy().astype(np.int32)))
-    return out
-
-
-def _loss(logp: torch.Tensor) -> torch.Tensor:
-    return -(logp * torch.linspace(-1.0, 1.0, len(logp))).sum()
+    return traced_samples(model, len(VOCABULARY))
 
 
 @pytest.mark.parametrize("chunk", [0, 2], ids=["logits", "fused-lm-head"])
@@ -77,23 +45,11 @@ def test_the_sharded_policy_takes_the_torch_backends_step(checkpoint, chunk):
     assert fsdp.parameter_count() == reference.parameter_count()
     assert fsdp.model_config == reference.model_config
     batch = collate(_samples(reference.model), routing=True, indexer=True, support=True)
-    want, got = reference.preflight_logprobs(batch), fsdp.preflight_logprobs(batch)
-    torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=1e-6)
-    for field in ("routed_experts", "own_routed_experts", "indexer_topk", "own_indexer_topk"):
-        assert torch.equal(getattr(got, field), getattr(want, field)), field
-    norms = []
-    for backend in (reference, fsdp):
-        backend.zero_grad()
-        out = backend.forward_backward(batch, _loss, capture=True)
-        torch.testing.assert_close(out.logprobs, want.logprobs, rtol=0, atol=1e-6)
-        norms.append(backend.clip_and_step(1.0))
-    assert norms[1] == pytest.approx(norms[0], rel=1e-6)
+    assert_fsdp_takes_the_torch_step(reference, fsdp, batch, atol=1e-6, rel=1e-6)
     before = load_pretrained(checkpoint)[0].state_dict()
     weights, expected = fsdp.weights(), reference.weights()
-    assert set(weights) == set(expected) == set(before)
-    for name, array in expected.items():
-        assert weights[name].dtype == np.float32
-        np.testing.assert_allclose(weights[name], array, rtol=0, atol=1e-6, err_msg=name)
+    assert_same_arrays(weights, expected, atol=1e-6, keys=before)
+    assert all(a.dtype == np.float32 for a in weights.values())
     assert max(float(np.abs(expected[n] - before[n].numpy()).max()) for n in expected) > 1e-4
 
 
@@ -101,9 +57,7 @@ def test_a_checkpoint_round_trips_and_names_its_backend_and_layout(checkpoint, t
     config = TrainerConfig(train_backend="fsdp")
     fsdp = FSDPBackend(str(checkpoint), config, list(VOCABULARY))
     batch = collate(_samples(fsdp.model), routing=True, indexer=True, support=True)
-    fsdp.zero_grad()
-    fsdp.forward_backward(batch, _loss)
-    fsdp.clip_and_step(1.0)
+    train_step(fsdp, batch)
     saved = fsdp.digest()
     fsdp.save_checkpoint(tmp_path / "ckpt", 3)
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["fsdp_state.rank0.pt", "model"]
@@ -112,9 +66,7 @@ def test_a_checkpoint_round_trips_and_names_its_backend_and_layout(checkpoint, t
     hf = load_pretrained(tmp_path / "ckpt" / "model")[0].state_dict()
     for name, array in fsdp.weights().items():
         np.testing.assert_array_equal(hf[name].numpy(), array, err_msg=name)
-    fsdp.zero_grad()
-    fsdp.forward_backward(batch, _loss)
-    fsdp.clip_and_step(1.0)
+    train_step(fsdp, batch)
     assert fsdp.digest() != saved
     assert fsdp.load_checkpoint(tmp_path / "ckpt") == 3
     assert fsdp.digest() == saved  # weights and both Adam moments, bit for bit
@@ -162,9 +114,7 @@ def test_a_transformers_qwen3_moe_checkpoint_trains_sharded_and_saves_for_transf
     assert samples[0].indexer_topk is None and samples[0].routed_experts is not None
     batch = collate(samples, routing=True, indexer=False, support=True)
     for backend in (reference, fsdp):
-        backend.zero_grad()
-        backend.forward_backward(batch, _loss)
-        backend.clip_and_step(1.0)
+        train_step(backend, batch)
     fsdp.save_hf(tmp_path / "out")
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     tokens = torch.from_numpy(samples[0].tokens.astype(np.int64))[None]

@@ -14,9 +14,7 @@ import torch
 
 from replayrl.rollout.engines.embedded import EmbeddedEngine
 from replayrl.rollout.model import Qwen3MoeForCausalLM
-from replayrl.rollout.model.checkpoint import save_pretrained
 from replayrl.rollout.model.loader import load_pretrained
-from replayrl.rollout.sample import Sample
 from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
 from replayrl.tools.errors import ConfigError
 from replayrl.tools.run.config import build_config
@@ -26,21 +24,25 @@ from replayrl.trainer.batch import collate
 from replayrl.trainer.config import TrainerConfig
 from replayrl.trainer.errors import TrainerConfigError
 from replayrl.transport.array_bundle import unpack_arrays
-from tests.model_helpers import decisive_model
+from tests.backend_fixtures import (
+    DEFAULT_TARGETS,
+    adapter_size_by_hand,
+    decisive_checkpoint,
+    lora_config,
+    randomize_adapters,
+    token_ids,
+    traced_samples,
+    train_step,
+)
 
 pytest.importorskip("peft", reason="peft (the lora extra) is not installed")
-
-DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """The embedded default policy without the indexer (transformers has none), decisive
     routing (no near ties between the two implementations)."""
     cfg = build_config({"model-indexer": False}).policy_config
-    directory = tmp_path_factory.mktemp("init") / "model"
-    save_pretrained(decisive_model(cfg, seed=3, norm_jitter=0.2), directory, tokens=list(VOCABULARY))
-    return directory
+    return decisive_checkpoint(tmp_path_factory.mktemp("init") / "model", cfg, seed=3)
 
 
 @pytest.fixture(autouse=True)
@@ -56,64 +58,18 @@ def moe_checkpoint(tmp_path_factory):
     transformers 5's fused experts, maps every ``gate_proj`` / ``up_proj`` / ``down_proj``
     target to the experts and drops a dense layer's MLP adapters (docs/design.md#lora)."""
     cfg = dataclasses.replace(build_config({"model-indexer": False}).policy_config, mlp_only_layers=())
-    directory = tmp_path_factory.mktemp("init-moe") / "model"
-    save_pretrained(decisive_model(cfg, seed=3, norm_jitter=0.2), directory, tokens=list(VOCABULARY))
-    return directory
-
-
-def _config(**kw) -> TrainerConfig:
-    return TrainerConfig(**{"lora_rank": 4, "lora_alpha": 8.0, "lr": 1e-2, **kw})
-
-
-def _samples(model) -> list[Sample]:
-    """Four samples of two groups, routing traces the model's own choices, support replay."""
-    rng = np.random.default_rng(0)
-    out = []
-    for i in range(4):
-        prompt = rng.integers(3, len(VOCABULARY), 5).astype(np.int32)
-        response = rng.integers(3, len(VOCABULARY), 3 + i).astype(np.int32)
-        tokens = torch.from_numpy(np.r_[prompt, response][:-1].astype(np.int64))[None]
-        with torch.no_grad(), lora.experts_adapted(model):
-            traced = model(tokens, torch.arange(tokens.shape[1])[None], capture=True)
-        support = np.stack([response, response, (response + 1) % len(VOCABULARY),
-                            (response + 2) % len(VOCABULARY)], axis=1)
-        out.append(Sample(sample_id=i, group_id=i // 2, rollout_id=0, policy_version=0,
-                          prompt_ids=prompt, response_ids=response,
-                          loss_mask=np.ones(len(response), np.uint8),
-                          rollout_logprobs=np.full(len(response), -1.0, np.float32),
-                          sample_support=support,
-                          routed_experts=traced.routed_experts[0].numpy().astype(np.int32),
-                          indexer_topk=None if traced.indexer_topk is None
-                          else traced.indexer_topk[0].numpy().astype(np.int32)))
-    return out
-
-
-def _loss(logp: torch.Tensor) -> torch.Tensor:
-    return -(logp * torch.linspace(-1.0, 1.0, len(logp))).sum()
+    return decisive_checkpoint(tmp_path_factory.mktemp("init-moe") / "model", cfg, seed=3)
 
 
 def _step(backend: TorchBackend) -> None:
-    batch = collate(_samples(backend.model), routing=True,
+    batch = collate(traced_samples(backend.model, len(VOCABULARY), adapted=True), routing=True,
                     indexer=bool(backend.model_config.index_layers), support=True)
-    backend.zero_grad()
-    backend.forward_backward(batch, _loss)
-    assert np.isfinite(backend.clip_and_step(1.0))
-
-
-def _randomize_adapters(model, seed: int = 0, scale: float = 0.05) -> None:
-    """Nonzero ``B`` everywhere (peft initialises it to zero: the policy unchanged)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".lora_B." in name:
-                p.copy_(scale * torch.randn(p.shape, generator=g))
+    assert np.isfinite(train_step(backend, batch))
 
 
 def _adapter_size_by_hand(checkpoint, rank: int, targets) -> int:
     """r x (in + out) for every nn.Linear of the plain policy whose name ends with a target."""
-    model, _ = load_pretrained(checkpoint)
-    return sum(rank * (m.in_features + m.out_features) for name, m in model.named_modules()
-               if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets)
+    return adapter_size_by_hand(load_pretrained(checkpoint)[0], rank, targets)
 
 
 def _plain(state: dict, cfg) -> Qwen3MoeForCausalLM:
@@ -122,13 +78,8 @@ def _plain(state: dict, cfg) -> Qwen3MoeForCausalLM:
     return model.eval()
 
 
-def _ids(cfg):
-    g = torch.Generator().manual_seed(1)
-    return torch.randint(3, cfg.vocab_size, (3, 11), generator=g), torch.arange(11).expand(3, 11)
-
-
 def test_only_the_adapters_train_and_sit_in_the_optimizer(checkpoint):
-    backend = TorchBackend(str(checkpoint), _config(), list(VOCABULARY))
+    backend = TorchBackend(str(checkpoint), lora_config(), list(VOCABULARY))
     want = _adapter_size_by_hand(checkpoint, 4, DEFAULT_TARGETS)
     in_optimizer = sum(p.numel() for g in backend.optimizer.param_groups for p in g["params"])
     trainable = sum(p.numel() for p in backend.model.parameters() if p.requires_grad)
@@ -147,7 +98,7 @@ def test_only_the_adapters_train_and_sit_in_the_optimizer(checkpoint):
 
 
 def test_the_router_is_adapted_when_named(checkpoint):
-    backend = TorchBackend(str(checkpoint), _config(lora_target_modules="gate,q_proj"), list(VOCABULARY))
+    backend = TorchBackend(str(checkpoint), lora_config(lora_target_modules="gate,q_proj"), list(VOCABULARY))
     names = [n for n, _ in backend.model.named_parameters() if ".lora_A." in n]
     assert {n.split(".lora_A")[0].rsplit(".", 1)[-1] for n in names} == {"gate", "q_proj"}
     assert sum(p.numel() for p in backend.params) == _adapter_size_by_hand(checkpoint, 4, ("gate", "q_proj"))
@@ -184,14 +135,14 @@ def test_an_expert_adapter_changes_that_experts_output(checkpoint):
 
 
 def test_the_push_after_the_first_carries_only_adapters_and_the_engine_merges_them(checkpoint):
-    backend = TorchBackend(str(checkpoint), _config(), list(VOCABULARY))
+    backend = TorchBackend(str(checkpoint), lora_config(), list(VOCABULARY))
     cfg = backend.model_config
     engine = EmbeddedEngine(dataclasses.asdict(cfg), dtype=torch.float32)
     full = backend.weight_bundle(full=True)
     engine.load_weights(unpack_arrays(full), version=0)
-    ids, pos = _ids(cfg)
+    ids, pos = token_ids(cfg.vocab_size)
     for version in (1, 2):  # twice: the engine merges into the base it kept, not the last merge
-        _randomize_adapters(backend.model, seed=version)
+        randomize_adapters(backend.model, seed=version)
         _step(backend)
         bundle = backend.weight_bundle(full=False)
         arrays = unpack_arrays(bundle)
@@ -218,8 +169,8 @@ def test_a_checkpoint_holds_the_adapters_and_loads_into_peft(moe_checkpoint, tmp
     from peft import PeftModel
 
     checkpoint = moe_checkpoint
-    backend = TorchBackend(str(checkpoint), _config(), list(VOCABULARY))
-    _randomize_adapters(backend.model)
+    backend = TorchBackend(str(checkpoint), lora_config(), list(VOCABULARY))
+    randomize_adapters(backend.model)
     _step(backend)
     backend.save_checkpoint(tmp_path / "ckpt", 5)
     assert {p.name for p in (tmp_path / "ckpt" / "adapter").iterdir()} == {
@@ -227,7 +178,7 @@ def test_a_checkpoint_holds_the_adapters_and_loads_into_peft(moe_checkpoint, tmp
     hf = transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path / "ckpt" / "model",
                                                           attn_implementation="eager")
     peft_model = PeftModel.from_pretrained(hf, tmp_path / "ckpt" / "adapter").eval()
-    ids, pos = _ids(backend.model_config)
+    ids, pos = token_ids(backend.model_config.vocab_size)
     with torch.no_grad(), lora.experts_adapted(backend.model):
         ours = backend.model(ids, pos).logits
         theirs = peft_model(input_ids=ids, position_ids=pos).logits
@@ -236,27 +187,27 @@ def test_a_checkpoint_holds_the_adapters_and_loads_into_peft(moe_checkpoint, tmp
     assert (base - ours).abs().max() > 1e-3  # the adapters were loaded and do something
     torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-5)
     # round trip: a fresh LoRA backend restores weights and optimizer bit for bit
-    assert TorchBackend.check_checkpoint(tmp_path / "ckpt", _config()) == 5
-    again = TorchBackend(str(checkpoint), _config(), list(VOCABULARY))
+    assert TorchBackend.check_checkpoint(tmp_path / "ckpt", lora_config()) == 5
+    again = TorchBackend(str(checkpoint), lora_config(), list(VOCABULARY))
     assert again.load_checkpoint(tmp_path / "ckpt") == 5
     assert again.digest() == backend.digest()
     with pytest.raises(ValueError, match="lora_alpha"):
-        TorchBackend.check_checkpoint(tmp_path / "ckpt", _config(lora_alpha=4.0))
+        TorchBackend.check_checkpoint(tmp_path / "ckpt", lora_config(lora_alpha=4.0))
 
 
 def test_routing_and_indexer_replay_are_unchanged_under_lora(tmp_path):
     """The embedded default with its indexer: on the same replayed batch, the LoRA policy's
     preflight uses the experts and keys, and gives the own choices and logprobs, of a plain
     (no-LoRA) backend holding its merged weights."""
-    checkpoint = tmp_path / "init"
     cfg = build_config({}).policy_config
     assert cfg.index_layers  # the indexer is on
-    save_pretrained(decisive_model(cfg, seed=4, norm_jitter=0.2), checkpoint, tokens=list(VOCABULARY))
-    backend = TorchBackend(str(checkpoint), _config(), list(VOCABULARY))
-    _randomize_adapters(backend.model)
+    checkpoint = decisive_checkpoint(tmp_path / "init", cfg, seed=4)
+    backend = TorchBackend(str(checkpoint), lora_config(), list(VOCABULARY))
+    randomize_adapters(backend.model)
     backend.save_hf(tmp_path / "merged")
     plain = TorchBackend(str(tmp_path / "merged"), TrainerConfig(), list(VOCABULARY))
-    batch = collate(_samples(backend.model), routing=True, indexer=True, support=True)
+    batch = collate(traced_samples(backend.model, len(VOCABULARY), adapted=True), routing=True, indexer=True,
+                    support=True)
     got, want = backend.preflight_logprobs(batch), plain.preflight_logprobs(batch)
     for field in ("routed_experts", "own_routed_experts", "indexer_topk"):
         assert torch.equal(getattr(got, field), getattr(want, field)), field

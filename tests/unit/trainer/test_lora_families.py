@@ -13,11 +13,9 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 from replayrl.rollout.engines.embedded import EmbeddedEngine
 from replayrl.rollout.model.families.base import FamilyModel
-from replayrl.rollout.sample import Sample
 from replayrl.tools.errors import ConfigError
 from replayrl.tools.run.config import build_config
 from replayrl.trainer import lora
@@ -28,10 +26,22 @@ from replayrl.trainer.config import TrainerConfig
 from replayrl.trainer.errors import TrainerConfigError
 from replayrl.trainer.replay import batch_flip_rate
 from replayrl.transport.array_bundle import unpack_arrays
+from tests.backend_fixtures import (
+    adapter_size_by_hand,
+    assert_fsdp_takes_the_torch_step,
+    assert_same_arrays,
+    assert_same_push,
+    lora_config,
+    randomize_adapters,
+    token_ids,
+    traced_samples,
+    train_step,
+)
 from tests.family_checkpoints import tiny_hf_checkpoint
 
 transformers = pytest.importorskip("transformers", reason="checkpoints are written by transformers")
 pytest.importorskip("peft", reason="peft (the lora extra) is not installed")
+pytestmark = pytest.mark.usefixtures("one_rank_group")
 
 VOCAB = 97  # tests/family_checkpoints.py
 TARGETS = "q_proj,k_proj,v_proj,o_proj,q_a_proj,q_b_proj,kv_a_proj_with_mqa,kv_b_proj,gate_proj,up_proj,down_proj"
@@ -48,71 +58,14 @@ def checkpoints(tmp_path_factory):
     return out
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_rank_group():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)  # the backends set the process's threads
-    if dist.is_initialized():  # the group of one the fsdp backend made in this process
-        dist.destroy_process_group()
-
-
 def _config(**kw) -> TrainerConfig:
-    return TrainerConfig(**{"lora_rank": 4, "lora_alpha": 8.0, "lr": 1e-2,
-                            "lora_target_modules": TARGETS, **kw})
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _randomize_adapters(model, seed: int = 0, scale: float = 0.05) -> None:
-    """Nonzero ``B`` everywhere (peft initialises it to zero), in parameter-name order."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".lora_B." in name:
-                _local(p).copy_(scale * torch.randn(p.shape, generator=g))
-
-
-def _samples(model: FamilyModel) -> list[Sample]:
-    """Four samples of two groups (prompts of 6 tokens: more keys than `index_topk`), traces
-    the LoRA policy's own choices, support replay."""
-    rng = np.random.default_rng(0)
-    out = []
-    for i in range(4):
-        prompt = rng.integers(3, VOCAB, 6).astype(np.int32)
-        response = rng.integers(3, VOCAB, 3 + i).astype(np.int32)
-        tokens = torch.from_numpy(np.r_[prompt, response][:-1].astype(np.int64))[None]
-        with torch.no_grad():
-            traced = model(tokens, torch.arange(tokens.shape[1])[None], capture=True)
-        support = np.stack([response, response, (response + 1) % VOCAB, (response + 2) % VOCAB], axis=1)
-        out.append(Sample(sample_id=i, group_id=i // 2, rollout_id=0, policy_version=0,
-                          prompt_ids=prompt, response_ids=response,
-                          loss_mask=np.ones(len(response), np.uint8),
-                          rollout_logprobs=np.full(len(response), -1.0, np.float32),
-                          sample_support=support,
-                          routed_experts=traced.routed_experts[0].numpy().astype(np.int32),
-                          indexer_topk=None if traced.indexer_topk is None
-                          else traced.indexer_topk[0].numpy().astype(np.int32)))
-    return out
+    return lora_config(**{"lora_target_modules": TARGETS, **kw})
 
 
 def _batch(backend):
     indexer = bool(backend.model_config.indexed_layers)
-    return collate(_samples(backend.model), routing=True, indexer=indexer, support=True)
-
-
-def _loss(logp: torch.Tensor) -> torch.Tensor:
-    return -(logp * torch.linspace(-1.0, 1.0, len(logp))).sum()
-
-
-def _step(backend, batch) -> float:
-    backend.zero_grad()
-    backend.forward_backward(batch, _loss)
-    return backend.clip_and_step(1.0)
+    return collate(traced_samples(backend.model, VOCAB, prompt_len=6), routing=True, indexer=indexer,
+                   support=True)
 
 
 def _plain(state: dict, cfg) -> FamilyModel:
@@ -120,11 +73,6 @@ def _plain(state: dict, cfg) -> FamilyModel:
         model = FamilyModel.from_config(cfg, torch.float32)
     model.load_state_dict(state)
     return model.eval()
-
-
-def _ids():
-    g = torch.Generator().manual_seed(1)
-    return torch.randint(3, VOCAB, (3, 11), generator=g), torch.arange(11).expand(3, 11)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -138,8 +86,7 @@ def test_only_adapters_train_and_the_router_and_indexer_are_not_adapted(checkpoi
     assert not any(".mlp.gate." in n or ".indexer." in n for n in names)
     # every MLA projection and o_proj: r x (in + out), by hand over transformers' nn.Linear
     plain = transformers.AutoModelForCausalLM.from_pretrained(checkpoints[family])
-    by_hand = sum(4 * (m.in_features + m.out_features) for name, m in plain.named_modules()
-                  if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in ATTENTION)
+    by_hand = adapter_size_by_hand(plain, 4, ATTENTION)
     assert sum(params[n].numel() for n in names if ".self_attn." in n) == by_hand
     # the fused expert tensors are adapted (peft's ParamWrapper), per expert; peft 0.21 does
     # not map gpt-oss's (fused with biases): there only attention is adapted
@@ -147,7 +94,7 @@ def test_only_adapters_train_and_the_router_and_indexer_are_not_adapted(checkpoi
     assert {n.rsplit(".", 1)[-1] for n in experts} == (set() if family == "gpt_oss" else {"gate_up_proj", "down_proj"})
     base = {k: v.clone() for k, v in lora.base_state(backend.model).items()}
     adapters = {n: p.detach().clone() for n, p in backend.model.named_parameters() if ".lora_" in n}
-    assert np.isfinite(_step(backend, _batch(backend)))
+    assert np.isfinite(train_step(backend, _batch(backend)))
     for name, t in lora.base_state(backend.model).items():
         assert torch.equal(t, base[name]), name  # bit-identical
     moved = [n for n, p in backend.model.named_parameters() if ".lora_" in n and not torch.equal(p, adapters[n])]
@@ -161,7 +108,7 @@ def test_routing_and_indexer_replay_are_unchanged_under_lora(checkpoints, family
     preflight uses the replayed experts and keys, its own choices are those (flips 0), and it
     gives the choices and logprobs of a plain backend holding its merged weights."""
     backend = TorchBackend(str(checkpoints[family]), _config(), [])
-    _randomize_adapters(backend.model)
+    randomize_adapters(backend.model)
     backend.save_hf(tmp_path / "merged")
     plain = TorchBackend(str(tmp_path / "merged"), TrainerConfig(), [])
     batch = _batch(backend)
@@ -196,11 +143,11 @@ def test_the_embedded_engine_merges_a_family_adapter_push(checkpoints):
     cfg = backend.model_config
     engine = EmbeddedEngine(dataclasses.asdict(cfg), dtype=torch.float32)
     engine.load_weights(unpack_arrays(backend.weight_bundle(full=True)), version=0)
-    ids, pos = _ids()
+    ids, pos = token_ids(VOCAB)
     batch = _batch(backend)
     for version in (1, 2):  # twice: the engine merges into the base it kept
-        _randomize_adapters(backend.model, seed=version)
-        _step(backend, batch)
+        randomize_adapters(backend.model, seed=version)
+        train_step(backend, batch)
         arrays = unpack_arrays(backend.weight_bundle(full=False))
         assert arrays and all(k.endswith((".lora_A", ".lora_B")) for k in arrays)
         expert = "model.layers.1.mlp.experts.down_proj"  # [E, out, in]: per-expert factors
@@ -227,13 +174,13 @@ def test_a_family_lora_checkpoint_loads_into_peft_and_round_trips(checkpoints, t
     from peft import PeftModel
 
     backend = TorchBackend(str(checkpoints["glm_moe_dsa"]), _config(), [])
-    _randomize_adapters(backend.model)
-    _step(backend, _batch(backend))
+    randomize_adapters(backend.model)
+    train_step(backend, _batch(backend))
     backend.save_checkpoint(tmp_path / "ckpt", 4)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "model",
                                                            attn_implementation="eager")
     peft_model = PeftModel.from_pretrained(hf, tmp_path / "ckpt" / "adapter").eval()
-    ids, _ = _ids()
+    ids, _ = token_ids(VOCAB)
     with torch.no_grad():
         ours = backend.model.eval()(ids, torch.arange(11).expand(3, 11)).logits
         theirs = peft_model(input_ids=ids).logits
@@ -251,24 +198,11 @@ def test_a_family_lora_step_on_fsdp_equals_the_torch_backends(checkpoints):
     path = str(checkpoints["glm_moe_dsa"])
     reference = TorchBackend(path, _config(), [])
     fsdp = FSDPBackend(path, _config(train_backend="fsdp"), [])
-    _randomize_adapters(reference.model)
-    _randomize_adapters(fsdp.model)
-    batch = _batch(reference)
-    want, got = reference.preflight_logprobs(batch), fsdp.preflight_logprobs(batch)
-    torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=1e-5)
-    for field in ("routed_experts", "own_routed_experts", "indexer_topk", "own_indexer_topk"):
-        assert torch.equal(getattr(got, field), getattr(want, field)), field
-    norms = [_step(b, batch) for b in (reference, fsdp)]
-    assert norms[1] == pytest.approx(norms[0], rel=1e-5)
-    for full in (True, False):
-        pushed, expected = fsdp.push_arrays(full=full), unpack_arrays(reference.weight_bundle(full=full))
-        assert list(pushed) == list(expected)
-        for name, array in expected.items():
-            np.testing.assert_allclose(pushed[name], array, rtol=0, atol=1e-5, err_msg=name)
-    merged, expected = fsdp.weights(), reference.weights()
-    assert set(merged) == set(expected)
-    for name, array in expected.items():
-        np.testing.assert_allclose(merged[name], array, rtol=0, atol=1e-5, err_msg=name)
+    randomize_adapters(reference.model)
+    randomize_adapters(fsdp.model)
+    assert_fsdp_takes_the_torch_step(reference, fsdp, _batch(reference), atol=1e-5, rel=1e-5)
+    assert_same_push(reference, fsdp, atol=1e-5)
+    assert_same_arrays(fsdp.weights(), reference.weights(), atol=1e-5)
 
 
 def test_what_cannot_run_on_a_family_is_refused_naming_the_field(checkpoints, tmp_path):

@@ -11,24 +11,30 @@ import json
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
-from replayrl.rollout.model.checkpoint import save_pretrained
-from replayrl.rollout.sample import Sample
 from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
 from replayrl.tools.run.config import build_config
-from replayrl.trainer import lora
 from replayrl.trainer.backends.fsdp_backend import FSDPBackend
 from replayrl.trainer.backends.torch_backend import TorchBackend
 from replayrl.trainer.batch import collate
 from replayrl.trainer.config import TrainerConfig
 from replayrl.trainer.errors import TrainerConfigError
 from replayrl.transport.array_bundle import unpack_arrays
-from tests.model_helpers import decisive_model
+from tests.backend_fixtures import (
+    DEFAULT_TARGETS,
+    adapter_size_by_hand,
+    assert_fsdp_takes_the_torch_step,
+    assert_same_arrays,
+    assert_same_push,
+    decisive_checkpoint,
+    lora_config,
+    randomize_adapters,
+    traced_samples,
+    train_step,
+)
 
 pytest.importorskip("peft", reason="peft (the lora extra) is not installed")
-
-DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+pytestmark = pytest.mark.usefixtures("one_rank_group")
 
 
 @pytest.fixture(scope="module")
@@ -36,71 +42,20 @@ def checkpoint(tmp_path_factory):
     """The embedded default policy with its DSA indexer, decisive routing."""
     cfg = build_config({}).policy_config
     assert cfg.index_layers
-    directory = tmp_path_factory.mktemp("init") / "model"
-    save_pretrained(decisive_model(cfg, seed=4, norm_jitter=0.2), directory, tokens=list(VOCABULARY))
-    return directory
+    return decisive_checkpoint(tmp_path_factory.mktemp("init") / "model", cfg, seed=4)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_rank_group():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)  # the backends set the process's threads
-    if dist.is_initialized():  # the group of one the fsdp backend made in this process
-        dist.destroy_process_group()
-
-
-def _config(**kw) -> TrainerConfig:
-    return TrainerConfig(**{"lora_rank": 4, "lora_alpha": 8.0, "lr": 1e-2, **kw})
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _randomize_adapters(model, seed: int = 0, scale: float = 0.05) -> None:
-    """Nonzero ``B`` everywhere, drawn in parameter-name order (one rank: the shard is all)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".lora_B." in name:
-                _local(p).copy_(scale * torch.randn(p.shape, generator=g))
-
-
-def _samples(model) -> list[Sample]:
-    """Four samples of two groups, routing / indexer traces the LoRA policy's own choices,
-    support replay."""
-    rng = np.random.default_rng(0)
-    out = []
-    for i in range(4):
-        prompt = rng.integers(3, len(VOCABULARY), 5).astype(np.int32)
-        response = rng.integers(3, len(VOCABULARY), 3 + i).astype(np.int32)
-        tokens = torch.from_numpy(np.r_[prompt, response][:-1].astype(np.int64))[None]
-        with torch.no_grad(), lora.experts_adapted(model):
-            traced = model(tokens, torch.arange(tokens.shape[1])[None], capture=True)
-        support = np.stack([response, response, (response + 1) % len(VOCABULARY),
-                            (response + 2) % len(VOCABULARY)], axis=1)
-        out.append(Sample(sample_id=i, group_id=i // 2, rollout_id=0, policy_version=0,
-                          prompt_ids=prompt, response_ids=response,
-                          loss_mask=np.ones(len(response), np.uint8),
-                          rollout_logprobs=np.full(len(response), -1.0, np.float32),
-                          sample_support=support,
-                          routed_experts=traced.routed_experts[0].numpy().astype(np.int32),
-                          indexer_topk=traced.indexer_topk[0].numpy().astype(np.int32)))
-    return out
-
-
-def _loss(logp: torch.Tensor) -> torch.Tensor:
-    return -(logp * torch.linspace(-1.0, 1.0, len(logp))).sum()
+def _batch(reference: TorchBackend):
+    """:func:`traced_samples` of the LoRA policy's own choices, collated with every replay."""
+    return collate(traced_samples(reference.model, len(VOCABULARY), adapted=True), routing=True, indexer=True,
+                   support=True)
 
 
 def _pair(checkpoint) -> tuple[TorchBackend, FSDPBackend]:
-    reference = TorchBackend(str(checkpoint), _config(), list(VOCABULARY))
-    fsdp = FSDPBackend(str(checkpoint), _config(train_backend="fsdp"), list(VOCABULARY))
-    _randomize_adapters(reference.model)
-    _randomize_adapters(fsdp.model)
+    reference = TorchBackend(str(checkpoint), lora_config(), list(VOCABULARY))
+    fsdp = FSDPBackend(str(checkpoint), lora_config(train_backend="fsdp"), list(VOCABULARY))
+    randomize_adapters(reference.model)
+    randomize_adapters(fsdp.model)
     return reference, fsdp
 
 
@@ -108,35 +63,16 @@ def test_a_lora_step_on_fsdp_equals_the_torch_backends(checkpoint):
     reference, fsdp = _pair(checkpoint)
     # only the adapters train and sit in the optimizer: r x (in + out) per adapted nn.Linear
     plain = TorchBackend(str(checkpoint), TrainerConfig(), list(VOCABULARY)).model
-    by_hand = sum(4 * (m.in_features + m.out_features) for name, m in plain.named_modules()
-                  if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in DEFAULT_TARGETS)
+    by_hand = adapter_size_by_hand(plain, 4, DEFAULT_TARGETS)
     in_optimizer = sum(p.numel() for g in fsdp.optimizer.param_groups for p in g["params"])
     assert in_optimizer == sum(p.numel() for p in fsdp.model.parameters() if p.requires_grad) == by_hand
     start = {k: v.copy() for k, v in fsdp.push_arrays(full=True).items()}
     before = {k: v for k, v in start.items() if not k.endswith((".lora_A", ".lora_B"))}
-    batch = collate(_samples(reference.model), routing=True, indexer=True, support=True)
-    want, got = reference.preflight_logprobs(batch), fsdp.preflight_logprobs(batch)
-    torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=1e-6)
-    for field in ("routed_experts", "own_routed_experts", "indexer_topk", "own_indexer_topk"):
-        assert torch.equal(getattr(got, field), getattr(want, field)), field
-    norms = []
-    for backend in (reference, fsdp):
-        backend.zero_grad()
-        out = backend.forward_backward(batch, _loss, capture=True)
-        torch.testing.assert_close(out.logprobs, want.logprobs, rtol=0, atol=1e-6)
-        norms.append(backend.clip_and_step(1.0))
-    assert norms[1] == pytest.approx(norms[0], rel=1e-5)
+    assert_fsdp_takes_the_torch_step(reference, fsdp, _batch(reference), atol=1e-6, rel=1e-5)
     # the merged policies agree, and they moved
-    merged, expected = fsdp.weights(), reference.weights()
-    assert set(merged) == set(expected) == set(before)
-    for name, array in expected.items():
-        np.testing.assert_allclose(merged[name], array, rtol=0, atol=1e-6, err_msg=name)
+    assert_same_arrays(fsdp.weights(), reference.weights(), atol=1e-6, keys=before)
     # the push: the torch backend's LoRA bundle, key for key
-    for full in (True, False):
-        pushed, want_push = fsdp.push_arrays(full=full), unpack_arrays(reference.weight_bundle(full=full))
-        assert list(pushed) == list(want_push)
-        for name, array in want_push.items():
-            np.testing.assert_allclose(pushed[name], array, rtol=0, atol=1e-6, err_msg=name)
+    assert_same_push(reference, fsdp, atol=1e-6)
     adapters_only = fsdp.push_arrays(full=False)
     assert adapters_only and all(k.endswith((".lora_A", ".lora_B")) for k in adapters_only)
     assert sum(a.nbytes for a in adapters_only.values()) == 4 * by_hand
@@ -152,11 +88,9 @@ def test_a_lora_checkpoint_holds_the_torch_backends_files_and_round_trips(checkp
     from safetensors.torch import load_file
 
     reference, fsdp = _pair(checkpoint)
-    batch = collate(_samples(reference.model), routing=True, indexer=True, support=True)
+    batch = _batch(reference)
     for backend in (reference, fsdp):
-        backend.zero_grad()
-        backend.forward_backward(batch, _loss)
-        backend.clip_and_step(1.0)
+        train_step(backend, batch)
     fsdp.save_checkpoint(tmp_path / "fsdp", 5)
     reference.save_checkpoint(tmp_path / "torch", 5)
     assert sorted(p.name for p in (tmp_path / "fsdp").iterdir()) == ["adapter", "fsdp_state.rank0.pt", "model"]
@@ -168,13 +102,11 @@ def test_a_lora_checkpoint_holds_the_torch_backends_files_and_round_trips(checkp
         assert set(got) == set(want), part
         for key, t in want.items():
             torch.testing.assert_close(got[key], t, rtol=0, atol=1e-6, msg=key)
-    assert FSDPBackend.check_checkpoint(tmp_path / "fsdp", _config(train_backend="fsdp")) == 5
+    assert FSDPBackend.check_checkpoint(tmp_path / "fsdp", lora_config(train_backend="fsdp")) == 5
     with pytest.raises(ValueError, match="lora_alpha"):
-        FSDPBackend.check_checkpoint(tmp_path / "fsdp", _config(train_backend="fsdp", lora_alpha=4.0))
+        FSDPBackend.check_checkpoint(tmp_path / "fsdp", lora_config(train_backend="fsdp", lora_alpha=4.0))
     saved = fsdp.digest()
-    fsdp.zero_grad()
-    fsdp.forward_backward(batch, _loss)
-    fsdp.clip_and_step(1.0)
+    train_step(fsdp, batch)
     assert fsdp.digest() != saved
     assert fsdp.load_checkpoint(tmp_path / "fsdp") == 5
     assert fsdp.digest() == saved  # base, adapters and both Adam moments, bit for bit
@@ -192,7 +124,7 @@ async def test_the_trainer_actor_pushes_the_base_once_then_only_the_adapters(che
     factors, each the backend's :meth:`push_arrays`."""
     from replayrl.trainer.trainer_actor import TrainerActor
 
-    actor = TrainerActor(str(checkpoint), _config(train_backend="fsdp").to_dict(), n_samples_per_prompt=2,
+    actor = TrainerActor(str(checkpoint), lora_config(train_backend="fsdp").to_dict(), n_samples_per_prompt=2,
                          engines=[], rollout_batch_size=1, vocab_tokens=list(VOCABULARY))
     assert actor.backend.collective_io
     for full in (True, False):

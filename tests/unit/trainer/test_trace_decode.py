@@ -19,17 +19,24 @@ def _reference_canonical(a: np.ndarray) -> np.ndarray:
     return np.array([r + [-1] * (a.shape[-1] - len(r)) for r in out], np.int32).reshape(a.shape)
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.integers(1, 5000), min_size=0, max_size=8), st.integers(1, 40),
-       st.booleans(), st.integers(0, 2**32 - 1))
-def test_torch_decoding_matches_numpy_and_the_reference(universes, k, full, seed):
+def _random_trace(universes: list[int], k: int, full: bool, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """An int32 trace ``[len(universes), 2, k]`` (two layers): row ``i`` holds distinct indices
+    of ``[0, universes[i])`` at random slots, ``min(k, n)`` of them when ``full`` else a random
+    count, -1 elsewhere; and the int64 universes."""
     rng = np.random.default_rng(seed)
     trace = np.full((len(universes), 2, k), -1, np.int32)
     for i, n in enumerate(universes):
         for layer in range(2):
             c = min(k, n) if full else int(rng.integers(0, min(k, n) + 1))
             trace[i, layer, rng.permutation(k)[:c]] = rng.choice(n, size=c, replace=False)
-    universe = np.array(universes, np.int64)
+    return trace, np.array(universes, np.int64)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 5000), min_size=0, max_size=8), st.integers(1, 40),
+       st.booleans(), st.integers(0, 2**32 - 1))
+def test_torch_decoding_matches_numpy_and_the_reference(universes, k, full, seed):
+    trace, universe = _random_trace(universes, k, full, seed)
     enc = encode_sets(trace, universe)
     got = decode_sets_torch(enc, universe)
     assert got.dtype == torch.int32 and got.device.type == "cpu"
@@ -71,13 +78,7 @@ def test_an_index_outside_its_universe_is_refused():
     ([5000, 7000, 2000], 13, True),  # full rows whose planes end mid-byte
 ])
 def test_blocks_of_mixed_kinds_and_widths_match_the_reference(universes, k, full):
-    rng = np.random.default_rng(k + len(universes))
-    trace = np.full((len(universes), 2, k), -1, np.int32)
-    for i, n in enumerate(universes):
-        for layer in range(2):
-            c = min(k, n) if full else int(rng.integers(0, min(k, n) + 1))
-            trace[i, layer, rng.permutation(k)[:c]] = rng.choice(n, size=c, replace=False)
-    universe = np.array(universes, np.int64)
+    trace, universe = _random_trace(universes, k, full, k + len(universes))
     enc = encode_sets(trace, universe)
     assert len(set(enc["width"].tolist())) > 1  # rows of several widths
     assert np.array_equal(decode_sets_torch(enc, universe).numpy(), _reference_canonical(trace))

@@ -61,6 +61,18 @@ def curve_keys_dir(curve_keys: CurveKeys, tmp_path_factory: pytest.TempPathFacto
     return str(next(tmp_path_factory.getbasetemp().glob("keys*/keys")))
 
 
+@pytest.fixture
+def ipc_tmp():
+    """A short empty directory for a child process's ``TMPDIR`` (removed afterwards): the actors'
+    ipc socket files go there, AF_UNIX caps their paths at 107 bytes, and ``tmp_path`` is nested
+    deep enough (deeper still under pytest-xdist's per-worker folders) to pass the cap."""
+    import shutil
+
+    path = Path(tempfile.mkdtemp(prefix="rrl-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 SYSTEM = ROOT / "tests" / "system"
 
 

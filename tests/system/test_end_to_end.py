@@ -147,12 +147,10 @@ async def test_actor_exception_ends_run_with_its_traceback_and_leaves_nothing(tm
     assert not [p for p in set(_children(os.getpid())) - before if _alive(p)]
 
 
-def _train_until_first_step(tmp_path, sigint):
-    """``replayrl train`` (500 steps) in a child whose SIGINT disposition is ``sigint``, returned
-    once its first step is in metrics.jsonl. The disposition is set explicitly: pytest started
+def _train_until_first_step(tmp_path, tmp, sigint):
+    """``replayrl train`` (500 steps) in a child whose SIGINT disposition is ``sigint`` and whose
+    ``TMPDIR`` (the actors' ipc files) is ``tmp``, returned once its first step is in metrics.jsonl. The disposition is set explicitly: pytest started
     as a shell's background job has SIGINT ignored, and a child inherits that."""
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
     env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": PYTHONPATH}
     proc = subprocess.Popen(
         [sys.executable, "-m", "replayrl.tools.cli", "train", "--num-steps", "500", "--no-progress",
@@ -184,19 +182,19 @@ def _assert_stopped_clean(proc, actors, tmp, code):
 
 @pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)],
                          ids=["ctrl-c", "sigterm"])
-def test_ctrl_c_stops_every_process_and_removes_ipc_files(tmp_path, signum, code):
-    proc, _, tmp = _train_until_first_step(tmp_path, signal.SIG_DFL)
+def test_ctrl_c_stops_every_process_and_removes_ipc_files(tmp_path, ipc_tmp, signum, code):
+    proc, _, tmp = _train_until_first_step(tmp_path, ipc_tmp, signal.SIG_DFL)
     actors = _children(proc.pid)
     assert len([p for p in actors if _alive(p)]) >= 4  # clock, engine, manager, trainer
     proc.send_signal(signum)
     _assert_stopped_clean(proc, actors, tmp, code)
 
 
-def test_an_inherited_ignored_sigint_is_honoured_and_sigterm_still_stops(tmp_path):
+def test_an_inherited_ignored_sigint_is_honoured_and_sigterm_still_stops(tmp_path, ipc_tmp):
     # the documented choice (docs/launchers.md): `replayrl train ... &` from a script, or under
     # nohup-style wrappers, keeps running through the terminal's Ctrl-C, as Python itself and
     # POSIX shells intend for background jobs; SIGTERM is the way to stop such a run
-    proc, metrics, tmp = _train_until_first_step(tmp_path, signal.SIG_IGN)
+    proc, metrics, tmp = _train_until_first_step(tmp_path, ipc_tmp, signal.SIG_IGN)
     actors = _children(proc.pid)
     proc.send_signal(signal.SIGINT)
     steps = len(metrics.read_text().splitlines())

@@ -137,9 +137,8 @@ def test_remote_errors_timeouts_and_a_dying_actor_reach_the_console(tmp_path):
     assert all(p.exitcode is not None for p in processes.values())
 
 
-def test_repl_command_reads_stdin_and_stops_every_actor(tmp_path):
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
+def test_repl_command_reads_stdin_and_stops_every_actor(tmp_path, ipc_tmp):
+    tmp = ipc_tmp
     env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": PYTHONPATH}
     script = "\n".join([
         "print('CLOCK', version_clock.state())",
@@ -255,7 +254,7 @@ def _wait_for(path: Path, proc: subprocess.Popen, seconds: float = 240.0) -> Non
         time.sleep(0.1)
 
 
-def test_attach_through_a_terminal_pauses_resumes_and_detaches_without_disturbing_the_run(tmp_path):
+def test_attach_through_a_terminal_pauses_resumes_and_detaches_without_disturbing_the_run(tmp_path, ipc_tmp):
     """A user at a terminal attaches to a live ``replayrl train``: lists methods with their
     docstrings (Tab-completes one), sees the clock, metrics and a sample's traces, pauses
     generation, and detaches while paused; the run then finishes every step with exact versions."""
@@ -263,8 +262,7 @@ def test_attach_through_a_terminal_pauses_resumes_and_detaches_without_disturbin
     from replayrl.rollout.manager import RolloutManager
     from tests.hook_fixtures import HOLD_ENV
 
-    tmp, out, release = tmp_path / "tmp", tmp_path / "out", tmp_path / "release"
-    tmp.mkdir()
+    tmp, out, release = ipc_tmp, tmp_path / "out", tmp_path / "release"
     env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": PYTHONPATH, HOLD_ENV: str(release),
            "PROMPT_TOOLKIT_NO_CPR": "1", "TERM": "xterm"}
     steps = 3  # step 1 trains while rollout 2 waits at the paused gate; step 2 after detaching

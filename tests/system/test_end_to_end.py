@@ -148,8 +148,9 @@ async def test_actor_exception_ends_run_with_its_traceback_and_leaves_nothing(tm
 
 
 def _train_until_first_step(tmp_path, tmp, sigint):
-    """``replayrl train`` (500 steps) in a child whose SIGINT disposition is ``sigint`` and whose
-    ``TMPDIR`` (the actors' ipc files) is ``tmp``, returned once its first step is in metrics.jsonl. The disposition is set explicitly: pytest started
+    """``replayrl train`` (500 steps) in a child whose SIGINT disposition is ``sigint`` and
+    whose ``TMPDIR`` (the actors' ipc files) is ``tmp``, returned once its first step is in
+    metrics.jsonl. The disposition is set explicitly: pytest started
     as a shell's background job has SIGINT ignored, and a child inherits that."""
     env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": PYTHONPATH}
     proc = subprocess.Popen(

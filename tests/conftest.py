@@ -73,6 +73,16 @@ def ipc_tmp():
     shutil.rmtree(path, ignore_errors=True)
 
 
+@pytest.fixture(autouse=True)
+def _restore_excepthook():
+    """Put back ``sys.excepthook`` after each test: ``torch.distributed.init_process_group`` wraps
+    it to prefix ``[rankN]:`` (and ``destroy_process_group`` leaves the wrapper), so a later test
+    in the same pytest process (an xdist worker runs many) would see its tracebacks prefixed."""
+    hook = sys.excepthook
+    yield
+    sys.excepthook = hook
+
+
 SYSTEM = ROOT / "tests" / "system"
 
 

@@ -65,7 +65,8 @@ BENCHES = {"parity": "replayrl.tools.bench.parity", "refill": "replayrl.tools.be
            "train": "replayrl.tools.bench.train", "load": "replayrl.tools.bench.load",
            "engine": "replayrl.tools.bench.engine", "decode": "replayrl.tools.bench.decode",
            "steps": "replayrl.tools.bench.steps", "faults": "replayrl.tools.bench.faults",
-           "traces": "replayrl.tools.bench.traces", "lora": "replayrl.tools.bench.lora"}
+           "traces": "replayrl.tools.bench.traces", "lora": "replayrl.tools.bench.lora",
+           "memory": "replayrl.tools.bench.memory"}
 
 
 def _bench(args: argparse.Namespace) -> int:

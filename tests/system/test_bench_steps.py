@@ -81,7 +81,7 @@ def test_bench_steps_alternates_runs_of_the_baseline_worktree_and_this_checkout(
     assert "| `train_seconds` | 0.5000 | 0.5000 | 1.00 |" in out
     worktrees = subprocess.run(["git", "-C", str(ROOT), "worktree", "list"],
                                capture_output=True, text=True).stdout
-    assert "replayrl-bench-steps" not in worktrees  # the baseline's worktree is removed
+    assert "replayrl-baseline-" not in worktrees  # the baseline's worktree is removed
 
 
 def test_bad_arguments_and_an_unknown_baseline_are_named():

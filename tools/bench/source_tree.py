@@ -9,7 +9,15 @@ that holds ``replayrl/<layer>`` serves it).
 """
 from __future__ import annotations
 
+import contextlib
+import os
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
+from typing import Iterator, Sequence
+
+from replayrl.tools.errors import BenchError
 
 LAYERS = ("transport", "actors", "rollout", "trainer", "tools")
 
@@ -34,3 +42,45 @@ def importable(tree: Path, into: Path) -> Path:
         if not link.is_symlink():
             link.symlink_to(source, target_is_directory=True)
     return into
+
+
+def train_command(tree: Path, output_dir: Path, steps: int, extra: Sequence[str]
+                  ) -> tuple[list[str], dict[str, str]]:
+    """``(argv, environment)`` of ``replayrl train`` run from checkout ``tree``.
+
+    A checkout from before the ``replayrl`` namespace (no ``replayrl.tools.cli:main`` entry in
+    its ``pyproject.toml``) runs as bare top-level packages; a namespaced one through a folder
+    of symlinks next to ``output_dir`` (:func:`importable`). ``extra``: flags after the default
+    ``--num-steps steps --no-progress --output-dir output_dir``.
+
+    Raises:
+        FileNotFoundError: ``tree`` has no ``pyproject.toml`` or lacks a layer.
+    """
+    if '"replayrl.tools.cli:main"' in (tree / "pyproject.toml").read_text():
+        module = "replayrl.tools.cli"
+        path = importable(tree, output_dir.parent / f"importable-{output_dir.name}")
+    else:
+        module, path = "tools.cli", tree
+    argv = [sys.executable, "-m", module, "train", "--num-steps", str(steps), "--no-progress",
+            "--output-dir", str(output_dir), *extra]
+    return argv, {**os.environ, "PYTHONPATH": str(path)}
+
+
+@contextlib.contextmanager
+def checked_out(root: Path, revision: str) -> Iterator[Path]:
+    """A temporary ``git worktree`` of ``revision`` of the checkout at ``root``, removed on exit.
+
+    Raises:
+        replayrl.tools.errors.BenchError: not a git checkout, or an unknown revision (git's message).
+    """
+    with tempfile.TemporaryDirectory(prefix="replayrl-baseline-") as tmp:
+        tree = Path(tmp) / "baseline"
+        made = subprocess.run(["git", "-C", str(root), "worktree", "add", "--detach", "-q",
+                               str(tree), revision], capture_output=True, text=True)
+        if made.returncode != 0:
+            raise BenchError(f"cannot check out {revision!r}: {made.stderr.strip()}")
+        try:
+            yield tree
+        finally:
+            subprocess.run(["git", "-C", str(root), "worktree", "remove", "--force", str(tree)],
+                           check=False)

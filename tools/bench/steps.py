@@ -14,7 +14,6 @@ Needs ``git`` and a git checkout of replayrl; the baseline must accept the same 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import subprocess
 import sys
@@ -24,7 +23,8 @@ from typing import Sequence
 
 from replayrl.tools.bench.priority import autogroup_priority
 from replayrl.tools.bench.profile import breakdown
-from replayrl.tools.bench.source_tree import importable
+from replayrl.tools.bench.source_tree import checked_out, train_command
+from replayrl.tools.errors import BenchError
 from replayrl.transport import strict_json
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,17 +37,8 @@ def run_medians(tree: Path, steps: int, warmup: int, output_dir: Path,
     Raises:
         subprocess.CalledProcessError: the run failed (its output is shown).
     """
-    # a baseline from before the replayrl namespace (pyproject.toml package-dir) runs as bare
-    # top-level packages; a namespaced one through a folder of symlinks (source_tree.py)
-    if '"replayrl.tools.cli:main"' in (tree / "pyproject.toml").read_text():
-        module = "replayrl.tools.cli"
-        path = importable(tree, output_dir.parent / f"importable-{output_dir.name}")
-    else:
-        module, path = "tools.cli", tree
-    subprocess.run([sys.executable, "-m", module, "train", "--num-steps", str(steps),
-                    "--no-progress", "--output-dir", str(output_dir), *extra],
-                   cwd=tree, env={**os.environ, "PYTHONPATH": str(path)}, check=True,
-                   stdout=subprocess.DEVNULL)
+    argv, env = train_command(tree, output_dir, steps, extra)
+    subprocess.run(argv, cwd=tree, env=env, check=True, stdout=subprocess.DEVNULL)
     rows = [strict_json.loads(line) for line in
             (output_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return breakdown(rows[:-1], warmup)  # the last step has no overlapping generation
@@ -83,15 +74,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("need --runs >= 1, --steps >= 3 and 0 <= --warmup < --steps - 1 (the "
                      "medians are over steps --warmup .. --steps - 2)")
     extra = [a for a in args.run_args if a != "--"]
-    with tempfile.TemporaryDirectory(prefix="replayrl-bench-steps-") as tmp:
-        tree = Path(tmp) / "baseline"
-        made = subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q",
-                               str(tree), args.baseline], capture_output=True, text=True)
-        if made.returncode != 0:
-            print(f"replayrl bench steps: cannot check out --baseline {args.baseline!r}: "
-                  f"{made.stderr.strip()}", file=sys.stderr)
-            return 2
-        try:
+    try:
+        with tempfile.TemporaryDirectory(prefix="replayrl-bench-steps-") as tmp, \
+                checked_out(ROOT, args.baseline) as tree:
             before, after = [], []
             with autogroup_priority(args.priority):
                 for i in range(args.runs):
@@ -99,9 +84,9 @@ def main(argv: list[str] | None = None) -> int:
                                               Path(tmp) / f"baseline-{i}", extra))
                     after.append(run_medians(ROOT, args.steps, args.warmup,
                                              Path(tmp) / f"this-{i}", extra))
-        finally:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)],
-                           check=False)
+    except BenchError as exc:
+        print(f"replayrl bench steps: --baseline: {exc}", file=sys.stderr)
+        return 2
     print(f"replayrl train --num-steps {args.steps} {' '.join(extra)}; {args.runs} runs per side, "
           f"alternated; median over steps {args.warmup}..{args.steps - 2} per run, then over runs"
           f"{'; --priority' if args.priority else ''}\n")

@@ -11,12 +11,15 @@ seconds until it exits, sums over the child and every descendant alive at that m
   map it, so the sum over a tree is the tree's share of physical memory.
 
 The peaks are of those sums. A process that lives shorter than ``interval`` may be missed.
+Per process (``TreeMemory.by_process``), the peaks are kept by ``/proc/PID/comm`` name: an actor
+is ``rrl:NAME`` (:mod:`replayrl.actors.process_title`), so ``replayrl bench memory`` can say
+which actor holds what; processes that share a name are summed per sample.
 """
 from __future__ import annotations
 
 import subprocess
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -25,11 +28,17 @@ PROC = Path("/proc")
 
 @dataclass(frozen=True)
 class TreeMemory:
-    """Peak summed RSS and PSS (bytes) of a process tree over its samples, and the sample count."""
+    """Peak summed RSS and PSS (bytes) of a process tree over its samples, and the sample count.
+
+    ``by_process``: ``{comm name: (peak RSS, peak PSS)}`` in bytes, each the peak over the
+    samples of the sum over the processes of that name (the two peaks may fall on different
+    samples).
+    """
 
     peak_rss_bytes: int
     peak_pss_bytes: int
     samples: int
+    by_process: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 def _kib_field(path: Path, name: str) -> int:
@@ -73,9 +82,31 @@ def descendants(root: int, parents: Mapping[int, int]) -> list[int]:
 
 def tree_usage(root: int, proc: Path = PROC) -> tuple[int, int]:
     """``(summed RSS, summed PSS)`` in bytes of ``root`` and its descendants now."""
-    pids = descendants(root, parent_map(proc))
-    return (sum(_kib_field(proc / str(p) / "status", "VmRSS") for p in pids),
-            sum(_kib_field(proc / str(p) / "smaps_rollup", "Pss") for p in pids))
+    named = usage_by_name(root, proc)
+    return sum(r for r, _ in named.values()), sum(p for _, p in named.values())
+
+
+def _comm(path: Path) -> str:
+    """``/proc/PID/comm`` without its newline; ``"?"`` when the process is gone."""
+    try:
+        return path.read_text().strip() or "?"
+    except OSError:
+        return "?"
+
+
+def usage_by_name(root: int, proc: Path = PROC) -> dict[str, tuple[int, int]]:
+    """``{comm name: (summed RSS, summed PSS)}`` in bytes over ``root`` and its descendants now,
+    processes of one name summed."""
+    out: dict[str, tuple[int, int]] = {}
+    for pid in descendants(root, parent_map(proc)):
+        rss = _kib_field(proc / str(pid) / "status", "VmRSS")
+        pss = _kib_field(proc / str(pid) / "smaps_rollup", "Pss")
+        if not rss and not pss:
+            continue  # gone (or a kernel thread): nothing to count
+        name = _comm(proc / str(pid) / "comm")
+        r, p = out.get(name, (0, 0))
+        out[name] = (r + rss, p + pss)
+    return out
 
 
 def run_sampled(cmd: Sequence[str], env: Mapping[str, str], interval: float = 0.25
@@ -85,12 +116,17 @@ def run_sampled(cmd: Sequence[str], env: Mapping[str, str], interval: float = 0.
     proc = subprocess.Popen(list(cmd), env=dict(env), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     peaks = [0, 0, 0]
+    by_process: dict[str, tuple[int, int]] = {}
     done = threading.Event()
 
     def sample() -> None:
         while not done.is_set():
-            rss, pss = tree_usage(proc.pid)
+            named = usage_by_name(proc.pid)
+            rss, pss = sum(r for r, _ in named.values()), sum(p for _, p in named.values())
             peaks[0], peaks[1], peaks[2] = max(peaks[0], rss), max(peaks[1], pss), peaks[2] + 1
+            for name, (r, p) in named.items():
+                old = by_process.get(name, (0, 0))
+                by_process[name] = (max(old[0], r), max(old[1], p))
             done.wait(interval)
 
     sampler = threading.Thread(target=sample, name="tree-memory", daemon=True)
@@ -101,4 +137,4 @@ def run_sampled(cmd: Sequence[str], env: Mapping[str, str], interval: float = 0.
         done.set()
         sampler.join()
     return (subprocess.CompletedProcess(list(cmd), proc.returncode, out, err),
-            TreeMemory(peaks[0], peaks[1], peaks[2]))
+            TreeMemory(peaks[0], peaks[1], peaks[2], dict(by_process)))

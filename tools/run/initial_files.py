@@ -17,6 +17,8 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
+from replayrl.actors.process_title import set_process_title
+
 T = TypeVar("T")
 
 
@@ -38,9 +40,16 @@ class Resolved:
     tokenizer_class: str
 
 
+def _title_child() -> None:
+    """Name the child ``rrl:initial_files`` (cut to 15 characters by the kernel), so ``ps`` and
+    ``replayrl bench memory`` tell it from the launcher."""
+    set_process_title("initial_files", "launcher")
+
+
 def in_child(fn: Callable[..., T], *args: Any) -> T:
     """``fn(*args)`` in a ``spawn`` child process, which exits when it returns (with its torch
     runtime); ``fn`` is a module-level function, ``args`` and the result pickle; its exceptions
     are raised here."""
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=_title_child) as pool:
         return pool.submit(fn, *args).result()

@@ -92,3 +92,19 @@ def test_bad_arguments_and_an_unknown_baseline_are_named():
     assert stop.value.code == 2
     if (ROOT / ".git").exists():
         assert main(["--baseline", "no-such-revision-xyz", "--runs", "1"]) == 2
+
+
+def test_a_variant_alone_compares_this_checkout_with_and_without_its_flags(monkeypatch, capsys):
+    calls = []
+
+    def fake_run(tree, steps, warmup, output_dir, extra):
+        calls.append((tree == ROOT, list(extra)))
+        return {"step_seconds": 3.0 if "--engine-torch-threads" in extra else 4.0}
+
+    monkeypatch.setattr(bench_steps, "run_medians", fake_run)
+    assert bench_steps.main(["--variant", "--engine-torch-threads 2", "--runs", "1", "--steps", "3",
+                             "--warmup", "1", "--", *SMALL]) == 0
+    assert calls == [(True, SMALL), (True, [*SMALL, "--engine-torch-threads", "2"])]
+    assert "| `step_seconds` | 4.0000 | 3.0000 | 0.75 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench_steps.main(["--runs", "1"])  # neither --baseline nor --variant: nothing to compare

@@ -1,9 +1,12 @@
-"""``replayrl bench steps``: the per-step time breakdown of this checkout against another commit.
+"""``replayrl bench steps``: the per-step time breakdown of this checkout against another commit
+or another setting.
 
 Checks ``--baseline`` (a git revision) out into a temporary worktree and runs ``replayrl train``
 (``--steps`` steps, default settings plus the flags after ``--``) from the baseline tree and from
 this checkout, alternated back to back (baseline, this, baseline, this, ...; ``--runs`` each), so
-both see the same machine load. Each run is a fresh process tree, exactly as a user runs it. For
+both see the same machine load. With ``--variant FLAGS`` this checkout's runs add those flags
+(e.g. ``--variant "--engine-torch-threads 2"``); without ``--baseline`` the other side is this
+checkout with the plain flags. Each run is a fresh process tree, exactly as a user runs it. For
 every ``*_seconds`` key of ``metrics.jsonl`` (the per-step breakdown, docs/design.md#actor-contract) it
 prints the median over steps ``--warmup .. steps - 2`` of each run (the first steps warm up; the
 last has no overlapping generation), the median of those over the runs, and the ratio this /
@@ -14,10 +17,12 @@ Needs ``git`` and a git checkout of replayrl; the baseline must accept the same 
 from __future__ import annotations
 
 import argparse
+import shlex
 import statistics
 import subprocess
 import sys
 import tempfile
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Sequence
 
@@ -61,7 +66,9 @@ def table(baseline: str, before: list[dict[str, float]], after: list[dict[str, f
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry: prints the table (and the runs' settings) on stdout."""
     parser = argparse.ArgumentParser(prog="replayrl bench steps", description=__doc__.splitlines()[0])
-    parser.add_argument("--baseline", required=True, help="git revision to compare against")
+    parser.add_argument("--baseline", default="", help="git revision to compare against "
+                                                       "(default: this checkout, with --variant)")
+    parser.add_argument("--variant", default="", help="flags this checkout's runs add, one quoted string")
     parser.add_argument("--runs", type=int, default=2, help="runs of each side (2)")
     parser.add_argument("--steps", type=int, default=100, help="steps per run (100)")
     parser.add_argument("--warmup", type=int, default=10, help="first steps left out (10)")
@@ -73,24 +80,29 @@ def main(argv: list[str] | None = None) -> int:
     if args.runs < 1 or args.steps < 3 or not 0 <= args.warmup < args.steps - 1:
         parser.error("need --runs >= 1, --steps >= 3 and 0 <= --warmup < --steps - 1 (the "
                      "medians are over steps --warmup .. --steps - 2)")
+    if not args.baseline and not args.variant:
+        parser.error("give --baseline REV, --variant FLAGS or both: there is nothing to compare")
     extra = [a for a in args.run_args if a != "--"]
+    variant = [*extra, *shlex.split(args.variant)]
+    label = args.baseline or "plain flags"
     try:
         with tempfile.TemporaryDirectory(prefix="replayrl-bench-steps-") as tmp, \
-                checked_out(ROOT, args.baseline) as tree:
+                (checked_out(ROOT, args.baseline) if args.baseline else nullcontext(ROOT)) as tree:
             before, after = [], []
             with autogroup_priority(args.priority):
                 for i in range(args.runs):
                     before.append(run_medians(tree, args.steps, args.warmup,
                                               Path(tmp) / f"baseline-{i}", extra))
                     after.append(run_medians(ROOT, args.steps, args.warmup,
-                                             Path(tmp) / f"this-{i}", extra))
+                                             Path(tmp) / f"this-{i}", variant))
     except BenchError as exc:
         print(f"replayrl bench steps: --baseline: {exc}", file=sys.stderr)
         return 2
     print(f"replayrl train --num-steps {args.steps} {' '.join(extra)}; {args.runs} runs per side, "
           f"alternated; median over steps {args.warmup}..{args.steps - 2} per run, then over runs"
-          f"{'; --priority' if args.priority else ''}\n")
-    print(table(args.baseline, before, after))
+          f"{'; --priority' if args.priority else ''}"
+          f"{'; this checkout adds ' + args.variant if args.variant else ''}\n")
+    print(table(label, before, after))
     return 0
 
 

@@ -185,7 +185,7 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         check_settings(self, TrainerConfigError)
         if self.lora_rank:
-            from replayrl.trainer.lora import target_modules
+            from replayrl.trainer.lora_settings import target_modules
 
             target_modules(self.lora_target_modules)  # raises naming the unknown name
         checks = [

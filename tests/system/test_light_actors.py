@@ -76,3 +76,20 @@ def test_the_launcher_process_imports_no_torch(tmp_path):
     assert (tmp_path / "run" / "metrics.jsonl").read_text().count("\n") == 1
     # transformers' tokenizer classes load without torch; its package is imported for them
     assert out.stdout.strip().splitlines()[-1] == "LAUNCHER ['transformers']"
+
+
+LORA_CHECK = """
+import sys
+from replayrl.tools.run.config import build_config
+config = build_config({"lora-rank": 8})
+assert config.trainer.lora_rank == 8
+print("LORA", sorted(m for m in %r if m in sys.modules))
+""" % (HEAVY,)
+
+
+def test_validating_a_lora_config_imports_no_torch():
+    # --lora-rank checks its target modules (trainer/lora_settings.py), not trainer/lora.py's torch
+    out = subprocess.run([sys.executable, "-c", LORA_CHECK], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "PYTHONPATH": PYTHONPATH})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "LORA []"

@@ -230,7 +230,7 @@ class RunConfig:
         ]
         family = getattr(policy, "family", "")
         if self.trainer.lora_rank:  # LoRA (trainer/lora.py): adapters pushed, merged by the engine
-            from replayrl.trainer.lora import MLA_MODULES, target_modules
+            from replayrl.trainer.lora_settings import MLA_MODULES, target_modules
 
             targets = target_modules(self.trainer.lora_target_modules)
             checks += [

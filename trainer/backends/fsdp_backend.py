@@ -57,6 +57,7 @@ from replayrl.trainer.backends.checkpoint_layout import CheckpointLayout, check_
 from replayrl.trainer.backends.torch_backend import TorchBackend, _check_weights_fit
 from replayrl.trainer.batch import TrainBatch
 from replayrl.trainer.config import TrainerConfig
+from replayrl.trainer.lora_settings import target_modules
 
 __all__ = ["FSDPBackend", "STATE_FILE"]
 
@@ -98,7 +99,7 @@ class FSDPBackend(TorchBackend):
         self.model.train()
         if config.lora_rank:  # trainer/lora.py: adapters added before sharding, only they train
             self.lora_config = lora.add_adapters(self.model, config.lora_rank, config.lora_alpha,
-                                                 lora.target_modules(config.lora_target_modules),
+                                                 target_modules(config.lora_target_modules),
                                                  config.seed)
             self._adapted = lora.adapted_weights(self.model)
             # the experts are adapted inside each MoE block's forward, on the gathered weights
@@ -346,7 +347,7 @@ def _read_model(directory: Path, config: TrainerConfig) -> torch.nn.Module:
         model, _ = load_pretrained(directory / "model", dtype=torch.float32)
         if config.lora_rank:
             lora.load_into(model, directory / lora.ADAPTER_DIR, config.lora_rank, config.lora_alpha,
-                           lora.target_modules(config.lora_target_modules), config.seed)
+                           target_modules(config.lora_target_modules), config.seed)
     return model
 
 

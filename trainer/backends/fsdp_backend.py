@@ -50,7 +50,8 @@ from replayrl.actors.errors import VersionRegression
 from replayrl.rollout.model.adapters import LORA_A_SUFFIX, LORA_B_SUFFIX
 from replayrl.rollout.model.checkpoint import load_state_arrays, save_pretrained
 from replayrl.rollout.model.families.base import FamilyConfig, FamilyModel
-from replayrl.rollout.model.loader import check_weight_files, load_pretrained, read_hf_config
+from replayrl.rollout.model.hf_config import read_hf_config
+from replayrl.rollout.model.loader import check_weight_files, load_pretrained
 from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
 from replayrl.trainer import lora
 from replayrl.trainer.backends.checkpoint_layout import CheckpointLayout, check_layout, refuse_other_backend

@@ -32,7 +32,7 @@ from replayrl.actors import Actor, concurrent
 from replayrl.rollout.engines import check_capture, load_engine_class
 from replayrl.rollout.engines.base import generations_to_columns
 from replayrl.rollout.errors import EngineError, EngineNotReady
-from replayrl.rollout.sampler import SamplingParams
+from replayrl.rollout.sampling_params import SamplingParams
 from replayrl.rollout.version_pins import VersionPins
 from replayrl.transport.array_bundle import unpack_arrays
 
@@ -166,7 +166,7 @@ class EngineActor(Actor):
 
         Args:
             prompts: ``B >= 1`` int token-id arrays (each the whole context of its turn).
-            sampling: :class:`replayrl.rollout.sampler.SamplingParams` fields.
+            sampling: :class:`replayrl.rollout.sampling_params.SamplingParams` fields.
             max_new_tokens, eos_token_id, seed: as :meth:`replayrl.rollout.engines.base.Engine.generate`.
             min_version: serve only at this policy version or later: wait (up to
                 ``version_wait_s``) for a push still on its way.

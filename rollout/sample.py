@@ -446,23 +446,27 @@ def samples_to_columns(samples: Sequence[Sample], *, compact: bool = True) -> di
     return cols
 
 
-def samples_from_columns(columns: Mapping[str, Any]) -> list[Sample]:
+def samples_from_columns(columns: Mapping[str, Any], decode_threads: int = 1) -> list[Sample]:
     """Rebuild the samples of :func:`samples_to_columns` (e.g. a decoded message).
 
     Encoded trace columns are decoded first (each indexer row's keys come back ascending, ``-1``
-    after: the same set; :mod:`replayrl.rollout.trace_storage`). Each sample's arrays are views
-    into the columns (no copy when the columns are read-only, as decoded messages are) and every
-    sample passes :func:`check_contract`, the check
+    after: the same set; :mod:`replayrl.rollout.trace_storage`), a ``"sets"`` column's rows on
+    ``decode_threads`` (int ``>= 1``) threads; the result does not depend on it. Each sample's
+    arrays are views into the columns (no copy when the columns are read-only, as decoded
+    messages are) and every sample passes :func:`check_contract`, the check
     :class:`Sample` makes at any other construction (here once for the whole batch).
 
     Raises:
-        SampleError: a missing or unknown column, a column whose length disagrees with the
-            lengths (named by the column; the sample is ``"batch"`` when no single sample is at
-            fault), or a sample violating the contract (named by its ``sample_id``).
+        SampleError: ``decode_threads`` not an int >= 1 (field ``decode_threads``), a missing or
+            unknown column, a column whose length disagrees with the lengths (named by the
+            column; the sample is ``"batch"`` when no single sample is at fault), or a sample
+            violating the contract (named by its ``sample_id``).
     """
     if not isinstance(columns, Mapping):
         raise SampleError("batch", "<message>", f"expected a mapping of columns, got "
                                                 f"{type(columns).__name__}")
+    if type(decode_threads) is not int or decode_threads < 1:
+        raise SampleError("batch", "decode_threads", f"expected an int >= 1, got {decode_threads!r}")
     traces = trace_table.TRACES
     names = {*_SCALARS, "status", "prompt_lengths", "response_lengths", *_TOKEN_ARRAYS,
              *(row.name for row in traces)}
@@ -487,7 +491,8 @@ def samples_from_columns(columns: Mapping[str, Any]) -> list[Sample]:
     for row in traces:
         try:
             decoded[row.name] = trace_storage.decode_column(row, columns[row.name],
-                                                            trace_table.rows_in(row, P, R))
+                                                            trace_table.rows_in(row, P, R),
+                                                            threads=decode_threads)
         except ValueError as exc:
             raise SampleError("batch", row.name, str(exc)) from None
     columns = {**columns, **decoded}

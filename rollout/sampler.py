@@ -36,7 +36,6 @@ from replayrl.rollout.errors import NonFiniteLogitsError, SamplerError
 from replayrl.rollout.sampling_params import SamplingParams
 
 __all__ = [
-    "SamplingParams",
     "SampleOutput",
     "sample",
 ]

@@ -310,7 +310,7 @@ def _stop_ids(directory: Path, tokenizer: Any) -> tuple[int, ...]:
 def load_tokenizer(directory: str | Path, *, apply_chat_template: bool = False,
                    chat_template_kwargs: Mapping[str, Any] | None = None,
                    tools: Sequence[Mapping[str, Any]] = (),
-                   tokenizer_class: str | None = None) -> PromptTokenizer:
+                   tokenizer_class: str | None = None, tokenizer_object: Any = None) -> PromptTokenizer:
     """Read the tokenizer of a Hugging Face checkpoint directory with ``AutoTokenizer``, or with
     the class it resolves to (``tokenizer_class``), which loads without torch.
 
@@ -325,6 +325,9 @@ def load_tokenizer(directory: str | Path, *, apply_chat_template: bool = False,
             :func:`replayrl.rollout.tokenizer_class.resolve_tokenizer_class` (the same
             tokenizer as ``AutoTokenizer``'s, without importing torch); None or ``"auto"``:
             ``AutoTokenizer``.
+        tokenizer_object: the transformers tokenizer of ``directory`` as ``tokenizer_class``
+            loads it, loaded already (:func:`replayrl.rollout.tokenizer_class.resolve_tokenizer`);
+            None: load it here.
 
     Raises:
         TokenizerError: the directory has no loadable tokenizer, no stop id, or no chat template
@@ -334,7 +337,8 @@ def load_tokenizer(directory: str | Path, *, apply_chat_template: bool = False,
     if not path.is_dir():
         raise TokenizerError(f"--tokenizer {path}: not a directory")
     try:
-        tokenizer = load_tokenizer_object(path, tokenizer_class)
+        tokenizer = (load_tokenizer_object(path, tokenizer_class) if tokenizer_object is None
+                     else tokenizer_object)
     except Exception as exc:  # transformers raises OSError / ValueError / others
         raise TokenizerError(f"--tokenizer {path}: cannot load a tokenizer: "
                              f"{type(exc).__name__}: {exc}") from None

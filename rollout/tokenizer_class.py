@@ -7,9 +7,10 @@ installed. The class it picks (for the checkpoints replayrl writes and most fast
 ``TokenizersBackend``, alias ``PreTrainedTokenizerFast``) usually imports without torch.
 :func:`resolve_tokenizer_class` runs ``AutoTokenizer`` once in a process that has torch anyway
 (the launcher's initial-files child) and names that class when loading the directory with it
-directly gives the same tokenizer; :func:`load_tokenizer_object` then loads with that class in
-the rollout manager and the launcher, and with ``AutoTokenizer`` when the class is ``AUTO``
-(remote code, or a class whose direct load differs).
+directly gives the same tokenizer (:func:`resolve_tokenizer` also returns that load, which the child's prompt
+check reuses); :func:`load_tokenizer_object` then loads with that class in the rollout manager,
+and with ``AutoTokenizer`` when the class is ``AUTO`` (remote code, or a class whose direct
+load differs).
 """
 from __future__ import annotations
 
@@ -55,13 +56,24 @@ def resolve_tokenizer_class(directory: str | Path) -> str:
     Raises:
         whatever ``AutoTokenizer.from_pretrained`` raises for an unloadable directory.
     """
+    return resolve_tokenizer(directory)[0]
+
+
+def resolve_tokenizer(directory: str | Path) -> tuple[str, Any]:
+    """:func:`resolve_tokenizer_class` and the tokenizer object it loaded that
+    :func:`load_tokenizer_object` of that class would give (the direct load, or
+    ``AutoTokenizer``'s for :data:`AUTO`); None when nothing was loaded (``auto_map``).
+
+    Raises:
+        as :func:`resolve_tokenizer_class`.
+    """
     from transformers import AutoTokenizer
 
     path = Path(directory)
     config_file = path / "tokenizer_config.json"
     try:
         if "auto_map" in json.loads(config_file.read_text()):
-            return AUTO
+            return AUTO, None
     except (OSError, ValueError):
         pass  # no (readable) tokenizer_config.json: AutoTokenizer decides below
     auto = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
@@ -69,8 +81,8 @@ def resolve_tokenizer_class(directory: str | Path) -> str:
     try:
         direct = cls.from_pretrained(str(path), local_files_only=True)
     except Exception:  # the class cannot load the directory alone: keep AutoTokenizer
-        return AUTO
-    return class_path(cls) if _fingerprint(direct) == _fingerprint(auto) else AUTO
+        return AUTO, auto
+    return (class_path(cls), direct) if _fingerprint(direct) == _fingerprint(auto) else (AUTO, auto)
 
 
 def load_tokenizer_object(directory: str | Path, tokenizer_class: str | None = None) -> Any:

@@ -46,6 +46,9 @@ class TrainerConfig:
             they are the detached logprobs of the training forward); ``always`` runs it anyway.
         rpc_timeout_s: seconds any trainer-initiated actor call may take.
         torch_threads: intra-op threads of the trainer process.
+        trace_decode_threads: threads decoding a batch's ``"sets"`` trace columns (the indexer
+            top-k keys; ``replayrl.rollout.sample.samples_from_columns``'s ``decode_threads``);
+            the decoded arrays do not depend on it (``--trace-decode-threads``).
         seed: torch seed of the trainer process.
         rs_mode, rs_lower, rs_upper: the RS gate (``--rs-mode none|token|sequence|geometric``).
         rs_denominator: loss denominator when RS rejects tokens without refill
@@ -126,6 +129,9 @@ class TrainerConfig:
                                    POSITIVE)
     torch_threads: int = setting(1, "trainer-torch-threads", "torch threads of the trainer",
                                  Range(low=1))
+    trace_decode_threads: int = setting(1, "trace-decode-threads", "threads decoding the indexer "
+                                        "top-k trace columns of each batch the trainer takes "
+                                        "(the result does not depend on it)", Range(low=1))
     seed: int = setting(1, "seed", check=Range(0, 2 ** 32, "[)"))
     rs_mode: str = setting("none", "rs-mode", "RS gate on exp(logp_prox - logp_rollout): none, "
                            "token, sequence or geometric")
@@ -185,7 +191,7 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         check_settings(self, TrainerConfigError)
         if self.lora_rank:
-            from replayrl.trainer.lora import target_modules
+            from replayrl.trainer.lora_settings import target_modules
 
             target_modules(self.lora_target_modules)  # raises naming the unknown name
         checks = [

@@ -41,33 +41,14 @@ from replayrl.rollout.model.adapters import LORA_A_SUFFIX, LORA_B_SUFFIX
 from replayrl.rollout.model.families.base import FamilyModel
 from replayrl.trainer.errors import TrainerConfigError
 
-__all__ = ["ADAPTER_DIR", "LORA_MODULES", "MLA_MODULES", "add_adapters", "adapter_arrays", "adapter_parameters",
+__all__ = ["ADAPTER_DIR", "add_adapters", "adapter_arrays", "adapter_parameters",
            "base_state", "experts_adapted", "hook_experts", "load_adapters", "load_into", "merged_state",
-           "save_adapters", "adapted_weights", "split_state", "target_modules"]
+           "save_adapters", "adapted_weights", "split_state"]
 
 ADAPTER_NAME = "default"
 ADAPTER_DIR = "adapter"
-"""Checkpoint subdirectory of the peft adapter (beside ``model``, the base)."""
-MLA_MODULES = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
-"""The low-rank query / key-value projections of MLA attention (the DeepSeek / GLM families)."""
-LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "gate",
-                *MLA_MODULES)
-"""Module names ``--lora-target-modules`` accepts (``gate`` is the MoE router)."""
-
-
-def target_modules(spec: str) -> tuple[str, ...]:
-    """``--lora-target-modules`` (comma list) -> its names, checked.
-
-    Raises:
-        TrainerConfigError: an empty list, or a name not in :data:`LORA_MODULES` (named).
-    """
-    names = tuple(n.strip() for n in spec.split(",") if n.strip())
-    unknown = [n for n in names if n not in LORA_MODULES]
-    if not names or unknown:
-        raise TrainerConfigError(f"--lora-target-modules {spec!r}: expected a comma list of "
-                                 f"{', '.join(LORA_MODULES)} (gate = the MoE router), got "
-                                 f"{unknown or 'nothing'}")
-    return names
+"""Checkpoint subdirectory of the peft adapter (beside ``model``, the base). The
+``--lora-target-modules`` names and their check: :mod:`replayrl.trainer.lora_settings` (no torch)."""
 
 
 def _peft():

@@ -365,7 +365,7 @@ class TrainerActor(Actor):
         clock = self.proxy(self.clock_name, cfg.rpc_timeout_s)
         start = time.perf_counter()
         raw = await self.proxy(self.manager_name, cfg.rpc_timeout_s).take_batch(rollout_id)
-        samples = samples_from_columns(raw)
+        samples = samples_from_columns(raw, decode_threads=cfg.trace_decode_threads)
         transport_seconds = time.perf_counter() - start  # the batch's RPC, decode and checks
         trainer_version = await clock.check_samples([s.sample_id for s in samples],
                                                     [s.policy_version for s in samples])

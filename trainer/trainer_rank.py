@@ -61,7 +61,7 @@ class TrainerRank(Actor):
         Raises:
             as ``TrainerActor.preflight``.
         """
-        samples = samples_from_columns(columns)
+        samples = samples_from_columns(columns, decode_threads=self.config.trace_decode_threads)
         try:
             rates = self.step.preflight(samples)
             parts = self.step.cache.take([s.sample_id for s in samples])
@@ -89,7 +89,7 @@ class TrainerRank(Actor):
             replayrl.trainer.rank_step.TrainStepError: as ``RankStep.update``; ValueError: arrays that
                 do not match the samples' response lengths.
         """
-        samples = samples_from_columns(columns)
+        samples = samples_from_columns(columns, decode_threads=self.config.trace_decode_threads)
         counts = [len(s.response_ids) for s in samples]
         masks = {}
         for name, value in (("token_accept", token_accept), ("loss_accept", loss_accept),

@@ -31,7 +31,8 @@ from replayrl.rollout.model.config import ModelConfig
 from replayrl.rollout.model.families.base import FamilyConfig, FamilyModel
 from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
 from replayrl.rollout.sample import TRACE_FIELDS
-from replayrl.rollout.sampler import SamplingParams, sample
+from replayrl.rollout.sampler import sample
+from replayrl.rollout.sampling_params import SamplingParams
 
 __all__ = ["EmbeddedEngine"]
 

@@ -41,7 +41,7 @@ from replayrl.rollout.errors import CaptureError, EngineError, EngineInputError,
 from replayrl.rollout.model.checkpoint import save_model_files
 from replayrl.rollout.model.config import ModelConfig
 from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
-from replayrl.rollout.sampler import SamplingParams
+from replayrl.rollout.sampling_params import SamplingParams
 
 __all__ = ["VllmEngine"]
 

@@ -19,14 +19,13 @@ from typing import Any
 
 import torch
 
-from replayrl.rollout.model.rope_scaling import SUPPORTED_TYPES, normalize_rope_scaling  # noqa: F401 (re-exported)
-
 
 def rope_frequencies(rope_theta: float, head_dim: int,
                      rope_scaling: tuple[tuple[str, Any], ...]) -> tuple[torch.Tensor, float]:
     """(inverse frequencies float32 `[head_dim // 2]`, attention scaling of cos / sin).
 
-    `rope_scaling` is the canonical form of `normalize_rope_scaling`. The default branch is the
+    `rope_scaling` is the canonical form of
+    `replayrl.rollout.model.rope_scaling.normalize_rope_scaling`. The default branch is the
     exact expression the embedded model has always used (its weights and figures depend on it).
     """
     dim = head_dim

@@ -6,8 +6,8 @@ as ``__mp_main__``: ``replayrl.tools.cli`` for ``replayrl train``), then the spa
 (``replayrl.actors.spawn``), then its actor class. A fresh interpreter does the same here and
 reports which heavy packages ``sys.modules`` holds after each step; the rollout manager is also
 built (its tokenizer and prompts loaded) with the tokenizer class the launcher resolves
-(``replayrl.rollout.tokenizer_class``). The launcher does its torch work in a short child
-(``replayrl.tools.run.initial_files``): a one-step ``replayrl train`` reports what its own
+(``replayrl.rollout.tokenizer_class``). The launcher does its torch and tokenizer work in a short
+child (``replayrl.tools.run.initial_files``): a one-step ``replayrl train`` reports what its own
 process imported.
 """
 from __future__ import annotations
@@ -74,5 +74,22 @@ def test_the_launcher_process_imports_no_torch(tmp_path):
                          timeout=300, env={**os.environ, "PYTHONPATH": PYTHONPATH})
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "run" / "metrics.jsonl").read_text().count("\n") == 1
-    # transformers' tokenizer classes load without torch; its package is imported for them
-    assert out.stdout.strip().splitlines()[-1] == "LAUNCHER ['transformers']"
+    # the tokenizer and the prompt data are read in the initial-files child, which has them anyway
+    assert out.stdout.strip().splitlines()[-1] == "LAUNCHER []"
+
+
+LORA_CHECK = """
+import sys
+from replayrl.tools.run.config import build_config
+config = build_config({"lora-rank": 8})
+assert config.trainer.lora_rank == 8
+print("LORA", sorted(m for m in %r if m in sys.modules))
+""" % (HEAVY,)
+
+
+def test_validating_a_lora_config_imports_no_torch():
+    # --lora-rank checks its target modules (trainer/lora_settings.py), not trainer/lora.py's torch
+    out = subprocess.run([sys.executable, "-c", LORA_CHECK], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "PYTHONPATH": PYTHONPATH})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "LORA []"

@@ -17,7 +17,7 @@ from replayrl.rollout.engines.base import Generation
 from replayrl.rollout.engines.embedded import EmbeddedEngine
 from replayrl.rollout.manager import RolloutManager
 from replayrl.rollout.sample import TRACE_FIELDS, Sample
-from replayrl.rollout.sampler import SamplingParams
+from replayrl.rollout.sampling_params import SamplingParams
 from replayrl.rollout.tasks.digit_puzzle import VOCABULARY, DigitTask
 from replayrl.rollout.trajectory import SYNTHETIC_EOS_LOGPROB, append_synthetic_eos, merge_turns
 from replayrl.rollout.turn_loop import Episode

@@ -29,7 +29,7 @@ from replayrl.rollout.model.config import default_config, without_indexer
 from replayrl.rollout.model.loader import load_pretrained
 from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
 from replayrl.rollout.sample import TRACE_FIELDS, Sample
-from replayrl.rollout.sampler import SamplingParams
+from replayrl.rollout.sampling_params import SamplingParams
 from replayrl.rollout.tasks.digit_puzzle import VOCABULARY, DigitTask
 from replayrl.rollout.tasks.digits import digit_task_prompts
 from replayrl.rollout.trajectory import merge_turns

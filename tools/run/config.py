@@ -230,7 +230,7 @@ class RunConfig:
         ]
         family = getattr(policy, "family", "")
         if self.trainer.lora_rank:  # LoRA (trainer/lora.py): adapters pushed, merged by the engine
-            from replayrl.trainer.lora import MLA_MODULES, target_modules
+            from replayrl.trainer.lora_settings import MLA_MODULES, target_modules
 
             targets = target_modules(self.trainer.lora_target_modules)
             checks += [
@@ -243,10 +243,10 @@ class RunConfig:
                  "'triton.language' has no attribute 'float32'\" in "
                  "vllm/model_executor/layers/fused_moe/experts/triton_moe.py; its dense-layer "
                  "LoRA works); see docs/design.md#lora; use --rollout-engine embedded"),
-                (self.rollout_engine in ("embedded", "vllm"),
-                 f"--lora-rank with --rollout-engine {self.rollout_engine}: replayrl sends adapter "
-                 f"pushes only to the embedded engine, which merges them (SGLang's LoRA "
-                 f"request path is not wired); use --rollout-engine embedded"),
+                (self.rollout_engine != "sglang",
+                 "--lora-rank with --rollout-engine sglang: replayrl sends adapter pushes only to "
+                 "the embedded engine, which merges them (SGLang's LoRA request path is not "
+                 "wired); use --rollout-engine embedded"),
                 (not family or "gate" not in targets,
                  f"--lora-target-modules gate with the {family!r} family of --hf-checkpoint "
                  f"{self.hf_checkpoint}: its router (mlp.gate) is transformers' own top-k module, "

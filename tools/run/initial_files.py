@@ -6,9 +6,9 @@ torch), resolving ``--engine-dtype auto`` (torch reads the CPU's capability), wr
 embedded default checkpoint (the model is built and initialised by torch) and resolving which
 transformers class reads the tokenizer (``AutoTokenizer``'s import chain loads torch in
 transformers 5). The launcher runs them in a ``spawn`` child (:func:`in_child` of
-:func:`replayrl.tools.run.launcher.write_initial_files`), which returns the results
-(:class:`Resolved`); the launcher and the rollout manager then read the tokenizer with that
-class, without torch (:mod:`replayrl.rollout.tokenizer_class`).
+:func:`replayrl.tools.run.launcher.write_initial_files`), which also checks the prompt data with
+the tokenizer it loaded and returns the results (:class:`Resolved`); the rollout manager then
+reads the tokenizer with that class, without torch (:mod:`replayrl.rollout.tokenizer_class`).
 """
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ import shutil
 import socket
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from replayrl.actors import ActorSpec, Directory, Supervisor, import_callable
 from replayrl.actors.errors import VersionError
@@ -41,7 +41,7 @@ from replayrl.rollout.sample import required_traces
 from replayrl.rollout.tasks import Task, load_environment_class, load_task_class, task_class_path, task_name
 from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
 from replayrl.rollout.tokenizer import load_tokenizer
-from replayrl.rollout.tokenizer_class import AUTO, resolve_tokenizer_class
+from replayrl.rollout.tokenizer_class import AUTO, resolve_tokenizer
 from replayrl.tools.errors import ConfigError
 from replayrl.tools.run.attach_card import remove_attach_card, write_attach_card
 from replayrl.tools.run.config import RunConfig
@@ -133,27 +133,32 @@ def write_initial_checkpoint(config: RunConfig, directory: Path) -> Path:
 
 
 def write_initial_files(config: RunConfig, engine: str, checkpoint: Path | None,
-                        tokenizer: Path) -> Resolved:
+                        tokenizer: Path, prompts_of: Path | None = None) -> Resolved:
     """Check the engine class ``engine`` (``"module:Class"``), resolve the engine dtype, write
     the embedded default checkpoint to ``checkpoint`` (None: the run has one,
-    ``--hf-checkpoint``), then resolve the tokenizer class of ``tokenizer``. Imports torch: the
-    launcher runs it in a child process (:mod:`replayrl.tools.run.initial_files`).
+    ``--hf-checkpoint``), then resolve the tokenizer class of ``tokenizer``, and with
+    ``prompts_of`` (the run's initial checkpoint directory) check the prompt data
+    (:func:`check_prompt_data`) with the tokenizer the resolution loaded: the rollout manager's
+    load, not read again. Imports torch: the launcher runs it in a child process
+    (:mod:`replayrl.tools.run.initial_files`).
 
     Returns:
         :class:`Resolved`; its ``tokenizer_class`` is ``"auto"`` when the directory does not load
-        here, so the launcher's own check reports the error.
+        here (the prompt check's own load then reports the error, with the flag).
 
     Raises:
-        replayrl.tools.errors.ConfigError: as :func:`check_engine`.
+        replayrl.tools.errors.ConfigError: as :func:`check_engine` and :func:`check_prompt_data`.
     """
     check_engine(config, engine)
     dtype = resolve_dtype(config.engine_dtype)
     if checkpoint is not None:
         write_initial_checkpoint(config, checkpoint)
     try:
-        tokenizer_class = resolve_tokenizer_class(tokenizer)
+        tokenizer_class, loaded = resolve_tokenizer(tokenizer)
     except Exception:  # reported, with the flag, by check_prompt_data's load
-        tokenizer_class = AUTO
+        tokenizer_class, loaded = AUTO, None
+    if prompts_of is not None:
+        check_prompt_data(config, prompts_of, tokenizer_class, loaded)
     return Resolved(engine, dtype, tokenizer_class)
 
 
@@ -185,9 +190,9 @@ def _checked_initial_checkpoint(config: RunConfig, output: Path, engine: str) ->
     error changes nothing in ``output``: the embedded default is written to
     ``output/.checkpoint-init.partial`` and renamed to ``checkpoint-init`` only once the prompt
     data passed (an earlier run's checkpoint there stays until then). The engine class
-    ``engine`` is checked (:func:`check_engine`), its dtype and the tokenizer class resolved and
-    the checkpoint written in a child process
-    (:func:`replayrl.tools.run.initial_files.initial_files`): this process loads no torch.
+    ``engine`` is checked (:func:`check_engine`), its dtype and the tokenizer class resolved,
+    the checkpoint written and the prompt data checked in a child process
+    (:func:`write_initial_files`): this process loads no torch and reads no tokenizer.
 
     Returns:
         (the initial checkpoint directory, what :func:`actor_specs` takes as ``resolved``).
@@ -201,9 +206,8 @@ def _checked_initial_checkpoint(config: RunConfig, output: Path, engine: str) ->
         checkpoint = Path(config.hf_checkpoint) if config.hf_checkpoint else staged
         if config.hf_checkpoint and not config.rollout.tokenizer and not config.rollout.prompt_data:
             write_embedded_tokenizer(tokenizer_dir(config, checkpoint))
-        resolved = in_child(write_initial_files, config, engine,
-                            None if config.hf_checkpoint else staged, tokenizer_dir(config, checkpoint))
-        check_prompt_data(config, checkpoint, resolved.tokenizer_class)
+        resolved = in_child(write_initial_files, config, engine, None if config.hf_checkpoint else staged,
+                            tokenizer_dir(config, checkpoint), checkpoint)
     except BaseException:
         shutil.rmtree(staged, ignore_errors=True)
         raise
@@ -332,9 +336,11 @@ def write_embedded_tokenizer(directory: Path) -> Path:
     return directory
 
 
-def check_prompt_data(config: RunConfig, checkpoint_dir: Path, tokenizer_class: str | None = None) -> None:
-    """Read the tokenizer (with ``tokenizer_class``: see :func:`replayrl.rollout.tokenizer.load_tokenizer`)
-    and every prompt set here, before any process starts.
+def check_prompt_data(config: RunConfig, checkpoint_dir: Path, tokenizer_class: str | None = None,
+                      tokenizer_object: Any = None) -> None:
+    """Read the tokenizer (with ``tokenizer_class``, or take ``tokenizer_object``, its load: see
+    :func:`replayrl.rollout.tokenizer.load_tokenizer`) and every prompt set, before any actor
+    process starts.
 
     Raises:
         ConfigError: the tokenizer cannot be loaded or has more ids than the policy's
@@ -350,7 +356,7 @@ def check_prompt_data(config: RunConfig, checkpoint_dir: Path, tokenizer_class: 
                                    chat_template_kwargs=json.loads(r.apply_chat_template_kwargs),
                                    # prompts render the --env environment's tool schema
                                    tools=load_environment_class(r.env).tools if r.env else (),
-                                   tokenizer_class=tokenizer_class)
+                                   tokenizer_class=tokenizer_class, tokenizer_object=tokenizer_object)
         if tokenizer.vocab_size > model.vocab_size:
             raise ConfigError(f"--tokenizer {tokenizer.directory}: {tokenizer.vocab_size} ids, "
                               f"more than the policy's vocabulary of {model.vocab_size}")

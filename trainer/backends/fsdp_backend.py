@@ -50,13 +50,15 @@ from replayrl.actors.errors import VersionRegression
 from replayrl.rollout.model.adapters import LORA_A_SUFFIX, LORA_B_SUFFIX
 from replayrl.rollout.model.checkpoint import load_state_arrays, save_pretrained
 from replayrl.rollout.model.families.base import FamilyConfig, FamilyModel
-from replayrl.rollout.model.loader import check_weight_files, load_pretrained, read_hf_config
+from replayrl.rollout.model.hf_config import read_hf_config
+from replayrl.rollout.model.loader import check_weight_files, load_pretrained
 from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
 from replayrl.trainer import lora
 from replayrl.trainer.backends.checkpoint_layout import CheckpointLayout, check_layout, refuse_other_backend
 from replayrl.trainer.backends.torch_backend import TorchBackend, _check_weights_fit
 from replayrl.trainer.batch import TrainBatch
 from replayrl.trainer.config import TrainerConfig
+from replayrl.trainer.lora_settings import target_modules
 
 __all__ = ["FSDPBackend", "STATE_FILE"]
 
@@ -98,7 +100,7 @@ class FSDPBackend(TorchBackend):
         self.model.train()
         if config.lora_rank:  # trainer/lora.py: adapters added before sharding, only they train
             self.lora_config = lora.add_adapters(self.model, config.lora_rank, config.lora_alpha,
-                                                 lora.target_modules(config.lora_target_modules),
+                                                 target_modules(config.lora_target_modules),
                                                  config.seed)
             self._adapted = lora.adapted_weights(self.model)
             # the experts are adapted inside each MoE block's forward, on the gathered weights
@@ -346,7 +348,7 @@ def _read_model(directory: Path, config: TrainerConfig) -> torch.nn.Module:
         model, _ = load_pretrained(directory / "model", dtype=torch.float32)
         if config.lora_rank:
             lora.load_into(model, directory / lora.ADAPTER_DIR, config.lora_rank, config.lora_alpha,
-                           lora.target_modules(config.lora_target_modules), config.seed)
+                           target_modules(config.lora_target_modules), config.seed)
     return model
 
 

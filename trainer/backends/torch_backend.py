@@ -39,6 +39,7 @@ from replayrl.trainer.backends.checkpoint_layout import refuse_other_backend
 from replayrl.trainer.batch import TrainBatch
 from replayrl.trainer.config import TrainerConfig
 from replayrl.trainer.logprobs import full_vocab_logprobs, fused_support_logprobs, support_entropy, support_logprobs
+from replayrl.trainer.lora_settings import target_modules
 from replayrl.trainer.prefix_tree import PrefixTree
 from replayrl.transport.array_bundle import bundle_of_buffer, pack_arrays
 
@@ -219,7 +220,7 @@ class TorchBackend(TrainerBackend):
         self.model.train()
         if config.lora_rank:  # trainer/lora.py: only the adapters train
             self.lora_config = lora.add_adapters(self.model, config.lora_rank, config.lora_alpha,
-                                                 lora.target_modules(config.lora_target_modules),
+                                                 target_modules(config.lora_target_modules),
                                                  config.seed)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = self._make_optimizer()
@@ -476,9 +477,9 @@ def _read_checkpoint(directory: Path, config: TrainerConfig | None = None
         model, _ = load_pretrained(directory / "model", dtype=torch.float32)
         if config is not None and config.lora_rank:
             lora.add_adapters(model, config.lora_rank, config.lora_alpha,
-                              lora.target_modules(config.lora_target_modules), config.seed)
+                              target_modules(config.lora_target_modules), config.seed)
             adapters = lora.load_adapters(model, directory / lora.ADAPTER_DIR, config.lora_rank,
-                                          config.lora_alpha, lora.target_modules(config.lora_target_modules))
+                                          config.lora_alpha, target_modules(config.lora_target_modules))
             model.load_state_dict(adapters, strict=False)
     path = directory / "trainer_state.pt"
     try:

@@ -143,7 +143,7 @@ class RefillCoordinator:
             raw = await self.manager.generate_replacements(plan.request.n_groups,
                                                           min_version=self.version)
             replacement_seconds += time.perf_counter() - t0
-            repl = samples_from_columns(raw)
+            repl = samples_from_columns(raw, decode_threads=cfg.trace_decode_threads)
             metrics["generated_samples"] += len(repl)
             await self.clock.check_replacements(self.version, [s.sample_id for s in repl],
                                                 [s.policy_version for s in repl])

@@ -33,12 +33,12 @@ from typing import Sequence
 import torch
 
 from replayrl.trainer.rejection.rs_gates import SAMPLE_LOG_WEIGHTS, compute_log_ratio, sample_gate, token_gate
-from replayrl.trainer.rejection.rs_settings import MODES, check_rs_settings  # noqa: F401  (MODES re-exported)
+from replayrl.trainer.rejection.rs_settings import check_rs_settings
 
 
 @dataclass(frozen=True)
 class RSGate:
-    """``mode`` in :data:`MODES` with ratio bounds ``0 < lower <= upper``."""
+    """``mode`` in :data:`replayrl.trainer.rejection.rs_settings.MODES` with ratio bounds ``0 < lower <= upper``."""
 
     mode: str = "none"
     lower: float = 0.0

@@ -10,7 +10,7 @@ import math
 import pytest
 
 from replayrl.rollout.model import ModelConfigError, default_config
-from replayrl.rollout.model.loader import read_hf_config
+from replayrl.rollout.model.hf_config import read_hf_config
 
 
 def _write(tmp_path, text: str):

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from replayrl.rollout.model.errors import ModelConfigError, ModelInputError
-from replayrl.rollout.model.loader import load_pretrained, read_hf_config
+from replayrl.rollout.model.hf_config import read_hf_config
+from replayrl.rollout.model.loader import load_pretrained
 from tests.family_checkpoints import FAMILY_TYPES, tiny_hf_checkpoint
 
 

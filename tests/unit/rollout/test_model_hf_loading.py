@@ -12,7 +12,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from replayrl.rollout.model import CheckpointError, ModelConfigError
-from replayrl.rollout.model.loader import load_pretrained, read_hf_config
+from replayrl.rollout.model.hf_config import read_hf_config
+from replayrl.rollout.model.loader import load_pretrained
 
 transformers = pytest.importorskip(
     "transformers", reason="transformers is not installed: the HF parity reference is unavailable")

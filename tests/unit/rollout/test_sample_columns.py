@@ -184,3 +184,55 @@ def test_plain_columns_keep_every_trace_as_its_int32_rows():
         np.testing.assert_array_equal(cols[name], expected)
     for got, want in zip(samples_from_columns(cols), (a, b)):
         _same(got, want)
+
+
+def _indexed_sample(sid: int, P: int, R: int, layers: int = 2, k: int = 6) -> Sample:
+    """A sample whose indexer rows hold valid key sets: row p picks up to ``k`` of its p + 1
+    keys in random order, -1 padding anywhere."""
+    rng = np.random.default_rng(100 + sid)
+    keys = np.full((P + R - 1, layers, k), -1, np.int32)
+    for p in range(P + R - 1):
+        for layer in range(layers):
+            picked = rng.permutation(p + 1)[:rng.integers(0, min(k, p + 1) + 1)]
+            keys[p, layer, rng.permutation(k)[:len(picked)]] = picked
+    return _sample(sid, P, R, indexer_topk=keys)
+
+
+def _naive_key_sets(rows: np.ndarray) -> np.ndarray:
+    """Per row, in plain Python: the key positions ascending, then -1."""
+    out = [sorted(v for v in row if v >= 0) for row in rows.reshape(-1, rows.shape[-1]).tolist()]
+    return np.array([r + [-1] * (rows.shape[-1] - len(r)) for r in out], np.int32).reshape(rows.shape)
+
+
+@pytest.mark.parametrize("chunk_slots", [None, 40])  # one "sets" column, or "chunks" of rows
+def test_indexer_traces_decode_alike_on_one_or_more_threads(monkeypatch, chunk_slots):
+    from replayrl.rollout import trace_storage
+    from replayrl.transport import trace_codec
+
+    monkeypatch.setattr(trace_codec, "_MIN_CHUNK_SLOTS", 1)  # a chunk of rows per thread, however small
+    if chunk_slots:
+        monkeypatch.setattr(trace_storage, "CHUNK_SLOTS", chunk_slots)
+    seen = []
+
+    def decode_sets(*args, threads=1, **kwargs):
+        seen.append(threads)
+        return trace_codec.decode_sets(*args, threads=threads, **kwargs)
+
+    monkeypatch.setattr(trace_storage, "decode_sets", decode_sets)
+    samples = [_indexed_sample(0, 9, 4), _indexed_sample(1, 5, 7), _indexed_sample(2, 12, 3)]
+    codec = Codec()
+    cols = codec.decode(codec.encode(samples_to_columns(samples)))
+    assert cols["indexer_topk"]["codec"] == ("chunks" if chunk_slots else "sets")  # something to decode
+    one = samples_from_columns(cols)
+    two = samples_from_columns(cols, decode_threads=2)
+    assert set(seen) == {1, 2}  # the keyword reached the decoder
+    for s, a, b in zip(samples, one, two):
+        want = _naive_key_sets(s.indexer_topk)
+        assert np.array_equal(a.indexer_topk, want) and np.array_equal(b.indexer_topk, want)
+
+
+@pytest.mark.parametrize("threads", [0, 1.5, "2"])
+def test_a_bad_decode_thread_count_is_named(threads):
+    cols = samples_to_columns([_sample(0, 3, 1)])
+    with pytest.raises(SampleError, match="decode_threads"):
+        samples_from_columns(cols, decode_threads=threads)

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from replayrl.rollout.errors import NonFiniteLogitsError, SamplerError, SamplingParamsError
-from replayrl.rollout.sampler import SamplingParams, sample
+from replayrl.rollout.sampler import sample
+from replayrl.rollout.sampling_params import SamplingParams
 from tests.paths import CASES
 
 CASES = CASES

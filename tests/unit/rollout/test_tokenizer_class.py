@@ -15,7 +15,7 @@ import pytest
 
 from replayrl.rollout.tasks import load_environment_class
 from replayrl.rollout.tokenizer import load_tokenizer
-from replayrl.rollout.tokenizer_class import AUTO, load_tokenizer_object, resolve_tokenizer_class
+from replayrl.rollout.tokenizer_class import AUTO, load_tokenizer_object, resolve_tokenizer, resolve_tokenizer_class
 from replayrl.tools.run.config import build_config
 from replayrl.tools.run.launcher import write_embedded_tokenizer, write_initial_checkpoint
 from tests.family_checkpoints import FAMILY_TYPES, tiny_hf_config
@@ -128,3 +128,24 @@ def test_auto_and_none_load_with_autotokenizer(dirs):
     for cls in (None, AUTO):
         tok = load_tokenizer_object(directory, cls)
         assert type(tok) is type(ref) and tok.get_vocab() == ref.get_vocab()
+
+
+@pytest.mark.parametrize("name", ["embedded", "qwen_template"])
+def test_the_resolution_hands_back_the_load_the_manager_makes(dirs, name):
+    directory, _ = dirs[name]
+    resolved, loaded = resolve_tokenizer(directory)
+    fresh = load_tokenizer_object(directory, resolved)  # the rollout manager's load
+    assert type(loaded) is type(fresh) and loaded.get_vocab() == fresh.get_vocab()
+    for text in _texts(fresh):
+        assert loaded(text)["input_ids"] == fresh(text)["input_ids"]
+    # the prompt check takes it as it is, without reading the directory again
+    assert load_tokenizer(directory, tokenizer_class=resolved, tokenizer_object=loaded).tokenizer is loaded
+
+
+def test_remote_code_hands_back_nothing_loaded(dirs, tmp_path):
+    d = tmp_path / "remote"
+    shutil.copytree(dirs["embedded"][0], d)
+    config = json.loads((d / "tokenizer_config.json").read_text())
+    config["auto_map"] = {"AutoTokenizer": ["tokenization_mine.MyTokenizer", None]}
+    (d / "tokenizer_config.json").write_text(json.dumps(config))
+    assert resolve_tokenizer(d) == (AUTO, None)

@@ -21,7 +21,7 @@ from replayrl.rollout.model.checkpoint import state_dict_arrays
 from replayrl.rollout.model.config import default_config
 from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
 from replayrl.rollout.sample import TRACE_FIELDS, Sample
-from replayrl.rollout.sampler import SamplingParams
+from replayrl.rollout.sampling_params import SamplingParams
 from replayrl.rollout.tasks.calculator import DigitToolEnv
 from replayrl.rollout.tasks.digit_puzzle import VOCABULARY, DigitTask
 from replayrl.rollout.turn_loop import assemble, run_episodes, turn_seed

@@ -11,7 +11,7 @@ from replayrl.rollout.model.checkpoint import state_dict_arrays
 from replayrl.rollout.model.config import default_config
 from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
 from replayrl.rollout.sample import TRACE_FIELDS, Sample
-from replayrl.rollout.sampler import SamplingParams
+from replayrl.rollout.sampling_params import SamplingParams
 from replayrl.rollout.trajectory import merge_turns
 from replayrl.trainer.backends.torch_backend import response_logprobs
 from replayrl.trainer.batch import collate, collate_packed

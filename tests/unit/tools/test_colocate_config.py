@@ -67,3 +67,13 @@ def test_torchrun_refuses_colocate():
     refuse_colocate(build_config({}))
     with pytest.raises(ConfigError, match="--colocate is not available under torchrun"):
         refuse_colocate(build_config({"colocate": True}))
+
+
+def test_the_peer_bench_prints_the_colocated_side_settings():
+    from replayrl.tools.bench.peer import settings_table
+
+    rows = {line.split(" | ")[0]: line for line in settings_table(build_config({"colocate": True})).splitlines()}
+    assert "--colocate: clock, manager, engine and trainer in one process" in rows["| threads"]
+    assert "take turns in one process" in rows["| staleness"]
+    alone = settings_table(build_config({}))
+    assert "--colocate" not in alone and "(one process each)" in alone

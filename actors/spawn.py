@@ -26,6 +26,7 @@ import os
 import pstats
 import signal
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -80,7 +81,9 @@ class ActorSpec:
     actor runs in; specs whose ``process`` (or, where empty, name) is equal share one process:
     their actors are built in spec order and served in one event loop, each under its own name
     and endpoint (docs/design.md#colocate); they must agree on ``cpus`` and on every ``env``
-    key they both set. Empty: a process of its own.
+    key they both set. Empty: a process of its own. ``thread``: in a shared process, serve this
+    actor on an event loop of its own in a thread of its own, so its work overlaps with the
+    others' where it releases the GIL (torch ops); the members without it share one loop.
     """
 
     name: str
@@ -89,6 +92,7 @@ class ActorSpec:
     env: dict[str, str] = field(default_factory=dict)
     cpus: tuple[int, ...] = ()
     process: str = ""
+    thread: bool = False
 
     @property
     def process_key(self) -> str:
@@ -219,6 +223,54 @@ async def serve_actors(members: list[tuple[Actor, str]], directory: Directory,
         close_connections()
 
 
+def serve_in_threads(loops: list[list[tuple[Actor, str]]], directory: Directory,
+                     parent_pid: int | None, on_error: Callable[[str], Any]) -> list[str]:
+    """Serve each list of ``(actor, name)`` of ``loops`` on an event loop of its own, in a thread
+    of its own (as :func:`serve_actors` serves them, in its loop), until every actor stopped;
+    returns each actor's failure text, in order. The process-wide connection settings are made
+    once, here; each loop closes only its own connections. With ``REPLAYRL_PROFILE_DIR`` each
+    loop writes its own profile, named by its actors (``a+b``).
+
+    ``on_error(traceback_text)`` is called in the thread of a loop that raised (an ``on_start`` /
+    ``on_stop`` error); it should end the process (the spawned child writes the traceback and
+    exits), else that loop's actors are just gone.
+    """
+    _use_directory(directory)
+    failures: list[list[str]] = [[] for _ in loops]
+
+    def run(i: int) -> None:
+        try:
+            failures[i] = run_event_loop(_serve_loop(loops[i], directory, parent_pid))
+        except BaseException:
+            on_error(traceback.format_exc())
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True,
+                                name=f"replayrl-{'+'.join(n for _, n in members)}")
+               for i, members in enumerate(loops)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return [f for loop in failures for f in loop]
+
+
+async def _serve_loop(members: list[tuple[Actor, str]], directory: Directory,
+                      parent_pid: int | None) -> list[str]:
+    """``members`` served on the running loop of one of :func:`serve_in_threads`' threads."""
+    profile_dir = os.environ.get(PROFILE_ENV)
+    profile = cProfile.Profile() if profile_dir else None
+    if profile is not None:
+        profile.enable()
+    try:
+        return list(await asyncio.gather(*(_serve(actor, name, directory, parent_pid, None, None)
+                                           for actor, name in members)))
+    finally:
+        if profile is not None:
+            profile.disable()
+            write_profile(profile, profile_dir, "+".join(n for _, n in members))
+        close_connections(this_loop_only=True)
+
+
 def _use_directory(directory: Directory) -> None:
     """This process's connections use the run's CURVE keys, heartbeat deadline and shared memory."""
     use_curve_keys(directory.keys())
@@ -269,20 +321,28 @@ def _child_main(specs: tuple[ActorSpec, ...], endpoints: dict[str, str], curve_k
     if specs[0].cpus:
         os.sched_setaffinity(0, specs[0].cpus)
     logging.basicConfig(level=log_level, format=f"%(asctime)s {key} %(levelname)s %(message)s")
-    try:
-        members = [(import_actor_class(spec.cls)(**spec.kwargs), spec.name) for spec in specs]
-        directory = Directory(endpoints, curve_keys, heartbeat_deadline_s, shm)
-        run_event_loop(serve_actors(members, directory, parent_pid, key))
-        if os.getppid() != parent_pid:  # the launcher was killed: nobody else will clean up
-            leave_run_dir(run_dir)
-    except BaseException:
-        text = traceback.format_exc()
+
+    def die(text: str) -> None:
         try:
             Path(run_dir, f"{key}.traceback").write_text(text)
         finally:
             sys.stderr.write(f"[{key}] died:\n{text}")
             sys.stderr.flush()
             os._exit(1)
+
+    try:
+        members = [(import_actor_class(spec.cls)(**spec.kwargs), spec.name) for spec in specs]
+        directory = Directory(endpoints, curve_keys, heartbeat_deadline_s, shm)
+        shared = [m for m, spec in zip(members, specs) if not spec.thread]
+        own = [[m] for m, spec in zip(members, specs) if spec.thread]
+        if len(members) > 1 and own:  # loops of their own: the members without thread share one
+            serve_in_threads(([shared] if shared else []) + own, directory, parent_pid, die)
+        else:
+            run_event_loop(serve_actors(members, directory, parent_pid, key))
+        if os.getppid() != parent_pid:  # the launcher was killed: nobody else will clean up
+            leave_run_dir(run_dir)
+    except BaseException:
+        die(traceback.format_exc())
 
 
 LOSS_POLICIES = ("fail", "drop", "replace")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from replayrl.actors import ActorDied, ActorSpec, Directory, Supervisor
+from replayrl.actors import ActorDied, ActorSpec, Directory, Supervisor, run_event_loop
 from replayrl.tools.run.config import build_config
 from replayrl.tools.run.launcher import launch
 
@@ -62,26 +62,36 @@ async def test_actors_of_one_process_share_it_and_are_lost_together():
         assert not _alive(pid) and not _alive(other)  # the shutdown ended both processes
 
 
-async def test_colocated_run_gives_the_separate_processes_metrics(tmp_path):
+def _run(output: Path, **flags) -> tuple[list[dict], set[str]]:
+    """A 3-step run: its metrics rows and the comm names of its actor processes."""
+    CHILD_TITLES.clear()
+    config = build_config({"num-steps": 3, "seed": 1, "progress": False, "rollout-batch-size": 4,
+                           "n-samples-per-prompt": 4, "output-dir": str(output),
+                           "metrics-hook": ["tests.system.test_colocate:record_children"], **flags})
+    result = run_event_loop(launch(config))
+    rows = [json.loads(line) for line in result.metrics_path.read_text().splitlines()]
+    return rows, set.union(*CHILD_TITLES)
+
+
+@pytest.fixture(scope="module")
+def separate(tmp_path_factory):
+    """The run in separate processes, the reference of the colocated ones."""
+    rows, titles = _run(tmp_path_factory.mktemp("separate"))
+    # comm names are cut at 15 characters
+    assert titles == {"rrl:version_clo", "rrl:engine_0", "rrl:rollout_man", "rrl:trainer"}
+    return rows
+
+
+@pytest.mark.parametrize("threads", [False, True], ids=["one-loop", "threads"])
+def test_colocated_run_gives_the_separate_processes_metrics(separate, tmp_path, threads):
     # same seed, same thread counts: every non-timing metric equal at every step
-    rows, titles = {}, {}
-    for colocate in (False, True):
-        CHILD_TITLES.clear()
-        config = build_config({"num-steps": 3, "seed": 1, "progress": False, "colocate": colocate,
-                               "rollout-batch-size": 4, "n-samples-per-prompt": 4,
-                               "output-dir": str(tmp_path / str(colocate)),
-                               "metrics-hook": ["tests.system.test_colocate:record_children"]})
-        result = await launch(config)
-        rows[colocate] = [json.loads(line) for line in result.metrics_path.read_text().splitlines()]
-        titles[colocate] = set.union(*CHILD_TITLES)
-    # what ran: four actor processes, or one (comm names are cut at 15 characters)
-    assert titles == {False: {"rrl:version_clo", "rrl:engine_0", "rrl:rollout_man", "rrl:trainer"},
-                      True: {"rrl:colocated"}}
+    rows, titles = _run(tmp_path, **{"colocate": True, "colocate-threads": threads})
+    assert titles == {"rrl:colocated"}  # one actor process
+    assert [r["step"] for r in rows] == [0, 1, 2]
     timing = ("_seconds", "per_second")
-    assert [r["step"] for r in rows[True]] == [0, 1, 2]
-    for alone, shared in zip(rows[False], rows[True]):
+    for alone, shared in zip(separate, rows):
         assert alone.keys() == shared.keys()
         differ = {k for k in alone if not k.endswith(timing) and alone[k] != shared[k]}
         assert not differ, {k: (alone[k], shared[k]) for k in differ}
     # the one-step overlap's staleness holds as it does in separate processes
-    assert [r["staleness_max"] for r in rows[True]] == [0, 1, 1]
+    assert [r["staleness_max"] for r in rows] == [0, 1, 1]

@@ -117,6 +117,10 @@ class RunConfig:
             process, one event loop and one torch runtime (``--colocate``,
             docs/design.md#colocate); combinations it cannot serve are refused here
             (:meth:`colocate_problems`).
+        colocate_threads: under ``--colocate``, ``engine_0`` and the trainer each serve on an
+            event loop of their own thread, so their torch ops overlap (``--colocate-threads``;
+            more memory: docs/benchmarks.md#peer-grid); off (the default): all four share one
+            event loop and take turns.
     """
 
     num_steps: int = setting(400, "num-steps", "optimizer steps (one rollout each)", Range(low=1))
@@ -202,7 +206,11 @@ class RunConfig:
                                        "memory to ipc peers", Range(low=1))
     colocate: bool = setting(False, "colocate", "run the version clock, the rollout manager, "
                              "engine_0 and the trainer in one process (one torch runtime, less "
-                             "memory; generation and training take turns instead of overlapping)")
+                             "memory)")
+    colocate_threads: bool = setting(False, "colocate-threads", "with --colocate: engine_0 and "
+                                     "the trainer each on an event loop of their own thread, so "
+                                     "generation overlaps training (more memory); off: one event "
+                                     "loop, they take turns")
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 

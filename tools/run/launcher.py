@@ -418,7 +418,8 @@ def actor_specs(config: RunConfig, checkpoint_dir: Path,
     With several trainer ranks (:func:`trainer_rank_count`) the ``trainer`` actor is rank 0 and
     ``trainer_1 ..`` follow it; they meet at ``tcp://127.0.0.1:rank_port`` (a free port when
     None). Under ``--colocate`` the actors of :func:`colocated_actors` name one process,
-    :data:`COLOCATED`.
+    :data:`COLOCATED`; with ``--colocate-threads`` ``engine_0`` and the trainer serve on
+    threads of their own there (``ActorSpec.thread``).
 
     Raises:
         ConfigError: as :func:`resolve_engine`.
@@ -466,8 +467,10 @@ def actor_specs(config: RunConfig, checkpoint_dir: Path,
     ]
     trainers = {"trainer", *follower_names(ranks)}
     colocated = colocated_actors(config)
+    threaded = ("engine_0", "trainer") if config.colocate_threads else ()
     return [dataclasses.replace(spec, cpus=trainer_cpus if spec.name in trainers else other_cpus,
-                                process=COLOCATED if spec.name in colocated else "")
+                                process=COLOCATED if spec.name in colocated else "",
+                                thread=spec.name in colocated and spec.name in threaded)
             for spec in specs]
 
 

@@ -7,10 +7,13 @@ import asyncio
 import os
 import pickle
 import tempfile
+import threading
+import time
 
 import pytest
 
 from replayrl.actors import ActorDied, ActorSpec, Directory, Supervisor, process_groups, serve_actors
+from replayrl.actors.spawn import serve_in_threads
 from tests.actor_fixtures import EchoActor
 
 ECHO = "tests.actor_fixtures:EchoActor"
@@ -84,3 +87,42 @@ async def test_two_actors_serve_in_one_event_loop_under_their_own_names():
         assert await b.call("echo", "still here", timeout=10) == "still here"
         assert await b.call("__stop__") is True
         assert await asyncio.wait_for(serving, 10) == ["a failed", ""]
+
+
+class Blocking(EchoActor):
+    """Reports its thread and blocks it (``time.sleep`` releases the GIL, as torch ops do)."""
+
+    async def thread(self) -> int:
+        return threading.get_ident()
+
+    async def block(self, seconds: float) -> float:
+        time.sleep(seconds)
+        return seconds
+
+
+async def _blocked_seconds(a, b, seconds: float) -> float:
+    start = time.perf_counter()
+    assert await asyncio.gather(a.call("block", seconds, timeout=30),
+                                b.call("block", seconds, timeout=30)) == [seconds, seconds]
+    return time.perf_counter() - start
+
+
+async def test_actors_on_loops_of_their_own_threads_overlap():
+    with tempfile.TemporaryDirectory(prefix="rrl-") as run_dir:  # short: AF_UNIX path limit
+        directory = Directory.for_run(run_dir, ["a", "b", "c"])
+        errors = []
+        loops = [[(Blocking("a"), "a")], [(Blocking("b"), "b"), (Blocking("c"), "c")]]
+        serving = asyncio.ensure_future(asyncio.to_thread(serve_in_threads, loops, directory, None,
+                                                          errors.append))
+        a, b, c = (directory.ref(n) for n in "abc")
+        threads = [await ref.call("thread", timeout=10) for ref in (a, b, c)]
+        # a on a thread of its own, b and c on one loop of another; none on this test's thread
+        assert threads[0] != threads[1] == threads[2] and threading.get_ident() not in threads
+        assert [(await ref.call("__ping__"))["pid"] for ref in (a, b, c)] == [os.getpid()] * 3
+        # two blocking calls on two threads take about one call's time, on one loop two
+        assert await _blocked_seconds(a, b, 1.0) < 1.8
+        assert await _blocked_seconds(b, c, 0.5) >= 1.0
+        for ref, why in ((a, "a failed"), (b, ""), (c, "")):
+            await ref.call("__stop__", why, timeout=10)
+        assert await asyncio.wait_for(serving, 10) == ["a failed", "", ""]
+        assert errors == []

@@ -47,6 +47,11 @@ def test_the_clock_manager_engine_0_and_trainer_share_the_colocated_process(tmp_
     assert {s.name: s.process for s in specs} == {
         "version_clock": COLOCATED, "engine_0": COLOCATED, "rollout_manager": COLOCATED,
         "trainer": COLOCATED, "engine_1": ""}
+    # by default one event loop; --colocate-threads: engine_0 and the trainer on threads of their own
+    assert not any(s.thread for s in specs)
+    threads = build_config({"colocate": True, "colocate-threads": True, "output-dir": str(tmp_path)})
+    assert {s.name for s in actor_specs(threads, Path(tmp_path), resolved=RESOLVED) if s.thread} == {
+        "engine_0", "trainer"}
     # the engine of the colocated process is lost with the trainer: only engine_1 is expendable
     directory = Directory.for_run(tmp_path, [s.name for s in specs])
     supervision = engine_supervision(config, directory)
@@ -59,7 +64,7 @@ def test_the_clock_manager_engine_0_and_trainer_share_the_colocated_process(tmp_
 def test_without_colocate_every_actor_has_a_process_of_its_own(tmp_path):
     config = build_config({"output-dir": str(tmp_path)})
     specs = actor_specs(config, Path(tmp_path), resolved=RESOLVED)
-    assert {s.process for s in specs} == {""}
+    assert {s.process for s in specs} == {""} and not any(s.thread for s in specs)
     assert engine_supervision(config, Directory.for_run(tmp_path, ["x"]))["expendable"] == ("engine_0",)
 
 

@@ -6,7 +6,8 @@ share one process and its event loop, each served under its own name and endpoin
 (docs/design.md#colocate). The child ignores SIGINT, so Ctrl-C reaches only the
 launcher, which then stops every actor in order; a child also exits by itself within about a
 second when its parent disappears, so no process outlives the run. A child that dies writes
-its traceback to ``<run_dir>/<name>.traceback`` for the supervisor to report.
+its traceback to ``<run_dir>/<name>.traceback`` (a shared process: ``<process>.traceback``) for
+the supervisor to report.
 
 Profiling: with ``REPLAYRL_PROFILE_DIR`` set in the environment, every actor process runs
 under cProfile from the moment it serves until it stops and then writes ``<dir>/<name>.prof``

@@ -14,11 +14,19 @@ from replayrl.actors.interface import ActorInterface
 from replayrl.actors.loop import run_event_loop
 from replayrl.actors.proxy import ActorProxy
 from replayrl.actors.ref import ActorRef, close_connections
-from replayrl.actors.spawn import ActorSpec, Supervisor, import_callable, import_object, serve_actor
+from replayrl.actors.spawn import (
+    ActorSpec,
+    Supervisor,
+    import_callable,
+    import_object,
+    process_groups,
+    serve_actor,
+    serve_actors,
+)
 
 __all__ = [
     "Actor", "ActorServer", "concurrent", "Directory", "UnknownActor", "ActorDied", "ActorError",
     "ActorTimeout", "ProtocolError", "RemoteError", "run_event_loop", "ActorRef",
     "close_connections", "ActorCallError", "ActorInterface", "ActorProxy", "ActorSpec", "Supervisor",
-    "import_callable", "import_object", "serve_actor",
+    "import_callable", "import_object", "serve_actor", "serve_actors", "process_groups",
 ]

@@ -49,17 +49,26 @@ class ActorTimeout(ActorError, TimeoutError):
 
 
 class ActorDied(ActorError):
-    """An actor process exited unexpectedly; ``traceback_text`` is what it reported, if anything."""
+    """An actor process exited unexpectedly; ``traceback_text`` is what it reported, if anything.
 
-    def __init__(self, actor: str, exitcode: int | None, traceback_text: str = "") -> None:
+    ``members``: every actor that shared the process (``ActorSpec.process``,
+    docs/design.md#colocate), all lost with it; empty for a process of one actor. The message
+    names them all.
+    """
+
+    def __init__(self, actor: str, exitcode: int | None, traceback_text: str = "",
+                 members: tuple[str, ...] = ()) -> None:
         self.actor = actor
         self.exitcode = exitcode
         self.traceback_text = traceback_text
+        self.members = tuple(members)
+        who = (f"actors {', '.join(map(repr, self.members))} (one process)" if len(self.members) > 1
+               else f"actor {actor!r}")
         detail = f"\n--- traceback ({actor}) ---\n{traceback_text}" if traceback_text else ""
-        super().__init__(f"actor {actor!r} exited with code {exitcode}{detail}")
+        super().__init__(f"{who} exited with code {exitcode}{detail}")
 
     def __reduce__(self):
-        return (ActorDied, (self.actor, self.exitcode, self.traceback_text))
+        return (ActorDied, (self.actor, self.exitcode, self.traceback_text, self.members))
 
 
 class PeerLost(ActorError):

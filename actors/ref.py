@@ -124,6 +124,12 @@ class _Pool:
             conn.close()
         self.connections.clear()
 
+    def close_loop(self, loop_id: int) -> None:
+        """Close the connections of the event loop ``loop_id`` only (other threads' loops keep
+        theirs)."""
+        for key in [k for k in list(self.connections) if k[0] == loop_id]:
+            self.connections.pop(key).close()
+
 
 POOL = _Pool()
 
@@ -160,9 +166,14 @@ class Message:
         return cls(call_id, method, tuple(frames))
 
 
-def close_connections() -> None:
-    """Close every client socket of this process (call before the event loop ends)."""
-    POOL.close_all()
+def close_connections(this_loop_only: bool = False) -> None:
+    """Close every client socket of this process (call before the event loop ends); with
+    ``this_loop_only``, only those of the running event loop, for a process whose actors serve
+    on event loops of their own threads (``ActorSpec.thread``, docs/design.md#colocate)."""
+    if this_loop_only:
+        POOL.close_loop(id(asyncio.get_running_loop()))
+    else:
+        POOL.close_all()
 
 
 def heartbeat_ms(deadline_s: float) -> tuple[int, int]:

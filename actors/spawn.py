@@ -1,15 +1,19 @@
 """Start actors in their own processes and supervise them (fail fast, clean shutdown).
 
 Each actor runs in a fresh ``spawn`` process (no inherited torch / ZeroMQ state) with its own
-event loop (uvloop when installed). The child ignores SIGINT, so Ctrl-C reaches only the
+event loop (uvloop when installed), unless specs name one ``process`` for several actors: those
+share one process and its event loop, each served under its own name and endpoint
+(docs/design.md#colocate). The child ignores SIGINT, so Ctrl-C reaches only the
 launcher, which then stops every actor in order; a child also exits by itself within about a
 second when its parent disappears, so no process outlives the run. A child that dies writes
-its traceback to ``<run_dir>/<name>.traceback`` for the supervisor to report.
+its traceback to ``<run_dir>/<name>.traceback`` (a shared process: ``<process>.traceback``) for
+the supervisor to report.
 
 Profiling: with ``REPLAYRL_PROFILE_DIR`` set in the environment, every actor process runs
 under cProfile from the moment it serves until it stops and then writes ``<dir>/<name>.prof``
 (``pstats`` data) and ``<dir>/<name>.txt`` (the top entries by own time and by cumulative
-time); ``replayrl bench profile`` uses it.
+time); ``replayrl bench profile`` uses it. A process of several actors writes one profile, named
+by its ``process``.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ import os
 import pstats
 import signal
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -73,7 +78,13 @@ class ActorSpec:
 
     ``kwargs`` must be picklable (they cross the process boundary once, at start). ``cpus``:
     the CPU ids the process may run on (``os.sched_setaffinity``, set before the actor class is
-    imported, so thread pools inherit it); empty = the parent's.
+    imported, so thread pools inherit it); empty = the parent's. ``process``: the process the
+    actor runs in; specs whose ``process`` (or, where empty, name) is equal share one process:
+    their actors are built in spec order and served in one event loop, each under its own name
+    and endpoint (docs/design.md#colocate); they must agree on ``cpus`` and on every ``env``
+    key they both set. Empty: a process of its own. ``thread``: in a shared process, serve this
+    actor on an event loop of its own in a thread of its own, so its work overlaps with the
+    others' where it releases the GIL (torch ops); the members without it share one loop.
     """
 
     name: str
@@ -81,6 +92,37 @@ class ActorSpec:
     kwargs: dict[str, Any] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
     cpus: tuple[int, ...] = ()
+    process: str = ""
+    thread: bool = False
+
+    @property
+    def process_key(self) -> str:
+        """The name of the process this actor runs in: ``process``, or the actor's own name."""
+        return self.process or self.name
+
+
+def process_groups(specs: list[ActorSpec]) -> dict[str, tuple[ActorSpec, ...]]:
+    """``specs`` grouped by process (:attr:`ActorSpec.process_key`), in order of first appearance;
+    each group's specs in their order.
+
+    Raises:
+        ValueError: two specs of one process name different ``cpus`` or different values for
+            one ``env`` key (the message names the process and both actors).
+    """
+    groups: dict[str, list[ActorSpec]] = {}
+    for spec in specs:
+        groups.setdefault(spec.process_key, []).append(spec)
+    for key, members in groups.items():
+        first = members[0]
+        for other in members[1:]:
+            if other.cpus != first.cpus:
+                raise ValueError(f"process {key!r}: actors {first.name!r} and {other.name!r} share "
+                                 f"it but name different cpus {first.cpus} / {other.cpus}")
+            clash = sorted(k for k in set(first.env) & set(other.env) if first.env[k] != other.env[k])
+            if clash:
+                raise ValueError(f"process {key!r}: actors {first.name!r} and {other.name!r} share "
+                                 f"it but set different values for env {clash}")
+    return {k: tuple(v) for k, v in groups.items()}
 
 
 def import_object(path: str, what: str = "") -> Any:
@@ -139,15 +181,111 @@ async def serve_actor(actor: Actor, name: str, directory: Directory,
         ``""``, or the failure ``__stop__`` was given (a torchrun driver stopping its ranks
         after the run failed: tools/run/torchrun_entry.py).
     """
-    actor.name, actor.directory = name, directory
-    keys = directory.keys()
-    use_curve_keys(keys)
-    use_heartbeat_deadline(directory.heartbeat_deadline_s)
-    use_shared_memory(*directory.shm)
-    await actor.on_start()
-    server = ActorServer(actor, directory.endpoint(name), curve=keys)
+    _use_directory(directory)
+    profile_dir = os.environ.get(PROFILE_ENV)
+    try:
+        return await _serve(actor, name, directory, parent_pid,
+                            cProfile.Profile() if profile_dir else None, profile_dir)
+    finally:
+        close_connections()
+
+
+async def serve_actors(members: list[tuple[Actor, str]], directory: Directory,
+                       parent_pid: int | None = None, process: str = "") -> list[str]:
+    """Serve several actors in this process's one event loop, each ``(actor, name)`` under its
+    own name and endpoint, as :func:`serve_actor` serves one: each starts (``on_start``) and
+    serves on its own, answers its own calls, pings and ``__stop__``, and stops on its own;
+    returns once every one has stopped (or the parent process is gone), with each one's
+    failure (``""`` or what its ``__stop__`` was given), in order. One member only: exactly
+    :func:`serve_actor`.
+
+    ``process``: the name the process's profile is written under (``REPLAYRL_PROFILE_DIR``;
+    one profile for the whole process, from before the first ``on_start`` until every member
+    stopped).
+
+    Raises:
+        Whatever a member's ``on_start`` / ``on_stop`` raised (the others are cancelled when
+        the event loop ends).
+    """
+    if len(members) == 1:
+        return [await serve_actor(*members[0], directory, parent_pid)]
+    _use_directory(directory)
     profile_dir = os.environ.get(PROFILE_ENV)
     profile = cProfile.Profile() if profile_dir else None
+    if profile is not None:
+        profile.enable()
+    try:
+        return list(await asyncio.gather(*(_serve(actor, name, directory, parent_pid, None, None)
+                                           for actor, name in members)))
+    finally:
+        if profile is not None:
+            profile.disable()
+            write_profile(profile, profile_dir, process or "+".join(n for _, n in members))
+        close_connections()
+
+
+def serve_in_threads(loops: list[list[tuple[Actor, str]]], directory: Directory,
+                     parent_pid: int | None, on_error: Callable[[str], Any]) -> list[str]:
+    """Serve each list of ``(actor, name)`` of ``loops`` on an event loop of its own, in a thread
+    of its own (as :func:`serve_actors` serves them, in its loop), until every actor stopped;
+    returns each actor's failure text, in order. The process-wide connection settings are made
+    once, here; each loop closes only its own connections. With ``REPLAYRL_PROFILE_DIR`` each
+    loop writes its own profile, named by its actors (``a+b``).
+
+    ``on_error(traceback_text)`` is called in the thread of a loop that raised (an ``on_start`` /
+    ``on_stop`` error); it should end the process (the spawned child writes the traceback and
+    exits), else that loop's actors are just gone.
+    """
+    _use_directory(directory)
+    failures: list[list[str]] = [[] for _ in loops]
+
+    def run(i: int) -> None:
+        try:
+            failures[i] = run_event_loop(_serve_loop(loops[i], directory, parent_pid))
+        except BaseException:
+            on_error(traceback.format_exc())
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True,
+                                name=f"replayrl-{'+'.join(n for _, n in members)}")
+               for i, members in enumerate(loops)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return [f for loop in failures for f in loop]
+
+
+async def _serve_loop(members: list[tuple[Actor, str]], directory: Directory,
+                      parent_pid: int | None) -> list[str]:
+    """``members`` served on the running loop of one of :func:`serve_in_threads`' threads."""
+    profile_dir = os.environ.get(PROFILE_ENV)
+    profile = cProfile.Profile() if profile_dir else None
+    if profile is not None:
+        profile.enable()
+    try:
+        return list(await asyncio.gather(*(_serve(actor, name, directory, parent_pid, None, None)
+                                           for actor, name in members)))
+    finally:
+        if profile is not None:
+            profile.disable()
+            write_profile(profile, profile_dir, "+".join(n for _, n in members))
+        close_connections(this_loop_only=True)
+
+
+def _use_directory(directory: Directory) -> None:
+    """This process's connections use the run's CURVE keys, heartbeat deadline and shared memory."""
+    use_curve_keys(directory.keys())
+    use_heartbeat_deadline(directory.heartbeat_deadline_s)
+    use_shared_memory(*directory.shm)
+
+
+async def _serve(actor: Actor, name: str, directory: Directory, parent_pid: int | None,
+                 profile: cProfile.Profile | None, profile_dir: str | None) -> str:
+    """Start ``actor`` and serve it until ``__stop__`` or the parent is gone; its failure text.
+    Leaves this process's connections open (the caller closes them)."""
+    actor.name, actor.directory = name, directory
+    await actor.on_start()
+    server = ActorServer(actor, directory.endpoint(name), curve=directory.keys())
     if profile is not None:
         profile.enable()
     server.start()
@@ -169,32 +307,43 @@ async def serve_actor(actor: Actor, name: str, directory: Directory,
             await actor.on_stop()
         finally:
             server.close()
-            close_connections()
 
 
-def _child_main(spec: ActorSpec, endpoints: dict[str, str], curve_keys: str,
+def _child_main(specs: tuple[ActorSpec, ...], endpoints: dict[str, str], curve_keys: str,
                 heartbeat_deadline_s: float, shm: tuple[int, int], parent_pid: int, run_dir: str,
                 log_level: int, run_name: str) -> None:
+    """One actor process: build the actors of ``specs`` (one process, :func:`process_groups`)
+    in order, serve them until each stopped; a failure writes ``<process>.traceback``."""
+    key = specs[0].process_key
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher owns Ctrl-C
-    set_process_title(spec.name, run_name or run_dir)
-    os.environ.update(spec.env)
-    if spec.cpus:
-        os.sched_setaffinity(0, spec.cpus)
-    logging.basicConfig(level=log_level, format=f"%(asctime)s {spec.name} %(levelname)s %(message)s")
+    set_process_title(key, run_name or run_dir)
+    for spec in specs:
+        os.environ.update(spec.env)
+    if specs[0].cpus:
+        os.sched_setaffinity(0, specs[0].cpus)
+    logging.basicConfig(level=log_level, format=f"%(asctime)s {key} %(levelname)s %(message)s")
+
+    def die(text: str) -> None:
+        try:
+            Path(run_dir, f"{key}.traceback").write_text(text)
+        finally:
+            sys.stderr.write(f"[{key}] died:\n{text}")
+            sys.stderr.flush()
+            os._exit(1)
+
     try:
-        actor = import_actor_class(spec.cls)(**spec.kwargs)
+        members = [(import_actor_class(spec.cls)(**spec.kwargs), spec.name) for spec in specs]
         directory = Directory(endpoints, curve_keys, heartbeat_deadline_s, shm)
-        run_event_loop(serve_actor(actor, spec.name, directory, parent_pid))
+        shared = [m for m, spec in zip(members, specs) if not spec.thread]
+        own = [[m] for m, spec in zip(members, specs) if spec.thread]
+        if len(members) > 1 and own:  # loops of their own: the members without thread share one
+            serve_in_threads(([shared] if shared else []) + own, directory, parent_pid, die)
+        else:
+            run_event_loop(serve_actors(members, directory, parent_pid, key))
         if os.getppid() != parent_pid:  # the launcher was killed: nobody else will clean up
             leave_run_dir(run_dir)
     except BaseException:
-        text = traceback.format_exc()
-        try:
-            Path(run_dir, f"{spec.name}.traceback").write_text(text)
-        finally:
-            sys.stderr.write(f"[{spec.name}] died:\n{text}")
-            sys.stderr.flush()
-            os._exit(1)
+        die(traceback.format_exc())
 
 
 LOSS_POLICIES = ("fail", "drop", "replace")
@@ -214,6 +363,11 @@ class Supervisor:
     ends the run (:meth:`watch` raises :class:`ActorDied`) unless it is one of ``expendable``
     and ``on_lost`` says otherwise (docs/design.md#engine-faults).
 
+    Actors whose specs name one ``process`` (:func:`process_groups`) run in one process:
+    ``processes`` maps each of their names to it, its exit is every member's loss (the
+    :class:`ActorDied` names them all), and :meth:`shutdown` sends each member ``__stop__``,
+    then ends the process once (docs/design.md#colocate).
+
     Args:
         expendable: names of actors the run can lose (the rollout engines).
         on_lost: for an expendable actor: ``"fail"`` (end the run), ``"drop"`` (go on without
@@ -222,12 +376,14 @@ class Supervisor:
             once it answers ``__ping__``).
         on_replaced: coroutine function called with the name of a replaced actor once it
             serves (the launcher pushes the current weights to a replaced engine); its error
-            ends the run.
+            ends the run. An expendable actor that shares its process with others can only be
+            lost with them: it needs ``on_lost="fail"``.
         run_name: the run in each actor process's title (``ps``: ``replayrl actor NAME run
             RUN``, :mod:`replayrl.actors.process_title`); empty: ``run_dir``.
     Raises:
-        ValueError: duplicate names, an unknown ``on_lost``, or an ``expendable`` name that
-            is not among ``specs``.
+        ValueError: duplicate names, an unknown ``on_lost``, an ``expendable`` name that
+            is not among ``specs``, one that shares its process while ``on_lost`` is not
+            ``"fail"``, or specs of one process that disagree (:func:`process_groups`).
     """
 
     def __init__(self, specs: list[ActorSpec], directory: Directory, run_dir: str | Path,
@@ -242,6 +398,14 @@ class Supervisor:
             raise ValueError(f"on_lost must be one of {LOSS_POLICIES}, got {on_lost!r}")
         if unknown := sorted(set(expendable) - set(names)):
             raise ValueError(f"expendable actors {unknown} are not among {names}")
+        self.groups = process_groups(specs)
+        self._process_of = {s.name: s.process_key for s in specs}
+        if on_lost != "fail":
+            shared = sorted(n for n in expendable if len(self.groups[self._process_of[n]]) > 1)
+            if shared:
+                raise ValueError(f"expendable actors {shared} share a process with other actors: "
+                                 f"they can only be lost with them, so on_lost must be 'fail', "
+                                 f"got {on_lost!r}")
         self.specs = specs
         self.directory = directory
         self.run_dir = Path(run_dir)
@@ -255,7 +419,7 @@ class Supervisor:
         self.dropped: dict[str, str] = {}  # name -> why it was lost (on_lost "drop")
         self.replacements: dict[str, int] = {}  # name -> processes started in its place
         self._replacing: dict[str, asyncio.Task] = {}
-        self._silenced: dict[str, str] = {}  # name -> why it was killed, until handled
+        self._silenced: dict[str, str] = {}  # process key -> why it was killed, until handled
         self._stopping = False
 
     async def __aenter__(self) -> "Supervisor":
@@ -277,24 +441,33 @@ class Supervisor:
         use_curve_keys(self.directory.keys())
         use_heartbeat_deadline(self.directory.heartbeat_deadline_s)
         use_shared_memory(*self.directory.shm)
-        for spec in self.specs:
-            self._start(spec)
+        for key in self.groups:
+            self._start(key)
 
-    def _start(self, spec: ActorSpec) -> None:
+    def _start(self, key: str) -> None:
+        """Start the process ``key`` (:attr:`ActorSpec.process_key`) with every actor of it."""
+        group = self.groups[key]
         proc = mp.get_context("spawn").Process(
-            target=_child_main, name=f"replayrl-{spec.name}", daemon=False,
-            args=(spec, self.directory.to_dict(), self.directory.curve_keys,
+            target=_child_main, name=f"replayrl-{key}", daemon=False,
+            args=(group, self.directory.to_dict(), self.directory.curve_keys,
                   self.directory.heartbeat_deadline_s, self.directory.shm, os.getpid(),
                   str(self.run_dir), self.log_level, self.run_name))
         proc.start()
-        self.processes[spec.name] = proc
+        for spec in group:
+            self.processes[spec.name] = proc
+
+    def _members(self, name: str) -> tuple[str, ...]:
+        """Every actor of ``name``'s process, ``name`` included, in spec order."""
+        return tuple(s.name for s in self.groups[self._process_of[name]])
 
     def _exited(self, name: str) -> ActorDied:
-        if name in self._silenced:
-            return ActorDied(name, self.processes[name].exitcode, self._silenced[name])
-        tb_file = self.run_dir / f"{name}.traceback"
+        key = self._process_of[name]
+        members = self._members(name) if len(self.groups[key]) > 1 else ()
+        if key in self._silenced:
+            return ActorDied(name, self.processes[name].exitcode, self._silenced[key], members)
+        tb_file = self.run_dir / f"{key}.traceback"
         text = tb_file.read_text() if tb_file.exists() else ""
-        return ActorDied(name, self.processes[name].exitcode, text)
+        return ActorDied(name, self.processes[name].exitcode, text, members)
 
     def died(self) -> ActorDied | None:
         """An :class:`ActorDied` for the first process that exited, or None while all live
@@ -360,7 +533,7 @@ class Supervisor:
             why = (f"silent for {self.directory.heartbeat_deadline_s} s (heartbeat deadline; "
                    f"{silent}); killed")
             log.warning("%s: %s", name, why)
-            self._silenced[name] = why
+            self._silenced[self._process_of[name]] = why
             proc.kill()
             proc.join(5.0)
 
@@ -380,7 +553,7 @@ class Supervisor:
             if name in self.dropped or self._stopping or proc.exitcode is None:
                 continue
             dead = self._exited(name)
-            why = self._silenced.pop(name, "")
+            why = self._silenced.pop(self._process_of[name], "")
             if name not in self.expendable or self.on_lost == "fail":
                 raise dead
             if (starting := self._replacing.pop(name, None)) is not None:
@@ -395,9 +568,9 @@ class Supervisor:
             else:
                 log.warning("%s lost (%s); starting a new process in its place",
                             name, why or f"exit code {proc.exitcode}")
-                Path(self.run_dir, f"{name}.traceback").unlink(missing_ok=True)
+                Path(self.run_dir, f"{self._process_of[name]}.traceback").unlink(missing_ok=True)
                 self.replacements[name] = self.replacements.get(name, 0) + 1
-                self._start(next(s for s in self.specs if s.name == name))
+                self._start(self._process_of[name])  # a process of its own: see __init__
                 self._replacing[name] = asyncio.ensure_future(self._replaced(name))
 
     async def _replaced(self, name: str) -> None:
@@ -414,7 +587,8 @@ class Supervisor:
             while True:
                 self._check()
                 waiter = loop.create_future()
-                fds = [p.sentinel for n, p in self.processes.items() if n not in self.dropped]
+                fds = list(dict.fromkeys(p.sentinel for n, p in self.processes.items()
+                                         if n not in self.dropped))
                 for fd in fds:
                     loop.add_reader(fd, lambda: waiter.done() or waiter.set_result(None))
                 try:
@@ -435,7 +609,7 @@ class Supervisor:
         await asyncio.gather(*(self._polite_stop(n, timeout / 2) for n in live),
                              return_exceptions=True)
         deadline = time.monotonic() + timeout
-        for proc in self.processes.values():
+        for proc in dict.fromkeys(self.processes.values()):  # a shared process once
             proc.join(max(0.0, deadline - time.monotonic()))
             if proc.exitcode is None:
                 proc.terminate()

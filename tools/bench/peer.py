@@ -255,10 +255,13 @@ def settings_table(config) -> str:
                               f"(--engine-dtype {config.engine_dtype}); logprobs over the "
                               "sampler's top-k support with routing / indexer replay",
          "fp32 (bf16=False) for both generation and training; logprobs over the full vocabulary"),
-        ("staleness", "one step (generation of k+1 overlaps training on k)",
+        ("staleness", "one step (generation of k+1 overlaps training on k)" if not config.colocate
+         else "one step (generation of k+1 and training on k take turns in one process)",
          "0 (generate, then train)"),
         ("threads", f"engine {config.engine_torch_threads} + trainer {t.torch_threads} "
-                    "(one process each)", f"torch.set_num_threads({TRL_THREADS}), one process"),
+                    "(one process each)" if not config.colocate else
+                    f"{t.torch_threads} (--colocate: clock, manager, engine and trainer in one "
+                    "process)", f"torch.set_num_threads({TRL_THREADS}), one process"),
         ("other", "--no-progress", "use_cpu=True, gradient_checkpointing=False, "
                                    "router_aux_loss_coef=0.0, shuffle_dataset=False, "
                                    "logging_steps=1, save_strategy='no', report_to='none'"),
@@ -661,6 +664,9 @@ def main(argv: list[str] | None = None, grid=None) -> int:
                         help="model size x answer length grid (tools/bench/peer_grid.py): quick "
                              "(1m x {2, 64}, the default of a bare --grid), full ({1m, 10m, 50m} "
                              "x {2, 64, 256}) or SIZES:LENGTHS such as 1m,10m:2,64; first seed only")
+    parser.add_argument("--colocate", action="store_true",
+                        help="run replayrl's side with --colocate (clock, manager, engine and "
+                             "trainer in one process: docs/design.md#colocate)")
     parser.add_argument("--output-dir", default="runs/peer-grid",
                         help="where --grid writes its plot peer_grid.png (runs/peer-grid)")
     args = parser.parse_args(argv)
@@ -669,7 +675,8 @@ def main(argv: list[str] | None = None, grid=None) -> int:
     if args.steps < 1 or args.window < 1:
         parser.error("--steps and --window must be >= 1")
     overrides = {k: v for k, v in (("rollout-batch-size", args.rollout_batch_size),
-                                   ("n-samples-per-prompt", args.n_samples_per_prompt))
+                                   ("n-samples-per-prompt", args.n_samples_per_prompt),
+                                   ("colocate", args.colocate or None))
                  if v is not None}
     import importlib.util
 

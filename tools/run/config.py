@@ -113,6 +113,14 @@ class RunConfig:
         shm_pool_bytes, shm_min_array_bytes: the shared-memory pool of every process for arrays
             to ipc peers (``--shm-pool-bytes``, 0 = off; ``--shm-min-array-bytes``; bytes;
             docs/design.md#shm-transport).
+        colocate: the version clock, the rollout manager, ``engine_0`` and the trainer in one
+            process, one event loop and one torch runtime (``--colocate``,
+            docs/design.md#colocate); combinations it cannot serve are refused here
+            (:meth:`colocate_problems`).
+        colocate_threads: under ``--colocate``, ``engine_0`` and the trainer each serve on an
+            event loop of their own thread, so their torch ops overlap (``--colocate-threads``;
+            more memory: docs/benchmarks.md#peer-grid); off (the default): all four share one
+            event loop and take turns.
     """
 
     num_steps: int = setting(400, "num-steps", "optimizer steps (one rollout each)", Range(low=1))
@@ -196,6 +204,13 @@ class RunConfig:
     shm_min_array_bytes: int = setting(DEFAULT_SHM_MIN_ARRAY_BYTES, "shm-min-array-bytes",
                                        "arrays of at least this many bytes go through shared "
                                        "memory to ipc peers", Range(low=1))
+    colocate: bool = setting(False, "colocate", "run the version clock, the rollout manager, "
+                             "engine_0 and the trainer in one process (one torch runtime, less "
+                             "memory)")
+    colocate_threads: bool = setting(False, "colocate-threads", "with --colocate: engine_0 and "
+                                     "the trainer each on an event loop of their own thread, so "
+                                     "generation overlaps training (more memory); off: one event "
+                                     "loop, they take turns")
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
@@ -290,6 +305,7 @@ class RunConfig:
         names = [n for n, _ in self.rollout.eval_sets()]
         if len(set(names)) != len(names):
             checks.append((False, f"--eval-prompt-data names must differ, got {names}"))
+        checks += [(False, problem) for problem in self.colocate_problems()]
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
@@ -307,6 +323,43 @@ class RunConfig:
             self._check_checkpoint()
         if not self.save_dir:
             object.__setattr__(self, "save_dir", str(Path(self.output_dir) / "checkpoints"))
+
+    def colocate_problems(self) -> list[str]:
+        """Why ``--colocate`` cannot serve this run, one message per conflicting flag (empty
+        without ``--colocate``); docs/design.md#colocate. The torchrun launcher refuses
+        ``--colocate`` itself (``replayrl.tools.run.torchrun_entry``).
+
+        Refused: ``--engine-failure restart`` (a new engine_0 would be a new process of the
+        trainer, the clock and the manager too), more than one trainer rank (``--dp-size`` /
+        ``--tp-size`` / ``--pp-size`` / ``--cp-size``: rank 0 would step in a worker thread
+        beside the engine's event loop), ``--cpu-affinity split`` (the trainer and the engine
+        share one process, which has one CPU mask) and ``--engine-torch-threads`` other than
+        ``--trainer-torch-threads`` (intra-op threads are one setting per process).
+        """
+        if not self.colocate:
+            return []
+        t = self.trainer
+        problems = []
+        if self.engine_failure == "restart":
+            problems.append("--colocate with --engine-failure restart: engine_0 shares its process "
+                            "with the trainer, the version clock and the rollout manager, so no "
+                            "new engine can replace it alone; use --engine-failure fail or "
+                            "regenerate (a lost colocated process ends the run)")
+        ranks = t.dp_size * t.tp_size * t.pp_size * t.cp_size
+        if ranks > 1:
+            problems.append(f"--colocate with {ranks} trainer ranks (--dp-size {t.dp_size} "
+                            f"--tp-size {t.tp_size} --pp-size {t.pp_size} --cp-size {t.cp_size}): "
+                            f"the colocated process holds one trainer; rank 0's step with other "
+                            f"ranks runs in a worker thread beside the engine's event loop, "
+                            f"which --colocate does not serve; use one rank or no --colocate")
+        if self.cpu_affinity == "split":
+            problems.append("--colocate with --cpu-affinity split: the trainer and the other actors "
+                            "share one process, which has one CPU mask; use --cpu-affinity off")
+        if self.engine_torch_threads != t.torch_threads:
+            problems.append(f"--colocate with --engine-torch-threads {self.engine_torch_threads} "
+                            f"and --trainer-torch-threads {t.torch_threads}: torch intra-op "
+                            f"threads are one setting per process; give both the same value")
+        return problems
 
     @cached_property
     def policy_config(self) -> ModelConfig:

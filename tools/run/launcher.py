@@ -2,12 +2,13 @@
 
 Processes: ``version_clock``, ``rollout_manager``, ``engine_0..``, ``trainer`` and, with
 ``--dp-size N > 1``, the trainer ranks ``trainer_1 .. trainer_{N-1}``; this process drives the
-loop. A lost engine (exited, or silent past ``--heartbeat-deadline-s``) is dropped or restarted
-and its prompt groups regenerated under ``--engine-failure`` (docs/design.md#engine-faults);
-any other actor that dies ends the run at once with its traceback; Ctrl-C (or any
-error here) stops every actor; the run's ipc directory is removed in every case. While the
-actors serve, ``<output-dir>/attach.json`` tells ``replayrl repl --attach`` where they are
-(:mod:`replayrl.tools.run.attach_card`).
+loop. With ``--colocate`` the clock, the manager, ``engine_0`` and the trainer share one process
+(:data:`COLOCATED`, docs/design.md#colocate). A lost engine (exited, or silent past
+``--heartbeat-deadline-s``) is dropped or restarted and its prompt groups regenerated under
+``--engine-failure`` (docs/design.md#engine-faults); any other actor that dies ends the run at
+once with its traceback; Ctrl-C (or any error here) stops every actor; the run's ipc
+directory is removed in every case. While the actors serve, ``<output-dir>/attach.json``
+tells ``replayrl repl --attach`` where they are (:mod:`replayrl.tools.run.attach_card`).
 """
 from __future__ import annotations
 
@@ -400,6 +401,17 @@ def trainer_rank_count(config: RunConfig) -> int:
     return t.dp_size * t.tp_size * t.pp_size * t.cp_size
 
 
+COLOCATED = "colocated"
+"""The process (``ActorSpec.process``) of the actors :func:`colocated_actors` names under
+``--colocate``; its title is ``replayrl actor colocated run RUN``."""
+
+
+def colocated_actors(config: RunConfig) -> tuple[str, ...]:
+    """The actors that share the :data:`COLOCATED` process: the version clock, the rollout
+    manager, ``engine_0`` and the trainer under ``--colocate``; none without it."""
+    return ("version_clock", "engine_0", "rollout_manager", "trainer") if config.colocate else ()
+
+
 def actor_specs(config: RunConfig, checkpoint_dir: Path,
                 rank_port: int | None = None, resolved: Resolved | None = None) -> list[ActorSpec]:
     """The processes of a run, in start order.
@@ -411,7 +423,9 @@ def actor_specs(config: RunConfig, checkpoint_dir: Path,
 
     With several trainer ranks (:func:`trainer_rank_count`) the ``trainer`` actor is rank 0 and
     ``trainer_1 ..`` follow it; they meet at ``tcp://127.0.0.1:rank_port`` (a free port when
-    None).
+    None). Under ``--colocate`` the actors of :func:`colocated_actors` name one process,
+    :data:`COLOCATED`; with ``--colocate-threads`` ``engine_0`` and the trainer serve on
+    threads of their own there (``ActorSpec.thread``).
 
     Raises:
         ConfigError: as :func:`resolve_engine`.
@@ -458,7 +472,11 @@ def actor_specs(config: RunConfig, checkpoint_dir: Path,
           for rank, name in enumerate(follower_names(ranks), start=1)),
     ]
     trainers = {"trainer", *follower_names(ranks)}
-    return [dataclasses.replace(spec, cpus=trainer_cpus if spec.name in trainers else other_cpus)
+    colocated = colocated_actors(config)
+    threaded = ("engine_0", "trainer") if config.colocate_threads else ()
+    return [dataclasses.replace(spec, cpus=trainer_cpus if spec.name in trainers else other_cpus,
+                                process=COLOCATED if spec.name in colocated else "",
+                                thread=spec.name in colocated and spec.name in threaded)
             for spec in specs]
 
 
@@ -468,14 +486,17 @@ ENGINE_LOSS = {"regenerate": "drop", "restart": "replace", "fail": "fail"}
 
 def engine_supervision(config: RunConfig, directory: Directory) -> dict:
     """The :class:`replayrl.actors.Supervisor` arguments for the run's engines under
-    ``--engine-failure`` (docs/design.md#engine-faults): they are expendable;
+    ``--engine-failure`` (docs/design.md#engine-faults): they are expendable, except an engine
+    of the colocated process (``--colocate``: lost with the trainer, it ends the run);
     a restarted one first loads the trainer's current weights (recorded by the clock), then
     rejoins the rollout manager's pool."""
     async def restored(engine: str) -> None:
         await directory.proxy("trainer").push_weights_to(engine)
         await directory.proxy("rollout_manager").restore_engine(engine)
 
-    return {"expendable": tuple(f"engine_{i}" for i in range(config.num_engines)),
+    colocated = colocated_actors(config)
+    return {"expendable": tuple(name for i in range(config.num_engines)
+                                if (name := f"engine_{i}") not in colocated),
             "on_lost": ENGINE_LOSS[config.engine_failure], "on_replaced": restored}
 
 

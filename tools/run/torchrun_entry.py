@@ -173,6 +173,16 @@ def refuse_restart(config: RunConfig) -> None:
                           "(engine hosts joined with --join-run can be lost) or replayrl train")
 
 
+def refuse_colocate(config: RunConfig) -> None:
+    """Raise :class:`ConfigError` for ``--colocate``: torchrun starts one process per rank, each
+    serving the actors its rank plans (:func:`plan`), so the engine and the trainer cannot share
+    one (docs/design.md#colocate)."""
+    if config.colocate:
+        raise ConfigError("--colocate is not available under torchrun: each rank is a process of "
+                          "its own serving its planned actors, so engine_0 and the trainer cannot "
+                          "share one; use replayrl train --colocate")
+
+
 def with_trainer_group_host(specs: list[ActorSpec], host: str) -> list[ActorSpec]:
     """``specs`` with the trainer ranks' process group meeting at ``host`` (rank 0 of the
     trainer ranks, the ``trainer`` actor's address), so trainer ranks on other hosts reach it;
@@ -316,6 +326,7 @@ def main(argv: list[str] | None = None,
     def run() -> int:
         config = config_from_args(args)
         refuse_restart(config)
+        refuse_colocate(config)
         if not args.join_run:
             if args.joined_engines < 0:
                 raise ConfigError(f"--joined-engines must be >= 0, got {args.joined_engines}")

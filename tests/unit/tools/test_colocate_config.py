@@ -1,0 +1,84 @@
+"""``--colocate`` (docs/design.md#colocate): what it refuses before any process starts, which
+actors share the colocated process, and which engines stay expendable."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from replayrl.actors import Directory, Supervisor
+from replayrl.tools.errors import ConfigError
+from replayrl.tools.run.config import build_config
+from replayrl.tools.run.initial_files import Resolved
+from replayrl.tools.run.launcher import COLOCATED, actor_specs, engine_supervision
+from replayrl.tools.run.torchrun_entry import refuse_colocate
+
+RESOLVED = Resolved("replayrl.rollout.engines.embedded:EmbeddedEngine", "float32", "auto")
+
+
+@pytest.mark.parametrize("settings, flags", [
+    ({"engine-failure": "restart"}, ["--engine-failure restart"]),
+    ({"dp-size": 2}, ["--dp-size 2"]),
+    ({"cpu-affinity": "split"}, ["--cpu-affinity split"]),
+    ({"engine-torch-threads": 2}, ["--engine-torch-threads 2", "--trainer-torch-threads 1"]),
+    ({"trainer-torch-threads": 2}, ["--engine-torch-threads 1", "--trainer-torch-threads 2"]),
+])
+def test_combinations_colocate_cannot_serve_are_refused_naming_the_flags(settings, flags):
+    build_config(settings)  # each is a valid run without --colocate
+    with pytest.raises(ConfigError, match="--colocate") as info:
+        build_config({"colocate": True, **settings})
+    assert all(flag in str(info.value) for flag in flags)
+
+
+@pytest.mark.parametrize("settings", [
+    {},
+    {"engine-failure": "fail"},
+    {"engine-torch-threads": 2, "trainer-torch-threads": 2},
+    {"num-engines": 2, "engine-failure": "regenerate"},
+    {"max-staleness": 0},
+])
+def test_combinations_colocate_serves_are_accepted(settings):
+    assert build_config({"colocate": True, **settings}).colocate
+
+
+def test_the_clock_manager_engine_0_and_trainer_share_the_colocated_process(tmp_path):
+    config = build_config({"colocate": True, "num-engines": 2, "output-dir": str(tmp_path)})
+    specs = actor_specs(config, Path(tmp_path), resolved=RESOLVED)
+    assert {s.name: s.process for s in specs} == {
+        "version_clock": COLOCATED, "engine_0": COLOCATED, "rollout_manager": COLOCATED,
+        "trainer": COLOCATED, "engine_1": ""}
+    # by default one event loop; --colocate-threads: engine_0 and the trainer on threads of their own
+    assert not any(s.thread for s in specs)
+    threads = build_config({"colocate": True, "colocate-threads": True, "output-dir": str(tmp_path)})
+    assert {s.name for s in actor_specs(threads, Path(tmp_path), resolved=RESOLVED) if s.thread} == {
+        "engine_0", "trainer"}
+    # the engine of the colocated process is lost with the trainer: only engine_1 is expendable
+    directory = Directory.for_run(tmp_path, [s.name for s in specs])
+    supervision = engine_supervision(config, directory)
+    assert (supervision["expendable"], supervision["on_lost"]) == (("engine_1",), "drop")
+    sup = Supervisor(specs, directory, tmp_path, **supervision)
+    assert [[s.name for s in g] for g in sup.groups.values()] == [
+        ["version_clock", "engine_0", "rollout_manager", "trainer"], ["engine_1"]]
+
+
+def test_without_colocate_every_actor_has_a_process_of_its_own(tmp_path):
+    config = build_config({"output-dir": str(tmp_path)})
+    specs = actor_specs(config, Path(tmp_path), resolved=RESOLVED)
+    assert {s.process for s in specs} == {""} and not any(s.thread for s in specs)
+    assert engine_supervision(config, Directory.for_run(tmp_path, ["x"]))["expendable"] == ("engine_0",)
+
+
+def test_torchrun_refuses_colocate():
+    refuse_colocate(build_config({}))
+    with pytest.raises(ConfigError, match="--colocate is not available under torchrun"):
+        refuse_colocate(build_config({"colocate": True}))
+
+
+def test_the_peer_bench_prints_the_colocated_side_settings():
+    from replayrl.tools.bench.peer import settings_table
+
+    rows = {line.split(" | ")[0]: line for line in settings_table(build_config({"colocate": True})).splitlines()}
+    assert "--colocate: clock, manager, engine and trainer in one process" in rows["| threads"]
+    assert "take turns in one process" in rows["| staleness"]
+    alone = settings_table(build_config({}))
+    assert "--colocate" not in alone and "(one process each)" in alone

@@ -2,7 +2,7 @@
 
 The two sides are this checkout against ``--baseline REV`` (a git revision, checked out into a
 temporary worktree as ``replayrl bench steps`` does), or this checkout with the run's flags
-against the same with ``--variant FLAGS`` added (e.g. ``--variant "--colocate"``), or both (the
+against the same with ``--variant FLAGS`` added (e.g. ``--variant=--colocate``), or both (the
 baseline with the run's flags against this checkout with the variant's). The sides run
 alternately (A, B, A, B, ...; ``--runs`` each), each a fresh ``replayrl train`` process tree as a
 user starts it, sampled every ``--interval`` seconds from ``/proc``
@@ -103,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     """Command-line entry: prints the settings and the table on stdout; 2 on a bad setting."""
     parser = argparse.ArgumentParser(prog="replayrl bench memory", description=__doc__.splitlines()[0])
     parser.add_argument("--baseline", default="", help="git revision of side A (default: this checkout)")
-    parser.add_argument("--variant", default="", help="flags side B adds, one quoted string")
+    parser.add_argument("--variant", default="",
+                        help="flags side B adds, one quoted string (a single flag as --variant=--colocate)")
     parser.add_argument("--runs", type=int, default=3, help="runs of each side (3)")
     parser.add_argument("--steps", type=int, default=10, help="steps per run (10)")
     parser.add_argument("--interval", type=float, default=0.25, help="seconds between samples (0.25)")

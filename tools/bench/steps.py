@@ -68,7 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="replayrl bench steps", description=__doc__.splitlines()[0])
     parser.add_argument("--baseline", default="", help="git revision to compare against "
                                                        "(default: this checkout, with --variant)")
-    parser.add_argument("--variant", default="", help="flags this checkout's runs add, one quoted string")
+    parser.add_argument("--variant", default="",
+                        help="flags this checkout's runs add, one quoted string (a single flag as "
+                             "--variant=--colocate)")
     parser.add_argument("--runs", type=int, default=2, help="runs of each side (2)")
     parser.add_argument("--steps", type=int, default=100, help="steps per run (100)")
     parser.add_argument("--warmup", type=int, default=10, help="first steps left out (10)")

@@ -329,7 +329,8 @@ class RunConfig:
         without ``--colocate``); docs/design.md#colocate. The torchrun launcher refuses
         ``--colocate`` itself (``replayrl.tools.run.torchrun_entry``).
 
-        Refused: ``--engine-failure restart`` (a new engine_0 would be a new process of the
+        Refused: ``--colocate-threads`` without ``--colocate``, ``--engine-failure restart``
+        (a new engine_0 would be a new process of the
         trainer, the clock and the manager too), more than one trainer rank (``--dp-size`` /
         ``--tp-size`` / ``--pp-size`` / ``--cp-size``: rank 0 would step in a worker thread
         beside the engine's event loop), ``--cpu-affinity split`` (the trainer and the engine
@@ -337,7 +338,8 @@ class RunConfig:
         ``--trainer-torch-threads`` (intra-op threads are one setting per process).
         """
         if not self.colocate:
-            return []
+            return (["--colocate-threads without --colocate: it places the colocated actors' event "
+                     "loops, so it needs --colocate"] if self.colocate_threads else [])
         t = self.trainer
         problems = []
         if self.engine_failure == "restart":

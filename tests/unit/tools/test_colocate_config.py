@@ -30,6 +30,13 @@ def test_combinations_colocate_cannot_serve_are_refused_naming_the_flags(setting
     assert all(flag in str(info.value) for flag in flags)
 
 
+def test_colocate_threads_alone_is_refused_naming_both_flags():
+    # without --colocate the flag would place nothing: a silent no-op is refused instead
+    with pytest.raises(ConfigError, match="--colocate-threads without --colocate"):
+        build_config({"colocate-threads": True})
+    build_config({"colocate": True, "colocate-threads": True})
+
+
 @pytest.mark.parametrize("settings", [
     {},
     {"engine-failure": "fail"},

@@ -99,6 +99,9 @@ class EmbeddedEngine(Engine):
         # Built on the meta device and allocated once in the engine dtype: no random init of
         # weights the first push replaces (seconds for a real checkpoint), no fp32 copy.
         self.model = Qwen3MoeForCausalLM.empty(config, dtype, self.device).eval()
+        # the decode loop runs the MoE blocks once per token: their stacked expert weights are
+        # rebuilt only when a push changed them (checked by tensor and version counter)
+        self.model.reuse_expert_stacks()
 
     def _load_weights(self, arrays: Mapping[str, np.ndarray | torch.Tensor]) -> None:
         """Replace every model weight by a weight push, cast to the engine dtype; or, for a

@@ -10,30 +10,37 @@ from replayrl.rollout.model.errors import ModelInputError
 def append_along(past: torch.Tensor, new: torch.Tensor, dim: int) -> torch.Tensor:
     """``torch.cat([past, new], dim)`` (same values, same shape and dtype), in place when it can.
 
-    Without autograd, when ``past`` is the leading slice along ``dim`` of a larger contiguous
-    buffer (what this function returned before) with room for ``new``, ``new`` is copied after
-    it and the longer slice of the same buffer is returned: no copy of ``past``. Otherwise a new
-    buffer of twice the needed length along ``dim`` is allocated, filled and sliced. Slots after
-    the returned slice are scratch: a later call may overwrite them, so a cache that was
-    extended must not be extended again from an earlier, shorter slice of the same buffer
-    (:class:`KVCache` never does: it keeps only the latest slice).
+    Without autograd, when ``past`` is what this function returned before (the leading slice
+    along ``dim`` of a larger contiguous buffer) and the buffer has room for ``new``, ``new`` is
+    copied after it and the longer slice of the same buffer is returned: no copy of ``past``.
+    Otherwise a new buffer of twice the needed length along ``dim`` is allocated, filled and
+    sliced. Slots after the returned slice are scratch: a later call may overwrite them, so a
+    cache that was extended must not be extended again from an earlier, shorter slice of the
+    same buffer (:class:`KVCache` never does: it keeps only the latest slice).
+
+    The slice carries its buffer as the attribute ``_kv_buffer``: under ``torch.inference_mode``
+    (the engine's decode loop) a view's ``_base`` is None, and finding the buffer through it
+    made every append a reallocation and a copy of the whole cache (O(S) a token, not O(1)).
     """
     if torch.is_grad_enabled() and (past.requires_grad or new.requires_grad):
         return torch.cat([past, new], dim=dim)
     length, extra = past.shape[dim], new.shape[dim]
-    base = past._base
-    if (base is not None and base.is_contiguous() and base.dim() == past.dim()
+    base = getattr(past, "_kv_buffer", None)
+    if (base is not None and base.dim() == past.dim()
             and base.shape[dim] >= length + extra and past.data_ptr() == base.data_ptr()
             and all(base.shape[d] == past.shape[d] for d in range(past.dim()) if d != dim)
             and base.dtype == new.dtype):
         base.narrow(dim, length, extra).copy_(new)
-        return base.narrow(dim, 0, length + extra)
-    shape = list(new.shape)
-    shape[dim] = 2 * (length + extra)
-    buffer = new.new_empty(shape)
-    buffer.narrow(dim, 0, length).copy_(past)
-    buffer.narrow(dim, length, extra).copy_(new)
-    return buffer.narrow(dim, 0, length + extra)
+        out = base.narrow(dim, 0, length + extra)
+    else:
+        shape = list(new.shape)
+        shape[dim] = 2 * (length + extra)
+        base = new.new_empty(shape)  # contiguous
+        base.narrow(dim, 0, length).copy_(past)
+        base.narrow(dim, length, extra).copy_(new)
+        out = base.narrow(dim, 0, length + extra)
+    out._kv_buffer = base
+    return out
 
 
 class KVCache:

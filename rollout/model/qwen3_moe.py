@@ -267,18 +267,29 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         self.experts = nn.ModuleList(
             Qwen3MoeMLP(config.hidden_size, config.moe_intermediate_size)
             for _ in range(config.num_experts))
+        self.stack_cache: dict | None = None  # None: stacks built by every forward
 
     def _stacked(self, *projections: str) -> torch.Tensor:
         """The experts' `projections` weights as one `[E, in, out]` tensor (a transposed view of
         `[E, out, in]`, projections concatenated along out), differentiable into each expert's
         nn.Linear, which keeps HF's per-expert parameter names.
 
-        Built anew by every forward, also without gradients: a cache keyed by the weights'
-        version counters would go stale, because fused AdamW updates parameters in place
-        without bumping them (tests/unit/rollout/test_model_expert_stack.py)."""
-        return torch.stack([torch.cat([getattr(e, p).weight for p in projections])
-                            if len(projections) > 1 else getattr(e, projections[0]).weight
-                            for e in self.experts]).transpose(-2, -1)
+        Built anew by every forward unless :meth:`Qwen3MoeForCausalLM.reuse_expert_stacks` turned
+        reuse on (the engine's model only): then a forward without gradients reuses the stack
+        of an earlier one while every weight is the same tensor at the same version counter. Not
+        for a trained model: fused AdamW updates parameters in place without bumping their
+        version counters (tests/unit/rollout/test_model_expert_stack.py)."""
+        weights = [[getattr(e, p).weight for p in projections] for e in self.experts]
+        reuse = self.stack_cache is not None and not torch.is_grad_enabled()
+        if reuse:
+            key = tuple((w.data_ptr(), w._version) for ws in weights for w in ws)
+            hit = self.stack_cache.get(projections)
+            if hit is not None and hit[0] == key:
+                return hit[1]
+        out = torch.stack([torch.cat(ws) if len(ws) > 1 else ws[0] for ws in weights]).transpose(-2, -1)
+        if reuse:
+            self.stack_cache[projections] = (key, out)
+        return out
 
     def forward(self, x: torch.Tensor, replay: torch.Tensor | None):
         """x `[B, S, hidden]`, replay int `[B, S, K]` or None -> (output, experts used int64
@@ -429,6 +440,21 @@ class Qwen3MoeForCausalLM(nn.Module):
                 elif isinstance(module, (nn.Linear, nn.Embedding)):
                     w = torch.empty(module.weight.shape, dtype=torch.float32).normal_(0.0, 0.02, generator=g)
                     module.weight.copy_(w)
+
+    def reuse_expert_stacks(self, on: bool = True) -> None:
+        """Let forwards without gradients reuse the MoE blocks' stacked expert weights while the
+        weights are unchanged (same tensors, same version counters), instead of stacking them
+        anew every forward; ``False`` turns it off and frees the stacks.
+
+        For a model whose weights change only by ordinary in-place copies or by new tensors (the
+        engine's: a weight push copies into the parameters, a LoRA push merges with ``copy_``),
+        never for one an optimizer steps: fused AdamW writes parameters without bumping their
+        version counters, so a stale stack would be reused. Memory: one more copy of the
+        experts' weights.
+        """
+        for layer in self.model.layers:
+            if isinstance(layer.mlp, Qwen3MoeSparseMoeBlock):
+                layer.mlp.stack_cache = {} if on else None
 
     def new_kv_cache(self) -> KVCache:
         """An empty `KVCache` for this model's layers."""

@@ -76,3 +76,36 @@ def test_an_expert_no_token_reached_gets_a_zero_gradient_not_none():
                 assert all(torch.count_nonzero(g) == 0 for g in grads), (layer, e)
     # the frozen indexer is no trainable parameter at all: DDP skips it
     assert not any(".indexer." in n for n in trainable)
+
+
+def test_reused_stacks_serve_no_grad_forwards_until_a_weight_changes():
+    # the engine's model (reuse_expert_stacks): one stack per weight set, rebuilt after a push
+    model = Qwen3MoeForCausalLM(default_config(30))
+    model.init_weights(0)
+    model.reuse_expert_stacks()
+    tokens = torch.randint(0, 30, (3, 6), generator=torch.Generator().manual_seed(3))
+    block = model.model.layers[1].mlp
+    first = _logits(model, tokens)
+    stack = block.stack_cache[("down_proj",)][1]
+    assert torch.equal(_logits(model, tokens), first)
+    assert block.stack_cache[("down_proj",)][1] is stack  # reused, not rebuilt
+    reference = Qwen3MoeForCausalLM(default_config(30))
+    with torch.no_grad():  # a weight push: copy_ into the parameters
+        for p, q in zip(model.parameters(), reference.parameters()):
+            q.copy_(p * 1.5)
+            p.copy_(q)
+    assert block.stack_cache[("down_proj",)][1] is stack
+    assert torch.equal(_logits(model, tokens), _logits(reference, tokens))  # fresh stacks
+    assert block.stack_cache[("down_proj",)][1] is not stack
+    with torch.no_grad():  # a replaced Parameter
+        e = model.model.layers[1].mlp.experts[0]
+        e.up_proj.weight = torch.nn.Parameter(e.up_proj.weight * -1.0)
+        f = reference.model.layers[1].mlp.experts[0]
+        f.up_proj.weight = torch.nn.Parameter(f.up_proj.weight * -1.0)
+    assert torch.equal(_logits(model, tokens), _logits(reference, tokens))
+    # under autograd nothing is reused: the experts get their gradients
+    out = model(tokens, torch.arange(6).expand_as(tokens)).logits
+    out.square().mean().backward()
+    assert block.experts[0].down_proj.weight.grad is not None
+    model.reuse_expert_stacks(False)
+    assert block.stack_cache is None

@@ -122,12 +122,15 @@ def test_cache_misuse_is_rejected_and_leaves_cache_unchanged():
     assert cache.length == 3 and cache.batch_size == 2
 
 
-def test_append_along_equals_cat_and_reuses_its_buffer_without_autograd():
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_append_along_equals_cat_and_reuses_its_buffer_without_autograd(mode):
+    # inference_mode is the engine's decode loop: there a view's _base is None, and appends
+    # found no buffer to reuse before (each one copied the whole cache)
     from replayrl.rollout.model.kv_cache import append_along
 
     g = torch.Generator().manual_seed(0)
     parts = [torch.randn(2, 3, n, 4, generator=g) for n in (5, 1, 1, 1, 7, 1)]
-    with torch.no_grad():
+    with mode():
         grown = parts[0]
         for new in parts[1:]:
             before = grown
@@ -137,14 +140,14 @@ def test_append_along_equals_cat_and_reuses_its_buffer_without_autograd():
         assert torch.equal(grown, torch.cat(parts, dim=2))
         # 5 + 1 -> a buffer of 12 slots; the next two steps (7, 8) write into it in place
         first = append_along(parts[0], parts[1], 2)
-        assert first._base.shape[2] == 12
+        assert first._kv_buffer.shape[2] == 12
         second = append_along(first, parts[2], 2)
         third = append_along(second, parts[3], 2)
         assert second.data_ptr() == first.data_ptr() == third.data_ptr()
         assert torch.equal(third, torch.cat(parts[:4], dim=2))
         # 8 + 7 = 15 > 12: a new buffer of 30 slots
         fourth = append_along(third, parts[4], 2)
-        assert fourth.data_ptr() != third.data_ptr() and fourth._base.shape[2] == 30
+        assert fourth.data_ptr() != third.data_ptr() and fourth._kv_buffer.shape[2] == 30
     # under autograd with a tensor that needs gradients: plain concatenation, differentiable
     leaf = parts[0].clone().requires_grad_(True)
     out = append_along(leaf, parts[1], 2)

@@ -374,6 +374,9 @@ class Supervisor:
             it; the run ends once every expendable actor is lost) or ``"replace"`` (start a new
             process for it under the same name and endpoint, then await ``on_replaced(name)``
             once it answers ``__ping__``).
+        kept: actors that do the ``expendable`` actors' work but that the run cannot lose (a
+            colocated ``engine_0``, which shares the trainer's process): under ``"drop"``, while
+            one of them lives, losing every expendable actor does not end the run.
         on_replaced: coroutine function called with the name of a replaced actor once it
             serves (the launcher pushes the current weights to a replaced engine); its error
             ends the run. An expendable actor that shares its process with others can only be
@@ -381,8 +384,8 @@ class Supervisor:
         run_name: the run in each actor process's title (``ps``: ``replayrl actor NAME run
             RUN``, :mod:`replayrl.actors.process_title`); empty: ``run_dir``.
     Raises:
-        ValueError: duplicate names, an unknown ``on_lost``, an ``expendable`` name that
-            is not among ``specs``, one that shares its process while ``on_lost`` is not
+        ValueError: duplicate names, an unknown ``on_lost``, an ``expendable`` or ``kept`` name
+            that is not among ``specs``, one that shares its process while ``on_lost`` is not
             ``"fail"``, or specs of one process that disagree (:func:`process_groups`).
     """
 
@@ -390,7 +393,7 @@ class Supervisor:
                  *, ready_timeout: float = 120.0, log_level: int = logging.WARNING,
                  expendable: tuple[str, ...] = (), on_lost: str = "fail",
                  on_replaced: Callable[[str], Awaitable[Any]] | None = None,
-                 run_name: str = "") -> None:
+                 run_name: str = "", kept: tuple[str, ...] = ()) -> None:
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
             raise ValueError(f"actor names must be unique, got {names}")
@@ -398,6 +401,8 @@ class Supervisor:
             raise ValueError(f"on_lost must be one of {LOSS_POLICIES}, got {on_lost!r}")
         if unknown := sorted(set(expendable) - set(names)):
             raise ValueError(f"expendable actors {unknown} are not among {names}")
+        if unknown := sorted(set(kept) - set(names)):
+            raise ValueError(f"kept actors {unknown} are not among {names}")
         self.groups = process_groups(specs)
         self._process_of = {s.name: s.process_key for s in specs}
         if on_lost != "fail":
@@ -412,6 +417,7 @@ class Supervisor:
         self.ready_timeout = ready_timeout
         self.log_level = log_level
         self.expendable = tuple(expendable)
+        self.kept = tuple(kept)
         self.on_lost = on_lost
         self.on_replaced = on_replaced
         self.run_name = run_name
@@ -560,7 +566,8 @@ class Supervisor:
                 starting.cancel()
             if self.on_lost == "drop":
                 self.dropped[name] = why or f"exited with code {proc.exitcode}"
-                if all(n in self.dropped for n in self.expendable):
+                if all(n in self.dropped for n in self.expendable) and not self.kept:
+                    # (a kept actor's own loss ends the run above: it is not expendable)
                     raise ActorDied(name, proc.exitcode,
                                     f"every one of {list(self.expendable)} is lost; the last: "
                                     f"{self.dropped[name]}")

@@ -1,6 +1,4 @@
-"""``replayrl`` command line: ``train``, ``repl``, ``keys`` and ``bench
-{parity,refill,logprobs,transport,peer,profile,train,load,engine,decode,steps,faults,
-traces}``.
+"""The replayrl command: train, repl, keys, serve and bench (the benchmarks named in BENCHES).
 
 Exit codes (:mod:`replayrl.tools.run.exit_codes`): 0 success, 1 a run failed (the failing actor's traceback
 is printed), 2 bad configuration, 130 interrupted by Ctrl-C, 143 SIGTERM (``train``).
@@ -110,10 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     keys = sub.add_parser("keys", help="make a run's CURVE key pair (needed by --transport tcp)")
     keys.add_argument("directory", help="where run.key and run.key_secret (mode 600) are written")
     keys.set_defaults(func=_keys)
-    bench = sub.add_parser("bench", help="benchmarks: parity | refill | logprobs | transport | peer | profile | "
-                                         "train | load | engine | decode | steps | faults | "
-                                         "traces | lora "
-                                         "(flags after the name go to the benchmark)")
+    bench = sub.add_parser("bench", help=f"benchmarks: {' | '.join(BENCHES)} (flags after the name go "
+                                         f"to the benchmark; `replayrl bench NAME --help` describes it)")
     bench.add_argument("bench", choices=sorted(BENCHES))
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_bench)

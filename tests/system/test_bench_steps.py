@@ -20,7 +20,7 @@ def test_table_takes_the_median_over_runs_and_the_ratio():
               {"step_seconds": 0.30, "train_seconds": 0.06}]
     after = [{"step_seconds": 0.05, "train_seconds": 0.04}]
     lines = table("abc123", before, after).splitlines()
-    assert lines[0] == "| key | abc123 | this checkout | this / abc123 |"
+    assert lines[0] == "| key | A: abc123 | B: this checkout | B / A |"
     assert "| `step_seconds` | 0.1200 | 0.0500 | 0.42 |" in lines  # median of 0.10, 0.12, 0.30
     assert "| `train_seconds` | 0.0700 | 0.0400 | 0.57 |" in lines
 

@@ -119,8 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("need --runs >= 1, --steps >= 1 and --interval > 0")
     flags = [a for a in args.run_args if a != "--"]
     variant = shlex.split(args.variant)
-    label_a = args.baseline or "this checkout"
-    label_b = f"this checkout {args.variant}".strip()
+    label_a = f"{args.baseline or 'this checkout'} {' '.join(flags)}".strip()
+    label_b = f"this checkout {' '.join([*flags, *variant])}".strip()
     try:
         with tempfile.TemporaryDirectory(prefix="replayrl-bench-memory-") as tmp, \
                 (checked_out(ROOT, args.baseline) if args.baseline else nullcontext(ROOT)) as tree_a:
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"replayrl bench memory: {exc}", file=sys.stderr)
         return 2
     print(f"replayrl train --num-steps {args.steps} {' '.join(flags)}; A: {label_a}, B: {label_b}; "
-          f"{args.runs} runs per side, alternated; sampled every {args.interval} s; medians over runs"
+          f"{args.runs} run(s) per side, alternated; sampled every {args.interval} s; medians over runs"
           f"{'; --priority' if args.priority else ''}\n")
     print(table(label_a, label_b, runs_a, runs_b))
     return 0

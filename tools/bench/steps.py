@@ -49,9 +49,10 @@ def run_medians(tree: Path, steps: int, warmup: int, output_dir: Path,
     return breakdown(rows[:-1], warmup)  # the last step has no overlapping generation
 
 
-def table(baseline: str, before: list[dict[str, float]], after: list[dict[str, float]]) -> str:
-    """Markdown table: key | baseline | this checkout | ratio (medians over runs)."""
-    lines = [f"| key | {baseline} | this checkout | this / {baseline} |", "|---|---:|---:|---:|"]
+def table(baseline: str, before: list[dict[str, float]], after: list[dict[str, float]],
+          this: str = "this checkout") -> str:
+    """Markdown table: key | A: baseline | B: this | B / A (medians over runs)."""
+    lines = [f"| key | A: {baseline} | B: {this} | B / A |", "|---|---:|---:|---:|"]
     for key in sorted({k for run in before + after for k in run}):
         b = [run[key] for run in before if key in run]
         a = [run[key] for run in after if key in run]
@@ -86,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give --baseline REV, --variant FLAGS or both: there is nothing to compare")
     extra = [a for a in args.run_args if a != "--"]
     variant = [*extra, *shlex.split(args.variant)]
-    label = args.baseline or "plain flags"
+    label = f"{args.baseline or 'this checkout'} {' '.join(extra)}".strip()
+    this = f"this checkout {' '.join(variant)}".strip()
     try:
         with tempfile.TemporaryDirectory(prefix="replayrl-bench-steps-") as tmp, \
                 (checked_out(ROOT, args.baseline) if args.baseline else nullcontext(ROOT)) as tree:
@@ -100,11 +102,11 @@ def main(argv: list[str] | None = None) -> int:
     except BenchError as exc:
         print(f"replayrl bench steps: --baseline: {exc}", file=sys.stderr)
         return 2
-    print(f"replayrl train --num-steps {args.steps} {' '.join(extra)}; {args.runs} runs per side, "
+    print(f"replayrl train --num-steps {args.steps} {' '.join(extra)}; {args.runs} run(s) per side, "
           f"alternated; median over steps {args.warmup}..{args.steps - 2} per run, then over runs"
           f"{'; --priority' if args.priority else ''}"
           f"{'; this checkout adds ' + args.variant if args.variant else ''}\n")
-    print(table(label, before, after))
+    print(table(label, before, after, this))
     return 0
 
 

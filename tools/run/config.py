@@ -305,7 +305,8 @@ class RunConfig:
         names = [n for n, _ in self.rollout.eval_sets()]
         if len(set(names)) != len(names):
             checks.append((False, f"--eval-prompt-data names must differ, got {names}"))
-        checks += [(False, problem) for problem in self.colocate_problems()]
+        if problems := self.colocate_problems():  # every conflict at once, one per line
+            checks.append((False, "\n".join(problems)))
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)

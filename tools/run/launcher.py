@@ -487,7 +487,8 @@ ENGINE_LOSS = {"regenerate": "drop", "restart": "replace", "fail": "fail"}
 def engine_supervision(config: RunConfig, directory: Directory) -> dict:
     """The :class:`replayrl.actors.Supervisor` arguments for the run's engines under
     ``--engine-failure`` (docs/design.md#engine-faults): they are expendable, except an engine
-    of the colocated process (``--colocate``: lost with the trainer, it ends the run);
+    of the colocated process (``--colocate``: lost with the trainer, it ends the run; while it
+    serves, losing every other engine does not);
     a restarted one first loads the trainer's current weights (recorded by the clock), then
     rejoins the rollout manager's pool."""
     async def restored(engine: str) -> None:
@@ -495,8 +496,10 @@ def engine_supervision(config: RunConfig, directory: Directory) -> dict:
         await directory.proxy("rollout_manager").restore_engine(engine)
 
     colocated = colocated_actors(config)
-    return {"expendable": tuple(name for i in range(config.num_engines)
-                                if (name := f"engine_{i}") not in colocated),
+    engines = [f"engine_{i}" for i in range(config.num_engines)]
+    return {"expendable": tuple(e for e in engines if e not in colocated),
+            # a colocated engine_0 serves on after the others are lost (its own loss ends the run)
+            "kept": tuple(e for e in engines if e in colocated),
             "on_lost": ENGINE_LOSS[config.engine_failure], "on_replaced": restored}
 
 

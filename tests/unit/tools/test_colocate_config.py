@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from replayrl.actors import Directory, Supervisor
+from replayrl.actors import ActorDied, Directory, Supervisor
 from replayrl.tools.errors import ConfigError
 from replayrl.tools.run.config import build_config
 from replayrl.tools.run.initial_files import Resolved
@@ -28,6 +28,17 @@ def test_combinations_colocate_cannot_serve_are_refused_naming_the_flags(setting
     with pytest.raises(ConfigError, match="--colocate") as info:
         build_config({"colocate": True, **settings})
     assert all(flag in str(info.value) for flag in flags)
+
+
+def test_every_colocate_conflict_is_named_in_one_refusal():
+    with pytest.raises(ConfigError) as info:
+        build_config({"colocate": True, "dp-size": 2, "cpu-affinity": "split",
+                      "engine-failure": "restart", "trainer-torch-threads": 2})
+    message = str(info.value)
+    for flag in ("--engine-failure restart", "--dp-size 2", "--cpu-affinity split",
+                 "--trainer-torch-threads 2"):
+        assert flag in message, flag
+    assert message.count("--colocate with") == 4
 
 
 def test_colocate_threads_alone_is_refused_naming_both_flags():
@@ -63,9 +74,31 @@ def test_the_clock_manager_engine_0_and_trainer_share_the_colocated_process(tmp_
     directory = Directory.for_run(tmp_path, [s.name for s in specs])
     supervision = engine_supervision(config, directory)
     assert (supervision["expendable"], supervision["on_lost"]) == (("engine_1",), "drop")
+    assert supervision["kept"] == ("engine_0",)
     sup = Supervisor(specs, directory, tmp_path, **supervision)
     assert [[s.name for s in g] for g in sup.groups.values()] == [
         ["version_clock", "engine_0", "rollout_manager", "trainer"], ["engine_1"]]
+    # engine_1 exits: the run goes on with the colocated engine_0 (it used to end the run, since
+    # every *expendable* engine was lost); the colocated process exiting still ends it
+    live, dead = _FakeProcess(None), _FakeProcess(-9)
+    sup.processes = {name: live for name in ("version_clock", "engine_0", "rollout_manager", "trainer")}
+    sup.processes["engine_1"] = dead
+    sup._silent = lambda name: None  # no heartbeats here: only exits are judged
+    sup._check()
+    assert list(sup.dropped) == ["engine_1"]
+    live.exitcode = 1
+    with pytest.raises(ActorDied, match="engine_0|version_clock"):
+        sup._check()
+
+
+class _FakeProcess:
+    """What Supervisor._check reads of a process: its exit code (None while it runs)."""
+
+    def __init__(self, exitcode):
+        self.exitcode = exitcode
+
+    def join(self, timeout=None):
+        pass
 
 
 def test_without_colocate_every_actor_has_a_process_of_its_own(tmp_path):

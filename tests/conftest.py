@@ -12,8 +12,10 @@
   server) and are marked ``system``; ``pytest -m "not system"`` is the fast subset. A test
   outside that folder that starts a process fails, naming what it started.
 """
+import atexit
 import importlib.util
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -30,6 +32,7 @@ def _use_this_checkout() -> None:
     module = importlib.util.module_from_spec(tree)
     tree.loader.exec_module(module)
     path = str(module.importable(ROOT, Path(tempfile.mkdtemp(prefix="replayrl-checkout-"))))
+    atexit.register(shutil.rmtree, path, True)  # a folder of symlinks per session: not left behind
     sys.path.insert(0, path)
     os.environ["PYTHONPATH"] = os.pathsep.join(
         [path] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
@@ -66,7 +69,6 @@ def ipc_tmp():
     """A short empty directory for a child process's ``TMPDIR`` (removed afterwards): the actors'
     ipc socket files go there, AF_UNIX caps their paths at 107 bytes, and ``tmp_path`` is nested
     deep enough (deeper still under pytest-xdist's per-worker folders) to pass the cap."""
-    import shutil
 
     path = Path(tempfile.mkdtemp(prefix="rrl-"))
     yield path

@@ -17,8 +17,6 @@ import tempfile
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from replayrl.tools.errors import BenchError
-
 LAYERS = ("transport", "actors", "rollout", "trainer", "tools")
 
 
@@ -73,6 +71,8 @@ def checked_out(root: Path, revision: str) -> Iterator[Path]:
     Raises:
         replayrl.tools.errors.BenchError: not a git checkout, or an unknown revision (git's message).
     """
+    from replayrl.tools.errors import BenchError  # here: tests/conftest.py loads this file alone
+
     with tempfile.TemporaryDirectory(prefix="replayrl-baseline-") as tmp:
         tree = Path(tmp) / "baseline"
         made = subprocess.run(["git", "-C", str(root), "worktree", "add", "--detach", "-q",

@@ -210,18 +210,7 @@ async def serve_actors(members: list[tuple[Actor, str]], directory: Directory,
     if len(members) == 1:
         return [await serve_actor(*members[0], directory, parent_pid)]
     _use_directory(directory)
-    profile_dir = os.environ.get(PROFILE_ENV)
-    profile = cProfile.Profile() if profile_dir else None
-    if profile is not None:
-        profile.enable()
-    try:
-        return list(await asyncio.gather(*(_serve(actor, name, directory, parent_pid, None, None)
-                                           for actor, name in members)))
-    finally:
-        if profile is not None:
-            profile.disable()
-            write_profile(profile, profile_dir, process or "+".join(n for _, n in members))
-        close_connections()
+    return await _serve_loop(members, directory, parent_pid, process, this_loop_only=False)
 
 
 def serve_in_threads(loops: list[list[tuple[Actor, str]]], directory: Directory,
@@ -256,8 +245,12 @@ def serve_in_threads(loops: list[list[tuple[Actor, str]]], directory: Directory,
 
 
 async def _serve_loop(members: list[tuple[Actor, str]], directory: Directory,
-                      parent_pid: int | None) -> list[str]:
-    """``members`` served on the running loop of one of :func:`serve_in_threads`' threads."""
+                      parent_pid: int | None, profile_name: str = "",
+                      this_loop_only: bool = True) -> list[str]:
+    """``members`` served together on the running loop, under one profile (named
+    ``profile_name``, else by the members ``a+b``); then the loop's connections are closed: only
+    its own (``this_loop_only``: one of :func:`serve_in_threads`' threads) or every one of the
+    process (:func:`serve_actors`, the process's only loop)."""
     profile_dir = os.environ.get(PROFILE_ENV)
     profile = cProfile.Profile() if profile_dir else None
     if profile is not None:
@@ -268,8 +261,8 @@ async def _serve_loop(members: list[tuple[Actor, str]], directory: Directory,
     finally:
         if profile is not None:
             profile.disable()
-            write_profile(profile, profile_dir, "+".join(n for _, n in members))
-        close_connections(this_loop_only=True)
+            write_profile(profile, profile_dir, profile_name or "+".join(n for _, n in members))
+        close_connections(this_loop_only=this_loop_only)
 
 
 def _use_directory(directory: Directory) -> None:

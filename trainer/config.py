@@ -239,6 +239,13 @@ class TrainerConfig:
         check_rs_settings(self.rs_mode, self.rs_lower, self.rs_upper)
 
     @property
+    def rank_count(self) -> int:
+        """Trainer processes these settings need: ``--dp-size x --tp-size x --pp-size x
+        --cp-size`` (docs/design.md#trainer-ranks, docs/design.md#pipeline-parallel,
+        docs/design.md#context-parallel)."""
+        return self.dp_size * self.tp_size * self.pp_size * self.cp_size
+
+    @property
     def rs_gate(self) -> RSGate:
         """The RS gate these settings describe (:mod:`replayrl.trainer.rejection.rs_policy`,
         imported here so these settings load without torch)."""

@@ -348,7 +348,7 @@ class RunConfig:
                             "with the trainer, the version clock and the rollout manager, so no "
                             "new engine can replace it alone; use --engine-failure fail or "
                             "regenerate (a lost colocated process ends the run)")
-        ranks = t.dp_size * t.tp_size * t.pp_size * t.cp_size
+        ranks = t.rank_count
         if ranks > 1:
             problems.append(f"--colocate with {ranks} trainer ranks (--dp-size {t.dp_size} "
                             f"--tp-size {t.tp_size} --pp-size {t.pp_size} --cp-size {t.cp_size}): "

@@ -393,14 +393,6 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def trainer_rank_count(config: RunConfig) -> int:
-    """Trainer processes of a run: ``--dp-size x --tp-size x --pp-size x --cp-size``
-    (docs/design.md#trainer-ranks, docs/design.md#pipeline-parallel,
-    docs/design.md#context-parallel)."""
-    t = config.trainer
-    return t.dp_size * t.tp_size * t.pp_size * t.cp_size
-
-
 COLOCATED = "colocated"
 """The process (``ActorSpec.process``) of the actors :func:`colocated_actors` names under
 ``--colocate``; its title is ``replayrl actor colocated run RUN``."""
@@ -421,7 +413,7 @@ def actor_specs(config: RunConfig, checkpoint_dir: Path,
     and its dtype are resolved here and the rollout manager reads the tokenizer with
     ``AutoTokenizer`` (each imports torch).
 
-    With several trainer ranks (:func:`trainer_rank_count`) the ``trainer`` actor is rank 0 and
+    With several trainer ranks (``TrainerConfig.rank_count``) the ``trainer`` actor is rank 0 and
     ``trainer_1 ..`` follow it; they meet at ``tcp://127.0.0.1:rank_port`` (a free port when
     None). Under ``--colocate`` the actors of :func:`colocated_actors` name one process,
     :data:`COLOCATED`; with ``--colocate-threads`` ``engine_0`` and the trainer serve on
@@ -437,7 +429,7 @@ def actor_specs(config: RunConfig, checkpoint_dir: Path,
     engines = [f"engine_{i}" for i in range(config.num_engines)]
     trainer_cpus, other_cpus = (split_cpus(os.sched_getaffinity(0))
                                 if config.cpu_affinity == "split" else ((), ()))
-    ranks = trainer_rank_count(config)
+    ranks = config.trainer.rank_count
     group = None
     if ranks > 1:
         group = {"size": ranks, "host": "127.0.0.1",

@@ -59,7 +59,6 @@ from replayrl.tools.run.launcher import (
     check_load,
     check_prompt_data,
     initial_checkpoint,
-    trainer_rank_count,
     write_embedded_tokenizer,
     write_run_config,
 )
@@ -82,7 +81,7 @@ def plan(world_size: int, config: RunConfig, base_port: int = 29500,
          joined: int = 0) -> tuple[list[ActorSpec], dict[int, list[str]]]:
     """Actor specs of the run and the actor names each rank serves.
 
-    The last ``T`` ranks (``T`` = :func:`replayrl.tools.run.launcher.trainer_rank_count`, ``--dp-size``)
+    The last ``T`` ranks (``T`` = :attr:`replayrl.trainer.config.TrainerConfig.rank_count`, ``--dp-size``)
     serve the trainer ranks (``trainer``, ``trainer_1`` ..), which meet in their own process
     group at ``base_port + 1 + len(specs)``, the port after the actors'. The ranks between the
     driver and them serve ``engine_0`` .. ``engine_{E-1}``; ``joined`` more engines
@@ -96,7 +95,7 @@ def plan(world_size: int, config: RunConfig, base_port: int = 29500,
             the driver and the trainer ranks nor a joined one), or a ``--num-engines`` other
             than its default that differs from the plan's count (names both).
     """
-    trainers = trainer_rank_count(config)
+    trainers = config.trainer.rank_count
     own_engines = world_size - 1 - trainers
     if own_engines < 0 or own_engines + joined < 1:
         raise ConfigError(f"torchrun needs --nproc-per-node >= {2 + trainers} (driver, "
@@ -127,7 +126,7 @@ def plan(world_size: int, config: RunConfig, base_port: int = 29500,
 
 def joined_engine(world_size: int, config: RunConfig, slot: int) -> str:
     """The engine a joined rank in ``slot`` serves: the run's own engines come first."""
-    return f"engine_{world_size - 1 - trainer_rank_count(config) + slot}"
+    return f"engine_{world_size - 1 - config.trainer.rank_count + slot}"
 
 
 def check_joined_settings(run_settings: str, config: RunConfig) -> None:

@@ -11,7 +11,6 @@ import torch
 
 from replayrl.tools.errors import ConfigError
 from replayrl.tools.run.config import build_config
-from replayrl.tools.run.launcher import trainer_rank_count
 from replayrl.trainer.backends.megatron_context_parallel import ContextParallel, row_layout
 from replayrl.trainer.config import TrainerConfig
 from replayrl.trainer.errors import PackingError, TrainerConfigError
@@ -96,6 +95,6 @@ def test_cp_ranks_are_trainer_ranks_but_not_data_parallel_ranks():
     # the same share), so 2 x 2 = 4 samples over --dp-size 2 with --cp-size 3 are fine
     config = build_config({**SMALL, "train-backend": "megatron", "dp-size": 2, "tp-size": 2,
                            "cp-size": 3})
-    assert trainer_rank_count(config) == 12
+    assert config.trainer.rank_count == 12
     with pytest.raises(ConfigError, match="--cp-size needs --train-backend megatron"):
         build_config({**SMALL, "cp-size": 2})

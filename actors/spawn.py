@@ -437,9 +437,7 @@ class Supervisor:
         """Start every actor process (returns at once; see :meth:`wait_ready`); this process's
         calls to them use the directory's CURVE keys and heartbeat deadline."""
         self.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        use_curve_keys(self.directory.keys())
-        use_heartbeat_deadline(self.directory.heartbeat_deadline_s)
-        use_shared_memory(*self.directory.shm)
+        _use_directory(self.directory)
         for key in self.groups:
             self._start(key)
 

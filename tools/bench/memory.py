@@ -17,22 +17,18 @@ PSS splits it between them (:mod:`replayrl.tools.bench.tree_memory`).
 from __future__ import annotations
 
 import argparse
-import shlex
 import statistics
 import sys
-import tempfile
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from replayrl.tools.bench.priority import autogroup_priority
-from replayrl.tools.bench.source_tree import checked_out, train_command
+from replayrl.tools.bench import ab_runs
+from replayrl.tools.bench.source_tree import train_command
 from replayrl.tools.bench.tree_memory import run_sampled
 from replayrl.tools.errors import BenchError
 
-ROOT = Path(__file__).resolve().parents[2]
 MIB = 1024 * 1024
 
 
@@ -102,42 +98,24 @@ def table(label_a: str, label_b: str, runs_a: list[MemoryRun], runs_b: list[Memo
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry: prints the settings and the table on stdout; 2 on a bad setting."""
     parser = argparse.ArgumentParser(prog="replayrl bench memory", description=__doc__.splitlines()[0])
-    parser.add_argument("--baseline", default="", help="git revision of side A (default: this checkout)")
-    parser.add_argument("--variant", default="",
-                        help="flags side B adds, one quoted string (a single flag as --variant=--colocate)")
-    parser.add_argument("--runs", type=int, default=3, help="runs of each side (3)")
+    ab_runs.add_flags(parser, runs=3)
     parser.add_argument("--steps", type=int, default=10, help="steps per run (10)")
     parser.add_argument("--interval", type=float, default=0.25, help="seconds between samples (0.25)")
-    parser.add_argument("--priority", action="store_true",
-                        help="on a machine shared with other users' jobs, run first "
-                             "(Linux autogroup nice -20; needs root)")
-    parser.add_argument("run_args", nargs=argparse.REMAINDER, help="-- flags for both sides")
     args = parser.parse_args(argv)
-    if not args.baseline and not args.variant:
-        parser.error("give --baseline REV, --variant FLAGS or both: there is nothing to compare")
+    ab = ab_runs.sides(parser, args)
     if args.runs < 1 or args.steps < 1 or args.interval <= 0:
         parser.error("need --runs >= 1, --steps >= 1 and --interval > 0")
-    flags = [a for a in args.run_args if a != "--"]
-    variant = shlex.split(args.variant)
-    label_a = f"{args.baseline or 'this checkout'} {' '.join(flags)}".strip()
-    label_b = f"this checkout {' '.join([*flags, *variant])}".strip()
     try:
-        with tempfile.TemporaryDirectory(prefix="replayrl-bench-memory-") as tmp, \
-                (checked_out(ROOT, args.baseline) if args.baseline else nullcontext(ROOT)) as tree_a:
-            runs_a, runs_b = [], []
-            with autogroup_priority(args.priority):
-                for i in range(args.runs):
-                    runs_a.append(run_once(tree_a, Path(tmp) / f"a-{i}", args.steps, flags,
-                                           args.interval))
-                    runs_b.append(run_once(ROOT, Path(tmp) / f"b-{i}", args.steps,
-                                           [*flags, *variant], args.interval))
+        runs_a, runs_b = ab_runs.alternate(
+            ab, args.runs, args.priority, "replayrl-bench-memory-",
+            lambda tree, out, flags: run_once(tree, out, args.steps, flags, args.interval))
     except BenchError as exc:
         print(f"replayrl bench memory: {exc}", file=sys.stderr)
         return 2
-    print(f"replayrl train --num-steps {args.steps} {' '.join(flags)}; A: {label_a}, B: {label_b}; "
-          f"{args.runs} run(s) per side, alternated; sampled every {args.interval} s; medians over runs"
-          f"{'; --priority' if args.priority else ''}\n")
-    print(table(label_a, label_b, runs_a, runs_b))
+    print(f"replayrl train --num-steps {args.steps} {' '.join(ab.flags_a)}; A: {ab.label_a}, "
+          f"B: {ab.label_b}; {args.runs} run(s) per side, alternated; sampled every {args.interval} s; "
+          f"medians over runs{'; --priority' if args.priority else ''}\n")
+    print(table(ab.label_a, ab.label_b, runs_a, runs_b))
     return 0
 
 

@@ -17,22 +17,17 @@ Needs ``git`` and a git checkout of replayrl; the baseline must accept the same 
 from __future__ import annotations
 
 import argparse
-import shlex
 import statistics
 import subprocess
 import sys
-import tempfile
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Sequence
 
-from replayrl.tools.bench.priority import autogroup_priority
+from replayrl.tools.bench import ab_runs
 from replayrl.tools.bench.profile import breakdown
-from replayrl.tools.bench.source_tree import checked_out, train_command
+from replayrl.tools.bench.source_tree import train_command
 from replayrl.tools.errors import BenchError
 from replayrl.transport import strict_json
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_medians(tree: Path, steps: int, warmup: int, output_dir: Path,
@@ -67,46 +62,26 @@ def table(baseline: str, before: list[dict[str, float]], after: list[dict[str, f
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry: prints the table (and the runs' settings) on stdout."""
     parser = argparse.ArgumentParser(prog="replayrl bench steps", description=__doc__.splitlines()[0])
-    parser.add_argument("--baseline", default="", help="git revision to compare against "
-                                                       "(default: this checkout, with --variant)")
-    parser.add_argument("--variant", default="",
-                        help="flags this checkout's runs add, one quoted string (a single flag as "
-                             "--variant=--colocate)")
-    parser.add_argument("--runs", type=int, default=2, help="runs of each side (2)")
+    ab_runs.add_flags(parser, runs=2)
     parser.add_argument("--steps", type=int, default=100, help="steps per run (100)")
     parser.add_argument("--warmup", type=int, default=10, help="first steps left out (10)")
-    parser.add_argument("--priority", action="store_true",
-                        help="on a machine shared with other users' jobs, run first "
-                             "(Linux autogroup nice -20; needs root)")
-    parser.add_argument("run_args", nargs=argparse.REMAINDER, help="-- flags for both runs")
     args = parser.parse_args(argv)
     if args.runs < 1 or args.steps < 3 or not 0 <= args.warmup < args.steps - 1:
         parser.error("need --runs >= 1, --steps >= 3 and 0 <= --warmup < --steps - 1 (the "
                      "medians are over steps --warmup .. --steps - 2)")
-    if not args.baseline and not args.variant:
-        parser.error("give --baseline REV, --variant FLAGS or both: there is nothing to compare")
-    extra = [a for a in args.run_args if a != "--"]
-    variant = [*extra, *shlex.split(args.variant)]
-    label = f"{args.baseline or 'this checkout'} {' '.join(extra)}".strip()
-    this = f"this checkout {' '.join(variant)}".strip()
+    ab = ab_runs.sides(parser, args)
     try:
-        with tempfile.TemporaryDirectory(prefix="replayrl-bench-steps-") as tmp, \
-                (checked_out(ROOT, args.baseline) if args.baseline else nullcontext(ROOT)) as tree:
-            before, after = [], []
-            with autogroup_priority(args.priority):
-                for i in range(args.runs):
-                    before.append(run_medians(tree, args.steps, args.warmup,
-                                              Path(tmp) / f"baseline-{i}", extra))
-                    after.append(run_medians(ROOT, args.steps, args.warmup,
-                                             Path(tmp) / f"this-{i}", variant))
+        before, after = ab_runs.alternate(
+            ab, args.runs, args.priority, "replayrl-bench-steps-",
+            lambda tree, out, flags: run_medians(tree, args.steps, args.warmup, out, flags))
     except BenchError as exc:
         print(f"replayrl bench steps: --baseline: {exc}", file=sys.stderr)
         return 2
-    print(f"replayrl train --num-steps {args.steps} {' '.join(extra)}; {args.runs} run(s) per side, "
+    print(f"replayrl train --num-steps {args.steps} {' '.join(ab.flags_a)}; {args.runs} run(s) per side, "
           f"alternated; median over steps {args.warmup}..{args.steps - 2} per run, then over runs"
           f"{'; --priority' if args.priority else ''}"
           f"{'; this checkout adds ' + args.variant if args.variant else ''}\n")
-    print(table(label, before, after, this))
+    print(table(ab.label_a, before, after, ab.label_b))
     return 0
 
 

@@ -82,7 +82,11 @@ def descendants(root: int, parents: Mapping[int, int]) -> list[int]:
 
 def tree_usage(root: int, proc: Path = PROC) -> tuple[int, int]:
     """``(summed RSS, summed PSS)`` in bytes of ``root`` and its descendants now."""
-    named = usage_by_name(root, proc)
+    return _totals(usage_by_name(root, proc))
+
+
+def _totals(named: Mapping[str, tuple[int, int]]) -> tuple[int, int]:
+    """``(summed RSS, summed PSS)`` of :func:`usage_by_name`'s figures."""
     return sum(r for r, _ in named.values()), sum(p for _, p in named.values())
 
 
@@ -122,7 +126,7 @@ def run_sampled(cmd: Sequence[str], env: Mapping[str, str], interval: float = 0.
     def sample() -> None:
         while not done.is_set():
             named = usage_by_name(proc.pid)
-            rss, pss = sum(r for r, _ in named.values()), sum(p for _, p in named.values())
+            rss, pss = _totals(named)
             peaks[0], peaks[1], peaks[2] = max(peaks[0], rss), max(peaks[1], pss), peaks[2] + 1
             for name, (r, p) in named.items():
                 old = by_process.get(name, (0, 0))

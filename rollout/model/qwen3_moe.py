@@ -243,6 +243,10 @@ class Qwen3MoeMLP(nn.Module):
 
 
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# dtypes whose CPU grouped_mm runs oneDNN kernels compiled per distinct group size and kept in
+# its primitive caches (up to 1024 entries each): a decode loop, whose expert group sizes change
+# every token, grew an engine by ~150 MiB. Their groups are padded to a few sizes instead.
+_PADDED_GROUP_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def _grouped_mm(rows: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
@@ -253,6 +257,40 @@ def _grouped_mm(rows: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor) -
         return F.grouped_mm(rows, weights, offs=ends)
     counts = torch.diff(ends, prepend=ends.new_zeros(1)).tolist()
     return torch.cat([r @ w for r, w in zip(rows.split(counts), weights)])
+
+
+def padded_group_sizes(counts: torch.Tensor) -> torch.Tensor:
+    """Each expert's row count `counts` (int64 `[E]`) rounded up to the next of a few sizes:
+    a multiple of 8 up to 64, then of 32 up to 256, then of 128 (int64 `[E]`, 0 stays 0).
+
+    Bounds the distinct group sizes a decode loop feeds oneDNN (each compiled and cached once)
+    while padding a group by at most 7 rows below 64 and by < 1/2 of it above."""
+    step = torch.where(counts <= 64, 8, torch.where(counts <= 256, 32, 128))
+    return (counts + step - 1) // step * step
+
+
+def _expert_slots(pairs: torch.Tensor, num_experts: int, pad: bool) -> tuple[torch.Tensor, ...]:
+    """Where each (token, slot) pair goes in the experts' grouped rows.
+
+    pairs int64 `[N*K]` (each pair's expert) -> (source pair of each grouped row int64 `[R]`,
+    -1 for a padding row; grouped row of each pair int64 `[N*K]`; ends int32 `[E]`). Within an
+    expert the pairs keep their (token, slot) order (a stable sort); with `pad` each expert's
+    group is followed by padding rows up to :func:`padded_group_sizes`, else R = N*K.
+    Example: pairs [1, 0, 1] with pad=False -> source [1, 0, 2], position [1, 0, 2], ends [1, 3]."""
+    order = torch.argsort(pairs, stable=True)
+    counts = torch.bincount(pairs, minlength=num_experts)
+    if not pad:
+        position = torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=pairs.device))
+        return order, position, counts.cumsum(0).to(torch.int32)
+    sizes = padded_group_sizes(counts)
+    ends = sizes.cumsum(0)
+    # the j-th pair in expert order sits at its expert's padded start + its rank in the expert
+    shift = torch.repeat_interleave(ends - sizes - (counts.cumsum(0) - counts), counts)
+    grouped = torch.arange(len(order), device=pairs.device) + shift
+    source = torch.full((int(ends[-1]),), -1, dtype=torch.int64, device=pairs.device)
+    source[grouped] = order
+    position = torch.empty_like(order).scatter_(0, order, grouped)
+    return source, position, ends.to(torch.int32)
 
 
 class Qwen3MoeSparseMoeBlock(nn.Module):
@@ -319,16 +357,17 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         # projection (torch's grouped_mm: one kernel instead of three per expert); the rows go
         # back to (token, slot) order with one index and the K slots are summed. No index_add_,
         # whose bf16 CPU kernel is ~100x slower than its fp32 one. HF sums the same K terms in
-        # expert order instead of slot order; in fp32 the difference is rounding (~1e-7).
-        pairs = experts.reshape(-1)
-        order = torch.argsort(pairs, stable=True)
-        ends = torch.bincount(pairs, minlength=len(self.experts)).cumsum(0).to(torch.int32)
-        rows = flat[order // self.top_k]
+        # expert order instead of slot order; in fp32 the difference is rounding (~1e-7). In
+        # bf16 / fp16 the groups are padded (see _PADDED_GROUP_DTYPES); a row's product does
+        # not depend on the rows beside it, so the outputs are the same.
+        pad = flat.dtype in _PADDED_GROUP_DTYPES
+        source, position, ends = _expert_slots(experts.reshape(-1), len(self.experts), pad)
+        # a padding row (source -1) repeats token 0: finite, and its output is never read
+        rows = flat[source.clamp_min(0) // self.top_k]
         gate_up = _grouped_mm(rows, self._stacked("gate_proj", "up_proj"), ends)
         gate, up = gate_up.chunk(2, dim=-1)
         out = _grouped_mm(F.silu(gate) * up, self._stacked("down_proj"), ends)
-        out = out * weights.reshape(-1)[order, None]
-        per_slot = out[torch.empty_like(order).scatter_(0, order, torch.arange(len(order)))]
+        per_slot = out[position] * weights.reshape(-1, 1)
         return (per_slot.view(-1, self.top_k, h).sum(1).view(b, s, h),
                 experts.view(b, s, self.top_k), own.view(b, s, self.top_k))
 

@@ -46,6 +46,11 @@ class TrainerConfig:
             they are the detached logprobs of the training forward); ``always`` runs it anyway.
         rpc_timeout_s: seconds any trainer-initiated actor call may take.
         torch_threads: intra-op threads of the trainer process.
+        backward_threads: intra-op threads of the backward passes (0: ``torch_threads``). The
+            backward runs last in a step, mostly while the engines wait for the next weights, so
+            on a host shared with them it can use their cores. The gradients then differ from a
+            ``torch_threads`` backward by float rounding (the reductions split otherwise), the
+            same from run to run (``--trainer-backward-threads``).
         trace_decode_threads: threads decoding a batch's ``"sets"`` trace columns (the indexer
             top-k keys; ``replayrl.rollout.sample.samples_from_columns``'s ``decode_threads``);
             the decoded arrays do not depend on it (``--trace-decode-threads``).
@@ -129,6 +134,10 @@ class TrainerConfig:
                                    POSITIVE)
     torch_threads: int = setting(1, "trainer-torch-threads", "torch threads of the trainer",
                                  Range(low=1))
+    backward_threads: int = setting(0, "trainer-backward-threads", "torch threads of the trainer's "
+                                    "backward passes, which run mostly while the engines wait "
+                                    "for the next weights (0: --trainer-torch-threads)",
+                                    Range(low=0))
     trace_decode_threads: int = setting(1, "trace-decode-threads", "threads decoding the indexer "
                                         "top-k trace columns of each batch the trainer takes "
                                         "(the result does not depend on it)", Range(low=1))

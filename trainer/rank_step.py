@@ -167,6 +167,8 @@ class RankStep:
         sums = dict.fromkeys(UPDATE_SUMS, 0.0)
         sums["max_prox_drift"] = 0.0
         offset, rates, seconds = 0, {}, {"forward": 0.0, "backward": 0.0}
+        backward_threads = (cfg.backward_threads
+                            if cfg.backward_threads not in (0, cfg.torch_threads) else 0)
         for chunk, batch in self.batches(samples):
             t0 = time.perf_counter()
             cached = None if fused else torch.cat(self.cache.take([s.sample_id for s in chunk]))
@@ -190,9 +192,15 @@ class RankStep:
                 # policy_loss averages over this microbatch's denominator; rescale to the step's
                 mb_den = float(seen["m"]["loss_tokens"] if cfg.rs_denominator == "loss_tokens"
                                else seen["m"]["accepted_tokens"])
+                if backward_threads:  # the backward follows (--trainer-backward-threads)
+                    torch.set_num_threads(backward_threads)
                 return loss * (mb_den * grad_scale / denominator)
 
-            out = self.backend.forward_backward(batch, loss_fn, capture=fused)
+            try:
+                out = self.backend.forward_backward(batch, loss_fn, capture=fused)
+            finally:
+                if backward_threads:
+                    torch.set_num_threads(cfg.torch_threads)
             t2 = time.perf_counter()
             logp = out.logprobs  # detached, on every rank
             prox = logp if cached is None else cached

@@ -335,7 +335,8 @@ class RunConfig:
         trainer, the clock and the manager too), more than one trainer rank (``--dp-size`` /
         ``--tp-size`` / ``--pp-size`` / ``--cp-size``: rank 0 would step in a worker thread
         beside the engine's event loop), ``--cpu-affinity split`` (the trainer and the engine
-        share one process, which has one CPU mask) and ``--engine-torch-threads`` other than
+        share one process, which has one CPU mask), ``--engine-torch-threads`` other than
+        ``--trainer-torch-threads`` and ``--trainer-backward-threads`` other than 0 or
         ``--trainer-torch-threads`` (intra-op threads are one setting per process).
         """
         if not self.colocate:
@@ -362,6 +363,10 @@ class RunConfig:
             problems.append(f"--colocate with --engine-torch-threads {self.engine_torch_threads} "
                             f"and --trainer-torch-threads {t.torch_threads}: torch intra-op "
                             f"threads are one setting per process; give both the same value")
+        if t.backward_threads not in (0, t.torch_threads):
+            problems.append(f"--colocate with --trainer-backward-threads {t.backward_threads}: "
+                            f"torch intra-op threads are one setting per process, so the "
+                            f"colocated engine would run on them too; leave it at 0")
         return problems
 
     @cached_property

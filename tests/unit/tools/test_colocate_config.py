@@ -22,6 +22,7 @@ RESOLVED = Resolved("replayrl.rollout.engines.embedded:EmbeddedEngine", "float32
     ({"cpu-affinity": "split"}, ["--cpu-affinity split"]),
     ({"engine-torch-threads": 2}, ["--engine-torch-threads 2", "--trainer-torch-threads 1"]),
     ({"trainer-torch-threads": 2}, ["--engine-torch-threads 1", "--trainer-torch-threads 2"]),
+    ({"trainer-backward-threads": 2}, ["--trainer-backward-threads 2"]),
 ])
 def test_combinations_colocate_cannot_serve_are_refused_naming_the_flags(settings, flags):
     build_config(settings)  # each is a valid run without --colocate
@@ -52,6 +53,7 @@ def test_colocate_threads_alone_is_refused_naming_both_flags():
     {},
     {"engine-failure": "fail"},
     {"engine-torch-threads": 2, "trainer-torch-threads": 2},
+    {"engine-torch-threads": 2, "trainer-torch-threads": 2, "trainer-backward-threads": 2},
     {"num-engines": 2, "engine-failure": "regenerate"},
     {"max-staleness": 0},
 ])

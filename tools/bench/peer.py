@@ -258,8 +258,10 @@ def settings_table(config) -> str:
         ("staleness", "one step (generation of k+1 overlaps training on k)" if not config.colocate
          else "one step (generation of k+1 and training on k take turns in one process)",
          "0 (generate, then train)"),
-        ("threads", f"engine {config.engine_torch_threads} + trainer {t.torch_threads} "
-                    "(one process each)" if not config.colocate else
+        ("threads", f"engine {config.engine_torch_threads} + trainer {t.torch_threads}"
+                    + (f" (its backward {t.backward_threads}: --trainer-backward-threads)"
+                       if t.backward_threads not in (0, t.torch_threads) else "")
+                    + " (one process each)" if not config.colocate else
                     f"{t.torch_threads} (--colocate: clock, manager, engine and trainer in one "
                     "process)", f"torch.set_num_threads({TRL_THREADS}), one process"),
         ("other", "--no-progress", "use_cpu=True, gradient_checkpointing=False, "
@@ -667,6 +669,9 @@ def main(argv: list[str] | None = None, grid=None) -> int:
     parser.add_argument("--colocate", action="store_true",
                         help="run replayrl's side with --colocate (clock, manager, engine and "
                              "trainer in one process: docs/design.md#colocate)")
+    parser.add_argument("--trainer-backward-threads", type=int, default=None, metavar="N",
+                        help="run replayrl's side with --trainer-backward-threads N (its "
+                             "backward passes on N torch threads)")
     parser.add_argument("--output-dir", default="runs/peer-grid",
                         help="where --grid writes its plot peer_grid.png (runs/peer-grid)")
     args = parser.parse_args(argv)
@@ -676,7 +681,8 @@ def main(argv: list[str] | None = None, grid=None) -> int:
         parser.error("--steps and --window must be >= 1")
     overrides = {k: v for k, v in (("rollout-batch-size", args.rollout_batch_size),
                                    ("n-samples-per-prompt", args.n_samples_per_prompt),
-                                   ("colocate", args.colocate or None))
+                                   ("colocate", args.colocate or None),
+                                   ("trainer-backward-threads", args.trainer_backward_threads))
                  if v is not None}
     import importlib.util
 

@@ -124,3 +124,16 @@ async def test_the_backward_runs_on_its_threads_and_the_weights_move_as_with_one
     # the same step up to the rounding of a reduction split over two threads (AdamW divides
     # by sqrt(v) + 1e-6, so a rounding difference of a tiny gradient moves a weight by < 1e-6)
     assert max(float(np.abs(a[k] - b[k]).max()) for k in a) < 1e-5
+
+
+def test_the_peer_bench_prints_the_backward_threads_of_replayrls_side():
+    from replayrl.tools.bench.peer import settings_table
+
+    def threads_row(settings):
+        return next(line for line in settings_table(build_config(settings)).splitlines()
+                    if line.startswith("| threads"))
+
+    assert "engine 1 + trainer 1 (its backward 2: --trainer-backward-threads) (one process each)" \
+        in threads_row({"trainer-backward-threads": 2})
+    assert "backward" not in threads_row({}) and "backward" not in threads_row(
+        {"trainer-backward-threads": 1})

@@ -363,11 +363,13 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         pad = flat.dtype in _PADDED_GROUP_DTYPES
         source, position, ends = _expert_slots(experts.reshape(-1), len(self.experts), pad)
         # a padding row (source -1) repeats token 0: finite, and its output is never read
-        rows = flat[source.clamp_min(0) // self.top_k]
+        # index_select, not [] indexing: the same rows, and its backward (index_add_) is ~2x
+        # faster on CPU than the accumulating index_put_ of []
+        rows = flat.index_select(0, source.clamp_min(0) // self.top_k)
         gate_up = _grouped_mm(rows, self._stacked("gate_proj", "up_proj"), ends)
         gate, up = gate_up.chunk(2, dim=-1)
         out = _grouped_mm(F.silu(gate) * up, self._stacked("down_proj"), ends)
-        per_slot = out[position] * weights.reshape(-1, 1)
+        per_slot = out.index_select(0, position) * weights.reshape(-1, 1)
         return (per_slot.view(-1, self.top_k, h).sum(1).view(b, s, h),
                 experts.view(b, s, self.top_k), own.view(b, s, self.top_k))
 

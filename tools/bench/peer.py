@@ -272,6 +272,32 @@ def settings_table(config) -> str:
                       *(f"| {a} | {b} | {c} |" for a, b, c in rows)])
 
 
+def parse_backward_threads(text: str | None) -> int | dict[str, int] | None:
+    """``--trainer-backward-threads`` of the bench: ``None``, ``"N"`` (every point) or
+    ``"SIZE=N,..."`` (per ``--model-size`` preset) -> None, N or ``{size: N}``.
+
+    Raises:
+        ValueError: not an int >= 0, an unknown size, or a size named twice.
+    """
+    from replayrl.rollout.model.config import MODEL_SIZES
+
+    if text is None:
+        return None
+    if "=" not in text:
+        if not text.strip().isdigit():
+            raise ValueError(f"expected N or SIZE=N,... (N an int >= 0), got {text!r}")
+        return int(text)
+    out: dict[str, int] = {}
+    for item in text.split(","):
+        size, _, n = item.partition("=")
+        size = size.strip()
+        if size not in MODEL_SIZES or not n.strip().isdigit() or size in out:
+            raise ValueError(f"{item!r}: expected SIZE=N with SIZE one of {', '.join(MODEL_SIZES)} "
+                             f"(each once) and N an int >= 0")
+        out[size] = int(n)
+    return out
+
+
 def prompt_stream(config, checkpoint: Path | None = None) -> list:
     """The prompts replayrl's RolloutManager draws for ``config.num_steps`` steps, in order:
     ``rollout_batch_size`` per step from the same seeded data source (``rollout/manager.py``).
@@ -669,9 +695,10 @@ def main(argv: list[str] | None = None, grid=None) -> int:
     parser.add_argument("--colocate", action="store_true",
                         help="run replayrl's side with --colocate (clock, manager, engine and "
                              "trainer in one process: docs/design.md#colocate)")
-    parser.add_argument("--trainer-backward-threads", type=int, default=None, metavar="N",
+    parser.add_argument("--trainer-backward-threads", default=None, metavar="N|SIZE=N,...",
                         help="run replayrl's side with --trainer-backward-threads N (its "
-                             "backward passes on N torch threads)")
+                             "backward passes on N torch threads); with --grid per model size, "
+                             "e.g. 10m=2,50m=2 (sizes not named keep the default)")
     parser.add_argument("--output-dir", default="runs/peer-grid",
                         help="where --grid writes its plot peer_grid.png (runs/peer-grid)")
     args = parser.parse_args(argv)
@@ -679,10 +706,19 @@ def main(argv: list[str] | None = None, grid=None) -> int:
         args.steps = 100 if args.grid is None else {"quick": 20}.get(args.grid, 30)
     if args.steps < 1 or args.window < 1:
         parser.error("--steps and --window must be >= 1")
+    try:
+        backward = parse_backward_threads(args.trainer_backward_threads)
+    except ValueError as exc:
+        parser.error(f"--trainer-backward-threads: {exc}")
+    if isinstance(backward, dict) and args.grid is None:
+        parser.error("--trainer-backward-threads SIZE=N needs --grid (one model size otherwise)")
+    args.size_overrides = ({size: {"trainer-backward-threads": n} for size, n in backward.items()}
+                           if isinstance(backward, dict) else {})
     overrides = {k: v for k, v in (("rollout-batch-size", args.rollout_batch_size),
                                    ("n-samples-per-prompt", args.n_samples_per_prompt),
                                    ("colocate", args.colocate or None),
-                                   ("trainer-backward-threads", args.trainer_backward_threads))
+                                   ("trainer-backward-threads",
+                                    backward if isinstance(backward, int) else None))
                  if v is not None}
     import importlib.util
 

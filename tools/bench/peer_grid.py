@@ -302,10 +302,15 @@ def grid_report(results: Sequence[PointResult], configs: Sequence, steps: int, w
                  if indexer_is_dense(config) else
                  "answers longer than the indexer's top-k: TRL (transformers, no indexer) trains "
                  "the dense-attention model, replayrl the sparse one")
+        t = config.trainer
+        backward = (f"; replayrl's trainer backward on {t.backward_threads} threads "
+                    f"(--trainer-backward-threads)" if t.backward_threads not in (0, t.torch_threads)
+                    else "")
         lines.append(f"- {p.model_size} x {p.answer_tokens}: {res.parameters:,} parameters without "
-                     f"the indexer; ran {' then '.join(res.order)}; {dense}")
-    lines += ["", "Settings (first point; per point only the model size, the new tokens and, past 2 "
-                  "tokens, the task (--task sort --answer-tokens N-1) change):", "",
+                     f"the indexer; ran {' then '.join(res.order)}; {dense}{backward}")
+    lines += ["", "Settings (first point; per point only the model size, the new tokens, past 2 "
+                  "tokens the task (--task sort --answer-tokens N-1) and the backward threads "
+                  "listed above change):", "",
               settings_table(configs[0]), "",
               f"Rates: median over steps after the first {warmup_steps(steps)}. trainer tokens/s: "
               "(prompt + completion tokens of the step's samples) / trainer seconds (replayrl "
@@ -318,14 +323,18 @@ def grid_report(results: Sequence[PointResult], configs: Sequence, steps: int, w
 
 
 def run_grid(points: Sequence[GridPoint], steps: int, seed: int, window: int, output_dir: Path,
-             overrides: dict | None = None) -> str:
-    """Run every point (alternating which side goes first), write the plot, return the report."""
+             overrides: dict | None = None, size_overrides: dict | None = None) -> str:
+    """Run every point (alternating which side goes first), write the plot, return the report.
+
+    ``overrides``: replayrl settings (flag name -> value) of every point; ``size_overrides``:
+    ``{model size: settings}`` added at that size's points."""
     results, configs = [], []
     with tempfile.TemporaryDirectory(prefix="rrl-peer-grid-") as tmp:
         for i, point in enumerate(points):
             work = Path(tmp) / f"{point.model_size}-{point.answer_tokens}"
             work.mkdir()
-            res, config = run_point(point, steps, seed, window, work, bool(i % 2), overrides or {})
+            values = {**(overrides or {}), **(size_overrides or {}).get(point.model_size, {})}
+            res, config = run_point(point, steps, seed, window, work, bool(i % 2), values)
             results.append(res)
             configs.append(config)
             # the point's row as soon as it is measured: a grid stopped early keeps its points
@@ -341,7 +350,8 @@ def _grid(args, overrides: dict, parser) -> str:
         points = parse_grid(args.grid)
     except BenchError as exc:
         parser.error(str(exc))
-    return run_grid(points, args.steps, args.seeds[0], args.window, Path(args.output_dir), overrides)
+    return run_grid(points, args.steps, args.seeds[0], args.window, Path(args.output_dir), overrides,
+                    getattr(args, "size_overrides", None))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -109,3 +109,39 @@ def test_tree_memory_sums_a_process_tree_from_a_fake_proc(tmp_path):
     assert sorted(tm.descendants(10, tree)) == [10, 11, 12, 13]
     assert tm.tree_usage(10, tmp_path) == ((10 + 11 + 12 + 13) * 1024, (5 + 5 + 6 + 6) * 1024)
     assert tm.tree_usage(99, tmp_path) == (0, 0)  # gone: nothing to read
+
+
+def test_backward_threads_for_every_point_or_per_model_size():
+    from replayrl.tools.bench.peer import parse_backward_threads
+
+    assert parse_backward_threads(None) is None and parse_backward_threads("2") == 2
+    assert parse_backward_threads("10m=2, 50m=3") == {"10m": 2, "50m": 3}
+    for bad in ("two", "2m=2", "10m=x", "10m=2,10m=3", "-1"):
+        with pytest.raises(ValueError):
+            parse_backward_threads(bad)
+
+
+def test_each_point_runs_with_its_model_sizes_settings(tmp_path, monkeypatch):
+    seen = {}
+
+    def fake_point(point, steps, seed, window, work, trl_first, overrides):
+        seen[(point.model_size, point.answer_tokens)] = overrides
+        raise KeyboardInterrupt  # stop after recording the first point's settings
+
+    monkeypatch.setattr(pg, "run_point", fake_point)
+    for size in ("1m", "10m"):
+        with pytest.raises(KeyboardInterrupt):
+            pg.run_grid([pg.GridPoint(size, 2)], 2, 1, 2, tmp_path, {"colocate": True},
+                        {"10m": {"trainer-backward-threads": 2}})
+    assert seen == {("1m", 2): {"colocate": True},
+                    ("10m", 2): {"colocate": True, "trainer-backward-threads": 2}}
+
+
+def test_per_size_backward_threads_without_a_grid_are_refused(capsys):
+    from replayrl.tools.bench.peer import main
+
+    for argv, message in ((["--trainer-backward-threads", "10m=2"], "needs --grid"),
+                          (["--grid", "1m:2", "--trainer-backward-threads", "9m=2"], "SIZE=N")):
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        assert info.value.code == 2 and message in capsys.readouterr().err

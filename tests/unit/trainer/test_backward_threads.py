@@ -12,28 +12,25 @@ import numpy as np
 import pytest
 import torch
 
-from replayrl.rollout.sample import Sample, samples_to_columns
+from replayrl.rollout.sample import Sample
 from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
 from replayrl.tools.run.config import build_config
-from replayrl.tools.run.launcher import write_initial_checkpoint
 from replayrl.trainer.config import TrainerConfig
 from replayrl.trainer.trainer_actor import TrainerActor
-from tests.fakes import FakeProxy
+from tests.trainer_on_samples import (
+    float_params,
+    initial_checkpoint,
+    own_trace_sample,
+    restore_torch_threads,  # noqa: F401 (an autouse fixture: pytest finds it here)
+    train_on,
+)
 
 RESPONSE_LEN = 3
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    config = build_config({"n-samples-per-prompt": 2, "rollout-batch-size": 2})
-    return str(write_initial_checkpoint(config, tmp_path_factory.mktemp("ckpt") / "init"))
-
-
-@pytest.fixture(autouse=True)
-def _restore_threads():
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)  # the trainer backend sets the process's threads
+    return initial_checkpoint(tmp_path_factory.mktemp("ckpt"), 2, 2)
 
 
 def _actor(checkpoint: str, **settings) -> TrainerActor:
@@ -43,44 +40,12 @@ def _actor(checkpoint: str, **settings) -> TrainerActor:
 
 
 def _samples(actor: TrainerActor) -> list[Sample]:
-    """Four samples (two groups of two, rewards 1 / 0 each) with the model's own traces and
+    """Four samples (two groups of two, rewards 0 / 1 each) with the model's own traces and
     its own logprobs as the rollout's."""
-    model, rng = actor.backend.model, np.random.default_rng(0)
-    out = []
-    for i in range(4):
-        prompt = rng.integers(0, 40, 4).astype(np.int32)
-        response = rng.integers(0, 40, RESPONSE_LEN).astype(np.int32)
-        tokens = torch.from_numpy(np.r_[prompt, response][:-1].astype(np.int64))[None]
-        with torch.no_grad():
-            traced = model(tokens, torch.arange(tokens.shape[1])[None], capture=True)
-        fields = dict(sample_id=i, group_id=i // 2, rollout_id=0, policy_version=0,
-                      prompt_ids=prompt, response_ids=response,
-                      loss_mask=np.ones(RESPONSE_LEN, np.uint8),
-                      routed_experts=traced.routed_experts[0].numpy().astype(np.int32),
-                      indexer_topk=traced.indexer_topk[0].numpy().astype(np.int32))
-        probe = Sample(**fields, rollout_logprobs=np.zeros(RESPONSE_LEN, np.float32))
-        actor.preflight([probe])
-        own = actor.cache.peek(i).numpy()
-        actor.cache.clear()
-        out.append(Sample(**fields, reward=float(i % 2), rollout_logprobs=own))
-    return out
-
-
-async def _train(actor: TrainerActor, samples: list[Sample]) -> dict:
-    async def take_batch(rollout_id):
-        return samples_to_columns(samples)
-
-    async def check_samples(ids, versions):
-        return actor.version
-
-    async def set_trainer_version(version):
-        return version
-
-    clock = FakeProxy(check_samples=check_samples, set_trainer_version=set_trainer_version)
-    clock._methods["with_timeout"] = lambda timeout: clock
-    proxies = {"rollout_manager": FakeProxy(take_batch=take_batch), "version_clock": clock}
-    actor.proxy = lambda name, timeout=None: proxies[name]
-    return await actor.train(0)
+    rng = np.random.default_rng(0)
+    return [own_trace_sample(actor, i, i // 2, rng.integers(0, 40, 4).astype(np.int32),
+                             rng.integers(0, 40, RESPONSE_LEN).astype(np.int32), float(i % 2))
+            for i in range(4)]
 
 
 def _watch_threads(actor: TrainerActor) -> dict[str, list[int]]:
@@ -101,24 +66,20 @@ def _watch_threads(actor: TrainerActor) -> dict[str, list[int]]:
     return seen
 
 
-def _params(digest: dict) -> dict[str, np.ndarray]:
-    return {k: np.frombuffer(v, np.float32) for k, v in digest.items() if k.startswith("param/")}
-
-
 async def test_the_backward_runs_on_its_threads_and_the_weights_move_as_with_one(checkpoint):
     plain = _actor(checkpoint, preflight="always")
     plain_seen = _watch_threads(plain)
-    await _train(plain, _samples(plain))
+    await train_on(plain, _samples(plain))
     assert plain_seen == {"forward": [1, 1], "backward": [1, 1]}
 
     actor = _actor(checkpoint, preflight="always", backward_threads=2)
     seen = _watch_threads(actor)
-    metrics = await _train(actor, _samples(actor))
+    metrics, _ = await train_on(actor, _samples(actor))
     assert metrics["trained_groups"] == 2 and actor.version == 1
     assert seen == {"forward": [1, 1], "backward": [2, 2]}  # two microbatches of two samples
     assert torch.get_num_threads() == 1  # back to --trainer-torch-threads after the update
-    before = _params(await _actor(checkpoint).weights_digest())
-    a, b = _params(await plain.weights_digest()), _params(await actor.weights_digest())
+    before = float_params(await _actor(checkpoint).weights_digest())
+    a, b = float_params(await plain.weights_digest()), float_params(await actor.weights_digest())
     moved = max(float(np.abs(a[k] - before[k]).max()) for k in a)
     assert moved > 1e-4  # one AdamW step moves a weight by about --lr (3e-4)
     # the same step up to the rounding of a reduction split over two threads (AdamW divides

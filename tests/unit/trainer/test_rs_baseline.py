@@ -10,16 +10,20 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
-from replayrl.rollout.sample import Sample, samples_to_columns
+from replayrl.rollout.sample import Sample
 from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
-from replayrl.tools.run.config import build_config
-from replayrl.tools.run.launcher import write_initial_checkpoint
 from replayrl.trainer.config import TrainerConfig
 from replayrl.trainer.errors import EmptyStep
 from replayrl.trainer.trainer_actor import TrainerActor
-from tests.fakes import FakeProxy
+from tests.trainer_on_samples import (
+    float_params,
+    initial_checkpoint,
+    max_diff,
+    own_trace_sample,
+    restore_torch_threads,  # noqa: F401 (an autouse fixture: pytest finds it here)
+    train_on,
+)
 
 RESPONSE_LEN = 3
 RS = {"rs_mode": "sequence", "rs_lower": 0.5, "rs_upper": 2.0}
@@ -27,15 +31,7 @@ RS = {"rs_mode": "sequence", "rs_lower": 0.5, "rs_upper": 2.0}
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    config = build_config({"n-samples-per-prompt": 2, "rollout-batch-size": 1})
-    return str(write_initial_checkpoint(config, tmp_path_factory.mktemp("ckpt") / "init"))
-
-
-@pytest.fixture(autouse=True)
-def _restore_threads():
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)  # the trainer backend sets the process's threads
+    return initial_checkpoint(tmp_path_factory.mktemp("ckpt"), 2, 1)
 
 
 def _actor(checkpoint: str, n: int, groups: int, **settings) -> TrainerActor:
@@ -49,58 +45,11 @@ def _actor(checkpoint: str, n: int, groups: int, **settings) -> TrainerActor:
 def _samples(actor: TrainerActor, rewards: list[float], rejected: set[int], n: int) -> list[Sample]:
     """Samples ``0..len(rewards)-1`` (groups of ``n``) with the model's own traces; rollout
     logprobs = the trainer's logprobs, +2 nats per token for the ``rejected`` ones."""
-    model, rng = actor.backend.model, np.random.default_rng(0)
-    out = []
-    for i, reward in enumerate(rewards):
-        prompt = rng.integers(0, 40, 4).astype(np.int32)
-        response = rng.integers(0, 40, RESPONSE_LEN).astype(np.int32)
-        tokens = torch.from_numpy(np.r_[prompt, response][:-1].astype(np.int64))[None]
-        with torch.no_grad():
-            traced = model(tokens, torch.arange(tokens.shape[1])[None], capture=True)
-        fields = dict(sample_id=i, group_id=i // n, rollout_id=0, policy_version=0,
-                      prompt_ids=prompt, response_ids=response,
-                      loss_mask=np.ones(RESPONSE_LEN, np.uint8),
-                      routed_experts=traced.routed_experts[0].numpy().astype(np.int32),
-                      indexer_topk=traced.indexer_topk[0].numpy().astype(np.int32))
-        probe = Sample(**fields, rollout_logprobs=np.zeros(RESPONSE_LEN, np.float32))
-        actor.preflight([probe])
-        own = actor.cache.peek(i).numpy()
-        actor.cache.clear()
-        out.append(Sample(**fields, reward=reward,
-                          rollout_logprobs=own + (2.0 if i in rejected else 0.0)))
-    return out
-
-
-async def _train(actor: TrainerActor, samples: list[Sample]) -> tuple[dict, list[int]]:
-    """``actor.train(0)`` on ``samples`` with a fake manager and clock; returns the metrics and
-    the versions the trainer reported to the clock."""
-    reported: list[int] = []
-
-    async def take_batch(rollout_id):
-        return samples_to_columns(samples)
-
-    async def check_samples(ids, versions):
-        return actor.version
-
-    async def set_trainer_version(version):
-        reported.append(version)
-        return version
-
-    clock = FakeProxy(check_samples=check_samples, set_trainer_version=set_trainer_version)
-    clock._methods["with_timeout"] = lambda timeout: clock
-    proxies = {"rollout_manager": FakeProxy(take_batch=take_batch), "version_clock": clock}
-    actor.proxy = lambda name, timeout=None: proxies[name]
-    return await actor.train(0), reported
-
-
-def _params(digest: dict) -> dict[str, np.ndarray]:
-    """The float32 weights in a :meth:`TrainerActor.weights_digest`."""
-    return {k: np.frombuffer(v, np.float32) for k, v in digest.items() if k.startswith("param/")}
-
-
-def _max_diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max(float(np.abs(a[k] - b[k]).max()) for k in a)
+    rng = np.random.default_rng(0)
+    return [own_trace_sample(actor, i, i // n, rng.integers(0, 40, 4).astype(np.int32),
+                             rng.integers(0, 40, RESPONSE_LEN).astype(np.int32), reward,
+                             2.0 if i in rejected else 0.0)
+            for i, reward in enumerate(rewards)]
 
 
 # One AdamW step moves a weight by about --lr (3e-4) wherever its gradient is not tiny, so a
@@ -117,7 +66,7 @@ async def test_rejected_sample_leaves_its_group_without_a_baseline(checkpoint):
     actor = _actor(checkpoint, n=2, groups=1, **RS)
     samples = _samples(actor, [100.0, 1.0], rejected={0}, n=2)
     before = await actor.weights_digest()
-    metrics, reported = await _train(actor, samples)
+    metrics, reported = await train_on(actor, samples)
     assert metrics["rs_sample_accept_rate"] == 0.5  # the gate did reject exactly sample 0
     assert (metrics["skipped"], metrics["skip_reason"]) == (1, "no_group_baseline")
     assert metrics["rs_degenerate_groups"] == 1 and metrics["trained_groups"] == 0
@@ -131,7 +80,7 @@ async def test_stop_on_empty_step_raises_and_applies_nothing(checkpoint):
     samples = _samples(actor, [100.0, 1.0], rejected={0}, n=2)
     before = await actor.weights_digest()
     with pytest.raises(EmptyStep, match="no_group_baseline"):
-        await _train(actor, samples)
+        await train_on(actor, samples)
     assert await actor.weights_digest() == before and actor.version == 0
 
 
@@ -142,14 +91,14 @@ async def test_baseline_is_the_mean_of_the_accepted_rewards(checkpoint):
     actor = _actor(checkpoint, n=3, groups=1, rs_denominator="accepted_tokens", **RS)
     samples = _samples(actor, [100.0, 1.0, 4.0], rejected={0}, n=3)
     before = await actor.weights_digest()
-    metrics, reported = await _train(actor, samples)
+    metrics, reported = await train_on(actor, samples)
     reference = _actor(checkpoint, n=2, groups=1)
-    want, _ = await _train(reference, samples[1:])
+    want, _ = await train_on(reference, samples[1:])
     assert metrics["skipped"] == 0 and metrics["rs_degenerate_groups"] == 0 and reported == [1]
     assert metrics["loss_tokens"] == 9 and metrics["accepted_tokens"] == 6 == want["accepted_tokens"]
-    got = _params(await actor.weights_digest())
-    assert _max_diff(got, _params(before)) > 1e-4  # the step trained
-    assert _max_diff(got, _params(await reference.weights_digest())) < SAME
+    got = float_params(await actor.weights_digest())
+    assert max_diff(got, float_params(before)) > 1e-4  # the step trained
+    assert max_diff(got, float_params(await reference.weights_digest())) < SAME
 
 
 async def test_degenerate_group_contributes_nothing_next_to_a_trained_one(checkpoint):
@@ -157,13 +106,13 @@ async def test_degenerate_group_contributes_nothing_next_to_a_trained_one(checkp
     # RS-off step on [3, 1] alone; the degenerate group is counted, its tokens are not trained
     actor = _actor(checkpoint, n=2, groups=2, rs_denominator="accepted_tokens", **RS)
     samples = _samples(actor, [100.0, 1.0, 3.0, 1.0], rejected={0}, n=2)
-    metrics, _ = await _train(actor, samples)
+    metrics, _ = await train_on(actor, samples)
     reference = _actor(checkpoint, n=2, groups=1)
-    await _train(reference, samples[2:])
+    await train_on(reference, samples[2:])
     assert metrics["rs_degenerate_groups"] == 1 and metrics["trained_groups"] == 1
     assert metrics["accepted_tokens"] == 6  # group [3, 1] only; sample 1's tokens are not trained
-    assert _max_diff(_params(await actor.weights_digest()),
-                     _params(await reference.weights_digest())) < SAME
+    assert max_diff(float_params(await actor.weights_digest()),
+                     float_params(await reference.weights_digest())) < SAME
 
 
 async def test_token_gate_keeps_a_partly_accepted_sample_in_the_baseline(checkpoint):
@@ -175,6 +124,6 @@ async def test_token_gate_keeps_a_partly_accepted_sample_in_the_baseline(checkpo
     lp = samples[0].rollout_logprobs.copy()
     lp[0] += 2.0
     samples[0] = Sample(**{**samples[0].__dict__, "rollout_logprobs": lp})
-    metrics, reported = await _train(actor, samples)
+    metrics, reported = await train_on(actor, samples)
     assert metrics["skipped"] == 0 and metrics["rs_degenerate_groups"] == 0
     assert metrics["accepted_tokens"] == 5 and reported == [1]

@@ -1,0 +1,85 @@
+"""Shared test helper: a real in-process TrainerActor trained on hand-built samples, its
+rollout manager and version clock replaced by fakes (tests/fakes.py), as the RS-baseline and
+backward-threads tests drive it."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from replayrl.rollout.sample import Sample, samples_to_columns
+from replayrl.tools.run.config import build_config
+from replayrl.tools.run.launcher import write_initial_checkpoint
+from replayrl.trainer.trainer_actor import TrainerActor
+from tests.fakes import FakeProxy
+
+
+def initial_checkpoint(directory: Path, n_samples_per_prompt: int, rollout_batch_size: int) -> str:
+    """The embedded default's initial checkpoint of a run with these batch settings, written
+    under ``directory``."""
+    config = build_config({"n-samples-per-prompt": n_samples_per_prompt,
+                           "rollout-batch-size": rollout_batch_size})
+    return str(write_initial_checkpoint(config, directory / "init"))
+
+
+@pytest.fixture(autouse=True)
+def restore_torch_threads():
+    """Autouse in a test module that imports it: the trainer backend sets the process's torch
+    threads; put them back after each test."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def own_trace_sample(actor: TrainerActor, sample_id: int, group_id: int, prompt: np.ndarray,
+                     response: np.ndarray, reward: float, logprob_shift: float = 0.0) -> Sample:
+    """A sample with the actor's model's own routing / indexer traces and, as its rollout
+    logprobs, the trainer's own logprobs plus ``logprob_shift`` nats per token (0: ratio 1)."""
+    tokens = torch.from_numpy(np.r_[prompt, response][:-1].astype(np.int64))[None]
+    with torch.no_grad():
+        traced = actor.backend.model(tokens, torch.arange(tokens.shape[1])[None], capture=True)
+    fields = dict(sample_id=sample_id, group_id=group_id, rollout_id=0, policy_version=0,
+                  prompt_ids=prompt, response_ids=response,
+                  loss_mask=np.ones(len(response), np.uint8),
+                  routed_experts=traced.routed_experts[0].numpy().astype(np.int32),
+                  indexer_topk=traced.indexer_topk[0].numpy().astype(np.int32))
+    probe = Sample(**fields, rollout_logprobs=np.zeros(len(response), np.float32))
+    actor.preflight([probe])
+    own = actor.cache.peek(sample_id).numpy()
+    actor.cache.clear()
+    return Sample(**fields, reward=reward, rollout_logprobs=own + logprob_shift)
+
+
+async def train_on(actor: TrainerActor, samples: list[Sample]) -> tuple[dict, list[int]]:
+    """``actor.train(0)`` on ``samples`` with a fake manager and clock; returns the metrics and
+    the versions the trainer reported to the clock."""
+    reported: list[int] = []
+
+    async def take_batch(rollout_id):
+        return samples_to_columns(samples)
+
+    async def check_samples(ids, versions):
+        return actor.version
+
+    async def set_trainer_version(version):
+        reported.append(version)
+        return version
+
+    clock = FakeProxy(check_samples=check_samples, set_trainer_version=set_trainer_version)
+    clock._methods["with_timeout"] = lambda timeout: clock
+    proxies = {"rollout_manager": FakeProxy(take_batch=take_batch), "version_clock": clock}
+    actor.proxy = lambda name, timeout=None: proxies[name]
+    return await actor.train(0), reported
+
+
+def float_params(digest: dict) -> dict[str, np.ndarray]:
+    """The float32 weights in a :meth:`TrainerActor.weights_digest`."""
+    return {k: np.frombuffer(v, np.float32) for k, v in digest.items() if k.startswith("param/")}
+
+
+def max_diff(a: dict, b: dict) -> float:
+    """The largest absolute difference between two :func:`float_params` results."""
+    assert a.keys() == b.keys()
+    return max(float(np.abs(a[k] - b[k]).max()) for k in a)

@@ -48,9 +48,9 @@ class TrainerConfig:
         torch_threads: intra-op threads of the trainer process.
         backward_threads: intra-op threads of the backward passes (0: ``torch_threads``). The
             backward runs last in a step, mostly while the engines wait for the next weights, so
-            on a host shared with them it can use their cores. The gradients then differ from a
-            ``torch_threads`` backward by float rounding (the reductions split otherwise), the
-            same from run to run (``--trainer-backward-threads``).
+            on a host shared with them it can use their cores. The gradients may then differ from
+            a ``torch_threads`` backward by float rounding (a reduction split between threads),
+            the same from run to run (``--trainer-backward-threads``).
         trace_decode_threads: threads decoding a batch's ``"sets"`` trace columns (the indexer
             top-k keys; ``replayrl.rollout.sample.samples_from_columns``'s ``decode_threads``);
             the decoded arrays do not depend on it (``--trace-decode-threads``).

@@ -243,10 +243,11 @@ class Qwen3MoeMLP(nn.Module):
 
 
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# dtypes whose CPU grouped_mm runs oneDNN kernels compiled per distinct group size and kept in
-# its primitive caches (up to 1024 entries each): a decode loop, whose expert group sizes change
-# every token, grew an engine by ~150 MiB. Their groups are padded to a few sizes instead.
-_PADDED_GROUP_DTYPES = (torch.bfloat16, torch.float16)
+# the dtype whose CPU grouped_mm runs oneDNN kernels compiled per distinct group size and kept
+# in its primitive caches (up to 1024 entries each): a decode loop, whose expert group sizes
+# change every token, grew a bf16 engine by 100+ MiB. Its groups are padded to a few sizes
+# instead. (fp16 was left out: padding changed its outputs in the last bits, a review found.)
+_PADDED_GROUP_DTYPES = (torch.bfloat16,)
 
 
 def _grouped_mm(rows: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
@@ -355,16 +356,18 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         # in (token, slot) order, the rows each expert saw before) and gathered once; the
         # experts' weights, stacked for this forward, run every group in one grouped matmul per
         # projection (torch's grouped_mm: one kernel instead of three per expert); the rows go
-        # back to (token, slot) order with one index and the K slots are summed. No index_add_,
-        # whose bf16 CPU kernel is ~100x slower than its fp32 one. HF sums the same K terms in
-        # expert order instead of slot order; in fp32 the difference is rounding (~1e-7). In
-        # bf16 / fp16 the groups are padded (see _PADDED_GROUP_DTYPES); a row's product does
-        # not depend on the rows beside it, so the outputs are the same.
+        # back to (token, slot) order with one index and the K slots are summed (no index_add_
+        # in the forward: its bf16 CPU kernel was ~100x slower than its fp32 one). HF sums the
+        # same K terms in expert order instead of slot order; in fp32 the difference is
+        # rounding (~1e-7). In bf16 the groups are padded (see _PADDED_GROUP_DTYPES): the real
+        # rows' products are the same up to the kernel oneDNN picks for the padded size (bit
+        # for bit with AMX here; tests/unit/rollout/test_model_expert_groups.py).
         pad = flat.dtype in _PADDED_GROUP_DTYPES
         source, position, ends = _expert_slots(experts.reshape(-1), len(self.experts), pad)
         # a padding row (source -1) repeats token 0: finite, and its output is never read
-        # index_select, not [] indexing: the same rows, and its backward (index_add_) is ~2x
-        # faster on CPU than the accumulating index_put_ of []
+        # index_select, not [] indexing: the same rows, and its backward (index_add_) is faster
+        # on CPU than the accumulating index_put_ of [] (with top-k > 2 it sums a token's K
+        # gradient rows in another order: float rounding)
         rows = flat.index_select(0, source.clamp_min(0) // self.top_k)
         gate_up = _grouped_mm(rows, self._stacked("gate_proj", "up_proj"), ends)
         gate, up = gate_up.chunk(2, dim=-1)

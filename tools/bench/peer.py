@@ -283,15 +283,18 @@ def parse_backward_threads(text: str | None) -> int | dict[str, int] | None:
 
     if text is None:
         return None
+    def count(n: str) -> bool:
+        return n.strip().isascii() and n.strip().isdigit()
+
     if "=" not in text:
-        if not text.strip().isdigit():
+        if not count(text):
             raise ValueError(f"expected N or SIZE=N,... (N an int >= 0), got {text!r}")
         return int(text)
     out: dict[str, int] = {}
     for item in text.split(","):
         size, _, n = item.partition("=")
         size = size.strip()
-        if size not in MODEL_SIZES or not n.strip().isdigit() or size in out:
+        if size not in MODEL_SIZES or not count(n) or size in out:
             raise ValueError(f"{item!r}: expected SIZE=N with SIZE one of {', '.join(MODEL_SIZES)} "
                              f"(each once) and N an int >= 0")
         out[size] = int(n)

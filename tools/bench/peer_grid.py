@@ -50,7 +50,7 @@ from replayrl.tools.bench.peer import (
     main as peer_main,
 )
 from replayrl.tools.bench.tree_memory import run_sampled
-from replayrl.tools.errors import BenchError, PeerBenchError
+from replayrl.tools.errors import BenchError, ConfigError, PeerBenchError
 from replayrl.transport import strict_json
 
 GRIDS = {"quick": (("1m",), (2, 64)), "full": (MODEL_SIZES, (2, 64, 256))}
@@ -322,6 +322,25 @@ def grid_report(results: Sequence[PointResult], configs: Sequence, steps: int, w
     return "\n".join(lines)
 
 
+def check_points(points: Sequence[GridPoint], overrides: dict, size_overrides: dict) -> None:
+    """Refuse, before any point runs, per-size settings for a size the grid does not hold (they
+    would do nothing) and any point whose replayrl settings make no valid run.
+
+    Raises:
+        BenchError: naming the size, or the point and the run's refusal.
+    """
+    unused = sorted(set(size_overrides) - {p.model_size for p in points})
+    if unused:
+        raise BenchError(f"--trainer-backward-threads names {', '.join(unused)}, which the grid "
+                         f"does not hold")
+    for point in points:
+        try:
+            run_config(2, 1, "unused", {**overrides, **size_overrides.get(point.model_size, {}),
+                                        **point.overrides()})
+        except ConfigError as exc:
+            raise BenchError(f"{point.model_size} x {point.answer_tokens}: {exc}") from None
+
+
 def run_grid(points: Sequence[GridPoint], steps: int, seed: int, window: int, output_dir: Path,
              overrides: dict | None = None, size_overrides: dict | None = None) -> str:
     """Run every point (alternating which side goes first), write the plot, return the report.
@@ -350,8 +369,13 @@ def _grid(args, overrides: dict, parser) -> str:
         points = parse_grid(args.grid)
     except BenchError as exc:
         parser.error(str(exc))
+    size_overrides = getattr(args, "size_overrides", None) or {}
+    try:
+        check_points(points, overrides, size_overrides)
+    except BenchError as exc:
+        parser.error(str(exc))
     return run_grid(points, args.steps, args.seeds[0], args.window, Path(args.output_dir), overrides,
-                    getattr(args, "size_overrides", None))
+                    size_overrides)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,6 @@
-"""bf16 / fp16 expert groups padded to a few sizes: where each pair goes, and the same outputs."""
+"""bf16 expert groups padded to a few sizes: where each pair goes, and the same outputs."""
 from __future__ import annotations
 
-import pytest
 import torch
 
 import replayrl.rollout.model.qwen3_moe as qwen3_moe
@@ -27,15 +26,24 @@ def test_each_pair_lands_in_its_experts_padded_group_in_token_order():
         [1, 4, 0, 2, 3, 5], [2, 0, 3, 4, 1, 5], [2, 2, 6])
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_padded_groups_give_the_unpadded_logits_bit_for_bit(dtype, monkeypatch):
+def test_padded_bf16_groups_give_the_unpadded_logits(monkeypatch):
+    # bit for bit with the oneDNN / AMX kernels this was measured on; another CPU's kernel for
+    # a padded size may round differently, so the test allows bf16 rounding of the logits
     model = Qwen3MoeForCausalLM(default_config(30))
     model.init_weights(0)
-    model = model.to(dtype)
+    model = model.to(torch.bfloat16)
     tokens = torch.randint(0, 30, (5, 7), generator=torch.Generator().manual_seed(3))
     positions = torch.arange(7).expand_as(tokens)
+    rows: list[tuple[int, list[int]]] = []
+    grouped_mm = qwen3_moe._grouped_mm
+    monkeypatch.setattr(qwen3_moe, "_grouped_mm", lambda r, w, e: rows.append((len(r), e.tolist()))
+                        or grouped_mm(r, w, e))
     with torch.inference_mode():
         padded = model(tokens, positions).logits
+        padded_rows, rows[:] = list(rows), []
         monkeypatch.setattr(qwen3_moe, "_PADDED_GROUP_DTYPES", ())
         unpadded = model(tokens, positions).logits
-    assert torch.equal(padded, unpadded)
+    pairs = 5 * 7 * model.config.num_experts_per_tok
+    assert all(n == pairs for n, _ in rows)  # unpadded: one row per (token, slot) pair
+    assert all(n > pairs and all(end % 8 == 0 for end in ends) for n, ends in padded_rows)
+    torch.testing.assert_close(padded.float(), unpadded.float(), rtol=2 ** -7, atol=2 ** -7)

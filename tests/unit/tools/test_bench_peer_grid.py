@@ -116,7 +116,7 @@ def test_backward_threads_for_every_point_or_per_model_size():
 
     assert parse_backward_threads(None) is None and parse_backward_threads("2") == 2
     assert parse_backward_threads("10m=2, 50m=3") == {"10m": 2, "50m": 3}
-    for bad in ("two", "2m=2", "10m=x", "10m=2,10m=3", "-1"):
+    for bad in ("two", "2m=2", "10m=x", "10m=2,10m=3", "-1", "\u00b2", "1m=\u00b2"):
         with pytest.raises(ValueError):
             parse_backward_threads(bad)
 
@@ -141,7 +141,18 @@ def test_per_size_backward_threads_without_a_grid_are_refused(capsys):
     from replayrl.tools.bench.peer import main
 
     for argv, message in ((["--trainer-backward-threads", "10m=2"], "needs --grid"),
-                          (["--grid", "1m:2", "--trainer-backward-threads", "9m=2"], "SIZE=N")):
+                          (["--grid", "1m:2", "--trainer-backward-threads", "9m=2"], "SIZE=N"),
+                          (["--grid", "1m:2", "--trainer-backward-threads", "\u00b2"], "N or SIZE=N")):
         with pytest.raises(SystemExit) as info:
             main(argv)
         assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_grid_settings_are_checked_before_any_point_runs():
+    points = pg.parse_grid("1m,10m:2")
+    pg.check_points(points, {}, {"10m": {"trainer-backward-threads": 2}})
+    with pytest.raises(BenchError, match="names 50m, which the grid does not hold"):
+        pg.check_points(points, {}, {"50m": {"trainer-backward-threads": 2}})  # would do nothing
+    # refused here, not when the grid reaches the 10m point after running the 1m one
+    with pytest.raises(BenchError, match="10m x 2: .*--trainer-backward-threads 2"):
+        pg.check_points(points, {"colocate": True}, {"10m": {"trainer-backward-threads": 2}})

@@ -1,6 +1,6 @@
 """``--trainer-backward-threads``: the backward passes run on that many torch threads, the
-forwards and everything after the update on ``--trainer-torch-threads``, and the step moves the
-weights as a one-thread step does, up to float rounding.
+forwards and everything after the update on ``--trainer-torch-threads``; the step moves the
+weights as a one-thread step does, up to float rounding, and the same way every run.
 
 Drives a real in-process TrainerActor (its ``train``) with a fake manager and clock, as
 tests/unit/trainer/test_rs_baseline.py does; the thread counts are read inside the backend's
@@ -78,6 +78,9 @@ async def test_the_backward_runs_on_its_threads_and_the_weights_move_as_with_one
     assert metrics["trained_groups"] == 2 and actor.version == 1
     assert seen == {"forward": [1, 1], "backward": [2, 2]}  # two microbatches of two samples
     assert torch.get_num_threads() == 1  # back to --trainer-torch-threads after the update
+    again = _actor(checkpoint, preflight="always", backward_threads=2)
+    await train_on(again, _samples(again))
+    assert await again.weights_digest() == await actor.weights_digest()  # the same every run
     before = float_params(await _actor(checkpoint).weights_digest())
     a, b = float_params(await plain.weights_digest()), float_params(await actor.weights_digest())
     moved = max(float(np.abs(a[k] - before[k]).max()) for k in a)

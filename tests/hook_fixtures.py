@@ -54,12 +54,15 @@ def slow_reward(prompt_ids, response_ids, loss_mask, answer_id, config) -> float
 HOLD_ENV = "REPLAYRL_TEST_HOLD_FILE"
 
 
-def hold_after_first_step(config, metrics) -> None:
-    """Hold the driver after step 0 until the file named by ``$REPLAYRL_TEST_HOLD_FILE``
-    exists (at most 120 s): a test then knows the run is still live while it attaches."""
-    if metrics["step"] != 0:
-        return
-    _wait_for_release()
+def hold_after_steps_0_and_1(config, metrics) -> None:
+    """Hold the driver after step 0 until the file named by ``$REPLAYRL_TEST_HOLD_FILE`` exists,
+    and after step 1 until that name + ``.second`` exists (each at most 120 s): a test then
+    knows the run is still live while it attaches, and again after step 1 (a tiny run's last
+    steps take well under a second once let go)."""
+    if metrics["step"] == 0:
+        _wait_for_release()
+    elif metrics["step"] == 1:
+        _wait_for_release(".second")
 
 
 def held_reward(prompt_ids, response_ids, loss_mask, answer_id, config) -> float:
@@ -71,13 +74,14 @@ def held_reward(prompt_ids, response_ids, loss_mask, answer_id, config) -> float
     return float(len(response_ids) > 0 and int(response_ids[0]) == answer_id)
 
 
-def _wait_for_release() -> None:
-    """Block until ``$REPLAYRL_TEST_HOLD_FILE`` exists (at most 120 s, then TimeoutError)."""
+def _wait_for_release(suffix: str = "") -> None:
+    """Block until ``$REPLAYRL_TEST_HOLD_FILE`` + ``suffix`` exists (at most 120 s, then
+    TimeoutError)."""
     import os
     import time
     from pathlib import Path
 
-    release = Path(os.environ[HOLD_ENV])
+    release = Path(os.environ[HOLD_ENV] + suffix)
     deadline = time.monotonic() + 120.0
     while not release.exists():
         if time.monotonic() > deadline:

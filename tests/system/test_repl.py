@@ -263,13 +263,14 @@ def test_attach_through_a_terminal_pauses_resumes_and_detaches_without_disturbin
     from tests.hook_fixtures import HOLD_ENV
 
     tmp, out, release = ipc_tmp, tmp_path / "out", tmp_path / "release"
+    second = tmp_path / "release.second"  # hold_after_steps_0_and_1's second release
     env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": PYTHONPATH, HOLD_ENV: str(release),
            "PROMPT_TOOLKIT_NO_CPR": "1", "TERM": "xterm"}
     steps = 3  # step 1 trains while rollout 2 waits at the paused gate; step 2 after detaching
     run = subprocess.Popen(
         [sys.executable, "-m", "replayrl.tools.cli", "train", "--rollout-batch-size", "2",
          "--n-samples-per-prompt", "2", "--num-steps", str(steps), "--no-progress",
-         "--output-dir", str(out), "--metrics-hook", "tests.hook_fixtures:hold_after_first_step"],
+         "--output-dir", str(out), "--metrics-hook", "tests.hook_fixtures:hold_after_steps_0_and_1"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     repl = None
     try:
@@ -363,6 +364,8 @@ def test_attach_through_a_terminal_pauses_resumes_and_detaches_without_disturbin
 
         resumed = ast.literal_eval(re.search(r"R= (\{.*\})", enter("print('R=', resume())")).group(1))
         assert resumed["paused"] is False
+        # the driver holds after step 1 (until `second`): without it the last step could end the
+        # run before the pause below reached it (the pause then met a closed connection)
         enter("pause(wait=False)")
         repl.sendeof()  # detach while paused: the console resumes generation on the way out
         repl.expect(pexpect.EOF)
@@ -370,10 +373,12 @@ def test_attach_through_a_terminal_pauses_resumes_and_detaches_without_disturbin
         assert repl.exitstatus == 0
         assert "generation resumed" in repl.before and "detaching; the run goes on" in repl.before
 
+        second.touch()
         _, err = run.communicate(timeout=240)
         assert run.returncode == 0, err
     finally:
         release.touch()
+        second.touch()
         if repl is not None and repl.isalive():
             repl.close(force=True)
         if run.poll() is None:

@@ -248,6 +248,13 @@ class TrainerConfig:
         check_rs_settings(self.rs_mode, self.rs_lower, self.rs_upper)
 
     @property
+    def backward_switch_threads(self) -> int:
+        """The torch threads the backward passes switch to, or 0 when they keep
+        ``torch_threads`` (``--trainer-backward-threads`` 0 or equal to
+        ``--trainer-torch-threads``)."""
+        return self.backward_threads if self.backward_threads not in (0, self.torch_threads) else 0
+
+    @property
     def rank_count(self) -> int:
         """Trainer processes these settings need: ``--dp-size x --tp-size x --pp-size x
         --cp-size`` (docs/design.md#trainer-ranks, docs/design.md#pipeline-parallel,

@@ -167,8 +167,7 @@ class RankStep:
         sums = dict.fromkeys(UPDATE_SUMS, 0.0)
         sums["max_prox_drift"] = 0.0
         offset, rates, seconds = 0, {}, {"forward": 0.0, "backward": 0.0}
-        backward_threads = (cfg.backward_threads
-                            if cfg.backward_threads not in (0, cfg.torch_threads) else 0)
+        backward_threads = cfg.backward_switch_threads
         for chunk, batch in self.batches(samples):
             t0 = time.perf_counter()
             cached = None if fused else torch.cat(self.cache.take([s.sample_id for s in chunk]))

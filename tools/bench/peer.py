@@ -260,7 +260,7 @@ def settings_table(config) -> str:
          "0 (generate, then train)"),
         ("threads", f"engine {config.engine_torch_threads} + trainer {t.torch_threads}"
                     + (f" (its backward {t.backward_threads}: --trainer-backward-threads)"
-                       if t.backward_threads not in (0, t.torch_threads) else "")
+                       if t.backward_switch_threads else "")
                     + " (one process each)" if not config.colocate else
                     f"{t.torch_threads} (--colocate: clock, manager, engine and trainer in one "
                     "process)", f"torch.set_num_threads({TRL_THREADS}), one process"),
@@ -281,11 +281,11 @@ def parse_backward_threads(text: str | None) -> int | dict[str, int] | None:
     """
     from replayrl.rollout.model.config import MODEL_SIZES
 
-    if text is None:
-        return None
-    def count(n: str) -> bool:
+    def count(n: str) -> bool:  # ASCII digits: str.isdigit() also takes "²", which int() refuses
         return n.strip().isascii() and n.strip().isdigit()
 
+    if text is None:
+        return None
     if "=" not in text:
         if not count(text):
             raise ValueError(f"expected N or SIZE=N,... (N an int >= 0), got {text!r}")

@@ -302,10 +302,9 @@ def grid_report(results: Sequence[PointResult], configs: Sequence, steps: int, w
                  if indexer_is_dense(config) else
                  "answers longer than the indexer's top-k: TRL (transformers, no indexer) trains "
                  "the dense-attention model, replayrl the sparse one")
-        t = config.trainer
-        backward = (f"; replayrl's trainer backward on {t.backward_threads} threads "
-                    f"(--trainer-backward-threads)" if t.backward_threads not in (0, t.torch_threads)
-                    else "")
+        threads = config.trainer.backward_switch_threads
+        backward = (f"; replayrl's trainer backward on {threads} threads (--trainer-backward-threads)"
+                    if threads else "")
         lines.append(f"- {p.model_size} x {p.answer_tokens}: {res.parameters:,} parameters without "
                      f"the indexer; ran {' then '.join(res.order)}; {dense}{backward}")
     lines += ["", "Settings (first point; per point only the model size, the new tokens, past 2 "
@@ -322,6 +321,13 @@ def grid_report(results: Sequence[PointResult], configs: Sequence, steps: int, w
     return "\n".join(lines)
 
 
+def size_settings(point: GridPoint, overrides: dict | None, size_overrides: dict | None) -> dict:
+    """The replayrl settings (flag name -> value) a point adds to its own
+    (:meth:`GridPoint.overrides`): ``overrides`` of every point, then its model size's
+    ``size_overrides``."""
+    return {**(overrides or {}), **(size_overrides or {}).get(point.model_size, {})}
+
+
 def check_points(points: Sequence[GridPoint], overrides: dict, size_overrides: dict) -> None:
     """Refuse, before any point runs, per-size settings for a size the grid does not hold (they
     would do nothing) and any point whose replayrl settings make no valid run.
@@ -335,7 +341,7 @@ def check_points(points: Sequence[GridPoint], overrides: dict, size_overrides: d
                          f"does not hold")
     for point in points:
         try:
-            run_config(2, 1, "unused", {**overrides, **size_overrides.get(point.model_size, {}),
+            run_config(2, 1, "unused", {**size_settings(point, overrides, size_overrides),
                                         **point.overrides()})
         except ConfigError as exc:
             raise BenchError(f"{point.model_size} x {point.answer_tokens}: {exc}") from None
@@ -352,8 +358,8 @@ def run_grid(points: Sequence[GridPoint], steps: int, seed: int, window: int, ou
         for i, point in enumerate(points):
             work = Path(tmp) / f"{point.model_size}-{point.answer_tokens}"
             work.mkdir()
-            values = {**(overrides or {}), **(size_overrides or {}).get(point.model_size, {})}
-            res, config = run_point(point, steps, seed, window, work, bool(i % 2), values)
+            res, config = run_point(point, steps, seed, window, work, bool(i % 2),
+                                    size_settings(point, overrides, size_overrides))
             results.append(res)
             configs.append(config)
             # the point's row as soon as it is measured: a grid stopped early keeps its points
@@ -369,13 +375,12 @@ def _grid(args, overrides: dict, parser) -> str:
         points = parse_grid(args.grid)
     except BenchError as exc:
         parser.error(str(exc))
-    size_overrides = getattr(args, "size_overrides", None) or {}
     try:
-        check_points(points, overrides, size_overrides)
+        check_points(points, overrides, args.size_overrides)
     except BenchError as exc:
         parser.error(str(exc))
     return run_grid(points, args.steps, args.seeds[0], args.window, Path(args.output_dir), overrides,
-                    size_overrides)
+                    args.size_overrides)
 
 
 def main(argv: list[str] | None = None) -> int:

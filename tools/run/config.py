@@ -363,7 +363,7 @@ class RunConfig:
             problems.append(f"--colocate with --engine-torch-threads {self.engine_torch_threads} "
                             f"and --trainer-torch-threads {t.torch_threads}: torch intra-op "
                             f"threads are one setting per process; give both the same value")
-        if t.backward_threads not in (0, t.torch_threads):
+        if t.backward_switch_threads:
             problems.append(f"--colocate with --trainer-backward-threads {t.backward_threads}: "
                             f"torch intra-op threads are one setting per process, so the "
                             f"colocated engine would run on them too; leave it at 0")

@@ -101,3 +101,11 @@ def test_the_peer_bench_prints_the_backward_threads_of_replayrls_side():
         in threads_row({"trainer-backward-threads": 2})
     assert "backward" not in threads_row({}) and "backward" not in threads_row(
         {"trainer-backward-threads": 1})
+
+
+def test_the_backward_switches_only_to_another_thread_count():
+    # (torch threads, backward threads) -> the count the backward switches to, 0 for none
+    cases = {(1, 0): 0, (1, 1): 0, (1, 2): 2, (2, 2): 0, (2, 1): 1, (3, 0): 0}
+    for (torch_threads, backward), want in cases.items():
+        cfg = TrainerConfig(torch_threads=torch_threads, backward_threads=backward)
+        assert cfg.backward_switch_threads == want, (torch_threads, backward)

@@ -71,3 +71,15 @@ class AffinityProbe(Actor):
 
     async def cpus(self) -> list[int]:
         return sorted(os.sched_getaffinity(0))
+
+
+class EnvProbe(Actor):
+    """Reports its process's environment and whether torch is loaded there (an
+    ``ActorSpec.env`` must be in place before torch loads libgomp, which reads
+    ``OMP_WAIT_POLICY`` once)."""
+
+    async def env(self, name: str) -> str | None:
+        return os.environ.get(name)
+
+    async def torch_loaded(self) -> bool:
+        return "torch" in sys.modules

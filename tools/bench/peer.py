@@ -228,6 +228,8 @@ def settings_table(config) -> str:
     r, t = config.rollout, config.trainer
     k = trl_settings(config)
     batch = r.rollout_batch_size * r.n_samples_per_prompt
+    from replayrl.tools.run.launcher import idle_thread_env  # the launcher's rule, not a copy
+    passive = idle_thread_env(config)
     rows = [
         ("prompts x samples per optimizer step",
          f"{r.rollout_batch_size} x {r.n_samples_per_prompt} = {batch}",
@@ -261,9 +263,12 @@ def settings_table(config) -> str:
         ("threads", f"engine {config.engine_torch_threads} + trainer {t.torch_threads}"
                     + (f" (its backward {t.backward_threads}: --trainer-backward-threads)"
                        if t.backward_switch_threads else "")
-                    + " (one process each)" if not config.colocate else
+                    + " (one process each)"
+                    + (f"; OMP_WAIT_POLICY=PASSIVE in {', '.join(sorted(passive))}" if passive else "")
+                    if not config.colocate else
                     f"{t.torch_threads} (--colocate: clock, manager, engine and trainer in one "
-                    "process)", f"torch.set_num_threads({TRL_THREADS}), one process"),
+                    "process)", f"torch.set_num_threads({TRL_THREADS}), one process; "
+                                f"OMP_WAIT_POLICY {os.environ.get('OMP_WAIT_POLICY', 'unset')}"),
         ("other", "--no-progress", "use_cpu=True, gradient_checkpointing=False, "
                                    "router_aux_loss_coef=0.0, shuffle_dataset=False, "
                                    "logging_steps=1, save_strategy='no', report_to='none'"),

@@ -404,6 +404,33 @@ def colocated_actors(config: RunConfig) -> tuple[str, ...]:
     return ("version_clock", "engine_0", "rollout_manager", "trainer") if config.colocate else ()
 
 
+def idle_thread_env(config: RunConfig) -> dict[str, dict[str, str]]:
+    """Per actor name, the environment that makes its idle torch threads sleep, not spin.
+
+    Torch's CPU thread pool is OpenMP's (libgomp), whose idle threads spin at the end of every
+    parallel region before they sleep (``OMP_WAIT_POLICY`` unset: active). A process of more than
+    one torch thread that shares the cores with another busy process (the engine beside the
+    trainer, the default placement) then burns the other's core at every barrier, and a thread
+    that lost its core holds up the whole region. ``OMP_WAIT_POLICY=PASSIVE`` is set for the
+    trainer processes when ``--trainer-torch-threads`` or ``--trainer-backward-threads`` is above
+    1, and for the engines when ``--engine-torch-threads`` is, unless the processes have cores of
+    their own (``--cpu-affinity split``) or share one (``--colocate``), and unless the launcher's
+    environment already sets ``OMP_WAIT_POLICY`` (the children inherit it: the user's choice).
+    Measured in docs/benchmarks.md (Cut (6c)). Returns ``{actor name: env}`` for the actors that
+    get one, as :func:`actor_specs` names them.
+    """
+    if config.colocate or config.cpu_affinity == "split" or "OMP_WAIT_POLICY" in os.environ:
+        return {}
+    passive = {"OMP_WAIT_POLICY": "PASSIVE"}
+    t = config.trainer
+    out: dict[str, dict[str, str]] = {}
+    if max(t.torch_threads, t.backward_threads) > 1:
+        out.update({name: passive for name in ("trainer", *follower_names(t.rank_count))})
+    if config.engine_torch_threads > 1:
+        out.update({f"engine_{i}": passive for i in range(config.num_engines)})
+    return out
+
+
 def actor_specs(config: RunConfig, checkpoint_dir: Path,
                 rank_port: int | None = None, resolved: Resolved | None = None) -> list[ActorSpec]:
     """The processes of a run, in start order.
@@ -466,7 +493,9 @@ def actor_specs(config: RunConfig, checkpoint_dir: Path,
     trainers = {"trainer", *follower_names(ranks)}
     colocated = colocated_actors(config)
     threaded = ("engine_0", "trainer") if config.colocate_threads else ()
+    idle_env = idle_thread_env(config)
     return [dataclasses.replace(spec, cpus=trainer_cpus if spec.name in trainers else other_cpus,
+                                env={**spec.env, **idle_env.get(spec.name, {})},
                                 process=COLOCATED if spec.name in colocated else "",
                                 thread=spec.name in colocated and spec.name in threaded)
             for spec in specs]

@@ -134,7 +134,8 @@ def gathered_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots:
 
     q `[B, H, S, D]`, k and v `[B, H_kv, T, D]` (H a multiple of H_kv: grouped-query
     attention), slots int64 `[B, S, k]` key slots in [0, T) or -1 (none), own_slot int64
-    `[S]` each query's own slot. Returns `[B, H, S, D]` in q's dtype: softmax(scale q.k) over
+    `[S]` each query's own slot. Returns `[B, H, S, D]` in q's dtype (a transposed view of a
+    contiguous `[B, S, H, D]`): softmax(scale q.k) over
     the distinct kept slots of the query (its own slot alone when it keeps none, as the masked
     path attends a padding query to itself), weighted sum of their values; scores and softmax
     in float32. The same function as `scaled_dot_product_attention` with the boolean mask of
@@ -152,15 +153,20 @@ def gathered_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots:
     first[..., 0] = True
     slots = torch.where(none & first, own_slot[None, :, None].expand_as(slots), slots)
     kept = kept | (none & first)
-    # flat row of key (batch, kv head, slot) in k.reshape(B * H_kv * T, D)
+    # flat row of key (batch, kv head, slot) in k.reshape(B * H_kv * T, D), gathered in
+    # (batch, query, kv head, kept key) order: the query-major layout is the one q arrives in
+    # (a transposed [B, S, H, D]) and the one the caller transposes the output back to, so one
+    # batched matmul per product needs no permuting copies of the gathered keys or the output
+    # (einsum over [B, H, S, D] made three; the same products, bit for bit)
+    g, kk = h // h_kv, slots.shape[-1]
     base = (torch.arange(b, device=q.device)[:, None] * h_kv + torch.arange(h_kv, device=q.device)) * t
-    flat = (base[:, :, None, None] + slots.clamp_min(0)[:, None]).reshape(-1)
-    k_sel = k.reshape(-1, d).index_select(0, flat).view(b, h_kv, s, -1, d)
-    v_sel = v.reshape(-1, d).index_select(0, flat).view(b, h_kv, s, -1, d)
-    qg = q.view(b, h_kv, h // h_kv, s, d)
-    logits = torch.einsum("bhgsd,bhskd->bhgsk", qg.float(), k_sel.float()) * scale
-    logits = logits.masked_fill(~kept[:, None, None], float("-inf"))
-    weights = torch.softmax(logits, dim=-1)
-    out = torch.einsum("bhgsk,bhskd->bhgsd", weights, v_sel.float())
-    return out.reshape(b, h, s, d).to(q.dtype)
+    flat = (base[:, None, :, None] + slots.clamp_min(0)[:, :, None, :]).reshape(-1)
+    k_sel = k.reshape(-1, d).index_select(0, flat).view(-1, kk, d)
+    v_sel = v.reshape(-1, d).index_select(0, flat).view(-1, kk, d)
+    qg = q.transpose(1, 2).reshape(-1, g, d)  # [B * S * H_kv, g, D]
+    logits = torch.bmm(qg.float(), k_sel.float().transpose(1, 2)) * scale
+    logits = logits.view(b, s, h_kv, g, kk).masked_fill(~kept[:, :, None, None], float("-inf"))
+    weights = torch.softmax(logits, dim=-1).view(-1, g, kk)
+    out = torch.bmm(weights, v_sel.float())  # [B * S * H_kv, g, D]
+    return out.view(b, s, h, d).to(q.dtype).transpose(1, 2)
 

@@ -37,6 +37,13 @@ class TrainerConfig:
             (``--replay-min-overlap-ratio`` / ``--replay-max-mismatch-fraction``): the engine's
             experts / keys against the trainer's own choice, per token; the defaults (0, 1)
             never fail. A step that violates them raises before training, listing mismatches.
+        indexer_drift_interval: the training forward without a preflight computes the
+            model's own indexer top-k (whose only use under indexer replay is the
+            ``indexer_drift_rate`` metric) on every N-th update of the rank, the first included;
+            the others skip it (``indexer_drift_rate`` null) and cost less: 7 % of a 1m x 64
+            step (docs/benchmarks.md). A preflight (the replay check, RS, refill) computes it
+            every step. Only the embedded model's torch / FSDP backends skip it
+            (``--indexer-drift-interval``).
         use_packing: each microbatch is one packed row (``--use-packing``) built from one
             :class:`replayrl.trainer.packing.PackedLayout`, instead of right-padded rows.
         logprobs_chunk_size: > 0 uses the fused chunked LM-head path for support replay
@@ -127,6 +134,11 @@ class TrainerConfig:
                                                   "when a larger fraction of tokens than this would "
                                                   "route differently under the trainer's own router",
                                                   Range(0, 1))
+    indexer_drift_interval: int = setting(10, "indexer-drift-interval", "compute the trainer's "
+                                          "own indexer top-k (the indexer_drift_rate metric) every "
+                                          "N updates, the first included (1 = every update); the "
+                                          "others skip it and log indexer_drift_rate null",
+                                          Range(low=1))
     preflight: str = setting("auto", "preflight", "separate proximal forward before the update: "
                              "auto (only when RS / refill / the replay check need it) or always",
                              Choices(("auto", "always")))

@@ -53,6 +53,7 @@ class RankStep:
         self.cache = ProximalLogprobCache(config.rs_refill_max_candidate_cache_bytes)
         self.gate = config.rs_gate
         self.entropies: list[torch.Tensor] = []
+        self.updates = 0  # update() calls so far: every --indexer-drift-interval-th computes drift
         self.required_traces = required_traces(
             backend.model_config, **{f"{row.replay}_replay": getattr(config, row.setting)
                                      for row in trace_table.TRACES})
@@ -114,10 +115,14 @@ class RankStep:
                 continue
             name, engine = row.replay, getattr(batch, row.batch_field)
             used, own = getattr(out, row.name), getattr(out, f"own_{row.name}")
-            if engine is not None:
+            if engine is None:
+                continue
+            if own is not None:  # None: skipped this update (--indexer-drift-interval)
                 self._check_replay(name, engine, own, batch.key_padding_mask)
-                rates.setdefault(f"{name}_flip_rate", []).append(batch_flip_rate(engine, used, batch.key_padding_mask))
-                rates.setdefault(f"{name}_drift_rate", []).append(batch_flip_rate(engine, own, batch.key_padding_mask))
+            rates.setdefault(f"{name}_flip_rate", []).append(batch_flip_rate(engine, used, batch.key_padding_mask))
+            # NaN: undefined this microbatch, logged null (replayrl.trainer.replay.mean_rates)
+            rates.setdefault(f"{name}_drift_rate", []).append(
+                float("nan") if own is None else batch_flip_rate(engine, own, batch.key_padding_mask))
 
     def _check_replay(self, kind: str, engine: torch.Tensor, own: torch.Tensor,
                       real: torch.Tensor) -> None:
@@ -168,6 +173,8 @@ class RankStep:
         sums["max_prox_drift"] = 0.0
         offset, rates, seconds = 0, {}, {"forward": 0.0, "backward": 0.0}
         backward_threads = cfg.backward_switch_threads
+        self.backend.set_own_indexer(self.updates % cfg.indexer_drift_interval == 0)
+        self.updates += 1
         for chunk, batch in self.batches(samples):
             t0 = time.perf_counter()
             cached = None if fused else torch.cat(self.cache.take([s.sample_id for s in chunk]))

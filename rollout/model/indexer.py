@@ -105,11 +105,13 @@ def slots_to_mask(slots: torch.Tensor, num_keys: int) -> torch.Tensor:
     return mask[..., :num_keys]
 
 
-def resolve_replay(own: torch.Tensor, replay: torch.Tensor | None, allowed: torch.Tensor,
+def resolve_replay(own: torch.Tensor | None, replay: torch.Tensor | None, allowed: torch.Tensor,
                    layer: int) -> torch.Tensor:
     """Key slots the layer attends to: the replayed ones, or `own` on all -1 replay rows.
 
-    `own`: int64 `[B, S, k]` from `select_topk`; `replay`: int `[B, S, k]` in [-1, T) (range
+    `own`: int64 `[B, S, k]` from `select_topk`, or None when no query that has keys to pick
+    from has an all -1 replay row (such rows stay -1, as `select_topk` leaves them);
+    `replay`: int `[B, S, k]` in [-1, T) (range
     already checked by the caller) or None; `allowed`: bool `[B, S, T]` causal, non-padding keys.
     A replay row of only -1 means "no replay for this token" (padding, observation rows).
     Raises `ModelInputError` naming the layer if a replayed slot is padding or in the future.
@@ -124,6 +126,8 @@ def resolve_replay(own: torch.Tensor, replay: torch.Tensor | None, allowed: torc
         raise ModelInputError(
             f"indexer_topk replays a padding or non-causal key slot for layer {layer} at batch "
             f"row {b}, query {i}: {replay[b, i].tolist()}")
+    if own is None:
+        return replay
     use_own = ~picked.any(-1, keepdim=True)
     return torch.where(use_own, own, replay)
 

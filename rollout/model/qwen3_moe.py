@@ -147,6 +147,14 @@ class _Masks:
     own_slot_index: torch.Tensor  # int64 [S]: the slot of each query, S_past + i
     blocks: tuple | None = None  # ((start, end, key slots int64 [T_j]), ...) or None, `_key_blocks`
     gather: bool = False  # indexed layers may attend over gathered keys (no KV cache: the trainer)
+    own_indexer: bool = True  # indexed layers compute their own top-k even where a replay covers it
+
+
+def _unreplayed_queries(replay: torch.Tensor, masks: _Masks) -> bool:
+    """Whether a real query of the forward has an all -1 replay row (int `[B, S, k]`): the
+    layer's own top-k is needed there (`resolve_replay`)."""
+    real_query = masks.candidates.any(-1)  # a query with no candidate key needs no picks either
+    return bool(((replay < 0).all(-1) & real_query).any())
 
 
 class Qwen3MoeAttention(nn.Module):
@@ -177,7 +185,11 @@ class Qwen3MoeAttention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(b, s, self.n_kv_heads, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        ik = self.indexer.keys(x) if self.indexer is not None else None
+        # the layer's own top-k (and so its indexer keys) is skipped where a replay covers every
+        # real query and nothing asked for it (own_indexer False); a KV cache always keeps the keys
+        own_needed = self.indexer is not None and (
+            masks.own_indexer or index_replay is None or _unreplayed_queries(index_replay, masks))
+        ik = self.indexer.keys(x) if own_needed or (self.indexer is not None and not masks.gather) else None
         if past is not None:
             k, v = append_along(past[0], k, 2), append_along(past[1], v, 2)
             if ik is not None:
@@ -187,9 +199,11 @@ class Qwen3MoeAttention(nn.Module):
         mask = masks.dense
         if self.indexer is not None:
             mask = None
-            with torch.no_grad():
-                own = self._own_picks(x, ik, masks)
+            if own_needed:
+                with torch.no_grad():
+                    own = self._own_picks(x, ik, masks)
             slots = resolve_replay(own, index_replay, masks.allowed, self.layer_idx)
+            own = own if masks.own_indexer else None
             if not masks.gather or k.shape[2] < GATHER_MIN_KEYS_PER_PICK * self.indexer.topk:
                 mask = slots_to_mask(slots, k.shape[2])
                 # A query without any key (a padding query) attends to itself only: finite, unused.
@@ -512,7 +526,8 @@ class Qwen3MoeForCausalLM(nn.Module):
                 capture: bool = False,
                 return_hidden: bool = False,
                 compute_logits: bool = True,
-                segment_ids: torch.Tensor | None = None) -> CausalLMOutput:
+                segment_ids: torch.Tensor | None = None,
+                own_indexer: bool = True) -> CausalLMOutput:
         """Forward S new tokens of B rows, after the S_past tokens in `kv_cache` (if any).
 
         input_ids: int `[B, S]` in [0, vocab_size). position_ids: int `[B, S]` RoPE positions in
@@ -537,6 +552,10 @@ class Qwen3MoeForCausalLM(nn.Module):
             prefix tree, trainer/prefix_tree.py). Not with a KV cache.
         compute_logits: False skips the LM head (``logits`` is None): a caller that projects
             only candidate tokens from ``hidden`` (fused support replay) never holds [B, S, V].
+        own_indexer: False: where ``indexer_topk`` replays every real query's keys, the indexed
+            layers skip their own top-k (scores and selection: its only use there is the
+            captured ``own_indexer_topk``, which is then None); a query with an all -1 replay
+            row still gets it. The trainer's ``--indexer-drift-interval``.
 
         Experts that no token was routed to get a zero gradient (all experts' weights take
         part in one grouped matmul), so every trainable parameter is in the graph.
@@ -565,7 +584,7 @@ class Qwen3MoeForCausalLM(nn.Module):
         masks = _Masks(allowed=allowed, dense=dense, candidates=allowed & query_real,
                        own_slot=own_slot, own_slot_index=q_slot,
                        blocks=_key_blocks(segment_ids, dense) if segment_ids is not None else None,
-                       gather=kv_cache is None)
+                       gather=kv_cache is None, own_indexer=own_indexer or indexer_topk is None)
 
         h = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(position_ids, cfg, h.dtype)
@@ -603,7 +622,7 @@ class Qwen3MoeForCausalLM(nn.Module):
             own_routed_experts=(torch.stack(experts_own, dim=2).to(torch.int32)
                                 if capture and experts_own else None),
             own_indexer_topk=(torch.stack(slots_own, dim=2).to(torch.int32)
-                              if capture and slots_own else None),
+                              if capture and slots_own and masks.own_indexer else None),
         )
 
     def _check_inputs(self, input_ids, position_ids, key_padding_mask, kv_cache,

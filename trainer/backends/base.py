@@ -132,6 +132,17 @@ class TrainerBackend(ABC):
             as :meth:`preflight_logprobs`.
         """
 
+    own_indexer: bool = True
+    """Whether the training forward computes the model's own indexer top-k where the indexer
+    replay covers every query (:meth:`set_own_indexer`)."""
+
+    def set_own_indexer(self, on: bool) -> None:
+        """Whether this update's training forwards compute the model's own indexer top-k where
+        the batch's indexer trace replays every real query (``--indexer-drift-interval``); off,
+        their ``own_indexer_topk`` may be None. Preflight forwards always compute it. A backend
+        that cannot skip it (megatron, the families' transformers models) computes it anyway."""
+        self.own_indexer = bool(on)
+
     def train_forward(self, batch: TrainBatch) -> ReplayedForward:
         """The training forward with the discrete choices it made (one forward, not two).
 

@@ -49,7 +49,8 @@ __all__ = ["TorchBackend", "response_logprobs"]
 def response_logprobs(model: Qwen3MoeForCausalLM, batch: TrainBatch, temperature: float,
                       *, replay_routing: bool = True, replay_indexer: bool = True,
                       capture: bool = False, chunk_size: int = 0,
-                      entropy_out: list | None = None) -> tuple[torch.Tensor, object]:
+                      entropy_out: list | None = None,
+                      own_indexer: bool = True) -> tuple[torch.Tensor, object]:
     """Logprobs of every response token of ``batch`` (float32 [N]) and the model output.
 
     Support replay is used when ``batch.support`` is set, else the full-vocabulary logprob.
@@ -57,6 +58,10 @@ def response_logprobs(model: Qwen3MoeForCausalLM, batch: TrainBatch, temperature
     only the candidate tokens from the hidden states, ``chunk_size`` rows at a time, and the
     [B, S, V] logits are never computed. The batch's routing / indexer traces are replayed when
     present and enabled.
+
+    ``own_indexer`` False: the embedded model's indexed layers skip their own top-k where the
+    batch's indexer trace replays every real query (``out.own_indexer_topk`` is then None;
+    ``Qwen3MoeForCausalLM.forward``); other models ignore it.
 
     With ``entropy_out`` (a list), the per-token support entropy (float32 [N], nats, detached;
     :func:`replayrl.trainer.logprobs.support_entropy`, docs/design.md#trainer-math) is appended to it
@@ -87,18 +92,19 @@ def response_logprobs(model: Qwen3MoeForCausalLM, batch: TrainBatch, temperature
     prefix = int(batch.pos.min()) + 1 if len(batch.pos) else 0
     # a family model (rollout/model/families/) has no packed segments: no prefix tree
     tree_ok = getattr(model, "supports_segment_ids", True)
+    skip = {} if own_indexer or not isinstance(model, Qwen3MoeForCausalLM) else {"own_indexer": False}
     shared = None if batch.segment_ids is not None or not len(batch.pos) or not tree_ok else _shared_prefix(
         inputs, prefix)
     if shared is not None:
         tree = PrefixTree.build(shared[0], width, *shared[1:])
         out, at_predicting = _tree_forward(model, inputs, tree, batch.row, batch.pos,
-                                           capture=capture, fused=fused)
+                                           capture=capture, fused=fused, **skip)
     else:
         out = model(inputs["tokens"], inputs["position_ids"],
                     key_padding_mask=inputs["key_padding_mask"],
                     routed_experts=inputs["routed_experts"], indexer_topk=inputs["indexer_topk"],
                     capture=capture, return_hidden=fused, compute_logits=not fused,
-                    segment_ids=cut(batch.segment_ids))
+                    segment_ids=cut(batch.segment_ids), **skip)
         at_predicting = (out.hidden if fused else out.logits)[batch.row, batch.pos]
     if capture and width < full:
         pad = lambda t: None if t is None else torch.cat(
@@ -146,7 +152,7 @@ def _shared_prefix(inputs: dict, prefix: int) -> tuple[int, torch.Tensor, torch.
 
 
 def _tree_forward(model: Qwen3MoeForCausalLM, inputs: dict, tree: PrefixTree, row: torch.Tensor,
-                  pos: torch.Tensor, *, capture: bool, fused: bool):
+                  pos: torch.Tensor, *, capture: bool, fused: bool, **model_kwargs):
     """The forward of :func:`response_logprobs` in the prefix-tree layout (trainer/prefix_tree.py):
     each shared prefix once, every row's continuation as a branch after it, one forward.
 
@@ -162,7 +168,7 @@ def _tree_forward(model: Qwen3MoeForCausalLM, inputs: dict, tree: PrefixTree, ro
                 indexer_topk=None if indexer is None else tree.to_tree(
                     tree.indexer_to_tree(indexer), -1),
                 capture=capture, return_hidden=fused, compute_logits=not fused,
-                segment_ids=tree.segment_ids())
+                segment_ids=tree.segment_ids(), **model_kwargs)
     at_predicting = tree.at(out.hidden if fused else out.logits, row, pos)
     if capture:
         rows = lambda t: None if t is None else tree.from_tree(t)
@@ -254,7 +260,7 @@ class TorchBackend(TrainerBackend):
         cfg = self.config
         kwargs = dict(capture=capture, replay_routing=cfg.use_routing_replay,
                       replay_indexer=cfg.use_indexer_replay, chunk_size=cfg.logprobs_chunk_size,
-                      entropy_out=entropy_out)
+                      entropy_out=entropy_out, own_indexer=self.own_indexer or not train)
         adapted = self.lora_config and not self.experts_hooked
         with lora.experts_adapted(self.model) if adapted else contextlib.nullcontext():
             if train and self.ddp is not None:

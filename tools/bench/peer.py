@@ -269,7 +269,8 @@ def settings_table(config) -> str:
                     f"{t.torch_threads} (--colocate: clock, manager, engine and trainer in one "
                     "process)", f"torch.set_num_threads({TRL_THREADS}), one process; "
                                 f"OMP_WAIT_POLICY {os.environ.get('OMP_WAIT_POLICY', 'unset')}"),
-        ("other", "--no-progress", "use_cpu=True, gradient_checkpointing=False, "
+        ("other", f"--no-progress; indexer_drift_rate every {t.indexer_drift_interval} steps "
+                  "(--indexer-drift-interval)", "use_cpu=True, gradient_checkpointing=False, "
                                    "router_aux_loss_coef=0.0, shuffle_dataset=False, "
                                    "logging_steps=1, save_strategy='no', report_to='none'"),
     ]

@@ -76,7 +76,7 @@ class AffinityProbe(Actor):
 class EnvProbe(Actor):
     """Reports its process's environment and whether torch is loaded there (an
     ``ActorSpec.env`` must be in place before torch loads libgomp, which reads
-    ``OMP_WAIT_POLICY`` once)."""
+    ``GOMP_SPINCOUNT`` once)."""
 
     async def env(self, name: str) -> str | None:
         return os.environ.get(name)

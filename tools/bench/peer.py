@@ -228,8 +228,8 @@ def settings_table(config) -> str:
     r, t = config.rollout, config.trainer
     k = trl_settings(config)
     batch = r.rollout_batch_size * r.n_samples_per_prompt
-    from replayrl.tools.run.launcher import idle_thread_env  # the launcher's rule, not a copy
-    passive = idle_thread_env(config)
+    from replayrl.tools.run.launcher import IDLE_SPIN_COUNT, idle_thread_env  # the launcher's rule
+    short_spin = idle_thread_env(config)
     rows = [
         ("prompts x samples per optimizer step",
          f"{r.rollout_batch_size} x {r.n_samples_per_prompt} = {batch}",
@@ -264,10 +264,12 @@ def settings_table(config) -> str:
                     + (f" (its backward {t.backward_threads}: --trainer-backward-threads)"
                        if t.backward_switch_threads else "")
                     + " (one process each)"
-                    + (f"; OMP_WAIT_POLICY=PASSIVE in {', '.join(sorted(passive))}" if passive else "")
+                    + (f"; GOMP_SPINCOUNT={IDLE_SPIN_COUNT} in {', '.join(sorted(short_spin))}"
+                       if short_spin else "")
                     if not config.colocate else
                     f"{t.torch_threads} (--colocate: clock, manager, engine and trainer in one "
                     "process)", f"torch.set_num_threads({TRL_THREADS}), one process; "
+                                f"GOMP_SPINCOUNT {os.environ.get('GOMP_SPINCOUNT', 'unset')}, "
                                 f"OMP_WAIT_POLICY {os.environ.get('OMP_WAIT_POLICY', 'unset')}"),
         ("other", f"--no-progress; indexer_drift_rate every {t.indexer_drift_interval} steps "
                   "(--indexer-drift-interval)", "use_cpu=True, gradient_checkpointing=False, "

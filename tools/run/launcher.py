@@ -405,30 +405,36 @@ def colocated_actors(config: RunConfig) -> tuple[str, ...]:
 
 
 def idle_thread_env(config: RunConfig) -> dict[str, dict[str, str]]:
-    """Per actor name, the environment that makes its idle torch threads sleep, not spin.
+    """Per actor name, the environment that keeps its idle torch threads from spinning long.
 
-    Torch's CPU thread pool is OpenMP's (libgomp), whose idle threads spin at the end of every
-    parallel region before they sleep (``OMP_WAIT_POLICY`` unset: active). A process of more than
-    one torch thread that shares the cores with another busy process (the engine beside the
+    Torch's CPU thread pool on Linux is GNU OpenMP's (libgomp), whose idle threads spin at the
+    end of every parallel region before they sleep: 300,000 spins by default. A process of more
+    than one torch thread that shares the cores with another busy process (the engine beside the
     trainer, the default placement) then burns the other's core at every barrier, and a thread
-    that lost its core holds up the whole region. ``OMP_WAIT_POLICY=PASSIVE`` is set for the
-    trainer processes when ``--trainer-torch-threads`` or ``--trainer-backward-threads`` is above
-    1, and for the engines when ``--engine-torch-threads`` is, unless the processes have cores of
-    their own (``--cpu-affinity split``) or share one (``--colocate``), and unless the launcher's
-    environment already sets ``OMP_WAIT_POLICY`` (the children inherit it: the user's choice).
-    Measured in docs/benchmarks.md (Cut (6c)). Returns ``{actor name: env}`` for the actors that
-    get one, as :func:`actor_specs` names them.
+    that lost its core holds up the whole region. ``GOMP_SPINCOUNT=30000`` (a tenth) is set for
+    the trainer processes when ``--trainer-torch-threads`` or ``--trainer-backward-threads`` is
+    above 1, and for the engines when ``--engine-torch-threads`` is, unless the processes have
+    cores of their own (``--cpu-affinity split``) or share one (``--colocate``), and unless the
+    launcher's environment sets ``GOMP_SPINCOUNT`` or ``OMP_WAIT_POLICY`` (the children inherit
+    it: the user's choice). Not spinning at all (``OMP_WAIT_POLICY=PASSIVE``) was as good where
+    the ops are large and 1.6x slower in a backward of small ops (10m x 2), where every region
+    then waits for its threads to wake. Measured in docs/benchmarks.md (Cut (11)). Returns
+    ``{actor name: env}`` for the actors that get one, as :func:`actor_specs` names them.
     """
-    if config.colocate or config.cpu_affinity == "split" or "OMP_WAIT_POLICY" in os.environ:
+    if config.colocate or config.cpu_affinity == "split" or {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ):
         return {}
-    passive = {"OMP_WAIT_POLICY": "PASSIVE"}
+    short_spin = {"GOMP_SPINCOUNT": IDLE_SPIN_COUNT}
     t = config.trainer
     out: dict[str, dict[str, str]] = {}
     if max(t.torch_threads, t.backward_threads) > 1:
-        out.update({name: passive for name in ("trainer", *follower_names(t.rank_count))})
+        out.update({name: short_spin for name in ("trainer", *follower_names(t.rank_count))})
     if config.engine_torch_threads > 1:
-        out.update({f"engine_{i}": passive for i in range(config.num_engines)})
+        out.update({f"engine_{i}": short_spin for i in range(config.num_engines)})
     return out
+
+
+IDLE_SPIN_COUNT = "30000"
+"""libgomp's spins before an idle thread sleeps, for :func:`idle_thread_env` (its default: 300000)."""
 
 
 def actor_specs(config: RunConfig, checkpoint_dir: Path,

@@ -1,5 +1,6 @@
-"""Which actor processes get ``OMP_WAIT_POLICY=PASSIVE`` (``idle_thread_env``): those of more
-than one torch thread that share cores with another busy process, unless the user chose."""
+"""Which actor processes get a short libgomp spin (``GOMP_SPINCOUNT``, ``idle_thread_env``):
+those of more than one torch thread that share cores with another busy process, unless the user
+chose a policy."""
 from __future__ import annotations
 
 import pytest
@@ -9,15 +10,16 @@ from replayrl.tools.run.initial_files import Resolved
 from replayrl.tools.run.launcher import actor_specs, idle_thread_env
 
 RESOLVED = Resolved("replayrl.rollout.engines.embedded:EmbeddedEngine", "float32", "auto")
-PASSIVE = {"OMP_WAIT_POLICY": "PASSIVE"}
+SHORT = {"GOMP_SPINCOUNT": "30000"}  # a tenth of libgomp's default 300000
 
 
 @pytest.fixture(autouse=True)
 def no_user_choice(monkeypatch):
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
 
 
-@pytest.mark.parametrize("settings, passive", [
+@pytest.mark.parametrize("settings, short", [
     ({}, set()),  # one thread everywhere: nothing spins
     ({"trainer-backward-threads": 2}, {"trainer"}),
     ({"trainer-torch-threads": 2}, {"trainer"}),
@@ -28,16 +30,17 @@ def no_user_choice(monkeypatch):
     ({"trainer-backward-threads": 2, "cpu-affinity": "split"}, set()),
     ({"colocate": True, "engine-torch-threads": 2, "trainer-torch-threads": 2}, set()),
 ])
-def test_passive_exactly_where_threads_share_cores(settings, passive):
+def test_short_spin_exactly_where_threads_share_cores(settings, short):
     config = build_config(settings)
-    assert idle_thread_env(config) == {name: PASSIVE for name in passive}
+    assert idle_thread_env(config) == {name: SHORT for name in short}
     specs = actor_specs(config, "unused", resolved=RESOLVED)
-    assert {s.name for s in specs if s.env.get("OMP_WAIT_POLICY")} == passive
-    assert all(s.env.get("OMP_WAIT_POLICY") in (None, "PASSIVE") for s in specs)
+    assert {s.name for s in specs if "GOMP_SPINCOUNT" in s.env} == short
+    assert all(s.env.get("GOMP_SPINCOUNT") in (None, "30000") for s in specs)
 
 
-def test_the_users_own_policy_wins(monkeypatch):
-    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # inherited by every child as it is
+@pytest.mark.parametrize("name, value", [("OMP_WAIT_POLICY", "ACTIVE"), ("GOMP_SPINCOUNT", "0")])
+def test_the_users_own_policy_wins(monkeypatch, name, value):
+    monkeypatch.setenv(name, value)  # inherited by every child as it is
     config = build_config({"trainer-backward-threads": 2, "engine-torch-threads": 2})
     assert idle_thread_env(config) == {}
-    assert all("OMP_WAIT_POLICY" not in s.env for s in actor_specs(config, "unused", resolved=RESOLVED))
+    assert all("GOMP_SPINCOUNT" not in s.env for s in actor_specs(config, "unused", resolved=RESOLVED))

@@ -148,13 +148,14 @@ class _Masks:
     blocks: tuple | None = None  # ((start, end, key slots int64 [T_j]), ...) or None, `_key_blocks`
     gather: bool = False  # indexed layers may attend over gathered keys (no KV cache: the trainer)
     own_indexer: bool = True  # indexed layers compute their own top-k even where a replay covers it
+    # bool [B, S]: queries with a candidate key (only without own_indexer: `_unreplayed_queries`)
+    picking_query: torch.Tensor | None = None
 
 
 def _unreplayed_queries(replay: torch.Tensor, masks: _Masks) -> bool:
-    """Whether a real query of the forward has an all -1 replay row (int `[B, S, k]`): the
-    layer's own top-k is needed there (`resolve_replay`)."""
-    real_query = masks.candidates.any(-1)  # a query with no candidate key needs no picks either
-    return bool(((replay < 0).all(-1) & real_query).any())
+    """Whether a query that has keys to pick from has an all -1 replay row (int `[B, S, k]`):
+    the layer's own top-k is needed there (`resolve_replay`)."""
+    return bool(((replay < 0).all(-1) & masks.picking_query).any())
 
 
 class Qwen3MoeAttention(nn.Module):
@@ -581,10 +582,14 @@ class Qwen3MoeForCausalLM(nn.Module):
                                  | (segment_ids[:, None, :] == -1))
         query_real = key_padding_mask[:, s_past:, None]
         dense = allowed | own_slot
-        masks = _Masks(allowed=allowed, dense=dense, candidates=allowed & query_real,
+        candidates = allowed & query_real
+        own_indexer = own_indexer or indexer_topk is None
+        masks = _Masks(allowed=allowed, dense=dense, candidates=candidates,
                        own_slot=own_slot, own_slot_index=q_slot,
                        blocks=_key_blocks(segment_ids, dense) if segment_ids is not None else None,
-                       gather=kv_cache is None, own_indexer=own_indexer or indexer_topk is None)
+                       gather=kv_cache is None, own_indexer=own_indexer,
+                       # once per forward, not per indexed layer
+                       picking_query=None if own_indexer else candidates.any(-1))
 
         h = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(position_ids, cfg, h.dtype)

@@ -404,6 +404,10 @@ def colocated_actors(config: RunConfig) -> tuple[str, ...]:
     return ("version_clock", "engine_0", "rollout_manager", "trainer") if config.colocate else ()
 
 
+IDLE_SPIN_COUNT = "30000"
+"""libgomp's spins before an idle thread sleeps, for :func:`idle_thread_env` (its default: 300000)."""
+
+
 def idle_thread_env(config: RunConfig) -> dict[str, dict[str, str]]:
     """Per actor name, the environment that keeps its idle torch threads from spinning long.
 
@@ -431,10 +435,6 @@ def idle_thread_env(config: RunConfig) -> dict[str, dict[str, str]]:
     if config.engine_torch_threads > 1:
         out.update({f"engine_{i}": short_spin for i in range(config.num_engines)})
     return out
-
-
-IDLE_SPIN_COUNT = "30000"
-"""libgomp's spins before an idle thread sleeps, for :func:`idle_thread_env` (its default: 300000)."""
 
 
 def actor_specs(config: RunConfig, checkpoint_dir: Path,

@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from replayrl.rollout.sample import Sample, samples_to_columns
+from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
 from replayrl.tools.run.config import build_config
 from replayrl.tools.run.launcher import write_initial_checkpoint
+from replayrl.trainer.config import TrainerConfig
 from replayrl.trainer.trainer_actor import TrainerActor
 from tests.fakes import FakeProxy
 
@@ -22,6 +24,17 @@ def initial_checkpoint(directory: Path, n_samples_per_prompt: int, rollout_batch
     config = build_config({"n-samples-per-prompt": n_samples_per_prompt,
                            "rollout-batch-size": rollout_batch_size})
     return str(write_initial_checkpoint(config, directory / "init"))
+
+
+def trainer_actor(checkpoint: str, n_samples_per_prompt: int, rollout_batch_size: int,
+                  micro_batch_size: int, **settings) -> TrainerActor:
+    """An in-process TrainerActor on ``checkpoint`` (no engines) with the embedded vocabulary,
+    support replay off (hand-built samples carry no sampler support) and ``settings`` (keyword
+    fields of :class:`TrainerConfig`)."""
+    cfg = TrainerConfig(use_support_replay=False, micro_batch_size=micro_batch_size, **settings)
+    return TrainerActor(checkpoint, cfg.to_dict(), n_samples_per_prompt=n_samples_per_prompt,
+                        engines=[], rollout_batch_size=rollout_batch_size,
+                        vocab_tokens=list(VOCABULARY))
 
 
 @pytest.fixture(autouse=True)

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from replayrl.rollout.sample import Sample
-from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
 from replayrl.tools.run.config import build_config
 from replayrl.trainer.config import TrainerConfig
 from replayrl.trainer.trainer_actor import TrainerActor
@@ -23,6 +22,7 @@ from tests.trainer_on_samples import (
     own_trace_sample,
     restore_torch_threads,  # noqa: F401 (an autouse fixture: pytest finds it here)
     train_on,
+    trainer_actor,
 )
 
 RESPONSE_LEN = 3
@@ -34,9 +34,7 @@ def checkpoint(tmp_path_factory):
 
 
 def _actor(checkpoint: str, **settings) -> TrainerActor:
-    cfg = TrainerConfig(use_support_replay=False, micro_batch_size=2, **settings)
-    return TrainerActor(checkpoint, cfg.to_dict(), n_samples_per_prompt=2, engines=[],
-                        rollout_batch_size=2, vocab_tokens=list(VOCABULARY))
+    return trainer_actor(checkpoint, 2, 2, micro_batch_size=2, **settings)
 
 
 def _samples(actor: TrainerActor) -> list[Sample]:

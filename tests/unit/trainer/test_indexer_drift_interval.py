@@ -11,8 +11,6 @@ from replayrl.rollout.model import indexer as indexer_module
 from replayrl.rollout.model.config import default_config
 from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
 from replayrl.rollout.sample import Sample
-from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
-from replayrl.trainer.config import TrainerConfig
 from replayrl.trainer.trainer_actor import TrainerActor
 from tests.trainer_on_samples import (
     float_params,
@@ -20,6 +18,7 @@ from tests.trainer_on_samples import (
     own_trace_sample,
     restore_torch_threads,  # noqa: F401 (an autouse fixture: pytest finds it here)
     train_on,
+    trainer_actor,
 )
 
 
@@ -81,9 +80,7 @@ def checkpoint(tmp_path_factory):
 
 
 def _actor(checkpoint: str, **settings) -> TrainerActor:
-    cfg = TrainerConfig(use_support_replay=False, micro_batch_size=4, **settings)
-    return TrainerActor(checkpoint, cfg.to_dict(), n_samples_per_prompt=2, engines=[],
-                        rollout_batch_size=2, vocab_tokens=list(VOCABULARY))
+    return trainer_actor(checkpoint, 2, 2, micro_batch_size=4, **settings)
 
 
 def _samples(actor: TrainerActor) -> list[Sample]:

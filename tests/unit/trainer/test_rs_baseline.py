@@ -12,8 +12,6 @@ import numpy as np
 import pytest
 
 from replayrl.rollout.sample import Sample
-from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
-from replayrl.trainer.config import TrainerConfig
 from replayrl.trainer.errors import EmptyStep
 from replayrl.trainer.trainer_actor import TrainerActor
 from tests.trainer_on_samples import (
@@ -23,6 +21,7 @@ from tests.trainer_on_samples import (
     own_trace_sample,
     restore_torch_threads,  # noqa: F401 (an autouse fixture: pytest finds it here)
     train_on,
+    trainer_actor,
 )
 
 RESPONSE_LEN = 3
@@ -37,9 +36,7 @@ def checkpoint(tmp_path_factory):
 def _actor(checkpoint: str, n: int, groups: int, **settings) -> TrainerActor:
     # micro-batch 1: every sample has its own forward, so a step with an extra (rejected)
     # sample accumulates exactly the reference step's per-sample gradients
-    cfg = TrainerConfig(use_support_replay=False, micro_batch_size=1, **settings)
-    return TrainerActor(checkpoint, cfg.to_dict(), n_samples_per_prompt=n, engines=[],
-                        rollout_batch_size=groups, vocab_tokens=list(VOCABULARY))
+    return trainer_actor(checkpoint, n, groups, micro_batch_size=1, **settings)
 
 
 def _samples(actor: TrainerActor, rewards: list[float], rejected: set[int], n: int) -> list[Sample]:

@@ -65,6 +65,15 @@ def own_trace_sample(actor: TrainerActor, sample_id: int, group_id: int, prompt:
     return Sample(**fields, reward=reward, rollout_logprobs=own + logprob_shift)
 
 
+def two_groups_of_two(actor: TrainerActor, prompt_len: int, response_len: int) -> list[Sample]:
+    """Four samples (two groups of two, rewards 0 / 1 each; random tokens of seed 0) with the
+    model's own traces and its own logprobs as the rollout's (:func:`own_trace_sample`)."""
+    rng = np.random.default_rng(0)
+    return [own_trace_sample(actor, i, i // 2, rng.integers(0, 40, prompt_len).astype(np.int32),
+                             rng.integers(0, 40, response_len).astype(np.int32), float(i % 2))
+            for i in range(4)]
+
+
 async def train_on(actor: TrainerActor, samples: list[Sample]) -> tuple[dict, list[int]]:
     """``actor.train(0)`` on ``samples`` with a fake manager and clock; returns the metrics and
     the versions the trainer reported to the clock."""

@@ -19,10 +19,10 @@ from replayrl.trainer.trainer_actor import TrainerActor
 from tests.trainer_on_samples import (
     float_params,
     initial_checkpoint,
-    own_trace_sample,
     restore_torch_threads,  # noqa: F401 (an autouse fixture: pytest finds it here)
     train_on,
     trainer_actor,
+    two_groups_of_two,
 )
 
 RESPONSE_LEN = 3
@@ -38,12 +38,7 @@ def _actor(checkpoint: str, **settings) -> TrainerActor:
 
 
 def _samples(actor: TrainerActor) -> list[Sample]:
-    """Four samples (two groups of two, rewards 0 / 1 each) with the model's own traces and
-    its own logprobs as the rollout's."""
-    rng = np.random.default_rng(0)
-    return [own_trace_sample(actor, i, i // 2, rng.integers(0, 40, 4).astype(np.int32),
-                             rng.integers(0, 40, RESPONSE_LEN).astype(np.int32), float(i % 2))
-            for i in range(4)]
+    return two_groups_of_two(actor, 4, RESPONSE_LEN)
 
 
 def _watch_threads(actor: TrainerActor) -> dict[str, list[int]]:

@@ -15,10 +15,10 @@ from replayrl.trainer.trainer_actor import TrainerActor
 from tests.trainer_on_samples import (
     float_params,
     initial_checkpoint,
-    own_trace_sample,
     restore_torch_threads,  # noqa: F401 (an autouse fixture: pytest finds it here)
     train_on,
     trainer_actor,
+    two_groups_of_two,
 )
 
 
@@ -84,10 +84,7 @@ def _actor(checkpoint: str, **settings) -> TrainerActor:
 
 
 def _samples(actor: TrainerActor) -> list[Sample]:
-    rng = np.random.default_rng(0)
-    return [own_trace_sample(actor, i, i // 2, rng.integers(0, 40, 6).astype(np.int32),
-                             rng.integers(0, 40, 4).astype(np.int32), float(i % 2))
-            for i in range(4)]
+    return two_groups_of_two(actor, 6, 4)
 
 
 async def test_drift_every_nth_update_and_the_same_weights(checkpoint):

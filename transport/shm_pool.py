@@ -66,9 +66,20 @@ _MAX_PID = (1 << 22)  # Linux's pid_max ceiling
 _MAX_FD = 1 << 20
 
 
+_FINE_CLASSES_FROM = 16 << 20
+# from here on a size class is a multiple of 1/8 of the array's power of two, not the next power
+# of two: a slot is pre-faulted and mapped by sender and receiver, so a 186 MiB weight push (the
+# 50m model) held 256 MiB resident in each; the classes below it stay coarse so that messages of
+# varying sizes (rollouts) reuse few slots
+
+
 def _slot_capacity(nbytes: int) -> int:
-    """The size class of an array of ``nbytes``: a power of two, at least 64 KiB."""
-    return max(_MIN_SLOT, 1 << (nbytes - 1).bit_length())
+    """The size class of an array of ``nbytes``: a power of two, at least 64 KiB, below 16 MiB;
+    from 16 MiB a multiple of 1/8 of the largest power of two <= ``nbytes`` (at most 1/8 unused)."""
+    if nbytes < _FINE_CLASSES_FROM:
+        return max(_MIN_SLOT, 1 << (nbytes - 1).bit_length())
+    step = 1 << (nbytes.bit_length() - 4)
+    return -(-nbytes // step) * step
 
 
 class _Slot:

@@ -329,21 +329,45 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         nn.Linear, which keeps HF's per-expert parameter names.
 
         Built anew by every forward unless :meth:`Qwen3MoeForCausalLM.reuse_expert_stacks` turned
-        reuse on (the engine's model only): then a forward without gradients reuses the stack
-        of an earlier one while every weight is the same tensor at the same version counter. Not
-        for a trained model: fused AdamW updates parameters in place without bumping their
-        version counters (tests/unit/rollout/test_model_expert_stack.py)."""
+        reuse on (the engine's model only): then a forward without gradients returns the stack
+        the expert weights are views of, while every weight still is (same data pointers), or
+        else the stack of an earlier forward while every weight is the same tensor at the same
+        version counter. Not for a trained model: fused AdamW updates parameters in place
+        without bumping their version counters (tests/unit/rollout/test_model_expert_stack.py)."""
         weights = [[getattr(e, p).weight for p in projections] for e in self.experts]
         reuse = self.stack_cache is not None and not torch.is_grad_enabled()
         if reuse:
-            key = tuple((w.data_ptr(), w._version) for ws in weights for w in ws)
+            pointers = tuple(w.data_ptr() for ws in weights for w in ws)
             hit = self.stack_cache.get(projections)
-            if hit is not None and hit[0] == key:
-                return hit[1]
+            if hit is not None and hit[0] == pointers and (
+                    hit[1] is None or hit[1] == tuple(w._version for ws in weights for w in ws)):
+                return hit[2]
         out = torch.stack([torch.cat(ws) if len(ws) > 1 else ws[0] for ws in weights]).transpose(-2, -1)
         if reuse:
-            self.stack_cache[projections] = (key, out)
+            self.stack_cache[projections] = (pointers, tuple(w._version for ws in weights for w in ws), out)
         return out
+
+    def fuse_expert_weights(self) -> None:
+        """Make every expert's weights views into the two stacks the grouped matmuls read
+        (`[E, 2 * moe_intermediate, hidden]` gate/up and `[E, hidden, moe_intermediate]` down,
+        values kept), so the block holds one copy of its experts instead of the weights plus
+        their stacks, and in-place writes (a weight push, a LoRA merge) land in the stacks.
+        Requires :meth:`Qwen3MoeForCausalLM.reuse_expert_stacks` (``stack_cache`` on); a weight
+        later replaced by another tensor is stacked anew, as without fusion."""
+        for projections in (("gate_proj", "up_proj"), ("down_proj",)):
+            weights = [[getattr(e, p).weight for p in projections] for e in self.experts]
+            fused = torch.stack([torch.cat([w.detach() for w in ws]) for ws in weights])
+            for expert, olds, ws in zip(self.experts, weights, fused):
+                start = 0
+                for p, old in zip(projections, olds):
+                    rows = old.shape[0]
+                    getattr(expert, p).weight = nn.Parameter(ws[start:start + rows],
+                                                             requires_grad=old.requires_grad)
+                    start += rows
+            pointers = tuple(getattr(e, p).weight.data_ptr() for e in self.experts for p in projections)
+            # None for the versions: the weights are the stack's own memory, so an in-place
+            # write changes the stack too and never makes it stale
+            self.stack_cache[projections] = (pointers, None, fused.transpose(-2, -1))
 
     def forward(self, x: torch.Tensor, replay: torch.Tensor | None):
         """x `[B, S, hidden]`, replay int `[B, S, K]` or None -> (output, experts used int64
@@ -501,19 +525,25 @@ class Qwen3MoeForCausalLM(nn.Module):
                     module.weight.copy_(w)
 
     def reuse_expert_stacks(self, on: bool = True) -> None:
-        """Let forwards without gradients reuse the MoE blocks' stacked expert weights while the
-        weights are unchanged (same tensors, same version counters), instead of stacking them
-        anew every forward; ``False`` turns it off and frees the stacks.
+        """Let forwards without gradients read the MoE blocks' experts as stacked weights kept
+        across forwards instead of stacking them anew every forward; ``False`` turns it off.
+
+        On: each block's expert weights become views into its stacks
+        (:meth:`Qwen3MoeSparseMoeBlock.fuse_expert_weights`: no second copy of the experts, and
+        in-place copies into the parameters update the stacks); a weight replaced by another
+        tensor is stacked once and reused while it keeps its data pointer and version counter.
+        Off: every forward stacks anew (the weights stay views of the old stacks' memory).
 
         For a model whose weights change only by ordinary in-place copies or by new tensors (the
         engine's: a weight push copies into the parameters, a LoRA push merges with ``copy_``),
         never for one an optimizer steps: fused AdamW writes parameters without bumping their
-        version counters, so a stale stack would be reused. Memory: one more copy of the
-        experts' weights.
+        version counters, so a stale stack of a replaced weight would be reused.
         """
         for layer in self.model.layers:
             if isinstance(layer.mlp, Qwen3MoeSparseMoeBlock):
                 layer.mlp.stack_cache = {} if on else None
+                if on:
+                    layer.mlp.fuse_expert_weights()
 
     def new_kv_cache(self) -> KVCache:
         """An empty `KVCache` for this model's layers."""

@@ -58,6 +58,22 @@ def test_array_travels_by_handle_and_its_slot_lives_as_long_as_any_view():
     assert float(z.sum()) == 7.0 * (MiB // 4) and pool.slot_bytes == MiB
 
 
+def test_a_large_array_takes_a_slot_at_most_an_eighth_larger_than_itself():
+    # 20 MiB + 1 byte: the next power of two (32 MiB) would be resident in the sender and in
+    # the receiver; from 16 MiB the slots come in steps of 1/8 of the power of two (2 MiB here)
+    pool, reader, codec = ShmPool(256 * MiB, 64 << 10), ShmReader(), Codec()
+    x = np.arange(20 * MiB + 1, dtype=np.uint8)
+    y = codec.decode(_sent(codec.encode(x, pool)), reader)
+    np.testing.assert_array_equal(y, x)
+    assert pool.slot_bytes == 22 * MiB
+    del y
+    gc.collect()
+    # the same size again reuses the slot; 15 MiB still takes a power of two
+    codec.decode(_sent(codec.encode(x, pool)), reader)
+    codec.decode(_sent(codec.encode(np.zeros(15 * MiB, np.uint8), pool)), reader)
+    assert pool.slot_bytes == 22 * MiB + 16 * MiB
+
+
 def test_torch_tensors_and_tensor_data_through_shared_memory():
     pool, reader, codec = ShmPool(64 * MiB, 64 << 10), ShmReader(), Codec()
     t = torch.arange(300_000, dtype=torch.float32).to(torch.bfloat16)  # 600 KB

@@ -303,6 +303,9 @@ class TorchBackend(TrainerBackend):
             self.optimizer.zero_grad(set_to_none=True)
             return grad_norm
         self.optimizer.step()
+        # nothing reads the gradients after the step (the next update's zero_grad would drop
+        # them): freed now, they are not held beside the weight push's buffer (peak memory)
+        self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
 
     def weights(self) -> dict[str, np.ndarray]:

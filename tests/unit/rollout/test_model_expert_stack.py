@@ -78,30 +78,47 @@ def test_an_expert_no_token_reached_gets_a_zero_gradient_not_none():
     assert not any(".indexer." in n for n in trainable)
 
 
+def _storages(model):
+    return {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
+
+
 def test_reused_stacks_serve_no_grad_forwards_until_a_weight_changes():
-    # the engine's model (reuse_expert_stacks): one stack per weight set, rebuilt after a push
+    # the engine's model (reuse_expert_stacks): the experts' weights are views into the stacks
+    # the grouped matmuls read, so a push (copy_) updates the stacks and nothing is rebuilt
     model = Qwen3MoeForCausalLM(default_config(30))
     model.init_weights(0)
+    reference = Qwen3MoeForCausalLM(default_config(30))  # never reuses: stacks every forward
+    reference.load_state_dict(model.state_dict())
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     model.reuse_expert_stacks()
     tokens = torch.randint(0, 30, (3, 6), generator=torch.Generator().manual_seed(3))
     block = model.model.layers[1].mlp
-    first = _logits(model, tokens)
-    stack = block.stack_cache[("down_proj",)][1]
-    assert torch.equal(_logits(model, tokens), first)
-    assert block.stack_cache[("down_proj",)][1] is stack  # reused, not rebuilt
-    reference = Qwen3MoeForCausalLM(default_config(30))
+    stack = block.stack_cache[("down_proj",)][2]
+    # one copy of the experts: every expert weight lives in its stack's memory, and the
+    # model's distinct storages add up to its parameters' bytes
+    for e in block.experts:
+        assert e.down_proj.weight.untyped_storage().data_ptr() == stack.untyped_storage().data_ptr()
+    assert sum(_storages(model).values()) == param_bytes
+    assert torch.equal(_logits(model, tokens), _logits(reference, tokens))
+    assert block.stack_cache[("down_proj",)][2] is stack  # reused, not rebuilt
     with torch.no_grad():  # a weight push: copy_ into the parameters
         for p, q in zip(model.parameters(), reference.parameters()):
             q.copy_(p * 1.5)
             p.copy_(q)
-    assert block.stack_cache[("down_proj",)][1] is stack
-    assert torch.equal(_logits(model, tokens), _logits(reference, tokens))  # fresh stacks
-    assert block.stack_cache[("down_proj",)][1] is not stack
-    with torch.no_grad():  # a replaced Parameter
+    assert torch.equal(_logits(model, tokens), _logits(reference, tokens))
+    assert block.stack_cache[("down_proj",)][2] is stack  # the push wrote into it
+    with torch.no_grad():  # a replaced Parameter: stacked anew, then reused
         e = model.model.layers[1].mlp.experts[0]
         e.up_proj.weight = torch.nn.Parameter(e.up_proj.weight * -1.0)
         f = reference.model.layers[1].mlp.experts[0]
         f.up_proj.weight = torch.nn.Parameter(f.up_proj.weight * -1.0)
+    assert torch.equal(_logits(model, tokens), _logits(reference, tokens))
+    restacked = block.stack_cache[("gate_proj", "up_proj")][2]
+    assert torch.equal(_logits(model, tokens), _logits(reference, tokens))
+    assert block.stack_cache[("gate_proj", "up_proj")][2] is restacked
+    with torch.no_grad():  # ... until that replaced weight changes in place
+        e.up_proj.weight.add_(0.25)
+        f.up_proj.weight.add_(0.25)
     assert torch.equal(_logits(model, tokens), _logits(reference, tokens))
     # under autograd nothing is reused: the experts get their gradients
     out = model(tokens, torch.arange(6).expand_as(tokens)).logits
@@ -109,3 +126,4 @@ def test_reused_stacks_serve_no_grad_forwards_until_a_weight_changes():
     assert block.experts[0].down_proj.weight.grad is not None
     model.reuse_expert_stacks(False)
     assert block.stack_cache is None
+    assert torch.equal(_logits(model, tokens), _logits(reference, tokens))

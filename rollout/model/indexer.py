@@ -132,6 +132,21 @@ def resolve_replay(own: torch.Tensor | None, replay: torch.Tensor | None, allowe
     return torch.where(use_own, own, replay)
 
 
+def _slot_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``x`` `[B, H_kv, T, D]` as a `[R, D]` view of rows and the rows between one (batch, head)
+    and the next: row ``(b * H_kv + h) * stride + t`` is ``x[b, h, t]``. A KV cache's keys are a
+    slice of a buffer with spare slots (rollout/model/kv_cache.py ``append_along``): viewed in
+    place over the whole buffer, not copied by a reshape (O(B T) a decode token); any other
+    layout is made contiguous."""
+    b, h, t, d = x.shape
+    if (x.stride(3) == 1 and x.stride(2) == d and x.stride(1) % d == 0 and x.stride(1) >= t * d
+            and x.stride(0) == h * x.stride(1)):
+        rows = b * h * (x.stride(1) // d)
+        if x.storage_offset() + rows * d <= x.untyped_storage().nbytes() // x.element_size():
+            return x.as_strided((rows, d), (d, 1)), x.stride(1) // d
+    return x.contiguous().view(-1, d), t
+
+
 def gathered_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
                        own_slot: torch.Tensor, scale: float) -> torch.Tensor:
     """Attention of each query over only its indexer-kept keys, gathered instead of masked.
@@ -163,10 +178,12 @@ def gathered_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots:
     # batched matmul per product needs no permuting copies of the gathered keys or the output
     # (einsum over [B, H, S, D] made three; the same products, bit for bit)
     g, kk = h // h_kv, slots.shape[-1]
-    base = (torch.arange(b, device=q.device)[:, None] * h_kv + torch.arange(h_kv, device=q.device)) * t
-    flat = (base[:, None, :, None] + slots.clamp_min(0)[:, :, None, :]).reshape(-1)
-    k_sel = k.reshape(-1, d).index_select(0, flat).view(-1, kk, d)
-    v_sel = v.reshape(-1, d).index_select(0, flat).view(-1, kk, d)
+    heads = torch.arange(b, device=q.device)[:, None] * h_kv + torch.arange(h_kv, device=q.device)
+    picked = slots.clamp_min(0)[:, :, None, :]
+    k_rows, k_slots = _slot_rows(k)
+    v_rows, v_slots = _slot_rows(v)
+    k_sel = k_rows.index_select(0, (heads[:, None, :, None] * k_slots + picked).reshape(-1)).view(-1, kk, d)
+    v_sel = v_rows.index_select(0, (heads[:, None, :, None] * v_slots + picked).reshape(-1)).view(-1, kk, d)
     qg = q.transpose(1, 2).reshape(-1, g, d)  # [B * S * H_kv, g, D]
     logits = torch.bmm(qg.float(), k_sel.float().transpose(1, 2)) * scale
     logits = logits.view(b, s, h_kv, g, kk).masked_fill(~kept[:, :, None, None], float("-inf"))

@@ -100,10 +100,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
-# Without a KV cache (the trainer's forwards), an indexed layer attends over gathered keys
-# (rollout/model/indexer.py gathered_attention) once a row has at least this many key slots per
-# kept key; below, the masked dense kernel is cheaper (fewer ops) and is what ran before, digit for
-# digit. The engine (a KV cache) keeps the masked kernel, so its samples are unchanged.
+# An indexed layer attends over gathered keys (rollout/model/indexer.py gathered_attention) once
+# a row has at least this many key slots per kept key; below, the masked dense kernel is cheaper
+# (fewer ops). The engine's decode step gathers too: its one-token queries read index_topk keys
+# per row instead of the whole cache (attention there is bound by reading the cache).
 GATHER_MIN_KEYS_PER_PICK = 4
 
 
@@ -146,7 +146,7 @@ class _Masks:
     own_slot: torch.Tensor     # each query's own slot
     own_slot_index: torch.Tensor  # int64 [S]: the slot of each query, S_past + i
     blocks: tuple | None = None  # ((start, end, key slots int64 [T_j]), ...) or None, `_key_blocks`
-    gather: bool = False  # indexed layers may attend over gathered keys (no KV cache: the trainer)
+    cached: bool = False  # a KV cache is filled: indexed layers keep their indexer keys
     own_indexer: bool = True  # indexed layers compute their own top-k even where a replay covers it
     # bool [B, S]: queries with a candidate key (only without own_indexer: `_unreplayed_queries`)
     picking_query: torch.Tensor | None = None
@@ -190,7 +190,7 @@ class Qwen3MoeAttention(nn.Module):
         # real query and nothing asked for it (own_indexer False); a KV cache always keeps the keys
         own_needed = self.indexer is not None and (
             masks.own_indexer or index_replay is None or _unreplayed_queries(index_replay, masks))
-        ik = self.indexer.keys(x) if own_needed or (self.indexer is not None and not masks.gather) else None
+        ik = self.indexer.keys(x) if own_needed or (self.indexer is not None and masks.cached) else None
         if past is not None:
             k, v = append_along(past[0], k, 2), append_along(past[1], v, 2)
             if ik is not None:
@@ -205,7 +205,7 @@ class Qwen3MoeAttention(nn.Module):
                     own = self._own_picks(x, ik, masks)
             slots = resolve_replay(own, index_replay, masks.allowed, self.layer_idx)
             own = own if masks.own_indexer else None
-            if not masks.gather or k.shape[2] < GATHER_MIN_KEYS_PER_PICK * self.indexer.topk:
+            if k.shape[2] < GATHER_MIN_KEYS_PER_PICK * self.indexer.topk:
                 mask = slots_to_mask(slots, k.shape[2])
                 # A query without any key (a padding query) attends to itself only: finite, unused.
                 mask = mask | (masks.own_slot & ~mask.any(-1, keepdim=True))
@@ -617,7 +617,7 @@ class Qwen3MoeForCausalLM(nn.Module):
         masks = _Masks(allowed=allowed, dense=dense, candidates=candidates,
                        own_slot=own_slot, own_slot_index=q_slot,
                        blocks=_key_blocks(segment_ids, dense) if segment_ids is not None else None,
-                       gather=kv_cache is None, own_indexer=own_indexer,
+                       cached=kv_cache is not None, own_indexer=own_indexer,
                        # once per forward, not per indexed layer
                        picking_query=None if own_indexer else candidates.any(-1))
 

@@ -84,6 +84,44 @@ def test_gathered_attention_equals_masked_softmax_by_hand():
                 assert torch.allclose(got[bi, hh, i], want, atol=1e-5)
 
 
+def test_gathered_attention_reads_a_kv_buffer_slice_in_place():
+    # a KV cache's keys are a slice of a buffer with spare slots (append_along): gathered from
+    # the buffer's rows without copying the cache, with the values of the contiguous keys
+    from replayrl.rollout.model.indexer import _slot_rows
+
+    g = torch.Generator().manual_seed(2)
+    b, h_kv, d, t, spare = 3, 2, 8, 40, 24
+    buffer_k = torch.randn(b, h_kv, t + spare, d, generator=g)
+    buffer_v = torch.randn(b, h_kv, t + spare, d, generator=g)
+    k, v = buffer_k[:, :, :t], buffer_v[:, :, :t]
+    rows, stride = _slot_rows(k)
+    assert rows.data_ptr() == buffer_k.data_ptr() and stride == t + spare
+    assert torch.equal(rows[(1 * h_kv + 1) * stride + 7], k[1, 1, 7])
+    q = torch.randn(b, 2 * h_kv, 1, d, generator=g)
+    slots = torch.randint(0, t, (b, 1, 8), generator=g)
+    own = torch.tensor([t - 1])
+    assert torch.equal(gathered_attention(q, k, v, slots, own, 0.3),
+                       gathered_attention(q, k.contiguous(), v.contiguous(), slots, own, 0.3))
+
+
+def test_cached_decode_on_the_gathered_path_matches_the_naive_reference():
+    # the engine's layout: prefill, then one token per step through the KV cache; once the
+    # cache holds GATHER_MIN_KEYS_PER_PICK * index_topk slots the indexed layers gather
+    model = _model(default_config(V), seed=13)
+    n = GATHER_MIN_KEYS_PER_PICK * model.config.index_topk - 3
+    seq = torch.randint(0, V, (n + 8,), generator=torch.Generator().manual_seed(6))
+    cache = model.new_kv_cache()
+    with torch.no_grad():
+        out = [model(seq[None, :n], torch.arange(n)[None], kv_cache=cache, capture=True)]
+        for i in range(n, n + 8):
+            out.append(model(seq[None, i:i + 1], torch.tensor([[i]]), kv_cache=cache, capture=True))
+    logits = torch.cat([o.logits for o in out], dim=1)[0]
+    slots = torch.cat([o.indexer_topk for o in out], dim=1)[0]
+    want_logits, _, want_slots = reference(model, seq.numpy())
+    assert np.array_equal(slots.numpy(), want_slots)
+    np.testing.assert_allclose(logits.numpy(), want_logits, atol=2e-5, rtol=0)
+
+
 def test_topk_selection_ranks_by_score_then_the_later_slot():
     g = torch.Generator().manual_seed(1)
     scores = torch.randn(3, 5, 12, generator=g).round()  # many ties, and -0.0 against 0.0

@@ -185,37 +185,9 @@ def gathered_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots:
     k_sel = k_rows.index_select(0, (heads[:, None, :, None] * k_slots + picked).reshape(-1)).view(-1, kk, d)
     v_sel = v_rows.index_select(0, (heads[:, None, :, None] * v_slots + picked).reshape(-1)).view(-1, kk, d)
     qg = q.transpose(1, 2).reshape(-1, g, d)  # [B * S * H_kv, g, D]
-    kept = kept[:, :, None, :].expand(b, s, h_kv, kk).reshape(-1, 1, kk)
-    out = _SmallAttention.apply(qg.float(), k_sel.float(), v_sel.float(), kept, scale)
+    logits = torch.bmm(qg.float(), k_sel.float().transpose(1, 2)) * scale
+    logits = logits.view(b, s, h_kv, g, kk).masked_fill(~kept[:, :, None, None], float("-inf"))
+    weights = torch.softmax(logits, dim=-1).view(-1, g, kk)
+    out = torch.bmm(weights, v_sel.float())  # [B * S * H_kv, g, D]
     return out.view(b, s, h, d).to(q.dtype).transpose(1, 2)
-
-
-class _SmallAttention(torch.autograd.Function):
-    """softmax(scale q k^T, masked to ``kept``) v for many tiny matrices: q `[N, g, D]`, k / v
-    `[N, k, D]` float32, kept bool `[N, 1, k]` (at least one True per row) -> `[N, g, D]`.
-
-    The same products as autograd's ``bmm`` / ``softmax`` graph (bit for bit forward), with a
-    backward written out: torch's CPU ``bmm`` runs one small GEMM per batch entry and, on the
-    transposed operands autograd's backward hands it, copied every entry first (at the 1m x 64
-    shape, 18k entries: the indexed layers' backward took ~2.7x its forward; here ~2.4x less)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, kept, scale):
-        logits = torch.bmm(q, k.transpose(1, 2)) * scale
-        weights = torch.softmax(logits.masked_fill_(~kept, float("-inf")), dim=-1)
-        ctx.save_for_backward(q, k, v, weights)
-        ctx.scale = scale
-        return torch.bmm(weights, v)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v, weights = ctx.saved_tensors
-        grad_out = grad_out.contiguous()
-        grad_weights = torch.bmm(grad_out, v.transpose(1, 2))
-        grad_v = torch.bmm(weights.transpose(1, 2).contiguous(), grad_out)
-        # softmax backward; a masked key has weight 0, so its logit gets no gradient
-        grad_logits = weights * (grad_weights - (grad_weights * weights).sum(-1, keepdim=True)) * ctx.scale
-        grad_q = torch.bmm(grad_logits, k)
-        grad_k = torch.bmm(grad_logits.transpose(1, 2).contiguous(), q)
-        return grad_q, grad_k, grad_v, None, None
 

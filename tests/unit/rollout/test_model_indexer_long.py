@@ -122,21 +122,6 @@ def test_cached_decode_on_the_gathered_path_matches_the_naive_reference():
     np.testing.assert_allclose(logits.numpy(), want_logits, atol=2e-5, rtol=0)
 
 
-def test_gathered_attention_backward_equals_finite_differences():
-    # its products have a backward written out (_SmallAttention): checked against numerical
-    # gradients in float64, with masked keys and a row keeping a single key
-    from replayrl.rollout.model.indexer import _SmallAttention
-
-    g = torch.Generator().manual_seed(4)
-    q, k, v = (torch.randn(5, 2, 3, generator=g, dtype=torch.float64, requires_grad=True),
-               *(torch.randn(5, 4, 3, generator=g, dtype=torch.float64, requires_grad=True)
-                 for _ in range(2)))
-    kept = torch.rand(5, 1, 4, generator=g) > 0.4
-    kept[:, :, 0] = True
-    kept[2] = torch.tensor([False, False, True, False])
-    assert torch.autograd.gradcheck(lambda *t: _SmallAttention.apply(*t, kept, 0.7), (q, k, v))
-
-
 def test_topk_selection_ranks_by_score_then_the_later_slot():
     g = torch.Generator().manual_seed(1)
     scores = torch.randn(3, 5, 12, generator=g).round()  # many ties, and -0.0 against 0.0

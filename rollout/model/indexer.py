@@ -162,7 +162,7 @@ def gathered_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots:
     work and memory.
     """
     b, h, s, d = q.shape
-    h_kv, t = k.shape[1], k.shape[2]
+    h_kv = k.shape[1]
     kept = slots >= 0
     # a slot listed twice counts once, as in the mask
     repeat = ((slots[..., :, None] == slots[..., None, :]) & kept[..., None, :]).triu(1).any(-2)

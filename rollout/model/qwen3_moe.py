@@ -309,6 +309,12 @@ def _expert_slots(pairs: torch.Tensor, num_experts: int, pad: bool) -> tuple[tor
     return source, position, ends.to(torch.int32)
 
 
+def _stack_experts(weights: list[list[torch.Tensor]]) -> torch.Tensor:
+    """Per expert, its projections' weights `[out_p, in]` concatenated along out, stacked:
+    `[E, sum out_p, in]` (a new tensor)."""
+    return torch.stack([torch.cat(ws) if len(ws) > 1 else ws[0] for ws in weights])
+
+
 class Qwen3MoeSparseMoeBlock(nn.Module):
     """Softmax top-k router (`gate.weight` `[E, hidden]`) over SiLU-gated experts."""
 
@@ -342,7 +348,7 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
             if hit is not None and hit[0] == pointers and (
                     hit[1] is None or hit[1] == tuple(w._version for ws in weights for w in ws)):
                 return hit[2]
-        out = torch.stack([torch.cat(ws) if len(ws) > 1 else ws[0] for ws in weights]).transpose(-2, -1)
+        out = _stack_experts(weights).transpose(-2, -1)
         if reuse:
             self.stack_cache[projections] = (pointers, tuple(w._version for ws in weights for w in ws), out)
         return out
@@ -356,7 +362,8 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         later replaced by another tensor is stacked anew, as without fusion."""
         for projections in (("gate_proj", "up_proj"), ("down_proj",)):
             weights = [[getattr(e, p).weight for p in projections] for e in self.experts]
-            fused = torch.stack([torch.cat([w.detach() for w in ws]) for ws in weights])
+            with torch.no_grad():
+                fused = _stack_experts(weights)
             for expert, olds, ws in zip(self.experts, weights, fused):
                 start = 0
                 for p, old in zip(projections, olds):

@@ -15,7 +15,9 @@ from replayrl.actors.loop import run_event_loop
 from replayrl.actors.proxy import ActorProxy
 from replayrl.actors.ref import ActorRef, close_connections
 from replayrl.actors.spawn import (
+    DRIVER,
     ActorSpec,
+    DriverActors,
     Supervisor,
     import_callable,
     import_object,
@@ -28,5 +30,5 @@ __all__ = [
     "Actor", "ActorServer", "concurrent", "Directory", "UnknownActor", "ActorDied", "ActorError",
     "ActorTimeout", "ProtocolError", "RemoteError", "run_event_loop", "ActorRef",
     "close_connections", "ActorCallError", "ActorInterface", "ActorProxy", "ActorSpec", "Supervisor",
-    "import_callable", "import_object", "serve_actor", "serve_actors", "process_groups",
+    "DRIVER", "DriverActors", "import_callable", "import_object", "serve_actor", "serve_actors", "process_groups",
 ]

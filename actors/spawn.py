@@ -244,6 +244,60 @@ def serve_in_threads(loops: list[list[tuple[Actor, str]]], directory: Directory,
     return [f for loop in failures for f in loop]
 
 
+DRIVER = "driver"
+"""``ActorSpec.process`` of the actors a launcher serves in its own process and event loop
+(:class:`DriverActors`) instead of spawning them; a :class:`Supervisor` given such specs runs
+them in one spawned process of that name, as any shared ``process``."""
+
+
+class DriverActors:
+    """Actors built now and served in this process's running event loop, beside the caller's own
+    work (the launcher's training loop), each as :func:`serve_actors` serves them: under its own
+    name and endpoint, answering calls, pings and ``__stop__``.
+
+    The launchers serve the version clock and the rollout manager so (``DRIVER``): neither
+    imports torch, each holds a few MiB of its own, and a process apiece would cost a Python
+    interpreter with ZeroMQ and numpy (40-85 MiB RSS each; docs/benchmarks.md, cut (15)). With
+    ``REPLAYRL_PROFILE_DIR`` set the driver process writes one profile, ``driver``, that holds
+    the caller's own work too.
+
+    Build inside a running event loop; an empty ``specs`` serves nothing.
+
+    Raises:
+        ValueError: ``specs`` name one actor twice.
+        Whatever an actor class's import or constructor raises (before anything is served; the
+        launchers build these first, before any process starts).
+    """
+
+    def __init__(self, specs: list[ActorSpec], directory: Directory) -> None:
+        self.names = tuple(s.name for s in specs)
+        if len(set(self.names)) != len(self.names):
+            raise ValueError(f"actor names must be unique, got {list(self.names)}")
+        self.directory = directory
+        members = [(import_actor_class(s.cls)(**s.kwargs), s.name) for s in specs]
+        self.task = (asyncio.ensure_future(serve_actors(members, directory, process=DRIVER))
+                     if members else None)
+
+    def failure(self) -> BaseException | None:
+        """What ended the serving before :meth:`stop` (a member's ``on_start`` / ``on_stop``
+        error), else None."""
+        if self.task is None or not self.task.done() or self.task.cancelled():
+            return None
+        return self.task.exception()
+
+    async def stop(self, failure: str = "", timeout: float = 5.0) -> None:
+        """Send each member ``__stop__`` (with ``failure``, the text a stopped actor reports) and
+        wait until all stopped; never raises (see :meth:`failure`)."""
+        if self.task is None:
+            return
+        for name in self.names:
+            try:
+                await self.directory.ref(name).call("__stop__", failure, timeout=timeout)
+            except ActorError:
+                pass
+        await asyncio.gather(self.task, return_exceptions=True)
+
+
 async def _serve_loop(members: list[tuple[Actor, str]], directory: Directory,
                       parent_pid: int | None, profile_name: str = "",
                       this_loop_only: bool = True) -> list[str]:
@@ -616,7 +670,9 @@ class Supervisor:
                 proc.kill()
                 proc.join(1.0)
         close_connections()
-        for endpoint in self.directory.endpoints.values():  # a killed actor leaves its ipc file
+        # a killed actor leaves its ipc file; only this supervisor's actors: others in the
+        # directory (a launcher's DriverActors) still serve
+        for endpoint in (self.directory.endpoints[s.name] for s in self.specs):
             if endpoint.startswith("ipc://"):
                 Path(endpoint[len("ipc://"):]).unlink(missing_ok=True)
 

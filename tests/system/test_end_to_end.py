@@ -186,7 +186,8 @@ def _assert_stopped_clean(proc, actors, tmp, code):
 def test_ctrl_c_stops_every_process_and_removes_ipc_files(tmp_path, ipc_tmp, signum, code):
     proc, _, tmp = _train_until_first_step(tmp_path, ipc_tmp, signal.SIG_DFL)
     actors = _children(proc.pid)
-    assert len([p for p in actors if _alive(p)]) >= 4  # clock, engine, manager, trainer
+    # engine and trainer (the launcher serves the clock and the manager itself)
+    assert len([p for p in actors if _alive(p)]) >= 2
     proc.send_signal(signum)
     _assert_stopped_clean(proc, actors, tmp, code)
 

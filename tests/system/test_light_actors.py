@@ -1,5 +1,5 @@
-"""The version clock, the rollout manager and the launcher do not import torch (issue 24, memory:
-~200 MiB RSS per process that loads the torch runtime).
+"""The version clock, the rollout manager and the launcher (which serves those two) do not import
+torch (issue 24, memory: ~200 MiB RSS per process that loads the torch runtime).
 
 A spawned actor process imports the launcher's main module again (``multiprocessing`` runs it
 as ``__mp_main__``: ``replayrl.tools.cli`` for ``replayrl train``), then the spawn bootstrap
@@ -74,8 +74,9 @@ def test_the_launcher_process_imports_no_torch(tmp_path):
                          timeout=300, env={**os.environ, "PYTHONPATH": PYTHONPATH})
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "run" / "metrics.jsonl").read_text().count("\n") == 1
-    # the tokenizer and the prompt data are read in the initial-files child, which has them anyway
-    assert out.stdout.strip().splitlines()[-1] == "LAUNCHER []"
+    # it serves the rollout manager (transformers' tokenizer class, without torch); the
+    # checkpoint and the prompt data check are the initial-files child's, which has torch anyway
+    assert out.stdout.strip().splitlines()[-1] == "LAUNCHER ['transformers']"
 
 
 LORA_CHECK = """

@@ -128,3 +128,18 @@ async def test_ps_names_each_actor_process_and_its_run(run_dir):
     directory = Directory.for_run(run_dir, ["a"])
     async with Supervisor([ActorSpec("a", ECHO)], directory, run_dir) as sup:  # no run name
         assert shown(sup.processes["a"].pid) == (f"replayrl actor a run {run_dir}", "rrl:a")
+
+
+async def test_a_supervisor_leaves_the_launchers_own_actors_serving(run_dir):
+    # the launcher serves the clock and the manager itself (DriverActors) in the directory the
+    # supervisor's processes use; the supervisor's shutdown removes only its own actors' ipc files
+    # (removing every one left the launcher's final __stop__ calls unanswered, and it hung)
+    from replayrl.actors import DRIVER, DriverActors
+
+    directory = Directory.for_run(run_dir, ["clock", "engine_0"])
+    driver = DriverActors([ActorSpec("clock", ECHO, process=DRIVER)], directory)
+    async with Supervisor([ActorSpec("engine_0", ECHO)], directory, run_dir) as sup:
+        assert await directory.ref("engine_0").call("pid", timeout=10) == sup.processes["engine_0"].pid
+    assert await directory.ref("clock").call("pid", timeout=10) == os.getpid()
+    await asyncio.wait_for(driver.stop(), 10)
+    assert driver.task.done() and driver.failure() is None

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from replayrl.actors import ActorSpec
+from replayrl.actors import DRIVER, ActorSpec
 from replayrl.actors.version_clock import VersionClock
 from replayrl.rollout.engines.embedded import EmbeddedEngine
 from replayrl.rollout.manager import RolloutManager
@@ -137,7 +137,9 @@ def faulty_specs(specs: list[ActorSpec], actor: str, fault_signal: str, fault_at
                  fault_marker: str | Path) -> list[ActorSpec]:
     """``specs`` with ``actor`` carrying the fault: an engine actor (``engine_i``) gets a
     :class:`SignalledEngine` (same model, precision and traces); ``trainer``,
-    ``version_clock`` and ``rollout_manager`` their ``Signalled*`` class (same arguments).
+    ``version_clock`` and ``rollout_manager`` their ``Signalled*`` class (same arguments), in a
+    process of their own: the launcher serves those two itself (``process`` =
+    :data:`replayrl.actors.DRIVER`), where a signal would hit the launcher, not the actor.
 
     Raises:
         ValueError: no spec named ``actor``, or an actor without a fault class.
@@ -156,7 +158,8 @@ def faulty_specs(specs: list[ActorSpec], actor: str, fault_signal: str, fault_at
                 spec = dataclasses.replace(spec, kwargs=kwargs)
             elif actor in _ACTORS:
                 spec = dataclasses.replace(spec, cls=f"{__name__}:{_ACTORS[actor]}",
-                                           kwargs={**kwargs, **fault})
+                                           kwargs={**kwargs, **fault},
+                                           process="" if spec.process == DRIVER else spec.process)
             else:
                 raise ValueError(f"no fault class for actor {actor!r}")
         out.append(spec)

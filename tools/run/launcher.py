@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from replayrl.actors import ActorSpec, Directory, Supervisor, import_callable
+from replayrl.actors import DRIVER, ActorSpec, Directory, DriverActors, Supervisor, import_callable
 from replayrl.actors.errors import VersionError
 from replayrl.actors.run_dir import create_run_dir
 from replayrl.actors.version_clock import VersionRules
@@ -393,6 +393,11 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+DRIVER_ACTORS = ("version_clock", "rollout_manager")
+"""The actors the launcher serves in its own process and event loop (``ActorSpec.process`` =
+:data:`replayrl.actors.DRIVER`, :class:`replayrl.actors.DriverActors`), unless ``--colocate``
+puts them in the colocated process; a torchrun driver (rank 0) serves the same two."""
+
 COLOCATED = "colocated"
 """The process (``ActorSpec.process``) of the actors :func:`colocated_actors` names under
 ``--colocate``; its title is ``replayrl actor colocated run RUN``."""
@@ -439,7 +444,7 @@ def idle_thread_env(config: RunConfig) -> dict[str, dict[str, str]]:
 
 def actor_specs(config: RunConfig, checkpoint_dir: Path,
                 rank_port: int | None = None, resolved: Resolved | None = None) -> list[ActorSpec]:
-    """The processes of a run, in start order.
+    """The actors of a run, in start order.
 
     ``resolved``: the engine class, engine dtype and tokenizer class the launcher's
     initial-files child worked out (:mod:`replayrl.tools.run.initial_files`); None: the engine
@@ -448,9 +453,11 @@ def actor_specs(config: RunConfig, checkpoint_dir: Path,
 
     With several trainer ranks (``TrainerConfig.rank_count``) the ``trainer`` actor is rank 0 and
     ``trainer_1 ..`` follow it; they meet at ``tcp://127.0.0.1:rank_port`` (a free port when
-    None). Under ``--colocate`` the actors of :func:`colocated_actors` name one process,
-    :data:`COLOCATED`; with ``--colocate-threads`` ``engine_0`` and the trainer serve on
-    threads of their own there (``ActorSpec.thread``).
+    None). The version clock and the rollout manager (:data:`DRIVER_ACTORS`) name the process
+    :data:`replayrl.actors.DRIVER`: :func:`launch` serves them itself. Under ``--colocate`` the
+    actors of :func:`colocated_actors` name one process, :data:`COLOCATED`, instead; with
+    ``--colocate-threads`` ``engine_0`` and the trainer serve on threads of their own there
+    (``ActorSpec.thread``).
 
     Raises:
         ConfigError: as :func:`resolve_engine`.
@@ -502,7 +509,8 @@ def actor_specs(config: RunConfig, checkpoint_dir: Path,
     idle_env = idle_thread_env(config)
     return [dataclasses.replace(spec, cpus=trainer_cpus if spec.name in trainers else other_cpus,
                                 env={**spec.env, **idle_env.get(spec.name, {})},
-                                process=COLOCATED if spec.name in colocated else "",
+                                process=(COLOCATED if spec.name in colocated else
+                                         DRIVER if spec.name in DRIVER_ACTORS else ""),
                                 thread=spec.name in colocated and spec.name in threaded)
             for spec in specs]
 
@@ -603,24 +611,33 @@ async def launch(config: RunConfig, log_level: int = logging.WARNING,
             # --engine-start-timeout-seconds (vLLM start-up, an SGLang server's /health): wait
             # that long, so a slow start succeeds and a failed one shows the engine's own error
             ready = max(120.0, config.engine_start_timeout_s + 60.0)
-            async with Supervisor(specs, directory, run_dir, log_level=log_level,
-                                  ready_timeout=ready, run_name=str(output),
-                                  **engine_supervision(config, directory)) as supervisor:
-                # every actor answers: a console may attach (`replayrl repl --attach OUTPUT_DIR`)
-                write_attach_card(output, directory)
-                loop_task = asyncio.ensure_future(train_loop(directory, config, recorder.record))
-                watch_task = asyncio.ensure_future(supervisor.watch())
-                try:
-                    await asyncio.wait({loop_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    for task in (loop_task, watch_task):
-                        task.cancel()
-                    await asyncio.gather(loop_task, watch_task, return_exceptions=True)
-                if watch_task.done() and not watch_task.cancelled() and watch_task.exception():
-                    raise watch_task.exception()
-                if not loop_task.cancelled() and loop_task.exception() is not None:
-                    # a call cut off by a dying actor: report the death and its traceback
-                    raise await supervisor.explain(loop_task.exception())
+            # built before any process starts: a bad tokenizer or prompt file stops the run here
+            driver = DriverActors([s for s in specs if s.process == DRIVER], directory)
+            try:
+                async with Supervisor([s for s in specs if s.process != DRIVER], directory, run_dir,
+                                      log_level=log_level, ready_timeout=ready, run_name=str(output),
+                                      **engine_supervision(config, directory)) as supervisor:
+                    # every actor answers: a console may attach (`replayrl repl --attach OUTPUT_DIR`)
+                    write_attach_card(output, directory)
+                    loop_task = asyncio.ensure_future(train_loop(directory, config, recorder.record))
+                    watch_task = asyncio.ensure_future(supervisor.watch())
+                    waited = {loop_task, watch_task, *([driver.task] if driver.task else [])}
+                    try:
+                        await asyncio.wait(waited, return_when=asyncio.FIRST_COMPLETED)
+                    finally:
+                        for task in (loop_task, watch_task):
+                            task.cancel()
+                        await asyncio.gather(loop_task, watch_task, return_exceptions=True)
+                    if driver.failure() is not None:
+                        raise driver.failure()
+                    if watch_task.done() and not watch_task.cancelled() and watch_task.exception():
+                        raise watch_task.exception()
+                    if not loop_task.cancelled() and loop_task.exception() is not None:
+                        # a call cut off by a dying actor: report the death and its traceback
+                        raise await supervisor.explain(loop_task.exception())
+            finally:
+                # after the actor processes: their last calls to the clock still find it
+                await driver.stop()
         plot = recorder.plot()
         return RunResult(recorder.summary(), recorder.path, plot, recorder.rows)
     finally:

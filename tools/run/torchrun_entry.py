@@ -48,13 +48,14 @@ from replayrl.actors import ActorError, Directory, run_event_loop
 from replayrl.actors.directory import DEFAULT_HEARTBEAT_DEADLINE_S
 from replayrl.actors.process_title import set_process_title
 from replayrl.actors.ref import use_curve_keys, use_heartbeat_deadline
-from replayrl.actors.spawn import ActorSpec, import_actor_class, serve_actor
+from replayrl.actors.spawn import ActorSpec, DriverActors, import_actor_class, serve_actor
 from replayrl.tools.errors import ConfigError, RunFailed
 from replayrl.tools.run.attach_card import remove_attach_card, write_attach_card
 from replayrl.tools.run.config import FLAGS, RunConfig, add_run_flags, config_from_args
 from replayrl.tools.run.driver_watch import DriverWatch
 from replayrl.tools.run.exit_codes import exit_code
 from replayrl.tools.run.launcher import (
+    DRIVER_ACTORS,
     actor_specs,
     check_load,
     check_prompt_data,
@@ -66,8 +67,6 @@ from replayrl.tools.run.metrics import MetricsRecorder
 from replayrl.tools.run.rank_hosts import exchange_addresses, join_run, own_address
 from replayrl.tools.run.train_loop import checkpoint_next_step, train_loop
 from replayrl.trainer.rank_group import follower_names
-
-DRIVER_ACTORS = ("version_clock", "rollout_manager")
 
 PER_HOST_FLAGS = ("output-dir", "save", "curve-keys", "progress", "num-engines")
 """Flags a joined host may set otherwise than the run (:func:`check_joined_settings`): where
@@ -256,8 +255,7 @@ async def _drive(config: RunConfig, specs: list[ActorSpec], directory: Directory
     by_name = {s.name: s for s in specs}
     use_curve_keys(directory.keys())  # the driver's own calls are CURVE clients too
     use_heartbeat_deadline(directory.heartbeat_deadline_s)
-    local = [asyncio.ensure_future(serve_actor(import_actor_class(by_name[n].cls)(**by_name[n].kwargs), n,
-                                               directory)) for n in DRIVER_ACTORS]
+    local = DriverActors([by_name[n] for n in DRIVER_ACTORS], directory)
     remote = [s.name for s in specs if s.name not in DRIVER_ACTORS]
     failure = ""
     try:
@@ -286,13 +284,13 @@ async def _drive(config: RunConfig, specs: list[ActorSpec], directory: Directory
         raise
     finally:
         remove_attach_card(config.output_dir, directory)
-        for name in [*remote, *DRIVER_ACTORS]:
+        for name in remote:
             try:
                 await directory.ref(name).call("__stop__", failure if name in joined else "",
                                                timeout=5.0)
             except ActorError:
                 pass
-        await asyncio.gather(*local, return_exceptions=True)
+        await local.stop()
 
 
 def main(argv: list[str] | None = None,

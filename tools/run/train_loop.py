@@ -168,7 +168,12 @@ async def train_loop(directory: Directory, config: RunConfig,
     row :func:`step_metrics` builds plus the overlap's waits: ``wait_for_rollout_seconds``
     (training finished, the next rollout had not) and ``wait_for_trainer_seconds`` (the next
     rollout was ready while the trainer still trained; the engines idled). With
-    ``config.max_staleness == 0`` the steps are :func:`sync_step` in sequence."""
+    ``config.max_staleness == 0`` the steps are :func:`sync_step` in sequence.
+
+    ``on_step`` runs in a worker thread, one call at a time, awaited before the next step: the
+    launchers serve the version clock and the rollout manager on this event loop
+    (:class:`replayrl.actors.DriverActors`), and a metrics hook, a W&B upload or a TensorBoard
+    flush must not stop them answering. What it raises ends the loop."""
     manager, trainer = directory.proxy("rollout_manager"), directory.proxy("trainer")
     first = await load_checkpoint(directory, Path(config.load)) if config.load else 0
     push = await trainer.push_weights()  # engines serve nothing before this
@@ -185,8 +190,9 @@ async def train_loop(directory: Directory, config: RunConfig,
                                          or step + 1 == config.num_steps):
                 evaluation = await manager.evaluate(step + 1, min_version=served)
             await save_outputs(directory, trainer, config, step)
-            on_step({**step_metrics(step, summary, trained, push, time.perf_counter() - step_start),
-                     **waits, **evaluation})
+            await asyncio.to_thread(on_step, {
+                **step_metrics(step, summary, trained, push, time.perf_counter() - step_start),
+                **waits, **evaluation})
         return
     generated = await manager.generate(first)
     for step in range(first, config.num_steps):
@@ -223,5 +229,6 @@ async def train_loop(directory: Directory, config: RunConfig,
                 served = _served(push, served)
             evaluation = await manager.evaluate(step + 1, min_version=served)
         await save_outputs(directory, trainer, config, step)
-        on_step({**step_metrics(step, summary, trained, push, time.perf_counter() - step_start),
-                 **waits, **evaluation})
+        await asyncio.to_thread(on_step, {
+            **step_metrics(step, summary, trained, push, time.perf_counter() - step_start),
+            **waits, **evaluation})

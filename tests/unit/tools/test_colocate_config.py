@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from replayrl.actors import ActorDied, Directory, Supervisor
+from replayrl.actors import DRIVER, ActorDied, Directory, Supervisor
 from replayrl.tools.errors import ConfigError
 from replayrl.tools.run.config import build_config
 from replayrl.tools.run.initial_files import Resolved
@@ -103,11 +103,13 @@ class _FakeProcess:
         pass
 
 
-def test_without_colocate_every_actor_has_a_process_of_its_own(tmp_path):
-    config = build_config({"output-dir": str(tmp_path)})
+def test_without_colocate_the_launcher_serves_clock_and_manager_the_rest_apart(tmp_path):
+    config = build_config({"output-dir": str(tmp_path), "num-engines": 2})
     specs = actor_specs(config, Path(tmp_path), resolved=RESOLVED)
-    assert {s.process for s in specs} == {""} and not any(s.thread for s in specs)
-    assert engine_supervision(config, Directory.for_run(tmp_path, ["x"]))["expendable"] == ("engine_0",)
+    assert {s.name: s.process for s in specs} == {
+        "version_clock": DRIVER, "rollout_manager": DRIVER, "engine_0": "", "engine_1": "", "trainer": ""}
+    assert not any(s.thread for s in specs)
+    assert engine_supervision(config, Directory.for_run(tmp_path, ["x"]))["expendable"] == ("engine_0", "engine_1")
 
 
 def test_torchrun_refuses_colocate():

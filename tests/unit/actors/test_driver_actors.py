@@ -1,0 +1,70 @@
+"""Actors a launcher serves in its own event loop (``DriverActors``; the version clock and the
+rollout manager of ``replayrl train``): built before anything serves, answering under their own
+names beside the caller's work, stopped on request, an ``on_start`` error reported."""
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+
+import pytest
+
+from replayrl.actors import DRIVER, Actor, ActorSpec, Directory, DriverActors, RemoteError
+
+ECHO = "tests.actor_fixtures:EchoActor"
+
+
+class StartFails(Actor):
+    """Constructs, then fails in ``on_start`` (after the launcher went on)."""
+
+    async def on_start(self) -> None:
+        raise RuntimeError("no prompts at on_start")
+
+
+async def test_driver_actors_answer_in_this_process_then_stop():
+    with tempfile.TemporaryDirectory(prefix="rrl-") as run_dir:  # short: AF_UNIX path limit
+        directory = Directory.for_run(run_dir, ["clock", "manager"])
+        driver = DriverActors([ActorSpec("clock", ECHO, {"tag": "c"}, process=DRIVER),
+                               ActorSpec("manager", ECHO, process=DRIVER)], directory)
+        clock, manager = directory.ref("clock"), directory.ref("manager")
+        assert await clock.call("__ping__", timeout=10) == {"name": "clock", "pid": os.getpid()}
+        assert await manager.call("echo", [1, "x"], timeout=10) == [1, "x"]
+        with pytest.raises(RemoteError, match="ValueError: bad"):
+            await manager.call("fail", "bad", timeout=10)
+        # the caller's own coroutine runs beside them on the same loop
+        assert await asyncio.wait_for(clock.call("sleep", 0.01, timeout=10), 10) == "slept"
+        await driver.stop()
+        assert driver.task.done() and driver.failure() is None
+        # the ipc endpoints are gone with the servers
+        assert not any(os.path.exists(e[len("ipc://"):]) for e in directory.endpoints.values())
+
+
+async def test_an_on_start_error_is_the_failure_and_stop_still_returns():
+    with tempfile.TemporaryDirectory(prefix="rrl-") as run_dir:
+        directory = Directory.for_run(run_dir, ["clock", "manager"])
+        driver = DriverActors([ActorSpec("clock", ECHO, process=DRIVER),
+                               ActorSpec("manager", f"{__name__}:StartFails", process=DRIVER)],
+                              directory)
+        await asyncio.wait({driver.task}, timeout=10)
+        assert isinstance(driver.failure(), RuntimeError)
+        assert "no prompts at on_start" in str(driver.failure())
+        await asyncio.wait_for(driver.stop(timeout=0.5), 10)
+
+
+async def test_a_constructor_error_raises_before_anything_serves():
+    with tempfile.TemporaryDirectory(prefix="rrl-") as run_dir:
+        directory = Directory.for_run(run_dir, ["clock", "bad"])
+        with pytest.raises(RuntimeError, match="boom in constructor"):
+            DriverActors([ActorSpec("clock", ECHO, process=DRIVER),
+                          ActorSpec("bad", "tests.actor_fixtures:CrashOnStart", process=DRIVER)],
+                         directory)
+        assert not any(os.path.exists(e[len("ipc://"):]) for e in directory.endpoints.values())
+        with pytest.raises(ValueError, match="unique"):
+            DriverActors([ActorSpec("clock", ECHO), ActorSpec("clock", ECHO)], directory)
+
+
+async def test_no_specs_serve_nothing():
+    with tempfile.TemporaryDirectory(prefix="rrl-") as run_dir:
+        driver = DriverActors([], Directory.for_run(run_dir, []))
+        assert driver.task is None and driver.failure() is None
+        await driver.stop()

@@ -287,14 +287,21 @@ class DriverActors:
 
     async def stop(self, failure: str = "", timeout: float = 5.0) -> None:
         """Send each member ``__stop__`` (with ``failure``, the text a stopped actor reports) and
-        wait until all stopped; never raises (see :meth:`failure`)."""
+        wait until all stopped; a member that did not get it within ``timeout`` seconds (its ipc
+        file removed under it, say) is cancelled, which still runs its ``on_stop``. Never raises
+        (see :meth:`failure`)."""
         if self.task is None:
             return
         for name in self.names:
+            if self.task.done():
+                break
             try:
                 await self.directory.ref(name).call("__stop__", failure, timeout=timeout)
             except ActorError:
                 pass
+        await asyncio.wait({self.task}, timeout=timeout)
+        if not self.task.done():
+            self.task.cancel()
         await asyncio.gather(self.task, return_exceptions=True)
 
 

@@ -185,11 +185,15 @@ def _assert_stopped_clean(proc, actors, tmp, code):
                          ids=["ctrl-c", "sigterm"])
 def test_ctrl_c_stops_every_process_and_removes_ipc_files(tmp_path, ipc_tmp, signum, code):
     proc, _, tmp = _train_until_first_step(tmp_path, ipc_tmp, signal.SIG_DFL)
-    actors = _children(proc.pid)
-    # engine and trainer (the launcher serves the clock and the manager itself)
-    assert len([p for p in actors if _alive(p)]) >= 2
-    proc.send_signal(signum)
-    _assert_stopped_clean(proc, actors, tmp, code)
+    try:
+        actors = _children(proc.pid)
+        # engine and trainer (the launcher serves the clock and the manager itself)
+        assert len([p for p in actors if _alive(p)]) >= 2
+        proc.send_signal(signum)
+        _assert_stopped_clean(proc, actors, tmp, code)
+    finally:  # a failed assertion must not leave a 500-step run behind
+        proc.kill()
+        proc.communicate()
 
 
 def test_an_inherited_ignored_sigint_is_honoured_and_sigterm_still_stops(tmp_path, ipc_tmp):
@@ -197,16 +201,20 @@ def test_an_inherited_ignored_sigint_is_honoured_and_sigterm_still_stops(tmp_pat
     # nohup-style wrappers, keeps running through the terminal's Ctrl-C, as Python itself and
     # POSIX shells intend for background jobs; SIGTERM is the way to stop such a run
     proc, metrics, tmp = _train_until_first_step(tmp_path, ipc_tmp, signal.SIG_IGN)
-    actors = _children(proc.pid)
-    proc.send_signal(signal.SIGINT)
-    steps = len(metrics.read_text().splitlines())
-    deadline = time.monotonic() + 120
-    while len(metrics.read_text().splitlines()) < steps + 2:  # two more steps after the SIGINT
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "no step after SIGINT"
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
-    _assert_stopped_clean(proc, actors, tmp, 143)
+    try:
+        actors = _children(proc.pid)
+        proc.send_signal(signal.SIGINT)
+        steps = len(metrics.read_text().splitlines())
+        deadline = time.monotonic() + 120
+        while len(metrics.read_text().splitlines()) < steps + 2:  # two more steps after the SIGINT
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "no step after SIGINT"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        _assert_stopped_clean(proc, actors, tmp, 143)
+    finally:
+        proc.kill()
+        proc.communicate()
 
 
 async def test_replay_check_from_config_stops_a_step_listing_mismatches(tmp_path):

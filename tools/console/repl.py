@@ -2,9 +2,10 @@
 
 Two ways in (docs/design.md#attach-and-multi-host):
 
-* ``replayrl repl [run flags]`` starts the run's actors exactly as ``replayrl train`` starts
-  them (one process each, under a :class:`replayrl.actors.Supervisor`), but nothing drives the loop: the
-  user does, one call (or ``step(k)``) at a time. Leaving stops every actor.
+* ``replayrl repl [run flags]`` starts the run's actors from ``replayrl train``'s specs, under a
+  :class:`replayrl.actors.Supervisor` (a process per engine and trainer; the clock and the
+  manager, which ``replayrl train`` serves in its own loop, share one process), but nothing
+  drives the loop: the user does, one call (or ``step(k)``) at a time. Leaving stops every actor.
 * ``replayrl repl --attach OUTPUT_DIR`` (the run's ``attach.json``, :mod:`replayrl.tools.run.attach_card``) or
   ``--attach tcp://host:port --curve-keys DIR`` (any one actor's address) joins a run that a
   launcher drives. The console is one more client of the actors: it starts, stops and steps

@@ -68,3 +68,15 @@ async def test_no_specs_serve_nothing():
         driver = DriverActors([], Directory.for_run(run_dir, []))
         assert driver.task is None and driver.failure() is None
         await driver.stop()
+
+
+async def test_stop_returns_when_the_stop_call_cannot_arrive():
+    # a run whose ipc directory was removed under it (a test's cleanup did, and the launcher hung
+    # on its last __stop__ calls): the members are cancelled and stopped anyway
+    with tempfile.TemporaryDirectory(prefix="rrl-") as run_dir:
+        directory = Directory.for_run(run_dir, ["clock"])
+        driver = DriverActors([ActorSpec("clock", ECHO, process=DRIVER)], directory)
+        await asyncio.sleep(0.2)  # bound: the file exists
+        os.unlink(directory.endpoints["clock"][len("ipc://"):])
+        await asyncio.wait_for(driver.stop(timeout=0.5), 10)
+        assert driver.task.done()

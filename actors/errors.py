@@ -50,6 +50,8 @@ class ActorTimeout(ActorError, TimeoutError):
 
 class ActorDied(ActorError):
     """An actor process exited unexpectedly; ``traceback_text`` is what it reported, if anything.
+    ``exitcode`` None: an actor the launcher serves in its own process
+    (:class:`replayrl.actors.DriverActors`) stopped before the run ended.
 
     ``members``: every actor that shared the process (``ActorSpec.process``,
     docs/design.md#colocate), all lost with it; empty for a process of one actor. The message
@@ -65,7 +67,9 @@ class ActorDied(ActorError):
         who = (f"actors {', '.join(map(repr, self.members))} (one process)" if len(self.members) > 1
                else f"actor {actor!r}")
         detail = f"\n--- traceback ({actor}) ---\n{traceback_text}" if traceback_text else ""
-        super().__init__(f"{who} exited with code {exitcode}{detail}")
+        # None: an actor served in the launcher's own process (DriverActors) stopped early
+        ended = "stopped serving" if exitcode is None else f"exited with code {exitcode}"
+        super().__init__(f"{who} {ended}{detail}")
 
     def __reduce__(self):
         return (ActorDied, (self.actor, self.exitcode, self.traceback_text, self.members))

@@ -274,13 +274,66 @@ class DriverActors:
         if len(set(self.names)) != len(self.names):
             raise ValueError(f"actor names must be unique, got {list(self.names)}")
         self.directory = directory
+        self._stopping = False
         members = [(import_actor_class(s.cls)(**s.kwargs), s.name) for s in specs]
-        self.task = (asyncio.ensure_future(serve_actors(members, directory, process=DRIVER))
-                     if members else None)
+        self.task = asyncio.ensure_future(self._serve_members(members)) if members else None
+
+    async def _serve_members(self, members: list[tuple[Actor, str]]) -> list[str]:
+        """Each member served as a task of its own; ends when all stopped after :meth:`stop`, or
+        at the first member that ended before it (the others are cancelled, which runs their
+        ``on_stop``): an error it raised, or :class:`ActorDied` for one that was sent
+        ``__stop__`` by someone else (a console attached to the run) while the run needs it."""
+        _use_directory(self.directory)
+        profile_dir = os.environ.get(PROFILE_ENV)
+        profile = cProfile.Profile() if profile_dir else None
+        if profile is not None:
+            profile.enable()
+        tasks = {asyncio.ensure_future(_serve(actor, name, self.directory, None, None, None)): name
+                 for actor, name in members}
+        try:
+            pending = set(tasks)
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    if task.exception() is not None:
+                        raise task.exception()
+                    if not self._stopping:
+                        given = f": {task.result()}" if task.result() else ""
+                        raise ActorDied(tasks[task], None, "it was sent __stop__ before the run "
+                                        f"ended{given}")
+            return [task.result() for task in tasks]
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if profile is not None:
+                profile.disable()
+                write_profile(profile, profile_dir, DRIVER)
+            close_connections()
+
+    async def beside(self, work: Awaitable[Any]) -> Any:
+        """Await ``work`` (the driver's training loop) while the members serve; returns its result.
+
+        Raises:
+            What ended the serving first (:meth:`failure`; ``work`` is cancelled then), else
+            whatever ``work`` raised.
+        """
+        work_task = asyncio.ensure_future(work)
+        waited = {work_task, *([self.task] if self.task is not None else [])}
+        try:
+            await asyncio.wait(waited, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not work_task.done():
+                work_task.cancel()
+                await asyncio.gather(work_task, return_exceptions=True)
+        if self.failure() is not None:
+            raise self.failure()
+        return work_task.result()
 
     def failure(self) -> BaseException | None:
-        """What ended the serving before :meth:`stop` (a member's ``on_start`` / ``on_stop``
-        error), else None."""
+        """What ended the serving before :meth:`stop`, else None: a member's ``on_start`` /
+        ``on_stop`` error, or :class:`ActorDied` naming a member stopped by someone else's
+        ``__stop__``."""
         if self.task is None or not self.task.done() or self.task.cancelled():
             return None
         return self.task.exception()
@@ -292,6 +345,7 @@ class DriverActors:
         (see :meth:`failure`)."""
         if self.task is None:
             return
+        self._stopping = True
         for name in self.names:
             if self.task.done():
                 break

@@ -403,3 +403,37 @@ def test_attach_to_no_run_fails_clearly(tmp_path):
                            "tcp://127.0.0.1:1"], cwd=REPO, env=env, input="",
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "a tcp run needs its CURVE keys" in proc.stderr
+
+
+def test_a_console_that_stops_the_rollout_manager_ends_the_run_naming_it(tmp_path, ipc_tmp):
+    """The launcher serves the clock and the manager in its own event loop: one stopped from an
+    attached console ends the run at once, failed and naming it (not at the next call's
+    timeout, nor as a completed run once both are stopped)."""
+
+    from replayrl.actors.loop import run_event_loop
+    from replayrl.tools.run.attach_card import resolve_attach
+
+    out = tmp_path / "out"
+    env = {**os.environ, "TMPDIR": str(ipc_tmp), "PYTHONPATH": PYTHONPATH}
+    run = subprocess.Popen(
+        [sys.executable, "-m", "replayrl.tools.cli", "train", "--rollout-batch-size", "2",
+         "--n-samples-per-prompt", "2", "--num-steps", "100000", "--no-progress",
+         "--output-dir", str(out)],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(out / "attach.json", run)
+
+        async def stop_manager():
+            target = await resolve_attach(str(out))
+            await target.directory.ref("rollout_manager").call("__stop__", "console says stop",
+                                                                 timeout=10)
+
+        run_event_loop(stop_manager())
+        _, err = run.communicate(timeout=120)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+    assert run.returncode != 0
+    assert "actor 'rollout_manager' stopped serving" in err and "console says stop" in err, err[-2000:]
+    assert [p for p in ipc_tmp.iterdir() if p.name.startswith("replayrl-")] == []

@@ -272,7 +272,7 @@ async def _drive(config: RunConfig, specs: list[ActorSpec], directory: Directory
         resume = checkpoint_next_step(Path(config.load)) if config.load else None
         with MetricsRecorder(config.output_dir, config.num_steps, config.progress,
                              resume_step=resume) as recorder:
-            await train_loop(directory, config, recorder.record)
+            await local.beside(train_loop(directory, config, recorder.record))
         recorder.plot()
         return recorder.summary()
     except BaseException as exc:

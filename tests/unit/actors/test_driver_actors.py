@@ -9,7 +9,7 @@ import tempfile
 
 import pytest
 
-from replayrl.actors import DRIVER, Actor, ActorSpec, Directory, DriverActors, RemoteError
+from replayrl.actors import DRIVER, Actor, ActorDied, ActorSpec, Directory, DriverActors, RemoteError
 
 ECHO = "tests.actor_fixtures:EchoActor"
 
@@ -80,3 +80,58 @@ async def test_stop_returns_when_the_stop_call_cannot_arrive():
         os.unlink(directory.endpoints["clock"][len("ipc://"):])
         await asyncio.wait_for(driver.stop(timeout=0.5), 10)
         assert driver.task.done()
+
+
+async def test_a_member_stopped_by_someone_else_ends_the_serving_as_actor_died():
+    # a console attached to the run sends the manager __stop__: the run must not wait out its
+    # next call's timeout, nor (both members stopped) end as if it had completed
+    with tempfile.TemporaryDirectory(prefix="rrl-") as run_dir:
+        directory = Directory.for_run(run_dir, ["clock", "manager"])
+        driver = DriverActors([ActorSpec("clock", ECHO, process=DRIVER),
+                               ActorSpec("manager", ECHO, process=DRIVER)], directory)
+        manager = directory.ref("manager")
+        await manager.call("__ping__", timeout=10)
+        await manager.call("__stop__", "from a console", timeout=10)
+        await asyncio.wait({driver.task}, timeout=10)
+        failure = driver.failure()
+        assert isinstance(failure, ActorDied) and failure.actor == "manager"
+        assert "from a console" in str(failure)
+        # the other member was stopped with it: its endpoint is gone too
+        assert not any(os.path.exists(e[len("ipc://"):]) for e in directory.endpoints.values())
+        await asyncio.wait_for(driver.stop(timeout=0.5), 10)
+
+
+async def test_beside_returns_the_work_or_raises_what_ended_the_members_first():
+    with tempfile.TemporaryDirectory(prefix="rrl-") as run_dir:
+        directory = Directory.for_run(run_dir, ["clock"])
+        driver = DriverActors([ActorSpec("clock", ECHO, process=DRIVER)], directory)
+        clock = directory.ref("clock")
+        assert await driver.beside(clock.call("echo", 7, timeout=10)) == 7
+        cancelled = asyncio.Event()
+
+        async def training_loop():
+            try:
+                await asyncio.sleep(60)
+            finally:
+                cancelled.set()
+
+        async def stop_clock_soon():
+            await asyncio.sleep(0.2)
+            await clock.call("__stop__", timeout=10)
+
+        stopper = asyncio.ensure_future(stop_clock_soon())
+        with pytest.raises(ActorDied, match="clock"):
+            await asyncio.wait_for(driver.beside(training_loop()), 10)
+        assert cancelled.is_set()
+        await stopper
+        await driver.stop()
+
+
+async def test_stop_after_the_run_is_not_a_failure():
+    with tempfile.TemporaryDirectory(prefix="rrl-") as run_dir:
+        directory = Directory.for_run(run_dir, ["clock", "manager"])
+        driver = DriverActors([ActorSpec("clock", ECHO, process=DRIVER),
+                               ActorSpec("manager", ECHO, process=DRIVER)], directory)
+        assert await driver.beside(asyncio.sleep(0.05, result="done")) == "done"
+        await driver.stop("the run failed")
+        assert driver.failure() is None and driver.task.result() == ["the run failed"] * 2

@@ -13,7 +13,7 @@ from replayrl.actors.errors import (
 from replayrl.actors.interface import ActorInterface
 from replayrl.actors.loop import run_event_loop
 from replayrl.actors.proxy import ActorProxy
-from replayrl.actors.ref import ActorRef, close_connections
+from replayrl.actors.ref import ActorRef, close_connections, send_buffer
 from replayrl.actors.spawn import (
     DRIVER,
     ActorSpec,
@@ -29,6 +29,6 @@ from replayrl.actors.spawn import (
 __all__ = [
     "Actor", "ActorServer", "concurrent", "Directory", "UnknownActor", "ActorDied", "ActorError",
     "ActorTimeout", "ProtocolError", "RemoteError", "run_event_loop", "ActorRef",
-    "close_connections", "ActorCallError", "ActorInterface", "ActorProxy", "ActorSpec", "Supervisor",
+    "close_connections", "send_buffer", "ActorCallError", "ActorInterface", "ActorProxy", "ActorSpec", "Supervisor",
     "DRIVER", "DriverActors", "import_callable", "import_object", "serve_actor", "serve_actors", "process_groups",
 ]

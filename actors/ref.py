@@ -11,6 +11,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Coroutine
 
+import numpy as np
+
 from replayrl.actors.envelope import CALL, ERR, OK, TELL, request
 from replayrl.actors.errors import ActorTimeout, PeerLost, ProtocolError, RemoteError
 from replayrl.actors.interface import ActorInterface
@@ -221,6 +223,23 @@ def use_shared_memory(max_bytes: int, min_array_bytes: int) -> None:
 def shared_memory_pool() -> ShmPool | None:
     """This process's shared-memory pool for ipc peers (None when switched off)."""
     return POOL.shm
+
+
+def send_buffer(size: int, dtype: np.dtype | type = np.float32) -> np.ndarray:
+    """A writable 1-D array of ``size`` elements of ``dtype`` to fill and then send to ipc peers:
+    in a slot of this process's shared-memory pool when it has room, so that the first call
+    carrying the whole array copies nothing (:meth:`replayrl.transport.shm_pool.ShmPool.buffer`);
+    else an ordinary ``np.empty``. Contents are not initialised.
+
+    Raises:
+        ValueError: ``size`` < 0.
+    """
+    dtype = np.dtype(dtype)
+    if size < 0:
+        raise ValueError(f"send_buffer size must be >= 0, got {size}")
+    pool = POOL.shm
+    flat = pool.buffer(size * dtype.itemsize) if pool is not None else None
+    return np.empty(size, dtype) if flat is None else flat.view(dtype)
 
 
 def shared_memory_reader() -> ShmReader:

@@ -34,6 +34,17 @@ past that sends arrays as ordinary ZeroMQ frames. So a slot is never rewritten w
 view of it exists, and holding arrays costs only the pool's growth. A message that is decoded
 by nobody (its receiver died, or refused it before reading its arrays) leaves its slot busy
 for the life of the sender: bounded by ``max_bytes``, after which sends fall back to frames.
+
+Send buffers
+------------
+A sender that builds a large array only to send it (the trainer's weight push: every weight
+concatenated into one buffer) can build it in a slot instead (:meth:`ShmPool.buffer`): the
+slot is *held* while any view of that buffer lives, and the first message that sends the
+whole buffer carries the slot's handle without copying it. So the push costs no buffer of its
+own beside the slot (at the 50m preset that buffer was 178 MiB of the trainer's peak, kept
+until the engines loaded: docs/benchmarks.md, cut (16)). A later message sending the same
+buffer (a second engine) gets a copy in another slot, as any array does: a slot has one
+receiver. A held slot is free again once its receiver released it and the buffer is dropped.
 """
 from __future__ import annotations
 
@@ -85,7 +96,7 @@ def _slot_capacity(nbytes: int) -> int:
 class _Slot:
     """One memfd of the sender's pool, mapped and pre-faulted."""
 
-    __slots__ = ("fd", "token", "capacity", "mm", "data", "words", "generation")
+    __slots__ = ("fd", "token", "capacity", "mm", "data", "words", "generation", "held", "handed")
 
     def __init__(self, capacity: int) -> None:
         self.fd = os.memfd_create(_MEMFD_NAME, os.MFD_CLOEXEC)
@@ -102,12 +113,14 @@ class _Slot:
         self.token = secrets.randbits(62) + 1
         self.capacity = capacity
         self.generation = 0
+        self.held = False  # a send buffer (ShmPool.buffer) over this slot is alive
+        self.handed = False  # this generation's handle went into a message
         self.words[_TOKEN] = self.token
         self.words[_CAPACITY] = capacity
 
     @property
     def free(self) -> bool:
-        return int(self.words[_RELEASED]) == self.generation
+        return not self.held and int(self.words[_RELEASED]) == self.generation
 
     def close(self) -> None:
         self.words = self.data = None  # drop the exports of mm first
@@ -140,6 +153,21 @@ def mark_sent(frames: list) -> None:
     for f in frames:
         if type(f) is ShmHeader:
             f.sent = True
+
+
+class _Hold:
+    """The base object of a send buffer (:meth:`ShmPool.buffer`) and of every view of it; when
+    the last one is dropped the slot is no longer held, and a slot whose handle was never sent
+    is released here (module docstring, "Send buffers")."""
+
+    __slots__ = ("__array_interface__", "slot", "generation", "__weakref__")
+
+    def __del__(self, _released: int = _RELEASED) -> None:  # bound now: also runs at exit
+        slot = self.slot
+        if slot.words is not None and slot.generation == self.generation:
+            if not slot.handed:
+                slot.words[_released] = self.generation
+            slot.held = False
 
 
 class ShmPool:
@@ -188,11 +216,53 @@ class ShmPool:
         if nbytes < self.min_array_bytes or os.getpid() != self.pid:  # a forked child: not ours
             return None
         with self._lock:
+            held = self._held_slot(flat_u8)
+            if held is not None:  # a send buffer, sent whole for the first time: no copy
+                held.handed = True
+                return [self.pid, held.fd, held.token, held.generation], (held, held.generation)
             slot = self._take(_slot_capacity(nbytes))
         if slot is None:
             return None
         np.copyto(slot.data[:nbytes], flat_u8)  # the one copy: the message owns its bytes now
         return [self.pid, slot.fd, slot.token, slot.generation], (slot, slot.generation)
+
+    def buffer(self, nbytes: int) -> np.ndarray | None:
+        """A writable 1-D uint8 array of ``nbytes`` in a slot of this pool, for the caller to
+        fill and then send: the first message that carries the whole array (any dtype view of
+        it, from its first byte) sends the slot without copying (module docstring, "Send
+        buffers"). Its contents are not zeroed.
+
+        Returns:
+            the array; None when ``nbytes`` is below ``min_array_bytes`` or ``max_bytes``
+            allows no slot for it (the caller then allocates an ordinary array).
+        """
+        if nbytes < self.min_array_bytes or os.getpid() != self.pid:
+            return None
+        with self._lock:
+            slot = self._take(_slot_capacity(nbytes))
+            if slot is None:
+                return None
+            slot.held, slot.handed = True, False
+        hold = _Hold()
+        hold.slot, hold.generation = slot, slot.generation
+        hold.__array_interface__ = {"data": (slot.data.ctypes.data, False), "shape": (nbytes,),
+                                    "typestr": "|u1", "version": 3}
+        return np.asarray(hold)
+
+    @staticmethod
+    def _held_slot(flat_u8: np.ndarray) -> _Slot | None:
+        """The held slot of the send buffer ``flat_u8`` is, whole and from its first byte, if its
+        handle has not gone into a message yet; else None."""
+        hold = flat_u8.base
+        while type(hold) is np.ndarray:  # numpy stops collapsing bases at a non-array owner
+            hold = hold.base
+        if type(hold) is not _Hold:
+            return None
+        slot = hold.slot
+        if (slot.handed or slot.words is None or slot.generation != hold.generation
+                or flat_u8.ctypes.data != slot.data.ctypes.data):
+            return None
+        return slot
 
     def _take(self, capacity: int) -> _Slot | None:
         slots = self._slots.setdefault(capacity, [])

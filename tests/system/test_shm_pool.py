@@ -16,7 +16,14 @@ import torch
 from replayrl.actors import ActorSpec, Directory, Supervisor
 from replayrl.actors.ref import POOL, Message, shared_memory_pool, use_shared_memory
 from replayrl.transport import Codec, CodecConfig, DealerSocket, DecodeError, MessageTooLarge, TransportError
-from replayrl.transport.shm_pool import ShmHeader, ShmPool, ShmReader, mark_sent
+from replayrl.transport.shm_pool import (
+    DEFAULT_SHM_MIN_ARRAY_BYTES,
+    DEFAULT_SHM_POOL_BYTES,
+    ShmHeader,
+    ShmPool,
+    ShmReader,
+    mark_sent,
+)
 
 ECHO = "tests.actor_fixtures:EchoActor"
 MiB = 1 << 20
@@ -56,6 +63,66 @@ def test_array_travels_by_handle_and_its_slot_lives_as_long_as_any_view():
     # the next message reuses the same slot (no new memory) and carries its own values
     z = codec.decode(_sent(codec.encode(np.full(MiB // 4, 7, np.float32), pool)), reader)
     assert float(z.sum()) == 7.0 * (MiB // 4) and pool.slot_bytes == MiB
+
+
+def test_a_send_buffer_goes_whole_by_handle_once_and_its_slot_waits_for_both_sides():
+    # the trainer's weight push: built in a slot, sent to the first engine without a copy
+    pool, reader, codec = ShmPool(64 * MiB, 64 << 10), ShmReader(), Codec()
+    buffer = pool.buffer(MiB).view(np.float32)
+    buffer[:] = np.arange(MiB // 4, dtype=np.float32)
+    assert pool.slot_bytes == MiB and pool.busy() == 1
+    y = codec.decode(_sent(codec.encode({"w": buffer}, pool)), reader)["w"]
+    assert pool.slot_bytes == MiB  # no second slot: the message is the buffer's slot
+    np.testing.assert_array_equal(y, np.arange(MiB // 4, dtype=np.float32))
+    # a second engine gets a copy in a slot of its own, whose values are the buffer's
+    z = codec.decode(_sent(codec.encode(buffer, pool)), reader)
+    assert pool.slot_bytes == 2 * MiB
+    buffer[0] = -1.0  # a later write by the sender reaches neither copy of the second message
+    assert z[0] == 0.0
+    del z
+    gc.collect()
+    assert pool.busy() == 1
+    del y  # the first receiver released it, the sender still holds the buffer
+    gc.collect()
+    assert pool.busy() == 1
+    del buffer
+    gc.collect()
+    assert pool.busy() == 0
+    # the released slot is taken again by the next send buffer of its size class
+    again = pool.buffer(MiB)
+    assert pool.slot_bytes == 2 * MiB and pool.busy() == 1
+    del again
+    gc.collect()
+    assert pool.busy() == 0  # never sent: dropping it frees the slot
+
+
+def test_a_partial_or_offset_view_of_a_send_buffer_is_copied_and_small_ones_are_refused():
+    pool, reader, codec = ShmPool(4 * MiB, 64 << 10), ShmReader(), Codec()
+    buffer = pool.buffer(MiB)
+    buffer[:] = np.arange(MiB, dtype=np.int64).astype(np.uint8)
+    tail = codec.decode(_sent(codec.encode(buffer[MiB // 2:], pool)), reader)  # not from byte 0
+    np.testing.assert_array_equal(tail, (np.arange(MiB // 2, MiB) % 256).astype(np.uint8))
+    assert pool.slot_bytes == MiB + MiB // 2  # a slot of its own (a power of two below 16 MiB)
+    whole = codec.decode(_sent(codec.encode(buffer, pool)), reader)  # still handed over whole
+    assert pool.slot_bytes == MiB + MiB // 2 and whole[MiB - 1] == 255
+    assert pool.buffer(1000) is None  # below min_array_bytes: the caller allocates
+    assert pool.buffer(8 * MiB) is None  # beyond max_bytes
+
+
+def test_send_buffer_falls_back_to_an_ordinary_array_without_a_pool():
+    from replayrl.actors import send_buffer
+
+    use_shared_memory(0, 64 << 10)
+    try:
+        plain = send_buffer(MiB, np.float32)
+        assert plain.dtype == np.float32 and plain.shape == (MiB,) and plain.base is None
+    finally:
+        use_shared_memory(DEFAULT_SHM_POOL_BYTES, DEFAULT_SHM_MIN_ARRAY_BYTES)
+    in_pool = send_buffer(MiB, np.float32)
+    assert in_pool.shape == (MiB,) and in_pool.base is not None
+    assert shared_memory_pool().busy() >= 1
+    with pytest.raises(ValueError, match="size"):
+        send_buffer(-1)
 
 
 def test_a_large_array_takes_a_slot_at_most_an_eighth_larger_than_itself():

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from replayrl.actors.errors import VersionRegression
+from replayrl.actors.ref import send_buffer
 from replayrl.rollout.model.checkpoint import save_pretrained, state_dict_arrays
 from replayrl.rollout.model.config import ModelConfig
 from replayrl.rollout.model.errors import CheckpointError
@@ -319,7 +320,8 @@ class TorchBackend(TrainerBackend):
     def weight_bundle(self, full: bool = True) -> dict:
         """See :meth:`TrainerBackend.weight_bundle`: the float32 weights copied once, by one
         ``torch.cat``, into the bundle's buffer (``weights`` then ``pack_arrays`` copied each
-        tensor twice: ~3.5 of a ~60 ms step on the default model).
+        tensor twice: ~3.5 of a ~60 ms step on the default model), which is a send buffer in
+        this process's shared-memory pool (:func:`replayrl.actors.send_buffer`).
 
         Under LoRA the bundle holds the adapter factors
         (:func:`replayrl.trainer.lora.adapter_arrays`), after the base weights when ``full``
@@ -333,8 +335,12 @@ class TorchBackend(TrainerBackend):
         state = self.model.state_dict()
         if any(t.dtype != torch.float32 for t in state.values()):
             return super().weight_bundle()
+        # built in a shared-memory slot when the pool has room: sending it to an engine then
+        # copies nothing, and no buffer of the push's size waits beside the slot until the
+        # engines loaded it (docs/benchmarks.md, cut (16))
+        buffer = send_buffer(sum(t.numel() for t in state.values()), np.float32)
         with torch.no_grad():
-            buffer = torch.cat([t.reshape(-1) for t in state.values()]).numpy()
+            torch.cat([t.reshape(-1) for t in state.values()], out=torch.from_numpy(buffer))
         buffer.flags.writeable = False
         return bundle_of_buffer(buffer, [(name, tuple(t.shape)) for name, t in state.items()])
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -34,6 +33,7 @@ from replayrl.trainer.errors import CheckpointLayoutError  # noqa: E402
 from tests import megatron_cases as cases  # noqa: E402
 from tests.child_env import PYTHONPATH
 from tests.paths import REPO
+from tests.ports import port_block
 
 WORKER = str(REPO / "tests" / "megatron_worker.py")
 STEP_ATOL = 5e-4
@@ -42,17 +42,12 @@ whose gradient is near eps differ by reduction-order rounding (measured up to 2e
 layouts); a wrong clip, scale or update moves entries by ~lr = 1e-2."""
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _run(checkpoint: Path, out: Path, nproc: int, *args: str) -> dict[str, np.ndarray]:
     out.mkdir(parents=True, exist_ok=True)
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-         f"--master-port={_port()}", WORKER, str(checkpoint), str(out), *args],
+         f"--master-port={port_block()}", WORKER, str(checkpoint), str(out), *args],
         cwd=REPO, env={**os.environ, "PYTHONPATH": PYTHONPATH, "OMP_NUM_THREADS": "1"},
         capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -320,7 +315,7 @@ def _torchrun_train(out: Path, nproc: int, curve_keys: str, *flags: str, steps: 
 
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-         f"--master-port={_port()}", "-m", "replayrl.tools.run.torchrun_entry", "--num-steps", str(steps),
+         f"--master-port={port_block()}", "-m", "replayrl.tools.run.torchrun_entry", "--num-steps", str(steps),
          "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--no-progress",
          "--output-dir", str(out), "--ready-timeout", "120", "--curve-keys", curve_keys, *flags],
         cwd=REPO, env={**os.environ, "PYTHONPATH": PYTHONPATH}, capture_output=True, text=True,

@@ -4,7 +4,6 @@ gives the failure that item exists for (tests/megatron_probe.py, one process per
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
@@ -15,21 +14,17 @@ pytest.importorskip("megatron.core")
 from replayrl.trainer.backends import megatron_cpu_compat  # noqa: E402
 from tests.child_env import PYTHONPATH
 from tests.paths import REPO
+from tests.ports import port_block
 
 PROBE = str(REPO / "tests" / "megatron_probe.py")
 
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _probe(*args: str, nproc: int = 1) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": PYTHONPATH, "OMP_NUM_THREADS": "1"}
     cmd = ([sys.executable, PROBE] if nproc == 1 else
            [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-            f"--master-port={_port()}", PROBE])
+            f"--master-port={port_block()}", PROBE])
     return subprocess.run([*cmd, *args], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=300)
 

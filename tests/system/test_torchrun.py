@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,18 +11,13 @@ import pytest
 
 from tests.child_env import PYTHONPATH
 from tests.paths import REPO
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.ports import port_block
 
 
 def _torchrun(nproc: int, out: Path, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-         f"--master-port={_free_port()}", "-m", "replayrl.tools.run.torchrun_entry", "--num-steps", "2",
+         f"--master-port={port_block()}", "-m", "replayrl.tools.run.torchrun_entry", "--num-steps", "2",
          "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--no-progress",
          "--output-dir", str(out), *extra],
         cwd=REPO, env={**os.environ, "PYTHONPATH": PYTHONPATH, **(env or {})},

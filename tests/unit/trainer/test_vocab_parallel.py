@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 from datetime import timedelta
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import torch.multiprocessing as mp
 from replayrl.trainer.errors import LogprobError
 from replayrl.trainer.logprobs import support_logprobs
 from replayrl.trainer.parallel.vocab_parallel import vocab_parallel_support_logprobs
+from tests.ports import port_block
 
 WORLD, N, V, K, T = 2, 9, 16, 4, 0.8
 
@@ -59,17 +59,12 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def two_rank_results(tmp_path_factory):
     """Run both variants in one spawn: starting processes dominates the cost."""
     out_dir = tmp_path_factory.mktemp("vocab_parallel")
-    mp.spawn(_worker, args=(_free_port(), str(out_dir)), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(port_block(), str(out_dir)), nprocs=WORLD, join=True)
     return out_dir
 
 

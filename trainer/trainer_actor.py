@@ -182,8 +182,9 @@ class TrainerActor(Actor):
 
         Args:
             wait: return once every engine loaded them and the VersionClock recorded it. With
-                ``False`` return once they are sent (the arrays are copied at the send, so
-                training may go on): the engines load them while the trainer trains, and a
+                ``False`` return once they are sent (the arrays are copied at the send, or
+                sent by handle and moved before the trainer next writes them, so training may
+                go on): the engines load them while the trainer trains, and a
                 ``generate`` asking for this ``min_version`` waits for the load. The next push
                 (or :meth:`wait_for_push`) waits for this one first and raises its error.
         Returns:

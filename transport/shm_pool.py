@@ -45,6 +45,12 @@ own beside the slot (at the 50m preset that buffer was 178 MiB of the trainer's 
 until the engines loaded: docs/benchmarks.md, cut (16)). A later message sending the same
 buffer (a second engine) gets a copy in another slot, as any array does: a slot has one
 receiver. A held slot is free again once its receiver released it and the buffer is dropped.
+
+A send buffer may be sent by handle again after its owner changed it (the trainer's
+parameters live in one, and each push sends it anew): :func:`buffer_in_use` says whether the
+receiver of its last handed message may still read it (the owner must not write it then), and
+:func:`renew_buffer` gives the slot a new generation once it is not, so the next message
+carries it by handle again.
 """
 from __future__ import annotations
 
@@ -60,7 +66,7 @@ import numpy as np
 from replayrl.transport.errors import DecodeError, TransportError
 
 __all__ = ["ShmPool", "ShmReader", "ShmHeader", "DEFAULT_SHM_POOL_BYTES", "DEFAULT_SHM_MIN_ARRAY_BYTES",
-           "mark_sent"]
+           "mark_sent", "buffer_in_use", "renew_buffer"]
 
 DEFAULT_SHM_POOL_BYTES = 1 << 30
 """Most bytes of slots one process keeps (its sends; receivers map, never allocate); unit: bytes."""
@@ -170,6 +176,47 @@ class _Hold:
             slot.held = False
 
 
+def _hold_of(buffer: np.ndarray) -> _Hold | None:
+    """The :class:`_Hold` behind ``buffer`` (any view of a send buffer), else None."""
+    hold = buffer.base
+    while type(hold) is np.ndarray:  # numpy stops collapsing bases at a non-array owner
+        hold = hold.base
+    return hold if type(hold) is _Hold else None
+
+
+def buffer_in_use(buffer: np.ndarray) -> bool:
+    """Whether a receiver may still read the send buffer ``buffer`` (:meth:`ShmPool.buffer`, or
+    any view of one): its slot's handle went into a message whose receiver has not released it
+    yet. The owner must not write the buffer while this holds. False for any other array."""
+    hold = _hold_of(buffer)
+    if hold is None:
+        return False
+    slot = hold.slot
+    return (slot.handed and slot.words is not None and slot.generation == hold.generation
+            and int(slot.words[_RELEASED]) != slot.generation)
+
+
+def renew_buffer(buffer: np.ndarray) -> None:
+    """After the owner changed send buffer ``buffer``: give its slot a new generation, so the
+    next message carrying it whole sends it by handle again (module docstring, "Send
+    buffers").
+
+    Raises:
+        TransportError: ``buffer`` is no send buffer, or a receiver may still read it
+            (:func:`buffer_in_use`).
+    """
+    hold = _hold_of(buffer)
+    if hold is None:
+        raise TransportError("renew_buffer: the array is not a send buffer (ShmPool.buffer)")
+    if buffer_in_use(buffer):
+        raise TransportError("renew_buffer: a receiver may still read the send buffer")
+    slot = hold.slot
+    slot.generation += 1
+    slot.words[_GENERATION] = slot.generation
+    slot.handed = False
+    hold.generation = slot.generation
+
+
 class ShmPool:
     """The sending side: slots of reused, pre-faulted shared memory (see the module docstring).
 
@@ -253,10 +300,8 @@ class ShmPool:
     def _held_slot(flat_u8: np.ndarray) -> _Slot | None:
         """The held slot of the send buffer ``flat_u8`` is, whole and from its first byte, if its
         handle has not gone into a message yet; else None."""
-        hold = flat_u8.base
-        while type(hold) is np.ndarray:  # numpy stops collapsing bases at a non-array owner
-            hold = hold.base
-        if type(hold) is not _Hold:
+        hold = _hold_of(flat_u8)
+        if hold is None:
             return None
         slot = hold.slot
         if (slot.handed or slot.words is None or slot.generation != hold.generation

@@ -22,7 +22,9 @@ from replayrl.transport.shm_pool import (
     ShmHeader,
     ShmPool,
     ShmReader,
+    buffer_in_use,
     mark_sent,
+    renew_buffer,
 )
 
 ECHO = "tests.actor_fixtures:EchoActor"
@@ -94,6 +96,38 @@ def test_a_send_buffer_goes_whole_by_handle_once_and_its_slot_waits_for_both_sid
     del again
     gc.collect()
     assert pool.busy() == 0  # never sent: dropping it frees the slot
+
+
+def test_a_renewed_send_buffer_goes_by_handle_again_once_its_receiver_released_it():
+    # the trainer's weights live in a send buffer and every push sends it anew
+    pool, reader, codec = ShmPool(64 * MiB, 64 << 10), ShmReader(), Codec()
+    weights = pool.buffer(MiB).view(np.float32)
+    weights[:] = 1.0
+    assert not buffer_in_use(weights)  # never sent
+    y = codec.decode(_sent(codec.encode(weights, pool)), reader)
+    assert buffer_in_use(weights) and buffer_in_use(weights[10:])  # any view of it says so
+    with pytest.raises(TransportError, match="may still read"):
+        renew_buffer(weights)
+    del y
+    gc.collect()
+    assert not buffer_in_use(weights)
+    weights[:] = 2.0  # the owner's step
+    renew_buffer(weights)
+    z = codec.decode(_sent(codec.encode(weights, pool)), reader)
+    assert pool.slot_bytes == MiB and float(z[0]) == 2.0  # by handle again: no new slot
+    # an unsent message leaves it free for the owner
+    del z
+    gc.collect()
+    renew_buffer(weights)
+    codec.encode(weights, pool)  # dropped unsent
+    gc.collect()
+    assert not buffer_in_use(weights)
+    with pytest.raises(TransportError, match="not a send buffer"):
+        renew_buffer(np.zeros(MiB, np.uint8))
+    assert not buffer_in_use(np.zeros(4))
+    del weights
+    gc.collect()
+    assert pool.busy() == 0
 
 
 def test_a_partial_or_offset_view_of_a_send_buffer_is_copied_and_small_ones_are_refused():

@@ -250,7 +250,18 @@ def test_forwards_report_the_entropy_over_each_tokens_support(checkpoint):
     assert not train.support_entropy.requires_grad
 
 
-def test_weight_bundle_holds_the_weights_as_pack_arrays_does_and_owns_its_copy(checkpoint):
+def _train_once(backend: TorchBackend) -> None:
+    """One optimizer step through the backend (``clip_and_step``) on a loss of every weight."""
+    backend.zero_grad()
+    sum((p.float() ** 2).sum() for p in backend.params).backward()
+    backend.clip_and_step(1.0)
+
+
+def _snapshot(backend: TorchBackend) -> dict[str, np.ndarray]:
+    return {k: v.detach().numpy().copy() for k, v in backend.model.state_dict().items()}
+
+
+def test_weight_bundle_holds_the_weights_as_pack_arrays_does(checkpoint):
     backend = _backend(checkpoint)
     bundle = backend.weight_bundle()
     reference = pack_arrays(backend.weights())  # the generic path: per-array copies
@@ -258,7 +269,52 @@ def test_weight_bundle_holds_the_weights_as_pack_arrays_does_and_owns_its_copy(c
     got, expected = unpack_arrays(bundle), unpack_arrays(reference)
     assert all(np.array_equal(got[k], expected[k]) and got[k].shape == expected[k].shape
                for k in expected)
-    with torch.no_grad():  # a later optimizer step must not reach a bundle on its way
-        for p in backend.model.parameters():
-            p.add_(1.0)
-    assert all(np.array_equal(unpack_arrays(bundle)[k], expected[k]) for k in expected)
+
+
+def test_a_push_in_flight_keeps_its_weights_while_training_goes_on(checkpoint):
+    # cut (17): the weights live in the push's shared-memory slot, so a push is sent with no
+    # copy; a step while an engine still reads it moves the weights out first, a step after
+    # it was released trains in place
+    from replayrl.actors.ref import shared_memory_pool
+    from replayrl.transport import Codec
+    from replayrl.transport.shm_pool import ShmReader, mark_sent
+
+    backend, codec, reader = _backend(checkpoint), Codec(), ShmReader()
+    pool = shared_memory_pool()
+    first = next(iter(backend.model.state_dict()))
+
+    def home() -> int:
+        return backend.model.state_dict()[first].data_ptr()
+
+    def send(bundle):  # an engine call's encoding (made when the call is made) and its receipt
+        frames = codec.encode(bundle, pool)
+        mark_sent(frames)
+        return unpack_arrays(codec.decode(frames, reader))
+
+    pushed = _snapshot(backend)
+    received = send(backend.weight_bundle())
+    busy = pool.busy()
+    assert all(np.array_equal(received[k], pushed[k]) for k in pushed)
+    before = home()
+    _train_once(backend)  # the engine still holds `received`: the weights move out first
+    assert home() != before
+    assert all(np.array_equal(received[k], pushed[k]) for k in pushed)  # what it reads is intact
+    trained = _snapshot(backend)
+    assert any(not np.array_equal(trained[k], pushed[k]) for k in pushed)
+    del received  # loaded: the engine drops its views, which releases the old slot
+    assert pool.busy() == busy  # the old slot went back to the pool, the weights hold the new
+    received = send(backend.weight_bundle())
+    assert all(np.array_equal(received[k], trained[k]) for k in trained)
+    slot_bytes = pool.slot_bytes
+    del received
+    before = home()
+    _train_once(backend)  # released: the step trains in place, no copy, no new slot
+    assert home() == before and pool.slot_bytes == slot_bytes
+    first_engine = backend.weight_bundle()
+    a = send(first_engine)
+    b = send(first_engine)  # a second engine's call of the same push: a copy of its own
+    assert a[first].ctypes.data != b[first].ctypes.data  # (the free slot of before)
+    _train_once(backend)
+    now = _snapshot(backend)
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+    assert any(not np.array_equal(a[k], now[k]) for k in now)

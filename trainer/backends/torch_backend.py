@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from replayrl.actors.errors import VersionRegression
-from replayrl.actors.ref import send_buffer
+from replayrl.actors.ref import send_buffer, shared_memory_pool
 from replayrl.rollout.model.checkpoint import save_pretrained, state_dict_arrays
 from replayrl.rollout.model.config import ModelConfig
 from replayrl.rollout.model.errors import CheckpointError
@@ -43,6 +43,7 @@ from replayrl.trainer.logprobs import full_vocab_logprobs, fused_support_logprob
 from replayrl.trainer.lora_settings import target_modules
 from replayrl.trainer.prefix_tree import PrefixTree
 from replayrl.transport.array_bundle import bundle_of_buffer, pack_arrays
+from replayrl.transport.shm_pool import buffer_in_use, renew_buffer
 
 __all__ = ["TorchBackend", "response_logprobs"]
 
@@ -218,6 +219,11 @@ class TorchBackend(TrainerBackend):
     (:func:`replayrl.trainer.lora.hook_experts`, the fsdp backend); else every forward runs
     under :func:`replayrl.trainer.lora.experts_adapted`."""
 
+    # the send buffer the weights live in once the first push moved them there (cut (17));
+    # None: not yet, or they cannot (weight_bundle)
+    _weights_slot: np.ndarray | None = None
+    _share_tried = False
+
     def __init__(self, checkpoint_dir: str, config: TrainerConfig,
                  vocab_tokens: Sequence[str]) -> None:
         self.config = config
@@ -303,6 +309,7 @@ class TorchBackend(TrainerBackend):
         if not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
             return grad_norm
+        self._weights_writable()
         self.optimizer.step()
         # nothing reads the gradients after the step (the next update's zero_grad would drop
         # them): freed now, they are not held beside the weight push's buffer (peak memory)
@@ -335,6 +342,19 @@ class TorchBackend(TrainerBackend):
         state = self.model.state_dict()
         if any(t.dtype != torch.float32 for t in state.values()):
             return super().weight_bundle()
+        layout = [(name, tuple(t.shape)) for name, t in state.items()]
+        if self._weights_slot is None and not self._share_tried:
+            self._share_tried = True
+            if self._can_share_weights(state):
+                self._weights_slot = self._rehome_weights(state, must=False)
+        self._weights_writable()
+        if self._weights_slot is not None:
+            # the weights themselves are the push: no copy, no buffer (docs/benchmarks.md,
+            # cut (17)); the first engine's call carries the slot by handle
+            renew_buffer(self._weights_slot)
+            pushed = self._weights_slot.view()
+            pushed.flags.writeable = False
+            return bundle_of_buffer(pushed, layout)
         # built in a shared-memory slot when the pool has room: sending it to an engine then
         # copies nothing, and no buffer of the push's size waits beside the slot until the
         # engines loaded it (docs/benchmarks.md, cut (16))
@@ -342,7 +362,58 @@ class TorchBackend(TrainerBackend):
         with torch.no_grad():
             torch.cat([t.reshape(-1) for t in state.values()], out=torch.from_numpy(buffer))
         buffer.flags.writeable = False
-        return bundle_of_buffer(buffer, [(name, tuple(t.shape)) for name, t in state.items()])
+        return bundle_of_buffer(buffer, layout)
+
+    def _can_share_weights(self, state: dict[str, torch.Tensor]) -> bool:
+        """Whether the weights can live in a send buffer (cut (17)): one process's policy (DDP
+        keeps views of its own), every tensor of ``state`` its own contiguous storage (tied
+        weights would need one place for two names)."""
+        if self.ddp is not None:
+            return False
+        storages = {t.untyped_storage().data_ptr() for t in state.values()}
+        return len(storages) == len(state) and all(t.is_contiguous() for t in state.values())
+
+    def _rehome_weights(self, state: dict[str, torch.Tensor], must: bool) -> np.ndarray | None:
+        """Move every tensor of ``state`` (the model's parameters and persistent buffers) into
+        one send buffer of this process's shared-memory pool, in ``state`` order, and point them
+        at it (``Parameter.data``; the optimizer keeps the same parameter objects); returns the
+        buffer (float32, 1-D). When the pool is off or has no room: None, and nothing moved,
+        unless ``must``: then into ordinary memory (the weights are no longer shared)."""
+        numel = sum(t.numel() for t in state.values())
+        pool = shared_memory_pool()
+        flat_u8 = pool.buffer(numel * 4) if pool is not None else None
+        if flat_u8 is None and not must:
+            return None
+        buffer = np.empty(numel, np.float32) if flat_u8 is None else flat_u8.view(np.float32)
+        flat = torch.from_numpy(buffer)
+        # found by identity, not by name: a wrapper's state_dict may rename (FamilyModel's
+        # drops its `hf.` prefix)
+        owners: dict[int, tuple[torch.nn.Module, str]] = {}
+        for module in self.model.modules():
+            for attr, t in [*module._parameters.items(), *module._buffers.items()]:
+                if t is not None:
+                    owners[id(t)] = (module, attr)
+        held = self.model.state_dict(keep_vars=True)
+        with torch.no_grad():
+            torch.cat([t.reshape(-1) for t in state.values()], out=flat)
+            offset = 0
+            for name, t in state.items():
+                view = flat[offset:offset + t.numel()].view(t.shape)
+                offset += t.numel()
+                module, attr = owners[id(held[name])]
+                if attr in module._parameters:
+                    module._parameters[attr].data = view
+                else:
+                    module._buffers[attr] = view
+        return None if flat_u8 is None else buffer
+
+    def _weights_writable(self) -> None:
+        """Call before the weights change (an optimizer step, a checkpoint load, a push): if an
+        engine may still read the last push out of them, move them to a fresh send buffer
+        first (a copy), leaving the old one to the engine; the pool takes it back once the
+        engine released it. Usually the engine has long loaded the push by then."""
+        if self._weights_slot is not None and buffer_in_use(self._weights_slot):
+            self._weights_slot = self._rehome_weights(self.model.state_dict(), must=True)
 
     def save_checkpoint(self, directory: Path, version: int) -> None:
         """``directory/model`` (HF format) and ``directory/trainer_state.pt`` (optimizer state,
@@ -430,6 +501,7 @@ class TorchBackend(TrainerBackend):
             raise ValueError(f"{directory}/trainer_state.pt: optimizer state does not fit this "
                              f"policy: {type(exc).__name__}: {exc}") from None
         # everything checked: swap
+        self._weights_writable()
         self.model.load_state_dict(weights)
         self._load_optimizer_keeping_settings(state["optimizer"])
         torch.set_rng_state(state["torch_rng"])

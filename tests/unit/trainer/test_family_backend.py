@@ -57,3 +57,29 @@ def test_family_trains_with_replay_and_resumes(model_type, tmp_path):
     assert again.load_checkpoint(tmp_path / "step") == 1
     for name, t in backend.model.state_dict().items():
         assert torch.equal(again.model.state_dict()[name], t), name
+
+
+def test_family_weights_live_in_the_push_slot_and_train_there(tmp_path):
+    # cut (17) on a wrapper whose state_dict renames (FamilyModel drops `hf.`): the weights are
+    # found by identity, moved into the push's slot, and the optimizer steps them there
+    from replayrl.actors.ref import shared_memory_pool
+    from replayrl.transport.array_bundle import unpack_arrays
+
+    tiny_hf_checkpoint("glm_moe_dsa", tmp_path / "ckpt")
+    backend = TorchBackend(str(tmp_path / "ckpt"), TrainerConfig(), [])
+    before = {k: v.detach().clone() for k, v in backend.model.state_dict().items()}
+    pushed = unpack_arrays(backend.weight_bundle())
+    assert sorted(pushed) == sorted(before)
+    assert all(np.array_equal(pushed[k], before[k].numpy()) for k in before)
+    assert shared_memory_pool() is not None  # on by default
+    name = next(iter(before))  # the weights are the push, not a copy of it
+    assert pushed[name].ctypes.data == backend.model.state_dict()[name].data_ptr()
+    backend.zero_grad()
+    sum((p.float() ** 2).sum() for p in backend.params).backward()
+    assert np.isfinite(backend.clip_and_step(1.0))
+    after = backend.model.state_dict()
+    trained = [k for k in before if not torch.equal(after[k], before[k])]
+    assert trained and all(p.requires_grad for n, p in backend.model.hf.named_parameters()
+                           if n in trained)
+    again = unpack_arrays(backend.weight_bundle())
+    assert all(np.array_equal(again[k], after[k].numpy()) for k in after)

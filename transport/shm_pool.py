@@ -35,6 +35,16 @@ view of it exists, and holding arrays costs only the pool's growth. A message th
 by nobody (its receiver died, or refused it before reading its arrays) leaves its slot busy
 for the life of the sender: bounded by ``max_bytes``, after which sends fall back to frames.
 
+Receiver pages
+--------------
+Every page a receiver has mapped counts in its RSS as well as in the sender's, though it is
+one page of memory. When the last lease of a slot of at least 16 MiB is dropped (the weight
+push an engine has copied into its own parameters: ~190 MiB at the 50m preset), the receiver
+drops its page-table entries for the slot's data (``MADV_DONTNEED``, which on shared memory
+leaves the contents to the sender) and maps them in again, in one call, when the next message
+on that slot arrives (``MADV_POPULATE_READ``). Smaller slots (rollouts) stay mapped: their
+messages come often and their pages are few.
+
 Send buffers
 ------------
 A sender that builds a large array only to send it (the trainer's weight push: every weight
@@ -363,7 +373,7 @@ class ShmPool:
 class _Mapping:
     """A receiver's mapping of one sender slot, pre-faulted; kept while any lease uses it."""
 
-    __slots__ = ("mm", "words", "address", "token", "capacity")
+    __slots__ = ("mm", "words", "address", "token", "capacity", "dropped")
 
     def __init__(self, path: str) -> None:
         try:
@@ -390,15 +400,47 @@ class _Mapping:
         if self.capacity != info.st_size - _HEADER:
             raise DecodeError(f"shared-memory handle {path}: header says {self.capacity} data bytes, "
                               f"the slot has {info.st_size - _HEADER}")
+        self.dropped = False  # the data pages are mapped in this process (MAP_POPULATE)
+
+
+_UNMAP_PAGES_FROM = 16 << 20
+"""A receiver drops its page-table entries of a slot at least this large when it releases it
+(``MADV_DONTNEED``) and maps them in again at the next message on it (``MADV_POPULATE_READ``);
+unit: bytes (module docstring, "Receiver pages")."""
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14; Python >= 3.12 names it
+
+
+def _drop_pages(mapping: "_Mapping") -> None:
+    """Unmap the data pages of ``mapping`` from this process only (the sender's memory keeps
+    them: ``MADV_DONTNEED`` on a shared mapping drops page-table entries, not contents)."""
+    try:
+        mapping.mm.madvise(mmap.MADV_DONTNEED, _HEADER, mapping.capacity)
+        mapping.dropped = True
+    except (ValueError, OSError):  # closed at exit, or a kernel without it: pages stay mapped
+        pass
+
+
+def _map_pages(mapping: "_Mapping", nbytes: int) -> None:
+    """Map the first ``nbytes`` of data of a dropped ``mapping`` in again in one call instead of a
+    page fault per 4 KiB page on first read; a kernel without ``MADV_POPULATE_READ`` faults
+    them in on read instead."""
+    mapping.dropped = False
+    try:
+        mapping.mm.madvise(_MADV_POPULATE_READ, _HEADER, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
+    except (ValueError, OSError):
+        pass
 
 
 class _Lease:
     """The base object of every array over one received slot; dropping the last view of it
-    releases the slot to its sender (module docstring, "Lifetime")."""
+    releases the slot to its sender (module docstring, "Lifetime") and, for a large slot, its
+    pages from this process ("Receiver pages")."""
 
     __slots__ = ("__array_interface__", "mapping", "generation", "__weakref__")
 
     def __del__(self, _released: int = _RELEASED) -> None:  # bound now: also runs at exit
+        if self.mapping.capacity >= _UNMAP_PAGES_FROM:  # before the release: the next message's
+            _drop_pages(self.mapping)                   # pages are then never dropped under it
         self.mapping.words[_released] = self.generation
 
 
@@ -440,6 +482,8 @@ class ShmReader:
         if nbytes > mapping.capacity:
             raise DecodeError(f"shared-memory array of {nbytes} bytes does not fit its slot of "
                               f"{mapping.capacity} bytes")
+        if mapping.dropped:
+            _map_pages(mapping, nbytes)
         lease = _Lease()
         lease.mapping = mapping
         lease.generation = generation

@@ -130,6 +130,48 @@ def test_a_renewed_send_buffer_goes_by_handle_again_once_its_receiver_released_i
     assert pool.busy() == 0
 
 
+def _resident_bytes(address: int) -> int:
+    """Rss of this process's mapping that starts at ``address``, from /proc/self/smaps (bytes)."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        if "-" in line.split(" ", 1)[0] and not line.startswith(("Rss", "Size")):
+            start = line.split("-", 1)[0]
+            inside = all(c in "0123456789abcdef" for c in start) and int(start, 16) == address
+        elif inside and line.startswith("Rss:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no mapping at {address:#x}")
+
+
+def test_a_receiver_unmaps_a_large_slot_it_released_and_maps_it_again_for_the_next_message():
+    # the engine's copy of a 50m weight push: its pages are the trainer's, counted once
+    pool, reader, codec = ShmPool(256 * MiB, 64 << 10), ShmReader(), Codec()
+    weights = pool.buffer(32 * MiB).view(np.float32)
+    weights[:] = 1.0
+    y = codec.decode(_sent(codec.encode(weights, pool)), reader)
+    (mapping,) = reader._maps.values()
+    assert _resident_bytes(mapping.address) >= 32 * MiB  # mapped, read in place
+    assert float(y[-1]) == 1.0
+    del y
+    gc.collect()
+    assert _resident_bytes(mapping.address) <= 4096  # released: only the header page is left
+    assert float(weights[-1]) == 1.0  # the sender's pages keep their contents
+    weights[:] = 2.0
+    renew_buffer(weights)
+    z = codec.decode(_sent(codec.encode(weights, pool)), reader)
+    assert _resident_bytes(mapping.address) >= 32 * MiB  # mapped again in one call
+    np.testing.assert_array_equal(z[:: 1 << 16], np.full(len(weights) >> 16, 2.0, np.float32))
+    del z
+    gc.collect()
+    # a small slot stays mapped after its release (rollouts: many messages, few pages)
+    small = codec.decode(_sent(codec.encode(np.ones(MiB // 4, np.float32), pool)), reader)
+    small_map = next(m for m in reader._maps.values() if m.capacity < 16 * MiB)
+    del small
+    gc.collect()
+    assert _resident_bytes(small_map.address) >= MiB
+    del weights
+    gc.collect()
+
+
 def test_a_partial_or_offset_view_of_a_send_buffer_is_copied_and_small_ones_are_refused():
     pool, reader, codec = ShmPool(4 * MiB, 64 << 10), ShmReader(), Codec()
     buffer = pool.buffer(MiB)

@@ -116,10 +116,19 @@ class FSDPBackend(TorchBackend):
             fully_shard(layer, mesh=self.mesh, mp_policy=policy)
         fully_shard(self.model, mesh=self.mesh, mp_policy=policy)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = self._make_optimizer()  # the torch backend's fused AdamW, on DTensors
+        self.optimizer = self._make_optimizer()
         self.vocab_tokens = list(vocab_tokens)
         self.checkpoint_dir = checkpoint_dir
         self.ddp = None  # FSDP reduces the gradients itself
+
+    def _make_optimizer(self) -> torch.optim.AdamW:
+        """``torch.optim.AdamW(fused=True)`` over the sharded DTensor parameters: its state dict
+        and loading handle DTensors, and this process imports torch.distributed's stack anyway
+        (the torch backend's :class:`replayrl.trainer.optimizer.FusedAdamW` saves ``torch._dynamo``
+        on the one-process path)."""
+        cfg = self.config
+        return torch.optim.AdamW(self.params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                 eps=cfg.adam_eps, weight_decay=cfg.weight_decay, fused=True)
 
     def _forward(self, batch: TrainBatch, capture: bool, entropy_out: list | None = None,
                  train: bool = False) -> tuple[torch.Tensor, object]:

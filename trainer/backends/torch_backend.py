@@ -41,6 +41,7 @@ from replayrl.trainer.batch import TrainBatch
 from replayrl.trainer.config import TrainerConfig
 from replayrl.trainer.logprobs import full_vocab_logprobs, fused_support_logprobs, support_entropy, support_logprobs
 from replayrl.trainer.lora_settings import target_modules
+from replayrl.trainer.optimizer import FusedAdamW
 from replayrl.trainer.prefix_tree import PrefixTree
 from replayrl.transport.array_bundle import bundle_of_buffer, pack_arrays
 from replayrl.transport.shm_pool import buffer_in_use, renew_buffer
@@ -250,11 +251,13 @@ class TorchBackend(TrainerBackend):
             # each step to find nothing and warned so once per rank.
             self.ddp = torch.nn.parallel.DistributedDataParallel(_LogprobForward(self.model))
 
-    def _make_optimizer(self) -> torch.optim.AdamW:
+    def _make_optimizer(self) -> FusedAdamW:
+        """AdamW over ``self.params`` with the run's settings: torch's fused kernel, without
+        ``torch.optim.Optimizer``, whose methods import ``torch._dynamo`` (~70 MiB RSS in this
+        process; :mod:`replayrl.trainer.optimizer`)."""
         cfg = self.config
-        return torch.optim.AdamW(self.params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                 eps=cfg.adam_eps,
-                                 weight_decay=cfg.weight_decay, fused=True)  # one kernel per step; same values
+        return FusedAdamW(self.params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                          eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
 
     @property
     def model_config(self) -> ModelConfig:

@@ -1,8 +1,8 @@
 """AdamW stepped by torch's own fused kernel without ``torch.optim.Optimizer``.
 
-Why not ``torch.optim.AdamW``: its base class imports ``torch._dynamo`` (the compiler stack,
-~830 modules) the first time a parameter group is added and on every ``step``, to mark its
-methods as not compilable. A trainer process that never compiles pays ~70 MiB of RSS for it
+Why not ``torch.optim.AdamW``: its base class imports ``torch._dynamo`` (the compiler stack)
+the first time a parameter group is added and on every ``step``, to mark its methods as not
+compilable. A trainer process that never compiles pays tens of MiB of RSS for it
 (docs/benchmarks.md, cut (18)); the trainer is one of the two torch processes of a replayrl run.
 :class:`FusedAdamW` calls the same functional ``torch.optim.adamw.adamw(..., fused=True)`` that
 ``torch.optim.AdamW(fused=True).step`` calls, on the same state, so the numbers are torch's and

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import re
 import tempfile
 
 import msgpack
@@ -134,9 +135,9 @@ def _resident_bytes(address: int) -> int:
     """Rss of this process's mapping that starts at ``address``, from /proc/self/smaps (bytes)."""
     inside = False
     for line in open("/proc/self/smaps"):
-        if "-" in line.split(" ", 1)[0] and not line.startswith(("Rss", "Size")):
-            start = line.split("-", 1)[0]
-            inside = all(c in "0123456789abcdef" for c in start) and int(start, 16) == address
+        header = re.match(r"([0-9a-f]+)-[0-9a-f]+ ", line)  # a mapping's first line: its range
+        if header:
+            inside = int(header.group(1), 16) == address
         elif inside and line.startswith("Rss:"):
             return int(line.split()[1]) * 1024
     raise AssertionError(f"no mapping at {address:#x}")

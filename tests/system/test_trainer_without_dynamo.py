@@ -1,5 +1,5 @@
-"""The trainer backend's optimizer step leaves ``torch._dynamo`` unimported: the ~70 MiB of RSS
-that ``torch.optim.Optimizer``'s methods cost a process (replayrl.trainer.optimizer;
+"""The trainer backend's optimizer step leaves ``torch._dynamo`` unimported: the RSS that
+``torch.optim.Optimizer``'s methods cost a process (replayrl.trainer.optimizer;
 docs/benchmarks.md, cut (18))."""
 from __future__ import annotations
 

@@ -253,7 +253,7 @@ class TorchBackend(TrainerBackend):
 
     def _make_optimizer(self) -> FusedAdamW:
         """AdamW over ``self.params`` with the run's settings: torch's fused kernel, without
-        ``torch.optim.Optimizer``, whose methods import ``torch._dynamo`` (~70 MiB RSS in this
+        ``torch.optim.Optimizer``, whose methods import ``torch._dynamo`` (tens of MiB of RSS in this
         process; :mod:`replayrl.trainer.optimizer`)."""
         cfg = self.config
         return FusedAdamW(self.params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),

@@ -1,7 +1,6 @@
 """``FusedAdamW`` is ``torch.optim.AdamW(fused=True)`` without the base class's ``torch._dynamo``
-import: the same updates bit for bit, state dicts that load into each other, clear refusals,
-and a torch backend step that leaves ``torch._dynamo`` unimported (docs/benchmarks.md, cut
-(18))."""
+import: the same updates bit for bit, state dicts that load into each other, clear refusals
+(that a backend step leaves ``torch._dynamo`` unimported: tests/system/test_trainer_without_dynamo.py)."""
 from __future__ import annotations
 
 import copy

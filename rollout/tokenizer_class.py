@@ -10,7 +10,9 @@ installed. The class it picks (for the checkpoints replayrl writes and most fast
 directly gives the same tokenizer (:func:`resolve_tokenizer` also returns that load, which the child's prompt
 check reuses); :func:`load_tokenizer_object` then loads with that class in the rollout manager,
 and with ``AutoTokenizer`` when the class is ``AUTO`` (remote code, or a class whose direct
-load differs).
+load differs). A tokenizer transformers only wraps (no chat template: the embedded one) resolves
+to :class:`replayrl.rollout.backend_tokenizer.BackendTokenizer`, which reads it with the
+``tokenizers`` library and imports no transformers at all.
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ import importlib
 import json
 from pathlib import Path
 from typing import Any
+
+from replayrl.rollout.backend_tokenizer import BACKEND_CLASS, BackendTokenizer, same_tokenizer
 
 AUTO = "auto"
 """The class path that means: resolve with ``AutoTokenizer`` in this process."""
@@ -50,7 +54,9 @@ def _fingerprint(tokenizer: Any) -> dict:
 def resolve_tokenizer_class(directory: str | Path) -> str:
     """The class that loads ``directory``'s tokenizer as ``AutoTokenizer`` does, as
     ``"module:QualName"``, or :data:`AUTO` when only ``AutoTokenizer`` will do (``auto_map``
-    remote code, or the class's own ``from_pretrained`` gives another tokenizer). Imports torch
+    remote code, or the class's own ``from_pretrained`` gives another tokenizer); a tokenizer
+    transformers only wraps resolves to
+    :data:`replayrl.rollout.backend_tokenizer.BACKEND_CLASS` (``tokenizers`` alone). Imports torch
     (through ``AutoTokenizer``); call it where torch is loaded anyway.
 
     Raises:
@@ -78,6 +84,12 @@ def resolve_tokenizer(directory: str | Path) -> tuple[str, Any]:
         pass  # no (readable) tokenizer_config.json: AutoTokenizer decides below
     auto = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     cls = type(auto)
+    try:
+        light = BackendTokenizer.from_pretrained(path)
+    except Exception:  # tokenizers alone cannot read it: a transformers class below
+        light = None
+    if light is not None and same_tokenizer(light, auto):
+        return BACKEND_CLASS, light
     try:
         direct = cls.from_pretrained(str(path), local_files_only=True)
     except Exception:  # the class cannot load the directory alone: keep AutoTokenizer

@@ -4,7 +4,9 @@ tokenizer the tests and examples use: the embedded word-level one (alone and in 
 checkpoint), ``examples/own_data``'s, ``examples/environments``' Hermes one with its tool-calling
 template, the chat-template tokenizers of the turn-separator tests, and the embedded tokenizer
 beside each family type's ``config.json`` (where ``AutoTokenizer`` consults the model type).
-The reference is transformers' ``AutoTokenizer`` itself (``tokenizer_class=None``)."""
+The reference is transformers' ``AutoTokenizer`` itself (``tokenizer_class=None``). A tokenizer
+without a chat template resolves to ``BackendTokenizer`` (the ``tokenizers`` library alone); one
+that transformers changes beyond wrapping it keeps transformers' class."""
 from __future__ import annotations
 
 import importlib.util
@@ -13,6 +15,7 @@ import shutil
 
 import pytest
 
+from replayrl.rollout.backend_tokenizer import BACKEND_CLASS, BackendTokenizer
 from replayrl.rollout.tasks import load_environment_class
 from replayrl.rollout.tokenizer import load_tokenizer
 from replayrl.rollout.tokenizer_class import AUTO, load_tokenizer_object, resolve_tokenizer, resolve_tokenizer_class
@@ -84,12 +87,13 @@ CASES = ["embedded", "embedded_checkpoint", "own_data", "environments", "qwen_te
 def test_the_resolved_class_loads_autotokenizers_tokenizer(dirs, name):
     directory, tools = dirs[name]
     resolved = resolve_tokenizer_class(directory)
-    assert resolved == TORCH_FREE  # every one of them loads without torch
     template = tools is not None
+    # every one of them loads without torch; those without a chat template without transformers
+    assert resolved == (TORCH_FREE if template else BACKEND_CLASS)
     ref = load_tokenizer(directory, apply_chat_template=template, tools=tools or ())
     got = load_tokenizer(directory, apply_chat_template=template, tools=tools or (), tokenizer_class=resolved)
     a, b = ref.tokenizer, got.tokenizer
-    assert type(b) is type(a)
+    assert type(b) is (type(a) if template else BackendTokenizer)
     assert b.get_vocab() == a.get_vocab() and len(b) == len(a)
     assert (b.all_special_tokens, b.all_special_ids) == (a.all_special_tokens, a.all_special_ids)
     assert [b.bos_token_id, b.eos_token_id, b.pad_token_id] == [a.bos_token_id, a.eos_token_id, a.pad_token_id]
@@ -149,3 +153,58 @@ def test_remote_code_hands_back_nothing_loaded(dirs, tmp_path):
     config["auto_map"] = {"AutoTokenizer": ["tokenization_mine.MyTokenizer", None]}
     (d / "tokenizer_config.json").write_text(json.dumps(config))
     assert resolve_tokenizer(d) == (AUTO, None)
+
+
+def _edited(src, dst, **config):
+    shutil.copytree(src, dst)
+    path = dst / "tokenizer_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
+    return dst
+
+
+@pytest.mark.parametrize("config", [{"clean_up_tokenization_spaces": True},  # decode differs
+                                    {"extra_special_tokens": ["<tool>"]},  # a token transformers adds
+                                    {"split_special_tokens": True}])
+def test_a_tokenizer_transformers_changes_keeps_its_class(dirs, tmp_path, config):
+    d = _edited(dirs["embedded"][0], tmp_path / "edited", **config)
+    resolved, loaded = resolve_tokenizer(d)
+    assert resolved == TORCH_FREE and type(loaded).__name__ == "TokenizersBackend"
+
+
+def test_a_post_processor_of_the_file_is_kept(dirs, tmp_path):
+    from transformers import AutoTokenizer
+
+    d = _edited(dirs["embedded"][0], tmp_path / "bos")
+    spec = json.loads((d / "tokenizer.json").read_text())
+    bos = spec["added_tokens"][1]
+    assert bos["content"] == "<bos>"
+    spec["post_processor"] = {"type": "TemplateProcessing",
+                              "single": [{"SpecialToken": {"id": "<bos>", "type_id": 0}},
+                                         {"Sequence": {"id": "A", "type_id": 0}}],
+                              "pair": [{"Sequence": {"id": "A", "type_id": 0}},
+                                       {"Sequence": {"id": "B", "type_id": 1}}],
+                              "special_tokens": {"<bos>": {"id": "<bos>", "ids": [bos["id"]],
+                                                           "tokens": ["<bos>"]}}}
+    (d / "tokenizer.json").write_text(json.dumps(spec))
+    resolved, light = resolve_tokenizer(d)
+    ref = AutoTokenizer.from_pretrained(str(d))
+    assert resolved == BACKEND_CLASS
+    for special in (True, False):
+        assert (light("3 4", add_special_tokens=special)["input_ids"]
+                == ref("3 4", add_special_tokens=special)["input_ids"])
+    assert light("3 4")["input_ids"][0] == bos["id"]
+
+
+def test_the_backend_tokenizer_answers_the_rest_with_transformers(dirs):
+    from transformers import AutoTokenizer
+
+    directory = dirs["embedded_checkpoint"][0]
+    light = load_tokenizer_object(directory, BACKEND_CLASS)
+    ref = AutoTokenizer.from_pretrained(str(directory))
+    ids = ref("1 2 3")["input_ids"]
+    assert light("1 2 3")["input_ids"] == ids
+    # not among its own methods: served by transformers' class, loaded on first use
+    assert light.convert_ids_to_tokens(ids) == ref.convert_ids_to_tokens(ids)
+    assert light.batch_decode([ids, ids[:1]]) == ref.batch_decode([ids, ids[:1]])
+    with pytest.raises(TypeError, match="one str"):
+        light(["1", "2"])

@@ -1,6 +1,7 @@
 """Start actors in their own processes and supervise them (fail fast, clean shutdown).
 
-Each actor runs in a fresh ``spawn`` process (no inherited torch / ZeroMQ state) with its own
+Each actor runs in a fresh Python process (no inherited torch / ZeroMQ state; started as
+:mod:`replayrl.actors.child_process` says, without ``multiprocessing``) with its own
 event loop (uvloop when installed), unless specs name one ``process`` for several actors: those
 share one process and its event loop, each served under its own name and endpoint
 (docs/design.md#colocate). The child ignores SIGINT, so Ctrl-C reaches only the
@@ -22,7 +23,6 @@ import cProfile
 import importlib
 import io
 import logging
-import multiprocessing as mp
 import os
 import pstats
 import signal
@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from replayrl.actors.actor import Actor, ActorServer
+from replayrl.actors.child_process import ChildProcess, start_child
 from replayrl.actors.directory import Directory
 from replayrl.actors.errors import ActorDied, ActorError, PeerLost, RemoteError
 from replayrl.actors.loop import run_event_loop
@@ -529,7 +530,7 @@ class Supervisor:
         self.on_lost = on_lost
         self.on_replaced = on_replaced
         self.run_name = run_name
-        self.processes: dict[str, mp.process.BaseProcess] = {}
+        self.processes: dict[str, ChildProcess] = {}
         self.dropped: dict[str, str] = {}  # name -> why it was lost (on_lost "drop")
         self.replacements: dict[str, int] = {}  # name -> processes started in its place
         self._replacing: dict[str, asyncio.Task] = {}
@@ -559,12 +560,10 @@ class Supervisor:
     def _start(self, key: str) -> None:
         """Start the process ``key`` (:attr:`ActorSpec.process_key`) with every actor of it."""
         group = self.groups[key]
-        proc = mp.get_context("spawn").Process(
-            target=_child_main, name=f"replayrl-{key}", daemon=False,
-            args=(group, self.directory.to_dict(), self.directory.curve_keys,
-                  self.directory.heartbeat_deadline_s, self.directory.shm, os.getpid(),
-                  str(self.run_dir), self.log_level, self.run_name))
-        proc.start()
+        proc = start_child(_child_main, (group, self.directory.to_dict(), self.directory.curve_keys,
+                                         self.directory.heartbeat_deadline_s, self.directory.shm,
+                                         os.getpid(), str(self.run_dir), self.log_level,
+                                         self.run_name), name=f"replayrl-{key}")
         for spec in group:
             self.processes[spec.name] = proc
 

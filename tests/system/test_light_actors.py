@@ -1,9 +1,9 @@
 """The version clock, the rollout manager and the launcher (which serves those two) do not import
-torch (issue 24, memory: ~200 MiB RSS per process that loads the torch runtime).
+torch (issue 24, memory: ~200 MiB RSS per process that loads the torch runtime), and with the
+embedded tokenizer not transformers either (~30 MiB RSS).
 
-A spawned actor process imports the launcher's main module again (``multiprocessing`` runs it
-as ``__mp_main__``: ``replayrl.tools.cli`` for ``replayrl train``), then the spawn bootstrap
-(``replayrl.actors.spawn``), then its actor class. A fresh interpreter does the same here and
+An actor process imports its start (``replayrl.actors.child_process``), then the actor
+bootstrap (``replayrl.actors.spawn``), then its actor class. A fresh interpreter does the same here and
 reports which heavy packages ``sys.modules`` holds after each step; the rollout manager is also
 built (its tokenizer and prompts loaded) with the tokenizer class the launcher resolves
 (``replayrl.rollout.tokenizer_class``). The launcher does its torch and tokenizer work in a short
@@ -26,9 +26,9 @@ from tests.child_env import PYTHONPATH
 HEAVY = ("torch", "transformers")
 
 PROBE = """
-import json, runpy, sys
+import json, sys
+import replayrl.actors.child_process  # the child's entry (child_main)
 from replayrl.actors.spawn import import_actor_class
-runpy.run_module("replayrl.tools.cli", run_name="__mp_main__")  # as multiprocessing's spawn does
 loaded = {}
 for name, cls, kwargs in json.loads(sys.argv[1]):
     actor = import_actor_class(cls)
@@ -54,9 +54,10 @@ def test_clock_and_manager_processes_import_no_torch(tmp_path):
                          text=True, timeout=180, env={**os.environ, "PYTHONPATH": PYTHONPATH})
     assert out.returncode == 0, out.stderr
     loaded = json.loads(out.stdout.strip().splitlines()[-1])
-    # built, the manager has transformers' tokenizer class (which loads without torch)
-    assert loaded == {"version_clock": [], "rollout_manager": [], "rollout_manager built": ["transformers"],
-                      "engine_0": ["torch", "transformers"]}
+    # built, the manager reads the embedded tokenizer with the tokenizers library alone
+    # (replayrl.rollout.backend_tokenizer): no transformers either
+    assert loaded == {"version_clock": [], "rollout_manager": [], "rollout_manager built": [],
+                      "engine_0": ["torch"]}
 
 
 LAUNCHER = """
@@ -74,9 +75,9 @@ def test_the_launcher_process_imports_no_torch(tmp_path):
                          timeout=300, env={**os.environ, "PYTHONPATH": PYTHONPATH})
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "run" / "metrics.jsonl").read_text().count("\n") == 1
-    # it serves the rollout manager (transformers' tokenizer class, without torch); the
-    # checkpoint and the prompt data check are the initial-files child's, which has torch anyway
-    assert out.stdout.strip().splitlines()[-1] == "LAUNCHER ['transformers']"
+    # it serves the rollout manager (the tokenizers library alone for the embedded tokenizer);
+    # the checkpoint and the prompt data check are the initial-files child's, which has torch
+    assert out.stdout.strip().splitlines()[-1] == "LAUNCHER []"
 
 
 LORA_CHECK = """

@@ -111,8 +111,7 @@ async def test_a_real_run_and_its_resume_write_strict_json_that_reads_back(tmp_p
 
 @pytest.mark.parametrize("damage", ["none", "truncated-model", "truncated-state", "clock"])
 async def test_load_is_checked_before_any_actor_starts(tmp_path, _restore_threads, damage):
-    import multiprocessing
-
+    from replayrl.actors.child_process import live_children
     from replayrl.tools.errors import ConfigError
     from replayrl.tools.run.launcher import check_load
     from replayrl.transport import strict_json
@@ -140,5 +139,5 @@ async def test_load_is_checked_before_any_actor_starts(tmp_path, _restore_thread
         return
     with pytest.raises(ConfigError, match=f"--load {ckpt}"):
         await launch(config)
-    assert multiprocessing.active_children() == []  # refused before any actor process started
+    assert live_children() == []  # refused before any actor process started
     assert not (tmp_path / "out" / "checkpoint-init").exists()

@@ -186,7 +186,8 @@ class ReplSession:
 
     @property
     def processes(self) -> dict[str, Any]:
-        """The supervisor's ``multiprocessing`` process objects, by actor name (none attached)."""
+        """The supervisor's process objects (:class:`replayrl.actors.child_process.ChildProcess`),
+        by actor name (none attached)."""
         return self._run.processes if isinstance(self._run, OwnRun) else {}
 
     # -- calls -------------------------------------------------------------------------------

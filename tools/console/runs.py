@@ -114,7 +114,7 @@ class OwnRun:
 
     @property
     def processes(self) -> dict[str, Any]:
-        """The supervisor's ``multiprocessing`` process objects, by actor name."""
+        """The supervisor's process objects (:class:`replayrl.actors.child_process.ChildProcess`), by actor name."""
         return dict(self.supervisor.processes) if self.supervisor is not None else {}
 
     def remove_run_dir(self) -> None:

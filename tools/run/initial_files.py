@@ -5,18 +5,17 @@ Four things need torch there: checking the engine class (the embedded engine's m
 torch), resolving ``--engine-dtype auto`` (torch reads the CPU's capability), writing the
 embedded default checkpoint (the model is built and initialised by torch) and resolving which
 transformers class reads the tokenizer (``AutoTokenizer``'s import chain loads torch in
-transformers 5). The launcher runs them in a ``spawn`` child (:func:`in_child` of
+transformers 5). The launcher runs them in a fresh child (:func:`in_child` of
 :func:`replayrl.tools.run.launcher.write_initial_files`), which also checks the prompt data with
 the tokenizer it loaded and returns the results (:class:`Resolved`); the rollout manager then
 reads the tokenizer with that class, without torch (:mod:`replayrl.rollout.tokenizer_class`).
 """
 from __future__ import annotations
 
-import multiprocessing
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
+from replayrl.actors.child_process import run_in_child
 from replayrl.actors.process_title import set_process_title
 
 T = TypeVar("T")
@@ -47,9 +46,12 @@ def _title_child() -> None:
 
 
 def in_child(fn: Callable[..., T], *args: Any) -> T:
-    """``fn(*args)`` in a ``spawn`` child process, which exits when it returns (with its torch
-    runtime); ``fn`` is a module-level function, ``args`` and the result pickle; its exceptions
-    are raised here."""
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
-                             initializer=_title_child) as pool:
-        return pool.submit(fn, *args).result()
+    """``fn(*args)`` in a fresh child process (:func:`replayrl.actors.child_process.run_in_child`),
+    which exits when it returns (with its torch runtime); ``fn`` is a module-level function,
+    ``args`` and the result pickle.
+
+    Raises:
+        whatever ``fn`` raised; ``replayrl.actors.child_process.ChildError`` when the child died
+        without an answer.
+    """
+    return run_in_child(fn, *args, initializer=_title_child)

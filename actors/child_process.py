@@ -1,0 +1,191 @@
+"""Fresh Python child processes started with ``subprocess``, for the actors and the launcher's
+initial-files child.
+
+``multiprocessing``'s ``spawn`` start method does the same job, and more than replayrl needs: its
+first start launches a *resource tracker* process that lives as long as the launcher (~14 MiB
+RSS), and every child imports the parent's ``__main__`` module again (``__mp_main__``). Here a
+child is ``python -c 'from replayrl.actors.child_process import child_main; child_main()'``:
+it reads the parent's ``sys.path`` and then the call to make (a module-level function and its
+arguments, pickled) from its stdin, which is then ``/dev/null``, as under ``spawn``. It inherits
+the environment, working directory, stdout and stderr.
+
+:class:`ChildProcess` answers what the :class:`replayrl.actors.Supervisor` asks of a process
+with ``multiprocessing.Process``'s names: ``pid``, ``exitcode`` (``-N`` after signal ``N``),
+``join``, ``terminate``, ``kill`` and ``sentinel``, an fd that turns readable once the child
+has exited (a pipe whose other end only the child holds).
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+import traceback
+import weakref
+from typing import Any, Callable, TypeVar
+
+T = TypeVar("T")
+
+_ENTRY = "from replayrl.actors.child_process import child_main; child_main()"
+_live: weakref.WeakSet[ChildProcess] = weakref.WeakSet()
+
+
+class ChildError(RuntimeError):
+    """A :func:`run_in_child` call failed in a way its own exception cannot carry: the child
+    died without an answer (its exit code in the message) or its exception does not pickle (its
+    traceback text in the message)."""
+
+
+class ChildProcess:
+    """A running child (:func:`start_child`), with ``multiprocessing.Process``'s process API.
+
+    Attributes:
+        name: a label for logs and ``repr`` (the process's own title is set by its target).
+        pid: the child's process id.
+        sentinel: read end of a pipe the child holds the other end of: readable (EOF) once the
+            child has exited; for ``loop.add_reader`` / ``select``.
+    """
+
+    def __init__(self, popen: subprocess.Popen, sentinel: int, name: str) -> None:
+        self._popen = popen
+        self.sentinel = sentinel
+        self.name = name
+        self.pid = popen.pid
+        _live.add(self)
+
+    @property
+    def exitcode(self) -> int | None:
+        """None while it runs; its exit status, or ``-N`` when signal ``N`` ended it."""
+        code = self._popen.poll()
+        if code is not None:
+            _live.discard(self)
+        return code
+
+    def is_alive(self) -> bool:
+        """Whether it still runs."""
+        return self.exitcode is None
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait until it exits, or ``timeout`` seconds (then return with it still running)."""
+        try:
+            self._popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return
+        _live.discard(self)
+
+    def terminate(self) -> None:
+        """SIGTERM, unless it has exited."""
+        if self.exitcode is None:
+            self._popen.terminate()
+
+    def kill(self) -> None:
+        """SIGKILL, unless it has exited."""
+        if self.exitcode is None:
+            self._popen.kill()
+
+    def __del__(self) -> None:
+        # the sentinel stays open while the object lives: a watcher may select on it after exit
+        try:
+            os.close(self.sentinel)
+        except (OSError, AttributeError):
+            pass
+
+    def __repr__(self) -> str:
+        return f"<ChildProcess {self.name} pid={self.pid} exitcode={self.exitcode}>"
+
+
+def live_children() -> list[ChildProcess]:
+    """The children :func:`start_child` started in this process that have not been seen to
+    exit (``multiprocessing.active_children``'s counterpart)."""
+    return [c for c in list(_live) if c.exitcode is None]
+
+
+def start_child(target: Callable[..., Any], args: tuple = (), *, name: str = "child",
+                pass_fds: tuple[int, ...] = ()) -> ChildProcess:
+    """Start ``target(*args)`` in a fresh Python process; returns at once.
+
+    ``target`` is a module-level function and ``args`` pickle. ``pass_fds``: fds the child
+    inherits (same numbers). The child exits 0 when ``target`` returns, 1 (traceback on stderr)
+    when it raises.
+
+    Raises:
+        pickle.PicklingError / TypeError: ``target`` or ``args`` do not pickle (nothing started).
+        OSError: the interpreter could not be started.
+    """
+    payload = pickle.dumps(list(sys.path)) + pickle.dumps((target, args))
+    alive_r, alive_w = os.pipe()
+    try:
+        popen = subprocess.Popen(
+            [sys.executable, *subprocess._args_from_interpreter_flags(), "-c", _ENTRY],
+            stdin=subprocess.PIPE, pass_fds=(alive_w, *pass_fds), close_fds=True)
+    except BaseException:
+        os.close(alive_r)
+        raise
+    finally:
+        os.close(alive_w)  # the child's copy alone keeps the pipe open
+    try:
+        popen.stdin.write(payload)
+        popen.stdin.close()
+    except BrokenPipeError:  # it died at once: its exit code tells
+        pass
+    return ChildProcess(popen, alive_r, name)
+
+
+def child_main() -> None:
+    """The child's side of :func:`start_child`: read ``sys.path`` and the call from stdin, make
+    the call. Not for direct use."""
+    stdin = sys.stdin.buffer
+    sys.path[:] = pickle.load(stdin)
+    target, args = pickle.load(stdin)
+    sys.stdin.close()
+    sys.stdin = open(os.devnull)  # noqa: SIM115 (the process's stdin for its whole life)
+    target(*args)
+
+
+def _answer(fd: int, fn: Callable[..., Any], args: tuple,
+            initializer: Callable[[], None] | None) -> None:
+    """In the child of :func:`run_in_child`: ``fn(*args)``'s result or exception, pickled to
+    ``fd``."""
+    try:
+        if initializer is not None:
+            initializer()
+        out: tuple = (True, fn(*args))
+    except BaseException as exc:  # noqa: BLE001 (the parent re-raises it)
+        out = (False, exc, traceback.format_exc())
+    try:
+        data = pickle.dumps(out)
+    except Exception:  # an unpicklable result or exception: its text
+        text = out[2] if not out[0] else traceback.format_exc()
+        data = pickle.dumps((False, None, text))
+    with os.fdopen(fd, "wb") as pipe:
+        pipe.write(data)
+
+
+def run_in_child(fn: Callable[..., T], *args: Any,
+                 initializer: Callable[[], None] | None = None) -> T:
+    """``fn(*args)`` in a fresh Python process (:func:`start_child`), which exits when it
+    returns; ``initializer()`` runs there first. ``fn`` is a module-level function, ``args``
+    and the result pickle.
+
+    Raises:
+        whatever ``fn`` raised, re-raised here; ChildError: the child died without answering,
+        or its exception does not pickle.
+    """
+    result_r, result_w = os.pipe()
+    try:
+        child = start_child(_answer, (result_w, fn, args, initializer),
+                            name=getattr(fn, "__name__", "child"), pass_fds=(result_w,))
+    finally:
+        os.close(result_w)
+    with os.fdopen(result_r, "rb") as pipe:
+        data = pipe.read()
+    child.join()
+    if not data:
+        raise ChildError(f"the child process of {fn.__qualname__} exited with code "
+                         f"{child.exitcode} without an answer")
+    out = pickle.loads(data)
+    if out[0]:
+        return out[1]
+    if out[1] is None:
+        raise ChildError(f"{fn.__qualname__} failed in its child process:\n{out[2]}")
+    raise out[1]

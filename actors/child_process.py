@@ -24,16 +24,12 @@ import traceback
 import weakref
 from typing import Any, Callable, TypeVar
 
+from replayrl.actors.errors import ActorDied, RemoteError
+
 T = TypeVar("T")
 
 _ENTRY = "from replayrl.actors.child_process import child_main; child_main()"
 _live: weakref.WeakSet[ChildProcess] = weakref.WeakSet()
-
-
-class ChildError(RuntimeError):
-    """A :func:`run_in_child` call failed in a way its own exception cannot carry: the child
-    died without an answer (its exit code in the message) or its exception does not pickle (its
-    traceback text in the message)."""
 
 
 class ChildProcess:
@@ -151,12 +147,12 @@ def _answer(fd: int, fn: Callable[..., Any], args: tuple,
             initializer()
         out: tuple = (True, fn(*args))
     except BaseException as exc:  # noqa: BLE001 (the parent re-raises it)
-        out = (False, exc, traceback.format_exc())
+        out = (False, exc, type(exc).__qualname__, str(exc), traceback.format_exc())
     try:
         data = pickle.dumps(out)
-    except Exception:  # an unpicklable result or exception: its text
-        text = out[2] if not out[0] else traceback.format_exc()
-        data = pickle.dumps((False, None, text))
+    except Exception as exc:  # an unpicklable result or exception: its type, message and text
+        data = pickle.dumps((False, None, *(out[2:] if not out[0] else
+                                            (type(exc).__qualname__, str(exc), traceback.format_exc()))))
     with os.fdopen(fd, "wb") as pipe:
         pipe.write(data)
 
@@ -168,8 +164,10 @@ def run_in_child(fn: Callable[..., T], *args: Any,
     and the result pickle.
 
     Raises:
-        whatever ``fn`` raised, re-raised here; ChildError: the child died without answering,
-        or its exception does not pickle.
+        whatever ``fn`` raised, re-raised here;
+        replayrl.actors.errors.RemoteError: its exception (or result) does not pickle (its
+            type, message and traceback text);
+        replayrl.actors.errors.ActorDied: the child died without answering (its exit code).
     """
     result_r, result_w = os.pipe()
     try:
@@ -181,11 +179,11 @@ def run_in_child(fn: Callable[..., T], *args: Any,
         data = pipe.read()
     child.join()
     if not data:
-        raise ChildError(f"the child process of {fn.__qualname__} exited with code "
-                         f"{child.exitcode} without an answer")
+        raise ActorDied(f"child process of {fn.__qualname__}", child.exitcode,
+                        "exited without an answer")
     out = pickle.loads(data)
     if out[0]:
         return out[1]
     if out[1] is None:
-        raise ChildError(f"{fn.__qualname__} failed in its child process:\n{out[2]}")
+        raise RemoteError(f"child process of {fn.__qualname__}", fn.__qualname__, *out[2:])
     raise out[1]

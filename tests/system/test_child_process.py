@@ -14,7 +14,8 @@ import time
 
 import pytest
 
-from replayrl.actors.child_process import ChildError, live_children, run_in_child, start_child
+from replayrl.actors.child_process import live_children, run_in_child, start_child
+from replayrl.actors.errors import ActorDied, RemoteError
 from tests.child_env import PYTHONPATH
 
 
@@ -30,6 +31,18 @@ def _exit_with(code: int) -> None:
     os._exit(code)
 
 
+class _Unpicklable(Exception):
+    def __init__(self, lock):
+        super().__init__("holds a lock")
+        self.lock = lock
+
+
+def _raise_unpicklable() -> None:
+    import threading
+
+    raise _Unpicklable(threading.Lock())
+
+
 def test_a_call_runs_in_another_process_and_returns():
     pid, total = run_in_child(_pid_and_sum, 2, 40)
     assert total == 42 and pid != os.getpid()
@@ -41,8 +54,15 @@ def test_a_call_raises_its_own_exception_here():
 
 
 def test_a_child_that_dies_without_answering_is_named_with_its_code():
-    with pytest.raises(ChildError, match="exited with code 3"):
+    with pytest.raises(ActorDied, match="_exit_with") as died:
         run_in_child(_exit_with, 3)
+    assert died.value.exitcode == 3
+
+
+def test_an_exception_that_does_not_pickle_comes_back_as_its_text():
+    with pytest.raises(RemoteError, match="_Unpicklable: holds a lock") as raised:
+        run_in_child(_raise_unpicklable)
+    assert raised.value.remote_type == "_Unpicklable" and "_raise_unpicklable" in raised.value.remote_traceback
 
 
 def test_exit_codes_signals_and_the_sentinel():

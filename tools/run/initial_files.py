@@ -51,7 +51,7 @@ def in_child(fn: Callable[..., T], *args: Any) -> T:
     ``args`` and the result pickle.
 
     Raises:
-        whatever ``fn`` raised; ``replayrl.actors.child_process.ChildError`` when the child died
+        whatever ``fn`` raised; ``replayrl.actors.errors.ActorDied`` when the child died
         without an answer.
     """
     return run_in_child(fn, *args, initializer=_title_child)

@@ -29,7 +29,6 @@ import numpy as np
 import torch
 
 from replayrl.actors import Actor, concurrent
-from replayrl.actors.heap import release_free_heap
 from replayrl.rollout.engines import check_capture, load_engine_class
 from replayrl.rollout.engines.base import generations_to_columns
 from replayrl.rollout.errors import EngineError, EngineNotReady
@@ -97,7 +96,6 @@ class EngineActor(Actor):
             try:
                 self.engine.load_weights(unpack_arrays(weights), version=version)
                 self._failed = None
-                release_free_heap()  # the previous weights' freed memory leaves the RSS
             except Exception as exc:
                 self._failed = (version, f"{type(exc).__name__}: {exc}")
                 raise
@@ -193,7 +191,4 @@ class EngineActor(Actor):
                                         eos_token_id=eos_token_id, seed=seed, traces=self.traces)
         finally:
             self.pins.served()
-        out = {"version": self.engine.version, "generations": generations_to_columns(gens)}
-        del gens
-        release_free_heap()  # the decode loop's freed buffers leave the RSS (actors/heap.py)
-        return out
+        return {"version": self.engine.version, "generations": generations_to_columns(gens)}

@@ -44,7 +44,6 @@ import torch
 
 from replayrl.actors import Actor
 from replayrl.actors.errors import PeerLost
-from replayrl.actors.heap import release_free_heap
 from replayrl.rollout.sample import Sample, samples_from_columns, samples_to_columns
 from replayrl.trainer.advantages import baseline_groups, grpo_advantages
 from replayrl.trainer.backends import resolve_backend
@@ -413,7 +412,6 @@ class TrainerActor(Actor):
             # mean over the sampled tokens of every sample this step forwarded at the
             # step's starting weights (with a preflight: refill candidates included)
             metrics["support_entropy_mean"] = float(entropies.mean())
-        release_free_heap()  # the step's freed tensors leave the RSS (actors/heap.py)
         return metrics
 
     async def _refill(self, samples: list[Sample], preflight) -> tuple[list[Sample], dict, dict]:

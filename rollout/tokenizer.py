@@ -1,7 +1,8 @@
 """The run's tokenizer and chat template, read from a Hugging Face checkpoint directory.
 
 Everything goes through transformers' own tokenizer classes (``AutoTokenizer``, or the class it
-resolves to: :mod:`replayrl.rollout.tokenizer_class`): the directory's
+resolves to: :mod:`replayrl.rollout.tokenizer_class`; a tokenizer transformers only wraps through
+the ``tokenizers`` library it wraps, :mod:`replayrl.rollout.backend_tokenizer`): the directory's
 ``tokenizer.json`` / ``tokenizer_config.json`` (and ``chat_template.jinja`` when present) give
 the vocabulary and the chat template, ``generation_config.json`` the ids that end a response.
 replayrl never re-implements a tokenizer or a template.
@@ -39,7 +40,10 @@ class PromptTokenizer:
     """A transformers tokenizer with the run's chat-template settings and stop ids.
 
     Attributes:
-        tokenizer: the ``transformers`` tokenizer (``PreTrainedTokenizerBase``).
+        tokenizer: the ``transformers`` tokenizer (``PreTrainedTokenizerBase``), or for a
+            tokenizer transformers only wraps, the ``tokenizers``-backed
+            :class:`replayrl.rollout.backend_tokenizer.BackendTokenizer` with the same calls
+            (``tokenizer(text)``, ``decode``, ``get_vocab``, ``len``; the rest through transformers).
         directory: where it was read from (named in errors).
         eos_token_ids: ids that end a response, from ``generation_config.json``'s
             ``eos_token_id`` (an int or a list), else the tokenizer's ``eos_token_id``; the

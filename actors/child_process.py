@@ -5,9 +5,10 @@ initial-files child.
 first start launches a *resource tracker* process that lives as long as the launcher (~14 MiB
 RSS), and every child imports the parent's ``__main__`` module again (``__mp_main__``). Here a
 child is ``python -c 'from replayrl.actors.child_process import child_main; child_main()'``:
-it reads the parent's ``sys.path`` and then the call to make (a module-level function and its
-arguments, pickled) from its stdin, which is then ``/dev/null``, as under ``spawn``. It inherits
-the environment, working directory, stdout and stderr.
+it reads the parent's ``sys.path`` (before it imports anything from the working directory or
+replayrl) and then the call to make (a function of an importable module, not ``__main__``, and
+its arguments, pickled) from its stdin, which is then ``/dev/null``, as under ``spawn``. It
+inherits the environment, working directory, stdout and stderr.
 
 :class:`ChildProcess` answers what the :class:`replayrl.actors.Supervisor` asks of a process
 with ``multiprocessing.Process``'s names: ``pid``, ``exitcode`` (``-N`` after signal ``N``),
@@ -28,7 +29,11 @@ from replayrl.actors.errors import ActorDied, RemoteError
 
 T = TypeVar("T")
 
-_ENTRY = "from replayrl.actors.child_process import child_main; child_main()"
+# `python -c` puts the working directory first on sys.path: drop it before any import (a
+# `secrets.py` there must not shadow the stdlib), then take the parent's sys.path, so a replayrl
+# importable only through it (PYTHONPATH set at runtime, a test's path) is found
+_ENTRY = ("import sys; del sys.path[0]; import pickle; sys.path[:] = pickle.load(sys.stdin.buffer); "
+          "from replayrl.actors.child_process import child_main; child_main()")
 _live: weakref.WeakSet[ChildProcess] = weakref.WeakSet()
 
 
@@ -79,10 +84,17 @@ class ChildProcess:
         if self.exitcode is None:
             self._popen.kill()
 
+    def close(self) -> None:
+        """Close the sentinel (after the exit was seen; the object then only answers
+        ``exitcode``)."""
+        if self.sentinel >= 0:
+            os.close(self.sentinel)
+            self.sentinel = -1
+
     def __del__(self) -> None:
         # the sentinel stays open while the object lives: a watcher may select on it after exit
         try:
-            os.close(self.sentinel)
+            self.close()
         except (OSError, AttributeError):
             pass
 
@@ -100,17 +112,19 @@ def start_child(target: Callable[..., Any], args: tuple = (), *, name: str = "ch
                 pass_fds: tuple[int, ...] = ()) -> ChildProcess:
     """Start ``target(*args)`` in a fresh Python process; returns at once.
 
-    ``target`` is a module-level function and ``args`` pickle. ``pass_fds``: fds the child
-    inherits (same numbers). The child exits 0 when ``target`` returns, 1 (traceback on stderr)
-    when it raises.
+    ``target`` is a function of an importable module (not ``__main__``) and ``args`` pickle.
+    ``pass_fds``: fds the child inherits (same numbers; not inheritable further, so a process the
+    child starts with ``exec`` does not hold them). The child exits 0 when ``target`` returns, 1
+    (traceback on stderr) when it raises.
 
     Raises:
-        pickle.PicklingError / TypeError: ``target`` or ``args`` do not pickle (nothing started).
+        pickle.PicklingError / TypeError / AttributeError: ``target`` or ``args`` do not pickle
+            (nothing started).
         OSError: the interpreter could not be started.
     """
-    payload = pickle.dumps(list(sys.path)) + pickle.dumps((target, args))
     alive_r, alive_w = os.pipe()
     try:
+        payload = pickle.dumps(list(sys.path)) + pickle.dumps((target, args, (alive_w, *pass_fds)))
         popen = subprocess.Popen(
             [sys.executable, *subprocess._args_from_interpreter_flags(), "-c", _ENTRY],
             stdin=subprocess.PIPE, pass_fds=(alive_w, *pass_fds), close_fds=True)
@@ -121,20 +135,26 @@ def start_child(target: Callable[..., Any], args: tuple = (), *, name: str = "ch
         os.close(alive_w)  # the child's copy alone keeps the pipe open
     try:
         popen.stdin.write(payload)
-        popen.stdin.close()
     except BrokenPipeError:  # it died at once: its exit code tells
         pass
+    finally:
+        try:
+            popen.stdin.close()
+        except BrokenPipeError:
+            pass
     return ChildProcess(popen, alive_r, name)
 
 
 def child_main() -> None:
     """The child's side of :func:`start_child`: read ``sys.path`` and the call from stdin, make
     the call. Not for direct use."""
-    stdin = sys.stdin.buffer
-    sys.path[:] = pickle.load(stdin)
-    target, args = pickle.load(stdin)
-    sys.stdin.close()
-    sys.stdin = open(os.devnull)  # noqa: SIM115 (the process's stdin for its whole life)
+    target, args, fds = pickle.load(sys.stdin.buffer)  # (sys.path: read by _ENTRY)
+    for fd in fds:
+        os.set_inheritable(fd, False)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)  # fd 0 too, not only sys.stdin: the spent pipe goes
+    os.close(null)
+    sys.stdin = open(0, closefd=False)  # noqa: SIM115 (the process's stdin for its whole life)
     target(*args)
 
 
@@ -173,17 +193,27 @@ def run_in_child(fn: Callable[..., T], *args: Any,
     try:
         child = start_child(_answer, (result_w, fn, args, initializer),
                             name=getattr(fn, "__name__", "child"), pass_fds=(result_w,))
+    except BaseException:
+        os.close(result_r)
+        raise
     finally:
         os.close(result_w)
-    with os.fdopen(result_r, "rb") as pipe:
-        data = pipe.read()
-    child.join()
+    try:
+        with os.fdopen(result_r, "rb") as pipe:
+            data = pipe.read()
+        child.join()
+    except BaseException:  # interrupted (Ctrl-C, SIGTERM's handler): the child goes too
+        child.kill()
+        child.join()
+        raise
+    finally:
+        child.close()
     if not data:
         raise ActorDied(f"child process of {fn.__qualname__}", child.exitcode,
                         "exited without an answer")
-    out = pickle.loads(data)
-    if out[0]:
-        return out[1]
-    if out[1] is None:
-        raise RemoteError(f"child process of {fn.__qualname__}", fn.__qualname__, *out[2:])
-    raise out[1]
+    ok, value, *text = pickle.loads(data)
+    if ok:
+        return value
+    if value is None:
+        raise RemoteError(f"child process of {fn.__qualname__}", fn.__qualname__, *text)
+    raise value

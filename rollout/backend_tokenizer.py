@@ -13,14 +13,14 @@ included), :class:`BackendTokenizer` gives the same ids and text. Whether a dire
 is decided once, in a process that loaded transformers anyway
 (:func:`replayrl.rollout.tokenizer_class.resolve_tokenizer`, with :func:`same_tokenizer`); the
 rollout manager then reads it with :class:`BackendTokenizer`. Anything else a task or reward asks
-of it (``convert_ids_to_tokens``, ``batch_decode`` ...) loads transformers' class on first use and
-is answered there, so user code sees the transformers API.
+of it (``convert_ids_to_tokens``, ``batch_decode``, other arguments, ``add_tokens`` ...) loads
+transformers' class, which from then on answers every call.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 BACKEND_CLASS = "replayrl.rollout.backend_tokenizer:BackendTokenizer"
 """The class path :func:`replayrl.rollout.tokenizer_class.load_tokenizer_object` loads it with."""
@@ -43,23 +43,26 @@ def _token_text(value: Any) -> str | None:
 
 
 class BackendTokenizer:
-    """The subset of transformers' fast-tokenizer API replayrl's rollout side uses, served by a
-    ``tokenizers.Tokenizer``; every other attribute comes from transformers' class, loaded on
-    first use.
+    """The calls replayrl's rollout side makes of transformers' fast tokenizer, served by a
+    ``tokenizers.Tokenizer``: ``tokenizer(text, add_special_tokens=...)["input_ids"]`` of one
+    text, ``decode(ids, skip_special_tokens=...)`` of one id list, ``get_vocab()``, ``len()``,
+    ``eos_token_id``. Anything else (another attribute or method, other arguments to those
+    calls, setting an attribute) loads transformers' class for the directory, and from then on
+    *every* call goes to it, so a reward that changes the tokenizer (``add_tokens``, setting
+    ``pad_token``) sees one consistent tokenizer.
 
     Attributes:
         backend: the ``tokenizers.Tokenizer`` (truncation and padding off).
         directory: the checkpoint directory it was read from.
-        eos_token_id: the id of ``tokenizer_config.json``'s ``eos_token``, or None.
-        chat_template: always None (a directory with a template is read by transformers).
+        chat_template: None (a directory with a template is read by transformers).
     """
 
-    chat_template = None
+    _OWN = frozenset({"backend", "directory", "_eos_token_id", "_transformers"})
 
     def __init__(self, backend: Any, directory: Path, eos_token_id: int | None) -> None:
         self.backend = backend
         self.directory = directory
-        self.eos_token_id = eos_token_id
+        self._eos_token_id = eos_token_id
         self._transformers: Any = None
 
     @classmethod
@@ -83,38 +86,66 @@ class BackendTokenizer:
         eos = _token_text(_config(path).get("eos_token"))
         return cls(backend, path, backend.token_to_id(eos) if eos is not None else None)
 
-    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
-        """``{"input_ids": ids}`` of one text, as transformers' ``tokenizer(text)["input_ids"]``.
+    def transformers_tokenizer(self) -> Any:
+        """transformers' ``PreTrainedTokenizerFast`` of the directory, loaded on the first call;
+        after it every call of this object goes to it."""
+        if self._transformers is None:
+            from transformers import PreTrainedTokenizerFast
 
-        Raises:
-            TypeError: ``text`` is not a string.
-        """
-        if not isinstance(text, str):
-            raise TypeError(f"BackendTokenizer encodes one str, got {type(text).__name__}")
+            object.__setattr__(self, "_transformers", PreTrainedTokenizerFast.from_pretrained(
+                str(self.directory), local_files_only=True))
+        return self._transformers
+
+    @property
+    def chat_template(self) -> Any:
+        """None, or transformers' once it is loaded."""
+        return None if self._transformers is None else self._transformers.chat_template
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The id of ``tokenizer_config.json``'s ``eos_token`` (None without one)."""
+        return self._eos_token_id if self._transformers is None else self._transformers.eos_token_id
+
+    def __call__(self, text: Any, *args: Any, add_special_tokens: bool = True, **kwargs: Any) -> Any:
+        """``{"input_ids": ids}`` of one text, as transformers' ``tokenizer(text)["input_ids"]``;
+        any other input or argument: transformers' own call."""
+        if self._transformers is not None or args or kwargs or not isinstance(text, str):
+            return self.transformers_tokenizer()(text, *args, add_special_tokens=add_special_tokens,
+                                                 **kwargs)
         return {"input_ids": self.backend.encode(text, add_special_tokens=add_special_tokens).ids}
 
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        """The text of ``ids`` (a list of ints), as transformers' ``decode``."""
-        return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+    def decode(self, ids: Any, skip_special_tokens: bool = False, **kwargs: Any) -> str:
+        """The text of a list of int ids, as transformers' ``decode``; any other input or
+        argument: transformers' own ``decode``."""
+        if (self._transformers is not None or kwargs or not isinstance(ids, (list, tuple))
+                or not all(isinstance(i, int) for i in ids)):
+            return self.transformers_tokenizer().decode(ids, skip_special_tokens=skip_special_tokens,
+                                                        **kwargs)
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def get_vocab(self) -> dict[str, int]:
         """Token -> id, added tokens included."""
+        if self._transformers is not None:
+            return self._transformers.get_vocab()
         return self.backend.get_vocab(with_added_tokens=True)
 
     def __len__(self) -> int:
         """Ids the tokenizer can produce, added tokens included."""
+        if self._transformers is not None:
+            return len(self._transformers)
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def __getattr__(self, name: str) -> Any:
         # only reached for attributes this class lacks: transformers' own tokenizer answers
-        if name.startswith("__") or name == "_transformers":
+        if name.startswith("__") or name in self._OWN:
             raise AttributeError(name)
-        if self._transformers is None:
-            from transformers import PreTrainedTokenizerFast
+        return getattr(self.transformers_tokenizer(), name)
 
-            self._transformers = PreTrainedTokenizerFast.from_pretrained(str(self.directory),
-                                                                         local_files_only=True)
-        return getattr(self._transformers, name)
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self._OWN:
+            object.__setattr__(self, name, value)
+        else:  # a change of the tokenizer (pad_token ...): transformers' from now on
+            setattr(self.transformers_tokenizer(), name, value)
 
 
 _IDENTITY_SINGLE = [{"Sequence": {"id": "A", "type_id": 0}}]

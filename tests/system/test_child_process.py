@@ -5,11 +5,13 @@ reaches the child, and no resource-tracker process is started beside the parent.
 from __future__ import annotations
 
 import os
+import pickle
 import select
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -63,6 +65,36 @@ def test_an_exception_that_does_not_pickle_comes_back_as_its_text():
     with pytest.raises(RemoteError, match="_Unpicklable: holds a lock") as raised:
         run_in_child(_raise_unpicklable)
     assert raised.value.remote_type == "_Unpicklable" and "_raise_unpicklable" in raised.value.remote_traceback
+
+
+def _imported_from(name: str) -> str:
+    import importlib
+
+    return importlib.import_module(name).__file__
+
+
+def test_modules_in_the_working_directory_do_not_shadow_the_childs(tmp_path, monkeypatch):
+    # multiprocessing's spawn child did not see them either (`python -c` puts the directory first)
+    for name in ("secrets", "json", "asyncio"):
+        (tmp_path / f"{name}.py").write_text("raise ImportError('shadowed')\n")
+    monkeypatch.chdir(tmp_path)
+    assert run_in_child(_imported_from, "secrets") == _imported_from("secrets")
+    assert run_in_child(_pid_and_sum, 1, 2)[1] == 3
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_no_descriptor_is_left_open():
+    before = _open_fds()
+    for _ in range(3):
+        with pytest.raises(ValueError):
+            run_in_child(_raise_value_error, "x")
+        with pytest.raises((pickle.PicklingError, TypeError, AttributeError)):
+            run_in_child(_pid_and_sum, threading.Lock(), 1)  # does not pickle: nothing starts
+        run_in_child(_pid_and_sum, 1, 2)
+    assert _open_fds() == before
 
 
 def test_exit_codes_signals_and_the_sentinel():

@@ -203,8 +203,25 @@ def test_the_backend_tokenizer_answers_the_rest_with_transformers(dirs):
     ref = AutoTokenizer.from_pretrained(str(directory))
     ids = ref("1 2 3")["input_ids"]
     assert light("1 2 3")["input_ids"] == ids
+    assert light._transformers is None  # its own calls load no transformers
     # not among its own methods: served by transformers' class, loaded on first use
     assert light.convert_ids_to_tokens(ids) == ref.convert_ids_to_tokens(ids)
     assert light.batch_decode([ids, ids[:1]]) == ref.batch_decode([ids, ids[:1]])
-    with pytest.raises(TypeError, match="one str"):
-        light(["1", "2"])
+    assert light(["1", "2 3"])["input_ids"] == ref(["1", "2 3"])["input_ids"]
+    assert light("1 2", return_attention_mask=True)["attention_mask"] == [1, 1]
+
+
+def test_a_change_through_transformers_is_seen_by_every_later_call(dirs):
+    from transformers import AutoTokenizer
+
+    directory = dirs["embedded_checkpoint"][0]
+    light = load_tokenizer_object(directory, BACKEND_CLASS)
+    ref = AutoTokenizer.from_pretrained(str(directory))
+    for tok in (light, ref):
+        tok.add_tokens(["<newtok>"])
+        tok.pad_token = tok.eos_token
+    assert len(light) == len(ref) == 45
+    assert light("1 <newtok>")["input_ids"] == ref("1 <newtok>")["input_ids"] == [4, 44]
+    assert light.pad_token_id == ref.pad_token_id == ref.eos_token_id
+    assert light.get_vocab() == ref.get_vocab()
+    assert light.decode([4, 44]) == ref.decode([4, 44])

@@ -4,11 +4,12 @@ initial-files child.
 ``multiprocessing``'s ``spawn`` start method does the same job, and more than replayrl needs: its
 first start launches a *resource tracker* process that lives as long as the launcher (~14 MiB
 RSS), and every child imports the parent's ``__main__`` module again (``__mp_main__``). Here a
-child is ``python -c 'from replayrl.actors.child_process import child_main; child_main()'``:
-it reads the parent's ``sys.path`` (before it imports anything from the working directory or
-replayrl) and then the call to make (a function of an importable module, not ``__main__``, and
-its arguments, pickled) from its stdin, which is then ``/dev/null``, as under ``spawn``. It
-inherits the environment, working directory, stdout and stderr.
+child is ``python -c`` with a short bootstrap (``_ENTRY``) that drops the working directory from
+``sys.path``, reads the parent's ``sys.path`` from its stdin (before it imports anything from the
+working directory or replayrl), then calls :func:`child_main`, which reads the call to make
+(a function of an importable module, not ``__main__``, and its arguments, pickled) from its
+stdin, which is then ``/dev/null``, as under ``spawn``. It inherits the environment, working
+directory, stdout and stderr.
 
 :class:`ChildProcess` answers what the :class:`replayrl.actors.Supervisor` asks of a process
 with ``multiprocessing.Process``'s names: ``pid``, ``exitcode`` (``-N`` after signal ``N``),
@@ -146,8 +147,8 @@ def start_child(target: Callable[..., Any], args: tuple = (), *, name: str = "ch
 
 
 def child_main() -> None:
-    """The child's side of :func:`start_child`: read ``sys.path`` and the call from stdin, make
-    the call. Not for direct use."""
+    """The child's side of :func:`start_child`, after ``_ENTRY`` set ``sys.path``: read the call
+    from stdin, make the call. Not for direct use."""
     target, args, fds = pickle.load(sys.stdin.buffer)  # (sys.path: read by _ENTRY)
     for fd in fds:
         os.set_inheritable(fd, False)

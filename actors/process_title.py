@@ -1,6 +1,6 @@
 """A title for each actor process, so ``ps``, ``top`` and ``pgrep`` tell the actors apart.
 
-Every actor process is ``python -c 'from replayrl.actors.child_process ...'`` on its command line, and
+Every actor process is ``python -c 'import sys; ... child_main()'`` on its command line, and
 every torchrun rank the same ``python -m replayrl.tools.run.torchrun_entry ...``; the title names the actor
 and its run instead. Set with ``setproctitle`` (which rewrites the command line shown by
 ``ps -f`` / ``ps aux`` and, on Linux, the 15-character ``comm`` name that ``top``, ``ps -e``,

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from replayrl.actors import Actor, concurrent
+from replayrl.actors.heap import keep_freed_heap
 from replayrl.rollout.engines import check_capture, load_engine_class
 from replayrl.rollout.engines.base import generations_to_columns
 from replayrl.rollout.errors import EngineError, EngineNotReady
@@ -60,6 +61,7 @@ class EngineActor(Actor):
                  torch_threads: int = 1, version_wait_s: float = 300.0,
                  pin_lease_s: float = 60.0) -> None:
         torch.set_num_threads(torch_threads)
+        keep_freed_heap()  # each generate reuses the last one's blocks (actors/heap.py)
         cls = load_engine_class(engine_class)
         self.traces = tuple(sorted(check_capture(cls, traces)))  # fail at start, not mid-run
         self.engine = cls(**dict(engine_kwargs))

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from replayrl.actors import Actor, concurrent
-from replayrl.actors.heap import keep_freed_heap
+from replayrl.actors.heap import HeapKeeper
 from replayrl.rollout.engines import check_capture, load_engine_class
 from replayrl.rollout.engines.base import generations_to_columns
 from replayrl.rollout.errors import EngineError, EngineNotReady
@@ -61,7 +61,7 @@ class EngineActor(Actor):
                  torch_threads: int = 1, version_wait_s: float = 300.0,
                  pin_lease_s: float = 60.0) -> None:
         torch.set_num_threads(torch_threads)
-        keep_freed_heap()  # each generate reuses the last one's blocks (actors/heap.py)
+        self.heap = HeapKeeper()  # large generates keep their freed blocks (actors/heap.py)
         cls = load_engine_class(engine_class)
         self.traces = tuple(sorted(check_capture(cls, traces)))  # fail at start, not mid-run
         self.engine = cls(**dict(engine_kwargs))
@@ -188,9 +188,10 @@ class EngineActor(Actor):
             await self._wait_for_version(min_version)
         self.pins.touch(pin)  # a turn of a pinned episode (pin=None: none)
         try:
-            gens = self.engine.generate([np.asarray(p).tolist() for p in prompts],
-                                        SamplingParams(**sampling), max_new_tokens=max_new_tokens,
-                                        eos_token_id=eos_token_id, seed=seed, traces=self.traces)
+            with self.heap.watch():
+                gens = self.engine.generate([np.asarray(p).tolist() for p in prompts],
+                                            SamplingParams(**sampling), max_new_tokens=max_new_tokens,
+                                            eos_token_id=eos_token_id, seed=seed, traces=self.traces)
         finally:
             self.pins.served()
         return {"version": self.engine.version, "generations": generations_to_columns(gens)}

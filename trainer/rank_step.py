@@ -16,6 +16,7 @@ from typing import Iterator
 
 import torch
 
+from replayrl.actors.heap import HeapKeeper
 from replayrl.rollout import trace_table
 from replayrl.rollout.sample import Sample, check_required_traces, check_trace_shapes, required_traces
 from replayrl.trainer.backends.base import TrainerBackend
@@ -54,6 +55,7 @@ class RankStep:
         self.gate = config.rs_gate
         self.entropies: list[torch.Tensor] = []
         self.updates = 0  # update() calls so far: every --indexer-drift-interval-th computes drift
+        self.heap = HeapKeeper()
         self.required_traces = required_traces(
             backend.model_config, **{f"{row.replay}_replay": getattr(config, row.setting)
                                      for row in trace_table.TRACES})
@@ -165,6 +167,14 @@ class RankStep:
             TrainStepError: the training forward does not reproduce the preflight (nothing
                 applied on this rank).
         """
+        with self.heap.watch():  # a large step keeps its freed blocks for the next (actors/heap.py)
+            return self._update(samples, advantages, token_accept, loss_accept, denominator,
+                                fused=fused, grad_scale=grad_scale)
+
+    def _update(self, samples: list[Sample], advantages: torch.Tensor,
+                token_accept: dict[int, torch.Tensor], loss_accept: dict[int, torch.Tensor],
+                denominator: float, *, fused: bool, grad_scale: float = 1.0) -> dict:
+        """:meth:`update`'s body."""
         cfg = self.config
         if not fused:
             self.cache.check_bijection([s.sample_id for s in samples])

@@ -44,7 +44,6 @@ import torch
 
 from replayrl.actors import Actor
 from replayrl.actors.errors import PeerLost
-from replayrl.actors.heap import keep_freed_heap
 from replayrl.rollout.sample import Sample, samples_from_columns, samples_to_columns
 from replayrl.trainer.advantages import baseline_groups, grpo_advantages
 from replayrl.trainer.backends import resolve_backend
@@ -109,7 +108,6 @@ class TrainerActor(Actor):
                  manager: str = "rollout_manager", clock: str = "version_clock",
                  engine_failure: str = "fail", ranks: dict | None = None) -> None:
         self.config = TrainerConfig(**config)
-        keep_freed_heap()  # each step reuses the last one's blocks (actors/heap.py)
         self.followers: list[str] = []
         if ranks is not None and ranks["size"] > 1:
             RankGroup(rank=0, timeout_s=self.config.rpc_timeout_s, **ranks).join()

@@ -16,7 +16,6 @@ import numpy as np
 import torch
 
 from replayrl.actors import Actor
-from replayrl.actors.heap import keep_freed_heap
 from replayrl.rollout.sample import samples_from_columns
 from replayrl.trainer.backends import resolve_backend
 from replayrl.trainer.config import TrainerConfig
@@ -44,7 +43,6 @@ class TrainerRank(Actor):
     def __init__(self, checkpoint_dir: str, config: dict, vocab_tokens: list[str],
                  group: dict) -> None:
         self.config = TrainerConfig(**config)
-        keep_freed_heap()  # each step reuses the last one's blocks (actors/heap.py)
         RankGroup(timeout_s=self.config.rpc_timeout_s, **group).join()
         self.backend = resolve_backend(self.config.train_backend)(checkpoint_dir, self.config,
                                                                   vocab_tokens)

@@ -1,8 +1,9 @@
-"""keep_freed_heap: a large block freed and allocated again is not faulted in again.
+"""keep_freed_heap / HeapKeeper: a large block freed and allocated again is not faulted in again.
 
 Counted by the kernel (``getrusage`` minor faults) in a fresh process, with glibc's own
 ``malloc`` / ``free``: 64 MiB touched twice faults ~16,384 pages the second time by default
-(glibc unmaps a block that large when it is freed) and next to none with the setting.
+(glibc unmaps a block that large when it is freed) and next to none with the setting; a
+HeapKeeper turns it on after a watched step above its threshold, not after a small one.
 """
 from __future__ import annotations
 
@@ -14,20 +15,27 @@ import pytest
 
 PROBE = r"""
 import ctypes, resource, sys
-from replayrl.actors.heap import keep_freed_heap
+from replayrl.actors.heap import HeapKeeper, keep_freed_heap
 applied = keep_freed_heap() if sys.argv[1] == "keep" else None
+keeper = HeapKeeper(threshold_bytes=16 << 20)
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]
-size = 64 << 20
-def touch():
+def touch(size=64 << 20):
     p = libc.malloc(size)
     ctypes.memset(p, 1, size)
     libc.free(p)
-touch()
+if sys.argv[1] == "keeper":
+    with keeper.watch():
+        touch(1 << 20)  # below the threshold: stays off
+    small = keeper.on
+    with keeper.watch():
+        touch()
+    applied = (small, keeper.on)
+touch()  # the block's first time on the heap (or, by default, mapped again) faults
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 touch()
-print(applied, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(str(applied).replace(" ", ""), resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 pytestmark = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
@@ -47,3 +55,12 @@ def test_a_freed_block_is_reused_without_faults():
     assert applied == "True"
     assert default > pages // 2  # glibc's default gave the block back: every page faults again
     assert kept < pages // 20
+
+
+def test_the_keeper_turns_on_after_a_large_step_only():
+    pages = (64 << 20) // 4096
+    turned, faults = _second_round_faults("keeper")
+    assert turned == "(False,True)"  # off after the 1 MiB step, on after the 64 MiB one
+    # the block of that step was mapped and unmapped; the next one is faulted in on the heap
+    # once, and reused from then on
+    assert faults < pages // 20

@@ -62,7 +62,8 @@ class HeapKeeper:
 
     Usage: ``with keeper.watch(): step()`` around each trainer step / engine ``generate``; after
     it turned on, ``watch`` costs nothing. The step that turns it on and the next one still fault
-    (their large blocks were mapped anew, then first placed on the heap); later ones reuse them. Not thread-safe (an actor's steps run one at a time).
+    (their large blocks were mapped anew, then first placed on the heap); later ones reuse them.
+    Not thread-safe (an actor's steps run one at a time).
 
     Args:
         threshold_bytes: faulted bytes in one step that turn it on (default 16 MiB: the 1m model's

@@ -30,13 +30,16 @@ log = logging.getLogger(__name__)
 
 _M_TRIM_THRESHOLD = -1  # glibc <malloc.h>
 _M_MMAP_THRESHOLD = -3
-_MMAP_THRESHOLD = 1 << 30  # blocks below 1 GiB from the heap (glibc refuses above its own limit)
-_MMAP_THRESHOLD_FALLBACK = 32 << 20  # glibc's largest dynamic threshold, accepted by every version
+# Blocks below 32 MiB (glibc's largest dynamic threshold) from the heap. Larger ones (a weight
+# push bundle, a 50m model's gradients at once) keep their own mapping: on the heap, such a block
+# freed and followed by a slightly larger one left a hole and grew the heap (the 50m x 2 grid
+# point's peak RSS rose ~200 MiB with 1 GiB here), and they are few per step.
+_MMAP_THRESHOLD = 32 << 20
 _TRIM_THRESHOLD = (1 << 31) - 1  # mallopt takes an int: never trim in practice
 
 
 def keep_freed_heap() -> bool:
-    """Set glibc malloc (``mallopt``) to serve blocks below 1 GiB from the heap and never trim it.
+    """Set glibc malloc (``mallopt``) to serve blocks below 32 MiB from the heap and never trim it.
 
     Call once at the start of a process that allocates and frees large tensors every step (the
     engine and trainer actors). Affects only the calling process, all its threads.
@@ -51,9 +54,7 @@ def keep_freed_heap() -> bool:
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    mmap_ok = mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD) == 1 or mallopt(
-        _M_MMAP_THRESHOLD, _MMAP_THRESHOLD_FALLBACK) == 1
-    return mmap_ok and mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD) == 1
+    return mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD) == 1 and mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD) == 1
 
 
 class HeapKeeper:

@@ -373,8 +373,11 @@ class _Forward:
 
     def select_rows(self, index: torch.Tensor) -> None:
         """Replace the cache rows and the last captured step by their rows ``index`` (int64
-        ``[B]``): a forward over distinct rows, expanded back to one row per prompt."""
-        self.cache = self.cache.select_rows(index)
+        ``[B]``): a forward over distinct rows, expanded back to one row per prompt. The embedded
+        model's cache keeps a prompt group's prompt once in its dense layers
+        (:meth:`replayrl.rollout.model.kv_cache.KVCache.share_rows`)."""
+        share = getattr(self.cache, "share_rows", None)
+        self.cache = share(index) if share is not None else self.cache.select_rows(index)
         for steps in (self.routed_steps, self.indexer_steps):
             if steps:
                 steps[-1] = steps[-1][index]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from replayrl.rollout.model.errors import ModelInputError
+from replayrl.rollout.model.shared_prefix import SharedPrefix, block_size
 
 
 def append_along(past: torch.Tensor, new: torch.Tensor, dim: int) -> torch.Tensor:
@@ -56,7 +57,9 @@ class KVCache:
     `key_padding_mask` starts with the same prefix. Under autograd the cache grows by
     concatenation (each step copies O(S_past)); without it (the engine's decode loop) the layers
     write the new keys in place into buffers with room to spare (:func:`append_along`), which
-    copy only when they double.
+    copy only when they double. After :meth:`share_rows`, a dense (not indexed) layer holds its
+    prompt keys once per block of rows (:class:`SharedPrefix`) and its per-row keys and values
+    from the prompt's end on only.
     """
 
     def __init__(self, num_layers: int, indexed_layers: tuple[int, ...]) -> None:
@@ -67,6 +70,7 @@ class KVCache:
         self._index_keys: dict[int, torch.Tensor | None] = {i: None for i in self._indexed_layers}
         self._padding_mask: torch.Tensor | None = None
         self._length = 0
+        self._shared: list[SharedPrefix | None] = [None] * num_layers
 
     @property
     def length(self) -> int:
@@ -96,11 +100,13 @@ class KVCache:
             raise ModelInputError(
                 "key_padding_mask[:, :kv_cache.length] differs from the padding of the cached tokens")
 
-    def past(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
-        """Cached (keys, values, indexer keys or None) of `layer`, or None while empty."""
+    def past(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                                        SharedPrefix | None] | None:
+        """Cached (keys, values, indexer keys or None, shared prefix or None) of `layer`, or None
+        while empty. With a shared prefix the keys and values are the slots after it."""
         if self._keys[layer] is None:
             return None
-        return self._keys[layer], self._values[layer], self._index_keys.get(layer)
+        return self._keys[layer], self._values[layer], self._index_keys.get(layer), self._shared[layer]
 
     def commit(self, keys: list[torch.Tensor], values: list[torch.Tensor],
                index_keys: dict[int, torch.Tensor], key_padding_mask: torch.Tensor) -> None:
@@ -118,13 +124,59 @@ class KVCache:
         """A new cache whose batch row ``i`` is this cache's row ``rows[i]`` (int64 ``[B']``).
 
         Differentiable (``index_select``): a prefix forwarded once for several rows (e.g. the
-        shared prompt of a GRPO group) gets the gradients of every row that reads it.
+        shared prompt of a GRPO group) gets the gradients of every row that reads it. A shared
+        prefix is expanded back to one row per row.
         """
         out = KVCache(self._num_layers, self._indexed_layers)
         pick = lambda t: None if t is None else t.index_select(0, rows)
-        out._keys = [pick(t) for t in self._keys]
-        out._values = [pick(t) for t in self._values]
+        whole = [self._whole(i) for i in range(self._num_layers)]
+        out._keys = [pick(k) for k, _ in whole]
+        out._values = [pick(v) for _, v in whole]
         out._index_keys = {i: pick(t) for i, t in self._index_keys.items()}
         out._padding_mask = pick(self._padding_mask)
         out._length = self._length
         return out
+
+    def share_rows(self, rows: torch.Tensor) -> "KVCache":
+        """:meth:`select_rows` for a decode loop over prompt groups: a new cache whose batch row
+        ``i`` reads this cache's row ``rows[i]`` (int64 ``[B]``).
+
+        Where ``rows`` is runs of ``R > 1`` equal values (the samples of each prompt group side by
+        side, :func:`replayrl.rollout.model.shared_prefix.block_size`), the cache is on the CPU,
+        holds no shared prefix yet and autograd is off, each dense layer keeps its keys and values
+        once per block as a :class:`SharedPrefix` and starts its per-row keys empty (the decode
+        steps append after it); indexed layers, whose decode reads only the kept keys, and the
+        padding mask get one row per row. Otherwise the same as :meth:`select_rows`.
+        """
+        r = 0
+        if (not torch.is_grad_enabled() and self._padding_mask is not None
+                and self._padding_mask.device.type == "cpu" and all(s is None for s in self._shared)):
+            r = block_size(rows)
+        if not r:
+            return self.select_rows(rows)
+        out = KVCache(self._num_layers, self._indexed_layers)
+        heads = rows[::r]
+        bias = torch.zeros(self._padding_mask.shape, dtype=torch.float32).masked_fill_(
+            ~self._padding_mask, float("-inf"))[heads][:, None, None, :]
+        for i, (keys, values) in enumerate(zip(self._keys, self._values)):
+            if i in self._indexed_layers:
+                out._keys[i], out._values[i] = keys.index_select(0, rows), values.index_select(0, rows)
+                continue
+            keys, values = keys.index_select(0, heads), values.index_select(0, heads)
+            out._shared[i] = SharedPrefix(keys, values, bias, r)
+            out._keys[i] = keys.new_empty((len(rows), keys.shape[1], 0, keys.shape[3]))
+            out._values[i] = values.new_empty((len(rows), values.shape[1], 0, values.shape[3]))
+        out._index_keys = {i: None if t is None else t.index_select(0, rows)
+                           for i, t in self._index_keys.items()}
+        out._padding_mask = self._padding_mask.index_select(0, rows)
+        out._length = self._length
+        return out
+
+    def _whole(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The keys and values of every slot of ``layer``, one row per batch row (a shared
+        prefix expanded and put before the row's own slots)."""
+        shared, keys, values = self._shared[layer], self._keys[layer], self._values[layer]
+        if shared is None:
+            return keys, values
+        prefix_keys, prefix_values = shared.expanded()
+        return torch.cat([prefix_keys, keys], 2), torch.cat([prefix_values, values], 2)

@@ -30,6 +30,7 @@ from replayrl.rollout.model.errors import ModelInputError
 from replayrl.rollout.model.indexer import Indexer, gathered_attention, resolve_replay, select_topk, slots_to_mask
 from replayrl.rollout.model.kv_cache import KVCache, append_along
 from replayrl.rollout.model.rope import rope_frequencies
+from replayrl.rollout.model.shared_prefix import can_share, shared_prefix_attention
 
 
 @dataclass(frozen=True)
@@ -179,8 +180,9 @@ class Qwen3MoeAttention(nn.Module):
 
     def forward(self, x, cos, sin, masks: _Masks, past, index_replay):
         """x `[B, S, hidden]` -> (output `[B, S, hidden]`, (keys, values, indexer keys) over all
-        T slots for the cache, key slots used int64 `[B, S, index_topk]` or None, the indexer's
-        own choice of slots (same shape) or None)."""
+        T slots for the cache (after the cache's shared prefix, if it has one), key slots used
+        int64 `[B, S, index_topk]` or None, the indexer's own choice of slots (same shape) or
+        None)."""
         b, s, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, s, self.n_heads, self.head_dim)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x).view(b, s, self.n_kv_heads, self.head_dim)).transpose(1, 2)
@@ -191,6 +193,7 @@ class Qwen3MoeAttention(nn.Module):
         own_needed = self.indexer is not None and (
             masks.own_indexer or index_replay is None or _unreplayed_queries(index_replay, masks))
         ik = self.indexer.keys(x) if own_needed or (self.indexer is not None and masks.cached) else None
+        shared = past[3] if past is not None else None  # a dense layer's prompt, once per block
         if past is not None:
             k, v = append_along(past[0], k, 2), append_along(past[1], v, 2)
             if ik is not None:
@@ -213,6 +216,12 @@ class Qwen3MoeAttention(nn.Module):
         if self.indexer is not None and mask is None:
             # long rows: only the index_topk kept keys of each query, gathered (O(S k), not O(S T))
             out = gathered_attention(q, k, v, slots, masks.own_slot_index, self.head_dim ** -0.5)
+        elif shared is not None and can_share(q):
+            # decode over a prompt group: the prompt's keys read once per group (shared_prefix.py)
+            out = shared_prefix_attention(q, shared, k, v, mask[:, :, shared.length:], self.head_dim ** -0.5)
+        elif shared is not None:
+            prefix_keys, prefix_values = shared.expanded()
+            out = self._attend(q, torch.cat([prefix_keys, k], 2), torch.cat([prefix_values, v], 2), mask)
         elif masks.blocks is not None:
             # packed rows: each query block over the key slots it may see only
             out = torch.cat([self._attend(q[:, :, i0:i1], k.index_select(2, cols), v.index_select(2, cols),

@@ -1,7 +1,7 @@
 """keep_freed_heap / HeapKeeper: a large block freed and allocated again is not faulted in again.
 
 Counted by the kernel (``getrusage`` minor faults) in a fresh process, with glibc's own
-``malloc`` / ``free``: 64 MiB touched twice faults ~16,384 pages the second time by default
+``malloc`` / ``free``: 24 MiB touched twice faults ~6,144 pages the second time by default
 (glibc unmaps a block that large when it is freed) and next to none with the setting; a
 HeapKeeper turns it on after a watched step above its threshold, not after a small one.
 """
@@ -21,7 +21,7 @@ keeper = HeapKeeper(threshold_bytes=16 << 20)
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]
-def touch(size=64 << 20):
+def touch(size=24 << 20):
     p = libc.malloc(size)
     ctypes.memset(p, 1, size)
     libc.free(p)
@@ -49,7 +49,7 @@ def _second_round_faults(mode: str) -> tuple[str, int]:
 
 
 def test_a_freed_block_is_reused_without_faults():
-    pages = (64 << 20) // 4096
+    pages = (24 << 20) // 4096
     applied, kept = _second_round_faults("keep")
     _, default = _second_round_faults("default")
     assert applied == "True"
@@ -58,9 +58,9 @@ def test_a_freed_block_is_reused_without_faults():
 
 
 def test_the_keeper_turns_on_after_a_large_step_only():
-    pages = (64 << 20) // 4096
+    pages = (24 << 20) // 4096
     turned, faults = _second_round_faults("keeper")
-    assert turned == "(False,True)"  # off after the 1 MiB step, on after the 64 MiB one
+    assert turned == "(False,True)"  # off after the 1 MiB step, on after the 24 MiB one
     # the block of that step was mapped and unmapped; the next one is faulted in on the heap
     # once, and reused from then on
     assert faults < pages // 20

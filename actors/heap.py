@@ -31,9 +31,10 @@ log = logging.getLogger(__name__)
 _M_TRIM_THRESHOLD = -1  # glibc <malloc.h>
 _M_MMAP_THRESHOLD = -3
 # Blocks below 32 MiB (glibc's largest dynamic threshold) from the heap. Larger ones (a weight
-# push bundle, a 50m model's gradients at once) keep their own mapping: on the heap, such a block
-# freed and followed by a slightly larger one left a hole and grew the heap (the 50m x 2 grid
-# point's peak RSS rose ~200 MiB with 1 GiB here), and they are few per step.
+# push bundle) keep their own mapping: on the heap, such a block freed and followed by a slightly
+# larger one can leave a hole that grows the heap (the likely reading of a 50m x 2 grid point
+# whose peak RSS rose ~200 MiB with 1 GiB here, docs/benchmarks.md cut (20)), and they are few
+# per step; the activations the faults came from are all below it at 1m x 64.
 _MMAP_THRESHOLD = 32 << 20
 _TRIM_THRESHOLD = (1 << 31) - 1  # mallopt takes an int: never trim in practice
 

@@ -156,7 +156,8 @@ class KVCache:
             return self.select_rows(rows)
         out = KVCache(self._num_layers, self._indexed_layers)
         heads = rows[::r]
-        bias = torch.zeros(self._padding_mask.shape, dtype=torch.float32).masked_fill_(
+        # in the keys' dtype: the attention kernel takes its mask in the query's, once per share
+        bias = torch.zeros(self._padding_mask.shape, dtype=self._keys[0].dtype).masked_fill_(
             ~self._padding_mask, float("-inf"))[heads][:, None, None, :]
         for i, (keys, values) in enumerate(zip(self._keys, self._values)):
             if i in self._indexed_layers:

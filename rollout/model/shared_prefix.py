@@ -27,7 +27,7 @@ __all__ = ["SharedPrefix", "block_size", "can_share", "shared_prefix_attention"]
 class SharedPrefix:
     """The prompt keys of one dense attention layer, one row per block of ``rows`` batch rows.
 
-    keys / values: ``[G, H_kv, P, D]`` (the model dtype); bias: float32 ``[G, 1, 1, P]``, 0 on a
+    keys / values: ``[G, H_kv, P, D]`` (the model dtype); bias: ``[G, 1, 1, P]`` in the same dtype, 0 on a
     real key and ``-inf`` on a padding slot; rows: ``R``, the batch rows per block (batch row
     ``b`` reads block ``b // R``). Every block has at least one real key.
     """
@@ -87,7 +87,7 @@ def shared_prefix_attention(q: torch.Tensor, prefix: SharedPrefix, keys: torch.T
     # block queries: [G, H_kv, R * rep, D], each block's R rows x the rep heads of a KV head
     q_rows = q.reshape(b, h_kv, rep, d)
     q_block = q_rows.view(g, r, h_kv, rep, d).transpose(1, 2).reshape(g, h_kv, r * rep, d)
-    out_p, lse_p = flash(q_block, prefix.keys, prefix.values, attn_mask=prefix.bias.to(q.dtype), scale=scale)
+    out_p, lse_p = flash(q_block, prefix.keys, prefix.values, attn_mask=prefix.bias, scale=scale)
     out_p = out_p.view(g, h_kv, r, rep, d).transpose(1, 2).reshape(b, h_kv, rep, d)
     lse_p = lse_p.view(g, h_kv, r, rep).transpose(1, 2).reshape(b, h_kv, rep, 1)
     own_bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))

@@ -6,7 +6,8 @@ buffer), and every page of both faults on first touch: ~0.07x of a memcpy at 64 
 sender copies the array once into a *slot* of its :class:`ShmPool` (memory that was faulted in
 when the slot was made and is reused for later messages), ZeroMQ carries only the header with
 a *handle* ``[pid, fd, token, generation]``, and the receiver's :class:`ShmReader` maps the slot
-(once per slot, pre-faulted with ``MAP_POPULATE``) and hands out arrays over it without copying.
+(once per slot; pre-faulted with ``MAP_POPULATE`` below 16 MiB, see "Receiver pages") and hands
+out arrays over it without copying.
 
 Slots
 -----
@@ -38,12 +39,16 @@ for the life of the sender: bounded by ``max_bytes``, after which sends fall bac
 Receiver pages
 --------------
 Every page a receiver has mapped counts in its RSS as well as in the sender's, though it is
-one page of memory. When the last lease of a slot of at least 16 MiB is dropped (the weight
-push an engine has copied into its own parameters: ~190 MiB at the 50m preset), the receiver
-drops its page-table entries for the slot's data (``MADV_DONTNEED``, which on shared memory
-leaves the contents to the sender) and maps them in again, in one call, when the next message
-on that slot arrives (``MADV_POPULATE_READ``). Smaller slots (rollouts) stay mapped: their
-messages come often and their pages are few.
+one page of memory. A slot of at least 16 MiB (a weight push: ~190 MiB at the 50m preset) is
+therefore never pre-faulted by the receiver: its pages are mapped on first read (the kernel maps
+up to 16 at a time), and a reader that copies it out once, array by array (an engine loading a
+push into its parameters), wraps each copy in :func:`read_once`, which maps that array's pages
+in one call before the copy and drops them after it (``MADV_POPULATE_READ`` /
+``MADV_DONTNEED``, which on shared memory drops page-table entries and leaves the contents to
+the sender), so the load holds about one array's pages at a time instead of the whole push.
+When the last lease of such a slot is dropped the receiver drops whatever pages of it are
+still mapped. Smaller slots (rollouts) are pre-faulted and stay mapped: their messages come
+often and their pages are few.
 
 Send buffers
 ------------
@@ -76,7 +81,7 @@ import numpy as np
 from replayrl.transport.errors import DecodeError, TransportError
 
 __all__ = ["ShmPool", "ShmReader", "ShmHeader", "DEFAULT_SHM_POOL_BYTES", "DEFAULT_SHM_MIN_ARRAY_BYTES",
-           "mark_sent", "buffer_in_use", "renew_buffer"]
+           "mark_sent", "buffer_in_use", "renew_buffer", "read_once"]
 
 DEFAULT_SHM_POOL_BYTES = 1 << 30
 """Most bytes of slots one process keeps (its sends; receivers map, never allocate); unit: bytes."""
@@ -370,10 +375,21 @@ class ShmPool:
             self._bytes = 0
 
 
-class _Mapping:
-    """A receiver's mapping of one sender slot, pre-faulted; kept while any lease uses it."""
+_UNMAP_PAGES_FROM = 16 << 20
+"""A receiver maps the pages of a slot at least this large only as they are read, and drops
+them when it releases the slot (module docstring, "Receiver pages"); unit: bytes."""
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14; Python >= 3.12 names it
+_FAULT_AROUND = 64 << 10
+"""Linux maps the pages of an aligned block this large around a read fault of a file page (its
+default ``fault_around_bytes``), and populating is faulting: :func:`read_once` drops whole
+blocks, so the pages mapped around a small array do not stay; unit: bytes."""
 
-    __slots__ = ("mm", "words", "address", "token", "capacity", "dropped")
+
+class _Mapping:
+    """A receiver's mapping of one sender slot, kept while any lease uses it; pre-faulted
+    below ``_UNMAP_PAGES_FROM`` data bytes, mapped on read above it."""
+
+    __slots__ = ("mm", "words", "address", "token", "capacity")
 
     def __init__(self, path: str) -> None:
         try:
@@ -387,7 +403,9 @@ class _Mapping:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode) or info.st_size < _HEADER + _MIN_SLOT:
                 raise DecodeError(f"shared-memory handle {path}: not a pool slot ({info.st_size} bytes)")
-            self.mm = mmap.mmap(fd, info.st_size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            populate = info.st_size - _HEADER < _UNMAP_PAGES_FROM
+            self.mm = mmap.mmap(fd, info.st_size, flags=mmap.MAP_SHARED | (
+                getattr(mmap, "MAP_POPULATE", 0) if populate else 0))
         except OSError as exc:
             raise DecodeError(f"shared-memory handle {path} cannot be mapped: {exc.strerror}") from None
         finally:
@@ -400,35 +418,57 @@ class _Mapping:
         if self.capacity != info.st_size - _HEADER:
             raise DecodeError(f"shared-memory handle {path}: header says {self.capacity} data bytes, "
                               f"the slot has {info.st_size - _HEADER}")
-        self.dropped = False  # the data pages are mapped in this process (MAP_POPULATE)
+
+    def advise(self, option: int, start: int, stop: int, align: int = mmap.PAGESIZE) -> None:
+        """``madvise(option)`` over the ``align``-aligned blocks (data pages only) that hold data
+        bytes ``[start, stop)``; a kernel without ``option`` or a mapping closed at exit leaves
+        the pages as they are."""
+        at = self.address + _HEADER  # blocks aligned in the address space, as the kernel's
+        first = max((at + start) // align * align - self.address, _HEADER)
+        end = min(-(-(at + stop) // align) * align - self.address, _HEADER + self.capacity)
+        try:
+            self.mm.madvise(option, first, end - first)
+        except (ValueError, OSError):
+            pass
 
 
-_UNMAP_PAGES_FROM = 16 << 20
-"""A receiver drops its page-table entries of a slot at least this large when it releases it
-(``MADV_DONTNEED``) and maps them in again at the next message on it (``MADV_POPULATE_READ``);
-unit: bytes (module docstring, "Receiver pages")."""
-_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14; Python >= 3.12 names it
+def read_once(array: np.ndarray) -> "_ReadOnce":
+    """Context manager around one read of ``array`` when it is a view of a received slot of at
+    least 16 MiB: its pages are mapped in one call on entry (``MADV_POPULATE_READ``) and dropped
+    from this process on exit (``MADV_DONTNEED``; the contents stay the sender's, and a later
+    read maps them again), so a reader that copies such a slot out array by array holds one
+    array's pages at a time (module docstring, "Receiver pages"). Any other array: nothing
+    happens. The pages dropped are those of the 64 KiB blocks that hold the array (the kernel
+    maps a block around each read fault), so a neighbour may lose a few: it maps them again
+    when read.
+
+    Args:
+        array: any numpy array (e.g. an entry of ``replayrl.transport.array_bundle.unpack_arrays``).
+    """
+    lease = array.base
+    while isinstance(lease, np.ndarray):  # numpy collapses a view's base only down to the last array
+        lease = lease.base
+    if type(lease) is not _Lease or lease.mapping.capacity < _UNMAP_PAGES_FROM or array.nbytes == 0:
+        return _ReadOnce(None, 0, 0)
+    start = array.__array_interface__["data"][0] - lease.mapping.address - _HEADER
+    return _ReadOnce(lease.mapping, start, start + array.nbytes)
 
 
-def _drop_pages(mapping: "_Mapping") -> None:
-    """Unmap the data pages of ``mapping`` from this process only (the sender's memory keeps
-    them: ``MADV_DONTNEED`` on a shared mapping drops page-table entries, not contents)."""
-    try:
-        mapping.mm.madvise(mmap.MADV_DONTNEED, _HEADER, mapping.capacity)
-        mapping.dropped = True
-    except (ValueError, OSError):  # closed at exit, or a kernel without it: pages stay mapped
-        pass
+class _ReadOnce:
+    """:func:`read_once`'s context manager (``mapping`` None: nothing to do)."""
 
+    __slots__ = ("mapping", "start", "stop")
 
-def _map_pages(mapping: "_Mapping", nbytes: int) -> None:
-    """Map the first ``nbytes`` of data of a dropped ``mapping`` in again in one call instead of a
-    page fault per 4 KiB page on first read; a kernel without ``MADV_POPULATE_READ`` faults
-    them in on read instead."""
-    mapping.dropped = False
-    try:
-        mapping.mm.madvise(_MADV_POPULATE_READ, _HEADER, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
-    except (ValueError, OSError):
-        pass
+    def __init__(self, mapping: _Mapping | None, start: int, stop: int) -> None:
+        self.mapping, self.start, self.stop = mapping, start, stop
+
+    def __enter__(self) -> None:
+        if self.mapping is not None:
+            self.mapping.advise(_MADV_POPULATE_READ, self.start, self.stop)
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self.mapping is not None:  # with the pages the kernel mapped around them
+            self.mapping.advise(mmap.MADV_DONTNEED, self.start, self.stop, _FAULT_AROUND)
 
 
 class _Lease:
@@ -439,9 +479,10 @@ class _Lease:
     __slots__ = ("__array_interface__", "mapping", "generation", "__weakref__")
 
     def __del__(self, _released: int = _RELEASED) -> None:  # bound now: also runs at exit
-        if self.mapping.capacity >= _UNMAP_PAGES_FROM:  # before the release: the next message's
-            _drop_pages(self.mapping)                   # pages are then never dropped under it
-        self.mapping.words[_released] = self.generation
+        mapping = self.mapping
+        if mapping.capacity >= _UNMAP_PAGES_FROM:  # before the release: the next message's pages
+            mapping.advise(mmap.MADV_DONTNEED, 0, mapping.capacity)  # are then never dropped under it
+        mapping.words[_released] = self.generation
 
 
 class ShmReader:
@@ -482,8 +523,6 @@ class ShmReader:
         if nbytes > mapping.capacity:
             raise DecodeError(f"shared-memory array of {nbytes} bytes does not fit its slot of "
                               f"{mapping.capacity} bytes")
-        if mapping.dropped:
-            _map_pages(mapping, nbytes)
         lease = _Lease()
         lease.mapping = mapping
         lease.generation = generation

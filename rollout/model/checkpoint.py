@@ -29,6 +29,7 @@ from replayrl.rollout.model.families.base import FamilyModel
 from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
 from replayrl.rollout.model.word_tokenizer import SPECIAL_TOKENS, save_word_tokenizer
 from replayrl.rollout.model.word_tokenizer import write_json as _write_json
+from replayrl.transport.shm_pool import read_once
 
 WEIGHTS_NAME = "model.safetensors"
 # tokenizer and generation files a checkpoint directory may carry; copied as they are
@@ -164,7 +165,13 @@ def _copy_into(model: Qwen3MoeForCausalLM, tensors: dict[str, torch.Tensor | np.
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         for name, p in params.items():
             t = tensors[name]
-            p.copy_(torch.from_numpy(t) if isinstance(t, np.ndarray) else t)
+            if isinstance(t, np.ndarray):
+                # a push received in shared memory: this array's pages are mapped for its copy
+                # only, so the engine never holds the whole push beside its own weights
+                with read_once(t):
+                    p.copy_(torch.from_numpy(t))
+            else:
+                p.copy_(t)
 
 
 def _check_vocab(tokens: list[str], cfg: ModelConfig) -> None:

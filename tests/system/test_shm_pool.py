@@ -17,6 +17,7 @@ import torch
 from replayrl.actors import ActorSpec, Directory, Supervisor
 from replayrl.actors.ref import POOL, Message, shared_memory_pool, use_shared_memory
 from replayrl.transport import Codec, CodecConfig, DealerSocket, DecodeError, MessageTooLarge, TransportError
+from replayrl.transport.array_bundle import pack_arrays, unpack_arrays
 from replayrl.transport.shm_pool import (
     DEFAULT_SHM_MIN_ARRAY_BYTES,
     DEFAULT_SHM_POOL_BYTES,
@@ -25,11 +26,13 @@ from replayrl.transport.shm_pool import (
     ShmReader,
     buffer_in_use,
     mark_sent,
+    read_once,
     renew_buffer,
 )
 
 ECHO = "tests.actor_fixtures:EchoActor"
 MiB = 1 << 20
+FAULT_AROUND = 64 << 10  # Linux maps up to 16 pages around a read fault of a file page
 
 
 def _sent(frames: list) -> list:
@@ -143,15 +146,17 @@ def _resident_bytes(address: int) -> int:
     raise AssertionError(f"no mapping at {address:#x}")
 
 
-def test_a_receiver_unmaps_a_large_slot_it_released_and_maps_it_again_for_the_next_message():
+def test_a_receiver_maps_a_large_slot_as_read_and_unmaps_it_on_release():
     # the engine's copy of a 50m weight push: its pages are the trainer's, counted once
     pool, reader, codec = ShmPool(256 * MiB, 64 << 10), ShmReader(), Codec()
     weights = pool.buffer(32 * MiB).view(np.float32)
     weights[:] = 1.0
     y = codec.decode(_sent(codec.encode(weights, pool)), reader)
     (mapping,) = reader._maps.values()
-    assert _resident_bytes(mapping.address) >= 32 * MiB  # mapped, read in place
-    assert float(y[-1]) == 1.0
+    # only the header page until read (and the kernel's fault-around of it: 64 KiB by default)
+    assert _resident_bytes(mapping.address) <= FAULT_AROUND
+    assert float(y[-1]) == 1.0 and float(y.sum()) == len(weights)  # read in place
+    assert _resident_bytes(mapping.address) >= 32 * MiB
     del y
     gc.collect()
     assert _resident_bytes(mapping.address) <= 4096  # released: only the header page is left
@@ -159,18 +164,82 @@ def test_a_receiver_unmaps_a_large_slot_it_released_and_maps_it_again_for_the_ne
     weights[:] = 2.0
     renew_buffer(weights)
     z = codec.decode(_sent(codec.encode(weights, pool)), reader)
-    assert _resident_bytes(mapping.address) >= 32 * MiB  # mapped again in one call
     np.testing.assert_array_equal(z[:: 1 << 16], np.full(len(weights) >> 16, 2.0, np.float32))
     del z
     gc.collect()
-    # a small slot stays mapped after its release (rollouts: many messages, few pages)
+    # a small slot is mapped at once and stays mapped after its release (rollouts: many
+    # messages, few pages)
     small = codec.decode(_sent(codec.encode(np.ones(MiB // 4, np.float32), pool)), reader)
     small_map = next(m for m in reader._maps.values() if m.capacity < 16 * MiB)
+    assert _resident_bytes(small_map.address) >= MiB
+    with read_once(small):  # not a large slot: nothing dropped
+        pass
     del small
     gc.collect()
     assert _resident_bytes(small_map.address) >= MiB
     del weights
     gc.collect()
+
+
+def test_read_once_holds_one_array_of_a_large_slot_at_a_time():
+    # an engine loading a push array by array maps each array's pages for its copy only
+    pool, reader, codec = ShmPool(256 * MiB, 64 << 10), ShmReader(), Codec()
+    sizes = [3 * MiB + 12, 8 * MiB, 5, 6 * MiB - 4]  # bytes / 4: arrays not page aligned
+    sent = {f"w{i}": np.arange(n // 4, dtype=np.float32) * (i + 1) for i, n in enumerate(sizes)}
+    bundle = codec.decode(_sent(codec.encode(pack_arrays(sent), pool)), reader)
+    arrays = unpack_arrays(bundle)
+    (mapping,) = (m for m in reader._maps.values() if m.capacity >= 16 * MiB)
+    for name, a in arrays.items():
+        with read_once(a):
+            resident = _resident_bytes(mapping.address)
+            copy = a.copy()
+        np.testing.assert_array_equal(copy, sent[name])
+        # the array's pages, plus the kernel's fault-around at its ends and of the header page
+        assert a.nbytes <= resident <= a.nbytes + 3 * FAULT_AROUND
+        assert _resident_bytes(mapping.address) <= FAULT_AROUND
+    np.testing.assert_array_equal(arrays["w2"], sent["w2"])  # read again: mapped again
+    del arrays, bundle, a
+    gc.collect()
+    assert _resident_bytes(mapping.address) <= 4096
+    assert pool.busy() == 0
+
+
+def test_a_weight_push_loads_from_a_large_slot_one_array_at_a_time(monkeypatch):
+    # load_state_arrays reads each pushed array inside read_once: the engine's resident pages of
+    # the push never reach the push's size (measured at every array's copy)
+    from replayrl.rollout.model import checkpoint as ckpt
+    from replayrl.rollout.model.config import embedded_config
+    from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
+
+    cfg = embedded_config(44, "10m")
+    trainer_side = Qwen3MoeForCausalLM(cfg).eval()
+    engine_side = Qwen3MoeForCausalLM(cfg).eval()
+    pool, reader, codec = ShmPool(256 * MiB, 64 << 10), ShmReader(), Codec()
+    push = ckpt.state_dict_arrays(trainer_side)
+    arrays = unpack_arrays(codec.decode(_sent(codec.encode(pack_arrays(push), pool)), reader))
+    (mapping,) = (m for m in reader._maps.values() if m.capacity >= 16 * MiB)
+    largest = max(a.nbytes for a in arrays.values())
+    seen = []
+    inner = ckpt.read_once
+
+    def measured(array):
+        class Measured:
+            def __enter__(self):
+                self.context = inner(array)
+                self.context.__enter__()
+                seen.append(_resident_bytes(mapping.address))
+
+            def __exit__(self, *exc):
+                return self.context.__exit__(*exc)
+        return Measured()
+
+    monkeypatch.setattr(ckpt, "read_once", measured)
+    ckpt.load_state_arrays(engine_side, arrays)
+    assert len(seen) == len(push) and mapping.capacity > 16 * largest
+    assert max(seen) <= largest + 3 * FAULT_AROUND
+    assert _resident_bytes(mapping.address) <= FAULT_AROUND  # arrays still held, pages dropped
+    for name, value in engine_side.state_dict().items():
+        np.testing.assert_array_equal(value.numpy(), push[name], err_msg=name)
 
 
 def test_a_partial_or_offset_view_of_a_send_buffer_is_copied_and_small_ones_are_refused():

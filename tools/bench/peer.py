@@ -7,7 +7,8 @@ embedded task's seeded :class:`replayrl.rollout.data_source.PromptDataSource`, d
 and checked to encode back to the same ids), are scored by the same verifier
 (:meth:`replayrl.rollout.tasks.calculator.DigitToolEnv.reward` on the completion ids) and train with the same
 budget: ``rollout-batch-size`` prompts x ``n-samples-per-prompt`` completions per optimizer
-step, the same sampling, AdamW and PPO clip settings, no KL, no std normalisation, one optimizer
+step, the same sampling, AdamW and PPO clip settings, no KL, the same advantage (std
+normalisation as the task sets it: off for digits, on for sort), one optimizer
 step per generation batch, on the same torch thread budget (TRL: one process with
 ``torch.set_num_threads(2)``; replayrl: its defaults, one thread per engine and one for the
 trainer). replayrl runs through its real launcher (``--no-progress``) and its ``metrics.jsonl``
@@ -246,8 +247,8 @@ def settings_table(config) -> str:
          f"max_grad_norm={k['max_grad_norm']}, optim=adamw_torch, lr_scheduler_type=constant"),
         ("PPO clip", f"[1 - {t.eps_clip}, 1 + {t.eps_clip_high}]",
          f"epsilon={k['epsilon']}, epsilon_high={k['epsilon_high']}"),
-        ("KL / entropy / advantage", f"no KL; entropy bonus {t.entropy_coef}; reward - group "
-                                     "mean (no std)",
+        ("KL / entropy / advantage", f"no KL; entropy bonus {t.entropy_coef}; reward - group mean"
+                                     + (" / group std" if t.normalize_advantage_std else " (no std)"),
          f"beta=0.0; scale_rewards={k['scale_rewards']!r}"),
         ("loss", "PPO clipped token loss / loss tokens of the step, TIS cap "
                  f"{t.tis_cap} on the one-step-stale behaviour ratio",

@@ -156,3 +156,17 @@ def test_grid_settings_are_checked_before_any_point_runs():
     # refused here, not when the grid reaches the 10m point after running the 1m one
     with pytest.raises(BenchError, match="10m x 2: .*--trainer-backward-threads 2"):
         pg.check_points(points, {"colocate": True}, {"10m": {"trainer-backward-threads": 2}})
+
+
+@pytest.mark.parametrize("task, std, scale", [({}, " (no std)", "'none'"),
+                                              ({"task": "sort"}, " / group std", "'group'")])
+def test_printed_advantage_follows_the_task_on_both_sides(task, std, scale):
+    # the sort task turns GRPO's std normalisation on (rollout/tasks/sort.py): both sides of the
+    # printed settings say so, as both sides train with it
+    from replayrl.tools.bench.peer import settings_table, trl_settings
+    from replayrl.tools.run.config import build_config
+
+    config = build_config(task)
+    assert trl_settings(config)["scale_rewards"] == scale.strip("'")
+    row = next(line for line in settings_table(config).splitlines() if "KL / entropy" in line)
+    assert f"reward - group mean{std} |" in row and f"scale_rewards={scale}" in row

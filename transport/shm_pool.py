@@ -423,12 +423,12 @@ class _Mapping:
         """``madvise(option)`` over the ``align``-aligned blocks (data pages only) that hold data
         bytes ``[start, stop)``; a kernel without ``option`` or a mapping closed at exit leaves
         the pages as they are."""
-        at = self.address + _HEADER  # blocks aligned in the address space, as the kernel's
-        first = max((at + start) // align * align - self.address, _HEADER)
-        end = min(-(-(at + stop) // align) * align - self.address, _HEADER + self.capacity)
         try:
+            at = self.address + _HEADER  # blocks aligned in the address space, as the kernel's
+            first = max((at + start) // align * align - self.address, _HEADER)
+            end = min(-(-(at + stop) // align) * align - self.address, _HEADER + self.capacity)
             self.mm.madvise(option, first, end - first)
-        except (ValueError, OSError):
+        except (ValueError, OSError, TypeError):  # TypeError: module globals already None at exit
             pass
 
 
@@ -476,10 +476,11 @@ class _Lease:
 
     __slots__ = ("__array_interface__", "mapping", "generation", "__weakref__")
 
-    def __del__(self, _released: int = _RELEASED) -> None:  # bound now: also runs at exit
+    def __del__(self, _released: int = _RELEASED, _unmap_from: int = _UNMAP_PAGES_FROM,
+                _dontneed: int = mmap.MADV_DONTNEED) -> None:  # bound now: also runs at exit
         mapping = self.mapping
-        if mapping.capacity >= _UNMAP_PAGES_FROM:  # before the release: the next message's pages
-            mapping.advise(mmap.MADV_DONTNEED, 0, mapping.capacity)  # are then never dropped under it
+        if mapping.capacity >= _unmap_from:  # before the release: the next message's pages are
+            mapping.advise(_dontneed, 0, mapping.capacity)  # then never dropped under it
         mapping.words[_released] = self.generation
 
 

@@ -583,10 +583,18 @@ class Supervisor:
     def died(self) -> ActorDied | None:
         """An :class:`ActorDied` for the first process that exited, or None while all live
         (actors already dropped under ``on_lost="drop"`` do not count)."""
+        exited = self._exit_codes()
         for name, proc in self.processes.items():
-            if proc.exitcode is not None and name not in self.dropped:
+            if exited[id(proc)] is not None and name not in self.dropped:
                 return self._exited(name)
         return None
+
+    def _exit_codes(self) -> dict[int, int | None]:
+        """``id(process)`` -> its exit code (None: running), read once per process, so the
+        members of a shared process agree: read per member, a process that exits between two
+        reads would be reported under its second member instead of its first."""
+        unique = {id(proc): proc for proc in self.processes.values()}
+        return {key: proc.exitcode for key, proc in unique.items()}
 
     async def explain(self, exc: BaseException, grace: float = 5.0) -> BaseException:
         """The error to report for ``exc``: a :class:`PeerLost` caused by an actor process that
@@ -660,8 +668,9 @@ class Supervisor:
                 del self._replacing[name]
                 task.result()  # its error ends the run
         self._kill_silent()
+        exited = self._exit_codes()
         for name, proc in list(self.processes.items()):
-            if name in self.dropped or self._stopping or proc.exitcode is None:
+            if name in self.dropped or self._stopping or exited[id(proc)] is None:
                 continue
             dead = self._exited(name)
             why = self._silenced.pop(self._process_of[name], "")

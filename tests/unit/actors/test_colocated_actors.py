@@ -126,3 +126,31 @@ async def test_actors_on_loops_of_their_own_threads_overlap():
             await ref.call("__stop__", why, timeout=10)
         assert await asyncio.wait_for(serving, 10) == ["a failed", "", ""]
         assert errors == []
+
+
+class _ExitsOnSecondRead:
+    """A process stand-in that is running at the first read of ``exitcode`` and has exited with
+    code 3 at every later read (a process that exits between two reads)."""
+
+    sentinel = -1
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    @property
+    def exitcode(self) -> int | None:
+        self.reads += 1
+        return None if self.reads == 1 else 3
+
+
+def test_a_shared_process_that_exits_between_reads_is_reported_under_its_first_member():
+    # read per member, the exit would show first at b's read and be reported as b's (the
+    # supervisor's watch reads the same way: Supervisor._exit_codes)
+    with tempfile.TemporaryDirectory(prefix="rrl-") as run_dir:
+        specs = [ActorSpec("a", ECHO, process="p"), ActorSpec("b", ECHO, process="p")]
+        sup = Supervisor(specs, Directory.for_run(run_dir, ["a", "b"]), run_dir)
+        proc = _ExitsOnSecondRead()
+        sup.processes = {"a": proc, "b": proc}
+        assert sup.died() is None  # one read for both: running
+        dead = sup.died()
+        assert (dead.actor, dead.exitcode, dead.members) == ("a", 3, ("a", "b"))

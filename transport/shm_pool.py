@@ -387,9 +387,9 @@ around a small array do not stay; unit: bytes."""
 
 class _Mapping:
     """A receiver's mapping of one sender slot, kept while any lease uses it; pre-faulted
-    below ``_UNMAP_PAGES_FROM`` data bytes, mapped on read above it."""
+    below ``_UNMAP_PAGES_FROM`` data bytes, mapped on read above it (``on_read``)."""
 
-    __slots__ = ("mm", "words", "address", "token", "capacity")
+    __slots__ = ("mm", "words", "address", "token", "capacity", "on_read")
 
     def __init__(self, path: str) -> None:
         try:
@@ -403,9 +403,9 @@ class _Mapping:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode) or info.st_size < _HEADER + _MIN_SLOT:
                 raise DecodeError(f"shared-memory handle {path}: not a pool slot ({info.st_size} bytes)")
-            populate = info.st_size - _HEADER < _UNMAP_PAGES_FROM
+            self.on_read = info.st_size - _HEADER >= _UNMAP_PAGES_FROM
             self.mm = mmap.mmap(fd, info.st_size, flags=mmap.MAP_SHARED | (
-                getattr(mmap, "MAP_POPULATE", 0) if populate else 0))
+                0 if self.on_read else getattr(mmap, "MAP_POPULATE", 0)))
         except OSError as exc:
             raise DecodeError(f"shared-memory handle {path} cannot be mapped: {exc.strerror}") from None
         finally:
@@ -447,7 +447,7 @@ def read_once(array: np.ndarray) -> "_ReadOnce":
     lease = array.base
     while isinstance(lease, np.ndarray):  # numpy collapses a view's base only down to the last array
         lease = lease.base
-    if type(lease) is not _Lease or lease.mapping.capacity < _UNMAP_PAGES_FROM or array.nbytes == 0:
+    if type(lease) is not _Lease or not lease.mapping.on_read or array.nbytes == 0:
         return _ReadOnce(None, 0, 0)
     start = array.__array_interface__["data"][0] - lease.mapping.address - _HEADER
     return _ReadOnce(lease.mapping, start, start + array.nbytes)
@@ -476,11 +476,11 @@ class _Lease:
 
     __slots__ = ("__array_interface__", "mapping", "generation", "__weakref__")
 
-    def __del__(self, _released: int = _RELEASED, _unmap_from: int = _UNMAP_PAGES_FROM,
+    def __del__(self, _released: int = _RELEASED,
                 _dontneed: int = mmap.MADV_DONTNEED) -> None:  # bound now: also runs at exit
         mapping = self.mapping
-        if mapping.capacity >= _unmap_from:  # before the release: the next message's pages are
-            mapping.advise(_dontneed, 0, mapping.capacity)  # then never dropped under it
+        if mapping.on_read:  # before the release: the next message's pages are then never
+            mapping.advise(_dontneed, 0, mapping.capacity)  # dropped under it
         mapping.words[_released] = self.generation
 
 

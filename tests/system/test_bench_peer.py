@@ -120,4 +120,4 @@ def test_two_steps_of_both_sides():
         ours, theirs, r = (float(g) for g in row.groups())
         if figure == "completions/s":  # printed to 0.1 (ratio to 0.01): bound the rounding
             assert (ours - 0.05) / (theirs + 0.05) - 0.005 <= r <= (ours + 0.05) / (theirs - 0.05) + 0.005
-    assert "| step seconds to 10-step mean reward >= 0.5 | not reached | not reached | n/a |" in text
+    assert "| step seconds to 10-step mean reward >= 0.500 | not reached | not reached | n/a |" in text

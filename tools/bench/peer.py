@@ -36,6 +36,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from replayrl.tools.bench.time_to_quality import (
+    QUALITY_SHARE,
+    reward_after,
+    seconds_to_threshold,
+    time_to_quality,
+)
 from replayrl.tools.bench.tree_memory import run_sampled
 from replayrl.tools.errors import PeerBenchError
 from replayrl.transport import strict_json
@@ -76,24 +82,6 @@ def completions_per_second(step_seconds: Sequence[float], completions_per_step: 
     """
     steady = list(step_seconds)[warmup_steps(len(step_seconds)):]
     return completions_per_step / median(steady)
-
-
-def seconds_to_threshold(rewards: Sequence[float], step_seconds: Sequence[float],
-                         threshold: float, window: int = 10) -> float | None:
-    """Summed step seconds up to and including the first step whose trailing ``window``-step
-    mean reward is ``>= threshold``; ``None`` when no full window reaches it.
-
-    Raises:
-        ValueError: ``rewards`` and ``step_seconds`` differ in length, or ``window < 1``.
-    """
-    if len(rewards) != len(step_seconds):
-        raise ValueError(f"{len(rewards)} rewards but {len(step_seconds)} step times")
-    if window < 1:
-        raise ValueError(f"window must be >= 1, got {window}")
-    for end in range(window, len(rewards) + 1):
-        if sum(rewards[end - window:end]) / window >= threshold:
-            return float(sum(step_seconds[:end]))
-    return None
 
 
 def report_windows(steps: int, window: int = 10) -> list[tuple[int, int]]:
@@ -576,11 +564,16 @@ def run_seed(steps: int, seed: int, work: Path, trl_first: bool,
     return sides["replayrl"], sides["TRL"], {"order": list(sides), "config": config}
 
 
-def report(pairs: list[tuple[SideRun, SideRun, dict]], threshold: float, window: int) -> str:
-    """The printed report: settings, one table per seed, and the spread over seeds."""
+def report(pairs: list[tuple[SideRun, SideRun, dict]], threshold: float | None, window: int) -> str:
+    """The printed report: settings, one table per seed, and the spread over seeds.
+
+    ``threshold`` None: per seed, :data:`replayrl.tools.bench.time_to_quality.QUALITY_SHARE`
+    x TRL's mean reward over its last ``window`` steps (time to quality); else that reward."""
     config = pairs[0][2]["config"]
     r = config.rollout
     per_step = r.rollout_batch_size * r.n_samples_per_prompt
+    target = (f"{QUALITY_SHARE} x TRL's mean reward over its last {window} steps (per seed)"
+              if threshold is None else f"{threshold}")
     lines = [
         f"bench peer: replayrl vs TRL GRPOTrainer, {config.num_steps} steps x {per_step} "
         f"completions per optimizer step, seeds {' '.join(str(p[0].seed) for p in pairs)}",
@@ -600,20 +593,28 @@ def report(pairs: list[tuple[SideRun, SideRun, dict]], threshold: float, window:
         "",
         f"completions/s = {per_step} / median step seconds over steps after the first "
         f"{warmup_steps(config.num_steps)}; time to reward: summed step seconds until the trailing "
-        f"{window}-step mean reward >= {threshold}; ratio = replayrl / TRL.",
+        f"{window}-step mean reward >= {target}; reward after equal seconds: each side's trailing "
+        f"{window}-step mean after the shorter side's total step seconds; ratio = replayrl / TRL.",
     ]
     summaries = []
     for ours, theirs, facts in pairs:
-        a, b = summarize(ours, threshold, window), summarize(theirs, threshold, window)
+        q = time_to_quality(ours.rewards, ours.step_seconds, theirs.rewards, theirs.step_seconds,
+                            window)
+        thr = q.threshold if threshold is None else threshold
+        a, b = summarize(ours, thr, window), summarize(theirs, thr, window)
         summaries.append((a, b))
         lines += ["", f"seed {ours.seed} (ran {' then '.join(facts['order'])}; completions per "
                       f"step: replayrl {ours.completions[0]}, TRL {theirs.completions[0]})", "",
                   "| figure | replayrl | TRL | replayrl / TRL |", "|---|---:|---:|---:|",
+                  _row(f"step seconds to {window}-step mean reward >= {thr:.3f}",
+                       a.seconds_to_threshold, b.seconds_to_threshold, ".1f"),
+                  _row(f"reward after {q.equal_seconds:.1f} s",
+                       reward_after(ours.rewards, ours.step_seconds, q.equal_seconds, window),
+                       reward_after(theirs.rewards, theirs.step_seconds, q.equal_seconds, window),
+                       ".3f"),
                   _row("completions/s", a.completions_per_second, b.completions_per_second, ".1f"),
                   _row("median step seconds", per_step / a.completions_per_second,
                        per_step / b.completions_per_second, ".3f"),
-                  _row(f"step seconds to {window}-step mean reward >= {threshold}",
-                       a.seconds_to_threshold, b.seconds_to_threshold, ".1f"),
                   _row("total step seconds", sum(ours.step_seconds), sum(theirs.step_seconds), ".1f"),
                   *(_row(f"reward, steps {k}", a.reward_windows[k], b.reward_windows[k], ".3f")
                     for k in a.reward_windows)]
@@ -622,7 +623,7 @@ def report(pairs: list[tuple[SideRun, SideRun, dict]], threshold: float, window:
                   "| figure | replayrl | TRL | ratio of means | ranges overlap |",
                   "|---|---:|---:|---:|---|"]
         keys = [("completions/s", lambda s: s.completions_per_second, ".1f"),
-                (f"step seconds to reward >= {threshold}", lambda s: s.seconds_to_threshold, ".1f"),
+                (f"step seconds to reward >= {target}", lambda s: s.seconds_to_threshold, ".1f"),
                 *((f"reward, steps {k}", (lambda s, k=k: s.reward_windows[k]), ".3f")
                   for k in summaries[0][0].reward_windows)]
         for name, get, spec in keys:
@@ -663,7 +664,7 @@ def _spread_row(name: str, ours: list, theirs: list, spec: str) -> str:
             f"{'n/a' if both is None else ('yes' if both else 'no')} |")
 
 
-def bench(steps: int, seeds: Sequence[int], threshold: float, window: int,
+def bench(steps: int, seeds: Sequence[int], threshold: float | None, window: int,
           overrides: dict | None = None) -> str:
     """Run both sides for every seed (alternating which goes first) and return the report."""
     pairs = []
@@ -690,8 +691,9 @@ def main(argv: list[str] | None = None, grid=None) -> int:
     parser.add_argument("--steps", type=int, default=None,
                         help="optimizer steps per side (100; with --grid: quick 20, else 30)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1], help="seeds (1)")
-    parser.add_argument("--threshold", type=float, default=0.5,
-                        help="reward the trailing window mean must reach (0.5)")
+    parser.add_argument("--threshold", type=float, default=None,
+                        help="reward the trailing window mean must reach (default: time to "
+                             f"quality, {QUALITY_SHARE} x TRL's mean over its last --window steps)")
     parser.add_argument("--window", type=int, default=10, help="steps per reward window (10)")
     parser.add_argument("--rollout-batch-size", type=int, default=None,
                         help="prompts per step (replayrl's default when not given)")

@@ -49,6 +49,12 @@ from replayrl.tools.bench.peer import (
 from replayrl.tools.bench.peer import (
     main as peer_main,
 )
+from replayrl.tools.bench.time_to_quality import (
+    QUALITY_SHARE,
+    TimeToQuality,
+    plot_reward_curves,
+    time_to_quality,
+)
 from replayrl.tools.bench.tree_memory import run_sampled
 from replayrl.tools.errors import BenchError, ConfigError, PeerBenchError
 from replayrl.transport import strict_json
@@ -157,7 +163,9 @@ FIGURES = (("completions/s", "completions_per_second", ".0f"),
 
 @dataclass(frozen=True)
 class PointResult:
-    """Both sides' figures at one point, the order they ran in and the load average around it."""
+    """Both sides' figures at one point, the order they ran in and the load average around it;
+    the time to quality (TRL the reference) and each side's per-step ``(rewards, step
+    seconds)`` for the reward-against-seconds plot."""
 
     point: GridPoint
     ours: SideFigures
@@ -165,6 +173,8 @@ class PointResult:
     order: tuple[str, ...]
     load: tuple[float, float]
     parameters: int
+    quality: TimeToQuality | None = None
+    curves: tuple[tuple[tuple[float, ...], tuple[float, ...]], ...] = ()
 
 
 def _value(figures: SideFigures, field: str) -> float | None:
@@ -200,6 +210,23 @@ def grid_table(results: Sequence[PointResult]) -> str:
         row += [f"{res.ours.final_reward:.3f}", f"{res.theirs.final_reward:.3f}",
                 f"{res.load[0]:.1f} -> {res.load[1]:.1f}"]
         lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def quality_table(results: Sequence[PointResult]) -> str:
+    """Markdown table of the time to quality per point (:mod:`replayrl.tools.bench.time_to_quality`):
+    the threshold, each side's seconds to it and their ratio, and the reward both hold after
+    the same seconds."""
+    lines = ["| model | answer tokens | threshold (0.9 x TRL's final) | seconds r | T | r/T "
+             "| equal seconds | reward r | T |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for res in results:
+        q, p = res.quality, res.point
+        if q is None:
+            continue
+        lines.append(f"| {p.model_size} | {p.answer_tokens} | {q.threshold:.3f} | "
+                     f"{_cell(q.seconds_ours, '.1f')} | {_cell(q.seconds_theirs, '.1f')} | "
+                     f"{_cell(q.seconds_ratio, '.2f')} | {q.equal_seconds:.1f} | "
+                     f"{_cell(q.reward_ours, '.3f')} | {_cell(q.reward_theirs, '.3f')} |")
     return "\n".join(lines)
 
 
@@ -286,8 +313,13 @@ def run_point(point: GridPoint, steps: int, seed: int, window: int, work: Path, 
     from safetensors.torch import load_file
 
     parameters = sum(t.numel() for name, t in load_file(str(ours)).items() if ".indexer." not in name)
-    return PointResult(point, side_figures(runs["replayrl"], window), side_figures(runs["TRL"], window),
-                       tuple(runs), (before, os.getloadavg()[0]), parameters), config
+    ours_run, theirs_run = runs["replayrl"], runs["TRL"]
+    quality = time_to_quality(ours_run.rewards, ours_run.step_seconds, theirs_run.rewards,
+                              theirs_run.step_seconds, window)
+    return PointResult(point, side_figures(ours_run, window), side_figures(theirs_run, window),
+                       tuple(runs), (before, os.getloadavg()[0]), parameters, quality,
+                       ((ours_run.rewards, ours_run.step_seconds),
+                        (theirs_run.rewards, theirs_run.step_seconds))), config
 
 
 def grid_report(results: Sequence[PointResult], configs: Sequence, steps: int, window: int,
@@ -307,7 +339,11 @@ def grid_report(results: Sequence[PointResult], configs: Sequence, steps: int, w
                     if threads else "")
         lines.append(f"- {p.model_size} x {p.answer_tokens}: {res.parameters:,} parameters without "
                      f"the indexer; ran {' then '.join(res.order)}; {dense}{backward}")
-    lines += ["", "Settings (first point; per point only the model size, the new tokens, past 2 "
+    lines += ["", f"Time to quality: summed step seconds until the trailing {window}-step mean "
+                  f"reward reaches {QUALITY_SHARE} x TRL's mean over its last {window} steps "
+                  "(n/a: not within the run); reward r / T: each side's trailing mean after the "
+                  "shorter side's total seconds.", "", quality_table(results), "",
+              "Settings (first point; per point only the model size, the new tokens, past 2 "
                   "tokens the task (--task sort --answer-tokens N-1) and the backward threads "
                   "listed above change):", "",
               settings_table(configs[0]), "",
@@ -317,7 +353,9 @@ def grid_report(results: Sequence[PointResult], configs: Sequence, steps: int, w
               "the summed RSS / PSS of each side's process tree, sampled every 0.25 s from /proc "
               "(RSS counts shared pages once per process). reward: mean of the last "
               f"{min(window, steps)} steps. load avg: 1-minute load average before and after the "
-              "point. r = replayrl, T = TRL.", "", grid_table(results), "", f"plot: {plot}"]
+              "point. r = replayrl, T = TRL.", "", grid_table(results), "",
+              f"plots: {plot} (ratios), {plot.with_name('peer_grid_reward.png')} (reward against "
+              "seconds)"]
     return "\n".join(lines)
 
 
@@ -366,6 +404,10 @@ def run_grid(points: Sequence[GridPoint], steps: int, seed: int, window: int, ou
             print(f"[grid] {point.model_size} x {point.answer_tokens} done:\n"
                   f"{grid_table([res]).splitlines()[-1]}", file=sys.stderr, flush=True)
     plot = plot_ratios(results, Path(output_dir) / "peer_grid.png")
+    plot_reward_curves([(f"{r.point.model_size} x {r.point.answer_tokens}",
+                         {"replayrl": r.curves[0], "TRL": r.curves[1]}, r.quality.threshold)
+                        for r in results if r.quality is not None],
+                       plot.with_name("peer_grid_reward.png"))
     return grid_report(results, configs, steps, window, plot)
 
 

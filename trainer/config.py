@@ -18,6 +18,14 @@ if TYPE_CHECKING:  # rs_policy imports torch; the settings load in processes wit
     from replayrl.trainer.rejection.rs_policy import RSGate
 
 
+FULL_WEIGHTS_LR = 3e-4
+"""The AdamW learning rate of a full-weight run (``--lr`` not given)."""
+LORA_LR = 3e-3
+"""The AdamW learning rate of a LoRA run (``--lr`` not given): ten times the full-weight rate,
+as slime, verl and TRL's LoRA recipes do; the adapters start from ``B = 0`` and train few
+parameters (docs/design.md#lora, measured in docs/benchmarks.md#lora)."""
+
+
 @dataclass(frozen=True)
 class TrainerConfig:
     """Everything the TrainerActor needs besides the model.
@@ -98,7 +106,11 @@ class TrainerConfig:
             ``vpp_size`` is 1.
     """
 
-    lr: float = setting(3e-4, "lr", "AdamW learning rate", POSITIVE)
+    lr: float = setting(0.0, "lr", "AdamW learning rate; 0 = the run's default: 3e-4 for full "
+                        "weights, 3e-3 with --lora-rank (ten times: the peers' LoRA rule, "
+                        "docs/design.md#lora)", Range(low=0, closed="()", also=(0.0,),
+                              also_text="0 (the run's default)"),
+                        default_text="3e-4; 3e-3 with --lora-rank")
     weight_decay: float = setting(0.0, "weight-decay", "AdamW weight decay", Range(low=0))
     adam_beta1: float = 0.9
     adam_beta2: float = 0.98
@@ -211,6 +223,8 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         check_settings(self, TrainerConfigError)
+        if self.lr == 0.0:  # the run's default, resolved once: every reader sees a number
+            object.__setattr__(self, "lr", LORA_LR if self.lora_rank else FULL_WEIGHTS_LR)
         if self.lora_rank:
             from replayrl.trainer.lora_settings import target_modules
 

@@ -80,8 +80,9 @@ def test_trl_settings_match_the_run_config():
     assert (k["epsilon"], k["epsilon_high"], k["beta"]) == (0.2, 0.28, 0.0)
     assert k["scale_rewards"] == "none" and k["max_steps"] == 7 and k["seed"] == 3
     assert (k["max_completion_length"], k["top_k"], k["temperature"]) == (2, 20, 1.0)
-    # TRL's GRPO loss has no entropy bonus: replayrl's side turns its default one off
-    assert config.trainer.entropy_coef == 0.0
+    # replayrl's own recipe keeps its entropy bonus; --same-objective trains TRL's loss (none)
+    assert config.trainer.entropy_coef == 0.05
+    assert bp.run_config(7, 3, "unused", bp.SAME_OBJECTIVE).trainer.entropy_coef == 0.0
 
 
 def test_prompt_stream_is_the_managers_and_indexer_keeps_every_key():

@@ -15,11 +15,16 @@ trainer). replayrl runs through its real launcher (``--no-progress``) and its ``
 is read back; TRL runs in a child process that records each step's wall time with a
 ``TrainerCallback`` and each batch's rewards in the reward function.
 
+replayrl runs its own recipe (the entropy bonus of its defaults on; TRL's GRPO loss has none);
+``--same-objective`` trains TRL's loss exactly (:data:`SAME_OBJECTIVE`).
+
 Per seed the two sides run one after the other, alternating which goes first, so load on the
-machine hits both. Printed: both sides' settings, then per seed and side completions per second
-(``samples per step / median steady-state step seconds``), step seconds until the trailing
-``--window``-step mean reward first reaches ``--threshold``, and window means of the reward at
-fixed steps; every figure also as the ratio replayrl / TRL.
+machine hits both. Printed: both sides' settings, then per seed and side the time to quality
+(step seconds until the trailing ``--window``-step mean reward first reaches 0.9 x TRL's final
+reward, or ``--threshold``; :mod:`replayrl.tools.bench.time_to_quality`), the reward both hold
+after equal seconds, completions per second (``samples per step / median steady-state step
+seconds``) and window means of the reward at fixed steps; every figure also as the ratio
+replayrl / TRL.
 
 TRL is an optional extra (``pip install 'replayrl[bench]'``), imported only in the child.
 """
@@ -172,14 +177,21 @@ def _engine_dtype(name: str) -> str:
     return resolve_dtype(name)
 
 
+SAME_OBJECTIVE = {"entropy-coef": 0.0}
+"""replayrl settings under which its loss is TRL's ``GRPOTrainer`` loss exactly (``bench peer
+--same-objective``): TRL's GRPO loss has no entropy bonus. On one batch the two updates are then
+equal (tests/unit/trainer/test_trl_update_agreement.py)."""
+
+
 def run_config(steps: int, seed: int, output_dir: str, overrides: dict | None = None):
-    """The replayrl :class:`replayrl.tools.run.config.RunConfig` of one side-run: defaults,
-    ``--no-progress`` and ``--entropy-coef 0`` (TRL's GRPO loss has no entropy bonus, so the
-    two sides train the same objective; docs/design.md#entropy-collapse)."""
+    """The replayrl :class:`replayrl.tools.run.config.RunConfig` of one side-run: replayrl's
+    defaults (its own recipe, entropy bonus included: docs/design.md#entropy-collapse) with
+    ``--no-progress``, then ``overrides`` (flag name -> value; :data:`SAME_OBJECTIVE` for TRL's
+    objective)."""
     from replayrl.tools.run.config import build_config
 
     return build_config({"num-steps": steps, "seed": seed, "output-dir": output_dir,
-                         "progress": False, "entropy-coef": 0.0, **(overrides or {})})
+                         "progress": False, **(overrides or {})})
 
 
 def trl_settings(config) -> dict:
@@ -235,7 +247,10 @@ def settings_table(config) -> str:
          f"max_grad_norm={k['max_grad_norm']}, optim=adamw_torch, lr_scheduler_type=constant"),
         ("PPO clip", f"[1 - {t.eps_clip}, 1 + {t.eps_clip_high}]",
          f"epsilon={k['epsilon']}, epsilon_high={k['epsilon_high']}"),
-        ("KL / entropy / advantage", f"no KL; entropy bonus {t.entropy_coef}; reward - group mean"
+        ("KL / entropy / advantage", f"no KL; entropy bonus {t.entropy_coef}"
+                                     + (" (replayrl's default recipe; TRL has none: "
+                                        "--same-objective turns it off)" if t.entropy_coef else "")
+                                     + "; reward - group mean"
                                      + (" / group std" if t.normalize_advantage_std else " (no std)"),
          f"beta=0.0; scale_rewards={k['scale_rewards']!r}"),
         ("loss", "PPO clipped token loss / loss tokens of the step, TIS cap "
@@ -706,6 +721,9 @@ def main(argv: list[str] | None = None, grid=None) -> int:
                         help="model size x answer length grid (tools/bench/peer_grid.py): quick "
                              "(1m x {2, 64}, the default of a bare --grid), full ({1m, 10m, 50m} "
                              "x {2, 64, 256}) or SIZES:LENGTHS such as 1m,10m:2,64; first seed only")
+    parser.add_argument("--same-objective", action="store_true",
+                        help="run replayrl with TRL's loss exactly (--entropy-coef 0); default: "
+                             "replayrl's own recipe, entropy bonus on")
     parser.add_argument("--colocate", action="store_true",
                         help="run replayrl's side with --colocate (clock, manager, engine and "
                              "trainer in one process: docs/design.md#colocate)")
@@ -728,12 +746,13 @@ def main(argv: list[str] | None = None, grid=None) -> int:
         parser.error("--trainer-backward-threads SIZE=N needs --grid (one model size otherwise)")
     args.size_overrides = ({size: {"trainer-backward-threads": n} for size, n in backward.items()}
                            if isinstance(backward, dict) else {})
-    overrides = {k: v for k, v in (("rollout-batch-size", args.rollout_batch_size),
+    overrides = {**(SAME_OBJECTIVE if args.same_objective else {})}
+    overrides.update({k: v for k, v in (("rollout-batch-size", args.rollout_batch_size),
                                    ("n-samples-per-prompt", args.n_samples_per_prompt),
                                    ("colocate", args.colocate or None),
                                    ("trainer-backward-threads",
                                     backward if isinstance(backward, int) else None))
-                 if v is not None}
+                      if v is not None})
     import importlib.util
 
     if importlib.util.find_spec("trl") is None:

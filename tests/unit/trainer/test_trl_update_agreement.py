@@ -21,7 +21,7 @@ pytest.importorskip("trl")
 
 from replayrl.rollout.sample import Sample  # noqa: E402
 from replayrl.rollout.tasks.digit_puzzle import VOCABULARY  # noqa: E402
-from replayrl.tools.bench.peer import run_config, trl_settings  # noqa: E402
+from replayrl.tools.bench.peer import SAME_OBJECTIVE, run_config, trl_settings  # noqa: E402
 from replayrl.tools.run.launcher import write_initial_checkpoint  # noqa: E402
 from replayrl.trainer.config import TrainerConfig  # noqa: E402
 from replayrl.trainer.trainer_actor import TrainerActor  # noqa: E402
@@ -56,7 +56,7 @@ def test_replayrl_update_equals_trls_on_one_batch(tmp_path, _restore_threads):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    config = run_config(1, 1, str(tmp_path / "out"), {"rollout-batch-size": 2,
+    config = run_config(1, 1, str(tmp_path / "out"), {**SAME_OBJECTIVE, "rollout-batch-size": 2,
                                                       "n-samples-per-prompt": N})
     checkpoint = write_initial_checkpoint(config, tmp_path / "checkpoint-init")
     hf = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32)

@@ -721,6 +721,11 @@ def main(argv: list[str] | None = None, grid=None) -> int:
                         help="model size x answer length grid (tools/bench/peer_grid.py): quick "
                              "(1m x {2, 64}, the default of a bare --grid), full ({1m, 10m, 50m} "
                              "x {2, 64, 256}) or SIZES:LENGTHS such as 1m,10m:2,64; first seed only")
+    from replayrl.rollout.model.config import MODEL_SIZES
+
+    parser.add_argument("--model-size", default=None, choices=MODEL_SIZES,
+                        help="the embedded model's size preset (replayrl's default when not given; "
+                             "--grid sets it per point)")
     parser.add_argument("--same-objective", action="store_true",
                         help="run replayrl with TRL's loss exactly (--entropy-coef 0); default: "
                              "replayrl's own recipe, entropy bonus on")
@@ -742,16 +747,19 @@ def main(argv: list[str] | None = None, grid=None) -> int:
         backward = parse_backward_threads(args.trainer_backward_threads)
     except ValueError as exc:
         parser.error(f"--trainer-backward-threads: {exc}")
+    if args.model_size is not None and args.grid is not None:
+        parser.error("--model-size with --grid: the grid sets the size per point")
     if isinstance(backward, dict) and args.grid is None:
         parser.error("--trainer-backward-threads SIZE=N needs --grid (one model size otherwise)")
     args.size_overrides = ({size: {"trainer-backward-threads": n} for size, n in backward.items()}
                            if isinstance(backward, dict) else {})
     overrides = {**(SAME_OBJECTIVE if args.same_objective else {})}
-    overrides.update({k: v for k, v in (("rollout-batch-size", args.rollout_batch_size),
-                                   ("n-samples-per-prompt", args.n_samples_per_prompt),
-                                   ("colocate", args.colocate or None),
-                                   ("trainer-backward-threads",
-                                    backward if isinstance(backward, int) else None))
+    overrides.update({k: v for k, v in (("model-size", args.model_size),
+                                        ("rollout-batch-size", args.rollout_batch_size),
+                                        ("n-samples-per-prompt", args.n_samples_per_prompt),
+                                        ("colocate", args.colocate or None),
+                                        ("trainer-backward-threads",
+                                         backward if isinstance(backward, int) else None))
                       if v is not None})
     import importlib.util
 

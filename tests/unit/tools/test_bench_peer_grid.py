@@ -170,3 +170,12 @@ def test_printed_advantage_follows_the_task_on_both_sides(task, std, scale):
     assert trl_settings(config)["scale_rewards"] == scale.strip("'")
     row = next(line for line in settings_table(config).splitlines() if "KL / entropy" in line)
     assert f"reward - group mean{std} |" in row and f"scale_rewards={scale}" in row
+
+
+def test_model_size_is_refused_with_the_grid_which_sets_it_per_point(capsys):
+    from replayrl.tools.bench import peer
+
+    with pytest.raises(SystemExit) as info:
+        peer.main(["--model-size", "10m", "--grid", "quick"])
+    assert info.value.code == 2
+    assert "--model-size with --grid" in capsys.readouterr().err

@@ -369,18 +369,23 @@ def _sha256(path: Path) -> str:
 # ---------------------------------------------------------------- the two sides
 
 
+def launch_rows(config) -> list[dict]:
+    """Run ``replayrl train`` with ``config`` through its launcher, in this process's event
+    loop, and return its ``metrics.jsonl`` rows (one dict per step)."""
+    from replayrl.actors import run_event_loop
+    from replayrl.tools.run.launcher import launch
+
+    result = run_event_loop(launch(config))
+    return [strict_json.loads(line) for line in Path(result.metrics_path).read_text().splitlines()]
+
+
 def run_replayrl(config) -> SideRun:
     """Run replayrl through its launcher and read ``metrics.jsonl`` back.
 
     Raises:
         PeerBenchError: a step was skipped, or its prompts differ from :func:`prompt_stream`.
     """
-    from replayrl.actors import run_event_loop
-    from replayrl.tools.run.launcher import launch
-    from replayrl.transport import strict_json
-
-    result = run_event_loop(launch(config))
-    rows = [strict_json.loads(line) for line in Path(result.metrics_path).read_text().splitlines()]
+    rows = launch_rows(config)
     expected_prompts = prompt_stream(config, Path(config.output_dir) / "checkpoint-init")
     expected = [p.index for p in expected_prompts]
     b = config.rollout.rollout_batch_size

@@ -1,0 +1,227 @@
+"""``replayrl bench limit``: how far a replayrl step is from the machine's limit.
+
+At each grid point (:mod:`replayrl.tools.bench.peer_grid`'s ``SIZES:LENGTHS``) it measures, in
+this one process with no actor, socket or shared memory in between:
+
+* **generation alone**: the embedded engine generating one step's batch
+  (``rollout-batch-size`` prompts x ``n-samples-per-prompt``, the run's sampling, the traces the
+  trainer replays) on ``--engine-torch-threads`` threads;
+* **training alone**: the trainer's update on those samples (the run's backend, loss and
+  replays; :meth:`replayrl.trainer.trainer_actor.TrainerActor._update`) on the trainer's
+  threads, the new weights then loaded into the engine (not timed) so the next batch comes from
+  the trained policy, as in a run;
+
+then runs ``replayrl train`` itself twice at the same settings: asynchronous (the default, one
+step stale) and ``--max-staleness 0`` (generate, then train). Each figure is the median over the
+steps after the first ``--warmup``. The limit of the asynchronous step is the larger of the two
+alone (generation and training overlap), of the synchronous one their sum; the report prints
+each step against its limit and the run's own median seconds of what is neither (weight push,
+transport, waits; ``metrics.jsonl`` keys).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from replayrl.tools.bench.peer import is_sort, launch_rows, prompt_stream, run_config
+from replayrl.tools.bench.peer_grid import GridPoint, parse_grid
+from replayrl.tools.errors import BenchError
+
+REST_KEYS = ("weight_push_seconds", "transport_seconds", "preflight_seconds",
+             "wait_for_rollout_seconds", "wait_for_trainer_seconds")
+"""``metrics.jsonl`` keys of a run's step that are neither generation nor the update."""
+
+
+@dataclass(frozen=True)
+class LimitRow:
+    """One point's medians (seconds): generation alone, training alone, the asynchronous and
+    the synchronous step of a real run, and the asynchronous run's :data:`REST_KEYS`."""
+
+    point: GridPoint
+    generate: float
+    train: float
+    async_step: float
+    sync_step: float
+    rest: dict
+
+    @property
+    def async_ratio(self) -> float:
+        """Asynchronous step / max(generation, training): 1.0 is the overlap's limit."""
+        return self.async_step / max(self.generate, self.train)
+
+    @property
+    def sync_ratio(self) -> float:
+        """Synchronous step / (generation + training): 1.0 is the sequential limit."""
+        return self.sync_step / (self.generate + self.train)
+
+
+def steady_median(values: Sequence[float], warmup: int) -> float:
+    """Median of ``values`` after the first ``warmup``.
+
+    Raises:
+        BenchError: no value is left.
+    """
+    kept = list(values)[warmup:]
+    if not kept:
+        raise BenchError(f"{len(values)} steps leave none after --warmup {warmup}")
+    return statistics.median(kept)
+
+
+def _rewards(config, checkpoint: Path, prompts, responses) -> list[float]:
+    """The task's verifier on each response (one prompt per ``n`` responses, in order)."""
+    import numpy as np
+
+    n = config.rollout.n_samples_per_prompt
+    if is_sort(config):
+        from replayrl.rollout.tasks.sort import position_reward
+        from replayrl.rollout.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(checkpoint)
+        vocab, eos = tokenizer.get_vocab(), (int(tokenizer.eos_token_id),)
+        return [position_reward(np.asarray(r, np.int64), np.asarray(
+            [vocab[d] for d in prompts[i // n].label.split()], np.int64), eos)
+            for i, r in enumerate(responses)]
+    from replayrl.rollout.tasks.calculator import DigitToolEnv
+    from replayrl.rollout.tasks.digit_puzzle import DigitTask
+
+    env = DigitToolEnv(DigitTask(num_digits=config.rollout.num_digits,
+                                 num_values=config.rollout.num_values))
+    return [env.reward(np.asarray(r, np.int32), np.ones(len(r), np.uint8),
+                       int(prompts[i // n].answer_id)) for i, r in enumerate(responses)]
+
+
+def alone(config, steps: int, work: Path) -> tuple[list[float], list[float]]:
+    """``(generation seconds, training seconds)`` per step, engine and trainer in this process.
+
+    Raises:
+        BenchError: the run's engine is not the embedded one.
+    """
+    import torch
+
+    from replayrl.rollout import trace_table
+    from replayrl.rollout.engines.embedded import EmbeddedEngine
+    from replayrl.rollout.engines.precision import resolve_dtype
+    from replayrl.rollout.model.checkpoint import state_dict_arrays
+    from replayrl.rollout.sample import Sample, required_traces
+    from replayrl.rollout.sampling_params import SamplingParams
+    from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
+    from replayrl.rollout.tokenizer import load_tokenizer
+    from replayrl.rollout.trajectory import merge_turns
+    from replayrl.tools.run.launcher import write_initial_checkpoint
+    from replayrl.trainer.trainer_actor import TrainerActor
+
+    if config.rollout_engine != "embedded":
+        raise BenchError("bench limit measures the embedded engine")
+    r, t = config.rollout, config.trainer
+    checkpoint = write_initial_checkpoint(config, work / "checkpoint-init")
+    torch.set_num_threads(t.torch_threads)
+    trainer = TrainerActor(str(checkpoint), t.to_dict(), n_samples_per_prompt=r.n_samples_per_prompt,
+                           engines=[], rollout_batch_size=r.rollout_batch_size,
+                           vocab_tokens=list(VOCABULARY))
+    model = trainer.backend.model
+    engine = EmbeddedEngine(config.policy_config, dtype=resolve_dtype(config.engine_dtype))
+    engine.load_weights(state_dict_arrays(model), version=0)
+    # the traces the trainer replays, as the launcher asks its engines for them
+    traces = frozenset(required_traces(config.policy_config, **{
+        f"{row.replay}_replay": getattr(t, row.setting) for row in trace_table.TRACES}))
+    stream = prompt_stream(config, checkpoint)
+    n, b = r.n_samples_per_prompt, r.rollout_batch_size
+    eos = int(load_tokenizer(checkpoint).eos_token_id)
+    generate, train = [], []
+    for step in range(steps):
+        prompts = stream[step * b:(step + 1) * b]
+        torch.set_num_threads(config.engine_torch_threads)
+        start = time.perf_counter()
+        gens = engine.generate([[int(x) for x in p.prompt_ids] for p in prompts for _ in range(n)],
+                               SamplingParams(**r.sampling_dict()), max_new_tokens=r.max_response_len,
+                               eos_token_id=eos, seed=r.seed + step, traces=traces)
+        generate.append(time.perf_counter() - start)
+        rewards = _rewards(config, checkpoint, prompts, [g.response_ids for g in gens])
+        samples = [Sample(sample_id=step * b * n + i, group_id=step * b + i // n, rollout_id=step,
+                          policy_version=step, prompt_ids=prompts[i // n].prompt_ids,
+                          reward=float(rewards[i]),
+                          **merge_turns(prompts[i // n].prompt_ids, [g], (), sample_id=i,
+                                        require=traces).sample_fields())
+                   for i, g in enumerate(gens)]
+        torch.set_num_threads(t.torch_threads)
+        accept = {s.sample_id: torch.ones(len(s.response_ids), dtype=torch.bool) for s in samples}
+        trainer.version = step
+        start = time.perf_counter()
+        asyncio.run(trainer._update(samples, accept, fused=not trainer.needs_preflight()))
+        train.append(time.perf_counter() - start)
+        engine.load_weights(state_dict_arrays(model), version=step + 1)
+    return generate, train
+
+
+def measure(point: GridPoint, steps: int, warmup: int, work: Path, overrides: dict) -> LimitRow:
+    """:class:`LimitRow` of one point: alone in this process, then the two real runs."""
+    values = {**overrides, **point.overrides()}
+    gen, train = alone(run_config(steps, 1, str(work / "alone"), values), steps, work)
+    runs = {name: launch_rows(run_config(steps, 1, str(work / name), {**values, **extra}))
+            for name, extra in (("async", {}), ("sync", {"max-staleness": 0}))}
+    rows = runs["async"]
+    rest = {k: steady_median([row.get(k) or 0.0 for row in rows], warmup) for k in REST_KEYS}
+    return LimitRow(point, steady_median(gen, warmup), steady_median(train, warmup),
+                    steady_median([row["step_seconds"] for row in rows], warmup),
+                    steady_median([row["step_seconds"] for row in runs["sync"]], warmup), rest)
+
+
+def table(rows: Sequence[LimitRow]) -> str:
+    """Markdown table: the four medians, both ratios to their limits, and the rest."""
+    head = ("| point | generation alone | training alone | async step | / max (target <= 1.15) "
+            "| sync step | / sum (target <= 1.10) | " + " | ".join(k.removesuffix("_seconds")
+                                                              for k in REST_KEYS) + " |")
+    lines = [head, "|---" + "|---:" * (head.count("|") - 2) + "|"]
+    for r in rows:
+        lines.append(f"| {r.point.model_size} x {r.point.answer_tokens} | {r.generate:.3f} | "
+                     f"{r.train:.3f} | {r.async_step:.3f} | {r.async_ratio:.2f} | "
+                     f"{r.sync_step:.3f} | {r.sync_ratio:.2f} | "
+                     + " | ".join(f"{r.rest[k]:.3f}" for k in REST_KEYS) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry: prints the table (seconds, medians over the steady steps)."""
+    parser = argparse.ArgumentParser(prog="replayrl bench limit", description=__doc__.splitlines()[0])
+    parser.add_argument("--grid", default="1m:2", help="SIZES:LENGTHS as bench peer --grid, or "
+                                                        "quick / full (default 1m:2)")
+    parser.add_argument("--steps", type=int, default=20, help="steps per measurement (20)")
+    parser.add_argument("--warmup", type=int, default=5, help="first steps left out (5)")
+    parser.add_argument("--trainer-backward-threads", type=int, default=None,
+                        help="as replayrl train's flag, at every point")
+    parser.add_argument("--priority", action="store_true",
+                        help="run ahead of other sessions' jobs (Linux autogroup; needs root)")
+    args = parser.parse_args(argv)
+    if args.steps <= args.warmup or args.warmup < 0:
+        parser.error("need 0 <= --warmup < --steps")
+    try:
+        points = parse_grid(args.grid)
+    except BenchError as exc:
+        parser.error(str(exc))
+    overrides = ({} if args.trainer_backward_threads is None
+                 else {"trainer-backward-threads": args.trainer_backward_threads})
+    from replayrl.tools.bench.priority import autogroup_priority
+
+    rows = []
+    with autogroup_priority(args.priority), tempfile.TemporaryDirectory(prefix="rrl-limit-") as tmp:
+        for point in points:
+            work = Path(tmp) / f"{point.model_size}-{point.answer_tokens}"
+            work.mkdir()
+            rows.append(measure(point, args.steps, args.warmup, work, overrides))
+            print(f"[limit] {point.model_size} x {point.answer_tokens} done", file=sys.stderr,
+                  flush=True)
+    print(f"bench limit: medians over steps {args.warmup + 1}-{args.steps} (seconds); generation "
+          "and training alone in one process; async / sync: replayrl train and --max-staleness 0\n")
+    print(table(rows), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -205,7 +205,9 @@ def _read(rel: Path) -> str | None:
         return ""
     try:
         return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError):
+    except UnicodeDecodeError:
+        return ""  # a binary file (a picture) exists; it has no anchors
+    except OSError:
         return None
 
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from replayrl.tools.bench.peer import is_sort, launch_rows, prompt_stream, run_config
+from replayrl.tools.bench.peer import launch_rows, prompt_stream, run_config
 from replayrl.tools.bench.peer_grid import GridPoint, parse_grid
 from replayrl.tools.errors import BenchError
 
@@ -74,27 +74,17 @@ def steady_median(values: Sequence[float], warmup: int) -> float:
     return statistics.median(kept)
 
 
-def _rewards(config, checkpoint: Path, prompts, responses) -> list[float]:
-    """The task's verifier on each response (one prompt per ``n`` responses, in order)."""
+def _rewards(config, tokenizer, prompts, responses) -> list[float]:
+    """The run's task's reward of each response (one prompt per ``n`` responses, in order),
+    through the task's own verifier as the rollout manager calls it (one turn: loss mask 1)."""
     import numpy as np
 
-    n = config.rollout.n_samples_per_prompt
-    if is_sort(config):
-        from replayrl.rollout.tasks.sort import position_reward
-        from replayrl.rollout.tokenizer import load_tokenizer
+    from replayrl.rollout.tasks import make_task
 
-        tokenizer = load_tokenizer(checkpoint)
-        vocab, eos = tokenizer.get_vocab(), (int(tokenizer.eos_token_id),)
-        return [position_reward(np.asarray(r, np.int64), np.asarray(
-            [vocab[d] for d in prompts[i // n].label.split()], np.int64), eos)
-            for i, r in enumerate(responses)]
-    from replayrl.rollout.tasks.calculator import DigitToolEnv
-    from replayrl.rollout.tasks.digit_puzzle import DigitTask
-
-    env = DigitToolEnv(DigitTask(num_digits=config.rollout.num_digits,
-                                 num_values=config.rollout.num_values))
-    return [env.reward(np.asarray(r, np.int32), np.ones(len(r), np.uint8),
-                       int(prompts[i // n].answer_id)) for i, r in enumerate(responses)]
+    task, n = make_task(config.rollout), config.rollout.n_samples_per_prompt
+    calls = [task.reward(tokenizer, prompts[i // n], np.asarray(r, np.int32),
+                         np.ones(len(r), np.uint8)) for i, r in enumerate(responses)]
+    return [float(c.fn(*c.args)) for c in calls]
 
 
 def alone(config, steps: int, work: Path) -> tuple[list[float], list[float]]:
@@ -133,7 +123,8 @@ def alone(config, steps: int, work: Path) -> tuple[list[float], list[float]]:
         f"{row.replay}_replay": getattr(t, row.setting) for row in trace_table.TRACES}))
     stream = prompt_stream(config, checkpoint)
     n, b = r.n_samples_per_prompt, r.rollout_batch_size
-    eos = int(load_tokenizer(checkpoint).eos_token_id)
+    tokenizer = load_tokenizer(checkpoint)
+    eos = int(tokenizer.eos_token_id)
     generate, train = [], []
     for step in range(steps):
         prompts = stream[step * b:(step + 1) * b]
@@ -143,7 +134,7 @@ def alone(config, steps: int, work: Path) -> tuple[list[float], list[float]]:
                                SamplingParams(**r.sampling_dict()), max_new_tokens=r.max_response_len,
                                eos_token_id=eos, seed=r.seed + step, traces=traces)
         generate.append(time.perf_counter() - start)
-        rewards = _rewards(config, checkpoint, prompts, [g.response_ids for g in gens])
+        rewards = _rewards(config, tokenizer, prompts, [g.response_ids for g in gens])
         samples = [Sample(sample_id=step * b * n + i, group_id=step * b + i // n, rollout_id=step,
                           policy_version=step, prompt_ids=prompts[i // n].prompt_ids,
                           reward=float(rewards[i]),

@@ -27,13 +27,15 @@ def test_ratios_to_the_two_limits_and_the_table():
     assert line.startswith("| 1m x 2 | 0.200 | 0.500 | 0.600 | 1.20 | 0.770 | 1.10 | 0.010 |")
 
 
-def test_generation_and_training_alone_run_the_real_engine_and_trainer(tmp_path):
+@pytest.mark.parametrize("answer_tokens", [2, 8])  # the digits task; the sort task's verifier
+def test_generation_and_training_alone_run_the_real_engine_and_trainer(tmp_path, answer_tokens):
     import torch
 
     threads = torch.get_num_threads()
     try:
-        config = run_config(2, 1, str(tmp_path / "out"), {"rollout-batch-size": 2,
-                                                         "n-samples-per-prompt": 2})
+        config = run_config(2, 1, str(tmp_path / "out"), {
+            "rollout-batch-size": 2, "n-samples-per-prompt": 2,
+            **GridPoint("1m", answer_tokens).overrides()})
         generate, train = limit.alone(config, 2, tmp_path)
     finally:
         torch.set_num_threads(threads)

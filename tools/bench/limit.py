@@ -91,7 +91,7 @@ def alone(config, steps: int, work: Path) -> tuple[list[float], list[float]]:
     """``(generation seconds, training seconds)`` per step, engine and trainer in this process.
 
     Raises:
-        BenchError: the run's engine is not the embedded one.
+        BenchError: the run's engine is not the embedded one, or its step needs a preflight.
     """
     import torch
 
@@ -115,6 +115,9 @@ def alone(config, steps: int, work: Path) -> tuple[list[float], list[float]]:
     trainer = TrainerActor(str(checkpoint), t.to_dict(), n_samples_per_prompt=r.n_samples_per_prompt,
                            engines=[], rollout_batch_size=r.rollout_batch_size,
                            vocab_tokens=list(VOCABULARY))
+    if trainer.needs_preflight():  # an RS gate or refill: rounds with the manager, not one update
+        raise BenchError("bench limit measures the default update (no RS gate, refill or "
+                         "--preflight always)")
     model = trainer.backend.model
     engine = EmbeddedEngine(config.policy_config, dtype=resolve_dtype(config.engine_dtype))
     engine.load_weights(state_dict_arrays(model), version=0)
@@ -143,9 +146,8 @@ def alone(config, steps: int, work: Path) -> tuple[list[float], list[float]]:
                    for i, g in enumerate(gens)]
         torch.set_num_threads(t.torch_threads)
         accept = {s.sample_id: torch.ones(len(s.response_ids), dtype=torch.bool) for s in samples}
-        trainer.version = step
         start = time.perf_counter()
-        asyncio.run(trainer._update(samples, accept, fused=not trainer.needs_preflight()))
+        asyncio.run(trainer._update(samples, accept, fused=True))
         train.append(time.perf_counter() - start)
         engine.load_weights(state_dict_arrays(model), version=step + 1)
     return generate, train

@@ -43,7 +43,6 @@ from typing import Sequence
 
 from replayrl.tools.bench.time_to_quality import (
     QUALITY_SHARE,
-    reward_after,
     seconds_to_threshold,
     time_to_quality,
 )
@@ -628,9 +627,7 @@ def report(pairs: list[tuple[SideRun, SideRun, dict]], threshold: float | None, 
                   "| figure | replayrl | TRL | replayrl / TRL |", "|---|---:|---:|---:|",
                   _row(f"step seconds to {window}-step mean reward >= {thr:.3f}",
                        a.seconds_to_threshold, b.seconds_to_threshold, ".1f"),
-                  _row(f"reward after {q.equal_seconds:.1f} s",
-                       reward_after(ours.rewards, ours.step_seconds, q.equal_seconds, window),
-                       reward_after(theirs.rewards, theirs.step_seconds, q.equal_seconds, window),
+                  _row(f"reward after {q.equal_seconds:.1f} s", q.reward_ours, q.reward_theirs,
                        ".3f"),
                   _row("completions/s", a.completions_per_second, b.completions_per_second, ".1f"),
                   _row("median step seconds", per_step / a.completions_per_second,

@@ -217,7 +217,7 @@ def quality_table(results: Sequence[PointResult]) -> str:
     """Markdown table of the time to quality per point (:mod:`replayrl.tools.bench.time_to_quality`):
     the threshold, each side's seconds to it and their ratio, and the reward both hold after
     the same seconds."""
-    lines = ["| model | answer tokens | threshold (0.9 x TRL's final) | seconds r | T | r/T "
+    lines = [f"| model | answer tokens | threshold ({QUALITY_SHARE} x TRL's final) | seconds r | T | r/T "
              "| equal seconds | reward r | T |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for res in results:
         q, p = res.quality, res.point
@@ -407,7 +407,7 @@ def run_grid(points: Sequence[GridPoint], steps: int, seed: int, window: int, ou
     plot_reward_curves([(f"{r.point.model_size} x {r.point.answer_tokens}",
                          {"replayrl": r.curves[0], "TRL": r.curves[1]}, r.quality.threshold)
                         for r in results if r.quality is not None],
-                       plot.with_name("peer_grid_reward.png"))
+                       plot.with_name("peer_grid_reward.png"), window)
     return grid_report(results, configs, steps, window, plot)
 
 

@@ -144,10 +144,10 @@ def time_to_quality(ours_rewards: Sequence[float], ours_seconds: Sequence[float]
 
 
 def plot_reward_curves(curves: Sequence[tuple[str, dict[str, tuple[Sequence[float], Sequence[float]]],
-                                              float]], path: Path) -> Path:
+                                              float]], path: Path, window: int = 10) -> Path:
     """PNG of reward against wall seconds: one panel per comparison ``(title, {side: (rewards,
-    step_seconds)}, threshold)``, a line per side (trailing-window mean as in
-    :func:`reward_curve` with window 10) and the threshold dashed. Returns ``path``."""
+    step_seconds)}, threshold)``, a line per side (the trailing ``window``-step mean of
+    :func:`reward_curve`) and the threshold dashed. Returns ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -156,11 +156,11 @@ def plot_reward_curves(curves: Sequence[tuple[str, dict[str, tuple[Sequence[floa
     fig, axes = plt.subplots(1, len(curves), figsize=(4 * len(curves), 3.4), squeeze=False)
     for ax, (title, sides, threshold) in zip(axes[0], curves):
         for side, (rewards, seconds) in sides.items():
-            ax.plot(*reward_curve(rewards, seconds, 10), label=side)
+            ax.plot(*reward_curve(rewards, seconds, window), label=side)
         ax.axhline(threshold, color="grey", linestyle="--", linewidth=1)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("seconds (summed steps)")
-        ax.set_ylabel("reward, trailing 10 steps")
+        ax.set_ylabel(f"reward, trailing {window} steps")
         ax.grid(True, alpha=0.3)
     axes[0][0].legend()
     fig.tight_layout()

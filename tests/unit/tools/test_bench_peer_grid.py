@@ -179,3 +179,28 @@ def test_model_size_is_refused_with_the_grid_which_sets_it_per_point(capsys):
         peer.main(["--model-size", "10m", "--grid", "quick"])
     assert info.value.code == 2
     assert "--model-size with --grid" in capsys.readouterr().err
+
+
+def test_grid_report_leads_with_time_to_quality_and_writes_both_plots(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from replayrl.tools.bench.peer import run_config
+    from replayrl.tools.bench.time_to_quality import time_to_quality
+
+    ours = ((0.1, 0.5, 0.9, 0.9), (1.0, 1.0, 1.0, 1.0))
+    theirs = ((0.1, 0.3, 0.8, 1.0), (2.0, 2.0, 2.0, 2.0))
+    figures = pg.SideFigures(100.0, 200.0, 300.0, 2.0, None, None, 0.9)
+
+    def fake_point(point, steps, seed, window, work, trl_first, overrides):
+        quality = time_to_quality(*ours, *theirs, window)
+        return (pg.PointResult(point, figures, figures, ("replayrl", "TRL"), (1.0, 1.0), 1000,
+                               quality, (ours, theirs)),
+                run_config(steps, seed, str(work), overrides))
+
+    monkeypatch.setattr(pg, "run_point", fake_point)
+    text = pg.run_grid([pg.GridPoint("1m", 2)], 4, 1, 2, tmp_path)
+    # threshold 0.9 x (0.8 + 1.0) / 2 = 0.81; ours first reaches a 2-step mean of 0.9 after 4 s
+    # (steps 3-4), theirs after 8 s; equal seconds 4: ours 0.9, theirs (0.1 + 0.3) / 2 = 0.2
+    assert "| 1m | 2 | 0.810 | 4.0 | 8.0 | 0.50 | 4.0 | 0.900 | 0.200 |" in text
+    assert text.index("Time to quality") < text.index("Settings (first point")
+    assert (tmp_path / "peer_grid.png").stat().st_size > 0
+    assert (tmp_path / "peer_grid_reward.png").stat().st_size > 0

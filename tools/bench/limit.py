@@ -95,11 +95,10 @@ def alone(config, steps: int, work: Path) -> tuple[list[float], list[float]]:
     """
     import torch
 
-    from replayrl.rollout import trace_table
     from replayrl.rollout.engines.embedded import EmbeddedEngine
     from replayrl.rollout.engines.precision import resolve_dtype
     from replayrl.rollout.model.checkpoint import state_dict_arrays
-    from replayrl.rollout.sample import Sample, required_traces
+    from replayrl.rollout.sample import Sample
     from replayrl.rollout.sampling_params import SamplingParams
     from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
     from replayrl.rollout.tokenizer import load_tokenizer
@@ -121,9 +120,7 @@ def alone(config, steps: int, work: Path) -> tuple[list[float], list[float]]:
     model = trainer.backend.model
     engine = EmbeddedEngine(config.policy_config, dtype=resolve_dtype(config.engine_dtype))
     engine.load_weights(state_dict_arrays(model), version=0)
-    # the traces the trainer replays, as the launcher asks its engines for them
-    traces = frozenset(required_traces(config.policy_config, **{
-        f"{row.replay}_replay": getattr(t, row.setting) for row in trace_table.TRACES}))
+    traces = frozenset(trainer.required_traces)  # what the trainer replays, as engines capture
     stream = prompt_stream(config, checkpoint)
     n, b = r.n_samples_per_prompt, r.rollout_batch_size
     tokenizer = load_tokenizer(checkpoint)

@@ -67,7 +67,27 @@ BENCHES = {"parity": "replayrl.tools.bench.parity", "refill": "replayrl.tools.be
            "memory": "replayrl.tools.bench.memory", "limit": "replayrl.tools.bench.limit"}
 
 
+def bench_list() -> str:
+    """The benchmarks of :data:`BENCHES`, one line each: its name and what it is for (the first
+    paragraph of its module docstring, :func:`replayrl.tools.bench.usage.summary`)."""
+    import importlib.util
+    import textwrap
+
+    from replayrl.tools.bench.usage import summary_of_file
+
+    width = max(map(len, BENCHES)) + 2
+    lines = []
+    for name in sorted(BENCHES):
+        text = summary_of_file(importlib.util.find_spec(BENCHES[name]).origin)
+        lines.append(textwrap.fill(text, 100, initial_indent=f"  {name:<{width}}",
+                                   subsequent_indent=" " * (width + 2)))
+    return "\n".join(lines)
+
+
 def _bench(args: argparse.Namespace) -> int:
+    if args.bench is None:  # `replayrl bench` alone: what there is to run
+        print(f"{BENCH_USAGE}\n\nbenchmarks:\n{bench_list()}")
+        return 0
     import importlib
 
     # a benchmark's own failure keeps its traceback; Ctrl-C still exits 130
@@ -75,15 +95,34 @@ def _bench(args: argparse.Namespace) -> int:
                      failures=())
 
 
+BENCH_USAGE = ("replayrl bench NAME [FLAGS]: run the benchmark NAME with its own FLAGS\n"
+               "(`replayrl bench NAME --help` describes them).")
+
+
 SERVE_RUN_FLAGS = ("hf-checkpoint", "model-indexer", "engine-dtype", "engine-torch-threads")
 """The run flags ``replayrl serve`` reads (:func:`replayrl.tools.serve.main`: the policy's shape and the
 engine's precision and threads); the training flags are not its."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose epilog may be a function, called only when help is shown (the
+    benchmark list reads sixteen source files: not at every ``replayrl train``)."""
+
+    def format_help(self) -> str:
+        """The help text, with a callable epilog called now."""
+        epilog = self.epilog
+        if callable(epilog):
+            self.epilog = epilog()
+        try:
+            return super().format_help()
+        finally:
+            self.epilog = epilog
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     parser = argparse.ArgumentParser(prog="replayrl", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     train = sub.add_parser("train", help="run asynchronous GRPO on the embedded default")
     add_run_flags(train)
     train.add_argument("--log-level", default="WARNING",
@@ -109,9 +148,13 @@ def build_parser() -> argparse.ArgumentParser:
     keys.add_argument("directory", help="where run.key and run.key_secret (mode 600) are written")
     keys.set_defaults(func=_keys)
     bench = sub.add_parser("bench", help=f"benchmarks: {' | '.join(BENCHES)} (flags after the name go "
-                                         f"to the benchmark; `replayrl bench NAME --help` describes it)")
-    bench.add_argument("bench", choices=sorted(BENCHES))
-    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+                                         f"to the benchmark; `replayrl bench NAME --help` describes it)",
+                           description=BENCH_USAGE, epilog=lambda: f"benchmarks:\n{bench_list()}",
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench.add_argument("bench", nargs="?", choices=sorted(BENCHES), metavar="NAME",
+                       help="the benchmark to run (listed below); none: list them")
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER, metavar="FLAGS",
+                       help="the benchmark's own flags")
     bench.set_defaults(func=_bench)
     return parser
 

@@ -1,7 +1,9 @@
-"""``replayrl bench peer --grid``: replayrl against TRL's ``GRPOTrainer`` over model size x answer length.
+"""``replayrl bench peer``: replayrl against Hugging Face TRL's ``GRPOTrainer`` with the same budget,
+at one setting or (``--grid``) over model size x answer length.
 
-Every grid point is one ``bench peer`` comparison (same ``checkpoint-init``, prompt ids,
-verifier, sampling and optimizer settings and budget; :mod:`replayrl.tools.bench.peer`) at
+This module is the command's entry (:func:`main`) and runs its ``--grid``. Every grid point is
+one ``bench peer`` comparison (same ``checkpoint-init``, prompt ids, verifier, sampling and
+optimizer settings and budget; :mod:`replayrl.tools.bench.peer`) at
 ``--model-size`` ``S`` (:func:`replayrl.rollout.model.config.embedded_config`) and ``N`` new tokens
 per answer (``--rollout-max-response-len N`` on both sides; TRL's ``max_completion_length``).
 Each side runs in its own child process (replayrl: its launcher and the actors it spawns; TRL:

@@ -1,11 +1,21 @@
-"""``replayrl bench NAME --help``: every benchmark's usage line names the command a user typed."""
+"""``replayrl bench``: the benchmark list (alone and with ``--help``), and every benchmark's
+``--help``: its usage line names the command a user typed."""
 from __future__ import annotations
 
 import importlib
 
 import pytest
 
+from replayrl.tools import cli
+from replayrl.tools.bench.usage import summary
 from replayrl.tools.cli import BENCHES
+
+# what a newcomer should read beside a few names (the first paragraphs of their docstrings)
+LISTED = {
+    "parity": "How far the trainer's logprobs are from the engine's, per replay.",
+    "decode": "What hostile 1 MiB headers cost the codec's decoder, against plain msgpack.",
+    "faults": "What each fault costs a real run, as a table.",
+}
 
 
 @pytest.mark.parametrize("name", sorted(BENCHES))
@@ -15,3 +25,45 @@ def test_bench_help_shows_the_replayrl_command(name, capsys):
     assert exited.value.code == 0
     # argparse's default prog is the script's file name: 'cli.py' under the console script
     assert capsys.readouterr().out.startswith(f"usage: replayrl bench {name} ")
+
+
+def _listed(out: str) -> dict[str, str]:
+    """``{name: description}`` of the ``benchmarks:`` block of ``out`` (continuation lines
+    joined)."""
+    entries: dict[str, str] = {}
+    name = None
+    for line in out.split("benchmarks:\n", 1)[1].splitlines():
+        if line.startswith("  ") and not line.startswith("   "):
+            name, _, text = line.strip().partition(" ")
+            entries[name] = text.strip()
+        elif line.strip() and name:
+            entries[name] += " " + line.strip()
+    return entries
+
+
+def test_bench_alone_lists_every_benchmark_with_a_description(capsys):
+    assert cli.main(["bench"]) == 0
+    listed = _listed(capsys.readouterr().out)
+    assert sorted(listed) == sorted(BENCHES)
+    for name, text in LISTED.items():
+        assert listed[name] == text
+    assert all(len(text) > 20 and text.endswith(".") for text in listed.values()), listed
+
+
+def test_bench_help_lists_them_too(capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["bench", "--help"])
+    assert exited.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: replayrl bench ")
+    assert sorted(_listed(out)) == sorted(BENCHES)
+
+
+@pytest.mark.parametrize("doc, expected", [
+    ("``replayrl bench x``: how fast x is, per step.\n\nMore.", "How fast x is, per step."),
+    ("Benchmark: bytes per token against\nint32 (not a test; see docs).\n\nMore.",
+     "Bytes per token against int32."),
+    ("``replayrl bench peer``: replayrl against ``TRL``, same budget", "replayrl against TRL, same budget."),
+])
+def test_summary_is_the_first_paragraph_on_one_line(doc, expected):
+    assert summary(doc) == expected

@@ -1,0 +1,61 @@
+"""The command line every ``replayrl bench NAME`` shares: its parser, whose help shows each
+option's default, and the one-line summary of a benchmark that ``replayrl bench`` lists.
+
+A benchmark's summary is the first paragraph of its module docstring, without the
+``replayrl bench NAME``: / ``Benchmark:`` lead-in, the "(not a test)" aside and reST markup: the
+docstring stays the one place that says what the benchmark is for.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import re
+from pathlib import Path
+
+_LEAD_IN = re.compile(r"^(?:``replayrl bench [^`]*``|Benchmark):\s*")
+_NOT_A_TEST = re.compile(r"\s*\(not a test[^)]*\)")
+
+
+def summary(doc: str) -> str:
+    """One line saying what a benchmark is for: the first paragraph of its module docstring
+    ``doc`` joined into one line, the lead-in and "(not a test)" aside dropped, ending in a full
+    stop."""
+    paragraph = " ".join(doc.strip().split("\n\n")[0].split())
+    text = _NOT_A_TEST.sub("", _LEAD_IN.sub("", paragraph)).replace("``", "")
+    if not text.startswith("replayrl"):  # the project's name stays lower case
+        text = text[:1].upper() + text[1:]
+    return text if text.endswith(".") else text + "."
+
+
+def summary_of_file(path: str | Path) -> str:
+    """:func:`summary` of the module docstring of the source file ``path``, read without
+    importing it (benchmarks import torch at the top; ``replayrl bench`` lists them in a blink)."""
+    return summary(ast.get_docstring(ast.parse(Path(path).read_text())) or "")
+
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Help texts end with ``(default: X)``, unless the text already names its default.
+
+    An option whose default is ``None`` or empty says in its own text what leaving it out does
+    (``(default: ...)``); a switch's default shows as ``off`` / ``on``."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if ("default" in text.lower() or not action.option_strings
+                or default is argparse.SUPPRESS or default is None or default in ("", [], ())):
+            return text
+        if isinstance(default, bool):
+            shown = "on" if default else "off"
+        elif isinstance(default, (list, tuple)):
+            shown = " ".join(str(v) for v in default)
+        else:
+            shown = "%(default)s"
+        return f"{text} (default: {shown})" if text else f"(default: {shown})"
+
+
+def bench_parser(name: str, doc: str, **kwargs) -> argparse.ArgumentParser:
+    """The parser of ``replayrl bench NAME``: its usage names that command, its description is
+    :func:`summary` of the benchmark's docstring ``doc`` and every option shows its default."""
+    return argparse.ArgumentParser(prog=f"replayrl bench {name}", description=summary(doc),
+                                   formatter_class=DefaultsHelpFormatter, **kwargs)

@@ -6,10 +6,10 @@ row per seed: the reward means of the first and last 10 % of steps and their rat
 support entropy of the last 10 % of steps (nats; 0 = a deterministic policy), the mean
 |rollout - trainer logprob| over steps, the largest routing / indexer flip rate, the seconds of
 steps (the sum of ``step_seconds``), and the wall time of the whole command (actor start-up,
-the initial checkpoint and the plot included). With ``--long-steps N`` (default 3000; 0 = off)
-each seed also runs ``--num-steps N``, and the row adds that run's last-10 % reward and
-entropy and the largest fall of a 250-step window's mean reward below an earlier window's
-(:func:`largest_window_fall`; docs/design.md#entropy-collapse). The runs are deterministic for a
+the initial checkpoint and the plot included). With ``--long-steps N`` (default 0: off; the
+docs' longer-budget columns used 3000) each seed also runs ``--num-steps N``, and the row adds
+that run's last-10 % reward and entropy and the largest fall of a 250-step window's mean reward
+below an earlier window's (:func:`largest_window_fall`; docs/design.md#entropy-collapse). The runs are deterministic for a
 given machine, so the reward columns are reproducible; the seconds are this machine's at the
 time of the run.
 """
@@ -130,9 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--priority", action="store_true",
                         help="on a machine shared with other users' jobs, run first "
                              "(Linux autogroup nice -20; needs root)")
-    parser.add_argument("--long-steps", type=int, default=3000,
+    parser.add_argument("--long-steps", type=int, default=0,
                         help="also run each seed for this many steps and add its last-10 %% "
-                             "reward, entropy and largest window fall (0 = off)")
+                             "reward, entropy and largest window fall (0 = off: only the "
+                             "default-length run per seed; docs/benchmarks.md's longer-budget "
+                             "columns used 3000)")
     parser.add_argument("train_flags", nargs=argparse.REMAINDER,
                         help="flags passed to every `replayrl train` after `--`")
     args = parser.parse_args(argv)

@@ -56,3 +56,21 @@ def test_long_cells_and_header():
     assert text[0].count("|") == text[1].count("|") == 13
     assert "3000 steps: reward, last 10 %" in text[0]
     assert header(0).splitlines()[1] == "|---" * 9 + "|"
+
+
+def test_default_is_one_default_length_run_per_seed(monkeypatch, capsys):
+    # the table of docs/benchmarks.md is one `replayrl train` per seed at its own --num-steps;
+    # the 3000-step run is asked for (--long-steps), not paid for by everyone who runs the bench
+    from replayrl.tools.bench import train
+
+    calls = []
+
+    def fake_run_seed(seed, output_dir, extra):
+        calls.append((seed, list(extra)))
+        return _rows([0.5, 0.5], [0.01, 0.01], [1.0, 1.0]), 2.0
+
+    monkeypatch.setattr(train, "run_seed", fake_run_seed)
+    assert train.main(["--seeds", "1", "2", "--", "--num-digits", "3"]) == 0
+    assert calls == [(1, ["--num-digits", "3"]), (2, ["--num-digits", "3"])]
+    assert train.main(["--seeds", "1", "--long-steps", "7"]) == 0
+    assert calls[2:] == [(1, []), (1, ["--num-steps", "7"])]

@@ -28,14 +28,17 @@ T = TypeVar("T")
 def add_flags(parser: argparse.ArgumentParser, runs: int) -> None:
     """Add ``--baseline``, ``--variant``, ``--runs`` (default ``runs``), ``--priority`` and the
     flags after ``--`` to ``parser``."""
-    parser.add_argument("--baseline", default="", help="git revision of side A (default: this checkout)")
-    parser.add_argument("--variant", default="",
-                        help="flags side B adds, one quoted string (a single flag as --variant=--colocate)")
-    parser.add_argument("--runs", type=int, default=runs, help=f"runs of each side ({runs})")
+    parser.add_argument("--baseline", default="", metavar="REV",
+                        help="git revision of side A (default: this checkout)")
+    parser.add_argument("--variant", default="", metavar="FLAGS",
+                        help="flags side B adds, one quoted string (a single flag as "
+                             "--variant=--colocate) (default: none, both sides run the same flags)")
+    parser.add_argument("--runs", type=int, default=runs, help="runs of each side")
     parser.add_argument("--priority", action="store_true",
                         help="on a machine shared with other users' jobs, run first "
                              "(Linux autogroup nice -20; needs root)")
-    parser.add_argument("run_args", nargs=argparse.REMAINDER, help="-- flags for both sides")
+    parser.add_argument("run_args", nargs=argparse.REMAINDER, metavar="-- TRAIN_FLAGS",
+                        help="replayrl train flags for both sides, after --")
 
 
 @dataclass(frozen=True)

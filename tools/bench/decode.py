@@ -11,13 +11,13 @@ Usage: ``replayrl bench decode`` (``python -m replayrl.tools.bench.decode``)
 """
 from __future__ import annotations
 
-import argparse
 import time
 import tracemalloc
 from typing import Callable
 
 import msgpack
 
+from replayrl.tools.bench.usage import bench_parser
 from replayrl.transport import DecodeError, decode
 
 SHAPES = {"empty lists (0x90)": b"\x90", "empty dicts (0x80)": b"\x80",
@@ -53,8 +53,7 @@ def measure(fn: Callable[[bytes], object], frame: bytes) -> tuple[str, float, fl
 
 def main(argv: list[str] | None = None) -> None:
     """Print one line per frame shape: codec and plain msgpack outcome, ms and peak x wire."""
-    argparse.ArgumentParser(prog="replayrl bench decode",
-                            description=__doc__.splitlines()[0]).parse_args(argv)
+    bench_parser("decode", __doc__).parse_args(argv)
     for label, body in SHAPES.items():
         frame = frame_of(body)
         ours = measure(lambda f: decode([f]), frame)

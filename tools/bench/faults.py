@@ -21,7 +21,6 @@ a regenerated group on another engine at the same weights must give the same tra
 """
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
 import time
@@ -30,6 +29,7 @@ from pathlib import Path
 
 from replayrl.actors import ActorDied
 from replayrl.tools.bench.fault_injection import faulty_specs
+from replayrl.tools.bench.usage import bench_parser
 from replayrl.tools.errors import ConfigError
 from replayrl.tools.run.config import build_config
 from replayrl.tools.run.launcher import actor_specs, check_load, launch, write_initial_checkpoint
@@ -136,14 +136,18 @@ async def bench(steps: int, batch: int, n: int, deadline: float, names: list[str
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry: prints the report."""
-    parser = argparse.ArgumentParser(prog="replayrl bench faults",
-                                     description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--rollout-batch-size", type=int, default=4)
-    parser.add_argument("--n-samples-per-prompt", type=int, default=4)
-    parser.add_argument("--heartbeat-deadline-s", type=float, default=2.0)
-    parser.add_argument("--only", nargs="*", default=[],
-                        help="run only the faults whose name contains one of these words")
+    parser = bench_parser("faults", __doc__)
+    parser.add_argument("--steps", type=int, default=3, help="optimizer steps of every run")
+    parser.add_argument("--rollout-batch-size", type=int, default=4,
+                        help="prompt groups per step (replayrl train's flag)")
+    parser.add_argument("--n-samples-per-prompt", type=int, default=4,
+                        help="trajectories per prompt group (replayrl train's flag)")
+    parser.add_argument("--heartbeat-deadline-s", type=float, default=2.0,
+                        help="seconds a stopped actor may stay silent before it counts as lost "
+                             "(replayrl train's flag)")
+    parser.add_argument("--only", nargs="*", default=[], metavar="WORD",
+                        help="run only the faults whose name contains one of these words "
+                             "(default: every fault)")
     args = parser.parse_args(argv)
     from replayrl.actors import run_event_loop
 

@@ -32,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from replayrl.tools.bench.usage import bench_parser
+
 LOADERS = ("replayrl", "transformers")
 
 
@@ -123,13 +125,13 @@ def summarize(results: dict[str, list[dict]]) -> dict[str, dict]:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``replayrl bench load``."""
-    parser = argparse.ArgumentParser(prog="replayrl bench load", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=6)
-    parser.add_argument("--experts", type=int, default=16)
-    parser.add_argument("--vocab", type=int, default=16000)
-    parser.add_argument("--shard-size", default="50MB", help="transformers' max_shard_size")
+    parser = bench_parser("load", __doc__, details=True)
+    parser.add_argument("--hidden", type=int, default=512, help="hidden size of the random model")
+    parser.add_argument("--layers", type=int, default=6, help="decoder layers of the random model")
+    parser.add_argument("--experts", type=int, default=16, help="experts per MoE layer")
+    parser.add_argument("--vocab", type=int, default=16000, help="vocabulary size")
+    parser.add_argument("--shard-size", default="50MB",
+                        help="largest shard file (transformers' max_shard_size)")
     parser.add_argument("--repeats", type=int, default=3, help="fresh processes per loader")
     parser.add_argument("--child", nargs=3, metavar=("LOADER", "DIR", "LOGITS"),
                         help=argparse.SUPPRESS)

@@ -16,7 +16,6 @@ PSS splits it between them (:mod:`replayrl.tools.bench.tree_memory`).
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -27,6 +26,7 @@ from typing import Sequence
 from replayrl.tools.bench import ab_runs
 from replayrl.tools.bench.source_tree import train_command
 from replayrl.tools.bench.tree_memory import run_sampled
+from replayrl.tools.bench.usage import bench_parser
 from replayrl.tools.errors import BenchError
 
 MIB = 1024 * 1024
@@ -97,10 +97,11 @@ def table(label_a: str, label_b: str, runs_a: list[MemoryRun], runs_b: list[Memo
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry: prints the settings and the table on stdout; 2 on a bad setting."""
-    parser = argparse.ArgumentParser(prog="replayrl bench memory", description=__doc__.splitlines()[0])
+    parser = bench_parser("memory", __doc__)
     ab_runs.add_flags(parser, runs=3)
-    parser.add_argument("--steps", type=int, default=10, help="steps per run (10)")
-    parser.add_argument("--interval", type=float, default=0.25, help="seconds between samples (0.25)")
+    parser.add_argument("--steps", type=int, default=10, help="optimizer steps per run")
+    parser.add_argument("--interval", type=float, default=0.25,
+                        help="seconds between two samples of the process tree's memory")
     args = parser.parse_args(argv)
     ab = ab_runs.sides(parser, args)
     if args.runs < 1 or args.steps < 1 or args.interval <= 0:

@@ -14,11 +14,11 @@ Effective tokens are loss tokens that contribute to the update (accepted by the 
 """
 from __future__ import annotations
 
-import argparse
 import tempfile
 import time
 
 from replayrl.actors import RemoteError
+from replayrl.tools.bench.usage import bench_parser
 from replayrl.tools.run.config import build_config
 from replayrl.tools.run.launcher import launch
 
@@ -70,14 +70,20 @@ async def bench(steps: int, batch: int, n: int, mode: str, lower: float, upper: 
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry: prints the report."""
-    parser = argparse.ArgumentParser(prog="replayrl bench refill", description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--rollout-batch-size", type=int, default=8)
-    parser.add_argument("--n-samples-per-prompt", type=int, default=4)
-    parser.add_argument("--rs-mode", default="geometric")
-    parser.add_argument("--rs-lower", type=float, default=0.9)
-    parser.add_argument("--rs-upper", type=float, default=1.1)
-    parser.add_argument("--seed", type=int, default=1)
+    parser = bench_parser("refill", __doc__)
+    parser.add_argument("--steps", type=int, default=8, help="optimizer steps of each run")
+    parser.add_argument("--rollout-batch-size", type=int, default=8,
+                        help="prompt groups per step (replayrl train's flag)")
+    parser.add_argument("--n-samples-per-prompt", type=int, default=4,
+                        help="trajectories per prompt group (replayrl train's flag)")
+    parser.add_argument("--rs-mode", default="geometric",
+                        help="RS gate of the first two runs: token, sequence or geometric "
+                             "(replayrl train's flag)")
+    parser.add_argument("--rs-lower", type=float, default=0.9,
+                        help="lower importance-ratio bound of the RS band")
+    parser.add_argument("--rs-upper", type=float, default=1.1,
+                        help="upper importance-ratio bound of the RS band")
+    parser.add_argument("--seed", type=int, default=1, help="seed of every run")
     args = parser.parse_args(argv)
     from replayrl.actors import run_event_loop
 

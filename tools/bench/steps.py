@@ -16,7 +16,6 @@ Needs ``git`` and a git checkout of replayrl; the baseline must accept the same 
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from typing import Sequence
 from replayrl.tools.bench import ab_runs
 from replayrl.tools.bench.profile import breakdown
 from replayrl.tools.bench.source_tree import train_command
+from replayrl.tools.bench.usage import bench_parser
 from replayrl.tools.errors import BenchError
 from replayrl.transport import strict_json
 
@@ -61,10 +61,11 @@ def table(baseline: str, before: list[dict[str, float]], after: list[dict[str, f
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry: prints the table (and the runs' settings) on stdout."""
-    parser = argparse.ArgumentParser(prog="replayrl bench steps", description=__doc__.splitlines()[0])
+    parser = bench_parser("steps", __doc__)
     ab_runs.add_flags(parser, runs=2)
-    parser.add_argument("--steps", type=int, default=100, help="steps per run (100)")
-    parser.add_argument("--warmup", type=int, default=10, help="first steps left out (10)")
+    parser.add_argument("--steps", type=int, default=100, help="optimizer steps per run")
+    parser.add_argument("--warmup", type=int, default=10,
+                        help="first steps of each run left out of the medians")
     args = parser.parse_args(argv)
     if args.runs < 1 or args.steps < 3 or not 0 <= args.warmup < args.steps - 1:
         parser.error("need --runs >= 1, --steps >= 3 and 0 <= --warmup < --steps - 1 (the "

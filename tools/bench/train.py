@@ -9,9 +9,9 @@ steps (the sum of ``step_seconds``), and the wall time of the whole command (act
 the initial checkpoint and the plot included). With ``--long-steps N`` (default 0: off; the
 docs' longer-budget columns used 3000) each seed also runs ``--num-steps N``, and the row adds
 that run's last-10 % reward and entropy and the largest fall of a 250-step window's mean reward
-below an earlier window's (:func:`largest_window_fall`; docs/design.md#entropy-collapse). The runs are deterministic for a
-given machine, so the reward columns are reproducible; the seconds are this machine's at the
-time of the run.
+below an earlier window's (:func:`largest_window_fall`; docs/design.md#entropy-collapse). The
+runs are deterministic for a given machine, so the reward columns are reproducible; the seconds
+are this machine's at the time of the run.
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Sequence
 
 from replayrl.tools.bench.priority import autogroup_priority
+from replayrl.tools.bench.usage import bench_parser
 from replayrl.tools.run.metrics import edge_means
 from replayrl.transport import strict_json
 
@@ -125,8 +126,9 @@ def run_seed(seed: int, output_dir: Path, extra: Sequence[str]) -> tuple[list[di
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``replayrl bench train [--seeds 1 2 3] [-- TRAIN FLAGS...]``."""
-    parser = argparse.ArgumentParser(prog="replayrl bench train", description=__doc__)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    parser = bench_parser("train", __doc__, details=True)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3],
+                        help="one table row per seed (replayrl train --seed)")
     parser.add_argument("--priority", action="store_true",
                         help="on a machine shared with other users' jobs, run first "
                              "(Linux autogroup nice -20; needs root)")
@@ -135,8 +137,8 @@ def main(argv: list[str] | None = None) -> int:
                              "reward, entropy and largest window fall (0 = off: only the "
                              "default-length run per seed; docs/benchmarks.md's longer-budget "
                              "columns used 3000)")
-    parser.add_argument("train_flags", nargs=argparse.REMAINDER,
-                        help="flags passed to every `replayrl train` after `--`")
+    parser.add_argument("train_flags", nargs=argparse.REMAINDER, metavar="-- TRAIN_FLAGS",
+                        help="flags passed to every `replayrl train`, after --")
     args = parser.parse_args(argv)
     extra = [f for f in args.train_flags if f != "--"]
     print(f"replayrl train --seed S {' '.join(extra)} (defaults otherwise), one fresh process "

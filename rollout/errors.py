@@ -96,12 +96,12 @@ class EnvironmentFailure(RolloutError, RuntimeError):
 
 
 class TurnLoopError(RolloutError, ValueError):
-    """A :func:`replayrl.rollout.turn_loop.run_episodes` argument is malformed (the message
+    """A :func:`replayrl.rollout.episodes.turn_loop.run_episodes` argument is malformed (the message
     names it)."""
 
 
 class SamplerError(RolloutError, ValueError):
-    """Base class of every error raised by the sampler (:mod:`replayrl.rollout.sampler`)."""
+    """Base class of every error raised by the sampler (:mod:`replayrl.rollout.sampling.sampler`)."""
 
 
 class SamplingParamsError(SamplerError):
@@ -226,7 +226,7 @@ class TraceShapeError(SampleError):
 
 
 class TraceSchemaError(SampleError):
-    """A :class:`replayrl.rollout.trace.TokenMetadataTrace` chunk's field names, trailing
+    """A :class:`replayrl.rollout.traces.trace.TokenMetadataTrace` chunk's field names, trailing
     shapes, dtypes or values disagree with the schema."""
 
 

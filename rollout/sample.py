@@ -19,7 +19,7 @@ indexer_topk        int32 [P+R-1, L, K_idx] sparse-attention keys the engine pic
 synthetic_eos       bool                    the last token is an EOS the engine never sampled
 ==================  ======================  ==============================================
 
-The three traces are the rows of ``replayrl.rollout.trace_table.TRACES`` (name, dtype, per-token
+The three traces are the rows of ``replayrl.rollout.traces.trace_table.TRACES`` (name, dtype, per-token
 shape, row space, padding, replay flag); :class:`Sample` gets one field per row from there.
 
 Derived, not a field: :attr:`Sample.sampled_mask`, the loss tokens the engine sampled, i.e. the
@@ -32,9 +32,9 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from replayrl.rollout import trace_storage, trace_table
 from replayrl.rollout.errors import MissingTraceError, SampleError, TraceShapeError
-from replayrl.rollout.trace_table import trace_fields
+from replayrl.rollout.traces import trace_storage, trace_table
+from replayrl.rollout.traces.trace_table import trace_fields
 
 STATUSES = ("completed", "truncated", "aborted")
 TRACE_FIELDS = tuple(row.name for row in trace_table.TRACES)
@@ -49,7 +49,7 @@ def required_traces(model_config: Any, **replays: bool) -> tuple[str, ...]:
     replay: its replay is on and, for a trace tied to layers (``TraceSpec.layers``, e.g.
     ``moe_layers`` for ``routed_experts``), the model has at least one such layer. The
     launcher asks the engines to capture exactly these, the rollout side assembles every
-    trajectory with them required (``replayrl.rollout.trajectory.merge_turns``) and the trainer refuses
+    trajectory with them required (``replayrl.rollout.traces.trajectory.merge_turns``) and the trainer refuses
     a batch lacking one (:func:`check_required_traces`), so a trajectory lacking one is an
     error, never a sample trained without its replay.
 
@@ -103,7 +103,7 @@ def check_trace_shapes(samples: Any, model_config: Any) -> None:
     """Refuse samples whose traces do not have the model's per-token shape.
 
     The one check of a trace's shape against the model, for every trace of
-    ``trace_table.TRACES`` tied to the model (:func:`replayrl.rollout.trace_table.model_shape`:
+    ``trace_table.TRACES`` tied to the model (:func:`replayrl.rollout.traces.trace_table.model_shape`:
     ``routed_experts`` ``[rows, len(moe_layers), num_experts_per_tok]``, ``indexer_topk``
     ``[rows, len(indexed_layers), index_topk]``), whether its replay is on or off (a trace
     travels to the forward for the flip rates either way). A sample without the trace is not
@@ -314,7 +314,7 @@ class Sample:
         are 0 already (``loss_mask`` 0). Everything that reads ``rollout_logprobs`` -- RS gates
         (token / sequence / geometric, sums and token count), TIS weights, the exact-refill
         admission, the |rollout - trainer logprob| metrics -- reads it under this mask; the
-        synthetic row's placeholder (``replayrl.rollout.trajectory.SYNTHETIC_EOS_LOGPROB``) is never a
+        synthetic row's placeholder (``replayrl.rollout.traces.trajectory.SYNTHETIC_EOS_LOGPROB``) is never a
         behaviour logprob (docs/design.md#trainer-math, docs/design.md#rejection-sampling). Equal to
         ``loss_mask`` when ``synthetic_eos`` is False.
         """
@@ -422,7 +422,7 @@ def samples_to_columns(samples: Sequence[Sample], *, compact: bool = True) -> di
       concatenated (``[sum R, ...]`` for response rows, e.g. the support, ``[sum (P+R-1), ...]``
       for position rows, e.g. routing and indexer) when every sample has it with the same
       trailing shape, stored as its table row's ``storage`` says
-      (:func:`replayrl.rollout.trace_storage.encode_column`: expert ids narrowed, indexer rows
+      (:func:`replayrl.rollout.traces.trace_storage.encode_column`: expert ids narrowed, indexer rows
       as key sets); otherwise a list of ``N`` per-sample arrays or ``None``. With
       ``compact=False`` every trace stays the plain int32 array (for a reader that is not
       :func:`samples_from_columns`, e.g. the REPL's ``sample()``).
@@ -450,7 +450,7 @@ def samples_from_columns(columns: Mapping[str, Any], decode_threads: int = 1) ->
     """Rebuild the samples of :func:`samples_to_columns` (e.g. a decoded message).
 
     Encoded trace columns are decoded first (each indexer row's keys come back ascending, ``-1``
-    after: the same set; :mod:`replayrl.rollout.trace_storage`), a ``"sets"`` column's rows on
+    after: the same set; :mod:`replayrl.rollout.traces.trace_storage`), a ``"sets"`` column's rows on
     ``decode_threads`` (int ``>= 1``) threads; the result does not depend on it. Each sample's
     arrays are views into the columns (no copy when the columns are read-only, as decoded
     messages are) and every sample passes :func:`check_contract`, the check

@@ -34,7 +34,7 @@ def traced_samples(model, vocab_size: int, prompt_len: int = 5, adapted: bool = 
     own choices (int32; ``indexer_topk`` None for a model without an indexer), each response
     token's support (int32 ``[len(response), 4]``) its token and the next two ids (support
     replay); loss mask all ones, rollout logprobs -1. ``adapted``: traced inside
-    :func:`replayrl.trainer.lora.experts_adapted` (a LoRA policy's own choices)."""
+    :func:`replayrl.trainer.lora.peft_adapter.experts_adapted` (a LoRA policy's own choices)."""
     rng = np.random.default_rng(0)
     out = []
     for i in range(4):
@@ -42,7 +42,7 @@ def traced_samples(model, vocab_size: int, prompt_len: int = 5, adapted: bool = 
         response = rng.integers(3, vocab_size, 3 + i).astype(np.int32)
         tokens = torch.from_numpy(np.r_[prompt, response][:-1].astype(np.int64))[None]
         if adapted:
-            from replayrl.trainer import lora
+            from replayrl.trainer.lora import peft_adapter as lora
 
             context = lora.experts_adapted(model)
         else:

@@ -20,7 +20,7 @@ from replayrl.rollout.engines.base import Engine, Generation
 from replayrl.rollout.errors import EngineInputError
 from replayrl.rollout.model.config import ModelConfig
 from replayrl.rollout.sample import TRACE_FIELDS
-from replayrl.rollout.sampling_params import SamplingParams
+from replayrl.rollout.sampling.sampling_params import SamplingParams
 from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
 
 

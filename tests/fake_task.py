@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from replayrl.rollout.data_source import Prompt
 from replayrl.rollout.tasks.base import RewardCall, Task, TaskPrompts
+from replayrl.rollout.text.data_source import Prompt
 
 PROMPTS = ((1, 13, 3, 4, 5, 17), (1, 14, 6, 7, 8, 17), (1, 15, 9, 9, 3, 17))
 """Three prompts (``<bos> op d d d =`` ids of the embedded vocabulary)."""

@@ -42,7 +42,7 @@ def main() -> None:
 
     from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
     from replayrl.trainer.backends.megatron_model import MegatronParallel
-    from replayrl.trainer.batch import collate
+    from replayrl.trainer.batching.batch import collate
     from replayrl.trainer.config import TrainerConfig
     from tests import megatron_cases as cases
 

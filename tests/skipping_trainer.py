@@ -2,8 +2,8 @@
 ones, so a real run alternates skipped and trained steps deterministically."""
 from __future__ import annotations
 
+from replayrl.trainer.ranks.trainer_actor import TrainerActor
 from replayrl.trainer.rejection.rs_policy import RSGate
-from replayrl.trainer.trainer_actor import TrainerActor
 
 REJECT_ALL = RSGate("geometric", 1e30, 1e30)  # a ratio of 1e30 needs a sampled logprob < -69
 ACCEPT_ALL = RSGate("geometric", 1e-30, 1e30)

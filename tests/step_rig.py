@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from replayrl.rollout.engine_actor import EngineActor
-from replayrl.rollout.manager import RolloutManager
+from replayrl.rollout.dispatch.engine_actor import EngineActor
+from replayrl.rollout.dispatch.manager import RolloutManager
 from replayrl.rollout.sample import Sample, samples_from_columns
 from replayrl.rollout.tasks import task_class_path
 from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
@@ -78,7 +78,7 @@ async def step_rig(config, directory: Path, task: str) -> StepRig:
     task``: its initial checkpoint written under ``directory / "ckpt"``, the trainer (no
     engines of its own), the engine loaded with the trainer's version-0 weights, and the
     manager generating through that engine (its proxy a fake)."""
-    from replayrl.trainer.trainer_actor import TrainerActor
+    from replayrl.trainer.ranks.trainer_actor import TrainerActor
 
     checkpoint = write_initial_checkpoint(config, directory / "ckpt")
     model = config.policy_config

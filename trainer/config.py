@@ -34,7 +34,7 @@ class TrainerConfig:
         lr, weight_decay, adam_beta1, adam_beta2, adam_eps, clip_grad: AdamW (``--lr`` ...).
         eps_clip, eps_clip_high: PPO clip range ``[1 - eps_clip, 1 + eps_clip_high]``.
         tis_cap: TIS weight cap ``C`` (``--tis-cap``); ``None`` disables TIS.
-        entropy_coef: the entropy bonus ``beta`` of :func:`replayrl.trainer.losses.policy_loss`
+        entropy_coef: the entropy bonus ``beta`` of :func:`replayrl.trainer.loss.losses.policy_loss`
             (``--entropy-coef``; docs/design.md#entropy-collapse).
         normalize_advantage_std: GRPO divides by the group std (``--grpo-std-normalization``).
         micro_batch_size: samples per forward/backward (gradient accumulation).
@@ -53,7 +53,7 @@ class TrainerConfig:
             every step. Only the embedded model's torch / FSDP backends skip it
             (``--indexer-drift-interval``).
         use_packing: each microbatch is one packed row (``--use-packing``) built from one
-            :class:`replayrl.trainer.packing.PackedLayout`, instead of right-padded rows.
+            :class:`replayrl.trainer.batching.packing.PackedLayout`, instead of right-padded rows.
         logprobs_chunk_size: > 0 uses the fused chunked LM-head path for support replay
             (``--logprobs-chunk-size``; peak memory bounded by the chunk, not N x V).
         preflight: ``auto`` runs the separate preflight forward only when the RS gate, exact
@@ -74,7 +74,7 @@ class TrainerConfig:
         rs_denominator: loss denominator when RS rejects tokens without refill
             (``loss_tokens`` | ``accepted_tokens``), see :mod:`replayrl.trainer.rejection.rs_policy`.
         stop_on_empty_step: a step with nothing to train (no accepted loss token, or no prompt
-            group with two accepted samples) raises :class:`replayrl.trainer.trainer_actor.EmptyStep`
+            group with two accepted samples) raises :class:`replayrl.trainer.ranks.trainer_actor.EmptyStep`
             and ends the run (``--stop-on-empty-step``); off, the step is skipped (nothing
             moves, the row says ``skipped: 1``) and the run goes on.
         rs_batch_refill: exact refill (``--rs-batch-refill``): train on exactly
@@ -87,7 +87,7 @@ class TrainerConfig:
             on exactly ``rollout_batch_size`` groups with differing rewards or fails before the
             optimizer step (:mod:`replayrl.trainer.rejection.dynamic_sampling`).
         lora_rank, lora_alpha, lora_target_modules: LoRA through peft (``--lora-rank``, 0 =
-            off; :mod:`replayrl.trainer.lora`, docs/design.md#lora).
+            off; :mod:`replayrl.trainer.lora.peft_adapter`, docs/design.md#lora).
         train_backend: the model-owning backend, a name in :data:`replayrl.trainer.backends.BACKENDS`
             (``--train-backend``).
         dp_size: data-parallel trainer ranks (``--dp-size``; docs/design.md#trainer-ranks):
@@ -226,7 +226,7 @@ class TrainerConfig:
         if self.lr == 0.0:  # the run's default, resolved once: every reader sees a number
             object.__setattr__(self, "lr", LORA_LR if self.lora_rank else FULL_WEIGHTS_LR)
         if self.lora_rank:
-            from replayrl.trainer.lora_settings import target_modules
+            from replayrl.trainer.lora.settings import target_modules
 
             target_modules(self.lora_target_modules)  # raises naming the unknown name
         checks = [

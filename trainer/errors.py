@@ -101,7 +101,7 @@ class ReplayMismatch(ReplayError):
     """The replayed choices disagree with the layers' own choices beyond the allowed bounds.
 
     Attributes:
-        check: the :class:`replayrl.trainer.replay.ReplayCheck` that failed (overlaps,
+        check: the :class:`replayrl.trainer.replay.checks.ReplayCheck` that failed (overlaps,
             fractions, first mismatches).
     """
 

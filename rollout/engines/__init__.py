@@ -4,7 +4,7 @@ Adding an engine = one module in this package implementing :class:`Engine` plus 
 :data:`ENGINES`. The registry holds ``"module:Class"`` strings, so importing this package
 imports no engine module (a vLLM / SGLang client pulls in nothing until a run selects it).
 The launcher resolves the run's engine name here, in its own process, and hands the class path
-to the engine actors (``rollout/engine_actor.py``); a test may register a fake engine by adding
+to the engine actors (``rollout/dispatch/engine_actor.py``); a test may register a fake engine by adding
 an entry before the run is launched.
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 An engine generates *turns*: one batched call, one :class:`Generation` per prompt. Multi-turn
 loops, tool environments, trajectory assembly and rewards live on the rollout side
-(``rollout/turn_loop.py``, ``rollout/manager.py``), so an engine only has to:
+(``rollout/episodes/turn_loop.py``, ``rollout/dispatch/manager.py``), so an engine only has to:
 
 * :meth:`Engine.load_weights` -- load a full weight set of a policy version;
 * :meth:`Engine.generate` -- sample one response per prompt and capture the requested traces;
@@ -22,11 +22,11 @@ from typing import Any, ClassVar, Collection, Literal, Mapping, Sequence
 
 import numpy as np
 
-from replayrl.rollout import trace_storage, trace_table
 from replayrl.rollout.errors import EngineCaptureError, EngineInputError, EngineNotReady
 from replayrl.rollout.sample import TRACE_FIELDS, pack_rows, unpack_rows
-from replayrl.rollout.sampling_params import SamplingParams
-from replayrl.rollout.trace_table import trace_fields
+from replayrl.rollout.sampling.sampling_params import SamplingParams
+from replayrl.rollout.traces import trace_storage, trace_table
+from replayrl.rollout.traces.trace_table import trace_fields
 
 __all__ = [
     "Generation",
@@ -59,7 +59,7 @@ class Generation:
         indexer_topk: int32 ``[P + R - 1, L_idx, index_topk]`` selected key *positions* in this
             trajectory (0 = first prompt token), ``-1`` = no key; or ``None`` when not
             requested / indexer off.
-        (one such field per row of ``replayrl.rollout.trace_table.TRACES``: keyword-only,
+        (one such field per row of ``replayrl.rollout.traces.trace_table.TRACES``: keyword-only,
         default ``None`` = not captured; response-row traces have ``R`` rows, position-row
         traces ``P + R - 1``)
         finish_reason: ``"stop"`` (EOS sampled, included in ``response_ids``) or ``"length"``
@@ -103,7 +103,7 @@ def generations_to_columns(generations: Sequence[Generation]) -> dict[str, Any]:
     ``finish_reason`` list of ``N`` str, and per array field the generations' rows
     concatenated in order (``None`` when no generation has it; a list of ``N`` arrays or
     ``None`` when presence or trailing shapes differ), a trace stored as its table row's
-    ``storage`` says (``replayrl.rollout.trace_storage``; indexer rows come back as the same key
+    ``storage`` says (``replayrl.rollout.traces.trace_storage``; indexer rows come back as the same key
     sets, ascending). Inverse: :func:`generations_from_columns`.
     """
     cols: dict[str, Any] = {"finish_reason": [g.finish_reason for g in generations],
@@ -123,7 +123,7 @@ def generations_to_columns(generations: Sequence[Generation]) -> dict[str, Any]:
 
 def generations_from_columns(columns: Mapping[str, Any]) -> list[Generation]:
     """Rebuild the generations of :func:`generations_to_columns` (arrays are views into the
-    columns; ``replayrl.rollout.trajectory.merge_turns`` checks their contents).
+    columns; ``replayrl.rollout.traces.trajectory.merge_turns`` checks their contents).
 
     Raises:
         EngineInputError: a missing or unknown column, or a column whose rows disagree with
@@ -254,7 +254,7 @@ class Engine(ABC):
 
         Args:
             prompts: ``B >= 1`` non-empty token-id sequences (the whole context of the turn).
-            params: sampling parameters (see :mod:`replayrl.rollout.sampler`).
+            params: sampling parameters (see :mod:`replayrl.rollout.sampling.sampler`).
             max_new_tokens: response length cap, ``>= 1``.
             eos_token_id: id whose sampling finishes a row (``finish_reason == "stop"``).
             seed: seeds the call's sampling; same seed, prompts, params and weights give the

@@ -31,8 +31,8 @@ from replayrl.rollout.model.config import ModelConfig
 from replayrl.rollout.model.families.base import FamilyConfig, FamilyModel
 from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
 from replayrl.rollout.sample import TRACE_FIELDS
-from replayrl.rollout.sampler import sample
-from replayrl.rollout.sampling_params import SamplingParams
+from replayrl.rollout.sampling.sampler import sample
+from replayrl.rollout.sampling.sampling_params import SamplingParams
 
 __all__ = ["EmbeddedEngine"]
 
@@ -179,7 +179,7 @@ class EmbeddedEngine(Engine):
 
         Args:
             prompts: ``B >= 1`` non-empty token-id sequences (ids in ``[0, vocab_size)``).
-            params: sampling parameters (see :mod:`replayrl.rollout.sampler`).
+            params: sampling parameters (see :mod:`replayrl.rollout.sampling.sampler`).
             max_new_tokens: response length cap, ``>= 1``.
             eos_token_id: id whose sampling finishes a row (``finish_reason == "stop"``).
             seed: seeds the call's single ``torch.Generator``; same seed, prompts, params and
@@ -194,7 +194,7 @@ class EmbeddedEngine(Engine):
                 ``eos_token_id`` outside the vocabulary, or a trajectory longer than
                 ``config.max_position_embeddings``.
             replayrl.rollout.errors.SamplingParamsError: ``top_k > vocab_size``.
-            replayrl.rollout.sampler.NonFiniteLogitsError: the model produced NaN / inf logits.
+            replayrl.rollout.sampling.sampler.NonFiniteLogitsError: the model produced NaN / inf logits.
             EngineError: the model's indexer picked a padding key (a model bug; never hidden).
         """
         cfg = self.config
@@ -431,7 +431,7 @@ class _DecodeState:
         it with its logprob and support; a row that sampled ``eos_token_id`` stops.
 
         Raises:
-            replayrl.rollout.sampler.NonFiniteLogitsError: NaN / inf logits in an active row.
+            replayrl.rollout.sampling.sampler.NonFiniteLogitsError: NaN / inf logits in an active row.
         """
         active_rows = (~self.finished).nonzero().flatten()
         out = sample(logits.index_select(0, active_rows), params, generator)

@@ -45,7 +45,7 @@ from replayrl.rollout.errors import (
 )
 from replayrl.rollout.model.config import ModelConfig
 from replayrl.rollout.sample import TRACE_FIELDS
-from replayrl.rollout.sampling_params import SamplingParams
+from replayrl.rollout.sampling.sampling_params import SamplingParams
 from replayrl.transport import strict_json
 
 __all__ = ["SglangEngine"]

@@ -42,11 +42,11 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from replayrl.rollout import trace_table
 from replayrl.rollout.engines.base import Generation
 from replayrl.rollout.errors import EngineInputError, SglangRequestError, SglangResponseError
 from replayrl.rollout.model.config import ModelConfig
-from replayrl.rollout.sampling_params import SamplingParams
+from replayrl.rollout.sampling.sampling_params import SamplingParams
+from replayrl.rollout.traces import trace_table
 
 __all__ = [
     "SGLANG_VERSION_CHECKED",

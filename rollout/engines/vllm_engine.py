@@ -13,7 +13,7 @@ token ids in and out, no tokenizer), and maps each call one to one (docs/design.
 * ``sample_support`` / ``rollout_logprobs``: ``logprobs_mode="processed_logprobs"`` (after
   temperature / top-k / top-p, removed tokens at ``-inf``) with ``flat_logprobs``: per
   position the sampled token, then the top ``W`` candidates, normalised by
-  ``replayrl.rollout.capture.normalize_support_row``;
+  ``replayrl.rollout.traces.capture.normalize_support_row``;
 * ``routed_experts``: gate hooks (``rollout/engines/vllm_routing.py``), ``[P + R - 1, L_moe,
   K]`` aligned to the turn's context positions; every position must be there (prefix caching
   is therefore off on MoE models: a cached prefix is never forwarded again);
@@ -34,14 +34,14 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from replayrl.rollout.capture import check_sampled_logprob, normalize_support_row
 from replayrl.rollout.engines.base import Engine, Generation
 from replayrl.rollout.engines.vllm_routing import RoutingRecorder
 from replayrl.rollout.errors import CaptureError, EngineError, EngineInputError, EngineTimeout
 from replayrl.rollout.model.checkpoint import save_model_files
 from replayrl.rollout.model.config import ModelConfig
 from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
-from replayrl.rollout.sampling_params import SamplingParams
+from replayrl.rollout.sampling.sampling_params import SamplingParams
+from replayrl.rollout.traces.capture import check_sampled_logprob, normalize_support_row
 
 __all__ = ["VllmEngine"]
 
@@ -191,7 +191,7 @@ class VllmEngine(Engine):
             EngineInputError: empty / out-of-vocabulary prompt, ``max_new_tokens < 1``, a bad
                 ``eos_token_id`` / ``seed``, a context past ``max_position_embeddings``, or a
                 temperature below vLLM's greedy threshold 1e-5.
-            replayrl.rollout.capture.CaptureError: vLLM's logprobs do not form a support row (names the
+            replayrl.rollout.traces.capture.CaptureError: vLLM's logprobs do not form a support row (names the
                 prompt and the response index).
             EngineError: a requested routing trace came back missing or misaligned (names the
                 prompt and the positions).

@@ -596,7 +596,7 @@ class Qwen3MoeForCausalLM(nn.Module):
         segment_ids: int `[B, S]` or None: packed rows hold several samples; a query attends
             only to keys (and indexer candidates) of its own segment, and to the keys of
             segment -1, a shared trunk (a prompt that the segments after it all continue: a
-            prefix tree, trainer/prefix_tree.py). Not with a KV cache.
+            prefix tree, trainer/batching/prefix_tree.py). Not with a KV cache.
         compute_logits: False skips the LM head (``logits`` is None): a caller that projects
             only candidate tokens from ``hidden`` (fused support replay) never holds [B, S, V].
         own_indexer: False: where ``indexer_topk`` replays every real query's keys, the indexed

@@ -5,7 +5,7 @@ A task gives the rollout manager three things, and the manager knows nothing els
 * its prompts (:meth:`Task.prompts`): the training prompts, the prompts exact refill draws
   from, and the name errors give them, tokenised by the run's tokenizer;
 * its reward (:meth:`Task.reward`): how one trajectory is scored, as a
-  :class:`replayrl.rollout.rewards.RewardCall` the manager runs under its reward guard
+  :class:`replayrl.rollout.scoring.rewards.RewardCall` the manager runs under its reward guard
   (``--custom-reward`` replaces it for every task); by default the configured ``--rm-type``
   (``rollout/tasks/rm_type.py``);
 * its multi-turn environment (:meth:`Task.environment`), or ``None`` when it has none: a run
@@ -23,18 +23,18 @@ from typing import TYPE_CHECKING, Any, Protocol, Sequence
 import numpy as np
 
 from replayrl.rollout.config import RolloutConfig
-from replayrl.rollout.data_source import Prompt
-from replayrl.rollout.rewards import RewardCall
+from replayrl.rollout.scoring.rewards import RewardCall
 from replayrl.rollout.tasks.rm_type import rm_type_reward
+from replayrl.rollout.text.data_source import Prompt
 
 if TYPE_CHECKING:
-    from replayrl.rollout.tokenizer import PromptTokenizer
+    from replayrl.rollout.text.tokenizer import PromptTokenizer
 
 __all__ = ["RewardCall", "Environment", "TaskPrompts", "Task"]
 
 
 class Environment(Protocol):
-    """A multi-turn environment, driven by ``replayrl.rollout.turn_loop.run_episodes``."""
+    """A multi-turn environment, driven by ``replayrl.rollout.episodes.turn_loop.run_episodes``."""
 
     def observe(self, prompt_ids: Sequence[int], turn_ids: Sequence[int]) -> np.ndarray | None:
         """The observation tokens (int32 ``[O]``, loss mask 0 in the trajectory) that answer one
@@ -82,7 +82,7 @@ class Task(ABC):
             vocab_size: the policy's vocabulary; every prompt id must lie below it.
             max_prompt_len: the longest prompt that leaves room for a response.
         Raises:
-            replayrl.rollout.prompt_data.PromptDataError: a prompt that cannot be used (names
+            replayrl.rollout.text.prompt_data.PromptDataError: a prompt that cannot be used (names
                 its row and the key).
         """
 

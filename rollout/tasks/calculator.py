@@ -14,7 +14,7 @@ embedded model needs no new tokens:
 The observation ends with the answer digit after ``=``, the same shape as the prompt's end, so a
 policy can learn to call the right operator and copy the hint. Observation tokens are not
 sampled by the policy: the multi-turn generator gives them loss_mask 0 and ``-1`` support rows
-(``rollout/turn_loop.py``).
+(``rollout/episodes/turn_loop.py``).
 
 Reward (verifiable from the tokens alone): the task's reward of the *final segment*, the tokens
 after the last observation token; a trajectory whose last turn is a tool call scores 0.
@@ -26,10 +26,10 @@ from typing import Sequence
 
 import numpy as np
 
-from replayrl.rollout.data_source import Prompt
 from replayrl.rollout.errors import ToolEnvError
 from replayrl.rollout.tasks.digit_puzzle import DIGITS, OPERATORS, VOCABULARY, DigitTask
 from replayrl.rollout.tasks.environment import Step, ToolCall, ToolEnvironment, Turn
+from replayrl.rollout.text.data_source import Prompt
 
 __all__ = ["DigitToolEnv", "DigitCalculatorEnv"]
 

@@ -20,15 +20,15 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from replayrl.rollout.config import RolloutConfig
-from replayrl.rollout.data_source import Prompt
 from replayrl.rollout.errors import TaskConfigError
-from replayrl.rollout.prompt_data import PromptRow, read_rows, tokenize_rows
 from replayrl.rollout.tasks.base import Task, TaskPrompts
 from replayrl.rollout.tasks.calculator import DigitToolEnv
 from replayrl.rollout.tasks.digit_puzzle import DigitTask
+from replayrl.rollout.text.data_source import Prompt
+from replayrl.rollout.text.prompt_data import PromptRow, read_rows, tokenize_rows
 
 if TYPE_CHECKING:
-    from replayrl.rollout.tokenizer import PromptTokenizer
+    from replayrl.rollout.text.tokenizer import PromptTokenizer
 
 __all__ = ["BUILTIN_FILE", "BUILTIN_SETTINGS", "REPLACEMENT_SEED_OFFSET", "digit_task_prompts",
            "digit_task_rows", "builtin_rows", "DigitsTask"]
@@ -103,8 +103,8 @@ class DigitsTask(Task):
         (:func:`builtin_rows`), tokenised.
 
         Raises:
-            replayrl.rollout.prompt_data.PromptDataError: as
-                :func:`replayrl.rollout.prompt_data.tokenize_rows`.
+            replayrl.rollout.text.prompt_data.PromptDataError: as
+                :func:`replayrl.rollout.text.prompt_data.tokenize_rows`.
         """
         cfg = self.config
 

@@ -7,7 +7,7 @@ turns. One instance serves one trajectory (the rollout manager builds it with th
 :class:`replayrl.rollout.config.RolloutConfig`), so it may keep per-episode state:
 
 * ``await env.reset(prompt)`` once, before the first turn, with the trajectory's
-  :class:`replayrl.rollout.data_source.Prompt` (``label``, ``metadata``, ``source``); it
+  :class:`replayrl.rollout.text.data_source.Prompt` (``label``, ``metadata``, ``source``); it
   returns a :class:`Reset` (the tool schema the episode offers, ``None`` = the class's
   :attr:`ToolEnvironment.tools`; and optionally an opening observation, text or messages the
   first turn sees). The schema is rendered into every prompt by the chat template
@@ -30,7 +30,7 @@ calculator does (``examples/environments/python_calculator.py``). A call that ra
 out, answers something that is not a :class:`Step`, or whose observation does not fit the
 context left, ends that trajectory (status ``aborted``, counted in ``env_failures`` with a
 message naming the prompt and the turn), or the run under ``--env-failure error``
-(``replayrl.rollout.env_sessions``).
+(``replayrl.rollout.episodes.env_sessions``).
 
 The reward of a trajectory is ``--env-reward``: the verifier's (the task's ``--rm-type`` or
 ``--custom-reward``, the default), the sum of the environment's step rewards, or both added.
@@ -52,7 +52,7 @@ from typing import Any, ClassVar, Mapping
 import numpy as np
 
 from replayrl.rollout.config import RolloutConfig
-from replayrl.rollout.data_source import Prompt
+from replayrl.rollout.text.data_source import Prompt
 
 __all__ = ["ToolCall", "Turn", "Reset", "Step", "ToolEnvironment", "hermes_tool_calls",
            "check_step", "tool_result"]
@@ -84,7 +84,7 @@ class Turn:
         index: the turn's number in its episode, from 0.
         ids: int32 ``[T]``, read-only: the tokens the engine sampled (end-of-turn id included).
         text: ``ids`` decoded, trailing stop ids left out, special tokens kept
-            (``replayrl.rollout.env_sessions.turn_text``).
+            (``replayrl.rollout.episodes.env_sessions.turn_text``).
         tool_calls: the calls :meth:`ToolEnvironment.parse_tool_calls` found in ``text``.
         finish_reason: the engine's ``"stop"`` / ``"length"``.
     """
@@ -108,7 +108,7 @@ class Reset:
             ``{"role": str, "content": str}`` messages (e.g. a system message describing the
             episode), or ``None`` (none). It is rendered by the chat template before the
             prompt's generation prompt and tokenised alone
-            (``replayrl.rollout.tokenizer.PromptTokenizer.render_opening``): the trajectory's
+            (``replayrl.rollout.text.tokenizer.PromptTokenizer.render_opening``): the trajectory's
             prompt ids become the exact prompt ids with these ids inserted, the ids the first
             engine call sees and the trainer trains on. Prompt positions are never trained
             (loss mask 0 by construction) and have no logprob or sampler-support rows.

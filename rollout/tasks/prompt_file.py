@@ -1,7 +1,7 @@
 """The prompt-file task (``--task prompt_file``, the default with ``--prompt-data FILE``).
 
 * Prompts: the rows of ``--prompt-data`` (JSONL or Parquet; ``--input-key``, ``--label-key``,
-  ``--metadata-key``; ``rollout/prompt_data.py``), tokenised by the run's tokenizer; refill
+  ``--metadata-key``; ``rollout/text/prompt_data.py``), tokenised by the run's tokenizer; refill
   draws from the same prompts in their own seeded order.
 * Reward: the configured ``--rm-type`` (``exact`` / ``math`` for text labels; ``digits`` for
   labels that are one vocabulary token) or ``--custom-reward``.
@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING
 
 from replayrl.rollout.config import RolloutConfig
 from replayrl.rollout.errors import TaskConfigError
-from replayrl.rollout.prompt_data import read_rows, tokenize_rows
 from replayrl.rollout.tasks.base import Task, TaskPrompts
+from replayrl.rollout.text.prompt_data import read_rows, tokenize_rows
 
 if TYPE_CHECKING:
-    from replayrl.rollout.tokenizer import PromptTokenizer
+    from replayrl.rollout.text.tokenizer import PromptTokenizer
 
 __all__ = ["PromptFileTask"]
 
@@ -40,8 +40,8 @@ class PromptFileTask(Task):
         """Every row of ``--prompt-data``, checked and tokenised (also the refill prompts).
 
         Raises:
-            replayrl.rollout.prompt_data.PromptDataError: see
-                :func:`replayrl.rollout.prompt_data.read_rows` and ``tokenize_rows``.
+            replayrl.rollout.text.prompt_data.PromptDataError: see
+                :func:`replayrl.rollout.text.prompt_data.read_rows` and ``tokenize_rows``.
         """
         cfg = self.config
         rows = read_rows(cfg.prompt_data, cfg.input_key, cfg.label_key, cfg.metadata_key)

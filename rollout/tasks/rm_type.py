@@ -6,8 +6,8 @@ response:
 
 * ``digits``: the digit puzzle's verifier on the final segment's token ids against the label's
   token id (:meth:`replayrl.rollout.tasks.calculator.DigitToolEnv.reward`), inline;
-* ``exact``: :func:`replayrl.rollout.rewards.exact_reward` of the final segment's text, inline;
-* ``math``: :func:`replayrl.rollout.rewards.math_reward` of that text, on a thread of its own
+* ``exact``: :func:`replayrl.rollout.scoring.rewards.exact_reward` of the final segment's text, inline;
+* ``math``: :func:`replayrl.rollout.scoring.rewards.math_reward` of that text, on a thread of its own
   under ``--reward-timeout-seconds``.
 
 The text is decoded here, on the caller's thread (the manager's), before the call.
@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from replayrl.rollout.data_source import Prompt
-from replayrl.rollout.rewards import RewardCall, RewardError, exact_reward, math_reward
+from replayrl.rollout.scoring.rewards import RewardCall, RewardError, exact_reward, math_reward
 from replayrl.rollout.tasks.calculator import DigitToolEnv
+from replayrl.rollout.text.data_source import Prompt
 
 if TYPE_CHECKING:
-    from replayrl.rollout.tokenizer import PromptTokenizer
+    from replayrl.rollout.text.tokenizer import PromptTokenizer
 
 __all__ = ["digits_reward", "rm_type_reward"]
 

@@ -23,15 +23,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from replayrl.rollout.config import RolloutConfig
-from replayrl.rollout.data_source import Prompt
 from replayrl.rollout.errors import PromptDataError, TaskConfigError
-from replayrl.rollout.prompt_data import PromptRow, tokenize_rows
 from replayrl.rollout.tasks.base import RewardCall, Task, TaskPrompts
 from replayrl.rollout.tasks.calculator import DigitToolEnv
 from replayrl.rollout.tasks.digits import REPLACEMENT_SEED_OFFSET
+from replayrl.rollout.text.data_source import Prompt
+from replayrl.rollout.text.prompt_data import PromptRow, tokenize_rows
 
 if TYPE_CHECKING:
-    from replayrl.rollout.tokenizer import PromptTokenizer
+    from replayrl.rollout.text.tokenizer import PromptTokenizer
 
 __all__ = ["SORT_STREAM", "prompt_tokens", "sort_rows", "position_reward", "SortTask"]
 
@@ -169,8 +169,8 @@ class SortTask(Task):
         (:func:`sort_rows`), tokenised.
 
         Raises:
-            replayrl.rollout.prompt_data.PromptDataError: as
-                :func:`replayrl.rollout.prompt_data.tokenize_rows`, or a tokenizer without one
+            replayrl.rollout.text.prompt_data.PromptDataError: as
+                :func:`replayrl.rollout.text.prompt_data.tokenize_rows`, or a tokenizer without one
                 token per digit.
         """
         cfg = self.config

@@ -9,7 +9,6 @@ import sys
 import numpy as np
 import pytest
 
-from replayrl.rollout.data_source import PromptDataSource
 from replayrl.rollout.engines import ENGINES, engine_class_path, load_engine_class
 from replayrl.rollout.engines.embedded import EmbeddedEngine
 from replayrl.rollout.errors import EngineError, UnknownEngine
@@ -17,6 +16,7 @@ from replayrl.rollout.model.config import default_config
 from replayrl.rollout.sample import required_traces
 from replayrl.rollout.tasks.digit_puzzle import VOCABULARY, DigitTask
 from replayrl.rollout.tasks.digits import digit_task_prompts
+from replayrl.rollout.text.data_source import PromptDataSource
 from replayrl.tools.errors import ConfigError
 from replayrl.tools.run.config import build_config
 from replayrl.tools.run.launcher import engine_kwargs, launch, resolve_engine

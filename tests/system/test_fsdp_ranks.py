@@ -14,7 +14,7 @@ import pytest
 from replayrl.actors import Directory, Supervisor
 from replayrl.tools.run.config import build_config
 from replayrl.tools.run.launcher import actor_specs, tokenizer_dir, write_embedded_tokenizer, write_initial_checkpoint
-from replayrl.trainer.rank_group import follower_names
+from replayrl.trainer.ranks.rank_group import follower_names
 from tests.family_checkpoints import tiny_hf_checkpoint
 from tests.rank_checks import assert_same_step_metrics, assert_same_update
 

@@ -6,7 +6,7 @@ An actor process imports its start (``replayrl.actors.child_process``), then the
 bootstrap (``replayrl.actors.spawn``), then its actor class. A fresh interpreter does the same here and
 reports which heavy packages ``sys.modules`` holds after each step; the rollout manager is also
 built (its tokenizer and prompts loaded) with the tokenizer class the launcher resolves
-(``replayrl.rollout.tokenizer_class``). The launcher does its torch and tokenizer work in a short
+(``replayrl.rollout.text.tokenizer_class``). The launcher does its torch and tokenizer work in a short
 child (``replayrl.tools.run.initial_files``): a one-step ``replayrl train`` reports what its own
 process imported.
 """
@@ -17,7 +17,7 @@ import os
 import subprocess
 import sys
 
-from replayrl.rollout.tokenizer_class import resolve_tokenizer_class
+from replayrl.rollout.text.tokenizer_class import resolve_tokenizer_class
 from replayrl.tools.run.config import build_config
 from replayrl.tools.run.initial_files import Resolved
 from replayrl.tools.run.launcher import actor_specs, resolve_engine, write_initial_checkpoint
@@ -55,7 +55,7 @@ def test_clock_and_manager_processes_import_no_torch(tmp_path):
     assert out.returncode == 0, out.stderr
     loaded = json.loads(out.stdout.strip().splitlines()[-1])
     # built, the manager reads the embedded tokenizer with the tokenizers library alone
-    # (replayrl.rollout.backend_tokenizer): no transformers either
+    # (replayrl.rollout.text.backend_tokenizer): no transformers either
     assert loaded == {"version_clock": [], "rollout_manager": [], "rollout_manager built": [],
                       "engine_0": ["torch"]}
 
@@ -90,7 +90,7 @@ print("LORA", sorted(m for m in %r if m in sys.modules))
 
 
 def test_validating_a_lora_config_imports_no_torch():
-    # --lora-rank checks its target modules (trainer/lora_settings.py), not trainer/lora.py's torch
+    # --lora-rank checks its target modules (trainer/lora/settings.py), not trainer/lora/peft_adapter.py's torch
     out = subprocess.run([sys.executable, "-c", LORA_CHECK], capture_output=True, text=True,
                          timeout=120, env={**os.environ, "PYTHONPATH": PYTHONPATH})
     assert out.returncode == 0, out.stderr

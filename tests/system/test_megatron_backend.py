@@ -27,7 +27,7 @@ from replayrl.rollout.model.loader import load_pretrained  # noqa: E402
 from replayrl.rollout.tasks.digit_puzzle import VOCABULARY  # noqa: E402
 from replayrl.trainer.backends import resolve_backend  # noqa: E402
 from replayrl.trainer.backends.torch_backend import TorchBackend  # noqa: E402
-from replayrl.trainer.batch import collate  # noqa: E402
+from replayrl.trainer.batching.batch import collate  # noqa: E402
 from replayrl.trainer.config import TrainerConfig  # noqa: E402
 from replayrl.trainer.errors import CheckpointLayoutError  # noqa: E402
 from tests import megatron_cases as cases  # noqa: E402

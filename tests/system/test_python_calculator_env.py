@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from replayrl.rollout.tokenizer import load_tokenizer
-from replayrl.rollout.turn_loop import assemble
+from replayrl.rollout.episodes.turn_loop import assemble
+from replayrl.rollout.text.tokenizer import load_tokenizer
 from tests.unit.rollout.test_env_interface import (
     CALC,
     TOOLS_TEMPLATE,

@@ -16,7 +16,7 @@ from replayrl.tools.run.config import build_config
 from replayrl.tools.run.launcher import actor_specs, launch, write_initial_checkpoint
 from replayrl.trainer.config import TrainerConfig
 from replayrl.trainer.errors import RefillExhausted, TrainerConfigError
-from replayrl.trainer.proximal_cache import ProximalLogprobCache
+from replayrl.trainer.ranks.proximal_cache import ProximalLogprobCache
 from replayrl.trainer.rejection.refill import RefillCoordinator
 from replayrl.trainer.rejection.rs_policy import RSGate
 from tests.fakes import FakeProxy
@@ -162,7 +162,7 @@ def _traced_sample(model, sample_id, group_id, rollout_lp, rng, perturb_rows=())
 
 async def test_replacement_replay_rates_are_reported(tmp_path, _restore_threads):
     from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
-    from replayrl.trainer.trainer_actor import TrainerActor
+    from replayrl.trainer.ranks.trainer_actor import TrainerActor
 
     config = build_config({"n-samples-per-prompt": 2, "rollout-batch-size": 1})
     checkpoint = write_initial_checkpoint(config, tmp_path / "ckpt")

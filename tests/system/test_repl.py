@@ -260,7 +260,7 @@ def test_attach_through_a_terminal_pauses_resumes_and_detaches_without_disturbin
     docstrings (Tab-completes one), sees the clock, metrics and a sample's traces, pauses
     generation, and detaches while paused; the run then finishes every step with exact versions."""
     pexpect = pytest.importorskip("pexpect")
-    from replayrl.rollout.manager import RolloutManager
+    from replayrl.rollout.dispatch.manager import RolloutManager
     from tests.hook_fixtures import HOLD_ENV
 
     tmp, out, release = ipc_tmp, tmp_path / "out", tmp_path / "release"

@@ -12,20 +12,20 @@ import pytest
 import torch
 
 from replayrl.rollout.config import RolloutConfig
-from replayrl.rollout.data_source import Prompt
+from replayrl.rollout.dispatch.manager import RolloutManager
 from replayrl.rollout.engines.base import Generation
 from replayrl.rollout.engines.embedded import EmbeddedEngine
-from replayrl.rollout.manager import RolloutManager
+from replayrl.rollout.episodes.turn_loop import Episode
 from replayrl.rollout.sample import TRACE_FIELDS, Sample
-from replayrl.rollout.sampling_params import SamplingParams
+from replayrl.rollout.sampling.sampling_params import SamplingParams
 from replayrl.rollout.tasks.digit_puzzle import VOCABULARY, DigitTask
-from replayrl.rollout.trajectory import SYNTHETIC_EOS_LOGPROB, append_synthetic_eos, merge_turns
-from replayrl.rollout.turn_loop import Episode
+from replayrl.rollout.text.data_source import Prompt
+from replayrl.rollout.traces.trajectory import SYNTHETIC_EOS_LOGPROB, append_synthetic_eos, merge_turns
 from replayrl.tools.run.config import build_config
 from replayrl.tools.run.launcher import launch, write_initial_checkpoint
-from replayrl.trainer.batch import collate
+from replayrl.trainer.batching.batch import collate
 from replayrl.trainer.config import TrainerConfig
-from replayrl.trainer.losses import policy_loss
+from replayrl.trainer.loss.losses import policy_loss
 from replayrl.trainer.rejection.refill import RefillCoordinator
 from replayrl.trainer.rejection.rs_policy import RSGate
 from tests.fakes import FakeProxy
@@ -54,7 +54,7 @@ def _geometric_weight(prox, rollout, rows) -> float:
 @pytest.fixture(scope="module")
 def on_policy(tmp_path_factory):
     """Twelve length-capped samples from an fp32 engine holding the trainer's own weights."""
-    from replayrl.trainer.trainer_actor import TrainerActor
+    from replayrl.trainer.ranks.trainer_actor import TrainerActor
 
     before = torch.get_num_threads()
     config = build_config({"n-samples-per-prompt": 4, "rollout-batch-size": 3, "progress": False})

@@ -24,7 +24,7 @@ from replayrl.tools.run.config import build_config
 from replayrl.trainer.backends import BACKENDS, resolve_backend
 from replayrl.trainer.backends.base import ReplayedForward, TrainerBackend
 from replayrl.trainer.backends.torch_backend import TorchBackend
-from replayrl.trainer.batch import collate
+from replayrl.trainer.batching.batch import collate
 from replayrl.trainer.config import TrainerConfig
 from replayrl.trainer.errors import TrainerConfigError, UnknownBackendError
 from replayrl.transport.array_bundle import pack_arrays, unpack_arrays

@@ -12,7 +12,7 @@ from replayrl.tools.errors import ConfigError
 from replayrl.tools.run.config import build_config
 from replayrl.tools.run.launcher import actor_specs, write_initial_checkpoint
 from replayrl.trainer.errors import RankGroupError
-from replayrl.trainer.rank_group import RankGroup, follower_names, shard, shard_bounds
+from replayrl.trainer.ranks.rank_group import RankGroup, follower_names, shard, shard_bounds
 from tests.rank_checks import assert_same_step_metrics, assert_same_update
 
 SMALL = {"rollout-batch-size": 2, "n-samples-per-prompt": 2, "progress": False}
@@ -89,7 +89,7 @@ def test_the_launcher_starts_one_process_per_trainer_rank(tmp_path):
     specs = actor_specs(config, tmp_path / "ckpt", rank_port=29999)
     by_name = {s.name: s for s in specs}
     assert by_name["trainer"].kwargs["ranks"] == {"size": 2, "host": "127.0.0.1", "port": 29999}
-    assert by_name["trainer_1"].cls == "replayrl.trainer.trainer_rank:TrainerRank"
+    assert by_name["trainer_1"].cls == "replayrl.trainer.ranks.trainer_rank:TrainerRank"
     assert by_name["trainer_1"].kwargs["group"]["rank"] == 1
     one = actor_specs(build_config({**SMALL, "output-dir": str(tmp_path)}), tmp_path / "ckpt")
     # one rank: no extra process and no group

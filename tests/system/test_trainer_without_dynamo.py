@@ -1,5 +1,5 @@
 """The trainer backend's optimizer step leaves ``torch._dynamo`` unimported: the RSS that
-``torch.optim.Optimizer``'s methods cost a process (replayrl.trainer.optimizer;
+``torch.optim.Optimizer``'s methods cost a process (replayrl.trainer.backends.optimizer;
 docs/benchmarks.md, cut (18))."""
 from __future__ import annotations
 

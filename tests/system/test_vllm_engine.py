@@ -20,7 +20,7 @@ from replayrl.rollout.errors import CaptureError, EngineError, EngineInputError,
 from replayrl.rollout.model.checkpoint import state_dict_arrays  # noqa: E402
 from replayrl.rollout.model.config import default_config, without_indexer  # noqa: E402
 from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM  # noqa: E402
-from replayrl.rollout.sampling_params import SamplingParams  # noqa: E402
+from replayrl.rollout.sampling.sampling_params import SamplingParams  # noqa: E402
 from replayrl.rollout.tasks.digit_puzzle import VOCABULARY  # noqa: E402
 
 CFG = without_indexer(default_config(len(VOCABULARY)))

@@ -2,7 +2,10 @@
 
 - imports point downwards only: ``tools -> {rollout, trainer} -> actors -> transport``, and
   ``trainer`` reaches into ``rollout`` only for ``replayrl.rollout.sample``, the trace table it
-  reads (``replayrl.rollout.trace_table``) and ``replayrl.rollout.model``;
+  reads (``replayrl.rollout.traces.trace_table``) and ``replayrl.rollout.model``;
+- rollout/ and trainer/ keep each concept in a room (a subfolder whose ``__init__`` says what it
+  holds); their roots keep only settings, errors and the sample contract, and the leaf rooms
+  (traces, sampling, scoring, model; loss, replay, lora) stand on the root modules alone;
 - no import circle between production modules (``TYPE_CHECKING`` imports included: a circle
   that only type checkers see is still two modules that know each other);
 - every production module has a production caller, except the entry points and the
@@ -30,11 +33,17 @@ ALLOWED = {  # layer -> layers it may import
 }
 # the trace table is part of the sample contract: the trainer batch and the flip / drift rates
 # read each trace's row space, padding, batch field and replay switch from it
-TRAINER_MAY_USE = ("replayrl.rollout.sample", "replayrl.rollout.trace_table", "replayrl.rollout.model")
+TRAINER_MAY_USE = ("replayrl.rollout.sample", "replayrl.rollout.traces.trace_table", "replayrl.rollout.model")
 # the rooms of tools/: the run is the core the others stand on; the console and the benchmarks
 # use the run, never each other; cli.py and serve.py sit beside the rooms
 ROOMS_MAY_USE = {"run": {"run"}, "console": {"console", "run"}, "bench": {"bench", "run"}}
 TOOLS_ERRORS = "replayrl.tools.errors"  # the layer's errors module: a leaf every room may use
+# the rooms of rollout/ and trainer/: each concept in a subfolder; the layer's root keeps only
+# its settings, its errors and (rollout) the sample contract, so a new module has to find a room
+LAYER_ROOT_MODULES = {"rollout": {"config", "errors", "sample"}, "trainer": {"config", "errors"}}
+# leaf rooms stand on the layer's root modules alone: the concepts every other room builds on
+LEAF_ROOMS = {"rollout": {"traces", "sampling", "scoring", "model"},
+              "trainer": {"loss", "replay", "lora"}}
 ENTRY_POINTS = {"replayrl.tools.cli", "replayrl.tools.run.torchrun_entry"}  # console script / `torchrun -m`
 
 
@@ -90,7 +99,7 @@ PACKAGE_INITS = {name for name, path in MODULES.items() if path.name == "__init_
 
 def test_the_scan_sees_the_known_edges():
     # the checker itself: a known direct import, a lazy import and a "module:Class" string
-    assert "replayrl.rollout.sample" in GRAPH["replayrl.trainer.trainer_actor"]
+    assert "replayrl.rollout.sample" in GRAPH["replayrl.trainer.ranks.trainer_actor"]
     assert "replayrl.rollout.engines.embedded" in USES["replayrl.rollout.engines"]  # registry string
     assert "replayrl.rollout.engines.embedded" not in GRAPH["replayrl.rollout.engines"]  # not imported at load
     assert "replayrl.tools.run.launcher" in GRAPH["replayrl.tools.console.repl"]  # imported inside a method
@@ -171,3 +180,34 @@ def test_every_production_module_has_a_production_caller():
     orphans = sorted(m for m, c in callers.items()
                      if not c and m not in ENTRY_POINTS and m not in PACKAGE_INITS)
     assert not orphans, f"production modules only tests call: {orphans}"
+
+
+def _layer_room(module: str) -> str | None:
+    """``rollout/traces`` for ``replayrl.rollout.traces.trace``; None for a layer's root module."""
+    parts = module.split(".")
+    if parts[1] not in LAYER_ROOT_MODULES or len(parts) < 3:
+        return None
+    return parts[2] if (ROOT / parts[1] / parts[2]).is_dir() else None
+
+
+@pytest.mark.parametrize("layer", sorted(LAYER_ROOT_MODULES))
+def test_layer_roots_hold_only_their_settings_errors_and_contract(layer):
+    loose = sorted(p.stem for p in (ROOT / layer).glob("*.py")
+                   if p.stem != "__init__" and p.stem not in LAYER_ROOT_MODULES[layer])
+    assert not loose, f"{layer}/ holds {loose} at its root: put each in the room of its concept"
+
+
+@pytest.mark.parametrize("room", sorted(p.relative_to(ROOT).as_posix() for layer in LAYER_ROOT_MODULES
+                                         for p in (ROOT / layer).iterdir()
+                                         if p.is_dir() and (p / "__init__.py").exists()))
+def test_every_room_says_what_it_holds(room):
+    doc = ast.get_docstring(ast.parse((ROOT / room / "__init__.py").read_text())) or ""
+    assert len(doc.split()) >= 12, f"{room}/__init__.py needs a paragraph saying what the room holds"
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if _layer_room(m)
+                                          in LEAF_ROOMS.get(_layer(m), ())))
+def test_leaf_rooms_stand_on_the_layer_root_only(module):
+    layer, room = _layer(module), _layer_room(module)
+    bad = sorted(m for m in GRAPH[module] if _layer(m) == layer and _layer_room(m) not in (None, room))
+    assert not bad, f"{module} (leaf room {layer}/{room}) imports {bad} from other rooms"

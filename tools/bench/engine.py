@@ -19,14 +19,14 @@ from dataclasses import dataclass
 
 import torch
 
-from replayrl.rollout.data_source import PromptDataSource
 from replayrl.rollout.engines.embedded import EmbeddedEngine
 from replayrl.rollout.model.checkpoint import state_dict_arrays
 from replayrl.rollout.model.config import default_config, without_indexer
 from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
-from replayrl.rollout.sampling_params import SamplingParams
+from replayrl.rollout.sampling.sampling_params import SamplingParams
 from replayrl.rollout.tasks.digit_puzzle import VOCABULARY, DigitTask
 from replayrl.rollout.tasks.digits import digit_task_prompts
+from replayrl.rollout.text.data_source import PromptDataSource
 
 TRACES = frozenset({"sample_support", "routed_experts"})
 

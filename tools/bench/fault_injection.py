@@ -37,9 +37,9 @@ from typing import Any
 
 from replayrl.actors import DRIVER, ActorSpec
 from replayrl.actors.version_clock import VersionClock
+from replayrl.rollout.dispatch.manager import RolloutManager
 from replayrl.rollout.engines.embedded import EmbeddedEngine
-from replayrl.rollout.manager import RolloutManager
-from replayrl.trainer.trainer_actor import TrainerActor
+from replayrl.trainer.ranks.trainer_actor import TrainerActor
 from replayrl.transport import strict_json
 
 FAULT_SIGNALS = ("SIGKILL", "SIGSTOP", "HANG")
@@ -102,7 +102,7 @@ class _CarriesFault:
 
 
 class SignalledTrainer(_CarriesFault, TrainerActor):
-    """:class:`replayrl.trainer.trainer_actor.TrainerActor` whose ``train`` carries a :class:`Fault`."""
+    """:class:`replayrl.trainer.ranks.trainer_actor.TrainerActor` whose ``train`` carries a :class:`Fault`."""
 
     async def train(self, rollout_id: int) -> dict:
         """As :meth:`TrainerActor.train`, after the fault's call count."""
@@ -121,7 +121,7 @@ class SignalledClock(_CarriesFault, VersionClock):
 
 
 class SignalledManager(_CarriesFault, RolloutManager):
-    """:class:`replayrl.rollout.manager.RolloutManager` whose ``generate`` carries a :class:`Fault`."""
+    """:class:`replayrl.rollout.dispatch.manager.RolloutManager` whose ``generate`` carries a :class:`Fault`."""
 
     async def generate(self, rollout_id: int, min_version: int | None = None) -> dict:
         """As :meth:`RolloutManager.generate`, after the fault's call count."""

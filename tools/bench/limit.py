@@ -7,7 +7,7 @@ this one process with no actor, socket or shared memory in between:
   (``rollout-batch-size`` prompts x ``n-samples-per-prompt``, the run's sampling, the traces the
   trainer replays) on ``--engine-torch-threads`` threads;
 * **training alone**: the trainer's update on those samples (the run's backend, loss and
-  replays; :meth:`replayrl.trainer.trainer_actor.TrainerActor._update`) on the trainer's
+  replays; :meth:`replayrl.trainer.ranks.trainer_actor.TrainerActor._update`) on the trainer's
   threads, the new weights then loaded into the engine (not timed) so the next batch comes from
   the trained policy, as in a run;
 
@@ -99,12 +99,12 @@ def alone(config, steps: int, work: Path) -> tuple[list[float], list[float]]:
     from replayrl.rollout.engines.precision import resolve_dtype
     from replayrl.rollout.model.checkpoint import state_dict_arrays
     from replayrl.rollout.sample import Sample
-    from replayrl.rollout.sampling_params import SamplingParams
+    from replayrl.rollout.sampling.sampling_params import SamplingParams
     from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
-    from replayrl.rollout.tokenizer import load_tokenizer
-    from replayrl.rollout.trajectory import merge_turns
+    from replayrl.rollout.text.tokenizer import load_tokenizer
+    from replayrl.rollout.traces.trajectory import merge_turns
     from replayrl.tools.run.launcher import write_initial_checkpoint
-    from replayrl.trainer.trainer_actor import TrainerActor
+    from replayrl.trainer.ranks.trainer_actor import TrainerActor
 
     if config.rollout_engine != "embedded":
         raise BenchError("bench limit measures the embedded engine")

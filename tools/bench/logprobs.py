@@ -58,7 +58,7 @@ from pathlib import Path
 import torch
 
 from replayrl.tools.errors import BenchError
-from replayrl.trainer.logprobs import full_vocab_logprobs, fused_support_logprobs, support_logprobs
+from replayrl.trainer.loss.logprobs import full_vocab_logprobs, fused_support_logprobs, support_logprobs
 from replayrl.transport import strict_json
 
 __all__ = [ "BenchConfig", "Measurement", "PATHS", "make_inputs", "measure_here",

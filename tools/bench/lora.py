@@ -5,7 +5,7 @@ Prints two markdown tables (docs/benchmarks.md#lora is their output):
 * per model (the embedded default policy, and a ~100M-parameter Qwen3-MoE built from a config,
   nothing downloaded): parameters, bytes of one weight push without LoRA (every weight, fp32)
   and with ``--lora-rank`` adapters on the default targets (the factors only, fp32:
-  ``replayrl.trainer.lora.adapter_arrays``), and AdamW's state (two fp32 moments per trained
+  ``replayrl.trainer.lora.peft_adapter.adapter_arrays``), and AdamW's state (two fp32 moments per trained
   scalar) without and with LoRA. The embedded model's state is measured from an optimizer after
   one step; the 100M model's is counted (8 bytes per trained scalar: the same rule).
 * on the embedded model, how the engine applies a LoRA push, medians of ``--repeats``: merged
@@ -79,7 +79,7 @@ def _embedded(rank: int, directory: Path):
 
 
 def _moe_100m(rank: int) -> str:
-    from replayrl.trainer import lora
+    from replayrl.trainer.lora import peft_adapter as lora
 
     model = Qwen3MoeForCausalLM.empty(moe_100m_config(), torch.float32)
     params = sum(p.numel() for p in model.parameters())
@@ -102,7 +102,7 @@ def _median_ms(fn, repeats: int) -> float:
 
 def _apply_modes(backend, rows: int, tokens: int, repeats: int) -> list[str]:
     """Merged vs as-adapters rows on the embedded model (fp32)."""
-    from replayrl.trainer import lora
+    from replayrl.trainer.lora import peft_adapter as lora
 
     model = backend.model
     cfg = backend.model_config

@@ -22,20 +22,20 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from replayrl.rollout.data_source import PromptDataSource
 from replayrl.rollout.engines.embedded import EmbeddedEngine
 from replayrl.rollout.model.checkpoint import state_dict_arrays
 from replayrl.rollout.model.config import default_config, without_indexer
 from replayrl.rollout.model.loader import load_pretrained
 from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
 from replayrl.rollout.sample import TRACE_FIELDS, Sample
-from replayrl.rollout.sampling_params import SamplingParams
+from replayrl.rollout.sampling.sampling_params import SamplingParams
 from replayrl.rollout.tasks.digit_puzzle import VOCABULARY, DigitTask
 from replayrl.rollout.tasks.digits import digit_task_prompts
-from replayrl.rollout.trajectory import merge_turns
+from replayrl.rollout.text.data_source import PromptDataSource
+from replayrl.rollout.traces.trajectory import merge_turns
 from replayrl.trainer.backends.torch_backend import response_logprobs
-from replayrl.trainer.batch import collate
-from replayrl.trainer.replay import batch_flip_rate
+from replayrl.trainer.batching.batch import collate
+from replayrl.trainer.replay.checks import batch_flip_rate
 
 CONFIGS = [  # (name, routing, indexer, support)
     ("all off", False, False, False),

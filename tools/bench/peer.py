@@ -3,7 +3,7 @@
 Both sides start from the same ``checkpoint-init`` (written by
 :func:`replayrl.tools.run.launcher.write_initial_checkpoint`; transformers' ``Qwen3MoeForCausalLM`` loads it
 and ignores the DSA indexer weights), see the same prompt token ids in the same order (the
-embedded task's seeded :class:`replayrl.rollout.data_source.PromptDataSource`, decoded to text for TRL
+embedded task's seeded :class:`replayrl.rollout.text.data_source.PromptDataSource`, decoded to text for TRL
 and checked to encode back to the same ids), are scored by the same verifier
 (:meth:`replayrl.rollout.tasks.calculator.DigitToolEnv.reward` on the completion ids) and train with the same
 budget: ``rollout-batch-size`` prompts x ``n-samples-per-prompt`` completions per optimizer
@@ -314,17 +314,17 @@ def parse_backward_threads(text: str | None) -> int | dict[str, int] | None:
 
 def prompt_stream(config, checkpoint: Path | None = None) -> list:
     """The prompts replayrl's RolloutManager draws for ``config.num_steps`` steps, in order:
-    ``rollout_batch_size`` per step from the same seeded data source (``rollout/manager.py``).
+    ``rollout_batch_size`` per step from the same seeded data source (``rollout/dispatch/manager.py``).
 
     The digits task's come from its generator; the sort task's (``--task sort``) through the
-    manager's own path (:func:`replayrl.rollout.prompt_data.load_run_prompts` with the tokenizer of
+    manager's own path (:func:`replayrl.rollout.text.prompt_data.load_run_prompts` with the tokenizer of
     ``checkpoint``, the run's checkpoint-init)."""
-    from replayrl.rollout.data_source import PromptDataSource
+    from replayrl.rollout.text.data_source import PromptDataSource
 
     r = config.rollout
     if is_sort(config):
-        from replayrl.rollout.prompt_data import load_run_prompts
-        from replayrl.rollout.tokenizer import load_tokenizer
+        from replayrl.rollout.text.prompt_data import load_run_prompts
+        from replayrl.rollout.text.tokenizer import load_tokenizer
 
         model = config.policy_config
         prompts = load_run_prompts(r, load_tokenizer(checkpoint), vocab_size=model.vocab_size,

@@ -7,16 +7,16 @@ top-8) it prints, per token of a trajectory of that length (mean over its positi
 
 * int32 as the column form carried it before (indexer rows ``[78, 2048]`` plus routing ``[75,
   8]``) and miles' host buffer for indexer traces (``index_topk`` int32 per indexed layer);
-* ours (``replayrl.rollout.trace_storage``: indexer rows as key sets, experts as uint8), and
+* ours (``replayrl.rollout.traces.trace_storage``: indexer rows as key sets, experts as uint8), and
   the ratio int32 / ours, measured in the same run;
 * the information bound: ``log2 C(keys, k)`` bits per indexer row (a query at position ``p``
   picks ``k = min(2048, p + 1)`` of ``p + 1`` keys) summed over the layers, plus ``log2(256! /
   248!)`` bits per routing row (the experts in their order, which is carried), and ours / bound;
 * the CPU time to decode them (one thread, numpy) in microseconds per token, and below the
-  table the indexer rows' time with the torch decoder (``replayrl.trainer.trace_decode``) on
+  table the indexer rows' time with the torch decoder (``replayrl.trainer.replay.trace_decode``) on
   the CPU, one thread (it is meant for a GPU, where it has not been run here);
 * below the table, the CPU time per token of widening the decoded indexer rows (int32) into
-  the trainer batch's int64 as ``replayrl.trainer.batch`` collates them (a fill of the padded
+  the trainer batch's int64 as ``replayrl.trainer.batching.batch`` collates them (a fill of the padded
   block, then a converting copy), one thread: work after the decode (the embedded model itself
   accepts int32 key slots and widens them on its device);
 * with ``--decode-threads N`` (N > 1), the indexer rows' decode (``decode_sets(threads=N)``)
@@ -63,8 +63,8 @@ from typing import Any
 
 import numpy as np
 
-from replayrl.rollout import trace_table
-from replayrl.rollout.trace_storage import decode_column, encode_column
+from replayrl.rollout.traces import trace_table
+from replayrl.rollout.traces.trace_storage import decode_column, encode_column
 from replayrl.transport.trace_codec import decode_sets, encode_sets, encoded_nbytes
 
 GLM5 = {"indexed_layers": 78, "index_topk": 2048, "moe_layers": 75, "experts": 256, "top_k": 8}
@@ -197,12 +197,12 @@ def measure_context(context: int, *, positions: int, layers: int, window: int, s
 
 
 def _timed_torch(enc: dict, universe: np.ndarray, want: np.ndarray, repeats: int) -> float:
-    """Best CPU seconds of ``replayrl.trainer.trace_decode.decode_sets_torch`` decoding ``enc``
+    """Best CPU seconds of ``replayrl.trainer.replay.trace_decode.decode_sets_torch`` decoding ``enc``
     on the CPU with one torch thread (the calling thread: what ``time.thread_time`` counts),
     after checking it gives ``want`` (the numpy decoder's result)."""
     import torch
 
-    from replayrl.trainer.trace_decode import decode_sets_torch
+    from replayrl.trainer.replay.trace_decode import decode_sets_torch
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -325,10 +325,10 @@ def _report(args: argparse.Namespace) -> None:
               f"| {math.ceil(need)} |" + share)
         torch_us.append(r["torch_us_per_token"])
         widen_us.append(r["widen_us_per_token"])
-    print("\nthe torch decoder (replayrl.trainer.trace_decode, written for the trainer's GPU; not run on "
+    print("\nthe torch decoder (replayrl.trainer.replay.trace_decode, written for the trainer's GPU; not run on "
           "a GPU here) on this CPU, one thread: " + " / ".join(f"{t:,.0f}" for t in torch_us)
           + " us per token at " + " / ".join(f"{c // 1024}k" for c in CONTEXTS) + " indexer rows")
-    print("widening the decoded indexer rows to the trainer batch's int64 (replayrl.trainer.batch's "
+    print("widening the decoded indexer rows to the trainer batch's int64 (replayrl.trainer.batching.batch's "
           "collation: fill, then a converting copy), one thread: " + " / ".join(f"{t:,.0f}" for t in widen_us)
           + " CPU us per token at " + " / ".join(f"{c // 1024}k" for c in CONTEXTS) + ", after the decode")
     e = measure_embedded(args.step_seconds, args.repeats, rng)

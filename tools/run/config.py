@@ -28,7 +28,7 @@ import tomllib
 
 from replayrl.actors.settings import Choices, Range, Rule, Setting, check_settings, setting, settings_of, show_value
 from replayrl.rollout.config import RolloutConfig
-from replayrl.rollout.engine_pool import ENGINE_FAILURE_POLICIES
+from replayrl.rollout.dispatch.engine_pool import ENGINE_FAILURE_POLICIES
 from replayrl.rollout.engines.precision import DTYPES
 from replayrl.rollout.engines.sglang_protocol import parse_urls
 from replayrl.rollout.model.config import MODEL_SIZES, ModelConfig, embedded_config, without_indexer
@@ -108,7 +108,7 @@ class RunConfig:
         heartbeat_deadline_s: seconds of silence after which an actor is lost
             (``--heartbeat-deadline-s``; :class:`replayrl.actors.Supervisor`).
         engine_failure: what a lost engine costs (``--engine-failure``,
-            :data:`replayrl.rollout.engine_pool.ENGINE_FAILURE_POLICIES`; docs/design.md#engine-faults);
+            :data:`replayrl.rollout.dispatch.engine_pool.ENGINE_FAILURE_POLICIES`; docs/design.md#engine-faults);
             a lost trainer, clock or manager always ends the run.
         shm_pool_bytes, shm_min_array_bytes: the shared-memory pool of every process for arrays
             to ipc peers (``--shm-pool-bytes``, 0 = off; ``--shm-min-array-bytes``; bytes;
@@ -244,8 +244,8 @@ class RunConfig:
              f"pipeline stage holds an equal share"),
         ]
         family = getattr(policy, "family", "")
-        if self.trainer.lora_rank:  # LoRA (trainer/lora.py): adapters pushed, merged by the engine
-            from replayrl.trainer.lora_settings import MLA_MODULES, target_modules
+        if self.trainer.lora_rank:  # LoRA (trainer/lora/peft_adapter.py): adapters pushed, merged by the engine
+            from replayrl.trainer.lora.settings import MLA_MODULES, target_modules
 
             targets = target_modules(self.trainer.lora_target_modules)
             checks += [

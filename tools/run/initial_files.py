@@ -8,7 +8,7 @@ transformers class reads the tokenizer (``AutoTokenizer``'s import chain loads t
 transformers 5). The launcher runs them in a fresh child (:func:`in_child` of
 :func:`replayrl.tools.run.launcher.write_initial_files`), which also checks the prompt data with
 the tokenizer it loaded and returns the results (:class:`Resolved`); the rollout manager then
-reads the tokenizer with that class, without torch (:mod:`replayrl.rollout.tokenizer_class`).
+reads the tokenizer with that class, without torch (:mod:`replayrl.rollout.text.tokenizer_class`).
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ class Resolved:
         engine_dtype: ``--engine-dtype`` with ``auto`` resolved for this machine's CPU
             (:func:`replayrl.rollout.engines.precision.resolve_dtype`).
         tokenizer_class: the class the rollout manager reads the tokenizer with
-            (:func:`replayrl.rollout.tokenizer_class.resolve_tokenizer_class`).
+            (:func:`replayrl.rollout.text.tokenizer_class.resolve_tokenizer_class`).
     """
 
     engine_class: str

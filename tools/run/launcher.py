@@ -27,7 +27,6 @@ from replayrl.actors import DRIVER, ActorSpec, Directory, DriverActors, Supervis
 from replayrl.actors.errors import VersionError
 from replayrl.actors.run_dir import create_run_dir
 from replayrl.actors.version_clock import VersionRules
-from replayrl.rollout import trace_table
 from replayrl.rollout.engines import EngineError, check_capture, engine_class_path, load_engine_class
 from replayrl.rollout.engines.precision import resolve_dtype
 from replayrl.rollout.engines.sglang_protocol import parse_urls
@@ -36,13 +35,14 @@ from replayrl.rollout.model.config import default_config
 from replayrl.rollout.model.errors import ModelError
 from replayrl.rollout.model.weight_files import check_weight_files
 from replayrl.rollout.model.word_tokenizer import save_word_tokenizer
-from replayrl.rollout.prompt_data import load_run_prompts
-from replayrl.rollout.rewards import load_math_verify
 from replayrl.rollout.sample import required_traces
+from replayrl.rollout.scoring.rewards import load_math_verify
 from replayrl.rollout.tasks import Task, load_environment_class, load_task_class, task_class_path, task_name
 from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
-from replayrl.rollout.tokenizer import load_tokenizer
-from replayrl.rollout.tokenizer_class import AUTO, resolve_tokenizer
+from replayrl.rollout.text.prompt_data import load_run_prompts
+from replayrl.rollout.text.tokenizer import load_tokenizer
+from replayrl.rollout.text.tokenizer_class import AUTO, resolve_tokenizer
+from replayrl.rollout.traces import trace_table
 from replayrl.tools.errors import ConfigError
 from replayrl.tools.run.attach_card import remove_attach_card, write_attach_card
 from replayrl.tools.run.config import RunConfig
@@ -50,7 +50,7 @@ from replayrl.tools.run.initial_files import Resolved, in_child
 from replayrl.tools.run.metrics import MetricsRecorder
 from replayrl.tools.run.train_loop import checkpoint_next_step, train_loop
 from replayrl.trainer.backends import resolve_backend
-from replayrl.trainer.rank_group import follower_names
+from replayrl.trainer.ranks.rank_group import follower_names
 from replayrl.transport import strict_json
 
 
@@ -340,7 +340,7 @@ def write_embedded_tokenizer(directory: Path) -> Path:
 def check_prompt_data(config: RunConfig, checkpoint_dir: Path, tokenizer_class: str | None = None,
                       tokenizer_object: Any = None) -> None:
     """Read the tokenizer (with ``tokenizer_class``, or take ``tokenizer_object``, its load: see
-    :func:`replayrl.rollout.tokenizer.load_tokenizer`) and every prompt set, before any actor
+    :func:`replayrl.rollout.text.tokenizer.load_tokenizer`) and every prompt set, before any actor
     process starts.
 
     Raises:
@@ -478,11 +478,11 @@ def actor_specs(config: RunConfig, checkpoint_dir: Path,
     specs = [
         ActorSpec("version_clock", "replayrl.actors.version_clock:VersionClock",
                   {"max_staleness": config.max_staleness}),
-        *(ActorSpec(name, "replayrl.rollout.engine_actor:EngineActor",
+        *(ActorSpec(name, "replayrl.rollout.dispatch.engine_actor:EngineActor",
                     {"engine_class": engine_class, "engine_kwargs": engine_kwargs(config, i, dtype),
                      "traces": required, "torch_threads": config.engine_torch_threads})
           for i, name in enumerate(engines)),
-        ActorSpec("rollout_manager", "replayrl.rollout.manager:RolloutManager",
+        ActorSpec("rollout_manager", "replayrl.rollout.dispatch.manager:RolloutManager",
                   {"config": config.rollout.to_dict(), "engines": engines,
                    "require_traces": required,
                    "max_positions": model.max_position_embeddings,
@@ -491,14 +491,14 @@ def actor_specs(config: RunConfig, checkpoint_dir: Path,
                    "tokenizer_class": resolved.tokenizer_class if resolved else None,
                    # resolved here, so a task registered in this process reaches the manager's
                    "task": task_class_path(task_name(config.rollout))}),
-        ActorSpec("trainer", "replayrl.trainer.trainer_actor:TrainerActor",
+        ActorSpec("trainer", "replayrl.trainer.ranks.trainer_actor:TrainerActor",
                   {"checkpoint_dir": str(checkpoint_dir), "config": config.trainer.to_dict(),
                    "n_samples_per_prompt": config.rollout.n_samples_per_prompt,
                    "rollout_batch_size": config.rollout.rollout_batch_size,
                    # empty: checkpoints carry the --hf-checkpoint's own tokenizer files
                    "vocab_tokens": vocab_tokens, "engines": engines,
                    "engine_failure": config.engine_failure, "ranks": group}),
-        *(ActorSpec(name, "replayrl.trainer.trainer_rank:TrainerRank",
+        *(ActorSpec(name, "replayrl.trainer.ranks.trainer_rank:TrainerRank",
                     {"checkpoint_dir": str(checkpoint_dir), "config": config.trainer.to_dict(),
                      "vocab_tokens": vocab_tokens, "group": {**group, "rank": rank}})
           for rank, name in enumerate(follower_names(ranks), start=1)),

@@ -66,7 +66,7 @@ from replayrl.tools.run.launcher import (
 from replayrl.tools.run.metrics import MetricsRecorder
 from replayrl.tools.run.rank_hosts import exchange_addresses, join_run, own_address
 from replayrl.tools.run.train_loop import checkpoint_next_step, train_loop
-from replayrl.trainer.rank_group import follower_names
+from replayrl.trainer.ranks.rank_group import follower_names
 
 PER_HOST_FLAGS = ("output-dir", "save", "curve-keys", "progress", "num-engines")
 """Flags a joined host may set otherwise than the run (:func:`check_joined_settings`): where

@@ -4,7 +4,7 @@ A backend owns the policy weights and the optimizer and does everything that tou
 the replayed forwards (preflight / proximal logprobs with the captured traces, and the
 training forward), backward per microbatch, gradient clip + optimizer step, the weight arrays
 pushed to the engines, checkpoint save / load and the weight digest. The interface is
-:class:`replayrl.trainer.backends.base.TrainerBackend`; :class:`replayrl.trainer.trainer_actor.TrainerActor` keeps
+:class:`replayrl.trainer.backends.base.TrainerBackend`; :class:`replayrl.trainer.ranks.trainer_actor.TrainerActor` keeps
 the orchestration (batches, version clock, proximal cache, RS gate / refill, advantages,
 losses, metrics, weight push) and talks to the backend only through that interface.
 

@@ -5,7 +5,7 @@ One backend instance lives in each trainer rank's process for the whole run (one
 Every call is synchronous
 and runs on the caller's thread; tensors crossing the interface are CPU torch tensors (a
 backend on accelerators moves them). The per-step call order, driven by
-:class:`replayrl.trainer.trainer_actor.TrainerActor`, is::
+:class:`replayrl.trainer.ranks.trainer_actor.TrainerActor`, is::
 
     preflight_logprobs(mb) for every microbatch (and every refill round)
     zero_grad()
@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from replayrl.rollout.model.config import ModelConfig
-from replayrl.trainer.batch import TrainBatch
+from replayrl.trainer.batching.batch import TrainBatch
 from replayrl.transport.array_bundle import pack_arrays
 
 __all__ = ["ReplayedForward", "TrainerBackend"]
@@ -52,11 +52,11 @@ class ReplayedForward:
         indexer_topk, own_indexer_topk: int [B, S, L_idx, K_index] keys used / own choice
             (``-1`` = empty slot); None for a model without an indexer.
         support_entropy: float32 [N] (nats, detached), the policy's entropy over each response
-            token's sampled support (:func:`replayrl.trainer.logprobs.support_entropy`; observation
+            token's sampled support (:func:`replayrl.trainer.loss.logprobs.support_entropy`; observation
             rows 0); None where the backend does not compute it (e.g. the fused LM head path).
 
     ``B, S`` are the microbatch's rows and positions (one packed row with ``--use-packing``),
-    the same axes as the :class:`replayrl.trainer.batch.TrainBatch` traces they are compared with.
+    the same axes as the :class:`replayrl.trainer.batching.batch.TrainBatch` traces they are compared with.
     """
 
     logprobs: torch.Tensor
@@ -78,7 +78,7 @@ class TrainerBackend(ABC):
     :data:`replayrl.trainer.backends.BACKENDS`.
 
     Both forwards compute the logprob of every response token of a
-    :class:`replayrl.trainer.batch.TrainBatch` at temperature ``config.temperature`` (logits / T),
+    :class:`replayrl.trainer.batching.batch.TrainBatch` at temperature ``config.temperature`` (logits / T),
     replaying the batch's routing / indexer traces when present and enabled
     (``use_routing_replay`` / ``use_indexer_replay``) and normalising over the captured support
     when the batch has one (support replay), so that ``logp_prox - logp_rollout`` measures only
@@ -120,7 +120,7 @@ class TrainerBackend(ABC):
             :class:`ReplayedForward` with the used and own routing / indexer choices.
 
         Raises:
-            replayrl.rollout.model.ModelInputError / replayrl.trainer.logprobs.LogprobError: a malformed trace
+            replayrl.rollout.model.ModelInputError / replayrl.trainer.loss.logprobs.LogprobError: a malformed trace
                 or support row.
         """
 

@@ -24,7 +24,7 @@ Consequences for the rest of the system, which sees the same :class:`TrainerBack
   (:mod:`replayrl.trainer.backends.checkpoint_layout`);
 - :meth:`digest` is local (this rank's shards, no collective): the shards of ranks
   ``0 .. N-1`` concatenated are the full tensors (FSDP2 shards dim 0 as ``torch.chunk``).
-- LoRA (``--lora-rank``, :mod:`replayrl.trainer.lora`): the adapters are added before
+- LoRA (``--lora-rank``, :mod:`replayrl.trainer.lora.peft_adapter`): the adapters are added before
   ``fully_shard`` and sharded with their layer, only they train and sit in AdamW; the push
   (:meth:`push_arrays`) and the checkpoint gather them from the shards and are the torch
   backend's (the factors, after the base on a first push; ``model`` + peft's ``adapter``).
@@ -53,12 +53,12 @@ from replayrl.rollout.model.families.base import FamilyConfig, FamilyModel
 from replayrl.rollout.model.hf_config import read_hf_config
 from replayrl.rollout.model.loader import check_weight_files, load_pretrained
 from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
-from replayrl.trainer import lora
 from replayrl.trainer.backends.checkpoint_layout import CheckpointLayout, check_layout, refuse_other_backend
 from replayrl.trainer.backends.torch_backend import TorchBackend, _check_weights_fit
-from replayrl.trainer.batch import TrainBatch
+from replayrl.trainer.batching.batch import TrainBatch
 from replayrl.trainer.config import TrainerConfig
-from replayrl.trainer.lora_settings import target_modules
+from replayrl.trainer.lora import peft_adapter as lora
+from replayrl.trainer.lora.settings import target_modules
 
 __all__ = ["FSDPBackend", "STATE_FILE"]
 
@@ -98,7 +98,7 @@ class FSDPBackend(TorchBackend):
         self.model, self._model_config = load_pretrained(checkpoint_dir, dtype=torch.float32)
         self.model.to(self.device)
         self.model.train()
-        if config.lora_rank:  # trainer/lora.py: adapters added before sharding, only they train
+        if config.lora_rank:  # trainer/lora/peft_adapter.py: adapters added before sharding, only they train
             self.lora_config = lora.add_adapters(self.model, config.lora_rank, config.lora_alpha,
                                                  target_modules(config.lora_target_modules),
                                                  config.seed)
@@ -124,7 +124,7 @@ class FSDPBackend(TorchBackend):
     def _make_optimizer(self) -> torch.optim.AdamW:
         """``torch.optim.AdamW(fused=True)`` over the sharded DTensor parameters: its state dict
         and loading handle DTensors, and this process imports torch.distributed's stack anyway
-        (the torch backend's :class:`replayrl.trainer.optimizer.FusedAdamW` saves ``torch._dynamo``
+        (the torch backend's :class:`replayrl.trainer.backends.optimizer.FusedAdamW` saves ``torch._dynamo``
         on the one-process path)."""
         cfg = self.config
         return torch.optim.AdamW(self.params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
@@ -163,7 +163,7 @@ class FSDPBackend(TorchBackend):
     def weights(self) -> dict[str, np.ndarray]:
         """See :meth:`TrainerBackend.weights`: every tensor all-gathered from the shards (a
         collective of every rank), float32 numpy arrays under HF names; under LoRA the merged
-        policy (base + ``scaling * B @ A``, as :func:`replayrl.trainer.lora.merged_state`)."""
+        policy (base + ``scaling * B @ A``, as :func:`replayrl.trainer.lora.peft_adapter.merged_state`)."""
         state = self._gathered()
         if self.lora_config:
             state, factors = lora.split_state(state, self._adapted)
@@ -176,7 +176,7 @@ class FSDPBackend(TorchBackend):
         """See :meth:`TrainerBackend.push_arrays`: :meth:`weights`, or under LoRA the adapter
         factors gathered from the shards (float32 ``N.lora_A`` [r, in], ``N.lora_B`` [out, r]
         times the scaling), after the base weights when ``full``: the torch backend's LoRA
-        bundle (:func:`replayrl.trainer.lora.adapter_arrays`), merged by the engine. A collective."""
+        bundle (:func:`replayrl.trainer.lora.peft_adapter.adapter_arrays`), merged by the engine. A collective."""
         if not self.lora_config:
             return self.weights()
         base, factors = lora.split_state(self._gathered(), self._adapted)
@@ -346,7 +346,7 @@ class FSDPBackend(TorchBackend):
 
 def _read_model(directory: Path, config: TrainerConfig) -> torch.nn.Module:
     """The policy of a checkpoint's ``model`` (CPU, fp32), under ``config``'s LoRA with the
-    adapters of ``directory/adapter`` (:func:`replayrl.trainer.lora.load_into`); the global RNG
+    adapters of ``directory/adapter`` (:func:`replayrl.trainer.lora.peft_adapter.load_into`); the global RNG
     is left as it was.
 
     Raises:

@@ -51,10 +51,10 @@ from replayrl.trainer.backends.base import ReplayedForward, TrainerBackend
 from replayrl.trainer.backends.checkpoint_layout import CheckpointLayout, check_layout, refuse_other_backend
 from replayrl.trainer.backends.megatron_context_parallel import ContextParallel, row_layout
 from replayrl.trainer.backends.megatron_model import MegatronParallel, build_gpt_model, init_parallel
-from replayrl.trainer.batch import TrainBatch
+from replayrl.trainer.batching.batch import TrainBatch
 from replayrl.trainer.config import TrainerConfig
 from replayrl.trainer.errors import MegatronModelError
-from replayrl.trainer.logprobs import _check_temperature
+from replayrl.trainer.loss.logprobs import _check_temperature
 from replayrl.trainer.parallel.vocab_parallel import vocab_parallel_support_logprobs
 
 __all__ = ["MegatronBackend"]

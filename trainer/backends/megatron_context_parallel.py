@@ -3,7 +3,7 @@
 With ``--cp-size c > 1`` every right-padded row of a microbatch is cut into ``2c`` equal chunks
 and CP rank ``r`` holds chunks ``r`` and ``2c - 1 - r`` (the load-balanced causal layout of
 Megatron-LM's ``get_batch_on_this_cp_rank``): :func:`row_layout` describes the row as one
-:class:`replayrl.trainer.packing.PackedLayout` segment and
+:class:`replayrl.trainer.batching.packing.PackedLayout` segment and
 :func:`replayrl.trainer.parallel.context_parallel.cp_shard_indices`
 gives a rank's positions. megatron-core's ``RotaryEmbedding`` slices the rotary table per CP
 rank itself (``get_pos_emb_on_this_cp_rank``, the same two chunks), so each rank's tokens get
@@ -32,8 +32,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from replayrl.trainer.batching.packing import PackedLayout
 from replayrl.trainer.errors import PackingError
-from replayrl.trainer.packing import PackedLayout
 from replayrl.trainer.parallel.context_parallel import cp_shard_indices, cp_unshard
 
 __all__ = ["ContextParallel", "row_layout", "context_parallel_attention_class"]
@@ -48,7 +48,7 @@ def row_layout(width: int, cp_size: int, tp_size: int) -> PackedLayout:
     TP ranks); with ``cp_size == 1`` to a multiple of ``tp_size``.
 
     Raises:
-        replayrl.trainer.packing.PackingError: a non-positive size.
+        replayrl.trainer.batching.packing.PackingError: a non-positive size.
     """
     return PackedLayout.from_lengths([max(int(width), 1)], pad_to_multiple_of=cp_size * tp_size,
                                      cp_size=cp_size)
@@ -84,7 +84,7 @@ class ContextParallel:
         chunk ``rank`` then chunk ``2 * size - 1 - rank``.
 
         Raises:
-            replayrl.trainer.packing.PackingError: ``width`` is not a padded row width (:meth:`width`).
+            replayrl.trainer.batching.packing.PackingError: ``width`` is not a padded row width (:meth:`width`).
         """
         if width not in self._positions:
             layout = row_layout(width, self.size, self.tp_size)

@@ -34,15 +34,20 @@ from replayrl.rollout.model.errors import CheckpointError
 from replayrl.rollout.model.families.base import FamilyConfig, FamilyModel
 from replayrl.rollout.model.loader import load_pretrained
 from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
-from replayrl.trainer import lora
 from replayrl.trainer.backends.base import ReplayedForward, TrainerBackend
 from replayrl.trainer.backends.checkpoint_layout import refuse_other_backend
-from replayrl.trainer.batch import TrainBatch
+from replayrl.trainer.backends.optimizer import FusedAdamW
+from replayrl.trainer.batching.batch import TrainBatch
+from replayrl.trainer.batching.prefix_tree import PrefixTree
 from replayrl.trainer.config import TrainerConfig
-from replayrl.trainer.logprobs import full_vocab_logprobs, fused_support_logprobs, support_entropy, support_logprobs
-from replayrl.trainer.lora_settings import target_modules
-from replayrl.trainer.optimizer import FusedAdamW
-from replayrl.trainer.prefix_tree import PrefixTree
+from replayrl.trainer.lora import peft_adapter as lora
+from replayrl.trainer.lora.settings import target_modules
+from replayrl.trainer.loss.logprobs import (
+    full_vocab_logprobs,
+    fused_support_logprobs,
+    support_entropy,
+    support_logprobs,
+)
 from replayrl.transport.array_bundle import bundle_of_buffer, pack_arrays
 from replayrl.transport.shm_pool import buffer_in_use, renew_buffer
 
@@ -67,7 +72,7 @@ def response_logprobs(model: Qwen3MoeForCausalLM, batch: TrainBatch, temperature
     ``Qwen3MoeForCausalLM.forward``); other models ignore it.
 
     With ``entropy_out`` (a list), the per-token support entropy (float32 [N], nats, detached;
-    :func:`replayrl.trainer.logprobs.support_entropy`, docs/design.md#trainer-math) is appended to it
+    :func:`replayrl.trainer.loss.logprobs.support_entropy`, docs/design.md#trainer-math) is appended to it
     when the logits exist (a support and no fused path); nothing is appended otherwise.
 
     Returns:
@@ -76,7 +81,7 @@ def response_logprobs(model: Qwen3MoeForCausalLM, batch: TrainBatch, temperature
         :class:`replayrl.rollout.model.qwen3_moe.CausalLMOutput` (used / own choices when ``capture``).
 
     Raises:
-        replayrl.rollout.model.ModelInputError: a malformed trace. replayrl.trainer.logprobs.LogprobError: a
+        replayrl.rollout.model.ModelInputError: a malformed trace. replayrl.trainer.loss.logprobs.LogprobError: a
             malformed support row.
     """
     fused = chunk_size > 0 and batch.support is not None
@@ -132,7 +137,7 @@ def _shared_prefix(inputs: dict, prefix: int) -> tuple[int, torch.Tensor, torch.
     """``(prefix, first, inverse)`` when rows share their first ``prefix`` positions, else None.
 
     The first ``prefix`` positions (up to the earliest predicting one) are forwarded once per
-    distinct row (:class:`replayrl.trainer.prefix_tree.PrefixTree`) when every row is real there
+    distinct row (:class:`replayrl.trainer.batching.prefix_tree.PrefixTree`) when every row is real there
     and rows with equal tokens there also carry equal
     positions and routing / indexer traces (the samples of a GRPO group share their prompt,
     and the engine forwarded it identically for each). ``first`` (int64 [U]) is the first row
@@ -156,7 +161,7 @@ def _shared_prefix(inputs: dict, prefix: int) -> tuple[int, torch.Tensor, torch.
 
 def _tree_forward(model: Qwen3MoeForCausalLM, inputs: dict, tree: PrefixTree, row: torch.Tensor,
                   pos: torch.Tensor, *, capture: bool, fused: bool, **model_kwargs):
-    """The forward of :func:`response_logprobs` in the prefix-tree layout (trainer/prefix_tree.py):
+    """The forward of :func:`response_logprobs` in the prefix-tree layout (trainer/batching/prefix_tree.py):
     each shared prefix once, every row's continuation as a branch after it, one forward.
 
     ``row``, ``pos`` (int64 [N]): the predicting positions. Returns the model output with the
@@ -213,12 +218,12 @@ class TorchBackend(TrainerBackend):
     """
 
     lora_config = None
-    """The ``peft.LoraConfig`` of a LoRA run (``--lora-rank``, :mod:`replayrl.trainer.lora`),
+    """The ``peft.LoraConfig`` of a LoRA run (``--lora-rank``, :mod:`replayrl.trainer.lora.peft_adapter`),
     else None (also for a subclass that does not call this ``__init__``)."""
     experts_hooked = False
     """Whether the policy's MoE blocks adapt their experts themselves
-    (:func:`replayrl.trainer.lora.hook_experts`, the fsdp backend); else every forward runs
-    under :func:`replayrl.trainer.lora.experts_adapted`."""
+    (:func:`replayrl.trainer.lora.peft_adapter.hook_experts`, the fsdp backend); else every forward runs
+    under :func:`replayrl.trainer.lora.peft_adapter.experts_adapted`."""
 
     # the send buffer the weights live in once the first push moved them there (cut (17));
     # None: not yet, or they cannot (weight_bundle)
@@ -232,7 +237,7 @@ class TorchBackend(TrainerBackend):
         torch.manual_seed(config.seed)
         self.model, self._model_config = load_pretrained(checkpoint_dir, dtype=torch.float32)
         self.model.train()
-        if config.lora_rank:  # trainer/lora.py: only the adapters train
+        if config.lora_rank:  # trainer/lora/peft_adapter.py: only the adapters train
             self.lora_config = lora.add_adapters(self.model, config.lora_rank, config.lora_alpha,
                                                  target_modules(config.lora_target_modules),
                                                  config.seed)
@@ -254,7 +259,7 @@ class TorchBackend(TrainerBackend):
     def _make_optimizer(self) -> FusedAdamW:
         """AdamW over ``self.params`` with the run's settings: torch's fused kernel, without
         ``torch.optim.Optimizer``, whose methods import ``torch._dynamo`` (tens of MiB of RSS in this
-        process; :mod:`replayrl.trainer.optimizer`)."""
+        process; :mod:`replayrl.trainer.backends.optimizer`)."""
         cfg = self.config
         return FusedAdamW(self.params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
                           eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
@@ -334,7 +339,7 @@ class TorchBackend(TrainerBackend):
         this process's shared-memory pool (:func:`replayrl.actors.send_buffer`).
 
         Under LoRA the bundle holds the adapter factors
-        (:func:`replayrl.trainer.lora.adapter_arrays`), after the base weights when ``full``
+        (:func:`replayrl.trainer.lora.peft_adapter.adapter_arrays`), after the base weights when ``full``
         (a first push, a restarted engine): the engine merges them (rollout/model/adapters.py)."""
         if self.lora_config:
             factors = lora.adapter_arrays(self.model)
@@ -555,7 +560,7 @@ def _read_checkpoint(directory: Path, config: TrainerConfig | None = None
     """Read ``directory/model`` and ``directory/trainer_state.pt`` and check the latter's fields;
     changes nothing (not even the global RNG). Returns ``(model, trainer state, version)``;
     under ``config``'s LoRA the model carries the adapters of ``directory/adapter`` (checked
-    against the run's ``--lora-*`` settings by :func:`replayrl.trainer.lora.load_adapters`).
+    against the run's ``--lora-*`` settings by :func:`replayrl.trainer.lora.peft_adapter.load_adapters`).
 
     Raises:
         replayrl.trainer.backends.checkpoint_layout.CheckpointLayoutError: a megatron checkpoint.

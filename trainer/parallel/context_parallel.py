@@ -2,7 +2,7 @@
 
 CP of size ``c`` uses the load-balanced split of Megatron-LM / TransformerEngine
 (``get_batch_on_this_cp_rank``, ``thd_get_partitioned_indices``): every segment of the
-:class:`replayrl.trainer.packing.PackedLayout` is padded to a multiple of ``2c``
+:class:`replayrl.trainer.batching.packing.PackedLayout` is padded to a multiple of ``2c``
 (``PackedLayout.from_lengths(..., cp_size=c)``) and cut into ``2c`` equal chunks; rank ``r``
 holds chunks ``r`` and ``2c - 1 - r`` of every segment, segment after segment, so causal
 attention work is balanced across ranks.
@@ -18,8 +18,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from replayrl.trainer.batching.packing import PackedLayout
 from replayrl.trainer.errors import PackedFieldError, PackingError
-from replayrl.trainer.packing import PackedLayout
 
 __all__ = ["cp_shard_indices", "cp_shard", "cp_unshard"]
 

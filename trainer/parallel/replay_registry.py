@@ -16,13 +16,13 @@ layers have no column). The embedded trainer replays the whole trace on one rank
   its slice of the activations: the same split as ``torch.chunk(x, sp_size, dim)`` (Megatron's
   ``scatter_to_sequence_parallel_region``), so token ``t``'s router sees token ``t``'s replay.
 * All ``-1`` rows mean "no replay here, use the layer's own choice" (observation tokens, a
-  synthetic EOS, padding; :func:`replayrl.trainer.replay.replayed_rows` finds them).
+  synthetic EOS, padding; :func:`replayrl.trainer.replay.checks.replayed_rows` finds them).
   :func:`fill_own_choice` substitutes the own choice for a backend whose router cannot take
   ``-1`` (gathering router probabilities at ``-1`` or masking every key of an attention row
   would give NaN gradients).
 
-The live checks of a replayed forward (:func:`replayrl.trainer.replay.check_replay`, the flip rates)
-stay in :mod:`replayrl.trainer.replay`.
+The live checks of a replayed forward (:func:`replayrl.trainer.replay.checks.check_replay`, the flip rates)
+stay in :mod:`replayrl.trainer.replay.checks`.
 
 Source: Ma et al. 2025, "Stabilizing MoE Reinforcement Learning by Aligning Training and
 Inference Routers" (R3), as implemented in slime / Megatron-LM routing replay; docs/design.md#trace-arrays.
@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from replayrl.trainer.errors import ReplayError
-from replayrl.trainer.replay import _int_id
+from replayrl.trainer.replay.checks import _int_id
 
 __all__ = ["ReplayRegistry", "sp_slice", "fill_own_choice"]
 

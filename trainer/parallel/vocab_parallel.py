@@ -2,7 +2,7 @@
 
 Each TP rank holds the logits of one contiguous, equal vocabulary shard (Megatron's layout:
 rank ``r`` of ``W`` owns ids ``[r * V_local, (r + 1) * V_local)``). The value equals
-:func:`replayrl.trainer.logprobs.support_logprobs` on the concatenated logits and costs exactly two
+:func:`replayrl.trainer.loss.logprobs.support_logprobs` on the concatenated logits and costs exactly two
 collectives per call (docs/design.md#trainer-math):
 
 1. one MAX all-reduce of ``[N + F]`` row maxima (support rows, then fallback slots), detached:
@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from replayrl.trainer.errors import LogprobError
-from replayrl.trainer.logprobs import _check_logits, _check_temperature, _fallback_slots, _validate_support
+from replayrl.trainer.loss.logprobs import _check_logits, _check_temperature, _fallback_slots, _validate_support
 
 __all__ = ["vocab_parallel_support_logprobs"]
 
@@ -64,18 +64,18 @@ def vocab_parallel_support_logprobs(
             (ids ``[rank * V_local, (rank + 1) * V_local)``; the global vocabulary is
             ``V_local * world_size``).
         support: integer tensor [N, 1+K] (``sample_support``) with *global* ids, as in
-            :func:`replayrl.trainer.logprobs.support_logprobs`.
+            :func:`replayrl.trainer.loss.logprobs.support_logprobs`.
         temperature: ``T > 0``.
         group: the tensor-parallel process group (default: the world).
         fallback_rows: optional fixed synthetic-EOS fallback slots [F] covering every fallback
-            row (see :mod:`replayrl.trainer.logprobs`).
+            row (see :mod:`replayrl.trainer.loss.logprobs`).
 
     Returns:
         float32 tensor [N], identical on every rank; padding rows are 0 with no gradient.
         Differentiable w.r.t. ``local_logits``.
 
     Raises:
-        SupportError, LogprobError: as :func:`replayrl.trainer.logprobs.support_logprobs` (checked on
+        SupportError, LogprobError: as :func:`replayrl.trainer.loss.logprobs.support_logprobs` (checked on
             every rank against the global vocabulary), or torch.distributed not initialised.
     """
     if not dist.is_available() or not dist.is_initialized():

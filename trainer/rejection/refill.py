@@ -37,14 +37,14 @@ import torch
 
 from replayrl.actors import ActorProxy
 from replayrl.rollout.sample import Sample, samples_from_columns
-from replayrl.trainer.batch import per_sample_tensors, sampled_masks, token_counts
+from replayrl.trainer.batching.batch import per_sample_tensors, sampled_masks, token_counts
 from replayrl.trainer.config import TrainerConfig
-from replayrl.trainer.proximal_cache import ProximalLogprobCache
+from replayrl.trainer.ranks.proximal_cache import ProximalLogprobCache
 from replayrl.trainer.rejection.dynamic_sampling import combine_admission, informative_groups
 from replayrl.trainer.rejection.refill_planner import plan_refill_rounds, refill_quantum
 from replayrl.trainer.rejection.rs_gates import group_admission
 from replayrl.trainer.rejection.rs_policy import RSGate
-from replayrl.trainer.replay import mean_rates
+from replayrl.trainer.replay.checks import mean_rates
 
 Preflight = Callable[[list[Sample]], Awaitable[dict[str, list[float]]]]
 """Proximal logprobs of the samples into the cache; returns per-microbatch replay rates
@@ -108,7 +108,7 @@ class RefillCoordinator:
         replacements' preflight measured (``refill_routing_flip_rate``,
         ``refill_routing_drift_rate``, ``refill_indexer_flip_rate``,
         ``refill_indexer_drift_rate``: the mean over all replacement microbatches of the step,
-        as :func:`replayrl.trainer.replay.mean_rates`), only when replacements were generated.
+        as :func:`replayrl.trainer.replay.checks.mean_rates`), only when replacements were generated.
         With ``--dynamic-sampling`` they include ``zero_variance_groups`` (groups of this step,
         initial and replacement, whose rewards were all equal; each is also counted in
         ``rejected_groups``, the groups dropped for any reason), and every

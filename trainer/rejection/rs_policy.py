@@ -57,7 +57,7 @@ class RSGate:
         """Gate a list of samples (float32 [R_i] each).
 
         ``sampled_mask`` is each sample's :attr:`replayrl.rollout.sample.Sample.sampled_mask` (uint8 or
-        bool [R_i], ``replayrl.trainer.batch.sampled_masks``): only tokens the engine sampled have a
+        bool [R_i], ``replayrl.trainer.batching.batch.sampled_masks``): only tokens the engine sampled have a
         behaviour logprob, so only they enter a gate. A synthetic EOS (loss-bearing, not
         sampled) changes neither a sequence sum nor the token count of a geometric mean; token
         RS accepts it (it has no ratio to reject), and a sample gate's decision covers it with

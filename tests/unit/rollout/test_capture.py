@@ -1,4 +1,4 @@
-"""Capture normalisation for external engines (rollout/capture.py) against trace_alignment.json."""
+"""Capture normalisation for external engines (rollout/traces/capture.py) against trace_alignment.json."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from replayrl.rollout.capture import check_route_offset, check_sampled_logprob, normalize_support_row
 from replayrl.rollout.errors import CaptureError
+from replayrl.rollout.traces.capture import check_route_offset, check_sampled_logprob, normalize_support_row
 from tests.paths import CASES
 
 CASES = {c["name"]: c for c in json.loads((CASES / "trace_alignment.json").read_text())}

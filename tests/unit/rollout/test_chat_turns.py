@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from replayrl.rollout.engines.base import Generation
-from replayrl.rollout.tokenizer import load_tokenizer
-from replayrl.rollout.turn_loop import assemble, run_episodes
+from replayrl.rollout.episodes.turn_loop import assemble, run_episodes
+from replayrl.rollout.text.tokenizer import load_tokenizer
 
 VOCAB = {"a": 0, "b": 1, "ab": 2, "[": 3, "]": 4, "=": 5, "<eos>": 6}
 TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'tool' %}[{{ m['content'] }}]"

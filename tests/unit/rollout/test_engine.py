@@ -20,7 +20,7 @@ from replayrl.rollout.model.config import ModelConfig
 from replayrl.rollout.model.errors import CheckpointError
 from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
 from replayrl.rollout.sample import TRACE_FIELDS
-from replayrl.rollout.sampling_params import SamplingParams
+from replayrl.rollout.sampling.sampling_params import SamplingParams
 
 PROMPTS = [[5, 9, 3], [7, 1, 4, 4, 8, 2, 6], [11], [3, 8, 12, 30, 1]]
 TOP_K = 12

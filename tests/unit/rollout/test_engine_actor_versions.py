@@ -9,7 +9,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from replayrl.rollout.engine_actor import EngineActor
+from replayrl.rollout.dispatch.engine_actor import EngineActor
 from replayrl.rollout.engines.base import generations_from_columns
 from replayrl.rollout.errors import EngineError, EngineNotReady
 from replayrl.rollout.model.config import default_config

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from replayrl.actors.errors import PeerLost
-from replayrl.rollout.engine_pool import EnginePool
+from replayrl.rollout.dispatch.engine_pool import EnginePool
 from replayrl.rollout.errors import EnginesLost
 
 

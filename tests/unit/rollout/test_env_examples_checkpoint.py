@@ -13,10 +13,10 @@ import sys
 import numpy as np
 import pytest
 
+from replayrl.rollout.episodes.turn_loop import assemble
 from replayrl.rollout.tasks import load_environment_class
 from replayrl.rollout.tasks.environment import Turn, hermes_tool_calls
-from replayrl.rollout.tokenizer import load_tokenizer
-from replayrl.rollout.turn_loop import assemble
+from replayrl.rollout.text.tokenizer import load_tokenizer
 from tests.paths import REPO
 from tests.unit.rollout.test_env_interface import _episodes, _prompt, _whole
 

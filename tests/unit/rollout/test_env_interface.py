@@ -16,13 +16,13 @@ import math
 import numpy as np
 import pytest
 
-from replayrl.rollout.data_source import Prompt
-from replayrl.rollout.env_sessions import EnvSessions
+from replayrl.rollout.episodes.env_sessions import EnvSessions
+from replayrl.rollout.episodes.turn_loop import assemble, run_episodes
 from replayrl.rollout.errors import EnvironmentFailure
 from replayrl.rollout.tasks import ENVIRONMENTS, load_environment_class
 from replayrl.rollout.tasks.environment import Reset, Step, ToolEnvironment, hermes_tool_calls
-from replayrl.rollout.tokenizer import load_tokenizer
-from replayrl.rollout.turn_loop import assemble, run_episodes
+from replayrl.rollout.text.data_source import Prompt
+from replayrl.rollout.text.tokenizer import load_tokenizer
 from tests.unit.rollout.test_turn_separator import QWEN_TEMPLATE, _gen, _ids, _make_tokenizer
 
 # Qwen's layout with a tools block (names only) in a system turn, as Qwen3 / Hermes render tools
@@ -317,7 +317,7 @@ async def test_a_failing_reset_ends_the_trajectory_at_its_first_turn(tokdir):
 
 def test_a_turn_text_keeps_special_tool_call_tokens_and_drops_the_stop_id(tmp_path):
     """A template whose <tool_call> is a special token: the parser still sees the call."""
-    from replayrl.rollout.env_sessions import turn_text
+    from replayrl.rollout.episodes.env_sessions import turn_text
     d = _make_tokenizer(tmp_path, "special_calls", QWEN_TEMPLATE,
                         ["<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"], "<|im_end|>")
     tok = load_tokenizer(d, apply_chat_template=True)

@@ -14,8 +14,8 @@ import sys
 import numpy as np
 import pytest
 
-from replayrl.rollout.engine_actor import EngineActor
-from replayrl.rollout.manager import RolloutManager
+from replayrl.rollout.dispatch.engine_actor import EngineActor
+from replayrl.rollout.dispatch.manager import RolloutManager
 from replayrl.rollout.tasks.calculator import DigitCalculatorEnv
 from replayrl.rollout.tasks.environment import Step
 from replayrl.tools.run.config import build_config
@@ -159,7 +159,7 @@ async def test_with_a_chat_template_the_trained_ids_are_the_ids_every_engine_cal
     from replayrl.rollout.config import RolloutConfig
     from replayrl.rollout.model.config import default_config
     from replayrl.rollout.tasks import load_environment_class
-    from replayrl.rollout.tokenizer import load_tokenizer
+    from replayrl.rollout.text.tokenizer import load_tokenizer
     from tests.unit.rollout.test_env_interface import TOOLS_TEMPLATE, _ids, _make_tokenizer
 
     tokdir = _make_tokenizer(tmp_path, "tok", TOOLS_TEMPLATE, ["<|im_start|>", "<|im_end|>"],

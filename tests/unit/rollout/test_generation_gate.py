@@ -1,9 +1,9 @@
-"""The rollout side's pause / resume gate (rollout/generation_gate.py)."""
+"""The rollout side's pause / resume gate (rollout/dispatch/generation_gate.py)."""
 from __future__ import annotations
 
 import asyncio
 
-from replayrl.rollout.generation_gate import GenerationGate
+from replayrl.rollout.dispatch.generation_gate import GenerationGate
 
 
 async def test_a_closed_gate_holds_new_requests_and_lets_those_in_flight_finish():

@@ -136,7 +136,7 @@ def test_topk_selection_ranks_by_score_then_the_later_slot():
 
 
 def test_packed_tree_rows_forwarded_per_block_equal_each_branch_alone():
-    # a prefix-tree row (trainer/prefix_tree.py) long enough for the per-block path
+    # a prefix-tree row (trainer/batching/prefix_tree.py) long enough for the per-block path
     # (BLOCK_MIN_SLOTS): trunk of P slots (segment -1), n branches of L slots after it; each
     # branch forwarded alone after the trunk is the reference (no segments, no blocks)
     from replayrl.rollout.model.qwen3_moe import BLOCK_MIN_SLOTS, _key_blocks

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 
 from replayrl.rollout.config import RolloutConfig
-from replayrl.rollout.data_source import PromptDataSource
 from replayrl.rollout.errors import DataExhausted, PromptDataError, TokenizerError
-from replayrl.rollout.prompt_data import load_run_prompts, read_rows
 from replayrl.rollout.tasks.digit_puzzle import VOCABULARY, DigitTask
 from replayrl.rollout.tasks.digits import BUILTIN_FILE, digit_task_prompts, digit_task_rows
-from replayrl.rollout.tokenizer import load_tokenizer
+from replayrl.rollout.text.data_source import PromptDataSource
+from replayrl.rollout.text.prompt_data import load_run_prompts, read_rows
+from replayrl.rollout.text.tokenizer import load_tokenizer
 from replayrl.tools.run.config import build_config
 from replayrl.tools.run.launcher import write_initial_checkpoint
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from replayrl.rollout.errors import RewardFailure
-from replayrl.rollout.evaluation import eval_metrics, pass_at_k
-from replayrl.rollout.rewards import RewardGuard, exact_reward, math_reward, normalise
+from replayrl.rollout.scoring.evaluation import eval_metrics, pass_at_k
+from replayrl.rollout.scoring.rewards import RewardGuard, exact_reward, math_reward, normalise
 
 
 def test_exact_reward_compares_normalised_text():

@@ -206,7 +206,7 @@ def _naive_key_sets(rows: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("chunk_slots", [None, 40])  # one "sets" column, or "chunks" of rows
 def test_indexer_traces_decode_alike_on_one_or_more_threads(monkeypatch, chunk_slots):
-    from replayrl.rollout import trace_storage
+    from replayrl.rollout.traces import trace_storage
     from replayrl.transport import trace_codec
 
     monkeypatch.setattr(trace_codec, "_MIN_CHUNK_SLOTS", 1)  # a chunk of rows per thread, however small

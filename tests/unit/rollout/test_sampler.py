@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from replayrl.rollout.errors import NonFiniteLogitsError, SamplerError, SamplingParamsError
-from replayrl.rollout.sampler import sample
-from replayrl.rollout.sampling_params import SamplingParams
+from replayrl.rollout.sampling.sampler import sample
+from replayrl.rollout.sampling.sampling_params import SamplingParams
 from tests.paths import CASES
 
 CASES = CASES

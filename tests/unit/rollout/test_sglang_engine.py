@@ -29,7 +29,7 @@ from replayrl.rollout.model.checkpoint import state_dict_arrays  # noqa: E402
 from replayrl.rollout.model.config import ModelConfig, default_config  # noqa: E402
 from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM  # noqa: E402
 from replayrl.rollout.sample import TRACE_FIELDS  # noqa: E402
-from replayrl.rollout.sampling_params import SamplingParams  # noqa: E402
+from replayrl.rollout.sampling.sampling_params import SamplingParams  # noqa: E402
 from replayrl.rollout.tasks.digit_puzzle import VOCABULARY  # noqa: E402
 from tests.sglang_fixtures import FaultProxy, corrupt_base64, drop_first_row, serve_thread  # noqa: E402
 

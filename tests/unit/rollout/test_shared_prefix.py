@@ -14,7 +14,7 @@ import replayrl.rollout.model.qwen3_moe as qwen3_moe
 from replayrl.rollout.model.kv_cache import KVCache
 from replayrl.rollout.model.shared_prefix import SharedPrefix, block_size, shared_prefix_attention
 from replayrl.rollout.sample import TRACE_FIELDS
-from replayrl.rollout.sampling_params import SamplingParams
+from replayrl.rollout.sampling.sampling_params import SamplingParams
 from tests.unit.rollout.test_engine import make_engine, reference  # noqa: F401 (fixture)
 
 

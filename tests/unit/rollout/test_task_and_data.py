@@ -1,5 +1,5 @@
 """The embedded task (rollout/tasks/digit_puzzle.py, rollout/tasks/digits.py) and the prompt data
-source (rollout/data_source.py)."""
+source (rollout/text/data_source.py)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import json
 import numpy as np
 import pytest
 
-from replayrl.rollout.data_source import PromptDataSource
 from replayrl.rollout.errors import TaskError
 from replayrl.rollout.tasks.digit_puzzle import DigitTask
 from replayrl.rollout.tasks.digits import digit_task_prompts
+from replayrl.rollout.text.data_source import PromptDataSource
 
 # The vocabulary written out by hand: <pad> <bos> <eos>, digits 0..9, operators, "=".
 PAD, BOS, EOS = 0, 1, 2
@@ -206,7 +206,7 @@ def test_zero_and_negative_batch_sizes():
 
 
 def test_observation_segments_count_tool_calls_by_hand():
-    from replayrl.rollout.manager import observation_segments
+    from replayrl.rollout.dispatch.manager import observation_segments
     assert observation_segments(np.array([1, 1, 0, 0, 1, 0, 0, 1], np.uint8)) == 2
     assert observation_segments(np.array([0, 1], np.uint8)) == 1
     assert observation_segments(np.array([1, 1], np.uint8)) == 0

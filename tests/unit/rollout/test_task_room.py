@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from replayrl.rollout.config import RolloutConfig
-from replayrl.rollout.manager import RolloutError, RolloutManager
+from replayrl.rollout.dispatch.manager import RolloutError, RolloutManager
 from replayrl.rollout.tasks import (
     TASKS,
     TaskConfigError,

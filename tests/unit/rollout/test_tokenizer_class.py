@@ -1,5 +1,5 @@
 """The tokenizer a process without torch loads (the class ``AutoTokenizer`` resolves to, loaded
-directly: ``replayrl.rollout.tokenizer_class``) is ``AutoTokenizer``'s tokenizer, over every
+directly: ``replayrl.rollout.text.tokenizer_class``) is ``AutoTokenizer``'s tokenizer, over every
 tokenizer the tests and examples use: the embedded word-level one (alone and in the initial
 checkpoint), ``examples/own_data``'s, ``examples/environments``' Hermes one with its tool-calling
 template, the chat-template tokenizers of the turn-separator tests, and the embedded tokenizer
@@ -15,10 +15,15 @@ import shutil
 
 import pytest
 
-from replayrl.rollout.backend_tokenizer import BACKEND_CLASS, BackendTokenizer
 from replayrl.rollout.tasks import load_environment_class
-from replayrl.rollout.tokenizer import load_tokenizer
-from replayrl.rollout.tokenizer_class import AUTO, load_tokenizer_object, resolve_tokenizer, resolve_tokenizer_class
+from replayrl.rollout.text.backend_tokenizer import BACKEND_CLASS, BackendTokenizer
+from replayrl.rollout.text.tokenizer import load_tokenizer
+from replayrl.rollout.text.tokenizer_class import (
+    AUTO,
+    load_tokenizer_object,
+    resolve_tokenizer,
+    resolve_tokenizer_class,
+)
 from replayrl.tools.run.config import build_config
 from replayrl.tools.run.launcher import write_embedded_tokenizer, write_initial_checkpoint
 from tests.family_checkpoints import FAMILY_TYPES, tiny_hf_config

@@ -1,4 +1,4 @@
-"""TokenMetadataTrace (rollout/trace.py): schema fixing, -1 padding rows, finalize exactly once."""
+"""TokenMetadataTrace (rollout/traces/trace.py): schema fixing, -1 padding rows, finalize exactly once."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from replayrl.rollout.errors import SampleError, TraceFinalizedError, TraceRowsError, TraceSchemaError
-from replayrl.rollout.trace import TokenMetadataTrace
+from replayrl.rollout.traces.trace import TokenMetadataTrace
 from tests.paths import CASES
 
 CASES = {c["name"]: c for c in json.loads((CASES / "trace_alignment.json").read_text())}

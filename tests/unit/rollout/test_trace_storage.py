@@ -9,7 +9,7 @@ import pytest
 from replayrl.rollout.engines.base import Generation, generations_from_columns, generations_to_columns
 from replayrl.rollout.errors import EngineInputError, SampleError
 from replayrl.rollout.sample import Sample, samples_from_columns, samples_to_columns
-from replayrl.rollout.trace_storage import row_positions
+from replayrl.rollout.traces.trace_storage import row_positions
 from replayrl.transport.codec import Codec
 
 K = 3
@@ -99,7 +99,7 @@ def test_a_malformed_encoded_column_is_named():
 
 
 def test_a_large_column_travels_in_chunks_of_rows(monkeypatch):
-    from replayrl.rollout import trace_storage
+    from replayrl.rollout.traces import trace_storage
 
     monkeypatch.setattr(trace_storage, "CHUNK_SLOTS", 2 * 2 * K)  # two rows of [2, K] a chunk
     samples = [_sample(0, 4, 3), _sample(1, 3, 2)]  # 6 + 4 rows: chunks of 2, the last ones too
@@ -120,7 +120,7 @@ def test_a_large_column_travels_in_chunks_of_rows(monkeypatch):
 
 @pytest.mark.parametrize("chunk_slots", [None, 2 * 2 * K])
 def test_threads_decode_a_column_to_the_same_rows(monkeypatch, chunk_slots):
-    from replayrl.rollout import trace_storage, trace_table
+    from replayrl.rollout.traces import trace_storage, trace_table
     from replayrl.transport import trace_codec
 
     monkeypatch.setattr(trace_codec, "_MIN_CHUNK_SLOTS", 1)  # split even these few rows

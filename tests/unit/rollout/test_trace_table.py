@@ -1,4 +1,4 @@
-"""Adding a trace is one row of rollout/trace_table.py: a fake position-row trace added to the
+"""Adding a trace is one row of rollout/traces/trace_table.py: a fake position-row trace added to the
 table (and the modules that build their dataclasses from it imported afresh, as a new row would
 be at import) is checked by Sample, travels in the column forms, is padded by truncation, the
 synthetic EOS and the trainer batch, and is required when its replay is on. Expected values
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from replayrl.rollout import sample as real_sample
-from replayrl.rollout import trace_table
-from replayrl.rollout.trace_table import TraceSpec
+from replayrl.rollout.traces import trace_table
+from replayrl.rollout.traces.trace_table import TraceSpec
 
 ROOT = Path(real_sample.__file__).resolve().parent.parent
 SINKS = TraceSpec("attention_sinks", np.int32, ("L_sink",), "position", -1, "sinks",
@@ -36,9 +36,9 @@ def _fresh(monkeypatch, relative: str) -> ModuleType:
 def mods(monkeypatch):
     monkeypatch.setattr(trace_table, "TRACES", (*trace_table.TRACES, SINKS))
     return SimpleNamespace(sample=_fresh(monkeypatch, "rollout/sample.py"),
-                           trajectory=_fresh(monkeypatch, "rollout/trajectory.py"),
+                           trajectory=_fresh(monkeypatch, "rollout/traces/trajectory.py"),
                            engines=_fresh(monkeypatch, "rollout/engines/base.py"),
-                           batch=_fresh(monkeypatch, "trainer/batch.py"))
+                           batch=_fresh(monkeypatch, "trainer/batching/batch.py"))
 
 
 def _sample(mods, sid, prompt, response, sinks):
@@ -141,7 +141,7 @@ def test_the_real_table_keeps_the_fields_where_they_were():
     from dataclasses import fields
 
     from replayrl.rollout.engines.base import Generation
-    from replayrl.rollout.trajectory import MergedTrajectory
+    from replayrl.rollout.traces.trajectory import MergedTrajectory
     traces = ["sample_support", "routed_experts", "indexer_topk"]
     assert [f.name for f in fields(real_sample.Sample)] == [
         "sample_id", "group_id", "rollout_id", "policy_version", "prompt_ids", "response_ids",

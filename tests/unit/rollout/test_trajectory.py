@@ -1,4 +1,4 @@
-"""Trajectory transformations (rollout/trajectory.py) against hand-built samples and trace_alignment.json."""
+"""Trajectory transformations (rollout/traces/trajectory.py) against hand-built samples and trace_alignment.json."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from replayrl.rollout.errors import CaptureError, MissingTraceError, SampleError, TraceGapError, TrajectoryError
 from replayrl.rollout.sample import Sample
-from replayrl.rollout.trajectory import append_synthetic_eos, merge_turns, truncate
+from replayrl.rollout.traces.trajectory import append_synthetic_eos, merge_turns, truncate
 from replayrl.trainer.rejection.rs_gates import compute_log_ratio, sample_gate, sequence_log_weight
 from tests.paths import CASES
 

@@ -1,4 +1,4 @@
-"""Multi-turn tool use (rollout/tasks/calculator.py, rollout/turn_loop.py) on the embedded default.
+"""Multi-turn tool use (rollout/tasks/calculator.py, rollout/episodes/turn_loop.py) on the embedded default.
 
 The independent end-to-end check: for every generated multi-turn trajectory, ONE fp32 forward
 of prompt + response (the trainer's view, observations included) replaying the returned
@@ -16,15 +16,15 @@ import pytest
 import torch
 
 from replayrl.rollout.engines.embedded import EmbeddedEngine
+from replayrl.rollout.episodes.turn_loop import assemble, run_episodes, turn_seed
 from replayrl.rollout.errors import MissingTraceError, MixedVersionError, ToolEnvError, TurnLoopError
 from replayrl.rollout.model.checkpoint import state_dict_arrays
 from replayrl.rollout.model.config import default_config
 from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
 from replayrl.rollout.sample import TRACE_FIELDS, Sample
-from replayrl.rollout.sampling_params import SamplingParams
+from replayrl.rollout.sampling.sampling_params import SamplingParams
 from replayrl.rollout.tasks.calculator import DigitToolEnv
 from replayrl.rollout.tasks.digit_puzzle import VOCABULARY, DigitTask
-from replayrl.rollout.turn_loop import assemble, run_episodes, turn_seed
 from tests.paths import CASES
 
 CASES = {c["name"]: c for c in json.loads((CASES / "trace_alignment.json").read_text())}

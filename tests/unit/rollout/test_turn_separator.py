@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 from replayrl.rollout.engines.base import Generation
+from replayrl.rollout.episodes.turn_loop import assemble, run_episodes
 from replayrl.rollout.errors import ChatTemplateError
-from replayrl.rollout.tokenizer import load_tokenizer
-from replayrl.rollout.turn_loop import assemble, run_episodes
+from replayrl.rollout.text.tokenizer import load_tokenizer
 from tests.paths import REPO
 
 

@@ -14,9 +14,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from replayrl.rollout.engine_actor import EngineActor
+from replayrl.rollout.dispatch.engine_actor import EngineActor
+from replayrl.rollout.dispatch.manager import RolloutManager
 from replayrl.rollout.errors import EngineInputError, EngineNotReady
-from replayrl.rollout.manager import RolloutManager
 from replayrl.rollout.model.config import default_config
 from replayrl.tools.run.config import build_config
 from replayrl.tools.run.launcher import engine_kwargs, run_required_traces, write_initial_checkpoint

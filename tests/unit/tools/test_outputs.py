@@ -7,9 +7,9 @@ import json
 import pytest
 
 from replayrl.rollout.config import RolloutConfig
-from replayrl.rollout.prompt_data import load_run_prompts
 from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
-from replayrl.rollout.tokenizer import load_tokenizer
+from replayrl.rollout.text.prompt_data import load_run_prompts
+from replayrl.rollout.text.tokenizer import load_tokenizer
 from replayrl.tools.run.metrics import MetricsRecorder
 from tests.paths import REPO
 

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from replayrl.trainer.advantages import baseline_groups, grpo_advantages
 from replayrl.trainer.errors import AdvantageError
+from replayrl.trainer.loss.advantages import baseline_groups, grpo_advantages
 
 
 def test_group_mean_subtracted_per_contiguous_group():

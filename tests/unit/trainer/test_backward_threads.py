@@ -15,7 +15,7 @@ import torch
 from replayrl.rollout.sample import Sample
 from replayrl.tools.run.config import build_config
 from replayrl.trainer.config import TrainerConfig
-from replayrl.trainer.trainer_actor import TrainerActor
+from replayrl.trainer.ranks.trainer_actor import TrainerActor
 from tests.trainer_on_samples import (
     float_params,
     initial_checkpoint,

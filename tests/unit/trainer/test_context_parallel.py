@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
+from replayrl.trainer.batching.packing import PackedLayout
 from replayrl.trainer.errors import PackedFieldError, PackingError
-from replayrl.trainer.packing import PackedLayout
 from replayrl.trainer.parallel.context_parallel import cp_shard, cp_shard_indices, cp_unshard
 
 

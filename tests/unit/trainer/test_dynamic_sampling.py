@@ -19,10 +19,10 @@ from replayrl.rollout.sample import Sample, samples_to_columns
 from replayrl.tools.run.config import ConfigError, build_config
 from replayrl.trainer.config import TrainerConfig
 from replayrl.trainer.errors import RefillConfigError, RefillExhausted, TrainerConfigError
-from replayrl.trainer.proximal_cache import ProximalLogprobCache
+from replayrl.trainer.ranks.proximal_cache import ProximalLogprobCache
+from replayrl.trainer.ranks.trainer_actor import _no_preflight
 from replayrl.trainer.rejection.dynamic_sampling import combine_admission, informative_groups
 from replayrl.trainer.rejection.refill import RefillCoordinator
-from replayrl.trainer.trainer_actor import _no_preflight
 from tests.fakes import FakeProxy
 
 VERSION = 5

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from replayrl.trainer.errors import LossError
-from replayrl.trainer.losses import policy_loss
+from replayrl.trainer.loss.losses import policy_loss
 
 
 def test_bonus_gradient_is_the_centred_score_function_entropy_term():

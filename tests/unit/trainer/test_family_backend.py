@@ -9,7 +9,7 @@ import torch
 from replayrl.rollout.model.loader import load_pretrained
 from replayrl.rollout.sample import Sample
 from replayrl.trainer.backends.torch_backend import TorchBackend
-from replayrl.trainer.batch import collate
+from replayrl.trainer.batching.batch import collate
 from replayrl.trainer.config import TrainerConfig
 from tests.family_checkpoints import tiny_hf_checkpoint
 

@@ -15,8 +15,8 @@ from replayrl.tools.run.config import build_config
 from replayrl.tools.run.launcher import write_initial_checkpoint
 from replayrl.tools.run.metrics import MetricsRecorder, progress_status
 from replayrl.trainer.config import TrainerConfig
-from replayrl.trainer.replay import mean_rates
-from replayrl.trainer.trainer_actor import TrainerActor
+from replayrl.trainer.ranks.trainer_actor import TrainerActor
+from replayrl.trainer.replay.checks import mean_rates
 from replayrl.transport import strict_json
 
 

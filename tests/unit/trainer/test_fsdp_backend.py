@@ -17,7 +17,7 @@ from replayrl.tools.run.launcher import write_initial_checkpoint
 from replayrl.trainer.backends import resolve_backend
 from replayrl.trainer.backends.fsdp_backend import FSDPBackend
 from replayrl.trainer.backends.torch_backend import TorchBackend
-from replayrl.trainer.batch import collate
+from replayrl.trainer.batching.batch import collate
 from replayrl.trainer.config import TrainerConfig
 from replayrl.trainer.errors import CheckpointLayoutError
 from tests.backend_fixtures import assert_fsdp_takes_the_torch_step, assert_same_arrays, traced_samples, train_step

@@ -14,7 +14,7 @@ from replayrl.rollout.sample import Sample
 from replayrl.tools.run.config import build_config
 from replayrl.trainer.backends.fsdp_backend import FSDPBackend
 from replayrl.trainer.backends.torch_backend import TorchBackend
-from replayrl.trainer.batch import collate
+from replayrl.trainer.batching.batch import collate
 from replayrl.trainer.config import TrainerConfig
 from tests.backend_fixtures import assert_fsdp_takes_the_torch_step, assert_same_arrays, traced_samples, train_step
 from tests.family_checkpoints import tiny_hf_checkpoint

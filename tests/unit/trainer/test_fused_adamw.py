@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from replayrl.trainer.optimizer import FusedAdamW
+from replayrl.trainer.backends.optimizer import FusedAdamW
 
 SETTINGS = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1)
 

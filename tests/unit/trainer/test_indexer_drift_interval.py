@@ -11,7 +11,7 @@ from replayrl.rollout.model import indexer as indexer_module
 from replayrl.rollout.model.config import default_config
 from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
 from replayrl.rollout.sample import Sample
-from replayrl.trainer.trainer_actor import TrainerActor
+from replayrl.trainer.ranks.trainer_actor import TrainerActor
 from tests.trainer_on_samples import (
     float_params,
     initial_checkpoint,

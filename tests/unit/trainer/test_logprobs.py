@@ -10,7 +10,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from replayrl.trainer.errors import LogprobError, SupportError
-from replayrl.trainer.logprobs import full_vocab_logprobs, fused_support_logprobs, support_entropy, support_logprobs
+from replayrl.trainer.loss.logprobs import (
+    full_vocab_logprobs,
+    fused_support_logprobs,
+    support_entropy,
+    support_logprobs,
+)
 from tests.paths import CASES
 
 CASES = CASES

@@ -1,4 +1,4 @@
-"""LoRA through peft (``--lora-rank``, trainer/lora.py) on the torch backend: only the adapters
+"""LoRA through peft (``--lora-rank``, trainer/lora/peft_adapter.py) on the torch backend: only the adapters
 train and sit in the optimizer, base weights stay bit-identical; an expert's adapter changes
 that expert's output; the push after the first carries only the adapters and the embedded
 engine that merges them computes the trainer's merged policy; a checkpoint holds the adapters,
@@ -18,11 +18,11 @@ from replayrl.rollout.model.loader import load_pretrained
 from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
 from replayrl.tools.errors import ConfigError
 from replayrl.tools.run.config import build_config
-from replayrl.trainer import lora
 from replayrl.trainer.backends.torch_backend import TorchBackend
-from replayrl.trainer.batch import collate
+from replayrl.trainer.batching.batch import collate
 from replayrl.trainer.config import TrainerConfig
 from replayrl.trainer.errors import TrainerConfigError
+from replayrl.trainer.lora import peft_adapter as lora
 from replayrl.transport.array_bundle import unpack_arrays
 from tests.backend_fixtures import (
     DEFAULT_TARGETS,

@@ -1,4 +1,4 @@
-"""LoRA (``--lora-rank``, trainer/lora.py) on the families (rollout/model/families/:
+"""LoRA (``--lora-rank``, trainer/lora/peft_adapter.py) on the families (rollout/model/families/:
 transformers' model with our router / indexer hooks): peft adapts the attention projections and,
 through its ``ParamWrapper``, the fused expert tensors; the router and the indexer are not
 adapted, and routing / indexer replay is unchanged under LoRA (the replayed choices are used,
@@ -18,13 +18,13 @@ from replayrl.rollout.engines.embedded import EmbeddedEngine
 from replayrl.rollout.model.families.base import FamilyModel
 from replayrl.tools.errors import ConfigError
 from replayrl.tools.run.config import build_config
-from replayrl.trainer import lora
 from replayrl.trainer.backends.fsdp_backend import FSDPBackend
 from replayrl.trainer.backends.torch_backend import TorchBackend
-from replayrl.trainer.batch import collate
+from replayrl.trainer.batching.batch import collate
 from replayrl.trainer.config import TrainerConfig
 from replayrl.trainer.errors import TrainerConfigError
-from replayrl.trainer.replay import batch_flip_rate
+from replayrl.trainer.lora import peft_adapter as lora
+from replayrl.trainer.replay.checks import batch_flip_rate
 from replayrl.transport.array_bundle import unpack_arrays
 from tests.backend_fixtures import (
     adapter_size_by_hand,
@@ -117,7 +117,7 @@ def test_routing_and_indexer_replay_are_unchanged_under_lora(checkpoints, family
     assert int(traced.sum()) > 0
     assert torch.equal(got.routed_experts[traced], batch.routed_experts[traced].to(torch.int32))
     real = batch.key_padding_mask
-    # the step's metrics (trainer/rank_step.py): flips 0, and the router's own choices drift
+    # the step's metrics (trainer/ranks/rank_step.py): flips 0, and the router's own choices drift
     # from the trace no more than the plain policy's do
     assert batch_flip_rate(batch.routed_experts, got.routed_experts, real) == 0.0
     assert batch_flip_rate(batch.routed_experts, got.own_routed_experts, real) == \

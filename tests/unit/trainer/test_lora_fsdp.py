@@ -1,4 +1,4 @@
-"""LoRA (``--lora-rank``, trainer/lora.py) on --train-backend fsdp in one process (a
+"""LoRA (``--lora-rank``, trainer/lora/peft_adapter.py) on --train-backend fsdp in one process (a
 world-size-1 gloo group): adapters added before ``fully_shard``, only they train and sit in the
 optimizer; one step equals the torch backend's LoRA step (same seed: same adapter init), with
 expert adapters and replayed routing / indexer choices; the push gathered from the shards is the
@@ -16,7 +16,7 @@ from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
 from replayrl.tools.run.config import build_config
 from replayrl.trainer.backends.fsdp_backend import FSDPBackend
 from replayrl.trainer.backends.torch_backend import TorchBackend
-from replayrl.trainer.batch import collate
+from replayrl.trainer.batching.batch import collate
 from replayrl.trainer.config import TrainerConfig
 from replayrl.trainer.errors import TrainerConfigError
 from replayrl.transport.array_bundle import unpack_arrays
@@ -122,7 +122,7 @@ async def test_the_trainer_actor_pushes_the_base_once_then_only_the_adapters(che
     """The trainer's collective push path (``--train-backend fsdp``: every rank gathers, rank 0
     sends): the first bundle holds the base weights and the factors, a later one only the
     factors, each the backend's :meth:`push_arrays`."""
-    from replayrl.trainer.trainer_actor import TrainerActor
+    from replayrl.trainer.ranks.trainer_actor import TrainerActor
 
     actor = TrainerActor(str(checkpoint), lora_config(train_backend="fsdp").to_dict(), n_samples_per_prompt=2,
                          engines=[], rollout_batch_size=1, vocab_tokens=list(VOCABULARY))

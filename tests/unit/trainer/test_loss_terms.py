@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from replayrl.trainer.losses import clipped_terms, tis_weights
+from replayrl.trainer.loss.losses import clipped_terms, tis_weights
 
 
 def test_tis_weight_is_the_capped_ratio_and_one_where_nothing_was_sampled():

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from replayrl.trainer.errors import LossError
-from replayrl.trainer.losses import policy_loss
+from replayrl.trainer.loss.losses import policy_loss
 from tests.paths import CASES
 
 NAN = float("nan")

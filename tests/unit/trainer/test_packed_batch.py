@@ -11,10 +11,10 @@ from replayrl.rollout.model.checkpoint import state_dict_arrays
 from replayrl.rollout.model.config import default_config
 from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
 from replayrl.rollout.sample import TRACE_FIELDS, Sample
-from replayrl.rollout.sampling_params import SamplingParams
-from replayrl.rollout.trajectory import merge_turns
+from replayrl.rollout.sampling.sampling_params import SamplingParams
+from replayrl.rollout.traces.trajectory import merge_turns
 from replayrl.trainer.backends.torch_backend import response_logprobs
-from replayrl.trainer.batch import collate, collate_packed
+from replayrl.trainer.batching.batch import collate, collate_packed
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
+from replayrl.trainer.batching.packing import PackedLayout
 from replayrl.trainer.errors import PackedFieldError, PackingError
-from replayrl.trainer.packing import PackedLayout
 from tests.paths import CASES
 
 CASES = json.loads((CASES / "packed_shift.json").read_text())

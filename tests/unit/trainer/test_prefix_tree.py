@@ -8,8 +8,8 @@ from replayrl.rollout.model.config import default_config
 from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
 from replayrl.rollout.sample import Sample
 from replayrl.trainer.backends.torch_backend import response_logprobs
-from replayrl.trainer.batch import collate
-from replayrl.trainer.prefix_tree import PrefixTree
+from replayrl.trainer.batching.batch import collate
+from replayrl.trainer.batching.prefix_tree import PrefixTree
 
 
 def test_slots_segments_and_indexer_shift_by_hand():

@@ -12,7 +12,7 @@ import torch
 from replayrl.rollout.model import Qwen3MoeForCausalLM, default_config
 from replayrl.trainer.errors import ReplayError, ReplayMismatch
 from replayrl.trainer.parallel.replay_registry import fill_own_choice
-from replayrl.trainer.replay import check_replay, flip_rate, replayed_rows
+from replayrl.trainer.replay.checks import check_replay, flip_rate, replayed_rows
 
 V = 32
 

@@ -13,7 +13,7 @@ import pytest
 
 from replayrl.rollout.sample import Sample
 from replayrl.trainer.errors import EmptyStep
-from replayrl.trainer.trainer_actor import TrainerActor
+from replayrl.trainer.ranks.trainer_actor import TrainerActor
 from tests.trainer_on_samples import (
     float_params,
     initial_checkpoint,

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from replayrl.trainer.trace_decode import decode_sets_torch
+from replayrl.trainer.replay.trace_decode import decode_sets_torch
 from replayrl.transport.trace_codec import TraceCodecError, decode_sets, encode_sets
 
 

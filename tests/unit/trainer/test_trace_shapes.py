@@ -18,7 +18,7 @@ from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
 from replayrl.tools.run.config import build_config
 from replayrl.tools.run.launcher import write_initial_checkpoint
 from replayrl.trainer.config import TrainerConfig
-from replayrl.trainer.trainer_actor import TrainerActor
+from replayrl.trainer.ranks.trainer_actor import TrainerActor
 
 CFG = default_config(len(VOCABULARY))
 # by hand from the config: 4 layers, layer 0 dense -> MoE layers 1, 2, 3 with top-2 routing;

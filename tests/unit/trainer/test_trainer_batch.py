@@ -1,4 +1,4 @@
-"""collate (trainer/batch.py) and the proximal-logprob cache (trainer/proximal_cache.py)."""
+"""collate (trainer/batching/batch.py) and the proximal-logprob cache (trainer/ranks/proximal_cache.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import torch
 
 from replayrl.rollout.errors import SampleError
 from replayrl.rollout.sample import Sample
-from replayrl.trainer.batch import collate
+from replayrl.trainer.batching.batch import collate
 from replayrl.trainer.errors import ProximalCacheError
-from replayrl.trainer.proximal_cache import ProximalLogprobCache
+from replayrl.trainer.ranks.proximal_cache import ProximalLogprobCache
 
 L_MOE, K_ROUTER, L_IDX, K_IDX = 2, 2, 1, 3
 

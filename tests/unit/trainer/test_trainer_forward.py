@@ -8,7 +8,7 @@ from replayrl.rollout.model.config import default_config
 from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
 from replayrl.rollout.sample import Sample
 from replayrl.trainer.backends.torch_backend import _shared_prefix, response_logprobs
-from replayrl.trainer.batch import collate
+from replayrl.trainer.batching.batch import collate
 
 
 def _setup(seed=0):

@@ -13,7 +13,7 @@ from replayrl.tools.run.config import build_config
 from replayrl.tools.run.launcher import write_initial_checkpoint
 from replayrl.tools.run.metrics import progress_status
 from replayrl.trainer.config import TrainerConfig
-from replayrl.trainer.trainer_actor import TrainerActor
+from replayrl.trainer.ranks.trainer_actor import TrainerActor
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ from replayrl.rollout.tasks.digit_puzzle import VOCABULARY  # noqa: E402
 from replayrl.tools.bench.peer import SAME_OBJECTIVE, run_config, trl_settings  # noqa: E402
 from replayrl.tools.run.launcher import write_initial_checkpoint  # noqa: E402
 from replayrl.trainer.config import TrainerConfig  # noqa: E402
-from replayrl.trainer.trainer_actor import TrainerActor  # noqa: E402
+from replayrl.trainer.ranks.trainer_actor import TrainerActor  # noqa: E402
 
 N = 4  # samples per prompt
 PROMPTS = [[1, 16, 7, 5, 7, 6, 17], [1, 14, 4, 6, 6, 5, 17]]

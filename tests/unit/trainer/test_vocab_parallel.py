@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from replayrl.trainer.errors import LogprobError
-from replayrl.trainer.logprobs import support_logprobs
+from replayrl.trainer.loss.logprobs import support_logprobs
 from replayrl.trainer.parallel.vocab_parallel import vocab_parallel_support_logprobs
 from tests.ports import port_block
 

@@ -1,6 +1,6 @@
 """The ``--lora-target-modules`` names and their check, without torch: the run settings are
 checked in the launcher, which loads no torch (issue 24, memory); the adapters themselves are
-:mod:`replayrl.trainer.lora` (peft, torch)."""
+:mod:`replayrl.trainer.lora.peft_adapter` (peft, torch)."""
 from __future__ import annotations
 
 from replayrl.trainer.errors import TrainerConfigError

@@ -2,7 +2,7 @@
 
 A packed microbatch concatenates ``B`` trajectories into one token axis of ``T`` positions
 (the "THD" layout of flash-attention / TransformerEngine) instead of right-padding them to a
-common length (``trainer/batch.py``). Padding and shifting by hand per array is where token
+common length (``trainer/batching/batch.py``). Padding and shifting by hand per array is where token
 rows drift apart, so every per-token array -- tokens, loss masks, rollout logprobs, support
 rows, routing and indexer traces -- goes through the same frozen :class:`PackedLayout`:
 

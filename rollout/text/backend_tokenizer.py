@@ -11,7 +11,7 @@ exact class, without a chat template, with ``clean_up_tokenization_spaces`` and
 the same tokenizer as the one transformers built from it (added tokens and post-processor
 included), :class:`BackendTokenizer` gives the same ids and text. Whether a directory qualifies
 is decided once, in a process that loaded transformers anyway
-(:func:`replayrl.rollout.tokenizer_class.resolve_tokenizer`, with :func:`same_tokenizer`); the
+(:func:`replayrl.rollout.text.tokenizer_class.resolve_tokenizer`, with :func:`same_tokenizer`); the
 rollout manager then reads it with :class:`BackendTokenizer`. Anything else a task or reward asks
 of it (``convert_ids_to_tokens``, ``batch_decode``, other arguments, ``add_tokens`` ...) loads
 transformers' class, which from then on answers every call.
@@ -22,8 +22,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-BACKEND_CLASS = "replayrl.rollout.backend_tokenizer:BackendTokenizer"
-"""The class path :func:`replayrl.rollout.tokenizer_class.load_tokenizer_object` loads it with."""
+BACKEND_CLASS = "replayrl.rollout.text.backend_tokenizer:BackendTokenizer"
+"""The class path :func:`replayrl.rollout.text.tokenizer_class.load_tokenizer_object` loads it with."""
 
 WRAPPER_CLASSES = ("transformers.tokenization_utils_tokenizers:TokenizersBackend",
                    "transformers.tokenization_utils_fast:PreTrainedTokenizerFast")
@@ -72,7 +72,7 @@ class BackendTokenizer:
 
         Raises:
             OSError: no ``tokenizer.json``; ValueError / Exception: ``tokenizers`` cannot read it
-            (the caller, :func:`replayrl.rollout.tokenizer.load_tokenizer`, names the directory).
+            (the caller, :func:`replayrl.rollout.text.tokenizer.load_tokenizer`, names the directory).
         """
         from tokenizers import Tokenizer
 

@@ -3,10 +3,10 @@
 :class:`RankStep` holds a rank's backend and its :class:`ProximalLogprobCache` and runs, on the
 samples it is given, the preflight forward (proximal logprobs into the cache, replay rates,
 support entropies) and the update (per microbatch: forward, PPO/TIS loss, backward; then clip
-and optimizer step). The ``trainer`` actor (:class:`replayrl.trainer.trainer_actor.TrainerActor`) owns
+and optimizer step). The ``trainer`` actor (:class:`replayrl.trainer.ranks.trainer_actor.TrainerActor`) owns
 one for rank 0 and makes every decision that needs the whole batch (clock checks, RS gate and
 refill, GRPO advantages, the loss denominator, skipping); with ``--dp-size N > 1`` the ranks
-``1 .. N-1`` (:class:`replayrl.trainer.trainer_rank.TrainerRank`) each own one too and run the same
+``1 .. N-1`` (:class:`replayrl.trainer.ranks.trainer_rank.TrainerRank`) each own one too and run the same
 calls on their shares (docs/design.md#trainer-ranks).
 """
 from __future__ import annotations
@@ -17,15 +17,15 @@ from typing import Iterator
 import torch
 
 from replayrl.actors.heap import HeapKeeper
-from replayrl.rollout import trace_table
 from replayrl.rollout.sample import Sample, check_required_traces, check_trace_shapes, required_traces
+from replayrl.rollout.traces import trace_table
 from replayrl.trainer.backends.base import TrainerBackend
-from replayrl.trainer.batch import TrainBatch, collate, collate_packed, per_sample_tensors, sampled_masks
+from replayrl.trainer.batching.batch import TrainBatch, collate, collate_packed, per_sample_tensors, sampled_masks
 from replayrl.trainer.config import TrainerConfig
 from replayrl.trainer.errors import TrainStepError
-from replayrl.trainer.losses import policy_loss
-from replayrl.trainer.proximal_cache import ProximalLogprobCache
-from replayrl.trainer.replay import batch_flip_rate, check_replay
+from replayrl.trainer.loss.losses import policy_loss
+from replayrl.trainer.ranks.proximal_cache import ProximalLogprobCache
+from replayrl.trainer.replay.checks import batch_flip_rate, check_replay
 
 __all__ = ["RankStep", "UPDATE_SUMS"]
 
@@ -122,7 +122,7 @@ class RankStep:
             if own is not None:  # None: skipped this update (--indexer-drift-interval)
                 self._check_replay(name, engine, own, batch.key_padding_mask)
             rates.setdefault(f"{name}_flip_rate", []).append(batch_flip_rate(engine, used, batch.key_padding_mask))
-            # NaN: undefined this microbatch, logged null (replayrl.trainer.replay.mean_rates)
+            # NaN: undefined this microbatch, logged null (replayrl.trainer.replay.checks.mean_rates)
             rates.setdefault(f"{name}_drift_rate", []).append(
                 float("nan") if own is None else batch_flip_rate(engine, own, batch.key_padding_mask))
 

@@ -23,10 +23,10 @@ from types import MappingProxyType
 from typing import Any, Mapping, Sequence
 
 from replayrl.rollout.config import RolloutConfig
-from replayrl.rollout.data_source import Prompt
 from replayrl.rollout.errors import PromptDataError, TokenizerError
 from replayrl.rollout.tasks import Task, make_task
-from replayrl.rollout.tokenizer import PromptTokenizer
+from replayrl.rollout.text.data_source import Prompt
+from replayrl.rollout.text.tokenizer import PromptTokenizer
 from replayrl.transport import strict_json
 
 __all__ = ["PromptRow", "read_rows", "tokenize_rows", "RunPrompts",
@@ -133,7 +133,7 @@ def read_rows(path: str | Path, input_key: str = "prompt", label_key: str = "lab
 
 def tokenize_rows(rows: Sequence[PromptRow], tokenizer: PromptTokenizer, *, input_key: str,
                   vocab_size: int, max_prompt_len: int) -> list[Prompt]:
-    """The rows as :class:`replayrl.rollout.data_source.Prompt` records, index = row position.
+    """The rows as :class:`replayrl.rollout.text.data_source.Prompt` records, index = row position.
 
     Args:
         vocab_size: the policy's vocabulary; an id at or past it cannot be forwarded.

@@ -10,17 +10,17 @@ position (the last token is never forwarded).
 * :func:`append_synthetic_eos` -- end a length-truncated response with an EOS the engine never
   sampled (at most one per trajectory).
 * :func:`merge_turns` -- one trajectory from engine turns and environment observations,
-  through :class:`replayrl.rollout.trace.TokenMetadataTrace` (every trajectory, single- or multi-turn).
+  through :class:`replayrl.rollout.traces.trace.TokenMetadataTrace` (every trajectory, single- or multi-turn).
 
 Conventions for rows nobody captured: support rows of observation tokens are all ``-1``
-(column 0 included: a padding row to the trainer, ``trainer/logprobs.py``); routing / indexer
+(column 0 included: a padding row to the trainer, ``trainer/loss/logprobs.py``); routing / indexer
 rows nobody computed are all ``-1``, which the model reads as "no replay, use your own choice"
 (``rollout/model/qwen3_moe.py``). Nothing is ever filled with zeros: expert 0 / key 0 would
 be replayed as if the engine had chosen them.
 
 Every error is a :class:`TrajectoryError` (a ``SampleError``) naming the sample and the field,
 except a required trace never captured: :class:`replayrl.rollout.errors.MissingTraceError`.
-Which traces exist, and in which row space, is read from ``replayrl.rollout.trace_table.TRACES``.
+Which traces exist, and in which row space, is read from ``replayrl.rollout.traces.trace_table.TRACES``.
 """
 from __future__ import annotations
 
@@ -30,12 +30,12 @@ from typing import Any, Collection, Literal, Mapping, Sequence
 
 import numpy as np
 
-from replayrl.rollout import trace_table
-from replayrl.rollout.capture import check_route_offset, check_sampled_logprob
 from replayrl.rollout.errors import MissingTraceError, TraceGapError, TrajectoryError
 from replayrl.rollout.sample import Sample
-from replayrl.rollout.trace import TokenMetadataTrace
-from replayrl.rollout.trace_table import trace_fields
+from replayrl.rollout.traces import trace_table
+from replayrl.rollout.traces.capture import check_route_offset, check_sampled_logprob
+from replayrl.rollout.traces.trace import TokenMetadataTrace
+from replayrl.rollout.traces.trace_table import trace_fields
 
 __all__ = [
     "OBSERVATION_LOGPROB",
@@ -113,7 +113,7 @@ def append_synthetic_eos(sample: Sample, eos_id: int) -> Sample:
     """Append one EOS token the engine did not sample (docs/design.md#trace-arrays).
 
     Used when a response hit its length cap: training on the EOS teaches the policy to stop.
-    The run applies it with ``--rollout-append-eos-on-truncation`` (``rollout/manager.py``,
+    The run applies it with ``--rollout-append-eos-on-truncation`` (``rollout/dispatch/manager.py``,
     before scoring). The trainer trains the row with no behaviour ratio (TIS weight 1) and
     keeps it out of every RS gate (:attr:`replayrl.rollout.sample.Sample.sampled_mask`).
     New last row of every row space:
@@ -242,7 +242,7 @@ def merge_turns(
             ``sample_support`` ``[R_k, 1+W]``, optional ``routed_experts`` / ``indexer_topk``
             with one row per position the engine forwarded, and optional ``route_start``
             (default 0): the context position of the first per-position row (an external
-            engine asked for rows from an offset, :func:`replayrl.rollout.capture.check_route_offset`).
+            engine asked for rows from an offset, :func:`replayrl.rollout.traces.capture.check_route_offset`).
             Turn ``k`` was generated from the context ``C_k`` = prompt + everything before it,
             so it carries ``len(C_k) + R_k - 1 - route_start`` per-position rows.
         observations: ``n - 1`` token sequences, observation ``k`` following turn ``k``.
@@ -257,7 +257,7 @@ def merge_turns(
             Neither ever fills the gap with zeros or with ``-1`` (which would silently train
             those rows without replay).
 
-    Row assembly (each through a :class:`replayrl.rollout.trace.TokenMetadataTrace`):
+    Row assembly (each through a :class:`replayrl.rollout.traces.trace.TokenMetadataTrace`):
 
     * response rows: turn ``k``'s ``R_k`` rows, then ``O_k`` observation rows (loss_mask 0,
       logprob :data:`OBSERVATION_LOGPROB`, support all ``-1``);
@@ -283,7 +283,7 @@ def merge_turns(
             turn 0 lacks; a ``route_start`` past the rows still needed.
         replayrl.rollout.errors.MissingTraceError: a field of ``require`` missing from turn 0.
         TraceGapError: a later turn lacks a trace, with ``on_trace_gap="raise"``.
-        replayrl.rollout.capture.CaptureError: a non-finite sampled logprob, an invalid route offset.
+        replayrl.rollout.traces.capture.CaptureError: a non-finite sampled logprob, an invalid route offset.
         replayrl.rollout.errors.TraceSchemaError: inconsistent trace shapes between turns (names the field).
     """
     sid = sample_id
@@ -403,7 +403,7 @@ def _turn_response(sid: Any, k: int, turn: Any, *, first_row: int
     Raises:
         TrajectoryError: no token, a logprob / trace row count differing from ``R_k``, a
             support whose column 0 is not the sampled ids.
-        replayrl.rollout.capture.CaptureError: a non-finite sampled logprob.
+        replayrl.rollout.traces.capture.CaptureError: a non-finite sampled logprob.
     """
     ids = _ids(sid, "response_ids", _get(turn, "response_ids"))
     R_k = len(ids)
@@ -442,7 +442,7 @@ def _turn_positions(sid: Any, k: int, turn: Any, context_len: int, R_k: int,
     Raises:
         TrajectoryError: a ``route_start`` past ``offset``, a row count other than
             ``context_len + R_k - 1 - route_start``.
-        replayrl.rollout.capture.CaptureError: an invalid offset or ``route_start``.
+        replayrl.rollout.traces.capture.CaptureError: an invalid offset or ``route_start``.
     """
     check_route_offset(offset, context_len, sample_id=sid)
     route_start = _get(turn, "route_start", 0)

@@ -15,9 +15,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from replayrl.rollout import trace_table
 from replayrl.rollout.sample import Sample, SampleError
-from replayrl.rollout.trace_table import TraceSpec, trace_fields
+from replayrl.rollout.traces import trace_table
+from replayrl.rollout.traces.trace_table import TraceSpec, trace_fields
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,7 @@ class TrainBatch:
 
     Attributes:
         tokens: int64 [B, T]; position_ids: int64 [B, T]; key_padding_mask: bool [B, T].
-        One field per row of ``replayrl.rollout.trace_table.TRACES`` (named by its
+        One field per row of ``replayrl.rollout.traces.trace_table.TRACES`` (named by its
         ``batch_field``; keyword-only, default None = not collated): position-row traces int64
         ``[B, T, ...]``, rows past each sample's ``P + R - 1`` the trace's padding value, e.g.
         routed_experts: int64 [B, T, L_moe, K] or None (-1 rows = not replayed);
@@ -150,7 +150,7 @@ def _response_fields(samples: Sequence[Sample], traces: Sequence[TraceSpec]) -> 
 
 def collate_packed(samples: Sequence[Sample], *, pad_to_multiple_of: int = 1,
                    **selected: bool) -> TrainBatch:
-    """Pack ``samples`` into ONE row through a single :class:`replayrl.trainer.packing.PackedLayout`.
+    """Pack ``samples`` into ONE row through a single :class:`replayrl.trainer.batching.packing.PackedLayout`.
 
     Tokens, traces (routing rows, indexer key slots shifted to packed positions) and the
     positions predicting each response token all come from the same layout, so they cannot
@@ -159,9 +159,9 @@ def collate_packed(samples: Sequence[Sample], *, pad_to_multiple_of: int = 1,
     ``selected`` as :func:`collate`'s.
 
     Raises:
-        SampleError / replayrl.trainer.packing.PackedFieldError: as :func:`collate`, naming the sample.
+        SampleError / replayrl.trainer.batching.packing.PackedFieldError: as :func:`collate`, naming the sample.
     """
-    from replayrl.trainer.packing import PackedLayout
+    from replayrl.trainer.batching.packing import PackedLayout
 
     if not samples:
         raise ValueError("collate_packed needs at least one sample")

@@ -1,8 +1,8 @@
 """The run's tokenizer and chat template, read from a Hugging Face checkpoint directory.
 
 Everything goes through transformers' own tokenizer classes (``AutoTokenizer``, or the class it
-resolves to: :mod:`replayrl.rollout.tokenizer_class`; a tokenizer transformers only wraps through
-the ``tokenizers`` library it wraps, :mod:`replayrl.rollout.backend_tokenizer`): the directory's
+resolves to: :mod:`replayrl.rollout.text.tokenizer_class`; a tokenizer transformers only wraps through
+the ``tokenizers`` library it wraps, :mod:`replayrl.rollout.text.backend_tokenizer`): the directory's
 ``tokenizer.json`` / ``tokenizer_config.json`` (and ``chat_template.jinja`` when present) give
 the vocabulary and the chat template, ``generation_config.json`` the ids that end a response.
 replayrl never re-implements a tokenizer or a template.
@@ -23,7 +23,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from replayrl.rollout.errors import ChatTemplateError, TokenizerError
-from replayrl.rollout.tokenizer_class import load_tokenizer_object
+from replayrl.rollout.text.tokenizer_class import load_tokenizer_object
 
 __all__ = [ "PromptTokenizer", "load_tokenizer"]
 
@@ -42,7 +42,7 @@ class PromptTokenizer:
     Attributes:
         tokenizer: the ``transformers`` tokenizer (``PreTrainedTokenizerBase``), or for a
             tokenizer transformers only wraps, the ``tokenizers``-backed
-            :class:`replayrl.rollout.backend_tokenizer.BackendTokenizer` with the same calls
+            :class:`replayrl.rollout.text.backend_tokenizer.BackendTokenizer` with the same calls
             (``tokenizer(text)``, ``decode``, ``get_vocab``, ``len``; the rest through transformers).
         directory: where it was read from (named in errors).
         eos_token_ids: ids that end a response, from ``generation_config.json``'s
@@ -326,11 +326,11 @@ def load_tokenizer(directory: str | Path, *, apply_chat_template: bool = False,
             (``--apply-chat-template-kwargs``).
         tools: the tool schema prompts are rendered with (the ``--env`` environment's).
         tokenizer_class: ``"module:QualName"`` from
-            :func:`replayrl.rollout.tokenizer_class.resolve_tokenizer_class` (the same
+            :func:`replayrl.rollout.text.tokenizer_class.resolve_tokenizer_class` (the same
             tokenizer as ``AutoTokenizer``'s, without importing torch); None or ``"auto"``:
             ``AutoTokenizer``.
         tokenizer_object: the transformers tokenizer of ``directory`` as ``tokenizer_class``
-            loads it, loaded already (:func:`replayrl.rollout.tokenizer_class.resolve_tokenizer`);
+            loads it, loaded already (:func:`replayrl.rollout.text.tokenizer_class.resolve_tokenizer`);
             None: load it here.
 
     Raises:

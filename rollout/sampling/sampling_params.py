@@ -1,7 +1,7 @@
 """Sampling parameters of one request (:class:`SamplingParams`), without torch.
 
 The rollout manager and the run configuration check and pass these on; only the engine's
-sampler (:mod:`replayrl.rollout.sampler`, which re-exports the class) needs torch.
+sampler (:mod:`replayrl.rollout.sampling.sampler`, which re-exports the class) needs torch.
 """
 from __future__ import annotations
 

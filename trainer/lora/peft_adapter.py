@@ -48,7 +48,7 @@ __all__ = ["ADAPTER_DIR", "add_adapters", "adapter_arrays", "adapter_parameters"
 ADAPTER_NAME = "default"
 ADAPTER_DIR = "adapter"
 """Checkpoint subdirectory of the peft adapter (beside ``model``, the base). The
-``--lora-target-modules`` names and their check: :mod:`replayrl.trainer.lora_settings` (no torch)."""
+``--lora-target-modules`` names and their check: :mod:`replayrl.trainer.lora.settings` (no torch)."""
 
 
 def _peft():

@@ -7,9 +7,9 @@ that handles traces generically reads this table instead of naming them:
 
 * :class:`replayrl.rollout.sample.Sample` -- its trace fields, their check and the column form;
 * :class:`replayrl.rollout.engines.base.Generation` and its column form;
-* :class:`replayrl.rollout.trajectory.MergedTrajectory`, ``truncate``, ``append_synthetic_eos``;
-* :class:`replayrl.trainer.batch.TrainBatch` and ``collate`` (padding);
-* the trainer's flip / drift rates (``replayrl.trainer.rank_step``).
+* :class:`replayrl.rollout.traces.trajectory.MergedTrajectory`, ``truncate``, ``append_synthetic_eos``;
+* :class:`replayrl.trainer.batching.batch.TrainBatch` and ``collate`` (padding);
+* the trainer's flip / drift rates (``replayrl.trainer.ranks.rank_step``).
 
 Adding a trace is one row here plus the capture code (an engine filling the field) and the
 replay code (the model or loss reading it). Row spaces (docs/design.md#sample-contract),
@@ -49,7 +49,7 @@ class TraceSpec:
         pad: value of a row nobody captured (observation tokens, a synthetic EOS, batch
             padding): ``-1`` = "nothing here", which the model reads as "no replay".
         replay: short name of the replay: the keyword of ``required_traces`` is
-            ``f"{replay}_replay"``, the keyword of ``trainer.batch.collate`` is ``replay``, the
+            ``f"{replay}_replay"``, the keyword of ``replayrl.trainer.batching.batch.collate`` is ``replay``, the
             flip / drift metrics are ``f"{replay}_flip_rate"`` / ``f"{replay}_drift_rate"``.
         flag: the command-line switch enabling the replay (named in error messages).
         setting: the ``TrainerConfig`` attribute of that switch.
@@ -68,7 +68,7 @@ class TraceSpec:
             per-token shape the model expects (:func:`model_shape`). ``None``: the width is
             not the model's (the support width is the sampler's).
         storage: how the column form (what crosses the wire) stores the trace
-            (:mod:`replayrl.rollout.trace_storage`): ``"raw"`` as it is, ``"ids"`` in the
+            (:mod:`replayrl.rollout.traces.trace_storage`): ``"raw"`` as it is, ``"ids"`` in the
             smallest unsigned dtype holding its values (expert ids: uint8 up to 256 experts),
             ``"sets"`` each row as the set of key positions its query may see (``key_slots``
             traces: row ``p`` of a trajectory sees keys ``0..p``).

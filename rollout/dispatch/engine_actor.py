@@ -14,7 +14,7 @@ instead of the driver waiting for the push (docs/design.md#version-clock). Both 
 synchronously inside, so a load never lands in the middle of a generation.
 
 A multi-turn episode spans several ``generate`` calls; it holds a version pin
-(:mod:`replayrl.rollout.version_pins`) from :meth:`EngineActor.open_pin` to
+(:mod:`replayrl.rollout.episodes.version_pins`) from :meth:`EngineActor.open_pin` to
 :meth:`EngineActor.release_pin`, and a load of a newer version waits until no pin of an older
 one is held, so the episode's turns all come from the weights it started with. Nothing else
 waits for pins: a run without them (single-turn) loads exactly as before.
@@ -32,9 +32,9 @@ from replayrl.actors import Actor, concurrent
 from replayrl.actors.heap import HeapKeeper
 from replayrl.rollout.engines import check_capture, load_engine_class
 from replayrl.rollout.engines.base import generations_to_columns
+from replayrl.rollout.episodes.version_pins import VersionPins
 from replayrl.rollout.errors import EngineError, EngineNotReady
-from replayrl.rollout.sampling_params import SamplingParams
-from replayrl.rollout.version_pins import VersionPins
+from replayrl.rollout.sampling.sampling_params import SamplingParams
 from replayrl.transport.array_bundle import unpack_arrays
 
 
@@ -49,7 +49,7 @@ class EngineActor(Actor):
         torch_threads: intra-op threads for this process (the trainer runs beside it).
         version_wait_s: the longest a ``generate`` with ``min_version`` waits for that version.
         pin_lease_s: seconds a version pin outlives its holder's silence while the engine is
-            idle (:class:`replayrl.rollout.version_pins.VersionPins`); keep it well below the
+            idle (:class:`replayrl.rollout.episodes.version_pins.VersionPins`); keep it well below the
             trainer's ``--rpc-timeout-seconds``, which bounds a load held by pins.
 
     Raises:
@@ -168,7 +168,7 @@ class EngineActor(Actor):
 
         Args:
             prompts: ``B >= 1`` int token-id arrays (each the whole context of its turn).
-            sampling: :class:`replayrl.rollout.sampling_params.SamplingParams` fields.
+            sampling: :class:`replayrl.rollout.sampling.sampling_params.SamplingParams` fields.
             max_new_tokens, eos_token_id, seed: as :meth:`replayrl.rollout.engines.base.Engine.generate`.
             min_version: serve only at this policy version or later: wait (up to
                 ``version_wait_s``) for a push still on its way.

@@ -2,19 +2,19 @@
 
 For each ``rollout_id`` it draws ``rollout_batch_size`` prompts from the seeded data source and
 produces ``n_samples_per_prompt`` trajectories per prompt (groups are split across engines,
-whole groups per engine). It drives the turn loop itself (``rollout/turn_loop.py``): one
+whole groups per engine). It drives the turn loop itself (``rollout/episodes/turn_loop.py``): one
 ``generate`` request to the engine actor per turn, the task's environment between turns when
 ``max_turns > 1``. Every trajectory, single- or multi-turn, is then assembled by the same
 ``merge_turns`` call with the run's required traces and scored by the task's reward
 (``--rm-type`` by default, ``rollout/tasks/rm_type.py``) or ``--custom-reward`` under one
-time limit (``rollout/rewards.py``). The batch
+time limit (``rollout/scoring/rewards.py``). The batch
 is kept until the trainer takes it, so the trajectories cross the wire once (engine -> manager
 -> trainer), never through the driver. Its data-source state is checkpointable. The prompt
-groups of a lost engine are generated again on another one (``rollout/engine_pool.py``,
+groups of a lost engine are generated again on another one (``rollout/dispatch/engine_pool.py``,
 ``--engine-failure``).
 
 A multi-turn episode batch holds a version pin on its engine from its first turn to its last
-(``replayrl.rollout.engine_actor.EngineActor.open_pin``), so a weight push that arrives between
+(``replayrl.rollout.dispatch.engine_actor.EngineActor.open_pin``), so a weight push that arrives between
 turns loads after it and every trajectory comes from one policy. Should a pin lapse all the
 same, the batch's mixed trajectories are never trained: the whole batch (whole prompt groups) is
 generated again at the newer version and counted (``episodes_regenerated``;
@@ -23,10 +23,10 @@ docs/design.md#version-clock).
 The task (``--task``, ``rollout/tasks/``) gives the prompts, the reward and the environment;
 the manager holds no task code. ``--env`` replaces the task's environment with your own
 (``rollout/tasks/environment.py``): one instance per trajectory, driven through
-``rollout/env_sessions.py``; a trajectory it ends is stored with status ``aborted`` and counted
+``rollout/episodes/env_sessions.py``; a trajectory it ends is stored with status ``aborted`` and counted
 (``env_failures``, ``env_failure_messages``). Prompts come from the task (``--prompt-data``, or the built-in
-task's shipped file) through the run's tokenizer (``rollout/tokenizer.py``,
-``rollout/prompt_data.py``); ``evaluate`` scores the
+task's shipped file) through the run's tokenizer (``rollout/text/tokenizer.py``,
+``rollout/text/prompt_data.py``); ``evaluate`` scores the
 ``--eval-prompt-data`` sets with the evaluation sampling settings (docs/design.md#prompt-data).
 """
 from __future__ import annotations
@@ -41,20 +41,20 @@ import numpy as np
 
 from replayrl.actors import Actor, concurrent, import_callable
 from replayrl.rollout.config import RolloutConfig
-from replayrl.rollout.data_source import Prompt, PromptDataSource
-from replayrl.rollout.engine_pool import EnginePool
+from replayrl.rollout.dispatch.engine_pool import EnginePool
+from replayrl.rollout.dispatch.generation_gate import GenerationGate
 from replayrl.rollout.engines.base import generations_from_columns
-from replayrl.rollout.env_sessions import EnvSessions
+from replayrl.rollout.episodes.env_sessions import EnvSessions
+from replayrl.rollout.episodes.turn_loop import Episode, assemble, run_episodes
 from replayrl.rollout.errors import RolloutError, TrajectoryError
-from replayrl.rollout.evaluation import eval_metrics
-from replayrl.rollout.generation_gate import GenerationGate
-from replayrl.rollout.prompt_data import load_run_prompts
-from replayrl.rollout.rewards import RewardGuard, load_math_verify
 from replayrl.rollout.sample import Sample, samples_to_columns
+from replayrl.rollout.scoring.evaluation import eval_metrics
+from replayrl.rollout.scoring.rewards import RewardGuard, load_math_verify
 from replayrl.rollout.tasks import load_environment_class, make_task
-from replayrl.rollout.tokenizer import load_tokenizer
-from replayrl.rollout.trajectory import append_synthetic_eos
-from replayrl.rollout.turn_loop import Episode, assemble, run_episodes
+from replayrl.rollout.text.data_source import Prompt, PromptDataSource
+from replayrl.rollout.text.prompt_data import load_run_prompts
+from replayrl.rollout.text.tokenizer import load_tokenizer
+from replayrl.rollout.traces.trajectory import append_synthetic_eos
 
 log = logging.getLogger(__name__)
 
@@ -84,22 +84,23 @@ class RolloutManager(Actor):
         tokenizer_dir: the checkpoint directory whose tokenizer encodes the prompts
             (``--tokenizer``, by default the run's initial checkpoint).
         vocab_size: the policy's vocabulary size (prompt ids must lie below it).
-        engine_failure: ``--engine-failure`` (:data:`replayrl.rollout.engine_pool.ENGINE_FAILURE_POLICIES`):
+        engine_failure: ``--engine-failure`` (:data:`replayrl.rollout.dispatch.engine_pool.ENGINE_FAILURE_POLICIES`):
             what a lost engine's unfinished prompt groups get (docs/design.md#engine-faults).
         task: the ``"module:Class"`` of the run's task (the launcher resolves ``--task`` in its
             own process: ``replayrl.rollout.tasks.task_class_path``); ``""`` = the one the
             config selects (``replayrl.rollout.tasks.make_task``).
         tokenizer_class: the class that reads the tokenizer, resolved by the launcher's
-            initial-files child (``replayrl.rollout.tokenizer_class``): loads without torch;
+            initial-files child (``replayrl.rollout.text.tokenizer_class``): loads without torch;
             None: ``AutoTokenizer`` (imports torch).
 
     Raises:
         RolloutError: no engine, ``--custom-reward`` not importable, or
             ``--rollout-max-turns > 1`` with a task that has no environment.
         replayrl.rollout.errors.TaskConfigError: the task is unknown or refuses the settings.
-        replayrl.rollout.tokenizer.TokenizerError, replayrl.rollout.prompt_data.PromptDataError: the tokenizer or
-            a prompt row is unusable (the launcher checks both before any process starts).
-        replayrl.rollout.rewards.RewardError: ``--rm-type math`` without the math-verify package.
+        replayrl.rollout.text.tokenizer.TokenizerError,
+        replayrl.rollout.text.prompt_data.PromptDataError: the tokenizer or a prompt row is
+            unusable (the launcher checks both before any process starts).
+        replayrl.rollout.scoring.rewards.RewardError: ``--rm-type math`` without the math-verify package.
     """
 
     def __init__(self, config: dict, engines: list[str], require_traces: list[str],
@@ -117,7 +118,7 @@ class RolloutManager(Actor):
         # The environment answers tool calls only when the run allows more than one turn; one
         # reward scores every trajectory, single- or multi-turn (the task's, on its final turn).
         # --env (your own environment, rollout/tasks/environment.py) replaces the task's: one
-        # instance per trajectory, built by the turn loop's sessions (rollout/env_sessions.py)
+        # instance per trajectory, built by the turn loop's sessions (rollout/episodes/env_sessions.py)
         self.env_class = load_environment_class(self.config.env) if self.config.env else None
         self.env = (self.task.environment()
                     if self.config.max_turns > 1 and self.env_class is None else None)
@@ -238,7 +239,7 @@ class RolloutManager(Actor):
                            min_version: int | None) -> tuple[list[list[Episode]], int, int]:
         """``n`` episodes per prompt (``[len(prompts)][n]``), whole prompts split over engines,
         served at policy ``min_version`` or later, the number of prompt groups that were
-        generated again because their engine was lost (:class:`replayrl.rollout.engine_pool.EnginePool`),
+        generated again because their engine was lost (:class:`replayrl.rollout.dispatch.engine_pool.EnginePool`),
         and the number of episodes generated again because their turns crossed a weight push
         (:meth:`_episodes`).
 
@@ -315,7 +316,7 @@ class RolloutManager(Actor):
         which ``--custom-reward`` gets.
 
         Raises:
-            replayrl.rollout.rewards.RewardFailure: the reward raised or ran over the limit, under
+            replayrl.rollout.scoring.rewards.RewardFailure: the reward raised or ran over the limit, under
                 ``--reward-failure error`` (names the sample and the prompt's row).
         """
         cfg = self.config
@@ -334,7 +335,7 @@ class RolloutManager(Actor):
         """Generate, score and store one batch; returns its summary (floats, seconds).
 
         ``min_version``: the policy version the engines must serve it at, or later (they wait
-        for a weight push still on its way; ``replayrl.rollout.engine_actor.EngineActor.generate``).
+        for a weight push still on its way; ``replayrl.rollout.dispatch.engine_actor.EngineActor.generate``).
 
         The summary's ``engines_alive`` and ``groups_regenerated`` give the capacity: engines
         in the pool when the batch was complete, and the prompt groups generated again because
@@ -346,7 +347,7 @@ class RolloutManager(Actor):
         Raises:
             RolloutError: a batch with this id is already stored.
             replayrl.actors.RemoteError / ActorTimeout: an engine failed or did not answer in time.
-            replayrl.rollout.engine_pool.EnginesLost: no engine left (``--engine-failure regenerate``)
+            replayrl.rollout.dispatch.engine_pool.EnginesLost: no engine left (``--engine-failure regenerate``)
                 or none restored in time (``restart``); replayrl.actors.errors.PeerLost: an engine
                 lost under ``fail``.
         """
@@ -398,10 +399,10 @@ class RolloutManager(Actor):
         settings; nothing is stored or trained and the training data's position is untouched.
 
         Returns:
-            :func:`replayrl.rollout.evaluation.eval_metrics` of each set (``eval/NAME/reward_mean``,
+            :func:`replayrl.rollout.scoring.evaluation.eval_metrics` of each set (``eval/NAME/reward_mean``,
             ``eval/NAME/pass@k`` ...), plus ``eval_seconds``.
         Raises:
-            replayrl.rollout.rewards.RewardFailure, replayrl.actors.RemoteError: as :meth:`generate`.
+            replayrl.rollout.scoring.rewards.RewardFailure, replayrl.actors.RemoteError: as :meth:`generate`.
         """
         cfg = self.config
         start = time.perf_counter()
@@ -451,7 +452,7 @@ class RolloutManager(Actor):
 
         With ``--rollout-append-eos-on-truncation``, a trajectory that hit its length cap
         (``finish_reason == "length"``, status ``truncated``) and does not already end with a
-        sampled EOS gets a synthetic EOS (``replayrl.rollout.trajectory.append_synthetic_eos``) before it
+        sampled EOS gets a synthetic EOS (``replayrl.rollout.traces.trajectory.append_synthetic_eos``) before it
         is scored. The reward is then the verifier's (the task's, or ``--custom-reward``'s)
         for the response as it will be trained, EOS included: reward, tokens and advantage
         describe one sequence, and a custom verifier sees exactly the
@@ -512,7 +513,7 @@ class RolloutManager(Actor):
             wait: return only once no engine request is in flight (the engines are idle).
         Returns:
             ``{"paused": True, "in_flight": int, "held": int}``
-            (:meth:`replayrl.rollout.generation_gate.GenerationGate.state`).
+            (:meth:`replayrl.rollout.dispatch.generation_gate.GenerationGate.state`).
         """
         self.gate.pause()
         if wait:

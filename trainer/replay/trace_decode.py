@@ -7,7 +7,7 @@ hundredths of the int32 array) are copied to the device and unpacked there. The 
 are the numpy decoder's (``read_sets_header``, on the host); the checks on decoded values run
 on the device and are read back once at the end. Tested on CPU against the numpy decoder; it has
 not been run on a GPU here (untested there). Nothing calls it yet: the trainer's columns are
-decoded by ``replayrl.rollout.trace_storage.decode_column`` (numpy) before collation.
+decoded by ``replayrl.rollout.traces.trace_storage.decode_column`` (numpy) before collation.
 """
 from __future__ import annotations
 

@@ -45,16 +45,16 @@ import torch
 from replayrl.actors import Actor
 from replayrl.actors.errors import PeerLost
 from replayrl.rollout.sample import Sample, samples_from_columns, samples_to_columns
-from replayrl.trainer.advantages import baseline_groups, grpo_advantages
 from replayrl.trainer.backends import resolve_backend
 from replayrl.trainer.backends.base import TrainerBackend
-from replayrl.trainer.batch import token_counts
+from replayrl.trainer.batching.batch import token_counts
 from replayrl.trainer.config import TrainerConfig
 from replayrl.trainer.errors import EmptyStep, TrainerConfigError, TrainStepError
-from replayrl.trainer.rank_group import RankGroup, follower_names, shard
-from replayrl.trainer.rank_step import UPDATE_SUMS, RankStep
+from replayrl.trainer.loss.advantages import baseline_groups, grpo_advantages
+from replayrl.trainer.ranks.rank_group import RankGroup, follower_names, shard
+from replayrl.trainer.ranks.rank_step import UPDATE_SUMS, RankStep
 from replayrl.trainer.rejection.refill import RefillCoordinator, gate_metrics
-from replayrl.trainer.replay import mean_rates
+from replayrl.trainer.replay.checks import mean_rates
 from replayrl.transport.array_bundle import pack_arrays
 
 __all__ = [ "SKIP_REASONS", "TrainerActor"]
@@ -82,7 +82,7 @@ class TrainerActor(Actor):
     (docs/design.md#trainer-ranks): it joins their process group before building its
     backend, makes every whole-batch decision, and gives each data-parallel rank its
     contiguous share of every preflight and update through the ``trainer_1 ..`` actors
-    (:class:`replayrl.trainer.trainer_rank.TrainerRank`), running its own share meanwhile. Weights are
+    (:class:`replayrl.trainer.ranks.trainer_rank.TrainerRank`), running its own share meanwhile. Weights are
     pushed from here alone.
 
     Args:
@@ -96,7 +96,7 @@ class TrainerActor(Actor):
         engine_failure: ``--engine-failure``; with ``regenerate`` or ``restart`` a weight push
             goes on without an engine lost during it (:meth:`_record_loads`).
         ranks: ``{"size", "host", "port"}`` of the trainer ranks' group
-            (:class:`replayrl.trainer.rank_group.RankGroup` without ``rank``); None: one rank.
+            (:class:`replayrl.trainer.ranks.rank_group.RankGroup` without ``rank``); None: one rank.
 
     Raises:
         replayrl.trainer.config.TrainerConfigError: a bad setting (e.g. an unknown ``--train-backend``).
@@ -284,7 +284,7 @@ class TrainerActor(Actor):
         """Proximal logprobs of ``samples`` at the current weights into the cache (this rank).
 
         Returns the replay rates, one value per microbatch (NaN when it has no captured real
-        row; :func:`replayrl.trainer.replay.mean_rates` makes the step metrics): ``*_flip_rate`` =
+        row; :func:`replayrl.trainer.replay.checks.mean_rates` makes the step metrics): ``*_flip_rate`` =
         fraction of captured rows where the trainer used other experts / keys than the engine
         (0 when the replay works), ``*_drift_rate`` = where the trainer's own router / indexer
         would have chosen differently (numerics plus policy change since the sample was
@@ -294,9 +294,9 @@ class TrainerActor(Actor):
         Raises:
             replayrl.rollout.errors.MissingTraceError: a sample lacks a trace an enabled replay needs
                 (``replayrl.rollout.sample.required_traces``); names the sample and the field.
-            replayrl.trainer.replay.ReplayMismatch: the engine's and the trainer's own choices disagree
+            replayrl.trainer.replay.checks.ReplayMismatch: the engine's and the trainer's own choices disagree
                 beyond ``--replay-min-overlap-ratio`` / ``--replay-max-mismatch-fraction``.
-            replayrl.trainer.proximal_cache.ProximalCacheError: the cache's byte cap is exceeded.
+            replayrl.trainer.ranks.proximal_cache.ProximalCacheError: the cache's byte cap is exceeded.
         """
         return self.local.preflight(samples)
 
@@ -455,7 +455,7 @@ class TrainerActor(Actor):
     async def _update(self, samples: list[Sample], token_accept: dict[int, torch.Tensor],
                       fused: bool = False) -> dict:
         """The loss forward / backward per microbatch and the optimizer step, every
-        data-parallel rank on its share (:meth:`replayrl.trainer.rank_step.RankStep.update`). ``fused``:
+        data-parallel rank on its share (:meth:`replayrl.trainer.ranks.rank_step.RankStep.update`). ``fused``:
         no preflight ran; the proximal logprobs are this forward's, detached (same weights), and
         the replay rates come from it too (:meth:`needs_preflight`)."""
         cfg = self.config

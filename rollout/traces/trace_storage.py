@@ -1,7 +1,7 @@
 """How a trace column is stored where it crosses the wire (the column forms of samples and
 generations): no larger than what it carries (docs/design.md#trace-arrays).
 
-Each row of ``replayrl.rollout.trace_table.TRACES`` names its ``storage``:
+Each row of ``replayrl.rollout.traces.trace_table.TRACES`` names its ``storage``:
 
 * ``"raw"`` -- the int32 column as it is (``sample_support``);
 * ``"ids"`` -- :func:`replayrl.transport.trace_codec.encode_ids`: the smallest unsigned dtype

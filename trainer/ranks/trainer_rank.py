@@ -4,7 +4,7 @@ With ``--dp-size N > 1`` (docs/design.md#trainer-ranks) the ``trainer`` actor is
 it takes the batch, talks to the clock, the manager and the engines, and makes every decision
 that needs the whole batch (RS gate and refill, advantages, the loss denominator, skipping).
 A :class:`TrainerRank` builds the same backend in the same process group and runs, when rank 0
-calls it, the same per-share work (:class:`replayrl.trainer.rank_step.RankStep`) on the share it is
+calls it, the same per-share work (:class:`replayrl.trainer.ranks.rank_step.RankStep`) on the share it is
 sent; the gradients meet in the backend's data-parallel wrapper (torch DDP, FSDP2, megatron's DDP).
 It never calls another actor.
 """
@@ -19,8 +19,8 @@ from replayrl.actors import Actor
 from replayrl.rollout.sample import samples_from_columns
 from replayrl.trainer.backends import resolve_backend
 from replayrl.trainer.config import TrainerConfig
-from replayrl.trainer.rank_group import RankGroup
-from replayrl.trainer.rank_step import RankStep
+from replayrl.trainer.ranks.rank_group import RankGroup
+from replayrl.trainer.ranks.rank_step import RankStep
 
 __all__ = ["TrainerRank"]
 
@@ -32,11 +32,11 @@ class TrainerRank(Actor):
         checkpoint_dir: the initial policy (as ``TrainerActor``).
         config: :meth:`TrainerConfig.to_dict` output (the run's; the same on every rank).
         vocab_tokens: the tokenizer vocabulary written with checkpoints.
-        group: ``{"rank", "size", "host", "port"}`` of :class:`replayrl.trainer.rank_group.RankGroup`;
+        group: ``{"rank", "size", "host", "port"}`` of :class:`replayrl.trainer.ranks.rank_group.RankGroup`;
             joined before the backend is built (blocks until every rank joined).
 
     Raises:
-        replayrl.trainer.rank_group.RankGroupError: a bad ``group``.
+        replayrl.trainer.ranks.rank_group.RankGroupError: a bad ``group``.
         as ``TrainerActor`` for the checkpoint and the config.
     """
 
@@ -74,7 +74,7 @@ class TrainerRank(Actor):
     async def train(self, columns: dict, advantages: np.ndarray, token_accept: np.ndarray,
                     loss_accept: np.ndarray, denominator: float, fused: bool,
                     proximal: np.ndarray | None, grad_scale: float) -> dict:
-        """This rank's share of the update (:meth:`replayrl.trainer.rank_step.RankStep.update`).
+        """This rank's share of the update (:meth:`replayrl.trainer.ranks.rank_step.RankStep.update`).
 
         Args:
             columns: the share's samples (``samples_to_columns``).
@@ -86,7 +86,7 @@ class TrainerRank(Actor):
         Returns:
             ``RankStep.update``'s result plus ``entropy`` (float32 [n]).
         Raises:
-            replayrl.trainer.rank_step.TrainStepError: as ``RankStep.update``; ValueError: arrays that
+            replayrl.trainer.ranks.rank_step.TrainStepError: as ``RankStep.update``; ValueError: arrays that
                 do not match the samples' response lengths.
         """
         samples = samples_from_columns(columns, decode_threads=self.config.trace_decode_threads)

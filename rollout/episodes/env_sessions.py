@@ -17,9 +17,9 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from replayrl.rollout.data_source import Prompt
 from replayrl.rollout.errors import EnvironmentFailure
 from replayrl.rollout.tasks.environment import Reset, ToolEnvironment, Turn, check_step
+from replayrl.rollout.text.data_source import Prompt
 
 __all__ = ["Answer", "EnvSessions", "turn_text"]
 
@@ -71,7 +71,7 @@ class EnvSessions:
     Args:
         make_env: builds one fresh environment (called once per row).
         prompts: the batch's prompts, one per trajectory.
-        tokenizer: a :class:`replayrl.rollout.tokenizer.PromptTokenizer` (decodes turns,
+        tokenizer: a :class:`replayrl.rollout.text.tokenizer.PromptTokenizer` (decodes turns,
             renders observations).
         timeout_s: seconds one ``reset`` / ``step`` may take, > 0.
         failure: ``"abort"`` (end the trajectory) or ``"error"`` (raise, ending the run).

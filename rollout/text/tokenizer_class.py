@@ -11,7 +11,7 @@ directly gives the same tokenizer (:func:`resolve_tokenizer` also returns that l
 check reuses); :func:`load_tokenizer_object` then loads with that class in the rollout manager,
 and with ``AutoTokenizer`` when the class is ``AUTO`` (remote code, or a class whose direct
 load differs). A tokenizer transformers only wraps (no chat template: the embedded one) resolves
-to :class:`replayrl.rollout.backend_tokenizer.BackendTokenizer`, which reads it with the
+to :class:`replayrl.rollout.text.backend_tokenizer.BackendTokenizer`, which reads it with the
 ``tokenizers`` library and imports no transformers at all.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from replayrl.rollout.backend_tokenizer import BACKEND_CLASS, BackendTokenizer, same_tokenizer
+from replayrl.rollout.text.backend_tokenizer import BACKEND_CLASS, BackendTokenizer, same_tokenizer
 
 AUTO = "auto"
 """The class path that means: resolve with ``AutoTokenizer`` in this process."""
@@ -56,7 +56,7 @@ def resolve_tokenizer_class(directory: str | Path) -> str:
     ``"module:QualName"``, or :data:`AUTO` when only ``AutoTokenizer`` will do (``auto_map``
     remote code, or the class's own ``from_pretrained`` gives another tokenizer); a tokenizer
     transformers only wraps resolves to
-    :data:`replayrl.rollout.backend_tokenizer.BACKEND_CLASS` (``tokenizers`` alone). Imports torch
+    :data:`replayrl.rollout.text.backend_tokenizer.BACKEND_CLASS` (``tokenizers`` alone). Imports torch
     (through ``AutoTokenizer``); call it where torch is loaded anyway.
 
     Raises:

@@ -9,7 +9,7 @@ single-turn trajectory is this same loop stopped after turn 0.
 
 The loop returns :class:`Episode` records -- turns, observations and the weight version of
 each turn -- and :func:`assemble` turns one into a trajectory through
-:func:`replayrl.rollout.trajectory.merge_turns` (one assembly path for every trajectory), so:
+:func:`replayrl.rollout.traces.trajectory.merge_turns` (one assembly path for every trajectory), so:
 
 * generated tokens keep their engine logprob and support row; observation tokens get
   loss_mask 0, logprob 0.0 and all ``-1`` support rows;
@@ -27,10 +27,10 @@ from typing import Awaitable, Callable, Collection, Sequence
 import numpy as np
 
 from replayrl.rollout.engines.base import Generation
-from replayrl.rollout.env_sessions import EnvSessions
+from replayrl.rollout.episodes.env_sessions import EnvSessions
 from replayrl.rollout.errors import MixedVersionError, TurnLoopError
 from replayrl.rollout.tasks.base import Environment
-from replayrl.rollout.trajectory import MergedTrajectory, merge_turns
+from replayrl.rollout.traces.trajectory import MergedTrajectory, merge_turns
 
 __all__ = ["Episode", "GenerateTurn", "turn_seed",
            "run_episodes", "assemble"]
@@ -108,7 +108,7 @@ async def run_episodes(
         seed: ``>= 0``; turn ``t`` uses :func:`turn_seed(seed, t, max_turns) <turn_seed>`.
             Same seed, prompts and weights give the same episodes.
         env: the task's environment (``replayrl.rollout.tasks.base.Environment``), the
-            batch's ``--env`` sessions (:class:`replayrl.rollout.env_sessions.EnvSessions`, row
+            batch's ``--env`` sessions (:class:`replayrl.rollout.episodes.env_sessions.EnvSessions`, row
             ``i`` = ``prompts[i]``; its answers come rendered already, and a failure or an
             observation longer than the context left for it -- the positions after the turn
             minus one for the next turn's first token -- ends that trajectory with
@@ -118,7 +118,7 @@ async def run_episodes(
             or ``None`` (no tools: every turn is final).
         render_observation: ``render_observation(observation_ids, turn_ids, sample_id=row)``
             turns the environment's observation ids into the ids appended to the context after
-            the turn ``turn_ids`` (``replayrl.rollout.tokenizer.PromptTokenizer.render_observation``:
+            the turn ``turn_ids`` (``replayrl.rollout.text.tokenizer.PromptTokenizer.render_observation``:
             the separator the chat template writes after the turn's end-of-turn token, then the
             tool turn); ``row`` is the trajectory's index in ``prompts``. ``None`` appends them
             unchanged. Either way the next turn's context is the previous context's exact ids
@@ -228,7 +228,7 @@ def assemble(episode: Episode, *, sample_id: int,
         require: trace fields every turn must carry (``replayrl.rollout.sample.required_traces``).
 
     Returns:
-        ``(merged, version)``: :func:`replayrl.rollout.trajectory.merge_turns` of the turns and
+        ``(merged, version)``: :func:`replayrl.rollout.traces.trajectory.merge_turns` of the turns and
         observations, and the weight version every turn was served by.
 
     Raises:

@@ -100,7 +100,7 @@ def policy_loss(
         tis_cap: TIS cap ``C > 0``; ``None`` disables TIS (``w = 1``).
         token_accept: optional bool tensor [N] from token RS (``replayrl.trainer.rejection.rs_gates.token_gate``).
         sampled_mask: optional tensor [N] of 0/1: 1 = the engine sampled this loss token, so
-            ``logp_rollout`` holds its behaviour logprob (``replayrl.trainer.batch.TrainBatch.sampled_mask``).
+            ``logp_rollout`` holds its behaviour logprob (``replayrl.trainer.batching.batch.TrainBatch.sampled_mask``).
             A loss token with 0 here (a synthetic EOS) gets ``w = 1`` and is left out of
             ``logprob_abs_diff_mean`` and ``tis_weight_mean``; its ``logp_rollout`` is not read.
             Must be 0 wherever ``loss_mask`` is 0. ``None``: every loss token was sampled.

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from replayrl.rollout.errors import NonFiniteLogitsError, SamplerError
-from replayrl.rollout.sampling_params import SamplingParams
+from replayrl.rollout.sampling.sampling_params import SamplingParams
 
 __all__ = [
     "SampleOutput",

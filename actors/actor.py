@@ -57,7 +57,7 @@ class Actor:
 
     The runtime sets ``self.name`` and ``self.directory`` before :meth:`on_start` runs.
     Built-in remote methods: ``__ping__`` (liveness; returns ``{"name", "pid"}``), ``__stop__``
-    (optional argument: why the run failed, which :func:`replayrl.actors.spawn.serve_actor` returns),
+    (optional argument: why the run failed, which :func:`replayrl.actors.serve.serve_actor` returns),
     ``__interface__`` (the class's public methods, signatures and docstrings,
     :mod:`replayrl.actors.interface`, which typed proxies check calls against) and ``__directory__``
     (the run's endpoints, ``{name: endpoint}``, so a console given one actor's address finds

@@ -3,7 +3,7 @@ torch (issue 24, memory: ~200 MiB RSS per process that loads the torch runtime),
 embedded tokenizer not transformers either (~30 MiB RSS).
 
 An actor process imports its start (``replayrl.actors.child_process``), then the actor
-bootstrap (``replayrl.actors.spawn``), then its actor class. A fresh interpreter does the same here and
+bootstrap (``replayrl.actors.actor_process``), then its actor class. A fresh interpreter does the same here and
 reports which heavy packages ``sys.modules`` holds after each step; the rollout manager is also
 built (its tokenizer and prompts loaded) with the tokenizer class the launcher resolves
 (``replayrl.rollout.text.tokenizer_class``). The launcher does its torch and tokenizer work in a short
@@ -28,7 +28,8 @@ HEAVY = ("torch", "transformers")
 PROBE = """
 import json, sys
 import replayrl.actors.child_process  # the child's entry (child_main)
-from replayrl.actors.spawn import import_actor_class
+import replayrl.actors.actor_process  # the actor process's main
+from replayrl.actors.objects import import_actor_class
 loaded = {}
 for name, cls, kwargs in json.loads(sys.argv[1]):
     actor = import_actor_class(cls)

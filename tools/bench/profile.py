@@ -1,7 +1,7 @@
 """``replayrl bench profile``: where one step's time goes, per actor process and per phase.
 
 Runs the real multi-process system for ``--steps`` steps with ``REPLAYRL_PROFILE_DIR`` set, so
-every actor process runs under cProfile while it serves (``actors/spawn.py``) and writes
+every actor process runs under cProfile while it serves (``actors/profiling.py``) and writes
 ``<name>.prof`` / ``<name>.txt`` into ``--output-dir/profile``. Prints:
 
 1. the per-step time breakdown from ``metrics.jsonl`` (median of every ``*_seconds`` key over
@@ -20,7 +20,7 @@ import pstats
 import statistics
 from pathlib import Path
 
-from replayrl.actors.spawn import PROFILE_ENV
+from replayrl.actors.profiling import PROFILE_ENV
 
 
 def breakdown(rows: list[dict], warmup: int) -> dict[str, float]:

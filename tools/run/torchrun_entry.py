@@ -44,11 +44,11 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from replayrl.actors import ActorError, Directory, run_event_loop
+from replayrl.actors import ActorError, ActorSpec, Directory, DriverActors, run_event_loop, serve_actor
 from replayrl.actors.directory import DEFAULT_HEARTBEAT_DEADLINE_S
+from replayrl.actors.objects import import_actor_class
 from replayrl.actors.process_title import set_process_title
 from replayrl.actors.ref import use_curve_keys, use_heartbeat_deadline
-from replayrl.actors.spawn import ActorSpec, DriverActors, import_actor_class, serve_actor
 from replayrl.tools.errors import ConfigError, RunFailed
 from replayrl.tools.run.attach_card import remove_attach_card, write_attach_card
 from replayrl.tools.run.config import FLAGS, RunConfig, add_run_flags, config_from_args

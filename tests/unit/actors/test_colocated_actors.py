@@ -13,7 +13,7 @@ import time
 import pytest
 
 from replayrl.actors import ActorDied, ActorSpec, Directory, Supervisor, process_groups, serve_actors
-from replayrl.actors.spawn import serve_in_threads
+from replayrl.actors.serve import serve_in_threads
 from tests.actor_fixtures import EchoActor
 
 ECHO = "tests.actor_fixtures:EchoActor"

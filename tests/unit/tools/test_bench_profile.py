@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import cProfile
 
-from replayrl.actors.spawn import write_profile
+from replayrl.actors.profiling import write_profile
 from replayrl.tools.bench.profile import breakdown, top_functions
 
 

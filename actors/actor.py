@@ -61,7 +61,7 @@ class Actor:
     ``__interface__`` (the class's public methods, signatures and docstrings,
     :mod:`replayrl.actors.interface`, which typed proxies check calls against) and ``__directory__``
     (the run's endpoints, ``{name: endpoint}``, so a console given one actor's address finds
-    the others: docs/design.md#attach-and-multi-host).
+    the others: docs/design/multi-host.md#attach-and-multi-host).
     """
 
     name: str = ""
@@ -110,7 +110,8 @@ class ActorServer:
         self.endpoint = endpoint
         self.codec = codec or Codec()
         self.max_pending = max_pending
-        # an ipc peer is on this node: large arrays both ways go through shared memory (docs/design.md#shm-transport)
+        # an ipc peer is on this node: large arrays both ways go through shared memory
+        # (docs/design/transport.md#shm-transport)
         self._local = shares_memory(endpoint)
         self.stopped = asyncio.Event()
         self.failure = ""  # set by __stop__(failure): the run this actor served failed
@@ -174,7 +175,7 @@ class ActorServer:
             item = await self._queue.get()
             await self._invoke(*item)
             # not held while waiting for the next call: a shared-memory argument's slot goes
-            # back to its sender now (docs/design.md#shm-transport)
+            # back to its sender now (docs/design/transport.md#shm-transport)
             del item
 
     # -- executing -------------------------------------------------------------------------

@@ -27,11 +27,11 @@ DEFAULT_HEARTBEAT_DEADLINE_S = 30.0
 class Directory:
     """Immutable mapping ``name -> endpoint`` (``ipc://...`` or ``tcp://host:port``), plus where
     the run's CURVE keys are (``curve_keys``, a directory written by ``replayrl keys``; required
-    when any endpoint is tcp, docs/design.md#transport-contract), the run's liveness
-    deadline (``heartbeat_deadline_s``: a peer silent that long is lost, docs/design.md#engine-faults)
+    when any endpoint is tcp, docs/design/transport.md#transport-contract), the run's liveness
+    deadline (``heartbeat_deadline_s``: a peer silent that long is lost, docs/design/engine-faults.md#engine-faults)
     and the shared-memory pool every process of the run uses for
     large arrays to ipc peers (``shm``: ``(max bytes, min array bytes)``,
-    :func:`replayrl.actors.ref.use_shared_memory`; docs/design.md#shm-transport).
+    :func:`replayrl.actors.ref.use_shared_memory`; docs/design/transport.md#shm-transport).
 
     Raises:
         ValueError: a tcp endpoint without ``curve_keys``.

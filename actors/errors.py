@@ -54,7 +54,7 @@ class ActorDied(ActorError):
     (:class:`replayrl.actors.DriverActors`) stopped before the run ended.
 
     ``members``: every actor that shared the process (``ActorSpec.process``,
-    docs/design.md#colocate), all lost with it; empty for a process of one actor. The message
+    docs/design/actors.md#colocate), all lost with it; empty for a process of one actor. The message
     names them all.
     """
 

@@ -1,5 +1,5 @@
 """Bounded, rate-limited error reports: a flood of malformed messages must cost the actor
-neither its log nor its bandwidth (docs/design.md#actor-contract).
+neither its log nor its bandwidth (docs/design/actors.md#actor-contract).
 
 Every error text an actor sends or logs about a peer's message is cut to :data:`MAX_ERROR_TEXT`
 characters (:func:`clip`), and the log lines of one kind are limited by a token bucket

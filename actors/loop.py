@@ -1,7 +1,8 @@
 """Run a coroutine on uvloop when it is installed, else on the standard asyncio loop.
 
-docs/design.md#transport-contract records uvloop changing dispatch rates by at most 8 %, so it is a preference, not a
-requirement; the launcher, every actor process and the tests all go through this one function.
+docs/design/transport.md#transport-contract records uvloop changing dispatch rates by at most 8 %,
+so it is a preference, not a requirement; the launcher, every actor process and the tests all go
+through this one function.
 """
 from __future__ import annotations
 

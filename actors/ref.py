@@ -1,7 +1,8 @@
 """Client side of the actor runtime: :class:`ActorRef` and the per-process connection pool.
 
-One ZeroMQ DEALER socket per peer endpoint per process (docs/design.md#transport-contract: one socket per peer, not per
-request); every ``ActorRef`` to the same endpoint shares it, and replies are matched to calls by id.
+One ZeroMQ DEALER socket per peer endpoint per process (docs/design/transport.md#transport-contract:
+one socket per peer, not per request); every ``ActorRef`` to the same endpoint shares it, and
+replies are matched to calls by id.
 """
 from __future__ import annotations
 
@@ -104,7 +105,7 @@ class _Pool:
         self.curve: CurveKeys | None = None  # the run's keys, for tcp peers (use_curve_keys)
         self.max_in_flight = DEFAULT_MAX_IN_FLIGHT
         self.heartbeat_ms = DEFAULT_HEARTBEAT_MS
-        # large arrays to and from ipc peers (docs/design.md#shm-transport); slots are made on first use
+        # large arrays to and from ipc peers (docs/design/transport.md#shm-transport); slots are made on first use
         self.shm: ShmPool | None = ShmPool(DEFAULT_SHM_POOL_BYTES, DEFAULT_SHM_MIN_ARRAY_BYTES)
         self.shm_reader = ShmReader()
 
@@ -158,7 +159,7 @@ class Message:
     def of(cls, kind: str, method: str, args: tuple, kwargs: dict, endpoint: str = "") -> "Message":
         """Encode ``method(*args, **kwargs)`` for the actor at ``endpoint`` now and copy its array
         data: large arrays into this process's shared-memory pool for an ipc peer, everything
-        else into bytes the message owns (docs/design.md#shm-transport)."""
+        else into bytes the message owns (docs/design/transport.md#shm-transport)."""
         call_id = next(_CALL_IDS)
         try:
             frames = owned_frames(POOL.codec.encode(request(kind, call_id, method, args, kwargs),
@@ -171,7 +172,7 @@ class Message:
 def close_connections(this_loop_only: bool = False) -> None:
     """Close every client socket of this process (call before the event loop ends); with
     ``this_loop_only``, only those of the running event loop, for a process whose actors serve
-    on event loops of their own threads (``ActorSpec.thread``, docs/design.md#colocate)."""
+    on event loops of their own threads (``ActorSpec.thread``, docs/design/actors.md#colocate)."""
     if this_loop_only:
         POOL.close_loop(id(asyncio.get_running_loop()))
     else:
@@ -209,7 +210,7 @@ def connection_lost(endpoint: str) -> str | None:
 def use_shared_memory(max_bytes: int, min_array_bytes: int) -> None:
     """How this process sends large arrays to ipc peers from now on: through a pool of at most
     ``max_bytes`` of shared memory (0: never; as ZeroMQ frames), for arrays of at least
-    ``min_array_bytes`` (docs/design.md#shm-transport).
+    ``min_array_bytes`` (docs/design/transport.md#shm-transport).
 
     Raises:
         replayrl.transport.TransportError: a negative size or ``min_array_bytes`` < 1.

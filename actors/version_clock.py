@@ -1,7 +1,7 @@
 """Policy versions of a run, and the rules samples must satisfy to enter an optimizer step.
 
 ``trainer_version`` counts optimizer steps applied. Each engine has the version of the weights
-it last loaded. Rules (docs/design.md#actor-contract):
+it last loaded. Rules (docs/design/actors.md#actor-contract):
 
 - versions never decrease: a regression raises :class:`VersionRegression` (a failover that
   resets a counter must be loud, not silently re-admit old samples);
@@ -161,7 +161,7 @@ class VersionClock(Actor):
 
         ``max_staleness`` stays the one this clock was started with, i.e. the resumed run's
         ``--max-staleness`` (what its config.json records), not the checkpoint's: a setting
-        given at resume is what runs (docs/design.md#version-clock, rule 5). The versions
+        given at resume is what runs (docs/design/version-clock.md#version-clock, rule 5). The versions
         obey rule 1 like any other change: none moves backwards (:meth:`VersionRules.restore`).
 
         Raises:

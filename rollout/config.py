@@ -55,7 +55,7 @@ class RolloutConfig:
             read-only arrays and this frozen config; must return a finite float.
         append_eos_on_truncation: end every length-capped trajectory (``finish_reason ==
             "length"``, status ``truncated``) with a synthetic EOS
-            (``replayrl.rollout.traces.trajectory.append_synthetic_eos``, docs/design.md#trace-arrays),
+            (``replayrl.rollout.traces.trajectory.append_synthetic_eos``, docs/design/traces.md#trace-arrays),
             so the policy is trained to stop (``--rollout-append-eos-on-truncation``; off by
             default). The reward is the verifier's for the response as trained, EOS included.
         env, env_timeout_s, env_failure, env_reward: your own environment (``--env``,

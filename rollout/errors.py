@@ -1,4 +1,4 @@
-"""Typed errors of the rollout layer (docs/design.md#errors).
+"""Typed errors of the rollout layer (docs/design/errors.md#errors).
 
 Every error the rollout layer raises derives from :class:`RolloutError`, so a driver can catch
 the layer with one class. Below it the tree is shallow, grouped by what a caller does about it:
@@ -129,7 +129,7 @@ class EngineError(RolloutError, RuntimeError):
 
 
 class EngineNotReady(EngineError):
-    """``generate`` was called before the first ``load_weights`` (docs/design.md#version-clock:
+    """``generate`` was called before the first ``load_weights`` (docs/design/version-clock.md#version-clock:
     an engine serves no request before its first weight load)."""
 
 

@@ -2,7 +2,7 @@
 
 A :class:`Sample` is one trajectory of a prompt group. It is immutable: its arrays are
 read-only numpy arrays, checked once at construction, so every later stage can trust the
-alignment instead of re-validating or copying. Shapes (docs/design.md#sample-contract):
+alignment instead of re-validating or copying. Shapes (docs/design/sample-contract.md#sample-contract):
 
 ==================  ======================  ==============================================
 field               dtype / shape           meaning
@@ -23,7 +23,7 @@ The three traces are the rows of ``replayrl.rollout.traces.trace_table.TRACES`` 
 shape, row space, padding, replay flag); :class:`Sample` gets one field per row from there.
 
 Derived, not a field: :attr:`Sample.sampled_mask`, the loss tokens the engine sampled, i.e. the
-rows whose ``rollout_logprobs`` is a behaviour logprob (docs/design.md#trace-arrays).
+rows whose ``rollout_logprobs`` is a behaviour logprob (docs/design/traces.md#trace-arrays).
 """
 from __future__ import annotations
 
@@ -315,8 +315,9 @@ class Sample:
         (token / sequence / geometric, sums and token count), TIS weights, the exact-refill
         admission, the |rollout - trainer logprob| metrics -- reads it under this mask; the
         synthetic row's placeholder (``replayrl.rollout.traces.trajectory.SYNTHETIC_EOS_LOGPROB``) is never a
-        behaviour logprob (docs/design.md#trainer-math, docs/design.md#rejection-sampling). Equal to
-        ``loss_mask`` when ``synthetic_eos`` is False.
+        behaviour logprob (docs/design/trainer-math.md#trainer-math,
+        docs/design/rejection-sampling.md#rejection-sampling). Equal to ``loss_mask`` when
+        ``synthetic_eos`` is False.
         """
         mask = np.array(self.loss_mask)
         if self.synthetic_eos:

@@ -1,4 +1,4 @@
-"""Typed errors of the tools layer: the run, the console and the benchmarks (docs/design.md#errors).
+"""Typed errors of the tools layer: the run, the console and the benchmarks (docs/design/errors.md#errors).
 
 Every error the tools raise derives from :class:`ToolsError`, except :class:`Terminated`, a
 ``KeyboardInterrupt`` on purpose (SIGTERM must unwind like Ctrl-C, past every ``except

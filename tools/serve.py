@@ -3,7 +3,7 @@
 Serves the subset of SGLang's endpoints that ``--rollout-engine sglang`` uses, with SGLang's
 field names and encodings (``rollout/engines/sglang_protocol.py``, checked against
 :data:`replayrl.rollout.engines.sglang_protocol.SGLANG_VERSION_CHECKED`), so the SGLang client is
-exercised end to end against a real server on CPU (docs/design.md#sglang-engine):
+exercised end to end against a real server on CPU (docs/design/engines.md#sglang-engine):
 
 * ``POST /generate`` -- one batched embedded-engine call per request body;
 * ``POST /update_weights_from_disk`` -- ``model_path`` (a directory with ``*.safetensors``) and

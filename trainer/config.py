@@ -23,7 +23,7 @@ FULL_WEIGHTS_LR = 3e-4
 LORA_LR = 3e-3
 """The AdamW learning rate of a LoRA run (``--lr`` not given): ten times the full-weight rate,
 as slime, verl and TRL's LoRA recipes do; the adapters start from ``B = 0`` and train few
-parameters (docs/design.md#lora, measured in docs/benchmarks.md#lora)."""
+parameters (docs/design/lora.md#lora, measured in docs/benchmarks.md#lora)."""
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class TrainerConfig:
         eps_clip, eps_clip_high: PPO clip range ``[1 - eps_clip, 1 + eps_clip_high]``.
         tis_cap: TIS weight cap ``C`` (``--tis-cap``); ``None`` disables TIS.
         entropy_coef: the entropy bonus ``beta`` of :func:`replayrl.trainer.loss.losses.policy_loss`
-            (``--entropy-coef``; docs/design.md#entropy-collapse).
+            (``--entropy-coef``; docs/design/trainer-math.md#entropy-collapse).
         normalize_advantage_std: GRPO divides by the group std (``--grpo-std-normalization``).
         micro_batch_size: samples per forward/backward (gradient accumulation).
         temperature: the rollout temperature (logprobs are of ``logits / temperature``).
@@ -87,16 +87,16 @@ class TrainerConfig:
             on exactly ``rollout_batch_size`` groups with differing rewards or fails before the
             optimizer step (:mod:`replayrl.trainer.rejection.dynamic_sampling`).
         lora_rank, lora_alpha, lora_target_modules: LoRA through peft (``--lora-rank``, 0 =
-            off; :mod:`replayrl.trainer.lora.peft_adapter`, docs/design.md#lora).
+            off; :mod:`replayrl.trainer.lora.peft_adapter`, docs/design/lora.md#lora).
         train_backend: the model-owning backend, a name in :data:`replayrl.trainer.backends.BACKENDS`
             (``--train-backend``).
-        dp_size: data-parallel trainer ranks (``--dp-size``; docs/design.md#trainer-ranks):
+        dp_size: data-parallel trainer ranks (``--dp-size``; docs/design/trainer-ranks.md#trainer-ranks):
             each trains a contiguous, equal share of every batch, and the refill
             quantum makes every replacement batch split evenly over them.
         tp_size, ep_size, pp_size: the megatron trainer's tensor-, expert- and
             pipeline-parallel sizes (``--tp-size`` / ``--ep-size`` / ``--pp-size``;
-            docs/design.md#pipeline-parallel).
-        cp_size: the megatron trainer's context-parallel size (``--cp-size``; docs/design.md#context-parallel):
+            docs/design/megatron.md#pipeline-parallel).
+        cp_size: the megatron trainer's context-parallel size (``--cp-size``; docs/design/megatron.md#context-parallel):
             each rank of a CP group holds
             2 of ``2 x cp_size`` chunks of every row. The trainer has ``dp_size x tp_size x
             pp_size x cp_size`` ranks; CP ranks are not data-parallel ranks (they train the
@@ -108,7 +108,7 @@ class TrainerConfig:
 
     lr: float = setting(0.0, "lr", "AdamW learning rate; 0 = the run's default: 3e-4 for full "
                         "weights, 3e-3 with --lora-rank (ten times: the peers' LoRA rule, "
-                        "docs/design.md#lora)", Range(low=0, closed="()", also=(0.0,),
+                        "docs/design/lora.md#lora)", Range(low=0, closed="()", also=(0.0,),
                               also_text="0 (the run's default)"),
                         default_text="3e-4; 3e-3 with --lora-rank")
     weight_decay: float = setting(0.0, "weight-decay", "AdamW weight decay", Range(low=0))
@@ -283,8 +283,8 @@ class TrainerConfig:
     @property
     def rank_count(self) -> int:
         """Trainer processes these settings need: ``--dp-size x --tp-size x --pp-size x
-        --cp-size`` (docs/design.md#trainer-ranks, docs/design.md#pipeline-parallel,
-        docs/design.md#context-parallel)."""
+        --cp-size`` (docs/design/trainer-ranks.md#trainer-ranks, docs/design/megatron.md#pipeline-parallel,
+        docs/design/megatron.md#context-parallel)."""
         return self.dp_size * self.tp_size * self.pp_size * self.cp_size
 
     @property

@@ -1,4 +1,4 @@
-"""Typed errors of the trainer layer (docs/design.md#errors).
+"""Typed errors of the trainer layer (docs/design/errors.md#errors).
 
 Every error the trainer raises derives from :class:`TrainerError`. What a caller catches:
 

@@ -1,6 +1,6 @@
 """ZeroMQ transport: a msgpack codec with out-of-band array frames and asyncio-driven sockets.
 
-Knows nothing of RL (docs/design.md#layout). Public names:
+Knows nothing of RL (docs/design/layout.md#layout). Public names:
 
 * errors: :class:`TransportError`, :class:`EncodeError`, :class:`DecodeError`,
   :class:`MessageTooLarge`;

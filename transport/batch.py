@@ -1,4 +1,4 @@
-"""Several small messages in one ZeroMQ message: the batch frame (docs/design.md#shm-transport,
+"""Several small messages in one ZeroMQ message: the batch frame (docs/design/transport.md#shm-transport,
 "Batches").
 
 A socket that has more than one single-frame message ready for one peer in one loop iteration

@@ -1,7 +1,7 @@
 """msgpack codec with out-of-band array frames.
 
 One message is a list of frames: frame 0 is a msgpack header, frames 1.. are raw array buffers
-(docs/design.md#transport-contract). The scheme follows vLLM's ``vllm/v1/serial_utils.py``
+(docs/design/transport.md#transport-contract). The scheme follows vLLM's ``vllm/v1/serial_utils.py``
 (msgpack ext types for tensors, auxiliary buffers for large ones); the code here is our own and
 uses ``msgpack`` (not msgspec).
 
@@ -37,7 +37,7 @@ A torch tensor decodes to a ``torch.Tensor`` in a process that already imported 
 :class:`replayrl.transport.tensor_data.TensorData` (dtype, shape, read-only bytes) anywhere else, which
 re-encodes as the same tensor: decoding never imports torch.
 
-Limits on what a received message may cost (docs/design.md#transport-contract), each
+Limits on what a received message may cost (docs/design/transport.md#transport-contract), each
 refused with :class:`MessageTooLarge` before the work is done: all frames together and each
 array at most ``max_message_bytes``; at most ``max_frames`` frames; at most
 ``max_container_len`` elements per list / dict; and a work budget of ``decode_budget_floor +
@@ -102,7 +102,7 @@ if sys.byteorder != "little":  # pragma: no cover - no big-endian CI
 
 DEFAULT_INLINE_THRESHOLD = 16 * 1024
 """Arrays with fewer bytes than this travel inline in frame 0. pyzmq copies frames under 64 KiB
-anyway and inline was measured 1.6x faster at 4 KiB (docs/design.md#transport-contract); unit: bytes."""
+anyway and inline was measured 1.6x faster at 4 KiB (docs/design/transport.md#transport-contract); unit: bytes."""
 
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 31
 """Largest accepted message, all frames together (and largest single array); unit: bytes."""
@@ -120,7 +120,7 @@ DEFAULT_DECODE_BUDGET_FLOOR = 1 << 16
 decoded list / dict / tuple costs :data:`CONTAINER_UNITS` and each of its elements one unit
 (an 8-byte slot). A unit stands for about 8 bytes of Python memory, so the containers of a
 message decode to at most ``8 * (floor + per_byte * n)`` bytes, 16x its header plus 0.5 MiB
-(docs/design.md#transport-contract)."""
+(docs/design/transport.md#transport-contract)."""
 
 CONTAINER_UNITS = 8
 """Budget units of one decoded list or tuple: an empty list is 56 bytes of CPython memory,
@@ -592,7 +592,7 @@ class _DecodeState:
 
     def decode_shared(self, code: int, what: str, name: str, shape: list[int], nbytes: int,
                       handle: list) -> Any:
-        """An array whose data is in a sender's pool slot (docs/design.md#shm-transport): a view of the
+        """An array whose data is in a sender's pool slot (docs/design/transport.md#shm-transport): a view of the
         slot, which is released when the last view is dropped."""
         if self.shm is None:
             raise DecodeError(f"{what} data is a shared-memory handle, accepted only from an ipc "
@@ -720,7 +720,7 @@ class Codec:
             shm: the sender's shared-memory pool, only for a peer on this node (``ipc://``):
                 arrays of at least ``shm.min_array_bytes`` (and ``inline_threshold``) are copied
                 into a pool slot now and the header carries the slot's handle; when the pool
-                has no free slot they become frames as without it (docs/design.md#shm-transport).
+                has no free slot they become frames as without it (docs/design/transport.md#shm-transport).
 
         Returns:
             ``[header, *buffers]``: frame 0 the msgpack header (``bytes``; a

@@ -2,7 +2,7 @@
 CURVE mechanism with a ZAP handler from ``zmq.auth``).
 
 Other local users reach loopback, so a tcp listener without authentication lets any of them
-call any method of any actor (docs/design.md#transport-contract). A run therefore has one
+call any method of any actor (docs/design/transport.md#transport-contract). A run therefore has one
 key pair, made by ``replayrl keys DIR`` (:func:`create_keys`) and read from that directory by
 every process of the run (:meth:`CurveKeys.load`). Every actor's ROUTER is a CURVE server with
 the run's key pair; every DEALER is a CURVE client with the same key pair; the ZAP handler of

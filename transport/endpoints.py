@@ -1,9 +1,9 @@
 """ZeroMQ endpoint strings: builders and the checks applied before bind/connect.
 
-``ipc://`` on one node, ``tcp://`` across nodes (docs/design.md#transport-contract). A tcp
+``ipc://`` on one node, ``tcp://`` across nodes (docs/design/transport.md#transport-contract). A tcp
 listener may bind any address, loopback or not: every tcp socket is CURVE-authenticated with the
 run's keys (``replayrl.transport.sockets`` refuses a tcp socket without them), so the address does not
-decide who may call (docs/design.md#attach-and-multi-host).
+decide who may call (docs/design/multi-host.md#attach-and-multi-host).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def tcp_loopback_endpoint(port: int = 0) -> str:
 
 def shares_memory(endpoint: str) -> bool:
     """True for an ``ipc://`` endpoint: its peer is a process of this user on this node, so
-    large arrays may travel through the shared-memory pool (docs/design.md#shm-transport);
+    large arrays may travel through the shared-memory pool (docs/design/transport.md#shm-transport);
     a ``tcp://`` peer may be on another host and gets them as frames."""
     return isinstance(endpoint, str) and endpoint.startswith("ipc://")
 

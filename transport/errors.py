@@ -1,7 +1,7 @@
 """Typed errors of the transport layer.
 
 Every failure the transport raises is a :class:`TransportError`, so an actor can catch one class,
-log the offending message and keep running (docs/design.md#transport-contract).
+log the offending message and keep running (docs/design/transport.md#transport-contract).
 :class:`NonFiniteJSON` (strict JSON files and lines) is also a ``ValueError``, as ``json`` raises.
 """
 

@@ -1,6 +1,6 @@
 """Large arrays between processes of one node through a reused, pre-faulted shared-memory pool.
 
-docs/design.md#shm-transport. A ZeroMQ frame of a large array costs two
+docs/design/transport.md#shm-transport. A ZeroMQ frame of a large array costs two
 copies into freshly allocated memory (the sender's ownership copy and libzmq's receive
 buffer), and every page of both faults on first touch: ~0.07x of a memcpy at 64 MiB. Here the
 sender copies the array once into a *slot* of its :class:`ShmPool` (memory that was faulted in

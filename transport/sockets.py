@@ -2,7 +2,7 @@
 
 A plain (blocking-API) ZeroMQ socket is registered with ``loop.add_reader`` on its ``zmq.FD``;
 each wake-up drains every ready message with non-blocking receives and hands each one to a
-synchronous ``on_message`` callback. docs/design.md#transport-contract records this at 36k RPC/s
+synchronous ``on_message`` callback. docs/design/transport.md#transport-contract records this at 36k RPC/s
 with 64 in flight versus
 12k/s for one ``await recv`` per message with ``zmq.asyncio``. Works with the standard loop and
 uvloop.
@@ -12,7 +12,7 @@ ZeroMQ's FD is edge-triggered and only says "look at ZMQ_EVENTS": it can be rese
 is drained once right after registration and again (``loop.call_soon``) after every send, and a
 drain only stops when ``ZMQ_EVENTS`` shows no ``POLLIN``.
 
-Batches (docs/design.md#shm-transport): the first message a socket sends
+Batches (docs/design/transport.md#shm-transport): the first message a socket sends
 in a loop iteration leaves at once; those sent after it in the same iteration wait for the
 iteration's end (one ``call_soon``), where runs of small single-frame messages to one peer leave
 as one batch frame (:mod:`replayrl.transport.batch`), and anything else alone, all in order. A burst of N
@@ -39,7 +39,7 @@ never block or drop; memory is bounded by the callers' in-flight limits), MAXMSG
 ``max_message_bytes``: libzmq drops the connection of a peer announcing a larger frame before
 buffering it (the codec then bounds the sum of the frames).
 
-Security (docs/design.md#transport-contract): a ``tcp://`` socket needs the run's
+Security (docs/design/transport.md#transport-contract): a ``tcp://`` socket needs the run's
 :class:`replayrl.transport.curve.CurveKeys` (CurveZMQ encryption and authentication, a ZAP handler that
 admits only the run's key) and refuses to bind or connect without them; an ``ipc://`` socket
 binds only inside a directory of mode 0700 owned by this user (created so when missing).
@@ -48,7 +48,7 @@ Liveness: a DealerSocket sends ZMTP heartbeats (``heartbeat_ms``; libzmq's I/O t
 them even while the peer's Python code is busy) and watches its connection through a socket
 monitor, so ``on_disconnect`` runs when the peer's process dies or stops answering heartbeats,
 and a caller can fail the calls that can no longer be answered. One socket per peer,
-not per request (docs/design.md#transport-contract): a ``DealerSocket`` per remote actor, one
+not per request (docs/design/transport.md#transport-contract): a ``DealerSocket`` per remote actor, one
 ``RouterSocket`` per actor.
 
 All methods must be called from the thread running the event loop the socket was opened in.
@@ -430,7 +430,7 @@ class RouterSocket(_LoopSocket):
 
 class DealerSocket(_LoopSocket):
     """Client side: a ZeroMQ DEALER connected to one peer's RouterSocket. Use ONE per peer for
-    all requests (docs/design.md#transport-contract), not one per request.
+    all requests (docs/design/transport.md#transport-contract), not one per request.
 
     Args:
         endpoint: the peer's endpoint (any tcp host is accepted for connect; listening is what

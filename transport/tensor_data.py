@@ -2,7 +2,7 @@
 
 Importing torch costs about two seconds and 180 MiB, so a torch-free actor (the version clock,
 a rollout manager relaying samples) must not pay it because a message held a tensor
-(docs/design.md#transport-contract). The codec decodes a tensor into a torch tensor only
+(docs/design/transport.md#transport-contract). The codec decodes a tensor into a torch tensor only
 in a process where torch is already imported, and into a :class:`TensorData` anywhere else.
 Encoding a :class:`TensorData` puts the same tensor on the wire again, so a relay forwards
 tensors unchanged.

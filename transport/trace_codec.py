@@ -2,7 +2,7 @@
 
 Two codecs for ``[rows, ..., K]`` int arrays whose ``-1`` means "nothing here", each a plain
 mapping of small numpy arrays the transport codec sends out of band
-(docs/design.md#trace-arrays):
+(docs/design/traces.md#trace-arrays):
 
 * :func:`encode_ids` / :func:`decode_ids` -- ids from a small alphabet (e.g. expert ids): the
   values in the smallest unsigned dtype that holds the largest one (uint8 up to 255, so up to

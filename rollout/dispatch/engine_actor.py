@@ -10,7 +10,7 @@ interface's rule (:meth:`replayrl.rollout.engines.base.Engine.generate`), so it 
 ``load_weights`` is served concurrently with queued ``generate`` requests, and ``generate`` may
 name the ``min_version`` it must be served at: the trainer can then push and go on training
 while the engine loads, and a generation requested for the new policy waits here for it
-instead of the driver waiting for the push (docs/design.md#version-clock). Both run
+instead of the driver waiting for the push (docs/design/version-clock.md#version-clock). Both run
 synchronously inside, so a load never lands in the middle of a generation.
 
 A multi-turn episode spans several ``generate`` calls; it holds a version pin
@@ -110,7 +110,7 @@ class EngineActor(Actor):
     @concurrent
     async def open_pin(self, pin: str, min_version: int | None = None) -> int:
         """Pin the version the engine serves for a multi-turn episode batch until
-        :meth:`release_pin`: no newer weights load meanwhile (docs/design.md#version-clock).
+        :meth:`release_pin`: no newer weights load meanwhile (docs/design/version-clock.md#version-clock).
 
         Waits first for ``min_version`` (as :meth:`generate`) and for any load already waiting
         or loading, so a pending push lands before the episode starts, never during it.

@@ -3,7 +3,8 @@
 An engine is lost when a call to it fails with :class:`replayrl.actors.errors.PeerLost`: its process
 exited, or it stayed silent past the run's heartbeat deadline (``--heartbeat-deadline-s``).
 The reply of that call never comes, so the prompt groups it carried are unfinished and none of
-their trajectories exist anywhere yet. ``--engine-failure`` decides what happens (docs/design.md#engine-faults):
+their trajectories exist anywhere yet. ``--engine-failure`` decides what happens
+(docs/design/engine-faults.md#engine-faults):
 
 - ``regenerate``: the engine leaves the pool for good; its unfinished groups run again, whole
   and with the same seed, on a remaining engine. With none left the rollout fails.

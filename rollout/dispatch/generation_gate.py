@@ -1,4 +1,4 @@
-"""The pause / resume point of the rollout side (docs/design.md#attach-and-multi-host).
+"""The pause / resume point of the rollout side (docs/design/multi-host.md#attach-and-multi-host).
 
 Every engine request of the RolloutManager (one per turn of a prompt chunk: generation, exact
 refill and evaluation alike) passes :meth:`GenerationGate.request` before it is sent. Closing the

@@ -18,7 +18,7 @@ A multi-turn episode batch holds a version pin on its engine from its first turn
 turns loads after it and every trajectory comes from one policy. Should a pin lapse all the
 same, the batch's mixed trajectories are never trained: the whole batch (whole prompt groups) is
 generated again at the newer version and counted (``episodes_regenerated``;
-docs/design.md#version-clock).
+docs/design/version-clock.md#version-clock).
 
 The task (``--task``, ``rollout/tasks/``) gives the prompts, the reward and the environment;
 the manager holds no task code. ``--env`` replaces the task's environment with your own
@@ -27,7 +27,7 @@ the manager holds no task code. ``--env`` replaces the task's environment with y
 (``env_failures``, ``env_failure_messages``). Prompts come from the task (``--prompt-data``, or the built-in
 task's shipped file) through the run's tokenizer (``rollout/text/tokenizer.py``,
 ``rollout/text/prompt_data.py``); ``evaluate`` scores the
-``--eval-prompt-data`` sets with the evaluation sampling settings (docs/design.md#prompt-data).
+``--eval-prompt-data`` sets with the evaluation sampling settings (docs/design/prompt-data.md#prompt-data).
 """
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ class RolloutManager(Actor):
             (``--tokenizer``, by default the run's initial checkpoint).
         vocab_size: the policy's vocabulary size (prompt ids must lie below it).
         engine_failure: ``--engine-failure`` (:data:`replayrl.rollout.dispatch.engine_pool.ENGINE_FAILURE_POLICIES`):
-            what a lost engine's unfinished prompt groups get (docs/design.md#engine-faults).
+            what a lost engine's unfinished prompt groups get (docs/design/engine-faults.md#engine-faults).
         task: the ``"module:Class"`` of the run's task (the launcher resolves ``--task`` in its
             own process: ``replayrl.rollout.tasks.task_class_path``); ``""`` = the one the
             config selects (``replayrl.rollout.tasks.make_task``).
@@ -339,10 +339,10 @@ class RolloutManager(Actor):
 
         The summary's ``engines_alive`` and ``groups_regenerated`` give the capacity: engines
         in the pool when the batch was complete, and the prompt groups generated again because
-        their engine was lost (docs/design.md#engine-faults). With ``--rollout-max-turns > 1`` it
+        their engine was lost (docs/design/engine-faults.md#engine-faults). With ``--rollout-max-turns > 1`` it
         also has ``tool_calls_mean`` and ``episodes_regenerated`` (trajectories generated again,
         whole batches, because a weight push landed between their turns after their version pin
-        lapsed; docs/design.md#version-clock).
+        lapsed; docs/design/version-clock.md#version-clock).
 
         Raises:
             RolloutError: a batch with this id is already stored.
@@ -379,7 +379,7 @@ class RolloutManager(Actor):
             summary["tool_calls_mean"] = float(np.mean([observation_segments(s.loss_mask)
                                                         for s in samples]))
             # trajectories generated again because a weight push landed between their turns
-            # and their version pin had lapsed (docs/design.md#version-clock)
+            # and their version pin had lapsed (docs/design/version-clock.md#version-clock)
             summary["episodes_regenerated"] = mixed
         if self.env_class is not None:
             # trajectories an --env environment ended (status aborted), each message naming
@@ -501,7 +501,7 @@ class RolloutManager(Actor):
     @concurrent  # waits for the engines; must not hold up take_batch behind it
     async def pause_generation(self, wait: bool = True) -> dict:
         """Pause generation: engine requests not yet sent wait until :meth:`resume_generation`;
-        those already at an engine finish (docs/design.md#attach-and-multi-host).
+        those already at an engine finish (docs/design/multi-host.md#attach-and-multi-host).
 
         Weight versions are untouched: a held request is later served at whatever version the
         engine then has, and the loop pushes no weights while a rollout it waits for is held, so

@@ -9,8 +9,9 @@ loops, tool environments, trajectory assembly and rewards live on the rollout si
 * report its :attr:`Engine.version` (``None`` before the first load) and, as the class attribute
   :attr:`Engine.capturable_traces`, which traces it can capture at all.
 
-The rule "an engine serves no request before its first weight load of the run" (docs/design.md#version-clock)
-is enforced here, once, for every engine: :meth:`Engine.generate` raises
+The rule "an engine serves no request before its first weight load of the run"
+(docs/design/version-clock.md#version-clock) is enforced here, once, for every engine:
+:meth:`Engine.generate` raises
 :class:`EngineNotReady` until :meth:`Engine.load_weights` succeeded. Subclasses implement
 :meth:`Engine._load_weights` and :meth:`Engine._generate` and never see a request before that.
 """

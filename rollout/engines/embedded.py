@@ -2,7 +2,7 @@
 
 The engine runs :class:`replayrl.rollout.model.qwen3_moe.Qwen3MoeForCausalLM` in the rollout dtype
 (bf16 by default; the trainer runs fp32, so a real train-inference mismatch exists,
-docs/design.md#embedded-default) and records, for every generated turn, the traces it is asked for among the
+docs/design/model.md#embedded-default) and records, for every generated turn, the traces it is asked for among the
 three the trainer replays: the sampler support (``sample_support``), the MoE routing
 (``routed_experts``, R3) and the sparse-attention indexer choices (``indexer_topk``). It is the
 first implementation of :class:`replayrl.rollout.engines.base.Engine` (registry name ``"embedded"``).

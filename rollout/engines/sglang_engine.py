@@ -1,7 +1,7 @@
 """The SGLang rollout engine: a client of running SGLang servers' native HTTP API.
 
 Registry name ``"sglang"`` (``--rollout-engine sglang --sglang-urls URL[,URL]``). SGLang runs
-as its own server processes (GPU hosts; see the runbook in docs/design.md#sglang-engine);
+as its own server processes (GPU hosts; see the runbook in docs/design/engines.md#sglang-engine);
 this engine imports nothing of ``sglang``. It needs ``aiohttp`` (extra ``sglang``), imported
 only when the engine is built.
 

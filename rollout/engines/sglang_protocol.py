@@ -1,7 +1,7 @@
 """SGLang's native ``/generate`` protocol: the request replayrl sends and the reply it accepts.
 
 One module for both ends, so the client (``rollout/engines/sglang_engine.py``) and the test
-server (``replayrl serve``, ``tools/serve.py``) cannot drift apart (docs/design.md#sglang-engine).
+server (``replayrl serve``, ``tools/serve.py``) cannot drift apart (docs/design/engines.md#sglang-engine).
 Every field name below was checked against the source of the newest wheel,
 :data:`SGLANG_VERSION_CHECKED` (``sglang/srt/managers/io_struct.py`` ``GenerateReqInput`` /
 ``UpdateWeightFromDiskReqInput`` / ``PauseGenerationReqInput``,
@@ -154,7 +154,7 @@ def _need(meta: Mapping[str, Any], key: str, rid: str) -> Any:
     if key not in meta or meta[key] is None:
         raise SglangResponseError(f"request {rid}: the reply lacks requested field {key!r} "
                                   f"(server started without the capture flag? see "
-                                  f"docs/design.md#sglang-engine)")
+                                  f"docs/design/engines.md#sglang-engine)")
     return meta[key]
 
 

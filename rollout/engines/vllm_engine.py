@@ -3,7 +3,7 @@
 Registry name ``"vllm"`` (``--rollout-engine vllm``). The engine writes the policy's shape as
 an HF Qwen3-MoE directory (placeholder weights; the real ones arrive by weight push), starts
 ``vllm.LLM`` on it in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``enforce_eager``,
-token ids in and out, no tokenizer), and maps each call one to one (docs/design.md#engines):
+token ids in and out, no tokenizer), and maps each call one to one (docs/design/engines.md#engines):
 
 * sampling: ``temperature``, ``top_k`` (``-1`` = off), ``top_p``, ``min_p``, ``max_tokens =
   max_new_tokens``, ``stop_token_ids = [eos]``, one seed per request drawn from the call's seed;

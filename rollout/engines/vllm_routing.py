@@ -7,7 +7,7 @@ made: a forward hook on every MoE layer's ``mlp.gate`` sees the router logits ``
 request each token belongs to comes from the model runner's batch (``input_batch.req_ids`` in
 batch order, ``query_start_loc`` the token ranges), as vLLM lays the step out. The expert ids
 are ``topk(router logits, K)``: vLLM's softmax top-k routing picks the same experts since
-softmax is monotone (docs/design.md#engines).
+softmax is monotone (docs/design/engines.md#engines).
 
 Nothing here imports vllm; the hooks are installed through ``LLM.collective_rpc``, which hands
 the in-process worker to a function.

@@ -123,7 +123,7 @@ async def run_episodes(
             tool turn); ``row`` is the trajectory's index in ``prompts``. ``None`` appends them
             unchanged. Either way the next turn's context is the previous context's exact ids
             plus the turn's ids plus these, never a re-tokenisation of the conversation's text
-            (docs/design.md#prompt-data).
+            (docs/design/prompt-data.md#prompt-data).
 
     Returns:
         ``B`` :class:`Episode` records in prompt order.

@@ -2,7 +2,7 @@
 
 A multi-turn episode is several engine calls (one per turn) with the environment in between; a
 weight push that lands between two of them would make the trajectory's turns come from two
-policies. The engine actor therefore keeps a table of pins (docs/design.md#version-clock):
+policies. The engine actor therefore keeps a table of pins (docs/design/version-clock.md#version-clock):
 
 * an episode batch opens a pin at the version the engine serves (:meth:`VersionPins.open`) before
   its first turn and releases it after its last (:meth:`VersionPins.release`);

@@ -1,6 +1,6 @@
 """LoRA adapter pushes: the low-rank factors of the adapted weights, merged by the engine.
 
-A LoRA run (``--lora-rank``, docs/design.md#lora) pushes the base weights with the adapters
+A LoRA run (``--lora-rank``, docs/design/lora.md#lora) pushes the base weights with the adapters
 once (the first push, and the push to a restarted engine), then only the adapters: for every
 adapted weight ``W`` (HF name ``N``, float [out, in]) the two arrays ``N + LORA_A_SUFFIX``
 (float32 [r, in]) and ``N + LORA_B_SUFFIX`` (float32 [out, r], already multiplied by the LoRA

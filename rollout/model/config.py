@@ -6,7 +6,7 @@ config.json that transformers, vLLM and SGLang read as `Qwen3MoeForCausalLM` (or
 dense). The indexer fields are replayrl's own and travel in config.json under the
 `replayrl_indexer` key, which those loaders ignore. `from_hf_dict` reads both architectures
 as transformers writes them and refuses, naming the field, every value the model code does not
-implement (docs/design.md#hf-checkpoints).
+implement (docs/design/model.md#hf-checkpoints).
 """
 
 from __future__ import annotations
@@ -393,6 +393,6 @@ def without_indexer(config: ModelConfig) -> ModelConfig:
 
     The indexer-free variant is a plain Qwen3-MoE that external engines (vLLM, SGLang) serve
     as it is: their ``Qwen3MoeForCausalLM`` has no indexer layer, so on a model with one they
-    would compute dense attention there, i.e. another policy (docs/design.md#engines).
+    would compute dense attention there, i.e. another policy (docs/design/engines.md#engines).
     """
     return replace(config, index_topk=0, index_n_heads=0, index_head_dim=0, index_layers=())

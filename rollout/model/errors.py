@@ -3,7 +3,7 @@
 Every error raised on bad input by this package derives from `ModelError`, so a caller can
 catch the whole family; the message names the offending field, key or shape. `ModelError` is a
 `replayrl.rollout.errors.RolloutError`: the model is the rollout layer's sub-room that the
-trainer may use too (docs/design.md#layout), so its errors stay in this module.
+trainer may use too (docs/design/layout.md#layout), so its errors stay in this module.
 """
 from __future__ import annotations
 

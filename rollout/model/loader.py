@@ -6,7 +6,7 @@ Reads what transformers' `save_pretrained` writes for `Qwen3ForCausalLM` / `Qwen
 dtype. The model is built on the meta device, allocated once in the target dtype, and each
 tensor is read from its shard (`safetensors.safe_open`, memory-mapped) and copied into its
 parameter, so a load holds the model plus one tensor, never a second copy of the weights
-(docs/design.md#hf-checkpoints).
+(docs/design/model.md#hf-checkpoints).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ the model is HF's dense `Qwen3ForCausalLM`, with the same parameter names. RoPE 
 (linear, YaRN, Llama-3; rollout/model/rope.py). Layers listed in `config.indexed_layers`
 restrict attention to the keys chosen by a DSA-style indexer (rollout/model/indexer.py).
 
-Traces (docs/design.md#trace-arrays): with `capture=True` the forward returns the experts every
+Traces (docs/design/traces.md#trace-arrays): with `capture=True` the forward returns the experts every
 MoE router used (R3, Ma et al. 2025 "Stabilizing MoE RL by aligning training and inference
 routers"; as in slime / Megatron) and the key slots every indexer kept; passing them back as
 `routed_experts` / `indexer_topk` replays those discrete choices while the routing weights stay

@@ -2,7 +2,7 @@
 
 The sampler turns one row of next-token logits into a sampled id, the behaviour (rollout)
 logprob of that id under the *processed* distribution, and the support row the trainer needs
-to replay that distribution exactly (docs/design.md#trainer-math: support replay
+to replay that distribution exactly (docs/design/trainer-math.md#trainer-math: support replay
 ``log p~(y) = z_y - logsumexp_{v in S} z_v`` with ``z = logits / temperature``).
 
 Processing order (the order SGLang and vLLM users expect):

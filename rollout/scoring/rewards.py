@@ -10,7 +10,7 @@
 Text rewards read the *final segment* (the tokens after the last observation) decoded with
 special tokens left out. A reward that raises or runs over ``--reward-timeout-seconds`` is a
 :class:`RewardFailure` naming the sample, or, with ``--reward-failure zero``, a counted 0
-(docs/design.md#prompt-data).
+(docs/design/prompt-data.md#prompt-data).
 """
 from __future__ import annotations
 

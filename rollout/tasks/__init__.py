@@ -11,11 +11,9 @@ entry before the run is configured.
 """
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
-from replayrl.actors import import_object
+from replayrl.actors.registry import LazyRegistry
 from replayrl.rollout.config import RolloutConfig
 from replayrl.rollout.errors import TaskConfigError, UnknownTask
 from replayrl.rollout.tasks.base import Environment, RewardCall, Task, TaskPrompts
@@ -39,22 +37,31 @@ __all__ = [
 ]
 
 # registry name -> "package.module:ClassName" of a Task subclass
-TASKS: dict[str, str] = {
-    "digits": "replayrl.rollout.tasks.digits:DigitsTask",  # the built-in digit puzzle
-    "prompt_file": "replayrl.rollout.tasks.prompt_file:PromptFileTask",  # --prompt-data FILE
-    "sort": "replayrl.rollout.tasks.sort:SortTask",  # sort the prompt's --answer-tokens digits
-}
+TASKS = LazyRegistry(
+    {
+        "digits": "replayrl.rollout.tasks.digits:DigitsTask",  # the built-in digit puzzle
+        "prompt_file": "replayrl.rollout.tasks.prompt_file:PromptFileTask",  # --prompt-data FILE
+        "sort": "replayrl.rollout.tasks.sort:SortTask",  # sort the prompt's --answer-tokens digits
+    },
+    base=Task,
+    unknown=lambda name, known: UnknownTask(f"unknown task {name!r}; known tasks: {known}"),
+    invalid=lambda _, why: TaskConfigError(f"task class {why}"))
 
 
 _EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "environments"
 
 # registry name -> "package.module:ClassName" or "path/to/file.py:ClassName" of a
 # ToolEnvironment subclass (--env NAME); --env also takes such a path directly
-ENVIRONMENTS: dict[str, str] = {
-    "digit_calculator": "replayrl.rollout.tasks.calculator:DigitCalculatorEnv",
-    "python_calculator": f"{_EXAMPLES / 'python_calculator.py'}:PythonCalculatorEnv",
-    "retrieval": f"{_EXAMPLES / 'retrieval.py'}:RetrievalEnv",
-}
+ENVIRONMENTS = LazyRegistry(
+    {
+        "digit_calculator": "replayrl.rollout.tasks.calculator:DigitCalculatorEnv",
+        "python_calculator": f"{_EXAMPLES / 'python_calculator.py'}:PythonCalculatorEnv",
+        "retrieval": f"{_EXAMPLES / 'retrieval.py'}:RetrievalEnv",
+    },
+    base=ToolEnvironment, paths=True,
+    unknown=lambda spec, known: TaskConfigError(f"--env {spec!r}: not a registered environment "
+                                                f"({known}) nor module:Class"),
+    invalid=lambda spec, why: TaskConfigError(f"--env {spec}: {why}"))
 
 
 def load_environment_class(spec: str) -> type[ToolEnvironment]:
@@ -65,34 +72,7 @@ def load_environment_class(spec: str) -> type[ToolEnvironment]:
         TaskConfigError: not registered and not of those forms, not importable, or not a
             :class:`ToolEnvironment` subclass (names ``--env`` and the value).
     """
-    path = ENVIRONMENTS.get(spec, spec)
-    module, _, qualname = path.rpartition(":")
-    if not module or not qualname:
-        raise TaskConfigError(f"--env {spec!r}: not a registered environment "
-                              f"({', '.join(sorted(ENVIRONMENTS))}) nor module:Class")
-    try:
-        if module.endswith(".py"):
-            file = Path(module)
-            name = f"replayrl_env_{file.stem}"
-            loaded = sys.modules.get(name)
-            if loaded is None or getattr(loaded, "__file__", None) != str(file):
-                spec_ = importlib.util.spec_from_file_location(name, file)
-                if spec_ is None or not file.is_file():
-                    raise ImportError(f"no file {file}")
-                loaded = importlib.util.module_from_spec(spec_)
-                sys.modules[name] = loaded  # dataclasses in the file resolve their module
-                spec_.loader.exec_module(loaded)
-            cls = loaded
-            for part in qualname.split("."):
-                cls = getattr(cls, part)
-        else:
-            cls = import_object(path)
-    except (ImportError, AttributeError, ValueError) as exc:
-        raise TaskConfigError(f"--env {spec}: {exc}") from None
-    if not (isinstance(cls, type) and issubclass(cls, ToolEnvironment)):
-        raise TaskConfigError(f"--env {spec}: {path} is not a "
-                              "replayrl.rollout.tasks.environment.ToolEnvironment subclass")
-    return cls
+    return ENVIRONMENTS.resolve(spec)
 
 
 def task_name(config: RolloutConfig) -> str:
@@ -107,10 +87,7 @@ def task_class_path(name: str) -> str:
     Raises:
         UnknownTask: ``name`` is not registered (names it and lists the known tasks).
     """
-    try:
-        return TASKS[name]
-    except (KeyError, TypeError):
-        raise UnknownTask(f"unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))}") from None
+    return TASKS.path(name)
 
 
 def load_task_class(path: str) -> type[Task]:
@@ -119,13 +96,7 @@ def load_task_class(path: str) -> type[Task]:
     Raises:
         TaskConfigError: not importable, or not a :class:`Task` subclass (names the path).
     """
-    try:
-        cls = import_object(path)
-    except ValueError as exc:
-        raise TaskConfigError(f"task class {exc}") from None
-    if not (isinstance(cls, type) and issubclass(cls, Task)):
-        raise TaskConfigError(f"task class {path} is not a replayrl.rollout.tasks.base.Task subclass")
-    return cls
+    return TASKS.load(path)
 
 
 def make_task(config: RolloutConfig, path: str = "") -> Task:

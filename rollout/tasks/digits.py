@@ -9,7 +9,7 @@
 * Environment: the calculator tool (``rollout/tasks/calculator.py``), used with
   ``--rollout-max-turns > 1``.
 
-(docs/design.md#prompt-data.)
+(docs/design/prompt-data.md#prompt-data.)
 """
 from __future__ import annotations
 

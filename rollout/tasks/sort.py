@@ -13,7 +13,7 @@
 * Reward: :func:`position_reward`, the fraction of the N + 1 answer positions right.
 * Environment: none (single turn).
 
-(docs/design.md#sort-task.)
+(docs/design/prompt-data.md#sort-task.)
 """
 from __future__ import annotations
 
@@ -137,7 +137,7 @@ class SortTask(Task):
           a group it varies by about ``1 / sqrt(N + 1)`` of a two-token answer's spread; an
           advantage that is not divided by the group's std is then swamped by the per-token
           entropy bonus ``-beta log pi`` (``--entropy-coef``), whose size does not shrink with
-          N, and the policy stays at its initial entropy (docs/design.md#sort-task).
+          N, and the policy stays at its initial entropy (docs/design/prompt-data.md#sort-task).
         """
         return {"rollout-max-response-len": cls.response_tokens(config), "grpo-std-normalization": True}
 

@@ -11,7 +11,7 @@ The built-in digit task is data of the same kind: its prompts ship as
 ``rollout/data/digits.jsonl`` (``rollout/tasks/digits.py``), tokenised by the embedded
 word-level tokenizer like any user file. A run's training and refill prompts are its task's
 (``rollout/tasks/``); its evaluation sets are prompt files whatever the task
-(docs/design.md#prompt-data).
+(docs/design/prompt-data.md#prompt-data).
 """
 from __future__ import annotations
 

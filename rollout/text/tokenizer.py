@@ -8,7 +8,7 @@ the vocabulary and the chat template, ``generation_config.json`` the ids that en
 replayrl never re-implements a tokenizer or a template.
 
 Token ids, not text, are the unit of a trajectory: a multi-turn context is the previous
-context's exact ids plus the ids of the rendered observation *delta* (docs/design.md#prompt-data),
+context's exact ids plus the ids of the rendered observation *delta* (docs/design/prompt-data.md#prompt-data),
 so the ids the trainer trains on are the ids the engine
 saw, with no re-tokenisation of the conversation text in between.
 """

@@ -5,7 +5,7 @@ the top-k candidate ids with their logprobs (SGLang ``return_logprob`` with
 ``top_logprobs_num``), and per-position routing from an offset of the prompt
 (``routed_experts_start``-style requests) when a multi-turn client asks for only the new part
 of a context. These helpers turn that raw capture into the contract of ``rollout/sample.py``,
-and refuse what cannot be turned into it honestly (docs/design.md#sample-contract; house rule:
+and refuse what cannot be turned into it honestly (docs/design/sample-contract.md#sample-contract; house rule:
 never clamp or silently drop):
 
 * :func:`normalize_support_row` -- one ``sample_support`` row ``[1 + top_k]``;

@@ -3,7 +3,7 @@
 A multi-turn trajectory is captured in pieces: each engine turn returns a block of trace rows
 (``sample_support`` rows for its response tokens, ``routed_experts`` / ``indexer_topk`` rows
 for the positions it forwarded), and the environment inserts observation tokens that no engine
-sampled. Concatenating those pieces by hand is where rows drift apart (docs/design.md#sample-contract:
+sampled. Concatenating those pieces by hand is where rows drift apart (docs/design/sample-contract.md#sample-contract:
 every transformation keeps all per-token arrays aligned). This object owns that
 concatenation for one row space (e.g. the ``R`` response rows, or the ``P + R - 1`` position
 rows):

@@ -1,5 +1,5 @@
 """How a trace column is stored where it crosses the wire (the column forms of samples and
-generations): no larger than what it carries (docs/design.md#trace-arrays).
+generations): no larger than what it carries (docs/design/traces.md#trace-arrays).
 
 Each row of ``replayrl.rollout.traces.trace_table.TRACES`` names its ``storage``:
 

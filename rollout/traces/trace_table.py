@@ -1,7 +1,7 @@
 """The trace table: every per-token trace a trajectory can carry, described once.
 
 A *trace* is an int array the engine records while generating and the trainer replays
-(docs/design.md#trace-arrays). Each row of :data:`TRACES` gives one trace's name, dtype,
+(docs/design/traces.md#trace-arrays). Each row of :data:`TRACES` gives one trace's name, dtype,
 per-token shape, row space, padding value and the setting that enables its replay; everything
 that handles traces generically reads this table instead of naming them:
 
@@ -12,7 +12,7 @@ that handles traces generically reads this table instead of naming them:
 * the trainer's flip / drift rates (``replayrl.trainer.ranks.rank_step``).
 
 Adding a trace is one row here plus the capture code (an engine filling the field) and the
-replay code (the model or loss reading it). Row spaces (docs/design.md#sample-contract),
+replay code (the model or loss reading it). Row spaces (docs/design/sample-contract.md#sample-contract),
 for a trajectory of ``P`` prompt and ``R`` response tokens:
 
 * ``"response"``: ``R`` rows, one per response token;

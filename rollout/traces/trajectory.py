@@ -1,7 +1,7 @@
 """Trajectory transformations that keep every per-token array aligned.
 
 Pure functions: a :class:`replayrl.rollout.sample.Sample` is frozen, so each returns a new one (or a new
-:class:`MergedTrajectory`) and never touches its input. Row spaces (docs/design.md#sample-contract):
+:class:`MergedTrajectory`) and never touches its input. Row spaces (docs/design/sample-contract.md#sample-contract):
 ``response_ids``, ``loss_mask``, ``rollout_logprobs`` and ``sample_support`` have
 ``R`` rows; ``routed_experts`` and ``indexer_topk`` have ``P + R - 1`` rows, one per forwarded
 position (the last token is never forwarded).
@@ -52,7 +52,8 @@ __all__ = [
 # recognises it by `synthetic_eos` and its all -1 support row and uses the full-vocabulary
 # fallback; the placeholder only has to be finite to satisfy the Sample contract. It is not a
 # behaviour logprob: Sample.sampled_mask leaves the row out of every RS gate, TIS weight and
-# logprob metric (docs/design.md#trainer-math, docs/design.md#rejection-sampling), so its value never matters.
+# logprob metric (docs/design/trainer-math.md#trainer-math,
+# docs/design/rejection-sampling.md#rejection-sampling), so its value never matters.
 OBSERVATION_LOGPROB = 0.0
 SYNTHETIC_EOS_LOGPROB = 0.0
 
@@ -110,7 +111,7 @@ def _with_pad_row(arr: np.ndarray | None, row: trace_table.TraceSpec) -> np.ndar
 
 
 def append_synthetic_eos(sample: Sample, eos_id: int) -> Sample:
-    """Append one EOS token the engine did not sample (docs/design.md#trace-arrays).
+    """Append one EOS token the engine did not sample (docs/design/traces.md#trace-arrays).
 
     Used when a response hit its length cap: training on the EOS teaches the policy to stop.
     The run applies it with ``--rollout-append-eos-on-truncation`` (``rollout/dispatch/manager.py``,

@@ -1,4 +1,4 @@
-"""replayrl.transport.batch and the sockets' coalescing (docs/design.md#shm-transport,
+"""replayrl.transport.batch and the sockets' coalescing (docs/design/transport.md#shm-transport,
 "Batches"): the batch frame's layout (checked against bytes built by hand with
 struct), order, limits, malformed batches refused whole naming the element, shared-memory slots
 released exactly once, and a live actor that survives a malformed batch.

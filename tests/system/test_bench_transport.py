@@ -1,4 +1,4 @@
-"""``replayrl bench transport``'s floor rows (docs/design.md#shm-transport):
+"""``replayrl bench transport``'s floor rows (docs/design/transport.md#shm-transport):
 the overhead arithmetic against hand-computed values, and the socket-level floor
 measured with tiny counts (figures positive and finite; no timed assertion)."""
 from __future__ import annotations

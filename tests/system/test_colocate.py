@@ -1,4 +1,4 @@
-"""Colocated mode across real processes (docs/design.md#colocate): actors that share one spawned
+"""Colocated mode across real processes (docs/design/actors.md#colocate): actors that share one spawned
 process, and ``replayrl train --colocate`` against the same run in separate processes."""
 from __future__ import annotations
 

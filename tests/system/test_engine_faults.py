@@ -1,4 +1,4 @@
-"""Engine fault tolerance in real runs (docs/design.md#engine-faults).
+"""Engine fault tolerance in real runs (docs/design/engine-faults.md#engine-faults).
 
 An engine process of a two-engine run signals itself (SIGKILL, or SIGSTOP past the heartbeat
 deadline) in the middle of the generation of rollout 1, which overlaps the training of step 0.

@@ -1,6 +1,7 @@
-"""Bad input and load against live actors (docs/design.md#transport-contract, docs/design.md#actor-contract):
-oversized and amplifying frames, floods, dead peers, peers without the run's CURVE
-key, killed launchers. Every wait is a hang guard; nothing asserts on timing."""
+"""Bad input and load against live actors (docs/design/transport.md#transport-contract,
+docs/design/actors.md#actor-contract): oversized and amplifying frames, floods, dead peers, peers
+without the run's CURVE key, killed launchers. Every wait is a hang guard; nothing asserts on
+timing."""
 from __future__ import annotations
 
 import asyncio

@@ -135,7 +135,7 @@ def test_megatron_backend_matches_the_torch_trainer(one_rank, reference):
     (4, ("--tp", "2", "--cp", "2"))],
     ids=["tp2_sp", "ep2_dp2_distopt", "pp2", "cp2", "tp2_sp_cp2"])
 def test_parallel_layouts_give_the_one_rank_values(checkpoint, one_rank, tmp_path, nproc, layout):
-    # CP (docs/design.md#context-parallel): each rank forwards 2 of 4 chunks of every row (13 positions
+    # CP (docs/design/megatron.md#context-parallel): each rank forwards 2 of 4 chunks of every row (13 positions
     # padded to 16) and attends to all keys; its logprobs, the routing it replays and records
     # and the indexer's choices over all keys come back in the one-rank order
     got = _run(checkpoint, tmp_path, nproc, "--case", "main", *layout)
@@ -242,7 +242,7 @@ def test_checkpoint_round_trip_restores_weights_optimizer_and_version(checkpoint
 
 
 def test_pipeline_r3_replays_the_last_stages_own_layers(checkpoint, tmp_path):
-    # docs/design.md#pipeline-parallel: PP=2, routers perturbed on stage 1 only (layers 2-3, trace columns
+    # docs/design/megatron.md#pipeline-parallel: PP=2, routers perturbed on stage 1 only (layers 2-3, trace columns
     # 1-2); stage 0's layer 1 (column 0) routes as recorded, stage 1's layers route differently
     # until the recorded trace is replayed: each stage must feed its routers its own columns
     got = _run(checkpoint, tmp_path, 2, "--case", "r3", "--pp", "2", "--perturb-last-stage")
@@ -331,13 +331,14 @@ def _torchrun_train(out: Path, nproc: int, curve_keys: str, *flags: str, steps: 
     ids=["dp2_ep2_distopt", "torchrun_tp2_sp", "pp2", "pp2_preflight", "cp2"])
 def test_the_megatron_trainer_trains_on_two_ranks(tmp_path, torch_first_step, curve_keys_dir, launch,
                                                    layout):
-    # docs/design.md#trainer-ranks: the trainer is two processes (trainer, trainer_1) in one megatron
+    # docs/design/trainer-ranks.md#trainer-ranks: the trainer is two processes (trainer, trainer_1) in one megatron
     # world; both steps train, the second on samples from the pushed weights, and the first
     # takes the torch trainer's step on the same batch (same gradient norm). `replayrl train`
     # runs DP=2 + EP=2 with the distributed optimizer; torchrun runs TP=2 + SP on 4 ranks
     # (driver, one engine, trainer, trainer_1: the plan counts --dp-size x --tp-size trainer
     # ranks), its trainer ranks meeting in a group of their own inside the 4-rank world; PP=2
-    # (docs/design.md#pipeline-parallel) and CP=2 (docs/design.md#context-parallel) run under `replayrl train` too
+    # (docs/design/megatron.md#pipeline-parallel) and CP=2
+    # (docs/design/megatron.md#context-parallel) run under `replayrl train` too
     if launch == "torchrun":
         rows = _torchrun_train(tmp_path, 4, curve_keys_dir, "--train-backend", "megatron", *layout)
     else:

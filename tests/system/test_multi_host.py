@@ -1,6 +1,6 @@
 """The torchrun launcher across hosts: two test hosts made as network namespaces joined by a veth
 pair (iproute2), one run training across them over CURVE tcp, and one surviving the cut of an
-engine host's link (docs/design.md#attach-and-multi-host, docs/design.md#engine-faults).
+engine host's link (docs/design/multi-host.md#attach-and-multi-host, docs/design/engine-faults.md#engine-faults).
 
 Needs root and ``ip netns`` (CI runs as root); skipped with the reason otherwise.
 """

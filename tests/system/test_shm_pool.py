@@ -1,4 +1,4 @@
-"""The shared-memory pool for large arrays between processes of one node (docs/design.md#shm-transport):
+"""The shared-memory pool for large arrays between processes of one node (docs/design/transport.md#shm-transport):
 values, slot lifetime, reuse, fallback to frames, refusal of
 forged or stale handles and of handles from a tcp peer, and a live actor across processes."""
 from __future__ import annotations

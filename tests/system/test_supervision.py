@@ -1,4 +1,4 @@
-"""The supervisor's loss handling with real processes and real signals (docs/design.md#engine-faults):
+"""The supervisor's loss handling with real processes and real signals (docs/design/engine-faults.md#engine-faults):
 silent past the heartbeat deadline -> killed; an expendable actor
 dropped or replaced; anything else ends the run."""
 from __future__ import annotations

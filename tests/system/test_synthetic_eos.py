@@ -1,6 +1,6 @@
 """A synthetic EOS has no behaviour logprob: it enters no RS gate, no TIS weight and no
-|rollout - trainer logprob| metric (docs/design.md#trace-arrays, docs/design.md#trainer-math,
-docs/design.md#rejection-sampling), and the run can produce one
+|rollout - trainer logprob| metric (docs/design/traces.md#trace-arrays, docs/design/trainer-math.md#trainer-math,
+docs/design/rejection-sampling.md#rejection-sampling), and the run can produce one
 (``--rollout-append-eos-on-truncation``). Every expected value is a naive float64 loop here."""
 from __future__ import annotations
 

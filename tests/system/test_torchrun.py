@@ -77,7 +77,7 @@ def test_each_rank_listens_on_its_own_address_toward_the_master():
                                    "trainer": "tcp://[fd00::2]:29504"}
 @pytest.mark.parametrize("backend", ["torch", "fsdp"])
 def test_two_trainer_ranks_under_torchrun(tmp_path, curve_keys_dir, backend):
-    # 4 ranks: driver, one engine, the trainer and trainer_1 (docs/design.md#trainer-ranks);
+    # 4 ranks: driver, one engine, the trainer and trainer_1 (docs/design/trainer-ranks.md#trainer-ranks);
     # the fsdp backend's ranks meet in the same group and shard the policy over it
     proc = _torchrun(4, tmp_path, "--curve-keys", curve_keys_dir, "--dp-size", "2",
                      "--train-backend", backend)

@@ -1,4 +1,4 @@
-"""Trainer data parallelism (docs/design.md#trainer-ranks): --dp-size N trainer processes,
+"""Trainer data parallelism (docs/design/trainer-ranks.md#trainer-ranks): --dp-size N trainer processes,
 torch DDP over gloo, against the one-rank trainer as the reference."""
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def test_the_run_config_refuses_a_batch_that_does_not_split_over_the_ranks():
 
 
 def test_pipeline_layouts_that_cannot_run_are_refused_naming_the_flag(tmp_path):
-    # docs/design.md#pipeline-parallel: stages hold equal layer ranges (the embedded default has 4 layers),
+    # docs/design/megatron.md#pipeline-parallel: stages hold equal layer ranges (the embedded default has 4 layers),
     # pipelines are megatron's, the interleaved (VPP) schedule is not offered
     with pytest.raises(ConfigError, match=r"--pp-size 3 must divide the policy's 4 layers"):
         build_config({**SMALL, "train-backend": "megatron", "pp-size": 3})
@@ -146,10 +146,10 @@ async def test_two_ranks_take_the_same_step_as_one(tmp_path, one_rank, extra):
 @pytest.mark.parametrize("backend", ["torch", "fsdp"])
 async def test_exact_refill_over_two_ranks_requests_whole_quanta(tmp_path, backend):
     # n = 3 samples per group over 2 data-parallel ranks: the quantum is q = 2 / gcd(2, 3) = 2
-    # groups (6 samples, 3 per rank), so every replacement batch splits evenly (docs/design.md#exact-refill,
-    # docs/design.md#trainer-ranks); the steps train exactly --rollout-batch-size groups. The
-    # fsdp backend's forwards are collectives: its preflights must split exactly, and do
-    # (docs/trainer-ranks.md#fsdp)
+    # groups (6 samples, 3 per rank), so every replacement batch splits evenly
+    # (docs/design/rejection-sampling.md#exact-refill, docs/design/trainer-ranks.md#trainer-ranks);
+    # the steps train exactly --rollout-batch-size groups. The fsdp backend's forwards are
+    # collectives: its preflights must split exactly, and do (docs/trainer-ranks.md#fsdp)
     from replayrl.tools.run.launcher import launch
 
     config = build_config({"rollout-batch-size": 2, "n-samples-per-prompt": 3, "progress": False,

@@ -1,5 +1,5 @@
 """The evidence behind refusing ``--lora-rank`` with ``--rollout-engine vllm``
-(docs/design.md#lora), kept true: the installed vLLM, started with ``enable_lora`` on the MoE
+(docs/design/lora.md#lora), kept true: the installed vLLM, started with ``enable_lora`` on the MoE
 policy replayrl serves, fails at its first forward in its Triton MoE-LoRA kernels (skipped where
 vllm is not installed; CI runs it in its own venv, see .ci/run). When this test fails, vLLM
 serves LoRA on MoE on CPU and the refusal in tools/run/config.py can be lifted.

@@ -1,5 +1,5 @@
 """Does the installed vLLM serve a LoRA adapter on CPU? The evidence behind the refusal of
-``--lora-rank`` with ``--rollout-engine vllm`` (docs/design.md#lora).
+``--lora-rank`` with ``--rollout-engine vllm`` (docs/design/lora.md#lora).
 
 Run in the vLLM venv (``VENV/bin/python tests/system/vllm_lora_probe.py moe|dense``); prints
 one JSON line and exits 0 whatever vLLM does:

@@ -1,4 +1,4 @@
-"""The exception tree of docs/design.md#errors, read from the source with ``ast``.
+"""The exception tree of docs/design/errors.md#errors, read from the source with ``ast``.
 
 - every exception class of a production module is declared in a module named ``errors.py``;
 - no exception class name is declared twice;
@@ -61,7 +61,7 @@ EXCEPTIONS = _exceptions()
 
 
 def test_the_scan_sees_the_known_classes():
-    # a guard against a scan that finds nothing: classes named in docs/design.md#errors
+    # a guard against a scan that finds nothing: classes named in docs/design/errors.md#errors
     for name in ("TransportError", "ActorError", "RolloutError", "TrainerError", "ToolsError",
                  "RemoteError", "SampleError", "ConfigError", "Terminated", "ModelError"):
         assert name in EXCEPTIONS, name

@@ -1,4 +1,4 @@
-"""The package rules of docs/design.md#layout, read from the source with ``ast``.
+"""The package rules of docs/design/layout.md#layout, read from the source with ``ast``.
 
 - imports point downwards only: ``tools -> {rollout, trainer} -> actors -> transport``, and
   ``trainer`` reaches into ``rollout`` only for ``replayrl.rollout.sample``, the trace table it
@@ -9,7 +9,7 @@
 - no import circle between production modules (``TYPE_CHECKING`` imports included: a circle
   that only type checkers see is still two modules that know each other);
 - every production module has a production caller, except the entry points and the
-  context-parallel piece, kept for a megatron-core backend with CP (docs/design.md#parallel-pieces);
+  context-parallel piece, kept for a megatron-core backend with CP (docs/design/megatron.md#parallel-pieces);
   the megatron backend calls the vocabulary-parallel and replay-registry
   pieces.
 """
@@ -113,7 +113,7 @@ def test_imports_point_downwards(module):
     if layer == "trainer":
         bad += sorted(m for m in GRAPH[module] if _layer(m) == "rollout"
                       and not m.startswith(TRAINER_MAY_USE))
-    assert not bad, f"{module} imports {bad} against docs/design.md#layout"
+    assert not bad, f"{module} imports {bad} against docs/design/layout.md#layout"
 
 
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if _room(m)))

@@ -1,7 +1,7 @@
 """Every JSON the project writes goes through the one strict writer
 (``replayrl.transport.strict_json``, never ``NaN`` / ``Infinity``): production code calls no
 ``json.dump`` / ``json.dumps`` directly and no ``aiohttp`` JSON response without its ``dumps``
-(docs/design.md, "JSON")."""
+(docs/design/transport.md#transport-contract, "JSON")."""
 from __future__ import annotations
 
 import ast

@@ -5,7 +5,7 @@ For each shape of frame (an array of 2**20 empty lists, of empty dicts, of neste
 two-character strings, of 300s), decodes it once with ``transport.decode`` and once with a plain
 ``msgpack.unpackb`` (no limits, no hooks: what the decoder did before its budget) and prints the
 outcome, the wall time and the peak Python memory (tracemalloc) per wire byte of each, and the
-ratio of the two times (docs/design.md#transport-contract).
+ratio of the two times (docs/design/transport.md#transport-contract).
 
 Usage: ``replayrl bench decode`` (``python -m replayrl.tools.bench.decode``)
 """

@@ -14,7 +14,7 @@ file also arms the fault once
 per run: a process started in the engine's place (``--engine-failure restart``, same
 arguments) finds it and never signals.
 
-Which call is hit (the one-step overlapped loop, docs/design.md#version-clock):
+Which call is hit (the one-step overlapped loop, docs/design/version-clock.md#version-clock):
 
 - an engine's ``generate`` (:class:`SignalledEngine`, inside the engine): call 1 is its part
   of rollout 0, call 2 its part of rollout 1, generated while step 0 trains;

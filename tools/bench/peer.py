@@ -184,7 +184,7 @@ equal (tests/unit/trainer/test_trl_update_agreement.py)."""
 
 def run_config(steps: int, seed: int, output_dir: str, overrides: dict | None = None):
     """The replayrl :class:`replayrl.tools.run.config.RunConfig` of one side-run: replayrl's
-    defaults (its own recipe, entropy bonus included: docs/design.md#entropy-collapse) with
+    defaults (its own recipe, entropy bonus included: docs/design/trainer-math.md#entropy-collapse) with
     ``--no-progress``, then ``overrides`` (flag name -> value; :data:`SAME_OBJECTIVE` for TRL's
     objective)."""
     from replayrl.tools.run.config import build_config
@@ -733,7 +733,7 @@ def main(argv: list[str] | None = None, grid=None) -> int:
                              "replayrl's own recipe, entropy bonus on")
     parser.add_argument("--colocate", action="store_true",
                         help="run replayrl's side with --colocate (clock, manager, engine and "
-                             "trainer in one process: docs/design.md#colocate)")
+                             "trainer in one process: docs/design/actors.md#colocate)")
     parser.add_argument("--trainer-backward-threads", default=None, metavar="N|SIZE=N,...",
                         help="run replayrl's side with --trainer-backward-threads N (its "
                              "backward passes on N torch threads); with --grid per model size, "

@@ -7,7 +7,7 @@ this checkout, alternated back to back (baseline, this, baseline, this, ...; ``-
 both see the same machine load. With ``--variant FLAGS`` this checkout's runs add those flags
 (e.g. ``--variant "--engine-torch-threads 2"``); without ``--baseline`` the other side is this
 checkout with the plain flags. Each run is a fresh process tree, exactly as a user runs it. For
-every ``*_seconds`` key of ``metrics.jsonl`` (the per-step breakdown, docs/design.md#actor-contract) it
+every ``*_seconds`` key of ``metrics.jsonl`` (the per-step breakdown, docs/design/actors.md#actor-contract) it
 prints the median over steps ``--warmup .. steps - 2`` of each run (the first steps warm up; the
 last has no overlapping generation), the median of those over the runs, and the ratio this /
 baseline. With ``--priority`` the runs go ahead of other sessions' jobs (:mod:`replayrl.tools.bench.priority`).

@@ -9,7 +9,7 @@ steps (the sum of ``step_seconds``), and the wall time of the whole command (act
 the initial checkpoint and the plot included). With ``--long-steps N`` (default 0: off; the
 docs' longer-budget columns used 3000) each seed also runs ``--num-steps N``, and the row adds
 that run's last-10 % reward and entropy and the largest fall of a 250-step window's mean reward
-below an earlier window's (:func:`largest_window_fall`; docs/design.md#entropy-collapse). The
+below an earlier window's (:func:`largest_window_fall`; docs/design/trainer-math.md#entropy-collapse). The
 runs are deterministic for a given machine, so the reward columns are reproducible; the seconds
 are this machine's at the time of the run.
 """

@@ -1,6 +1,6 @@
 """Benchmark: the transport against baselines measured in the same run (not a test).
 
-Prints one markdown table (docs/design.md#shm-transport; the
+Prints one markdown table (docs/design/transport.md#shm-transport; the
 transport table of docs/benchmarks.md is its output):
 
 * one-way array throughput at 4 KiB, 1 MiB and 64 MiB float32 (encode -> ipc send -> receive
@@ -242,7 +242,7 @@ def _raw_round_trip_p50(sock: zmq.Socket, payload: bytes, calls: int) -> float:
     return statistics.median(latencies)
 
 
-# -- the socket-level floor under a call (docs/design.md#shm-transport) --
+# -- the socket-level floor under a call (docs/design/transport.md#shm-transport) --
 @dataclass(frozen=True)
 class SocketFloor:
     """Median round-trip seconds (1 in flight, the call-request payload, raw bytes) of echoes

@@ -1,4 +1,4 @@
-"""The event loop thread of a REPL session (docs/design.md#attach-and-multi-host).
+"""The event loop thread of a REPL session (docs/design/multi-host.md#attach-and-multi-host).
 
 The actor runtime is asyncio and a connection belongs to the event loop that opened it, so a
 session runs one event loop in a background thread, serving one run (its own actors or an

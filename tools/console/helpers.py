@@ -1,5 +1,5 @@
 """The console helpers of ``replayrl repl`` that ask the run and show the answer: ``methods``,
-``clock``, ``metrics``, ``sample``, ``pause`` and ``resume`` (docs/design.md#attach-and-multi-host).
+``clock``, ``metrics``, ``sample``, ``pause`` and ``resume`` (docs/design/multi-host.md#attach-and-multi-host).
 What they print is :mod:`replayrl.tools.console.views`'s.
 """
 from __future__ import annotations

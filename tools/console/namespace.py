@@ -1,5 +1,5 @@
 """The console namespace of ``replayrl repl``: one synchronous proxy per actor, the helpers and
-the help text (docs/design.md#attach-and-multi-host).
+the help text (docs/design/multi-host.md#attach-and-multi-host).
 
 Console namespace (see :data:`HELP_TEXT`): ``actors`` (name -> :class:`ConsoleProxy`), one
 variable per actor (``version_clock``, ``rollout_manager``, ``engine_0``, ``trainer``, ...),

@@ -1,6 +1,6 @@
 """The interactive console of ``replayrl repl``: prompt_toolkit for the line editor, the
 standard library's :class:`code.InteractiveConsole` for Python's own semantics
-(docs/design.md#attach-and-multi-host).
+(docs/design/multi-host.md#attach-and-multi-host).
 
 prompt_toolkit (a well-kept library, also under IPython and ptpython) gives history, multi-line
 editing and Tab completion that asks the actors themselves for their methods (``dir`` of a

@@ -1,6 +1,6 @@
 """``replayrl repl``: an interactive Python console on the live actors of a run.
 
-Two ways in (docs/design.md#attach-and-multi-host):
+Two ways in (docs/design/multi-host.md#attach-and-multi-host):
 
 * ``replayrl repl [run flags]`` starts the run's actors from ``replayrl train``'s specs, under a
   :class:`replayrl.actors.Supervisor` (a process per engine and trainer; the clock and the

@@ -1,5 +1,5 @@
 """The run a REPL session serves: its own actor processes, or a run it attached to
-(docs/design.md#attach-and-multi-host).
+(docs/design/multi-host.md#attach-and-multi-host).
 
 Each is served by :class:`replayrl.tools.console.actor_loop.ActorLoop` through ``serve(ready,
 stopped)`` and guards the console's calls with ``guard(coro)``.

@@ -1,5 +1,5 @@
 """What the REPL prints: an actor's methods with their docstrings, metrics rows, one sample's
-traces (docs/design.md#attach-and-multi-host).
+traces (docs/design/multi-host.md#attach-and-multi-host).
 
 Pure functions from plain data (an :class:`replayrl.actors.ActorInterface`, metrics rows, the columns of
 ``RolloutManager.last_sample``) to text, and :class:`Shown`, the value the console helpers

@@ -2,7 +2,7 @@
 
 A run's launcher (``replayrl train``, and rank 0 of a torchrun run) writes
 ``<output-dir>/attach.json`` once every actor answers and removes it when the run ends
-(docs/design.md#attach-and-multi-host): the run's endpoints, where its CURVE
+(docs/design/multi-host.md#attach-and-multi-host): the run's endpoints, where its CURVE
 keys are and its output directory (``metrics.jsonl``). A console attaches either by that
 directory (or the card itself) or by the address of any one actor (``tcp://host:port``,
 ``ipc://path``), which answers the built-in ``__directory__`` with every endpoint of the run.

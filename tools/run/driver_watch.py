@@ -1,4 +1,4 @@
-"""A torchrun rank that lost its driver leaves on its own (docs/design.md#attach-and-multi-host).
+"""A torchrun rank that lost its driver leaves on its own (docs/design/multi-host.md#attach-and-multi-host).
 
 Under torchrun nothing else ends a rank whose driver (rank 0: the loop, the clock, the rollout
 manager) is gone or cut off: the rank only serves, its torchrun agent watches local processes

@@ -3,9 +3,9 @@
 Processes: ``version_clock``, ``rollout_manager``, ``engine_0..``, ``trainer`` and, with
 ``--dp-size N > 1``, the trainer ranks ``trainer_1 .. trainer_{N-1}``; this process drives the
 loop. With ``--colocate`` the clock, the manager, ``engine_0`` and the trainer share one process
-(:data:`COLOCATED`, docs/design.md#colocate). A lost engine (exited, or silent past
+(:data:`COLOCATED`, docs/design/actors.md#colocate). A lost engine (exited, or silent past
 ``--heartbeat-deadline-s``) is dropped or restarted and its prompt groups regenerated under
-``--engine-failure`` (docs/design.md#engine-faults); any other actor that dies ends the run at
+``--engine-failure`` (docs/design/engine-faults.md#engine-faults); any other actor that dies ends the run at
 once with its traceback; Ctrl-C (or any error here) stops every actor; the run's ipc
 directory is removed in every case. While the actors serve, ``<output-dir>/attach.json``
 tells ``replayrl repl --attach`` where they are (:mod:`replayrl.tools.run.attach_card`).
@@ -90,7 +90,7 @@ def check_writable(directory: Path, flag: str) -> None:
 def check_load(config: RunConfig) -> int:
     """Read and check every file of the ``--load`` checkpoint (model, trainer state, clock
     state) before any actor starts, so a truncated checkpoint, another backend's or one saved
-    under another parallel layout (docs/design.md#megatron-backend) fails in
+    under another parallel layout (docs/design/megatron.md#megatron-backend) fails in
     seconds, not after the actors have started; returns its trainer version.
 
     Raises:
@@ -122,7 +122,7 @@ def write_run_config(config: RunConfig, output: Path) -> Path:
 
 def write_initial_checkpoint(config: RunConfig, directory: Path) -> Path:
     """Build the embedded default policy from ``config.trainer.seed`` and save it as an HF dir,
-    which the run then loads like any ``--hf-checkpoint`` (docs/design.md#hf-checkpoints).
+    which the run then loads like any ``--hf-checkpoint`` (docs/design/model.md#hf-checkpoints).
     Imports torch (the launcher itself does it in a child process: :func:`write_initial_files`)."""
     from replayrl.rollout.model.checkpoint import save_pretrained
     from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
@@ -274,7 +274,7 @@ def check_engine(config: RunConfig, path: str) -> None:
 
 
 SGLANG_RETRIES = 2
-"""Resends of one SGLang request after a server did not answer (docs/design.md#sglang-engine)."""
+"""Resends of one SGLang request after a server did not answer (docs/design/engines.md#sglang-engine)."""
 
 
 def engine_kwargs(config: RunConfig, index: int = 0, dtype: str | None = None) -> dict:
@@ -521,7 +521,7 @@ ENGINE_LOSS = {"regenerate": "drop", "restart": "replace", "fail": "fail"}
 
 def engine_supervision(config: RunConfig, directory: Directory) -> dict:
     """The :class:`replayrl.actors.Supervisor` arguments for the run's engines under
-    ``--engine-failure`` (docs/design.md#engine-faults): they are expendable, except an engine
+    ``--engine-failure`` (docs/design/engine-faults.md#engine-faults): they are expendable, except an engine
     of the colocated process (``--colocate``: lost with the trainer, it ends the run; while it
     serves, losing every other engine does not);
     a restarted one first loads the trainer's current weights (recorded by the clock), then

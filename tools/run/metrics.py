@@ -31,7 +31,7 @@ def edge_means(values: Sequence[float], fraction: float = 0.1) -> tuple[float, f
 
 ENTROPY_FLOOR = 0.05
 """Support entropy (nats, mean of the last :data:`COLLAPSE_WINDOW` steps) below which a run whose
-reward is still below its best is reported as collapsed (docs/design.md#entropy-collapse)."""
+reward is still below its best is reported as collapsed (docs/design/trainer-math.md#entropy-collapse)."""
 COLLAPSE_WINDOW = 20
 """Steps over which :class:`CollapseWatch` averages the reward and the entropy."""
 COLLAPSE_MARGIN = 0.1
@@ -75,7 +75,7 @@ class CollapseWatch:
             return (f"replayrl: entropy collapse at step {metrics.get('step')}: support entropy "
                     f"{mean_h:.3f} < {self.floor} nats while the reward {mean_r:.3f} is below its "
                     f"best {self._best:.3f}; the policy no longer explores (see "
-                    f"docs/design.md#entropy-collapse: --entropy-coef, --lr)")
+                    f"docs/design/trainer-math.md#entropy-collapse: --entropy-coef, --lr)")
         return None
 
 

@@ -1,5 +1,5 @@
 """Where each torchrun rank's actors listen: the rank's own address, exchanged through torchrun's
-rendezvous store (docs/design.md#attach-and-multi-host).
+rendezvous store (docs/design/multi-host.md#attach-and-multi-host).
 
 A rank listens on the address its host uses to reach ``MASTER_ADDR`` (the source address the
 kernel picks for that route: on one node ``127.0.0.1``, across nodes the interface facing the
@@ -10,7 +10,7 @@ its own business.
 
 Joined engines (:func:`join_run`): an engine host the run should survive losing runs its own
 one-node torchrun (``--join-run MASTER_ADDR:MASTER_PORT``), outside the run's torchrun world, so
-no agent of that world waits for it or is torn down with it (docs/design.md#attach-and-multi-host).
+no agent of that world waits for it or is torn down with it (docs/design/multi-host.md#attach-and-multi-host).
 Its ranks reach the same store as plain TCPStore clients, take a slot with an
 atomic counter (``replayrl/joined``) and publish under ``replayrl/host/joined-<slot>``; rank 0 of
 the run publishes the run's world size and joined-engine count (``replayrl/plan``) so every

@@ -8,17 +8,18 @@ Usage (one node; several nodes: the same command on each, with torchrun's ``--nn
 
 Roles: rank 0 runs the driver loop and serves ``version_clock`` and ``rollout_manager``;
 the last ``T = --dp-size x --tp-size x --pp-size x --cp-size`` ranks serve the trainer ranks ``trainer``,
-``trainer_1`` .. (docs/design.md#trainer-ranks); the ranks between serve ``engine_0 ..``.
+``trainer_1`` .. (docs/design/trainer-ranks.md#trainer-ranks); the ranks between serve ``engine_0 ..``.
 The actor with index ``i`` in the run's actor list listens on ``tcp://ADDR:MASTER_PORT + 1 + i``,
 where ``ADDR`` is its rank's address toward ``MASTER_ADDR`` (:mod:`replayrl.tools.run.rank_hosts`); the ranks
 exchange their addresses through torchrun's rendezvous store, so every rank builds the same
-directory (docs/design.md#attach-and-multi-host). Every socket is
+directory (docs/design/multi-host.md#attach-and-multi-host). Every socket is
 CURVE-authenticated with the run's keys (``--curve-keys DIR``, made by ``replayrl keys DIR`` and
 copied to every host), loopback and network alike.
 
-Engine hosts the run survives losing (docs/design.md#attach-and-multi-host): with ``--joined-engines N`` the run
-also expects ``N`` engines from outside its torchrun world; each such host runs its own one-node
-torchrun with ``--join-run MASTER_ADDR:MASTER_PORT`` (the run's) and the same training flags::
+Engine hosts the run survives losing (docs/design/multi-host.md#attach-and-multi-host): with
+``--joined-engines N`` the run also expects ``N`` engines from outside its torchrun world; each such
+host runs its own one-node torchrun with ``--join-run MASTER_ADDR:MASTER_PORT`` (the run's) and the
+same training flags::
 
     torchrun --standalone --nproc-per-node K -m replayrl.tools.run.torchrun_entry --curve-keys DIR \
         --join-run node0.example:29500 [the run's replayrl train flags]
@@ -174,7 +175,7 @@ def refuse_restart(config: RunConfig) -> None:
 def refuse_colocate(config: RunConfig) -> None:
     """Raise :class:`ConfigError` for ``--colocate``: torchrun starts one process per rank, each
     serving the actors its rank plans (:func:`plan`), so the engine and the trainer cannot share
-    one (docs/design.md#colocate)."""
+    one (docs/design/actors.md#colocate)."""
     if config.colocate:
         raise ConfigError("--colocate is not available under torchrun: each rank is a process of "
                           "its own serving its planned actors, so engine_0 and the trainer cannot "

@@ -6,15 +6,16 @@ weights are pushed only after that generation finished, so every sample enters i
 one version stale (``t - v = 1``) except the first batch of a run or of a resume (``t - v = 0``).
 The VersionClock checks that window on every step.
 
-A step the trainer skips (nothing to train, ``skipped: 1`` in its metrics, docs/design.md#rejection-sampling)
-moved no weight and no version, so nothing is pushed after it (:data:`NO_PUSH`): the engines
-keep the weights they have, the next batch was generated at the trainer's unchanged version
-(staleness 0, inside the window) and the row is still recorded.
+A step the trainer skips (nothing to train, ``skipped: 1`` in its metrics,
+docs/design/rejection-sampling.md#rejection-sampling) moved no weight and no version, so nothing is
+pushed after it (:data:`NO_PUSH`): the engines keep the weights they have, the next batch was
+generated at the trainer's unchanged version (staleness 0, inside the window) and the row is still
+recorded.
 
 With ``--max-staleness 0`` nothing overlaps: each step generates rollout k from the weights of
 version k, trains on it and pushes version k + 1 (waiting for the engines' load) before rollout
 k + 1 is generated (:func:`sync_step`), so every sample enters its step at staleness exactly 0
-and the clock's window ``0 <= t - v <= 0`` admits nothing else (docs/design.md#version-clock).
+and the clock's window ``0 <= t - v <= 0`` admits nothing else (docs/design/version-clock.md#version-clock).
 
 Evaluation (``--eval-interval``) runs after a step's weight push, on the engines, while no
 rollout is generating; its figures join that step's row (``eval/NAME/...``).

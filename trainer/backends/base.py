@@ -1,10 +1,10 @@
 """The trainer-backend interface: what the TrainerActor asks of the part that owns the model.
 
 One backend instance lives in each trainer rank's process for the whole run (one rank, or
-``--dp-size`` x ``--tp-size`` ranks that make the same calls on their shares, docs/design.md#trainer-ranks).
-Every call is synchronous
-and runs on the caller's thread; tensors crossing the interface are CPU torch tensors (a
-backend on accelerators moves them). The per-step call order, driven by
+``--dp-size`` x ``--tp-size`` ranks that make the same calls on their shares,
+docs/design/trainer-ranks.md#trainer-ranks). Every call is synchronous and runs on the caller's
+thread; tensors crossing the interface are CPU torch tensors (a backend on accelerators moves them).
+The per-step call order, driven by
 :class:`replayrl.trainer.ranks.trainer_actor.TrainerActor`, is::
 
     preflight_logprobs(mb) for every microbatch (and every refill round)
@@ -82,19 +82,19 @@ class TrainerBackend(ABC):
     replaying the batch's routing / indexer traces when present and enabled
     (``use_routing_replay`` / ``use_indexer_replay``) and normalising over the captured support
     when the batch has one (support replay), so that ``logp_prox - logp_rollout`` measures only
-    numerics (docs/design.md#trainer-math).
+    numerics (docs/design/trainer-math.md#trainer-math).
     """
 
     collective_io: bool = False
     """Whether :meth:`weights`, :meth:`save_checkpoint` and :meth:`save_hf` are collectives
     that every trainer rank calls (a model split over ranks); otherwise every rank holds the
-    whole model and rank 0 alone calls them (docs/design.md#trainer-ranks)."""
+    whole model and rank 0 alone calls them (docs/design/trainer-ranks.md#trainer-ranks)."""
 
     collective_forward: bool = False
     """Whether every forward (the preflight's too) is a collective of the data-parallel ranks
     (weights sharded over them, FSDP): then a preflight is split over the ranks exactly, like
     an update, so that every rank runs the same number of microbatches; otherwise a preflight
-    share may be one sample longer than another (docs/design.md#trainer-ranks)."""
+    share may be one sample longer than another (docs/design/trainer-ranks.md#trainer-ranks)."""
 
     def data_parallel(self) -> tuple[int, int]:
         """``(dp_rank, dp_size)``: this rank's place among the data-parallel ranks, which
@@ -163,7 +163,7 @@ class TrainerBackend(ABC):
         """One microbatch's training forward and the backward of ``loss_fn(logprobs)``.
 
         The update's one entry point per microbatch: a backend whose loss exists on only some
-        of its ranks (the last stage of a pipeline, docs/design.md#pipeline-parallel)
+        of its ranks (the last stage of a pipeline, docs/design/megatron.md#pipeline-parallel)
         runs ``loss_fn`` there and its backward through every rank.
         This implementation is :meth:`train_forward` (``capture``) or :meth:`train_logprobs`,
         ``loss_fn`` and :meth:`backward`.
@@ -230,7 +230,7 @@ class TrainerBackend(ABC):
     @abstractmethod
     def save_hf(self, directory: Path) -> None:
         """Write the current weights as a Hugging Face checkpoint directory that transformers
-        loads, with the run's tokenizer (``--save-hf``; docs/design.md#hf-checkpoints).
+        loads, with the run's tokenizer (``--save-hf``; docs/design/model.md#hf-checkpoints).
 
         Raises:
             OSError: ``directory`` is not writable.

@@ -1,5 +1,5 @@
 """The parallel layout a trainer checkpoint was saved with, and the checks that refuse to
-resume it under another (docs/design.md#megatron-backend).
+resume it under another (docs/design/megatron.md#megatron-backend).
 
 A megatron checkpoint holds one ``trainer_state.rank<r>.pt`` per rank: each rank's shard of
 the optimizer state, cut by the tensor-, pipeline-, context-, expert- and data-parallel layout

@@ -11,7 +11,7 @@ moment over the trainer ranks with torch's FSDP2 (``torch.distributed.fsdp.fully
 FSDP unit per decoder layer plus the root (embedding, final norm, LM head). A rank holds
 ``1 / --dp-size`` of the weights and optimizer state; each unit's weights are all-gathered for
 its forward and backward and freed after, and gradients are reduce-scattered (averaged) in
-backward, so the update equals one rank's on the whole batch (docs/design.md#trainer-ranks).
+backward, so the update equals one rank's on the whole batch (docs/design/trainer-ranks.md#trainer-ranks).
 
 Consequences for the rest of the system, which sees the same :class:`TrainerBackend` contract:
 

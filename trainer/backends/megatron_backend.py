@@ -6,7 +6,7 @@ megatron-core ``GPTModel`` (:mod:`replayrl.trainer.backends.megatron_model`) wra
 decay, the distributed optimizer when data parallelism is on), loaded from and exported to the
 same Hugging Face checkpoint the engines hold (:mod:`replayrl.trainer.backends.megatron_weights`).
 
-Forward (docs/design.md#megatron-backend):
+Forward (docs/design/megatron.md#megatron-backend):
 
 * the batch's routing trace is replayed through megatron-core's own ``RouterReplay``
   (:mod:`replayrl.trainer.backends.megatron_replay`), which also returns the experts used and the
@@ -22,12 +22,12 @@ Forward (docs/design.md#megatron-backend):
 * with context parallelism (``--cp-size``) each rank forwards its 2 of ``2 * cp`` chunks of
   every row, replays the routing trace's matching rows, computes the logprobs of its own
   positions and gathers them back (:mod:`replayrl.trainer.backends.megatron_context_parallel`,
-  docs/design.md#context-parallel).
+  docs/design/megatron.md#context-parallel).
 
 Every rank of the world constructs the backend and makes the same calls in the same order
 (they are collectives when the world has more than one rank). With pipeline parallelism
 (``--pp-size``) each rank holds one stage and every forward goes through megatron-core's
-pipeline schedule (:mod:`replayrl.trainer.backends.megatron_pipeline`; docs/design.md#pipeline-parallel):
+pipeline schedule (:mod:`replayrl.trainer.backends.megatron_pipeline`; docs/design/megatron.md#pipeline-parallel):
 the training pass is :meth:`MegatronBackend.forward_backward`,
 the logprobs reach every stage from the last one, the captured choices of all stages are
 assembled in global layer order.
@@ -71,7 +71,7 @@ class MegatronBackend(TrainerBackend):
         parallel: the layout of a world of megatron ranks (torchrun's, every rank constructs
             the backend); None (the trainer ranks of a run): ``--tp-size`` / ``--ep-size`` /
             ``--cp-size`` over
-            the trainer ranks' process group (docs/design.md#trainer-ranks), or one rank
+            the trainer ranks' process group (docs/design/trainer-ranks.md#trainer-ranks), or one rank
             in a process group of its own when the run has one trainer rank.
 
     Raises:
@@ -153,7 +153,7 @@ class MegatronBackend(TrainerBackend):
         t = _check_temperature(cfg.temperature)
         full = batch.tokens.shape[1]
         width = int(batch.pos.max()) + 1 if len(batch.pos) else 1
-        # SP splits the sequence evenly over TP ranks, CP into 2 x cp chunks (docs/design.md#context-parallel)
+        # SP splits the sequence evenly over TP ranks, CP into 2 x cp chunks (docs/design/megatron.md#context-parallel)
         width = row_layout(width, self.parallel.cp, self.parallel.tp).total_length
         tokens = torch.zeros(batch.tokens.shape[0], width, dtype=torch.long)
         n = min(width, full)
@@ -218,7 +218,7 @@ class MegatronBackend(TrainerBackend):
         """float32 [N] logprobs of ``batch``'s response tokens from vocabulary-parallel logits
         ``[B, S / cp, V / tp]`` (support replay, or the full vocabulary); under context
         parallelism each rank computes its own positions' and they are gathered back
-        (docs/design.md#context-parallel)."""
+        (docs/design/megatron.md#context-parallel)."""
         def of(rows: torch.Tensor, select) -> torch.Tensor:  # the tokens `select` (None: all)
             pick = (lambda a: a) if select is None else (lambda a: a[select])
             rows = rows.float()

@@ -7,7 +7,7 @@ Megatron-LM's ``get_batch_on_this_cp_rank``): :func:`row_layout` describes the r
 :func:`replayrl.trainer.parallel.context_parallel.cp_shard_indices`
 gives a rank's positions. megatron-core's ``RotaryEmbedding`` slices the rotary table per CP
 rank itself (``get_pos_emb_on_this_cp_rank``, the same two chunks), so each rank's tokens get
-their global RoPE positions (docs/design.md#context-parallel).
+their global RoPE positions (docs/design/megatron.md#context-parallel).
 
 megatron-core 0.16.1's local ``DotProductAttention`` refuses ``context_parallel_size > 1``
 (context parallelism is TransformerEngine-only there), so :func:`context_parallel_attention_class`

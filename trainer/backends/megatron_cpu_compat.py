@@ -3,7 +3,7 @@
 megatron-core assumes a GPU in a handful of places even with the local (non-TransformerEngine)
 layer spec and ``use_cpu_initialization=True``. Each item below is one such place, measured on
 megatron-core 0.16.1 with torch 2.13.0 CPU, and tests/system/test_megatron_cpu_compat.py shows for
-every item that switching it off gives the named failure (docs/design.md#megatron-backend). The
+every item that switching it off gives the named failure (docs/design/megatron.md#megatron-backend). The
 layer is applied by :func:`enable` only where CUDA is absent; with a GPU it does
 nothing, and megatron-core runs unmodified.
 
@@ -35,7 +35,7 @@ Items (:data:`ITEMS`):
 * ``cp_rotary`` -- under context parallelism the rotary embedding takes its CP rank's two
   chunks of the table (``get_pos_emb_on_this_cp_rank``) with an index tensor built with
   ``pin_memory=True`` and moved by ``.cuda()``; the same selection with a CPU index tensor
-  (docs/design.md#context-parallel).
+  (docs/design/megatron.md#context-parallel).
 """
 from __future__ import annotations
 

@@ -10,12 +10,12 @@ input, picks or replays the key slots exactly as
 :func:`~replayrl.rollout.model.indexer.resolve_replay`, :func:`~replayrl.rollout.model.indexer.slots_to_mask`)
 and hands megatron's attention the resulting mask (``True`` = masked out, megatron's
 convention). Everything else (QKV, q/k norm, RoPE, softmax, output projection, TP / SP) is
-megatron's (docs/design.md#megatron-backend).
+megatron's (docs/design/megatron.md#megatron-backend).
 
 Under sequence parallelism each rank all-gathers the (no-grad) attention input over the TP
 group, and under context parallelism over the CP group (back in global order), so every rank
 scores every query against all keys and computes the same slots; the CP core attention takes
-its own query rows of the mask (docs/design.md#context-parallel). The indexer's weights are frozen, as in the
+its own query rows of the mask (docs/design/megatron.md#context-parallel). The indexer's weights are frozen, as in the
 embedded model.
 
 :class:`IndexerReplay` carries one forward's inputs (the padding layout and the replayed trace,

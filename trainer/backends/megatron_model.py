@@ -3,7 +3,7 @@
 :func:`transformer_config` maps a :class:`replayrl.rollout.model.config.ModelConfig` (Hugging Face
 ``Qwen3MoeConfig`` names) onto megatron-core's ``TransformerConfig`` so that the GPTModel built
 with the local (non-TransformerEngine) layer specs computes the same function as
-:class:`replayrl.rollout.model.qwen3_moe.Qwen3MoeForCausalLM` (docs/design.md#megatron-backend):
+:class:`replayrl.rollout.model.qwen3_moe.Qwen3MoeForCausalLM` (docs/design/megatron.md#megatron-backend):
 
 * RMSNorm everywhere, RMSNorm on q and k over ``head_dim`` before RoPE (``qk_layernorm``);
 * rotate-half RoPE with base ``rope_theta``; GQA with ``num_key_value_heads`` query groups;
@@ -119,7 +119,7 @@ def layout_errors(config: ModelConfig, parallel: MegatronParallel) -> list[str]:
     ranks, which megatron sets to ``tp``), the experts over the expert-parallel ranks and the
     layers over the pipeline stages; a size that does not divide fails deep inside its
     constructors. Pure arithmetic (no megatron import), so the run's configuration check can
-    refuse a layout before any process starts (docs/design.md#megatron-backend).
+    refuse a layout before any process starts (docs/design/megatron.md#megatron-backend).
 
     Args:
         config: the policy's architecture.
@@ -182,7 +182,7 @@ def transformer_config(config: ModelConfig, parallel: MegatronParallel):
         gradient_accumulation_fusion=False, persist_layer_norm=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
         # pipeline p2p: the device synchronize after batched send / recv works around an old
-        # CUDA PyTorch race; without CUDA there is nothing to synchronize (docs/design.md#pipeline-parallel)
+        # CUDA PyTorch race; without CUDA there is nothing to synchronize (docs/design/megatron.md#pipeline-parallel)
         batch_p2p_sync=torch.cuda.is_available(),
         **extra)
 
@@ -221,7 +221,7 @@ def build_gpt_model(config: ModelConfig, parallel: MegatronParallel):
             if layer in config.indexed_layers:  # layer specs are shared objects: copy, then swap
                 spec.layer_specs[j] = copy.deepcopy(spec.layer_specs[j])
                 spec.layer_specs[j].submodules.self_attention.module = attention
-    if parallel.cp > 1:  # megatron's local attention has no CP (docs/design.md#context-parallel)
+    if parallel.cp > 1:  # megatron's local attention has no CP (docs/design/megatron.md#context-parallel)
         from replayrl.trainer.backends.megatron_context_parallel import context_parallel_attention_class
 
         core = context_parallel_attention_class()

@@ -1,6 +1,6 @@
 """Pipeline-parallel forwards of the megatron backend: megatron-core's schedule, results to every stage.
 
-With ``--pp-size N > 1`` (docs/design.md#pipeline-parallel)
+With ``--pp-size N > 1`` (docs/design/megatron.md#pipeline-parallel)
 every trainer rank holds one pipeline stage of the ``GPTModel`` (contiguous, equal layer
 ranges; the first stage the embedding, the last the final norm and LM head). A forward then is
 megatron-core's own pipeline schedule (``get_forward_backward_func``: 1F1B without

@@ -16,7 +16,7 @@ and back: the experts used and the router's own top-k, all-gathered over the SP 
 ``[B, S, L_local, K]``. Each layer's replay instance (:class:`_TraceRouterReplay`) also computes
 the router's own top-k under replay, fills ``-1`` rows with it
 (:func:`replayrl.trainer.parallel.replay_registry.fill_own_choice`, as the embedded model does) and keeps
-it for the flip / drift metrics (docs/design.md#megatron-backend).
+it for the flip / drift metrics (docs/design/megatron.md#megatron-backend).
 
 megatron drives replay through a process-wide list, ``RouterReplay.global_router_replay_instances``,
 that every router ever built appends to: with two models built in one process (a rebuild, a second

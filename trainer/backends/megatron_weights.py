@@ -3,7 +3,7 @@
 The engines load Hugging Face names (:func:`replayrl.rollout.model.checkpoint.state_dict_arrays`); the
 megatron trainer holds each rank's shard of a ``GPTModel`` built by
 :func:`replayrl.trainer.backends.megatron_model.build_gpt_model`. The mapping
-(docs/design.md#megatron-backend), per global layer ``i`` and global expert ``e``:
+(docs/design/megatron.md#megatron-backend), per global layer ``i`` and global expert ``e``:
 
 ======================================================  ==============================================
 Hugging Face                                            megatron-core (unsharded)

@@ -2,12 +2,12 @@
 
 :class:`TorchBackend` is the first :class:`replayrl.trainer.backends.base.TrainerBackend`
 (``--train-backend torch``, the default). Its forward is :func:`response_logprobs`. In a
-process group of several trainer ranks (``--dp-size N``, docs/design.md#trainer-ranks)
+process group of several trainer ranks (``--dp-size N``, docs/design/trainer-ranks.md#trainer-ranks)
 every rank holds the whole policy and its training forward runs under torch's
 ``DistributedDataParallel``, which averages the gradients over the ranks in backward; with one
 rank the model is called directly, as before.
 
-Which forwards use what (documented choice, docs/design.md#trainer-math):
+Which forwards use what (documented choice, docs/design/trainer-math.md#trainer-math):
 - the proximal (preflight) forward and the policy (training) forward both replay routing and
   indexer traces and normalise over the captured support, so ``logp_prox - logp_rollout``
   measures only numerics, not a different distribution;
@@ -72,7 +72,7 @@ def response_logprobs(model: Qwen3MoeForCausalLM, batch: TrainBatch, temperature
     ``Qwen3MoeForCausalLM.forward``); other models ignore it.
 
     With ``entropy_out`` (a list), the per-token support entropy (float32 [N], nats, detached;
-    :func:`replayrl.trainer.loss.logprobs.support_entropy`, docs/design.md#trainer-math) is appended to it
+    :func:`replayrl.trainer.loss.logprobs.support_entropy`, docs/design/trainer-math.md#trainer-math) is appended to it
     when the logits exist (a support and no fused path); nothing is appended otherwise.
 
     Returns:

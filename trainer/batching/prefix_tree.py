@@ -13,7 +13,7 @@ row (in batch order) with that prefix. The model's ``segment_ids`` give the trun
 which every later query sees, and branch ``k`` segment ``k``, which only its own queries see, so
 each query attends exactly to the keys it had in its own row: the same math as forwarding every
 row alone, in ONE forward of ``U`` tree rows instead of a prompt pass plus a KV-cache pass (the
-fixed per-op cost, not arithmetic, bounds this model on a CPU; docs/design.md#trainer-math).
+fixed per-op cost, not arithmetic, bounds this model on a CPU; docs/design/trainer-math.md#trainer-math).
 Gradients of the trunk sum over its branches by autograd. The same idea is "shared-prefix
 packing" in verl / "prefix tree" attention in the literature (e.g. Hydragen, Juravsky et al.
 2024, for inference).

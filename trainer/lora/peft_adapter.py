@@ -1,4 +1,4 @@
-"""LoRA on the policy through peft (``--lora-rank``; docs/design.md#lora): the embedded
+"""LoRA on the policy through peft (``--lora-rank``; docs/design/lora.md#lora): the embedded
 Qwen3-MoE or a family's transformers model, on the torch and fsdp backends.
 
 :func:`add_adapters` injects peft LoRA layers (``peft.inject_adapter_in_model``, a

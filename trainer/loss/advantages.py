@@ -4,7 +4,7 @@ Source: Shao et al. 2024, "DeepSeekMath" (GRPO, outcome supervision): the advant
 token of sample ``i`` in a group is ``(r_i - mean(r_group)) / std(r_group)``; the division by the
 group standard deviation is optional here (Liu et al. 2025, "Dr. GRPO", argue for leaving it out).
 
-Under rejection sampling without refill (docs/design.md#rejection-sampling) the baseline of
+Under rejection sampling without refill (docs/design/rejection-sampling.md#rejection-sampling) the baseline of
 a group is taken over the samples the step trains on (``accepted``), never over a reward the
 step threw away; a group with fewer than two of them has no baseline and trains on nothing.
 """
@@ -69,13 +69,14 @@ def grpo_advantages(
     std is the *population* std (``unbiased=False``, divide by ``n``), so a group of identical
     rewards gets advantage exactly 0 and ``n = 1`` is well defined (advantage 0).
 
-    With ``accepted`` (rejection sampling without refill, docs/design.md#rejection-sampling), the mean and the
-    std of group ``g`` are taken over its accepted samples only (``k_g`` of them, population
-    std dividing by ``k_g``): a rejected sample's reward never sets the baseline its group's
-    accepted samples are scored against. Rejected samples get advantage 0. A group with
-    ``k_g < 2`` has no baseline (:func:`baseline_groups`): all its advantages are 0. A group
-    whose every sample is accepted takes the unmasked computation above, so an all-True
-    ``accepted`` gives bit-identical results to ``accepted=None``.
+    With ``accepted`` (rejection sampling without refill,
+    docs/design/rejection-sampling.md#rejection-sampling), the mean and the std of group ``g`` are
+    taken over its accepted samples only (``k_g`` of them, population std dividing by ``k_g``): a
+    rejected sample's reward never sets the baseline its group's accepted samples are scored
+    against. Rejected samples get advantage 0. A group with ``k_g < 2`` has no baseline
+    (:func:`baseline_groups`): all its advantages are 0. A group whose every sample is accepted
+    takes the unmasked computation above, so an all-True ``accepted`` gives bit-identical results to
+    ``accepted=None``.
 
     Args:
         rewards: 1-D float tensor [G * n] of scalar rewards (any float dtype; integer and bool

@@ -4,7 +4,7 @@ The rollout engine samples from a *processed* distribution (temperature, then to
 min-p truncation). Its captured ``sample_support`` row for a response token ``t`` is an int32
 row ``[y_t, c_1, ..., c_K]``: column 0 is the sampled id, columns 1.. the candidate ids that
 survived truncation, ``-1`` = excluded. Support replay renormalises the trainer's logits over
-exactly that set (docs/design.md#trainer-math)::
+exactly that set (docs/design/trainer-math.md#trainer-math)::
 
     log p~(y_t) = z_y - logsumexp_{v in S_t} z_v,   z = logits / temperature
 
@@ -21,10 +21,10 @@ Every function returns float32 computed in float32 whatever the float dtype of t
 
 Fallback slots. A fallback row needs the whole vocabulary row while every other row needs only
 ``1+K`` logits. The caller may pass ``fallback_rows``, a fixed index set (one slot per
-trajectory, e.g. each trajectory's last response row, per docs/design.md#trainer-math) that must cover every
-fallback row; the full-vocabulary work then has shape ``[len(fallback_rows), V]`` whatever the
-data, and non-fallback slots are computed and discarded. Without it the slots are the flagged
-rows themselves (a data-dependent count).
+trajectory, e.g. each trajectory's last response row, per docs/design/trainer-math.md#trainer-math)
+that must cover every fallback row; the full-vocabulary work then has shape ``[len(fallback_rows),
+V]`` whatever the data, and non-fallback slots are computed and discarded. Without it the slots are
+the flagged rows themselves (a data-dependent count).
 """
 
 from __future__ import annotations
@@ -255,7 +255,7 @@ def support_logprobs(
             not among its row's candidates, or a fallback row missing from ``fallback_rows``.
         LogprobError: bad shapes/dtypes or temperature.
 
-    Source: docs/design.md#trainer-math (support replay of the engine's truncated sampler).
+    Source: docs/design/trainer-math.md#trainer-math (support replay of the engine's truncated sampler).
     """
     _check_logits(logits)
     t = _check_temperature(temperature)
@@ -453,7 +453,7 @@ def fused_support_logprobs(
         SupportError, LogprobError: as :func:`support_logprobs`, plus mismatched hidden sizes
             and a non-positive chunk size.
 
-    Source: docs/design.md#trainer-math (fused candidate-pair LM head).
+    Source: docs/design/trainer-math.md#trainer-math (fused candidate-pair LM head).
     """
     _check_logits(hidden, "hidden")
     _check_logits(lm_head_weight, "lm_head_weight")

@@ -1,12 +1,12 @@
 """Policy-gradient loss: decoupled PPO clip with truncated importance sampling (TIS).
 
-Per response token ``t`` with loss mask ``m_t`` (docs/design.md#trainer-math)::
+Per response token ``t`` with loss mask ``m_t`` (docs/design/trainer-math.md#trainer-math)::
 
     r_t = exp(logp_t - logp_prox_t)                       # policy vs proximal policy
     w_t = min(exp(logp_prox_t - logp_rollout_t), C)       # TIS weight, detached
     l_t = -w_t * min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t)
 
-Tokens the engine never sampled (a synthetic EOS, docs/design.md#trace-arrays; ``s_t = 0``
+Tokens the engine never sampled (a synthetic EOS, docs/design/traces.md#trace-arrays; ``s_t = 0``
 in ``sampled_mask`` while ``m_t = 1``) have no behaviour logprob, so they have no behaviour
 ratio: ``w_t = 1`` and ``l_t`` is the clipped term on the proximal ratio ``r_t`` alone, with
 the sample's advantage. The proximal policy is the trust-region anchor of the decoupled
@@ -106,7 +106,7 @@ def policy_loss(
             Must be 0 wherever ``loss_mask`` is 0. ``None``: every loss token was sampled.
         denominator: ``"loss_tokens"`` or ``"accepted_tokens"`` (keyword, required: the policy
             is always stated by the caller).
-        entropy_coef: ``beta >= 0``, the entropy bonus (docs/design.md#entropy-collapse): each
+        entropy_coef: ``beta >= 0``, the entropy bonus (docs/design/trainer-math.md#entropy-collapse): each
             contributing token's advantage becomes ``A_t - beta * logp_prox_t``, the
             score-function estimate of the gradient of ``beta`` times the policy's entropy
             (Williams & Peng 1991), so a token the policy rarely samples is pushed up even in a

@@ -3,7 +3,7 @@
 The embedded torch backend (:mod:`replayrl.trainer.backends.torch_backend`) trains on one rank, so
 none of these is on its path; the megatron-core backend
 (:mod:`replayrl.trainer.backends.megatron_backend`) calls the vocabulary-parallel logprobs and the
-replay registry (docs/design.md#megatron-backend). Context parallelism is not
+replay registry (docs/design/megatron.md#megatron-backend). Context parallelism is not
 offered by that backend yet, so only the tests call the context-parallel piece:
 
 * :mod:`replayrl.trainer.parallel.vocab_parallel` -- :func:`vocab_parallel_support_logprobs`,

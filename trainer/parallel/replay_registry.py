@@ -25,7 +25,7 @@ The live checks of a replayed forward (:func:`replayrl.trainer.replay.checks.che
 stay in :mod:`replayrl.trainer.replay.checks`.
 
 Source: Ma et al. 2025, "Stabilizing MoE Reinforcement Learning by Aligning Training and
-Inference Routers" (R3), as implemented in slime / Megatron-LM routing replay; docs/design.md#trace-arrays.
+Inference Routers" (R3), as implemented in slime / Megatron-LM routing replay; docs/design/traces.md#trace-arrays.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Each TP rank holds the logits of one contiguous, equal vocabulary shard (Megatron's layout:
 rank ``r`` of ``W`` owns ids ``[r * V_local, (r + 1) * V_local)``). The value equals
 :func:`replayrl.trainer.loss.logprobs.support_logprobs` on the concatenated logits and costs exactly two
-collectives per call (docs/design.md#trainer-math):
+collectives per call (docs/design/trainer-math.md#trainer-math):
 
 1. one MAX all-reduce of ``[N + F]`` row maxima (support rows, then fallback slots), detached:
    the logsumexp shift, whose value does not change the result;

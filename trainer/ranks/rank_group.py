@@ -1,6 +1,6 @@
 """The trainer ranks' process group and how a batch is split over the data-parallel ranks.
 
-With ``--dp-size N > 1`` the trainer is ``N`` processes (docs/design.md#trainer-ranks):
+With ``--dp-size N > 1`` the trainer is ``N`` processes (docs/design/trainer-ranks.md#trainer-ranks):
 rank 0 is the ``trainer`` actor, ranks ``1 .. N-1`` are ``trainer_1 .. trainer_{N-1}``. They
 join one torch.distributed process group of their own (a TCP store at ``host:port`` that rank
 0 serves, so the same code runs under the single-node launcher and under torchrun, whose world also holds the

@@ -7,7 +7,7 @@ and optimizer step). The ``trainer`` actor (:class:`replayrl.trainer.ranks.train
 one for rank 0 and makes every decision that needs the whole batch (clock checks, RS gate and
 refill, GRPO advantages, the loss denominator, skipping); with ``--dp-size N > 1`` the ranks
 ``1 .. N-1`` (:class:`replayrl.trainer.ranks.trainer_rank.TrainerRank`) each own one too and run the same
-calls on their shares (docs/design.md#trainer-ranks).
+calls on their shares (docs/design/trainer-ranks.md#trainer-ranks).
 """
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ A step with nothing to train (no loss token, none accepted, or no group with a b
 skipped before any forward of the update: weights, optimizer moments and the version stay as
 they are and the metrics say ``skipped: 1`` and why (``skip_reason``), whichever
 ``--rs-denominator``; with ``--stop-on-empty-step`` it raises :class:`EmptyStep` instead
-(docs/design.md#rejection-sampling).
+(docs/design/rejection-sampling.md#rejection-sampling).
 
 Everything that touches the weights or the optimizer (forwards, backward, clip + step, weight
 export, checkpoints) goes through the backend chosen by ``--train-backend``
@@ -62,7 +62,7 @@ __all__ = [ "SKIP_REASONS", "TrainerActor"]
 
 SKIP_REASONS = ("no_loss_tokens", "no_accepted_tokens", "no_group_baseline")
 """``skip_reason`` of a skipped step: the batch has no loss token; the RS gate kept none; every
-prompt group has fewer than two accepted samples (no baseline, docs/design.md#rejection-sampling)."""
+prompt group has fewer than two accepted samples (no baseline, docs/design/rejection-sampling.md#rejection-sampling)."""
 
 
 async def _no_preflight(samples: list[Sample]) -> dict[str, list[float]]:
@@ -79,7 +79,7 @@ class TrainerActor(Actor):
     the proximal-logprob cache, the RS gate and everything between the actors.
 
     With ``ranks`` (``--dp-size N > 1``) this actor is rank 0 of ``N`` trainer ranks
-    (docs/design.md#trainer-ranks): it joins their process group before building its
+    (docs/design/trainer-ranks.md#trainer-ranks): it joins their process group before building its
     backend, makes every whole-batch decision, and gives each data-parallel rank its
     contiguous share of every preflight and update through the ``trainer_1 ..`` actors
     (:class:`replayrl.trainer.ranks.trainer_rank.TrainerRank`), running its own share meanwhile. Weights are
@@ -249,7 +249,7 @@ class TrainerActor(Actor):
 
         Ordered like every trainer call, so it runs between steps: the weights are those of
         the trainer's current version, which the clock admits for any batch generated from now
-        on (docs/design.md#engine-faults).
+        on (docs/design/engine-faults.md#engine-faults).
 
         Returns:
             ``{"version", "bytes", "seconds"}`` as :meth:`push_weights`.
@@ -408,7 +408,7 @@ class TrainerActor(Actor):
                        effective_tokens_per_second=metrics["accepted_tokens"] / seconds)
         entropies = self.local.take_entropies()
         if entropies.numel():
-            # the policy's entropy over the sampled support (docs/design.md#trainer-math),
+            # the policy's entropy over the sampled support (docs/design/trainer-math.md#trainer-math),
             # mean over the sampled tokens of every sample this step forwarded at the
             # step's starting weights (with a preflight: refill candidates included)
             metrics["support_entropy_mean"] = float(entropies.mean())
@@ -485,7 +485,7 @@ class TrainerActor(Actor):
                               accepted=baseline)
         spread = rewards.reshape(-1, self.n)
         # prompt groups whose samples all scored the same: advantage 0, no gradient
-        # (docs/design.md#entropy-collapse)
+        # (docs/design/trainer-math.md#entropy-collapse)
         signal = {"zero_advantage_group_fraction":
                   float((spread.amax(dim=1) == spread.amin(dim=1)).float().mean()),
                   "advantage_abs_mean": float(adv.abs().mean())}
@@ -583,7 +583,7 @@ class TrainerActor(Actor):
         trainer version.
 
         Checked like any other version change: a checkpoint older than the trainer's current
-        version is refused (docs/design.md#version-clock, rule 1), and loading is atomic
+        version is refused (docs/design/version-clock.md#version-clock, rule 1), and loading is atomic
         on each rank (the backend validates every file before it swaps anything in).
 
         Raises:

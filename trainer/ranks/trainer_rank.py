@@ -1,6 +1,6 @@
 """Trainer ranks 1 .. N-1 (``trainer_1 ..``): a share of every step, driven by rank 0.
 
-With ``--dp-size N > 1`` (docs/design.md#trainer-ranks) the ``trainer`` actor is rank 0:
+With ``--dp-size N > 1`` (docs/design/trainer-ranks.md#trainer-ranks) the ``trainer`` actor is rank 0:
 it takes the batch, talks to the clock, the manager and the engines, and makes every decision
 that needs the whole batch (RS gate and refill, advantages, the loss denominator, skipping).
 A :class:`TrainerRank` builds the same backend in the same process group and runs, when rank 0

@@ -11,5 +11,5 @@
 * :mod:`replayrl.trainer.rejection.refill` -- :class:`~replayrl.trainer.rejection.refill.RefillCoordinator`,
   which drives the planner against the RolloutManager and the VersionClock.
 
-docs/design.md#trainer-math and docs/design.md#exact-refill.
+docs/design/trainer-math.md#trainer-math and docs/design/rejection-sampling.md#exact-refill.
 """

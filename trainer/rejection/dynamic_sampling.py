@@ -3,7 +3,7 @@
 A prompt group whose ``n`` rewards are all equal has GRPO advantages ``r_i - mean = 0`` for
 every sample: it adds no gradient, only tokens to the loss denominator. With
 ``--dynamic-sampling`` such a group is dropped whole and refilled through exact refill
-(docs/design.md#exact-refill), exactly like a group the RS gate rejected, so every optimizer
+(docs/design/rejection-sampling.md#exact-refill), exactly like a group the RS gate rejected, so every optimizer
 step trains on ``rollout_batch_size`` informative groups or fails before the optimizer step.
 
 Pure: no actors, no I/O. :class:`replayrl.trainer.rejection.refill.RefillCoordinator` combines

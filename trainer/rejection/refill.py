@@ -1,4 +1,4 @@
-"""The exact-refill coordinator of one optimizer step (docs/design.md#exact-refill).
+"""The exact-refill coordinator of one optimizer step (docs/design/rejection-sampling.md#exact-refill).
 
 Given a batch whose proximal logprobs are already cached, it applies the RS gate and decides
 what the step trains on:
@@ -6,7 +6,7 @@ what the step trains on:
 - RS off: everything;
 - RS on, refill off: every sample, with rejected tokens masked out of the loss (the loss
   denominator policy is :mod:`replayrl.trainer.rejection.rs_policy`'s; the update takes each group's
-  baseline over its accepted samples, docs/design.md#rejection-sampling);
+  baseline over its accepted samples, docs/design/rejection-sampling.md#rejection-sampling);
 - RS on, refill on: whole prompt groups (group-atomic admission). Rejected groups are dropped
   and ``ceil(deficit / q) * q`` replacement groups are requested from the RolloutManager, which
   generates them from the current policy; each replacement's version must equal the preflight

@@ -1,6 +1,6 @@
 """Exact-refill arithmetic: the replacement quantum, the replacement target and the rounds.
 
-Exact refill (docs/design.md#exact-refill): prompt groups that fail the RS gate are dropped whole
+Exact refill (docs/design/rejection-sampling.md#exact-refill): prompt groups that fail the RS gate are dropped whole
 and replaced by fresh groups generated at exactly the preflight policy version, for up to
 ``max_rounds`` replacement rounds; still short of the target, the step raises before the
 optimizer runs. Replacement groups are requested in multiples of a quantum ``q`` so that every

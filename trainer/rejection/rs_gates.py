@@ -4,7 +4,7 @@ Written once and used by both the preflight forward (to admit prompt groups for 
 and the training forward (which re-applies the same gate and must reproduce the preflight
 masks), so the two can never disagree on a formula.
 
-Per response token ``t`` with loss mask ``m_t`` (docs/design.md#trainer-math)::
+Per response token ``t`` with loss mask ``m_t`` (docs/design/trainer-math.md#trainer-math)::
 
     d_t = logp_prox_t - logp_rollout_t
     token gate:      accept exp(d_t)                          in [lower, upper]

@@ -2,7 +2,7 @@
 
 One frozen :class:`RSGate` turns per-sample proximal / behaviour logprobs into per-sample and
 per-token accept decisions using the formulas in :mod:`replayrl.trainer.rejection.rs_gates`
-(docs/design.md#trainer-math). Modes:
+(docs/design/trainer-math.md#trainer-math). Modes:
 
 - ``none``: everything is accepted (plain decoupled PPO + TIS);
 - ``token``: token ``t`` is accepted iff ``exp(d_t)`` is in ``[lower, upper]``; a *sample*
@@ -12,7 +12,7 @@ per-token accept decisions using the formulas in :mod:`replayrl.trainer.rejectio
 
 ``m`` here is the mask of tokens the engine sampled (:attr:`replayrl.rollout.sample.Sample.sampled_mask`),
 not the loss mask: a synthetic EOS is trained on but has no behaviour logprob, so it never
-enters a gate (docs/design.md#rejection-sampling).
+enters a gate (docs/design/rejection-sampling.md#rejection-sampling).
 
 Loss denominator under RS (documented choice, tested in tests/system/test_refill.py): with refill off,
 rejected tokens contribute 0 and the denominator is ``--rs-denominator``: ``loss_tokens`` (all
@@ -20,10 +20,11 @@ loss tokens of the step, so rejection shrinks the update like a smaller learning
 slime's masked RS) or ``accepted_tokens`` (only accepted ones). With exact refill on, every
 trained sample is admitted whole, so both denominators are the same number.
 
-What else the decisions mean without refill (docs/design.md#rejection-sampling, applied by the TrainerActor):
-each group's GRPO baseline is over its samples the gate accepted (a token-mode sample counts
-when at least one of its loss tokens is kept), a group with fewer than two trains on nothing,
-and a step with no accepted token is skipped (or ends the run with ``--stop-on-empty-step``).
+What else the decisions mean without refill (docs/design/rejection-sampling.md#rejection-sampling,
+applied by the TrainerActor): each group's GRPO baseline is over its samples the gate accepted (a
+token-mode sample counts when at least one of its loss tokens is kept), a group with fewer than two
+trains on nothing, and a step with no accepted token is skipped (or ends the run with
+``--stop-on-empty-step``).
 """
 from __future__ import annotations
 

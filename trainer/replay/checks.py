@@ -20,7 +20,7 @@ that cannot take them) lives in :mod:`replayrl.trainer.parallel.replay_registry`
 :class:`ReplayError`.
 
 Source: Ma et al. 2025, "Stabilizing MoE Reinforcement Learning by Aligning Training and
-Inference Routers" (R3), as implemented in slime / Megatron-LM routing replay; docs/design.md#trace-arrays.
+Inference Routers" (R3), as implemented in slime / Megatron-LM routing replay; docs/design/traces.md#trace-arrays.
 """
 
 from __future__ import annotations

@@ -10,16 +10,20 @@ MoE routers and the sparse-attention indexers (docs/architecture.md, "A model fa
 
 from __future__ import annotations
 
-import importlib
-
+from replayrl.actors.registry import LazyRegistry
 from replayrl.rollout.model.errors import ModelConfigError
 
-FAMILIES: dict[str, str] = {
-    "deepseek_v32": "replayrl.rollout.model.families.deepseek_v32:FAMILY",
-    "glm_moe_dsa": "replayrl.rollout.model.families.glm_moe_dsa:FAMILY",
-    "glm4_moe_lite": "replayrl.rollout.model.families.glm4_moe_lite:FAMILY",
-    "gpt_oss": "replayrl.rollout.model.families.gpt_oss:FAMILY",
-}
+FAMILIES = LazyRegistry(
+    {
+        "deepseek_v32": "replayrl.rollout.model.families.deepseek_v32:FAMILY",
+        "glm_moe_dsa": "replayrl.rollout.model.families.glm_moe_dsa:FAMILY",
+        "glm4_moe_lite": "replayrl.rollout.model.families.glm4_moe_lite:FAMILY",
+        "gpt_oss": "replayrl.rollout.model.families.gpt_oss:FAMILY",
+    },
+    unknown=lambda name, known: ModelConfigError(f"config.json field 'model_type'={name!r} is no "
+                                                 f"registered family (known: {known})"),
+    invalid=lambda name, why: ModelConfigError(f"config.json field 'model_type'={name!r}: "
+                                               f"family {why}"))
 
 
 def is_family(model_type: object) -> bool:
@@ -28,12 +32,9 @@ def is_family(model_type: object) -> bool:
 
 
 def family_spec(model_type: str):
-    """The :class:`FamilySpec` registered for ``model_type``.
+    """The :class:`FamilySpec` registered for ``model_type``, imported on this call.
 
-    Raises ``ModelConfigError`` naming the field ``model_type`` for an unregistered one.
+    Raises ``ModelConfigError`` naming the field ``model_type`` for an unregistered one (or
+    one whose module cannot be imported).
     """
-    if not is_family(model_type):
-        raise ModelConfigError(f"config.json field 'model_type'={model_type!r} is no registered "
-                               f"family (known: {sorted(FAMILIES)})")
-    module, attribute = FAMILIES[model_type].split(":")
-    return getattr(importlib.import_module(module), attribute)
+    return FAMILIES.resolve(model_type)

@@ -1,4 +1,4 @@
-"""Several actors in one process (docs/design.md#colocate): grouping of specs, the Supervisor's
+"""Several actors in one process (docs/design/actors.md#colocate): grouping of specs, the Supervisor's
 checks, the error that names every member, and serving two actors in one event loop
 (in-process; the spawned path is tests/system/test_colocate.py)."""
 from __future__ import annotations

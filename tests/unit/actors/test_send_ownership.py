@@ -1,6 +1,6 @@
 """No send API lets a caller's later write change a message already sent: one-way sends, calls
 that are not awaited at once, typed proxy calls and the server's replies all carry the array as
-it was when the send was made (docs/design.md#transport-contract)."""
+it was when the send was made (docs/design/transport.md#transport-contract)."""
 from __future__ import annotations
 
 import asyncio

@@ -1,5 +1,5 @@
 """Multi-turn contexts with a chat template: the ids the trainer trains on are the ids the
-engine saw, with no re-tokenisation drift across a tool turn (docs/design.md#prompt-data)."""
+engine saw, with no re-tokenisation drift across a tool turn (docs/design/prompt-data.md#prompt-data)."""
 from __future__ import annotations
 
 import json

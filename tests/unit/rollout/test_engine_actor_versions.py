@@ -1,5 +1,5 @@
 """A generate that names a min_version waits for a weight push still on its way (the trainer
-pushes and goes on training; docs/design.md#version-clock), and fails clearly when that push failed or
+pushes and goes on training; docs/design/version-clock.md#version-clock), and fails clearly when that push failed or
 never came."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""EnginePool: which engines serve, and the rerun of a lost engine's work (docs/design.md#engine-faults).
+"""EnginePool: which engines serve, and the rerun of a lost engine's work (docs/design/engine-faults.md#engine-faults).
 The work here records which engine ran it; losses are real
 ``PeerLost`` errors raised by the work, as a dropped connection raises them."""
 from __future__ import annotations

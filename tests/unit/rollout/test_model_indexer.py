@@ -1,7 +1,8 @@
 """Indexer selection, trace shapes and the whole forward against a naive float64 numpy loop.
 
-The reference below is written from the formulas (docs/design.md#embedded-default, rollout/model/indexer.py docstring,
-HF Qwen3-MoE math), one token and one head at a time, independently of the model code.
+The reference below is written from the formulas (docs/design/model.md#embedded-default,
+rollout/model/indexer.py docstring, HF Qwen3-MoE math), one token and one head at a time,
+independently of the model code.
 """
 
 import numpy as np

@@ -1,4 +1,4 @@
-"""Prompt files, the run's tokenizer and the built-in task as data (docs/design.md#prompt-data)."""
+"""Prompt files, the run's tokenizer and the built-in task as data (docs/design/prompt-data.md#prompt-data)."""
 from __future__ import annotations
 
 import json

@@ -1,4 +1,4 @@
-"""Built-in rewards, the reward time limit and evaluation figures (docs/design.md#prompt-data)."""
+"""Built-in rewards, the reward time limit and evaluation figures (docs/design/prompt-data.md#prompt-data)."""
 from __future__ import annotations
 
 import itertools

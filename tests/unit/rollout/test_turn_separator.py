@@ -1,5 +1,5 @@
 """The text a chat template puts after an assistant turn's end-of-turn token (Qwen's '\\n'
-after ``<|im_end|>``) is part of the context of the next turn (docs/design.md#prompt-data).
+after ``<|im_end|>``) is part of the context of the next turn (docs/design/prompt-data.md#prompt-data).
 
 An engine turn ends with the sampled end-of-turn token; the template renders a separator after
 it before the tool message. The assembled ``prompt_ids + response_ids`` of a two-turn episode

@@ -3,7 +3,7 @@
 The engine actor holds such a load until the episodes of the older version released their
 version pin, so every trajectory comes from one policy and the rollout does not fail; a pin
 that lapsed anyway makes the rollout manager generate the batch again, whole, at the new
-version and count it (docs/design.md#version-clock). Everything runs in this process: a real
+version and count it (docs/design/version-clock.md#version-clock). Everything runs in this process: a real
 EngineActor and RolloutManager joined by a forwarding stand-in for the actor proxy.
 """
 from __future__ import annotations

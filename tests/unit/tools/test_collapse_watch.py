@@ -1,5 +1,5 @@
 """Entropy beside the reward: the summary line's entropy figure and the one-line collapse warning
-(tools/run/metrics.py, docs/design.md#entropy-collapse)."""
+(tools/run/metrics.py, docs/design/trainer-math.md#entropy-collapse)."""
 from __future__ import annotations
 
 import logging

@@ -1,4 +1,4 @@
-"""``--colocate`` (docs/design.md#colocate): what it refuses before any process starts, which
+"""``--colocate`` (docs/design/actors.md#colocate): what it refuses before any process starts, which
 actors share the colocated process, and which engines stay expendable."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The pieces that let a torchrun run lose an engine host (docs/design.md#attach-and-multi-host):
+"""The pieces that let a torchrun run lose an engine host (docs/design/multi-host.md#attach-and-multi-host):
 the plan with joined engines, joining through the run's store, the refusal
 of ``--engine-failure restart`` and a rank leaving when its driver is lost. The run itself is
 tests/system/test_multi_host.py (network namespaces, root)."""

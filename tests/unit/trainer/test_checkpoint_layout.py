@@ -1,5 +1,5 @@
 """A megatron checkpoint records its parallel layout and is refused, before any process
-starts, under another layout or by the other backend (docs/design.md#megatron-backend).
+starts, under another layout or by the other backend (docs/design/megatron.md#megatron-backend).
 The state files are written by hand here; a real save's record is checked by
 tests/system/test_megatron_backend.py's round trip."""
 from __future__ import annotations

@@ -5,7 +5,7 @@ refused before start.
 The coordinator runs against fake manager / clock proxies (tests/fakes.py) with canned
 replacement rounds; every expected count below is worked out by hand from the rewards and the
 quantum formula ``q = A / gcd(A, n)``, ``request = ceil(deficit / q) * q``
-(docs/design.md#exact-refill).
+(docs/design/rejection-sampling.md#exact-refill).
 """
 from __future__ import annotations
 

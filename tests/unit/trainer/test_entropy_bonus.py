@@ -1,5 +1,5 @@
 """The entropy bonus of policy_loss (--entropy-coef) and the clip fraction split by side,
-against hand computations (docs/design.md#entropy-collapse)."""
+against hand computations (docs/design/trainer-math.md#entropy-collapse)."""
 from __future__ import annotations
 
 import math

@@ -56,7 +56,7 @@ def _threads():
 def moe_checkpoint(tmp_path_factory):
     """As :func:`checkpoint` with every layer MoE: peft 0.21, loading an adapter into
     transformers 5's fused experts, maps every ``gate_proj`` / ``up_proj`` / ``down_proj``
-    target to the experts and drops a dense layer's MLP adapters (docs/design.md#lora)."""
+    target to the experts and drops a dense layer's MLP adapters (docs/design/lora.md#lora)."""
     cfg = dataclasses.replace(build_config({"model-indexer": False}).policy_config, mlp_only_layers=())
     return decisive_checkpoint(tmp_path_factory.mktemp("init-moe") / "model", cfg, seed=3)
 

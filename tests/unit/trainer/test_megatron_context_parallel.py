@@ -1,4 +1,4 @@
-"""Context parallelism in the megatron backend (docs/design.md#context-parallel): the row layout each CP rank
+"""Context parallelism in the megatron backend (docs/design/megatron.md#context-parallel): the row layout each CP rank
 holds, its causal mask, and the settings that refuse impossible layouts naming the flag.
 
 The CP forward itself (logprobs, gradient norm, routing and indexer choices equal to one rank;
@@ -78,7 +78,7 @@ def test_cp_size_refuses_packed_rows():
 
 
 def test_cp_size_with_pipeline_stages_is_refused():
-    # the CP attention is not placed inside megatron's pipeline schedule (docs/design.md#context-parallel)
+    # the CP attention is not placed inside megatron's pipeline schedule (docs/design/megatron.md#context-parallel)
     with pytest.raises(TrainerConfigError, match="--cp-size 2 with --pp-size 2"):
         TrainerConfig(train_backend="megatron", cp_size=2, pp_size=2)
 

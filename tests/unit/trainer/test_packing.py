@@ -126,7 +126,7 @@ def test_errors_name_the_sample_and_the_field():
     layout = PackedLayout.from_lengths([3, 2], sample_ids=["s0", "s1"])
     with pytest.raises(PackedFieldError, match=r"sample s1: field 'loss_mask'.*3 rows.*2 tokens") as err:
         layout.pack([np.zeros(3), np.zeros(3)], 0.0, field="loss_mask")
-    # a PackingError (one project base, docs/design.md#errors) naming the sample and the
+    # a PackingError (one project base, docs/design/errors.md#errors) naming the sample and the
     # field as a SampleError does
     assert isinstance(err.value, PackingError) and isinstance(err.value, ValueError)
     assert (err.value.sample_id, err.value.field) == ("s1", "loss_mask")

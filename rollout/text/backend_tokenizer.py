@@ -1,6 +1,6 @@
 """A checkpoint's tokenizer through the ``tokenizers`` library alone, for a tokenizer that
-transformers would only wrap (issue 24, memory: ``import transformers`` and its tokenizer are
-~30 MiB RSS in the launcher, which serves the rollout manager).
+transformers would only wrap (``import transformers`` and its tokenizer are ~30 MiB RSS in the
+launcher, which serves the rollout manager).
 
 transformers' fast tokenizer class (``TokenizersBackend`` in transformers 5, alias
 ``PreTrainedTokenizerFast``) encodes with its ``tokenizers.Tokenizer`` (``encode_batch(...,

@@ -1,4 +1,5 @@
-"""A step with nothing to train, on the real multi-process system (issue 8 item 2).
+"""A step with nothing to train, on the real multi-process system
+(docs/design/rejection-sampling.md#rejection-sampling, "Steps with nothing to train").
 
 Whichever ``--rs-denominator``: no weight, optimizer moment or version moves, the row says
 ``skipped: 1``, nothing is pushed, and the run goes on -- or, with ``--stop-on-empty-step``,

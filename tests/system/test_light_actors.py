@@ -1,6 +1,6 @@
 """The version clock, the rollout manager and the launcher (which serves those two) do not import
-torch (issue 24, memory: ~200 MiB RSS per process that loads the torch runtime), and with the
-embedded tokenizer not transformers either (~30 MiB RSS).
+torch (~200 MiB RSS per process that loads the torch runtime, docs/benchmarks.md#peer-grid),
+and with the embedded tokenizer not transformers either (~30 MiB RSS).
 
 An actor process imports its start (``replayrl.actors.child_process``), then the actor
 bootstrap (``replayrl.actors.actor_process``), then its actor class. A fresh interpreter does the same here and

@@ -272,9 +272,9 @@ def test_weight_bundle_holds_the_weights_as_pack_arrays_does(checkpoint):
 
 
 def test_a_push_in_flight_keeps_its_weights_while_training_goes_on(checkpoint):
-    # cut (17): the weights live in the push's shared-memory slot, so a push is sent with no
-    # copy; a step while an engine still reads it moves the weights out first, a step after
-    # it was released trains in place
+    # the weights live in the push's shared-memory slot (docs/design/transport.md#shm-transport,
+    # "Live path"), so a push is sent with no copy; a step while an engine still reads it moves the
+    # weights out first, a step after it was released trains in place
     from replayrl.actors.ref import shared_memory_pool
     from replayrl.transport import Codec
     from replayrl.transport.shm_pool import ShmReader, mark_sent

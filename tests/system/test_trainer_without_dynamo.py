@@ -1,6 +1,6 @@
 """The trainer backend's optimizer step leaves ``torch._dynamo`` unimported: the RSS that
 ``torch.optim.Optimizer``'s methods cost a process (replayrl.trainer.backends.optimizer;
-docs/benchmarks.md, cut (18))."""
+docs/benchmarks.md#peer-grid)."""
 from __future__ import annotations
 
 import subprocess

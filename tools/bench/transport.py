@@ -55,8 +55,10 @@ from replayrl.transport.array_bundle import pack_arrays, unpack_arrays
 from replayrl.transport.shm_pool import ShmPool, ShmReader
 
 SIZES = {"4 KiB": 4 << 10, "1 MiB": 1 << 20, "64 MiB": 64 << 20}
-_OVERHEAD_SIZE = "1 MiB"  # the size whose per-message overhead is printed (issue 13 item 6)
-_TARGET_OF_MEMCPY = 0.9  # issue 13 item 6: one way >= 0.9x memcpy at >= 1 MiB
+# the size whose per-message overhead is printed, and the target it is held against: one way
+# >= 0.9x memcpy at >= 1 MiB (docs/design/transport.md#shm-transport, why it is not met)
+_OVERHEAD_SIZE = "1 MiB"
+_TARGET_OF_MEMCPY = 0.9
 _FLOOR_TIMEOUT_S = 60  # an echo server of the floor rows that stops answering fails the run
 _BYTES_PER_RUN = 256 << 20  # per measurement: enough to dominate setup
 _SMALL = {"k": "tell", "id": 1, "m": "record", "a": [1], "kw": {}}

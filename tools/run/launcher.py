@@ -427,7 +427,7 @@ def idle_thread_env(config: RunConfig) -> dict[str, dict[str, str]]:
     launcher's environment sets ``GOMP_SPINCOUNT`` or ``OMP_WAIT_POLICY`` (the children inherit
     it: the user's choice). Not spinning at all (``OMP_WAIT_POLICY=PASSIVE``) was as good where
     the ops are large and 1.6x slower in a backward of small ops (10m x 2), where every region
-    then waits for its threads to wake. Measured in docs/benchmarks.md (Cut (11)). Returns
+    then waits for its threads to wake. Measured in docs/benchmarks.md#peer-grid. Returns
     ``{actor name: env}`` for the actors that get one, as :func:`actor_specs` names them.
     """
     if config.colocate or config.cpu_affinity == "split" or {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ):

@@ -225,7 +225,8 @@ class TorchBackend(TrainerBackend):
     (:func:`replayrl.trainer.lora.peft_adapter.hook_experts`, the fsdp backend); else every forward runs
     under :func:`replayrl.trainer.lora.peft_adapter.experts_adapted`."""
 
-    # the send buffer the weights live in once the first push moved them there (cut (17));
+    # the send buffer the weights live in once the first push moved them there
+    # (docs/design/transport.md#shm-transport, "Live path");
     # None: not yet, or they cannot (weight_bundle)
     _weights_slot: np.ndarray | None = None
     _share_tried = False
@@ -357,15 +358,15 @@ class TorchBackend(TrainerBackend):
                 self._weights_slot = self._rehome_weights(state, must=False)
         self._weights_writable()
         if self._weights_slot is not None:
-            # the weights themselves are the push: no copy, no buffer (docs/benchmarks.md,
-            # cut (17)); the first engine's call carries the slot by handle
+            # the weights themselves are the push: no copy, no buffer
+            # (docs/benchmarks.md#peer-grid); the first engine's call carries the slot by handle
             renew_buffer(self._weights_slot)
             pushed = self._weights_slot.view()
             pushed.flags.writeable = False
             return bundle_of_buffer(pushed, layout)
         # built in a shared-memory slot when the pool has room: sending it to an engine then
         # copies nothing, and no buffer of the push's size waits beside the slot until the
-        # engines loaded it (docs/benchmarks.md, cut (16))
+        # engines loaded it (docs/benchmarks.md#peer-grid)
         buffer = send_buffer(sum(t.numel() for t in state.values()), np.float32)
         with torch.no_grad():
             torch.cat([t.reshape(-1) for t in state.values()], out=torch.from_numpy(buffer))
@@ -373,9 +374,9 @@ class TorchBackend(TrainerBackend):
         return bundle_of_buffer(buffer, layout)
 
     def _can_share_weights(self, state: dict[str, torch.Tensor]) -> bool:
-        """Whether the weights can live in a send buffer (cut (17)): one process's policy (DDP
-        keeps views of its own), every tensor of ``state`` its own contiguous storage (tied
-        weights would need one place for two names)."""
+        """Whether the weights can live in a send buffer (docs/design/transport.md#shm-transport):
+        one process's policy (DDP keeps views of its own), every tensor of ``state`` its own
+        contiguous storage (tied weights would need one place for two names)."""
         if self.ddp is not None:
             return False
         storages = {t.untyped_storage().data_ptr() for t in state.values()}

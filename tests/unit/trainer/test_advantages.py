@@ -56,8 +56,9 @@ def test_bad_input_raises(rewards, n, pattern):
 
 
 def test_rejected_reward_does_not_set_the_baseline():
-    # issue 8 item 1: group [100, 1], the reward-100 sample rejected. One accepted sample is no
-    # baseline: both advantages 0 (before the fix the accepted one got 1 - 50.5 = -49.5).
+    # a rejected sample's reward sets no baseline (docs/design/rejection-sampling.md#rejection-sampling):
+    # group [100, 1], the reward-100 sample rejected. One accepted sample is no baseline: both
+    # advantages 0 (a baseline over both would give the accepted one 1 - 50.5 = -49.5).
     got = grpo_advantages(torch.tensor([100.0, 1.0]), 2, normalize_std=False,
                           accepted=torch.tensor([False, True]))
     assert got.tolist() == [0.0, 0.0]

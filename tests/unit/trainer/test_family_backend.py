@@ -60,8 +60,9 @@ def test_family_trains_with_replay_and_resumes(model_type, tmp_path):
 
 
 def test_family_weights_live_in_the_push_slot_and_train_there(tmp_path):
-    # cut (17) on a wrapper whose state_dict renames (FamilyModel drops `hf.`): the weights are
-    # found by identity, moved into the push's slot, and the optimizer steps them there
+    # the weights living in the push's slot (docs/design/transport.md#shm-transport, "Live path")
+    # on a wrapper whose state_dict renames (FamilyModel drops `hf.`): the weights are found by
+    # identity, moved into the push's slot, and the optimizer steps them there
     from replayrl.actors.ref import shared_memory_pool
     from replayrl.transport.array_bundle import unpack_arrays
 

@@ -1,4 +1,5 @@
-"""RS without refill: a group's baseline comes from the samples the gate accepted (issue 8 item 1).
+"""RS without refill: a group's baseline comes from the samples the gate accepted
+(docs/design/rejection-sampling.md#rejection-sampling).
 
 Each test drives a real in-process TrainerActor (its ``train``) on hand-built samples whose
 rollout logprobs are the trainer's own logprobs (ratio exactly 1, accepted) or 2 nats above

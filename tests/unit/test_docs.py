@@ -379,6 +379,15 @@ def test_markdown_links_and_citations_resolve():
     assert not problems, f"{len(problems)} problem(s):\n" + "\n".join(problems)
 
 
+def test_no_work_log_labels():
+    files = _own_files(".py", ".md", ".toml")
+    assert len(files) > 100  # the scan really walks the tracked files
+    problems = [p for f in files
+                for p in work_log_labels(str(f.relative_to(ROOT)),
+                                         f.read_text(encoding="utf-8", errors="replace"))]
+    assert not problems, f"{len(problems)} label(s):\n" + "\n".join(problems)
+
+
 def test_configuration_page_flag_table_is_the_generated_one():
     from replayrl.tools.run.config import FLAGS, flag_table_markdown
 

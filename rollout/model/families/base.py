@@ -177,6 +177,48 @@ class FamilyKVCache:
         return self
 
 
+@dataclass(eq=False)
+class _ForwardState:
+    """What one :meth:`FamilyModel.forward` tells its router and indexer hooks, and what they
+    capture for it. One object per model, shared with the hooks (they hold it, not the model):
+    :meth:`begin` arms it at the start of a forward, :meth:`end` returns it to idle when the
+    forward returns or raises, so between forwards nothing is replayed or captured and no
+    captured tensor is kept alive. Layer ids are the global decoder-layer indices."""
+
+    capture: bool = False
+    """Whether the hooks record their choices (the forward's ``capture``)."""
+    experts: dict[int, torch.Tensor] | None = None
+    """Routing to replay: MoE layer -> expert ids int32/int64 ``[B, S, K]`` (a row of only -1
+    keeps the router's choice); None: the routers choose."""
+    slots: dict[int, torch.Tensor] | None = None
+    """Indexer key slots to replay: indexed layer -> int32/int64 ``[B, S, index_topk]`` (-1 =
+    none; a row of only -1 keeps the indexer's picks); None: the indexers choose."""
+    query_real: torch.Tensor | None = None
+    """bool ``[B, S]``: the queries of this forward that are not padding (the last S columns of
+    the key padding mask); the indexer hook writes a padding query's slots as -1. None: idle."""
+    used_experts: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Captured, MoE layer -> the expert ids the layer ran with (replayed where replayed),
+    int64 ``[B*S, K]``: the router's tokens are the batch's, flattened."""
+    own_experts: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Captured, MoE layer -> the router's own choice, int64 ``[B*S, K]`` (its top-k)."""
+    used_slots: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Captured, indexed layer -> the key slots the layer attended (replayed where replayed),
+    int64 ``[B, S, index_topk]``, -1 = none."""
+    own_slots: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Captured, indexed layer -> the indexer's own picks, int64 ``[B, S, index_topk]``, the
+    slots that are no allowed key (padding, non-causal) written as -1."""
+
+    def begin(self, *, capture: bool, experts: dict[int, torch.Tensor] | None,
+              slots: dict[int, torch.Tensor] | None, query_real: torch.Tensor | None) -> None:
+        """Arm the hooks for one forward: what to replay, whether to capture (into fresh dicts)."""
+        self.capture, self.experts, self.slots, self.query_real = capture, experts, slots, query_real
+        self.used_experts, self.own_experts, self.used_slots, self.own_slots = {}, {}, {}, {}
+
+    def end(self) -> None:
+        """Back to idle: nothing replayed or captured, the forward's tensors dropped."""
+        self.begin(capture=False, experts=None, slots=None, query_real=None)
+
+
 class FamilyModel(nn.Module):
     """transformers' causal LM of a family, with router / indexer capture and replay.
 
@@ -195,7 +237,7 @@ class FamilyModel(nn.Module):
         self.hf = hf_model
         self.config = config
         self.spec = family_spec(config.family)
-        self._state: dict[str, Any] = {}
+        self._state = _ForwardState()  # the hooks close over this object: mutated, never replaced
         self._moe_pos = {layer: j for j, layer in enumerate(config.moe_layers)}
         self._idx_pos = {layer: j for j, layer in enumerate(config.indexed_layers)}
         for i, layer in enumerate(hf_model.model.layers):
@@ -266,14 +308,14 @@ class FamilyModel(nn.Module):
         def forward(hidden_states):
             logits, weights, experts = original(hidden_states)
             own = experts
-            replay = (state.get("experts") or {}).get(layer)
+            replay = (state.experts or {}).get(layer)
             if replay is not None:
                 replay = replay.reshape(-1, replay.shape[-1]).to(experts.device).long()
                 experts = torch.where((replay < 0).all(-1, keepdim=True), experts.long(), replay)
                 weights = weights_of(router, logits, experts).to(weights.dtype)
-            if state.get("capture"):
-                state["used_experts"][layer] = experts
-                state["own_experts"][layer] = own
+            if state.capture:
+                state.used_experts[layer] = experts
+                state.own_experts[layer] = own
             return logits, weights, experts
 
         router.forward = forward
@@ -292,9 +334,9 @@ class FamilyModel(nn.Module):
                            position_ids, cache=cache, **kwargs).long()
             allowed = (attention_mask if attention_mask.dtype == torch.bool
                        else attention_mask == 0)                      # [B, S, T]
-            allowed = allowed & state["query_real"][:, :, None]
+            allowed = allowed & state.query_real[:, :, None]
             own = torch.where(allowed.gather(-1, raw), raw, -1)
-            replay = (state.get("slots") or {}).get(layer)
+            replay = (state.slots or {}).get(layer)
             used, feed = own, raw
             if replay is not None:
                 replay = replay.to(raw.device).long()
@@ -311,9 +353,9 @@ class FamilyModel(nn.Module):
                 forced = torch.where(picked, replay, first)
                 used = torch.where(keep_own, _pad_to(own, k), replay)
                 feed = torch.where(keep_own, _pad_to(raw, k, fill_from=raw), forced)
-            if state.get("capture"):
-                state["used_slots"][layer] = _pad_to(used, k)
-                state["own_slots"][layer] = _pad_to(own, k)
+            if state.capture:
+                state.used_slots[layer] = _pad_to(used, k)
+                state.own_slots[layer] = _pad_to(own, k)
             return feed.to(torch.int32)
 
         indexer.forward = forward
@@ -358,10 +400,8 @@ class FamilyModel(nn.Module):
                                cfg.num_experts)
         slots = _split_trace("indexer_topk", indexer_topk, cfg.indexed_layers,
                              (b, s, len(cfg.indexed_layers), cfg.index_topk), t)
-        self._state.clear()
-        self._state.update(capture=capture, experts=experts, slots=slots,
-                           query_real=key_padding_mask[:, s_past:],
-                           used_experts={}, own_experts={}, used_slots={}, own_slots={})
+        self._state.begin(capture=capture, experts=experts, slots=slots,
+                          query_real=key_padding_mask[:, s_past:])
         try:
             out = self.hf.model(input_ids=input_ids, attention_mask=key_padding_mask.long(),
                                 position_ids=position_ids,
@@ -375,14 +415,14 @@ class FamilyModel(nn.Module):
             shape_e = lambda x: None if x is None else x.view(b, s, len(cfg.moe_layers), -1)
             return CausalLMOutput(
                 logits=logits, hidden=h if return_hidden else None,
-                routed_experts=shape_e(stack({i: v.view(b, s, -1) for i, v in st["used_experts"].items()},
+                routed_experts=shape_e(stack({i: v.view(b, s, -1) for i, v in st.used_experts.items()},
                                              cfg.moe_layers)),
-                own_routed_experts=shape_e(stack({i: v.view(b, s, -1) for i, v in st["own_experts"].items()},
+                own_routed_experts=shape_e(stack({i: v.view(b, s, -1) for i, v in st.own_experts.items()},
                                                  cfg.moe_layers)),
-                indexer_topk=stack(st["used_slots"], cfg.indexed_layers),
-                own_indexer_topk=stack(st["own_slots"], cfg.indexed_layers))
+                indexer_topk=stack(st.used_slots, cfg.indexed_layers),
+                own_indexer_topk=stack(st.own_slots, cfg.indexed_layers))
         finally:
-            self._state.clear()
+            self._state.end()
 
 
 def _pad_to(x: torch.Tensor, k: int, fill_from: torch.Tensor | None = None) -> torch.Tensor:

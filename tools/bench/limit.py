@@ -20,7 +20,6 @@ transport, waits; ``metrics.jsonl`` keys).
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import statistics
 import sys
@@ -32,6 +31,7 @@ from typing import Sequence
 
 from replayrl.tools.bench.peer import launch_rows, prompt_stream, run_config
 from replayrl.tools.bench.peer_grid import GridPoint, parse_grid
+from replayrl.tools.bench.usage import bench_parser
 from replayrl.tools.errors import BenchError
 
 REST_KEYS = ("weight_push_seconds", "transport_seconds", "preflight_seconds",
@@ -179,13 +179,15 @@ def table(rows: Sequence[LimitRow]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry: prints the table (seconds, medians over the steady steps)."""
-    parser = argparse.ArgumentParser(prog="replayrl bench limit", description=__doc__.splitlines()[0])
-    parser.add_argument("--grid", default="1m:2", help="SIZES:LENGTHS as bench peer --grid, or "
-                                                        "quick / full (default 1m:2)")
-    parser.add_argument("--steps", type=int, default=20, help="steps per measurement (20)")
-    parser.add_argument("--warmup", type=int, default=5, help="first steps left out (5)")
-    parser.add_argument("--trainer-backward-threads", type=int, default=None,
-                        help="as replayrl train's flag, at every point")
+    parser = bench_parser("limit", __doc__)
+    parser.add_argument("--grid", default="1m:2",
+                        help="grid points: SIZES:LENGTHS as bench peer --grid, or quick / full")
+    parser.add_argument("--steps", type=int, default=20, help="steps per measurement")
+    parser.add_argument("--warmup", type=int, default=5,
+                        help="first steps of each measurement left out of the medians")
+    parser.add_argument("--trainer-backward-threads", type=int, default=None, metavar="N",
+                        help="replayrl train's --trainer-backward-threads at every point "
+                             "(default: train's own)")
     parser.add_argument("--priority", action="store_true",
                         help="run ahead of other sessions' jobs (Linux autogroup; needs root)")
     args = parser.parse_args(argv)

@@ -37,8 +37,8 @@ thread stayed within 0.35-0.5 s and even ran the full-vocabulary baseline faster
 like. The load average before and after the run is printed with the table. Memory does not
 depend on threads or load.
 
-Usage: ``python -m replayrl.tools.bench.logprobs [--tokens 256 1024 4096] [--hidden 256] ...``
-(also ``replayrl bench logprobs`` once wired into ``tools/cli.py``).
+Usage: ``replayrl bench logprobs [--tokens 256 1024 4096] [--hidden 256] ...``
+(``python -m replayrl.tools.bench.logprobs`` runs the same).
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ from pathlib import Path
 
 import torch
 
+from replayrl.tools.bench.usage import bench_parser
 from replayrl.tools.errors import BenchError
 from replayrl.trainer.loss.logprobs import full_vocab_logprobs, fused_support_logprobs, support_logprobs
 from replayrl.transport import strict_json
@@ -347,22 +348,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the benchmark flags to ``parser`` (used by ``main`` and by ``replayrl bench logprobs``)."""
     d = BenchConfig()
     parser.add_argument("--tokens", type=int, nargs="+", default=[256, 1024, 4096],
-                        help="token counts N (default: %(default)s)")
-    parser.add_argument("--vocab", type=int, default=d.vocab)
-    parser.add_argument("--hidden", type=int, default=d.hidden)
-    parser.add_argument("--top-k", type=int, default=d.top_k)
-    parser.add_argument("--temperature", type=float, default=d.temperature)
-    parser.add_argument("--chunk-size", type=int, default=d.chunk_size, help="fused row chunk")
+                        help="token counts N, one configuration each")
+    parser.add_argument("--vocab", type=int, default=d.vocab, help="vocabulary size V of the LM head")
+    parser.add_argument("--hidden", type=int, default=d.hidden, help="hidden size H")
+    parser.add_argument("--top-k", type=int, default=d.top_k,
+                        help="support candidates K per row (<= --vocab)")
+    parser.add_argument("--temperature", type=float, default=d.temperature,
+                        help="sampling temperature the logprobs are taken at (> 0)")
+    parser.add_argument("--chunk-size", type=int, default=d.chunk_size,
+                        help="rows per chunk of the fused path")
     parser.add_argument("--eos-every", type=int, default=d.eos_every,
                         help="one synthetic-EOS row per this many rows (0 = none)")
-    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--seed", type=int, default=d.seed, help="seed of the random inputs")
     parser.add_argument("--repeats", type=int, default=d.repeats,
-                        help="most timed calls per configuration (default: %(default)s)")
+                        help="most timed calls per configuration")
     parser.add_argument("--threads", type=int, default=d.threads,
-                        help="torch intra-op threads per configuration (default: %(default)s)")
+                        help="torch intra-op threads per configuration")
     parser.add_argument("--repeat-budget", type=float, default=d.repeat_budget_s,
-                        help="seconds after which a configuration is not timed again "
-                             "(default: %(default)s)")
+                        help="seconds after which a configuration is not timed again")
     parser.add_argument("--jobs", type=int, default=1,
                         help="concurrent configurations (smoke runs only: distorts times)")
     parser.add_argument("--child", nargs=2, metavar=("PATH", "N"), help=argparse.SUPPRESS)
@@ -389,7 +392,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m replayrl.tools.bench.logprobs``."""
-    parser = argparse.ArgumentParser(prog="replayrl bench logprobs", description=__doc__.splitlines()[0])
+    parser = bench_parser("logprobs", __doc__)
     add_arguments(parser)
     args = parser.parse_args(argv)
     try:

@@ -65,6 +65,7 @@ import numpy as np
 
 from replayrl.rollout.traces import trace_table
 from replayrl.rollout.traces.trace_storage import decode_column, encode_column
+from replayrl.tools.bench.usage import bench_parser
 from replayrl.transport.trace_codec import decode_sets, encode_sets, encoded_nbytes
 
 GLM5 = {"indexed_layers": 78, "index_topk": 2048, "moe_layers": 75, "experts": 256, "top_k": 8}
@@ -239,25 +240,28 @@ def main(argv: list[str] | None = None) -> None:
         SystemExit: bad flags (argparse).
         replayrl.tools.errors.PriorityError: ``--priority`` where the autogroup cannot be set.
     """
-    parser = argparse.ArgumentParser(prog="replayrl bench traces", description=__doc__.splitlines()[0])
+    parser = bench_parser("traces", __doc__)
     parser.add_argument("--quick", action="store_true",
                         help="few sampled rows and one repeat (for tests; noisier figures)")
     parser.add_argument("--positions", type=int, default=96, help="sampled positions per context")
     parser.add_argument("--layers", type=int, default=2, help="sampled layers per position")
     parser.add_argument("--window", type=int, default=512, help="most recent keys every query selects")
     parser.add_argument("--sinks", type=int, default=16, help="first keys every query selects")
-    parser.add_argument("--repeats", type=int, default=5, help="decode timings; the best is kept")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="timings of each decode; the best is kept")
     parser.add_argument("--step-seconds", type=float, default=0.0491,
                         help="the embedded model's measured step (docs/benchmarks.md 'Step time')")
     parser.add_argument("--trainer-us-per-token", type=float, nargs=3, default=None,
                         metavar=("US_4K", "US_32K", "US_128K"),
                         help="a GLM-5 trainer's measured step microseconds per token at each "
-                             "context: prints decoding's share of it (none measured here)")
+                             "context: prints decoding's share of it (default: none, no such "
+                             "trainer is measured here)")
     parser.add_argument("--active-params", type=float, default=GLM5_ACTIVE_PARAMS,
-                        help="active parameters per token for the step ESTIMATE (default: GLM-5's)")
+                        help="active parameters per token for the step ESTIMATE "
+                             "(default: GLM-5's, %(default).3g)")
     parser.add_argument("--sustained-tflops", type=float, default=400.0,
-                        help="TFLOP/s one GPU sustains, for the step ESTIMATE (default 400: ~40 %% "
-                             "of an H100/H200's bf16 dense peak)")
+                        help="TFLOP/s one GPU sustains, for the step ESTIMATE (~40 %% of an "
+                             "H100/H200's bf16 dense peak)")
     parser.add_argument("--decode-cores", type=int, default=8,
                         help="CPU cores of a trainer rank that decode its traces (chunks in parallel)")
     parser.add_argument("--decode-threads", type=int, default=1,
@@ -268,7 +272,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--priority", action="store_true",
                         help="on a machine shared with other users' jobs, run first "
                              "(Linux autogroup nice -20; needs root)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampled traces")
     args = parser.parse_args(argv)
     if (args.sustained_tflops <= 0 or args.active_params <= 0 or args.decode_cores < 1 or args.pipeline_stages < 1
             or args.decode_threads < 1):

@@ -19,6 +19,7 @@ import logging
 import os
 import shutil
 import socket
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -539,10 +540,12 @@ def engine_supervision(config: RunConfig, directory: Directory) -> dict:
 
 
 async def launch(config: RunConfig, log_level: int = logging.WARNING,
-                 specs: list[ActorSpec] | None = None) -> RunResult:
+                 specs: list[ActorSpec] | None = None, started: float | None = None) -> RunResult:
     """Start every actor, run the loop, write metrics / plot, stop everything.
 
-    ``specs`` replaces :func:`actor_specs` (tests inject failing actors this way).
+    ``specs`` replaces :func:`actor_specs` (tests inject failing actors this way). ``started``:
+    the ``time.perf_counter()`` at which the user's command started (default: now), for the
+    summary's seconds with start-up.
 
     Raises:
         ConfigError: a hook / reward that does not import, an unwritable ``--save`` /
@@ -552,6 +555,7 @@ async def launch(config: RunConfig, log_level: int = logging.WARNING,
         replayrl.actors.ActorDied: an actor process exited (its traceback is in the message).
         replayrl.actors.RemoteError: an actor method raised (remote traceback in the message).
     """
+    started = time.perf_counter() if started is None else started
     # everything that can be checked is checked before any process starts
     output = Path(config.output_dir)
     created = not output.exists()  # (--save's check may create it below)
@@ -639,7 +643,8 @@ async def launch(config: RunConfig, log_level: int = logging.WARNING,
                 # after the actor processes: their last calls to the clock still find it
                 await driver.stop()
         plot = recorder.plot()
-        return RunResult(recorder.summary(), recorder.path, plot, recorder.rows)
+        return RunResult(recorder.summary(time.perf_counter() - started), recorder.path, plot,
+                         recorder.rows)
     finally:
         if directory is not None:
             remove_attach_card(output, directory)

@@ -158,6 +158,11 @@ def scalars(metrics: Mapping) -> dict[str, int | float]:
             if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
+def _seconds(value: float) -> str:
+    """Seconds for the summary line: one decimal below 10 s (``0.4 s``), whole above (``33 s``)."""
+    return f"{value:.1f} s" if round(value, 1) < 10 else f"{value:.0f} s"
+
+
 class MetricsRecorder:
     """Writes ``metrics.jsonl`` under ``output_dir`` and drives a rich progress bar.
 
@@ -303,10 +308,12 @@ class MetricsRecorder:
         plt.close(fig)
         return path
 
-    def summary(self) -> str:
+    def summary(self, wall_seconds: float | None = None) -> str:
         """One line: first / last 10 % reward means, their ratio, the support entropy of the
         last 10 % of steps (nats; ``n/a`` when the rows lack it), steps (and how many were
-        skipped, when any), seconds."""
+        skipped, when any), the seconds of the steps and, given ``wall_seconds``, those of the
+        whole run with its start-up (actor processes, initial checkpoint): a short run's steps
+        take a fraction of the time a user waits."""
         first, last = edge_means([r["reward_mean"] for r in self.rows])
         ratio = f"{last / first:.1f}x" if first > 0 else "n/a (first10% is 0)"
         entropies = [r["support_entropy_mean"] for r in self.rows
@@ -315,6 +322,8 @@ class MetricsRecorder:
         seconds = sum(r["step_seconds"] for r in self.rows)
         skipped = sum(1 for r in self.rows if r.get("skipped"))
         steps = f"{len(self.rows)} steps" + (f" ({skipped} skipped)" if skipped else "")
-        return (f"replayrl: {steps} in {seconds:.0f}s  reward first10%={first:.3f} "
+        took = f"{_seconds(seconds)}" + (f" ({_seconds(wall_seconds)} with start-up)"
+                                         if wall_seconds is not None else "")
+        return (f"replayrl: {steps} in {took}  reward first10%={first:.3f} "
                 f"last10%={last:.3f} ratio={ratio}  entropy last10%={entropy}  "
                 f"metrics={self.path}")

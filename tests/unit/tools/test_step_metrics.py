@@ -40,6 +40,18 @@ def test_skipped_row_is_written_logged_and_shown_without_update_figures(tmp_path
     assert "1 steps (1 skipped)" in recorder.summary()
 
 
+def test_summary_shows_the_steps_seconds_and_the_run_with_its_start_up(tmp_path):
+    from replayrl.tools.run.metrics import MetricsRecorder
+
+    with MetricsRecorder(tmp_path, num_steps=3, show_progress=False) as recorder:
+        for step, seconds in enumerate((0.125, 0.125, 0.15)):  # 0.4 s of steps in all
+            recorder.record({"step": step, "reward_mean": 0.5, "step_seconds": seconds})
+    # a 3-step run waits 33 s for its actors: "in 0s" alone read as if the command took none
+    assert recorder.summary(33.4).startswith("replayrl: 3 steps in 0.4 s (33 s with start-up)  ")
+    assert recorder.summary().startswith("replayrl: 3 steps in 0.4 s  reward")
+    assert recorder.summary(9.96).startswith("replayrl: 3 steps in 0.4 s (10 s with start-up)")
+
+
 async def test_nothing_is_pushed_after_a_skipped_step():
     from replayrl.tools.run.train_loop import NO_PUSH, push_after
     from tests.fakes import FakeProxy

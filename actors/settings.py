@@ -4,7 +4,7 @@ One setting is written once, beside its dataclass field::
 
     lr: float = setting(3e-4, "lr", "AdamW learning rate", Range(low=0, closed="()"))
 
-and everything else is generated from that metadata by ``tools/run/config.py``: the argparse flag,
+and everything else is generated from that metadata by ``tools/run/flags.py``: the argparse flag,
 the config-file key and its type check, the flag table of docs/configuration.md, and (here, through
 :func:`check_settings` called from ``__post_init__``) the single-field range check whose error
 reads ``--lr must be > 0``. Checks that involve two fields stay explicit code in the dataclass.

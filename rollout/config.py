@@ -2,7 +2,7 @@
 
 Flag names follow slime (``--rollout-batch-size``, ``--n-samples-per-prompt``,
 ``--rollout-temperature``, ...); each field's flag, help and allowed range
-are declared with it (:func:`replayrl.actors.settings.setting`); ``tools/run/config.py`` builds the flags,
+are declared with it (:func:`replayrl.actors.settings.setting`); ``tools/run/flags.py`` builds the flags,
 the config-file keys and the flag table of docs/configuration.md from them.
 """
 from __future__ import annotations

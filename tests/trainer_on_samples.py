@@ -11,7 +11,7 @@ import torch
 
 from replayrl.rollout.sample import Sample, samples_to_columns
 from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
-from replayrl.tools.run.config import build_config
+from replayrl.tools.run.from_flags import build_config
 from replayrl.tools.run.launcher import write_initial_checkpoint
 from replayrl.trainer.config import TrainerConfig
 from replayrl.trainer.ranks.trainer_actor import TrainerActor

@@ -11,8 +11,9 @@ import argparse
 import logging
 import sys
 
-from replayrl.tools.run.config import add_run_flags, config_from_args
 from replayrl.tools.run.exit_codes import exit_code, handle_sigterm
+from replayrl.tools.run.flags import add_run_flags
+from replayrl.tools.run.from_flags import config_from_args
 
 
 def _train(args: argparse.Namespace) -> int:

@@ -186,7 +186,7 @@ def main(args: argparse.Namespace) -> int:
     ``serving on URL`` once listening."""
     import torch
 
-    from replayrl.tools.run.config import config_from_args
+    from replayrl.tools.run.from_flags import config_from_args
 
     config = config_from_args(args)
     torch.set_num_threads(config.engine_torch_threads)

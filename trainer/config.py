@@ -1,7 +1,7 @@
 """Configuration of the trainer side: optimizer, loss, replays, timeouts.
 
 Each field's flag, help and allowed range are declared with it
-(:func:`replayrl.actors.settings.setting`); ``tools/run/config.py`` builds the flags, the config-file keys and
+(:func:`replayrl.actors.settings.setting`); ``tools/run/flags.py`` builds the flags, the config-file keys and
 the flag table of docs/configuration.md from them. Conditions on two fields stay in ``__post_init__``.
 """
 from __future__ import annotations

@@ -102,7 +102,7 @@ class Task(ABC):
     def flag_defaults(cls, config: RolloutConfig) -> dict[str, Any]:
         """This task's own defaults of run flags: flag name (no dashes) -> value, for ``config``.
 
-        The run configuration (``replayrl.tools.run.config.build_config``) sets each flag left
+        The run configuration (``replayrl.tools.run.from_flags.build_config``) sets each flag left
         out of the command line and the config file to its value here; a flag that is given
         keeps its value (the task's constructor may refuse it). By default ``{}``: every flag
         has its global default.

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from replayrl.actors import ActorDied, ActorSpec, Directory, Supervisor, run_event_loop
-from replayrl.tools.run.config import build_config
+from replayrl.tools.run.from_flags import build_config
 from replayrl.tools.run.launcher import launch
 
 ECHO = "tests.actor_fixtures:EchoActor"

@@ -8,7 +8,7 @@ import tempfile
 import pytest
 
 from replayrl.actors import ActorSpec, Directory, Supervisor
-from replayrl.tools.run.config import build_config
+from replayrl.tools.run.from_flags import build_config
 from replayrl.tools.run.launcher import actor_specs, split_cpus, write_initial_checkpoint
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 
-from replayrl.tools.run.config import build_config
+from replayrl.tools.run.from_flags import build_config
 from replayrl.tools.run.launcher import launch
 from tests.wandb_records import offline_run
 

@@ -15,7 +15,7 @@ import tempfile
 import pytest
 
 from replayrl.actors import Directory, RemoteError, Supervisor
-from replayrl.tools.run.config import build_config
+from replayrl.tools.run.from_flags import build_config
 from replayrl.tools.run.launcher import actor_specs, launch, write_initial_checkpoint
 from replayrl.tools.run.train_loop import train_loop
 

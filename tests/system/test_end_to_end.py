@@ -18,7 +18,7 @@ from replayrl.actors import Directory, RemoteError, Supervisor
 from replayrl.rollout.model.config import default_config
 from replayrl.rollout.sample import samples_from_columns
 from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
-from replayrl.tools.run.config import build_config
+from replayrl.tools.run.from_flags import build_config
 from replayrl.tools.run.launcher import actor_specs, launch, write_initial_checkpoint
 from tests.child_env import PYTHONPATH
 from tests.paths import REPO

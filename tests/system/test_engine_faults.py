@@ -18,7 +18,7 @@ import pytest
 
 from replayrl.actors import ActorDied, run_event_loop
 from replayrl.tools.bench.fault_injection import faulty_specs
-from replayrl.tools.run.config import build_config
+from replayrl.tools.run.from_flags import build_config
 from replayrl.tools.run.launcher import actor_specs, launch, write_initial_checkpoint
 
 SMALL = {"rollout-batch-size": 4, "n-samples-per-prompt": 4, "progress": False,

@@ -18,7 +18,7 @@ from replayrl.rollout.tasks.digit_puzzle import VOCABULARY, DigitTask
 from replayrl.rollout.tasks.digits import digit_task_prompts
 from replayrl.rollout.text.data_source import PromptDataSource
 from replayrl.tools.errors import ConfigError
-from replayrl.tools.run.config import build_config
+from replayrl.tools.run.from_flags import build_config
 from replayrl.tools.run.launcher import engine_kwargs, launch, resolve_engine
 from tests.paths import REPO
 

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from replayrl.tools.run.config import build_config
+from replayrl.tools.run.from_flags import build_config
 from replayrl.tools.run.launcher import launch
 from tests.paths import REPO
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from replayrl.rollout.model.loader import load_pretrained
-from replayrl.tools.run.config import build_config
+from replayrl.tools.run.from_flags import build_config
 from replayrl.tools.run.launcher import launch
 from tests.child_env import PYTHONPATH
 from tests.family_checkpoints import tiny_hf_checkpoint

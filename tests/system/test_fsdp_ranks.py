@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from replayrl.actors import Directory, Supervisor
-from replayrl.tools.run.config import build_config
+from replayrl.tools.run.from_flags import build_config
 from replayrl.tools.run.launcher import actor_specs, tokenizer_dir, write_embedded_tokenizer, write_initial_checkpoint
 from replayrl.trainer.ranks.rank_group import follower_names
 from tests.family_checkpoints import tiny_hf_checkpoint

@@ -13,7 +13,7 @@ from replayrl.rollout.model import Qwen3MoeForCausalLM, default_config
 from replayrl.rollout.model.loader import load_pretrained
 from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
 from replayrl.tools.errors import ConfigError
-from replayrl.tools.run.config import build_config, config_from_args
+from replayrl.tools.run.from_flags import build_config, config_from_args
 from replayrl.tools.run.launcher import engine_kwargs, launch, write_initial_checkpoint
 
 transformers = pytest.importorskip("transformers", reason="checkpoints are written by transformers")

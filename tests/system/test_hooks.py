@@ -6,7 +6,7 @@ import json
 import pytest
 
 from replayrl.tools.errors import ConfigError
-from replayrl.tools.run.config import build_config
+from replayrl.tools.run.from_flags import build_config
 from replayrl.tools.run.launcher import launch
 from tests import hook_fixtures
 

@@ -18,7 +18,7 @@ import subprocess
 import sys
 
 from replayrl.rollout.text.tokenizer_class import resolve_tokenizer_class
-from replayrl.tools.run.config import build_config
+from replayrl.tools.run.from_flags import build_config
 from replayrl.tools.run.initial_files import Resolved
 from replayrl.tools.run.launcher import actor_specs, resolve_engine, write_initial_checkpoint
 from tests.child_env import PYTHONPATH
@@ -83,7 +83,7 @@ def test_the_launcher_process_imports_no_torch(tmp_path):
 
 LORA_CHECK = """
 import sys
-from replayrl.tools.run.config import build_config
+from replayrl.tools.run.from_flags import build_config
 config = build_config({"lora-rank": 8})
 assert config.trainer.lora_rank == 8
 print("LORA", sorted(m for m in %r if m in sys.modules))

@@ -156,7 +156,7 @@ def fault_free(tmp_path_factory) -> list[dict]:
     if reason:
         pytest.skip(reason)
     from replayrl.actors import run_event_loop
-    from replayrl.tools.run.config import build_config
+    from replayrl.tools.run.from_flags import build_config
     from replayrl.tools.run.launcher import launch
 
     result = run_event_loop(launch(build_config({

@@ -12,7 +12,7 @@ import pytest
 from replayrl.actors import RemoteError
 from replayrl.rollout.tasks.digit_puzzle import DigitTask
 from replayrl.tools.errors import ConfigError
-from replayrl.tools.run.config import build_config
+from replayrl.tools.run.from_flags import build_config
 from replayrl.tools.run.launcher import launch, write_initial_checkpoint
 
 TEMPLATE = ("{{ bos_token }}{% for m in messages %} {{ m['content'] }}{% endfor %}"

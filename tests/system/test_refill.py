@@ -12,7 +12,7 @@ from replayrl.actors import Directory, RemoteError, Supervisor
 from replayrl.actors.errors import StaleSample
 from replayrl.actors.version_clock import VersionRules
 from replayrl.rollout.sample import Sample, samples_to_columns
-from replayrl.tools.run.config import build_config
+from replayrl.tools.run.from_flags import build_config
 from replayrl.tools.run.launcher import actor_specs, launch, write_initial_checkpoint
 from replayrl.trainer.config import TrainerConfig
 from replayrl.trainer.errors import RefillExhausted, TrainerConfigError

@@ -15,7 +15,7 @@ import pytest
 from replayrl.actors import ActorCallError, ActorDied, ActorSpec, ActorTimeout, RemoteError, UnknownActor
 from replayrl.tools.console.repl import ConsoleProxy, ReplSession
 from replayrl.tools.errors import ReplError, SessionClosed
-from replayrl.tools.run.config import build_config
+from replayrl.tools.run.from_flags import build_config
 from tests.child_env import PYTHONPATH
 from tests.paths import REPO
 

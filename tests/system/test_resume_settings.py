@@ -14,7 +14,7 @@ from replayrl.actors.errors import StaleSample
 from replayrl.actors.version_clock import VersionClock
 from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
 from replayrl.tools.cli import build_parser
-from replayrl.tools.run.config import build_config, config_from_args
+from replayrl.tools.run.from_flags import build_config, config_from_args
 from replayrl.tools.run.launcher import launch, write_initial_checkpoint
 from replayrl.trainer.backends.torch_backend import TorchBackend
 from replayrl.trainer.config import TrainerConfig

@@ -16,7 +16,7 @@ pytest.importorskip("aiohttp")
 
 from replayrl.actors import Directory, Supervisor  # noqa: E402
 from replayrl.rollout.sample import TRACE_FIELDS, samples_from_columns  # noqa: E402
-from replayrl.tools.run.config import build_config  # noqa: E402
+from replayrl.tools.run.from_flags import build_config  # noqa: E402
 from replayrl.tools.run.launcher import actor_specs, write_initial_checkpoint  # noqa: E402
 from replayrl.tools.run.train_loop import train_loop  # noqa: E402
 from tests.child_env import PYTHONPATH

@@ -21,7 +21,7 @@ from replayrl.rollout.sampling.sampling_params import SamplingParams
 from replayrl.rollout.tasks.digit_puzzle import VOCABULARY, DigitTask
 from replayrl.rollout.text.data_source import Prompt
 from replayrl.rollout.traces.trajectory import SYNTHETIC_EOS_LOGPROB, append_synthetic_eos, merge_turns
-from replayrl.tools.run.config import build_config
+from replayrl.tools.run.from_flags import build_config
 from replayrl.tools.run.launcher import launch, write_initial_checkpoint
 from replayrl.trainer.batching.batch import collate
 from replayrl.trainer.config import TrainerConfig

@@ -34,7 +34,8 @@ def test_three_ranks_train_two_steps(tmp_path, curve_keys_dir):
     # rank 0 writes the run's record as `replayrl train` does; it gives the settings back
     import argparse
 
-    from replayrl.tools.run.config import add_run_flags, config_from_args
+    from replayrl.tools.run.flags import add_run_flags
+    from replayrl.tools.run.from_flags import config_from_args
 
     record = json.loads((tmp_path / "config.json").read_text())
     assert (record["num_steps"], record["num_engines"], record["rollout"]["rollout_batch_size"]) == (2, 1, 2)
@@ -108,7 +109,7 @@ def test_a_dsa_family_trains_on_two_fsdp_ranks_under_torchrun(tmp_path, curve_ke
 
 def test_the_plan_gives_the_last_ranks_to_the_trainer_ranks(tmp_path):
     from replayrl.tools.errors import ConfigError
-    from replayrl.tools.run.config import build_config
+    from replayrl.tools.run.from_flags import build_config
     from replayrl.tools.run.torchrun_entry import plan
 
     config = build_config({"rollout-batch-size": 2, "n-samples-per-prompt": 2, "dp-size": 2,
@@ -141,7 +142,7 @@ def test_the_plan_gives_the_last_ranks_to_the_trainer_ranks(tmp_path):
 
 
 def test_trainer_ranks_meet_at_the_trainer_actors_host(tmp_path):
-    from replayrl.tools.run.config import build_config
+    from replayrl.tools.run.from_flags import build_config
     from replayrl.tools.run.torchrun_entry import plan, with_trainer_group_host
 
     config = build_config({"rollout-batch-size": 2, "n-samples-per-prompt": 2, "dp-size": 2,

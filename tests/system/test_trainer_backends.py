@@ -20,7 +20,7 @@ from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
 from replayrl.rollout.sample import Sample
 from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
 from replayrl.tools.errors import ConfigError
-from replayrl.tools.run.config import build_config
+from replayrl.tools.run.from_flags import build_config
 from replayrl.trainer.backends import BACKENDS, resolve_backend
 from replayrl.trainer.backends.base import ReplayedForward, TrainerBackend
 from replayrl.trainer.backends.torch_backend import TorchBackend

@@ -9,7 +9,7 @@ import pytest
 
 from replayrl.actors import Directory, Supervisor
 from replayrl.tools.errors import ConfigError
-from replayrl.tools.run.config import build_config
+from replayrl.tools.run.from_flags import build_config
 from replayrl.tools.run.launcher import actor_specs, write_initial_checkpoint
 from replayrl.trainer.errors import RankGroupError
 from replayrl.trainer.ranks.rank_group import RankGroup, follower_names, shard, shard_bounds

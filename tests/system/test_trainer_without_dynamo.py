@@ -7,7 +7,7 @@ import subprocess
 import sys
 import textwrap
 
-from replayrl.tools.run.config import build_config
+from replayrl.tools.run.from_flags import build_config
 from replayrl.tools.run.launcher import write_initial_checkpoint
 
 

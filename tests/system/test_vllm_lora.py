@@ -2,7 +2,7 @@
 (docs/design/lora.md#lora), kept true: the installed vLLM, started with ``enable_lora`` on the MoE
 policy replayrl serves, fails at its first forward in its Triton MoE-LoRA kernels (skipped where
 vllm is not installed; CI runs it in its own venv, see .ci/run). When this test fails, vLLM
-serves LoRA on MoE on CPU and the refusal in tools/run/config.py can be lifted.
+serves LoRA on MoE on CPU and the refusal in rollout/engines/vllm_run_check.py can be lifted.
 
 The probe (tests/system/vllm_lora_probe.py) runs in its own process: a second in-process
 ``vllm.LLM`` would share the first's process-wide distributed state.

@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from replayrl.tools.run.config import build_config  # noqa: E402
+from replayrl.tools.run.from_flags import build_config  # noqa: E402
 from replayrl.tools.run.launcher import launch  # noqa: E402
 
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from replayrl.tools.run.config import build_config
+from replayrl.tools.run.from_flags import build_config
 from replayrl.tools.run.metrics import MetricsRecorder
 from tests.wandb_records import offline_run
 

@@ -389,7 +389,7 @@ def test_no_work_log_labels():
 
 
 def test_configuration_page_flag_table_is_the_generated_one():
-    from replayrl.tools.run.config import FLAGS, flag_table_markdown
+    from replayrl.tools.run.flags import FLAGS, flag_table_markdown
 
     lines = (ROOT / "docs/configuration.md").read_text(encoding="utf-8").splitlines()
     start = lines.index("| flag | default | allowed | meaning |")
@@ -399,7 +399,7 @@ def test_configuration_page_flag_table_is_the_generated_one():
     table = "\n".join(lines[start:end]) + "\n"
     assert table == flag_table_markdown(), (
         "docs/configuration.md's flag table is out of date: replace it with the output of "
-        "python -m replayrl.tools.run.config")
+        "python -m replayrl.tools.run.flags")
     assert table.count("\n") == len(FLAGS) + 2
 
 

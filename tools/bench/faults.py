@@ -31,7 +31,7 @@ from replayrl.actors import ActorDied
 from replayrl.tools.bench.fault_injection import faulty_specs
 from replayrl.tools.bench.usage import bench_parser
 from replayrl.tools.errors import ConfigError
-from replayrl.tools.run.config import build_config
+from replayrl.tools.run.from_flags import build_config
 from replayrl.tools.run.launcher import actor_specs, check_load, launch, write_initial_checkpoint
 
 SAME = ("prompt_indices", "samples", "reward_mean", "response_len_mean", "trainer_version",

@@ -56,7 +56,7 @@ def _row(name: str, params: int, adapters: int, full_push: int, lora_push: int,
 
 def _embedded(rank: int, directory: Path):
     """(table row, LoRA backend) of the embedded default policy."""
-    from replayrl.tools.run.config import build_config
+    from replayrl.tools.run.from_flags import build_config
     from replayrl.tools.run.launcher import write_initial_checkpoint
     from replayrl.trainer.backends.torch_backend import TorchBackend
     from replayrl.trainer.config import TrainerConfig

@@ -187,7 +187,7 @@ def run_config(steps: int, seed: int, output_dir: str, overrides: dict | None = 
     defaults (its own recipe, entropy bonus included: docs/design/trainer-math.md#entropy-collapse) with
     ``--no-progress``, then ``overrides`` (flag name -> value; :data:`SAME_OBJECTIVE` for TRL's
     objective)."""
-    from replayrl.tools.run.config import build_config
+    from replayrl.tools.run.from_flags import build_config
 
     return build_config({"num-steps": steps, "seed": seed, "output-dir": output_dir,
                          "progress": False, **(overrides or {})})

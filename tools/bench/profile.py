@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("run_args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     from replayrl.actors import run_event_loop
-    from replayrl.tools.run.config import add_run_flags, config_from_args
+    from replayrl.tools.run.flags import add_run_flags
+    from replayrl.tools.run.from_flags import config_from_args
     from replayrl.tools.run.launcher import launch
 
     run_args = [a for a in args.run_args if a != "--"]

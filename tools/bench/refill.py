@@ -19,7 +19,7 @@ import time
 
 from replayrl.actors import RemoteError
 from replayrl.tools.bench.usage import bench_parser
-from replayrl.tools.run.config import build_config
+from replayrl.tools.run.from_flags import build_config
 from replayrl.tools.run.launcher import launch
 
 

@@ -41,8 +41,9 @@ from replayrl.tools.console.prompt import Console
 from replayrl.tools.console.runs import CLOCK, MANAGER, AttachedRun, OwnRun
 from replayrl.tools.errors import ReplError, SessionClosed
 from replayrl.tools.run.attach_card import AttachTarget
-from replayrl.tools.run.config import RunConfig, config_from_args
+from replayrl.tools.run.config import RunConfig
 from replayrl.tools.run.exit_codes import exit_code
+from replayrl.tools.run.from_flags import config_from_args
 from replayrl.tools.run.train_loop import step_metrics, sync_step
 
 __all__ = ["ReplSession", "ReplError", "SessionClosed", "ConsoleProxy", "ConsoleMethod",
@@ -309,7 +310,7 @@ def main(args) -> int:
     and open a console on them.
 
     Args:
-        args: the parsed ``repl`` flags (see :func:`replayrl.tools.run.config.add_run_flags`) and
+        args: the parsed ``repl`` flags (see :func:`replayrl.tools.run.flags.add_run_flags`) and
             ``--attach`` (a running run's output directory or one actor's address).
     Returns:
         Exit code: 0 on Ctrl-D / ``exit()`` (or the code given to ``exit(n)``), 1 when the actors

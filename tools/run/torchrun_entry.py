@@ -52,9 +52,11 @@ from replayrl.actors.process_title import set_process_title
 from replayrl.actors.ref import use_curve_keys, use_heartbeat_deadline
 from replayrl.tools.errors import ConfigError, RunFailed
 from replayrl.tools.run.attach_card import remove_attach_card, write_attach_card
-from replayrl.tools.run.config import FLAGS, RunConfig, add_run_flags, config_from_args
+from replayrl.tools.run.config import RunConfig
 from replayrl.tools.run.driver_watch import DriverWatch
 from replayrl.tools.run.exit_codes import exit_code
+from replayrl.tools.run.flags import FLAGS, add_run_flags
+from replayrl.tools.run.from_flags import config_from_args
 from replayrl.tools.run.launcher import (
     DRIVER_ACTORS,
     actor_specs,

@@ -18,7 +18,7 @@ from replayrl.rollout.dispatch.engine_actor import EngineActor
 from replayrl.rollout.dispatch.manager import RolloutManager
 from replayrl.rollout.tasks.calculator import DigitCalculatorEnv
 from replayrl.rollout.tasks.environment import Step
-from replayrl.tools.run.config import build_config
+from replayrl.tools.run.from_flags import build_config
 from replayrl.tools.run.launcher import engine_kwargs, run_required_traces, write_initial_checkpoint
 from replayrl.transport.array_bundle import pack_arrays
 

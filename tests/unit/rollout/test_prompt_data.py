@@ -14,7 +14,7 @@ from replayrl.rollout.tasks.digits import BUILTIN_FILE, digit_task_prompts, digi
 from replayrl.rollout.text.data_source import PromptDataSource
 from replayrl.rollout.text.prompt_data import load_run_prompts, read_rows
 from replayrl.rollout.text.tokenizer import load_tokenizer
-from replayrl.tools.run.config import build_config
+from replayrl.tools.run.from_flags import build_config
 from replayrl.tools.run.launcher import write_initial_checkpoint
 
 # renders "<bos> max 3 1 4 2 =" for the user message "max 3 1 4 2", a tool message " = 4"

@@ -17,7 +17,8 @@ from replayrl.rollout.tasks import TASKS, make_task, task_class_path
 from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
 from replayrl.rollout.tasks.sort import SortTask, position_reward, sort_rows
 from replayrl.rollout.text.tokenizer import load_tokenizer
-from replayrl.tools.run.config import ConfigError, build_config
+from replayrl.tools.run.config import ConfigError
+from replayrl.tools.run.from_flags import build_config
 from replayrl.tools.run.launcher import write_embedded_tokenizer, write_initial_checkpoint
 from tests.step_rig import step_rig
 

@@ -26,7 +26,8 @@ from replayrl.rollout.tasks.calculator import DigitToolEnv
 from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
 from replayrl.rollout.tasks.digits import DigitsTask
 from replayrl.rollout.tasks.prompt_file import PromptFileTask
-from replayrl.tools.run.config import ConfigError, build_config
+from replayrl.tools.run.config import ConfigError
+from replayrl.tools.run.from_flags import build_config
 from tests.fake_task import PROMPTS
 from tests.step_rig import step_rig
 

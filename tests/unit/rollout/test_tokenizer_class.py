@@ -24,7 +24,7 @@ from replayrl.rollout.text.tokenizer_class import (
     resolve_tokenizer,
     resolve_tokenizer_class,
 )
-from replayrl.tools.run.config import build_config
+from replayrl.tools.run.from_flags import build_config
 from replayrl.tools.run.launcher import write_embedded_tokenizer, write_initial_checkpoint
 from tests.family_checkpoints import FAMILY_TYPES, tiny_hf_config
 from tests.paths import REPO

@@ -164,7 +164,7 @@ def test_printed_advantage_follows_the_task_on_both_sides(task, std, scale):
     # the sort task turns GRPO's std normalisation on (rollout/tasks/sort.py): both sides of the
     # printed settings say so, as both sides train with it
     from replayrl.tools.bench.peer import settings_table, trl_settings
-    from replayrl.tools.run.config import build_config
+    from replayrl.tools.run.from_flags import build_config
 
     config = build_config(task)
     assert trl_settings(config)["scale_rewards"] == scale.strip("'")

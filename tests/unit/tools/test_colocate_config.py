@@ -8,7 +8,7 @@ import pytest
 
 from replayrl.actors import DRIVER, ActorDied, Directory, Supervisor
 from replayrl.tools.errors import ConfigError
-from replayrl.tools.run.config import build_config
+from replayrl.tools.run.from_flags import build_config
 from replayrl.tools.run.initial_files import Resolved
 from replayrl.tools.run.launcher import COLOCATED, actor_specs, engine_supervision
 from replayrl.tools.run.torchrun_entry import refuse_colocate

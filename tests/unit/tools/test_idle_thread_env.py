@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from replayrl.tools.run.config import build_config
+from replayrl.tools.run.from_flags import build_config
 from replayrl.tools.run.initial_files import Resolved
 from replayrl.tools.run.launcher import actor_specs, idle_thread_env
 

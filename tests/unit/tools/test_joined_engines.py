@@ -11,7 +11,7 @@ import time
 import pytest
 
 from replayrl.tools.errors import ConfigError
-from replayrl.tools.run.config import build_config
+from replayrl.tools.run.from_flags import build_config
 
 
 def _config(tmp_path, **extra):

@@ -6,7 +6,7 @@ import pytest
 
 from replayrl.tools import cli
 from replayrl.tools.errors import ConfigError
-from replayrl.tools.run.config import build_config
+from replayrl.tools.run.from_flags import build_config
 
 
 def test_lora_with_vllm_is_refused_naming_the_fields_and_the_missing_kernel():

@@ -9,7 +9,8 @@ import pytest
 from replayrl.rollout.config import RolloutConfig
 from replayrl.tools.cli import build_parser
 from replayrl.tools.errors import ConfigError
-from replayrl.tools.run.config import RunConfig, build_config, config_from_args
+from replayrl.tools.run.config import RunConfig
+from replayrl.tools.run.from_flags import build_config, config_from_args
 from replayrl.tools.run.metrics import edge_means
 from replayrl.trainer.config import TrainerConfig
 

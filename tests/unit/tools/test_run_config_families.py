@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from replayrl.tools.errors import ConfigError
-from replayrl.tools.run.config import build_config
+from replayrl.tools.run.from_flags import build_config
 from replayrl.tools.run.launcher import engine_kwargs
 from tests.family_checkpoints import tiny_hf_checkpoint
 

@@ -7,7 +7,7 @@ import pytest
 
 from replayrl.tools.cli import build_parser
 from replayrl.tools.errors import ConfigError
-from replayrl.tools.run.config import build_config, config_from_args
+from replayrl.tools.run.from_flags import build_config, config_from_args
 
 
 @pytest.mark.parametrize("values, flag", [

@@ -1,4 +1,4 @@
-"""Settings fields (actors/settings.py) and what tools/run/config.py generates from them."""
+"""Settings fields (actors/settings.py) and what tools/run/flags.py generates from them."""
 from __future__ import annotations
 
 import argparse
@@ -9,7 +9,8 @@ import pytest
 
 from replayrl.actors.settings import POSITIVE, Choices, Range, Rule, check_settings, setting, settings_of, show_value
 from replayrl.tools.errors import ConfigError
-from replayrl.tools.run.config import FLAGS, add_run_flags, build_config, config_from_args
+from replayrl.tools.run.flags import FLAGS, add_run_flags
+from replayrl.tools.run.from_flags import build_config, config_from_args
 
 
 class Bad(ValueError):

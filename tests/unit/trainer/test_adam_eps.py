@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
-from replayrl.tools.run.config import build_config
+from replayrl.tools.run.from_flags import build_config
 from replayrl.tools.run.launcher import write_initial_checkpoint
 from replayrl.trainer.backends.torch_backend import TorchBackend
 from replayrl.trainer.config import TrainerConfig

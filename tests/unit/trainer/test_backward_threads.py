@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from replayrl.rollout.sample import Sample
-from replayrl.tools.run.config import build_config
+from replayrl.tools.run.from_flags import build_config
 from replayrl.trainer.config import TrainerConfig
 from replayrl.trainer.ranks.trainer_actor import TrainerActor
 from tests.trainer_on_samples import (

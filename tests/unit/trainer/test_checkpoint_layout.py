@@ -12,7 +12,7 @@ import torch
 
 from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
 from replayrl.tools.errors import ConfigError
-from replayrl.tools.run.config import build_config
+from replayrl.tools.run.from_flags import build_config
 from replayrl.tools.run.launcher import check_load, write_initial_checkpoint
 from replayrl.trainer.backends.checkpoint_layout import CheckpointLayout
 from replayrl.trainer.backends.torch_backend import TorchBackend

@@ -16,7 +16,8 @@ import torch
 from replayrl.actors.errors import StaleSample
 from replayrl.actors.version_clock import VersionRules
 from replayrl.rollout.sample import Sample, samples_to_columns
-from replayrl.tools.run.config import ConfigError, build_config
+from replayrl.tools.run.config import ConfigError
+from replayrl.tools.run.from_flags import build_config
 from replayrl.trainer.config import TrainerConfig
 from replayrl.trainer.errors import RefillConfigError, RefillExhausted, TrainerConfigError
 from replayrl.trainer.ranks.proximal_cache import ProximalLogprobCache

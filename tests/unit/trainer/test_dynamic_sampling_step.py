@@ -17,7 +17,7 @@ from replayrl.actors.errors import StaleSample
 from replayrl.actors.version_clock import VersionRules
 from replayrl.rollout.sample import samples_from_columns
 from replayrl.rollout.tasks import TASKS, RewardCall
-from replayrl.tools.run.config import build_config
+from replayrl.tools.run.from_flags import build_config
 from tests.fake_task import FakeTask, first_token_even
 from tests.step_rig import step_rig
 

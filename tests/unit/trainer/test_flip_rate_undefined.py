@@ -11,7 +11,7 @@ import torch
 
 from replayrl.rollout.sample import Sample
 from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
-from replayrl.tools.run.config import build_config
+from replayrl.tools.run.from_flags import build_config
 from replayrl.tools.run.launcher import write_initial_checkpoint
 from replayrl.tools.run.metrics import MetricsRecorder, progress_status
 from replayrl.trainer.config import TrainerConfig

@@ -12,7 +12,7 @@ from replayrl.rollout.model.loader import load_pretrained
 from replayrl.rollout.sample import Sample
 from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
 from replayrl.tools.errors import ConfigError
-from replayrl.tools.run.config import build_config
+from replayrl.tools.run.from_flags import build_config
 from replayrl.tools.run.launcher import write_initial_checkpoint
 from replayrl.trainer.backends import resolve_backend
 from replayrl.trainer.backends.fsdp_backend import FSDPBackend

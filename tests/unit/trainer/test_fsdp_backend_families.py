@@ -11,7 +11,7 @@ import torch
 
 from replayrl.rollout.model.families.base import FamilyModel
 from replayrl.rollout.sample import Sample
-from replayrl.tools.run.config import build_config
+from replayrl.tools.run.from_flags import build_config
 from replayrl.trainer.backends.fsdp_backend import FSDPBackend
 from replayrl.trainer.backends.torch_backend import TorchBackend
 from replayrl.trainer.batching.batch import collate

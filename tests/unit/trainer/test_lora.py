@@ -17,7 +17,7 @@ from replayrl.rollout.model import Qwen3MoeForCausalLM
 from replayrl.rollout.model.loader import load_pretrained
 from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
 from replayrl.tools.errors import ConfigError
-from replayrl.tools.run.config import build_config
+from replayrl.tools.run.from_flags import build_config
 from replayrl.trainer.backends.torch_backend import TorchBackend
 from replayrl.trainer.batching.batch import collate
 from replayrl.trainer.config import TrainerConfig

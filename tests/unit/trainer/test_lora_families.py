@@ -17,7 +17,7 @@ import torch
 from replayrl.rollout.engines.embedded import EmbeddedEngine
 from replayrl.rollout.model.families.base import FamilyModel
 from replayrl.tools.errors import ConfigError
-from replayrl.tools.run.config import build_config
+from replayrl.tools.run.from_flags import build_config
 from replayrl.trainer.backends.fsdp_backend import FSDPBackend
 from replayrl.trainer.backends.torch_backend import TorchBackend
 from replayrl.trainer.batching.batch import collate

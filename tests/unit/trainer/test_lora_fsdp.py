@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
-from replayrl.tools.run.config import build_config
+from replayrl.tools.run.from_flags import build_config
 from replayrl.trainer.backends.fsdp_backend import FSDPBackend
 from replayrl.trainer.backends.torch_backend import TorchBackend
 from replayrl.trainer.batching.batch import collate

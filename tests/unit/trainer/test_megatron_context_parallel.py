@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from replayrl.tools.errors import ConfigError
-from replayrl.tools.run.config import build_config
+from replayrl.tools.run.from_flags import build_config
 from replayrl.trainer.backends.megatron_context_parallel import ContextParallel, row_layout
 from replayrl.trainer.config import TrainerConfig
 from replayrl.trainer.errors import PackingError, TrainerConfigError

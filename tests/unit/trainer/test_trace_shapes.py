@@ -15,7 +15,7 @@ from replayrl.rollout.engines.sglang_protocol import decode_item, encode_int32
 from replayrl.rollout.model.config import default_config
 from replayrl.rollout.sample import Sample
 from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
-from replayrl.tools.run.config import build_config
+from replayrl.tools.run.from_flags import build_config
 from replayrl.tools.run.launcher import write_initial_checkpoint
 from replayrl.trainer.config import TrainerConfig
 from replayrl.trainer.ranks.trainer_actor import TrainerActor

@@ -1,0 +1,37 @@
+"""Which ``--lora-target-modules`` the run's policy has, checked before any process starts;
+light (no peft, no torch), as the launcher that checks it. The adapters themselves are
+:mod:`replayrl.trainer.lora.peft_adapter`."""
+from __future__ import annotations
+
+from typing import Any
+
+from replayrl.rollout.model.families.run_check import family_of
+from replayrl.trainer.errors import TrainerConfigError
+from replayrl.trainer.lora.settings import MLA_MODULES, target_modules
+
+
+def check_run(run: Any) -> None:
+    """Refuse LoRA targets the policy has no adaptable module for; a run without
+    ``--lora-rank`` passes.
+
+    Args:
+        run: the run's settings (a ``replayrl.tools.run.config.RunConfig``); read:
+            ``trainer.lora_rank``, ``trainer.lora_target_modules``, ``policy_config`` and
+            ``hf_checkpoint``.
+    Raises:
+        TrainerConfigError: ``gate`` on a family policy (its router is transformers' own top-k
+            module, not an ``nn.Linear``); MLA projections on the embedded model (which has
+            ``q_proj`` / ``k_proj`` / ``v_proj`` / ``o_proj``).
+    """
+    if not run.trainer.lora_rank:
+        return
+    targets = target_modules(run.trainer.lora_target_modules)
+    family = family_of(run.policy_config)
+    if family and "gate" in targets:
+        raise TrainerConfigError(f"--lora-target-modules gate with the {family!r} family of --hf-checkpoint "
+                                 f"{run.hf_checkpoint}: its router (mlp.gate) is transformers' own top-k module, "
+                                 f"not an nn.Linear; peft cannot adapt it (docs/design/lora.md#lora)")
+    if not family and set(targets) & set(MLA_MODULES):
+        raise TrainerConfigError(f"--lora-target-modules {','.join(sorted(set(targets) & set(MLA_MODULES)))}: MLA "
+                                 f"projections of the DeepSeek / GLM families; the embedded Qwen3-MoE has "
+                                 f"q_proj / k_proj / v_proj / o_proj")

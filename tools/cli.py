@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import time
 
 from replayrl.tools.run.exit_codes import exit_code, handle_sigterm
 from replayrl.tools.run.flags import add_run_flags
@@ -17,6 +18,8 @@ from replayrl.tools.run.from_flags import config_from_args
 
 
 def _train(args: argparse.Namespace) -> int:
+    started = time.perf_counter()  # the summary's "with start-up" counts torch's import too
+
     def run() -> int:
         # imported here: torch takes seconds, and a Ctrl-C meanwhile must still exit 130
         from replayrl.actors import run_event_loop
@@ -24,7 +27,8 @@ def _train(args: argparse.Namespace) -> int:
 
         config = config_from_args(args)
         handle_sigterm()
-        result = run_event_loop(launch(config, log_level=getattr(logging, args.log_level)))
+        result = run_event_loop(launch(config, log_level=getattr(logging, args.log_level),
+                                       started=started))
         print(f"plot: {result.plot_path}")
         print(result.summary)
         return 0

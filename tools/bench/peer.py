@@ -30,7 +30,6 @@ TRL is an optional extra (``pip install 'replayrl[bench]'``), imported only in t
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -47,6 +46,7 @@ from replayrl.tools.bench.time_to_quality import (
     time_to_quality,
 )
 from replayrl.tools.bench.tree_memory import run_sampled
+from replayrl.tools.bench.usage import bench_parser
 from replayrl.tools.errors import PeerBenchError
 from replayrl.transport import strict_json
 
@@ -703,43 +703,45 @@ def main(argv: list[str] | None = None, grid=None) -> int:
     if argv[:1] == ["--trl-worker"]:
         trl_worker(argv[1], argv[2])
         return 0
-    parser = argparse.ArgumentParser(prog="replayrl bench peer",
-                                     description=__doc__.splitlines()[0])
+    parser = bench_parser("peer", __doc__)
     parser.add_argument("--steps", type=int, default=None,
-                        help="optimizer steps per side (100; with --grid: quick 20, else 30)")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[1], help="seeds (1)")
+                        help="optimizer steps per side (default: 100; with --grid: quick 20, "
+                             "else 30)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1],
+                        help="one comparison per seed")
     parser.add_argument("--threshold", type=float, default=None,
                         help="reward the trailing window mean must reach (default: time to "
                              f"quality, {QUALITY_SHARE} x TRL's mean over its last --window steps)")
-    parser.add_argument("--window", type=int, default=10, help="steps per reward window (10)")
+    parser.add_argument("--window", type=int, default=10, help="steps per reward window")
     parser.add_argument("--rollout-batch-size", type=int, default=None,
-                        help="prompts per step (replayrl's default when not given)")
+                        help="prompts per step (default: replayrl's)")
     parser.add_argument("--n-samples-per-prompt", type=int, default=None,
-                        help="samples per prompt (replayrl's default when not given)")
+                        help="samples per prompt (default: replayrl's)")
     parser.add_argument("--priority", action="store_true",
                         help="on a machine shared with other users' jobs, run both "
                              "sides first (Linux autogroup nice -20; needs root)")
     parser.add_argument("--grid", nargs="?", const="quick", default=None, metavar="GRID",
                         help="model size x answer length grid (tools/bench/peer_grid.py): quick "
                              "(1m x {2, 64}, the default of a bare --grid), full ({1m, 10m, 50m} "
-                             "x {2, 64, 256}) or SIZES:LENGTHS such as 1m,10m:2,64; first seed only")
+                             "x {2, 64, 256}) or SIZES:LENGTHS such as 1m,10m:2,64; first seed only "
+                             "(default: no grid, one comparison)")
     from replayrl.rollout.model.config import MODEL_SIZES
 
     parser.add_argument("--model-size", default=None, choices=MODEL_SIZES,
-                        help="the embedded model's size preset (replayrl's default when not given; "
-                             "--grid sets it per point)")
+                        help="the embedded model's size preset; --grid sets it per point "
+                             "(default: replayrl's)")
     parser.add_argument("--same-objective", action="store_true",
-                        help="run replayrl with TRL's loss exactly (--entropy-coef 0); default: "
-                             "replayrl's own recipe, entropy bonus on")
+                        help="run replayrl with TRL's loss exactly (--entropy-coef 0) "
+                             "(default: off, replayrl's own recipe, entropy bonus on)")
     parser.add_argument("--colocate", action="store_true",
                         help="run replayrl's side with --colocate (clock, manager, engine and "
                              "trainer in one process: docs/design/actors.md#colocate)")
     parser.add_argument("--trainer-backward-threads", default=None, metavar="N|SIZE=N,...",
                         help="run replayrl's side with --trainer-backward-threads N (its "
                              "backward passes on N torch threads); with --grid per model size, "
-                             "e.g. 10m=2,50m=2 (sizes not named keep the default)")
+                             "e.g. 10m=2,50m=2 (default: replayrl's, also for sizes not named)")
     parser.add_argument("--output-dir", default="runs/peer-grid",
-                        help="where --grid writes its plot peer_grid.png (runs/peer-grid)")
+                        help="where --grid writes its plots peer_grid.png and peer_grid_reward.png")
     args = parser.parse_args(argv)
     if args.steps is None:
         args.steps = 100 if args.grid is None else {"quick": 20}.get(args.grid, 30)

@@ -21,6 +21,7 @@ import statistics
 from pathlib import Path
 
 from replayrl.actors.profiling import PROFILE_ENV
+from replayrl.tools.bench.usage import bench_parser
 
 
 def breakdown(rows: list[dict], warmup: int) -> dict[str, float]:
@@ -40,15 +41,19 @@ def top_functions(prof: Path, steps: int, top: int) -> list[tuple[str, float, in
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry: runs the profiled training and prints the report."""
-    parser = argparse.ArgumentParser(prog="replayrl bench profile", description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--top", type=int, default=12)
-    parser.add_argument("--output-dir", default="runs/profile")
+    parser = bench_parser("profile", __doc__)
+    parser.add_argument("--steps", type=int, default=30, help="optimizer steps of the profiled run")
+    parser.add_argument("--warmup", type=int, default=5,
+                        help="first steps left out of the time breakdown")
+    parser.add_argument("--top", type=int, default=12,
+                        help="functions listed per actor, most own time first")
+    parser.add_argument("--output-dir", default="runs/profile",
+                        help="the run's --output-dir; the profiles go to its profile/")
     parser.add_argument("--priority", action="store_true",
                         help="on a machine shared with other users' jobs, run first "
                              "(Linux autogroup nice -20; needs root)")
-    parser.add_argument("run_args", nargs=argparse.REMAINDER)
+    parser.add_argument("run_args", nargs=argparse.REMAINDER, metavar="-- TRAIN_FLAGS",
+                        help="replayrl train flags for the run, after --")
     args = parser.parse_args(argv)
     from replayrl.actors import run_event_loop
     from replayrl.tools.run.flags import add_run_flags

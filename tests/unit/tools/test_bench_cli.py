@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import importlib
+import re
 
 import pytest
 
 from replayrl.tools import cli
-from replayrl.tools.bench.usage import summary
+from replayrl.tools.bench.usage import bench_parser, summary
 from replayrl.tools.cli import BENCHES
 
 # what a newcomer should read beside a few names (the first paragraphs of their docstrings)
@@ -25,6 +26,55 @@ def test_bench_help_shows_the_replayrl_command(name, capsys):
     assert exited.value.code == 0
     # argparse's default prog is the script's file name: 'cli.py' under the console script
     assert capsys.readouterr().out.startswith(f"usage: replayrl bench {name} ")
+
+
+def _options(help_text: str) -> dict[str, str]:
+    """``{option: its help joined on one line}`` of an argparse ``--help`` text's options."""
+    body = help_text.split("\noptions:\n", 1)[1]
+    options: dict[str, str] = {}
+    name = None
+    for line in body.splitlines():
+        if line.startswith("  -"):
+            name, _, text = line.strip().partition("  ")
+            options[name] = text.strip()
+        elif line.startswith("   ") and name:
+            options[name] = (options[name] + " " + line.strip()).strip()
+        else:
+            name = None
+    return options
+
+
+@pytest.mark.parametrize("name", sorted(BENCHES))
+def test_every_bench_option_says_what_it_sets_and_its_default(name, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # one line per option: argparse wraps at the terminal
+    with pytest.raises(SystemExit):
+        importlib.import_module(BENCHES[name]).main(["--help"])
+    out = capsys.readouterr().out
+    description = out.split("\n\n")[1]
+    assert description.endswith(".") and description.count("(") == description.count(")"), description
+    for option, text in _options(out).items():
+        if option.startswith("-h,"):
+            continue
+        # said in words, then its default; no text cut off inside a parenthesis
+        assert re.match(r"[a-zA-Z]", text) and text.count("(") == text.count(")"), (option, text)
+        assert "(default:" in text or "(default " in text, (option, text)
+
+
+def test_the_help_formatter_shows_each_kind_of_default_once(capsys):
+    parser = bench_parser("x", "``replayrl bench x``: what x is for.\n\nMore.")
+    parser.add_argument("--n", type=int, default=3, help="how many")
+    parser.add_argument("--names", nargs="+", default=["a", "b"], help="which")
+    parser.add_argument("--fast", action="store_true", help="go fast")
+    parser.add_argument("--said", default=5, help="already said (default: five)")
+    parser.add_argument("--empty", default="", help="what leaving it out does is the text's job")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--help"])
+    options = _options(capsys.readouterr().out)
+    assert options["--n N"] == "how many (default: 3)"
+    assert options["--names NAMES [NAMES ...]"] == "which (default: a b)"
+    assert options["--fast"] == "go fast (default: off)"
+    assert options["--said SAID"] == "already said (default: five)"
+    assert options["--empty EMPTY"] == "what leaving it out does is the text's job"
 
 
 def _listed(out: str) -> dict[str, str]:

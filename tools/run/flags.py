@@ -102,7 +102,9 @@ def add_run_flags(parser: argparse.ArgumentParser, only: Collection[str] | None 
         unknown = sorted(set(only) - set(FLAGS))
         if unknown:
             raise KeyError(f"add_run_flags: no such run flag(s) {unknown}")
-    parser.add_argument("--config", type=Path, help="TOML or JSON file with the same keys as the flags")
+    parser.add_argument("--config", type=Path, help="TOML or JSON file with the same keys as the flags "
+                        "(dashes or underscores), at the top level or in [rollout] / [trainer] "
+                        "tables of that side's flags; or a run's config.json")
     for flag in FLAGS.values():
         if only is not None and flag.name not in only:
             continue

@@ -134,7 +134,7 @@ class RolloutConfig:
                                   Choices(("error", "zero")))
     env: str = setting("", "env", "your own multi-turn environment (tools in the chat "
                        "template's format, rollout/tasks/environment.py): module:Class or a "
-                       "name in replayrl.rollout.tasks.ENVIRONMENTS; replaces the task's",
+                       "name in replayrl.rollout.tasks.ENVIRONMENTS; replaces the task's own environment",
                        metavar="ENV", default_text="the task's environment")
     env_timeout_s: float = setting(30.0, "env-timeout-seconds", "longest one reset or step "
                                    "call of --env may take", POSITIVE)

@@ -171,7 +171,8 @@ class TrainerConfig:
     rs_lower: float = setting(0.0, "rs-lower", "RS lower ratio bound")
     rs_upper: float = setting(float("inf"), "rs-upper", "RS upper ratio bound")
     rs_denominator: str = setting("loss_tokens", "rs-denominator", "loss denominator when RS masks "
-                                  "tokens without refill",
+                                  "tokens without refill: loss_tokens (every loss token of the "
+                                  "step) or accepted_tokens (only the accepted ones)",
                                   Choices(("loss_tokens", "accepted_tokens")))
     stop_on_empty_step: bool = setting(False, "stop-on-empty-step", "end the run at a step with "
                                        "nothing to train (no accepted token); off: skip the step, "
@@ -182,15 +183,17 @@ class TrainerConfig:
     rs_refill_max_rounds: int = setting(3, "rs-refill-max-rounds", "replacement rounds per step",
                                         Range(low=0))
     rs_refill_max_candidate_cache_bytes: int = setting(
-        1 << 30, "rs-refill-max-candidate-cache-bytes", "proximal-logprob cache byte cap", Range(low=0, closed="()"))
+        1 << 30, "rs-refill-max-candidate-cache-bytes", "bytes the trainer may keep of the "
+        "proximal logprobs of exact refill's candidate samples", Range(low=0, closed="()"))
     rs_refill_rpc_timeout_s: float = setting(300.0, "rs-refill-rpc-timeout-seconds",
                                              "timeout of every refill-path actor call", POSITIVE)
     dynamic_sampling: bool = setting(False, "dynamic-sampling", "DAPO dynamic sampling: drop "
                                      "prompt groups whose rewards are all equal and refill them "
                                      "by exact refill (--rs-refill-max-rounds), so every step "
                                      "trains on exactly --rollout-batch-size informative groups")
-    dp_size: int = setting(1, "dp-size", "data-parallel trainer ranks (torch.distributed; each "
-                           "trains an equal share of every batch; also the refill quantum's)",
+    dp_size: int = setting(1, "dp-size", "data-parallel trainer ranks (torch.distributed); each "
+                           "trains an equal share of every batch, and exact refill replaces "
+                           "groups in multiples that split evenly over them",
                            Range(low=1))
     tp_size: int = setting(1, "tp-size", "tensor-parallel size of the megatron trainer "
                            "(sequence parallel with it); trainer ranks = --dp-size x --tp-size "
@@ -202,12 +205,17 @@ class TrainerConfig:
     cp_size: int = setting(1, "cp-size", "context-parallel size of the megatron trainer (each "
                            "rank holds 2 of 2 x N chunks of every row); trainer ranks = "
                            "--dp-size x --tp-size x --pp-size x --cp-size", Range(low=1))
-    vpp_size: int = setting(1, "vpp-size", "virtual pipeline size (refill quantum)",
+    vpp_size: int = setting(1, "vpp-size", "virtual pipeline (VPP) stages of the megatron "
+                            "trainer; 1, as its pipeline runs without the interleaved schedule",
                             Choices((1,), why="the megatron backend's pipeline runs without the "
                                     "interleaved (VPP) schedule"))
-    microbatch_group_size: int = setting(1, "microbatch-group-size", "VPP microbatch group",
+    microbatch_group_size: int = setting(1, "microbatch-group-size", "microbatches per virtual "
+                                         "pipeline (VPP) group; exact refill sizes its batches "
+                                         "by it when --vpp-size is above 1",
                                          Range(low=1))
-    train_backend: str = setting("torch", "train-backend", "trainer backend (registry name)",
+    train_backend: str = setting("torch", "train-backend", "the backend that owns and trains "
+                                 "the model, a name in the registry "
+                                 "replayrl.trainer.backends.BACKENDS",
                                  Choices(tuple(BACKENDS)))
     lora_rank: int = setting(0, "lora-rank", "LoRA rank through peft (0 = off: every weight "
                              "trains); only the adapters train, sit in the optimizer and are "

@@ -140,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     repl.add_argument("--attach", default="", metavar="RUN",
                       help="attach to a running run instead of starting actors: its --output-dir "
                            "(where it keeps attach.json), or any actor's address tcp://HOST:PORT "
-                           "(with --curve-keys) / ipc://PATH; leaving never stops the run")
+                           "(with --curve-keys) / ipc://PATH; leaving never stops the run "
+                           "(default: none, the console starts actors of its own)")
     repl.set_defaults(func=_repl)
     serve = sub.add_parser("serve", help="the embedded engine behind SGLang's HTTP API "
                                          "(what --rollout-engine sglang talks to; extra 'serve')")

@@ -25,6 +25,8 @@ Checks:
     or issue of this project's own work list): code and docs say why in terms of the code and
     link a docs anchor where there is a measurement. An external project's issue is cited as
     ``owner/repo#N`` or by its URL, which this check leaves alone.
+(g) docs/benchmarks.md, the newest measurement of each figure, stays within
+    ``MAX_BENCHMARKS_LINES`` lines.
 
 The checkers are pure functions of file text (:func:`design_anchors`, :func:`design_pages`,
 :func:`check_source`, :func:`check_markdown`, :func:`work_log_labels`) so that the second half
@@ -50,6 +52,9 @@ DESIGN_INDEX = "docs/design/README.md"
 # A design page is read at once; a subject that outgrows this splits into two pages (its
 # sections keep their anchors, citations follow them to the new page).
 MAX_DESIGN_PAGE_LINES = 400
+# docs/benchmarks.md holds the newest measurement of each figure, read in minutes; a rerun
+# replaces its row, and earlier runs stay in git history, so the page never grows into a diary.
+MAX_BENCHMARKS_LINES = 500
 PACKAGES = ("actors", "transport", "rollout", "trainer", "tools", "tests", "examples")
 SECT = "\u00a7"  # the section sign, spelt so that this file holds none
 
@@ -386,6 +391,13 @@ def test_no_work_log_labels():
                 for p in work_log_labels(str(f.relative_to(ROOT)),
                                          f.read_text(encoding="utf-8", errors="replace"))]
     assert not problems, f"{len(problems)} label(s):\n" + "\n".join(problems)
+
+
+def test_benchmarks_page_stays_short():
+    n = len((ROOT / "docs/benchmarks.md").read_text(encoding="utf-8").splitlines())
+    assert n <= MAX_BENCHMARKS_LINES, (
+        f"docs/benchmarks.md: {n} lines, more than {MAX_BENCHMARKS_LINES}; keep the newest "
+        "measurement of each figure and leave earlier runs to git history")
 
 
 def test_configuration_page_flag_table_is_the_generated_one():

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from replayrl.rollout.config import RolloutConfig
 from replayrl.rollout.scoring.rewards import RewardCall
+from replayrl.rollout.tasks.environment import Environment
 from replayrl.rollout.tasks.rm_type import rm_type_reward
 from replayrl.rollout.text.data_source import Prompt
 
@@ -31,15 +32,6 @@ if TYPE_CHECKING:
     from replayrl.rollout.text.tokenizer import PromptTokenizer
 
 __all__ = ["RewardCall", "Environment", "TaskPrompts", "Task"]
-
-
-class Environment(Protocol):
-    """A multi-turn environment, driven by ``replayrl.rollout.episodes.turn_loop.run_episodes``."""
-
-    def observe(self, prompt_ids: Sequence[int], turn_ids: Sequence[int]) -> np.ndarray | None:
-        """The observation tokens (int32 ``[O]``, loss mask 0 in the trajectory) that answer one
-        turn (``turn_ids``, the tokens the policy generated) of the episode of ``prompt_ids``,
-        or ``None`` when the turn is the final answer (the episode ends there)."""
 
 
 @dataclass(frozen=True)
@@ -110,5 +102,8 @@ class Task(ABC):
         return {}
 
     def environment(self) -> Environment | None:
-        """The multi-turn environment, or ``None`` (the default) when the task has none."""
+        """The multi-turn environment (``observe`` on token ids,
+        :class:`replayrl.rollout.tasks.environment.Environment`; the turn loop drives it through
+        :class:`replayrl.rollout.tasks.environment.ObserveAdapter`, the ``--env`` API), or
+        ``None`` (the default) when the task has none."""
         return None

@@ -28,8 +28,7 @@ import numpy as np
 
 from replayrl.rollout.errors import ToolEnvError
 from replayrl.rollout.tasks.digit_puzzle import DIGITS, OPERATORS, VOCABULARY, DigitTask
-from replayrl.rollout.tasks.environment import Step, ToolCall, ToolEnvironment, Turn
-from replayrl.rollout.text.data_source import Prompt
+from replayrl.rollout.tasks.environment import ObserveAdapter
 
 __all__ = ["DigitToolEnv", "DigitCalculatorEnv"]
 
@@ -106,34 +105,24 @@ class DigitToolEnv:
         return self.task.reward(self.final_answer(response_ids, loss_mask), answer_id)
 
 
-class DigitCalculatorEnv(ToolEnvironment):
-    """The digit calculator behind the environment interface (``--env digit_calculator``).
+class DigitCalculatorEnv(ObserveAdapter):
+    """The digit calculator as an ``--env`` environment (``--env digit_calculator``).
 
-    The same tool as :class:`DigitToolEnv` (which the built-in task uses directly): a turn
-    whose first token is an operator is a call, answered with the token ids ``= d``; any other
-    turn is the final answer (``done``). Its tool calls are operator tokens, not text, so it
-    parses :attr:`Turn.ids` itself. Step reward 0: the verifier (``--rm-type digits``) scores.
-    A run with ``--env digit_calculator`` gives the trajectories the built-in environment gives.
+    The built-in task's own environment, :class:`DigitToolEnv`, behind the
+    :class:`ObserveAdapter` the turn loop drives it through: a turn whose first token is an
+    operator is a call, answered with the token ids ``= d``; any other turn is the final answer
+    (``done``). Step reward 0: the verifier (``--rm-type digits``) scores. A run with
+    ``--env digit_calculator`` gives the trajectories the built-in environment gives (its
+    failures, as any ``--env`` environment's, end one trajectory under ``--env-failure abort``).
+
+    Args:
+        config: the run's rollout settings (``None`` in tests).
     """
 
     def __init__(self, config=None) -> None:
-        super().__init__(config)
-        self.tool = DigitToolEnv()
-        self.prompt_ids: tuple[int, ...] = ()
+        super().__init__(DigitToolEnv(), config)
 
-    def parse_tool_calls(self, text: str) -> tuple[ToolCall, ...]:
-        """None from text: the calls are operator tokens (read in :meth:`step`)."""
-        return ()
-
-    async def reset(self, prompt: Prompt) -> None:
-        """Keep the prompt's ids (the tool's data)."""
-        self.prompt_ids = tuple(int(t) for t in prompt.prompt_ids)
-
-    async def step(self, turn: Turn) -> Step:
-        """``= d`` ids for an operator call, else ``done``.
-
-        Raises:
-            ToolEnvError: a call on a prompt that is not a digit-task prompt.
-        """
-        obs = self.tool.observe(self.prompt_ids, turn.ids)
-        return Step(observation=obs, done=obs is None)
+    @property
+    def tool(self) -> DigitToolEnv:
+        """The calculator this environment answers with."""
+        return self.observer

@@ -38,6 +38,10 @@ The reward of a trajectory is ``--env-reward``: the verifier's (the task's ``--r
 Tool calls are parsed from the turn's text; the default parser reads the Hermes / Qwen
 format, ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (:func:`hermes_tool_calls`);
 an environment overrides :meth:`ToolEnvironment.parse_tool_calls` for another format.
+
+This is the one environment API the turn loop drives. A task's own environment
+(``Task.environment()``: ``observe(prompt_ids, turn_ids)`` on token ids, :class:`Environment`)
+is driven through it by :class:`ObserveAdapter`, one instance per trajectory like any other.
 """
 from __future__ import annotations
 
@@ -47,15 +51,15 @@ import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar, Mapping, Protocol, Sequence
 
 import numpy as np
 
 from replayrl.rollout.config import RolloutConfig
 from replayrl.rollout.text.data_source import Prompt
 
-__all__ = ["ToolCall", "Turn", "Reset", "Step", "ToolEnvironment", "hermes_tool_calls",
-           "check_step", "tool_result"]
+__all__ = ["ToolCall", "Turn", "Reset", "Step", "ToolEnvironment", "Environment", "ObserveAdapter",
+           "hermes_tool_calls", "check_step", "tool_result"]
 
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
@@ -219,3 +223,55 @@ class ToolEnvironment(ABC):
     async def step(self, turn: Turn) -> Step:
         """Answer one turn (see :class:`Step`). Raising ends this trajectory (or the run under
         ``--env-failure error``); so does running past ``--env-timeout-seconds``."""
+
+
+class Environment(Protocol):
+    """A task's own multi-turn environment (``Task.environment()``), on token ids; the turn loop
+    drives it through :class:`ObserveAdapter`."""
+
+    def observe(self, prompt_ids: Sequence[int], turn_ids: Sequence[int]) -> np.ndarray | None:
+        """The observation tokens (int32 ``[O]``, loss mask 0 in the trajectory) that answer one
+        turn (``turn_ids``, the tokens the policy generated) of the episode of ``prompt_ids``,
+        or ``None`` when the turn is the final answer (the episode ends there)."""
+
+
+class ObserveAdapter(ToolEnvironment):
+    """A task's environment (``observe`` on token ids) behind the :class:`ToolEnvironment` API.
+
+    One adapter serves one trajectory; every adapter of a run shares the one ``observer`` the
+    task gave (``Task.environment()``), which it calls as :class:`Environment` specifies:
+    :meth:`reset` keeps the prompt's ids, :meth:`step` answers a turn with
+    ``observer.observe(prompt_ids, turn.ids)``, the token ids unchanged (``None``: the turn is
+    the final answer, ``done``). It offers no tools and reads no text (the calls are whatever
+    ``observe`` reads in the ids), and its step reward is 0 (the task's verifier scores). The turn loop's sessions drive it with
+    ``failure="raise"`` (``replayrl.rollout.episodes.env_sessions.EnvSessions.of_task``), so
+    what ``observe`` raises ends the run as it is.
+
+    Args:
+        observer: the task's environment: ``observe(prompt_ids: list[int], turn_ids: int
+            array [T]) -> int array [O] | None``.
+        config: the run's rollout settings (``None`` in tests).
+    """
+
+    def __init__(self, observer: Environment, config: RolloutConfig | None = None) -> None:
+        super().__init__(config)
+        self.observer = observer
+        self.prompt_ids: list[int] = []
+
+    def parse_tool_calls(self, text: str) -> tuple[ToolCall, ...]:
+        """None from text: ``observe`` reads the calls from :attr:`Turn.ids` itself."""
+        return ()
+
+    async def reset(self, prompt: Prompt) -> None:
+        """Keep the prompt's ids (ints), the ``prompt_ids`` every :meth:`step` passes on."""
+        self.prompt_ids = [int(t) for t in prompt.prompt_ids]
+
+    async def step(self, turn: Turn) -> Step:
+        """``Step(observe(prompt_ids, turn.ids))``; ``done`` when that is ``None``.
+
+        Raises:
+            Whatever ``observe`` raises (the digit calculator:
+            ``replayrl.rollout.errors.ToolEnvError``, a call on a prompt of another task).
+        """
+        observation = self.observer.observe(self.prompt_ids, turn.ids)
+        return Step(observation=observation, done=observation is None)

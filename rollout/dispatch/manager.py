@@ -22,11 +22,11 @@ docs/design/version-clock.md#version-clock).
 
 The task (``--task``, ``rollout/tasks/``) gives the prompts, the reward and the environment;
 the manager holds no task code. ``--env`` replaces the task's environment with your own
-(``rollout/tasks/environment.py``): one instance per trajectory, driven through
-``rollout/episodes/env_sessions.py``; a trajectory it ends is stored with status ``aborted`` and counted
-(``env_failures``, ``env_failure_messages``). Prompts come from the task (``--prompt-data``, or the built-in
-task's shipped file) through the run's tokenizer (``rollout/text/tokenizer.py``,
-``rollout/text/prompt_data.py``); ``evaluate`` scores the
+(``rollout/tasks/environment.py``, the API the task's own is adapted to): one instance per
+trajectory, driven through ``rollout/episodes/env_sessions.py``; a trajectory it ends is stored
+with status ``aborted`` and counted (``env_failures``, ``env_failure_messages``). Prompts come
+from the task (``--prompt-data``, or the built-in task's shipped file) through the run's tokenizer
+(``rollout/text/tokenizer.py``, ``rollout/text/prompt_data.py``); ``evaluate`` scores the
 ``--eval-prompt-data`` sets with the evaluation sampling settings (docs/design/prompt-data.md#prompt-data).
 """
 from __future__ import annotations
@@ -117,8 +117,9 @@ class RolloutManager(Actor):
         self.task = make_task(self.config, task)
         # The environment answers tool calls only when the run allows more than one turn; one
         # reward scores every trajectory, single- or multi-turn (the task's, on its final turn).
-        # --env (your own environment, rollout/tasks/environment.py) replaces the task's: one
-        # instance per trajectory, built by the turn loop's sessions (rollout/episodes/env_sessions.py)
+        # --env (your own environment, rollout/tasks/environment.py) replaces the task's; either
+        # way the turn loop's sessions (rollout/episodes/env_sessions.py) drive one instance per
+        # trajectory (the task's own behind an ObserveAdapter)
         self.env_class = load_environment_class(self.config.env) if self.config.env else None
         self.env = (self.task.environment()
                     if self.config.max_turns > 1 and self.env_class is None else None)
@@ -213,16 +214,17 @@ class RolloutManager(Actor):
                                                  seed=turn_seed, pin=pin_id)
             return generations_from_columns(reply["generations"]), reply["version"]
 
-        env = self.env
-        if self.env_class is not None:  # fresh instances for this batch, one per trajectory
+        env = None  # fresh sessions for this batch, one environment instance per trajectory
+        if self.env_class is not None:
             env = EnvSessions(lambda: self.env_class(cfg), records, tokenizer=self.tokenizer,
                               timeout_s=cfg.env_timeout_s, failure=cfg.env_failure, name=cfg.env)
+        elif self.env is not None:
+            env = EnvSessions.of_task(self.env, records, tokenizer=self.tokenizer)
         try:
             episodes = await run_episodes(generate_turn, prompts, max_turns=cfg.max_turns,
                                           max_new_tokens=max_new_tokens,
                                           max_positions=self.max_positions, seed=seed,
-                                          env=env,
-                                          render_observation=self.tokenizer.render_observation)
+                                          env=env)
         except BaseException:
             if pin_id is not None:  # the engine may be lost: do not wait for it here
                 release = asyncio.ensure_future(actor.release_pin(pin_id))

@@ -1,13 +1,20 @@
-"""One batch's environment sessions: the turn loop's side of ``--env`` (``rollout/tasks/environment.py``).
+"""One batch's environment sessions: the turn loop's one way to an environment (``rollout/tasks/environment.py``).
 
 :class:`EnvSessions` holds one :class:`replayrl.rollout.tasks.environment.ToolEnvironment`
 instance per trajectory of an engine batch, resets them, and answers each turn with the ids
 to append (the observation rendered by the chat template as a tool message, tokenised alone:
-``PromptTokenizer.render_tool_text``). Every ``reset`` / ``step`` runs under the per-call time
-limit; an environment that raises, times out or answers a malformed step gives a failure
-message (naming the environment, the prompt, the row and the turn) that ends that trajectory
-(``run_episodes``: ``finish_reason == "env_error"``), or, with ``failure="error"``, raises
+``PromptTokenizer.render_tool_text``; or token ids, through ``render_observation``). An
+``--env`` environment's ``reset`` / ``step`` runs under the per-call time limit; one that
+raises, times out or answers a malformed step gives a failure message (naming the
+environment, the prompt, the row and the turn) that ends that trajectory (``run_episodes``:
+``finish_reason == "env_error"``), or, with ``failure="error"``, raises
 :class:`replayrl.rollout.errors.EnvironmentFailure` and ends the run.
+
+A task's own environment (``observe`` on token ids) is driven the same way, each trajectory's
+behind a :class:`replayrl.rollout.tasks.environment.ObserveAdapter`
+(:meth:`EnvSessions.of_task`), with ``failure="raise"``: it is part of the task, so what it
+raises ends the run as it is, with no time limit, and an observation too long for the context
+ends its trajectory with ``"length"`` as any turn that outgrows the positions.
 """
 from __future__ import annotations
 
@@ -17,13 +24,15 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from replayrl.rollout.errors import EnvironmentFailure
-from replayrl.rollout.tasks.environment import Reset, ToolEnvironment, Turn, check_step
+from replayrl.rollout.errors import EnvironmentFailure, TurnLoopError
+from replayrl.rollout.tasks.environment import Environment, ObserveAdapter, Reset, ToolEnvironment, Turn, check_step
 from replayrl.rollout.text.data_source import Prompt
 
 __all__ = ["Answer", "EnvSessions", "turn_text"]
 
-ENV_FAILURES = ("abort", "error")
+ENV_FAILURES = ("abort", "error")  # what --env-failure may say
+# ... and "raise": the task's own environment, whose errors are the run's (EnvSessions.of_task)
+SESSION_FAILURES = (*ENV_FAILURES, "raise")
 
 
 @dataclass(frozen=True)
@@ -72,30 +81,52 @@ class EnvSessions:
         make_env: builds one fresh environment (called once per row).
         prompts: the batch's prompts, one per trajectory.
         tokenizer: a :class:`replayrl.rollout.text.tokenizer.PromptTokenizer` (decodes turns,
-            renders observations).
-        timeout_s: seconds one ``reset`` / ``step`` may take, > 0.
-        failure: ``"abort"`` (end the trajectory) or ``"error"`` (raise, ending the run).
+            renders observations), or ``None``: turns come with ids only (:attr:`Turn.text`
+            ``""``) and id observations are appended unchanged (a task's environment run
+            without a tokenizer, as the tests run the turn loop).
+        timeout_s: seconds one ``reset`` / ``step`` may take, > 0; ``None``: no limit.
+        failure: ``"abort"`` (end the trajectory), ``"error"`` (raise
+            :class:`EnvironmentFailure`, ending the run) or ``"raise"`` (a task's own
+            environment: what it raises propagates unchanged, a malformed answer raises
+            :class:`EnvironmentFailure`, and an observation too long for the context is left to
+            the turn loop's ``"length"``; see the module docstring).
         name: the environment as messages name it (``--env``'s value).
     Raises:
         ValueError: ``timeout_s <= 0`` or an unknown ``failure``.
     """
 
     def __init__(self, make_env: Callable[[], ToolEnvironment], prompts: Sequence[Prompt], *,
-                 tokenizer: Any, timeout_s: float, failure: str = "abort", name: str = "") -> None:
-        if not timeout_s > 0:
+                 tokenizer: Any, timeout_s: float | None, failure: str = "abort",
+                 name: str = "") -> None:
+        if timeout_s is not None and not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
-        if failure not in ENV_FAILURES:
-            raise ValueError(f"failure must be one of {ENV_FAILURES}, got {failure!r}")
+        if failure not in SESSION_FAILURES:
+            raise ValueError(f"failure must be one of {SESSION_FAILURES}, got {failure!r}")
         self.make_env = make_env
         self.prompts = list(prompts)
         self.tokenizer = tokenizer
-        self.timeout_s = float(timeout_s)
+        self.timeout_s = None if timeout_s is None else float(timeout_s)
         self.failure = failure
         self.name = name or "environment"
         self.envs: list[ToolEnvironment | None] = [None] * len(self.prompts)
         self.failed: list[str] = [""] * len(self.prompts)
         # per row: the prompt ids with the reset's opening observation rendered in, or None
         self.openings: list[np.ndarray | None] = [None] * len(self.prompts)
+
+    @classmethod
+    def of_task(cls, observer: Environment, prompts: Sequence[Prompt], *,
+                tokenizer: Any = None) -> EnvSessions:
+        """The sessions of a task's own environment (``Task.environment()``): one
+        :class:`ObserveAdapter` of ``observer`` per row, ``failure="raise"``, no time limit,
+        named after ``observer``'s class.
+
+        Args:
+            observer: the task's environment (``observe(prompt_ids, turn_ids)``).
+            prompts: the batch's prompts (each row's ``prompt_ids`` is what ``observe`` gets).
+            tokenizer: as for :class:`EnvSessions` (``render_observation`` renders the ids).
+        """
+        return cls(lambda: ObserveAdapter(observer), prompts, tokenizer=tokenizer,
+                   timeout_s=None, failure="raise", name=type(observer).__name__)
 
     def _where(self, row: int, turn: int | None) -> str:
         p = self.prompts[row]
@@ -104,11 +135,13 @@ class EnvSessions:
 
     def _fail(self, row: int, turn: int | None, kind: str, detail: str) -> str:
         message = f"environment {self._where(row, turn)}: {kind}: {detail}"
-        if self.failure == "error":
+        if self.failure != "abort":
             raise EnvironmentFailure(message, kind)
         return message
 
     async def _guarded(self, row: int, turn: int | None, call: Callable[[], Any]) -> tuple[Any, str]:
+        if self.failure == "raise":  # the task's environment: its errors are the run's
+            return await call(), ""
         try:
             return await asyncio.wait_for(call(), self.timeout_s), ""
         except asyncio.TimeoutError:
@@ -129,9 +162,11 @@ class EnvSessions:
         (:attr:`openings`, ``PromptTokenizer.render_opening``).
 
         Raises:
-            EnvironmentFailure: under ``failure="error"``.
+            EnvironmentFailure: under ``failure="error"`` (``"raise"``: a malformed reset).
+            Whatever the environment raises, under ``failure="raise"``.
             replayrl.rollout.errors.ChatTemplateError: the opening cannot be rendered into the
                 prompt (the run's template, not the environment).
+            TurnLoopError: an opening observation, and no tokenizer to render it.
         """
         async def one(row: int) -> None:
             async def build_and_reset():
@@ -153,24 +188,32 @@ class EnvSessions:
                 malformed = _check_opening(reset.observation)
                 if malformed:
                     self.failed[row] = self._fail(row, None, "malformed", malformed)
+                elif self.tokenizer is None:
+                    raise TurnLoopError(f"row {row}: an opening observation needs the sessions' "
+                                        "tokenizer (EnvSessions(tokenizer=None))")
                 else:
                     self.openings[row] = self.tokenizer.render_opening(
                         reset.observation, self.prompts[row].prompt_ids, sample_id=row)
 
         await asyncio.gather(*(one(row) for row in range(len(self.prompts))))
 
-    def failure_at(self, row: int, turn: int | None, kind: str, detail: str) -> str:
-        """The failure message of a row's turn (``None``: its reset) found by the turn loop
-        (e.g. an observation too long for the context left), or raise it under
-        ``failure="error"``."""
-        return self._fail(row, turn, kind, detail)
+    def too_long(self, row: int, turn: int, length: int, left: int, max_positions: int) -> str:
+        """The failure of an observation of ``length`` ids after turn ``turn`` of row ``row``
+        when the context has ``left`` positions for it (of ``max_positions``): a failure message
+        (``observation_too_long``), raised under ``failure="error"``; ``""`` under
+        ``failure="raise"``, where such a trajectory ends with ``"length"``."""
+        if self.failure == "raise":
+            return ""
+        return self._fail(row, turn, "observation_too_long",
+                          f"the observation is {length} tokens, longer than the {max(left, 0)} "
+                          f"positions the context has left ({max_positions} in all)")
 
     def fail_opening(self, row: int, detail: str) -> None:
         """Fail a row whose opening observation does not fit the context (found by the turn
         loop): its opening is dropped and its first turn ends it (:meth:`respond`).
 
         Raises:
-            EnvironmentFailure: under ``failure="error"``.
+            EnvironmentFailure: under ``failure="error"`` / ``"raise"``.
         """
         self.openings[row] = None
         self.failed[row] = self._fail(row, None, "observation_too_long", detail)
@@ -184,18 +227,23 @@ class EnvSessions:
             an :class:`Answer`; ``failure`` set when the environment raised, timed out or gave a
             malformed step (or its reset failed).
         Raises:
-            EnvironmentFailure: under ``failure="error"``.
+            EnvironmentFailure: under ``failure="error"`` (``"raise"``: a malformed step).
+            Whatever the environment's ``parse_tool_calls`` / ``step`` raise, under
+                ``failure="raise"`` (the digit calculator: ``ToolEnvError``).
             replayrl.rollout.errors.ChatTemplateError, TokenizerError: the observation cannot be
                 rendered (the run's template, not the environment).
+            TurnLoopError: a text observation, and no tokenizer to render it.
         """
         if self.failed[row]:
             return Answer(None, 0.0, self.failed[row])
         env = self.envs[row]
         ids = np.asarray(generation.response_ids)
-        text = turn_text(self.tokenizer, ids)
+        text = "" if self.tokenizer is None else turn_text(self.tokenizer, ids)
         try:
             calls = env.parse_tool_calls(text)
         except Exception as exc:
+            if self.failure == "raise":
+                raise
             return Answer(None, 0.0, self._fail(row, turn, "raised",
                                                 f"parse_tool_calls: {type(exc).__name__}: {exc}"))
         step, failure = await self._guarded(
@@ -208,6 +256,11 @@ class EnvSessions:
             return Answer(None, 0.0, self._fail(row, turn, "malformed", malformed))
         if step.done or step.observation is None:
             return Answer(None, float(step.reward))
+        if self.tokenizer is None:
+            if isinstance(step.observation, str):
+                raise TurnLoopError(f"row {row}, turn {turn}: a text observation needs the "
+                                    "sessions' tokenizer (EnvSessions(tokenizer=None))")
+            return Answer(np.asarray(step.observation, np.int32), float(step.reward))
         if isinstance(step.observation, str):
             obs = self.tokenizer.render_tool_text(step.observation, ids, sample_id=row)
         else:

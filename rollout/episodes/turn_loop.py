@@ -2,10 +2,12 @@
 
 Each turn is one batched engine call (``generate_turn``, e.g. one ``EngineActor.generate``
 request) over the trajectories still running, with the whole context (prompt, earlier turns,
-observations) as the prompt. After a turn the task's environment (``rollout/tasks/base.py``)
-either answers a tool call with observation tokens, which are appended to the context, or ends the
-episode. Without an environment (single-turn runs, ``max_turns == 1``) every turn is final, so a
-single-turn trajectory is this same loop stopped after turn 0.
+observations) as the prompt. After a turn the batch's environment sessions
+(``rollout/episodes/env_sessions.py``: an ``--env`` environment, or the task's own behind
+``rollout/tasks/environment.py``'s ``ObserveAdapter``, the one API both speak) either answer a
+tool call with observation ids, which are appended to the context, or end the episode. Without
+an environment (single-turn runs, ``max_turns == 1``) every turn is final, so a single-turn
+trajectory is this same loop stopped after turn 0.
 
 The loop returns :class:`Episode` records -- turns, observations and the weight version of
 each turn -- and :func:`assemble` turns one into a trajectory through
@@ -27,9 +29,8 @@ from typing import Awaitable, Callable, Collection, Sequence
 import numpy as np
 
 from replayrl.rollout.engines.base import Generation
-from replayrl.rollout.episodes.env_sessions import EnvSessions
+from replayrl.rollout.episodes.env_sessions import Answer, EnvSessions
 from replayrl.rollout.errors import MixedVersionError, TurnLoopError
-from replayrl.rollout.tasks.base import Environment
 from replayrl.rollout.traces.trajectory import MergedTrajectory, merge_turns
 
 __all__ = ["Episode", "GenerateTurn", "turn_seed",
@@ -37,6 +38,8 @@ __all__ = ["Episode", "GenerateTurn", "turn_seed",
 
 # (contexts, seed) -> (one Generation per context, the weight version that served them)
 GenerateTurn = Callable[[list[list[int]], int], Awaitable[tuple[list[Generation], int]]]
+
+FINAL = Answer(None)  # the answer to every turn without an environment: the turn is final
 
 
 def turn_seed(seed: int, turn: int, max_turns: int) -> int:
@@ -91,8 +94,7 @@ async def run_episodes(
     max_new_tokens: int,
     max_positions: int,
     seed: int,
-    env: Environment | EnvSessions | None,
-    render_observation: Callable[..., np.ndarray] | None = None,
+    env: EnvSessions | None,
 ) -> list[Episode]:
     """Run the turn loop for a batch of trajectories on one engine.
 
@@ -107,43 +109,48 @@ async def run_episodes(
             would not fit ends with ``"length"``.
         seed: ``>= 0``; turn ``t`` uses :func:`turn_seed(seed, t, max_turns) <turn_seed>`.
             Same seed, prompts and weights give the same episodes.
-        env: the task's environment (``replayrl.rollout.tasks.base.Environment``), the
-            batch's ``--env`` sessions (:class:`replayrl.rollout.episodes.env_sessions.EnvSessions`, row
-            ``i`` = ``prompts[i]``; its answers come rendered already, and a failure or an
-            observation longer than the context left for it -- the positions after the turn
-            minus one for the next turn's first token -- ends that trajectory with
-            ``"env_error"``; a row whose reset gave an opening observation starts from
+        env: the batch's environment sessions
+            (:class:`replayrl.rollout.episodes.env_sessions.EnvSessions`, row ``i`` =
+            ``prompts[i]``: an ``--env`` environment's, or the task's own through
+            ``EnvSessions.of_task``), or ``None`` (no tools: every turn is final). Their
+            answers come rendered already (``PromptTokenizer.render_tool_text`` /
+            ``render_observation``: the separator the chat template writes after the turn's
+            end-of-turn token, then the tool turn), so the next turn's context is the previous
+            context's exact ids plus the turn's ids plus these, never a re-tokenisation of the
+            conversation's text (docs/design/prompt-data.md#prompt-data). A failure ends that
+            trajectory with ``"env_error"``, and so does an observation longer than the context
+            left for it -- the positions after the turn minus one for the next turn's first
+            token -- unless the sessions leave it to ``"length"`` (``EnvSessions.too_long``: the
+            task's own environment); a row whose reset gave an opening observation starts from
             ``sessions.openings[i]`` instead of ``prompts[i]``, or, when that leaves fewer than
-            ``max_new_tokens`` positions, from ``prompts[i]`` with its first turn ending it),
-            or ``None`` (no tools: every turn is final).
-        render_observation: ``render_observation(observation_ids, turn_ids, sample_id=row)``
-            turns the environment's observation ids into the ids appended to the context after
-            the turn ``turn_ids`` (``replayrl.rollout.text.tokenizer.PromptTokenizer.render_observation``:
-            the separator the chat template writes after the turn's end-of-turn token, then the
-            tool turn); ``row`` is the trajectory's index in ``prompts``. ``None`` appends them
-            unchanged. Either way the next turn's context is the previous context's exact ids
-            plus the turn's ids plus these, never a re-tokenisation of the conversation's text
-            (docs/design/prompt-data.md#prompt-data).
+            ``max_new_tokens`` positions, from ``prompts[i]`` with its first turn ending it.
 
     Returns:
         ``B`` :class:`Episode` records in prompt order.
 
     Raises:
         TurnLoopError: ``max_turns`` / ``max_new_tokens`` / ``max_positions`` / ``seed`` not an
-            int in range, or ``generate_turn`` returned a wrong number of generations.
-        Whatever ``render_observation`` raises (the chat template's
-            ``replayrl.rollout.errors.ChatTemplateError``, naming the row).
-        Whatever ``env.observe`` raises (the digit task's calculator:
-            ``replayrl.rollout.tasks.calculator.ToolEnvError``, a tool call on a prompt that is not
-            a task prompt).
+            int in range, ``env`` not sessions or for another number of prompts, or
+            ``generate_turn`` returned a wrong number of generations.
+        Whatever the sessions raise (``EnvSessions.start`` / ``EnvSessions.respond``): the
+            chat template's ``replayrl.rollout.errors.ChatTemplateError``, naming the row; a
+            task environment's own errors (the digit task's calculator:
+            ``replayrl.rollout.errors.ToolEnvError``, a tool call on a prompt that is not a
+            task prompt); ``replayrl.rollout.errors.EnvironmentFailure``, an ``--env`` failure
+            under ``--env-failure error``.
         Whatever ``generate_turn`` raises (e.g. the engine's errors, over the wire).
-        replayrl.rollout.errors.EnvironmentFailure: an ``--env`` failure under
-            ``--env-failure error``.
     """
     for name, value, low in (("max_turns", max_turns, 1), ("max_new_tokens", max_new_tokens, 1),
                              ("max_positions", max_positions, 1), ("seed", seed, 0)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
             raise TurnLoopError(f"{name} must be an int >= {low}, got {value!r}")
+    sessions = env
+    if sessions is not None and not isinstance(sessions, EnvSessions):
+        raise TurnLoopError(f"env must be EnvSessions or None, got {type(env).__name__} (a task's "
+                            "observe environment: EnvSessions.of_task(env, prompts))")
+    if sessions is not None and len(sessions.prompts) != len(prompts):
+        raise TurnLoopError(f"the environment sessions hold {len(sessions.prompts)} prompts, "
+                            f"not the {len(prompts)} given")
     originals = [[int(t) for t in p] for p in prompts]
     contexts = [list(p) for p in originals]
     turns: list[list[Generation]] = [[] for _ in originals]
@@ -151,7 +158,6 @@ async def run_episodes(
     observations: list[list[np.ndarray]] = [[] for _ in originals]
     finish: list[str | None] = [None] * len(originals)
     tool_calls = [0] * len(originals)
-    sessions = env if isinstance(env, EnvSessions) else None
     env_rewards = [0.0] * len(originals)
     failures = [""] * len(originals)
     if sessions is not None:
@@ -177,35 +183,27 @@ async def run_episodes(
                                 f"{len(active)} prompts")
         answers = (await asyncio.gather(*(sessions.respond(i, t, gen)
                                           for i, gen in zip(active, gens)))
-                   if sessions is not None else None)
+                   if sessions is not None else [FINAL] * len(active))
         still = []
-        for k, (i, gen) in enumerate(zip(active, gens)):
+        for i, gen, answer in zip(active, gens, answers):
             turns[i].append(gen)
             versions[i].append(version)
-            if answers is not None:
-                env_rewards[i] += answers[k].reward
-                if answers[k].failure:
-                    finish[i], failures[i] = "env_error", answers[k].failure
-                    continue
-                obs = answers[k].observation
-            else:
-                obs = env.observe(originals[i], gen.response_ids) if env is not None else None
+            env_rewards[i] += answer.reward
+            if answer.failure:
+                finish[i], failures[i] = "env_error", answer.failure
+                continue
+            obs = answer.observation
             if obs is None:
                 finish[i] = gen.finish_reason
                 continue
-            if answers is None and render_observation is not None:
-                obs = render_observation(obs, gen.response_ids, sample_id=i)
             tool_calls[i] += 1
             grown = len(contexts[i]) + len(gen.response_ids) + len(obs)
+            left = max_positions - len(contexts[i]) - len(gen.response_ids) - 1
             if t + 1 == max_turns:
                 finish[i] = "max_turns"
-            elif sessions is not None and grown + 1 > max_positions:
-                left = max_positions - len(contexts[i]) - len(gen.response_ids) - 1
-                finish[i] = "env_error"
-                failures[i] = sessions.failure_at(
-                    i, t, "observation_too_long",
-                    f"the observation is {len(obs)} tokens, longer than the {max(left, 0)} "
-                    f"positions the context has left ({max_positions} in all)")
+            elif grown + 1 > max_positions and (too_long := sessions.too_long(
+                    i, t, len(obs), left, max_positions)):
+                finish[i], failures[i] = "env_error", too_long
             elif grown + int(max_new_tokens) - 1 > max_positions:
                 finish[i] = "length"  # another turn would not fit the model's positions
             else:

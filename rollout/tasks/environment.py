@@ -243,9 +243,10 @@ class ObserveAdapter(ToolEnvironment):
     :meth:`reset` keeps the prompt's ids, :meth:`step` answers a turn with
     ``observer.observe(prompt_ids, turn.ids)``, the token ids unchanged (``None``: the turn is
     the final answer, ``done``). It offers no tools and reads no text (the calls are whatever
-    ``observe`` reads in the ids), and its step reward is 0 (the task's verifier scores). The turn loop's sessions drive it with
-    ``failure="raise"`` (``replayrl.rollout.episodes.env_sessions.EnvSessions.of_task``), so
-    what ``observe`` raises ends the run as it is.
+    ``observe`` reads in the ids), and its step reward is 0 (the task's verifier scores). The
+    turn loop's sessions drive it with ``failure="raise"``
+    (``replayrl.rollout.episodes.env_sessions.EnvSessions.of_task``), so what ``observe``
+    raises ends the run as it is.
 
     Args:
         observer: the task's environment: ``observe(prompt_ids: list[int], turn_ids: int

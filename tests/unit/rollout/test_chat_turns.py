@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 from replayrl.rollout.engines.base import Generation
+from replayrl.rollout.episodes.env_sessions import EnvSessions
 from replayrl.rollout.episodes.turn_loop import assemble, run_episodes
+from replayrl.rollout.text.data_source import Prompt
 from replayrl.rollout.text.tokenizer import load_tokenizer
 
 VOCAB = {"a": 0, "b": 1, "ab": 2, "[": 3, "]": 4, "=": 5, "<eos>": 6}
@@ -61,8 +63,9 @@ async def test_the_next_turn_appends_the_rendered_observation_to_the_exact_ids(b
         return [next(turns)], 0
 
     (episode,) = await run_episodes(generate_turn, [prompt], max_turns=2, max_new_tokens=2,
-                                    max_positions=64, seed=0, env=EchoEnv(),
-                                    render_observation=tok.render_observation)
+                                    max_positions=64, seed=0,
+                                    env=EnvSessions.of_task(EchoEnv(), [Prompt(0, prompt, -1)],
+                                                            tokenizer=tok))
     # the tool turn as the template renders it after an assistant turn: "[a]" then "="
     delta = [VOCAB["["], VOCAB["a"], VOCAB["]"], VOCAB["="]]
     exact = [VOCAB["b"], VOCAB["="], VOCAB["a"], VOCAB["b"], *delta]

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from replayrl.rollout.engines.embedded import EmbeddedEngine
+from replayrl.rollout.episodes.env_sessions import EnvSessions
 from replayrl.rollout.episodes.turn_loop import assemble, run_episodes, turn_seed
 from replayrl.rollout.errors import MissingTraceError, MixedVersionError, ToolEnvError, TurnLoopError
 from replayrl.rollout.model.checkpoint import state_dict_arrays
@@ -25,6 +26,7 @@ from replayrl.rollout.sample import TRACE_FIELDS, Sample
 from replayrl.rollout.sampling.sampling_params import SamplingParams
 from replayrl.rollout.tasks.calculator import DigitToolEnv
 from replayrl.rollout.tasks.digit_puzzle import VOCABULARY, DigitTask
+from replayrl.rollout.text.data_source import Prompt
 from tests.paths import CASES
 
 CASES = {c["name"]: c for c in json.loads((CASES / "trace_alignment.json").read_text())}
@@ -90,6 +92,12 @@ def test_one_verifier_scores_single_turn_responses_like_the_task(response, expec
 CALCULATOR = DigitToolEnv()
 
 
+def task_sessions(env, prompts):
+    """The turn loop's sessions of the task environment ``env`` over prompt ids ``prompts``."""
+    records = [Prompt(i, np.asarray(p, np.int32), -1) for i, p in enumerate(prompts)]
+    return EnvSessions.of_task(env, records)
+
+
 def generate(engine, prompts, *, max_turns, max_new_tokens, seed, traces=TRACE_FIELDS,
              env=CALCULATOR):
     """The manager's path without actors: the turn loop on ``engine``, then ``assemble``."""
@@ -101,7 +109,8 @@ def generate(engine, prompts, *, max_turns, max_new_tokens, seed, traces=TRACE_F
     episodes = asyncio.run(run_episodes(generate_turn, prompts, max_turns=max_turns,
                                         max_new_tokens=max_new_tokens,
                                         max_positions=engine.config.max_position_embeddings,
-                                        seed=seed, env=env))
+                                        seed=seed,
+                                        env=task_sessions(env, prompts) if env is not None else None))
     outs = []
     for i, e in enumerate(episodes):
         merged, version = assemble(e, sample_id=i, require=traces)
@@ -273,7 +282,7 @@ def test_turns_from_two_weight_versions_are_refused(setup):
 
     episodes = asyncio.run(run_episodes(generate_turn, prompts, max_turns=MAX_TURNS,
                                         max_new_tokens=MAX_NEW, max_positions=64, seed=1,
-                                        env=DigitToolEnv()))
+                                        env=task_sessions(DigitToolEnv(), prompts)))
     multi = next(i for i, e in enumerate(episodes) if len(e.turns) > 1)
     single = next(i for i, e in enumerate(episodes) if len(e.turns) == 1)
     assert assemble(episodes[single], sample_id=single, require=TRACE_FIELDS)[1] == 4

@@ -18,8 +18,10 @@ import numpy as np
 import pytest
 
 from replayrl.rollout.engines.base import Generation
+from replayrl.rollout.episodes.env_sessions import EnvSessions
 from replayrl.rollout.episodes.turn_loop import assemble, run_episodes
 from replayrl.rollout.errors import ChatTemplateError
+from replayrl.rollout.text.data_source import Prompt
 from replayrl.rollout.text.tokenizer import load_tokenizer
 from tests.paths import REPO
 
@@ -126,8 +128,9 @@ async def _episode(tok, turn_ids: list[list[int]], observation: str, finishes=("
         return [next(turns)], 0
 
     (episode,) = await run_episodes(generate_turn, [prompt], max_turns=2, max_new_tokens=64,
-                                    max_positions=4096, seed=0, env=AnswerOnce(_ids(tok, observation)),
-                                    render_observation=tok.render_observation)
+                                    max_positions=4096, seed=0,
+                                    env=EnvSessions.of_task(AnswerOnce(_ids(tok, observation)),
+                                                            [Prompt(0, prompt, -1)], tokenizer=tok))
     merged, _ = assemble(episode, sample_id=7, require=())
     return episode, seen, merged.sample_fields()
 

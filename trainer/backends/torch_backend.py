@@ -1,11 +1,14 @@
-"""The torch trainer backend: the embedded fp32 Qwen3-MoE policy, AdamW; one rank or DDP.
+"""The torch trainer backend: the embedded fp32 Qwen3-MoE policy, AdamW; one rank, DDP, or parallelized.
 
 :class:`TorchBackend` is the first :class:`replayrl.trainer.backends.base.TrainerBackend`
 (``--train-backend torch``, the default). Its forward is :func:`response_logprobs`. In a
 process group of several trainer ranks (``--dp-size N``, docs/design/trainer-ranks.md#trainer-ranks)
 every rank holds the whole policy and its training forward runs under torch's
 ``DistributedDataParallel``, which averages the gradients over the ranks in backward; with one
-rank the model is called directly, as before.
+rank the model is called directly, as before. Given a ``parallelize`` step (a function that
+wraps the policy in place, as torchtitan's ``parallelize`` does) the same body trains the
+policy that step made: the fsdp backend (:mod:`replayrl.trainer.backends.fsdp_backend`) is this
+backend with FSDP2's ``fully_shard`` as that step, on its rank's device.
 
 Which forwards use what (documented choice, docs/design/trainer-math.md#trainer-math):
 - the proximal (preflight) forward and the policy (training) forward both replay routing and
@@ -20,23 +23,28 @@ import contextlib
 import dataclasses
 import math
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from replayrl.actors.errors import VersionRegression
 from replayrl.actors.ref import send_buffer, shared_memory_pool
 from replayrl.rollout.model.checkpoint import save_pretrained, state_dict_arrays
 from replayrl.rollout.model.config import ModelConfig
-from replayrl.rollout.model.errors import CheckpointError
 from replayrl.rollout.model.families.base import FamilyConfig, FamilyModel
 from replayrl.rollout.model.loader import load_pretrained
 from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
 from replayrl.trainer.backends.base import ReplayedForward, TrainerBackend
+from replayrl.trainer.backends.checkpoint_files import (
+    check_version,
+    check_weights_fit,
+    read_policy,
+    read_trainer_state,
+)
 from replayrl.trainer.backends.checkpoint_layout import refuse_other_backend
 from replayrl.trainer.backends.optimizer import FusedAdamW
+from replayrl.trainer.backends.shards import full_value, local_shard
 from replayrl.trainer.batching.batch import TrainBatch
 from replayrl.trainer.batching.prefix_tree import PrefixTree
 from replayrl.trainer.config import TrainerConfig
@@ -51,7 +59,11 @@ from replayrl.trainer.loss.logprobs import (
 from replayrl.transport.array_bundle import bundle_of_buffer, pack_arrays
 from replayrl.transport.shm_pool import buffer_in_use, renew_buffer
 
-__all__ = ["TorchBackend", "response_logprobs"]
+__all__ = ["TorchBackend", "Parallelize", "response_logprobs"]
+
+Parallelize = Callable[[torch.nn.Module], None]
+"""A step that wraps the policy in place for its ranks (FSDP2's ``fully_shard`` per decoder
+layer and the root: :func:`replayrl.trainer.backends.fsdp_backend.fully_shard_policy`)."""
 
 
 def response_logprobs(model: Qwen3MoeForCausalLM, batch: TrainBatch, temperature: float,
@@ -212,6 +224,11 @@ class TorchBackend(TrainerBackend):
         vocab_tokens: the tokenizer vocabulary written with checkpoints; empty: the tokenizer
             files of ``checkpoint_dir`` are copied into every checkpoint instead (a run from
             ``--hf-checkpoint``).
+        device: where the policy lives (default the CPU); a batch is moved there for each
+            forward and what the forward returns comes back to the CPU.
+        parallelize: a :data:`Parallelize` step applied to the policy after its LoRA adapters
+            are added and before the optimizer takes its parameters (then no DDP); None: the
+            whole policy on every rank, under DDP with several ranks.
 
     Raises:
         replayrl.rollout.model.CheckpointError / ModelConfigError: an unreadable checkpoint.
@@ -219,11 +236,11 @@ class TorchBackend(TrainerBackend):
 
     lora_config = None
     """The ``peft.LoraConfig`` of a LoRA run (``--lora-rank``, :mod:`replayrl.trainer.lora.peft_adapter`),
-    else None (also for a subclass that does not call this ``__init__``)."""
+    else None."""
     experts_hooked = False
     """Whether the policy's MoE blocks adapt their experts themselves
-    (:func:`replayrl.trainer.lora.peft_adapter.hook_experts`, the fsdp backend); else every forward runs
-    under :func:`replayrl.trainer.lora.peft_adapter.experts_adapted`."""
+    (:func:`replayrl.trainer.lora.peft_adapter.hook_experts`, a parallelized policy); else every
+    forward runs under :func:`replayrl.trainer.lora.peft_adapter.experts_adapted`."""
 
     # the send buffer the weights live in once the first push moved them there
     # (docs/design/transport.md#shm-transport, "Live path");
@@ -232,22 +249,35 @@ class TorchBackend(TrainerBackend):
     _share_tried = False
 
     def __init__(self, checkpoint_dir: str, config: TrainerConfig,
-                 vocab_tokens: Sequence[str]) -> None:
+                 vocab_tokens: Sequence[str], *, device: torch.device | None = None,
+                 parallelize: Parallelize | None = None) -> None:
         self.config = config
         torch.set_num_threads(config.torch_threads)
         torch.manual_seed(config.seed)
+        self.device = torch.device("cpu") if device is None else device
         self.model, self._model_config = load_pretrained(checkpoint_dir, dtype=torch.float32)
+        self.model.to(self.device)
         self.model.train()
         if config.lora_rank:  # trainer/lora/peft_adapter.py: only the adapters train
             self.lora_config = lora.add_adapters(self.model, config.lora_rank, config.lora_alpha,
                                                  target_modules(config.lora_target_modules),
                                                  config.seed)
+            # adapted HF weight name -> its adapter (a sharded policy's push and checkpoint
+            # split the gathered state with it)
+            self._adapted = lora.adapted_weights(self.model)
+            if parallelize is not None:
+                # a parallelized policy's expert weights are whole only inside their block's
+                # forward (FSDP2 gathers them there): the experts are adapted there too
+                lora.hook_experts(self.model)
+                self.experts_hooked = True
+        if parallelize is not None:
+            parallelize(self.model)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = self._make_optimizer()
         self.vocab_tokens = list(vocab_tokens)
         self.checkpoint_dir = checkpoint_dir
         self.ddp = None
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        if parallelize is None and dist.is_initialized() and dist.get_world_size() > 1:
             # every rank loaded the same checkpoint (DDP also broadcasts rank 0's weights).
             # No find_unused_parameters: every trainable parameter is in every training
             # forward's graph. The MoE block stacks all experts' weights into one grouped
@@ -272,7 +302,26 @@ class TorchBackend(TrainerBackend):
 
     def _forward(self, batch: TrainBatch, capture: bool, entropy_out: list | None = None,
                  train: bool = False) -> tuple[torch.Tensor, object]:
-        """``train``: a forward whose backward follows (through DDP when there is one)."""
+        """:meth:`_policy_forward` on this backend's device; what it returns is on the CPU (the
+        logprobs keep their gradient through the copy)."""
+        if self.device.type == "cpu":
+            return self._policy_forward(batch, capture, entropy_out, train)
+        moved = dataclasses.replace(batch, **{
+            f.name: getattr(batch, f.name).to(self.device) for f in dataclasses.fields(batch)
+            if isinstance(getattr(batch, f.name), torch.Tensor)})
+        entropy: list = []
+        logp, out = self._policy_forward(moved, capture, entropy, train)
+        if entropy_out is not None:
+            entropy_out.extend(e.cpu() for e in entropy)
+        out = dataclasses.replace(out, **{
+            f.name: getattr(out, f.name).cpu() for f in dataclasses.fields(out)
+            if f.name not in ("logits", "hidden") and isinstance(getattr(out, f.name), torch.Tensor)})
+        return logp.cpu(), out
+
+    def _policy_forward(self, batch: TrainBatch, capture: bool, entropy_out: list | None,
+                        train: bool) -> tuple[torch.Tensor, object]:
+        """:func:`response_logprobs` with this run's settings; ``train``: a forward whose
+        backward follows (through DDP when there is one)."""
         cfg = self.config
         kwargs = dict(capture=capture, replay_routing=cfg.use_routing_replay,
                       replay_indexer=cfg.use_indexer_replay, chunk_size=cfg.logprobs_chunk_size,
@@ -313,8 +362,9 @@ class TorchBackend(TrainerBackend):
         loss.backward()
 
     def clip_and_step(self, max_norm: float) -> float:
-        """See :meth:`TrainerBackend.clip_and_step` (``torch.nn.utils.clip_grad_norm_``, AdamW)."""
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        """See :meth:`TrainerBackend.clip_and_step` (``torch.nn.utils.clip_grad_norm_``, AdamW);
+        a sharded policy's norm is over every rank's gradient shards (the same on every rank)."""
+        grad_norm = float(full_value(torch.nn.utils.clip_grad_norm_(self.params, max_norm)))
         if not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
             return grad_norm
@@ -499,10 +549,8 @@ class TorchBackend(TrainerBackend):
         """
         model, state, version = _read_checkpoint(Path(directory), self.config)
         weights = model.state_dict()
-        if version < min_version:
-            raise VersionRegression(f"checkpoint {directory} is at version {version}, behind the "
-                                    f"trainer's {min_version}; versions never move backwards")
-        _check_weights_fit(directory, weights, self.model.state_dict())
+        check_version(directory, version, min_version)
+        check_weights_fit(directory, weights, self.model.state_dict())
         probe = self._make_optimizer()
         try:
             probe.load_state_dict(state["optimizer"])  # validates groups, sizes; changes no param
@@ -526,70 +574,37 @@ class TorchBackend(TrainerBackend):
             group.update(settings)
 
     def parameter_count(self) -> int:
-        """See :meth:`TrainerBackend.parameter_count`."""
+        """See :meth:`TrainerBackend.parameter_count` (the whole policy's, a sharded one's too:
+        a ``DTensor`` counts its full shape)."""
         return int(sum(p.numel() for p in self.model.parameters()))
 
     def digest(self) -> dict[str, bytes]:
-        """See :meth:`TrainerBackend.digest`."""
-        arrays = {f"param/{k}": v for k, v in state_dict_arrays(self.model).items()}
+        """See :meth:`TrainerBackend.digest`: float32 weights, AdamW moments as they are. A
+        sharded policy gives THIS rank's shards (no collective): the shards of ranks
+        ``0 .. N-1`` concatenated in rank order are the full tensors' bytes (FSDP2 shards dim 0
+        as ``torch.chunk``); a buffer (a DeepSeek / GLM router's ``e_score_correction_bias``)
+        is not sharded: every rank gives it whole."""
+        arrays = {f"param/{k}": local_shard(v).detach().to(device="cpu", dtype=torch.float32).numpy()
+                  for k, v in self.model.state_dict().items()}
         for i, st in self.optimizer.state_dict()["state"].items():
             for key in ("exp_avg", "exp_avg_sq"):
-                arrays[f"opt/{i}/{key}"] = st[key].numpy()
+                arrays[f"opt/{i}/{key}"] = local_shard(st[key]).cpu().numpy()
         return {k: np.ascontiguousarray(v).tobytes() for k, v in arrays.items()}
 
 
-def _check_weights_fit(directory: Any, weights: dict, current: dict) -> None:
-    """Refuse checkpoint ``weights`` whose tensor names or shapes differ from this policy's
-    ``current`` state dict.
-
-    Raises:
-        replayrl.rollout.model.CheckpointError: names the missing / unexpected tensors, or the
-            first tensor whose shape differs.
-    """
-    if set(weights) != set(current):
-        missing, extra = sorted(set(current) - set(weights)), sorted(set(weights) - set(current))
-        raise CheckpointError(f"{directory}/model: tensors do not match this policy "
-                              f"(missing {missing[:4]}, unexpected {extra[:4]})")
-    for name, tensor in weights.items():
-        if tensor.shape != current[name].shape:
-            raise CheckpointError(f"{directory}/model: tensor {name} has shape "
-                                  f"{tuple(tensor.shape)}, this policy {tuple(current[name].shape)}")
-
-
-def _read_checkpoint(directory: Path, config: TrainerConfig | None = None
-                     ) -> tuple[Qwen3MoeForCausalLM, dict, int]:
+def _read_checkpoint(directory: Path, config: TrainerConfig) -> tuple[torch.nn.Module, dict, int]:
     """Read ``directory/model`` and ``directory/trainer_state.pt`` and check the latter's fields;
     changes nothing (not even the global RNG). Returns ``(model, trainer state, version)``;
-    under ``config``'s LoRA the model carries the adapters of ``directory/adapter`` (checked
-    against the run's ``--lora-*`` settings by :func:`replayrl.trainer.lora.peft_adapter.load_adapters`).
+    under ``config``'s LoRA the model carries the adapters of ``directory/adapter``
+    (:func:`replayrl.trainer.backends.checkpoint_files.read_policy`).
 
     Raises:
-        replayrl.trainer.backends.checkpoint_layout.CheckpointLayoutError: a megatron checkpoint.
+        replayrl.trainer.backends.checkpoint_layout.CheckpointLayoutError: another backend's checkpoint.
         replayrl.rollout.model.CheckpointError: unreadable model files. ValueError: a missing,
-            unreadable or malformed ``trainer_state.pt`` (names the file and the field).
+            unreadable or malformed ``trainer_state.pt`` (names the file and the field), or
+            adapters that do not fit this run's ``--lora-*`` settings.
     """
-    refuse_other_backend(directory, "torch")  # a megatron checkpoint: say so, not "no file"
-    with torch.random.fork_rng(devices=[]):  # building the model draws initial weights
-        model, _ = load_pretrained(directory / "model", dtype=torch.float32)
-        if config is not None and config.lora_rank:
-            lora.add_adapters(model, config.lora_rank, config.lora_alpha,
-                              target_modules(config.lora_target_modules), config.seed)
-            adapters = lora.load_adapters(model, directory / lora.ADAPTER_DIR, config.lora_rank,
-                                          config.lora_alpha, target_modules(config.lora_target_modules))
-            model.load_state_dict(adapters, strict=False)
-    path = directory / "trainer_state.pt"
-    try:
-        state = torch.load(path, weights_only=True)  # weights_only: no pickle code runs
-    except Exception as exc:  # torch raises RuntimeError, pickle / zip errors, EOFError...
-        raise ValueError(f"{path}: unreadable trainer state: {type(exc).__name__}: {exc}") from None
-    if not isinstance(state, dict) or not {"optimizer", "version", "torch_rng"} <= set(state):
-        raise ValueError(f"{path}: expected the keys optimizer, version, torch_rng")
-    version = state["version"]
-    if type(version) is not int or version < 0:
-        raise ValueError(f"{path}: version must be an int >= 0, got {version!r}")
-    rng, reference = state["torch_rng"], torch.get_rng_state()
-    if not isinstance(rng, torch.Tensor) or rng.dtype != reference.dtype or rng.shape != reference.shape:
-        raise ValueError(f"{path}: torch_rng is not a torch RNG state")
-    if not isinstance(state["optimizer"], dict) or "state" not in state["optimizer"]:
-        raise ValueError(f"{path}: optimizer is not an optimizer state dict")
-    return model, state, version
+    refuse_other_backend(directory, "torch")  # another backend's checkpoint: say so, not "no file"
+    model = read_policy(directory, config)
+    state = read_trainer_state(directory / "trainer_state.pt")
+    return model, state, state["version"]

@@ -225,8 +225,12 @@ class ModelConfig:
 
         model_type = d.get("model_type")
         if model_type not in HF_ARCHITECTURES:
+            # the families load through their own classes; the message names them too, so that a
+            # user who reads it knows every model_type --hf-checkpoint takes
+            from replayrl.rollout.model.families import FAMILIES
             raise bad("model_type", model_type,
-                      f"is not supported (supported: {', '.join(sorted(HF_ARCHITECTURES))})")
+                      f"is not supported (supported: {', '.join(sorted(HF_ARCHITECTURES))} on the "
+                      f"embedded model; {', '.join(sorted(FAMILIES))} as model families)")
         archs = d.get("architectures") or [HF_ARCHITECTURES[model_type]]
         if list(archs) != [HF_ARCHITECTURES[model_type]]:
             raise bad("architectures", archs, f"is not supported with model_type {model_type!r} "

@@ -32,6 +32,7 @@ from replayrl.rollout.engines.sglang_protocol import parse_urls
 from replayrl.rollout.errors import RolloutConfigError
 from replayrl.rollout.model.config import MODEL_SIZES, ModelConfig, embedded_config, without_indexer
 from replayrl.rollout.model.errors import ModelConfigError, ModelError
+from replayrl.rollout.model.families import FAMILIES
 from replayrl.rollout.model.families.run_check import check_run as check_family_run
 from replayrl.rollout.model.hf_config import read_hf_config
 from replayrl.rollout.tasks import (
@@ -82,9 +83,10 @@ class RunConfig:
             config and a read-only view of the metrics (``--metrics-hook``, repeatable).
         rollout_engine: the rollout engine's registry name (``--rollout-engine``,
             ``replayrl.rollout.engines.ENGINES``); the launcher rejects an unknown one.
-        hf_checkpoint: the initial policy, a Hugging Face Qwen3 / Qwen3-MoE checkpoint
-            directory (``--hf-checkpoint``); ``""`` = the embedded default built from ``--seed``
-            (docs/design/model.md#hf-checkpoints).
+        hf_checkpoint: the initial policy, a Hugging Face checkpoint directory of a
+            ``model_type`` the embedded model reads (qwen3, qwen3_moe) or of a model family
+            (``replayrl.rollout.model.families.FAMILIES``) (``--hf-checkpoint``); ``""`` = the
+            embedded default built from ``--seed`` (docs/design/model.md#hf-checkpoints).
         save_hf: write a Hugging Face checkpoint of the policy to ``save_hf/step-N`` every
             ``--save-interval`` steps and after the last step (``--save-hf``; ``""`` = never).
         cpu_affinity: ``split`` gives the trainer process the first half of the launcher's
@@ -153,9 +155,10 @@ class RunConfig:
                                               "module:function"), metavar="MODULE:FUNCTION")
     rollout_engine: str = setting("embedded", "rollout-engine", "rollout engine, a name in the "
                                   "registry replayrl.rollout.engines.ENGINES (checked by the launcher)")
-    hf_checkpoint: str = setting("", "hf-checkpoint", "initial policy: a Hugging Face Qwen3 / "
-                                 "Qwen3-MoE checkpoint directory (safetensors, sharded or not), "
-                                 "or a family of docs/checkpoints.md",
+    hf_checkpoint: str = setting("", "hf-checkpoint", "initial policy: a Hugging Face checkpoint "
+                                 "directory (safetensors, sharded or not) of model_type qwen3 or "
+                                 "qwen3_moe (the embedded model) or of a model family: "
+                                 + ", ".join(sorted(FAMILIES)) + " (docs/checkpoints.md)",
                                  default_text="the embedded model", metavar="DIR")
     save_hf: str = setting("", "save-hf", "write the policy as a Hugging Face checkpoint to "
                            "DIR/step-N every --save-interval steps and after the last step",

@@ -98,3 +98,13 @@ def test_from_hf_dict_names_missing_key():
 def test_invalid_config_names_the_field(change, field):
     with pytest.raises(ModelConfigError, match=field):
         dataclasses.replace(default_config(10), **change)
+
+
+def test_an_unknown_model_type_is_refused_naming_every_loadable_one():
+    # a user with a checkpoint of another model_type learns every model_type --hf-checkpoint
+    # takes: the embedded model's two and each registered family (listed here by hand)
+    d = {**default_config(10).to_hf_dict(), "model_type": "deepseek_v4"}
+    with pytest.raises(ModelConfigError) as caught:
+        ModelConfig.from_hf_dict(d)
+    for model_type in ("qwen3", "qwen3_moe", "deepseek_v32", "glm_moe_dsa", "glm4_moe_lite", "gpt_oss"):
+        assert model_type in str(caught.value)

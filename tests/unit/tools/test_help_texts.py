@@ -42,3 +42,10 @@ def test_the_flag_help_is_a_whole_phrase(name):
     text = FLAGS[name].setting.help
     assert text, f"--{name} has no help text"
     assert cut_off(text) is None, f"--{name}: {cut_off(text)}: {text}"
+
+
+def test_hf_checkpoint_help_names_every_family():
+    # the families registered today, written out by hand: the help must follow the registry
+    help_text = FLAGS["hf-checkpoint"].setting.help
+    for model_type in ("qwen3", "qwen3_moe", "deepseek_v32", "glm_moe_dsa", "glm4_moe_lite", "gpt_oss"):
+        assert model_type in help_text

@@ -10,10 +10,10 @@ without a fault; the process's own peak is unchanged (the same live tensors), bu
 frees between steps stays resident, so the peaks of the run's processes, which fall at different
 moments, add up more in the tree's peak. Where steps are small (the 1m model's two-token answers)
 that costs a few MiB and gains nothing, so :class:`HeapKeeper` turns it on only once a step
-faulted more than its threshold (docs/benchmarks.md#peer-grid).
+faulted more than its threshold (docs/benchmarks.md as of 58f8d09, the grid section).
 
 The opposite, trimming the heap after each step, makes the next step slower for the same
-reason (measured: docs/benchmarks.md#peer-grid).
+reason (measured: docs/benchmarks.md as of 58f8d09).
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ _M_MMAP_THRESHOLD = -3
 # Blocks below 32 MiB (glibc's largest dynamic threshold) from the heap. Larger ones (a weight
 # push bundle) keep their own mapping: on the heap, such a block freed and followed by a slightly
 # larger one can leave a hole that grows the heap (the likely reading of a 50m x 2 grid point
-# whose peak RSS rose ~200 MiB with 1 GiB here, docs/benchmarks.md#peer-grid), and they are few
+# whose peak RSS rose ~200 MiB with 1 GiB here, measured at d9892fb), and they are few
 # per step; the activations the faults came from are all below it at 1m x 64.
 _MMAP_THRESHOLD = 32 << 20
 _TRIM_THRESHOLD = (1 << 31) - 1  # mallopt takes an int: never trim in practice

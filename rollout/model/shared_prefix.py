@@ -4,7 +4,8 @@ The engine prefills each distinct prompt once and decodes the ``R`` samples of a
 side by side. A dense attention layer's cached keys then hold every group's prompt ``R`` times
 over, and a decode step reads them all: at the 1m x 64 grid point (128 rows, 70 prompt slots) the
 prompt is most of what ``scaled_dot_product_attention`` reads, the engine's largest row
-(docs/benchmarks.md#peer-grid). Here the prompt's keys and values stay one row per block; a decode
+(docs/benchmarks.md as of 58f8d09, the grid's profile). Here the prompt's keys and values stay
+one row per block; a decode
 query attends to them as one query of its block (``R`` rows x the query heads of a KV head, one
 attention call over ``G`` blocks), to its own row's keys after the prompt (a second call), and the
 two partial results are merged by their log-sum-exps, as FlashInfer's cascade attention and

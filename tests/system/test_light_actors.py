@@ -1,5 +1,5 @@
 """The version clock, the rollout manager and the launcher (which serves those two) do not import
-torch (~200 MiB RSS per process that loads the torch runtime, docs/benchmarks.md#peer-grid),
+torch (~200 MiB RSS per process that loads the torch runtime: VmRSS after ``import torch``),
 and with the embedded tokenizer not transformers either (~30 MiB RSS).
 
 An actor process imports its start (``replayrl.actors.child_process``), then the actor

@@ -1,6 +1,6 @@
 """The run's torch work before the actors start, done in a short child process so the launcher
-never imports torch (a torch runtime is ~250 MiB RSS held for the whole run,
-docs/benchmarks.md#peer-grid).
+never imports torch (a torch runtime is ~200 MiB RSS held for the whole
+run: VmRSS after ``import torch``, torch 2.13 CPU).
 
 Four things need torch there: checking the engine class (the embedded engine's module imports
 torch), resolving ``--engine-dtype auto`` (torch reads the CPU's capability), writing the

@@ -1,6 +1,6 @@
 """The ``--lora-target-modules`` names and their check, without torch: the run settings are
-checked in the launcher, which loads no torch (a torch runtime is ~200 MiB RSS,
-docs/benchmarks.md#peer-grid); the adapters themselves are
+checked in the launcher, which loads no torch (a torch runtime is ~200 MiB RSS:
+VmRSS after ``import torch``, torch 2.13 CPU); the adapters themselves are
 :mod:`replayrl.trainer.lora.peft_adapter` (peft, torch)."""
 from __future__ import annotations
 

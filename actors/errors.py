@@ -9,7 +9,9 @@ driver can tell "the remote method failed" (:class:`RemoteError`) from "the acto
   :class:`ProtocolError` (a malformed message);
 - the remote side failed: :class:`RemoteError` (the method raised), :class:`ActorDied`,
   :class:`PeerLost`, :class:`ActorTimeout` (a ``TimeoutError``);
-- a version-clock rule was broken: :class:`VersionError` (a ``ValueError``) and its two kinds.
+- a version-clock rule was broken: :class:`VersionError` (a ``ValueError``) and its two kinds;
+- a process's device cannot be had: :class:`DeviceError` (a ``ValueError``;
+  :mod:`replayrl.actors.device`).
 """
 from __future__ import annotations
 
@@ -106,3 +108,8 @@ class VersionRegression(VersionError):
 
 class StaleSample(VersionError):
     """A sample's policy version is outside ``[t - max_staleness, t]``."""
+
+
+class DeviceError(ActorError, ValueError):
+    """``--device`` names a device this machine or process does not have (``cuda`` without
+    CUDA, no visible device), or a malformed ``LOCAL_RANK``."""

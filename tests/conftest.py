@@ -89,10 +89,17 @@ SYSTEM = ROOT / "tests" / "system"
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark every test under ``tests/system/`` ``system`` (``-m "not system"``: the fast subset)."""
+    """Mark every test under ``tests/system/`` ``system`` (``-m "not system"``: the fast subset),
+    and skip every ``gpu`` test where torch sees no CUDA device, saying why
+    (:func:`replayrl.actors.device.cuda_absent_reason`)."""
+    from replayrl.actors.device import cuda_absent_reason
+
+    absent = cuda_absent_reason()
     for item in items:
         if SYSTEM in Path(item.fspath).resolve().parents:
             item.add_marker(pytest.mark.system)
+        if absent and item.get_closest_marker("gpu"):
+            item.add_marker(pytest.mark.skip(reason=f"needs a CUDA device: {absent}"))
 
 
 @pytest.fixture(autouse=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
+from replayrl.actors.device import DEVICES
 from replayrl.actors.settings import POSITIVE, Choices, Range, check_settings, setting
 from replayrl.trainer.backends import BACKENDS
 from replayrl.trainer.errors import TrainerConfigError
@@ -70,6 +71,10 @@ class TrainerConfig:
             top-k keys; ``replayrl.rollout.sample.samples_from_columns``'s ``decode_threads``);
             the decoded arrays do not depend on it (``--trace-decode-threads``).
         seed: torch seed of the trainer process.
+        device: ``auto``, ``cpu`` or ``cuda`` (``--device``, set with the run's field of the
+            same name): where the torch and fsdp backends place the policy, its optimizer state
+            and every batch (:func:`replayrl.actors.device.process_device`: this rank's CUDA
+            device); the megatron backend trains on the CPU (docs/gpu.md).
         rs_mode, rs_lower, rs_upper: the RS gate (``--rs-mode none|token|sequence|geometric``).
         rs_denominator: loss denominator when RS rejects tokens without refill
             (``loss_tokens`` | ``accepted_tokens``), see :mod:`replayrl.trainer.rejection.rs_policy`.
@@ -166,6 +171,7 @@ class TrainerConfig:
                                         "top-k trace columns of each batch the trainer takes "
                                         "(the result does not depend on it)", Range(low=1))
     seed: int = setting(1, "seed", check=Range(0, 2 ** 32, "[)"))
+    device: str = setting("auto", "device", check=Choices(DEVICES))
     rs_mode: str = setting("none", "rs-mode", "RS gate on exp(logp_prox - logp_rollout): none, "
                            "token, sequence or geometric")
     rs_lower: float = setting(0.0, "rs-lower", "RS lower ratio bound")

@@ -23,6 +23,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
+from replayrl.actors.device import DEVICES, process_device
 from replayrl.rollout.engines.base import Engine, Generation
 from replayrl.rollout.errors import EngineError, EngineInputError
 from replayrl.rollout.model.adapters import AdapterMerge, split_adapter_push
@@ -59,7 +60,9 @@ class EmbeddedEngine(Engine):
             then the model is transformers' (rollout/model/families/), its cache a DynamicCache.
         dtype: compute and weight dtype of the rollout model, a floating ``torch.dtype`` or its
             name (``"bfloat16"``, default: a real train-inference mismatch; ``"float32"``).
-        device: torch device the model runs on.
+        device: where the model and its KV cache live: a torch device (``"cuda:1"``), or a
+            ``--device`` name (``"auto"``, ``"cpu"``, ``"cuda"``) resolved for this process by
+            :func:`replayrl.actors.device.process_device` (its CUDA device, made current).
 
     The model starts with uninitialised weights and :attr:`version` ``None``; ``generate`` raises
     :class:`replayrl.rollout.engines.base.EngineNotReady` until :meth:`load_weights` succeeded once.
@@ -68,6 +71,8 @@ class EmbeddedEngine(Engine):
 
     Raises:
         EngineInputError: ``dtype`` is not a floating torch dtype (or the name of one).
+        replayrl.actors.errors.DeviceError: ``device`` is ``"cuda"`` where torch sees no CUDA
+            device.
     """
 
     capturable_traces = frozenset(TRACE_FIELDS)
@@ -90,7 +95,8 @@ class EmbeddedEngine(Engine):
         config = model_config
         self.config = config
         self.dtype = dtype
-        self.device = torch.device(device)
+        self.device = (process_device(device) if isinstance(device, str) and device in DEVICES
+                       else torch.device(device))
         self._adapters = AdapterMerge()  # LoRA pushes: the base weights they merge into
         if isinstance(config, FamilyConfig):
             # a family (rollout/model/families/): transformers' model, its DynamicCache

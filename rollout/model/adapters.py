@@ -92,4 +92,4 @@ class AdapterMerge:
             for name, (a, b) in pairs.items():
                 p = params[name]
                 base = self._base.setdefault(name, p.detach().clone())
-                p.copy_(base.float() + b @ a)
+                p.copy_(base.float() + (b @ a).to(p.device))  # factors arrive on the CPU

@@ -23,6 +23,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from replayrl.actors.device import DEVICES
 from replayrl.actors.settings import Choices, Range, Rule, check_settings, setting
 from replayrl.rollout.config import RolloutConfig
 from replayrl.rollout.dispatch.engine_pool import ENGINE_FAILURE_POLICIES
@@ -71,6 +72,12 @@ class RunConfig:
         num_engines: engine actors (``--num-engines``).
         engine_dtype: ``auto`` (bf16 where the hardware computes it natively, else float32;
             :mod:`replayrl.rollout.engines.precision`), ``bfloat16`` or ``float32`` (``--engine-dtype``).
+        device: ``auto``, ``cpu`` or ``cuda`` (``--device``; :mod:`replayrl.actors.device`): the
+            embedded engines' and the trainer's device (the trainer's field of the same flag;
+            vLLM and SGLang place themselves). ``auto`` and ``cuda`` are resolved, and ``cuda``
+            without CUDA refused, in the launcher's initial-files child
+            (:func:`replayrl.tools.run.launcher.write_initial_files`); each actor process then
+            takes its own CUDA device (:func:`replayrl.actors.device.process_device`).
         output_dir: where metrics.jsonl, the plot and the checkpoint go (``--output-dir``).
         transport: ``ipc`` (one node) or ``tcp`` (loopback) (``--transport``).
         curve_keys: the run's CURVE key directory (``--curve-keys``; required by tcp).
@@ -136,6 +143,11 @@ class RunConfig:
     engine_dtype: str = setting("auto", "engine-dtype", "engine precision; auto = bfloat16 where "
                                 "the CPU (AMX) or GPU computes it natively, else float32",
                                 Choices(DTYPES))
+    device: str = setting("auto", "device", "where the embedded engine and the torch / fsdp "
+                          "trainer compute: auto = CUDA where torch sees a device, else the CPU; "
+                          "cuda without one is refused before start; on a CUDA device with bf16 "
+                          "the trainer computes in bf16 over fp32 master weights (docs/gpu.md)",
+                          Choices(DEVICES))
     output_dir: str = setting("runs/default", "output-dir", "metrics, plot and checkpoint directory")
     transport: str = setting("ipc", "transport", "ipc on one node, tcp on loopback (needs "
                              "--curve-keys)", Choices(("ipc", "tcp")))

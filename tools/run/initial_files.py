@@ -2,8 +2,9 @@
 never imports torch (a torch runtime is ~200 MiB RSS held for the whole
 run: VmRSS after ``import torch``, torch 2.13 CPU).
 
-Four things need torch there: checking the engine class (the embedded engine's module imports
-torch), resolving ``--engine-dtype auto`` (torch reads the CPU's capability), writing the
+Five things need torch there: checking the engine class (the embedded engine's module imports
+torch), resolving ``--device`` (torch sees the CUDA devices, or refuses ``cuda`` where there is
+none) and ``--engine-dtype auto`` (torch reads the device's capability), writing the
 embedded default checkpoint (the model is built and initialised by torch) and resolving which
 transformers class reads the tokenizer (``AutoTokenizer``'s import chain loads torch in
 transformers 5). The launcher runs them in a fresh child (:func:`in_child` of
@@ -33,11 +34,17 @@ class Resolved:
             (:func:`replayrl.rollout.engines.precision.resolve_dtype`).
         tokenizer_class: the class the rollout manager reads the tokenizer with
             (:func:`replayrl.rollout.text.tokenizer_class.resolve_tokenizer_class`).
+        device: ``--device`` resolved for this machine, ``"cpu"`` or ``"cuda"``
+            (:func:`replayrl.actors.device.resolve_device_kind`).
+        cuda_devices: the CUDA devices visible to the launcher (0 on the CPU), which
+            :func:`replayrl.tools.run.launcher.actor_specs` shares out among the actor processes.
     """
 
     engine_class: str
     engine_dtype: str
     tokenizer_class: str
+    device: str = "cpu"
+    cuda_devices: int = 0
 
 
 def _title_child() -> None:

@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from replayrl.actors import DRIVER, ActorSpec, Directory, DriverActors, Supervisor, import_callable
-from replayrl.actors.errors import VersionError
+from replayrl.actors.device import cuda_absent_reason, cuda_slots, resolve_device_kind
+from replayrl.actors.errors import DeviceError, VersionError
 from replayrl.actors.run_dir import create_run_dir
 from replayrl.actors.version_clock import VersionRules
 from replayrl.rollout.engines import EngineError, check_capture, engine_class_path, load_engine_class
@@ -152,7 +153,8 @@ def write_initial_files(config: RunConfig, engine: str, checkpoint: Path | None,
         replayrl.tools.errors.ConfigError: as :func:`check_engine` and :func:`check_prompt_data`.
     """
     check_engine(config, engine)
-    dtype = resolve_dtype(config.engine_dtype)
+    device, cuda_devices = resolve_run_device(config)
+    dtype = resolve_dtype(config.engine_dtype, device)
     if checkpoint is not None:
         write_initial_checkpoint(config, checkpoint)
     try:
@@ -161,7 +163,25 @@ def write_initial_files(config: RunConfig, engine: str, checkpoint: Path | None,
         tokenizer_class, loaded = AUTO, None
     if prompts_of is not None:
         check_prompt_data(config, prompts_of, tokenizer_class, loaded)
-    return Resolved(engine, dtype, tokenizer_class)
+    return Resolved(engine, dtype, tokenizer_class, device, cuda_devices)
+
+
+def resolve_run_device(config: RunConfig) -> tuple[str, int]:
+    """``--device`` resolved on this machine (:func:`replayrl.actors.device.resolve_device_kind`):
+    ``("cpu", 0)`` or ``("cuda", visible CUDA devices)``. Imports torch (the launcher calls it in
+    its initial-files child).
+
+    Raises:
+        ConfigError: ``--device cuda`` where torch sees no CUDA device (says why: a CPU-only
+            torch build, or no device visible).
+    """
+    import torch
+
+    try:
+        kind = resolve_device_kind(config.device, torch.cuda.is_available(), cuda_absent_reason())
+    except DeviceError as exc:
+        raise ConfigError(str(exc)) from None
+    return kind, torch.cuda.device_count() if kind == "cuda" else 0
 
 
 def initial_checkpoint(config: RunConfig, output: Path) -> Path:
@@ -278,22 +298,34 @@ SGLANG_RETRIES = 2
 """Resends of one SGLang request after a server did not answer (docs/design/engines.md#sglang-engine)."""
 
 
-def engine_kwargs(config: RunConfig, index: int = 0, dtype: str | None = None) -> dict:
+def engine_kwargs(config: RunConfig, index: int = 0, dtype: str | None = None,
+                  device: str | None = None) -> dict:
     """Constructor kwargs of the run's engine (plain data; they cross to the engine process).
 
     Every engine gets the policy's shape and precision: ``model_config`` (``ModelConfig``
     fields, HF names) and ``dtype`` (``--engine-dtype``, with ``auto`` resolved here for the
-    CPU the engines run on: :func:`replayrl.rollout.engines.precision.resolve_dtype`). The vLLM engine
+    device the engines run on: :func:`replayrl.rollout.engines.precision.resolve_dtype`). The
+    embedded engine also gets ``device``: ``--device`` resolved (``"cpu"`` / ``"cuda"``, the
+    launcher's initial-files child), or as given when None (its process resolves it:
+    :func:`replayrl.actors.device.process_device`). The vLLM engine
     also gets its start-up timeout (``--engine-start-timeout-seconds``) and per-call timeout
     (``--rollout-timeout-seconds``, the one the manager waits an engine call for). The SGLang
     engine ``index`` gets ``--sglang-urls`` rotated to start at URL ``index`` (its server; the
     others are its failover order), the weight directory, and a per-request timeout that lets its
     ``1 + SGLANG_RETRIES`` tries fit in the manager's wait. ``dtype``: the engine dtype
-    already resolved (the launcher's initial-files child); None: resolved here (imports torch
-    for ``auto``).
+    already resolved (the launcher's initial-files child); None: resolved here for ``device``
+    (imports torch for ``auto``).
+
+    Raises:
+        ConfigError: ``dtype`` is None, ``--engine-dtype auto`` and ``--device cuda`` where
+            torch sees no CUDA device (:func:`resolve_run_device`).
     """
-    kwargs = {"model_config": dataclasses.asdict(config.policy_config),
-              "dtype": dtype or resolve_dtype(config.engine_dtype)}
+    if dtype is None:
+        dtype = resolve_dtype(config.engine_dtype, device or (
+            resolve_run_device(config)[0] if config.engine_dtype == "auto" else "cpu"))
+    kwargs = {"model_config": dataclasses.asdict(config.policy_config), "dtype": dtype}
+    if config.rollout_engine == "embedded":
+        kwargs["device"] = device or config.device
     if config.rollout_engine == "vllm":
         kwargs.update(start_timeout_s=config.engine_start_timeout_s,
                       call_timeout_s=config.rollout.generate_timeout_s)
@@ -443,14 +475,40 @@ def idle_thread_env(config: RunConfig) -> dict[str, dict[str, str]]:
     return out
 
 
+def cuda_device_env(config: RunConfig, resolved: Resolved,
+                    visible: str | None = None) -> dict[str, dict[str, str]]:
+    """Per actor name, the ``CUDA_VISIBLE_DEVICES`` that gives its process one CUDA device of
+    this node (:func:`replayrl.actors.device.cuda_slots`: trainer ranks first, then the engines,
+    modulo the devices; the colocated actors the trainer's), so each process's own device is
+    its ``cuda:0``. Empty on the CPU and with one device (every process uses it).
+
+    Args:
+        resolved: what the initial-files child found (``device``, ``cuda_devices``).
+        visible: the launcher's own ``CUDA_VISIBLE_DEVICES`` (default: its environment's):
+            the ids handed out are its entries, else ``0 .. cuda_devices - 1``.
+    """
+    if resolved.device != "cuda" or resolved.cuda_devices < 2:
+        return {}
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES") if visible is None else visible
+    ids = [v.strip() for v in visible.split(",") if v.strip()] if visible else []
+    if len(ids) < resolved.cuda_devices:
+        ids = [str(i) for i in range(resolved.cuda_devices)]
+    trainers = ["trainer", *follower_names(config.trainer.rank_count)]
+    engines = [f"engine_{i}" for i in range(config.num_engines)]
+    slots = cuda_slots(trainers, engines, resolved.cuda_devices, shared=colocated_actors(config))
+    return {name: {"CUDA_VISIBLE_DEVICES": ids[slot]} for name, slot in slots.items()}
+
+
 def actor_specs(config: RunConfig, checkpoint_dir: Path,
                 rank_port: int | None = None, resolved: Resolved | None = None) -> list[ActorSpec]:
     """The actors of a run, in start order.
 
-    ``resolved``: the engine class, engine dtype and tokenizer class the launcher's
+    ``resolved``: the engine class, engine dtype, device and tokenizer class the launcher's
     initial-files child worked out (:mod:`replayrl.tools.run.initial_files`); None: the engine
-    and its dtype are resolved here and the rollout manager reads the tokenizer with
-    ``AutoTokenizer`` (each imports torch).
+    and its dtype are resolved here, each process resolves ``--device`` itself, and the
+    rollout manager reads the tokenizer with ``AutoTokenizer`` (each imports torch). On a
+    machine with several CUDA devices each trainer rank and engine process sees one of them
+    (:func:`cuda_device_env`).
 
     With several trainer ranks (``TrainerConfig.rank_count``) the ``trainer`` actor is rank 0 and
     ``trainer_1 ..`` follow it; they meet at ``tcp://127.0.0.1:rank_port`` (a free port when
@@ -465,6 +523,7 @@ def actor_specs(config: RunConfig, checkpoint_dir: Path,
     """
     engine_class = resolved.engine_class if resolved else resolve_engine(config)
     dtype = resolved.engine_dtype if resolved else None
+    device = resolved.device if resolved else None
     required = run_required_traces(config)
     model = config.policy_config
     engines = [f"engine_{i}" for i in range(config.num_engines)]
@@ -480,7 +539,7 @@ def actor_specs(config: RunConfig, checkpoint_dir: Path,
         ActorSpec("version_clock", "replayrl.actors.version_clock:VersionClock",
                   {"max_staleness": config.max_staleness}),
         *(ActorSpec(name, "replayrl.rollout.dispatch.engine_actor:EngineActor",
-                    {"engine_class": engine_class, "engine_kwargs": engine_kwargs(config, i, dtype),
+                    {"engine_class": engine_class, "engine_kwargs": engine_kwargs(config, i, dtype, device),
                      "traces": required, "torch_threads": config.engine_torch_threads})
           for i, name in enumerate(engines)),
         ActorSpec("rollout_manager", "replayrl.rollout.dispatch.manager:RolloutManager",
@@ -508,8 +567,10 @@ def actor_specs(config: RunConfig, checkpoint_dir: Path,
     colocated = colocated_actors(config)
     threaded = ("engine_0", "trainer") if config.colocate_threads else ()
     idle_env = idle_thread_env(config)
+    gpu_env = cuda_device_env(config, resolved) if resolved else {}
     return [dataclasses.replace(spec, cpus=trainer_cpus if spec.name in trainers else other_cpus,
-                                env={**spec.env, **idle_env.get(spec.name, {})},
+                                env={**spec.env, **idle_env.get(spec.name, {}),
+                                     **gpu_env.get(spec.name, {})},
                                 process=(COLOCATED if spec.name in colocated else
                                          DRIVER if spec.name in DRIVER_ACTORS else ""),
                                 thread=spec.name in colocated and spec.name in threaded)

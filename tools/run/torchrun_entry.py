@@ -63,6 +63,7 @@ from replayrl.tools.run.launcher import (
     check_load,
     check_prompt_data,
     initial_checkpoint,
+    resolve_run_device,
     write_embedded_tokenizer,
     write_run_config,
 )
@@ -327,6 +328,7 @@ def main(argv: list[str] | None = None,
         config = config_from_args(args)
         refuse_restart(config)
         refuse_colocate(config)
+        resolve_run_device(config)  # --device cuda where this host has none: refused here
         if not args.join_run:
             if args.joined_engines < 0:
                 raise ConfigError(f"--joined-engines must be >= 0, got {args.joined_engines}")

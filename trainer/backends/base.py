@@ -85,6 +85,10 @@ class TrainerBackend(ABC):
     numerics (docs/design/trainer-math.md#trainer-math).
     """
 
+    device: torch.device = torch.device("cpu")
+    """Where the policy computes (the torch and fsdp backends: this rank's ``--device``); the
+    tensors crossing the interface stay on the CPU either way."""
+
     collective_io: bool = False
     """Whether :meth:`weights`, :meth:`save_checkpoint` and :meth:`save_hf` are collectives
     that every trainer rank calls (a model split over ranks); otherwise every rank holds the

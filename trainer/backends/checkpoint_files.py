@@ -51,7 +51,8 @@ def read_trainer_state(path: Path, *, layout: bool = False) -> dict:
         ValueError: unreadable, or a missing / malformed field (names the file and the field).
     """
     try:
-        state = torch.load(path, weights_only=True)
+        # on the CPU whatever device saved it (the backend moves the state to its own)
+        state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises RuntimeError, pickle / zip errors, EOFError...
         raise ValueError(f"{path}: unreadable trainer state: {type(exc).__name__}: {exc}") from None
     keys = ("optimizer", "version", "torch_rng", "layout") if layout else ("optimizer", "version",

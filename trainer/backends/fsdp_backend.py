@@ -47,6 +47,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from replayrl.actors.device import compute_dtype, process_device
 from replayrl.rollout.model.adapters import LORA_A_SUFFIX, LORA_B_SUFFIX
 from replayrl.rollout.model.checkpoint import load_state_arrays, save_pretrained
 from replayrl.rollout.model.families.base import FamilyConfig, FamilyModel
@@ -91,7 +92,8 @@ def fully_shard_policy(model: Qwen3MoeForCausalLM | FamilyModel, *, mesh,
 
 class FSDPBackend(TorchBackend):
     """The torch backend with :func:`fully_shard_policy` as its parallelize step, on this
-    rank's device, AdamW on the sharded parameters.
+    rank's device (``config.device``: :func:`replayrl.actors.device.process_device`, the CUDA
+    device of its ``LOCAL_RANK``), AdamW on the sharded parameters.
 
     Args:
         checkpoint_dir, config, vocab_tokens: as :class:`TorchBackend`.
@@ -115,8 +117,8 @@ class FSDPBackend(TorchBackend):
         if not dist.is_initialized():  # one rank: a group of one, in this process
             dist.init_process_group(_group_backend(), store=dist.HashStore(), rank=0,
                                     world_size=1)
-        device = _device()
-        bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        device = process_device(config.device)  # this rank's CUDA device (LOCAL_RANK), or the CPU
+        bf16 = compute_dtype(device) == torch.bfloat16
         # fp32 master weights (the sharded parameters the optimizer updates), bf16 compute
         # where the device has it, gradients reduced in fp32; on CPU everything is fp32
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
@@ -322,11 +324,3 @@ def _group_backend() -> str:
     gpu = torch.cuda.is_available() and dist.is_nccl_available()
     return "cpu:gloo,cuda:nccl" if gpu else "gloo"
 
-
-def _device() -> torch.device:
-    """This rank's device: its CUDA device (rank modulo the visible devices) or the CPU."""
-    if torch.cuda.is_available():
-        device = torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-        return device
-    return torch.device("cpu")

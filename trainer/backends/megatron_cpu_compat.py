@@ -4,8 +4,10 @@ megatron-core assumes a GPU in a handful of places even with the local (non-Tran
 layer spec and ``use_cpu_initialization=True``. Each item below is one such place, measured on
 megatron-core 0.16.1 with torch 2.13.0 CPU, and tests/system/test_megatron_cpu_compat.py shows for
 every item that switching it off gives the named failure (docs/design/megatron.md#megatron-backend). The
-layer is applied by :func:`enable` only where CUDA is absent; with a GPU it does
-nothing, and megatron-core runs unmodified.
+layer is applied by :func:`enable` for the CPU device the backend trains on (``--device cpu``,
+also on a machine with CUDA); for a CUDA device it would do nothing and leave megatron-core
+unmodified, but the backend's CUDA placement is not written (docs/gpu.md), so its run check
+refuses CUDA.
 
 Items (:data:`ITEMS`):
 
@@ -264,12 +266,15 @@ def enabled_items() -> tuple[str, ...]:
     return tuple(i for i in ITEMS if i in _ENABLED)
 
 
-def enable(skip: Iterable[str] = ()) -> tuple[str, ...]:
+def enable(skip: Iterable[str] = (), device: str = "cpu") -> tuple[str, ...]:
     """Apply every item of :data:`ITEMS` except ``skip`` (process-wide, idempotent).
 
-    Does nothing when CUDA is available. ``skip`` exists for the tests that show each item is
-    needed; a run never skips any. A skipped item stays off for the life of the process (a
-    later call without ``skip``, e.g. from the backend's setup, does not apply it).
+    Does nothing for a CUDA ``device`` (the megatron backend trains on the CPU: its run check
+    refuses CUDA, docs/gpu.md); on a machine with CUDA the items apply as well, since the
+    backend's process then still computes on the CPU (``--device cpu``). ``skip`` exists for
+    the tests that show each item is needed; a run never skips any. A skipped item stays off
+    for the life of the process (a later call without ``skip``, e.g. from the backend's setup,
+    does not apply it).
 
     Returns:
         the items applied in this process.
@@ -283,7 +288,7 @@ def enable(skip: Iterable[str] = ()) -> tuple[str, ...]:
         raise CompatError(f"unknown megatron CPU compat items {sorted(unknown)}; known: {ITEMS}")
     if skip & _ENABLED:
         raise CompatError(f"items {sorted(skip & _ENABLED)} were already applied in this process")
-    if torch.cuda.is_available():
+    if torch.device(device).type == "cuda":
         return enabled_items()
     _SKIPPED.update(skip)
     for item in ITEMS:

@@ -78,7 +78,8 @@ def init_parallel(parallel: MegatronParallel, seed: int, *, own_world: bool = Fa
     ``replayrl.tools.run.torchrun_entry`` actor world whose other ranks never join a process group), or
     without torchrun's environment, the process gets a one-rank gloo group with an in-process
     store; otherwise it joins torchrun's world (``env://``: every rank is a megatron rank).
-    Applies :mod:`replayrl.trainer.backends.megatron_cpu_compat` first (it does nothing with CUDA).
+    Applies :mod:`replayrl.trainer.backends.megatron_cpu_compat` first (the backend trains on
+    the CPU, also on a machine with CUDA under ``--device cpu``).
 
     Raises:
         MegatronModelError: the world size is not a multiple of ``tp * pp * cp``, or ``ep``

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from replayrl.actors.device import compute_dtype, process_device
 from replayrl.actors.ref import send_buffer, shared_memory_pool
 from replayrl.rollout.model.checkpoint import save_pretrained, state_dict_arrays
 from replayrl.rollout.model.config import ModelConfig
@@ -162,8 +163,9 @@ def _shared_prefix(inputs: dict, prefix: int) -> tuple[int, torch.Tensor, torch.
     n = int(inverse.max()) + 1
     if n == tokens.shape[0]:
         return None  # nothing shared
-    rows = torch.arange(len(inverse))
-    first = torch.full((n,), len(inverse), dtype=torch.int64).scatter_reduce(0, inverse, rows, "amin")
+    rows = torch.arange(len(inverse), device=inverse.device)
+    first = torch.full((n,), len(inverse), dtype=torch.int64, device=inverse.device).scatter_reduce(
+        0, inverse, rows, "amin")
     for name in ("position_ids", "routed_experts", "indexer_topk"):
         t = inputs[name]
         if t is not None and not torch.equal(t[:, :prefix], t[first][inverse][:, :prefix]):
@@ -224,8 +226,13 @@ class TorchBackend(TrainerBackend):
         vocab_tokens: the tokenizer vocabulary written with checkpoints; empty: the tokenizer
             files of ``checkpoint_dir`` are copied into every checkpoint instead (a run from
             ``--hf-checkpoint``).
-        device: where the policy lives (default the CPU); a batch is moved there for each
-            forward and what the forward returns comes back to the CPU.
+        device: where the policy, its gradients and its optimizer state live; None: this
+            process's device for ``config.device`` (:func:`replayrl.actors.device.process_device`;
+            the CPU, or this rank's CUDA device). A batch is moved there for each forward and
+            what the forward returns comes back to the CPU. On a CUDA device with bf16 the
+            forwards run under ``torch.autocast`` in bf16 over the fp32 weights (the master
+            weights the optimizer updates), unless a ``parallelize`` step brings its own mixed
+            precision (:attr:`compute_dtype`); elsewhere everything is float32.
         parallelize: a :data:`Parallelize` step applied to the policy after its LoRA adapters
             are added and before the optimizer takes its parameters (then no DDP); None: the
             whole policy on every rank, under DDP with several ranks.
@@ -234,6 +241,10 @@ class TorchBackend(TrainerBackend):
         replayrl.rollout.model.CheckpointError / ModelConfigError: an unreadable checkpoint.
     """
 
+    compute_dtype: torch.dtype | None = None
+    """The ``torch.autocast`` dtype of every forward (bf16 on a CUDA device that has it:
+    :func:`replayrl.actors.device.compute_dtype`), or None: the forwards compute in the weights'
+    float32."""
     lora_config = None
     """The ``peft.LoraConfig`` of a LoRA run (``--lora-rank``, :mod:`replayrl.trainer.lora.peft_adapter`),
     else None."""
@@ -254,7 +265,9 @@ class TorchBackend(TrainerBackend):
         self.config = config
         torch.set_num_threads(config.torch_threads)
         torch.manual_seed(config.seed)
-        self.device = torch.device("cpu") if device is None else device
+        self.device = process_device(config.device) if device is None else device
+        # a parallelize step (FSDP2's mixed-precision policy) casts for itself
+        self.compute_dtype = compute_dtype(self.device) if parallelize is None else None
         self.model, self._model_config = load_pretrained(checkpoint_dir, dtype=torch.float32)
         self.model.to(self.device)
         self.model.train()
@@ -320,14 +333,17 @@ class TorchBackend(TrainerBackend):
 
     def _policy_forward(self, batch: TrainBatch, capture: bool, entropy_out: list | None,
                         train: bool) -> tuple[torch.Tensor, object]:
-        """:func:`response_logprobs` with this run's settings; ``train``: a forward whose
-        backward follows (through DDP when there is one)."""
+        """:func:`response_logprobs` with this run's settings, under :attr:`compute_dtype`'s
+        autocast when there is one; ``train``: a forward whose backward follows (through DDP
+        when there is one)."""
         cfg = self.config
         kwargs = dict(capture=capture, replay_routing=cfg.use_routing_replay,
                       replay_indexer=cfg.use_indexer_replay, chunk_size=cfg.logprobs_chunk_size,
                       entropy_out=entropy_out, own_indexer=self.own_indexer or not train)
         adapted = self.lora_config and not self.experts_hooked
-        with lora.experts_adapted(self.model) if adapted else contextlib.nullcontext():
+        autocast = (torch.autocast(self.device.type, dtype=self.compute_dtype)
+                    if self.compute_dtype is not None else contextlib.nullcontext())
+        with lora.experts_adapted(self.model) if adapted else contextlib.nullcontext(), autocast:
             if train and self.ddp is not None:
                 return self.ddp(batch, cfg.temperature, **kwargs)
             return response_logprobs(self.model, batch, cfg.temperature, **kwargs)
@@ -379,7 +395,7 @@ class TorchBackend(TrainerBackend):
         """See :meth:`TrainerBackend.weights` (the engines' dtype conversion is theirs); under
         LoRA the merged policy (base + adapters)."""
         if self.lora_config:
-            return {k: v.detach().to(dtype=torch.float32, copy=True).numpy()
+            return {k: v.detach().to(device="cpu", dtype=torch.float32, copy=True).numpy()
                     for k, v in lora.merged_state(self.model).items()}
         return state_dict_arrays(self.model)
 
@@ -396,7 +412,7 @@ class TorchBackend(TrainerBackend):
             factors = lora.adapter_arrays(self.model)
             if not full:
                 return pack_arrays(factors)
-            base = {k: v.detach().float().numpy() for k, v in lora.base_state(self.model).items()}
+            base = {k: v.detach().float().cpu().numpy() for k, v in lora.base_state(self.model).items()}
             return pack_arrays({**base, **factors})
         state = self.model.state_dict()
         if any(t.dtype != torch.float32 for t in state.values()):
@@ -419,15 +435,19 @@ class TorchBackend(TrainerBackend):
         # engines loaded it (docs/benchmarks.md#peer-grid)
         buffer = send_buffer(sum(t.numel() for t in state.values()), np.float32)
         with torch.no_grad():
-            torch.cat([t.reshape(-1) for t in state.values()], out=torch.from_numpy(buffer))
+            if self.device.type == "cpu":
+                torch.cat([t.reshape(-1) for t in state.values()], out=torch.from_numpy(buffer))
+            else:  # concatenated on the device, then one copy to the host buffer
+                torch.from_numpy(buffer).copy_(torch.cat([t.reshape(-1) for t in state.values()]))
         buffer.flags.writeable = False
         return bundle_of_buffer(buffer, layout)
 
     def _can_share_weights(self, state: dict[str, torch.Tensor]) -> bool:
         """Whether the weights can live in a send buffer (docs/design/transport.md#shm-transport):
-        one process's policy (DDP keeps views of its own), every tensor of ``state`` its own
-        contiguous storage (tied weights would need one place for two names)."""
-        if self.ddp is not None:
+        a policy on the CPU (host memory), of one process (DDP keeps views of its own), every
+        tensor of ``state`` its own contiguous storage (tied weights would need one place for
+        two names)."""
+        if self.ddp is not None or self.device.type != "cpu":
             return False
         storages = {t.untyped_storage().data_ptr() for t in state.values()}
         return len(storages) == len(state) and all(t.is_contiguous() for t in state.values())

@@ -62,7 +62,8 @@ class PrefixTree:
             prefix: trunk length, ``1 <= prefix <= width``.
             width: forwarded positions per batch row.
             first: int64 [U], first batch row of each distinct prefix (as ``torch.unique``'s
-                groups); inverse: int64 [B], distinct prefix of every batch row.
+                groups); inverse: int64 [B], distinct prefix of every batch row (the layout's
+                tensors are built on its device).
 
         Raises:
             ValueError: ``prefix`` outside ``[1, width]`` or ``inverse`` not naming ``first``'s rows.
@@ -74,9 +75,9 @@ class PrefixTree:
         b = len(inverse)
         # branch k = how many earlier rows share this row's prefix (stable: batch order)
         same = inverse[:, None] == inverse[None, :]
-        branch = (same & torch.ones(b, b, dtype=torch.bool).tril(-1)).sum(1)
+        branch = (same & torch.ones(b, b, dtype=torch.bool, device=inverse.device).tril(-1)).sum(1)
         length = width - prefix
-        j = torch.arange(width)
+        j = torch.arange(width, device=inverse.device)
         slot = torch.where(j < prefix, j, j + branch[:, None] * length)
         branches = int(branch.max()) + 1 if b else 0
         return cls(prefix, width, first, inverse, branch, slot, prefix + branches * length)
@@ -99,7 +100,7 @@ class PrefixTree:
     def segment_ids(self) -> torch.Tensor:
         """int64 [U, tree_width]: -1 on the trunk, the branch index on each branch (and on the
         unused tail of a tree row with fewer branches, whose slots are padding)."""
-        j = torch.arange(self.tree_width)
+        j = torch.arange(self.tree_width, device=self.inverse.device)
         seg = torch.where(j < self.prefix, -1,
                           (j - self.prefix) // max(self.width - self.prefix, 1))
         return seg.expand(self.rows, -1)

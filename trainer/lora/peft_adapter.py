@@ -258,8 +258,8 @@ def adapter_arrays(model: torch.nn.Module) -> dict:
     out = {}
     with torch.no_grad():
         for name, a, b in _factors(model):
-            out[name + LORA_A_SUFFIX] = a.clone().numpy()
-            out[name + LORA_B_SUFFIX] = b.numpy()
+            out[name + LORA_A_SUFFIX] = a.to("cpu", copy=True).numpy()
+            out[name + LORA_B_SUFFIX] = b.cpu().numpy()
     return out
 
 

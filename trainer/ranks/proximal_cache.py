@@ -1,43 +1,43 @@
-"""Proximal logprobs of one step, held in pinned CPU memory between preflight and update.
+"""Proximal logprobs of one step, held in host memory between preflight and update.
 
 The preflight forward runs at the weights the optimizer step starts from; its per-token
 logprobs are the proximal policy of decoupled PPO (Hilton et al. 2022) and the numerator of
-the RS / TIS ratios. They wait on the trainer rank in page-locked memory (so the copy back to
-an accelerator is asynchronous) under a byte cap. A CPU-only torch build cannot pin; the cache
-then uses pageable memory and reports ``pinned=False`` instead of failing.
+the RS / TIS ratios. They wait on the trainer rank in host memory under a byte cap: page-locked
+where the trainer computes on a CUDA device (the copies from and to the device are then
+asynchronous, ``non_blocking``), ordinary pageable memory on the CPU, where pinning gives
+nothing (:func:`replayrl.actors.device.pins_host_memory`; a CPU-only torch cannot pin at all).
 """
 from __future__ import annotations
 
 import torch
 
+from replayrl.actors.device import pins_host_memory
 from replayrl.trainer.errors import ProximalCacheError
 
 
-def can_pin_memory() -> bool:
-    """Whether this torch build and machine can allocate page-locked host memory."""
-    try:
-        return torch.empty(1).pin_memory().is_pinned()
-    except RuntimeError:  # CPU-only builds raise: no accelerator to pin for
-        return False
-
-
 class ProximalLogprobCache:
-    """``sample_id -> float32 [R]`` proximal logprobs, pinned when possible.
+    """``sample_id -> float32 [R]`` proximal logprobs on the host, pinned for a CUDA trainer.
 
     Args:
         max_bytes: cap on the tensor payload (``--rs-refill-max-candidate-cache-bytes``).
+        device: the trainer's device (default the CPU): a CUDA device makes the entries
+            page-locked (:attr:`pinned`) and the copies into them asynchronous; every read
+            (:meth:`take`, :meth:`peek`) first waits for the copies still in flight.
     """
 
-    def __init__(self, max_bytes: int = 1 << 30) -> None:
+    def __init__(self, max_bytes: int = 1 << 30, device: torch.device | None = None) -> None:
         self.max_bytes = max_bytes
-        self.pinned = can_pin_memory()
+        self.device = torch.device("cpu") if device is None else device
+        self.pinned = pins_host_memory(self.device)
+        self._in_flight = False  # a non_blocking device-to-host copy not yet waited for
         self.entries: dict[int, torch.Tensor] = {}
         self.nbytes = 0
         self.peak_bytes = 0
         self.transferred_bytes = 0
 
     def put(self, sample_id: int, logprobs: torch.Tensor) -> None:
-        """Store a copy of ``logprobs`` (float32 [R]) for ``sample_id``.
+        """Store a host copy of ``logprobs`` (float32 [R], on the CPU or the trainer's device)
+        for ``sample_id``; from a CUDA tensor into pinned memory the copy is asynchronous.
 
         Raises:
             ProximalCacheError: duplicate sample id, or the byte cap would be exceeded.
@@ -49,7 +49,9 @@ class ProximalLogprobCache:
             raise ProximalCacheError(f"sample {sample_id}: cache would hold {self.nbytes + size} "
                                      f"bytes, over its cap of {self.max_bytes}")
         host = torch.empty(logprobs.shape, dtype=torch.float32, pin_memory=self.pinned)
-        host.copy_(logprobs.detach())
+        asynchronous = self.pinned and logprobs.device.type == "cuda"
+        host.copy_(logprobs.detach(), non_blocking=asynchronous)
+        self._in_flight = self._in_flight or asynchronous
         self.entries[sample_id] = host
         self.nbytes += size
         self.peak_bytes = max(self.peak_bytes, self.nbytes)
@@ -67,6 +69,7 @@ class ProximalLogprobCache:
         missing = [s for s in sample_ids if s not in self.entries]
         if missing:
             raise ProximalCacheError(f"samples not in the proximal cache: {missing[:8]}")
+        self._wait()
         out = [self.entries.pop(s) for s in sample_ids]
         moved = sum(t.numel() * 4 for t in out)
         self.nbytes -= moved
@@ -80,9 +83,17 @@ class ProximalLogprobCache:
             ProximalCacheError: not cached.
         """
         try:
-            return self.entries[sample_id]
+            entry = self.entries[sample_id]
         except KeyError:
             raise ProximalCacheError(f"sample {sample_id} is not in the proximal cache") from None
+        self._wait()
+        return entry
+
+    def _wait(self) -> None:
+        """Wait for the asynchronous copies :meth:`put` started (none on the CPU)."""
+        if self._in_flight:
+            torch.cuda.synchronize(self.device)
+            self._in_flight = False
 
     def discard(self, sample_ids: list[int]) -> None:
         """Drop entries that will not be trained on (rejected or surplus groups)."""

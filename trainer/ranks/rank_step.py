@@ -51,7 +51,7 @@ class RankStep:
 
     def __init__(self, backend: TrainerBackend, config: TrainerConfig) -> None:
         self.backend, self.config = backend, config
-        self.cache = ProximalLogprobCache(config.rs_refill_max_candidate_cache_bytes)
+        self.cache = ProximalLogprobCache(config.rs_refill_max_candidate_cache_bytes, backend.device)
         self.gate = config.rs_gate
         self.entropies: list[torch.Tensor] = []
         self.updates = 0  # update() calls so far: every --indexer-drift-interval-th computes drift

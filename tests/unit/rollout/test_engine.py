@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 import torch
 
+from replayrl.actors.errors import DeviceError
 from replayrl.rollout.engines.base import Generation
-from replayrl.rollout.engines.embedded import EmbeddedEngine
+from replayrl.rollout.engines.embedded import EmbeddedEngine, _Forward, _PaddedBatch, _prefill
 from replayrl.rollout.errors import EngineCaptureError, EngineInputError, EngineNotReady
 from replayrl.rollout.model.checkpoint import state_dict_arrays
 from replayrl.rollout.model.config import ModelConfig
@@ -21,6 +22,7 @@ from replayrl.rollout.model.errors import CheckpointError
 from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
 from replayrl.rollout.sample import TRACE_FIELDS
 from replayrl.rollout.sampling.sampling_params import SamplingParams
+from tests.devices import DEVICES
 
 PROMPTS = [[5, 9, 3], [7, 1, 4, 4, 8, 2, 6], [11], [3, 8, 12, 30, 1]]
 TOP_K = 12
@@ -317,3 +319,36 @@ def test_repeated_prompts_are_prefilled_once_and_generate_as_alone(reference):
         assert np.allclose(gen.rollout_logprobs, alone.rollout_logprobs, atol=1e-5)
         for field in TRACE_FIELDS:
             assert np.array_equal(getattr(gen, field), getattr(alone, field)), field
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_model_and_its_kv_cache_live_on_the_device(reference, device):
+    _, arrays = reference
+    engine = EmbeddedEngine(tiny_config(), dtype=torch.float32, device=device)  # a --device name
+    assert engine.device.type == device
+    assert {p.device.type for p in engine.model.parameters()} == {device}
+    engine.load_weights(arrays, version=0)
+    assert {p.device.type for p in engine.model.parameters()} == {device}
+    batch = _PaddedBatch([list(p) for p in PROMPTS], engine.device)
+    forward = _Forward(engine.model, True, True)
+    logits = _prefill(forward, batch)
+    cache = forward.cache
+    assert logits.device.type == device and cache._padding_mask.device.type == device
+    assert {t.device.type for t in cache._keys + cache._values if t is not None} == {device}
+    gens = engine.generate(PROMPTS, SamplingParams(temperature=0.9, top_k=TOP_K), max_new_tokens=4,
+                           eos_token_id=0, seed=3, traces=ALL)
+    # the generations leave the device as numpy arrays
+    assert all(isinstance(g.response_ids, np.ndarray) and isinstance(g.routed_experts, np.ndarray)
+               for g in gens)
+    if device == "cpu":  # the CPU engine's output is the default engine's, bit for bit
+        same = make_engine(arrays).generate(PROMPTS, SamplingParams(temperature=0.9, top_k=TOP_K),
+                                            max_new_tokens=4, eos_token_id=0, seed=3, traces=ALL)
+        for g, h in zip(gens, same):
+            for name in ("response_ids", "rollout_logprobs", "sample_support", "routed_experts", "indexer_topk"):
+                np.testing.assert_array_equal(getattr(g, name), getattr(h, name), err_msg=name)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_a_cuda_engine_without_cuda_is_refused():
+    with pytest.raises(DeviceError, match="--device cuda, but torch sees no CUDA device"):
+        EmbeddedEngine(tiny_config(), device="cuda")

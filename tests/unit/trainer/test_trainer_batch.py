@@ -13,6 +13,7 @@ from replayrl.rollout.sample import Sample
 from replayrl.trainer.batching.batch import collate
 from replayrl.trainer.errors import ProximalCacheError
 from replayrl.trainer.ranks.proximal_cache import ProximalLogprobCache
+from tests.devices import DEVICES
 
 L_MOE, K_ROUTER, L_IDX, K_IDX = 2, 2, 1, 3
 
@@ -188,18 +189,21 @@ def test_empty_batch_raises():
 # ---------------------------------------------------------------- ProximalLogprobCache
 
 
-def pin_works() -> bool:
-    try:
-        torch.empty(1).pin_memory()
-        return True
-    except RuntimeError:
-        return False
+def test_the_cache_pins_host_memory_only_for_a_cuda_trainer():
+    assert ProximalLogprobCache().pinned is False  # the CPU, by default
+    assert ProximalLogprobCache(device=torch.device("cpu")).pinned is False
+    assert ProximalLogprobCache(device=torch.device("cuda", 0)).pinned is True  # decided, not allocated
 
 
-def test_pinned_flag_is_a_bool_matching_whether_pinning_works():
-    cache = ProximalLogprobCache()
-    assert type(cache.pinned) is bool
-    assert cache.pinned == pin_works()
+@pytest.mark.parametrize("device", DEVICES)
+def test_entries_from_the_device_wait_on_the_host(device):
+    cache = ProximalLogprobCache(device=torch.device(device))
+    cache.put(1, torch.tensor([-0.5, -1.25], device=device))
+    cache.put(2, torch.tensor([-3.0], device=device))
+    assert cache.peek(2).tolist() == [-3.0]
+    (got,) = cache.take([1])
+    assert got.device.type == "cpu" and got.is_pinned() is (device == "cuda")
+    assert got.tolist() == [-0.5, -1.25]
 
 
 def test_put_take_returns_entries_in_requested_order_as_copies():

@@ -69,7 +69,8 @@ BENCHES = {"parity": "replayrl.tools.bench.parity", "refill": "replayrl.tools.be
            "engine": "replayrl.tools.bench.engine", "decode": "replayrl.tools.bench.decode",
            "steps": "replayrl.tools.bench.steps", "faults": "replayrl.tools.bench.faults",
            "traces": "replayrl.tools.bench.traces", "lora": "replayrl.tools.bench.lora",
-           "memory": "replayrl.tools.bench.memory", "limit": "replayrl.tools.bench.limit"}
+           "memory": "replayrl.tools.bench.memory", "limit": "replayrl.tools.bench.limit",
+           "gpu": "replayrl.tools.bench.gpu"}
 
 
 def bench_list() -> str:

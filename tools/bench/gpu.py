@@ -20,6 +20,7 @@ import gc
 import json
 import math
 import platform
+import re
 import resource
 import statistics
 import subprocess
@@ -40,7 +41,7 @@ STEPS: dict[str, tuple[str, int]] = {
     "generation": ("embedded engine generation tokens/s", 40),
     "trainer": ("trainer tokens/s (forward, backward, optimizer step)", 40),
     "train-run": ("replayrl train --device DEVICE, a short run through the launcher", 150),
-    "gpu-tests": ("the tests marked gpu (pytest -m gpu tests/unit)", 180),
+    "gpu-tests": ("the tests marked gpu (pytest -m gpu, the test files that hold them)", 180),
 }
 """Step name -> (what it checks, its time budget in seconds on one H100). The budgets add up to
 under the 10 minutes of one device call."""
@@ -153,6 +154,18 @@ def plan(env: Environment, device: str, selected: Sequence[str] = tuple(STEPS)) 
             why = "pytest is not installed"
         out.append(PlannedStep(name, what, not why, why, budget if not why else 0))
     return out
+
+
+_GPU_TESTS = re.compile(r"^(?:\s*@pytest\.mark\.gpu\b|pytestmark = .*pytest\.mark\.gpu\b|"
+                        r"from tests\.devices import)", re.MULTILINE)
+
+
+def gpu_test_files(tests: Path) -> list[str]:
+    """The test files under ``tests`` (relative to its parent, sorted) that hold tests marked
+    ``gpu``: a line that marks a test or the module (``@pytest.mark.gpu``, ``pytestmark =
+    pytest.mark.gpu``) or imports ``tests.devices`` (its CUDA parameter is marked)."""
+    return sorted(str(p.relative_to(tests.parent)) for p in tests.rglob("test_*.py")
+                  if _GPU_TESTS.search(p.read_text()))
 
 
 def describe(env: Environment, device: str, steps: list[PlannedStep]) -> str:
@@ -490,10 +503,12 @@ class GpuCheck:
         return figures
 
     def gpu_tests(self) -> dict:
-        """``pytest -m gpu tests/unit`` in the source checkout (the tests marked gpu; the others
-        are deselected), its summary line and status."""
+        """``pytest -m gpu`` over the source checkout's test files that hold gpu tests
+        (:func:`gpu_test_files`: the others are not even collected, so a test dependency the
+        device lacks costs nothing), its summary line and status."""
         root = Path(__file__).resolve().parents[2]
-        argv = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests/unit"]
+        files = gpu_test_files(root / "tests")
+        argv = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", *files]
         start = time.perf_counter()
         proc = subprocess.run(argv, cwd=root, capture_output=True, text=True, timeout=GPU_TESTS_TIMEOUT_S)
         lines = [line for line in proc.stdout.splitlines() if line.strip()]

@@ -13,6 +13,7 @@ from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
 from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
 from replayrl.tools.bench import gpu
 from replayrl.tools.bench.gpu import STEPS, Environment, GpuCheck, describe, plan, push_config
+from tests.paths import REPO
 
 GPU_MACHINE = Environment(python="3.12.3", torch="2.11.0+cu130", cuda_build="13.0", cuda=True, absent="",
                           devices=("NVIDIA H100 80GB HBM3",), capability="9.0", bf16=True, nccl=True,
@@ -131,3 +132,16 @@ def test_on_the_cpu_the_throughput_steps_count_tokens(cpu_check, step):
     result = cpu_check.run_step(step)
     assert result.ok, result.error
     assert result.figures["tokens_per_second"] > 0 and result.seconds > 0 and result.peak_mib > 0
+
+
+def test_the_gpu_tests_step_collects_only_the_files_that_hold_gpu_tests(tmp_path):
+    tests = tmp_path / "tests"
+    (tests / "unit").mkdir(parents=True)
+    (tests / "unit" / "test_marked.py").write_text("@pytest.mark.gpu\ndef test_a(): ...\n")
+    (tests / "unit" / "test_devices.py").write_text("from tests.devices import DEVICES\n")
+    (tests / "unit" / "test_plain.py").write_text("def test_b(): ...\n")
+    (tests / "unit" / "helper.py").write_text("@pytest.mark.gpu\n")
+    assert gpu.gpu_test_files(tests) == ["tests/unit/test_devices.py", "tests/unit/test_marked.py"]
+    here = gpu.gpu_test_files(REPO / "tests")
+    assert "tests/unit/trainer/test_device_placement.py" in here
+    assert "tests/unit/tools/test_bench_gpu.py" not in here

@@ -35,11 +35,13 @@ class FixedDigitEngine(Engine):
     Args:
         model_config: ``ModelConfig`` fields (trace shapes and vocabulary).
         dtype: accepted and ignored (the launcher passes every engine the run's precision).
+        device: accepted and ignored (the embedded engine's ``--device``, which tests that
+            stand this engine in for it pass along with its other kwargs).
     """
 
     capturable_traces = frozenset(TRACE_FIELDS)
 
-    def __init__(self, model_config: Mapping[str, Any], dtype: str = "bfloat16") -> None:
+    def __init__(self, model_config: Mapping[str, Any], dtype: str = "bfloat16", device: str = "cpu") -> None:
         super().__init__()
         self.config = ModelConfig(**model_config)
 
@@ -111,8 +113,8 @@ class ScriptedTurnsEngine(FixedDigitEngine):
     """
 
     def __init__(self, model_config: Mapping[str, Any], dtype: str = "bfloat16",
-                 turns: Sequence[Sequence[int]] = (), base: int = 0) -> None:
-        super().__init__(model_config, dtype)
+                 turns: Sequence[Sequence[int]] = (), base: int = 0, device: str = "cpu") -> None:
+        super().__init__(model_config, dtype, device)
         self.turns = [list(t) for t in turns]
         self.base = int(base)
 

@@ -24,17 +24,26 @@ class ActorProxy:
         ref: the actor's reference (:meth:`replayrl.actors.Directory.ref`).
         timeout: seconds every call (and the one-time interface fetch) waits for its reply;
             ``None`` waits forever.
+        shared_memory: whether a call's large arrays may go through this process's
+            shared-memory pool to an ipc peer (docs/design/transport.md#shm-transport); False:
+            always as ZeroMQ frames.
     """
 
-    __slots__ = ("ref", "timeout")
+    __slots__ = ("ref", "timeout", "shared_memory")
 
-    def __init__(self, ref: ActorRef, timeout: float | None = None) -> None:
+    def __init__(self, ref: ActorRef, timeout: float | None = None,
+                 shared_memory: bool = True) -> None:
         self.ref = ref
         self.timeout = timeout
+        self.shared_memory = shared_memory
 
     def with_timeout(self, timeout: float | None) -> "ActorProxy":
         """The same actor with another reply timeout (seconds; ``None`` = forever)."""
-        return ActorProxy(self.ref, timeout)
+        return ActorProxy(self.ref, timeout, self.shared_memory)
+
+    def without_shared_memory(self) -> "ActorProxy":
+        """The same actor, its calls' arrays sent as ZeroMQ frames even to an ipc peer."""
+        return ActorProxy(self.ref, self.timeout, shared_memory=False)
 
     async def interface(self) -> ActorInterface:
         """The actor's methods and signatures (fetched once per connection)."""
@@ -69,8 +78,8 @@ class RemoteMethod:
             replayrl.actors.interface.ActorCallError: no such method, or the arguments do not bind.
             replayrl.actors.RemoteError / replayrl.actors.ActorTimeout: as :meth:`replayrl.actors.ActorRef.call`.
         """
-        return self._checked(Message.of(CALL, self.method, args, kwargs, self.proxy.ref.endpoint),
-                             args, kwargs)
+        return self._checked(Message.of(CALL, self.method, args, kwargs, self.proxy.ref.endpoint,
+                                        shared_memory=self.proxy.shared_memory), args, kwargs)
 
     async def _checked(self, message: Message, args: tuple, kwargs: dict) -> Any:
         proxy = self.proxy

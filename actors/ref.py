@@ -156,14 +156,17 @@ class Message:
     error: Exception | None = None
 
     @classmethod
-    def of(cls, kind: str, method: str, args: tuple, kwargs: dict, endpoint: str = "") -> "Message":
+    def of(cls, kind: str, method: str, args: tuple, kwargs: dict, endpoint: str = "",
+           shared_memory: bool = True) -> "Message":
         """Encode ``method(*args, **kwargs)`` for the actor at ``endpoint`` now and copy its array
-        data: large arrays into this process's shared-memory pool for an ipc peer, everything
-        else into bytes the message owns (docs/design/transport.md#shm-transport)."""
+        data: large arrays into this process's shared-memory pool for an ipc peer (unless
+        ``shared_memory`` is False), everything else into bytes the message owns
+        (docs/design/transport.md#shm-transport)."""
         call_id = next(_CALL_IDS)
+        pool = POOL.pool_for(endpoint) if shared_memory else None
         try:
             frames = owned_frames(POOL.codec.encode(request(kind, call_id, method, args, kwargs),
-                                                    POOL.pool_for(endpoint)))
+                                                    pool))
         except Exception as exc:  # raised where the message is sent, as an unencodable call was
             return cls(call_id, method, (), exc)
         return cls(call_id, method, tuple(frames))

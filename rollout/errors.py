@@ -8,7 +8,8 @@ the layer with one class. Below it the tree is shallow, grouped by what a caller
   :class:`RewardError`, :class:`TaskError`, :class:`ToolEnvError`, :class:`TurnLoopError`,
   :class:`SamplerError` (and its two kinds);
 - an inference engine or its server failed: :class:`EngineError` and its kinds (each names the
-  engine, the request or the field), :class:`EnginesLost` when no engine is left;
+  engine, the request or the field), :class:`EnginesLost` when no engine is left,
+  :class:`WeightSyncError` when a weight push could not reach one;
 - a run-time failure of one rollout step: :class:`RewardFailure`, :class:`DataExhausted`, and
   :class:`RolloutError` itself (the rollout manager's "no such rollout" / "already stored");
 - a trajectory that violates the data contract: :class:`SampleError` and
@@ -28,7 +29,7 @@ __all__ = [
     "ToolEnvError", "TurnLoopError",
     "SamplerError", "SamplingParamsError", "NonFiniteLogitsError",
     "EngineError", "EngineNotReady", "EngineInputError", "EngineCaptureError", "EngineTimeout",
-    "UnknownEngine", "EnginesLost", "SglangRequestError", "SglangResponseError",
+    "UnknownEngine", "EnginesLost", "WeightSyncError", "SglangRequestError", "SglangResponseError",
     "SglangUnavailable", "SglangNoAnswer",
     "SampleError", "MissingTraceError", "TrajectoryError", "TraceGapError", "MixedVersionError",
     "ChatTemplateError",
@@ -179,6 +180,12 @@ class SglangNoAnswer(EngineError):
 class EnginesLost(RolloutError, RuntimeError):
     """No engine is left to serve a rollout (every one lost under ``regenerate``, or none
     restored in time under ``restart``); names the engines and why each was lost."""
+
+
+class WeightSyncError(RolloutError, RuntimeError):
+    """A weight push could not be packed, delivered or loaded by its weight sync
+    (:mod:`replayrl.rollout.weight_sync`): a payload of another sync or group, a broadcast that
+    failed, CUDA IPC on tensors that are not on a CUDA device; names the sync and the push."""
 
 
 # --- data contract: a trajectory that cannot be trained on (names the sample and the field) ------

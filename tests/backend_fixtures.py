@@ -136,12 +136,11 @@ def assert_same_arrays(got: dict, want: dict, atol: float, keys=None) -> None:
 
 
 def assert_same_push(reference, fsdp, atol: float) -> None:
-    """The fsdp backend's pushes (full and not) are the torch ``reference``'s weight bundles,
-    key for key in the same order, each array within ``atol``."""
-    from replayrl.transport.array_bundle import unpack_arrays
-
+    """The fsdp backend's pushes (full and not) are the torch ``reference``'s
+    (``push_tensors``), key for key in the same order, each tensor within ``atol``."""
     for full in (True, False):
-        pushed, want = fsdp.push_arrays(full=full), unpack_arrays(reference.weight_bundle(full=full))
+        pushed, want = fsdp.push_tensors(full=full), reference.push_tensors(full=full)
         assert list(pushed) == list(want)
-        for name, array in want.items():
-            np.testing.assert_allclose(pushed[name], array, rtol=0, atol=atol, err_msg=name)
+        for name, t in want.items():
+            np.testing.assert_allclose(pushed[name].cpu().numpy(), t.cpu().numpy(), rtol=0,
+                                       atol=atol, err_msg=name)

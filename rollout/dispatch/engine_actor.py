@@ -7,6 +7,11 @@ weight push of one policy version) and ``generate`` (one turn per prompt). Every
 ``policy_version``. Readiness ("no request before the first weight load") is the engine
 interface's rule (:meth:`replayrl.rollout.engines.base.Engine.generate`), so it holds for every engine.
 
+A push arrives packed by the run's weight sync (:mod:`replayrl.rollout.weight_sync`): an array
+bundle (zmq, shm), or a manifest naming its sync (disk, dist, ipc), which this actor hands to
+that sync's engine half; ``join_weight_group`` sets up the receiving end of a sync that needs
+one (dist: the trainer's weight group).
+
 ``load_weights`` is served concurrently with queued ``generate`` requests, and ``generate`` may
 name the ``min_version`` it must be served at: the trainer can then push and go on training
 while the engine loads, and a generation requested for the new policy waits here for it
@@ -35,7 +40,8 @@ from replayrl.rollout.engines.base import generations_to_columns
 from replayrl.rollout.episodes.version_pins import VersionPins
 from replayrl.rollout.errors import EngineError, EngineNotReady
 from replayrl.rollout.sampling.sampling_params import SamplingParams
-from replayrl.transport.array_bundle import unpack_arrays
+from replayrl.rollout.weight_sync import resolve_weight_sync
+from replayrl.rollout.weight_sync.base import WeightSync, sync_name
 
 
 class EngineActor(Actor):
@@ -69,43 +75,74 @@ class EngineActor(Actor):
         self._loaded: asyncio.Event | None = None  # set after every load attempt, then renewed
         self._failed: tuple[int, str] | None = None  # (version, error) of the last failed load
         self.pins = VersionPins(pin_lease_s)  # multi-turn episodes across a push
+        self._syncs: dict[str, WeightSync] = {}  # the engine halves of the weight syncs used
 
     async def on_stop(self) -> None:
-        """Release the engine's resources (an HTTP session, a temporary weight directory) when
-        it has a ``close``."""
+        """Leave a weight group, and release the engine's resources (an HTTP session, a
+        temporary weight directory) when it has a ``close``."""
+        for sync in self._syncs.values():
+            sync.leave()
         close = getattr(self.engine, "close", None)
         if close is not None:
             close()
 
-    @concurrent
-    async def load_weights(self, version: int, weights: Mapping[str, Any]) -> float:
-        """Load a full weight set of policy ``version``; returns seconds spent loading.
+    def _sync(self, name: str) -> WeightSync:
+        """The engine half of weight sync ``name`` (made on first use)."""
+        if name not in self._syncs:
+            self._syncs[name] = resolve_weight_sync(name)()
+        return self._syncs[name]
 
-        The load first waits for earlier loads and until no version pin of an older version is
-        held (:meth:`open_pin`; a pin lapses after ``pin_lease_s`` unused), so a multi-turn
-        episode in flight finishes on its weights; without pins it starts at once.
+    @concurrent
+    async def join_weight_group(self, spec: Mapping[str, Any]) -> bool:
+        """Join the trainer's weight group (``--weight-sync dist``), leaving any earlier one;
+        returns once every member joined (:meth:`replayrl.rollout.weight_sync.dist.DistSync.join`).
 
         Args:
-            weights: the arrays as one bundle (``replayrl.transport.array_bundle.pack_arrays``): a
-                hundred small frames cost far more to send than one.
+            spec: ``master_address``, ``master_port``, ``rank_offset`` (this engine's rank),
+                ``world_size``, ``group_name``, ``backend`` and ``timeout_s``.
+        Raises:
+            replayrl.rollout.errors.WeightSyncError: the group did not form in time.
+        """
+        await self._sync("dist").join(self.engine, spec)
+        return True
+
+    @concurrent
+    async def load_weights(self, version: int, weights: Mapping[str, Any]) -> float:
+        """Load a full weight set of policy ``version``; returns seconds spent receiving and
+        loading.
+
+        The data is received first (a dist push takes part in the broadcast at once, while
+        generations go on); the load then waits for earlier loads and until no version pin of
+        an older version is held (:meth:`open_pin`; a pin lapses after ``pin_lease_s`` unused),
+        so a multi-turn episode in flight finishes on its weights; without pins it starts at once.
+
+        Args:
+            weights: the push as its weight sync packed it
+                (:func:`replayrl.rollout.weight_sync.base.sync_name`): the arrays as one bundle
+                (``replayrl.transport.array_bundle``: a hundred small frames cost far more to
+                send than one), or a manifest of the disk, dist or ipc sync.
         Raises:
             replayrl.transport.DecodeError: a malformed bundle (nothing loaded).
+            replayrl.rollout.errors.WeightSyncError: a payload of no sync, or of another
+                weight group; a failed broadcast.
             replayrl.rollout.engines.EngineInputError: ``version`` is below the version already loaded.
             Whatever the engine's weight loading raises (previous weights stay).
         """
-        async with self.pins.exclusive(version):
-            start = time.perf_counter()
-            try:
-                self.engine.load_weights(unpack_arrays(weights), version=version)
+        start = time.perf_counter()
+        try:
+            sync = self._sync(sync_name(weights))
+            received = await sync.receive(self.engine, weights)
+            async with self.pins.exclusive(version):
+                sync.load(self.engine, received, version)
                 self._failed = None
-            except Exception as exc:
-                self._failed = (version, f"{type(exc).__name__}: {exc}")
-                raise
-            finally:
-                if self._loaded is not None:
-                    self._loaded.set()
-                    self._loaded = None
-            return time.perf_counter() - start
+        except Exception as exc:
+            self._failed = (version, f"{type(exc).__name__}: {exc}")
+            raise
+        finally:
+            if self._loaded is not None:
+                self._loaded.set()
+                self._loaded = None
+        return time.perf_counter() - start
 
     @concurrent
     async def open_pin(self, pin: str, min_version: int | None = None) -> int:

@@ -14,12 +14,19 @@ The rule "an engine serves no request before its first weight load of the run"
 :meth:`Engine.generate` raises
 :class:`EngineNotReady` until :meth:`Engine.load_weights` succeeded. Subclasses implement
 :meth:`Engine._load_weights` and :meth:`Engine._generate` and never see a request before that.
+
+How a push reaches :meth:`Engine.load_weights` is the weight sync's business
+(:mod:`replayrl.rollout.weight_sync`). An engine whose own server receives pushes (the SGLang
+client) may also offer ``load_weights_from_disk(path, version=)``,
+``init_weights_update_group(spec)``, ``load_weights_from_distributed(manifest, version=)`` and
+``destroy_weights_update_group(name)``, which the disk and dist syncs then call instead of
+handing it tensors; each sets the version through :meth:`Engine._load_version`.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar, Collection, Literal, Mapping, Sequence
+from typing import Any, Callable, ClassVar, Collection, Literal, Mapping, Sequence
 
 import numpy as np
 
@@ -233,12 +240,23 @@ class Engine(ABC):
             EngineInputError: ``version`` not an int ``>= 0`` or below the loaded version.
             Whatever :meth:`_load_weights` raises; the version is then left unchanged.
         """
+        self._load_version(version, lambda: self._load_weights(arrays))
+
+    def _load_version(self, version: int, load: Callable[[], None]) -> None:
+        """Check ``version`` as :meth:`load_weights` does, run ``load()``, then serve
+        ``version``: the one way a version is set, also for an engine that receives a push
+        itself (the SGLang client's disk and weight-group loads).
+
+        Raises:
+            EngineInputError: ``version`` not an int ``>= 0`` or below the loaded version.
+            Whatever ``load`` raises; the version is then left unchanged.
+        """
         if isinstance(version, bool) or not isinstance(version, (int, np.integer)) or version < 0:
             raise EngineInputError(f"load_weights: version must be an int >= 0, got {version!r}")
         if self._version is not None and version < self._version:
             raise EngineInputError(f"load_weights: weight version would move backwards "
                                    f"{self._version} -> {version}")
-        self._load_weights(arrays)
+        load()
         self._version = int(version)
 
     def generate(

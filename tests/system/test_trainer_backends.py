@@ -19,6 +19,7 @@ from replayrl.rollout.model.errors import CheckpointError
 from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
 from replayrl.rollout.sample import Sample
 from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
+from replayrl.rollout.weight_sync.shm import ShmSync
 from replayrl.tools.errors import ConfigError
 from replayrl.tools.run.from_flags import build_config
 from replayrl.trainer.backends import BACKENDS, resolve_backend
@@ -261,9 +262,9 @@ def _snapshot(backend: TorchBackend) -> dict[str, np.ndarray]:
     return {k: v.detach().numpy().copy() for k, v in backend.model.state_dict().items()}
 
 
-def test_weight_bundle_holds_the_weights_as_pack_arrays_does(checkpoint):
+def test_a_shm_push_holds_the_weights_as_pack_arrays_does(checkpoint):
     backend = _backend(checkpoint)
-    bundle = backend.weight_bundle()
+    bundle = ShmSync().pack(backend.push_tensors(), version=0, home=backend).payload
     reference = pack_arrays(backend.weights())  # the generic path: per-array copies
     assert [e[0] for e in bundle["entries"]] == [e[0] for e in reference["entries"]]
     got, expected = unpack_arrays(bundle), unpack_arrays(reference)
@@ -279,8 +280,12 @@ def test_a_push_in_flight_keeps_its_weights_while_training_goes_on(checkpoint):
     from replayrl.transport import Codec
     from replayrl.transport.shm_pool import ShmReader, mark_sent
 
-    backend, codec, reader = _backend(checkpoint), Codec(), ShmReader()
+    backend, codec, reader, sync = _backend(checkpoint), Codec(), ShmReader(), ShmSync()
     pool = shared_memory_pool()
+
+    def weight_bundle() -> dict:  # the shm sync's push of the backend's weights
+        return sync.pack(backend.push_tensors(), version=0, home=backend).payload
+
     first = next(iter(backend.model.state_dict()))
 
     def home() -> int:
@@ -292,7 +297,7 @@ def test_a_push_in_flight_keeps_its_weights_while_training_goes_on(checkpoint):
         return unpack_arrays(codec.decode(frames, reader))
 
     pushed = _snapshot(backend)
-    received = send(backend.weight_bundle())
+    received = send(weight_bundle())
     busy = pool.busy()
     assert all(np.array_equal(received[k], pushed[k]) for k in pushed)
     before = home()
@@ -303,14 +308,14 @@ def test_a_push_in_flight_keeps_its_weights_while_training_goes_on(checkpoint):
     assert any(not np.array_equal(trained[k], pushed[k]) for k in pushed)
     del received  # loaded: the engine drops its views, which releases the old slot
     assert pool.busy() == busy  # the old slot went back to the pool, the weights hold the new
-    received = send(backend.weight_bundle())
+    received = send(weight_bundle())
     assert all(np.array_equal(received[k], trained[k]) for k in trained)
     slot_bytes = pool.slot_bytes
     del received
     before = home()
     _train_once(backend)  # released: the step trains in place, no copy, no new slot
     assert home() == before and pool.slot_bytes == slot_bytes
-    first_engine = backend.weight_bundle()
+    first_engine = weight_bundle()
     a = send(first_engine)
     b = send(first_engine)  # a second engine's call of the same push: a copy of its own
     assert a[first].ctypes.data != b[first].ctypes.data  # (the free slot of before)

@@ -2,7 +2,12 @@
 
 - imports point downwards only: ``tools -> {rollout, trainer} -> actors -> transport``, and
   ``trainer`` reaches into ``rollout`` only for ``replayrl.rollout.sample``, the trace table it
-  reads (``replayrl.rollout.traces.trace_table``) and ``replayrl.rollout.model``;
+  reads (``replayrl.rollout.traces.trace_table``), ``replayrl.rollout.model`` and the weight-sync
+  room (``replayrl.rollout.weight_sync``, which packs a push on the trainer and loads it on the
+  engine);
+- the trainer backends hand over tensors and never see a transport: no backend module imports
+  ``replayrl.transport``, the shared-memory sends of ``replayrl.actors.ref`` or the weight-sync
+  room (a way of moving weights is that room's, not a backend's);
 - rollout/ and trainer/ keep each concept in a room (a subfolder whose ``__init__`` says what it
   holds); their roots keep only settings, errors and the sample contract, and the leaf rooms
   (traces, sampling, scoring, model; loss, replay, lora) stand on the root modules alone;
@@ -33,7 +38,10 @@ ALLOWED = {  # layer -> layers it may import
 }
 # the trace table is part of the sample contract: the trainer batch and the flip / drift rates
 # read each trace's row space, padding, batch field and replay switch from it
-TRAINER_MAY_USE = ("replayrl.rollout.sample", "replayrl.rollout.traces.trace_table", "replayrl.rollout.model")
+TRAINER_MAY_USE = ("replayrl.rollout.sample", "replayrl.rollout.traces.trace_table", "replayrl.rollout.model",
+                   "replayrl.rollout.weight_sync")
+# what a trainer backend may not import: the wire, the shared-memory sends, the weight syncs
+TRANSPORT_DETAILS = ("replayrl.transport", "replayrl.actors.ref", "replayrl.rollout.weight_sync")
 # the rooms of tools/: the run is the core the others stand on; the console and the benchmarks
 # use the run, never each other; cli.py and serve.py sit beside the rooms
 ROOMS_MAY_USE = {"run": {"run"}, "console": {"console", "run"}, "bench": {"bench", "run"}}
@@ -114,6 +122,19 @@ def test_imports_point_downwards(module):
         bad += sorted(m for m in GRAPH[module] if _layer(m) == "rollout"
                       and not m.startswith(TRAINER_MAY_USE))
     assert not bad, f"{module} imports {bad} against docs/design/layout.md#layout"
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES
+                                          if m.startswith("replayrl.trainer.backends")))
+def test_trainer_backends_see_no_transport(module):
+    bad = sorted(m for m in GRAPH[module] if m.startswith(TRANSPORT_DETAILS))
+    assert not bad, (f"{module} imports {bad}: a backend hands its tensors to the weight sync "
+                     f"(TrainerBackend.push_tensors); moving them is replayrl.rollout.weight_sync's")
+
+
+def test_the_transport_rule_sees_an_import():
+    # the checker itself: the trainer actor (not a backend) uses the weight-sync room
+    assert any(m.startswith(TRANSPORT_DETAILS) for m in GRAPH["replayrl.trainer.ranks.trainer_actor"])
 
 
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if _room(m)))

@@ -70,7 +70,7 @@ def _embedded(rank: int, directory: Path):
         backend.optimizer.step()
         state = sum(t.numel() * t.element_size() for s in backend.optimizer.state.values()
                     for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
-        push = sum(b.nbytes for b in backend.weight_bundle(**({"full": False} if r else {}))["buffers"])
+        push = sum(t.numel() * t.element_size() for t in backend.push_tensors(full=not r).values())
         sizes[r] = (backend, push, state, sum(p.numel() for p in backend.params))
     full, lora_ = sizes[0], sizes[rank]
     row = _row("embedded default", full[0].parameter_count(), lora_[3], full[1], lora_[1],

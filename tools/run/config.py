@@ -44,6 +44,8 @@ from replayrl.rollout.tasks import (
 )
 from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
 from replayrl.rollout.tasks.sort import prompt_tokens
+from replayrl.rollout.weight_sync import WEIGHT_SYNC_CHOICES
+from replayrl.rollout.weight_sync.run_check import check_run as check_weight_sync_run
 from replayrl.tools.errors import ConfigError
 from replayrl.trainer.backends.run_checks import check_run as check_backend_run
 from replayrl.trainer.config import TrainerConfig
@@ -124,6 +126,12 @@ class RunConfig:
         shm_pool_bytes, shm_min_array_bytes: the shared-memory pool of every process for arrays
             to ipc peers (``--shm-pool-bytes``, 0 = off; ``--shm-min-array-bytes``; bytes;
             docs/design/transport.md#shm-transport).
+        weight_sync: how a weight push reaches the engines (``--weight-sync``, a name of
+            :data:`replayrl.rollout.weight_sync.WEIGHT_SYNCS` or ``auto``, resolved by
+            :func:`replayrl.rollout.weight_sync.run_check.resolve`; its refusals are the room's,
+            :func:`replayrl.rollout.weight_sync.run_check.check_run`).
+        weight_sync_dir: the directory ``--weight-sync disk`` writes pushes to
+            (``--weight-sync-dir``; ``""`` = ``<output-dir>/weight-sync``).
         colocate: the version clock, the rollout manager, ``engine_0`` and the trainer in one
             process, one event loop and one torch runtime (``--colocate``,
             docs/design/actors.md#colocate); combinations it cannot serve are refused here
@@ -228,6 +236,16 @@ class RunConfig:
                                      "the trainer each on an event loop of their own thread, so "
                                      "generation overlaps training (more memory); off: one event "
                                      "loop, they take turns")
+    weight_sync: str = setting("auto", "weight-sync", "how a weight push reaches the engines: "
+                               "zmq (ZeroMQ frames), shm (the shared-memory pool, ipc engines), "
+                               "disk (safetensors in --weight-sync-dir), dist (bucketed "
+                               "broadcasts over a torch.distributed group: gloo on CPU, NCCL on "
+                               "CUDA), ipc (CUDA IPC handles, one GPU); auto = shm where the "
+                               "engines are ipc peers and the pool is on, else zmq",
+                               Choices(WEIGHT_SYNC_CHOICES))
+    weight_sync_dir: str = setting("", "weight-sync-dir", "where --weight-sync disk writes each "
+                                   "push; the same path on every engine's host", metavar="DIR",
+                                   default_text="<output-dir>/weight-sync")
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
@@ -285,7 +303,7 @@ class RunConfig:
     def _check_components(self) -> None:
         """Each component the run picks checks the settings it cannot serve, in its own room
         (light modules: the launcher loads no torch): the engine (``--rollout-engine``, LoRA,
-        a family policy, the SGLang servers), the LoRA targets, the backend
+        a family policy, the SGLang servers), the weight sync (``--weight-sync``), the LoRA targets, the backend
         (``--train-backend``, a family policy, the megatron layout) and the family room.
 
         Raises:
@@ -293,6 +311,7 @@ class RunConfig:
         """
         try:
             check_engine_run(self)
+            check_weight_sync_run(self)
             check_lora_run(self)
             check_backend_run(self)
             check_family_run(self)

@@ -32,7 +32,7 @@ from replayrl.actors.version_clock import VersionRules
 from replayrl.rollout.engines import EngineError, check_capture, engine_class_path, load_engine_class
 from replayrl.rollout.engines.precision import resolve_dtype
 from replayrl.rollout.engines.sglang_protocol import parse_urls
-from replayrl.rollout.errors import PromptDataError, RewardError, TokenizerError
+from replayrl.rollout.errors import PromptDataError, RewardError, RolloutConfigError, TokenizerError
 from replayrl.rollout.model.config import default_config
 from replayrl.rollout.model.errors import ModelError
 from replayrl.rollout.model.weight_files import check_weight_files
@@ -45,6 +45,9 @@ from replayrl.rollout.text.prompt_data import load_run_prompts
 from replayrl.rollout.text.tokenizer import load_tokenizer
 from replayrl.rollout.text.tokenizer_class import AUTO, resolve_tokenizer
 from replayrl.rollout.traces import trace_table
+from replayrl.rollout.weight_sync.run_check import check_device as check_sync_device
+from replayrl.rollout.weight_sync.run_check import resolve as resolve_sync
+from replayrl.rollout.weight_sync.run_check import trainer_spec as weight_sync_spec
 from replayrl.tools.errors import ConfigError
 from replayrl.tools.run.attach_card import remove_attach_card, write_attach_card
 from replayrl.tools.run.config import RunConfig
@@ -150,10 +153,16 @@ def write_initial_files(config: RunConfig, engine: str, checkpoint: Path | None,
         here (the prompt check's own load then reports the error, with the flag).
 
     Raises:
-        replayrl.tools.errors.ConfigError: as :func:`check_engine` and :func:`check_prompt_data`.
+        replayrl.tools.errors.ConfigError: as :func:`check_engine` and :func:`check_prompt_data`;
+            ``--weight-sync ipc`` where ``--device`` resolves to the CPU or to several CUDA
+            devices.
     """
     check_engine(config, engine)
     device, cuda_devices = resolve_run_device(config)
+    try:  # --weight-sync ipc on what --device auto resolved to
+        check_sync_device(resolve_sync(config), device, cuda_devices)
+    except RolloutConfigError as exc:
+        raise ConfigError(str(exc)) from None
     dtype = resolve_dtype(config.engine_dtype, device)
     if checkpoint is not None:
         write_initial_checkpoint(config, checkpoint)
@@ -557,7 +566,8 @@ def actor_specs(config: RunConfig, checkpoint_dir: Path,
                    "rollout_batch_size": config.rollout.rollout_batch_size,
                    # empty: checkpoints carry the --hf-checkpoint's own tokenizer files
                    "vocab_tokens": vocab_tokens, "engines": engines,
-                   "engine_failure": config.engine_failure, "ranks": group}),
+                   "engine_failure": config.engine_failure, "ranks": group,
+                   "weight_sync": weight_sync_spec(config)}),
         *(ActorSpec(name, "replayrl.trainer.ranks.trainer_rank:TrainerRank",
                     {"checkpoint_dir": str(checkpoint_dir), "config": config.trainer.to_dict(),
                      "vocab_tokens": vocab_tokens, "group": {**group, "rank": rank}})

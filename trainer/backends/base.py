@@ -18,12 +18,13 @@ without the preflight: ``zero_grad()``, then ``forward_backward(mb, loss_fn, cap
 choices) per microbatch, then ``clip_and_step``. The default ``forward_backward`` is
 ``train_logprobs`` / ``train_forward`` -> ``loss_fn`` -> ``backward``.
 
-plus :meth:`TrainerBackend.weights` after a step (the weight push), and checkpoint save /
+plus :meth:`TrainerBackend.push_tensors` after a step (the weight push), and checkpoint save /
 load, :meth:`TrainerBackend.digest` and :meth:`TrainerBackend.parameter_count` on request.
 """
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +35,6 @@ import torch
 
 from replayrl.rollout.model.config import ModelConfig
 from replayrl.trainer.batching.batch import TrainBatch
-from replayrl.transport.array_bundle import pack_arrays
 
 __all__ = ["ReplayedForward", "TrainerBackend"]
 
@@ -210,18 +210,49 @@ class TrainerBackend(ABC):
     def weights(self) -> dict[str, np.ndarray]:
         """The full weight set under Hugging Face parameter names (what engines load)."""
 
-    def weight_bundle(self) -> dict:
-        """:meth:`weights` packed for a weight push (:func:`replayrl.transport.array_bundle.pack_arrays`:
-        one buffer per dtype, a copy the caller owns). A backend may build it with fewer copies."""
-        return pack_arrays(self.weights())
+    def push_tensors(self, full: bool = True) -> dict[str, torch.Tensor]:
+        """The tensors of a weight push under Hugging Face names, in push order: the full
+        weight set, or under LoRA the adapter factors (:mod:`replayrl.rollout.model.adapters`),
+        after the base weights when ``full`` (the first push, a restarted engine). Floating
+        tensors on the backend's device (float32 unless a backend says otherwise); they may be
+        views of the live weights, which the weight sync (:mod:`replayrl.rollout.weight_sync`)
+        copies before they next change. A collective of every rank when :attr:`collective_io`
+        (rank 0's result is pushed). By default :meth:`weights` as tensors (no copy)."""
+        with warnings.catch_warnings():  # read-only arrays: the tensors are only read
+            warnings.simplefilter("ignore", UserWarning)
+            return {name: torch.from_numpy(np.ascontiguousarray(a))
+                    for name, a in self.weights().items()}
 
-    def push_arrays(self, full: bool = True) -> dict[str, np.ndarray]:
-        """The arrays of a weight push from a backend whose ranks hold parts of the weights
-        (:attr:`collective_io`: a collective of every rank, rank 0's result is sent): by
-        default :meth:`weights`. A LoRA backend gives the adapter factors
-        (:mod:`replayrl.rollout.model.adapters`), after the base weights when ``full`` (the
-        first push, a restarted engine)."""
-        return self.weights()
+    # -- where the weights live (a weight sync that moves them: the shm sync's live path) -----
+    _weight_hook: Callable[[], None] | None = None
+
+    def movable_weights(self) -> dict[str, torch.Tensor] | None:
+        """The weights as :meth:`push_tensors` gives them without LoRA, when they can be moved
+        into one flat float32 CPU buffer (:meth:`move_weights`): one process's policy on the
+        CPU, every tensor float32 in its own contiguous storage. None (the default): they
+        cannot, and every push is copied."""
+        return None
+
+    def move_weights(self, flat: torch.Tensor) -> None:
+        """Point every weight of :meth:`movable_weights` at its slice of ``flat`` (1-D float32
+        CPU, their total numel, in that order), values copied; the optimizer keeps its
+        parameters.
+
+        Raises:
+            NotImplementedError: a backend whose :meth:`movable_weights` is None.
+        """
+        raise NotImplementedError(f"{type(self).__name__} keeps its weights where they are")
+
+    def before_weight_change(self, hook: Callable[[], None] | None) -> None:
+        """Have ``hook()`` run before each write of the weights (an optimizer step, a
+        checkpoint load); None removes it. A weight sync whose last push may still be read out
+        of the weights moves them away first (the shm sync)."""
+        self._weight_hook = hook
+
+    def _weights_will_change(self) -> None:
+        """Call before writing the weights: runs the :meth:`before_weight_change` hook."""
+        if self._weight_hook is not None:
+            self._weight_hook()
 
     @abstractmethod
     def save_checkpoint(self, directory: Path, version: int) -> None:

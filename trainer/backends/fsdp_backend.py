@@ -28,7 +28,7 @@ Consequences for the rest of the system, which sees the same :class:`TrainerBack
   ``0 .. N-1`` concatenated are the full tensors (FSDP2 shards dim 0 as ``torch.chunk``).
 - LoRA (``--lora-rank``, :mod:`replayrl.trainer.lora.peft_adapter`): the adapters are added before
   ``fully_shard`` and sharded with their layer, only they train and sit in AdamW; the push
-  (:meth:`push_arrays`) and the checkpoint gather them from the shards and are the torch
+  (:meth:`push_tensors`) and the checkpoint gather them from the shards and are the torch
   backend's (the factors, after the base on a first push; ``model`` + peft's ``adapter``).
 
 Precision: on CUDA with bf16 the FSDP2 mixed-precision policy computes in bf16 (all-gathered
@@ -150,15 +150,20 @@ class FSDPBackend(TorchBackend):
                     state[name] = state[name] + factors[name + LORA_B_SUFFIX] @ factors[name + LORA_A_SUFFIX]
         return _arrays(state)
 
-    def push_arrays(self, full: bool = True) -> dict[str, np.ndarray]:
-        """See :meth:`TrainerBackend.push_arrays`: :meth:`weights`, or under LoRA the adapter
-        factors gathered from the shards (float32 ``N.lora_A`` [r, in], ``N.lora_B`` [out, r]
-        times the scaling), after the base weights when ``full``: the torch backend's LoRA
-        bundle (:func:`replayrl.trainer.lora.peft_adapter.adapter_arrays`), merged by the engine. A collective."""
+    def push_tensors(self, full: bool = True) -> dict[str, torch.Tensor]:
+        """See :meth:`TrainerBackend.push_tensors`: :meth:`weights` as tensors, or under LoRA
+        the adapter factors gathered from the shards (float32 ``N.lora_A`` [r, in], ``N.lora_B``
+        [out, r] times the scaling), after the base weights when ``full``: the torch backend's
+        LoRA push (:func:`replayrl.trainer.lora.peft_adapter.adapter_tensors`), merged by the
+        engine. CPU copies; a collective."""
         if not self.lora_config:
-            return self.weights()
+            return super().push_tensors(full)
         base, factors = lora.split_state(self._gathered(), self._adapted)
-        return _arrays({**base, **factors} if full else factors)
+        return {**base, **factors} if full else factors
+
+    def movable_weights(self) -> None:
+        """See :meth:`TrainerBackend.movable_weights`: none, the weights are sharded."""
+        return None
 
     def _gathered(self) -> dict[str, torch.Tensor]:
         """Every state-dict tensor all-gathered from the shards (a collective), float32 CPU
@@ -166,12 +171,6 @@ class FSDPBackend(TorchBackend):
         with torch.no_grad():
             return {name: full_value(t).detach().to(device="cpu", dtype=torch.float32, copy=True)
                     for name, t in self.model.state_dict().items()}
-
-    def weight_bundle(self) -> dict:
-        """See :meth:`TrainerBackend.weight_bundle` (:meth:`weights` packed; a collective)."""
-        from replayrl.transport.array_bundle import pack_arrays
-
-        return pack_arrays(self.weights())
 
     def _hf_model(self, arrays: dict[str, np.ndarray] | None = None) -> Qwen3MoeForCausalLM | FamilyModel:
         """An unsharded CPU copy of the policy, or the plain model of ``arrays`` (HF names), (a

@@ -30,7 +30,6 @@ import torch
 import torch.distributed as dist
 
 from replayrl.actors.device import compute_dtype, process_device
-from replayrl.actors.ref import send_buffer, shared_memory_pool
 from replayrl.rollout.model.checkpoint import save_pretrained, state_dict_arrays
 from replayrl.rollout.model.config import ModelConfig
 from replayrl.rollout.model.families.base import FamilyConfig, FamilyModel
@@ -57,8 +56,6 @@ from replayrl.trainer.loss.logprobs import (
     support_entropy,
     support_logprobs,
 )
-from replayrl.transport.array_bundle import bundle_of_buffer, pack_arrays
-from replayrl.transport.shm_pool import buffer_in_use, renew_buffer
 
 __all__ = ["TorchBackend", "Parallelize", "response_logprobs"]
 
@@ -253,12 +250,6 @@ class TorchBackend(TrainerBackend):
     (:func:`replayrl.trainer.lora.peft_adapter.hook_experts`, a parallelized policy); else every
     forward runs under :func:`replayrl.trainer.lora.peft_adapter.experts_adapted`."""
 
-    # the send buffer the weights live in once the first push moved them there
-    # (docs/design/transport.md#shm-transport, "Live path");
-    # None: not yet, or they cannot (weight_bundle)
-    _weights_slot: np.ndarray | None = None
-    _share_tried = False
-
     def __init__(self, checkpoint_dir: str, config: TrainerConfig,
                  vocab_tokens: Sequence[str], *, device: torch.device | None = None,
                  parallelize: Parallelize | None = None) -> None:
@@ -384,7 +375,7 @@ class TorchBackend(TrainerBackend):
         if not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
             return grad_norm
-        self._weights_writable()
+        self._weights_will_change()
         self.optimizer.step()
         # nothing reads the gradients after the step (the next update's zero_grad would drop
         # them): freed now, they are not held beside the weight push's buffer (peak memory)
@@ -399,72 +390,48 @@ class TorchBackend(TrainerBackend):
                     for k, v in lora.merged_state(self.model).items()}
         return state_dict_arrays(self.model)
 
-    def weight_bundle(self, full: bool = True) -> dict:
-        """See :meth:`TrainerBackend.weight_bundle`: the float32 weights copied once, by one
-        ``torch.cat``, into the bundle's buffer (``weights`` then ``pack_arrays`` copied each
-        tensor twice: ~3.5 of a ~60 ms step on the default model), which is a send buffer in
-        this process's shared-memory pool (:func:`replayrl.actors.send_buffer`).
+    def push_tensors(self, full: bool = True) -> dict[str, torch.Tensor]:
+        """See :meth:`TrainerBackend.push_tensors`: the model's float32 state (views of the
+        live weights, on this backend's device; a non-float32 tensor as a float32 copy).
 
-        Under LoRA the bundle holds the adapter factors
-        (:func:`replayrl.trainer.lora.peft_adapter.adapter_arrays`), after the base weights when ``full``
-        (a first push, a restarted engine): the engine merges them (rollout/model/adapters.py)."""
+        Under LoRA the adapter factors (:func:`replayrl.trainer.lora.peft_adapter.adapter_tensors`),
+        after the base weights when ``full`` (a first push, a restarted engine): the engine
+        merges them (rollout/model/adapters.py)."""
         if self.lora_config:
-            factors = lora.adapter_arrays(self.model)
+            factors = lora.adapter_tensors(self.model)
             if not full:
-                return pack_arrays(factors)
-            base = {k: v.detach().float().cpu().numpy() for k, v in lora.base_state(self.model).items()}
-            return pack_arrays({**base, **factors})
-        state = self.model.state_dict()
-        if any(t.dtype != torch.float32 for t in state.values()):
-            return super().weight_bundle()
-        layout = [(name, tuple(t.shape)) for name, t in state.items()]
-        if self._weights_slot is None and not self._share_tried:
-            self._share_tried = True
-            if self._can_share_weights(state):
-                self._weights_slot = self._rehome_weights(state, must=False)
-        self._weights_writable()
-        if self._weights_slot is not None:
-            # the weights themselves are the push: no copy, no buffer
-            # (docs/benchmarks.md#peer-grid); the first engine's call carries the slot by handle
-            renew_buffer(self._weights_slot)
-            pushed = self._weights_slot.view()
-            pushed.flags.writeable = False
-            return bundle_of_buffer(pushed, layout)
-        # built in a shared-memory slot when the pool has room: sending it to an engine then
-        # copies nothing, and no buffer of the push's size waits beside the slot until the
-        # engines loaded it (docs/benchmarks.md#peer-grid)
-        buffer = send_buffer(sum(t.numel() for t in state.values()), np.float32)
-        with torch.no_grad():
-            if self.device.type == "cpu":
-                torch.cat([t.reshape(-1) for t in state.values()], out=torch.from_numpy(buffer))
-            else:  # concatenated on the device, then one copy to the host buffer
-                torch.from_numpy(buffer).copy_(torch.cat([t.reshape(-1) for t in state.values()]))
-        buffer.flags.writeable = False
-        return bundle_of_buffer(buffer, layout)
+                return factors
+            base = {k: v.detach().float() for k, v in lora.base_state(self.model).items()}
+            return {**base, **factors}
+        return {k: v.detach().float() for k, v in self.model.state_dict().items()}
 
-    def _can_share_weights(self, state: dict[str, torch.Tensor]) -> bool:
-        """Whether the weights can live in a send buffer (docs/design/transport.md#shm-transport):
-        a policy on the CPU (host memory), of one process (DDP keeps views of its own), every
-        tensor of ``state`` its own contiguous storage (tied weights would need one place for
-        two names)."""
-        if self.ddp is not None or self.device.type != "cpu":
-            return False
-        storages = {t.untyped_storage().data_ptr() for t in state.values()}
-        return len(storages) == len(state) and all(t.is_contiguous() for t in state.values())
-
-    def _rehome_weights(self, state: dict[str, torch.Tensor], must: bool) -> np.ndarray | None:
-        """Move every tensor of ``state`` (the model's parameters and persistent buffers) into
-        one send buffer of this process's shared-memory pool, in ``state`` order, and point them
-        at it (``Parameter.data``; the optimizer keeps the same parameter objects); returns the
-        buffer (float32, 1-D). When the pool is off or has no room: None, and nothing moved,
-        unless ``must``: then into ordinary memory (the weights are no longer shared)."""
-        numel = sum(t.numel() for t in state.values())
-        pool = shared_memory_pool()
-        flat_u8 = pool.buffer(numel * 4) if pool is not None else None
-        if flat_u8 is None and not must:
+    def movable_weights(self) -> dict[str, torch.Tensor] | None:
+        """See :meth:`TrainerBackend.movable_weights`: the model's state when it is a policy on
+        the CPU (host memory), of one process (DDP keeps views of its own), without LoRA, every
+        tensor float32 in its own contiguous storage (tied weights would need one place for two
+        names)."""
+        if self.ddp is not None or self.device.type != "cpu" or self.lora_config:
             return None
-        buffer = np.empty(numel, np.float32) if flat_u8 is None else flat_u8.view(np.float32)
-        flat = torch.from_numpy(buffer)
+        state = self.model.state_dict()
+        storages = {t.untyped_storage().data_ptr() for t in state.values()}
+        if len(storages) != len(state) or any(t.dtype != torch.float32 or not t.is_contiguous()
+                                              for t in state.values()):
+            return None
+        return state
+
+    def move_weights(self, flat: torch.Tensor) -> None:
+        """See :meth:`TrainerBackend.move_weights`: every tensor of the model's state (its
+        parameters and persistent buffers) copied into ``flat`` in state order and pointed at
+        its slice (``Parameter.data``; the optimizer keeps the same parameter objects).
+
+        Raises:
+            ValueError: ``flat`` is not a 1-D float32 tensor of the state's total numel.
+        """
+        state = self.model.state_dict()
+        numel = sum(t.numel() for t in state.values())
+        if flat.dim() != 1 or flat.dtype != torch.float32 or flat.numel() != numel:
+            raise ValueError(f"move_weights: need a 1-D float32 tensor of {numel} elements, got "
+                             f"{flat.dtype} {tuple(flat.shape)}")
         # found by identity, not by name: a wrapper's state_dict may rename (FamilyModel's
         # drops its `hf.` prefix)
         owners: dict[int, tuple[torch.nn.Module, str]] = {}
@@ -484,15 +451,6 @@ class TorchBackend(TrainerBackend):
                     module._parameters[attr].data = view
                 else:
                     module._buffers[attr] = view
-        return None if flat_u8 is None else buffer
-
-    def _weights_writable(self) -> None:
-        """Call before the weights change (an optimizer step, a checkpoint load, a push): if an
-        engine may still read the last push out of them, move them to a fresh send buffer
-        first (a copy), leaving the old one to the engine; the pool takes it back once the
-        engine released it. Usually the engine has long loaded the push by then."""
-        if self._weights_slot is not None and buffer_in_use(self._weights_slot):
-            self._weights_slot = self._rehome_weights(self.model.state_dict(), must=True)
 
     def save_checkpoint(self, directory: Path, version: int) -> None:
         """``directory/model`` (HF format) and ``directory/trainer_state.pt`` (optimizer state,
@@ -578,7 +536,7 @@ class TorchBackend(TrainerBackend):
             raise ValueError(f"{directory}/trainer_state.pt: optimizer state does not fit this "
                              f"policy: {type(exc).__name__}: {exc}") from None
         # everything checked: swap
-        self._weights_writable()
+        self._weights_will_change()
         self.model.load_state_dict(weights)
         self._load_optimizer_keeping_settings(state["optimizer"])
         torch.set_rng_state(state["torch_rng"])

@@ -255,11 +255,16 @@ def adapter_arrays(model: torch.nn.Module) -> dict:
     """The adapter push (:mod:`replayrl.rollout.model.adapters`): float32 numpy ``N.lora_A``
     [r, in] and ``N.lora_B`` [out, r] (times the scaling) per adapted weight ``N`` ([E, r, in]
     and [E, out, r] for a fused expert tensor [E, out, in]); copies."""
+    return {name: t.to("cpu", copy=True).numpy() for name, t in adapter_tensors(model).items()}
+
+
+def adapter_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """:func:`adapter_arrays` as float32 tensors on the model's device (new tensors)."""
     out = {}
     with torch.no_grad():
         for name, a, b in _factors(model):
-            out[name + LORA_A_SUFFIX] = a.to("cpu", copy=True).numpy()
-            out[name + LORA_B_SUFFIX] = b.cpu().numpy()
+            out[name + LORA_A_SUFFIX] = a.clone()
+            out[name + LORA_B_SUFFIX] = b
     return out
 
 

@@ -28,8 +28,9 @@ they are and the metrics say ``skipped: 1`` and why (``skip_reason``), whichever
 Everything that touches the weights or the optimizer (forwards, backward, clip + step, weight
 export, checkpoints) goes through the backend chosen by ``--train-backend``
 (:class:`replayrl.trainer.backends.base.TrainerBackend`); this actor only orchestrates.
-:meth:`push_weights` sends the backend's full weight set to every engine over the transport
-and records each engine's new version with the clock. The loop that orders these calls lives in
+:meth:`push_weights` sends the backend's full weight set to every engine through the run's
+weight sync (:mod:`replayrl.rollout.weight_sync`: packed here, loaded by each engine) and records
+each engine's new version with the clock. The loop that orders these calls lives in
 ``tools/run/train_loop.py`` (slime's ``train_async.py`` shape).
 """
 from __future__ import annotations
@@ -44,7 +45,10 @@ import torch
 
 from replayrl.actors import Actor
 from replayrl.actors.errors import PeerLost
+from replayrl.actors.proxy import ActorProxy
 from replayrl.rollout.sample import Sample, samples_from_columns, samples_to_columns
+from replayrl.rollout.weight_sync import resolve_weight_sync
+from replayrl.rollout.weight_sync.base import Delivery, Packed, WeightSync
 from replayrl.trainer.backends import resolve_backend
 from replayrl.trainer.backends.base import TrainerBackend
 from replayrl.trainer.batching.batch import token_counts
@@ -55,7 +59,6 @@ from replayrl.trainer.ranks.rank_group import RankGroup, follower_names, shard
 from replayrl.trainer.ranks.rank_step import UPDATE_SUMS, RankStep
 from replayrl.trainer.rejection.refill import RefillCoordinator, gate_metrics
 from replayrl.trainer.replay.checks import mean_rates
-from replayrl.transport.array_bundle import pack_arrays
 
 __all__ = [ "SKIP_REASONS", "TrainerActor"]
 
@@ -97,6 +100,9 @@ class TrainerActor(Actor):
             goes on without an engine lost during it (:meth:`_record_loads`).
         ranks: ``{"size", "host", "port"}`` of the trainer ranks' group
             (:class:`replayrl.trainer.ranks.rank_group.RankGroup` without ``rank``); None: one rank.
+        weight_sync: ``{"name", "settings"}`` of the run's weight sync (``--weight-sync``
+            resolved, :mod:`replayrl.rollout.weight_sync`); None: ``shm`` (the shared-memory
+            pool for ipc engines when it is on, ZeroMQ frames otherwise).
 
     Raises:
         replayrl.trainer.config.TrainerConfigError: a bad setting (e.g. an unknown ``--train-backend``).
@@ -106,7 +112,8 @@ class TrainerActor(Actor):
     def __init__(self, checkpoint_dir: str, config: dict, n_samples_per_prompt: int,
                  engines: list[str], rollout_batch_size: int, vocab_tokens: list[str],
                  manager: str = "rollout_manager", clock: str = "version_clock",
-                 engine_failure: str = "fail", ranks: dict | None = None) -> None:
+                 engine_failure: str = "fail", ranks: dict | None = None,
+                 weight_sync: dict | None = None) -> None:
         self.config = TrainerConfig(**config)
         self.followers: list[str] = []
         if ranks is not None and ranks["size"] > 1:
@@ -128,6 +135,9 @@ class TrainerActor(Actor):
         self.version = 0
         self._push: asyncio.Future | None = None  # the weight push still in flight, if any
         self._pushed_base = False  # LoRA: whether the engines hold the base weights (first push)
+        self.weight_sync = dict(weight_sync or {"name": "shm"})
+        self._sync: WeightSync | None = None  # its trainer half (made on first use: `sync`)
+        self._lost: set[str] = set()  # engines lost and not restored (no member of a group sync)
         self.required_traces = self.local.required_traces
 
     @property
@@ -177,13 +187,31 @@ class TrainerActor(Actor):
         return shares, dp_ranks, set(first.values())
 
     # -- weights -----------------------------------------------------------------------------
+    async def on_stop(self) -> None:
+        """Leave the weight sync's group, if it formed one."""
+        if self._sync is not None:
+            self._sync.close()
+
+    @property
+    def sync(self) -> WeightSync:
+        """The run's weight sync (:mod:`replayrl.rollout.weight_sync`, ``--weight-sync``), its
+        trainer half made on first use (it needs this actor's endpoint)."""
+        if self._sync is None:
+            endpoint = self.directory.endpoints.get(self.name, "") if self.directory else ""
+            self._sync = resolve_weight_sync(self.weight_sync["name"])(
+                endpoint=endpoint, **self.weight_sync.get("settings", {}))
+        return self._sync
+
+    def _engine(self, name: str) -> ActorProxy:
+        return self.proxy(name, self.config.rpc_timeout_s)
+
     async def push_weights(self, wait: bool = True) -> dict:
         """Send the current weights (version = optimizer steps applied) to every engine.
 
         Args:
             wait: return once every engine loaded them and the VersionClock recorded it. With
-                ``False`` return once they are sent (the arrays are copied at the send, or
-                sent by handle and moved before the trainer next writes them, so training may
+                ``False`` return once they are sent (the weight sync copied them, or sends them
+                by handle and moves them before the trainer next writes them, so training may
                 go on): the engines load them while the trainer trains, and a
                 ``generate`` asking for this ``min_version`` waits for the load. The next push
                 (or :meth:`wait_for_push`) waits for this one first and raises its error.
@@ -193,12 +221,12 @@ class TrainerActor(Actor):
         """
         await self.wait_for_push()
         start = time.perf_counter()
-        bundle = await self._weight_bundle(full=not self._pushed_base)
+        packed = self.sync.pack(await self._push_tensors(full=not self._pushed_base),
+                                version=self.version, home=self.backend)
         self._pushed_base = True
-        timeout = self.config.rpc_timeout_s
-        loads = [asyncio.ensure_future(self.proxy(e, timeout).load_weights(self.version, bundle))
-                 for e in self.engines]
-        self._push = asyncio.ensure_future(self._record_loads(loads, self.version))
+        delivery = await self.sync.deliver(packed, self.version, self.engines, self._engine,
+                                           lost=self._lost)
+        self._push = asyncio.ensure_future(self._complete(packed, delivery, self.version))
         # its error is raised by the next push / wait_for_push; a run that ends first (the
         # supervisor reports the lost engine) must not also log it as never retrieved
         self._push.add_done_callback(lambda f: f.cancelled() or f.exception())
@@ -206,37 +234,48 @@ class TrainerActor(Actor):
             await self.wait_for_push()
         else:
             await asyncio.sleep(0)  # let the load calls reach their sockets before training
-        return {"version": self.version, "bytes": int(sum(b.nbytes for b in bundle["buffers"])),
+        return {"version": self.version, "bytes": packed.nbytes,
                 "seconds": time.perf_counter() - start}
 
-    async def _weight_bundle(self, full: bool = True) -> dict:
-        """The current weights packed for a push (:meth:`TrainerBackend.weight_bundle`); when
-        the other ranks hold parts of them, they take part in the gather and send nothing.
-        Under LoRA (``--lora-rank``) only the adapters unless ``full`` (the first push, a
-        restarted engine): the engines keep the base weights (rollout/model/adapters.py)."""
+    async def _push_tensors(self, full: bool = True) -> dict[str, torch.Tensor]:
+        """The tensors of a push (:meth:`TrainerBackend.push_tensors`); when the other ranks
+        hold parts of them, they take part in the gather and send nothing. Under LoRA
+        (``--lora-rank``) only the adapters unless ``full`` (the first push, a restarted
+        engine): the engines keep the base weights (rollout/model/adapters.py)."""
         if self.backend.collective_io:
-            if self.config.lora_rank:
-                arrays, _ = await self._on_ranks(lambda: self.backend.push_arrays(full),
-                                                 [self._rank(f).push_arrays(full) for f in self.followers])
-                return pack_arrays(arrays)
-            arrays, _ = await self._on_ranks(self.backend.weights,
-                                             [self._rank(f).weights() for f in self.followers])
-            return pack_arrays(arrays)
-        if self.config.lora_rank:
-            return self.backend.weight_bundle(full=full)
-        return self.backend.weight_bundle()
+            tensors, _ = await self._on_ranks(lambda: self.backend.push_tensors(full),
+                                              [self._rank(f).push_tensors(full) for f in self.followers])
+            return tensors
+        return self.backend.push_tensors(full)
 
-    async def _record_loads(self, loads: list[asyncio.Future], version: int) -> None:
-        """Await every engine's load, then record the ones that loaded with the clock.
+    async def _complete(self, packed: Packed, delivery: Delivery, version: int) -> None:
+        """Await every engine's load (and the sync's own transfer), then record the ones that
+        loaded with the clock.
 
         Under ``--engine-failure regenerate`` / ``restart`` an engine lost during the push
         (:class:`replayrl.actors.errors.PeerLost`) is skipped: the rollout manager takes it out of its
         pool, and a restarted one gets the weights of the moment it serves again
-        (:meth:`push_weights_to`); any other error, or any loss under ``fail``, is raised.
+        (:meth:`push_weights_to`). A group sync (dist) whose broadcast failed with the loss of
+        a member is delivered again to the engines left, in a group formed without it. Any
+        other error, or any loss under ``fail``, is raised.
         """
-        results = await asyncio.gather(*loads, return_exceptions=True)
+        while True:
+            results = await asyncio.gather(*delivery.loads.values(), return_exceptions=True)
+            failed = None
+            if delivery.transfer is not None:
+                failed = (await asyncio.gather(delivery.transfer, return_exceptions=True))[0]
+            lost = {e for e, r in zip(delivery.loads, results) if isinstance(r, PeerLost)}
+            if self.engine_failure != "fail":
+                self._lost |= lost
+            if not isinstance(failed, BaseException) or not lost or self.engine_failure == "fail":
+                break
+            # the group broke with the lost member: the others could not finish either
+            delivery = await self.sync.deliver(packed, version, self.engines, self._engine,
+                                               lost=self._lost)
+        if isinstance(failed, BaseException):
+            raise failed
         clock = self.proxy(self.clock_name, self.config.rpc_timeout_s)
-        for e, result in zip(self.engines, results):
+        for e, result in zip(delivery.loads, results):
             if isinstance(result, PeerLost) and self.engine_failure != "fail":
                 continue
             if isinstance(result, BaseException):
@@ -245,7 +284,9 @@ class TrainerActor(Actor):
 
     async def push_weights_to(self, engine: str) -> dict:
         """Load the current weights into one engine and record it with the clock: a restarted
-        engine (``--engine-failure restart``) serves only after this.
+        engine (``--engine-failure restart``) serves only after this. A group sync (dist) that
+        reaches every engine at once brings this one up to date through the zmq sync, and takes
+        it into its group at the next push.
 
         Ordered like every trainer call, so it runs between steps: the weights are those of
         the trainer's current version, which the clock admits for any batch generated from now
@@ -261,12 +302,17 @@ class TrainerActor(Actor):
         if engine not in self.engines:
             raise ValueError(f"unknown engine {engine!r}; the run's engines: {self.engines}")
         start = time.perf_counter()
-        bundle = await self._weight_bundle()
+        sync = resolve_weight_sync("zmq")() if self.sync.collective else self.sync
+        packed = sync.pack(await self._push_tensors(), version=self.version, home=self.backend)
         timeout = self.config.rpc_timeout_s
         await self.ref(engine).reachable(timeout)  # this process's connection to the new one
-        await self.proxy(engine, timeout).load_weights(self.version, bundle)
+        delivery = await sync.deliver(packed, self.version, [engine], self._engine)
+        await delivery.loads[engine]
+        if delivery.transfer is not None:
+            await delivery.transfer
         await self.proxy(self.clock_name, timeout).record_engine_load(engine, self.version)
-        return {"version": self.version, "bytes": int(sum(b.nbytes for b in bundle["buffers"])),
+        self._lost.discard(engine)
+        return {"version": self.version, "bytes": packed.nbytes,
                 "seconds": time.perf_counter() - start}
 
     async def wait_for_push(self) -> None:

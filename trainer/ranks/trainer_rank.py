@@ -113,15 +113,12 @@ class TrainerRank(Actor):
             self.step.cache.clear()
         return {**out, "entropy": self.step.take_entropies().numpy()}
 
-    async def weights(self) -> int:
-        """Take part in gathering the weights (a backend whose ranks hold parts); rank 0 sends
-        them. Returns the bytes this rank saw."""
-        return int(sum(a.nbytes for a in self.backend.weights().values()))
-
-    async def push_arrays(self, full: bool = True) -> int:
-        """Take part in gathering a LoRA push (``TrainerBackend.push_arrays``: the adapters,
-        after the base weights when ``full``); rank 0 sends it. Returns the bytes this rank saw."""
-        return int(sum(a.nbytes for a in self.backend.push_arrays(bool(full)).values()))
+    async def push_tensors(self, full: bool = True) -> int:
+        """Take part in gathering a weight push (``TrainerBackend.push_tensors``: the weights,
+        or under LoRA the adapters, after the base weights when ``full``) of a backend whose
+        ranks hold parts; rank 0 sends it. Returns the bytes this rank saw."""
+        return int(sum(t.numel() * t.element_size()
+                       for t in self.backend.push_tensors(bool(full)).values()))
 
     async def save_checkpoint(self, directory: str, version: int) -> str:
         """This rank's part of ``TrainerActor.save_checkpoint`` (a backend whose ranks hold

@@ -64,12 +64,17 @@ def test_family_weights_live_in_the_push_slot_and_train_there(tmp_path):
     # on a wrapper whose state_dict renames (FamilyModel drops `hf.`): the weights are found by
     # identity, moved into the push's slot, and the optimizer steps them there
     from replayrl.actors.ref import shared_memory_pool
+    from replayrl.rollout.weight_sync.shm import ShmSync
     from replayrl.transport.array_bundle import unpack_arrays
 
     tiny_hf_checkpoint("glm_moe_dsa", tmp_path / "ckpt")
-    backend = TorchBackend(str(tmp_path / "ckpt"), TrainerConfig(), [])
+    backend, sync = TorchBackend(str(tmp_path / "ckpt"), TrainerConfig(), []), ShmSync()
+
+    def push() -> dict[str, np.ndarray]:
+        return unpack_arrays(sync.pack(backend.push_tensors(), version=0, home=backend).payload)
+
     before = {k: v.detach().clone() for k, v in backend.model.state_dict().items()}
-    pushed = unpack_arrays(backend.weight_bundle())
+    pushed = push()
     assert sorted(pushed) == sorted(before)
     assert all(np.array_equal(pushed[k], before[k].numpy()) for k in before)
     assert shared_memory_pool() is not None  # on by default
@@ -82,5 +87,5 @@ def test_family_weights_live_in_the_push_slot_and_train_there(tmp_path):
     trained = [k for k in before if not torch.equal(after[k], before[k])]
     assert trained and all(p.requires_grad for n, p in backend.model.hf.named_parameters()
                            if n in trained)
-    again = unpack_arrays(backend.weight_bundle())
+    again = push()
     assert all(np.array_equal(again[k], after[k].numpy()) for k in after)

@@ -16,6 +16,7 @@ from replayrl.rollout.engines.embedded import EmbeddedEngine
 from replayrl.rollout.model import Qwen3MoeForCausalLM
 from replayrl.rollout.model.loader import load_pretrained
 from replayrl.rollout.tasks.digit_puzzle import VOCABULARY
+from replayrl.rollout.weight_sync.zmq import ZmqSync
 from replayrl.tools.errors import ConfigError
 from replayrl.tools.run.from_flags import build_config
 from replayrl.trainer.backends.torch_backend import TorchBackend
@@ -138,13 +139,13 @@ def test_the_push_after_the_first_carries_only_adapters_and_the_engine_merges_th
     backend = TorchBackend(str(checkpoint), lora_config(), list(VOCABULARY))
     cfg = backend.model_config
     engine = EmbeddedEngine(dataclasses.asdict(cfg), dtype=torch.float32)
-    full = backend.weight_bundle(full=True)
+    full = ZmqSync().pack(backend.push_tensors(full=True), version=0).payload  # as a run sends it
     engine.load_weights(unpack_arrays(full), version=0)
     ids, pos = token_ids(cfg.vocab_size)
     for version in (1, 2):  # twice: the engine merges into the base it kept, not the last merge
         randomize_adapters(backend.model, seed=version)
         _step(backend)
-        bundle = backend.weight_bundle(full=False)
+        bundle = ZmqSync().pack(backend.push_tensors(full=False), version=version).payload
         arrays = unpack_arrays(bundle)
         assert arrays and all(k.endswith((".lora_A", ".lora_B")) for k in arrays)
         n_adapter = sum(p.numel() for p in backend.params)

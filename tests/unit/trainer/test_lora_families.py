@@ -16,6 +16,7 @@ import torch
 
 from replayrl.rollout.engines.embedded import EmbeddedEngine
 from replayrl.rollout.model.families.base import FamilyModel
+from replayrl.rollout.weight_sync.zmq import ZmqSync
 from replayrl.tools.errors import ConfigError
 from replayrl.tools.run.from_flags import build_config
 from replayrl.trainer.backends.fsdp_backend import FSDPBackend
@@ -138,17 +139,22 @@ def test_routing_and_indexer_replay_are_unchanged_under_lora(checkpoints, family
     assert (unadapted.logprobs - got.logprobs).abs().max() > 1e-3  # the adapters do something
 
 
+def _bundle(backend: TorchBackend, full: bool) -> dict:
+    """The push as a run sends it (the zmq sync's bundle of ``push_tensors``)."""
+    return ZmqSync().pack(backend.push_tensors(full=full), version=0).payload
+
+
 def test_the_embedded_engine_merges_a_family_adapter_push(checkpoints):
     backend = TorchBackend(str(checkpoints["glm_moe_dsa"]), _config(), [])
     cfg = backend.model_config
     engine = EmbeddedEngine(dataclasses.asdict(cfg), dtype=torch.float32)
-    engine.load_weights(unpack_arrays(backend.weight_bundle(full=True)), version=0)
+    engine.load_weights(unpack_arrays(_bundle(backend, full=True)), version=0)
     ids, pos = token_ids(VOCAB)
     batch = _batch(backend)
     for version in (1, 2):  # twice: the engine merges into the base it kept
         randomize_adapters(backend.model, seed=version)
         train_step(backend, batch)
-        arrays = unpack_arrays(backend.weight_bundle(full=False))
+        arrays = unpack_arrays(_bundle(backend, full=False))
         assert arrays and all(k.endswith((".lora_A", ".lora_B")) for k in arrays)
         expert = "model.layers.1.mlp.experts.down_proj"  # [E, out, in]: per-expert factors
         assert arrays[expert + ".lora_A"].ndim == arrays[expert + ".lora_B"].ndim == 3

@@ -19,7 +19,6 @@ from replayrl.trainer.backends.torch_backend import TorchBackend
 from replayrl.trainer.batching.batch import collate
 from replayrl.trainer.config import TrainerConfig
 from replayrl.trainer.errors import TrainerConfigError
-from replayrl.transport.array_bundle import unpack_arrays
 from tests.backend_fixtures import (
     DEFAULT_TARGETS,
     adapter_size_by_hand,
@@ -51,6 +50,11 @@ def _batch(reference: TorchBackend):
                    support=True)
 
 
+def _push(backend, full: bool) -> dict[str, np.ndarray]:
+    """The backend's push (``push_tensors``) as numpy copies."""
+    return {k: t.detach().cpu().numpy().copy() for k, t in backend.push_tensors(full=full).items()}
+
+
 def _pair(checkpoint) -> tuple[TorchBackend, FSDPBackend]:
     reference = TorchBackend(str(checkpoint), lora_config(), list(VOCABULARY))
     fsdp = FSDPBackend(str(checkpoint), lora_config(train_backend="fsdp"), list(VOCABULARY))
@@ -66,18 +70,18 @@ def test_a_lora_step_on_fsdp_equals_the_torch_backends(checkpoint):
     by_hand = adapter_size_by_hand(plain, 4, DEFAULT_TARGETS)
     in_optimizer = sum(p.numel() for g in fsdp.optimizer.param_groups for p in g["params"])
     assert in_optimizer == sum(p.numel() for p in fsdp.model.parameters() if p.requires_grad) == by_hand
-    start = {k: v.copy() for k, v in fsdp.push_arrays(full=True).items()}
+    start = _push(fsdp, full=True)
     before = {k: v for k, v in start.items() if not k.endswith((".lora_A", ".lora_B"))}
     assert_fsdp_takes_the_torch_step(reference, fsdp, _batch(reference), atol=1e-6, rel=1e-5)
     # the merged policies agree, and they moved
     assert_same_arrays(fsdp.weights(), reference.weights(), atol=1e-6, keys=before)
     # the push: the torch backend's LoRA bundle, key for key
     assert_same_push(reference, fsdp, atol=1e-6)
-    adapters_only = fsdp.push_arrays(full=False)
+    adapters_only = _push(fsdp, full=False)
     assert adapters_only and all(k.endswith((".lora_A", ".lora_B")) for k in adapters_only)
     assert sum(a.nbytes for a in adapters_only.values()) == 4 * by_hand
     # the base weights did not move (bit for bit), the adapters of experts and attention did
-    after = fsdp.push_arrays(full=True)
+    after = _push(fsdp, full=True)
     for name, array in before.items():
         np.testing.assert_array_equal(after[name], array, err_msg=name)
     moved = [k for k, a in adapters_only.items() if not np.array_equal(a, start[k])]
@@ -121,17 +125,17 @@ def test_lora_is_accepted_on_fsdp_and_refused_on_megatron():
 async def test_the_trainer_actor_pushes_the_base_once_then_only_the_adapters(checkpoint):
     """The trainer's collective push path (``--train-backend fsdp``: every rank gathers, rank 0
     sends): the first bundle holds the base weights and the factors, a later one only the
-    factors, each the backend's :meth:`push_arrays`."""
+    factors, each the backend's :meth:`push_tensors`."""
     from replayrl.trainer.ranks.trainer_actor import TrainerActor
 
     actor = TrainerActor(str(checkpoint), lora_config(train_backend="fsdp").to_dict(), n_samples_per_prompt=2,
                          engines=[], rollout_batch_size=1, vocab_tokens=list(VOCABULARY))
     assert actor.backend.collective_io
     for full in (True, False):
-        arrays = unpack_arrays(await actor._weight_bundle(full=full))
-        want = actor.backend.push_arrays(full=full)
+        arrays = await actor._push_tensors(full=full)
+        want = actor.backend.push_tensors(full=full)
         assert list(arrays) == list(want)
-        for name, array in want.items():
-            np.testing.assert_array_equal(arrays[name], array, err_msg=name)
+        for name, t in want.items():
+            np.testing.assert_array_equal(arrays[name].numpy(), t.numpy(), err_msg=name)
         factors = [k for k in arrays if k.endswith((".lora_A", ".lora_B"))]
         assert factors and (len(factors) < len(arrays)) == full

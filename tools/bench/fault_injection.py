@@ -81,8 +81,8 @@ class SignalledEngine(EmbeddedEngine):
     :class:`Fault` (``fault_signal``, ``fault_at_call``, ``fault_marker``)."""
 
     def __init__(self, model_config: Any, dtype: str = "bfloat16", *, fault_signal: str,
-                 fault_at_call: int, fault_marker: str) -> None:
-        super().__init__(model_config, dtype=dtype)
+                 fault_at_call: int, fault_marker: str, **engine_kwargs: Any) -> None:
+        super().__init__(model_config, dtype=dtype, **engine_kwargs)  # the launcher's device too
         self.fault = Fault(fault_signal, fault_at_call, fault_marker)
 
     def _generate(self, prompts, params, **kwargs):

@@ -12,7 +12,12 @@ only when the engine is built.
 * weights: each push is written as a safetensors checkpoint (``config.json`` +
   ``model.safetensors``) to a directory the servers can read, then every server gets
   ``/pause_generation`` -> ``/update_weights_from_disk`` (with ``weight_version`` = the policy
-  version as a string, ``flush_cache``) -> ``/continue_generation``;
+  version as a string, ``flush_cache``) -> ``/continue_generation``. Under ``--weight-sync
+  disk`` the trainer's own file is passed on (:meth:`SglangEngine.load_weights_from_disk`);
+  under ``--weight-sync dist`` the server joins the trainer's weight group
+  (``/init_weights_update_group``) and receives each push's buckets itself
+  (``/update_weights_from_distributed`` with ``load_format="flattened_bucket"``, one request per
+  bucket, between the same pause and continue; :mod:`replayrl.rollout.weight_sync.dist`);
 * faults: one ``aiohttp.ClientSession`` per engine (on the engine's own event-loop thread),
   a timeout on every request, and bounded retries: a server that does not answer (refused,
   reset, timed out, HTTP 5xx) is skipped for the next URL, which is health-checked and given the
@@ -99,6 +104,8 @@ class SglangEngine(Engine):
         self._own_dir = not weight_dir
         self.weight_dir = Path(weight_dir or tempfile.mkdtemp(prefix="replayrl-sglang-"))
         self._pushed: Path | None = None  # the checkpoint of the loaded version
+        self._pushed_owned = False  # whether that checkpoint is this engine's to remove
+        self._group_url: str | None = None  # the server in the trainer's weight group (dist)
         self._silent: set[str] = set()  # servers that did not answer the last weight push
         self._calls = 0
         # request ids are unique per server (SGLang keys its request state by rid), also when
@@ -229,7 +236,22 @@ class SglangEngine(Engine):
             SglangUnavailable: a server did not answer within the retries.
         """
         version = self._pending_version
-        path = self._write_checkpoint(arrays, version)
+        self._update_servers(self._write_checkpoint(arrays, version), version, owned=True)
+
+    def load_weights_from_disk(self, path: str, *, version: int) -> None:
+        """Load a push the disk weight sync wrote (a directory of ``*.safetensors`` at a path
+        every server reads) on every server, as policy ``version``; the files stay the
+        trainer's.
+
+        Raises:
+            as :meth:`_load_weights`, and EngineInputError for a version below the loaded one.
+        """
+        self._load_version(version, lambda: self._update_servers(Path(path), version, owned=False))
+
+    def _update_servers(self, path: Path, version: int, owned: bool) -> None:
+        """Every server loads ``path`` (``/update_weights_from_disk``); a server that does not
+        answer is retried, then put last. ``owned``: the directory is this engine's own, removed
+        once a later version replaced it."""
 
         async def push_all() -> None:
             answered, silent = [], []
@@ -255,9 +277,83 @@ class SglangEngine(Engine):
             self.urls = answered + [url for url, _ in silent]
 
         self._run(push_all(), None)
-        old, self._pushed = self._pushed, path
-        if old is not None and old != path:
+        old, old_owned = self._pushed, self._pushed_owned
+        self._pushed, self._pushed_owned = path, owned
+        if old is not None and old != path and old_owned:
             shutil.rmtree(old, ignore_errors=True)
+
+    def init_weights_update_group(self, spec: Mapping[str, Any]) -> None:
+        """Have this engine's server join the trainer's weight group: SGLang's
+        ``/init_weights_update_group`` with ``master_address``, ``master_port``, ``rank_offset``,
+        ``world_size``, ``group_name`` and ``backend`` of ``spec``; returns once the group formed
+        (every member joined). Later pushes go to this server (its failover servers are the
+        other engines', each in the group too).
+
+        Raises:
+            SglangRequestError: the server refused or could not join (its message).
+            SglangNoAnswer: the server did not answer within the update timeout.
+        """
+        body = {key: spec[key] for key in ("master_address", "master_port", "rank_offset",
+                                           "world_size", "group_name", "backend")}
+        url = self.urls[0]
+        reply = self._run(self._request("POST", url, "/init_weights_update_group", body,
+                                        what=f"weight group {body['group_name']}",
+                                        timeout_s=self.update_timeout_s), None)
+        if not isinstance(reply, Mapping) or not reply.get("success"):
+            raise SglangRequestError(f"{url}/init_weights_update_group: group "
+                                     f"{body['group_name']} not joined: {reply!r}")
+        self._group_url = url
+
+    def load_weights_from_distributed(self, manifest: Mapping[str, Any], *, version: int) -> None:
+        """Have this engine's server receive a dist push (its buckets, broadcast by the trainer
+        meanwhile) as policy ``version``: ``/pause_generation``, one
+        ``/update_weights_from_distributed`` per bucket (``names``, ``dtypes``, ``shapes``,
+        ``group_name``, ``load_format="flattened_bucket"``, ``weight_version``; the cache
+        flushed with the last), ``/continue_generation``.
+
+        Raises:
+            SglangRequestError: no group joined, or the server failed a bucket.
+            SglangNoAnswer: the server did not answer within the update timeout.
+        """
+        url = self._group_url
+        if url is None:
+            raise SglangRequestError("load_weights_from_distributed before "
+                                     "init_weights_update_group")
+
+        async def update() -> None:
+            await self._request("POST", url, "/pause_generation", {"mode": "abort"},
+                                what="pause before a weight update")
+            try:
+                buckets = list(manifest["buckets"])
+                for i, bucket in enumerate(buckets):
+                    body = {"names": bucket["names"], "dtypes": bucket["dtypes"],
+                            "shapes": bucket["shapes"], "group_name": manifest["group"],
+                            "flush_cache": i == len(buckets) - 1, "abort_all_requests": False,
+                            "weight_version": str(version), "load_format": "flattened_bucket"}
+                    reply = await self._request(
+                        "POST", url, "/update_weights_from_distributed", body,
+                        what=f"bucket {i} of version {version}", timeout_s=self.update_timeout_s)
+                    if not isinstance(reply, Mapping) or not reply.get("success"):
+                        raise SglangRequestError(f"{url}/update_weights_from_distributed: bucket "
+                                                 f"{i} of version {version} not loaded: {reply!r}")
+            finally:
+                await self._request("POST", url, "/continue_generation", {},
+                                    what="continue after a weight update")
+
+        self._load_version(version, lambda: self._run(update(), None))
+
+    def destroy_weights_update_group(self, group_name: str) -> None:
+        """Have the server leave weight group ``group_name`` (``/destroy_weights_update_group``;
+        best effort: an older server has no such route)."""
+        url = self._group_url
+        self._group_url = None
+        if url is not None:
+            try:
+                self._run(self._request("POST", url, "/destroy_weights_update_group",
+                                        {"group_name": group_name}, what="leave the weight group",
+                                        timeout_s=_HEALTH_TIMEOUT_S), None)
+            except (SglangNoAnswer, SglangRequestError):
+                pass
 
     def load_weights(self, arrays: Mapping[str, Any], *, version: int) -> None:
         """:meth:`Engine.load_weights`; the weight files are named by ``version``."""

@@ -109,6 +109,9 @@ class DistSync(WeightSync):
         self._formed = 0  # groups formed by this process (their names differ)
         self._device: torch.device = torch.device("cpu")  # engine side: where buckets land
         self._engine: Any = None  # engine side: an engine whose server is the member
+        # the collective in flight on the current group (trainer: the broadcast; engine: the
+        # receive); a group is not destroyed under it (its thread finishes or times out first)
+        self._transfer: asyncio.Future | None = None
 
     # -- trainer side ------------------------------------------------------------------------
 
@@ -144,6 +147,8 @@ class DistSync(WeightSync):
             WeightSyncError: the group did not form (names the engine that failed to join).
             replayrl.actors.ActorError: an engine's ``join_weight_group`` call failed.
         """
+        if set(lost) & set(self._members):
+            self.close()  # a member is gone: the group is broken for the others too
         members = [e for e in engines if e not in set(lost)]
         if not members:
             return Delivery({})
@@ -162,7 +167,8 @@ class DistSync(WeightSync):
                 raise WeightSyncError(f"weight sync 'dist': the broadcast of version {version} "
                                       f"to {members} failed: {type(exc).__name__}: {exc}") from None
 
-        return Delivery(loads, in_daemon_thread(broadcast))
+        self._transfer = in_daemon_thread(broadcast)
+        return Delivery(loads, self._transfer)
 
     async def _form(self, members: list[str], proxy: EngineProxy, backend: str) -> None:
         """Form a new group of this process (rank 0) and ``members`` (ranks 1..), leaving the
@@ -194,11 +200,18 @@ class DistSync(WeightSync):
         self._group, self._store, self._group_name = done[0], store, name
         self._members, self._backend = list(members), backend
 
+    def _drop_group(self) -> None:
+        """Destroy this process's member of the current group, unless a collective still runs
+        on it (a member lost mid-push leaves it waiting until the group's timeout): then it is
+        only dropped, and its daemon thread keeps it until then."""
+        if self._group is not None and (self._transfer is None or self._transfer.done()):
+            dist_group.destroy_group(self._group)
+        self._group, self._transfer = None, None
+
     def close(self) -> None:
         """Leave the current group (trainer side); the next :meth:`deliver` forms a new one."""
-        if self._group is not None:
-            dist_group.destroy_group(self._group)
-        self._group, self._store, self._members = None, None, []
+        self._drop_group()
+        self._store, self._members = None, []
 
     # -- engine side -------------------------------------------------------------------------
 
@@ -251,7 +264,8 @@ class DistSync(WeightSync):
                 tensors.update(dist_group.receive_bucket(spec, group, device))
             return tensors
 
-        return await in_daemon_thread(receive_all)
+        self._transfer = in_daemon_thread(receive_all)
+        return await self._transfer
 
     def load(self, engine: Any, received: Any, version: int) -> None:
         """See :meth:`WeightSync.load`: the received tensors into the engine; an engine whose
@@ -265,9 +279,7 @@ class DistSync(WeightSync):
     def leave(self) -> None:
         """Leave the current group (engine side); an engine's server leaves through
         ``destroy_weights_update_group`` when it has one."""
-        if self._group is not None:
-            dist_group.destroy_group(self._group)
-            self._group = None
+        self._drop_group()
         if self._engine is not None:
             destroy = getattr(self._engine, "destroy_weights_update_group", None)
             if destroy is not None:

@@ -11,7 +11,8 @@ own, so a real SGLang server joins the same group (checked against
   ``PrefixStore(group_name, store)``, and a process group over it built as
   ``torch.distributed.init_process_group`` builds one (``_new_process_group_helper``) but outside
   the process's default group, so a trainer rank keeps its own world; ``gloo`` for CPU tensors,
-  ``nccl`` for CUDA ones (:func:`group_backend`);
+  ``nccl`` for CUDA ones (:func:`group_backend`); gloo's sockets on the interface that reaches
+  the master (``GLOO_SOCKET_IFNAME`` when a process sets none);
 * a bucket: tensors whose bytes are concatenated, in order, into one uint8 tensor (each tensor
   ``flatten().view(uint8)``), described by ``names``, ``dtypes`` (torch dtype names without
   ``torch.``) and ``shapes`` -- SGLang's ``load_format="flattened_bucket"`` -- and sent as one
@@ -22,10 +23,12 @@ network must be trusted (docs/security.md).
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
+import os
 import socket
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -33,7 +36,7 @@ import torch.distributed as dist
 from replayrl.rollout.errors import WeightSyncError
 
 __all__ = ["Bucket", "DEFAULT_BUCKET_BYTES", "address_toward", "broadcast_bucket", "bucket_nbytes",
-           "check_spec", "destroy_group", "flatten", "group_backend", "join_group", "make_store",
+           "check_spec", "destroy_group", "flatten", "group_backend", "interface_of", "join_group", "make_store",
            "plan_buckets", "receive_bucket", "spec_of"]
 
 DEFAULT_BUCKET_BYTES = 512 * 2 ** 20
@@ -57,6 +60,39 @@ def address_toward(host: str) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect((host, 9))
         return s.getsockname()[0]
+
+
+def interface_of(address: str) -> str | None:
+    """The name of this host's network interface that holds IPv4 ``address`` (Linux), or None."""
+    import fcntl
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))  # SIOCGIFADDR
+            except OSError:  # no IPv4 address on it
+                continue
+            if socket.inet_ntoa(raw[20:24]) == address:
+                return name
+    return None
+
+
+@contextlib.contextmanager
+def _gloo_interface(master_address: str) -> Iterator[None]:
+    """Gloo's sockets on the interface this host reaches ``master_address`` by, unless the
+    process chose one (``GLOO_SOCKET_IFNAME``): gloo's default, the address the host name
+    resolves to, is loopback on many hosts, which a member on another host cannot reach."""
+    own = address_toward(master_address)
+    name = None if "GLOO_SOCKET_IFNAME" in os.environ or own.startswith("127.") else interface_of(own)
+    if name is None:
+        yield
+        return
+    os.environ["GLOO_SOCKET_IFNAME"] = name
+    try:
+        yield
+    finally:
+        del os.environ["GLOO_SOCKET_IFNAME"]
 
 
 def make_store(world_size: int, timeout_s: float) -> dist.TCPStore:
@@ -100,9 +136,11 @@ def join_group(*, backend: str, master_address: str, master_port: int, rank: int
             store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}",
                                                       rank, world_size, timeout=timeout))
         store.set_timeout(timeout)
-        group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend),
-                                             PrefixStore(group_name, store), group_name=group_name,
-                                             backend_options=None, timeout=timeout)
+        with _gloo_interface(master_address):
+            group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend),
+                                                 PrefixStore(group_name, store),
+                                                 group_name=group_name, backend_options=None,
+                                                 timeout=timeout)
     except (RuntimeError, ValueError, TimeoutError) as exc:
         raise WeightSyncError(f"weight group {group_name!r} at {master_address}:{master_port} "
                               f"(rank {rank} of {world_size}, {backend}) did not form: "

@@ -1,16 +1,18 @@
 """The ipc weight sync: CUDA IPC handles of the weights, for engines on the trainer's GPU.
 
 The trainer copies the pushed tensors into one flat CUDA buffer per dtype (so it may train on)
-and sends each engine the buffers' CUDA IPC handles (``torch.multiprocessing``'s reductions,
-pickled): an engine on the same node and the same device maps them and copies the weights
-device to device, and nothing crosses the host. CUDA only: a push of CPU tensors is refused
-here, and ``--weight-sync ipc`` on the CPU is refused before any process starts
+and sends each engine the buffers' CUDA IPC handles as plain data (what
+``torch.multiprocessing.reductions.reduce_tensor`` shares, field by field: nothing on the wire
+is pickled): an engine on the same node and device maps them
+(``torch.multiprocessing.reductions.rebuild_cuda_tensor``) and copies the weights device to
+device; nothing crosses the host. CUDA only: a push of CPU tensors is refused here, and
+``--weight-sync ipc`` on the CPU is refused before any process starts
 (:mod:`replayrl.rollout.weight_sync.run_check`). The buffers stay alive until every engine
-loaded the push (``Packed.keep``).
+loaded the push (``Packed.keep``). Not yet run on a GPU (docs/gpu.md).
 """
 from __future__ import annotations
 
-import pickle
+import math
 from typing import Any, Mapping
 
 import torch
@@ -20,6 +22,35 @@ from replayrl.rollout.weight_sync.base import Packed, WeightHome, WeightSync, ma
 
 __all__ = ["IpcSync"]
 
+_HANDLE_FIELDS = ("device", "handle", "storage_size", "storage_offset", "ref_counter_handle",
+                  "ref_counter_offset", "event_handle", "event_sync_required")
+"""The fields of ``UntypedStorage._share_cuda_()``, in its order."""
+
+
+def _share(flat: torch.Tensor) -> dict[str, Any]:
+    """The CUDA IPC handle of the 1-D contiguous ``flat`` as plain data."""
+    from torch.multiprocessing.reductions import StorageWeakRef, shared_cache
+
+    storage = flat._typed_storage()
+    shared = storage._share_cuda_()
+    shared_cache[shared[1]] = StorageWeakRef(storage)  # as reduce_tensor: the sender's cache
+    return {"numel": flat.numel(), "offset": flat.storage_offset(),
+            "dtype": str(flat.dtype).removeprefix("torch."),
+            **{k: (bytes(v) if isinstance(v, (bytes, bytearray)) else v)
+               for k, v in zip(_HANDLE_FIELDS, shared)}}
+
+
+def _open(buffer: Mapping[str, Any]) -> torch.Tensor:
+    """The 1-D CUDA tensor a :func:`_share` record points at, mapped in this process."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    return rebuild_cuda_tensor(
+        torch.Tensor, torch.Size([buffer["numel"]]), (1,), buffer["offset"],
+        torch.storage.TypedStorage, getattr(torch, str(buffer["dtype"])), buffer["device"],
+        buffer["handle"], buffer["storage_size"], buffer["storage_offset"], False,
+        buffer["ref_counter_handle"], buffer["ref_counter_offset"], buffer["event_handle"],
+        buffer["event_sync_required"])
+
 
 class IpcSync(WeightSync):
     """CUDA IPC handles of the pushed tensors (``--weight-sync ipc``)."""
@@ -28,16 +59,13 @@ class IpcSync(WeightSync):
 
     def pack(self, tensors: Mapping[str, torch.Tensor], *, version: int,
              home: WeightHome | None = None) -> Packed:
-        """See :meth:`WeightSync.pack`: one flat CUDA buffer per dtype, the payload the pickled
-        handles of their views (``{"tensors": bytes}``); ``keep``: the buffers.
+        """See :meth:`WeightSync.pack`: one flat CUDA buffer per dtype and device; the payload
+        ``{"buffers": [handle records], "entries": [[name, buffer, offset, shape]]}`` (the
+        array bundle's layout, buffers as handles); ``keep``: the buffers.
 
         Raises:
             WeightSyncError: a tensor that is not on a CUDA device (names it).
         """
-        from multiprocessing.reduction import ForkingPickler
-
-        import torch.multiprocessing  # noqa: F401  (registers the CUDA tensor reductions)
-
         off_gpu = [name for name, t in tensors.items() if t.device.type != "cuda"]
         if off_gpu:
             raise WeightSyncError(f"weight sync 'ipc' shares CUDA memory, but {off_gpu[0]!r} "
@@ -46,32 +74,36 @@ class IpcSync(WeightSync):
         groups: dict[tuple[torch.dtype, torch.device], list[str]] = {}
         for name, t in tensors.items():
             groups.setdefault((t.dtype, t.device), []).append(name)
-        views: dict[str, torch.Tensor] = {}
-        buffers = []
+        buffers, records, entries = [], [], []
         with torch.no_grad():
-            for names in groups.values():
+            for index, names in enumerate(groups.values()):
                 flat = torch.cat([tensors[n].detach().reshape(-1) for n in names])
                 buffers.append(flat)
+                records.append(_share(flat))
                 offset = 0
                 for n in names:
-                    size = tensors[n].numel()
-                    views[n] = flat[offset:offset + size].view(tensors[n].shape)
-                    offset += size
-        handles = bytes(ForkingPickler.dumps(views))
-        return Packed(manifest(self.name, tensors=handles),
-                      int(sum(b.numel() * b.element_size() for b in buffers)), keep=buffers)
+                    entries.append([n, index, offset, [int(d) for d in tensors[n].shape]])
+                    offset += tensors[n].numel()
+        nbytes = sum(b.numel() * b.element_size() for b in buffers)
+        return Packed(manifest(self.name, buffers=records, entries=entries), int(nbytes),
+                      keep=buffers)
 
     def load(self, engine: Any, received: Any, version: int) -> None:
-        """See :meth:`WeightSync.load`: the tensors mapped from their handles (on this node's
-        GPU the trainer pushed from), copied into the engine by its own load.
+        """See :meth:`WeightSync.load`: the buffers mapped from their handles (the trainer's
+        GPU, on this node), the tensors views of them, copied into the engine by its own load.
 
         Raises:
-            WeightSyncError: not an ipc manifest.
+            WeightSyncError: not an ipc manifest, or an entry outside its buffer.
         """
-        if not isinstance(received, Mapping) or not isinstance(received.get("tensors"), bytes):
-            raise WeightSyncError("weight sync 'ipc': expected a manifest with the pickled "
-                                  "CUDA handles under 'tensors'")
-        import torch.multiprocessing  # noqa: F401  (registers the CUDA tensor reductions)
-
-        tensors = pickle.loads(received["tensors"])  # noqa: S301  (from the run's own trainer)
+        if not isinstance(received, Mapping) or not isinstance(received.get("buffers"), list) \
+                or not isinstance(received.get("entries"), list):
+            raise WeightSyncError("weight sync 'ipc': expected a manifest with 'buffers' (CUDA "
+                                  "handles) and 'entries'")
+        buffers = [_open(b) for b in received["buffers"]]
+        tensors = {}
+        for name, index, offset, shape in received["entries"]:
+            size = math.prod(shape)
+            if not 0 <= index < len(buffers) or offset + size > buffers[index].numel():
+                raise WeightSyncError(f"weight sync 'ipc': {name!r} lies outside its buffer")
+            tensors[name] = buffers[index][offset:offset + size].view(shape)
         engine.load_weights(tensors, version=version)

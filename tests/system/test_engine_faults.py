@@ -103,11 +103,27 @@ async def test_lost_engine_groups_are_regenerated_and_the_step_trains_the_same(
     assert _gone(fault["pid"])  # a stopped engine was killed, not left behind
 
 
-async def test_restarted_engine_serves_the_lost_groups_at_the_current_version(tmp_path):
+async def test_a_lost_member_of_the_weight_group_is_left_out_and_the_steps_train_the_same(
+        tmp_path, reference):
+    # --weight-sync dist: engine_1 dies while it generates rollout 1; the push after step 0
+    # finds it gone, and goes to engine_0 alone, in a weight group formed without it
+    result, fault = await _faulty_run(tmp_path, "SIGKILL", **{"engine-failure": "regenerate",
+                                                               "weight-sync": "dist"})
+    rows = _rows(result)
+    _assert_same_training(rows, reference)
+    assert [r["groups_regenerated"] for r in rows] == [0, 2, 0]
+    assert [r["engines_alive"] for r in rows] == [2, 1, 1]
+    assert _gone(fault["pid"])
+
+
+@pytest.mark.parametrize("sync", ["auto", "dist"])
+async def test_restarted_engine_serves_the_lost_groups_at_the_current_version(tmp_path, sync):
     # one engine: its loss leaves none, so rollout 1 waits for the new process, which serves
-    # only after it loaded the trainer's weights of that moment (version 1, after step 0)
+    # only after it loaded the trainer's weights of that moment (version 1, after step 0);
+    # under dist it gets them through zmq, then joins a new weight group at the next push
     result, fault = await _faulty_run(tmp_path, "SIGKILL", **{"engine-failure": "restart",
-                                                              "num-engines": 1},
+                                                              "num-engines": 1,
+                                                              "weight-sync": sync},
                                       engine="engine_0")
     rows = _rows(result)
     assert [r["step"] for r in rows] == [0, 1, 2]

@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests.child_env import PYTHONPATH
@@ -69,11 +70,11 @@ def two_hosts():
 
 
 def _torchrun(ns: str, node_rank: int, master: str, out: Path, keys: str, env: dict,
-              *extra: str) -> subprocess.Popen:
+              *extra: str, entry: str = "replayrl.tools.run.torchrun_entry") -> subprocess.Popen:
     return subprocess.Popen(
         ["ip", "netns", "exec", ns, sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
          f"--node-rank={node_rank}", "--nproc-per-node=2", f"--master-addr={master}",
-         "--master-port=29500", "-m", "replayrl.tools.run.torchrun_entry", "--curve-keys", keys,
+         "--master-port=29500", "-m", entry, "--curve-keys", keys,
          "--num-steps", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
          "--no-progress", "--output-dir", str(out), *extra],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -138,6 +139,43 @@ def test_a_run_trains_across_two_namespace_hosts(two_hosts, tmp_path, curve_keys
     assert all(r["samples"] == 4 for r in rows)
     assert "last10%=" in out_text_a
     assert (out_b / "checkpoint-init").is_dir() and not (out_a / "checkpoint-init").exists()
+
+
+def test_dist_weight_sync_reaches_an_engine_on_each_host(two_hosts, tmp_path, curve_keys_dir):
+    """``--weight-sync dist`` across the hosts: the trainer (rank 3, host B) hosts the weight
+    group on B's address; engine_0 (host A) and engine_1 (host B) join it over the veth pair,
+    and every push they loaded equals the trainer's, tensor by tensor (float32 engines)."""
+    from tests.weight_recorders import WEIGHTS_ENV, recorded
+
+    (ns_a, addr_a, _), (ns_b, _, _) = two_hosts
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH, "TMPDIR": str(tmp_path)}
+    flags = ("--weight-sync", "dist", "--engine-dtype", "float32")
+    entry = "tests.torchrun_record_entry"
+    nodes = [_torchrun(ns, rank, addr_a, tmp_path / f"host-{rank}", curve_keys_dir,
+                       {**env, WEIGHTS_ENV: str(tmp_path / f"weights-{rank}")}, *flags, entry=entry)
+             for rank, ns in enumerate((ns_a, ns_b))]
+    try:
+        errors = [node.communicate(timeout=300)[1] for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+                node.wait()
+    assert [node.returncode for node in nodes] == [0, 0], errors[0][-3000:] + errors[1][-3000:]
+    on_a, on_b = recorded(tmp_path / "weights-0"), recorded(tmp_path / "weights-1")
+    assert {name for name, _ in on_a} == {"engine_0"}  # the plan of the first test's layout
+    assert {name for name, _ in on_b} == {"engine_1", "trainer"}
+    assert sorted(v for name, v in on_b if name == "trainer") == [0, 1]
+    for (engine, version), got in {**on_a, **on_b}.items():
+        if engine == "trainer":
+            continue
+        want = on_b[("trainer", version)]
+        assert sorted(got) == sorted(want)
+        for name, array in want.items():
+            np.testing.assert_array_equal(got[name], array, err_msg=f"{engine} v{version} {name}")
+    assert ("engine_0", 0) in on_a and ("engine_1", 0) in on_b
+    rows = [json.loads(line) for line in (tmp_path / "host-0" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["trainer_version"] for r in rows] == [1, 2]
 
 
 # what a step trained on and what it computed (tests/system/test_engine_faults.py); timings and the

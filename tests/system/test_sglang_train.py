@@ -63,6 +63,46 @@ async def test_first_step_batch_and_metrics_equal_the_embedded_engine(serve_url,
                            "rollout-engine": "sglang", "sglang-urls": serve_url})
     a, want = await _first_step_and_batch(embedded, tmp_path, "e")
     b, got = await _first_step_and_batch(sglang, tmp_path, "s")
+    _assert_same(a, want, b, got)
+
+
+async def test_weights_by_group_broadcast_or_by_the_trainers_file_train_alike(serve_url, tmp_path):
+    """The SGLang client's other two weight paths against ``replayrl serve``, two synchronous
+    steps (so rollout 1 is generated from the second push): ``--weight-sync dist`` (the server
+    joins the trainer's group through ``/init_weights_update_group`` and receives each push
+    through ``/update_weights_from_distributed``) and ``--weight-sync disk`` (the server reads
+    the trainer's own file) train as the embedded engine does."""
+    steps = {**SMALL, "num-steps": 2, "max-staleness": 0}
+    want = await _rows(build_config({**steps, "output-dir": str(tmp_path / "e")}), tmp_path, "e")
+    for sync in ("dist", "disk"):
+        got = await _rows(build_config({**steps, "output-dir": str(tmp_path / sync),
+                                        "rollout-engine": "sglang", "sglang-urls": serve_url,
+                                        "weight-sync": sync}), tmp_path, sync)
+        assert [r["trainer_version"] for r in got] == [1, 2]
+        for a, b in zip(want, got):
+            compared = [k for k in a if isinstance(a[k], (int, float)) and not k.endswith(TIMING)]
+            assert {"reward_mean", "train_rollout_logprob_abs_diff", "grad_norm"} <= set(compared)
+            for key in compared:
+                assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-9), (sync, a["step"], key)
+    # three pushes (v0, and one after each synchronous step); the trainer keeps the last two
+    assert sorted(p.name for p in (tmp_path / "disk" / "weight-sync").iterdir()) == \
+        ["version-1", "version-2"]
+
+
+async def _rows(config, tmp_path: Path, name: str) -> list[dict]:
+    """The metrics rows of the run of ``config`` through the driver loop."""
+    checkpoint = write_initial_checkpoint(config, tmp_path / f"ckpt-{name}")
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="rrl-") as run_dir:
+        specs = actor_specs(config, checkpoint)
+        directory = Directory.for_run(run_dir, [s.name for s in specs])
+        async with Supervisor(specs, directory, run_dir):
+            await train_loop(directory, config, rows.append)
+    return rows
+
+
+def _assert_same(a: dict, want: list, b: dict, got: list) -> None:
+    """Rollout 1's samples and the first step's metrics of two runs agree."""
     assert len(got) == len(want) == 16
     for g, w in zip(got, want):
         assert (g.sample_id, g.group_id, g.status, g.policy_version) == \

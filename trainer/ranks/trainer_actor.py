@@ -74,6 +74,23 @@ async def _no_preflight(samples: list[Sample]) -> dict[str, list[float]]:
     return {}
 
 
+async def _lost_during(delivery: Delivery) -> set[str]:
+    """Wait until a group push completed, or until an engine of it is lost; the engines whose
+    call failed with :class:`PeerLost` (empty once everything finished without a loss). Calls
+    left running keep a callback that retrieves their error, so none is logged as lost."""
+    calls = dict(delivery.loads)
+    waiting: set[asyncio.Future] = {*calls.values(), delivery.transfer}
+    while waiting:
+        _, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_EXCEPTION)
+        lost = {e for e, f in calls.items()
+                if f.done() and not f.cancelled() and isinstance(f.exception(), PeerLost)}
+        if lost:
+            for f in waiting:  # the others of the broken group finish (or time out) unawaited
+                f.add_done_callback(lambda f: f.cancelled() or f.exception())
+            return lost
+    return set()
+
+
 class TrainerActor(Actor):
     """Actor that orchestrates the steps; the policy and its optimizer live in its backend.
 
@@ -255,23 +272,24 @@ class TrainerActor(Actor):
         Under ``--engine-failure regenerate`` / ``restart`` an engine lost during the push
         (:class:`replayrl.actors.errors.PeerLost`) is skipped: the rollout manager takes it out of its
         pool, and a restarted one gets the weights of the moment it serves again
-        (:meth:`push_weights_to`). A group sync (dist) whose broadcast failed with the loss of
-        a member is delivered again to the engines left, in a group formed without it. Any
-        other error, or any loss under ``fail``, is raised.
+        (:meth:`push_weights_to`). A group sync (dist) that loses a member mid-push leaves the
+        others waiting on its broadcast: the push is delivered again at once to the engines
+        left, in a group formed without the lost one. Any other error, or any loss under
+        ``fail``, is raised.
         """
-        while True:
-            results = await asyncio.gather(*delivery.loads.values(), return_exceptions=True)
-            failed = None
-            if delivery.transfer is not None:
-                failed = (await asyncio.gather(delivery.transfer, return_exceptions=True))[0]
-            lost = {e for e, r in zip(delivery.loads, results) if isinstance(r, PeerLost)}
-            if self.engine_failure != "fail":
-                self._lost |= lost
-            if not isinstance(failed, BaseException) or not lost or self.engine_failure == "fail":
+        while delivery.transfer is not None and self.engine_failure != "fail":
+            lost = await _lost_during(delivery)
+            if not lost:
                 break
-            # the group broke with the lost member: the others could not finish either
+            self._lost |= lost
             delivery = await self.sync.deliver(packed, version, self.engines, self._engine,
                                                lost=self._lost)
+        results = await asyncio.gather(*delivery.loads.values(), return_exceptions=True)
+        failed = None
+        if delivery.transfer is not None:
+            failed = (await asyncio.gather(delivery.transfer, return_exceptions=True))[0]
+        if self.engine_failure != "fail":
+            self._lost |= {e for e, r in zip(delivery.loads, results) if isinstance(r, PeerLost)}
         if isinstance(failed, BaseException):
             raise failed
         clock = self.proxy(self.clock_name, self.config.rpc_timeout_s)
@@ -302,7 +320,10 @@ class TrainerActor(Actor):
         if engine not in self.engines:
             raise ValueError(f"unknown engine {engine!r}; the run's engines: {self.engines}")
         start = time.perf_counter()
-        sync = resolve_weight_sync("zmq")() if self.sync.collective else self.sync
+        sync = self.sync
+        if sync.collective:  # a new process: no member of the group its predecessor was in
+            sync.close()
+            sync = resolve_weight_sync("zmq")()
         packed = sync.pack(await self._push_tensors(), version=self.version, home=self.backend)
         timeout = self.config.rpc_timeout_s
         await self.ref(engine).reachable(timeout)  # this process's connection to the new one

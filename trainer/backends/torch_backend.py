@@ -403,7 +403,9 @@ class TorchBackend(TrainerBackend):
                 return factors
             base = {k: v.detach().float() for k, v in lora.base_state(self.model).items()}
             return {**base, **factors}
-        return {k: v.detach().float() for k, v in self.model.state_dict().items()}
+        # state_dict's tensors are detached already; float32 ones are passed as they are
+        return {k: v if v.dtype == torch.float32 else v.float()
+                for k, v in self.model.state_dict().items()}
 
     def movable_weights(self) -> dict[str, torch.Tensor] | None:
         """See :meth:`TrainerBackend.movable_weights`: the model's state when it is a policy on

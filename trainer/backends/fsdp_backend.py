@@ -151,13 +151,13 @@ class FSDPBackend(TorchBackend):
         return _arrays(state)
 
     def push_tensors(self, full: bool = True) -> dict[str, torch.Tensor]:
-        """See :meth:`TrainerBackend.push_tensors`: :meth:`weights` as tensors, or under LoRA
+        """See :meth:`TrainerBackend.push_tensors`: :meth:`weights` as CPU tensors, or under LoRA
         the adapter factors gathered from the shards (float32 ``N.lora_A`` [r, in], ``N.lora_B``
         [out, r] times the scaling), after the base weights when ``full``: the torch backend's
         LoRA push (:func:`replayrl.trainer.lora.peft_adapter.adapter_tensors`), merged by the
         engine. CPU copies; a collective."""
         if not self.lora_config:
-            return super().push_tensors(full)
+            return self._gathered()  # what weights() gives, as the tensors they are
         base, factors = lora.split_state(self._gathered(), self._adapted)
         return {**base, **factors} if full else factors
 

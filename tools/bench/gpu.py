@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from replayrl.tools.bench.usage import bench_parser
+from replayrl.transport import strict_json
 
 STEPS: dict[str, tuple[str, int]] = {
     "placement": ("torch and fsdp trainers, embedded engine, KV cache and proximal cache on the "
@@ -572,7 +573,7 @@ def headline(result: StepResult) -> str:
     try:
         return HEADLINES[result.name](result.figures)
     except (KeyError, TypeError, ValueError):  # a figure missing: show them raw
-        return json.dumps(result.figures, default=str)[:160]
+        return strict_json.dumps(strict_json.finite_or_none(result.figures), default=str)[:160]
 
 
 def report(results: list[StepResult], skipped: list[PlannedStep]) -> str:
@@ -634,7 +635,8 @@ def main(argv: list[str] | None = None) -> int:
               "push_size": args.push_size, "plan": [asdict(s) for s in steps],
               "results": [asdict(r) for r in results]}
     path = output / "gpu.json"
-    path.write_text(json.dumps(record, indent=1, default=str) + "\n")
+    # strict JSON as every file a run writes: a figure with no finite value is null
+    path.write_text(strict_json.dumps(strict_json.finite_or_none(record), indent=1, default=str) + "\n")
     print(f"figures: {path}")
     return 0 if all(r.ok for r in results) else 1
 

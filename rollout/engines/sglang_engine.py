@@ -172,15 +172,34 @@ class SglangEngine(Engine):
     async def _push(self, url: str, path: Path, version: int) -> None:
         body = {"model_path": str(path), "weight_version": str(version), "flush_cache": True,
                 "abort_all_requests": False}
+        await self._paused(url, lambda: self._post_ok(
+            url, "/update_weights_from_disk", body, what=f"weights of version {version} from {path}",
+            failed=f"version {version} not loaded"))
+
+    async def _post_ok(self, url: str, endpoint: str, body: Mapping[str, Any], *, what: str,
+                       failed: str) -> None:
+        """POST ``body`` to ``url + endpoint`` within the update timeout and require SGLang's
+        ``{"success": true}`` answer (its weight endpoints answer a failure with 200 and
+        ``success`` false).
+
+        Raises:
+            SglangRequestError: ``"<url><endpoint>: <failed>: <reply>"`` when success is not true.
+            SglangNoAnswer: no answer within the update timeout.
+        """
+        reply = await self._request("POST", url, endpoint, body, what=what,
+                                    timeout_s=self.update_timeout_s)
+        if not isinstance(reply, Mapping) or not reply.get("success"):
+            raise SglangRequestError(f"{url}{endpoint}: {failed}: {reply!r}")
+
+    async def _paused(self, url: str, update) -> None:
+        """Await ``update()`` (a coroutine function, called only once the pause succeeded) with
+        the server's generation paused (``/pause_generation`` in abort mode before,
+        ``/continue_generation`` after, also when it raised): SGLang's weight updates wait for no
+        running request."""
         await self._request("POST", url, "/pause_generation", {"mode": "abort"},
                             what="pause before a weight update")
         try:
-            reply = await self._request("POST", url, "/update_weights_from_disk", body,
-                                        what=f"weights of version {version} from {path}",
-                                        timeout_s=self.update_timeout_s)
-            if not isinstance(reply, Mapping) or not reply.get("success"):
-                raise SglangRequestError(f"{url}/update_weights_from_disk: version {version} "
-                                         f"not loaded: {reply!r}")
+            await update()
         finally:
             await self._request("POST", url, "/continue_generation", {},
                                 what="continue after a weight update")
@@ -296,12 +315,9 @@ class SglangEngine(Engine):
         body = {key: spec[key] for key in ("master_address", "master_port", "rank_offset",
                                            "world_size", "group_name", "backend")}
         url = self.urls[0]
-        reply = self._run(self._request("POST", url, "/init_weights_update_group", body,
-                                        what=f"weight group {body['group_name']}",
-                                        timeout_s=self.update_timeout_s), None)
-        if not isinstance(reply, Mapping) or not reply.get("success"):
-            raise SglangRequestError(f"{url}/init_weights_update_group: group "
-                                     f"{body['group_name']} not joined: {reply!r}")
+        self._run(self._post_ok(url, "/init_weights_update_group", body,
+                                what=f"weight group {body['group_name']}",
+                                failed=f"group {body['group_name']} not joined"), None)
         self._group_url = url
 
     def load_weights_from_distributed(self, manifest: Mapping[str, Any], *, version: int) -> None:
@@ -320,27 +336,18 @@ class SglangEngine(Engine):
             raise SglangRequestError("load_weights_from_distributed before "
                                      "init_weights_update_group")
 
-        async def update() -> None:
-            await self._request("POST", url, "/pause_generation", {"mode": "abort"},
-                                what="pause before a weight update")
-            try:
-                buckets = list(manifest["buckets"])
-                for i, bucket in enumerate(buckets):
-                    body = {"names": bucket["names"], "dtypes": bucket["dtypes"],
-                            "shapes": bucket["shapes"], "group_name": manifest["group"],
-                            "flush_cache": i == len(buckets) - 1, "abort_all_requests": False,
-                            "weight_version": str(version), "load_format": "flattened_bucket"}
-                    reply = await self._request(
-                        "POST", url, "/update_weights_from_distributed", body,
-                        what=f"bucket {i} of version {version}", timeout_s=self.update_timeout_s)
-                    if not isinstance(reply, Mapping) or not reply.get("success"):
-                        raise SglangRequestError(f"{url}/update_weights_from_distributed: bucket "
-                                                 f"{i} of version {version} not loaded: {reply!r}")
-            finally:
-                await self._request("POST", url, "/continue_generation", {},
-                                    what="continue after a weight update")
+        async def buckets() -> None:
+            buckets = list(manifest["buckets"])
+            for i, bucket in enumerate(buckets):
+                body = {"names": bucket["names"], "dtypes": bucket["dtypes"],
+                        "shapes": bucket["shapes"], "group_name": manifest["group"],
+                        "flush_cache": i == len(buckets) - 1, "abort_all_requests": False,
+                        "weight_version": str(version), "load_format": "flattened_bucket"}
+                await self._post_ok(url, "/update_weights_from_distributed", body,
+                                    what=f"bucket {i} of version {version}",
+                                    failed=f"bucket {i} of version {version} not loaded")
 
-        self._load_version(version, lambda: self._run(update(), None))
+        self._load_version(version, lambda: self._run(self._paused(url, buckets), None))
 
     def destroy_weights_update_group(self, group_name: str) -> None:
         """Have the server leave weight group ``group_name`` (``/destroy_weights_update_group``;

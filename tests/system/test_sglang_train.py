@@ -3,6 +3,7 @@
 first-step batch and the same metrics), through the real multi-process system."""
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -45,16 +46,24 @@ async def _first_step_and_batch(config, tmp_path: Path, name: str) -> tuple[dict
     """The run's first step through the driver loop (push, generate, train; its metrics row),
     then rollout 1 generated on the same actors and taken as samples. One start of the actors
     serves both (the run and a separate batch each started them once: twice the cost)."""
-    checkpoint = write_initial_checkpoint(config, tmp_path / f"ckpt-{name}")
     rows: list[dict] = []
+    async with _actors(config, tmp_path, name) as directory:
+        await train_loop(directory, config, rows.append)
+        await directory.ref("rollout_manager").call("generate", 1)
+        return rows[0], samples_from_columns(await directory.ref("rollout_manager")
+                                             .call("take_batch", 1))
+
+
+@contextlib.asynccontextmanager
+async def _actors(config, tmp_path: Path, name: str):
+    """The run's actors started from its initial checkpoint, under a Supervisor; yields their
+    Directory."""
+    checkpoint = write_initial_checkpoint(config, tmp_path / f"ckpt-{name}")
     with tempfile.TemporaryDirectory(prefix="rrl-") as run_dir:
         specs = actor_specs(config, checkpoint)
         directory = Directory.for_run(run_dir, [s.name for s in specs])
         async with Supervisor(specs, directory, run_dir):
-            await train_loop(directory, config, rows.append)
-            await directory.ref("rollout_manager").call("generate", 1)
-            return rows[0], samples_from_columns(await directory.ref("rollout_manager")
-                                                 .call("take_batch", 1))
+            yield directory
 
 
 async def test_first_step_batch_and_metrics_equal_the_embedded_engine(serve_url, tmp_path):
@@ -91,13 +100,9 @@ async def test_weights_by_group_broadcast_or_by_the_trainers_file_train_alike(se
 
 async def _rows(config, tmp_path: Path, name: str) -> list[dict]:
     """The metrics rows of the run of ``config`` through the driver loop."""
-    checkpoint = write_initial_checkpoint(config, tmp_path / f"ckpt-{name}")
     rows: list[dict] = []
-    with tempfile.TemporaryDirectory(prefix="rrl-") as run_dir:
-        specs = actor_specs(config, checkpoint)
-        directory = Directory.for_run(run_dir, [s.name for s in specs])
-        async with Supervisor(specs, directory, run_dir):
-            await train_loop(directory, config, rows.append)
+    async with _actors(config, tmp_path, name) as directory:
+        await train_loop(directory, config, rows.append)
     return rows
 
 

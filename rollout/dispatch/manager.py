@@ -36,6 +36,7 @@ import itertools
 import json
 import logging
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -43,6 +44,8 @@ from replayrl.actors import Actor, concurrent, import_callable
 from replayrl.rollout.config import RolloutConfig
 from replayrl.rollout.dispatch.engine_pool import EnginePool
 from replayrl.rollout.dispatch.generation_gate import GenerationGate
+from replayrl.rollout.dispatch.prefetched import FILE_NAME as PREFETCHED_FILE
+from replayrl.rollout.dispatch.prefetched import read_prefetched, write_prefetched
 from replayrl.rollout.engines.base import generations_from_columns
 from replayrl.rollout.episodes.env_sessions import EnvSessions
 from replayrl.rollout.episodes.turn_loop import Episode, assemble, run_episodes
@@ -148,6 +151,8 @@ class RolloutManager(Actor):
         self.replacement_calls = 0
         self.data_state_before: dict[int, dict] = {}
         self.batches: dict[int, list[Sample]] = {}
+        self.summaries: dict[int, dict] = {}  # generate's result of each stored batch
+        self.restored: set[int] = set()  # stored batches a checkpoint gave back (load_state)
         self.next_sample_id = 0
         self.next_group_id = 0
         self.gate = GenerationGate()  # pause_generation / resume_generation
@@ -346,6 +351,10 @@ class RolloutManager(Actor):
         whole batches, because a weight push landed between their turns after their version pin
         lapsed; docs/design/version-clock.md#version-clock).
 
+        A rollout that :meth:`load_state` restored from a checkpoint is not generated: its
+        stored summary is returned, once, and its batch is trained as the interrupted run would
+        have trained it.
+
         Raises:
             RolloutError: a batch with this id is already stored.
             replayrl.actors.RemoteError / ActorTimeout: an engine failed or did not answer in time.
@@ -353,6 +362,9 @@ class RolloutManager(Actor):
                 or none restored in time (``restart``); replayrl.actors.errors.PeerLost: an engine
                 lost under ``fail``.
         """
+        if rollout_id in self.restored:  # a checkpoint's prefetched batch: trained as it was
+            self.restored.discard(rollout_id)
+            return dict(self.summaries[rollout_id])
         if rollout_id in self.batches:
             raise RolloutError(f"rollout {rollout_id} already generated and not yet taken")
         start = time.perf_counter()
@@ -390,6 +402,7 @@ class RolloutManager(Actor):
             summary["env_failure_messages"] = env_failures
         if self.config.reward_failure == "zero":
             summary["reward_failures"] = self.reward_guard.failures  # run total so far
+        self.summaries[rollout_id] = summary  # a checkpoint taken before it is trained keeps it
         return summary
 
     @concurrent
@@ -568,32 +581,89 @@ class RolloutManager(Actor):
             RolloutError: no batch with this id is stored.
         """
         self.data_state_before.pop(rollout_id - 1, None)  # older snapshots are never needed
+        self.summaries.pop(rollout_id, None)
         try:
             samples = self.batches.pop(rollout_id)
         except KeyError:
             raise RolloutError(f"rollout {rollout_id} is not stored; have {sorted(self.batches)}") from None
         return samples_to_columns(samples)
 
-    async def state(self, next_rollout_id: int | None = None) -> dict:
+    async def state(self, next_rollout_id: int | None = None, directory: str | None = None) -> dict:
         """Checkpointable state.
 
         Args:
-            next_rollout_id: the first rollout the resumed run will generate; the data state is
-                taken from before that rollout's draw when it was already prefetched.
+            next_rollout_id: the first rollout the resumed run will train.
+            directory: the checkpoint directory being written. When rollout ``next_rollout_id``
+                is already generated and stored (the asynchronous loop's prefetch), it is
+                written there (``replayrl.rollout.dispatch.prefetched``) and the state records
+                it, with the data state after its draw: the resumed run trains that very batch.
+                Without ``directory`` (or with no such batch) the data state is the one before
+                that rollout's draw, so a resumed run draws the same prompts again.
+        Returns:
+            JSON-like: ``data``, ``replacement_data`` (cursors), ``replacement_calls``,
+            ``next_sample_id``, ``next_group_id`` and, when the batch was written,
+            ``prefetched``: ``{"rollout_id", "file", "data_before"}`` (the file's name in
+            ``directory``, the data state before that rollout's draw).
         """
         data = self.data.state_dict()
-        if next_rollout_id is not None and next_rollout_id in self.data_state_before:
+        prefetched = None
+        if (directory is not None and next_rollout_id in self.batches
+                and next_rollout_id in self.summaries):
+            write_prefetched(Path(directory) / PREFETCHED_FILE, next_rollout_id,
+                             self.summaries[next_rollout_id], self.batches[next_rollout_id])
+            prefetched = {"rollout_id": next_rollout_id, "file": PREFETCHED_FILE,
+                          "data_before": self.data_state_before[next_rollout_id]}
+            if next_rollout_id + 1 in self.data_state_before:  # a later rollout was drawn since
+                data = self.data_state_before[next_rollout_id + 1]
+        elif next_rollout_id is not None and next_rollout_id in self.data_state_before:
             data = self.data_state_before[next_rollout_id]
         return {"data": data, "replacement_data": self.replacement_data.state_dict(),
                 "replacement_calls": self.replacement_calls,
-                "next_sample_id": self.next_sample_id, "next_group_id": self.next_group_id}
+                "next_sample_id": self.next_sample_id, "next_group_id": self.next_group_id,
+                **({"prefetched": prefetched} if prefetched else {})}
 
-    async def load_state(self, state: dict) -> None:
-        """Restore :meth:`state` output (drops stored, untrained batches)."""
+    async def load_state(self, state: dict, directory: str | None = None,
+                         prefetched: bool = True) -> None:
+        """Restore :meth:`state` output (drops stored, untrained batches).
+
+        Args:
+            directory: the checkpoint directory (where a ``prefetched`` batch's file is).
+            prefetched: restore a checkpoint's prefetched batch, so that the next
+                :meth:`generate` of its rollout returns it without generating. ``False`` (a
+                synchronous run resumed from an asynchronous run's checkpoint: that batch is
+                one version too stale for its window) draws its prompts again instead.
+        Raises:
+            RolloutError: the prefetched batch's file is missing or unreadable, or holds
+                another rollout than the state names.
+        """
+        saved = state.get("prefetched")
+        restored = None
+        if saved and prefetched:
+            if directory is None:
+                raise RolloutError("the checkpoint holds a prefetched rollout; load_state needs "
+                                   "its directory")
+            path = Path(directory) / saved["file"]
+            try:
+                rollout_id, summary, samples = read_prefetched(path)
+            except FileNotFoundError:
+                raise RolloutError(f"{path}: the checkpoint's prefetched rollout is missing") from None
+            if rollout_id != int(saved["rollout_id"]):
+                raise RolloutError(f"{path}: holds rollout {rollout_id}, the checkpoint names "
+                                   f"{saved['rollout_id']}")
+            restored = (rollout_id, summary, samples)
         self.data.load_state_dict(state["data"])
         self.replacement_data.load_state_dict(state["replacement_data"])
         self.replacement_calls = int(state["replacement_calls"])
         self.next_sample_id = int(state["next_sample_id"])
         self.next_group_id = int(state["next_group_id"])
         self.batches.clear()
+        self.summaries.clear()
         self.data_state_before.clear()
+        self.restored.clear()
+        if restored is not None:
+            rollout_id, summary, samples = restored
+            self.batches[rollout_id] = samples
+            self.summaries[rollout_id] = summary
+            self.restored.add(rollout_id)
+        elif saved:  # not restored: its prompts are drawn again, as before the draw
+            self.data.load_state_dict(saved["data_before"])

@@ -158,6 +158,30 @@ def scalars(metrics: Mapping) -> dict[str, int | float]:
             if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
+def earlier_rows(path: Path) -> list[dict]:
+    """The rows of an earlier run's ``metrics.jsonl``. A last line that is not complete JSON
+    (the run was killed while writing it: each row is one write, flushed, so only the last can
+    be cut short) is left out.
+
+    Raises:
+        OSError: ``path`` cannot be read.
+        ValueError: a line before the last is not JSON (the file is not a replayrl metrics
+            file; names the file and the line).
+    """
+    lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
+    rows = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            rows.append(strict_json.loads(line))
+        except ValueError as exc:
+            if number == len(lines):
+                log.warning("replayrl: %s: its last line is cut short (a run killed while "
+                            "writing it); left out", path)
+                break
+            raise ValueError(f"{path}:{number}: not a metrics row: {exc}") from None
+    return rows
+
+
 def _seconds(value: float) -> str:
     """Seconds for the summary line: one decimal below 10 s (``0.4 s``), whole above (``33 s``)."""
     return f"{value:.1f} s" if round(value, 1) < 10 else f"{value:.0f} s"
@@ -177,7 +201,8 @@ class MetricsRecorder:
     With ``resume_step`` (a run resumed with ``--load`` from a checkpoint taken after
     ``resume_step`` steps) the rows of an earlier ``metrics.jsonl`` in ``output_dir`` for the
     steps before it are kept, and count in :meth:`summary` and :meth:`plot`; its rows of later
-    steps, which the resumed run trains again, are dropped. Without it the file starts empty.
+    steps, which the resumed run trains again, are dropped, and so is a last line cut short by
+    a kill (:func:`earlier_rows`). Without it the file starts empty.
     """
 
     def __init__(self, output_dir: str | Path, num_steps: int, show_progress: bool = True,
@@ -193,9 +218,8 @@ class MetricsRecorder:
         self.path = self.output_dir / "metrics.jsonl"
         self.rows: list[dict] = []
         if resume_step is not None and self.path.exists():
-            earlier = [strict_json.loads(line) for line in self.path.read_text().splitlines()
-                       if line.strip()]
-            self.rows = [r for r in earlier if r.get("step", resume_step) < resume_step]
+            self.rows = [r for r in earlier_rows(self.path)
+                         if r.get("step", resume_step) < resume_step]
         self._file = self.path.open("w")
         for row in self.rows:
             self._file.write(strict_json.dumps(row) + "\n")
@@ -205,6 +229,9 @@ class MetricsRecorder:
                                   disable=not show_progress)
         self._task = self._progress.add_task("train", total=num_steps, status="starting actors")
         self.collapse = CollapseWatch()
+
+    status = staticmethod(progress_status)
+    """The progress display's text for one row (another command's recorder shows its own)."""
 
     def __enter__(self) -> "MetricsRecorder":
         self._progress.start()
@@ -244,7 +271,7 @@ class MetricsRecorder:
         warning = self.collapse.see(metrics)
         if warning:
             log.warning("%s", warning)
-        self._progress.update(self._task, advance=1, status=progress_status(metrics))
+        self._progress.update(self._task, advance=1, status=self.status(metrics))
         if self._tensorboard is not None:
             for key, value in metrics.items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool):

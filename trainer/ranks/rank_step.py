@@ -54,7 +54,9 @@ class RankStep:
         self.cache = ProximalLogprobCache(config.rs_refill_max_candidate_cache_bytes, backend.device)
         self.gate = config.rs_gate
         self.entropies: list[torch.Tensor] = []
-        self.updates = 0  # update() calls so far: every --indexer-drift-interval-th computes drift
+        # update() calls so far (one per trainer version; a resumed rank starts at the restored
+        # version): every --indexer-drift-interval-th computes drift
+        self.updates = 0
         self.heap = HeapKeeper()
         self.required_traces = required_traces(
             backend.model_config, **{f"{row.replay}_replay": getattr(config, row.setting)

@@ -667,6 +667,8 @@ class TrainerActor(Actor):
             raise TrainStepError(f"{directory}: the trainer ranks restored versions "
                                  f"{[version, *theirs]}")
         self.version = version
+        # one update per version: the --indexer-drift-interval phase continues as uninterrupted
+        self.local.updates = version
         self._pushed_base = False  # LoRA: the checkpoint's base goes with the next push
         return self.version
 

@@ -138,7 +138,9 @@ class TrainerRank(Actor):
         Raises:
             as ``TrainerBackend.load_checkpoint``.
         """
-        return self.backend.load_checkpoint(Path(directory), min_version=min_version)
+        version = self.backend.load_checkpoint(Path(directory), min_version=min_version)
+        self.step.updates = version  # as TrainerActor.load_checkpoint: the drift phase continues
+        return version
 
     async def weights_digest(self) -> dict:
         """This rank's weights and optimizer moments as raw bytes (``TrainerBackend.digest``):

@@ -26,6 +26,7 @@ from replayrl.actors.ref import shared_memory_pool, shared_memory_reader
 from replayrl.transport import Codec, RouterSocket
 from replayrl.transport.curve import CurveKeys
 from replayrl.transport.endpoints import shares_memory
+from replayrl.transport.errors import PeerUnreachable
 
 if TYPE_CHECKING:
     from replayrl.actors.directory import Directory
@@ -119,7 +120,8 @@ class ActorServer:
         self._tasks: set[asyncio.Task] = set()
         self._router = RouterSocket(endpoint, self._on_message, curve=curve,
                                     max_message_bytes=self.codec.config.max_message_bytes,
-                                    on_bad_batch=self._on_bad_batch)
+                                    on_bad_batch=self._on_bad_batch,
+                                    on_unreachable=self._caller_left)
         self._worker: asyncio.Task | None = None
         self._log = RateLimitedLog(log)
         # looked up once, not per call (a class is not changed while it serves)
@@ -169,6 +171,11 @@ class ActorServer:
     def _on_bad_batch(self, peer: bytes, exc: Exception) -> None:
         # refused whole by the socket; no call id can be trusted, so nothing is answered
         self._log.log(logging.ERROR, f"{self.actor.name}: rejected malformed batch: {clip(str(exc))}")
+
+    def _caller_left(self, peer: bytes | None, exc: PeerUnreachable) -> None:
+        # the caller closed its connection (a launcher stopping with calls in flight): nobody
+        # waits for this reply, so its loss is no error
+        log.info("%s: reply to a caller that left dropped: %s", self.actor.name, clip(str(exc)))
 
     async def _run_in_order(self) -> None:
         while True:
@@ -226,7 +233,10 @@ class ActorServer:
         except Exception as exc:  # the result itself cannot travel: tell the caller why
             frames = self.codec.encode(err_reply(reply["id"], type(exc).__qualname__, str(exc),
                                                  traceback.format_exc()))
-        self._router.send(peer, frames)
+        try:
+            self._router.send(peer, frames)
+        except PeerUnreachable as exc:
+            self._caller_left(peer, exc)
 
     async def _ping(self) -> dict:
         return {"name": self.actor.name, "pid": os.getpid()}

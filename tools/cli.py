@@ -12,7 +12,7 @@ import logging
 import sys
 import time
 
-from replayrl.tools.run.exit_codes import exit_code, handle_sigterm
+from replayrl.tools.run.exit_codes import exit_code, handle_sigterm, until_terminated
 from replayrl.tools.run.flags import add_run_flags
 from replayrl.tools.run.from_flags import config_from_args
 
@@ -27,8 +27,8 @@ def _train(args: argparse.Namespace) -> int:
 
         config = config_from_args(args)
         handle_sigterm()
-        result = run_event_loop(launch(config, log_level=getattr(logging, args.log_level),
-                                       started=started))
+        result = run_event_loop(until_terminated(launch(
+            config, log_level=getattr(logging, args.log_level), started=started)))
         print(f"plot: {result.plot_path}")
         print(result.summary)
         return 0

@@ -8,7 +8,7 @@ log the offending message and keep running (docs/design/transport.md#transport-c
 from __future__ import annotations
 
 __all__ = ["TransportError", "EncodeError", "DecodeError", "MessageTooLarge", "NonFiniteJSON",
-           "TraceCodecError"]
+           "TraceCodecError", "PeerUnreachable"]
 
 
 class TransportError(Exception):
@@ -30,6 +30,12 @@ class DecodeError(TransportError):
 class MessageTooLarge(DecodeError):
     """A received message (all frames together) or one array in it is larger than the codec's
     ``max_message_bytes``; raised before any array is built."""
+
+
+class PeerUnreachable(TransportError):
+    """A ROUTER's message to a peer that is no longer connected (its socket closed, its process
+    gone): nothing can deliver it. For a server this is a reply to a caller that left, e.g. a
+    launcher that stopped on SIGTERM with calls in flight; it drops the reply."""
 
 
 class NonFiniteJSON(TransportError, ValueError):

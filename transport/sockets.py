@@ -84,7 +84,7 @@ from replayrl.transport.endpoints import (
     ipc_endpoint,
     tcp_loopback_endpoint,
 )
-from replayrl.transport.errors import DecodeError, TransportError
+from replayrl.transport.errors import DecodeError, PeerUnreachable, TransportError
 from replayrl.transport.shm_pool import mark_sent
 
 __all__ = ["RouterSocket", "DealerSocket", "ipc_endpoint", "tcp_loopback_endpoint", "owned_frames",
@@ -146,6 +146,7 @@ class _LoopSocket:
         self._closed = False
         self._head = 0  # frames before the message: a ROUTER's peer identity
         self._on_bad_batch: Callable[[bytes | None, DecodeError], None] | None = None
+        self._on_unreachable: Callable[[bytes | None, PeerUnreachable], None] | None = None
         # messages sent after the first of a loop iteration, per peer (None for a DEALER)
         self._outbox: dict[bytes | None, list[list[bytes]]] = {}
         self._flush_scheduled = False
@@ -276,7 +277,7 @@ class _LoopSocket:
             sock.send(owned[-1], _NOBLOCK, copy=False)
         except zmq.ZMQError as exc:
             if exc.errno == zmq.EHOSTUNREACH:
-                raise TransportError(f"{self._endpoint}: peer {peer_text} is not connected") from exc
+                raise PeerUnreachable(f"{self._endpoint}: peer {peer_text} is not connected") from exc
             raise TransportError(f"{self._endpoint}: send to {peer_text} failed: {exc}") from exc
         mark_sent(headers)  # a message's shared-memory slots are the receiver's to release now
 
@@ -291,6 +292,13 @@ class _LoopSocket:
             try:
                 for owned, headers in _coalesce(messages, min(MAX_BATCH_BYTES, self._max_message_bytes)):
                     self._send_now(peer, owned, headers, repr(peer) if peer is not None else self._endpoint)
+            except PeerUnreachable as exc:  # the peer left: the rest for it is dropped too
+                if self._on_unreachable is None:
+                    self._loop.call_exception_handler(
+                        {"message": f"{type(self).__name__}: queued messages not sent",
+                         "exception": exc, "socket": self})
+                else:
+                    self._on_unreachable(peer, exc)
             except TransportError as exc:  # the rest for this peer is dropped (slots released)
                 self._loop.call_exception_handler(
                     {"message": f"{type(self).__name__}: queued messages not sent", "exception": exc,
@@ -329,6 +337,10 @@ class RouterSocket(_LoopSocket):
         on_bad_batch: ``on_bad_batch(peer_identity, error)``, called for a malformed batch
             (:func:`replayrl.transport.batch.split_batch`'s ``DecodeError``, naming the element), which
             is refused whole; default: the loop's exception handler.
+        on_unreachable: ``on_unreachable(peer_identity, error)``, called for messages queued to a
+            peer that disconnected before the end of the loop iteration sent them
+            (:class:`replayrl.transport.errors.PeerUnreachable`; they are dropped); default: the
+            loop's exception handler.
 
     Options besides the shared ones (module docstring): ROUTER_MANDATORY, so ``send`` to an
     unknown peer raises instead of silently dropping; ROUTER_HANDOVER, so a restarted peer that
@@ -344,10 +356,12 @@ class RouterSocket(_LoopSocket):
         curve: CurveKeys | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         on_bad_batch: Callable[[bytes | None, DecodeError], None] | None = None,
+        on_unreachable: Callable[[bytes | None, PeerUnreachable], None] | None = None,
     ) -> None:
         super().__init__(endpoint, context, curve, max_message_bytes)
         self._on_message = on_message
         self._on_bad_batch = on_bad_batch
+        self._on_unreachable = on_unreachable
         self._head = 1
         self._ipc_file: str | None = None
         self._bound_endpoint: str | None = None
@@ -405,9 +419,10 @@ class RouterSocket(_LoopSocket):
 
         Raises:
             TransportError: socket not bound or closed, no frames, or ``peer`` not connected
-                (known at once only for the first message of a loop iteration; a later one to
-                a peer that is gone is reported to the loop's exception handler: module
-                docstring, "Batches").
+                (:class:`~replayrl.transport.errors.PeerUnreachable`; known at once only for the
+                first message of a loop iteration; a later one to a peer that is gone goes to
+                ``on_unreachable``, else the loop's exception handler: module docstring,
+                "Batches").
         """
         if not isinstance(peer, bytes) or not peer:
             raise TransportError(f"peer identity must be non-empty bytes, got {peer!r}")

@@ -17,14 +17,16 @@ code  meaning
 """
 from __future__ import annotations
 
+import asyncio
 import signal
 import sys
-from typing import Callable
+from typing import Any, Awaitable, Callable, TypeVar
 
 from replayrl.tools.errors import ConfigError, Terminated
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
 EXIT_DRIVER_LOST = 3
+T = TypeVar("T")
 
 
 def _on_sigterm(signum, frame) -> None:
@@ -38,6 +40,41 @@ def handle_sigterm() -> None:
     goes on, so there SIGTERM keeps its default action.
     """
     signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+async def until_terminated(work: Awaitable[T]) -> T:
+    """Await ``work`` in the running event loop (on the main thread); a SIGTERM meanwhile
+    cancels it, as Ctrl-C cancels ``asyncio.run``'s main task, and raises :class:`Terminated`
+    once its ``finally`` blocks ran (every actor stopped).
+
+    :func:`handle_sigterm`'s handler alone would raise :class:`Terminated` in whatever frame
+    the loop was running, often another task (an actor served in this process), where it ends
+    that task with an unretrieved exception instead of unwinding the run. Outside this call the
+    handler that was installed (:func:`handle_sigterm`'s) applies again.
+
+    Raises:
+        Terminated: SIGTERM arrived while ``work`` ran.
+        Whatever ``work`` raised.
+    """
+    loop = asyncio.get_running_loop()
+    task = asyncio.ensure_future(work)
+    signalled: list[Any] = []
+
+    def cancel() -> None:
+        signalled.append(True)
+        task.cancel()
+
+    previous = signal.getsignal(signal.SIGTERM)
+    loop.add_signal_handler(signal.SIGTERM, cancel)
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if signalled:
+            raise Terminated() from None
+        raise
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, previous)
 
 
 def exit_code(body: Callable[[], int | None], *, prog: str = "replayrl",

@@ -23,6 +23,7 @@ from replayrl.transport import (
     tcp_loopback_endpoint,
 )
 from replayrl.transport.curve import CurveKeys
+from replayrl.transport.errors import PeerUnreachable
 
 HANG_GUARD_S = 60
 N_IN_FLIGHT = 300
@@ -310,3 +311,49 @@ def test_echo_under_uvloop(tmp_path: Path) -> None:
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(_echo_round_trip(ipc_endpoint(tmp_path, "uv.sock")))
     assert not (tmp_path / "uv.sock").exists()
+
+
+async def test_messages_to_a_peer_that_left_raise_peer_unreachable_or_go_to_on_unreachable(
+        tmp_path: Path) -> None:
+    # a server's replies to a caller that closed its socket (a launcher stopping with calls in
+    # flight): the first of a loop iteration raises PeerUnreachable, a queued one goes to
+    # on_unreachable, not to the loop's exception handler (which asyncio logs as an ERROR)
+    loop = asyncio.get_running_loop()
+    reported: list = []
+    loop.set_exception_handler(lambda _loop, context: reported.append(context))
+    peers: list[bytes] = []
+    unreachable: list = []
+    router = RouterSocket(ipc_endpoint(tmp_path, "gone.sock"), lambda peer, frames: peers.append(peer),
+                          on_unreachable=lambda peer, exc: unreachable.append((peer, exc)))
+    router.bind()
+    leaving = DealerSocket(router.endpoint, lambda frames: None)
+    staying = DealerSocket(router.endpoint, lambda frames: None)
+    try:
+        for dealer in (leaving, staying):
+            dealer.connect()
+            dealer.send([b"hello"])
+        deadline = loop.time() + HANG_GUARD_S
+        while len(peers) < 2:
+            assert loop.time() < deadline
+            await asyncio.sleep(0.01)
+        gone, kept = peers
+        leaving.close()
+        while True:  # ZeroMQ's I/O thread drops the route shortly after the close
+            try:
+                router.send(gone, [b"reply"])
+            except PeerUnreachable as exc:
+                assert isinstance(exc, TransportError) and "not connected" in str(exc)
+                break
+            assert loop.time() < deadline
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0)  # a fresh loop iteration: the next send goes at once
+        router.send(kept, [b"first"])  # goes at once
+        router.send(gone, [b"queued"])  # waits for the iteration's end, then finds no peer
+        await asyncio.sleep(0.05)
+        assert [peer for peer, _ in unreachable] == [gone]
+        assert isinstance(unreachable[0][1], PeerUnreachable)
+        assert reported == []
+    finally:
+        loop.set_exception_handler(None)
+        staying.close()
+        router.close()

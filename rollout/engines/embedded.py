@@ -10,7 +10,9 @@ first implementation of :class:`replayrl.rollout.engines.base.Engine` (registry 
 Batching: all prompts of a call are left-padded to the longest one; each distinct padded prompt
 is prefilled once and its cache rows shared by every row that repeats it (a prompt group). The padding is masked out
 of attention by ``key_padding_mask`` and every row's ``position_ids`` count ``0..`` over its real
-tokens, so a row's math is that of the same trajectory forwarded alone. Prefill runs once, then
+tokens, so a row's math is that of the same trajectory forwarded alone. A model whose rows must
+start at slot 0 (``aligned_rows``: DeepSeek-V4 compresses keys in windows counted from slot 0)
+decodes each group of equal-length prompts as a batch of its own, with no padding. Prefill runs once, then
 one decode step per new token feeds the last sampled token of every row through the KV cache.
 A row that sampled EOS is finished: it keeps being fed a pad token (masked out as a key), and
 whatever it computes is discarded.
@@ -123,7 +125,9 @@ class EmbeddedEngine(Engine):
             EngineInputError: a value is neither a numpy array nor a floating tensor.
             replayrl.rollout.model.errors.CheckpointError: a missing / unexpected key, a wrong shape or
                 dtype (raised by ``replayrl.rollout.model.checkpoint.load_state_arrays``, which checks
-                everything before copying, so a bad push leaves the previous weights intact).
+                everything before copying, so a bad push leaves the previous weights intact);
+                for DeepSeek-V4, a hash-routing table the engine would not hold exactly as
+                pushed (its ``check_pushed``, also before copying).
         """
         arrays, factors = split_adapter_push(arrays)
         if arrays:
@@ -147,6 +151,9 @@ class EmbeddedEngine(Engine):
                     f"load_weights: {name!r} must be a numpy array or torch tensor, got "
                     f"{type(value).__name__}"
                 )
+        check = getattr(self.model, "check_pushed", None)  # a family's own check (DeepSeek-V4's
+        if check is not None:                              # hash tables), before anything is copied
+            check(pushed)
         load_state_arrays(self.model, pushed)  # copies in place, cast to the model dtype
         self._adapters.reset()
 
@@ -224,8 +231,29 @@ class EmbeddedEngine(Engine):
                 f"max_position_embeddings {cfg.max_position_embeddings}"
             )
         with torch.inference_mode():
+            if getattr(self.model, "aligned_rows", False) and len(set(lengths)) > 1:
+                return self._decode_by_length(rows, params, width, int(max_new_tokens),
+                                              int(eos_token_id), seed, traces)
             return self._decode(rows, params, width, int(max_new_tokens), int(eos_token_id), seed,
                                 traces)
+
+    def _decode_by_length(self, rows: list[list[int]], params: SamplingParams, width: int,
+                          max_new_tokens: int, eos_token_id: int, seed: int,
+                          traces: frozenset[str]) -> list[Generation]:
+        """:meth:`_decode` of each group of equal-length prompts on its own (same ``seed``),
+        generations back in prompt order. For a model whose rows must start at slot 0
+        (``aligned_rows``: DeepSeek-V4's compression windows), left padding would change its
+        math: a prompt then gets exactly what it gets in a call of its own length group."""
+        groups: dict[int, list[int]] = {}
+        for i, r in enumerate(rows):
+            groups.setdefault(len(r), []).append(i)
+        out: list[Generation | None] = [None] * len(rows)
+        for members in groups.values():
+            gens = self._decode([rows[i] for i in members], params, width, max_new_tokens,
+                                eos_token_id, seed, traces)
+            for i, g in zip(members, gens):
+                out[i] = g
+        return out
 
     def _decode(
         self,

@@ -16,6 +16,7 @@ from replayrl.rollout.model.errors import ModelConfigError
 FAMILIES = LazyRegistry(
     {
         "deepseek_v32": "replayrl.rollout.model.families.deepseek_v32:FAMILY",
+        "deepseek_v4": "replayrl.rollout.model.families.deepseek_v4:FAMILY",
         "glm_moe_dsa": "replayrl.rollout.model.families.glm_moe_dsa:FAMILY",
         "glm4_moe_lite": "replayrl.rollout.model.families.glm4_moe_lite:FAMILY",
         "gpt_oss": "replayrl.rollout.model.families.gpt_oss:FAMILY",

@@ -66,6 +66,15 @@ class FamilySpec:
     router_attr: str
     router_weights: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
     has_indexer: bool
+    model_class: type | None = None
+    """A :class:`FamilyModel` subclass for a family whose routers / indexers sit elsewhere or
+    take other arguments (it overrides `router_of` / `indexer_of` / `_hook_indexer` /
+    `check_hf_dict`); None: :class:`FamilyModel` itself."""
+
+    @property
+    def model_cls(self) -> type:
+        """The class that wraps this family's transformers model."""
+        return self.model_class or FamilyModel
 
 
 @dataclass(frozen=True)
@@ -125,6 +134,7 @@ class FamilyConfig:
             if d.get(name) is not None:
                 raise ModelConfigError(f"config.json field {name!r} is not supported for "
                                        f"model_type {spec.model_type!r}")
+        spec.model_cls.check_hf_dict(d)
         hf_json = strict_json.dumps(d, sort_keys=True)  # a non-finite value is refused, named
         probe = cls(family=spec.model_type, hf_json=hf_json, vocab_size=0, num_hidden_layers=0,
                     max_position_embeddings=0, num_experts=0, num_experts_per_tok=0, index_topk=0)
@@ -139,9 +149,9 @@ class FamilyConfig:
             model = AutoModelForCausalLM.from_config(cfg)
         layers = model.model.layers
         moe = tuple(i for i, layer in enumerate(layers)
-                    if isinstance(getattr(layer.mlp, spec.router_attr, None), nn.Module))
+                    if spec.model_cls.router_of(layer, spec) is not None)
         indexed = tuple(i for i, layer in enumerate(layers)
-                        if getattr(layer.self_attn, "indexer", None) is not None)
+                        if spec.model_cls.indexer_of(layer) is not None)
         if spec.has_indexer and not indexed:
             raise ModelConfigError(f"config.json field 'index_topk' / 'indexer_types': model_type "
                                    f"{spec.model_type!r} has no indexed layer")
@@ -242,11 +252,29 @@ class FamilyModel(nn.Module):
         self._idx_pos = {layer: j for j, layer in enumerate(config.indexed_layers)}
         for i, layer in enumerate(hf_model.model.layers):
             if i in self._moe_pos:
-                self._hook_router(getattr(layer.mlp, self.spec.router_attr), i)
+                self._hook_router(self.router_of(layer, self.spec), i)
             if i in self._idx_pos:
-                for p in layer.self_attn.indexer.parameters():
+                indexer = self.indexer_of(layer)
+                for p in indexer.parameters():
                     p.requires_grad_(False)
-                self._hook_indexer(layer.self_attn.indexer, i)
+                self._hook_indexer(indexer, i)
+
+    @staticmethod
+    def router_of(layer: nn.Module, spec: FamilySpec) -> nn.Module | None:
+        """The router of decoder layer `layer` whose choice is traced (`mlp.<router_attr>`),
+        or None (a dense layer)."""
+        router = getattr(layer.mlp, spec.router_attr, None)
+        return router if isinstance(router, nn.Module) else None
+
+    @staticmethod
+    def indexer_of(layer: nn.Module) -> nn.Module | None:
+        """The sparse-attention indexer of decoder layer `layer` (`self_attn.indexer`), or None."""
+        return getattr(layer.self_attn, "indexer", None)
+
+    @staticmethod
+    def check_hf_dict(d: dict[str, Any]) -> None:
+        """Refuse config.json fields this family's code does not reproduce (none here);
+        raises `ModelConfigError` naming the field."""
 
     @classmethod
     def from_config(cls, config: FamilyConfig, dtype: torch.dtype = torch.float32,
@@ -254,8 +282,16 @@ class FamilyModel(nn.Module):
         """Randomly initialised model (transformers' init) in `dtype` on `device`."""
         from transformers import AutoModelForCausalLM
 
+        cls = cls._class_for(config)
         hf = AutoModelForCausalLM.from_config(config.hf_config(), dtype=dtype)
         return cls(hf.to(device), config)
+
+    @classmethod
+    def _class_for(cls, config: FamilyConfig) -> type:
+        """`cls`, or the family's own subclass when called on FamilyModel itself."""
+        from replayrl.rollout.model.families import family_spec
+
+        return family_spec(config.family).model_cls if cls is FamilyModel else cls
 
     @classmethod
     def from_pretrained(cls, directory, config: FamilyConfig,
@@ -264,6 +300,7 @@ class FamilyModel(nn.Module):
         shards with an index). Raises `CheckpointError` naming a missing / unexpected weight."""
         from transformers import AutoModelForCausalLM
 
+        cls = cls._class_for(config)
         try:
             hf, info = AutoModelForCausalLM.from_pretrained(
                 str(directory), config=config.hf_config(), dtype=dtype, output_loading_info=True)

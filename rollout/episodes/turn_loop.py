@@ -152,6 +152,19 @@ async def run_episodes(
         raise TurnLoopError(f"the environment sessions hold {len(sessions.prompts)} prompts, "
                             f"not the {len(prompts)} given")
     originals = [[int(t) for t in p] for p in prompts]
+    try:
+        return await _turns(generate_turn, sessions, originals, max_turns=int(max_turns),
+                            max_new_tokens=int(max_new_tokens), max_positions=int(max_positions),
+                            seed=seed)
+    finally:  # the environments' threads go, however the loop ended (a blocked one: later)
+        if sessions is not None:
+            sessions.close()
+
+
+async def _turns(generate_turn: GenerateTurn, sessions: EnvSessions | None,
+                 originals: list[list[int]], *, max_turns: int, max_new_tokens: int,
+                 max_positions: int, seed: int) -> list[Episode]:
+    """The loop of :func:`run_episodes`, its arguments checked."""
     contexts = [list(p) for p in originals]
     turns: list[list[Generation]] = [[] for _ in originals]
     versions: list[list[int]] = [[] for _ in originals]
@@ -161,7 +174,7 @@ async def run_episodes(
     env_rewards = [0.0] * len(originals)
     failures = [""] * len(originals)
     if sessions is not None:
-        await sessions.start()
+        await sessions.start(max_positions - max_new_tokens)
         for i, opened in enumerate(sessions.openings):  # a reset's opening observation
             if opened is None:
                 continue
@@ -181,8 +194,10 @@ async def run_episodes(
         if len(gens) != len(active):
             raise TurnLoopError(f"turn {t}: the engine returned {len(gens)} generations for "
                                 f"{len(active)} prompts")
-        answers = (await asyncio.gather(*(sessions.respond(i, t, gen)
-                                          for i, gen in zip(active, gens)))
+        # the room an observation has: the positions after the turn, less one for the next
+        answers = (await asyncio.gather(*(sessions.respond(
+                       i, t, gen, max_positions - len(contexts[i]) - len(gen.response_ids) - 1)
+                       for i, gen in zip(active, gens)))
                    if sessions is not None else [FINAL] * len(active))
         still = []
         for i, gen, answer in zip(active, gens, answers):

@@ -114,9 +114,9 @@ def _run(sessions, monkeypatch):
     context the engine saw, and every (row, turn) the sessions were asked to answer."""
     seen, asked = [], []
 
-    async def recording_respond(self, row, turn, generation):
+    async def recording_respond(self, row, turn, generation, room=None):
         asked.append((row, turn))
-        return await RESPOND(self, row, turn, generation)
+        return await RESPOND(self, row, turn, generation, room)
 
     monkeypatch.setattr(EnvSessions, "respond", recording_respond)
     turn = iter(range(3))

@@ -1,4 +1,4 @@
-"""The replayrl command: train, repl, keys, serve and bench (the benchmarks named in BENCHES).
+"""The replayrl command: train, sft, repl, keys, serve and bench (the benchmarks named in BENCHES).
 
 Exit codes (:mod:`replayrl.tools.run.exit_codes`): 0 success, 1 a run failed (the failing actor's traceback
 is printed), 2 bad configuration, 130 interrupted by Ctrl-C, 143 SIGTERM (``train``).
@@ -15,6 +15,7 @@ import time
 from replayrl.tools.run.exit_codes import exit_code, handle_sigterm, until_terminated
 from replayrl.tools.run.flags import add_run_flags
 from replayrl.tools.run.from_flags import config_from_args
+from replayrl.tools.sft.config import add_sft_flags
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -29,6 +30,26 @@ def _train(args: argparse.Namespace) -> int:
         handle_sigterm()
         result = run_event_loop(until_terminated(launch(
             config, log_level=getattr(logging, args.log_level), started=started)))
+        print(f"plot: {result.plot_path}")
+        print(result.summary)
+        return 0
+
+    return exit_code(run)
+
+
+def _sft(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
+
+    def run() -> int:
+        from replayrl.rollout.errors import PromptDataError, TokenizerError
+        from replayrl.tools.errors import ConfigError
+        from replayrl.tools.sft.config import sft_config_from_args
+        from replayrl.tools.sft.loop import run_sft
+
+        try:  # bad data is bad input, as a bad flag: exit 2, the message naming FILE:LINE
+            result = run_sft(sft_config_from_args(args), started=started)
+        except (PromptDataError, TokenizerError) as exc:
+            raise ConfigError(str(exc)) from None
         print(f"plot: {result.plot_path}")
         print(result.summary)
         return 0
@@ -135,6 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
                        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                        help="log level of the actor processes (default: WARNING)")
     train.set_defaults(func=_train)
+    sft = sub.add_parser("sft", help="supervised fine-tuning on chat conversations, loss on the "
+                                     "assistant's tokens; --save-hf writes what "
+                                     "`replayrl train --hf-checkpoint` loads (docs/sft.md)")
+    add_sft_flags(sft)
+    sft.set_defaults(func=_sft)
     repl = sub.add_parser("repl", help="interactive actor REPL: on its own actors, or attached "
                                        "to a running run (--attach)")
     add_run_flags(repl)

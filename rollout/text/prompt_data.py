@@ -29,7 +29,7 @@ from replayrl.rollout.text.data_source import Prompt
 from replayrl.rollout.text.tokenizer import PromptTokenizer
 from replayrl.transport import strict_json
 
-__all__ = ["PromptRow", "read_rows", "tokenize_rows", "RunPrompts",
+__all__ = ["PromptRow", "raw_rows", "read_rows", "tokenize_rows", "RunPrompts",
            "load_run_prompts"]
 
 
@@ -50,7 +50,14 @@ class PromptRow:
     metadata: Mapping[str, Any]
 
 
-def _raw_rows(path: Path) -> list[tuple[int, Any]]:
+def raw_rows(path: Path) -> list[tuple[int, Any]]:
+    """``(line, row)`` of every row of a JSONL / Parquet file, the rows as JSON / pyarrow give
+    them (unchecked): a JSONL line number (blank lines are not rows) or a 1-based Parquet row.
+
+    Raises:
+        PromptDataError: the file is missing or unreadable, a line is not UTF-8 or not JSON
+            (each names ``FILE`` or ``FILE:LINE``).
+    """
     if not path.is_file():
         raise PromptDataError(f"{path}: no such prompt file")
     if path.suffix == ".parquet":
@@ -103,7 +110,7 @@ def read_rows(path: str | Path, input_key: str = "prompt", label_key: str = "lab
     """
     path = Path(path)
     rows = []
-    for line, raw in _raw_rows(path):
+    for line, raw in raw_rows(path):
         where = f"{path}:{line}"
         if not isinstance(raw, dict):
             raise PromptDataError(f"{where}: a row must be a JSON object, got {type(raw).__name__}")

@@ -44,7 +44,8 @@ TRAINER_MAY_USE = ("replayrl.rollout.sample", "replayrl.rollout.traces.trace_tab
 TRANSPORT_DETAILS = ("replayrl.transport", "replayrl.actors.ref", "replayrl.rollout.weight_sync")
 # the rooms of tools/: the run is the core the others stand on; the console and the benchmarks
 # use the run, never each other; cli.py and serve.py sit beside the rooms
-ROOMS_MAY_USE = {"run": {"run"}, "console": {"console", "run"}, "bench": {"bench", "run"}}
+ROOMS_MAY_USE = {"run": {"run"}, "console": {"console", "run"}, "bench": {"bench", "run"},
+                 "sft": {"sft", "run"}}
 TOOLS_ERRORS = "replayrl.tools.errors"  # the layer's errors module: a leaf every room may use
 # the rooms of rollout/ and trainer/: each concept in a subfolder; the layer's root keeps only
 # its settings, its errors and (rollout) the sample contract, so a new module has to find a room

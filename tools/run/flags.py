@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Collection
+from typing import Any, Collection, Iterable
 
 from replayrl.actors.settings import Setting, settings_of, show_value
 from replayrl.rollout.config import RolloutConfig
@@ -59,8 +59,9 @@ class Flag:
         return show_value(self.default)
 
 
-def _collect_flags() -> dict[str, Flag]:
-    """Every :func:`replayrl.actors.settings.setting` field with a flag, by flag name, in section order
+def collect_flags(sections: dict[str | None, type]) -> dict[str, Flag]:
+    """Every :func:`replayrl.actors.settings.setting` field with a flag of the dataclasses in
+    ``sections`` (section -> class, e.g. :data:`SECTIONS`), by flag name, in section order
     (run, rollout, trainer) then field order.
 
     Raises:
@@ -68,7 +69,7 @@ def _collect_flags() -> dict[str, Flag]:
             different help text (a programming error, raised at import).
     """
     found: dict[str, list[tuple[str | None, Any, Setting]]] = {}
-    for section, cls in SECTIONS.items():
+    for section, cls in sections.items():
         for f, s in settings_of(cls):
             if s.flag:
                 found.setdefault(s.flag, []).append((section, f, s))
@@ -84,7 +85,7 @@ def _collect_flags() -> dict[str, Flag]:
     return flags
 
 
-FLAGS: dict[str, Flag] = _collect_flags()
+FLAGS: dict[str, Flag] = collect_flags(SECTIONS)
 """flag name (no dashes) -> :class:`Flag`: the argparse flags, config-file keys and docs/configuration.md rows."""
 
 
@@ -105,9 +106,14 @@ def add_run_flags(parser: argparse.ArgumentParser, only: Collection[str] | None 
     parser.add_argument("--config", type=Path, help="TOML or JSON file with the same keys as the flags "
                         "(dashes or underscores), at the top level or in [rollout] / [trainer] "
                         "tables of that side's flags; or a run's config.json")
-    for flag in FLAGS.values():
-        if only is not None and flag.name not in only:
-            continue
+    add_flags(parser, [f for f in FLAGS.values() if only is None or f.name in only])
+
+
+def add_flags(parser: argparse.ArgumentParser, flags: Iterable[Flag]) -> None:
+    """Add each of ``flags`` to ``parser`` as :func:`add_run_flags` does (defaults suppressed,
+    booleans as ``--x`` / ``--no-x``, repeatable flags appended): the flags of another command
+    built from its own settings (``replayrl sft``)."""
+    for flag in flags:
         s = flag.setting
         extra: dict[str, Any] = {"metavar": s.metavar} if s.metavar else {}
         help_ = s.help.replace("%", "%%")  # argparse %-formats help texts

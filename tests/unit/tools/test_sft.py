@@ -1,0 +1,95 @@
+"""``replayrl sft`` in process on a tiny transformers-written checkpoint (tests/chat_checkpoint.py):
+bad rows refused or skipped (named by file and line, counted), the loss falling on a
+memorisable set, and a resumed run continuing exactly."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from replayrl.rollout.text.conversation import ConversationError
+from replayrl.rollout.text.tokenizer import load_tokenizer
+from replayrl.tools.sft.config import build_sft_config
+from replayrl.tools.sft.data import load_conversations
+from replayrl.tools.sft.loop import batch_indices, run_sft
+from tests.chat_checkpoint import write_chat_checkpoint
+
+GOOD = {"messages": [{"role": "user", "content": "2+3?"}, {"role": "assistant", "content": "5"}]}
+ROWS = [GOOD,
+        {"messages": [{"role": "user", "content": "hi"}]},                                # no assistant
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "x"}]},  # unknown role
+        {"messages": [{"role": "user", "content": "x" * 300}, {"role": "assistant", "content": "y"}]},
+        {"prompt": "no messages"}]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_chat_checkpoint(tmp_path_factory.mktemp("sft_ckpt"))
+
+
+@pytest.fixture
+def bad_file(tmp_path):
+    path = tmp_path / "data.jsonl"
+    # a blank line is not a row: the line numbers below count it
+    path.write_text(json.dumps(ROWS[0]) + "\n\n" + "\n".join(json.dumps(r) for r in ROWS[1:]) + "\n")
+    return path
+
+
+def test_a_bad_row_is_refused_naming_its_file_and_line(checkpoint, bad_file):
+    tok = load_tokenizer(checkpoint, apply_chat_template=True)
+    with pytest.raises(ConversationError, match=f"{bad_file}:3: no assistant message"):
+        load_conversations([bad_file], tok, max_length=200, vocab_size=10 ** 6, skip_bad_rows=False)
+
+
+def test_skip_bad_rows_counts_and_names_every_bad_row(checkpoint, bad_file):
+    tok = load_tokenizer(checkpoint, apply_chat_template=True)
+    data = load_conversations([bad_file], tok, max_length=200, vocab_size=10 ** 6, skip_bad_rows=True)
+    assert data.sources == (f"{bad_file}:1",)
+    assert [where for where, _ in data.skipped] == [f"{bad_file}:{n}" for n in (3, 4, 5, 6)]
+    assert data.skipped_by_reason == {"no_assistant": 1, "unknown_role": 1, "too_long": 1, "malformed": 1}
+    assert all(message.startswith(where) for where, message in data.skipped)
+
+
+def test_batches_walk_a_fresh_permutation_on_every_pass():
+    rows, size = 5, 3
+    seen = np.concatenate([batch_indices(s, size, rows, seed=4) for s in range(5)])  # 3 passes
+    for e in range(3):
+        assert sorted(seen[e * rows:(e + 1) * rows]) == list(range(rows))
+        assert list(seen[e * rows:(e + 1) * rows]) == list(np.random.default_rng([4, e]).permutation(rows))
+
+
+def _memorisable(path):
+    rows = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
+            for q, a in (("ab", "7"), ("cd", "9"))]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _run(checkpoint, tmp_path, name, **flags):
+    values = {"hf-checkpoint": str(checkpoint), "data": [str(_memorisable(tmp_path / "m.jsonl"))],
+              "batch-size": 2, "lr": 0.01, "progress": False, "output-dir": str(tmp_path / name),
+              **flags}
+    return run_sft(build_sft_config(values))
+
+
+def test_the_loss_falls_on_a_memorisable_set(checkpoint, tmp_path):
+    result = _run(checkpoint, tmp_path, "run", **{"num-steps": 30})
+    rows = [json.loads(line) for line in result.metrics_path.read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(30))
+    # every step trains both conversations: their assistant tokens "7<|im_end|>", "9<|im_end|>"
+    assert {r["loss_tokens"] for r in rows} == {4}
+    # a random policy over ~100 tokens starts near ln(100) = 4.6 nats; memorised, far below
+    assert rows[0]["loss"] > 3.5 and rows[-1]["loss"] < 0.5 * rows[0]["loss"]
+    assert result.plot_path.is_file() and "loss first10%" in result.summary
+
+
+def test_a_resumed_run_continues_exactly(checkpoint, tmp_path):
+    whole = _run(checkpoint, tmp_path, "whole", **{"num-steps": 4})
+    _run(checkpoint, tmp_path, "half", **{"num-steps": 2, "save-interval": 2})
+    resumed = _run(checkpoint, tmp_path, "half", **{"num-steps": 4,
+                                                    "load": str(tmp_path / "half/checkpoints/step-2")})
+    keys = ("step", "loss", "grad_norm", "loss_tokens")
+    a = [{k: json.loads(x)[k] for k in keys} for x in whole.metrics_path.read_text().splitlines()]
+    b = [{k: json.loads(x)[k] for k in keys} for x in resumed.metrics_path.read_text().splitlines()]
+    assert a == b

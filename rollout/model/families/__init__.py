@@ -15,11 +15,15 @@ from replayrl.rollout.model.errors import ModelConfigError
 
 FAMILIES = LazyRegistry(
     {
+        "deepseek_v3": "replayrl.rollout.model.families.deepseek_v3:FAMILY",
         "deepseek_v32": "replayrl.rollout.model.families.deepseek_v32:FAMILY",
         "deepseek_v4": "replayrl.rollout.model.families.deepseek_v4:FAMILY",
         "glm_moe_dsa": "replayrl.rollout.model.families.glm_moe_dsa:FAMILY",
         "glm4_moe_lite": "replayrl.rollout.model.families.glm4_moe_lite:FAMILY",
         "gpt_oss": "replayrl.rollout.model.families.gpt_oss:FAMILY",
+        "kimi_k25": "replayrl.rollout.model.families.kimi_k25:FAMILY",
+        "qwen3_5_moe": "replayrl.rollout.model.families.qwen3_5_moe:FAMILY",
+        "qwen3_5_moe_text": "replayrl.rollout.model.families.qwen3_5_moe:TEXT_FAMILY",
     },
     unknown=lambda name, known: ModelConfigError(f"config.json field 'model_type'={name!r} is no "
                                                  f"registered family (known: {known})"),

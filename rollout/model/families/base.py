@@ -112,13 +112,29 @@ class FamilyConfig:
         """The config.json dict."""
         return json.loads(self.hf_json)
 
-    def hf_config(self):
-        """The transformers `PretrainedConfig`, eager attention (the indexer mask path)."""
+    def hf_file_config(self):
+        """The transformers `PretrainedConfig` of config.json as written (for a `text_tower`
+        family the multimodal composite)."""
         from transformers import CONFIG_MAPPING
 
         d = self.hf_dict()
         d.pop("model_type", None)
-        cfg = CONFIG_MAPPING[self.family](**d)
+        return CONFIG_MAPPING[self.family](**d)
+
+    @property
+    def text_tower(self) -> bool:
+        """config.json is a multimodal composite (a `text_config`): the model run is its text
+        tower, the other towers (vision, projector) are not loaded."""
+        return isinstance(self.hf_dict().get("text_config"), dict)
+
+    def hf_config(self):
+        """The transformers `PretrainedConfig` of the model run (of a `text_tower` composite:
+        its text config, tied as the composite ties), eager attention (the indexer mask path)."""
+        cfg = self.hf_file_config()
+        text = cfg.get_text_config()
+        if text is not cfg:
+            text.tie_word_embeddings = bool(cfg.tie_word_embeddings)
+            cfg = text
         cfg._attn_implementation = "eager"
         return cfg
 
@@ -160,7 +176,8 @@ class FamilyConfig:
                    num_hidden_layers=int(cfg.num_hidden_layers),
                    max_position_embeddings=int(cfg.max_position_embeddings),
                    num_experts=int(getattr(cfg, "num_local_experts", 0)
-                                   or getattr(cfg, "n_routed_experts", 0) or 0),
+                                   or getattr(cfg, "n_routed_experts", 0)
+                                   or getattr(cfg, "num_experts", 0) or 0),
                    num_experts_per_tok=int(cfg.num_experts_per_tok), index_topk=k_idx,
                    moe_layers=moe, indexed_layers=indexed,
                    tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)))
@@ -302,8 +319,12 @@ class FamilyModel(nn.Module):
 
         cls = cls._class_for(config)
         try:
-            hf, info = AutoModelForCausalLM.from_pretrained(
-                str(directory), config=config.hf_config(), dtype=dtype, output_loading_info=True)
+            if config.text_tower:
+                hf, info = _load_text_tower(directory, config, dtype)
+            else:
+                hf, info = AutoModelForCausalLM.from_pretrained(
+                    str(directory), config=config.hf_config(), dtype=dtype,
+                    output_loading_info=True)
         except (OSError, ValueError) as exc:
             raise CheckpointError(f"cannot load {directory}: {exc}") from None
         for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
@@ -460,6 +481,24 @@ class FamilyModel(nn.Module):
                 own_indexer_topk=stack(st.own_slots, cfg.indexed_layers))
         finally:
             self._state.end()
+
+
+def _load_text_tower(directory, config: FamilyConfig, dtype: torch.dtype):
+    """The text causal LM of a multimodal composite checkpoint and its loading info: the whole
+    checkpoint loaded by transformers' own image-text-to-text class (its weight renamings), then
+    its language model and LM head moved into the text config's causal LM; the vision tower and
+    projector are dropped. Raises what `from_pretrained` raises."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    vl, info = AutoModelForImageTextToText.from_pretrained(
+        str(directory), config=config.hf_file_config(), dtype=dtype, attn_implementation="eager",
+        output_loading_info=True)
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(config.hf_config(), dtype=dtype)
+    hf.model = vl.model.language_model
+    hf.lm_head = vl.lm_head
+    hf.model.config = hf.config
+    return hf.eval(), info
 
 
 def _pad_to(x: torch.Tensor, k: int, fill_from: torch.Tensor | None = None) -> torch.Tensor:

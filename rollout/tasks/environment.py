@@ -144,8 +144,10 @@ def hermes_tool_calls(text: str) -> tuple[ToolCall, ...]:
 
     Each ``<tool_call>{"name": NAME, "arguments": {...}}</tool_call>`` block is one call; a
     block whose body is not such a JSON object gives a :class:`ToolCall` with ``error`` set
-    (never an exception: a malformed call is the policy's, answered as an error message). An
-    unclosed ``<tool_call>`` (a turn cut at its length cap) is one call with an error.
+    (never an exception, whatever the text: invalid JSON, JSON nested past the recursion limit,
+    a number of over 4,300 digits; a malformed call is the policy's, answered as an error
+    message). An unclosed ``<tool_call>`` (a turn cut at its length cap) is one call with an
+    error.
 
     Returns:
         the calls in order of appearance; ``()`` when the text has none.
@@ -154,8 +156,11 @@ def hermes_tool_calls(text: str) -> tuple[ToolCall, ...]:
     for body in _TOOL_CALL.findall(text):
         try:
             obj = json.loads(body)
-        except ValueError as exc:
-            calls.append(ToolCall("", error=f"tool call is not JSON: {exc}"))
+        except ValueError as exc:  # also a number of over 4,300 digits
+            calls.append(ToolCall("", error=f"tool call is not JSON: {str(exc)[:200]}"))
+            continue
+        except RecursionError:  # nesting deeper than the interpreter's recursion limit
+            calls.append(ToolCall("", error="tool call is not JSON: nested too deeply"))
             continue
         if not (isinstance(obj, dict) and isinstance(obj.get("name"), str)
                 and isinstance(obj.get("arguments", {}), dict)):

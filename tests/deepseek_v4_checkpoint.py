@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-# every layer type: sliding window, CSA (4:1, indexer keeps 3 entries), HCA (8:1 here, 128 in
+# every layer type: sliding window, CSA (4:1, the indexer keeps 2 entries), HCA (8:1 here, 128 in
 # the released models) and another CSA; the first layer hash-routed, the others top-2 of 8
 TINY_V4 = dict(hidden_size=64, moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
                num_key_value_heads=1, head_dim=32, partial_rotary_factor=0.25, q_lora_rank=32,
@@ -17,7 +17,7 @@ TINY_V4 = dict(hidden_size=64, moe_intermediate_size=32, num_hidden_layers=4, nu
                mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
                compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
                hc_mult=2, hc_sinkhorn_iters=5, sliding_window=8, o_groups=2, o_lora_rank=16,
-               index_n_heads=2, index_head_dim=16, index_topk=3, num_nextn_predict_layers=0,
+               index_n_heads=2, index_head_dim=16, index_topk=2, num_nextn_predict_layers=0,
                bos_token_id=0, eos_token_id=1)
 
 

@@ -1,6 +1,7 @@
 """DeepSeek-V4 (`deepseek_v4`) behind `--hf-checkpoint` (rollout/model/families/deepseek_v4.py):
 logits against transformers' own model, the top-k routers and the CSA indexers captured and
-replayed, hash-routed layers checked instead of traced, and the engine's mixed-length decode.
+replayed, hash-routed layers checked instead of traced, the engine's mixed-length decode and the
+compact trace codec on the compressed-entry rows.
 
 References are transformers' unwrapped model (built and saved in the test), formulas written out
 here (sqrt-softplus scores, the causal count of compressed entries) and single-prompt decoding."""
@@ -22,6 +23,8 @@ from replayrl.rollout.model.families.run_check import check_run
 from replayrl.rollout.model.hf_config import read_hf_config
 from replayrl.rollout.model.loader import load_pretrained
 from replayrl.rollout.sampling.sampling_params import SamplingParams
+from replayrl.rollout.traces.trace_storage import decode_column, encode_column
+from replayrl.rollout.traces.trace_table import spec as trace_spec
 from tests.deepseek_v4_checkpoint import TINY_V4, tiny_v4_checkpoint
 
 RATE = TINY_V4["compress_rates"]["compressed_sparse_attention"]
@@ -233,3 +236,11 @@ def test_mixed_length_decode_gives_each_prompt_what_it_gets_alone(v4):
         got = logp[i, len(p) - 1: len(p) - 1 + r].gather(-1, torch.from_numpy(
             g.response_ids.astype(np.int64))[:, None])[:, 0]
         assert torch.allclose(got, torch.from_numpy(g.rollout_logprobs), atol=1e-5, rtol=0), i
+    # the compact wire form holds the compressed-entry rows: entry ids lie within the p + 1 keys
+    # a position-row's query sees, so each row is stored as a set and decodes to the same set
+    column = np.concatenate([g.indexer_topk for g in together])
+    counts = [len(g.indexer_topk) for g in together]
+    wire = encode_column(trace_spec("indexer_topk"), column, counts)
+    assert isinstance(wire, dict) and wire["codec"] == "sets"
+    back = decode_column(trace_spec("indexer_topk"), wire, counts)
+    assert np.array_equal(np.sort(back, -1), np.sort(column, -1))

@@ -1,0 +1,57 @@
+"""Exact resume of the core cell (torch backend, embedded model, asynchronous loop): a run
+SIGKILLed, whole process group, while its second checkpoint is written, then resumed with
+``--load`` of its last complete checkpoint into the same output directory, leaves the
+``metrics.jsonl`` of an uninterrupted run on every key but the timings. The full matrix is
+``replayrl bench resume`` (docs/benchmarks.md, Fault tolerance)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from replayrl.rollout.dispatch.prefetched import FILE_NAME
+from replayrl.tools.bench.resume import argv_of
+from replayrl.tools.run.from_flags import build_config
+from replayrl.tools.run.launcher import launch
+from replayrl.tools.run.train_loop import latest_checkpoint
+from tests.child_env import PYTHONPATH
+
+FLAGS = {"rollout-batch-size": 4, "n-samples-per-prompt": 4, "num-steps": 3, "save-interval": 1,
+         "seed": 1}
+
+
+def _rows(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _untimed(row: dict) -> dict:
+    return {k: v for k, v in row.items() if "second" not in k}
+
+
+async def test_a_run_killed_while_checkpointing_resumes_to_the_uninterrupted_rows(tmp_path):
+    full = await launch(build_config({**FLAGS, "progress": False,
+                                      "output-dir": str(tmp_path / "full")}))
+    killed = tmp_path / "killed"
+    child = subprocess.run(
+        [sys.executable, "-m", "replayrl.tools.bench.kill_in_save", "2", "--no-progress",
+         *argv_of({**FLAGS, "output-dir": killed})],
+        env={**os.environ, "PYTHONPATH": PYTHONPATH}, start_new_session=True,
+        capture_output=True, text=True, timeout=300)
+    assert child.returncode == -9, child.stdout + child.stderr  # the group's SIGKILL
+    saved = killed / "checkpoints"
+    assert sorted(p.name for p in saved.iterdir()) == ["step-1", "step-2.partial"]
+    # killed after the trainer's and the manager's files, before the run state and the rename
+    assert sorted(p.name for p in (saved / "step-2.partial").iterdir()) == sorted(
+        ["model", "trainer_state.pt", FILE_NAME])
+    assert [r["step"] for r in _rows(killed / "metrics.jsonl")] == [0, 1]
+    assert latest_checkpoint(saved) == saved / "step-1"
+
+    resumed = await launch(build_config({**FLAGS, "progress": False, "output-dir": str(killed),
+                                         "load": str(saved / "step-1")}))
+    rows = _rows(resumed.metrics_path)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    # step 1 trains the batch prefetched before the kill, one version stale as uninterrupted
+    # (drawn again from the restored policy it would be on-policy: staleness 0)
+    assert rows[1]["staleness_max"] == 1
+    assert [_untimed(r) for r in rows] == [_untimed(r) for r in full.rows]

@@ -8,10 +8,12 @@ one process and its event loop, each served under its own name and endpoint
 then stops every actor in order; a child also exits by itself within about a second when its
 parent disappears, so no process outlives the run. A child that dies writes its traceback to
 ``<run_dir>/<name>.traceback`` (a shared process: ``<process>.traceback``) for the supervisor to
-report.
+report. SIGUSR1 prints every thread's Python stack to stderr (:mod:`faulthandler`): the
+supervisor sends it to an actor that did not start in time, before it stops it.
 """
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import signal
@@ -44,6 +46,8 @@ def actor_process_main(specs: tuple[ActorSpec, ...], endpoints: dict[str, str], 
     """
     key = specs[0].process_key
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher owns Ctrl-C
+    # a start that hangs can be located: the supervisor's SIGUSR1 prints every thread's stack
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     set_process_title(key, run_name or run_dir)
     for spec in specs:
         os.environ.update(spec.env)

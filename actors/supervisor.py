@@ -6,19 +6,29 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import time
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Mapping
 
 from replayrl.actors.actor_process import actor_process_main
 from replayrl.actors.child_process import ChildProcess, start_child
 from replayrl.actors.directory import Directory
-from replayrl.actors.errors import ActorDied, ActorError, PeerLost, RemoteError
+from replayrl.actors.errors import ActorDied, ActorError, ActorTimeout, PeerLost, RemoteError
 from replayrl.actors.ref import close_connections, connection_lost
 from replayrl.actors.serve import use_directory
 from replayrl.actors.spec import ActorSpec, process_groups
 
 log = logging.getLogger(__name__)
+
+WAITING_REPORT_S = (5.0, 15.0)
+"""A :class:`Supervisor` reports an actor start it still waits for after this many seconds,
+then every so many more (``on_waiting``): a normal start of the default run takes about 5 s
+on an idle 2-core machine (docs/fault-tolerance.md)."""
+
+STACK_DUMP_WAIT_S = 1.0
+"""Seconds a :class:`Supervisor` gives an actor that did not start in time to print its
+stacks (SIGUSR1) before it is stopped."""
 
 LOSS_POLICIES = ("fail", "drop", "replace")
 """What a :class:`Supervisor` does when an expendable actor is lost: end the run, go on
@@ -57,6 +67,16 @@ class Supervisor:
             lost with them: it needs ``on_lost="fail"``.
         run_name: the run in each actor process's title (``ps``: ``replayrl actor NAME run
             RUN``, :mod:`replayrl.actors.process_title`); empty: ``run_dir``.
+        ready_timeout: seconds from its process's start within which an actor must answer its
+            first ``__ping__`` (:meth:`wait_ready`); ``ready_timeouts`` overrides it per actor
+            name (an engine that starts vLLM or waits for a server gets longer).
+        on_waiting: ``on_waiting(waiting, seconds, timeout)``, called while :meth:`wait_ready`
+            waits: first after ``waiting_report_s[0]`` seconds, then every
+            ``waiting_report_s[1]``, with the actors not yet answering (in start order), the
+            seconds since their start and the first one's timeout; the launcher
+            prints it, so a slow start shows which actor it waits for.
+        timeout_hint: appended to the error of an actor that did not start in time (the
+            launcher names the flag that sets the timeout).
     Raises:
         ValueError: duplicate names, an unknown ``on_lost``, an ``expendable`` or ``kept`` name
             that is not among ``specs``, one that shares its process while ``on_lost`` is not
@@ -67,7 +87,11 @@ class Supervisor:
                  *, ready_timeout: float = 120.0, log_level: int = logging.WARNING,
                  expendable: tuple[str, ...] = (), on_lost: str = "fail",
                  on_replaced: Callable[[str], Awaitable[Any]] | None = None,
-                 run_name: str = "", kept: tuple[str, ...] = ()) -> None:
+                 run_name: str = "", kept: tuple[str, ...] = (),
+                 ready_timeouts: Mapping[str, float] | None = None,
+                 on_waiting: Callable[[list[str], float, float], Any] | None = None,
+                 waiting_report_s: tuple[float, float] = WAITING_REPORT_S,
+                 timeout_hint: str = "") -> None:
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
             raise ValueError(f"actor names must be unique, got {names}")
@@ -89,6 +113,10 @@ class Supervisor:
         self.directory = directory
         self.run_dir = Path(run_dir)
         self.ready_timeout = ready_timeout
+        self.ready_timeouts = dict(ready_timeouts or {})
+        self.on_waiting = on_waiting
+        self.waiting_report_s = waiting_report_s
+        self.timeout_hint = timeout_hint
         self.log_level = log_level
         self.expendable = tuple(expendable)
         self.kept = tuple(kept)
@@ -178,25 +206,56 @@ class Supervisor:
         return dead if dead is not None else exc
 
     async def wait_ready(self, names: list[str] | None = None) -> None:
-        """Ping every actor (or those of ``names``) until it answers.
+        """Ping every actor (or those of ``names``) until it answers, reporting the wait to
+        ``on_waiting`` (see the class docstring).
 
         Raises:
             ActorDied: a process exited while starting (with its traceback).
-            ActorError: not all actors answered within ``ready_timeout`` seconds.
+            ActorTimeout: an actor did not answer within its ready timeout, counted from now
+                (its processes were started just before); the message names it and its pid.
+                Its process is first asked (SIGUSR1, :mod:`faulthandler`) to print every
+                thread's Python stack to stderr: where it is stuck.
         """
-        deadline = time.monotonic() + self.ready_timeout
-        for name in names if names is not None else list(self.processes):
-            ref = self.directory.ref(name)
-            while True:
+        started = time.monotonic()
+        waiting = list(names if names is not None else self.processes)
+        report_at = started + self.waiting_report_s[0]
+        while True:
+            for name in waiting:  # a process that died while starting fails the start at once
                 if self.processes[name].exitcode is not None:
                     raise self._exited(name)
-                try:
-                    await ref.call("__ping__", timeout=0.5)
-                    break
-                except ActorError as last:
-                    if time.monotonic() > deadline:
-                        raise ActorError(f"actor {name!r} not ready after {self.ready_timeout} s") from last
-                    await asyncio.sleep(0.05)  # a call on a lost connection fails at once
+            answers = await asyncio.gather(*(self.directory.ref(name).call("__ping__", timeout=0.5)
+                                             for name in waiting), return_exceptions=True)
+            errors = {name: a for name, a in zip(waiting, answers) if isinstance(a, ActorError)}
+            for answer in answers:
+                if isinstance(answer, BaseException) and not isinstance(answer, ActorError):
+                    raise answer
+            waiting = [name for name in waiting if name in errors]
+            if not waiting:
+                return
+            now = time.monotonic()
+            for name in waiting:
+                timeout = self.ready_timeouts.get(name, self.ready_timeout)
+                if now - started > timeout:
+                    raise self._not_started(name, timeout) from errors[name]
+            if self.on_waiting is not None and now >= report_at:
+                report_at = now + self.waiting_report_s[1]
+                self.on_waiting(list(waiting), now - started,
+                                self.ready_timeouts.get(waiting[0], self.ready_timeout))
+            await asyncio.sleep(0.05)  # a call on a lost connection fails at once
+
+    def _not_started(self, name: str, timeout: float) -> ActorTimeout:
+        """The error of actor ``name``, not answering after ``timeout`` seconds; its process
+        prints its threads' stacks first (:func:`actor_process_main` registers SIGUSR1)."""
+        proc = self.processes[name]
+        try:
+            os.kill(proc.pid, signal.SIGUSR1)
+            proc.join(STACK_DUMP_WAIT_S)  # the dump is written by the process itself
+        except ProcessLookupError:
+            pass
+        hint = f"; {self.timeout_hint}" if self.timeout_hint else ""
+        return ActorTimeout(f"actor {name!r} (pid {proc.pid}) did not answer its first ping within "
+                            f"{timeout:g} s of its start; its Python stacks are printed above"
+                            f"{hint}")
 
     def _silent(self, name: str) -> str | None:
         """Why ``name``'s connection is lost while its process still runs (a stopped or hung

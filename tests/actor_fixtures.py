@@ -65,6 +65,16 @@ class CrashOnStart(Actor):
         raise RuntimeError("boom in constructor of CrashOnStart")
 
 
+class HangOnStart(Actor):
+    """An actor whose constructor never returns (a start stuck in an import or a lock): the
+    supervisor must name it, print where it is stuck and stop it."""
+
+    def __init__(self) -> None:
+        import time
+        while True:
+            time.sleep(0.1)  # stuck_in_constructor: the frame its stack dump must show
+
+
 
 class AffinityProbe(Actor):
     """Reports the CPUs its process may run on (``--cpu-affinity`` tests)."""

@@ -128,6 +128,29 @@ async def test_constructor_error_fails_start_with_its_traceback(run_dir):
     assert not [f for f in os.listdir(run_dir) if not f.endswith(".traceback")]
 
 
+async def test_a_stuck_start_is_reported_while_it_lasts_then_fails_naming_the_actor(run_dir, capfd):
+    # the waits are reported (which actor, since when), and after its timeout the stuck actor
+    # is named, its stack printed (faulthandler, SIGUSR1) and every process stopped
+    directory = Directory.for_run(run_dir, ["ok", "stuck"])
+    specs = [ActorSpec("ok", ECHO), ActorSpec("stuck", "tests.actor_fixtures:HangOnStart")]
+    reports: list = []
+    sup = Supervisor(specs, directory, run_dir, ready_timeout=60, ready_timeouts={"stuck": 3.0},
+                     on_waiting=lambda *report: reports.append(report), waiting_report_s=(1.0, 1.0),
+                     timeout_hint="raise --the-flag")
+    start = time.monotonic()
+    with pytest.raises(ActorTimeout, match=r"actor 'stuck' \(pid \d+\) did not answer its first ping "
+                                           r"within 3 s.*raise --the-flag") as info:
+        async with sup:
+            pass
+    assert time.monotonic() - start < 30  # its own 3 s, not the other actor's 60 s
+    assert str(sup.processes["stuck"].pid) in str(info.value)
+    assert reports and all(waiting[-1] == "stuck" and 1.0 <= seconds <= 3.5 for waiting, seconds, _ in reports)
+    assert all(timeout == {"ok": 60, "stuck": 3.0}[waiting[0]] for waiting, _, timeout in reports)
+    stacks = capfd.readouterr().err  # printed by the stuck process itself
+    assert 'actor_fixtures.py", line' in stacks and "in __init__" in stacks
+    assert all(p.exitcode is not None for p in sup.processes.values())
+
+
 async def test_in_process_server_with_ordered_methods(run_dir):
     # the same server class used in-process (as the REPL and tests do), no spawn
     directory = Directory.for_run(run_dir, ["local"])

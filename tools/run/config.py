@@ -111,6 +111,11 @@ class RunConfig:
             :func:`replayrl.rollout.model.config.embedded_config`); only without ``--hf-checkpoint``.
         engine_start_timeout_s: seconds an engine may take to start (``vllm.LLM`` start-up;
             the SGLang engine's wait for its first server's ``/health``).
+        actor_start_timeout_s: seconds every actor process may take from its start to its
+            first answer (imports, the policy built or loaded) before the run fails naming it
+            and printing its stacks (``--actor-start-timeout-seconds``); a vLLM or SGLang
+            engine gets ``engine_start_timeout_s`` on top
+            (:func:`replayrl.tools.run.launcher.ready_timeouts`).
         sglang_urls: SGLang server base URLs, comma-separated (``--sglang-urls``); engine ``i``
             starts on URL ``i`` and fails over to the others in order (at least
             ``--num-engines`` URLs: each server has one engine pushing its weights)
@@ -204,6 +209,12 @@ class RunConfig:
     engine_start_timeout_s: float = setting(600.0, "engine-start-timeout-seconds",
                                             "seconds an engine may take to start (vLLM: import "
                                             "and vllm.LLM start-up)", Range(low=0, closed="(]"))
+    actor_start_timeout_s: float = setting(180.0, "actor-start-timeout-seconds",
+                                           "seconds an actor process may take to start (imports, "
+                                           "the policy built or loaded) before the run fails "
+                                           "naming it; a vllm or sglang engine gets "
+                                           "--engine-start-timeout-seconds more",
+                                           Range(low=0, closed="(]"))
     sglang_urls: str = setting("", "sglang-urls", "SGLang server URLs for --rollout-engine "
                                "sglang, comma-separated, at least --num-engines; engine i "
                                "uses URL i and fails over to the others", Rule(_http_urls, "http(s):// URLs, "

@@ -19,6 +19,7 @@ import logging
 import os
 import shutil
 import socket
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -587,6 +588,36 @@ def actor_specs(config: RunConfig, checkpoint_dir: Path,
             for spec in specs]
 
 
+def ready_timeouts(config: RunConfig, specs: Sequence[ActorSpec]) -> dict[str, float]:
+    """Seconds each actor of ``specs`` may take from its process's start to its first answer:
+    ``--actor-start-timeout-seconds``; an engine of ``--rollout-engine vllm`` or ``sglang``
+    (whose start waits for ``vllm.LLM`` or its server's ``/health`` up to
+    ``--engine-start-timeout-seconds``, so that a failed start shows the engine's own error)
+    gets that much more."""
+    slow = config.rollout_engine in ("vllm", "sglang")
+    engines = {f"engine_{i}" for i in range(config.num_engines)}
+    return {s.name: config.actor_start_timeout_s
+            + (config.engine_start_timeout_s if slow and s.name in engines else 0.0) for s in specs}
+
+
+def report_start_wait(waiting: list[str], seconds: float, timeout: float) -> None:
+    """Print (stderr) which actors a start still waits for: the :class:`Supervisor`'s
+    ``on_waiting``, so a slow or stuck start is never silent."""
+    others = f" (then {', '.join(waiting[1:])})" if waiting[1:] else ""
+    print(f"replayrl: starting: waiting for {waiting[0]}{others}, {seconds:.0f} s of at most "
+          f"{timeout:g} s (--actor-start-timeout-seconds)", file=sys.stderr, flush=True)
+
+
+def start_supervision(config: RunConfig, specs: Sequence[ActorSpec]) -> dict:
+    """The :class:`replayrl.actors.Supervisor` arguments of the run's start: each actor's ready
+    timeout (:func:`ready_timeouts`), the wait printed while it lasts (:func:`report_start_wait`)
+    and the flag that sets it named in a timeout's error."""
+    timeouts = ready_timeouts(config, specs)
+    return {"ready_timeout": config.actor_start_timeout_s, "ready_timeouts": timeouts,
+            "on_waiting": report_start_wait,
+            "timeout_hint": "raise --actor-start-timeout-seconds if this machine is that slow"}
+
+
 ENGINE_LOSS = {"regenerate": "drop", "restart": "replace", "fail": "fail"}
 """``--engine-failure`` -> what the :class:`replayrl.actors.Supervisor` does with a lost engine process."""
 
@@ -682,15 +713,12 @@ async def launch(config: RunConfig, log_level: int = logging.WARNING,
         with MetricsRecorder(output, config.num_steps, config.progress, hooks, config,
                              tensorboard=config.use_tensorboard, resume_step=resume,
                              wandb=config.use_wandb) as recorder:
-            # an engine answers its first ping once built, which may take up to
-            # --engine-start-timeout-seconds (vLLM start-up, an SGLang server's /health): wait
-            # that long, so a slow start succeeds and a failed one shows the engine's own error
-            ready = max(120.0, config.engine_start_timeout_s + 60.0)
             # built before any process starts: a bad tokenizer or prompt file stops the run here
             driver = DriverActors([s for s in specs if s.process == DRIVER], directory)
             try:
                 async with Supervisor([s for s in specs if s.process != DRIVER], directory, run_dir,
-                                      log_level=log_level, ready_timeout=ready, run_name=str(output),
+                                      log_level=log_level, run_name=str(output),
+                                      **start_supervision(config, specs),
                                       **engine_supervision(config, directory)) as supervisor:
                     # every actor answers: a console may attach (`replayrl repl --attach OUTPUT_DIR`)
                     write_attach_card(output, directory)

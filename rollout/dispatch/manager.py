@@ -43,6 +43,7 @@ import numpy as np
 from replayrl.actors import Actor, concurrent, import_callable
 from replayrl.rollout.config import RolloutConfig
 from replayrl.rollout.dispatch.engine_pool import EnginePool
+from replayrl.rollout.dispatch.episode_metrics import episode_metrics
 from replayrl.rollout.dispatch.generation_gate import GenerationGate
 from replayrl.rollout.dispatch.prefetched import FILE_NAME as PREFETCHED_FILE
 from replayrl.rollout.dispatch.prefetched import read_prefetched, write_prefetched
@@ -277,11 +278,13 @@ class RolloutManager(Actor):
 
     async def _generate_groups(self, prompts: list[Prompt], rollout_id: int,
                                seed_key: list[int], min_version: int | None
-                               ) -> tuple[list[Sample], int, int, list[str]]:
+                               ) -> tuple[list[Sample], int, int, list[str], dict]:
         """Generate ``n_samples_per_prompt`` trajectories per prompt, assemble and score them;
         returns them, the number of groups regenerated after an engine loss, the number of
-        episodes regenerated because they crossed a weight push, and the failure message of
-        each trajectory an ``--env`` environment ended (status ``aborted``)."""
+        episodes regenerated because they crossed a weight push, the failure message of
+        each trajectory an ``--env`` environment ended (status ``aborted``) and, with
+        ``--rollout-max-turns > 1``, the per-episode figures
+        (:func:`replayrl.rollout.dispatch.episode_metrics.episode_metrics`; else ``{}``)."""
         cfg = self.config
         group_ids = list(range(self.next_group_id, self.next_group_id + len(prompts)))
         self.next_group_id += len(prompts)
@@ -297,23 +300,31 @@ class RolloutManager(Actor):
         for message in failures:
             log.warning("%s; the trajectory ends there (status aborted)", message)
         # each Sample is built (and its contract checked) once, with its reward
-        samples = [Sample(**kw, reward=await self._episode_reward(kw, p, e))
-                   for kw, p, e in unscored]
+        samples, verified = [], []
+        for kw, p, e in unscored:
+            reward, checked = await self._episode_reward(kw, p, e)
+            samples.append(Sample(**kw, reward=reward))
+            verified.append(checked)
+        per_episode = (episode_metrics([e for _, _, e in unscored], verified,
+                                       env=self.env_class is not None)
+                       if cfg.max_turns > 1 and unscored else {})
         samples.sort(key=lambda s: (s.group_id, s.sample_id))  # groups contiguous for GRPO
         if samples:
             self.latest_sample = samples[-1]
-        return samples, regenerated, mixed, failures
+        return samples, regenerated, mixed, failures, per_episode
 
-    async def _episode_reward(self, fields: dict, prompt: Prompt, episode: Episode) -> float:
+    async def _episode_reward(self, fields: dict, prompt: Prompt,
+                              episode: Episode) -> tuple[float, float | None]:
         """A trajectory's reward: the verifier's (:meth:`_reward`), or with ``--env``, as
         ``--env-reward`` says: the verifier's, the environment's step rewards summed
-        (``episode.env_reward``), or both added."""
+        (``episode.env_reward``), or both added; and the verifier's reward alone (``None``
+        where no verifier scores: ``--env-reward env``)."""
         source = self.config.env_reward if self.env_class is not None else "verifier"
         if source == "env":
-            return float(episode.env_reward)
+            return float(episode.env_reward), None
         verified = await self._reward(fields["sample_id"], prompt, fields["response_ids"],
                                       fields["loss_mask"], fields["prompt_ids"])
-        return verified + float(episode.env_reward) if source == "sum" else verified
+        return (verified + float(episode.env_reward) if source == "sum" else verified), verified
 
     async def _reward(self, sample_id: int | str, prompt: Prompt, response_ids: np.ndarray,
                       loss_mask: np.ndarray, prompt_ids: np.ndarray | None = None) -> float:
@@ -372,7 +383,7 @@ class RolloutManager(Actor):
         # rollout must record: a prefetched batch the model never trained on is drawn again.
         self.data_state_before[rollout_id] = self.data.state_dict()
         prompts = self.data.next_batch(self.config.rollout_batch_size)  # before any await
-        samples, regenerated, mixed, env_failures = await self._generate_groups(
+        samples, regenerated, mixed, env_failures, per_episode = await self._generate_groups(
             prompts, rollout_id, [rollout_id], min_version)
         self.batches[rollout_id] = samples
         rewards = np.array([s.reward for s in samples])
@@ -395,6 +406,8 @@ class RolloutManager(Actor):
             # trajectories generated again because a weight push landed between their turns
             # and their version pin had lapsed (docs/design/version-clock.md#version-clock)
             summary["episodes_regenerated"] = mixed
+            # turns, unreadable tool calls, final-answer accuracy (episode_metrics)
+            summary.update(per_episode)
         if self.env_class is not None:
             # trajectories an --env environment ended (status aborted), each message naming
             # the environment, the prompt and the turn (docs/own-data.md)
@@ -454,7 +467,7 @@ class RolloutManager(Actor):
             raise RolloutError(f"generate_replacements needs n_groups >= 1, got {n_groups}")
         self.replacement_calls += 1
         prompts = self.replacement_data.next_batch(n_groups)
-        samples, _, _, _ = await self._generate_groups(prompts, -1,
+        samples, _, _, _, _ = await self._generate_groups(prompts, -1,
                                                        [1 << 20, self.replacement_calls],
                                                        min_version)
         return samples_to_columns(samples)

@@ -169,6 +169,8 @@ class EnvSessions:
         self.workers: list[EnvWorker | None] = [None] * len(self.prompts)
         # per row: the prompt ids with the reset's opening observation rendered in, or None
         self.openings: list[np.ndarray | None] = [None] * len(self.prompts)
+        # per row: tool calls the parser could not read (ToolCall.error), the policy's mistakes
+        self.parse_errors: list[int] = [0] * len(self.prompts)
 
     @classmethod
     def of_task(cls, observer: Environment, prompts: Sequence[Prompt], *,
@@ -360,6 +362,7 @@ class EnvSessions:
                 calls = env.parse_tool_calls(text)
             except Exception as exc:
                 raise _ParseFailed() from exc
+            self.parse_errors[row] += sum(1 for call in calls if getattr(call, "error", ""))
             return await env.step(Turn(turn, ids, text, tuple(calls), generation.finish_reason))
 
         step, failure = await self._guarded(row, turn, parse_and_step)

@@ -74,6 +74,8 @@ class Episode:
         env_reward: the sum of an ``--env`` environment's step rewards (0.0 without one).
         failure: ``""``, or why an ``--env`` environment ended the trajectory
             (``finish_reason == "env_error"``; the message names the prompt and the turn).
+        parse_errors: tool calls of its turns the environment's parser could not read
+            (``ToolCall.error``: not JSON, not ``{"name", "arguments"}``, unclosed).
     """
 
     prompt_ids: tuple[int, ...]
@@ -84,6 +86,7 @@ class Episode:
     num_tool_calls: int
     env_reward: float = 0.0
     failure: str = ""
+    parse_errors: int = 0
 
 
 async def run_episodes(
@@ -227,7 +230,8 @@ async def _turns(generate_turn: GenerateTurn, sessions: EnvSessions | None,
                 still.append(i)
         active = still
     return [Episode(tuple(originals[i]), tuple(turns[i]), tuple(observations[i]),
-                    tuple(versions[i]), finish[i], tool_calls[i], env_rewards[i], failures[i])
+                    tuple(versions[i]), finish[i], tool_calls[i], env_rewards[i], failures[i],
+                    sessions.parse_errors[i] if sessions is not None else 0)
             for i in range(len(originals))]
 
 

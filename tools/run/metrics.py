@@ -182,6 +182,33 @@ def earlier_rows(path: Path) -> list[dict]:
     return rows
 
 
+EPISODE_KEYS = (("turns_mean", "turns"), ("tool_calls_mean", "tool calls"),
+                ("parse_errors_mean", "parse errors"))
+"""The per-episode means of a multi-turn row (``--rollout-max-turns > 1``) the summary line
+shows, with their labels."""
+
+
+def episode_summary(rows: Sequence[Mapping]) -> str:
+    """The summary line's part for a multi-turn run (rows with ``turns_mean``), ``""`` for
+    others: the last 10 % of steps' means of turns, tool calls and unreadable tool calls per
+    trajectory (those the rows have), the environment failures of the whole run (``--env``)
+    and the final-answer accuracy of the first and last 10 % of steps; two spaces after it."""
+    if not any(r.get("turns_mean") is not None for r in rows):
+        return ""
+    parts = []
+    for key, label in EPISODE_KEYS:
+        values = [r[key] for r in rows if r.get(key) is not None]
+        if values:
+            parts.append(f"{label} last10%={edge_means(values)[1]:.2f}")
+    if any("env_failures" in r for r in rows):
+        parts.append(f"env failures={sum(r.get('env_failures') or 0 for r in rows)}")
+    accuracy = [r["final_answer_accuracy"] for r in rows if r.get("final_answer_accuracy") is not None]
+    if accuracy:
+        first, last = edge_means(accuracy)
+        parts.append(f"accuracy first10%={first:.3f} last10%={last:.3f}")
+    return "  ".join(parts) + "  "
+
+
 def _seconds(value: float) -> str:
     """Seconds for the summary line: one decimal below 10 s (``0.4 s``), whole above (``33 s``)."""
     return f"{value:.1f} s" if round(value, 1) < 10 else f"{value:.0f} s"
@@ -293,7 +320,9 @@ class MetricsRecorder:
         """Save ``reward.png`` and return its path: the training reward mean per step with each
         evaluation set's mean reward and pass@k (``eval/NAME/...`` rows) and, on a second axis
         beside it when the rows carry it, the support entropy; below them the mean response
-        length."""
+        length. A multi-turn run's rows add the final-answer accuracy beside the reward and,
+        on a second axis below, the turns, tool calls and unreadable tool calls per trajectory
+        (:data:`EPISODE_KEYS`)."""
         import matplotlib
 
         matplotlib.use("Agg")
@@ -302,6 +331,10 @@ class MetricsRecorder:
         fig, (ax, low) = plt.subplots(2, 1, figsize=(6, 6), sharex=True)
         ax.plot([r["step"] for r in self.rows], [r["reward_mean"] for r in self.rows], marker=".",
                 label="train reward")
+        accuracy = [(r["step"], r["final_answer_accuracy"]) for r in self.rows
+                    if r.get("final_answer_accuracy") is not None]
+        if accuracy:  # a multi-turn run: the share of trajectories whose final answer is right
+            ax.plot(*zip(*accuracy), linestyle=":", label="final-answer accuracy")
         eval_keys = sorted({k for r in self.rows for k in r if k.startswith("eval/")
                             and ("reward_mean" in k or "pass@" in k)})
         for key in eval_keys:
@@ -329,6 +362,15 @@ class MetricsRecorder:
         low.set_xlabel("optimizer step")
         low.grid(alpha=0.3)
         low.legend(fontsize=7)
+        episode = [(key, label) for key, label in EPISODE_KEYS
+                   if any(r.get(key) is not None for r in self.rows)]
+        if episode:  # a multi-turn run: turns and tool calls per trajectory beside the length
+            per = low.twinx()
+            for (key, label), color in zip(episode, ("tab:green", "tab:purple", "tab:red")):
+                points = [(r["step"], r[key]) for r in self.rows if r.get(key) is not None]
+                per.plot(*zip(*points), color=color, alpha=0.7, label=f"{label} / trajectory")
+            per.set_ylim(bottom=0)
+            per.legend(fontsize=7, loc="upper right")
         path = self.output_dir / "reward.png"
         fig.tight_layout()
         fig.savefig(path, dpi=120)
@@ -353,4 +395,4 @@ class MetricsRecorder:
                                          if wall_seconds is not None else "")
         return (f"replayrl: {steps} in {took}  reward first10%={first:.3f} "
                 f"last10%={last:.3f} ratio={ratio}  entropy last10%={entropy}  "
-                f"metrics={self.path}")
+                f"{episode_summary(self.rows)}metrics={self.path}")

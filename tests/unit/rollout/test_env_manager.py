@@ -81,8 +81,12 @@ async def test_the_digit_calculator_behind_the_interface_gives_the_built_in_traj
     assert all(s.loss_mask.tolist() == [1, 0, 0, 1, 1] and s.reward == 1.0 for s in samples)
     assert via_env["env_failures"] == 0 and via_env["env_failure_messages"] == []
     assert "env_failures" not in built_in
-    for key in ("reward_mean", "tool_calls_mean", "response_len_mean", "truncated_fraction"):
+    for key in ("reward_mean", "tool_calls_mean", "response_len_mean", "truncated_fraction",
+                "turns_mean", "final_answer_accuracy"):
         assert built_in[key] == via_env[key]
+    # per episode, by hand: two turns, every answer right; a parser only with --env
+    assert (via_env["turns_mean"], via_env["final_answer_accuracy"]) == (2.0, 1.0)
+    assert via_env["parse_errors_mean"] == 0.0 and "parse_errors_mean" not in built_in
 
 
 async def test_a_raising_environment_aborts_its_own_trajectories_only(tmp_path, monkeypatch):
@@ -94,6 +98,9 @@ async def test_a_raising_environment_aborts_its_own_trajectories_only(tmp_path, 
     assert len(samples) == GROUPS * N
     aborted = [s for s in samples if s.status == "aborted"]
     assert len(aborted) == N and summary["env_failures"] == N
+    # N trajectories of one turn (aborted, verifier reward 0), the others two turns, right
+    assert summary["turns_mean"] == (N * 1 + N * 2) / (2 * N)
+    assert summary["final_answer_accuracy"] == 0.5
     for s in aborted:  # one turn (the tool call), no observation, verifier reward 0
         assert s.loss_mask.tolist() == [1] and s.reward == 0.0
     for s in samples:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Awaitable, Callable, TypeVar
 
 from replayrl.rollout.errors import EnvironmentFailure
 
@@ -75,7 +75,7 @@ class EnvWorker:
 
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
-        self._busy = 0  # calls submitted and not finished (guarded by _lock)
+        self._busy = 0  # calls submitted whose coroutine has not ended (guarded by _lock)
         self._stranded = False
         self._closed = False
         self.thread = threading.Thread(target=self._run, name=f"replayrl-env-{next(_ids)}",
@@ -99,10 +99,6 @@ class EnvWorker:
                 if self._stranded:
                     _stranded -= 1
 
-    def _done(self, _future: Any) -> None:
-        with _lock:
-            self._busy -= 1
-
     async def call(self, make: Callable[[], Awaitable[T]], timeout_s: float | None) -> T:
         """``await make()`` on this worker's loop; the caller's loop waits without running it.
 
@@ -122,12 +118,15 @@ class EnvWorker:
             raise RuntimeError("the environment worker is closed")
 
         async def run() -> T:
-            return await make()
+            try:
+                return await make()
+            finally:  # here, not on the future: a cancelled future says nothing of the thread
+                with _lock:
+                    self._busy -= 1
 
         with _lock:
             self._busy += 1
         future = asyncio.run_coroutine_threadsafe(run(), self.loop)
-        future.add_done_callback(self._done)
         # cancelling the wrapped future (a timeout, or the caller cancelled) cancels the task
         return await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
 

@@ -91,7 +91,7 @@ BENCHES = {"parity": "replayrl.tools.bench.parity", "refill": "replayrl.tools.be
            "steps": "replayrl.tools.bench.steps", "faults": "replayrl.tools.bench.faults",
            "traces": "replayrl.tools.bench.traces", "lora": "replayrl.tools.bench.lora",
            "memory": "replayrl.tools.bench.memory", "limit": "replayrl.tools.bench.limit",
-           "gpu": "replayrl.tools.bench.gpu"}
+           "gpu": "replayrl.tools.bench.gpu", "resume": "replayrl.tools.bench.resume"}
 
 
 def bench_list() -> str:
@@ -133,7 +133,7 @@ engine's precision and threads); the training flags are not its."""
 
 class _Parser(argparse.ArgumentParser):
     """An argument parser whose epilog may be a function, called only when help is shown (the
-    benchmark list reads sixteen source files: not at every ``replayrl train``)."""
+    benchmark list reads eighteen source files: not at every ``replayrl train``)."""
 
     def format_help(self) -> str:
         """The help text, with a callable epilog called now."""

@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--extra", action="append", default=[], metavar="NAME=FLAGS",
                         help="one more cell: its name, '=', and the replayrl train flags over the "
                              "base ones, e.g. 'megatron tp2=--train-backend megatron --tp-size 2' "
-                             "(repeatable)")
+                             "(repeatable) (default: none)")
     parser.add_argument("--steps", type=int, default=6, help="optimizer steps of each run (>= 3)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the kill moments")
     parser.add_argument("--out", default="bench-resume", help="directory of the runs and resume.json")

@@ -30,10 +30,11 @@ from replayrl.actors.device import cuda_absent_reason, cuda_slots, resolve_devic
 from replayrl.actors.errors import DeviceError, VersionError
 from replayrl.actors.run_dir import create_run_dir
 from replayrl.actors.version_clock import VersionRules
+from replayrl.rollout.dispatch.prefetched import read_prefetched
 from replayrl.rollout.engines import EngineError, check_capture, engine_class_path, load_engine_class
 from replayrl.rollout.engines.precision import resolve_dtype
 from replayrl.rollout.engines.sglang_protocol import parse_urls
-from replayrl.rollout.errors import PromptDataError, RewardError, RolloutConfigError, TokenizerError
+from replayrl.rollout.errors import PromptDataError, RewardError, RolloutConfigError, RolloutError, TokenizerError
 from replayrl.rollout.model.config import default_config
 from replayrl.rollout.model.errors import ModelError
 from replayrl.rollout.model.weight_files import check_weight_files
@@ -95,9 +96,10 @@ def check_writable(directory: Path, flag: str) -> None:
 
 def check_load(config: RunConfig) -> int:
     """Read and check every file of the ``--load`` checkpoint (model, trainer state, clock
-    state) before any actor starts, so a truncated checkpoint, another backend's or one saved
-    under another parallel layout (docs/design/megatron.md#megatron-backend) fails in
-    seconds, not after the actors have started; returns its trainer version.
+    state, the prefetched rollout a resumed asynchronous run trains) before any actor starts,
+    so a truncated checkpoint, another backend's or one saved under another parallel layout
+    (docs/design/megatron.md#megatron-backend) fails in seconds, not after the actors have
+    started; returns its trainer version.
 
     Raises:
         ConfigError: a missing, truncated or malformed file (names the flag and the file), or
@@ -108,7 +110,10 @@ def check_load(config: RunConfig) -> int:
         version = resolve_backend(config.trainer.train_backend).check_checkpoint(path, config.trainer)
         state = strict_json.loads((path / "run_state.json").read_text())
         clock = VersionRules.from_state_dict(state["clock"])
-    except (ModelError, VersionError, ValueError, OSError, KeyError, TypeError) as exc:
+        prefetched = state["manager"].get("prefetched")
+        if prefetched and config.max_staleness > 0:  # the resumed run trains it as it was
+            read_prefetched(path / prefetched["file"])
+    except (ModelError, VersionError, RolloutError, ValueError, OSError, KeyError, TypeError) as exc:
         raise ConfigError(f"--load {path}: {type(exc).__name__}: {exc}") from None
     if clock.trainer_version != version:
         raise ConfigError(f"--load {path}: the clock is at version {clock.trainer_version}, the "

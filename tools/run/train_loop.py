@@ -3,7 +3,8 @@ and, with ``--max-staleness 0``, synchronous on-policy (slime's train.py).
 
 Generation of rollout k+1 runs on the engines while the trainer trains on rollout k; the new
 weights are pushed only after that generation finished, so every sample enters its step exactly
-one version stale (``t - v = 1``) except the first batch of a run or of a resume (``t - v = 0``).
+one version stale (``t - v = 1``) except the first batch of a run (``t - v = 0``); a resumed
+run trains its checkpoint's prefetched batch, as stale as it was.
 The VersionClock checks that window on every step.
 
 A step the trainer skips (nothing to train, ``skipped: 1`` in its metrics,

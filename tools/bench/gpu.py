@@ -483,7 +483,8 @@ class GpuCheck:
         out = self.output_dir / "train-run"
         argv = [sys.executable, "-m", "replayrl.tools.cli", "train", "--device", self.kind,
                 "--model-size", self.model_size, "--num-steps", str(self.train_steps),
-                "--seed", str(self.seed), "--no-progress", "--output-dir", str(out)]
+                "--seed", str(self.seed), "--no-progress", "--output-dir", str(out),
+                "--overwrite"]  # a check run again replaces its earlier train run
         start = time.perf_counter()
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=TRAIN_RUN_TIMEOUT_S)
         figures: dict[str, Any] = {"command": " ".join(argv[2:]), "returncode": proc.returncode,

@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     add_run_flags(train_flags)
     config = config_from_args(train_flags.parse_args(
         ["--num-steps", str(args.steps), "--no-progress", "--output-dir", args.output_dir,
-         *run_args]))
+         "--overwrite", *run_args]))  # a profile taken again replaces the earlier run
     profile_dir = Path(args.output_dir) / "profile"
     os.environ[PROFILE_ENV] = str(profile_dir)  # inherited by every spawned actor process
     from replayrl.tools.bench.priority import autogroup_priority

@@ -88,6 +88,10 @@ class RunConfig:
         save_dir: checkpoint directory (``--save``; default ``<output_dir>/checkpoints``).
         save_interval: checkpoint every this many steps (``--save-interval``; 0 = never).
         load: checkpoint directory to resume from (``--load``).
+        overwrite: replace the run ``output_dir`` already holds (``--overwrite``; without it
+            or a ``--load`` of one of its checkpoints such a directory is refused:
+            :mod:`replayrl.tools.run.output_dir`); recorded as false in ``config.json``, so a
+            run started again from that record never clears anything unasked.
         metrics_hooks: ``module:function`` loggers called after each step with the frozen
             config and a read-only view of the metrics (``--metrics-hook``, repeatable).
         rollout_engine: the rollout engine's registry name (``--rollout-engine``,
@@ -174,6 +178,9 @@ class RunConfig:
     save_interval: int = setting(0, "save-interval", "checkpoint every N steps (0 = never)",
                                  Range(low=0))
     load: str = setting("", "load", "resume from this checkpoint directory")
+    overwrite: bool = setting(False, "overwrite", "replace the run already in --output-dir: "
+                              "remove its metrics, plot and checkpoints first (without it, or "
+                              "a --load of one of its checkpoints, such a directory is refused)")
     metrics_hooks: tuple[str, ...] = setting(
         (), "metrics-hook", "logger called after each step with the frozen config and a "
         "read-only view of the metrics", Rule(lambda hooks: all(":" in h for h in hooks),
@@ -496,4 +503,5 @@ class RunConfig:
             # the default follows --output-dir: a config reused with another --output-dir must
             # not write its checkpoints into this run's directory
             record["save_dir"] = ""
+        record["overwrite"] = False  # an instruction to this start, not a setting to repeat
         return strict_json.dumps(absent_as_null(record), indent=1) + "\n"

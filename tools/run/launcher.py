@@ -55,6 +55,7 @@ from replayrl.tools.run.attach_card import remove_attach_card, write_attach_card
 from replayrl.tools.run.config import RunConfig
 from replayrl.tools.run.initial_files import Resolved, in_child
 from replayrl.tools.run.metrics import MetricsRecorder
+from replayrl.tools.run.output_dir import check_output_dir, clear_run
 from replayrl.tools.run.train_loop import checkpoint_next_step, train_loop
 from replayrl.trainer.backends import resolve_backend
 from replayrl.trainer.ranks.rank_group import follower_names
@@ -665,6 +666,7 @@ async def launch(config: RunConfig, log_level: int = logging.WARNING,
     started = time.perf_counter() if started is None else started
     # everything that can be checked is checked before any process starts
     output = Path(config.output_dir)
+    check_output_dir(config)  # an earlier run there: resume it or replace it, never mix them
     created = not output.exists()  # (--save's check may create it below)
     engine = engine_path(config)  # its class is checked in the initial-files child (torch)
     hooks = [load_hook(h, "--metrics-hook") for h in config.metrics_hooks]
@@ -705,6 +707,8 @@ async def launch(config: RunConfig, log_level: int = logging.WARNING,
             shutil.rmtree(output, ignore_errors=True)
         raise
     # written only now: a configuration error leaves an earlier run's record as it was
+    if config.overwrite:
+        clear_run(config)
     write_run_config(config, output)
     run_dir = create_run_dir()  # short path: AF_UNIX limit; stale ones of killed launchers go
     directory = None

@@ -132,7 +132,7 @@ def response_logprobs(model: Qwen3MoeForCausalLM, batch: TrainBatch, temperature
                                   own_routed_experts=pad(out.own_routed_experts),
                                   own_indexer_topk=pad(out.own_indexer_topk))
     if fused:
-        return fused_support_logprobs(at_predicting, model.lm_head.weight, batch.support,
+        return fused_support_logprobs(at_predicting, lora.head_weight(model.lm_head), batch.support,
                                       temperature, chunk_size), out
     logits = at_predicting.float()
     if batch.support is not None:

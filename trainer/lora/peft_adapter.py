@@ -41,7 +41,7 @@ from replayrl.rollout.model.adapters import LORA_A_SUFFIX, LORA_B_SUFFIX
 from replayrl.rollout.model.families.base import FamilyModel
 from replayrl.trainer.errors import TrainerConfigError
 
-__all__ = ["ADAPTER_DIR", "add_adapters", "adapter_arrays", "adapter_parameters",
+__all__ = ["ADAPTER_DIR", "add_adapters", "adapter_arrays", "adapter_parameters", "head_weight",
            "base_state", "experts_adapted", "hook_experts", "load_adapters", "load_into", "merged_state",
            "save_adapters", "adapted_weights", "split_state"]
 
@@ -88,6 +88,17 @@ def add_adapters(model: torch.nn.Module, rank: int, alpha: float, targets: tuple
     for name, p in model.named_parameters():
         p.requires_grad_(".lora_" in name)
     return config
+
+
+def head_weight(head: torch.nn.Module) -> torch.Tensor:
+    """The weight an LM head multiplies by, float [V, H]: ``W + scaling * B @ A`` when
+    ``--lora-target-modules`` adapts it (a peft ``lora.Linear``, whose ``.weight`` is the base
+    weight alone), else its ``.weight``. For the fused support-replay path, which reads the head's
+    weight instead of calling the module; differentiable into ``A`` and ``B``."""
+    base = getattr(head, "base_layer", None)
+    if base is None:
+        return head.weight
+    return base.weight + head.get_delta_weight(ADAPTER_NAME).to(base.weight.dtype)
 
 
 def adapter_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:

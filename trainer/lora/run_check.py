@@ -21,7 +21,9 @@ def check_run(run: Any) -> None:
     Raises:
         TrainerConfigError: ``gate`` on a family policy (its router is transformers' own top-k
             module, not an ``nn.Linear``); MLA projections on the embedded model (which has
-            ``q_proj`` / ``k_proj`` / ``v_proj`` / ``o_proj``).
+            ``q_proj`` / ``k_proj`` / ``v_proj`` / ``o_proj``); ``lm_head`` on a policy whose LM
+            head is tied to its embedding (the engine merges ``W + B A`` into the weight in place,
+            which would change the embedding the trainer's adapter leaves alone).
     """
     if not run.trainer.lora_rank:
         return
@@ -35,3 +37,7 @@ def check_run(run: Any) -> None:
         raise TrainerConfigError(f"--lora-target-modules {','.join(sorted(set(targets) & set(MLA_MODULES)))}: MLA "
                                  f"projections of the DeepSeek / GLM families; the embedded Qwen3-MoE has "
                                  f"q_proj / k_proj / v_proj / o_proj")
+    if "lm_head" in targets and getattr(run.policy_config, "tie_word_embeddings", False):
+        raise TrainerConfigError("--lora-target-modules lm_head: the policy's LM head is tied to its embedding "
+                                 "(config.json field 'tie_word_embeddings'=true); an adapter on it would "
+                                 "change the embedding too. Leave lm_head out of --lora-target-modules")

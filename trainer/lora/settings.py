@@ -11,8 +11,9 @@ __all__ = ["LORA_MODULES", "MLA_MODULES", "target_modules"]
 MLA_MODULES = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 """The low-rank query / key-value projections of MLA attention (the DeepSeek / GLM families)."""
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "gate",
-                *MLA_MODULES)
-"""Module names ``--lora-target-modules`` accepts (``gate`` is the MoE router)."""
+                "lm_head", *MLA_MODULES)
+"""Module names ``--lora-target-modules`` accepts (``gate`` is the MoE router, ``lm_head`` the
+untied LM head)."""
 
 
 def target_modules(spec: str) -> tuple[str, ...]:
@@ -25,6 +26,6 @@ def target_modules(spec: str) -> tuple[str, ...]:
     unknown = [n for n in names if n not in LORA_MODULES]
     if not names or unknown:
         raise TrainerConfigError(f"--lora-target-modules {spec!r}: expected a comma list of "
-                                 f"{', '.join(LORA_MODULES)} (gate = the MoE router), got "
+                                 f"{', '.join(LORA_MODULES)} (gate = the MoE router, lm_head = the LM head), got "
                                  f"{unknown or 'nothing'}")
     return names

@@ -10,10 +10,13 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from replayrl.rollout.dispatch.prefetched import FILE_NAME
 from replayrl.tools.bench.resume import argv_of
+from replayrl.tools.errors import ConfigError
 from replayrl.tools.run.from_flags import build_config
-from replayrl.tools.run.launcher import launch
+from replayrl.tools.run.launcher import check_load, launch
 from replayrl.tools.run.train_loop import latest_checkpoint
 from tests.child_env import PYTHONPATH
 
@@ -55,3 +58,10 @@ async def test_a_run_killed_while_checkpointing_resumes_to_the_uninterrupted_row
     # (drawn again from the restored policy it would be on-policy: staleness 0)
     assert rows[1]["staleness_max"] == 1
     assert [_untimed(r) for r in rows] == [_untimed(r) for r in full.rows]
+
+    # a damaged prefetched rollout is refused before any process starts, naming the file
+    cut = saved / "step-1" / FILE_NAME
+    cut.write_bytes(cut.read_bytes()[:64])
+    with pytest.raises(ConfigError, match=rf"--load .*step-1: RolloutError: .*{FILE_NAME}: not a "
+                                          r"prefetched rollout"):
+        check_load(build_config({**FLAGS, "output-dir": str(killed), "load": str(saved / "step-1")}))

@@ -85,10 +85,13 @@ class EnvironmentFailure(RolloutError, RuntimeError):
     """An environment (``--env``, ``rollout/tasks/environment.py``) raised, ran past
     ``--env-timeout-seconds``, answered something that is not a ``Step`` or gave an observation
     longer than the context left, under ``--env-failure error`` (the message names the
-    environment, the prompt, the sample row and the turn).
+    environment, the prompt, the sample row and the turn); or, under any ``--env-failure``, so
+    many of its timed-out calls never returned that the run ends (``"stranded"``,
+    ``replayrl.rollout.episodes.env_worker.check_stranded``).
 
     Attributes:
-        kind: ``"raised"``, ``"timeout"``, ``"malformed"`` or ``"observation_too_long"``.
+        kind: ``"raised"``, ``"timeout"``, ``"malformed"``, ``"observation_too_long"`` or
+            ``"stranded"``.
     """
 
     def __init__(self, message: str, kind: str = "raised") -> None:

@@ -23,14 +23,16 @@ turns. One instance serves one trajectory (the rollout manager builds it with th
   episode is done. ``done`` (or no observation) ends the trajectory; its last turn is the
   final answer the verifier scores.
 
-Each call runs under ``--env-timeout-seconds`` (``asyncio.wait_for``): a ``step`` must
-therefore be a coroutine that yields; blocking work goes to a thread
-(``asyncio.to_thread``) or a subprocess with its own resource limits, as the shipped Python
-calculator does (``examples/environments/python_calculator.py``). A call that raises, times
-out, answers something that is not a :class:`Step`, or whose observation does not fit the
-context left, ends that trajectory (status ``aborted``, counted in ``env_failures`` with a
-message naming the prompt and the turn), or the run under ``--env-failure error``
-(``replayrl.rollout.episodes.env_sessions``).
+Each instance runs on a thread and event loop of its own
+(``replayrl.rollout.episodes.env_worker``), and each call under ``--env-timeout-seconds``,
+which holds for blocking code too (a ``time.sleep`` in ``step`` stalls only its trajectory).
+Untrusted computation belongs in bounded code, as the shipped calculator's evaluator
+(``examples/environments/python_calculator.py``), or in a subprocess with its own resource
+limits. A call that raises, times out, answers something that is not a :class:`Step` (or text
+that is not valid Unicode, or ids outside the vocabulary), or whose observation does not fit
+the context left, ends that trajectory (status ``aborted``, counted in ``env_failures`` with a
+message naming the prompt, the turn and the kind), or the run under ``--env-failure error``
+(``replayrl.rollout.episodes.env_sessions``; docs/design/engines.md#environments).
 
 The reward of a trajectory is ``--env-reward``: the verifier's (the task's ``--rm-type`` or
 ``--custom-reward``, the default), the sum of the environment's step rewards, or both added.

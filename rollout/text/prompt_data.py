@@ -156,8 +156,8 @@ def tokenize_rows(rows: Sequence[PromptRow], tokenizer: PromptTokenizer, *, inpu
     for i, row in enumerate(rows):
         try:
             ids = tokenizer.encode_prompt(row.prompt)
-        except TokenizerError as exc:
-            raise PromptDataError(f"{row.source}: key {input_key!r}: {exc}") from None
+        except TokenizerError as exc:  # kept as the cause: the launcher tells a user why
+            raise PromptDataError(f"{row.source}: key {input_key!r}: {exc}") from exc
         if int(ids.max()) >= vocab_size:
             raise PromptDataError(f"{row.source}: key {input_key!r} encodes to id {int(ids.max())},"
                                   f" outside the policy's vocabulary of {vocab_size}")

@@ -422,8 +422,10 @@ class RunConfig:
 
         Raises:
             ConfigError: an unknown task, settings the task refuses, an ``--env`` that cannot be
-                loaded, or ``--rollout-max-turns > 1`` with neither ``--env`` nor a task
-                environment (names the flags).
+                loaded or that would never act (``--rollout-max-turns 1``; tools without
+                ``--apply-chat-template``), or
+                ``--rollout-max-turns > 1`` with neither ``--env`` nor a task environment
+                (names the flags).
         """
         r = self.rollout
         name = task_name(r)
@@ -433,9 +435,20 @@ class RunConfig:
             raise ConfigError(f"--task {name}: {exc}") from None
         if r.env:
             try:
-                load_environment_class(r.env)
+                env_class = load_environment_class(r.env)
             except TaskConfigError as exc:
                 raise ConfigError(str(exc)) from None
+            tools = [t.get("function", t).get("name", "?") for t in getattr(env_class, "tools", ())]
+            if tools and not r.apply_chat_template:  # the schema is rendered only by the template
+                raise ConfigError(f"--env {r.env} offers tools ({', '.join(tools)}) that reach "
+                                  f"the policy only through the chat template: add "
+                                  f"--apply-chat-template (with a tokenizer whose chat template "
+                                  f"renders tools); without it the environment never acts")
+            if r.max_turns == 1:  # the environment answers between turns: one turn has none
+                raise ConfigError(f"--env {r.env} acts between turns, but --rollout-max-turns 1 "
+                                  f"leaves none: the environment would never act; give "
+                                  f"--rollout-max-turns 2 or more (a tool call and its answer "
+                                  f"take two)")
         elif r.max_turns > 1 and task.environment() is None:
             chosen = f"--task {name}" if r.task else f"--task {name} (chosen by --prompt-data)"
             raise ConfigError(f"--rollout-max-turns {r.max_turns} needs the task's multi-turn "

@@ -53,6 +53,7 @@ from replayrl.rollout.weight_sync.run_check import trainer_spec as weight_sync_s
 from replayrl.tools.errors import ConfigError
 from replayrl.tools.run.attach_card import remove_attach_card, write_attach_card
 from replayrl.tools.run.config import RunConfig
+from replayrl.tools.run.extras_check import check_extras
 from replayrl.tools.run.initial_files import Resolved, in_child
 from replayrl.tools.run.metrics import MetricsRecorder
 from replayrl.tools.run.output_dir import check_output_dir, clear_run
@@ -410,8 +411,11 @@ def check_prompt_data(config: RunConfig, checkpoint_dir: Path, tokenizer_class: 
         if tokenizer.vocab_size > model.vocab_size:
             raise ConfigError(f"--tokenizer {tokenizer.directory}: {tokenizer.vocab_size} ids, "
                               f"more than the policy's vocabulary of {model.vocab_size}")
-        prompts = load_run_prompts(r, tokenizer, vocab_size=model.vocab_size,
-                                   max_positions=model.max_position_embeddings)
+        try:
+            prompts = load_run_prompts(r, tokenizer, vocab_size=model.vocab_size,
+                                       max_positions=model.max_position_embeddings)
+        except PromptDataError as exc:
+            raise _word_tokenizer_error(config, exc) from None
         if r.rm_type == "math" and not r.custom_reward:
             load_math_verify()
     except (TokenizerError, PromptDataError, RewardError) as exc:
@@ -433,6 +437,20 @@ def check_prompt_data(config: RunConfig, checkpoint_dir: Path, tokenizer_class: 
                           f"{r.rollout_batch_size} = {needed} prompts, but --num-epoch "
                           f"{r.num_epoch} x {len(prompts.train)} prompts of {prompts.name} "
                           f"hold {r.num_epoch * len(prompts.train)}")
+
+
+def _word_tokenizer_error(config: RunConfig, exc: PromptDataError) -> Exception:
+    """``exc``, or for a prompt the embedded model's word-level tokenizer cannot encode (text
+    on a run without ``--hf-checkpoint`` / ``--tokenizer``) a :class:`ConfigError` that says
+    what to give instead of the tokenizer's own ``Missing [UNK] token``."""
+    cause = exc.__cause__
+    if config.hf_checkpoint or config.rollout.tokenizer or not isinstance(cause, TokenizerError):
+        return exc
+    where = str(exc)[:-len(str(cause))]  # "FILE:LINE: key 'prompt': "
+    return ConfigError(f"--prompt-data {where}not made of the {len(VOCABULARY)} words the embedded "
+                       f"model's tokenizer knows (the digit task's); for text prompts give "
+                       f"--hf-checkpoint DIR, a policy with its own tokenizer (or --tokenizer DIR "
+                       f"whose ids fit the policy's vocabulary of {config.policy_config.vocab_size})")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -676,18 +694,7 @@ async def launch(config: RunConfig, log_level: int = logging.WARNING,
         check_writable(Path(config.save_dir), "--save")
     if config.load:
         check_load(config)
-    if config.use_tensorboard:
-        try:
-            import tensorboard  # noqa: F401  (the extra; imported for real by the recorder)
-        except ImportError:
-            raise ConfigError("--use-tensorboard needs the tensorboard package: "
-                              "pip install 'replayrl[tensorboard]'") from None
-    if config.use_wandb:
-        try:
-            import wandb  # noqa: F401  (the extra; imported for real by the recorder)
-        except ImportError:
-            raise ConfigError("--use-wandb needs the wandb package: "
-                              "pip install 'replayrl[wandb]'") from None
+    check_extras(config)  # peft, tensorboard, wandb and its login: before, not in, the actors
     if config.save_hf:
         check_writable(Path(config.save_hf), "--save-hf")
     try:

@@ -136,7 +136,8 @@ def test_the_run_configuration_checks_env():
     with pytest.raises(ConfigError, match="--env replayrl.rollout.tasks.calculator:DigitToolEnv: "
                                           ".* is not a replayrl.rollout.tasks.environment"):
         build_config({"env": "replayrl.rollout.tasks.calculator:DigitToolEnv", "progress": False})
-    build_config({"env": "retrieval", "rollout-max-turns": 3, "progress": False})
+    build_config({"env": "retrieval", "rollout-max-turns": 3, "apply-chat-template": True,
+                  "progress": False})
 
 
 OPENING = [{"role": "system", "content": "cite the passage"}]

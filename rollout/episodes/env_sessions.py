@@ -121,6 +121,16 @@ def chars_per_token(tokenizer: Any) -> int | None:
     return most
 
 
+def _error_text(exc: BaseException) -> str:
+    """``"Type: message"`` of an environment's exception, the message cut to 2,000 characters
+    (or ``<unprintable>`` when its ``__str__`` raises)."""
+    try:
+        message = str(exc)[:2000]
+    except Exception:
+        message = "<unprintable>"
+    return f"{type(exc).__name__}: {message}"
+
+
 class _ParseFailed(Exception):
     """``parse_tool_calls`` raised (the cause); named apart from ``step``'s errors."""
 
@@ -214,12 +224,11 @@ class EnvSessions:
         except asyncio.CancelledError:
             raise
         except _ParseFailed as exc:
-            cause = exc.__cause__
-            kind, detail = "raised", f"parse_tool_calls: {type(cause).__name__}: {cause}"
+            kind, detail = "raised", f"parse_tool_calls: {_error_text(exc.__cause__)}"
         except Exception as exc:  # the environment's own error, kept in the message
-            kind, detail = "raised", f"{type(exc).__name__}: {exc}"
+            kind, detail = "raised", _error_text(exc)
         self.workers[row].close()  # a blocked call strands it; env_worker bounds those
-        return None, self._fail(row, turn, kind, detail[:2000])
+        return None, self._fail(row, turn, kind, detail)
 
     def close(self) -> None:
         """Let every row's worker thread go (at once for an idle one; a blocked one ends when

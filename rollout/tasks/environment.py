@@ -179,24 +179,44 @@ def tool_result(call: ToolCall, value: str) -> str:
     return f"error: {call.error}" if call.error else value
 
 
+def _shown(value: Any) -> str:
+    """``repr(value)`` cut to 80 characters, or its type when ``repr`` fails (an integer of
+    over 4,300 digits, a hostile ``__repr__``)."""
+    try:
+        return repr(value)[:80]
+    except Exception:
+        return f"<{type(value).__name__}>"
+
+
 def check_step(step: Any) -> str:
     """Why ``step`` is not a well-formed :class:`Step` (``""`` when it is).
 
     Well-formed: a :class:`Step` whose observation is ``None``, a ``str`` or a 1-d integer
     array / list of ints, whose reward is a finite real number and whose ``done`` is a bool.
+    Never raises, whatever the fields hold (a ragged list, an integer too large for a float, an
+    object whose ``repr`` raises): every such answer is malformed.
     """
     if not isinstance(step, Step):
         return f"step() returned {type(step).__name__}, not a Step"
     obs = step.observation
     if obs is not None and not isinstance(obs, str):
-        arr = np.asarray(obs) if isinstance(obs, (list, tuple, np.ndarray)) else None
+        try:
+            arr = np.asarray(obs) if isinstance(obs, (list, tuple, np.ndarray)) else None
+        except (ValueError, TypeError, OverflowError):  # ragged, or ints numpy cannot hold
+            arr = None
         if arr is None or arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
             return f"observation is {type(obs).__name__}, not text or a 1-d array of token ids"
-    if (isinstance(step.reward, bool) or not isinstance(step.reward, (int, float, np.number))
-            or not math.isfinite(float(step.reward))):
-        return f"reward {step.reward!r} is not a finite number"
+    reward = step.reward
+    try:
+        finite = (not isinstance(reward, bool) and isinstance(reward, (int, float, np.integer,
+                                                                       np.floating))
+                  and math.isfinite(float(reward)))
+    except (OverflowError, TypeError, ValueError):  # e.g. an int too large for a float
+        finite = False
+    if not finite:
+        return f"reward {_shown(reward)} is not a finite number"
     if not isinstance(step.done, (bool, np.bool_)):
-        return f"done {step.done!r} is not a bool"
+        return f"done {_shown(step.done)} is not a bool"
     return ""
 
 

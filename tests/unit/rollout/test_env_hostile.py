@@ -101,6 +101,19 @@ async def test_a_blocking_step_is_timed_out_while_the_loop_and_the_others_go_on(
     assert max(np.diff(ticks)) < 1.0
 
 
+class Unprintable(Exception):
+    def __str__(self):
+        raise RuntimeError("no message for you")
+
+
+def _raises_unprintable():
+    raise Unprintable()
+
+
+def _raise(exc):
+    raise exc
+
+
 HOSTILE = {
     "never returns": (dict(bad_step=_blocks(3600)), "timeout", "no answer within"),
     "parse blocks": (dict(bad_parse=lambda: RELEASE.wait(3600)), "timeout", "no answer within"),
@@ -118,6 +131,16 @@ HOSTILE = {
                                 "outside the tokenizer's [0, "),
     "negative ids": (dict(bad_step=lambda: Step(observation=np.array([-1], np.int64))),
                      "malformed", "observation ids span [-1, -1]"),
+    "giant int reward": (dict(bad_step=lambda: Step("ok", reward=10 ** 5000)), "malformed",
+                         "reward <int> is not a finite number"),
+    "ragged ids": (dict(bad_step=lambda: Step(observation=[1, [2, 3]])), "malformed",
+                   "observation is list, not text or a 1-d array of token ids"),
+    "done not a bool": (dict(bad_step=lambda: Step("ok", done="yes" * 10 ** 6)), "malformed",
+                        "done 'yesyes"),
+    "unprintable error": (dict(bad_step=_raises_unprintable), "raised",
+                          "Unprintable: <unprintable>"),
+    "giant error": (dict(bad_step=lambda: _raise(RuntimeError("x" * 10 ** 7))), "raised",
+                    "RuntimeError: xxx"),
     "giant text": (dict(bad_step=lambda: Step(observation="z" * 50_000_000)),
                    "observation_too_long", "the observation is 50000000 characters"),
     "giant ids": (dict(bad_step=lambda: Step(observation=np.ones(10_000_000, np.int32))),
@@ -142,7 +165,7 @@ async def test_a_hostile_environment_ends_its_own_trajectory_with_a_named_failur
     at = "reset" if case.startswith(("reset", "giant opening", "invalid opening")) else "turn 0"
     assert bad.failure.startswith(f"environment test-env at prompt prompts.jsonl:2 (row 1), "
                                   f"{at}: {kind}: "), bad.failure
-    assert detail in bad.failure
+    assert detail in bad.failure and len(bad.failure) < 2300  # a giant message is cut
     assert good.finish_reason == "stop" and good.num_tool_calls == 1 and good.failure == ""
 
 

@@ -9,7 +9,8 @@ working directory of its own that sees a copy of examples/, after the ``python e
 and ``replayrl keys`` lines before it in its block (the files it reads), with:
 
 - a train shortened by :data:`SHORT_TRAIN` (one step of two groups of two, at most
-  :data:`MAX_RESPONSE_LEN` new tokens per turn) and a benchmark by :data:`SHORT_BENCH`;
+  :data:`MAX_RESPONSE_LEN` new tokens per turn), an sft by :data:`SHORT_SFT` (two steps) and
+  a benchmark by :data:`SHORT_BENCH`;
 - placeholders the reader fills in (:data:`PLACEHOLDERS`, a bare ``...``) filled in with files
   this test makes, ``/tmp/...`` and ``~`` kept inside the test's directory.
 
@@ -37,6 +38,7 @@ SHORT_TRAIN = ["--num-steps", "1", "--rollout-batch-size", "2", "--n-samples-per
                "--no-progress"]
 MAX_RESPONSE_LEN = 8
 SHORT_BENCH = {"parity": ["--prompts", "2", "--response-len", "2"]}
+SHORT_SFT = ["--num-steps", "2", "--no-progress"]
 PLACEHOLDERS = {  # what the docs leave to the reader -> the file this test makes for it
     "path/to/qwen3-checkpoint": "/tmp/env_ckpt",  # the Qwen3-MoE of examples/environments
 }
@@ -61,6 +63,9 @@ NOT_RUN = {  # a command's start, as the docs write it -> why this test does not
         "tests/unit/tools/test_bench_parity_families.py runs the parity of every family",
     "replayrl bench faults": "a benchmark of a dozen full runs (minutes); "
         "tests/system/test_engine_faults.py injects the same faults",
+    "replayrl train --hf-checkpoint /tmp/agentic/": "starts from the --save-hf step of the "
+        "sft command before it, which this test shortens to two steps; "
+        "tests/system/test_sft_handoff.py runs the hand-off",
     "replayrl bench transport": "a benchmark (minutes at its sizes); "
         "tests/system/test_bench_transport.py runs it small",
 }
@@ -146,6 +151,8 @@ def shortened(words: list[str], root: Path) -> list[str]:
         args += SHORT_TRAIN
     elif args[:1] == ["bench"]:
         args += SHORT_BENCH.get(args[1], [])
+    elif args[:1] == ["sft"]:
+        args += SHORT_SFT
     return args
 
 

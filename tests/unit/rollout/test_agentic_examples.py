@@ -1,0 +1,86 @@
+"""The generators of examples/agentic/: demonstrations and RL prompts disjoint, every answer
+the tool's (checked against Python's own product and the corpus line that states the fact),
+and every demonstration a conversation ``replayrl sft`` trains on with the example
+checkpoint's chat template (examples/environments/make_checkpoint.py)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+
+import pytest
+
+from replayrl.rollout.text.conversation import render_conversation
+from replayrl.rollout.text.tokenizer import load_tokenizer
+from tests.paths import REPO
+
+AGENTIC = REPO / "examples" / "agentic"
+
+
+def _module(path):
+    spec = importlib.util.spec_from_file_location(f"example_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("env_tok")
+    _module(REPO / "examples" / "environments" / "make_checkpoint.py").write_tokenizer(directory)
+    return load_tokenizer(directory, apply_chat_template=True)
+
+
+def _rows(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _place(question: str) -> str:
+    """The invented place a question asks about."""
+    found = re.search(r"capital of (\w+)\?|year was (\w+) founded", question)
+    return found.group(1) or found.group(2)
+
+
+def _trains(tok, rows):
+    for row in rows:
+        c = render_conversation(tok, row["messages"], max_length=1024, tools=row["tools"])
+        # two assistant runs (the call, the answer), each closed by the end-of-turn id
+        ends = [i for i in range(len(c.loss_mask)) if c.loss_mask[i]
+                and (i + 1 == len(c.loss_mask) or not c.loss_mask[i + 1])]
+        assert [int(c.response_ids[i]) for i in ends] == [tok.eos_token_id] * 2
+
+
+def test_arithmetic_demonstrations_copy_the_product_and_miss_every_rl_question(tmp_path, tok, monkeypatch):
+    monkeypatch.syspath_prepend(str(AGENTIC))
+    _module(AGENTIC / "make_arithmetic.py").main([str(tmp_path), "--sft", "12", "--rl", "6"])
+    sft, rl = _rows(tmp_path / "sft.jsonl"), _rows(tmp_path / "rl.jsonl")
+    assert (len(sft), len(rl)) == (12, 6)
+    questions = {r["messages"][0]["content"] for r in sft}
+    assert not questions & {r["prompt"] for r in rl}
+    for row in sft:
+        a, b = (int(x) for x in row["messages"][0]["content"].rsplit(": ", 1)[1].split(" * "))
+        assert 100 <= a <= 999 and 100 <= b <= 999
+        assert row["messages"][2]["content"] == row["messages"][3]["content"] == str(a * b)
+        assert f'"expression": "{a} * {b}"' in row["messages"][1]["content"]
+    for row in rl:
+        a, b = (int(x) for x in row["prompt"].rsplit(": ", 1)[1].split(" * "))
+        assert row["label"] == str(a * b)
+    _trains(tok, sft)
+
+
+def test_retrieval_demonstrations_answer_from_the_corpus_and_hold_out_the_rl_places(tmp_path, tok, monkeypatch):
+    monkeypatch.syspath_prepend(str(AGENTIC))
+    _module(AGENTIC / "make_retrieval.py").main([str(tmp_path), "--places", "8", "--sft", "10"])
+    corpus = (tmp_path / "corpus.txt").read_text().splitlines()
+    sft, rl = _rows(tmp_path / "sft.jsonl"), _rows(tmp_path / "rl.jsonl")
+    assert len(corpus) == 16 and len(sft) == 10 and len(rl) == 2 * 2  # a quarter of 8 places
+    held = {_place(r["prompt"]) for r in rl}
+    for row in sft:
+        question, answer = row["messages"][0]["content"], row["messages"][3]["content"]
+        assert _place(question) not in held
+        fact = (f"The capital of {_place(question)} is {answer}." if "capital" in question
+                else f"{_place(question)} was founded in {answer}.")
+        assert fact in corpus and fact in row["messages"][2]["content"]  # the tool found it
+    for row in rl:
+        assert row["metadata"]["corpus"] == str((tmp_path / "corpus.txt").resolve())
+    _trains(tok, sft)

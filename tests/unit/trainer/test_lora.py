@@ -2,11 +2,14 @@
 train and sit in the optimizer, base weights stay bit-identical; an expert's adapter changes
 that expert's output; the push after the first carries only the adapters and the embedded
 engine that merges them computes the trainer's merged policy; a checkpoint holds the adapters,
-loads into ``peft.PeftModel`` over the base transformers reads, and round-trips; what cannot
-run is refused before start."""
+loads into ``peft.PeftModel`` over the base transformers reads, and round-trips; an adapted LM
+head reads as ``W + (alpha / r) B A`` on the full-logits and the fused support-replay paths and
+reaches the engine, and a head tied to the embedding is refused; what cannot run is refused
+before start."""
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -24,6 +27,7 @@ from replayrl.trainer.batching.batch import collate
 from replayrl.trainer.config import TrainerConfig
 from replayrl.trainer.errors import TrainerConfigError
 from replayrl.trainer.lora import peft_adapter as lora
+from replayrl.trainer.lora.run_check import check_run
 from replayrl.transport.array_bundle import unpack_arrays
 from tests.backend_fixtures import (
     DEFAULT_TARGETS,
@@ -227,3 +231,49 @@ def test_what_cannot_run_is_refused_before_start():
         build_config({"lora-rank": 8, "rollout-engine": "vllm", "model-indexer": False})
     assert build_config({"lora-rank": 8}).trainer.lora_rank == 8
     assert TrainerConfig().lora_rank == 0  # off by default
+
+
+HEAD_TARGETS = "q_proj,lm_head"
+
+
+def test_the_adapted_head_multiplies_by_its_merged_weight_on_both_paths(checkpoint):
+    backends = [TorchBackend(str(checkpoint), lora_config(lora_target_modules=HEAD_TARGETS, logprobs_chunk_size=c),
+                             list(VOCABULARY)) for c in (0, 5)]
+    for backend in backends:
+        randomize_adapters(backend.model, seed=7, scale=0.5)
+    head = backends[0].model.lm_head
+    by_hand = head.base_layer.weight + 2.0 * head.lora_B["default"].weight @ head.lora_A["default"].weight
+    torch.testing.assert_close(lora.head_weight(head), by_hand, rtol=0, atol=1e-6)
+    assert (by_hand - head.base_layer.weight).abs().max() > 0.1  # the adapter moves the head
+    batch = collate(traced_samples(backends[0].model, len(VOCABULARY), adapted=True), routing=True,
+                    indexer=False, support=True)
+    full, fused = (b.preflight_logprobs(batch).logprobs for b in backends)
+    torch.testing.assert_close(fused, full, rtol=0, atol=1e-5)  # chunked path = peft's forward
+
+
+def test_the_engine_merges_the_head_adapter_into_the_trainers_policy(checkpoint):
+    backend = TorchBackend(str(checkpoint), lora_config(lora_target_modules=HEAD_TARGETS), list(VOCABULARY))
+    cfg = backend.model_config
+    engine = EmbeddedEngine(dataclasses.asdict(cfg), dtype=torch.float32)
+    engine.load_weights({k: t.numpy() for k, t in backend.push_tensors(full=True).items()}, version=0)
+    randomize_adapters(backend.model, seed=3, scale=0.5)
+    push = backend.push_tensors(full=False)
+    assert {"lm_head.weight.lora_A", "lm_head.weight.lora_B"} <= set(push)
+    engine.load_weights({k: t.numpy() for k, t in push.items()}, version=1)
+    ids, pos = token_ids(cfg.vocab_size)
+    with torch.no_grad():
+        got = engine.model(ids, pos).logits
+        with lora.experts_adapted(backend.model):
+            want = backend.model(ids, pos).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    embeddings = (m.model.embed_tokens.weight.detach().numpy() for m in (engine.model, backend.model))
+    np.testing.assert_array_equal(*embeddings)  # the embedding is untouched by the head's adapter
+
+
+def test_a_head_tied_to_the_embedding_is_refused_before_start():
+    run = build_config({"lora-rank": 8, "lora-target-modules": HEAD_TARGETS})
+    check_run(run)  # the embedded default's head is untied
+    tied = SimpleNamespace(trainer=run.trainer, hf_checkpoint=None,
+                           policy_config=dataclasses.replace(run.policy_config, tie_word_embeddings=True))
+    with pytest.raises(TrainerConfigError, match="tie_word_embeddings"):
+        check_run(tied)

@@ -193,6 +193,26 @@ async def test_the_parser_and_the_calculator_answer_any_turn_text():
         assert time.process_time() - started < 1.0  # a hang guard
 
 
+def test_the_parser_finds_the_blocks_the_regex_finds_in_linear_time():
+    """The blocks are those of the plain regex (the naive reference), found without its
+    quadratic retries: a policy that degenerates into repeating ``<tool_call>`` costs
+    milliseconds, not minutes with the GIL held."""
+    import re
+
+    from replayrl.rollout.tasks.environment import _blocks
+
+    reference = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+    rng = random.Random(2)
+    parts = ["<tool_call>", "</tool_call>", "a", "{}", "<tool", "_call>", "</", "\n"]
+    for _ in range(3000):
+        text = "".join(rng.choice(parts) for _ in range(rng.randint(0, 12)))
+        assert list(_blocks(text)) == reference.findall(text), text
+    started = time.process_time()
+    calls = hermes_tool_calls("<tool_call>" * 50_000)  # the regex: over a minute
+    assert [c.error for c in calls] == ["unclosed <tool_call>"]
+    assert time.process_time() - started < 0.5  # 0.001 s here
+
+
 async def test_calculator_trained_ids_are_the_ids_every_engine_call_saw(tokdir):
     tok = load_tokenizer(tokdir, apply_chat_template=True, tools=CALC.tools)
     call, answer = _call("calculate", expression="37 * 41 + 5"), "1522"

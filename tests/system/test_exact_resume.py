@@ -49,6 +49,10 @@ async def test_a_run_killed_while_checkpointing_resumes_to_the_uninterrupted_row
         ["model", "trainer_state.pt", FILE_NAME])
     assert [r["step"] for r in _rows(killed / "metrics.jsonl")] == [0, 1]
     assert latest_checkpoint(saved) == saved / "step-1"
+    with pytest.raises(ConfigError, match=r"step-2\.partial: not a readable replayrl checkpoint"
+                                          r".*run_state\.json"):
+        check_load(build_config({**FLAGS, "output-dir": str(killed),
+                                 "load": str(saved / "step-2.partial")}))  # never loaded
 
     resumed = await launch(build_config({**FLAGS, "progress": False, "output-dir": str(killed),
                                          "load": str(saved / "step-1")}))

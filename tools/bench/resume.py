@@ -217,19 +217,26 @@ def run_cell(name: str, flags: dict, steps: int, out: Path, rng: random.Random,
 
 
 def table(results: list[dict]) -> str:
-    """The markdown table of :func:`run_cell` results."""
-    lines = ["| cell | kill | rows before kill | resumed from | rows after resume | prompts twice / skipped |",
-             "|---|---|---|---|---|---|"]
+    """The markdown table of :func:`run_cell` results, one row per cell: where each kill landed
+    (rows written before it, the checkpoint resumed from), how the resumed rows compare and the
+    prompts trained more / less often than uninterrupted, both kills together."""
+    lines = ["| cell | killed at random: rows written, resumed from | killed in checkpoint: rows "
+             "written, resumed from | rows after resume vs uninterrupted | prompts twice / skipped |",
+             "|---|---|---|---|---|"]
     for cell in results:
         if "error" in cell:
-            lines.append(f"| {cell['cell']} | - | - | - | failed: {cell['error']} | - |")
+            lines.append(f"| {cell['cell']} | - | - | failed: {cell['error']} | - |")
+            continue
+        where, verdicts = [], []
         for k in cell["kills"]:
+            where.append(f"{k['rows_before_kill']}, {k['resumed_from']}")
             diff = k["first_difference"]
-            verdict = ("equal" if k["equal"] else
-                       f"differ from step {diff['step']} (`{diff['key']}`)")
-            lines.append(f"| {cell['cell']} | {k['kill']} | {k['rows_before_kill']} | "
-                         f"{k['resumed_from']} | {verdict} | {k['prompts_twice']} / "
-                         f"{k['prompts_skipped']} |")
+            verdicts.append("equal" if k["equal"] else
+                            f"differ from step {diff['step']} (`{diff['key']}`)")
+        twice = (f"{sum(k['prompts_twice'] for k in cell['kills'])} / "
+                 f"{sum(k['prompts_skipped'] for k in cell['kills'])}")
+        same = verdicts[0] if len(set(verdicts)) == 1 else "; ".join(verdicts)
+        lines.append(f"| {cell['cell']} | {' | '.join(where)} | {same} | {twice} |")
     return "\n".join(lines)
 
 

@@ -33,7 +33,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from replayrl.rollout.episodes.env_worker import EnvWorker, check_stranded
+from replayrl.rollout.episodes.env_worker import CallExited, EnvWorker, check_stranded
 from replayrl.rollout.errors import EnvironmentFailure, TurnLoopError
 from replayrl.rollout.tasks.environment import Environment, ObserveAdapter, Reset, ToolEnvironment, Turn, check_step
 from replayrl.rollout.text.data_source import Prompt
@@ -124,6 +124,8 @@ def chars_per_token(tokenizer: Any) -> int | None:
 def _error_text(exc: BaseException) -> str:
     """``"Type: message"`` of an environment's exception, the message cut to 2,000 characters
     (or ``<unprintable>`` when its ``__str__`` raises)."""
+    if isinstance(exc, CallExited) and exc.__cause__ is not None:
+        exc = exc.__cause__  # sys.exit() in the environment: name SystemExit itself
     try:
         message = str(exc)[:2000]
     except Exception:
@@ -369,7 +371,9 @@ class EnvSessions:
         async def parse_and_step():
             try:
                 calls = env.parse_tool_calls(text)
-            except Exception as exc:
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:  # sys.exit() included: named as the parser's
                 raise _ParseFailed() from exc
             self.parse_errors[row] += sum(1 for call in calls if getattr(call, "error", ""))
             return await env.step(Turn(turn, ids, text, tuple(calls), generation.finish_reason))

@@ -30,7 +30,7 @@ from typing import Awaitable, Callable, TypeVar
 
 from replayrl.rollout.errors import EnvironmentFailure
 
-__all__ = ["EnvWorker", "MAX_STRANDED", "stranded", "check_stranded"]
+__all__ = ["EnvWorker", "CallExited", "MAX_STRANDED", "stranded", "check_stranded"]
 
 T = TypeVar("T")
 
@@ -64,6 +64,12 @@ def check_stranded(name: str) -> None:
             f"environment {name}: {count} calls past --env-timeout-seconds have not returned "
             f"(blocking code a timeout cannot stop, e.g. time.sleep in an async step); the run "
             f"ends rather than keep more than {MAX_STRANDED} stranded threads", "stranded")
+
+
+class CallExited(Exception):
+    """An environment call raised a ``BaseException`` that is not an ``Exception``
+    (``SystemExit`` from ``sys.exit()``, ``KeyboardInterrupt``), kept as ``__cause__``: on the
+    caller's loop it would end the run, so it fails only the call."""
 
 
 class EnvWorker:
@@ -112,7 +118,9 @@ class EnvWorker:
             asyncio.TimeoutError: no answer within ``timeout_s`` (the call is cancelled; code
                 that blocks ends its work when it returns).
             RuntimeError: the worker is closed.
-            Whatever the coroutine raised.
+            CallExited: the coroutine raised ``SystemExit`` or another ``BaseException`` that
+                is not an ``Exception`` (its cause).
+            Whatever else the coroutine raised.
         """
         if self._closed:
             raise RuntimeError("the environment worker is closed")
@@ -120,6 +128,10 @@ class EnvWorker:
         async def run() -> T:
             try:
                 return await make()
+            except (asyncio.CancelledError, Exception):
+                raise
+            except BaseException as exc:  # sys.exit() in a step must not end the run
+                raise CallExited(f"{type(exc).__name__}: {exc}") from exc
             finally:  # here, not on the future: a cancelled future says nothing of the thread
                 with _lock:
                     self._busy -= 1

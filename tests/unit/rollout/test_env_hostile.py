@@ -7,6 +7,7 @@ the caller's event loop keeps running; threads of calls that never return are bo
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 import time
 
@@ -141,6 +142,9 @@ HOSTILE = {
                           "Unprintable: <unprintable>"),
     "giant error": (dict(bad_step=lambda: _raise(RuntimeError("x" * 10 ** 7))), "raised",
                     "RuntimeError: xxx"),
+    "exits": (dict(bad_step=lambda: sys.exit(3)), "raised", "SystemExit: 3"),
+    "parse exits": (dict(bad_parse=lambda: sys.exit("bye")), "raised",
+                    "parse_tool_calls: SystemExit: bye"),
     "giant text": (dict(bad_step=lambda: Step(observation="z" * 50_000_000)),
                    "observation_too_long", "the observation is 50000000 characters"),
     "giant ids": (dict(bad_step=lambda: Step(observation=np.ones(10_000_000, np.int32))),

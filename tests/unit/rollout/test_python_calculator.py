@@ -81,6 +81,8 @@ def test_values_are_python_arithmetic_on_the_same_text():
     ("__import__('os').system('touch pwned')", "Call is not allowed"),
     ("exec(\"open('pwned', 'w')\")", "Call is not allowed"),
     ("eval('1')", "Call is not allowed"),
+    ("__import__('os').fork()", "Call is not allowed"),
+    ("[__import__('os').fork() for _ in range(9)]", "ListComp is not allowed"),
     ("(1).__class__", "Attribute is not allowed"),
     ("().__class__.__bases__[0].__subclasses__()", "Call is not allowed"),
     ("[].__class__.__mro__", "Attribute is not allowed"),

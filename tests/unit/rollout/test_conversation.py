@@ -81,3 +81,16 @@ def test_a_conversation_longer_than_the_limit_is_refused(tok):
     with pytest.raises(ConversationError, match=f"{n} tokens, longer than the limit of {n - 1}") as info:
         render_conversation(tok, CONVERSATION, max_length=n - 1)
     assert info.value.reason == "too_long"
+
+
+def test_the_pieces_are_the_ids_and_masks_of_the_rollout_that_wrote_this_conversation(tok):
+    # what the turn loop builds when the policy generates the two assistant turns: the prompt
+    # as encode_prompt renders it, each turn's generated ids (mask 1), the tool answer as
+    # render_tool_text appends it after the turn (mask 0)
+    c = render_conversation(tok, CONVERSATION, max_length=1000)
+    call = '<tool_call>\n{"name": "calculate", "arguments": {"expression": "1+2"}}\n</tool_call><|im_end|>'
+    turn0, turn1 = _ids(tok, call), _ids(tok, "3<|im_end|>")
+    observation = tok.render_tool_text("3", np.array(turn0)).tolist()
+    assert c.prompt_ids.tolist() == tok.encode_prompt(CONVERSATION[:2]).tolist()
+    assert c.response_ids.tolist() == turn0 + observation + turn1
+    assert c.loss_mask.tolist() == [1] * len(turn0) + [0] * len(observation) + [1] * len(turn1)

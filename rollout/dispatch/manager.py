@@ -379,8 +379,9 @@ class RolloutManager(Actor):
         if rollout_id in self.batches:
             raise RolloutError(f"rollout {rollout_id} already generated and not yet taken")
         start = time.perf_counter()
-        # The data state before this draw is what a checkpoint taken before training on this
-        # rollout must record: a prefetched batch the model never trained on is drawn again.
+        # The data state before this draw: a checkpoint taken before this rollout is trained
+        # stores the batch itself (state), and records this too, for a resume that cannot
+        # train it (a synchronous one) and draws the same prompts again
         self.data_state_before[rollout_id] = self.data.state_dict()
         prompts = self.data.next_batch(self.config.rollout_batch_size)  # before any await
         samples, regenerated, mixed, env_failures, per_episode = await self._generate_groups(

@@ -217,27 +217,31 @@ def run_cell(name: str, flags: dict, steps: int, out: Path, rng: random.Random,
 
 
 def table(results: list[dict]) -> str:
-    """The markdown table of :func:`run_cell` results, one row per cell: where each kill landed
-    (rows written before it, the checkpoint resumed from), how the resumed rows compare and the
-    prompts trained more / less often than uninterrupted, both kills together."""
-    lines = ["| cell | killed at random: rows written, resumed from | killed in checkpoint: rows "
-             "written, resumed from | rows after resume vs uninterrupted | prompts twice / skipped |",
-             "|---|---|---|---|---|"]
+    """The markdown table of :func:`run_cell` results, one column per cell: where each kill
+    landed (rows written before it, the checkpoint resumed from), how the resumed rows compare
+    with the uninterrupted run's and the prompts trained more / less often, both kills
+    together."""
+    where, verdict = [], []
     for cell in results:
         if "error" in cell:
-            lines.append(f"| {cell['cell']} | - | - | failed: {cell['error']} | - |")
+            where.append("-")
+            verdict.append(f"failed: {cell['error']}")
             continue
-        where, verdicts = [], []
-        for k in cell["kills"]:
-            where.append(f"{k['rows_before_kill']}, {k['resumed_from']}")
-            diff = k["first_difference"]
-            verdicts.append("equal" if k["equal"] else
-                            f"differ from step {diff['step']} (`{diff['key']}`)")
-        twice = (f"{sum(k['prompts_twice'] for k in cell['kills'])} / "
-                 f"{sum(k['prompts_skipped'] for k in cell['kills'])}")
-        same = verdicts[0] if len(set(verdicts)) == 1 else "; ".join(verdicts)
-        lines.append(f"| {cell['cell']} | {' | '.join(where)} | {same} | {twice} |")
-    return "\n".join(lines)
+        where.append(" / ".join(f"{k['rows_before_kill']}, {k['resumed_from']}"
+                                for k in cell["kills"]))
+        texts = ["equal" if k["equal"] else
+                 f"step {k['first_difference']['step']} `{k['first_difference']['key']}` differs"
+                 for k in cell["kills"]]
+        verdict.append(f"{texts[0] if len(set(texts)) == 1 else ' / '.join(texts)}; "
+                       f"{sum(k['prompts_twice'] for k in cell['kills'])} / "
+                       f"{sum(k['prompts_skipped'] for k in cell['kills'])}")
+    return "\n".join([
+        "| | " + " | ".join(cell["cell"] for cell in results) + " |",
+        "|---" * (len(results) + 1) + "|",
+        "| killed at random / in a checkpoint: rows written, resumed from | "
+        + " | ".join(where) + " |",
+        "| rows after resume vs uninterrupted; prompts twice / skipped | "
+        + " | ".join(verdict) + " |"])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,7 +14,7 @@ from tests.qwen35_kimi_checkpoints import tiny_checkpoint
 @pytest.mark.parametrize("model_type", ["qwen3_5_moe", "kimi_k25"])
 def test_fp32_parity_all_replays_on(model_type, tmp_path):
     tiny_checkpoint(model_type, tmp_path)
-    model, samples = generate(torch.float32, prompts=8, seed=1, top_k=20, response_len=6,
+    model, samples = generate(torch.float32, prompts=4, seed=1, top_k=20, response_len=4,
                               hf_checkpoint=str(tmp_path))
     assert all(s.routed_experts is not None and s.indexer_topk is None for s in samples)
     rows = {r.replays: r for r in measure(model, samples, "fp32")}

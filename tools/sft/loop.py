@@ -20,6 +20,7 @@ optimizer state and data order), and with ``--save-hf DIR`` a Hugging Face check
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -78,10 +79,14 @@ def batch_indices(step: int, batch_size: int, rows: int, seed: int) -> np.ndarra
     """
     out = np.empty(batch_size, dtype=np.int64)
     for j in range(batch_size):
-        position = step * batch_size + j
-        epoch, at = divmod(position, rows)
-        out[j] = np.random.default_rng([seed, epoch]).permutation(rows)[at]
+        epoch, at = divmod(step * batch_size + j, rows)
+        out[j] = _permutation(seed, epoch, rows)[at]
     return out
+
+
+@functools.lru_cache(maxsize=4)  # a step reads one pass's order, or two where a pass ends
+def _permutation(seed: int, epoch: int, rows: int) -> np.ndarray:
+    return np.random.default_rng([seed, epoch]).permutation(rows)
 
 
 def _samples(data: SFTData, indices: np.ndarray) -> list[Sample]:

@@ -185,8 +185,9 @@ class FamilyConfig:
 
 class FamilyKVCache:
     """The KV cache of a family model: transformers' `DynamicCache` of its config (MLA's
-    compressed latent and rotary key per layer, plus the indexer's key cache on DSA layers),
-    with the `length` / `select_rows` the embedded engine uses."""
+    compressed latent and rotary key per layer, plus the indexer's key cache on DSA layers; a
+    gated DeltaNet layer's convolution and recurrent state instead of keys), with the `length`
+    / `select_rows` the embedded engine uses (`reorder_cache` selects the rows of every kind)."""
 
     def __init__(self, hf_config) -> None:
         from transformers import DynamicCache
@@ -195,7 +196,7 @@ class FamilyKVCache:
 
     @property
     def length(self) -> int:
-        """Cached key slots per row."""
+        """Cached key slots per row (tokens consumed, when layer 0 is a linear-attention layer)."""
         return int(self.hf.get_seq_length())
 
     def select_rows(self, rows: torch.Tensor) -> "FamilyKVCache":

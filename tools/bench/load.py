@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from replayrl.tools.bench.usage import bench_parser
+from replayrl.tools.bench.usage import at_least, bench_parser
 
 LOADERS = ("replayrl", "transformers")
 
@@ -126,13 +126,13 @@ def summarize(results: dict[str, list[dict]]) -> dict[str, dict]:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``replayrl bench load``."""
     parser = bench_parser("load", __doc__, details=True)
-    parser.add_argument("--hidden", type=int, default=512, help="hidden size of the random model")
-    parser.add_argument("--layers", type=int, default=6, help="decoder layers of the random model")
-    parser.add_argument("--experts", type=int, default=16, help="experts per MoE layer")
-    parser.add_argument("--vocab", type=int, default=16000, help="vocabulary size")
+    parser.add_argument("--hidden", type=at_least(1), default=512, help="hidden size of the random model")
+    parser.add_argument("--layers", type=at_least(1), default=6, help="decoder layers of the random model")
+    parser.add_argument("--experts", type=at_least(1), default=16, help="experts per MoE layer")
+    parser.add_argument("--vocab", type=at_least(1), default=16000, help="vocabulary size")
     parser.add_argument("--shard-size", default="50MB",
                         help="largest shard file (transformers' max_shard_size)")
-    parser.add_argument("--repeats", type=int, default=3, help="fresh processes per loader")
+    parser.add_argument("--repeats", type=at_least(1), default=3, help="fresh processes per loader")
     parser.add_argument("--child", nargs=3, metavar=("LOADER", "DIR", "LOGITS"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

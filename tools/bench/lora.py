@@ -27,7 +27,7 @@ import torch
 from replayrl.rollout.model.adapters import AdapterMerge
 from replayrl.rollout.model.config import ModelConfig
 from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
-from replayrl.tools.bench.usage import bench_parser
+from replayrl.tools.bench.usage import at_least, bench_parser
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -135,11 +135,11 @@ def _apply_modes(backend, rows: int, tokens: int, repeats: int) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     """Print the tables (module docstring)."""
     parser = bench_parser("lora", __doc__)
-    parser.add_argument("--rank", type=int, default=8, help="LoRA rank (replayrl train's --lora-rank)")
-    parser.add_argument("--repeats", type=int, default=5,
+    parser.add_argument("--rank", type=at_least(1), default=8, help="LoRA rank (replayrl train's --lora-rank)")
+    parser.add_argument("--repeats", type=at_least(1), default=5,
                         help="timings of each way to apply a push; the median is shown")
-    parser.add_argument("--rows", type=int, default=64, help="rows of the timed forward")
-    parser.add_argument("--tokens", type=int, default=32, help="tokens per row of the timed forward")
+    parser.add_argument("--rows", type=at_least(1), default=64, help="rows of the timed forward")
+    parser.add_argument("--tokens", type=at_least(1), default=32, help="tokens per row of the timed forward")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     print(f"LoRA rank {args.rank}, alpha 16, targets {','.join(TARGETS)} (every expert included), fp32")

@@ -26,7 +26,7 @@ from typing import Sequence
 from replayrl.tools.bench import ab_runs
 from replayrl.tools.bench.source_tree import train_command
 from replayrl.tools.bench.tree_memory import run_sampled
-from replayrl.tools.bench.usage import bench_parser
+from replayrl.tools.bench.usage import bench_parser, train_refusal
 from replayrl.tools.errors import BenchError
 
 MIB = 1024 * 1024
@@ -47,12 +47,15 @@ def run_once(tree: Path, output_dir: Path, steps: int, flags: Sequence[str],
     """One ``replayrl train`` from checkout ``tree`` with ``flags``, its tree sampled.
 
     Raises:
-        BenchError: the run failed (its last output lines in the message).
+        ConfigError: the run refused the flags (exit 2; its one-line reason).
+        BenchError: the run failed otherwise (its last output lines in the message).
     """
     argv, env = train_command(tree, output_dir, steps, flags)
     start = time.perf_counter()
     proc, memory = run_sampled(argv, env, interval)
     seconds = time.perf_counter() - start
+    if (refused := train_refusal(proc.returncode, proc.stdout + proc.stderr)) is not None:
+        raise refused
     if proc.returncode != 0:
         tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
         raise BenchError(f"replayrl train {' '.join(flags)} from {tree} exited "

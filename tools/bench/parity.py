@@ -25,8 +25,11 @@ import torch
 from replayrl.rollout.engines.embedded import EmbeddedEngine
 from replayrl.rollout.model.checkpoint import state_dict_arrays
 from replayrl.rollout.model.config import default_config, without_indexer
+from replayrl.rollout.model.errors import ModelError
+from replayrl.rollout.model.hf_config import read_hf_config
 from replayrl.rollout.model.loader import load_pretrained
 from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
+from replayrl.rollout.model.weight_files import check_weight_files
 from replayrl.rollout.sample import TRACE_FIELDS, Sample
 from replayrl.rollout.sampling.sampling_params import SamplingParams
 from replayrl.rollout.tasks.digit_puzzle import VOCABULARY, DigitTask
@@ -193,6 +196,12 @@ def main(argv: list[str] | None = None) -> int:
                         (1 <= args.response_len <= 200, "--response-len must be in [1, 200]")):
         if not ok:
             parser.error(message)
+    if args.hf_checkpoint:  # read and checked now: a bad path is one line, not a traceback
+        try:
+            read_hf_config(args.hf_checkpoint)
+            check_weight_files(args.hf_checkpoint)
+        except ModelError as exc:
+            parser.error(f"--hf-checkpoint {args.hf_checkpoint}: {exc}")
     torch.set_num_threads(1)
     rows = run(args.prompts, args.seed, args.rollout_top_k, args.response_len, args.rollout_engine,
                args.hf_checkpoint)

@@ -25,7 +25,7 @@ from typing import Sequence
 from replayrl.tools.bench import ab_runs
 from replayrl.tools.bench.profile import breakdown
 from replayrl.tools.bench.source_tree import train_command
-from replayrl.tools.bench.usage import bench_parser
+from replayrl.tools.bench.usage import bench_parser, train_refusal
 from replayrl.tools.errors import BenchError
 from replayrl.transport import strict_json
 
@@ -35,10 +35,16 @@ def run_medians(tree: Path, steps: int, warmup: int, output_dir: Path,
     """One ``replayrl train`` from ``tree``; median of each ``*_seconds`` key over the steady steps.
 
     Raises:
-        subprocess.CalledProcessError: the run failed (its output is shown).
+        ConfigError: the run refused the flags (exit 2; its one-line reason).
+        subprocess.CalledProcessError: the run failed otherwise (its output is shown).
     """
     argv, env = train_command(tree, output_dir, steps, extra)
-    subprocess.run(argv, cwd=tree, env=env, check=True, stdout=subprocess.DEVNULL)
+    proc = subprocess.run(argv, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                          text=True)
+    if (refused := train_refusal(proc.returncode, proc.stderr)) is not None:
+        raise refused
+    sys.stderr.write(proc.stderr)  # the run's own warnings, as when it wrote them itself
+    proc.check_returncode()
     rows = [strict_json.loads(line) for line in
             (output_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return breakdown(rows[:-1], warmup)  # the last step has no overlapping generation

@@ -65,7 +65,7 @@ import numpy as np
 
 from replayrl.rollout.traces import trace_table
 from replayrl.rollout.traces.trace_storage import decode_column, encode_column
-from replayrl.tools.bench.usage import bench_parser
+from replayrl.tools.bench.usage import at_least, bench_parser
 from replayrl.transport.trace_codec import decode_sets, encode_sets, encoded_nbytes
 
 GLM5 = {"indexed_layers": 78, "index_topk": 2048, "moe_layers": 75, "experts": 256, "top_k": 8}
@@ -243,11 +243,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = bench_parser("traces", __doc__)
     parser.add_argument("--quick", action="store_true",
                         help="few sampled rows and one repeat (for tests; noisier figures)")
-    parser.add_argument("--positions", type=int, default=96, help="sampled positions per context")
-    parser.add_argument("--layers", type=int, default=2, help="sampled layers per position")
-    parser.add_argument("--window", type=int, default=512, help="most recent keys every query selects")
-    parser.add_argument("--sinks", type=int, default=16, help="first keys every query selects")
-    parser.add_argument("--repeats", type=int, default=5,
+    parser.add_argument("--positions", type=at_least(1), default=96, help="sampled positions per context")
+    parser.add_argument("--layers", type=at_least(1), default=2, help="sampled layers per position")
+    parser.add_argument("--window", type=at_least(0), default=512, help="most recent keys every query selects")
+    parser.add_argument("--sinks", type=at_least(0), default=16, help="first keys every query selects")
+    parser.add_argument("--repeats", type=at_least(1), default=5,
                         help="timings of each decode; the best is kept")
     parser.add_argument("--step-seconds", type=float, default=0.0491,
                         help="the embedded model's measured step (docs/benchmarks.md 'Step time')")
@@ -262,12 +262,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sustained-tflops", type=float, default=400.0,
                         help="TFLOP/s one GPU sustains, for the step ESTIMATE (~40 %% of an "
                              "H100/H200's bf16 dense peak)")
-    parser.add_argument("--decode-cores", type=int, default=8,
+    parser.add_argument("--decode-cores", type=at_least(1), default=8,
                         help="CPU cores of a trainer rank that decode its traces (chunks in parallel)")
-    parser.add_argument("--decode-threads", type=int, default=1,
+    parser.add_argument("--decode-threads", type=at_least(1), default=1,
                         help="also time the indexer rows' decode on this many threads (wall clock, "
                              "measured here) against one")
-    parser.add_argument("--pipeline-stages", type=int, default=1,
+    parser.add_argument("--pipeline-stages", type=at_least(1), default=1,
                         help="pipeline stages: a rank decodes only its stage's layers")
     parser.add_argument("--priority", action="store_true",
                         help="on a machine shared with other users' jobs, run first "

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Sequence
 
 from replayrl.tools.bench.priority import autogroup_priority
-from replayrl.tools.bench.usage import bench_parser
+from replayrl.tools.bench.usage import bench_parser, train_refusal
 from replayrl.tools.run.metrics import edge_means
 from replayrl.transport import strict_json
 
@@ -111,13 +111,16 @@ def run_seed(seed: int, output_dir: Path, extra: Sequence[str]) -> tuple[list[di
     """Run ``replayrl train --seed seed`` in a fresh process; returns its rows and wall seconds.
 
     Raises:
-        RuntimeError: the command exited non-zero (its stderr attached).
+        ConfigError: the command refused the flags (exit 2; its one-line reason).
+        RuntimeError: the command exited non-zero otherwise (its stderr attached).
     """
     command = [sys.executable, "-m", "replayrl.tools.cli", "train", "--seed", str(seed), "--no-progress",
                "--output-dir", str(output_dir), *extra]
     start = time.perf_counter()
     proc = subprocess.run(command, capture_output=True, text=True)
     wall = time.perf_counter() - start
+    if (refused := train_refusal(proc.returncode, proc.stderr)) is not None:
+        raise refused
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} exited {proc.returncode}:\n{proc.stderr[-4000:]}")
     lines = (output_dir / "metrics.jsonl").read_text().splitlines()

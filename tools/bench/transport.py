@@ -49,7 +49,7 @@ import zmq
 from replayrl.actors import Actor, ActorSpec, Directory, Supervisor
 from replayrl.actors.loop import run_event_loop
 from replayrl.actors.ref import use_shared_memory
-from replayrl.tools.bench.usage import bench_parser
+from replayrl.tools.bench.usage import at_least, bench_parser
 from replayrl.transport import Codec, DealerSocket, RouterSocket, ipc_endpoint
 from replayrl.transport.array_bundle import pack_arrays, unpack_arrays
 from replayrl.transport.shm_pool import ShmPool, ShmReader
@@ -488,11 +488,11 @@ def ray_figures(calls: int, in_flight: int, repeats: int) -> tuple[float, float,
 def main(argv: list[str] | None = None) -> None:
     """Print the conditions and the table (module docstring)."""
     parser = bench_parser("transport", __doc__)
-    parser.add_argument("--repeats", type=int, default=3,
+    parser.add_argument("--repeats", type=at_least(1), default=3,
                         help="runs of every measurement; the table shows their medians")
-    parser.add_argument("--calls", type=int, default=4000,
+    parser.add_argument("--calls", type=at_least(1), default=4000,
                         help="single calls timed (x4 at 64 in flight)")
-    parser.add_argument("--push-mib", type=int, default=256,
+    parser.add_argument("--push-mib", type=at_least(1), default=256,
                         help="MiB of the weight push timed")
     parser.add_argument("--priority", action="store_true",
                         help="on a machine shared with other users' jobs, run this benchmark and "

@@ -1,5 +1,6 @@
 """The command line every ``replayrl bench NAME`` shares: its parser, whose help shows each
-option's default, and the one-line summary of a benchmark that ``replayrl bench`` lists.
+option's default and whose errors are one line (exit 2), and the one-line summary of a
+benchmark that ``replayrl bench`` lists.
 
 A benchmark's summary is the first paragraph of its module docstring, without the
 ``replayrl bench NAME``: / ``Benchmark:`` lead-in, the "(not a test)" aside and reST markup: the
@@ -12,6 +13,9 @@ import ast
 import re
 import textwrap
 from pathlib import Path
+
+from replayrl.tools.errors import ConfigError
+from replayrl.tools.run.exit_codes import EXIT_CONFIG
 
 _LEAD_IN = re.compile(r"^(?:``replayrl bench [^`]*``|Benchmark):\s*")
 _NOT_A_TEST = re.compile(r"\s*\(not a test[^)]*\)")
@@ -67,6 +71,32 @@ class DefaultsHelpFormatter(argparse.RawDescriptionHelpFormatter,
         return f"{text} (default: {shown})" if text else f"(default: {shown})"
 
 
+class BenchParser(argparse.ArgumentParser):
+    """A benchmark's parser: a bad flag or value ends the command in one line on stderr, exit
+    code 2, as ``replayrl train`` answers bad input (argparse's own error prints the whole usage
+    first)."""
+
+    def error(self, message: str) -> None:
+        """Print ``PROG: error: MESSAGE`` and where the flags are described; exit 2."""
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` describes the flags)\n")
+
+
+def at_least(low: int | float, kind: type = int):
+    """An argparse ``type`` that reads ``kind`` and refuses values below ``low`` (argparse then
+    names the flag: ``argument --calls: must be >= 1, got 0``)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {kind.__name__}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its messages
+    return parse
+
+
 def bench_parser(name: str, doc: str, details: bool = False, **kwargs) -> argparse.ArgumentParser:
     """The parser of ``replayrl bench NAME``: its usage names that command, its description is
     :func:`summary` of the benchmark's docstring ``doc`` (with ``details``, followed by the rest
@@ -75,5 +105,21 @@ def bench_parser(name: str, doc: str, details: bool = False, **kwargs) -> argpar
     if details:
         rest = doc.strip().split("\n\n", 1)[1:]
         description += "".join(f"\n\n{plain(textwrap.dedent(text).strip())}" for text in rest)
-    return argparse.ArgumentParser(prog=f"replayrl bench {name}", description=description,
-                                   formatter_class=DefaultsHelpFormatter, **kwargs)
+    return BenchParser(prog=f"replayrl bench {name}", description=description,
+                       formatter_class=DefaultsHelpFormatter, **kwargs)
+
+
+CONFIG_ERROR_PREFIX = "replayrl: configuration error: "
+"""How ``replayrl train`` starts the one line of a refusal (:func:`replayrl.tools.run.exit_codes.exit_code`)."""
+
+
+def train_refusal(returncode: int, output: str) -> ConfigError | None:
+    """For a ``replayrl train`` child that refused its flags before starting (exit 2), a
+    :class:`ConfigError` with its one-line reason, for the benchmark to raise as its own bad
+    input (one line, exit 2, instead of a traceback around the child's output); None for any
+    other exit. ``output``: the child's stderr (or stdout and stderr)."""
+    if returncode != EXIT_CONFIG:
+        return None
+    lines = [line[len(CONFIG_ERROR_PREFIX):] for line in output.splitlines()
+             if line.startswith(CONFIG_ERROR_PREFIX)]
+    return ConfigError(f"replayrl train refused the flags: {lines[-1] if lines else output.strip()[-500:]}")

@@ -68,6 +68,7 @@ from replayrl.tools.run.launcher import (
     write_run_config,
 )
 from replayrl.tools.run.metrics import MetricsRecorder
+from replayrl.tools.run.output_dir import check_output_dir, clear_run
 from replayrl.tools.run.rank_hosts import exchange_addresses, join_run, own_address
 from replayrl.tools.run.train_loop import checkpoint_next_step, train_loop
 from replayrl.trainer.ranks.rank_group import follower_names
@@ -336,6 +337,7 @@ def main(argv: list[str] | None = None,
             specs, roles = plan(world, config, port, args.joined_engines)
             if config.load:  # every rank, as the launcher: a checkpoint of another backend or
                 check_load(config)  # layout fails here on all ranks alike, not in load_checkpoint
+            check_output_dir(config)  # an earlier run in it: each rank of that host refuses
         if not config.curve_keys:
             raise ConfigError("torchrun ranks talk over tcp: pass --curve-keys DIR (made by "
                               "`replayrl keys DIR`)")
@@ -377,6 +379,8 @@ def main(argv: list[str] | None = None,
         # `ps` tells the ranks apart (rank 0: the driver loop and its two actors)
         set_process_title("driver" if "version_clock" in mine else "+".join(mine), config.output_dir)
         if "version_clock" in mine:
+            if config.overwrite:  # the earlier run's metrics and checkpoints, before any new one
+                clear_run(config)
             # the run's record, as `replayrl train` writes it, with the engines the ranks give
             write_run_config(dataclasses.replace(config, num_engines=len(
                 [s for s in specs if s.name.startswith("engine_")])), Path(config.output_dir))

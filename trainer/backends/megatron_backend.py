@@ -308,7 +308,15 @@ class MegatronBackend(TrainerBackend):
             return gather_hf_weights(self.model, self._model_config)
 
     def _hf_model(self) -> Qwen3MoeForCausalLM:
-        model = Qwen3MoeForCausalLM(self._model_config)
+        """The gathered weights in the policy's Hugging Face model (the embedded model, or a
+        family room policy's transformers model) for ``save_pretrained``; a collective."""
+        if isinstance(self._model_config, ModelConfig):
+            model = Qwen3MoeForCausalLM(self._model_config)
+        else:  # a family room policy (docs/design/megatron.md#megatron-families)
+            from replayrl.rollout.model.families.base import FamilyModel
+
+            with torch.random.fork_rng(devices=[]):  # its random init draws from torch's RNG
+                model = FamilyModel.from_config(self._model_config)
         load_state_arrays(model, self.weights())
         return model
 

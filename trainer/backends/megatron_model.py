@@ -127,8 +127,14 @@ def layout_errors(config: ModelConfig, parallel: MegatronParallel) -> list[str]:
         parallel: the layout (``tp``, ``ep``, ``pp``).
 
     Returns:
-        e.g. ``["ModelConfig.vocab_size=44 is not a multiple of --tp-size 3"]``.
+        e.g. ``["ModelConfig.vocab_size=44 is not a multiple of --tp-size 3"]``; for a family
+        room policy (``FamilyConfig``) also the fields the MLA mapping does not compute
+        (:mod:`replayrl.trainer.backends.megatron_mla`).
     """
+    if not isinstance(config, ModelConfig):  # a family room policy: its own shape
+        from replayrl.trainer.backends.megatron_mla import family_layout_errors, unsupported_fields
+
+        return unsupported_fields(config) or family_layout_errors(config, parallel)
     p = parallel
     checks = [("vocab_size", config.vocab_size, p.tp, "--tp-size"),
               ("num_attention_heads", config.num_attention_heads, p.tp, "--tp-size"),
@@ -192,7 +198,9 @@ def build_gpt_model(config: ModelConfig, parallel: MegatronParallel):
     """This rank's part of the policy as a megatron-core ``GPTModel`` (local layer specs).
 
     Call after :func:`init_parallel`. The weights are megatron's random init; load real ones
-    with :func:`replayrl.trainer.backends.megatron_weights.load_hf_weights`.
+    with :func:`replayrl.trainer.backends.megatron_weights.load_hf_weights`. A family room
+    policy (``FamilyConfig``) is built by
+    :func:`replayrl.trainer.backends.megatron_mla.build_mla_gpt_model`.
 
     Returns:
         ``(model, transformer_config, indexer)``: ``indexer`` is the
@@ -206,6 +214,10 @@ def build_gpt_model(config: ModelConfig, parallel: MegatronParallel):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
+    if not isinstance(config, ModelConfig):  # DeepSeek-V3 / GLM-4.7-Flash: megatron's MLA
+        from replayrl.trainer.backends.megatron_mla import build_mla_gpt_model
+
+        return build_mla_gpt_model(config, parallel)
     tcfg = transformer_config(config, parallel)
     spec = get_gpt_decoder_block_spec(tcfg, use_transformer_engine=False, normalization="RMSNorm")
     indexer = None

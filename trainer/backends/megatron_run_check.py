@@ -7,10 +7,48 @@ from typing import Any
 
 from replayrl.trainer.errors import TrainerConfigError
 
+MEGATRON_FAMILIES = ("deepseek_v3", "glm4_moe_lite")
+"""Family room model types the megatron backend trains: megatron-core's MLA and sigmoid-routed
+MoE (:mod:`replayrl.trainer.backends.megatron_mla`)."""
+
+NOT_YET = {
+    "deepseek_v32": "its DSA lightning indexer on MLA layers (megatron-core's DSA indexer needs "
+                    "TransformerEngine; the embedded indexer is not placed in front of MLA)",
+    "glm_moe_dsa": "its DSA lightning indexer on MLA layers (megatron-core's DSA indexer needs "
+                   "TransformerEngine; the embedded indexer is not placed in front of MLA)",
+    "gpt_oss": "attention sinks, sliding-window layers and biased, clamped SwiGLU experts",
+    "qwen3_5_moe": "gated DeltaNet linear-attention layers and the gated shared expert",
+    "kimi_k25": "the text tower of a multimodal checkpoint (deepseek_v3 text, not loaded "
+                "through the megatron conversion)",
+    "deepseek_v4": "compressed sparse / heavily compressed attention and hash-routed MoE layers",
+}
+"""Family -> what of it the megatron backend does not build yet (the refusal names it)."""
+
+
+def check_family(family: str, checkpoint: str) -> None:
+    """Refuse a family room policy the megatron backend does not build.
+
+    Args:
+        family: the policy's HF ``model_type`` (``""`` for the embedded model: accepted).
+        checkpoint: ``--hf-checkpoint`` (named in the message).
+    Raises:
+        TrainerConfigError: a family outside :data:`MEGATRON_FAMILIES`, naming what of it is
+            not supported yet.
+    """
+    if not family or family in MEGATRON_FAMILIES:
+        return
+    what = NOT_YET.get(family, "its architecture (not mapped onto megatron-core's modules)")
+    raise TrainerConfigError(
+        f"--train-backend megatron cannot train the {family!r} family of --hf-checkpoint "
+        f"{checkpoint} yet: {what} is not supported; it trains {' and '.join(MEGATRON_FAMILIES)}, "
+        f"or use --train-backend torch or fsdp for {family!r}")
+
 
 def check_run(run: Any) -> None:
     """Refuse a CUDA device (the backend trains on the CPU: its CUDA placement is not written,
-    docs/gpu.md) and a parallel layout the policy does not split over (:func:`layout_errors`).
+    docs/gpu.md), a family room policy it does not build (:func:`check_family`) and a parallel
+    layout the policy does not split over (:func:`layout_errors`; for a family also the
+    config.json fields the MLA mapping does not compute).
 
     Args:
         run: the run's settings (a ``replayrl.tools.run.config.RunConfig``); read: ``device``,
@@ -18,7 +56,8 @@ def check_run(run: Any) -> None:
             ``cp_size``.
     Raises:
         TrainerConfigError: ``--device cuda``, or ``--device auto`` where torch sees a CUDA
-            device; the first size that does not divide its model dimension (names the field
+            device; a family outside :data:`MEGATRON_FAMILIES`; the first size that does not
+            divide its model dimension (names the field
             and the flag).
     """
     # megatron_model imports torch: only a megatron run pays for it here
@@ -33,7 +72,10 @@ def check_run(run: Any) -> None:
                                  f"docs/gpu.md); use --device cpu, or --train-backend torch or "
                                  f"fsdp on the GPU")
 
+    from replayrl.rollout.model.families.run_check import family_of
+
+    check_family(family_of(run.policy_config), run.hf_checkpoint)
     t = run.trainer
     layout = MegatronParallel(tp=t.tp_size, ep=t.ep_size, pp=t.pp_size, cp=t.cp_size)
     for problem in layout_errors(run.policy_config, layout):
-        raise TrainerConfigError(f"{problem} (the policy's config.json)")
+        raise TrainerConfigError(f"--train-backend megatron: {problem} (the policy's config.json)")

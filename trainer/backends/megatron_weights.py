@@ -29,6 +29,10 @@ Sharding of a rank's parameters: layer ``j`` of a pipeline stage is global layer
 ``r * E_local + j``; tensor-parallel parameters are the ``partition_dim`` chunk of the rank
 (``linear_fc1``: the chunk of gate and the chunk of up, concatenated, as megatron's SwiGLU
 shards them); expert parameters use the expert-tensor-parallel rank.
+
+A family room policy (``FamilyConfig``: DeepSeek-V3 / GLM-4.7-Flash) has its own table in
+:mod:`replayrl.trainer.backends.megatron_mla_weights`; the sharding here serves both, and the
+routers' ``expert_bias`` buffers (not parameters) travel with the weights.
 """
 from __future__ import annotations
 
@@ -100,6 +104,10 @@ def hf_to_megatron(state: dict, config: ModelConfig) -> dict[str, torch.Tensor]:
     Raises:
         WeightMapError: a missing HF weight.
     """
+    if not isinstance(config, ModelConfig):  # a family room policy
+        from replayrl.trainer.backends.megatron_mla_weights import mla_hf_to_megatron
+
+        return mla_hf_to_megatron(state, config)
     g, d, h = config.num_key_value_heads, config.head_dim, config.hidden_size
     renamed, fc1, qkv = _layout(config)
     out = {mg: _need(state, hf) for hf, mg in renamed}
@@ -117,6 +125,10 @@ def megatron_to_hf(full: dict, config: ModelConfig) -> dict[str, np.ndarray]:
     Raises:
         WeightMapError: a missing megatron weight.
     """
+    if not isinstance(config, ModelConfig):  # a family room policy
+        from replayrl.trainer.backends.megatron_mla_weights import mla_megatron_to_hf
+
+        return mla_megatron_to_hf(full, config)
     g, d, h = config.num_key_value_heads, config.head_dim, config.hidden_size
     qd = config.num_attention_heads // g * d
     renamed, fc1, qkv = _layout(config)
@@ -166,6 +178,15 @@ def _tp_group(local: str):
             ps.get_tensor_model_parallel_group())
 
 
+def _tensors(model):
+    """``(local name, tensor)`` of every parameter and of the routers' ``expert_bias`` buffers
+    (a family's bias correction: in the checkpoint, not trained)."""
+    yield from model.named_parameters()
+    for local, buf in model.named_buffers():
+        if local.endswith("router.expert_bias"):
+            yield local, buf
+
+
 def _shard(full: torch.Tensor, param, local: str) -> torch.Tensor:
     if not getattr(param, "tensor_model_parallel", False):
         return full
@@ -199,7 +220,7 @@ def load_hf_weights(model, state: dict, config: ModelConfig) -> None:
     """
     full = hf_to_megatron(state, config)
     with torch.no_grad():
-        for local, param in model.named_parameters():
+        for local, param in _tensors(model):
             name = _global_name(model, local)
             if name not in full:
                 raise WeightMapError(f"megatron parameter {local!r} ({name}) has no HF weight")
@@ -222,7 +243,7 @@ def gather_hf_weights(model, config: ModelConfig) -> dict[str, np.ndarray]:
     """
     mine = {}
     with torch.no_grad():
-        for local, param in model.named_parameters():
+        for local, param in _tensors(model):
             mine[_global_name(model, local)] = _unshard(param.detach(), param, local).clone()
     world = dist.get_world_size()
     from megatron.core import parallel_state as ps

@@ -20,8 +20,10 @@ RUN_CHECKS: dict[str, Callable[[Any], None]] = {
 }
 """Backend registry name -> its check of the run's settings (raises TrainerConfigError)."""
 
-FAMILY_BACKENDS = ("torch", "fsdp")
-"""The backends that train a family room policy (transformers' model as a torch module)."""
+FAMILY_BACKENDS = ("torch", "fsdp", "megatron")
+"""The backends that train a family room policy (transformers' model as a torch module; the
+megatron backend some families, refusing the others in its own check,
+:func:`replayrl.trainer.backends.megatron_run_check.check_family`)."""
 
 
 def check_run(run: Any) -> None:

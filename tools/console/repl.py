@@ -81,7 +81,8 @@ class ReplSession:
         specs: actor specs replacing :func:`replayrl.tools.run.launcher.actor_specs` (tests use small actors).
         attach: a running run's output directory, attach card or one actor's address.
         call_timeout: default reply timeout of proxied calls, in seconds.
-        ready_timeout: seconds every actor gets to answer its first ping.
+        ready_timeout: seconds every actor gets to answer its first ping (None:
+            ``--actor-start-timeout-seconds``, as a run's actors get).
         log_level: logging level inside the actor processes.
 
     Raises:
@@ -90,13 +91,13 @@ class ReplSession:
 
     def __init__(self, config: RunConfig, specs: list[ActorSpec] | None = None, *,
                  attach: str = "", call_timeout: float = DEFAULT_CALL_TIMEOUT,
-                 ready_timeout: float = 120.0, log_level: int = logging.WARNING) -> None:
+                 ready_timeout: float | None = None, log_level: int = logging.WARNING) -> None:
         if attach and specs is not None:
             raise ReplError("an attached session starts no actors: give specs or attach, not both")
         self.config = config
         self.attach = attach
         self.call_timeout = call_timeout
-        self.ready_timeout = ready_timeout
+        self.ready_timeout = config.actor_start_timeout_s if ready_timeout is None else ready_timeout
         self.log_level = log_level
         self._specs = specs
         self.namespace: dict[str, Any] = {}

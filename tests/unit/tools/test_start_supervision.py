@@ -46,3 +46,10 @@ def test_a_wait_is_one_line_naming_the_actor_the_time_and_the_flag(capsys):
 def test_the_timeout_must_be_positive():
     with pytest.raises(ValueError, match="actor-start-timeout-seconds"):
         build_config({"actor-start-timeout-seconds": 0})
+
+
+def test_the_consoles_own_actors_get_the_same_start_timeout():
+    from replayrl.tools.console.repl import ReplSession
+
+    assert ReplSession(build_config({"actor-start-timeout-seconds": 40.0})).ready_timeout == 40.0
+    assert ReplSession(build_config({}), ready_timeout=7.0).ready_timeout == 7.0

@@ -1,0 +1,109 @@
+"""Test helper run under torchrun (gloo): a family room checkpoint (deepseek_v3 / glm4_moe_lite) as
+megatron-core's MLA GPTModel in several layouts of one world, against transformers.
+
+Usage: torchrun --nproc-per-node N tests/megatron_family_worker.py OUT LAYOUTS CHECKPOINT...
+with LAYOUTS ``tp,ep`` pairs joined by ``/`` (e.g. ``1,1/2,1/1,2``). For each checkpoint and
+layout, in one process (the parallel groups are rebuilt between layouts): the full-vocabulary
+logits of a fixed batch (gathered over TP), the gathered HF weights' largest difference from the
+checkpoint, and R3: the routing transformers
+chooses on the original weights (the engine's trace), megatron's own routing after every router
+is perturbed, and megatron's routing and logits when it replays that trace. Rank 0 also runs
+transformers (the reference, eager attention): the logits, the trace, and its logits replaying
+the trace on the same perturbed routers. Rank 0 writes OUT/result.npz, the keys of checkpoint
+``i`` prefixed ``c<i>_``.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+ROUTER_NOISE = 0.5
+"""Standard deviation of the noise added to every router weight between record and replay
+(the routers' weights are ~0.1 here), enough to flip many of the top-k choices."""
+
+
+def main() -> None:
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    out, layouts, checkpoints = Path(sys.argv[1]), sys.argv[2].split("/"), sys.argv[3:]
+    torch.set_num_threads(1)
+    result = {}
+    for i, checkpoint in enumerate(checkpoints):
+        for k, v in _compare(Path(checkpoint), layouts).items():
+            result[f"c{i}_{k}"] = v
+    if dist.get_rank() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        np.savez(out / "result.npz", **result)
+    dist.barrier()
+
+
+def _compare(checkpoint: Path, layouts: list[str]) -> dict:
+    """The values of one checkpoint in every layout (see the module docstring)."""
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from replayrl.rollout.model.loader import load_pretrained
+    from replayrl.trainer.backends.megatron_cpu_compat import cpu_device_scope
+    from replayrl.trainer.backends.megatron_model import MegatronParallel, build_gpt_model, init_parallel
+    from replayrl.trainer.backends.megatron_replay import RoutingReplay
+    from replayrl.trainer.backends.megatron_weights import gather_hf_weights, load_hf_weights
+
+    engine, cfg = load_pretrained(checkpoint)
+    engine.eval()
+    state = {k: v.clone() for k, v in engine.state_dict().items()}  # not views of the engine
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 12), generator=gen)
+    positions = torch.arange(12).expand_as(tokens)
+    perturbed = {k: (v + ROUTER_NOISE * torch.randn(v.shape, generator=gen)
+                     if k.endswith("mlp.gate.weight") else v) for k, v in state.items()}
+    result = {}
+    with torch.no_grad():
+        ref = engine(tokens, positions, capture=True)
+        trace = ref.routed_experts  # int32 [B, S, L_moe, K]: the engine's choice
+        result["hf_logits"] = ref.logits.numpy()
+        result["trace"] = trace.numpy()
+        engine.load_state_dict(perturbed)
+        result["hf_replay_logits"] = engine(tokens, positions, routed_experts=trace).logits.numpy()
+
+    for layout in layouts:
+        tp, ep = (int(x) for x in layout.split(","))
+        parallel = MegatronParallel(tp=tp, ep=ep)
+        init_parallel(parallel, seed=1)
+        from megatron.core import parallel_state as ps
+
+        def logits_of(model) -> torch.Tensor:
+            local = model(tokens, positions, attention_mask=None)  # [B, S, V / tp]
+            parts = [torch.empty_like(local) for _ in range(tp)]
+            dist.all_gather(parts, local.contiguous(), group=ps.get_tensor_model_parallel_group())
+            return torch.cat(parts, dim=-1)
+
+        with cpu_device_scope(), torch.no_grad():
+            model, _, _ = build_gpt_model(cfg, parallel)
+            model.eval()
+            load_hf_weights(model, state, cfg)
+            replay = RoutingReplay(model, cfg)
+            name = f"tp{tp}_ep{ep}"
+            result[f"{name}_logits"] = logits_of(model).numpy()
+            back = gather_hf_weights(model, cfg)
+            assert set(back) == set(state), sorted(set(back) ^ set(state))[:3]
+            result[f"{name}_roundtrip"] = np.array(max(
+                float((torch.as_tensor(back[k]) - state[k]).abs().max()) for k in state))
+            load_hf_weights(model, perturbed, cfg)
+            replay.begin(None)  # the perturbed routers' own choice
+            logits_of(model)
+            result[f"{name}_own"] = replay.collect(tokens.shape[0])[0].numpy()
+            replay.end()
+            replay.begin(trace)
+            result[f"{name}_replay_logits"] = logits_of(model).numpy()
+            result[f"{name}_used"] = replay.collect(tokens.shape[0])[0].numpy()
+            replay.end()
+    return result
+
+
+if __name__ == "__main__":
+    main()

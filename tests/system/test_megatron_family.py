@@ -1,0 +1,87 @@
+"""--train-backend megatron on a family room checkpoint (deepseek_v3 / glm4_moe_lite): megatron-core's
+MLA GPTModel against transformers' own model, under torchrun (gloo, CPU).
+
+One two-rank torchrun builds the model in three layouts of its world (TP=1 with two
+data-parallel replicas, TP=2 with sequence parallelism, EP=2): float32 logits equal
+transformers' within 1e-5 in each, the gathered Hugging Face weights equal the checkpoint
+exactly (the conversion table both ways, with the shards of every layout), and R3 replays the
+engine's routing: with every router perturbed megatron's own choice differs from the engine's
+trace, replaying the trace uses exactly the engine's experts and gives transformers' logits for
+the same perturbed routers replaying the same trace.
+
+megatron-core runs in torchrun worker processes (tests/megatron_family_worker.py), never in the
+pytest process: its CPU compatibility layer is process-wide."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+pytest.importorskip("transformers")
+
+from tests.child_env import PYTHONPATH  # noqa: E402
+from tests.family_checkpoints import tiny_hf_config  # noqa: E402
+from tests.paths import REPO  # noqa: E402
+from tests.ports import port_block  # noqa: E402
+
+WORKER = str(REPO / "tests" / "megatron_family_worker.py")
+LAYOUTS = ("1,1", "2,1", "1,2")  # tp,ep
+
+
+def _checkpoint(directory: Path, family: str) -> Path:
+    """A tiny random ``family`` checkpoint: 16 experts in 4 groups, top-4 from the best 2 groups
+    (each group scored by its top 2, as both implementations do), a shared expert, one dense
+    first layer, a random expert bias (transformers initialises it to 0, which would not test
+    its mapping) and weights scaled up so that top-k choices are not near ties."""
+    from transformers import AutoModelForCausalLM
+
+    extra = {"num_nextn_predict_layers": 0} if family == "deepseek_v3" else {}
+    cfg = tiny_hf_config(family, n_routed_experts=16, num_experts_per_tok=4, n_group=4,
+                         topk_group=2, vocab_size=96, **extra)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.mul_(5.0)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.3 * torch.randn_like(b))
+    model.save_pretrained(directory)
+    return directory
+
+
+FAMILIES = ("deepseek_v3", "glm4_moe_lite")
+
+
+def test_megatron_mla_model_equals_transformers_in_every_layout(tmp_path):
+    ckpts = [str(_checkpoint(tmp_path / family, family)) for family in FAMILIES]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+         f"--master-port={port_block()}", WORKER, str(tmp_path / "out"), "/".join(LAYOUTS), *ckpts],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": PYTHONPATH, "OMP_NUM_THREADS": "1"},
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = dict(np.load(tmp_path / "out" / "result.npz"))
+    for i, family in enumerate(FAMILIES):
+        r = {k[len(f"c{i}_"):]: v for k, v in result.items() if k.startswith(f"c{i}_")}
+        trace = r["trace"]
+        assert trace.shape == (2, 12, 2, 4), family  # layers 1, 2 are MoE; layer 0 dense
+        for layout in ("tp1_ep1", "tp2_ep1", "tp1_ep2"):
+            np.testing.assert_allclose(r[f"{layout}_logits"], r["hf_logits"], atol=1e-5, rtol=0,
+                                       err_msg=f"{family} {layout}")
+            assert r[f"{layout}_roundtrip"] == 0.0, (family, layout)
+            own = np.sort(r[f"{layout}_own"], -1)
+            # the perturbed routers choose otherwise on many tokens
+            assert (own != np.sort(trace, -1)).any(-1).mean() > 0.2, (family, layout)
+            np.testing.assert_array_equal(r[f"{layout}_used"], trace, err_msg=f"{family} {layout}")
+            np.testing.assert_allclose(r[f"{layout}_replay_logits"], r["hf_replay_logits"],
+                                       atol=1e-5, rtol=0, err_msg=f"{family} {layout}")
+        # the perturbed routers' weights changed the function (replay keeps only the choice)
+        assert np.abs(r["hf_replay_logits"] - r["hf_logits"]).max() > 1e-3, family

@@ -93,3 +93,19 @@ def test_a_resumed_run_continues_exactly(checkpoint, tmp_path):
     a = [{k: json.loads(x)[k] for k in keys} for x in whole.metrics_path.read_text().splitlines()]
     b = [{k: json.loads(x)[k] for k in keys} for x in resumed.metrics_path.read_text().splitlines()]
     assert a == b
+
+
+def test_fsdp_on_one_rank_trains_as_the_torch_backend(checkpoint, tmp_path):
+    # the same update sharded over a one-rank group: the same losses, step for step
+    import torch.distributed as dist
+
+    try:
+        runs = {backend: _run(checkpoint, tmp_path, backend, **{"num-steps": 3, "train-backend": backend})
+                for backend in ("torch", "fsdp")}
+    finally:  # the fsdp backend made a one-rank group in this process: not for later tests
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    losses = {b: [json.loads(x)["loss"] for x in r.metrics_path.read_text().splitlines()]
+              for b, r in runs.items()}
+    assert losses["fsdp"] == pytest.approx(losses["torch"], rel=1e-5)
+    assert losses["torch"][2] < losses["torch"][0]

@@ -109,3 +109,30 @@ def test_fsdp_on_one_rank_trains_as_the_torch_backend(checkpoint, tmp_path):
               for b, r in runs.items()}
     assert losses["fsdp"] == pytest.approx(losses["torch"], rel=1e-5)
     assert losses["torch"][2] < losses["torch"][0]
+
+
+def test_parquet_rows_render_as_their_jsonl_rows(checkpoint, tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet", reason="Parquet needs the parquet extra")
+    import pyarrow as pa
+
+    call = {"type": "function", "function": {"name": "calculate", "arguments": {"expression": "2+3"}}}
+    rows = [GOOD, {"messages": [{"role": "user", "content": "2+3?"},
+                                {"role": "assistant", "content": "", "tool_calls": [call]},
+                                {"role": "tool", "content": "5"}, {"role": "assistant", "content": "5"}]}]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pq.write_table(pa.Table.from_pylist(rows), str(tmp_path / "d.parquet"))
+    tok = load_tokenizer(checkpoint, apply_chat_template=True)
+    a, b = (load_conversations([tmp_path / f"d.{ext}"], tok, max_length=512, vocab_size=10 ** 6,
+                               skip_bad_rows=False) for ext in ("jsonl", "parquet"))
+    assert b.sources == (f"{tmp_path / 'd.parquet'}:1", f"{tmp_path / 'd.parquet'}:2")
+    for x, y in zip(a.conversations, b.conversations):
+        assert x.response_ids.tolist() == y.response_ids.tolist()
+        assert x.loss_mask.tolist() == y.loss_mask.tolist()
+
+
+def test_the_command_exits_2_naming_the_bad_row(checkpoint, bad_file, tmp_path, capsys):
+    from replayrl.tools.cli import main
+
+    assert main(["sft", "--hf-checkpoint", str(checkpoint), "--data", str(bad_file),
+                 "--no-progress", "--output-dir", str(tmp_path / "run")]) == 2
+    assert f"configuration error: {bad_file}:3: no assistant message" in capsys.readouterr().err

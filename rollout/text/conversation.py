@@ -209,7 +209,8 @@ def render_conversation(tokenizer: PromptTokenizer, messages: Any, *, max_length
     total = len(prompt) + len(response)
     if total > max_length:
         raise ConversationError("too_long", f"{where}: {total} tokens, longer than the limit of "
-                                            f"{max_length} (--max-length)")
+                                            f"{max_length} (--max-length, at most the model's "
+                                            "positions)")
     for a in (prompt, response, mask):
         a.flags.writeable = False
     return Conversation(prompt, response, mask)

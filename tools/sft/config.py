@@ -54,8 +54,9 @@ class SFTConfig:
                              "conversations (the order reshuffled on every pass over the data)",
                              Range(low=1))
     batch_size: int = setting(8, "batch-size", "conversations per optimizer step", Range(low=1))
-    max_length: int = setting(1024, "max-length", "the most tokens of one rendered conversation "
-                              "(longer rows are bad rows)", Range(low=2))
+    max_length: int = setting(1024, "max-length", "the most tokens of one rendered conversation, "
+                              "at most the model's max_position_embeddings (longer rows are bad "
+                              "rows)", Range(low=2))
     skip_bad_rows: bool = setting(False, "skip-bad-rows", "skip the rows that cannot be trained "
                                   "on (no assistant message, an unknown role, longer than "
                                   "--max-length, ...), naming and counting each, instead of "

@@ -191,9 +191,11 @@ def run_sft(config: SFTConfig, started: float | None = None) -> SFTResult:
 
     started = time.perf_counter() if started is None else started
     tokenizer = load_tokenizer(config.hf_checkpoint, apply_chat_template=True)
-    vocab = read_hf_config(config.hf_checkpoint).vocab_size
-    data = load_conversations(config.data, tokenizer, max_length=config.max_length,
-                              vocab_size=vocab, skip_bad_rows=config.skip_bad_rows)
+    policy = read_hf_config(config.hf_checkpoint)
+    # a conversation the model has no positions for cannot be forwarded: a bad row too
+    data = load_conversations(config.data, tokenizer,
+                              max_length=min(config.max_length, policy.max_position_embeddings),
+                              vocab_size=policy.vocab_size, skip_bad_rows=config.skip_bad_rows)
     for where, message in data.skipped:
         log.warning("replayrl sft: skipped %s", message if message.startswith(where) else
                     f"{where}: {message}")

@@ -21,6 +21,11 @@ class SFTRecorder(MetricsRecorder):
 
     status = staticmethod(sft_status)
 
+    def __init__(self, *args, **kwargs) -> None:
+        """As :class:`MetricsRecorder`'s; the display starts without actors to wait for."""
+        super().__init__(*args, **kwargs)
+        self._progress.update(self._task, status="first step")
+
     def plot(self) -> Path:
         """Save ``loss.png`` (the step's mean token cross-entropy, nats, per step; below it the
         share of assistant tokens the policy gives probability above 1/2) and return its path."""

@@ -9,7 +9,9 @@ training forward, the same one RL trains through, at temperature 1 and with no t
 replay), ``mask`` the assistant-only loss mask
 (:func:`replayrl.rollout.text.conversation.render_conversation`) and ``T`` the step's assistant
 tokens, so the step's loss is the mean token cross-entropy over every assistant token of the
-batch (TRL's SFT loss with ``assistant_only_loss``). Then ``clip_and_step``.
+step, whatever the microbatches (as transformers' ``Trainer``, which TRL's ``SFTTrainer``
+extends, divides by the label tokens of all accumulated microbatches, ``num_items_in_batch``).
+Then ``clip_and_step``.
 
 Outputs in ``--output-dir``: ``config.json``, ``metrics.jsonl`` (one row per step),
 ``loss.png``; checkpoints ``<--save>/step-N`` every ``--save-interval`` steps (the backend's

@@ -62,6 +62,11 @@ def _compare(checkpoint: Path, layouts: list[str]) -> dict:
     perturbed = {k: (v + ROUTER_NOISE * torch.randn(v.shape, generator=gen)
                      if k.endswith("mlp.gate.weight") else v) for k, v in state.items()}
     result = {}
+    # gradients of a fixed linear function of the logits (float32), by transformers
+    probe = torch.randn(*tokens.shape, cfg.vocab_size, generator=gen)
+    (engine(tokens, positions).logits * probe).sum().backward()
+    grads = {k: p.grad.clone() for k, p in engine.hf.named_parameters()}
+    engine.zero_grad(set_to_none=True)
     with torch.no_grad():
         ref = engine(tokens, positions, capture=True)
         trace = ref.routed_experts  # int32 [B, S, L_moe, K]: the engine's choice
@@ -82,12 +87,16 @@ def _compare(checkpoint: Path, layouts: list[str]) -> dict:
             dist.all_gather(parts, local.contiguous(), group=ps.get_tensor_model_parallel_group())
             return torch.cat(parts, dim=-1)
 
-        with cpu_device_scope(), torch.no_grad():
+        name = f"tp{tp}_ep{ep}"
+        with cpu_device_scope():
             model, _, _ = build_gpt_model(cfg, parallel)
             model.eval()
             load_hf_weights(model, state, cfg)
+            if ep == 1:  # under EP the data-parallel ranks' tokens meet in the experts
+                result[f"{name}_grad_diff"] = _grad_difference(model, cfg, tokens, positions,
+                                                               probe, grads, tp)
+        with cpu_device_scope(), torch.no_grad():
             replay = RoutingReplay(model, cfg)
-            name = f"tp{tp}_ep{ep}"
             result[f"{name}_logits"] = logits_of(model).numpy()
             back = gather_hf_weights(model, cfg)
             assert set(back) == set(state), sorted(set(back) ^ set(state))[:3]
@@ -103,6 +112,39 @@ def _compare(checkpoint: Path, layouts: list[str]) -> dict:
             result[f"{name}_used"] = replay.collect(tokens.shape[0])[0].numpy()
             replay.end()
     return result
+
+
+def _grad_difference(model, cfg, tokens, positions, probe, grads: dict, tp: int):
+    """Largest difference of megatron's gradients of ``sum(logits * probe)`` from
+    transformers' ``grads`` (HF names), relative to the largest gradient entry. Each TP rank
+    takes its vocabulary shard of the probe; the gradients of sequence-parallel weights (norms,
+    routers: each rank saw its slice of the tokens) are summed over TP, as
+    ``finalize_model_grads`` does; then the shards are gathered like weights."""
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from replayrl.trainer.backends.megatron_weights import gather_hf_weights
+
+    local = model(tokens, positions, attention_mask=None)  # [B, S, V / tp]
+    rank = ps.get_tensor_model_parallel_rank()
+    (local * probe.chunk(tp, dim=-1)[rank]).sum().backward()
+    saved = {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            if tp > 1 and getattr(p, "sequence_parallel", False):
+                dist.all_reduce(g, group=ps.get_tensor_model_parallel_group())
+            saved[name] = p.data
+            p.data = g
+    got = gather_hf_weights(model, cfg)  # the gradients, gathered and renamed as weights
+    for name, p in model.named_parameters():
+        p.data = saved[name]
+        p.grad = None
+    scale = max(float(g.abs().max()) for g in grads.values())
+    return np.array(max(float((torch.as_tensor(got[k]) - g).abs().max()) for k, g in grads.items())
+                    / scale)
 
 
 if __name__ == "__main__":

@@ -105,8 +105,8 @@ def unsupported_fields(config) -> list[str]:
 def family_layout_errors(config, parallel) -> list[str]:
     """What keeps a family config from splitting over ``parallel``, one sentence each.
 
-    megatron-core divides the vocabulary, the attention heads, the (column-parallel) latent
-    down projections and the MLP widths over the tensor-parallel ranks, the experts over the
+    megatron-core divides the vocabulary, the attention heads and the MLP widths over the
+    tensor-parallel ranks (the latent down projections are replicated), the experts over the
     expert-parallel ranks. Pipeline and context parallelism are not offered for the families.
 
     Args:
@@ -126,10 +126,7 @@ def family_layout_errors(config, parallel) -> list[str]:
                    f"{config.family!r} family (megatron's MLA has no CP without TransformerEngine)")
     checks = [("vocab_size", s["vocab_size"], p.tp, "--tp-size"),
               ("num_attention_heads", s["num_attention_heads"], p.tp, "--tp-size"),
-              ("kv_lora_rank + qk_rope_head_dim", s["kv_lora_rank"] + s["qk_rope_head_dim"], p.tp,
-               "--tp-size")]
-    if s["q_lora_rank"]:
-        checks.append(("q_lora_rank", s["q_lora_rank"], p.tp, "--tp-size"))
+]
     if len(s["moe_layers"]) < s["num_hidden_layers"]:
         checks.append(("intermediate_size", s["intermediate_size"], p.tp, "--tp-size"))
     if s["moe_layers"]:
@@ -254,8 +251,19 @@ def build_mla_gpt_model(config, parallel):
     spec = get_gpt_decoder_block_spec(tcfg, use_transformer_engine=False, normalization="RMSNorm")
     spec = copy.deepcopy(spec)  # megatron's specs are shared objects
     core = latent_attention_class()
+    from megatron.core.post_training.modelopt.layers import Linear
+
     for layer_spec in spec.layer_specs:
-        layer_spec.submodules.self_attention.submodules.core_attention = core
+        attention = layer_spec.submodules.self_attention.submodules
+        attention.core_attention = core
+        # replicated down projections (megatron's own local Linear, its weights marked
+        # sequence_parallel): the local spec's column-parallel ones gather the shared rotary
+        # key over TP with an all-gather whose backward keeps only this rank's columns, so the
+        # other ranks' heads' gradient of that key was dropped (measured: TP=2 gradients 7 %
+        # off transformers'); replicated, the key is gathered over the sequence and its
+        # gradient reduce-scattered, as megatron does with TransformerEngine's duplicated linear
+        attention.linear_q_down_proj = Linear
+        attention.linear_kv_down_proj = Linear
     s = mla_shape(config)
     model = GPTModel(tcfg, spec, vocab_size=s["vocab_size"],
                      max_sequence_length=s["max_position_embeddings"],

@@ -136,3 +136,12 @@ def test_the_command_exits_2_naming_the_bad_row(checkpoint, bad_file, tmp_path, 
     assert main(["sft", "--hf-checkpoint", str(checkpoint), "--data", str(bad_file),
                  "--no-progress", "--output-dir", str(tmp_path / "run")]) == 2
     assert f"configuration error: {bad_file}:3: no assistant message" in capsys.readouterr().err
+
+
+def test_the_loss_is_the_token_mean_of_the_step_whatever_the_microbatches(checkpoint, tmp_path):
+    whole = _run(checkpoint, tmp_path, "whole", **{"num-steps": 3})
+    split = _run(checkpoint, tmp_path, "split", **{"num-steps": 3, "micro-batch-size": 1})
+    rows = [[json.loads(x) for x in r.metrics_path.read_text().splitlines()] for r in (whole, split)]
+    for a, b in zip(*rows):  # the same update: equal losses and gradient norms, step for step
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)

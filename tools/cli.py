@@ -8,7 +8,9 @@ is printed), 2 bad configuration, 130 interrupted by Ctrl-C, 143 SIGTERM (``trai
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
+import signal
 import sys
 import time
 
@@ -28,6 +30,8 @@ def _train(args: argparse.Namespace) -> int:
 
         config = config_from_args(args)
         handle_sigterm()
+        # `kill -USR1 PID` prints where the launcher is, as it does for every actor process
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
         result = run_event_loop(until_terminated(launch(
             config, log_level=getattr(logging, args.log_level), started=started)))
         print(f"plot: {result.plot_path}")

@@ -1,0 +1,44 @@
+"""--train-backend megatron with a family checkpoint, checked before any process starts: the
+deepseek_v3 / glm4_moe_lite families are accepted (megatron-core's MLA, docs/megatron.md), a
+config.json field the mapping does not compute, a layout that does not divide the model and the
+other families are refused, each message naming the field, flag or what is not built."""
+from __future__ import annotations
+
+import pytest
+
+from replayrl.tools.errors import ConfigError
+from replayrl.tools.run.from_flags import build_config
+from tests.family_checkpoints import tiny_hf_checkpoint
+
+
+def _config(tmp_path, family: str, flags: dict | None = None, **overrides):
+    tiny_hf_checkpoint(family, tmp_path / "ckpt", **overrides)
+    return build_config({"hf-checkpoint": str(tmp_path / "ckpt"), "train-backend": "megatron",
+                         "device": "cpu", "output-dir": str(tmp_path / "run"), **(flags or {})})
+
+
+@pytest.mark.parametrize("family,overrides", [("glm4_moe_lite", {}),
+                                              ("deepseek_v3", {"num_nextn_predict_layers": 0})])
+def test_mla_families_are_accepted(tmp_path, family, overrides):
+    config = _config(tmp_path, family, **overrides)
+    assert config.trainer.train_backend == "megatron"
+    assert config.policy_config.family == family
+
+
+@pytest.mark.parametrize("overrides,flags,message", [
+    ({"rope_interleave": False}, {}, "rope_interleave false"),
+    ({"norm_topk_prob": False}, {}, "norm_topk_prob false"),
+    ({"n_group": 4, "topk_group": 2, "num_experts_per_tok": 2}, {},
+     r"num_experts_per_tok / topk_group = 2 / 2 != 2"),
+    ({}, {"ep-size": 16, "dp-size": 16}, r"n_routed_experts=8 is not a multiple of --ep-size 16"),
+    ({}, {"tp-size": 3}, r"config.json vocab_size=97 is not a multiple of --tp-size 3"),
+])
+def test_what_the_mapping_does_not_compute_is_refused(tmp_path, overrides, flags, message):
+    with pytest.raises(ConfigError, match=message):
+        _config(tmp_path, "glm4_moe_lite", flags, **overrides)
+
+
+def test_other_families_are_refused_naming_what_is_not_built(tmp_path):
+    with pytest.raises(ConfigError, match=r"cannot train the 'glm_moe_dsa' family .* yet: its DSA "
+                                          r"lightning indexer on MLA layers"):
+        _config(tmp_path, "glm_moe_dsa")

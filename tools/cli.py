@@ -30,8 +30,10 @@ def _train(args: argparse.Namespace) -> int:
 
         config = config_from_args(args)
         handle_sigterm()
-        # `kill -USR1 PID` prints where the launcher is, as it does for every actor process
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
+        try:  # `kill -USR1 PID` prints where the launcher is, as it does for every actor process
+            faulthandler.register(signal.SIGUSR1, all_threads=True)
+        except (OSError, ValueError):  # a stderr with no file descriptor (one captured in-process)
+            pass
         result = run_event_loop(until_terminated(launch(
             config, log_level=getattr(logging, args.log_level), started=started)))
         print(f"plot: {result.plot_path}")

@@ -97,7 +97,7 @@ async def _case(case: FaultCase, out: Path, base: dict, reference: list[dict]) -
                 loads = f"{saved[-1]} does NOT load: {err}"
         return (f"| {case.name} | {case.policy} | run ends: ActorDied({exc.actor}, exit "
                 f"{exc.exitcode}); last checkpoint {loads} | {ended - fault['time']:.1f} s to "
-                f"end | — (resume redraws the untrained batches) | — |")
+                f"end | — (a resume is exact: bench resume) | — |")
     rows = result.rows
     lost = sum(max(0, expected - r["samples"]) for r in rows)
     extra = sum(max(0, r["samples"] - expected) for r in rows)

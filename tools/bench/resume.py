@@ -217,31 +217,29 @@ def run_cell(name: str, flags: dict, steps: int, out: Path, rng: random.Random,
 
 
 def table(results: list[dict]) -> str:
-    """The markdown table of :func:`run_cell` results, one column per cell: where each kill
-    landed (rows written before it, the checkpoint resumed from), how the resumed rows compare
-    with the uninterrupted run's and the prompts trained more / less often, both kills
-    together."""
-    where, verdict = [], []
+    """The markdown table of :func:`run_cell` results, one column per cell: the rows written
+    before each kill (at random / in a checkpoint) and the checkpoints resumed from, how the
+    resumed rows compare with the uninterrupted run's, and the prompts trained more / less
+    often, both kills together."""
+    cells = []
     for cell in results:
         if "error" in cell:
-            where.append("-")
-            verdict.append(f"failed: {cell['error']}")
+            cells.append(f"failed: {cell['error']}")
             continue
-        where.append(" / ".join(f"{k['rows_before_kill']}, {k['resumed_from']}"
-                                for k in cell["kills"]))
+        kills = cell["kills"]
         texts = ["equal" if k["equal"] else
                  f"step {k['first_difference']['step']} `{k['first_difference']['key']}` differs"
-                 for k in cell["kills"]]
-        verdict.append(f"{texts[0] if len(set(texts)) == 1 else ' / '.join(texts)}; "
-                       f"{sum(k['prompts_twice'] for k in cell['kills'])} / "
-                       f"{sum(k['prompts_skipped'] for k in cell['kills'])}")
+                 for k in kills]
+        cells.append(f"{' / '.join(str(k['rows_before_kill']) for k in kills)} -> "
+                     f"{' / '.join(k['resumed_from'] for k in kills)}: "
+                     f"{texts[0] if len(set(texts)) == 1 else ' / '.join(texts)}; "
+                     f"{sum(k['prompts_twice'] for k in kills)} / "
+                     f"{sum(k['prompts_skipped'] for k in kills)}")
     return "\n".join([
-        "| | " + " | ".join(cell["cell"] for cell in results) + " |",
+        "| cell | " + " | ".join(cell["cell"] for cell in results) + " |",
         "|---" * (len(results) + 1) + "|",
-        "| killed at random / in a checkpoint: rows written, resumed from | "
-        + " | ".join(where) + " |",
-        "| rows after resume vs uninterrupted; prompts twice / skipped | "
-        + " | ".join(verdict) + " |"])
+        "| rows when killed at random / in a checkpoint -> resumed from: rows after resume; "
+        "prompts twice / skipped | " + " | ".join(cells) + " |"])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -47,3 +47,76 @@ def test_a_damaged_or_foreign_file_is_refused_naming_it(tmp_path):
     (tmp_path / "other").write_bytes(b"\x81\xa1a\x01")  # msgpack {"a": 1}
     with pytest.raises(RolloutError, match=r"other: not a prefetched rollout \(keys \['a'\]\)"):
         read_prefetched(tmp_path / "other")
+
+
+# -- the rollout manager's checkpoint state, in-process (tests/fake_engine.py's engine) ------
+async def _manager(tmp_path, engine):
+    from replayrl.rollout.dispatch.manager import RolloutManager
+    from replayrl.tools.run.from_flags import build_config
+    from replayrl.tools.run.launcher import run_required_traces, write_initial_checkpoint
+
+    config = build_config({"rollout-batch-size": 2, "n-samples-per-prompt": 2, "progress": False,
+                           "output-dir": str(tmp_path)})
+    checkpoint = tmp_path / "ckpt"
+    if not checkpoint.exists():
+        write_initial_checkpoint(config, checkpoint)
+    model = config.policy_config
+    manager = RolloutManager(config.rollout.to_dict(), ["engine_0"], run_required_traces(config),
+                             model.max_position_embeddings, str(checkpoint), model.vocab_size)
+    manager.proxy = lambda name, timeout=None: engine
+    return manager
+
+
+class _NoEngine:
+    """Stands for an engine a restored rollout must not reach."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"the engine was asked to {name}")
+
+
+def _columns_equal(a: dict, b: dict) -> None:
+    """The batches of two ``take_batch`` results hold equal samples, field for field."""
+    from replayrl.rollout.sample import samples_from_columns
+
+    left, right = samples_from_columns(a), samples_from_columns(b)
+    assert len(left) == len(right) == 4
+    for x, y in zip(left, right):
+        for name, value in x.to_dict().items():
+            if isinstance(value, np.ndarray):
+                np.testing.assert_array_equal(value, getattr(y, name))
+            else:
+                assert value == getattr(y, name), name
+
+
+async def test_a_checkpoint_of_a_prefetched_rollout_gives_that_batch_back_or_its_prompts_again(tmp_path):
+    from replayrl.rollout.dispatch.engine_actor import EngineActor
+    from replayrl.tools.run.from_flags import build_config
+    from replayrl.tools.run.launcher import engine_kwargs, run_required_traces
+    from replayrl.transport.array_bundle import pack_arrays
+
+    config = build_config({"rollout-batch-size": 2, "n-samples-per-prompt": 2, "progress": False,
+                           "output-dir": str(tmp_path)})
+    engine = EngineActor("tests.fake_engine:FixedDigitEngine", engine_kwargs(config),
+                         run_required_traces(config))
+    await engine.load_weights(0, pack_arrays({"w": np.zeros(3, np.float32)}))
+    run = await _manager(tmp_path, engine)
+    await run.generate(0, min_version=0)
+    await run.take_batch(0)  # step 0 trained
+    prefetched = await run.generate(1, min_version=0)  # generated while step 0 trained
+    saved = tmp_path / "step-1"
+    saved.mkdir()
+    state = await run.state(1, str(saved))
+    assert state["prefetched"]["rollout_id"] == 1 and (saved / state["prefetched"]["file"]).exists()
+
+    resumed = await _manager(tmp_path, _NoEngine())
+    await resumed.load_state(state, str(saved))
+    assert await resumed.generate(1, min_version=1) == prefetched  # not generated again
+    _columns_equal(await resumed.take_batch(1), await run.take_batch(1))
+    # the data source continues after that draw: the next rollout's prompts are the run's
+    resumed.proxy = lambda name, timeout=None: engine
+    assert ((await resumed.generate(2, min_version=0))["prompt_indices"]
+            == (await run.generate(2, min_version=0))["prompt_indices"])
+
+    again = await _manager(tmp_path, engine)  # a synchronous resume cannot train it
+    await again.load_state(state, str(saved), prefetched=False)
+    assert (await again.generate(1, min_version=0))["prompt_indices"] == prefetched["prompt_indices"]

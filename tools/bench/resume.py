@@ -46,9 +46,10 @@ CELLS: dict[str, dict] = {
     "torch async dynamic": {"dynamic-sampling": True, "rs-refill-max-rounds": 8},
     "torch async lora": {"lora-rank": 4, "lr": 1e-3},
     "fsdp dp2 async": {"train-backend": "fsdp", "dp-size": 2},
+    "megatron tp2 async": {"train-backend": "megatron", "tp-size": 2},
 }
-"""The cells ``--cells all`` runs: name -> flags over :data:`BASE`. ``env``, ``family`` and
-``megatron`` need files or ranks a cell is given with ``--extra``."""
+"""The cells ``--cells all`` runs: name -> flags over :data:`BASE`. A family checkpoint and an
+``--env`` environment need files: such a cell is given with ``--extra``."""
 
 TIMING = "second"
 """A key naming a duration or a rate (``*_seconds``, ``*_per_second``): differs run to run."""
@@ -250,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"cells to run, by name ({', '.join(CELLS)}) or 'all'")
     parser.add_argument("--extra", action="append", default=[], metavar="NAME=FLAGS",
                         help="one more cell: its name, '=', and the replayrl train flags over the "
-                             "base ones, e.g. 'megatron tp2=--train-backend megatron --tp-size 2' "
+                             "base ones, e.g. 'family=--hf-checkpoint DIR --lr 1e-3' "
                              "(repeatable) (default: none)")
     parser.add_argument("--steps", type=int, default=6, help="optimizer steps of each run (>= 3)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the kill moments")

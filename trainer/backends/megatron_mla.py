@@ -31,7 +31,7 @@ import copy
 
 import torch
 
-from replayrl.trainer.backends.megatron_run_check import MEGATRON_FAMILIES
+from replayrl.trainer.backends.megatron_families import MEGATRON_FAMILIES
 from replayrl.trainer.errors import MegatronModelError
 
 __all__ = ["MEGATRON_FAMILIES", "LATENT_NORM_EPS", "family_layout_errors", "latent_attention_class", "mla_shape",

@@ -5,24 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from replayrl.trainer.backends.megatron_families import MEGATRON_FAMILIES, NOT_YET
 from replayrl.trainer.errors import TrainerConfigError
-
-MEGATRON_FAMILIES = ("deepseek_v3", "glm4_moe_lite")
-"""Family room model types the megatron backend trains: megatron-core's MLA and sigmoid-routed
-MoE (:mod:`replayrl.trainer.backends.megatron_mla`)."""
-
-NOT_YET = {
-    "deepseek_v32": "its DSA lightning indexer on MLA layers (megatron-core's DSA indexer needs "
-                    "TransformerEngine; the embedded indexer is not placed in front of MLA)",
-    "glm_moe_dsa": "its DSA lightning indexer on MLA layers (megatron-core's DSA indexer needs "
-                   "TransformerEngine; the embedded indexer is not placed in front of MLA)",
-    "gpt_oss": "attention sinks, sliding-window layers and biased, clamped SwiGLU experts",
-    "qwen3_5_moe": "gated DeltaNet linear-attention layers and the gated shared expert",
-    "kimi_k25": "the text tower of a multimodal checkpoint (deepseek_v3 text, not loaded "
-                "through the megatron conversion)",
-    "deepseek_v4": "compressed sparse / heavily compressed attention and hash-routed MoE layers",
-}
-"""Family -> what of it the megatron backend does not build yet (the refusal names it)."""
 
 
 def check_family(family: str, checkpoint: str) -> None:

@@ -1,0 +1,24 @@
+"""Which family room policies (``--hf-checkpoint`` of rollout/model/families/) the megatron backend
+trains, and what of the others it does not build yet: data only, read by the run check
+(:mod:`replayrl.trainer.backends.megatron_run_check`) and the model mapping
+(:mod:`replayrl.trainer.backends.megatron_mla`); docs/design/megatron.md#megatron-families."""
+from __future__ import annotations
+
+__all__ = ["MEGATRON_FAMILIES", "NOT_YET"]
+
+MEGATRON_FAMILIES = ("deepseek_v3", "glm4_moe_lite")
+"""Family room model types the megatron backend trains: megatron-core's MLA and sigmoid-routed
+MoE (:mod:`replayrl.trainer.backends.megatron_mla`)."""
+
+NOT_YET = {
+    "deepseek_v32": "its DSA lightning indexer on MLA layers (megatron-core's DSA indexer needs "
+                    "TransformerEngine; the embedded indexer is not placed in front of MLA)",
+    "glm_moe_dsa": "its DSA lightning indexer on MLA layers (megatron-core's DSA indexer needs "
+                   "TransformerEngine; the embedded indexer is not placed in front of MLA)",
+    "gpt_oss": "attention sinks, sliding-window layers and biased, clamped SwiGLU experts",
+    "qwen3_5_moe": "gated DeltaNet linear-attention layers and the gated shared expert",
+    "kimi_k25": "the text tower of a multimodal checkpoint (deepseek_v3 text, not loaded "
+                "through the megatron conversion)",
+    "deepseek_v4": "compressed sparse / heavily compressed attention and hash-routed MoE layers",
+}
+"""Family -> what of it the megatron backend does not build yet (the refusal names it)."""

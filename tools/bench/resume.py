@@ -39,14 +39,14 @@ BASE = {"rollout-batch-size": 4, "n-samples-per-prompt": 4, "save-interval": 1, 
 """Flags of every cell's command (``--num-steps``, ``--output-dir`` and ``--no-progress`` added)."""
 
 CELLS: dict[str, dict] = {
-    "torch async": {},
-    "torch sync": {"max-staleness": 0},
-    "torch async refill": {"rs-mode": "geometric", "rs-lower": 0.9, "rs-upper": 1.1,
+    "torch-async": {},
+    "torch-sync": {"max-staleness": 0},
+    "torch-async-refill": {"rs-mode": "geometric", "rs-lower": 0.9, "rs-upper": 1.1,
                            "rs-batch-refill": True, "rs-refill-max-rounds": 8},
-    "torch async dynamic": {"dynamic-sampling": True, "rs-refill-max-rounds": 8},
-    "torch async lora": {"lora-rank": 4, "lr": 1e-3},
-    "fsdp dp2 async": {"train-backend": "fsdp", "dp-size": 2},
-    "megatron tp2 async": {"train-backend": "megatron", "tp-size": 2},
+    "torch-async-dynamic": {"dynamic-sampling": True, "rs-refill-max-rounds": 8},
+    "torch-async-lora": {"lora-rank": 4, "lr": 1e-3},
+    "fsdp-dp2-async": {"train-backend": "fsdp", "dp-size": 2},
+    "megatron-tp2-async": {"train-backend": "megatron", "tp-size": 2},
 }
 """The cells ``--cells all`` runs: name -> flags over :data:`BASE`. A family checkpoint and an
 ``--env`` environment need files: such a cell is given with ``--extra``."""
@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     """Command-line entry: runs the cells, prints the table, writes ``OUT/resume.json``;
     exit status 1 when a resumed run's rows differ."""
     parser = bench_parser("resume", __doc__)
-    parser.add_argument("--cells", nargs="+", default=["torch async", "torch sync"],
+    parser.add_argument("--cells", nargs="+", default=["torch-async", "torch-sync"],
                         help=f"cells to run, by name ({', '.join(CELLS)}) or 'all'")
     parser.add_argument("--extra", action="append", default=[], metavar="NAME=FLAGS",
                         help="one more cell: its name, '=', and the replayrl train flags over the "

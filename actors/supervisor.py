@@ -34,6 +34,14 @@ LOSS_POLICIES = ("fail", "drop", "replace")
 """What a :class:`Supervisor` does when an expendable actor is lost: end the run, go on
 without it, or start a fresh process in its place."""
 
+MAX_FAILED_STARTS = 3
+"""Replacements of one actor (``on_lost="replace"``) that may be lost in a row while starting
+(or being restored) before its loss ends the run: a kill during a restart is bad luck, a
+process that dies on every start is broken."""
+
+EXIT_SHOW_S = 1.0
+"""Seconds to wait for a replacement's exit to show once a call to it was cut off."""
+
 
 class Supervisor:
     """Owns the actor processes of a run: start, wait until ready, watch, stop.
@@ -127,6 +135,7 @@ class Supervisor:
         self.dropped: dict[str, str] = {}  # name -> why it was lost (on_lost "drop")
         self.replacements: dict[str, int] = {}  # name -> processes started in its place
         self._replacing: dict[str, asyncio.Task] = {}
+        self._failed_starts: dict[str, int] = {}  # name -> replacements lost while starting, in a row
         self._silenced: dict[str, str] = {}  # process key -> why it was killed, until handled
         self._stopping = False
 
@@ -291,7 +300,7 @@ class Supervisor:
         for name, task in list(self._replacing.items()):
             if task.done():
                 del self._replacing[name]
-                task.result()  # its error ends the run
+                self._replacement_done(name, task)
         self._kill_silent()
         exited = self._exit_codes()
         for name, proc in list(self.processes.items()):
@@ -303,6 +312,7 @@ class Supervisor:
                 raise dead
             if (starting := self._replacing.pop(name, None)) is not None:
                 starting.cancel()
+                self._failed_start(name)
             if self.on_lost == "drop":
                 self.dropped[name] = why or f"exited with code {proc.exitcode}"
                 if all(n in self.dropped for n in self.expendable) and not self.kept:
@@ -323,6 +333,43 @@ class Supervisor:
         await self.wait_ready([name])
         if self.on_replaced is not None:
             await self.on_replaced(name)
+
+    def _replacement_done(self, name: str, task: asyncio.Task) -> None:
+        """Judge a finished replacement of ``name``: served, it resets the failed starts; a
+        replacement whose own process exited (or was killed) while starting or being restored
+        is one more loss of ``name``, left in :attr:`processes` for :meth:`_check` to replace
+        again, up to :data:`MAX_FAILED_STARTS` in a row (a process that keeps dying as it
+        starts is broken, not unlucky); any other error ends the run.
+
+        Raises:
+            ActorDied: the :data:`MAX_FAILED_STARTS`-th failed start in a row (its traceback).
+            Whatever the replacement raised while its process still runs.
+        """
+        if task.cancelled() or task.exception() is None:
+            self._failed_starts.pop(name, None)
+            return
+        proc = self.processes[name]
+        if proc.exitcode is None:  # a call cut off by the dying process can beat its exit
+            proc.join(EXIT_SHOW_S)
+        if proc.exitcode is None:
+            task.result()  # its error ends the run
+        self._failed_start(name)
+
+    def _failed_start(self, name: str) -> None:
+        """Count a replacement of ``name`` lost while starting.
+
+        Raises:
+            ActorDied: the :data:`MAX_FAILED_STARTS`-th in a row (with its traceback).
+        """
+        proc = self.processes[name]
+        failed = self._failed_starts[name] = self._failed_starts.get(name, 0) + 1
+        if failed >= MAX_FAILED_STARTS:
+            dead = self._exited(name)
+            raise ActorDied(name, proc.exitcode, f"{failed} replacements in a row were lost "
+                            f"while starting; the last: {dead.traceback_text or 'no traceback'}",
+                            dead.members)
+        log.warning("%s: its replacement was lost while starting (exit code %s, %d in a row)",
+                    name, proc.exitcode, failed)
 
     async def watch(self) -> None:
         """Return never; raise :class:`ActorDied` as soon as an actor is lost that the run

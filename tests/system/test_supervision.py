@@ -13,6 +13,7 @@ import pytest
 from replayrl.actors import ActorDied, ActorSpec, Directory, Supervisor
 from replayrl.actors.errors import PeerLost
 from replayrl.actors.ref import heartbeat_ms
+from replayrl.actors.supervisor import MAX_FAILED_STARTS
 
 ECHO = "tests.actor_fixtures:EchoActor"
 
@@ -101,6 +102,43 @@ async def test_an_expendable_actor_is_replaced_and_announced(run_dir):
         assert sup.replacements == {"b": 1}
         new = await directory.ref("b").call("pid", timeout=10)
         assert new == sup.processes["b"].pid != old
+
+
+async def _kill_replacements(run_dir, kills: int) -> tuple[Supervisor, list[int]]:
+    """A supervisor whose expendable ``b`` is SIGKILLed, then each of its first ``kills``
+    replacements killed while being restored (inside ``on_replaced``, which then calls it);
+    returns it (stopped) and the pids of ``b``'s processes."""
+    directory = Directory.for_run(run_dir, ["a", "b"], heartbeat_deadline_s=0.5)
+    pids: list[int] = []
+
+    async def on_replaced(name: str) -> None:
+        pids.append(sup.processes[name].pid)
+        if len(pids) <= kills + 1:  # the first process and `kills` replacements die
+            os.kill(pids[-1], signal.SIGKILL)
+            await directory.ref(name).call("pid", timeout=10)  # cut off: PeerLost
+
+    specs = [ActorSpec("a", ECHO), ActorSpec("b", ECHO, {"tag": "b"})]
+    async with Supervisor(specs, directory, run_dir, expendable=("b",), on_lost="replace",
+                          on_replaced=on_replaced) as sup:
+        pids.append(sup.processes["b"].pid)
+        os.kill(pids[0], signal.SIGKILL)
+        await _watch_until(sup, lambda: len(pids) == kills + 2, timeout=60)
+        if kills < MAX_FAILED_STARTS:
+            assert await directory.ref("b").call("pid", timeout=10) == pids[-1]
+    return sup, pids
+
+
+async def test_a_replacement_lost_while_starting_is_replaced_again(run_dir):
+    # a chaos kill can land on a restarting engine: that is a loss of it, not of the run
+    sup, pids = await _kill_replacements(run_dir, 1)
+    assert len(set(pids)) == 3 and sup.replacements == {"b": 2}
+
+
+async def test_a_replacement_lost_on_every_start_ends_the_run(run_dir):
+    # three in a row: a process that dies on every start is broken; the run ends naming it
+    with pytest.raises(ActorDied, match="3 replacements in a row were lost while starting") as info:
+        await _kill_replacements(run_dir, MAX_FAILED_STARTS)
+    assert info.value.actor == "b" and info.value.exitcode == -signal.SIGKILL
 
 
 def test_unknown_loss_policy_and_expendable_names_are_refused(tmp_path):

@@ -427,9 +427,14 @@ class RolloutManager(Actor):
         Each prompt gets ``n_samples_per_eval_prompt`` samples with the evaluation sampling
         settings; nothing is stored or trained and the training data's position is untouched.
 
+        With ``--rollout-max-turns > 1`` the episodes are multi-turn as in training (an
+        ``--env`` environment answers the tool calls), and each set also reports
+        ``eval/NAME/turns_mean``, ``eval/NAME/tool_calls_mean`` and, with ``--env``,
+        ``eval/NAME/parse_errors_mean`` (per episode, as the training summary's).
+
         Returns:
             :func:`replayrl.rollout.scoring.evaluation.eval_metrics` of each set (``eval/NAME/reward_mean``,
-            ``eval/NAME/pass@k`` ...), plus ``eval_seconds``.
+            ``eval/NAME/pass@k`` ...), the per-episode figures above, plus ``eval_seconds``.
         Raises:
             replayrl.rollout.scoring.rewards.RewardFailure, replayrl.actors.RemoteError: as :meth:`generate`.
         """
@@ -441,7 +446,7 @@ class RolloutManager(Actor):
             episodes, _, _ = await self._run_prompts(
                 prompts, n, [1 << 21, int(step), k], cfg.eval_sampling_dict(),
                 cfg.eval_max_response_len or cfg.max_response_len, min_version)
-            rewards = []
+            rewards, calls = [], []
             for g, prompt in enumerate(prompts):
                 row = []
                 for i, episode in enumerate(episodes[g]):
@@ -449,8 +454,14 @@ class RolloutManager(Actor):
                     merged, _ = assemble(episode, sample_id=label, require=())
                     f = merged.sample_fields()
                     row.append(await self._reward(label, prompt, f["response_ids"], f["loss_mask"]))
+                    calls.append(observation_segments(f["loss_mask"]))
                 rewards.append(row)
             out.update(eval_metrics(name, np.asarray(rewards, dtype=np.float64)))
+            if cfg.max_turns > 1:  # did the agent use its tool on prompts it never trained on
+                flat = [e for row in episodes for e in row]
+                figures = episode_metrics(flat, [None] * len(flat), env=self.env_class is not None)
+                figures["tool_calls_mean"] = float(np.mean(calls))
+                out.update({f"eval/{name}/{k}": v for k, v in figures.items()})
         out["eval_seconds"] = time.perf_counter() - start
         return out
 

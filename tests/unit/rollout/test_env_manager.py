@@ -190,7 +190,8 @@ async def test_with_a_chat_template_the_trained_ids_are_the_ids_every_engine_cal
         env = f"{__name__}:RetrievalWithOpening"
     config = RolloutConfig(rollout_batch_size=1, n_samples_per_prompt=2, max_turns=3,
                            max_response_len=200, prompt_data=str(data), rm_type="exact",
-                           apply_chat_template=True, env=env, top_k=-1)
+                           apply_chat_template=True, env=env, top_k=-1,
+                           eval_prompt_data=("held", str(data)), n_samples_per_eval_prompt=3)
     model = dataclasses.asdict(default_config(12))
     engine = EngineActor("tests.fake_engine:ScriptedTurnsEngine",
                          {"model_config": model, "turns": turns, "base": prompt_ids.count(eot)}, [])
@@ -234,3 +235,14 @@ async def test_with_a_chat_template_the_trained_ids_are_the_ids_every_engine_cal
         n0, n1 = len(turns[0]), len(turns[1])
         assert s.loss_mask.tolist() == [1] * n0 + [0] * (len(s.loss_mask) - n0 - n1) + [1] * n1
         assert s.status == "completed" and s.reward == 1.0
+
+    # the evaluation runs the same episodes with the environment: 3 samples, each engine
+    # call's context the rendered conversation so far; by hand: 2 turns, 1 tool call, right
+    seen.clear()
+    evaluation = await manager.evaluate(1, min_version=0)
+    assert seen == [whole(messages[:n], add_generation_prompt=True)] * 3 + \
+        [whole(messages[:n + 2], add_generation_prompt=True)] * 3
+    assert {k: v for k, v in evaluation.items() if k != "eval_seconds"} == {
+        "eval/held/reward_mean": 1.0, "eval/held/pass@1": 1.0, "eval/held/pass@3": 1.0,
+        "eval/held/turns_mean": 2.0, "eval/held/tool_calls_mean": 1.0,
+        "eval/held/parse_errors_mean": 0.0}

@@ -24,6 +24,10 @@ Forward (docs/design/megatron.md#megatron-backend):
   positions and gathers them back (:mod:`replayrl.trainer.backends.megatron_context_parallel`,
   docs/design/megatron.md#context-parallel).
 
+A family room checkpoint of ``deepseek_v3`` / ``glm4_moe_lite`` is built from megatron-core's MLA
+and sigmoid-routed MoE (:mod:`replayrl.trainer.backends.megatron_mla`, docs/design/megatron.md#megatron-families)
+and saved back through its transformers model.
+
 Every rank of the world constructs the backend and makes the same calls in the same order
 (they are collectives when the world has more than one rank). With pipeline parallelism
 (``--pp-size``) each rank holds one stage and every forward goes through megatron-core's

@@ -27,7 +27,7 @@ from typing import Any, Sequence
 
 from replayrl.actors import DRIVER, ActorSpec, Directory, DriverActors, Supervisor, import_callable
 from replayrl.actors.device import cuda_absent_reason, cuda_slots, resolve_device_kind
-from replayrl.actors.errors import DeviceError, VersionError
+from replayrl.actors.errors import ActorDied, DeviceError, VersionError
 from replayrl.actors.run_dir import create_run_dir
 from replayrl.actors.version_clock import VersionRules
 from replayrl.rollout.dispatch.prefetched import read_prefetched
@@ -52,6 +52,7 @@ from replayrl.rollout.weight_sync.run_check import resolve as resolve_sync
 from replayrl.rollout.weight_sync.run_check import trainer_spec as weight_sync_spec
 from replayrl.tools.errors import ConfigError
 from replayrl.tools.run.attach_card import remove_attach_card, write_attach_card
+from replayrl.tools.run.colocated_loss import explain_colocated_loss
 from replayrl.tools.run.config import RunConfig
 from replayrl.tools.run.extras_check import check_extras
 from replayrl.tools.run.initial_files import Resolved, in_child
@@ -760,6 +761,8 @@ async def launch(config: RunConfig, log_level: int = logging.WARNING,
         plot = recorder.plot()
         return RunResult(recorder.summary(time.perf_counter() - started), recorder.path, plot,
                          recorder.rows)
+    except ActorDied as exc:  # under --colocate: say why the run cannot go on, and from where
+        raise explain_colocated_loss(config, exc, colocated_actors(config)) from exc.__cause__
     finally:
         if directory is not None:
             remove_attach_card(output, directory)

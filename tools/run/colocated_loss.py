@@ -1,0 +1,60 @@
+"""What a ``--colocate`` run does when it loses its colocated process (docs/fault-tolerance.md).
+
+Under ``--colocate`` the version clock, the rollout manager, ``engine_0`` and the trainer share
+one process (``replayrl.tools.run.launcher.COLOCATED``). ``engine_0`` failing with its process
+(killed, out of memory, a crash in native code) is the trainer's loss too: there is no trainer
+left to restore weights from and no manager left to regenerate groups, so ``--engine-failure``
+cannot keep the run going (it applies to engines in processes of their own, ``--num-engines``
+above 1). The run ends as any other lost actor ends it: every other process stopped, exit 1,
+and the last complete ``--save-interval`` checkpoint on disk. :func:`explain_colocated_loss`
+makes the error say so and name that checkpoint, the one to rerun the command with ``--load``.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from replayrl.actors import ActorDied
+from replayrl.tools.run.config import RunConfig
+from replayrl.tools.run.train_loop import latest_checkpoint
+
+
+class ColocatedProcessLost(ActorDied):
+    """The colocated process of a ``--colocate`` run exited: an :class:`ActorDied` (same
+    ``actor``, ``exitcode``, ``traceback_text``, ``members``) whose message's first line also
+    says why the run cannot go on and which checkpoint to resume from.
+
+    ``checkpoint``: the last complete checkpoint (``step-N`` under ``--save``), or None when
+    none was complete.
+    """
+
+    def __init__(self, died: ActorDied, checkpoint: Path | None) -> None:
+        super().__init__(died.actor, died.exitcode, died.traceback_text, died.members)
+        self.checkpoint = checkpoint
+        resume = (f"the last complete checkpoint is {checkpoint}: rerun the same command with "
+                  f"--load {checkpoint}" if checkpoint is not None else
+                  "no checkpoint was complete (--save-interval): a rerun starts over")
+        note = ("; under --colocate engine_0 shares this process with the trainer, the version "
+                "clock and the rollout manager, so --engine-failure cannot keep the run going "
+                f"(it applies to engines of their own, --num-engines above 1); {resume}")
+        head, newline, rest = str(died).partition("\n")
+        self.args = (f"{head}{note}{newline}{rest}",)
+
+    def __reduce__(self):
+        return (_rebuild, (ActorDied(self.actor, self.exitcode, self.traceback_text, self.members),
+                           self.checkpoint))
+
+
+def _rebuild(died: ActorDied, checkpoint: Path | None) -> ColocatedProcessLost:
+    return ColocatedProcessLost(died, checkpoint)
+
+
+def explain_colocated_loss(config: RunConfig, exc: ActorDied,
+                           colocated: tuple[str, ...]) -> ActorDied:
+    """``exc`` as a :class:`ColocatedProcessLost` when the lost actor is one of ``colocated``
+    (``replayrl.tools.run.launcher.colocated_actors(config)``: empty without ``--colocate``),
+    with the last complete checkpoint under ``config.save_dir`` when ``--save-interval`` is
+    set; any other loss is returned as it is."""
+    if exc.actor not in colocated or isinstance(exc, ColocatedProcessLost):
+        return exc
+    checkpoint = latest_checkpoint(Path(config.save_dir)) if config.save_interval else None
+    return ColocatedProcessLost(exc, checkpoint)

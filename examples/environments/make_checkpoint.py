@@ -18,14 +18,19 @@ The chat template (:data:`TEMPLATE`) is Qwen's layout: the tool names in a syste
 message closed by ``<|im_end|>`` and a ``"\\n"`` separator, tool answers as a user turn inside
 ``<tool_response>`` tags.
 
-The model is ``Qwen3MoeConfig`` (2 layers, the second with 4 experts, top-2 routing) written by
-transformers with random weights (``torch.manual_seed(0)``), 1024 positions.
+The model is ``Qwen3MoeConfig`` (by default 2 layers of hidden size 64, 0.11 M parameters; every
+layer but the first with 4 experts, top-2 routing) written by transformers with random weights
+(``torch.manual_seed(seed)``), 1024 positions. ``--hidden-size`` / ``--layers`` make a larger one
+(the agentic examples use ``--hidden-size 128 --layers 4``: copying a tool's answer back needs
+more capacity than the default has):
+
+    python examples/environments/make_checkpoint.py /tmp/env_ckpt_1m --hidden-size 128 --layers 4
 """
 from __future__ import annotations
 
+import argparse
 import json
 import string
-import sys
 from pathlib import Path
 
 CHARS = sorted(set(string.ascii_letters + string.digits + string.punctuation + " \n"))
@@ -67,25 +72,46 @@ def write_tokenizer(directory: Path):
     return fast
 
 
-def main(out: Path) -> None:
-    """Write the checkpoint directory ``out`` (config, safetensors, tokenizer)."""
+def main(out: Path, hidden_size: int = 64, layers: int = 2, seed: int = 0) -> None:
+    """Write the checkpoint directory ``out`` (config, safetensors, tokenizer).
+
+    ``hidden_size`` (a multiple of 16: 4 heads of ``hidden_size // 4``), ``layers`` (>= 2: the
+    first dense, the others MoE), ``seed``: the weights' initialisation.
+
+    Raises:
+        ValueError: a ``hidden_size`` or ``layers`` outside those bounds.
+    """
+    if hidden_size < 16 or hidden_size % 16:
+        raise ValueError(f"--hidden-size must be a positive multiple of 16, got {hidden_size}")
+    if layers < 2:
+        raise ValueError(f"--layers must be >= 2 (a dense layer, then MoE layers), got {layers}")
     import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     out.mkdir(parents=True, exist_ok=True)
     fast = write_tokenizer(out)
     eos = fast.convert_tokens_to_ids("<|im_end|>")
-    config = Qwen3MoeConfig(vocab_size=len(fast), hidden_size=64, intermediate_size=128,
-                            moe_intermediate_size=64, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    config = Qwen3MoeConfig(vocab_size=len(fast), hidden_size=hidden_size,
+                            intermediate_size=2 * hidden_size, moe_intermediate_size=hidden_size,
+                            num_hidden_layers=layers, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=hidden_size // 4,
                             num_experts=4, num_experts_per_tok=2, mlp_only_layers=[0],
                             max_position_embeddings=1024, bos_token_id=eos, eos_token_id=eos,
                             pad_token_id=eos)
-    torch.manual_seed(0)
-    Qwen3MoeForCausalLM(config).save_pretrained(str(out))
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(config)
+    model.save_pretrained(str(out))
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
-    print(f"wrote {out} ({len(fast)} tokens)")
+    params = sum(p.numel() for p in model.parameters())
+    print(f"wrote {out} ({len(fast)} tokens, {params / 1e6:.2f} M parameters)")
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).parent / "out" / "checkpoint"))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path, nargs="?",
+                        default=Path(__file__).parent / "out" / "checkpoint")
+    parser.add_argument("--hidden-size", type=int, default=64, help="hidden size (default 64)")
+    parser.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
+    parser.add_argument("--seed", type=int, default=0, help="initialisation seed (default 0)")
+    args = parser.parse_args()
+    main(args.out, args.hidden_size, args.layers, args.seed)

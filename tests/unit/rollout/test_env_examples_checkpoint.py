@@ -84,3 +84,24 @@ def test_format_credit_by_hand(index, text, credit):
     format_credit = sys.modules[RETRIEVAL.__module__].format_credit
     turn = Turn(index, np.zeros(1, np.int32), text, hermes_tool_calls(text), "stop")
     assert format_credit(turn, "search", "query") == credit
+
+
+def test_the_checkpoint_size_flags_give_the_model_they_name(make, tmp_path):
+    import json
+
+    from safetensors import safe_open
+
+    make.main(tmp_path / "ck", hidden_size=32, layers=3, seed=1)
+    c = json.loads((tmp_path / "ck" / "config.json").read_text())
+    assert (c["hidden_size"], c["num_hidden_layers"], c["head_dim"], c["num_attention_heads"]) \
+        == (32, 3, 8, 4)
+    assert (c["intermediate_size"], c["moe_intermediate_size"]) == (64, 32)
+    with safe_open(str(tmp_path / "ck" / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        assert tuple(f.get_slice("model.embed_tokens.weight").get_shape()) == (c["vocab_size"], 32)
+    # the first layer dense, the others routed (a router per MoE layer)
+    assert [f"model.layers.{i}.mlp.gate.weight" in names for i in range(3)] == [False, True, True]
+    assert "model.layers.0.mlp.up_proj.weight" in names and "model.layers.3.mlp.gate.weight" not in names
+    for bad, flag in (({"hidden_size": 40}, "--hidden-size"), ({"layers": 1}, "--layers")):
+        with pytest.raises(ValueError, match=flag):
+            make.main(tmp_path / "bad", **bad)

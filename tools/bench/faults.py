@@ -18,9 +18,13 @@ duplicated*, the trained samples missing from or beyond ``--rollout-batch-size``
 ``--n-samples-per-prompt`` per step; *same batches*, whether every step trained exactly the
 figures of the fault-free run (prompts, samples, rewards, losses' inputs and gradient norm):
 a regenerated group on another engine at the same weights must give the same trajectories.
+
+``--chaos SECONDS --steps N -- FLAGS``: the chaos soak instead, one ``replayrl train FLAGS`` run
+of N steps with a random engine SIGKILLed about every SECONDS (:mod:`replayrl.tools.bench.chaos`).
 """
 from __future__ import annotations
 
+import argparse
 import json
 import tempfile
 import time
@@ -148,8 +152,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="*", default=[], metavar="WORD",
                         help="run only the faults whose name contains one of these words "
                              "(default: every fault)")
+    parser.add_argument("--chaos", type=float, default=0.0, metavar="SECONDS",
+                        help="the chaos soak: one run of --steps steps with a random engine "
+                             "SIGKILLed about every SECONDS (0: the fault table)")
+    parser.add_argument("--seed", type=int, default=0, help="--chaos: the kills' random draws")
+    parser.add_argument("train_flags", nargs=argparse.REMAINDER,
+                        help="--chaos: -- then replayrl train flags of the run")
     args = parser.parse_args(argv)
     from replayrl.actors import run_event_loop
+
+    if args.chaos:
+        from replayrl.tools.bench import chaos
+
+        flags = args.train_flags[1:] if args.train_flags[:1] == ["--"] else args.train_flags
+        given = flags
+        flags = ["--num-steps", str(args.steps), "--rollout-batch-size",
+                 str(args.rollout_batch_size), "--n-samples-per-prompt",
+                 str(args.n_samples_per_prompt), "--heartbeat-deadline-s",
+                 str(args.heartbeat_deadline_s), *flags]
+        with tempfile.TemporaryDirectory(prefix="rrl-bench-chaos-") as tmp:
+            report = run_event_loop(chaos.soak(flags, args.chaos, args.seed, Path(tmp) / "run"))
+        print(chaos.HEADER)
+        print(chaos.row({**report, "flags": " ".join(given)}))
+        return 0 if report["ok"] else 1
+    elif args.train_flags:
+        parser.error("replayrl train flags are for --chaos only")
 
     print(run_event_loop(bench(args.steps, args.rollout_batch_size, args.n_samples_per_prompt,
                                args.heartbeat_deadline_s, args.only)))

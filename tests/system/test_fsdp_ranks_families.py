@@ -1,0 +1,93 @@
+"""--train-backend fsdp at --dp-size 2 on every --hf-checkpoint family (docs/trainer-ranks.md#fsdp):
+one replayed step of the two ranks, each on its half of the batch, equals the one-rank step.
+
+Two rank processes (gloo, tests/fsdp_family_worker.py) takes the step on every family's tiny
+checkpoint in turn, while this process takes the one-rank step of each (a world-size-1 group):
+the preflight's logprobs within 1e-5, the replayed routing and indexer choices are the engine's
+(flips 0 on both), the gradient norm within rel 1e-5, AdamW's first moment (0.1 x the gradient)
+and the weights after the step as tests/rank_checks.py's ``assert_same_update``."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+pytest.importorskip("transformers", reason="checkpoints are written by transformers")
+
+from replayrl.trainer.backends.fsdp_backend import FSDPBackend  # noqa: E402
+from replayrl.trainer.config import TrainerConfig  # noqa: E402
+from tests.child_env import PYTHONPATH  # noqa: E402
+from tests.deepseek_v4_checkpoint import tiny_v4_checkpoint  # noqa: E402
+from tests.family_checkpoints import FAMILY_TYPES, tiny_hf_checkpoint  # noqa: E402
+from tests.fsdp_family_worker import one_step, step_batch  # noqa: E402
+from tests.paths import REPO  # noqa: E402
+from tests.ports import port_block  # noqa: E402
+from tests.qwen35_kimi_checkpoints import tiny_checkpoint  # noqa: E402
+from tests.rank_checks import assert_same_update  # noqa: E402
+
+WORKER = str(REPO / "tests" / "fsdp_family_worker.py")
+FAMILIES = (*FAMILY_TYPES, "deepseek_v3", "kimi_k25", "qwen3_5_moe", "deepseek_v4")
+
+
+def _checkpoint(family: str, directory: Path) -> Path:
+    if family == "deepseek_v4":
+        tiny_v4_checkpoint(directory)
+    elif family in FAMILY_TYPES:
+        tiny_hf_checkpoint(family, directory)
+    else:
+        tiny_checkpoint(family, directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def steps(tmp_path_factory):
+    """(family -> the DP=2 result, family -> (the DP=1 result, the weights before)): the two
+    ranks run while this process takes the one-rank steps."""
+    root = tmp_path_factory.mktemp("families")
+    ckpts = [str(_checkpoint(f, root / f)) for f in FAMILIES]
+    # the two ranks started directly (env:// rendezvous), without torchrun's launcher process
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port_block())}
+    procs = [subprocess.Popen([sys.executable, WORKER, str(root / "out"), *ckpts], cwd=REPO,
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(2)]
+    threads = torch.get_num_threads()
+    try:
+        one = {}
+        for family, ckpt in zip(FAMILIES, ckpts):
+            batch, weights = step_batch(Path(ckpt))
+            one[family] = one_step(FSDPBackend(ckpt, TrainerConfig(train_backend="fsdp"), []),
+                                   batch, weights, 1)
+        outputs = [proc.communicate(timeout=600)[0] for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+        torch.set_num_threads(threads)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    for proc, output in zip(procs, outputs):
+        assert proc.returncode == 0, output[-4000:]
+    result = dict(np.load(root / "out" / "result.npz"))
+    two = {f: {k[len(f"c{i}_"):]: v for k, v in result.items() if k.startswith(f"c{i}_")}
+           for i, f in enumerate(FAMILIES)}
+    return two, one
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_two_fsdp_ranks_take_one_ranks_replayed_step(steps, family):
+    two, (one, start) = steps[0][family], steps[1][family]
+    np.testing.assert_allclose(two["logprobs"], one["logprobs"], rtol=0, atol=1e-5)
+    # the replays ran: every rank and the one rank used the engine's experts and indexer keys
+    assert list(two["routing_flips"]) == [0.0, 0.0] and one["routing_flips"] == 0.0
+    assert list(two["indexer_flips"]) == [0.0, 0.0] and one["indexer_flips"] == 0.0
+    assert float(two["grad_norm"]) == pytest.approx(float(one["grad_norm"]), rel=1e-5)
+    state = [k for k in one if "/" in k]
+    assert_same_update({k: one[k].ravel() for k in state}, {k: two[k].ravel() for k in state},
+                       {k: v.ravel() for k, v in start.items()}, TrainerConfig().lr)

@@ -13,7 +13,7 @@ uniformly from 0.5 to 1.5 x SECONDS and sends it SIGKILL, until the run ends.
 step trained against ``--rollout-batch-size`` (``trained_groups``) and its samples against
 groups x ``--n-samples-per-prompt``, the largest ``staleness_max`` against ``--max-staleness``, the
 groups generated again (``groups_regenerated``), the episode batches generated again after a
-lapsed version pin (``episodes_regenerated``, multi-turn ``--env`` runs), the fewest engines
+lapsed version pin (``episodes_regenerated``, trajectories of multi-turn ``--env`` runs), the fewest engines
 alive.
 """
 from __future__ import annotations
@@ -163,7 +163,7 @@ def row(report: dict) -> str:
             f"{report['samples_lost']} / {report['samples_duplicated']} | {'yes' if report['ok'] else 'NO'} |")
 
 
-HEADER = ("| run flags | steps | seconds | engines killed | groups / pinned batches regenerated "
+HEADER = ("| run flags | steps | seconds | engines killed | groups / episodes regenerated "
           "| fewest engines alive | staleness max | groups per step | samples lost / duplicated | "
           "every check |\n|---|---|---|---|---|---|---|---|---|---|")
 """The header of :func:`row`'s table."""

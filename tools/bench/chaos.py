@@ -12,8 +12,8 @@ uniformly from 0.5 to 1.5 x SECONDS and sends it SIGKILL, until the run ends.
 :func:`check_rows` then reads the run's metrics rows: the steps trained, the prompt groups each
 step trained against ``--rollout-batch-size`` (``trained_groups``) and its samples against
 groups x ``--n-samples-per-prompt``, the largest ``staleness_max`` against ``--max-staleness``, the
-groups generated again (``groups_regenerated``), the episode batches generated again after a
-lapsed version pin (``episodes_regenerated``, trajectories of multi-turn ``--env`` runs), the fewest engines
+groups generated again (``groups_regenerated``), the trajectories of a multi-turn ``--env`` run
+generated again after a lapsed version pin (``episodes_regenerated``) and the fewest engines
 alive.
 """
 from __future__ import annotations

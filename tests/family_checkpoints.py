@@ -48,3 +48,25 @@ def tiny_hf_checkpoint(model_type: str, directory: Path, seed: int = 0, scale: f
                 p.mul_(scale)
     model.save_pretrained(directory, max_shard_size="60KB")
     return model.eval()
+
+
+ALL_FAMILIES = (*FAMILY_TYPES, "deepseek_v3", "kimi_k25", "qwen3_5_moe", "deepseek_v4")
+"""Every family room ``model_type`` (``qwen3_5_moe``: the multimodal composite, whose text model
+is ``qwen3_5_moe_text``)."""
+
+
+def any_family_checkpoint(model_type: str, directory: Path) -> Path:
+    """A tiny random checkpoint of any of :data:`ALL_FAMILIES` (this module's, or
+    tests/qwen35_kimi_checkpoints.py's, or tests/deepseek_v4_checkpoint.py's); returns
+    ``directory``."""
+    if model_type == "deepseek_v4":
+        from tests.deepseek_v4_checkpoint import tiny_v4_checkpoint
+
+        tiny_v4_checkpoint(directory)
+    elif model_type in FAMILY_TYPES:
+        tiny_hf_checkpoint(model_type, directory)
+    else:
+        from tests.qwen35_kimi_checkpoints import tiny_checkpoint
+
+        tiny_checkpoint(model_type, directory)
+    return directory

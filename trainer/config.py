@@ -228,13 +228,16 @@ class TrainerConfig:
                              "pushed (torch / fsdp backend, embedded engine)", Range(low=0))
     lora_alpha: float = setting(16.0, "lora-alpha", "LoRA alpha: the adapters are scaled by "
                                 "alpha / --lora-rank", POSITIVE)
-    lora_target_modules: str = setting("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
-                                       "lora-target-modules", "modules LoRA adapts, a comma list "
-                                       "(gate_proj / up_proj / down_proj: the dense MLP and every "
-                                       "expert, on a family model the fused expert tensors; gate: the "
-                                       "MoE router, only when named, not on a family model; q_a_proj / "
-                                       "q_b_proj / kv_a_proj_with_mqa / kv_b_proj: MLA attention; "
-                                       "lm_head: an LM head not tied to the embedding)")
+    lora_target_modules: str = setting("all", "lora-target-modules", "modules LoRA adapts, a comma "
+                                       "list (all: every attention and MLP projection the policy "
+                                       "has, per family in docs/design/lora.md; gate_proj / up_proj / "
+                                       "down_proj: the MLP and every expert, on a family model the "
+                                       "fused expert tensors; gate: the MoE router, only when named, "
+                                       "not on a family model; q_a_proj / q_b_proj / "
+                                       "kv_a_proj_with_mqa / kv_b_proj: MLA attention; in_proj_qkv / "
+                                       "in_proj_z / in_proj_b / in_proj_a / out_proj: Qwen3.5's "
+                                       "DeltaNet; kv_proj / o_b_proj: DeepSeek-V4's "
+                                       "attention; lm_head: an LM head not tied to the embedding)")
 
     def __post_init__(self) -> None:
         check_settings(self, TrainerConfigError)

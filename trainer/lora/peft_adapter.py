@@ -9,8 +9,9 @@ the dense ones, one adapter per expert (the Hub's per-expert Qwen3-MoE layout, w
 converts to transformers' fused expert tensors when it loads the adapter). The router
 ``gate`` is adapted only when named.
 
-On a family model (rollout/model/families/) peft 0.21 adapts transformers' fused expert
-tensors itself (``gate_proj`` / ``up_proj`` / ``down_proj`` become ``target_parameters``: a
+On a family model (rollout/model/families/) the names resolve per family
+(:func:`replayrl.trainer.lora.settings.family_targets`; the default ``all``: every attention and
+MLP projection the family has) and the fused expert tensors are peft ``target_parameters`` (a
 ``ParamWrapper`` applied in the experts' forward); the names below are then the HF names of
 transformers' model (:func:`_root`), and the push carries per-expert factors.
 
@@ -40,6 +41,7 @@ from torch.nn.utils import parametrize
 from replayrl.rollout.model.adapters import LORA_A_SUFFIX, LORA_B_SUFFIX
 from replayrl.rollout.model.families.base import FamilyModel
 from replayrl.trainer.errors import TrainerConfigError
+from replayrl.trainer.lora.settings import family_targets
 
 __all__ = ["ADAPTER_DIR", "add_adapters", "adapter_arrays", "adapter_parameters", "head_weight",
            "base_state", "experts_adapted", "hook_experts", "load_adapters", "load_into", "merged_state",
@@ -59,11 +61,19 @@ def _peft():
     return peft
 
 
-def _lora_config(rank: int, alpha: float, targets: tuple[str, ...]):
-    """The ``peft.LoraConfig`` (peft matches a listed name as the module name's last part, so
-    ``gate`` names only the router, never ``gate_proj``)."""
-    return _peft().LoraConfig(r=rank, lora_alpha=alpha, target_modules=sorted(targets),
-                              lora_dropout=0.0, bias="none")
+def _family(model: torch.nn.Module) -> str:
+    """The policy's family (HF ``model_type``), ``""`` for the embedded model."""
+    return model.config.family if isinstance(model, FamilyModel) else ""
+
+
+def _lora_config(rank: int, alpha: float, targets: tuple[str, ...], family: str):
+    """The ``peft.LoraConfig`` of ``--lora-target-modules`` ``targets`` on a ``family`` policy
+    (:func:`replayrl.trainer.lora.settings.family_targets`: the modules, and a family's fused
+    expert tensors as ``target_parameters``; peft matches a listed module name as the end of
+    the module's name, so ``gate`` names only the router, never ``gate_proj``)."""
+    modules, parameters = family_targets(targets, family)
+    return _peft().LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(modules),
+                              target_parameters=list(parameters) or None, lora_dropout=0.0, bias="none")
 
 
 def add_adapters(model: torch.nn.Module, rank: int, alpha: float, targets: tuple[str, ...],
@@ -78,7 +88,7 @@ def add_adapters(model: torch.nn.Module, rank: int, alpha: float, targets: tuple
         raise TrainerConfigError(f"--lora-target-modules gate: the {model.config.family!r} family's "
                                  f"router (mlp.gate) is transformers' own top-k module, not an "
                                  f"nn.Linear; peft cannot adapt it")
-    config = _lora_config(rank, alpha, targets)
+    config = _lora_config(rank, alpha, targets, _family(model))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         try:
@@ -335,9 +345,10 @@ def load_adapters(model: torch.nn.Module, directory: Path, rank: int, alpha: flo
         tensors = load_file(str(directory / "adapter_model.safetensors"))
     except (OSError, ValueError) as exc:
         raise ValueError(f"{directory}: unreadable LoRA adapter: {type(exc).__name__}: {exc}") from None
-    # this run's settings as peft applied them to this model (on transformers' fused experts
-    # peft 0.21 turns gate_proj / up_proj / down_proj into target_parameters)
-    want = (getattr(_root(model), "peft_config", None) or {}).get(ADAPTER_NAME) or _lora_config(rank, alpha, targets)
+    # this run's settings as peft applied them to this model (family_targets: on a family the
+    # fused experts are target_parameters)
+    want = ((getattr(_root(model), "peft_config", None) or {}).get(ADAPTER_NAME)
+            or _lora_config(rank, alpha, targets, _family(model)))
     for key in ("r", "lora_alpha", "target_modules", "target_parameters"):
         norm = (lambda v: sorted(v) if isinstance(v, (list, set, tuple)) else v)
         if norm(saved.get(key)) != norm(getattr(want, key)):

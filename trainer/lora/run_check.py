@@ -7,7 +7,7 @@ from typing import Any
 
 from replayrl.rollout.model.families.run_check import family_of
 from replayrl.trainer.errors import TrainerConfigError
-from replayrl.trainer.lora.settings import MLA_MODULES, target_modules
+from replayrl.trainer.lora.settings import ALL, EMBEDDED_MODULES, family_targets, target_modules
 
 
 def check_run(run: Any) -> None:
@@ -20,10 +20,12 @@ def check_run(run: Any) -> None:
             ``hf_checkpoint``.
     Raises:
         TrainerConfigError: ``gate`` on a family policy (its router is transformers' own top-k
-            module, not an ``nn.Linear``); MLA projections on the embedded model (which has
-            ``q_proj`` / ``k_proj`` / ``v_proj`` / ``o_proj``); ``lm_head`` on a policy whose LM
-            head is tied to its embedding (the engine merges ``W + B A`` into the weight in place,
-            which would change the embedding the trainer's adapter leaves alone).
+            module, not an ``nn.Linear``); on a family, names it has none of or one half of
+            its fused experts' ``gate_up_proj`` (``family_targets``); a family's projections
+            (MLA, DeltaNet, DeepSeek-V4) on the embedded model (which has
+            :data:`EMBEDDED_MODULES`); ``lm_head`` on a policy whose LM head is tied to its
+            embedding (the engine merges ``W + B A`` into the weight in place, which would
+            change the embedding the trainer's adapter leaves alone).
     """
     if not run.trainer.lora_rank:
         return
@@ -33,10 +35,12 @@ def check_run(run: Any) -> None:
         raise TrainerConfigError(f"--lora-target-modules gate with the {family!r} family of --hf-checkpoint "
                                  f"{run.hf_checkpoint}: its router (mlp.gate) is transformers' own top-k module, "
                                  f"not an nn.Linear; peft cannot adapt it (docs/design/lora.md#lora)")
-    if not family and set(targets) & set(MLA_MODULES):
-        raise TrainerConfigError(f"--lora-target-modules {','.join(sorted(set(targets) & set(MLA_MODULES)))}: MLA "
-                                 f"projections of the DeepSeek / GLM families; the embedded Qwen3-MoE has "
-                                 f"q_proj / k_proj / v_proj / o_proj")
+    if family:  # names the family has none of, gate_proj without up_proj on fused experts
+        family_targets(targets, family)
+    foreign = sorted(set(targets) - {ALL, "gate", "lm_head", *EMBEDDED_MODULES})
+    if not family and foreign:
+        raise TrainerConfigError(f"--lora-target-modules {','.join(foreign)}: projections of the --hf-checkpoint "
+                                 f"families; the embedded Qwen3-MoE has {' / '.join(EMBEDDED_MODULES)}")
     if "lm_head" in targets and getattr(run.policy_config, "tie_word_embeddings", False):
         raise TrainerConfigError("--lora-target-modules lm_head: the policy's LM head is tied to its embedding "
                                  "(config.json field 'tie_word_embeddings'=true); an adapter on it would "

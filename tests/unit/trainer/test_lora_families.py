@@ -218,7 +218,7 @@ def test_what_cannot_run_on_a_family_is_refused_naming_the_field(checkpoints, tm
     assert build_config({**small, "train-backend": "fsdp"}).trainer.train_backend == "fsdp"
     with pytest.raises(ConfigError, match=r"--lora-target-modules gate with the 'glm_moe_dsa' family"):
         build_config({**small, "lora-target-modules": "gate,o_proj"})
-    with pytest.raises(ConfigError, match=r"--lora-target-modules kv_b_proj: MLA projections"):
+    with pytest.raises(ConfigError, match=r"--lora-target-modules kv_b_proj: projections of the --hf-checkpoint"):
         build_config({"lora-rank": 8, "lora-target-modules": "o_proj,kv_b_proj"})
     with pytest.raises(TrainerConfigError, match="--lora-target-modules gate"):
         TorchBackend(str(checkpoints["glm_moe_dsa"]), _config(lora_target_modules="gate"), [])

@@ -23,26 +23,14 @@ pytest.importorskip("transformers", reason="checkpoints are written by transform
 from replayrl.trainer.backends.fsdp_backend import FSDPBackend  # noqa: E402
 from replayrl.trainer.config import TrainerConfig  # noqa: E402
 from tests.child_env import PYTHONPATH  # noqa: E402
-from tests.deepseek_v4_checkpoint import tiny_v4_checkpoint  # noqa: E402
-from tests.family_checkpoints import FAMILY_TYPES, tiny_hf_checkpoint  # noqa: E402
+from tests.family_checkpoints import ALL_FAMILIES, any_family_checkpoint  # noqa: E402
 from tests.fsdp_family_worker import one_step, step_batch  # noqa: E402
 from tests.paths import REPO  # noqa: E402
 from tests.ports import port_block  # noqa: E402
-from tests.qwen35_kimi_checkpoints import tiny_checkpoint  # noqa: E402
 from tests.rank_checks import assert_same_update  # noqa: E402
 
 WORKER = str(REPO / "tests" / "fsdp_family_worker.py")
-FAMILIES = (*FAMILY_TYPES, "deepseek_v3", "kimi_k25", "qwen3_5_moe", "deepseek_v4")
-
-
-def _checkpoint(family: str, directory: Path) -> Path:
-    if family == "deepseek_v4":
-        tiny_v4_checkpoint(directory)
-    elif family in FAMILY_TYPES:
-        tiny_hf_checkpoint(family, directory)
-    else:
-        tiny_checkpoint(family, directory)
-    return directory
+FAMILIES = ALL_FAMILIES
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +38,7 @@ def steps(tmp_path_factory):
     """(family -> the DP=2 result, family -> (the DP=1 result, the weights before)): the two
     ranks run while this process takes the one-rank steps."""
     root = tmp_path_factory.mktemp("families")
-    ckpts = [str(_checkpoint(f, root / f)) for f in FAMILIES]
+    ckpts = [str(any_family_checkpoint(f, root / f)) for f in FAMILIES]
     # the two ranks started directly (env:// rendezvous), without torchrun's launcher process
     env = {**os.environ, "PYTHONPATH": PYTHONPATH, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port_block())}

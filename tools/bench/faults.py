@@ -155,9 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chaos", type=float, default=0.0, metavar="SECONDS",
                         help="the chaos soak: one run of --steps steps with a random engine "
                              "SIGKILLed about every SECONDS (0: the fault table)")
-    parser.add_argument("--seed", type=int, default=0, help="--chaos: the kills' random draws")
+    parser.add_argument("--seed", type=int, default=0, help="with --chaos: the seed of the kills' random draws")
     parser.add_argument("train_flags", nargs=argparse.REMAINDER,
-                        help="--chaos: -- then replayrl train flags of the run")
+                        help="with --chaos: the run's replayrl train flags, after -- (default: none)")
     args = parser.parse_args(argv)
     from replayrl.actors import run_event_loop
 

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Sequence
 
 from replayrl.actors.process_title import COMM_PREFIX
+from replayrl.tools.errors import ConfigError
 
 CHAOS_FLAGS = {"num-engines": 2, "engine-failure": "restart"}
 """Flags the soak sets over the run's own (a run's flags may raise ``--num-engines``)."""
@@ -106,18 +107,24 @@ def check_rows(rows: Sequence[dict], groups: int, n: int, max_staleness: int) ->
     return out
 
 
+class _TrainFlags(argparse.ArgumentParser):
+    """``replayrl train``'s flags whose error is a :class:`ConfigError` (one line), not a usage."""
+
+    def error(self, message: str):
+        raise ConfigError(f"the run's flags (after --): {message}")
+
+
 def chaos_config(train_argv: Sequence[str], output: Path):
     """The :class:`replayrl.tools.run.config.RunConfig` of ``replayrl train`` with
     ``train_argv`` over :data:`CHAOS_FLAGS`, ``--no-progress`` and ``--output-dir output``.
 
     Raises:
-        SystemExit: a flag ``replayrl train`` does not know (argparse's one-line error).
-        ConfigError: a value the run refuses.
+        ConfigError: a flag ``replayrl train`` does not know, or a value the run refuses.
     """
     from replayrl.tools.run.flags import add_run_flags
     from replayrl.tools.run.from_flags import config_from_args
 
-    parser = argparse.ArgumentParser(prog="replayrl bench faults --chaos ... --")
+    parser = _TrainFlags(prog="replayrl train", add_help=False)
     add_run_flags(parser)
     defaults = [f"--{k}={v}" for k, v in CHAOS_FLAGS.items()]
     args = parser.parse_args([*defaults, "--no-progress", *train_argv,
@@ -125,20 +132,19 @@ def chaos_config(train_argv: Sequence[str], output: Path):
     return config_from_args(args)
 
 
-async def soak(train_argv: Sequence[str], every_s: float, seed: int, output: Path) -> dict:
-    """One run of ``replayrl train train_argv`` (:func:`chaos_config`) with an engine killed
-    about every ``every_s`` seconds from its first step's row on (:func:`kill_engines`, drawn
-    from ``seed``).
+async def soak(config, every_s: float, seed: int) -> dict:
+    """One run of ``config`` (:func:`chaos_config`) with an engine killed about every
+    ``every_s`` seconds from its first step's row on (:func:`kill_engines`, drawn from
+    ``seed``).
 
     Returns:
-        :func:`check_rows` of its rows, plus ``"kills"``, ``"seconds"`` (the run's wall clock)
-        and ``"flags"`` (``train_argv`` joined).
+        :func:`check_rows` of its rows, plus ``"kills"`` and ``"seconds"`` (the run's wall clock).
     Raises:
         whatever the run raised (``ActorDied`` for a loss the run does not survive).
     """
     from replayrl.tools.run.launcher import launch
 
-    config = chaos_config(train_argv, output)
+    output = Path(config.output_dir)
     kills: list[dict] = []
     killer = asyncio.ensure_future(kill_engines(every_s, random.Random(seed), kills,
                                                  output / "metrics.jsonl"))
@@ -150,13 +156,13 @@ async def soak(train_argv: Sequence[str], every_s: float, seed: int, output: Pat
         await asyncio.gather(killer, return_exceptions=True)
     report = check_rows(result.rows, config.rollout.rollout_batch_size,
                         config.rollout.n_samples_per_prompt, config.max_staleness)
-    return {**report, "kills": len(kills), "seconds": time.perf_counter() - started,
-            "flags": " ".join(train_argv)}
+    return {**report, "kills": len(kills), "seconds": time.perf_counter() - started}
 
 
-def row(report: dict) -> str:
-    """One markdown table row of a :func:`soak` report (columns of :data:`HEADER`)."""
-    return (f"| {report['flags'] or '(defaults)'} | {report['steps']} | {report['seconds']:.0f} s "
+def row(flags: Sequence[str], report: dict) -> str:
+    """One markdown table row of a :func:`soak` report of the run with ``flags`` (columns of
+    :data:`HEADER`)."""
+    return (f"| {' '.join(flags) or '(defaults)'} | {report['steps']} | {report['seconds']:.0f} s "
             f"| {report['kills']} | {report['groups_regenerated']} / "
             f"{report['episodes_regenerated']} | {report['engines_alive_min']} | "
             f"{report['staleness_max']} | {' '.join(map(str, report['groups_per_step']))} | "

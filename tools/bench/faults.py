@@ -171,9 +171,13 @@ def main(argv: list[str] | None = None) -> int:
                  str(args.n_samples_per_prompt), "--heartbeat-deadline-s",
                  str(args.heartbeat_deadline_s), *flags]
         with tempfile.TemporaryDirectory(prefix="rrl-bench-chaos-") as tmp:
-            report = run_event_loop(chaos.soak(flags, args.chaos, args.seed, Path(tmp) / "run"))
+            try:
+                config = chaos.chaos_config(flags, Path(tmp) / "run")
+            except ConfigError as exc:
+                parser.error(str(exc))
+            report = run_event_loop(chaos.soak(config, args.chaos, args.seed))
         print(chaos.HEADER)
-        print(chaos.row({**report, "flags": " ".join(given)}))
+        print(chaos.row(given, report))
         return 0 if report["ok"] else 1
     elif args.train_flags:
         parser.error("replayrl train flags are for --chaos only")

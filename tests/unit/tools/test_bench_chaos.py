@@ -29,3 +29,17 @@ def test_a_run_that_trained_every_configured_group_passes_with_its_counts_summed
 def test_a_lost_duplicated_or_stale_step_fails_the_run(bad, key, value):
     report = check_rows([_row(), bad], groups=4, n=4, max_staleness=1)
     assert report[key] == value and report["ok"] is False
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--chaos", "5", "--", "--bogus-flag"], "the run's flags (after --): unrecognized arguments: --bogus-flag"),
+    (["--chaos", "5", "--", "--n-samples-per-prompt", "1"], "--n-samples-per-prompt must be >= 2"),
+    (["--", "--dp-size", "2"], "replayrl train flags are for --chaos only"),
+])
+def test_a_bad_run_flag_is_one_line_before_anything_starts(argv, says, capsys):
+    from replayrl.tools.bench import faults
+
+    with pytest.raises(SystemExit) as info:
+        faults.main(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and says in err and len(err.strip().splitlines()) == 1, err

@@ -762,7 +762,10 @@ async def launch(config: RunConfig, log_level: int = logging.WARNING,
         return RunResult(recorder.summary(time.perf_counter() - started), recorder.path, plot,
                          recorder.rows)
     except ActorDied as exc:  # under --colocate: say why the run cannot go on, and from where
-        raise explain_colocated_loss(config, exc, colocated_actors(config)) from exc.__cause__
+        lost = explain_colocated_loss(config, exc, colocated_actors(config))
+        if lost is exc:
+            raise
+        raise lost from exc.__cause__
     finally:
         if directory is not None:
             remove_attach_card(output, directory)

@@ -57,24 +57,26 @@ class ActorDied(ActorError):
 
     ``members``: every actor that shared the process (``ActorSpec.process``,
     docs/design/actors.md#colocate), all lost with it; empty for a process of one actor. The message
-    names them all.
+    names them all. ``note``: what the loss means to the run (for example which checkpoint to
+    resume from), appended to the message's first line; empty for none.
     """
 
     def __init__(self, actor: str, exitcode: int | None, traceback_text: str = "",
-                 members: tuple[str, ...] = ()) -> None:
+                 members: tuple[str, ...] = (), note: str = "") -> None:
         self.actor = actor
         self.exitcode = exitcode
         self.traceback_text = traceback_text
         self.members = tuple(members)
+        self.note = note
         who = (f"actors {', '.join(map(repr, self.members))} (one process)" if len(self.members) > 1
                else f"actor {actor!r}")
         detail = f"\n--- traceback ({actor}) ---\n{traceback_text}" if traceback_text else ""
         # None: an actor served in the launcher's own process (DriverActors) stopped early
         ended = "stopped serving" if exitcode is None else f"exited with code {exitcode}"
-        super().__init__(f"{who} {ended}{detail}")
+        super().__init__(f"{who} {ended}{'; ' + note if note else ''}{detail}")
 
     def __reduce__(self):
-        return (ActorDied, (self.actor, self.exitcode, self.traceback_text, self.members))
+        return (ActorDied, (self.actor, self.exitcode, self.traceback_text, self.members, self.note))
 
 
 class PeerLost(ActorError):

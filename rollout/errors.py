@@ -56,6 +56,22 @@ class PromptDataError(RolloutError, ValueError):
     """A prompt file or row that cannot be used; the message names file, line and key."""
 
 
+class ConversationError(PromptDataError):
+    """A conversation that cannot be trained on.
+
+    Attributes:
+        reason: a short key counted by ``replayrl sft --skip-bad-rows``: ``malformed`` (not a
+            list of message objects, or a field of the wrong type), ``unknown_role``,
+            ``no_assistant``, ``too_long``, ``vocabulary`` (a token id the policy does not
+            have) or ``template`` (the chat template cannot be cut into turns, see the module
+            docstring).
+    """
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
 class RewardError(RolloutError, ValueError):
     """A reward that cannot be used as configured (e.g. the ``math`` extra is missing)."""
 
@@ -97,6 +113,18 @@ class EnvironmentFailure(RolloutError, RuntimeError):
     def __init__(self, message: str, kind: str = "raised") -> None:
         super().__init__(message)
         self.kind = kind
+
+
+class CallExited(RolloutError, RuntimeError):
+    """An environment call raised a ``BaseException`` that is not an ``Exception``
+    (``SystemExit`` from ``sys.exit()``, ``KeyboardInterrupt``), kept as ``__cause__``: on the
+    caller's loop it would end the run, so it fails only the call
+    (``replayrl.rollout.episodes.env_worker.EnvWorker.call``)."""
+
+
+class ToolCallParseFailed(RolloutError, ValueError):
+    """An environment's ``parse_tool_calls`` raised (the cause): counted apart from its
+    ``step``'s errors (``replayrl.rollout.episodes.env_sessions``)."""
 
 
 class TurnLoopError(RolloutError, ValueError):

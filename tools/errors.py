@@ -44,6 +44,10 @@ class RunFailed(ToolsError, RuntimeError):
     """The driver stopped this rank because the run failed (its reason in the message)."""
 
 
+class SFTError(ToolsError, RuntimeError):
+    """A ``replayrl sft`` step that cannot train (a gradient norm that is not finite), naming the step."""
+
+
 class RendezvousError(ToolsError, RuntimeError):
     """The ranks could not exchange their addresses (names the rank and the master)."""
 

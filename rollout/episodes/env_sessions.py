@@ -33,8 +33,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from replayrl.rollout.episodes.env_worker import CallExited, EnvWorker, check_stranded
-from replayrl.rollout.errors import EnvironmentFailure, TurnLoopError
+from replayrl.rollout.episodes.env_worker import EnvWorker, check_stranded
+from replayrl.rollout.errors import CallExited, EnvironmentFailure, ToolCallParseFailed, TurnLoopError
 from replayrl.rollout.tasks.environment import Environment, ObserveAdapter, Reset, ToolEnvironment, Turn, check_step
 from replayrl.rollout.text.data_source import Prompt
 
@@ -133,10 +133,6 @@ def _error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {message}"
 
 
-class _ParseFailed(Exception):
-    """``parse_tool_calls`` raised (the cause); named apart from ``step``'s errors."""
-
-
 class EnvSessions:
     """The environment instances of one batch of trajectories (row ``i`` = ``prompts[i]``).
 
@@ -217,7 +213,7 @@ class EnvSessions:
         if self.failure == "raise":  # the task's environment: its errors are the run's
             try:
                 return await call(), ""
-            except _ParseFailed as exc:
+            except ToolCallParseFailed as exc:
                 raise exc.__cause__ from None
         try:
             return await self.workers[row].call(call, self.timeout_s), ""
@@ -225,7 +221,7 @@ class EnvSessions:
             kind, detail = "timeout", f"no answer within --env-timeout-seconds {self.timeout_s:g}"
         except asyncio.CancelledError:
             raise
-        except _ParseFailed as exc:
+        except ToolCallParseFailed as exc:
             kind, detail = "raised", f"parse_tool_calls: {_error_text(exc.__cause__)}"
         except Exception as exc:  # the environment's own error, kept in the message
             kind, detail = "raised", _error_text(exc)
@@ -374,7 +370,7 @@ class EnvSessions:
             except asyncio.CancelledError:
                 raise
             except BaseException as exc:  # sys.exit() included: named as the parser's
-                raise _ParseFailed() from exc
+                raise ToolCallParseFailed() from exc
             self.parse_errors[row] += sum(1 for call in calls if getattr(call, "error", ""))
             return await env.step(Turn(turn, ids, text, tuple(calls), generation.finish_reason))
 

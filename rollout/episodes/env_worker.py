@@ -28,9 +28,9 @@ import itertools
 import threading
 from typing import Awaitable, Callable, TypeVar
 
-from replayrl.rollout.errors import EnvironmentFailure
+from replayrl.rollout.errors import CallExited, EnvironmentFailure
 
-__all__ = ["EnvWorker", "CallExited", "MAX_STRANDED", "stranded", "check_stranded"]
+__all__ = ["EnvWorker", "MAX_STRANDED", "stranded", "check_stranded"]
 
 T = TypeVar("T")
 
@@ -64,12 +64,6 @@ def check_stranded(name: str) -> None:
             f"environment {name}: {count} calls past --env-timeout-seconds have not returned "
             f"(blocking code a timeout cannot stop, e.g. time.sleep in an async step); the run "
             f"ends rather than keep more than {MAX_STRANDED} stranded threads", "stranded")
-
-
-class CallExited(Exception):
-    """An environment call raised a ``BaseException`` that is not an ``Exception``
-    (``SystemExit`` from ``sys.exit()``, ``KeyboardInterrupt``), kept as ``__cause__``: on the
-    caller's loop it would end the run, so it fails only the call."""
 
 
 class EnvWorker:

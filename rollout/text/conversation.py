@@ -33,7 +33,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from replayrl.rollout.errors import PromptDataError
+from replayrl.rollout.errors import ConversationError
 from replayrl.rollout.text.tokenizer import PromptTokenizer
 
 __all__ = ["ROLES", "ConversationError", "Conversation", "render_conversation", "turn_closing"]
@@ -44,22 +44,6 @@ ROLES = ("system", "user", "assistant", "tool")
 # the assistant content rendered in a fixed two-message conversation to find the text a
 # template closes a turn with: a marker no template writes itself
 _MARKER = "replayrl-assistant-turn"
-
-
-class ConversationError(PromptDataError):
-    """A conversation that cannot be trained on.
-
-    Attributes:
-        reason: a short key counted by ``replayrl sft --skip-bad-rows``: ``malformed`` (not a
-            list of message objects, or a field of the wrong type), ``unknown_role``,
-            ``no_assistant``, ``too_long``, ``vocabulary`` (a token id the policy does not
-            have) or ``template`` (the chat template cannot be cut into turns, see the module
-            docstring).
-    """
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
 
 
 @dataclass(frozen=True)

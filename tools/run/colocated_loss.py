@@ -18,43 +18,20 @@ from replayrl.tools.run.config import RunConfig
 from replayrl.tools.run.train_loop import latest_checkpoint
 
 
-class ColocatedProcessLost(ActorDied):
-    """The colocated process of a ``--colocate`` run exited: an :class:`ActorDied` (same
-    ``actor``, ``exitcode``, ``traceback_text``, ``members``) whose message's first line also
-    says why the run cannot go on and which checkpoint to resume from.
-
-    ``checkpoint``: the last complete checkpoint (``step-N`` under ``--save``), or None when
-    none was complete.
-    """
-
-    def __init__(self, died: ActorDied, checkpoint: Path | None) -> None:
-        super().__init__(died.actor, died.exitcode, died.traceback_text, died.members)
-        self.checkpoint = checkpoint
-        resume = (f"the last complete checkpoint is {checkpoint}: rerun the same command with "
-                  f"--load {checkpoint}" if checkpoint is not None else
-                  "no checkpoint was complete (--save-interval): a rerun starts over")
-        note = ("; under --colocate engine_0 shares this process with the trainer, the version "
-                "clock and the rollout manager, so --engine-failure cannot keep the run going "
-                f"(it applies to engines of their own, --num-engines above 1); {resume}")
-        head, newline, rest = str(died).partition("\n")
-        self.args = (f"{head}{note}{newline}{rest}",)
-
-    def __reduce__(self):
-        return (_rebuild, (ActorDied(self.actor, self.exitcode, self.traceback_text, self.members),
-                           self.checkpoint))
-
-
-def _rebuild(died: ActorDied, checkpoint: Path | None) -> ColocatedProcessLost:
-    return ColocatedProcessLost(died, checkpoint)
-
-
 def explain_colocated_loss(config: RunConfig, exc: ActorDied,
                            colocated: tuple[str, ...]) -> ActorDied:
-    """``exc`` as a :class:`ColocatedProcessLost` when the lost actor is one of ``colocated``
-    (``replayrl.tools.run.launcher.colocated_actors(config)``: empty without ``--colocate``),
-    with the last complete checkpoint under ``config.save_dir`` when ``--save-interval`` is
-    set; any other loss is returned as it is."""
-    if exc.actor not in colocated or isinstance(exc, ColocatedProcessLost):
+    """``exc`` with a ``note`` (:class:`replayrl.actors.ActorDied`) saying why the run cannot go
+    on and naming the last complete checkpoint under ``config.save_dir`` (with
+    ``--save-interval``) to rerun the command with ``--load``, when the lost actor is one of
+    ``colocated`` (``replayrl.tools.run.launcher.colocated_actors(config)``: empty without
+    ``--colocate``); any other loss, or one already noted, is returned as it is."""
+    if exc.actor not in colocated or exc.note:
         return exc
     checkpoint = latest_checkpoint(Path(config.save_dir)) if config.save_interval else None
-    return ColocatedProcessLost(exc, checkpoint)
+    resume = (f"the last complete checkpoint is {checkpoint}: rerun the same command with "
+              f"--load {checkpoint}" if checkpoint is not None else
+              "no checkpoint was complete (--save-interval): a rerun starts over")
+    note = ("under --colocate engine_0 shares this process with the trainer, the version clock "
+            "and the rollout manager, so --engine-failure cannot keep the run going (it applies "
+            f"to engines of their own, --num-engines above 1); {resume}")
+    return ActorDied(exc.actor, exc.exitcode, exc.traceback_text, exc.members, note)

@@ -35,7 +35,7 @@ import numpy as np
 from replayrl.rollout.model.hf_config import read_hf_config
 from replayrl.rollout.sample import Sample
 from replayrl.rollout.text.tokenizer import load_tokenizer
-from replayrl.tools.errors import ConfigError
+from replayrl.tools.errors import ConfigError, SFTError
 from replayrl.tools.sft.config import SFTConfig
 from replayrl.tools.sft.data import SFTData, load_conversations
 from replayrl.tools.sft.recorder import SFTRecorder
@@ -47,10 +47,6 @@ __all__ = ["SFTResult", "batch_indices", "run_sft"]
 
 STATE_FILE = "sft_state.json"
 """The file of an SFT checkpoint that says where the data order continues."""
-
-
-class SFTError(RuntimeError):
-    """A step that cannot train (a gradient norm that is not finite), naming the step."""
 
 
 @dataclass(frozen=True)

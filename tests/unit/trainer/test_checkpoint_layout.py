@@ -104,7 +104,7 @@ def test_each_backend_names_the_one_that_wrote_the_checkpoint(model_dir, tmp_pat
 def test_the_launcher_refuses_the_layout_before_any_process_starts(model_dir, tmp_path):
     ckpt = _megatron_checkpoint(tmp_path / "ckpt", model_dir, 2, TP2)
     clock = {"max_staleness": 1, "trainer_version": 3, "engine_versions": {}}
-    (ckpt / "run_state.json").write_text(json.dumps({"next_step": 3, "clock": clock}))
+    (ckpt / "run_state.json").write_text(json.dumps({"next_step": 3, "clock": clock, "manager": {}}))
     base = {"load": str(ckpt), "num-steps": 5, "train-backend": "megatron",
             "output-dir": str(tmp_path / "out")}
     assert check_load(build_config({**base, "tp-size": 2})) == 3
@@ -129,7 +129,7 @@ def test_every_torchrun_rank_refuses_the_layout_before_exchanging_addresses(
 
     ckpt = _megatron_checkpoint(tmp_path / "ckpt", model_dir, 2, TP2)
     clock = {"max_staleness": 1, "trainer_version": 3, "engine_versions": {}}
-    (ckpt / "run_state.json").write_text(json.dumps({"next_step": 3, "clock": clock}))
+    (ckpt / "run_state.json").write_text(json.dumps({"next_step": 3, "clock": clock, "manager": {}}))
 
     def no_exchange(*args, **kwargs):
         raise AssertionError("the ranks met before the checkpoint was checked")

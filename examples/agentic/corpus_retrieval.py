@@ -12,16 +12,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # --env loads this fil
 
 from common import load_environment_module  # noqa: E402
 
-from replayrl.rollout.tasks.environment import Reset, Step, ToolEnvironment, Turn, tool_result  # noqa: E402
+from replayrl.rollout.tasks.environment import Reset  # noqa: E402
 
 retrieval = load_environment_module("retrieval")
 
 
-class CorpusRetrievalEnv(ToolEnvironment):
-    """The ``search`` tool (examples/environments/retrieval.py's schema, BM25 and top-k) over
+class CorpusRetrievalEnv(retrieval.RetrievalEnv):
+    """examples/environments/retrieval.py's ``search`` tool (schema, BM25, top-k, answers) over
     the corpus of the episode's prompt."""
-
-    tools = retrieval.TOOLS
 
     async def reset(self, prompt) -> Reset:
         """Take the corpus path from the prompt's ``metadata.corpus``.
@@ -31,16 +29,3 @@ class CorpusRetrievalEnv(ToolEnvironment):
         """
         self.corpus = str(prompt.metadata["corpus"])
         return Reset(tuple(self.tools))
-
-    async def step(self, turn: Turn) -> Step:
-        """Answer every ``search`` call of the turn; no call = the final answer."""
-        if not turn.tool_calls:
-            return Step(done=True)
-        answers = []
-        for call in turn.tool_calls:
-            if call.error or call.name != "search":
-                answers.append(tool_result(call, f"error: unknown tool {call.name!r}"))
-                continue
-            hits = retrieval.index(self.corpus).search(str(call.arguments.get("query", "")))
-            answers.append("\n".join(hits) if hits else "no results")
-        return Step(observation="\n".join(answers))

@@ -81,9 +81,10 @@ def index(path: str = str(CORPUS)) -> BM25:
 
 
 class RetrievalEnv(ToolEnvironment):
-    """The search tool (see the module docstring)."""
+    """The search tool (see the module docstring) over the corpus file ``corpus``."""
 
     tools = TOOLS
+    corpus: str = str(CORPUS)
 
     async def step(self, turn: Turn) -> Step:
         """Answer every ``search`` call of the turn; no call = the final answer."""
@@ -94,6 +95,6 @@ class RetrievalEnv(ToolEnvironment):
             if call.error or call.name != "search":
                 answers.append(tool_result(call, f"error: unknown tool {call.name!r}"))
                 continue
-            hits = index().search(str(call.arguments.get("query", "")))
+            hits = index(self.corpus).search(str(call.arguments.get("query", "")))
             answers.append("\n".join(hits) if hits else "no results")
         return Step(observation="\n".join(answers))

@@ -84,3 +84,22 @@ def test_retrieval_demonstrations_answer_from_the_corpus_and_hold_out_the_rl_pla
     for row in rl:
         assert row["metadata"]["corpus"] == str((tmp_path / "corpus.txt").resolve())
     _trains(tok, sft)
+
+
+async def test_the_corpus_environment_searches_the_corpus_its_prompt_names(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from replayrl.rollout.tasks.environment import ToolCall, Turn
+
+    monkeypatch.syspath_prepend(str(AGENTIC))
+    _module(AGENTIC / "make_retrieval.py").main([str(tmp_path), "--places", "8", "--sft", "10"])
+    row = _rows(tmp_path / "rl.jsonl")[0]
+    place = _place(row["prompt"])
+    env = _module(AGENTIC / "corpus_retrieval.py").CorpusRetrievalEnv()
+    await env.reset(SimpleNamespace(metadata=row["metadata"]))
+    call = ToolCall("search", {"query": row["prompt"]})
+    step = await env.step(Turn(0, np.zeros(0, np.int32), "", (call,), "stop"))
+    facts = [line for line in (tmp_path / "corpus.txt").read_text().splitlines() if place in line]
+    assert facts and any(fact in step.observation for fact in facts)  # this prompt's corpus, not corpus.txt

@@ -70,3 +70,15 @@ def any_family_checkpoint(model_type: str, directory: Path) -> Path:
 
         tiny_checkpoint(model_type, directory)
     return directory
+
+
+def padded_inputs(vocab: int, seed: int = 3) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Two rows of 12 token ids in ``[0, vocab)`` (int64 ``[2, 12]``, generator seeded
+    ``seed``), their positions and a key padding mask (bool ``[2, 12]``) with the second row
+    right-padded after 8 tokens (the trainer's layout)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (2, 12), generator=g)
+    pos = torch.arange(12).expand(2, 12).clone()
+    mask = torch.ones(2, 12, dtype=torch.bool)
+    mask[1, 8:] = False
+    return ids, pos, mask

@@ -12,17 +12,7 @@ import torch
 from replayrl.rollout.model.errors import ModelConfigError, ModelInputError
 from replayrl.rollout.model.hf_config import read_hf_config
 from replayrl.rollout.model.loader import load_pretrained
-from tests.family_checkpoints import FAMILY_TYPES, tiny_hf_checkpoint
-
-
-def _inputs(vocab: int, seed: int = 3):
-    """Two rows of 12 tokens, the second right-padded after 8 (trainer layout)."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (2, 12), generator=g)
-    pos = torch.arange(12).expand(2, 12).clone()
-    mask = torch.ones(2, 12, dtype=torch.bool)
-    mask[1, 8:] = False
-    return ids, pos, mask
+from tests.family_checkpoints import FAMILY_TYPES, padded_inputs, tiny_hf_checkpoint
 
 
 @pytest.fixture(scope="module", params=FAMILY_TYPES)
@@ -38,7 +28,7 @@ def test_sharded_checkpoint_logits_match_transformers(family):
     assert len(list(d.glob("model-*.safetensors"))) > 1  # sharded, with an index
     model, cfg = load_pretrained(d)
     assert cfg.family == model_type and cfg.moe_layers
-    ids, pos, mask = _inputs(cfg.vocab_size)
+    ids, pos, mask = padded_inputs(cfg.vocab_size)
     with torch.no_grad():
         want = ref(input_ids=ids, position_ids=pos, attention_mask=mask.long()).logits
         out = model.eval()(ids, pos, key_padding_mask=mask, capture=True)
@@ -73,7 +63,7 @@ def test_captured_experts_are_the_group_limited_biased_top_k(tmp_path):
         ref.model.layers[1].mlp.gate.e_score_correction_bias.copy_(torch.linspace(-1, 1, 8))
     ref.save_pretrained(tmp_path, max_shard_size="60KB")
     model, cfg = load_pretrained(tmp_path)
-    ids, pos, _ = _inputs(cfg.vocab_size)
+    ids, pos, _ = padded_inputs(cfg.vocab_size)
     seen = {}
     ref.model.layers[1].mlp.register_forward_pre_hook(lambda m, a: seen.setdefault("x", a[0]))
     with torch.no_grad():
@@ -100,7 +90,7 @@ def test_replay_restores_recorded_choices_after_perturbation(family):
     model_type, _, d = family
     model, cfg = load_pretrained(d)
     model.eval()
-    ids, pos, mask = _inputs(cfg.vocab_size)
+    ids, pos, mask = padded_inputs(cfg.vocab_size)
     with torch.no_grad():
         rec = model(ids, pos, key_padding_mask=mask, capture=True)
         _perturb(model, routers=True, indexers=True)
@@ -124,7 +114,7 @@ def test_replay_restores_recorded_choices_after_perturbation(family):
 def test_indexer_rows_with_minus_one_give_finite_logprobs_and_gradients(model_type, tmp_path):
     tiny_hf_checkpoint(model_type, tmp_path)
     model, cfg = load_pretrained(tmp_path)
-    ids, pos, _ = _inputs(cfg.vocab_size)
+    ids, pos, _ = padded_inputs(cfg.vocab_size)
     with torch.no_grad():
         rec = model(ids, pos, capture=True)
     slots = rec.indexer_topk.clone()
@@ -149,7 +139,7 @@ def test_indexer_rows_with_minus_one_give_finite_logprobs_and_gradients(model_ty
 def test_trace_with_other_layer_count_is_refused_naming_the_field(name, extra, tmp_path):
     tiny_hf_checkpoint("glm_moe_dsa", tmp_path)
     model, cfg = load_pretrained(tmp_path)
-    ids, pos, _ = _inputs(cfg.vocab_size)
+    ids, pos, _ = padded_inputs(cfg.vocab_size)
     with torch.no_grad():
         rec = model(ids, pos, capture=True)
     trace = getattr(rec, name)
@@ -162,7 +152,7 @@ def test_shared_indexer_layers_store_once_and_replay_to_the_sharing_layer(tmp_pa
     tiny_hf_checkpoint("glm_moe_dsa", tmp_path, indexer_types=["full", "shared", "full"])
     model, cfg = load_pretrained(tmp_path)
     assert cfg.indexed_layers == (0, 2)
-    ids, pos, _ = _inputs(cfg.vocab_size)
+    ids, pos, _ = padded_inputs(cfg.vocab_size)
     with torch.no_grad():
         rec = model(ids, pos, capture=True)
         _perturb(model, routers=False, indexers=True)
@@ -175,7 +165,7 @@ def test_a_model_built_twice_replays_into_the_live_one(tmp_path):
     tiny_hf_checkpoint("deepseek_v32", tmp_path)
     first, cfg = load_pretrained(tmp_path)
     second, _ = load_pretrained(tmp_path)
-    ids, pos, _ = _inputs(cfg.vocab_size)
+    ids, pos, _ = padded_inputs(cfg.vocab_size)
     with torch.no_grad():
         rec = first(ids, pos, capture=True)
         _perturb(second, routers=True, indexers=True)

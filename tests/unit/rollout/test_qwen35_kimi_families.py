@@ -19,17 +19,8 @@ from replayrl.rollout.model.errors import ModelConfigError, ModelInputError
 from replayrl.rollout.model.hf_config import read_hf_config
 from replayrl.rollout.model.loader import load_pretrained
 from replayrl.rollout.sampling.sampling_params import SamplingParams
+from tests.family_checkpoints import padded_inputs
 from tests.qwen35_kimi_checkpoints import TYPES, tiny_checkpoint
-
-
-def _inputs(vocab: int, seed: int = 3):
-    """Two rows of 12 tokens, the second right-padded after 8 (trainer layout)."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (2, 12), generator=g)
-    pos = torch.arange(12).expand(2, 12).clone()
-    mask = torch.ones(2, 12, dtype=torch.bool)
-    mask[1, 8:] = False
-    return ids, pos, mask
 
 
 @pytest.fixture(scope="module", params=TYPES)
@@ -43,7 +34,7 @@ def test_logits_equal_transformers_and_every_moe_layer_is_traced(family):
     model_type, ref, d = family
     model, cfg = load_pretrained(d)
     assert cfg.family == model_type
-    ids, pos, mask = _inputs(cfg.vocab_size)
+    ids, pos, mask = padded_inputs(cfg.vocab_size)
     with torch.no_grad():
         want = ref(input_ids=ids, position_ids=pos, attention_mask=mask.long()).logits
         out = model.eval()(ids, pos, key_padding_mask=mask, capture=True)
@@ -86,7 +77,7 @@ def test_replay_after_router_perturbation_restores_choices_and_live_weights(mode
     tiny_checkpoint(model_type, tmp_path)
     model, cfg = load_pretrained(tmp_path)
     model.eval()
-    ids, pos, mask = _inputs(cfg.vocab_size)
+    ids, pos, mask = padded_inputs(cfg.vocab_size)
     layer = cfg.moe_layers[-1]
     seen = _router_input_and_weights(model, layer)
     with torch.no_grad():
@@ -145,7 +136,7 @@ def test_qwen35_batched_decode_of_unequal_prompts_equals_each_alone(tmp_path):
 def test_qwen35_packed_rows_are_refused_naming_the_argument(tmp_path):
     tiny_checkpoint("qwen3_5_moe_text", tmp_path)
     model, cfg = load_pretrained(tmp_path)
-    ids, pos, _ = _inputs(cfg.vocab_size)
+    ids, pos, _ = padded_inputs(cfg.vocab_size)
     with pytest.raises(ModelInputError, match="segment_ids: packed rows are not supported"):
         model(ids, pos, segment_ids=torch.zeros_like(ids))
 

@@ -178,7 +178,9 @@ class ActorServer:
         log.info("%s: reply to a caller that left dropped: %s", self.actor.name, clip(str(exc)))
 
     async def _run_in_order(self) -> None:
-        while True:
+        # until close(): a call that turns close()'s cancel into an error of its own (a call it
+        # awaited failed first) returns here, and the loop must not wait for more
+        while not self._router.closed:
             item = await self._queue.get()
             await self._invoke(*item)
             # not held while waiting for the next call: a shared-memory argument's slot goes
@@ -233,6 +235,11 @@ class ActorServer:
         except Exception as exc:  # the result itself cannot travel: tell the caller why
             frames = self.codec.encode(err_reply(reply["id"], type(exc).__qualname__, str(exc),
                                                  traceback.format_exc()))
+        if self._router.closed:
+            # this actor is stopping (its socket closed under a call that was still running, e.g.
+            # one whose own call failed when the run ended): nobody can be answered any more
+            log.info("%s: reply dropped: the actor is stopping", self.actor.name)
+            return
         try:
             self._router.send(peer, frames)
         except PeerUnreachable as exc:

@@ -131,6 +131,22 @@ def assert_fsdp_takes_the_torch_step(reference, fsdp, batch, atol: float, rel: f
     return want, got
 
 
+def assert_hf_save_gives_the_logits(backend, reference, directory) -> None:
+    """``backend.save_hf(directory)`` (a family model's weights, gathered under fsdp) loads in
+    transformers (float32, eager) and gives the torch ``reference``'s logits on a 7-token row
+    (within 1e-4)."""
+    import transformers
+
+    backend.save_hf(directory)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(
+        directory, dtype=torch.float32, attn_implementation="eager").eval()
+    ids = torch.tensor([[1, 4, 5, 6, 7, 9, 11]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits,
+                                   reference.model.eval()(ids, torch.arange(7)[None]).logits,
+                                   rtol=0, atol=1e-4)
+
+
 def assert_same_arrays(got: dict, want: dict, atol: float, keys=None) -> None:
     """``got`` holds ``want``'s names (and ``keys``', when given), each array within ``atol``."""
     assert set(got) == set(want) == set(want if keys is None else keys)

@@ -14,7 +14,7 @@ from replayrl.trainer.backends.fsdp_backend import FSDPBackend
 from replayrl.trainer.backends.torch_backend import TorchBackend
 from replayrl.trainer.batching.batch import collate
 from replayrl.trainer.config import TrainerConfig
-from tests.backend_fixtures import assert_fsdp_takes_the_torch_step, traced_samples
+from tests.backend_fixtures import assert_fsdp_takes_the_torch_step, assert_hf_save_gives_the_logits, traced_samples
 from tests.qwen35_kimi_checkpoints import tiny_checkpoint
 
 transformers = pytest.importorskip("transformers", reason="checkpoints are written by transformers")
@@ -33,11 +33,4 @@ def test_fsdp_takes_the_torch_step_with_the_engines_experts(model_type, tmp_path
     traced = (batch.routed_experts >= 0).all(-1)
     assert int(traced.sum()) > 0
     assert torch.equal(got.routed_experts[traced], batch.routed_experts[traced].to(torch.int32))
-    fsdp.save_hf(tmp_path / "out")  # the text model: deepseek_v3 / qwen3_5_moe_text
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path / "out", dtype=torch.float32, attn_implementation="eager").eval()
-    ids = torch.tensor([[1, 4, 5, 6, 7, 9, 11]])
-    with torch.no_grad():
-        torch.testing.assert_close(loaded(input_ids=ids).logits,
-                                   reference.model.eval()(ids, torch.arange(7)[None]).logits,
-                                   rtol=0, atol=1e-4)
+    assert_hf_save_gives_the_logits(fsdp, reference, tmp_path / "out")  # deepseek_v3 / qwen3_5_moe_text

@@ -16,7 +16,13 @@ from replayrl.trainer.backends.fsdp_backend import FSDPBackend
 from replayrl.trainer.backends.torch_backend import TorchBackend
 from replayrl.trainer.batching.batch import collate
 from replayrl.trainer.config import TrainerConfig
-from tests.backend_fixtures import assert_fsdp_takes_the_torch_step, assert_same_arrays, traced_samples, train_step
+from tests.backend_fixtures import (
+    assert_fsdp_takes_the_torch_step,
+    assert_hf_save_gives_the_logits,
+    assert_same_arrays,
+    traced_samples,
+    train_step,
+)
 from tests.family_checkpoints import tiny_hf_checkpoint
 
 transformers = pytest.importorskip("transformers", reason="checkpoints are written by transformers")
@@ -54,14 +60,7 @@ def test_a_sharded_family_policy_takes_the_torch_backends_step(glm5, tmp_path):
     assert_same_arrays(weights, expected, atol=1e-5, keys=before)
     assert max(float(np.abs(expected[n] - before[n].numpy()).max()) for n in expected) > 1e-4
     # the HF save (gathered) loads in transformers and gives the torch backend's logits
-    fsdp.save_hf(tmp_path / "out")
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path / "out", dtype=torch.float32, attn_implementation="eager").eval()
-    ids = torch.tensor([[1, 4, 5, 6, 7, 9, 11]])
-    with torch.no_grad():
-        torch.testing.assert_close(loaded(input_ids=ids).logits,
-                                   reference.model.eval()(ids, torch.arange(7)[None]).logits,
-                                   rtol=0, atol=1e-4)
+    assert_hf_save_gives_the_logits(fsdp, reference, tmp_path / "out")
 
 
 def test_a_family_checkpoint_round_trips(glm5, tmp_path):

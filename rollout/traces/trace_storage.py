@@ -12,7 +12,13 @@ Each row of ``replayrl.rollout.traces.trace_table.TRACES`` names its ``storage``
   (``indexer_topk``): a row selecting every key it sees costs no bytes, other rows cost the
   smaller of a bitmap and an Elias-Fano code. Decoding gives each row's keys ascending with
   ``-1`` after: the same set, in canonical order (the model reads a row as a set of keys to
-  attend to, the flip rates compare sets).
+  attend to, the flip rates compare sets). Where the rows hold compressed-entry ids instead of
+  key positions (DeepSeek-V4's CSA indexer: entry ``w`` covers tokens ``[m*w, m*(w+1))``, so a
+  query at ``p`` sees the ``(p + 1) // m`` entries ``w < (p + 1) // m``), row ``p``'s universe
+  is ``(p + 1) // stride``, ``stride`` the largest integer every row of the column (or chunk)
+  fits (:func:`entry_stride`: ``m`` for such rows, 1 for causal key rows), written into the
+  encoding as ``"stride"``; so a row picking every entry it sees costs no bytes there either,
+  and a coded row's bitmap holds ``(p + 1) // m`` bits, not ``p + 1``.
 
 A ``"sets"`` column of more than :data:`CHUNK_SLOTS` slots is encoded in chunks of rows,
 ``{"codec": "chunks", "rows": [rows per chunk], "parts": [encoding or array per chunk]}``.
@@ -31,7 +37,7 @@ import numpy as np
 
 from replayrl.transport.trace_codec import TraceCodecError, decode_ids, decode_sets, encode_ids, encode_sets
 
-__all__ = ["CHUNK_SLOTS", "encode_column", "decode_column", "row_positions"]
+__all__ = ["CHUNK_SLOTS", "encode_column", "decode_column", "row_positions", "entry_stride"]
 
 CHUNK_SLOTS = 1 << 22
 """A ``"sets"`` column of more slots than this is encoded in chunks of whole rows of at most
@@ -46,6 +52,48 @@ def row_positions(counts: Sequence[int]) -> np.ndarray:
     total = int(counts.sum())
     starts = np.cumsum(counts) - counts
     return np.arange(total, dtype=np.int64) - np.repeat(starts, counts)
+
+
+def entry_stride(column: np.ndarray, positions: np.ndarray) -> int:
+    """The largest ``s >= 1`` with every index of row ``r`` below ``(positions[r] + 1) // s``.
+
+    Args:
+        column: int ``[N, ..., K]`` set rows (``-1`` = empty slot).
+        positions: int64 ``[N]``, each leading row's query position ``p``.
+    Returns:
+        ``min over rows with an index of (p + 1) // (max index + 1)``; 1 when no row has an
+        index or when some index is at or past ``p + 1`` (no set of its keys: the codec refuses
+        such a column whatever the stride).
+    """
+    flat = column.reshape(len(column), math.prod(column.shape[1:]))
+    top = flat.max(axis=1, initial=-1).astype(np.int64)  # each row's largest index, -1 if none
+    used = top >= 0
+    if not used.any():
+        return 1
+    return max(1, int(((positions[used] + 1) // (top[used] + 1)).min()))
+
+
+def _universe(positions: np.ndarray, stride: int) -> np.ndarray:
+    """int64 ``[N]``: the entries a query at each position sees, ``(p + 1) // stride``."""
+    return (positions + 1) // stride
+
+
+def _encode_sets(column: np.ndarray, positions: np.ndarray) -> dict | None:
+    """:func:`encode_sets` of ``column`` over the universes ``(p + 1) // stride``, with
+    ``"stride"`` in the encoding; ``None`` where the codec cannot hold it."""
+    stride = entry_stride(column, positions)
+    encoded = encode_sets(column, _universe(positions, stride))
+    if encoded is not None:
+        encoded["stride"] = stride
+    return encoded
+
+
+def _stride_of(part: Mapping[str, Any]) -> int:
+    """A sets encoding's ``"stride"`` (1 when absent), checked."""
+    stride = part.get("stride", 1)
+    if type(stride) is not int or stride < 1:
+        raise TraceCodecError(f"sets: stride must be an int >= 1, got {stride!r}"[:200])
+    return stride
 
 
 def encode_column(row: Any, column: Any, counts: Sequence[int]) -> Any:
@@ -65,16 +113,16 @@ def encode_column(row: Any, column: Any, counts: Sequence[int]) -> Any:
         return encode_ids(column) if column.size == 0 or int(column.min()) >= -1 else column
     if column.ndim < 2:
         return column
-    universe = row_positions(counts) + 1
+    positions = row_positions(counts)
     per_row = max(1, math.prod(column.shape[1:]))
     step = max(1, CHUNK_SLOTS // per_row)
     if len(column) <= step:
-        encoded = encode_sets(column, universe)
+        encoded = _encode_sets(column, positions)
         return column if encoded is None else encoded
     parts = []
     for start in range(0, len(column), step):  # a loop over chunks of rows, bounding memory
         part = column[start:start + step]
-        encoded = encode_sets(part, universe[start:start + step])
+        encoded = _encode_sets(part, positions[start:start + step])
         parts.append(part if encoded is None else encoded)
     return {"codec": "chunks", "rows": [len(p) if isinstance(p, np.ndarray) else p["shape"][0]
                                         for p in parts], "parts": parts}
@@ -96,7 +144,8 @@ def decode_column(row: Any, column: Any, counts: Sequence[int], threads: int = 1
         out = decode_ids(column, row.dtype)
     elif codec == "sets" and row.storage == "sets":
         _check_rows(column.get("shape"), counts)
-        out = decode_sets(column, row_positions(counts) + 1, row.dtype, threads=threads)
+        out = decode_sets(column, _universe(row_positions(counts), _stride_of(column)), row.dtype,
+                          threads=threads)
     elif codec == "chunks" and row.storage == "sets":
         out = _decode_chunks(row, column, counts, threads)
     else:
@@ -119,11 +168,11 @@ def _decode_chunks(row: Any, column: Mapping[str, Any], counts: Sequence[int], t
     if (not isinstance(rows, list) or not isinstance(parts, list) or len(rows) != len(parts)
             or not parts or not all(type(r) is int and r > 0 for r in rows)):
         raise TraceCodecError("chunks: expected as many positive 'rows' as 'parts'")
-    universe = row_positions(counts) + 1
+    positions = row_positions(counts)
     _check_rows([sum(rows)], counts)
     first = parts[0]
     tail = first.shape[1:] if isinstance(first, np.ndarray) else tuple(_shape_of(first)[1:])
-    out = np.empty((len(universe), *tail), dtype=row.dtype)
+    out = np.empty((len(positions), *tail), dtype=row.dtype)
     start = 0
     for n, part in zip(rows, parts):
         if isinstance(part, np.ndarray):
@@ -135,7 +184,8 @@ def _decode_chunks(row: Any, column: Mapping[str, Any], counts: Sequence[int], t
             if tuple(_shape_of(part)) != (n, *tail):
                 raise TraceCodecError(f"chunks: part of shape {_shape_of(part)} at row {start}, "
                                       f"expected {(n, *tail)}")
-            decode_sets(part, universe[start:start + n], out=out[start:start + n], threads=threads)  # in place
+            decode_sets(part, _universe(positions[start:start + n], _stride_of(part)),
+                        out=out[start:start + n], threads=threads)  # in place
         else:
             raise TraceCodecError(f"chunks: a part that is no array and no sets encoding at row {start}")
         start += n

@@ -236,11 +236,11 @@ def test_mixed_length_decode_gives_each_prompt_what_it_gets_alone(v4):
         got = logp[i, len(p) - 1: len(p) - 1 + r].gather(-1, torch.from_numpy(
             g.response_ids.astype(np.int64))[:, None])[:, 0]
         assert torch.allclose(got, torch.from_numpy(g.rollout_logprobs), atol=1e-5, rtol=0), i
-    # the compact wire form holds the compressed-entry rows: entry ids lie within the p + 1 keys
-    # a position-row's query sees, so each row is stored as a set and decodes to the same set
+    # the compact wire form holds the compressed-entry rows: each row a set of the (p + 1) // RATE
+    # entries its query sees (the first query to see an entry picks it: the stride is RATE)
     column = np.concatenate([g.indexer_topk for g in together])
     counts = [len(g.indexer_topk) for g in together]
     wire = encode_column(trace_spec("indexer_topk"), column, counts)
-    assert isinstance(wire, dict) and wire["codec"] == "sets"
+    assert isinstance(wire, dict) and wire["codec"] == "sets" and wire["stride"] == RATE
     back = decode_column(trace_spec("indexer_topk"), wire, counts)
     assert np.array_equal(np.sort(back, -1), np.sort(column, -1))

@@ -138,3 +138,56 @@ def test_threads_decode_a_column_to_the_same_rows(monkeypatch, chunk_slots):
         assert all((r[r >= 0] == np.sort(r[r >= 0])).all() for r in got.reshape(-1, K))
     with pytest.raises(ValueError, match="threads"):
         trace_storage.decode_column(spec, enc, counts, threads=0)
+
+
+def _entry_rows(positions: int, rate: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Compressed-entry rows as DeepSeek-V4's CSA indexer gives them (rate ``rate``, top ``k``):
+    a query at ``p`` sees the entries ``w < (p + 1) // rate`` and picks ``min(k, seen)`` of them,
+    listed by score (here shuffled), ``-1`` after."""
+    out = np.full((positions, 1, k), -1, np.int32)
+    for p in range(positions):
+        seen = (p + 1) // rate
+        out[p, 0, :min(k, seen)] = rng.choice(seen, size=min(k, seen), replace=False)
+    return out
+
+
+def test_compressed_entry_rows_draw_from_the_entries_their_query_sees():
+    from replayrl.rollout.traces import trace_storage, trace_table
+    from replayrl.transport.trace_codec import encoded_nbytes
+
+    spec = trace_table.spec("indexer_topk")
+    rows = _entry_rows(12, 4, 2, np.random.default_rng(5))
+    enc = trace_storage.encode_column(spec, rows, [12])
+    # positions 0..11 see 0 0 0 1 1 1 1 2 2 2 2 3 entries; k = 2: the first three rows are empty,
+    # the next eight pick every entry they see (no bytes), the last picks 2 of 3 (a 3-bit bitmap)
+    assert enc["stride"] == 4
+    assert enc["kind"].tolist() == [0] * 3 + [1] * 8 + [2]
+    assert enc["bitmap"].size == 1 and enc["high"].size == 0 and enc["low"].size == 0
+    # over p + 1 keys instead, the eight rows that pick every entry they see would be coded rows
+    assert encoded_nbytes(enc) < encoded_nbytes(trace_storage.encode_sets(rows, np.arange(1, 13)))
+    back = trace_storage.decode_column(spec, Codec().decode(Codec().encode(enc)), [12])
+    assert _as_sets(back) == _as_sets(rows)
+
+
+def test_the_stride_is_the_largest_every_row_fits():
+    from replayrl.rollout.traces.trace_storage import entry_stride
+
+    rows = np.array([[[-1, -1]], [[0, -1]], [[1, 0]], [[2, -1]]], np.int32)
+    # by hand: rows 1..3 (p = 1, 2, 3) reach index 0, 1, 2: (p + 1) // (top + 1) = 2, 1, 1
+    assert entry_stride(rows, np.arange(4)) == 1
+    assert entry_stride(rows[1:2], np.array([7])) == 8  # index 0 at p = 7: up to 8 keys an entry
+    assert entry_stride(np.full((3, 1, 2), -1, np.int32), np.arange(3)) == 1
+    assert entry_stride(np.array([[[5]]], np.int32), np.array([2])) == 1  # past p + 1: no set
+
+
+def test_a_malformed_stride_is_named():
+    from replayrl.rollout.traces import trace_storage, trace_table
+
+    spec = trace_table.spec("indexer_topk")
+    rows = _entry_rows(12, 4, 2, np.random.default_rng(5))
+    enc = trace_storage.encode_column(spec, rows, [12])
+    for bad in (0, "4", 2.0):
+        with pytest.raises(ValueError, match="stride"):
+            trace_storage.decode_column(spec, {**enc, "stride": bad}, [12])
+    with pytest.raises(ValueError, match="universe"):  # stride 2: rows 3..10 'all' of 2 to 5 entries
+        trace_storage.decode_column(spec, {**enc, "stride": 2}, [12])

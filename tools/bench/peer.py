@@ -563,19 +563,24 @@ def trl_worker(spec_path: str, result_path: str) -> None:
 
 
 def run_seed(steps: int, seed: int, work: Path, trl_first: bool,
-             overrides: dict | None = None) -> tuple[SideRun, SideRun, dict]:
+             overrides: dict | None = None,
+             replayrl_steps: int | None = None) -> tuple[SideRun, SideRun, dict]:
     """Both sides for one seed, in the order given; returns ``(replayrl, TRL, facts)``.
+
+    TRL runs ``steps`` optimizer steps, replayrl ``replayrl_steps`` (default ``steps``) over the
+    same prompt stream: TRL's prompts are the stream's first ``steps`` batches either way.
 
     Raises:
         PeerBenchError: the checkpoint replayrl trained from is not the one TRL loaded.
     """
     from replayrl.tools.run.launcher import write_initial_checkpoint
 
-    config = run_config(steps, seed, str(work / "replayrl"), overrides)
+    config = run_config(replayrl_steps or steps, seed, str(work / "replayrl"), overrides)
+    trl_config = run_config(steps, seed, str(work / "replayrl"), overrides)
     checkpoint = write_initial_checkpoint(config, work / "checkpoint-init")
     sides = {}
     for side in (("TRL", "replayrl") if trl_first else ("replayrl", "TRL")):
-        sides[side] = (run_trl(config, checkpoint, work) if side == "TRL"
+        sides[side] = (run_trl(trl_config, checkpoint, work) if side == "TRL"
                        else run_replayrl(config))
     ours = work / "replayrl" / "checkpoint-init" / "model.safetensors"
     if _sha256(ours) != _sha256(checkpoint / "model.safetensors"):
@@ -593,8 +598,11 @@ def report(pairs: list[tuple[SideRun, SideRun, dict]], threshold: float | None, 
     per_step = r.rollout_batch_size * r.n_samples_per_prompt
     target = (f"{QUALITY_SHARE} x TRL's mean reward over its last {window} steps (per seed)"
               if threshold is None else f"{threshold}")
+    trl_steps = len(pairs[0][1].step_seconds)
+    steps = (f"{config.num_steps} steps" if config.num_steps == trl_steps
+             else f"{config.num_steps} replayrl / {trl_steps} TRL steps")
     lines = [
-        f"bench peer: replayrl vs TRL GRPOTrainer, {config.num_steps} steps x {per_step} "
+        f"bench peer: replayrl vs TRL GRPOTrainer, {steps} x {per_step} "
         f"completions per optimizer step, seeds {' '.join(str(p[0].seed) for p in pairs)}",
         "",
         "Both load the same checkpoint-init (Hugging Face Qwen3-MoE directory; sha256 of "
@@ -610,8 +618,8 @@ def report(pairs: list[tuple[SideRun, SideRun, dict]], threshold: float | None, 
         "",
         settings_table(config),
         "",
-        f"completions/s = {per_step} / median step seconds over steps after the first "
-        f"{warmup_steps(config.num_steps)}; time to reward: summed step seconds until the trailing "
+        f"completions/s = {per_step} / median step seconds over steps after each side's first "
+        f"10 % (warmup_steps); time to reward: summed step seconds until the trailing "
         f"{window}-step mean reward >= {target}; reward after equal seconds: each side's trailing "
         f"{window}-step mean after the shorter side's total step seconds; ratio = replayrl / TRL.",
     ]
@@ -682,14 +690,16 @@ def _spread_row(name: str, ours: list, theirs: list, spec: str) -> str:
 
 
 def bench(steps: int, seeds: Sequence[int], threshold: float | None, window: int,
-          overrides: dict | None = None) -> str:
-    """Run both sides for every seed (alternating which goes first) and return the report."""
+          overrides: dict | None = None, replayrl_steps: int | None = None) -> str:
+    """Run both sides for every seed (alternating which goes first) and return the report;
+    ``replayrl_steps``: replayrl's steps when not ``steps`` (:func:`run_seed`)."""
     pairs = []
     with tempfile.TemporaryDirectory(prefix="rrl-peer-") as tmp:
         for i, seed in enumerate(seeds):
             work = Path(tmp) / f"seed-{seed}"
             work.mkdir()
-            pairs.append(run_seed(steps, seed, work, trl_first=bool(i % 2), overrides=overrides))
+            pairs.append(run_seed(steps, seed, work, trl_first=bool(i % 2), overrides=overrides,
+                                  replayrl_steps=replayrl_steps))
     return report(pairs, threshold, window)
 
 
@@ -707,6 +717,11 @@ def main(argv: list[str] | None = None, grid=None) -> int:
     parser.add_argument("--steps", type=int, default=None,
                         help="optimizer steps per side (default: 100; with --grid: quick 20, "
                              "else 30)")
+    parser.add_argument("--replayrl-steps", type=int, default=None,
+                        help="replayrl's optimizer steps when not --steps: time to quality needs "
+                             "the faster side to run at least the slower side's seconds (TRL's "
+                             "prompts are the first --steps batches of the same stream) "
+                             "(default: --steps)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1],
                         help="one comparison per seed")
     parser.add_argument("--threshold", type=float, default=None,
@@ -745,8 +760,8 @@ def main(argv: list[str] | None = None, grid=None) -> int:
     args = parser.parse_args(argv)
     if args.steps is None:
         args.steps = 100 if args.grid is None else {"quick": 20}.get(args.grid, 30)
-    if args.steps < 1 or args.window < 1:
-        parser.error("--steps and --window must be >= 1")
+    if args.steps < 1 or args.window < 1 or (args.replayrl_steps is not None and args.replayrl_steps < 1):
+        parser.error("--steps, --replayrl-steps and --window must be >= 1")
     try:
         backward = parse_backward_threads(args.trainer_backward_threads)
     except ValueError as exc:
@@ -780,7 +795,8 @@ def main(argv: list[str] | None = None, grid=None) -> int:
         if args.grid is not None:
             report = grid(args, overrides, parser)
         else:
-            report = bench(args.steps, args.seeds, args.threshold, args.window, overrides)
+            report = bench(args.steps, args.seeds, args.threshold, args.window, overrides,
+                           args.replayrl_steps)
     print(("--priority: both sides ran ahead of other sessions' jobs (tools/bench/priority.py)\n\n"
            if args.priority else "") + report, flush=True)
     return 0

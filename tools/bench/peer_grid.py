@@ -293,8 +293,9 @@ def run_replayrl_child(steps: int, seed: int, output_dir: Path, overrides: dict,
 
 
 def run_point(point: GridPoint, steps: int, seed: int, window: int, work: Path, trl_first: bool,
-              overrides: dict) -> tuple[PointResult, object]:
-    """Both sides at ``point`` in the given order; returns the result and the replayrl config.
+              overrides: dict, replayrl_steps: int | None = None) -> tuple[PointResult, object]:
+    """Both sides at ``point`` in the given order (TRL ``steps`` steps, replayrl
+    ``replayrl_steps``, default ``steps``); returns the result and the replayrl config.
 
     Raises:
         PeerBenchError: a side failed, or replayrl's checkpoint-init differs from TRL's.
@@ -302,13 +303,15 @@ def run_point(point: GridPoint, steps: int, seed: int, window: int, work: Path, 
     from replayrl.tools.run.launcher import write_initial_checkpoint
 
     values = {**overrides, **point.overrides()}
-    config = run_config(steps, seed, str(work / "replayrl"), values)
+    ours_steps = replayrl_steps or steps
+    config = run_config(ours_steps, seed, str(work / "replayrl"), values)
+    trl_config = run_config(steps, seed, str(work / "replayrl"), values)
     checkpoint = write_initial_checkpoint(config, work / "checkpoint-init")
     before = os.getloadavg()[0]
     runs = {}
     for side in (("TRL", "replayrl") if trl_first else ("replayrl", "TRL")):
-        runs[side] = (run_trl(config, checkpoint, work) if side == "TRL"
-                      else run_replayrl_child(steps, seed, work / "replayrl", values, work))
+        runs[side] = (run_trl(trl_config, checkpoint, work) if side == "TRL"
+                      else run_replayrl_child(ours_steps, seed, work / "replayrl", values, work))
     ours = work / "replayrl" / "checkpoint-init" / "model.safetensors"
     if _sha256(ours) != _sha256(checkpoint / "model.safetensors"):
         raise PeerBenchError(f"{point}: replayrl's checkpoint-init differs from the one TRL loaded")
@@ -325,10 +328,12 @@ def run_point(point: GridPoint, steps: int, seed: int, window: int, work: Path, 
 
 
 def grid_report(results: Sequence[PointResult], configs: Sequence, steps: int, window: int,
-                plot: Path) -> str:
+                plot: Path, replayrl_steps: int | None = None) -> str:
     """The printed report: what varies per point, the settings of both sides (of the first
     point; only model size, new tokens and task change), the table and where the plot is."""
-    lines = [f"bench peer --grid: replayrl vs TRL GRPOTrainer, {steps} steps per side and point, "
+    per_side = (f"{steps} steps per side" if replayrl_steps in (None, steps)
+                else f"{replayrl_steps} replayrl / {steps} TRL steps")
+    lines = [f"bench peer --grid: replayrl vs TRL GRPOTrainer, {per_side} and point, "
              f"seed {configs[0].rollout.seed}", ""]
     for res, config in zip(results, configs):
         p = res.point
@@ -349,7 +354,8 @@ def grid_report(results: Sequence[PointResult], configs: Sequence, steps: int, w
                   "tokens the task (--task sort --answer-tokens N-1) and the backward threads "
                   "listed above change):", "",
               settings_table(configs[0]), "",
-              f"Rates: median over steps after the first {warmup_steps(steps)}. trainer tokens/s: "
+              "Rates: median over steps after each side's first 10 % (tools/bench/peer.py "
+              "warmup_steps). trainer tokens/s: "
               "(prompt + completion tokens of the step's samples) / trainer seconds (replayrl "
               "train_seconds; TRL step seconds minus seconds in model.generate). Memory: peak of "
               "the summed RSS / PSS of each side's process tree, sampled every 0.25 s from /proc "
@@ -388,18 +394,20 @@ def check_points(points: Sequence[GridPoint], overrides: dict, size_overrides: d
 
 
 def run_grid(points: Sequence[GridPoint], steps: int, seed: int, window: int, output_dir: Path,
-             overrides: dict | None = None, size_overrides: dict | None = None) -> str:
+             overrides: dict | None = None, size_overrides: dict | None = None,
+             replayrl_steps: int | None = None) -> str:
     """Run every point (alternating which side goes first), write the plot, return the report.
 
     ``overrides``: replayrl settings (flag name -> value) of every point; ``size_overrides``:
-    ``{model size: settings}`` added at that size's points."""
+    ``{model size: settings}`` added at that size's points; ``replayrl_steps``: replayrl's
+    steps per point when not ``steps`` (:func:`run_point`)."""
     results, configs = [], []
     with tempfile.TemporaryDirectory(prefix="rrl-peer-grid-") as tmp:
         for i, point in enumerate(points):
             work = Path(tmp) / f"{point.model_size}-{point.answer_tokens}"
             work.mkdir()
             res, config = run_point(point, steps, seed, window, work, bool(i % 2),
-                                    size_settings(point, overrides, size_overrides))
+                                    size_settings(point, overrides, size_overrides), replayrl_steps)
             results.append(res)
             configs.append(config)
             # the point's row as soon as it is measured: a grid stopped early keeps its points
@@ -410,7 +418,7 @@ def run_grid(points: Sequence[GridPoint], steps: int, seed: int, window: int, ou
                          {"replayrl": r.curves[0], "TRL": r.curves[1]}, r.quality.threshold)
                         for r in results if r.quality is not None],
                        plot.with_name("peer_grid_reward.png"), window)
-    return grid_report(results, configs, steps, window, plot)
+    return grid_report(results, configs, steps, window, plot, replayrl_steps)
 
 
 def _grid(args, overrides: dict, parser) -> str:
@@ -424,7 +432,7 @@ def _grid(args, overrides: dict, parser) -> str:
     except BenchError as exc:
         parser.error(str(exc))
     return run_grid(points, args.steps, args.seeds[0], args.window, Path(args.output_dir), overrides,
-                    args.size_overrides)
+                    args.size_overrides, args.replayrl_steps)
 
 
 def main(argv: list[str] | None = None) -> int:

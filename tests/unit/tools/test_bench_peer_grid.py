@@ -124,7 +124,7 @@ def test_backward_threads_for_every_point_or_per_model_size():
 def test_each_point_runs_with_its_model_sizes_settings(tmp_path, monkeypatch):
     seen = {}
 
-    def fake_point(point, steps, seed, window, work, trl_first, overrides):
+    def fake_point(point, steps, seed, window, work, trl_first, overrides, replayrl_steps=None):
         seen[(point.model_size, point.answer_tokens)] = overrides
         raise KeyboardInterrupt  # stop after recording the first point's settings
 
@@ -190,7 +190,7 @@ def test_grid_report_leads_with_time_to_quality_and_writes_both_plots(tmp_path, 
     theirs = ((0.1, 0.3, 0.8, 1.0), (2.0, 2.0, 2.0, 2.0))
     figures = pg.SideFigures(100.0, 200.0, 300.0, 2.0, None, None, 0.9)
 
-    def fake_point(point, steps, seed, window, work, trl_first, overrides):
+    def fake_point(point, steps, seed, window, work, trl_first, overrides, replayrl_steps=None):
         quality = time_to_quality(*ours, *theirs, window)
         return (pg.PointResult(point, figures, figures, ("replayrl", "TRL"), (1.0, 1.0), 1000,
                                quality, (ours, theirs)),
@@ -204,3 +204,23 @@ def test_grid_report_leads_with_time_to_quality_and_writes_both_plots(tmp_path, 
     assert text.index("Time to quality") < text.index("Settings (first point")
     assert (tmp_path / "peer_grid.png").stat().st_size > 0
     assert (tmp_path / "peer_grid_reward.png").stat().st_size > 0
+
+
+def test_replayrl_steps_lengthen_only_replayrls_run_over_the_same_prompt_stream(tmp_path, monkeypatch):
+    # time to quality needs the faster side to run the slower side's seconds: --replayrl-steps
+    # gives replayrl more steps while TRL keeps --steps, and TRL's prompts stay the stream's
+    # first --steps batches (the stream is drawn in order, so the shorter one is its prefix)
+    from replayrl.tools.bench import peer
+    from replayrl.tools.run import launcher
+
+    seen = {}
+    monkeypatch.setattr(launcher, "write_initial_checkpoint", lambda config, path: path)
+    monkeypatch.setattr(peer, "_sha256", lambda path: "same")
+    monkeypatch.setattr(peer, "run_trl", lambda config, checkpoint, work: seen.setdefault("trl", config))
+    monkeypatch.setattr(peer, "run_replayrl", lambda config: seen.setdefault("replayrl", config))
+    peer.run_seed(3, 1, tmp_path, trl_first=True, replayrl_steps=7)
+    assert (seen["trl"].num_steps, seen["replayrl"].num_steps) == (3, 7)
+    short = [p.index for p in peer.prompt_stream(seen["trl"])]
+    long = [p.index for p in peer.prompt_stream(seen["replayrl"])]
+    b = seen["trl"].rollout.rollout_batch_size
+    assert len(short) == 3 * b and len(long) == 7 * b and long[:3 * b] == short

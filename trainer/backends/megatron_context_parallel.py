@@ -151,7 +151,7 @@ class ContextParallel:
         return self.gather(dense, 0)[pos, row]
 
 
-def context_parallel_attention_class():
+def context_parallel_attention_class(base=None):
     """megatron ``DotProductAttention`` subclass that runs under context parallelism.
 
     The subclass is built with a config copy whose ``context_parallel_size`` is 1 (megatron's
@@ -160,12 +160,24 @@ def context_parallel_attention_class():
     before megatron's attention. ``attention_mask``: None (causal on global positions) or a
     full-sequence bool mask ``[B, 1, W, W]`` (True = masked out, e.g. the indexer's), of which
     the local query rows are taken; the causal mask is applied in both cases.
+
+    Args:
+        base: the core attention class to run after the gather: megatron's
+            ``DotProductAttention`` (None) or a subclass of it, e.g. the multi-latent
+            attention's (:func:`replayrl.trainer.backends.megatron_mla.latent_attention_class`):
+            MLA's keys and values are per-head tensors after its up projections, gathered like
+            any other (the latent is not what travels; docs/design/megatron.md#megatron-families).
     """
     import copy
 
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    class ContextParallelAttention(DotProductAttention):
+    base = base or DotProductAttention
+    if not issubclass(base, DotProductAttention):
+        raise TypeError(f"context_parallel_attention_class: {base.__name__} is not a megatron "
+                        f"DotProductAttention")
+
+    class ContextParallelAttention(base):
         """Core attention of a CP rank's query chunks against every key (global order)."""
 
         def __init__(self, config, *args, **kwargs):

@@ -107,7 +107,7 @@ def family_layout_errors(config, parallel) -> list[str]:
 
     megatron-core divides the vocabulary, the attention heads and the MLP widths over the
     tensor-parallel ranks (the latent down projections are replicated), the experts over the
-    expert-parallel ranks. Pipeline and context parallelism are not offered for the families.
+    expert-parallel ranks, the layers over the pipeline stages.
 
     Args:
         config: a family room ``FamilyConfig`` of a :data:`MEGATRON_FAMILIES` type.
@@ -118,15 +118,9 @@ def family_layout_errors(config, parallel) -> list[str]:
     """
     s, p = mla_shape(config), parallel
     out = []
-    if p.pp > 1:
-        out.append(f"--pp-size {p.pp}: pipeline stages are not offered for the {config.family!r} "
-                   f"family on the megatron backend (not tested)")
-    if p.cp > 1:
-        out.append(f"--cp-size {p.cp}: context parallelism is not offered for the "
-                   f"{config.family!r} family (megatron's MLA has no CP without TransformerEngine)")
     checks = [("vocab_size", s["vocab_size"], p.tp, "--tp-size"),
               ("num_attention_heads", s["num_attention_heads"], p.tp, "--tp-size"),
-]
+              ("num_hidden_layers", s["num_hidden_layers"], p.pp, "--pp-size")]
     if len(s["moe_layers"]) < s["num_hidden_layers"]:
         checks.append(("intermediate_size", s["intermediate_size"], p.tp, "--tp-size"))
     if s["moe_layers"]:
@@ -251,6 +245,10 @@ def build_mla_gpt_model(config, parallel):
     spec = get_gpt_decoder_block_spec(tcfg, use_transformer_engine=False, normalization="RMSNorm")
     spec = copy.deepcopy(spec)  # megatron's specs are shared objects
     core = latent_attention_class()
+    if parallel.cp > 1:  # the keys and values after MLA's up projections, gathered over CP
+        from replayrl.trainer.backends.megatron_context_parallel import context_parallel_attention_class
+
+        core = context_parallel_attention_class(core)
     from megatron.core.post_training.modelopt.layers import Linear
 
     for layer_spec in spec.layer_specs:

@@ -6,15 +6,12 @@ from __future__ import annotations
 
 __all__ = ["MEGATRON_FAMILIES", "NOT_YET"]
 
-MEGATRON_FAMILIES = ("deepseek_v3", "glm4_moe_lite")
+MEGATRON_FAMILIES = ("deepseek_v3", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa")
 """Family room model types the megatron backend trains: megatron-core's MLA and sigmoid-routed
-MoE (:mod:`replayrl.trainer.backends.megatron_mla`)."""
+MoE (:mod:`replayrl.trainer.backends.megatron_mla`), with megatron-core's DSA indexer and sparse
+attention on DeepSeek-V3.2 / GLM-5 (:mod:`replayrl.trainer.backends.megatron_dsa`)."""
 
 NOT_YET = {
-    "deepseek_v32": "its DSA lightning indexer on MLA layers (megatron-core's DSA indexer needs "
-                    "TransformerEngine; the embedded indexer is not placed in front of MLA)",
-    "glm_moe_dsa": "its DSA lightning indexer on MLA layers (megatron-core's DSA indexer needs "
-                   "TransformerEngine; the embedded indexer is not placed in front of MLA)",
     "gpt_oss": "attention sinks, sliding-window layers and biased, clamped SwiGLU experts",
     "qwen3_5_moe": "gated DeltaNet linear-attention layers and the gated shared expert",
     "kimi_k25": "the text tower of a multimodal checkpoint (deepseek_v3 text, not loaded "

@@ -1,8 +1,12 @@
-"""The DeepSeek-V3 / GLM-4.7-Flash families as a megatron-core ``GPTModel``: config mapping, build.
+"""The MLA families (DeepSeek-V3, GLM-4.7-Flash, DeepSeek-V3.2, GLM-5) as a megatron-core
+``GPTModel``: config mapping, build.
 
 The families ``deepseek_v3`` and ``glm4_moe_lite`` of the family room (transformers'
 ``DeepseekV3ForCausalLM`` / ``Glm4MoeLiteForCausalLM``, rollout/model/families/) have the same
-architecture and the same weight names; :func:`mla_transformer_config` maps their config onto
+architecture and the same weight names; ``deepseek_v32`` / ``glm_moe_dsa`` (``DeepseekV32`` /
+``GlmMoeDsa``) add the DSA lightning indexer, built from megatron-core's ``DSAttention`` /
+``DSAIndexer`` with replay (:mod:`replayrl.trainer.backends.megatron_dsa`).
+:func:`mla_transformer_config` maps their config onto
 megatron-core's ``MLATransformerConfig`` so that the GPTModel built from megatron-core's own local
 (non-TransformerEngine) layer spec computes transformers' function
 (docs/design/megatron.md#megatron-families):
@@ -17,7 +21,10 @@ megatron-core's ``MLATransformerConfig`` so that the GPTModel built from megatro
   ``e_score_correction_bias``, frozen: update rate 0) added for the choice only, group-limited
   top-k (``n_group`` / ``topk_group``), the chosen scores renormalised and scaled by
   ``routed_scaling_factor``; ``n_shared_experts * moe_intermediate_size`` shared experts, no gate;
-* RMSNorm everywhere, no biases, no dropout, no auxiliary loss, no capacity limit, untied head.
+* RMSNorm everywhere, no biases, no dropout, no auxiliary loss, no capacity limit, untied head;
+* DSA families: every layer's core attention is megatron's sparse ``DSAttention`` (the indexer
+  frozen, as transformers keeps it); GLM-5's "shared" layers attend the previous indexed layer's
+  keys.
 
 What megatron-core computes differently is refused (:func:`unsupported_fields`), never
 approximated: YaRN RoPE (megatron has it, untested here), non-interleaved rotary columns,
@@ -68,6 +75,11 @@ def mla_shape(config) -> dict:
     shape["rope_type"] = rope.get("rope_type", "default")
     shape["rope_theta"] = float(rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0)))
     shape["moe_layers"] = tuple(config.moe_layers)
+    shape["dsa"] = bool(config.indexed_layers)
+    if shape["dsa"]:  # transformers' DSA classes always interleave the MLA rotary columns
+        shape["rope_interleave"] = getattr(hf, "rope_interleave", True)
+        for name in ("index_n_heads", "index_head_dim", "index_topk"):
+            shape[name] = int(getattr(hf, name))
     return shape
 
 
@@ -99,6 +111,12 @@ def unsupported_fields(config) -> list[str]:
         out.append(f"hidden_act {s['hidden_act']!r} (only silu is mapped)")
     if s["tie_word_embeddings"]:
         out.append("tie_word_embeddings true (the mapping keeps the LM head untied)")
+    if s["dsa"] and not s["q_lora_rank"]:
+        out.append("q_lora_rank null (the DSA indexer reads the compressed query)")
+    if s["dsa"] and not s["qk_rope_head_dim"] < s["index_head_dim"]:
+        out.append(f"index_head_dim {s['index_head_dim']} <= qk_rope_head_dim "
+                   f"{s['qk_rope_head_dim']} (megatron's indexer rotates the last "
+                   f"qk_rope_head_dim of more columns)")
     return out
 
 
@@ -118,6 +136,17 @@ def family_layout_errors(config, parallel) -> list[str]:
     """
     s, p = mla_shape(config), parallel
     out = []
+    if p.cp > 1 and s["dsa"]:
+        out.append(f"--cp-size {p.cp}: context parallelism is not offered for the "
+                   f"{config.family!r} family (megatron-core's DSAttention has none)")
+    if p.pp > 1 and s["dsa"] and not s["num_hidden_layers"] % p.pp:
+        per_stage = s["num_hidden_layers"] // p.pp
+        first = [i for i in range(per_stage, s["num_hidden_layers"], per_stage)
+                 if i not in config.indexed_layers]
+        if first:  # a "shared" layer reads the keys of an indexed layer on an earlier stage
+            out.append(f"--pp-size {p.pp}: layer {first[0]} starts a pipeline stage but has no "
+                       f"indexer (config.json indexer_types 'shared'): it reuses the previous "
+                       f"stage's top-k")
     checks = [("vocab_size", s["vocab_size"], p.tp, "--tp-size"),
               ("num_attention_heads", s["num_attention_heads"], p.tp, "--tp-size"),
               ("num_hidden_layers", s["num_hidden_layers"], p.pp, "--pp-size")]
@@ -163,6 +192,10 @@ def mla_transformer_config(config, parallel):
             moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
             moe_token_dispatcher_type="alltoall", moe_enable_routing_replay=True,
             moe_router_dtype="fp32", moe_grouped_gemm=False)
+    if s["dsa"]:  # the indexer loss stays off: the indexer is frozen, as transformers keeps it
+        extra.update(experimental_attention_variant="dsa", dsa_indexer_n_heads=s["index_n_heads"],
+                     dsa_indexer_head_dim=s["index_head_dim"], dsa_indexer_topk=s["index_topk"],
+                     dsa_indexer_loss_coeff=0.0)
     theta = s["rope_theta"]
     return MLATransformerConfig(
         num_layers=s["num_hidden_layers"], hidden_size=s["hidden_size"],
@@ -231,7 +264,9 @@ def build_mla_gpt_model(config, parallel):
     :func:`replayrl.trainer.backends.megatron_weights.load_hf_weights`.
 
     Returns:
-        ``(model, transformer_config, None)`` (no indexer in these families).
+        ``(model, transformer_config, indexer)``: ``indexer`` is the
+        :class:`replayrl.trainer.backends.megatron_dsa.DSAReplay` of this stage's layers (DSA
+        families), else None.
 
     Raises:
         MegatronModelError: as :func:`mla_transformer_config`.
@@ -249,11 +284,24 @@ def build_mla_gpt_model(config, parallel):
         from replayrl.trainer.backends.megatron_context_parallel import context_parallel_attention_class
 
         core = context_parallel_attention_class(core)
+    cores = [core] * len(spec.layer_specs)
+    indexer = None
+    if config.indexed_layers:  # megatron's DSAttention, replayed (megatron_dsa)
+        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+        from replayrl.trainer.backends.megatron_dsa import DSAReplay, dsa_core_attention_specs
+
+        offset = get_transformer_layer_offset(tcfg)
+        local = [offset + j for j in range(len(spec.layer_specs))]
+        indexer = DSAReplay(config, local)
+        cores = dsa_core_attention_specs(config, indexer, local)
+        # layers of one kind share a spec object: one copy each, as their cores differ
+        spec.layer_specs = [copy.deepcopy(layer_spec) for layer_spec in spec.layer_specs]
     from megatron.core.post_training.modelopt.layers import Linear
 
-    for layer_spec in spec.layer_specs:
+    for layer_spec, core_attention in zip(spec.layer_specs, cores):
         attention = layer_spec.submodules.self_attention.submodules
-        attention.core_attention = core
+        attention.core_attention = core_attention
         # replicated down projections (megatron's own local Linear, its weights marked
         # sequence_parallel): the local spec's column-parallel ones gather the shared rotary
         # key over TP with an all-gather whose backward keeps only this rank's columns, so the
@@ -272,4 +320,8 @@ def build_mla_gpt_model(config, parallel):
         for norm in (getattr(attention, "q_layernorm", None), attention.kv_layernorm):
             if norm is not None:
                 norm.eps = LATENT_NORM_EPS
-    return model, tcfg, None
+    if indexer is not None:  # frozen, as transformers keeps it (its top-k has no gradient)
+        for name, p in model.named_parameters():
+            if ".indexer." in name:
+                p.requires_grad_(False)
+    return model, tcfg, indexer

@@ -1,5 +1,6 @@
 """--train-backend megatron with a family checkpoint, checked before any process starts: the
-deepseek_v3 / glm4_moe_lite families are accepted (megatron-core's MLA, docs/megatron.md), a
+MLA families are accepted (megatron-core's MLA, and its DSA on DeepSeek-V3.2 / GLM-5;
+docs/megatron.md), a
 config.json field the mapping does not compute, a layout that does not divide the model and the
 other families are refused, each message naming the field, flag or what is not built."""
 from __future__ import annotations
@@ -18,7 +19,8 @@ def _config(tmp_path, family: str, flags: dict | None = None, **overrides):
 
 
 @pytest.mark.parametrize("family,overrides", [("glm4_moe_lite", {}),
-                                              ("deepseek_v3", {"num_nextn_predict_layers": 0})])
+                                              ("deepseek_v3", {"num_nextn_predict_layers": 0}),
+                                              ("deepseek_v32", {}), ("glm_moe_dsa", {})])
 def test_mla_families_are_accepted(tmp_path, family, overrides):
     config = _config(tmp_path, family, **overrides)
     assert config.trainer.train_backend == "megatron"
@@ -39,6 +41,12 @@ def test_what_the_mapping_does_not_compute_is_refused(tmp_path, overrides, flags
 
 
 def test_other_families_are_refused_naming_what_is_not_built(tmp_path):
-    with pytest.raises(ConfigError, match=r"cannot train the 'glm_moe_dsa' family .* yet: its DSA "
-                                          r"lightning indexer on MLA layers"):
-        _config(tmp_path, "glm_moe_dsa")
+    with pytest.raises(ConfigError, match=r"cannot train the 'gpt_oss' family .* yet: attention "
+                                          r"sinks"):
+        _config(tmp_path, "gpt_oss")
+
+
+def test_dsa_under_context_parallelism_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"--cp-size 2: context parallelism is not offered for "
+                                          r"the 'deepseek_v32' family \(megatron-core's DSAttention"):
+        _config(tmp_path, "deepseek_v32", {"cp-size": 2, "dp-size": 2})

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import signal
@@ -132,31 +133,93 @@ def chaos_config(train_argv: Sequence[str], output: Path):
     return config_from_args(args)
 
 
-async def soak(config, every_s: float, seed: int) -> dict:
+async def sample_usage(metrics: Path, every: int, samples: list[dict],
+                       out: Path | None = None, poll_s: float = 0.5) -> None:
+    """Forever: each time the run's ``metrics`` file has reached another multiple of ``every``
+    rows (steps), append :func:`replayrl.tools.bench.proc_usage.sample_tree` of this process's
+    tree at that step count to ``samples`` (and as a json line to ``out``). Polls every
+    ``poll_s`` seconds, so a sample's step is the row count when it was taken (at or just past
+    the multiple). Cancel it to stop."""
+    from replayrl.tools.bench.proc_usage import append_sample, sample_tree
+
+    next_step, steps, offset = every, 0, 0
+    while True:
+        await asyncio.sleep(poll_s)
+        try:
+            with metrics.open("rb") as f:  # only the bytes written since the last poll
+                f.seek(offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            continue
+        offset += chunk.rfind(b"\n") + 1
+        steps += chunk.count(b"\n")
+        if steps >= next_step:
+            samples.append(sample_tree(os.getpid(), steps))
+            if out is not None:
+                append_sample(out, samples[-1])
+            next_step = (steps // every + 1) * every
+
+
+def _read_rows(path: Path) -> list[dict]:
+    """The complete json rows of a metrics file (a line cut by a stop is left out)."""
+    rows = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+async def soak(config, every_s: float, seed: int, usage_every: int = 0,
+               usage_out: Path | None = None, budget_s: float | None = None) -> dict:
     """One run of ``config`` (:func:`chaos_config`) with an engine killed about every
     ``every_s`` seconds from its first step's row on (:func:`kill_engines`, drawn from
     ``seed``).
 
+    Args:
+        usage_every: above 0, sample every process's RSS and open fds every that many steps
+            (:func:`sample_usage`); one more sample is taken when the budget stops the run.
+        usage_out: a jsonl file the samples are also appended to.
+        budget_s: stop the run (cancel it: every actor stopped) after that many seconds, and
+            report the steps its ``metrics.jsonl`` holds by then.
     Returns:
-        :func:`check_rows` of its rows, plus ``"kills"`` and ``"seconds"`` (the run's wall clock).
+        :func:`check_rows` of its rows, plus ``"kills"``, ``"seconds"`` (the run's wall clock),
+        ``"stopped_by_budget"`` and ``"usage"`` (the samples, in step order).
     Raises:
         whatever the run raised (``ActorDied`` for a loss the run does not survive).
     """
+    from replayrl.tools.bench.proc_usage import append_sample, sample_tree
     from replayrl.tools.run.launcher import launch
 
     output = Path(config.output_dir)
+    metrics = output / "metrics.jsonl"
     kills: list[dict] = []
-    killer = asyncio.ensure_future(kill_engines(every_s, random.Random(seed), kills,
-                                                 output / "metrics.jsonl"))
+    samples: list[dict] = []
+    helpers = [asyncio.ensure_future(kill_engines(every_s, random.Random(seed), kills, metrics))]
+    if usage_every > 0:
+        helpers.append(asyncio.ensure_future(sample_usage(metrics, usage_every, samples,
+                                                          usage_out)))
     started = time.perf_counter()
+    run = asyncio.ensure_future(launch(config))
+    stopped = False
     try:
-        result = await launch(config)
+        await asyncio.wait({run}, timeout=budget_s)
+        if not run.done():  # the budget is spent: a last sample while every actor still runs
+            stopped = True
+            if usage_every > 0:
+                samples.append(sample_tree(os.getpid(), len(_read_rows(metrics))))
+                if usage_out is not None:
+                    append_sample(usage_out, samples[-1])
     finally:
-        killer.cancel()
-        await asyncio.gather(killer, return_exceptions=True)
-    report = check_rows(result.rows, config.rollout.rollout_batch_size,
+        for task in (*helpers, run):
+            task.cancel()  # (a no-op on a run that ended)
+        await asyncio.gather(*helpers, run, return_exceptions=True)
+    rows = _read_rows(metrics) if stopped else run.result().rows
+    report = check_rows(rows, config.rollout.rollout_batch_size,
                         config.rollout.n_samples_per_prompt, config.max_staleness)
-    return {**report, "kills": len(kills), "seconds": time.perf_counter() - started}
+    return {**report, "kills": len(kills), "seconds": time.perf_counter() - started,
+            "stopped_by_budget": stopped, "usage": samples}
 
 
 def row(flags: Sequence[str], report: dict) -> str:

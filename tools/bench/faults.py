@@ -20,7 +20,9 @@ figures of the fault-free run (prompts, samples, rewards, losses' inputs and gra
 a regenerated group on another engine at the same weights must give the same trajectories.
 
 ``--chaos SECONDS --steps N -- FLAGS``: the chaos soak instead, one ``replayrl train FLAGS`` run
-of N steps with a random engine SIGKILLed about every SECONDS (:mod:`replayrl.tools.bench.chaos`).
+of N steps with a random engine SIGKILLed about every SECONDS (:mod:`replayrl.tools.bench.chaos`);
+``--usage-every K`` adds every process's RSS and open fds every K steps and whether each stayed
+flat (:mod:`replayrl.tools.bench.proc_usage`), ``--time-budget-s`` stops a long one in time.
 """
 from __future__ import annotations
 
@@ -156,6 +158,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="the chaos soak: one run of --steps steps with a random engine "
                              "SIGKILLed about every SECONDS (0: the fault table)")
     parser.add_argument("--seed", type=int, default=0, help="with --chaos: the seed of the kills' random draws")
+    parser.add_argument("--usage-every", type=int, default=0, metavar="N",
+                        help="with --chaos: sample every process's RSS and open fds every N steps "
+                             "and print whether each stayed flat (0: no sampling)")
+    parser.add_argument("--warmup-step", type=int, default=50, metavar="STEP",
+                        help="with --usage-every: the step whose sample is each process's start")
+    parser.add_argument("--time-budget-s", type=float, default=None, metavar="SECONDS",
+                        help="with --chaos: stop the run after SECONDS and report the steps it "
+                             "trained (default: run every --steps)")
+    parser.add_argument("--run-dir", type=Path, default=None, metavar="DIR",
+                        help="with --chaos: the run's --output-dir, kept (with usage.jsonl, the "
+                             "samples); default: a temporary directory")
     parser.add_argument("train_flags", nargs=argparse.REMAINDER,
                         help="with --chaos: the run's replayrl train flags, after -- (default: none)")
     args = parser.parse_args(argv)
@@ -170,14 +183,30 @@ def main(argv: list[str] | None = None) -> int:
                  str(args.rollout_batch_size), "--n-samples-per-prompt",
                  str(args.n_samples_per_prompt), "--heartbeat-deadline-s",
                  str(args.heartbeat_deadline_s), *flags]
+        if args.usage_every < 0 or args.warmup_step < 0:
+            parser.error("--usage-every and --warmup-step must be >= 0")
+        if args.time_budget_s is not None and args.time_budget_s <= 0:
+            parser.error(f"--time-budget-s must be > 0, got {args.time_budget_s}")
         with tempfile.TemporaryDirectory(prefix="rrl-bench-chaos-") as tmp:
+            out = args.run_dir if args.run_dir is not None else Path(tmp) / "run"
             try:
-                config = chaos.chaos_config(flags, Path(tmp) / "run")
+                config = chaos.chaos_config(flags, out)
             except ConfigError as exc:
                 parser.error(str(exc))
-            report = run_event_loop(chaos.soak(config, args.chaos, args.seed))
+            usage_out = out / "usage.jsonl" if args.run_dir is not None else None
+            report = run_event_loop(chaos.soak(config, args.chaos, args.seed, args.usage_every,
+                                               usage_out, args.time_budget_s))
         print(chaos.HEADER)
         print(chaos.row(given, report))
+        if report["stopped_by_budget"]:
+            print(f"\nstopped by --time-budget-s {args.time_budget_s:g} after {report['steps']} of "
+                  f"{args.steps} steps")
+        if args.usage_every:
+            from replayrl.tools.bench.proc_usage import flat_table
+
+            print()
+            print(flat_table(report["usage"], args.warmup_step) if report["usage"]
+                  else "no usage sample: the run ended before --usage-every steps")
         return 0 if report["ok"] else 1
     elif args.train_flags:
         parser.error("replayrl train flags are for --chaos only")

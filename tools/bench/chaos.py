@@ -160,7 +160,7 @@ async def sample_usage(metrics: Path, every: int, samples: list[dict],
             next_step = (steps // every + 1) * every
 
 
-def _read_rows(path: Path) -> list[dict]:
+def read_rows(path: Path) -> list[dict]:
     """The complete json rows of a metrics file (a line cut by a stop is left out)."""
     rows = []
     for line in path.read_text().splitlines() if path.exists() else []:
@@ -208,14 +208,14 @@ async def soak(config, every_s: float, seed: int, usage_every: int = 0,
         if not run.done():  # the budget is spent: a last sample while every actor still runs
             stopped = True
             if usage_every > 0:
-                samples.append(sample_tree(os.getpid(), len(_read_rows(metrics))))
+                samples.append(sample_tree(os.getpid(), len(read_rows(metrics))))
                 if usage_out is not None:
                     append_sample(usage_out, samples[-1])
     finally:
         for task in (*helpers, run):
             task.cancel()  # (a no-op on a run that ended)
         await asyncio.gather(*helpers, run, return_exceptions=True)
-    rows = _read_rows(metrics) if stopped else run.result().rows
+    rows = read_rows(metrics) if stopped else run.result().rows
     report = check_rows(rows, config.rollout.rollout_batch_size,
                         config.rollout.n_samples_per_prompt, config.max_staleness)
     return {**report, "kills": len(kills), "seconds": time.perf_counter() - started,

@@ -1,16 +1,20 @@
-"""Test helper run under torchrun (gloo): a family room checkpoint (deepseek_v3 / glm4_moe_lite) as
-megatron-core's MLA GPTModel in several layouts of one world, against transformers.
+"""Test helper run under torchrun (gloo): a family room checkpoint (deepseek_v3 / glm4_moe_lite /
+deepseek_v32 / glm_moe_dsa) as megatron-core's MLA GPTModel in several layouts of one world, against
+transformers.
 
 Usage: torchrun --nproc-per-node N tests/megatron_family_worker.py OUT LAYOUTS CHECKPOINT...
-with LAYOUTS ``tp,ep`` pairs joined by ``/`` (e.g. ``1,1/2,1/1,2``). For each checkpoint and
+with LAYOUTS ``tp,ep`` pairs joined by ``/`` (e.g. ``1,1/2,1/1,2``); a CHECKPOINT written
+``DIR@LAYOUTS`` is run in its own layouts instead. For each checkpoint and
 layout, in one process (the parallel groups are rebuilt between layouts): the full-vocabulary
 logits of a fixed batch (gathered over TP), the gathered HF weights' largest difference from the
 checkpoint, and R3: the routing transformers
 chooses on the original weights (the engine's trace), megatron's own routing after every router
-is perturbed, and megatron's routing and logits when it replays that trace. Rank 0 also runs
-transformers (the reference, eager attention): the logits, the trace, and its logits replaying
-the trace on the same perturbed routers. Rank 0 writes OUT/result.npz, the keys of checkpoint
-``i`` prefixed ``c<i>_``.
+is perturbed, and megatron's routing and logits when it replays that trace. With a DSA indexer
+the same for its key slots: the indexer's weights are perturbed too, and the indexer trace is
+replayed with the last query of row 0 set to all -1 in every indexed layer (it keeps the
+indexer's own choice). Rank 0 also runs transformers (the reference, eager attention): the
+logits, the traces, and its logits replaying the traces on the same perturbed weights. Rank 0
+writes OUT/result.npz, the keys of checkpoint ``i`` prefixed ``c<i>_``.
 """
 from __future__ import annotations
 
@@ -23,6 +27,19 @@ ROUTER_NOISE = 0.5
 """Standard deviation of the noise added to every router weight between record and replay
 (the routers' weights are ~0.1 here), enough to flip many of the top-k choices."""
 
+INDEXER_NOISE = 1.0
+"""Standard deviation of the noise added to the indexer's projections (``wq_b``, ``wk``,
+``weights_proj``; weights ~0.1 here) between record and replay."""
+
+
+def _perturbed(name: str) -> float:
+    """The noise scale of HF weight ``name`` between record and replay (0: unchanged)."""
+    if name.endswith("mlp.gate.weight"):
+        return ROUTER_NOISE
+    if ".indexer." in name and "k_norm" not in name:
+        return INDEXER_NOISE
+    return 0.0
+
 
 def main() -> None:
     import numpy as np
@@ -33,7 +50,8 @@ def main() -> None:
     torch.set_num_threads(1)
     result = {}
     for i, checkpoint in enumerate(checkpoints):
-        for k, v in _compare(Path(checkpoint), layouts).items():
+        path, _, own = checkpoint.partition("@")
+        for k, v in _compare(Path(path), own.split("/") if own else layouts).items():
             result[f"c{i}_{k}"] = v
     if dist.get_rank() == 0:
         out.mkdir(parents=True, exist_ok=True)
@@ -59,21 +77,30 @@ def _compare(checkpoint: Path, layouts: list[str]) -> dict:
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, cfg.vocab_size, (2, 12), generator=gen)
     positions = torch.arange(12).expand_as(tokens)
-    perturbed = {k: (v + ROUTER_NOISE * torch.randn(v.shape, generator=gen)
-                     if k.endswith("mlp.gate.weight") else v) for k, v in state.items()}
+    perturbed = {k: v + _perturbed(k) * torch.randn(v.shape, generator=gen) if _perturbed(k) else v
+                 for k, v in state.items()}
     result = {}
-    # gradients of a fixed linear function of the logits (float32), by transformers
+    # gradients of a fixed linear function of the logits (float32), by transformers (the
+    # indexer is frozen in both models)
     probe = torch.randn(*tokens.shape, cfg.vocab_size, generator=gen)
     (engine(tokens, positions).logits * probe).sum().backward()
-    grads = {k: p.grad.clone() for k, p in engine.hf.named_parameters()}
+    grads = {k: p.grad.clone() for k, p in engine.hf.named_parameters() if p.grad is not None}
     engine.zero_grad(set_to_none=True)
+    index = None
     with torch.no_grad():
         ref = engine(tokens, positions, capture=True)
         trace = ref.routed_experts  # int32 [B, S, L_moe, K]: the engine's choice
         result["hf_logits"] = ref.logits.numpy()
         result["trace"] = trace.numpy()
+        if cfg.indexed_layers:  # int32 [B, S, L_idx, K], -1 = no key
+            index = ref.indexer_topk.clone()
+            index[0, -1] = -1  # keeps the indexer's own choice
+            result["index_trace"] = index.numpy()
         engine.load_state_dict(perturbed)
-        result["hf_replay_logits"] = engine(tokens, positions, routed_experts=trace).logits.numpy()
+        replayed = engine(tokens, positions, routed_experts=trace, indexer_topk=index, capture=True)
+        result["hf_replay_logits"] = replayed.logits.numpy()
+        if index is not None:
+            result["hf_replay_index"] = replayed.indexer_topk.numpy()
 
     for layout in layouts:
         tp, ep = (int(x) for x in layout.split(","))
@@ -89,7 +116,7 @@ def _compare(checkpoint: Path, layouts: list[str]) -> dict:
 
         name = f"tp{tp}_ep{ep}"
         with cpu_device_scope():
-            model, _, _ = build_gpt_model(cfg, parallel)
+            model, _, indexer = build_gpt_model(cfg, parallel)
             model.eval()
             load_hf_weights(model, state, cfg)
             if ep == 1:  # under EP the data-parallel ranks' tokens meet in the experts
@@ -103,14 +130,25 @@ def _compare(checkpoint: Path, layouts: list[str]) -> dict:
             result[f"{name}_roundtrip"] = np.array(max(
                 float((torch.as_tensor(back[k]) - state[k]).abs().max()) for k in state))
             load_hf_weights(model, perturbed, cfg)
-            replay.begin(None)  # the perturbed routers' own choice
+            keys = torch.ones(tokens.shape, dtype=torch.bool)
+            replay.begin(None)  # the perturbed routers' and indexers' own choice
+            if indexer is not None:
+                indexer.begin(keys, None)
             logits_of(model)
             result[f"{name}_own"] = replay.collect(tokens.shape[0])[0].numpy()
             replay.end()
+            if indexer is not None:
+                result[f"{name}_index_own"] = indexer.collect()[1].numpy()
+                indexer.end()
+                indexer.begin(keys, index)
             replay.begin(trace)
             result[f"{name}_replay_logits"] = logits_of(model).numpy()
             result[f"{name}_used"] = replay.collect(tokens.shape[0])[0].numpy()
             replay.end()
+            if indexer is not None:
+                used, own = indexer.collect()
+                result[f"{name}_index_used"], result[f"{name}_index_replay_own"] = used.numpy(), own.numpy()
+                indexer.end()
     return result
 
 

@@ -1,13 +1,19 @@
-"""--train-backend megatron on a family room checkpoint (deepseek_v3 / glm4_moe_lite): megatron-core's
-MLA GPTModel against transformers' own model, under torchrun (gloo, CPU).
+"""--train-backend megatron on a family room checkpoint (deepseek_v3 / glm4_moe_lite, and with the DSA
+indexer deepseek_v32 / glm_moe_dsa): megatron-core's MLA GPTModel against transformers' own model,
+under torchrun (gloo, CPU).
 
 One two-rank torchrun builds the model in three layouts of its world (TP=1 with two
-data-parallel replicas, TP=2 with sequence parallelism, EP=2): float32 logits equal
+data-parallel replicas, TP=2 with sequence parallelism, EP=2; the DSA families in the first
+two): float32 logits and gradients equal
 transformers' within 1e-5 in each, the gathered Hugging Face weights equal the checkpoint
 exactly (the conversion table both ways, with the shards of every layout), and R3 replays the
 engine's routing: with every router perturbed megatron's own choice differs from the engine's
 trace, replaying the trace uses exactly the engine's experts and gives transformers' logits for
-the same perturbed routers replaying the same trace.
+the same perturbed routers replaying the same trace. On the DSA families the indexer's key slots
+likewise: with the indexers perturbed too their own choice differs from the engine's, replaying
+the engine's slots (-1 slots selecting nothing) uses exactly them, a row of only -1 keeps the
+indexer's choice (transformers' on the same weights), and the logits are transformers' replayed
+ones; GLM-5's checkpoint has a "shared" layer (the previous indexed layer's keys).
 
 megatron-core runs in torchrun worker processes (tests/megatron_family_worker.py), never in the
 pytest process: its CPU compatibility layer is process-wide."""
@@ -32,6 +38,7 @@ from tests.ports import port_block  # noqa: E402
 
 WORKER = str(REPO / "tests" / "megatron_family_worker.py")
 LAYOUTS = ("1,1", "2,1", "1,2")  # tp,ep
+DSA_LAYOUTS = ("1,1", "2,1")  # the experts under EP are the MLA families' (checked there)
 
 
 def _checkpoint(directory: Path, family: str) -> Path:
@@ -42,6 +49,8 @@ def _checkpoint(directory: Path, family: str) -> Path:
     from transformers import AutoModelForCausalLM
 
     extra = {"num_nextn_predict_layers": 0} if family == "deepseek_v3" else {}
+    if family == "glm_moe_dsa":
+        extra = {"indexer_types": ["full", "shared", "full"]}
     cfg = tiny_hf_config(family, n_routed_experts=16, num_experts_per_tok=4, n_group=4,
                          topk_group=2, vocab_size=96, **extra)
     torch.manual_seed(0)
@@ -57,11 +66,13 @@ def _checkpoint(directory: Path, family: str) -> Path:
     return directory
 
 
-FAMILIES = ("deepseek_v3", "glm4_moe_lite")
+DSA_FAMILIES = ("deepseek_v32", "glm_moe_dsa")
+FAMILIES = ("deepseek_v3", "glm4_moe_lite", *DSA_FAMILIES)
 
 
 def test_megatron_mla_model_equals_transformers_in_every_layout(tmp_path):
-    ckpts = [str(_checkpoint(tmp_path / family, family)) for family in FAMILIES]
+    ckpts = [str(_checkpoint(tmp_path / family, family))
+             + ("@" + "/".join(DSA_LAYOUTS) if family in DSA_FAMILIES else "") for family in FAMILIES]
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
          f"--master-port={port_block()}", WORKER, str(tmp_path / "out"), "/".join(LAYOUTS), *ckpts],
@@ -73,7 +84,7 @@ def test_megatron_mla_model_equals_transformers_in_every_layout(tmp_path):
         r = {k[len(f"c{i}_"):]: v for k, v in result.items() if k.startswith(f"c{i}_")}
         trace = r["trace"]
         assert trace.shape == (2, 12, 2, 4), family  # layers 1, 2 are MoE; layer 0 dense
-        for layout in ("tp1_ep1", "tp2_ep1", "tp1_ep2"):
+        for layout in ("tp1_ep1", "tp2_ep1") + (() if family in DSA_FAMILIES else ("tp1_ep2",)):
             np.testing.assert_allclose(r[f"{layout}_logits"], r["hf_logits"], atol=1e-5, rtol=0,
                                        err_msg=f"{family} {layout}")
             assert r[f"{layout}_roundtrip"] == 0.0, (family, layout)
@@ -87,3 +98,24 @@ def test_megatron_mla_model_equals_transformers_in_every_layout(tmp_path):
                                        atol=1e-5, rtol=0, err_msg=f"{family} {layout}")
         # the perturbed routers' weights changed the function (replay keeps only the choice)
         assert np.abs(r["hf_replay_logits"] - r["hf_logits"]).max() > 1e-3, family
+        if "index_trace" in r:
+            _check_indexer_replay(r, family)
+
+
+def _check_indexer_replay(r: dict, family: str) -> None:
+    """The DSA indexer's replay in every layout (see the module docstring)."""
+    index = r["index_trace"]  # [B, S, L_idx, K]; row 0's last query all -1
+    assert index.shape == ((2, 12, 2, 4) if family == "glm_moe_dsa" else (2, 12, 3, 4)), family
+    assert (index[:, :3] == -1).any() and (index[0, -1] == -1).all(), family  # -1 slots are replayed
+    hf = r["hf_replay_index"]
+    np.testing.assert_array_equal(np.delete(hf, -1, 1)[0], np.delete(index, -1, 1)[0])
+    np.testing.assert_array_equal(hf[1], index[1])
+    for layout in ("tp1_ep1", "tp2_ep1"):
+        own, used = r[f"{layout}_index_own"], r[f"{layout}_index_used"]
+        # the perturbed indexers choose otherwise on many queries
+        assert (np.sort(own, -1) != np.sort(index, -1)).any(-1).mean() > 0.2, (family, layout)
+        np.testing.assert_array_equal(used, hf, err_msg=f"{family} {layout}")
+        # the all -1 row: the indexer's own choice in the replayed forward
+        np.testing.assert_array_equal(used[0, -1], r[f"{layout}_index_replay_own"][0, -1],
+                                      err_msg=f"{family} {layout}")
+        assert (used[0, -1] >= 0).all(), (family, layout)

@@ -1,53 +1,52 @@
 """Shared test helper: tiny random checkpoints of the family room's model types, written by
-transformers itself (`save_pretrained`, sharded), nothing downloaded."""
+transformers itself (`save_pretrained`, sharded), nothing downloaded. The shapes and the writer
+are examples/tiny_checkpoints/make_family_checkpoint.py's (:data:`TINY`), the script a reader
+makes the same checkpoints with."""
 from __future__ import annotations
 
+import importlib.util
+import sys
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
-FAMILY_TYPES = ("deepseek_v32", "glm_moe_dsa", "glm4_moe_lite", "gpt_oss")
-_BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-             num_key_value_heads=4, vocab_size=97, max_position_embeddings=256)
-_MLA = dict(moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
-            topk_group=1, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16,
-            qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
-_DSA = dict(index_topk=4, index_n_heads=2, index_head_dim=16)
+from tests.paths import REPO
+
+
+def _load_tiny() -> ModuleType:
+    """examples/tiny_checkpoints/make_family_checkpoint.py as the module
+    ``make_family_checkpoint`` (examples/ is no package), loaded once per process."""
+    name = "make_family_checkpoint"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            name, REPO / "examples" / "tiny_checkpoints" / "make_family_checkpoint.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+TINY = _load_tiny()
+"""The example script's module: ``TINY_TYPES``, ``TINY_V4``, ``tiny_config``, ``tiny_checkpoint``."""
+tiny_config, tiny_checkpoint = TINY.tiny_config, TINY.tiny_checkpoint
+
+FAMILY_TYPES = TINY.DSA_TYPES
 
 
 def tiny_hf_config(model_type: str, **overrides):
-    """A transformers config of `model_type`: hidden 64, 3 layers, 8 experts (top-2),
-    `index_topk` 4 on DSA types; eager attention."""
-    from transformers import AutoConfig
-
-    kw = dict(_BASE)
-    if model_type == "gpt_oss":
-        kw.update(num_local_experts=8, num_experts_per_tok=2, head_dim=16, sliding_window=8)
-    else:
-        kw.update(_MLA)
-        if model_type != "glm4_moe_lite":
-            kw.update(_DSA)
-    kw.update(overrides)
-    cfg = AutoConfig.for_model(model_type, **kw)
-    cfg._attn_implementation = "eager"
-    return cfg
+    """A transformers config of `model_type` (the example's `tiny_config`:
+    hidden 64, 3 layers, 8 experts (top-2), `index_topk` 4 on DSA types; eager attention)."""
+    return tiny_config(model_type, **overrides)
 
 
 def tiny_hf_checkpoint(model_type: str, directory: Path, seed: int = 0, scale: float = 5.0,
                        **overrides):
     """Write a random tiny `model_type` checkpoint (sharded safetensors, transformers'
     `save_pretrained`) to `directory`; returns transformers' fp32 model (eval mode). Weights
-    other than norms are scaled by `scale` so top-k choices are not near ties."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_hf_config(model_type, **overrides))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" not in name and "sinks" not in name:
-                p.mul_(scale)
-    model.save_pretrained(directory, max_shard_size="60KB")
-    return model.eval()
+    other than norms are scaled by `scale` so top-k choices are not near ties
+    (the example's `tiny_checkpoint`)."""
+    return tiny_checkpoint(model_type, directory, seed, scale, **overrides)
 
 
 ALL_FAMILIES = (*FAMILY_TYPES, "deepseek_v3", "kimi_k25", "qwen3_5_moe", "deepseek_v4")
@@ -56,19 +55,10 @@ is ``qwen3_5_moe_text``)."""
 
 
 def any_family_checkpoint(model_type: str, directory: Path) -> Path:
-    """A tiny random checkpoint of any of :data:`ALL_FAMILIES` (this module's, or
-    tests/qwen35_kimi_checkpoints.py's, or tests/deepseek_v4_checkpoint.py's); returns
-    ``directory``."""
-    if model_type == "deepseek_v4":
-        from tests.deepseek_v4_checkpoint import tiny_v4_checkpoint
-
-        tiny_v4_checkpoint(directory)
-    elif model_type in FAMILY_TYPES:
-        tiny_hf_checkpoint(model_type, directory)
-    else:
-        from tests.qwen35_kimi_checkpoints import tiny_checkpoint
-
-        tiny_checkpoint(model_type, directory)
+    """A tiny random checkpoint of any of :data:`ALL_FAMILIES`
+    (the example's `tiny_checkpoint`, default seed and scale);
+    returns ``directory``."""
+    tiny_checkpoint(model_type, directory)
     return directory
 
 

@@ -59,11 +59,9 @@ NOT_RUN = {  # a command's start, as the docs write it -> why this test does not
         "tests/system/test_fsdp_ranks.py",
     "replayrl train --hf-checkpoint /models/Qwen3-0.6B": "a real checkpoint on a GPU machine "
         "(and the network for its pip install)",
-    "replayrl train --hf-checkpoint path/to/tiny-glm5": "a GLM-5 run costs this test's CPU "
-        "budget twice over; tests/system/test_family_train.py trains a tiny GLM-5 from the "
-        "built-in task and from own data",
-    "replayrl bench parity --hf-checkpoint path/to/tiny-glm5": "the same budget; "
-        "tests/unit/tools/test_bench_parity_families.py runs the parity of every family",
+    "replayrl bench parity --hf-checkpoint /tmp/tiny_v4": "a second family model on top of the "
+        "train run before it, over this test's CPU budget; "
+        "tests/unit/tools/test_bench_parity_deepseek_v4.py runs the parity of that checkpoint",
     "replayrl bench faults": "a benchmark of a dozen full runs (minutes); "
         "tests/system/test_engine_faults.py injects the same faults",
     "replayrl train --hf-checkpoint /tmp/agentic/": "starts from the --save-hf step of the "

@@ -56,7 +56,8 @@ def process_usage(pid: int, proc: Path = PROC) -> dict | None:
 
 def fd_kind(link: Path) -> str:
     """What an open descriptor (a ``/proc/PID/fd/N`` link) is: ``socket``, ``pipe``,
-    ``anon_inode`` (eventfd, epoll, ...), ``shm`` (under ``/dev/shm``), ``dev``, ``file``, or
+    ``anon_inode`` (eventfd, epoll, ...), ``memfd`` (``memfd_create``: the shared-memory slots of
+    :mod:`replayrl.transport.shm_pool`), ``shm`` (under ``/dev/shm``), ``dev``, ``file``, or
     ``gone`` (closed while we looked)."""
     try:
         target = os.readlink(link)
@@ -64,6 +65,8 @@ def fd_kind(link: Path) -> str:
         return "gone"
     if not target.startswith("/"):
         return target.split(":", 1)[0]  # socket:[N], pipe:[N], anon_inode:[eventfd]
+    if target.startswith("/memfd:"):  # "/memfd:NAME (deleted)": a transport pool slot, say
+        return "memfd"
     if target.startswith("/dev/shm/"):
         return "shm"
     return "dev" if target.startswith("/dev/") else "file"

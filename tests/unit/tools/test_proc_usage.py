@@ -81,7 +81,8 @@ def _fake_proc(root: Path, pid: int, ppid: int, comm: str, rss_kib: int | None, 
 def test_a_sample_reads_the_tree_below_the_root_and_leaves_out_zombies_and_strangers(tmp_path):
     _fake_proc(tmp_path, 10, 1, "replayrl", 1000, ["/dev/null", "socket:[5]"])
     _fake_proc(tmp_path, 11, 10, "rrl:trainer", 2000, ["socket:[6]", "socket:[7]", "pipe:[8]",
-                                                       "/dev/shm/x", "/tmp/f"])
+                                                       "/dev/shm/x", "/tmp/f",
+                                                       "/memfd:replayrl-shm (deleted)"])
     _fake_proc(tmp_path, 12, 11, "rrl:helper", 3000, [])
     _fake_proc(tmp_path, 13, 1, "rrl:other", 4000, ["/tmp/f"])   # not below the root
     _fake_proc(tmp_path, 14, 10, "rrl:engine_0", None)           # a zombie: no VmRSS
@@ -90,8 +91,8 @@ def test_a_sample_reads_the_tree_below_the_root_and_leaves_out_zombies_and_stran
     assert sorted(sample["procs"], key=lambda p: p["pid"]) == [
         {"pid": 10, "name": LAUNCHER, "rss": 1000 * 1024, "hwm": 2000 * 1024, "fds": 2,
          "fd_kinds": {"dev": 1, "socket": 1}},
-        {"pid": 11, "name": "rrl:trainer", "rss": 2000 * 1024, "hwm": 4000 * 1024, "fds": 5,
-         "fd_kinds": {"socket": 2, "pipe": 1, "shm": 1, "file": 1}},
+        {"pid": 11, "name": "rrl:trainer", "rss": 2000 * 1024, "hwm": 4000 * 1024, "fds": 6,
+         "fd_kinds": {"socket": 2, "pipe": 1, "shm": 1, "file": 1, "memfd": 1}},
         {"pid": 12, "name": "rrl:helper", "rss": 3000 * 1024, "hwm": 6000 * 1024, "fds": 0,
          "fd_kinds": {}}]
 

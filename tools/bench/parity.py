@@ -12,9 +12,14 @@ engine bf16 (real train-inference mismatch).
 ``--rollout-engine vllm`` generates with vLLM instead (``rollout/engines/vllm_engine.py``) on
 the indexer-free variant of the policy (vLLM has no indexer), so the indexer rows are left out:
 the replays then recompute, in the trainer, the logprobs of an engine no one here wrote.
+
+``--train-backend megatron`` recomputes them with the megatron-core trainer instead
+(:class:`replayrl.trainer.backends.megatron_backend.MegatronBackend`, one rank on the CPU): its
+preflight forward replays what the run's replay switches select, as in a run.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,17 +111,27 @@ def generate(engine_dtype: torch.dtype, prompts: int, seed: int, top_k: int,
     return model, samples
 
 
-def measure(model: Qwen3MoeForCausalLM, samples: list[Sample], precision: str) -> list[ParityRow]:
-    """Every replay configuration on the same trajectories."""
+def measure(model: Qwen3MoeForCausalLM, samples: list[Sample], precision: str,
+            trainer=None) -> list[ParityRow]:
+    """Every replay configuration on the same trajectories; ``trainer``: a
+    :class:`replayrl.trainer.backends.megatron_backend.MegatronBackend` of the same weights
+    that recomputes the logprobs instead of ``model`` (its replay switches set per row)."""
     rows = []
     has_indexer = len(model.config.indexed_layers) > 0
     for name, routing, indexer, support in CONFIGS:
         if indexer and not has_indexer and not (routing or support):
             continue  # the indexer-only row has nothing to replay without an indexer
         batch = collate(samples, routing=True, indexer=has_indexer, support=support)
-        with torch.no_grad():
-            logp, out = response_logprobs(model, batch, 1.0, replay_routing=routing,
-                                          replay_indexer=indexer and has_indexer, capture=True)
+        if trainer is not None:
+            trainer.config = dataclasses.replace(trainer.config, use_routing_replay=routing,
+                                                 use_indexer_replay=indexer,
+                                                 use_support_replay=support)
+            out = trainer.preflight_logprobs(batch)
+            logp = out.logprobs
+        else:
+            with torch.no_grad():
+                logp, out = response_logprobs(model, batch, 1.0, replay_routing=routing,
+                                              replay_indexer=indexer and has_indexer, capture=True)
         mask = batch.sampled_mask > 0  # behaviour logprobs exist only at sampled tokens
         r = (logp - batch.rollout_logprobs)[mask].double()
         rows.append(ParityRow(
@@ -161,13 +176,27 @@ def plot(rows: list[ParityRow], path: str) -> None:
     plt.close(fig)
 
 
+def megatron_trainer(hf_checkpoint: str, seed: int):
+    """A one-rank megatron-core trainer (CPU, float32) of ``hf_checkpoint``'s weights."""
+    from replayrl.trainer.backends.megatron_backend import MegatronBackend
+    from replayrl.trainer.config import TrainerConfig
+
+    return MegatronBackend(hf_checkpoint, TrainerConfig(train_backend="megatron", seed=seed,
+                                                        torch_threads=1), [])
+
+
 def run(prompts: int = 256, seed: int = 1, top_k: int = 20, response_len: int = 8,
-        engine: str = "embedded", hf_checkpoint: str = "") -> list[ParityRow]:
-    """Both precisions, every configuration (those without the indexer for vLLM)."""
+        engine: str = "embedded", hf_checkpoint: str = "",
+        train_backend: str = "torch") -> list[ParityRow]:
+    """Both precisions, every configuration (those without the indexer for vLLM); the
+    trainer's logprobs by ``train_backend`` (``"torch"``, or ``"megatron"`` on
+    ``hf_checkpoint``)."""
     rows = []
+    trainer = megatron_trainer(hf_checkpoint, seed) if train_backend == "megatron" else None
     for label, dtype in (("fp32 / fp32", torch.float32), ("bf16 / fp32", torch.bfloat16)):
         model, samples = generate(dtype, prompts, seed, top_k, response_len, engine, hf_checkpoint)
-        rows += measure(model, samples, f"{engine} {label}" if engine != "embedded" else label)
+        rows += measure(model, samples, f"{engine} {label}" if engine != "embedded" else label,
+                        trainer)
     return rows
 
 
@@ -188,8 +217,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hf-checkpoint", default="", metavar="DIR",
                         help="policy checkpoint directory (qwen3 / qwen3_moe or a family of "
                              "docs/checkpoints.md) (default: the seeded embedded model)")
+    parser.add_argument("--train-backend", default="torch", choices=("torch", "megatron"),
+                        help="trainer that recomputes the logprobs (megatron: megatron-core on "
+                             "one CPU rank; needs --hf-checkpoint)")
     args = parser.parse_args(argv)
     for ok, message in ((args.prompts >= 1, "--prompts must be >= 1"),
+                        (args.train_backend == "torch" or bool(args.hf_checkpoint),
+                         "--train-backend megatron needs --hf-checkpoint DIR"),
                         (args.seed >= 0, "--seed must be >= 0"),
                         (args.rollout_top_k == -1 or 1 <= args.rollout_top_k <= len(VOCABULARY),
                          f"--rollout-top-k must be -1 or in [1, {len(VOCABULARY)}]"),
@@ -204,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--hf-checkpoint {args.hf_checkpoint}: {exc}")
     torch.set_num_threads(1)
     rows = run(args.prompts, args.seed, args.rollout_top_k, args.response_len, args.rollout_engine,
-               args.hf_checkpoint)
+               args.hf_checkpoint, args.train_backend)
     print(table(rows))
     path = Path(args.output_dir) / PLOT
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -31,6 +31,7 @@ def test_an_unknown_flag_is_one_line_naming_it(name, capsys):
     (["parity", "--hf-checkpoint", "MISSING"],
      "--hf-checkpoint MISSING: cannot read MISSING/config.json: [Errno 2] No such file or "
      "directory: 'MISSING/config.json'"),
+    (["parity", "--train-backend", "megatron"], "--train-backend megatron needs --hf-checkpoint DIR"),
     (["lora", "--rank", "0"], "argument --rank: must be >= 1, got 0"),
     (["transport", "--calls", "0"], "argument --calls: must be >= 1, got 0"),
     (["load", "--hidden", "0"], "argument --hidden: must be >= 1, got 0"),

@@ -14,7 +14,9 @@ step trained against ``--rollout-batch-size`` (``trained_groups``) and its sampl
 groups x ``--n-samples-per-prompt``, the largest ``staleness_max`` against ``--max-staleness``, the
 groups generated again (``groups_regenerated``), the trajectories of a multi-turn ``--env`` run
 generated again after a lapsed version pin (``episodes_regenerated``) and the fewest engines
-alive.
+alive. For a long soak, :func:`sample_usage` samples every process's RSS and open descriptors
+every N steps (:mod:`replayrl.tools.bench.proc_usage` says which stayed flat), and a time budget
+stops the run and reports the steps it trained by then.
 """
 from __future__ import annotations
 

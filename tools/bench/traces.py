@@ -45,8 +45,8 @@ prints, per token of a trajectory of that length (mean over its positions):
   scaling ASSUMED, which ``--decode-threads`` measures up to the machine's cores) and
   ``--pipeline-stages`` (default 1: a rank decodes every layer's traces of its tokens; a
   stage only its own layers'). With
-  ``--trainer-us-per-token`` (a trainer's measured step time per token of that context) the
-  share of that measured step is printed as well.
+  ``--trainer-us-per-token`` (a trainer's measured step time per token of that context; one
+  ``--shape`` only, as for ``--active-params``) the share of that measured step is printed as well.
 
 A last row takes the embedded default model (4 layers: 3 MoE of 8 experts top-2, 2 indexed with
 ``index_topk`` 8) with a default step's batch (128 trajectories of 7 prompt + 2 response
@@ -122,8 +122,6 @@ SHAPES = {"glm5": GLM5, "deepseek_v4": DEEPSEEK_V4}
 """The shapes ``--shape`` names."""
 
 CONTEXTS = (4096, 32768, 131072)
-
-GLM5_ACTIVE_PARAMS = GLM5.active_params
 
 
 def estimated_step_us_per_token(active_params: float, sustained_tflops: float) -> float:

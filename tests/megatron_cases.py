@@ -47,8 +47,8 @@ def perturbed(checkpoint: Path, scale: float = 0.05, seed: int = 7) -> Qwen3MoeF
 def samples(engine: Qwen3MoeForCausalLM | None = None, seed: int = 0, lengths=((4, 3), (6, 2), (9, 4)),
             support_width: int = 4) -> list[Sample]:
     """Samples with support rows (the sampled id among ``support_width`` distinct candidates)
-    and, when ``engine`` is given, the routing and indexer key slots it chooses for every token
-    but the last."""
+    and, when ``engine`` is given (the embedded model, or a family room model with or without
+    an indexer), the routing and indexer key slots it chooses for every token but the last."""
     rng = np.random.default_rng(seed)
     out = []
     for i, (p, r) in enumerate(lengths):
@@ -64,7 +64,8 @@ def samples(engine: Qwen3MoeForCausalLM | None = None, seed: int = 0, lengths=((
             with torch.no_grad():
                 out_e = engine(tokens, torch.arange(tokens.shape[1])[None], capture=True)
             routed = out_e.routed_experts[0, :-1].numpy().astype(np.int32)
-            index = out_e.indexer_topk[0, :-1].numpy().astype(np.int32)
+            if out_e.indexer_topk is not None:  # None: a family without an indexer
+                index = out_e.indexer_topk[0, :-1].numpy().astype(np.int32)
         out.append(Sample(sample_id=i, group_id=0, rollout_id=0, policy_version=0,
                           prompt_ids=prompt, response_ids=response, loss_mask=np.ones(r, np.uint8),
                           rollout_logprobs=np.zeros(r, np.float32), sample_support=support,

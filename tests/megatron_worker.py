@@ -1,14 +1,20 @@
 """Test helper run under torchrun (gloo): one MegatronBackend per rank on the tests' checkpoint.
 
 Usage: torchrun --nproc-per-node N tests/megatron_worker.py CHECKPOINT OUT --case main|r3|pp|ckpt
-[--tp N] [--ep N] [--pp N] [--cp N] [--split-data] [--perturb-last-stage]
+[--tp N] [--ep N] [--pp N] [--cp N] [--split-data] [--perturb-last-stage] [--family DIR]...
 
 ``main``: preflight logprobs and routing (support replay + R3 trace, and full vocabulary without
 replay), the gathered weights, one optimizer step (``forward_backward``; grad norm, weights
-after). ``r3``: record the routing, perturb the routers (only the last pipeline stage's with
+after); also the routers' own recorded choice replayed (``self_*``: the choice used, the own
+choice and the logprobs of that forward). With ``--family DIR`` (a family room checkpoint,
+repeatable) the ``main`` values of each family checkpoint in the same layout follow under
+``<DIR's name>/``, with the replayed trace as ``<DIR's name>/trace``.
+``r3``: record the routing, perturb the routers (only the last pipeline stage's with
 ``--perturb-last-stage``), forward without and with replay of the recorded routing.
-``pp``: the routing replay targets each pipeline stage feeds its routers. ``ckpt``: one step,
-save, a fresh backend loads it (version and digest compared). ``rebuilt``: a second backend is
+``pp``: the routing replay targets each pipeline stage feeds its routers, the indexer trace
+stream each stage's indexed layers read (``istream<rank>_<layer>``), and the error of a stage
+asked for another stage's layer (``foreign<rank>``). ``ckpt``: one step, save, a fresh backend
+loads it (version and digest compared). ``rebuilt``: a second backend is
 built in the process after the first; the first replays the trace (support + R3 + indexer) with
 the second alive, then with it dropped; then a second ``RoutingReplay`` over the first's model
 takes its routers and the first's replay must refuse (the error's class and message recorded).
@@ -34,6 +40,7 @@ def main() -> None:
     ap.add_argument("--cp", type=int, default=1)
     ap.add_argument("--split-data", action="store_true")
     ap.add_argument("--perturb-last-stage", action="store_true")
+    ap.add_argument("--family", action="append", default=[])
     args = ap.parse_args()
 
     import numpy as np
@@ -57,13 +64,21 @@ def main() -> None:
         model, _, indexer = build_gpt_model(cases.config(), parallel)
         replay = RoutingReplay(model, cases.config())
         batch = collate(cases.samples(cases.perturbed(Path(args.checkpoint))), routing=True,
-                        indexer=False, support=False)
+                        indexer=True, support=False)
         targets = replay.router_targets(batch.routed_experts)
         rank = dist.get_rank()
         result[f"layers{rank}"] = np.array(replay.layers)
         result[f"indexed{rank}"] = np.array(indexer.layers)
         for layer, t in zip(replay.layers, targets):
             result[f"target{rank}_{layer}"] = t.numpy()
+        for layer in indexer.layers:  # what IndexerReplay.mask replays on this global layer
+            result[f"istream{rank}_{layer}"] = indexer.registry.stream(batch.indexer_topk, layer).numpy()
+        foreign = next(i for i in cases.config().indexed_layers if i not in indexer.layers)
+        try:
+            indexer.registry.stream(batch.indexer_topk, foreign)
+            result[f"foreign{rank}"] = np.array("")
+        except Exception as e:  # noqa: BLE001 -- the test checks the class by name
+            result[f"foreign{rank}"] = np.array(f"{type(e).__name__}: {e}")
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, result)
         result = {k: v for part in gathered for k, v in part.items()}
@@ -80,16 +95,12 @@ def main() -> None:
         replayed = collate(samples, routing=True, indexer=True, support=True)
         plain = collate(samples, routing=False, indexer=False, support=False)
         if args.case == "main":
-            a = backend.preflight_logprobs(replayed)
-            b = backend.preflight_logprobs(plain)
-            result.update(logp_replay=a.logprobs.numpy(), used=a.routed_experts.numpy(),
-                          own=a.own_routed_experts.numpy(), logp_plain=b.logprobs.numpy(),
-                          index_used=a.indexer_topk.numpy(), index_own=a.own_indexer_topk.numpy())
+            result.update(_main_values(backend, replayed, plain))
             result.update({f"w0/{k}": v for k, v in backend.weights().items()})
-            backend.zero_grad()
-            backend.forward_backward(replayed, lambda logp: -logp.sum())
-            result["grad_norm"] = np.array(backend.clip_and_step(1.0))
-            result.update({f"w1/{k}": v for k, v in backend.weights().items()})
+            result.update(_step_values(backend, replayed))
+            for family in map(Path, args.family):
+                values = _family_values(family, cfg, parallel)
+                result.update({f"{family.name}/{k}": v for k, v in values.items()})
         elif args.case == "ckpt":
             backend.zero_grad()
             backend.forward_backward(replayed, lambda logp: -logp.sum())
@@ -157,6 +168,49 @@ def main() -> None:
         np.savez(Path(args.out) / "result.npz", **result)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _main_values(backend, replayed, plain) -> dict:
+    """The ``main`` case's preflight values (module docstring), numpy."""
+    import dataclasses
+
+    a = backend.preflight_logprobs(replayed)
+    b = backend.preflight_logprobs(plain)  # the routers' own choice, recorded
+    # replaying that recorded choice: every router must get back the rows of its own tokens
+    c = backend.preflight_logprobs(dataclasses.replace(plain, routed_experts=b.routed_experts))
+    out = dict(logp_replay=a.logprobs.numpy(), used=a.routed_experts.numpy(),
+               own=a.own_routed_experts.numpy(), logp_plain=b.logprobs.numpy(),
+               plain_used=b.routed_experts.numpy(), self_used=c.routed_experts.numpy(),
+               self_own=c.own_routed_experts.numpy(), self_logp=c.logprobs.numpy())
+    if a.indexer_topk is not None:
+        out.update(index_used=a.indexer_topk.numpy(), index_own=a.own_indexer_topk.numpy())
+    return out
+
+
+def _step_values(backend, replayed) -> dict:
+    """One clipped optimizer step of ``-sum(logprobs)``: its gradient norm, the weights after."""
+    import numpy as np
+
+    backend.zero_grad()
+    backend.forward_backward(replayed, lambda logp: -logp.sum())
+    out = {"grad_norm": np.array(backend.clip_and_step(1.0))}
+    out.update({f"w1/{k}": v for k, v in backend.weights().items()})
+    return out
+
+
+def _family_values(checkpoint: Path, cfg, parallel) -> dict:
+    """The ``main`` values of a family room checkpoint under ``parallel``, on samples whose
+    routing the checkpoint's transformers model (routers perturbed) chose."""
+    from replayrl.trainer.backends.megatron_backend import MegatronBackend
+    from replayrl.trainer.batching.batch import collate
+    from tests import megatron_cases as cases
+
+    samples = cases.samples(cases.perturbed(checkpoint))
+    replayed = collate(samples, routing=True, indexer=False, support=True)
+    plain = collate(samples, routing=False, indexer=False, support=False)
+    backend = MegatronBackend(str(checkpoint), cfg, [], parallel=parallel)
+    return {"trace": replayed.routed_experts.numpy(), **_main_values(backend, replayed, plain),
+            **_step_values(backend, replayed)}
 
 
 if __name__ == "__main__":

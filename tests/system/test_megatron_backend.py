@@ -3,9 +3,11 @@
 routing and indexer choices, weights and
 optimizer step as the torch backend for the same checkpoint; TP=2+SP, EP=2, DP=2 with the
 distributed optimizer, PP=2 (megatron's pipeline schedule), CP=2 and TP=2+SP x CP=2 give the
-one-rank values; record -> perturb the router -> replay restores the routing, also with the
-routers of the last pipeline stage perturbed; pipeline stages feed their routers the right
-global layers of the trace.
+one-rank values, and so do PP=2 and CP=2 on the deepseek_v3 / glm4_moe_lite family checkpoints
+(megatron-core's MLA, in the same torchruns); record -> perturb the router -> replay restores
+the routing, also with the routers of the last pipeline stage perturbed; pipeline stages feed
+their routers and indexers the right global layers of the traces and hold no other stage's;
+under sequence parallelism each router replays the rows of the tokens it scores.
 
 megatron-core runs in torchrun worker processes (tests/megatron_worker.py), never in the pytest
 process: its CPU compatibility layer is process-wide."""
@@ -59,9 +61,48 @@ def checkpoint(tmp_path_factory):
     return cases.write_checkpoint(tmp_path_factory.mktemp("ckpt"))
 
 
+FAMILIES = ("deepseek_v3", "glm4_moe_lite")
+FAMILY_LAYOUTS = {("--pp", "2"): "deepseek_v3", ("--cp", "2"): "glm4_moe_lite"}
+"""The layouts whose torchrun also runs a family checkpoint (no process start of its own; one
+family each: the two share megatron's MLA code path, a family's config only its sizes)."""
+
+
 @pytest.fixture(scope="module")
-def one_rank(checkpoint, tmp_path_factory):
-    return _run(checkpoint, tmp_path_factory.mktemp("tp1"), 1, "--case", "main")
+def one_rank(checkpoint, family_checkpoints, tmp_path_factory):
+    """The ``main`` case on one rank, with each family checkpoint's values (``<family>/``)."""
+    return _run(checkpoint, tmp_path_factory.mktemp("tp1"), 1, "--case", "main",
+                *(a for c in family_checkpoints.values() for a in ("--family", str(c))))
+
+
+@pytest.fixture(scope="module")
+def family_checkpoints(tmp_path_factory):
+    """Tiny random deepseek_v3 and glm4_moe_lite checkpoints with 4 layers (dense layer 0, MoE
+    layers 1-3: PP=2 puts MoE layers on both stages), written by transformers."""
+    from tests.family_checkpoints import tiny_hf_checkpoint
+
+    root = tmp_path_factory.mktemp("families")
+    for family in FAMILIES:
+        extra = {"num_nextn_predict_layers": 0} if family == "deepseek_v3" else {}
+        tiny_hf_checkpoint(family, root / family, num_hidden_layers=4, **extra)
+    return {family: root / family for family in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def layout_run(checkpoint, family_checkpoints, tmp_path_factory):
+    """``layout_run(nproc, layout)``: the ``main`` case's values under ``layout`` (one torchrun
+    per layout in the module, shared by the tests that read it); the PP=2 and CP=2 runs also
+    compute a family checkpoint's values (``<family>/``, tests/megatron_worker.py)."""
+    runs = {}
+
+    def run(nproc: int, layout: tuple[str, ...]) -> dict[str, np.ndarray]:
+        if (nproc, layout) not in runs:
+            family = FAMILY_LAYOUTS.get(layout)
+            families = ["--family", str(family_checkpoints[family])] if family else []
+            runs[nproc, layout] = _run(checkpoint, tmp_path_factory.mktemp("layout"), nproc,
+                                       "--case", "main", *layout, *families)
+        return runs[nproc, layout]
+
+    return run
 
 
 @pytest.fixture(scope="module")
@@ -134,11 +175,11 @@ def test_megatron_backend_matches_the_torch_trainer(one_rank, reference):
     (2, ("--tp", "2")), (2, ("--ep", "2")), (2, ("--pp", "2")), (2, ("--cp", "2")),
     (4, ("--tp", "2", "--cp", "2"))],
     ids=["tp2_sp", "ep2_dp2_distopt", "pp2", "cp2", "tp2_sp_cp2"])
-def test_parallel_layouts_give_the_one_rank_values(checkpoint, one_rank, tmp_path, nproc, layout):
+def test_parallel_layouts_give_the_one_rank_values(layout_run, one_rank, nproc, layout):
     # CP (docs/design/megatron.md#context-parallel): each rank forwards 2 of 4 chunks of every row (13 positions
     # padded to 16) and attends to all keys; its logprobs, the routing it replays and records
     # and the indexer's choices over all keys come back in the one-rank order
-    got = _run(checkpoint, tmp_path, nproc, "--case", "main", *layout)
+    got = layout_run(nproc, layout)
     for key in ("logp_replay", "logp_plain"):
         np.testing.assert_allclose(got[key], one_rank[key], atol=1e-5, err_msg=key)
     for key in ("used", "own", "index_used", "index_own"):
@@ -146,6 +187,45 @@ def test_parallel_layouts_give_the_one_rank_values(checkpoint, one_rank, tmp_pat
     assert float(got["grad_norm"]) == pytest.approx(float(one_rank["grad_norm"]), rel=1e-5)
     for k in (k for k in one_rank if k.startswith("w1/")):
         np.testing.assert_allclose(got[k], one_rank[k], atol=STEP_ATOL, err_msg=k)
+
+
+@pytest.mark.parametrize("layout,family", list(FAMILY_LAYOUTS.items()),
+                         ids=["pp2_deepseek_v3", "cp2_glm4_moe_lite"])
+def test_family_checkpoints_give_their_tp1_values_at_pp2_and_cp2(layout_run, one_rank, layout, family):
+    # a family checkpoint as megatron-core's MLA GPTModel (docs/design/megatron.md#megatron-families):
+    # PP=2 (stage 0: dense layer 0 and MoE layer 1; stage 1: MoE layers 2-3) and CP=2 (the MLA
+    # keys and values gathered over CP) give the one-rank logprobs, routing and step, with R3
+    # on: the engine's routes (its routers perturbed) are the ones used, flips 0
+    tp1, f = ({k[len(family) + 1:]: v for k, v in run.items() if k.startswith(f"{family}/")}
+              for run in (one_rank, layout_run(2, layout)))
+    trace = f["trace"]
+    real = trace >= 0
+    assert trace.shape[2] == 3 and np.array_equal(trace, tp1["trace"])  # MoE layers 1-3
+    assert (tp1["own"][real] != trace[real]).any(), "replay must force something"
+    for run in (tp1, f):
+        assert np.array_equal(run["used"][real], trace[real])  # flips 0
+    for key in ("logp_replay", "logp_plain", "self_logp"):
+        np.testing.assert_allclose(f[key], tp1[key], atol=1e-5, err_msg=key)
+    for key in ("used", "own", "plain_used", "self_used"):
+        assert np.array_equal(f[key], tp1[key]), key
+    assert float(f["grad_norm"]) == pytest.approx(float(tp1["grad_norm"]), rel=1e-5)
+    for k in (k for k in tp1 if k.startswith("w1/")):
+        np.testing.assert_allclose(f[k], tp1[k], atol=STEP_ATOL, err_msg=k)
+
+
+@pytest.mark.parametrize("nproc,layout", [(1, None), (2, ("--tp", "2")), (4, ("--tp", "2", "--cp", "2"))],
+                         ids=["one_rank", "tp2_sp", "tp2_sp_cp2"])
+def test_replay_under_sequence_parallelism_gives_each_router_its_own_tokens_rows(
+        layout_run, one_rank, nproc, layout):
+    # under SP a router scores its SP slice of the tokens ([S / tp * B] rows, sequence-major)
+    # and replays the matching rows of the trace (sp_slice): replaying the routers' own recorded
+    # choice must then change nothing, on every row, padding included -- a slice of other
+    # tokens' rows would route those tokens by someone else's experts (logprobs move) and the
+    # routers' own choice under replay would no longer be the replayed one
+    got = one_rank if layout is None else layout_run(nproc, layout)
+    assert np.array_equal(got["self_used"], got["plain_used"])
+    assert np.array_equal(got["self_own"], got["plain_used"])
+    np.testing.assert_allclose(got["self_logp"], got["logp_plain"], atol=1e-6)
 
 
 def test_dp2_distributed_optimizer_averages_the_ranks_gradients(checkpoint, reference, tmp_path):
@@ -261,7 +341,9 @@ def test_pipeline_r3_replays_the_last_stages_own_layers(checkpoint, tmp_path):
     assert np.array_equal(free[tok], free_ref.routed_experts.numpy()[tok])
 
 
-def test_pipeline_stages_replay_their_own_global_layers(checkpoint, tmp_path):
+def test_pipeline_stages_hold_only_their_own_layers_routing_and_indexer_streams(checkpoint, tmp_path):
+    # the routing and indexer streams of a stage are sliced by its layer offset: the trace
+    # columns of its own global layers, none of another stage's
     got = _run(checkpoint, tmp_path, 2, "--case", "pp", "--pp", "2")
     cfg = cases.config()  # 4 layers, MoE on 1..3: stage 0 holds layers 0-1, stage 1 layers 2-3
     assert got["layers0"].tolist() == [1] and got["layers1"].tolist() == [2, 3]
@@ -272,6 +354,16 @@ def test_pipeline_stages_replay_their_own_global_layers(checkpoint, tmp_path):
             column = cfg.moe_layers.index(layer)
             want = trace[:, :, column].transpose(1, 0, 2).reshape(-1, trace.shape[-1])
             assert np.array_equal(got[f"target{rank}_{layer}"], want), (rank, layer)
+    # the indexer trace [B, S, L_idx, K] has columns for layers 1 and 3; each stage's indexed
+    # layer reads its own column (not column 0 on stage 1), and the other stage's is refused
+    index_trace = collate(cases.samples(cases.perturbed(checkpoint)), routing=False, indexer=True,
+                          support=False).indexer_topk.numpy()
+    assert cfg.indexed_layers == (1, 3) and (index_trace[:, :, 0] != index_trace[:, :, 1]).any()
+    assert np.array_equal(got["istream0_1"], index_trace[:, :, 0])
+    assert np.array_equal(got["istream1_3"], index_trace[:, :, 1])
+    for rank, foreign in ((0, 3), (1, 1)):
+        assert str(got[f"foreign{rank}"]).startswith("ReplayError: ") and \
+            f"layer {foreign}" in str(got[f"foreign{rank}"]), got[f"foreign{rank}"]
 
 
 def test_torchrun_launcher_runs_the_megatron_trainer_rank(tmp_path, curve_keys_dir, torch_first_step):

@@ -122,6 +122,12 @@ def _compare(checkpoint: Path, layouts: list[str]) -> dict:
             if ep == 1:  # under EP the data-parallel ranks' tokens meet in the experts
                 result[f"{name}_grad_diff"] = _grad_difference(model, cfg, tokens, positions,
                                                                probe, grads, tp)
+            if ep == 1 and indexer is not None:
+                diff, indexer_grads = _indexer_loss_grads(model, cfg, tokens, positions, probe,
+                                                          grads, tp)
+                result[f"{name}_kl_grad_diff"] = diff
+                result.update({f"{name}_kl_grad.{k}": v for k, v in indexer_grads.items()})
+                model.eval()
         with cpu_device_scope(), torch.no_grad():
             replay = RoutingReplay(model, cfg)
             result[f"{name}_logits"] = logits_of(model).numpy()
@@ -183,6 +189,43 @@ def _grad_difference(model, cfg, tokens, positions, probe, grads: dict, tp: int)
     scale = max(float(g.abs().max()) for g in grads.values())
     return np.array(max(float((torch.as_tensor(got[k]) - g).abs().max()) for k, g in grads.items())
                     / scale)
+
+
+def _indexer_loss_grads(model, cfg, tokens, positions, probe, grads: dict, tp: int):
+    """With megatron-core's indexer KL loss on (``train_indexer``, coefficient 1, a training
+    forward): the largest difference of the policy's gradients of ``sum(logits * probe)`` from
+    transformers' frozen-indexer ``grads`` (relative, as :func:`_grad_difference`) and the
+    indexer weights' gradients under HF names (the loss reaches only them)."""
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from replayrl.trainer.backends.megatron_dsa import train_indexer
+    from replayrl.trainer.backends.megatron_weights import gather_hf_weights
+
+    train_indexer(model, 1.0)
+    model.train()
+    local = model(tokens, positions, attention_mask=None)
+    rank = ps.get_tensor_model_parallel_rank()
+    (local * probe.chunk(tp, dim=-1)[rank]).sum().backward()
+    saved = {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            if tp > 1 and getattr(p, "sequence_parallel", False):
+                dist.all_reduce(g, group=ps.get_tensor_model_parallel_group())
+            saved[name] = p.data
+            p.data = g
+    got = gather_hf_weights(model, cfg)
+    for name, p in model.named_parameters():
+        p.data = saved[name]
+        p.grad = None
+        if ".indexer." in name:
+            p.requires_grad_(False)
+    scale = max(float(g.abs().max()) for g in grads.values())
+    diff = max(float((torch.as_tensor(got[k]) - g).abs().max()) for k, g in grads.items()) / scale
+    return np.array(diff), {k: np.asarray(v) for k, v in got.items() if ".indexer." in k}
 
 
 if __name__ == "__main__":

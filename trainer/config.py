@@ -47,6 +47,9 @@ class TrainerConfig:
             (``--replay-min-overlap-ratio`` / ``--replay-max-mismatch-fraction``): the engine's
             experts / keys against the trainer's own choice, per token; the defaults (0, 1)
             never fail. A step that violates them raises before training, listing mismatches.
+        dsa_indexer_loss_coeff: megatron-core's DSA indexer KL loss coefficient on the megatron
+            trainer (``--dsa-indexer-loss-coeff``; 0: the indexer stays frozen;
+            docs/design/megatron.md#megatron-families).
         indexer_drift_interval: the training forward without a preflight computes the
             model's own indexer top-k (whose only use under indexer replay is the
             ``indexer_drift_rate`` metric) on every N-th update of the rank, the first included;
@@ -151,6 +154,11 @@ class TrainerConfig:
                                                   "when a larger fraction of tokens than this would "
                                                   "route differently under the trainer's own router",
                                                   Range(0, 1))
+    dsa_indexer_loss_coeff: float = setting(0.0, "dsa-indexer-loss-coeff", "train the DSA indexer "
+                                            "of a deepseek_v32 / glm_moe_dsa policy on the megatron "
+                                            "trainer with megatron-core's KL loss against the main "
+                                            "attention, scaled by this (0 = off: the indexer stays "
+                                            "frozen, as transformers keeps it)", Range(low=0))
     indexer_drift_interval: int = setting(10, "indexer-drift-interval", "compute the trainer's "
                                           "own indexer top-k (the indexer_drift_rate metric) every "
                                           "N updates, the first included (1 = every update); the "
@@ -281,6 +289,9 @@ class TrainerConfig:
              f"{self.dp_size * self.cp_size} (megatron's expert layers use --tp-size x "
              f"--ep-size ranks of each pipeline stage, the expert tensor-parallel size being "
              f"--tp-size)"),
+            (self.train_backend == "megatron" or self.dsa_indexer_loss_coeff == 0.0,
+             f"--dsa-indexer-loss-coeff needs --train-backend megatron (megatron-core's DSA "
+             f"indexer loss; --train-backend {self.train_backend} keeps the indexer frozen)"),
             (self.train_backend != "megatron" or not self.use_packing,
              "--use-packing is not supported by --train-backend megatron (packed rows need "
              "per-segment RoPE positions)"),

@@ -110,6 +110,17 @@ def _check_indexer_replay(r: dict, family: str) -> None:
     hf = r["hf_replay_index"]
     np.testing.assert_array_equal(np.delete(hf, -1, 1)[0], np.delete(index, -1, 1)[0])
     np.testing.assert_array_equal(hf[1], index[1])
+    # megatron-core's indexer KL loss (--dsa-indexer-loss-coeff): only the indexer's weights
+    # get its gradient (the policy's equal transformers' frozen-indexer ones), at TP 2 + SP the
+    # same as at TP 1
+    one = {k[len("tp1_ep1_kl_grad."):]: v for k, v in r.items() if k.startswith("tp1_ep1_kl_grad.")}
+    assert len(one) == 5 * index.shape[2], family  # wq_b, wk, k_norm weight / bias, weights_proj
+    top = max(np.abs(g).max() for g in one.values())
+    assert top > 0 and all(np.abs(g).max() > 0 for k, g in one.items() if "k_norm.bias" not in k)
+    for k, g in one.items():
+        np.testing.assert_allclose(r[f"tp2_ep1_kl_grad.{k}"], g, atol=1e-5 * top, rtol=0, err_msg=k)
+    for layout in ("tp1_ep1", "tp2_ep1"):
+        assert r[f"{layout}_kl_grad_diff"] < 1e-5, (family, layout, r[f"{layout}_kl_grad_diff"])
     for layout in ("tp1_ep1", "tp2_ep1"):
         own, used = r[f"{layout}_index_own"], r[f"{layout}_index_used"]
         # the perturbed indexers choose otherwise on many queries

@@ -117,6 +117,10 @@ class MegatronBackend(TrainerBackend):
             model, tcfg, self.indexer = build_gpt_model(self._model_config, parallel)
             load_hf_weights(model, hf_model.state_dict(), self._model_config)
             del hf_model
+            if config.dsa_indexer_loss_coeff:  # before DDP: it buffers the trained parameters
+                from replayrl.trainer.backends.megatron_dsa import train_indexer
+
+                train_indexer(model, config.dsa_indexer_loss_coeff)
             self.model = model
             self.routing = RoutingReplay(model, self._model_config) if self._model_config.moe_layers else None
             distributed = ps.get_data_parallel_world_size() > 1

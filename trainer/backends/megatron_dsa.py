@@ -40,7 +40,7 @@ import torch
 from replayrl.rollout.model.indexer import resolve_replay
 
 __all__ = ["INDEXER_NORM_EPS", "DSAReplay", "dsa_classes", "indexer_column_order",
-           "indexer_kinds"]
+           "indexer_kinds", "train_indexer"]
 
 INDEXER_NORM_EPS = 1e-6
 """transformers builds the indexer's ``k_norm`` LayerNorm with eps 1e-6; megatron's with
@@ -267,3 +267,36 @@ def dsa_core_attention_specs(config, replay: DSAReplay, global_layers) -> list:
     kinds = indexer_kinds(config)
     return [ModuleSpec(module=indexed, submodules=dsa.DSAttentionSubmodules(indexer=indexer_spec))
             if kinds[i] == "full" else ModuleSpec(module=shared) for i in global_layers]
+
+
+def train_indexer(model, coeff: float) -> int:
+    """Let the indexers of a built DSA model learn by megatron-core's KL loss
+    (``compute_dsa_indexer_loss``: KL of the indexer's softmax from the main attention's,
+    summed over heads, dense, per query; attached to each ``DSAttention`` output in training
+    forwards), scaled by ``coeff`` per microbatch. Their parameters are made trainable; the
+    loss reaches only them (``DSAttention`` detaches its inputs). Call before wrapping the
+    model in megatron's DDP (it buffers the trainable parameters).
+
+    Returns:
+        the number of ``DSAttention`` layers whose indexer now learns.
+
+    Raises:
+        replayrl.trainer.errors.MegatronModelError: ``coeff`` not above 0, or the model has
+            no DSA indexer on this rank (not a ``deepseek_v32`` / ``glm_moe_dsa`` policy).
+    """
+    from megatron.core.transformer.experimental_attention_variant.dsa import DSAttention
+
+    from replayrl.trainer.errors import MegatronModelError
+
+    if not coeff > 0:
+        raise MegatronModelError(f"--dsa-indexer-loss-coeff must be above 0 to train the "
+                                 f"indexer, got {coeff!r}")
+    layers = [m for m in model.modules() if isinstance(m, DSAttention)]
+    if not layers:
+        raise MegatronModelError("--dsa-indexer-loss-coeff: the policy has no DSA indexer on "
+                                 "this rank (only deepseek_v32 / glm_moe_dsa checkpoints have one)")
+    for attention in layers:
+        attention.config.dsa_indexer_loss_coeff = float(coeff)
+        for p in attention.indexer.parameters():
+            p.requires_grad_(True)
+    return len(layers)

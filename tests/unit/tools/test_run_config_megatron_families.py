@@ -50,3 +50,10 @@ def test_dsa_under_context_parallelism_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"--cp-size 2: context parallelism is not offered for "
                                           r"the 'deepseek_v32' family \(megatron-core's DSAttention"):
         _config(tmp_path, "deepseek_v32", {"cp-size": 2, "dp-size": 2})
+
+
+def test_the_indexer_loss_flag_needs_the_megatron_trainer(tmp_path):
+    config = _config(tmp_path, "glm_moe_dsa", {"dsa-indexer-loss-coeff": 0.5})
+    assert config.trainer.dsa_indexer_loss_coeff == 0.5
+    with pytest.raises(ConfigError, match=r"--dsa-indexer-loss-coeff needs --train-backend megatron"):
+        _config(tmp_path, "glm_moe_dsa", {"dsa-indexer-loss-coeff": 0.5, "train-backend": "torch"})

@@ -116,16 +116,46 @@ class ContextParallel:
             parts = [torch.empty_like(x) for _ in range(self.size)]
             dist.all_gather(parts, x, group=self.group)
             full = torch.cat(parts)
-        width = full.shape[0]
-        full = cp_unshard(row_layout(width, self.size, self.tp_size), full.chunk(self.size),
-                          field="CP-gathered rows")
-        return full.movedim(0, dim)
+        return self.unshard(full.chunk(self.size)).movedim(0, dim)
+
+    def unshard(self, parts) -> torch.Tensor:
+        """The ranks' shards ``parts[r]`` (``[W / size, ...]`` each, shard order, rank ``r``'s
+        positions) as one ``[W, ...]`` in global order (differentiable; what :meth:`gather`
+        does after its all-gather).
+
+        Raises:
+            replayrl.trainer.batching.packing.PackingError: not ``size`` shards of ``W / size`` rows.
+        """
+        width = sum(p.shape[0] for p in parts)
+        return cp_unshard(row_layout(width, self.size, self.tp_size), parts, field="CP-gathered rows")
 
     def causal_mask(self, width: int) -> torch.Tensor:
         """bool ``[1, 1, W / size, W]``, True = masked out: the keys after each local query's
         global position."""
         q = self.positions(width)
         return (torch.arange(width)[None, :] > q[:, None])[None, None]
+
+    def query_mask(self, width: int, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """The mask of this rank's queries against all ``W`` keys in global order: the causal
+        mask on the queries' global positions, and, with a full-sequence ``attention_mask``
+        (bool ``[B, 1, W, W]``, True = masked out: the indexer's choices, whose key slots are
+        global positions), its rows of this rank's positions (chunk ``rank`` then chunk
+        ``2 * size - 1 - rank``): the choices rebased to the rank's query order, keys as they are.
+
+        Returns:
+            bool ``[1 or B, 1, W / size, W]``.
+
+        Raises:
+            ValueError: ``attention_mask`` is not ``[B, 1, W, W]``.
+        """
+        masked = self.causal_mask(width)
+        if attention_mask is None:
+            return masked
+        if attention_mask.ndim != 4 or attention_mask.shape[1] != 1 \
+                or attention_mask.shape[-2:] != (width, width):
+            raise ValueError(f"ContextParallelAttention takes a full-sequence mask "
+                             f"[B, 1, {width}, {width}], got {tuple(attention_mask.shape)}")
+        return masked | attention_mask.index_select(2, self.positions(width))
 
     def logprobs(self, logits: torch.Tensor, row: torch.Tensor, pos: torch.Tensor, fn) -> torch.Tensor:
         """Per-token logprobs computed on this rank's shard, gathered back to the batch order.
@@ -194,12 +224,7 @@ def context_parallel_attention_class(base=None):
                 raise ValueError("ContextParallelAttention takes right-padded rows, not packed ones")
             width = query.shape[0] * self.cp.size
             key, value = self.cp.gather(key, 0), self.cp.gather(value, 0)
-            masked = self.cp.causal_mask(width)
-            if attention_mask is not None:
-                if attention_mask.shape[-2:] != (width, width):
-                    raise ValueError(f"ContextParallelAttention takes a full-sequence mask "
-                                     f"[B, 1, {width}, {width}], got {tuple(attention_mask.shape)}")
-                masked = masked | attention_mask.index_select(2, self.cp.positions(width))
+            masked = self.cp.query_mask(width, attention_mask)
             return super().forward(query, key, value, masked, attn_mask_type=attn_mask_type,
                                    attention_bias=attention_bias)
 

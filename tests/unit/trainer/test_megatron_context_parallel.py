@@ -65,6 +65,47 @@ def test_causal_mask_masks_the_keys_after_each_local_querys_global_position():
         assert mask[0, 0, i].tolist() == [k > q for k in range(8)]
 
 
+@pytest.mark.parametrize("cp", [2, 3])
+def test_indexer_choices_reach_each_cp_ranks_zigzag_queries_rebased_exactly(cp):
+    # the indexer's choices are key slots in global positions ([B, W, K], -1 = none); under CP
+    # a rank holds the queries of chunks r and 2cp-1-r, so its mask rows must be the choices of
+    # exactly those global queries, against the keys put back in global order
+    from replayrl.rollout.model.indexer import slots_to_mask
+
+    width, b, k, d = 12, 2, 3, 4
+    g = torch.Generator().manual_seed(0)
+    pos = torch.arange(width)
+    slots = torch.randint(0, width, (b, width, k), generator=g) % (pos[None, :, None] + 1)  # causal
+    slots[0, 7, 1:] = -1  # -1 slots select nothing
+    slots[1, 10, 0] = -1
+    indexer_mask = ~slots_to_mask(slots, width)[:, None]  # [B, 1, W, W], True = masked out
+    q, key, v = (torch.randn(width, b, d, generator=g) for _ in range(3))
+
+    def attend(q_rows, q_pos, keys, values, masked):  # naive softmax attention, [n, B, d]
+        scores = torch.einsum("qbd,kbd->bqk", q_rows, keys).masked_fill(masked[:, 0], float("-inf"))
+        return torch.einsum("bqk,kbd->qbd", scores.softmax(-1), values)
+
+    full_mask = indexer_mask | (pos[None, :] > pos[:, None])[None, None]
+    want = attend(q, pos, key, v, full_mask)
+    ranks = [ContextParallel(r, cp, None, tp_size=1) for r in range(cp)]
+    for r, rank in enumerate(ranks):
+        mine = rank.positions(width)
+        assert mine.tolist() == _megatron_chunks(width, r, cp)  # the zigzag order
+        masked = rank.query_mask(width, indexer_mask)
+        assert masked.shape == (b, 1, width // cp, width)
+        for i, p in enumerate(mine.tolist()):
+            for row in range(b):  # the keys left are exactly the choices of global query p
+                chosen = sorted({int(x) for x in slots[row, p] if x >= 0})
+                assert (~masked[row, 0, i]).nonzero()[:, 0].tolist() == chosen, (r, p, row)
+        keys = rank.unshard([other.shard(key, 0) for other in ranks])  # the gathered keys
+        values = rank.unshard([other.shard(v, 0) for other in ranks])
+        assert torch.equal(keys, key) and torch.equal(values, v)
+        got = attend(rank.shard(q, 0), mine, keys, values, masked)
+        torch.testing.assert_close(got, want[mine], rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match=r"full-sequence mask \[B, 1, 12, 12\]"):
+        ranks[0].query_mask(width, indexer_mask[:, :, :6])
+
+
 def test_cp_size_needs_the_megatron_backend():
     with pytest.raises(TrainerConfigError, match="--cp-size needs --train-backend megatron"):
         TrainerConfig(cp_size=2)

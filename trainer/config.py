@@ -43,10 +43,15 @@ class TrainerConfig:
         temperature: the rollout temperature (logprobs are of ``logits / temperature``).
         use_routing_replay, use_indexer_replay, use_support_replay: R3, indexer replay and
             support-replay logprobs (``--use-routing-replay`` ...).
-        replay_min_overlap_ratio, replay_max_mismatch_fraction: the preflight replay check
-            (``--replay-min-overlap-ratio`` / ``--replay-max-mismatch-fraction``): the engine's
-            experts / keys against the trainer's own choice, per token; the defaults (0, 1)
-            never fail. A step that violates them raises before training, listing mismatches.
+        replay_min_overlap_ratio, replay_max_mismatch_fraction: the preflight routing replay
+            check (``--replay-min-overlap-ratio`` / ``--replay-max-mismatch-fraction``): the
+            engine's experts against the trainer's own router's choice, per token; the
+            defaults (0, 1) never fail. A step that violates them raises before training,
+            listing mismatches.
+        indexer_replay_min_overlap_ratio, indexer_replay_max_mismatch_fraction: the same check
+            of the engine's indexer key slots against the trainer's own indexer top-k, with
+            bounds of its own (``--indexer-replay-*``; defaults (0, 1): never fail): indexer
+            rows differ more than routing rows even at equal precision (ties in the scores).
         dsa_indexer_loss_coeff: megatron-core's DSA indexer KL loss coefficient on the megatron
             trainer (``--dsa-indexer-loss-coeff``; 0: the indexer stays frozen;
             docs/design/megatron.md#megatron-families).
@@ -145,15 +150,25 @@ class TrainerConfig:
                                        "logprobs, rows per chunk (0 = from full logits)", Range(low=0))
     use_packing: bool = setting(False, "use-packing", "pack each microbatch into one row "
                                 "(block-diagonal attention)")
-    replay_min_overlap_ratio: float = setting(0.0, "replay-min-overlap-ratio", "fail a step when a "
-                                              "token's engine routing overlaps the trainer's own "
-                                              "router's choice (not the replayed one; the trainer "
-                                              "is one step newer) less than this",
-                                              Range(0, 1))
-    replay_max_mismatch_fraction: float = setting(1.0, "replay-max-mismatch-fraction", "fail a step "
-                                                  "when a larger fraction of tokens than this would "
-                                                  "route differently under the trainer's own router",
+    replay_min_overlap_ratio: float = setting(0.0, "replay-min-overlap-ratio", "routing replay "
+                                              "check: fail a step when a token's engine routing "
+                                              "overlaps the trainer's own router's choice (not the "
+                                              "replayed one; the trainer is one step newer) less "
+                                              "than this (default 0: never)", Range(0, 1))
+    replay_max_mismatch_fraction: float = setting(1.0, "replay-max-mismatch-fraction", "routing "
+                                                  "replay check: fail a step when a larger fraction "
+                                                  "of tokens than this would route differently "
+                                                  "under the trainer's own router (default 1: never)",
                                                   Range(0, 1))
+    indexer_replay_min_overlap_ratio: float = setting(
+        0.0, "indexer-replay-min-overlap-ratio", "indexer replay check: fail a step when a "
+        "token's engine key slots overlap the trainer's own indexer top-k less than this "
+        "(default 0: never; at equal precision engine and trainer already break tied scores "
+        "differently)", Range(0, 1))
+    indexer_replay_max_mismatch_fraction: float = setting(
+        1.0, "indexer-replay-max-mismatch-fraction", "indexer replay check: fail a step when a "
+        "larger fraction of tokens than this would attend other keys under the trainer's own "
+        "indexer (default 1: never)", Range(0, 1))
     dsa_indexer_loss_coeff: float = setting(0.0, "dsa-indexer-loss-coeff", "train the DSA indexer "
                                             "of a deepseek_v32 / glm_moe_dsa policy on the megatron "
                                             "trainer with megatron-core's KL loss against the main "
@@ -315,6 +330,27 @@ class TrainerConfig:
         --cp-size`` (docs/design/trainer-ranks.md#trainer-ranks, docs/design/megatron.md#pipeline-parallel,
         docs/design/megatron.md#context-parallel)."""
         return self.dp_size * self.tp_size * self.pp_size * self.cp_size
+
+    def replay_bounds(self, kind: str) -> tuple[float, float]:
+        """``(min_overlap_ratio, max_mismatch_fraction)`` of the preflight replay check of
+        ``kind``: ``"routing"`` (``--replay-min-overlap-ratio`` /
+        ``--replay-max-mismatch-fraction``) or ``"indexer"`` (``--indexer-replay-min-overlap-ratio``
+        / ``--indexer-replay-max-mismatch-fraction``); ``(0, 1)`` never fails.
+
+        Raises:
+            TrainerConfigError: another kind (names the known ones).
+        """
+        if kind == "routing":
+            return self.replay_min_overlap_ratio, self.replay_max_mismatch_fraction
+        if kind == "indexer":
+            return self.indexer_replay_min_overlap_ratio, self.indexer_replay_max_mismatch_fraction
+        raise TrainerConfigError(f"no replay check of kind {kind!r}; the checks are 'routing' "
+                                 f"and 'indexer'")
+
+    @property
+    def replay_check_on(self) -> bool:
+        """Whether a replay check's bounds can fail a step (either kind's differ from ``(0, 1)``)."""
+        return any(self.replay_bounds(kind) != (0.0, 1.0) for kind in ("routing", "indexer"))
 
     @property
     def rs_gate(self) -> RSGate:

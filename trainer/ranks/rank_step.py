@@ -130,14 +130,13 @@ class RankStep:
 
     def _check_replay(self, kind: str, engine: torch.Tensor, own: torch.Tensor,
                       real: torch.Tensor) -> None:
-        cfg = self.config
-        if cfg.replay_min_overlap_ratio == 0 and cfg.replay_max_mismatch_fraction == 1:
+        min_overlap, max_mismatch = self.config.replay_bounds(kind)  # each kind its own bounds
+        if min_overlap == 0 and max_mismatch == 1:
             return
         layers = getattr(self.backend.model_config,
                          next(row.layers for row in trace_table.TRACES if row.replay == kind))
         check_replay(engine.reshape(-1, *engine.shape[2:]), own.reshape(-1, *own.shape[2:]),
-                     real.reshape(-1), cfg.replay_min_overlap_ratio, cfg.replay_max_mismatch_fraction,
-                     layer_ids=layers, kind=kind)
+                     real.reshape(-1), min_overlap, max_mismatch, layer_ids=layers, kind=kind)
 
     def update(self, samples: list[Sample], advantages: torch.Tensor,
                token_accept: dict[int, torch.Tensor], loss_accept: dict[int, torch.Tensor],

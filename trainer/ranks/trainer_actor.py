@@ -362,7 +362,7 @@ class TrainerActor(Actor):
             replayrl.rollout.errors.MissingTraceError: a sample lacks a trace an enabled replay needs
                 (``replayrl.rollout.sample.required_traces``); names the sample and the field.
             replayrl.trainer.replay.checks.ReplayMismatch: the engine's and the trainer's own choices disagree
-                beyond ``--replay-min-overlap-ratio`` / ``--replay-max-mismatch-fraction``.
+                beyond that kind's bounds (:meth:`TrainerConfig.replay_bounds`).
             replayrl.trainer.ranks.proximal_cache.ProximalCacheError: the cache's byte cap is exceeded.
         """
         return self.local.preflight(samples)
@@ -400,8 +400,9 @@ class TrainerActor(Actor):
     def needs_preflight(self) -> bool:
         """Whether a step runs the separate preflight forward before its update.
 
-        Only an RS gate (and with it exact refill) or the replay check
-        (``--replay-min-overlap-ratio`` / ``--replay-max-mismatch-fraction``) need the
+        Only an RS gate (and with it exact refill) or a replay check
+        (``--replay-min-overlap-ratio`` / ``--replay-max-mismatch-fraction``, their
+        ``--indexer-replay-*`` counterparts: :attr:`TrainerConfig.replay_check_on`) need the
         proximal logprobs or the choices before the update. Otherwise, with one optimizer step
         per rollout, the proximal logprobs ARE the detached logprobs of the training forward at
         the same weights, and the flip / drift rates come from that forward: one forward per
@@ -409,7 +410,7 @@ class TrainerActor(Actor):
         """
         cfg = self.config
         return (cfg.preflight == "always" or self.gate.active
-                or cfg.replay_min_overlap_ratio != 0 or cfg.replay_max_mismatch_fraction != 1
+                or cfg.replay_check_on
                 or type(self.backend).train_forward is TrainerBackend.train_forward)
 
     async def train(self, rollout_id: int) -> dict:

@@ -51,8 +51,8 @@ NOT_RUN = {  # a command's start, as the docs write it -> why this test does not
     "replayrl train --train-backend megatron": "megatron-core (extra megatron) and, with "
         "--tp/--ep/--cp-size, torchrun ranks; tests/system/test_megatron_backend.py",
     "replayrl train --hf-checkpoint DIR --train-backend megatron": "a family checkpoint the reader "
-        "names (deepseek_v3 / glm4_moe_lite) on megatron-core ranks; tests/system/"
-        "test_megatron_family.py checks both families on one and two ranks",
+        "names (deepseek_v3 / glm4_moe_lite / deepseek_v32 / glm_moe_dsa) on megatron-core ranks; "
+        "tests/system/test_megatron_family.py checks the four families on one and two ranks",
     "replayrl train --dp-size 2": "two torchrun trainer ranks: more than this test's CPU "
         "budget; tests/system/test_trainer_ranks.py trains on two ranks",
     "replayrl train --train-backend fsdp --dp-size 2": "two torchrun trainer ranks: "

@@ -18,9 +18,10 @@ with the local (non-TransformerEngine) layer specs computes the same function as
 
 The DSA-style indexer of ``ModelConfig.indexed_layers`` is the embedded model's own, placed in
 front of megatron's self-attention on those layers
-(:mod:`replayrl.trainer.backends.megatron_indexer`): megatron-core's DSA indexer needs TransformerEngine
-and multi-latent attention and cannot be built on CPU. Under context parallelism every layer's
-core attention is :mod:`replayrl.trainer.backends.megatron_context_parallel`'s (megatron-core's local
+(:mod:`replayrl.trainer.backends.megatron_indexer`): megatron-core's DSA attention is built for
+multi-latent attention only (it serves the MLA families,
+:mod:`replayrl.trainer.backends.megatron_dsa`). Under context parallelism every layer's core
+attention is :mod:`replayrl.trainer.backends.megatron_context_parallel`'s (megatron-core's local
 attention refuses ``context_parallel_size > 1``).
 """
 from __future__ import annotations

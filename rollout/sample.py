@@ -447,6 +447,44 @@ def samples_to_columns(samples: Sequence[Sample], *, compact: bool = True) -> di
     return cols
 
 
+def trace_bytes_per_token(columns: Mapping[str, Any]) -> dict[str, float]:
+    """What a batch's traces cost on the wire, per trajectory token, from its columns as they
+    travel (:func:`samples_to_columns`'s result, before :func:`samples_from_columns` decodes
+    them): the bytes of the arrays each trace column holds
+    (:func:`replayrl.rollout.traces.trace_storage.wire_nbytes`: the compact codecs' arrays, a
+    raw column's int32) over the batch's ``sum(P + R)`` tokens. Nothing is encoded again.
+
+    Returns:
+        ``{"trace_bytes_per_token": all traces' bytes / tokens}`` plus
+        ``"<trace>_bytes_per_token"`` (e.g. ``routed_experts_bytes_per_token``) for each trace
+        some sample carries (a column not ``None``); floats, bytes per token. ``{}`` for a
+        batch of no tokens.
+    Raises:
+        SampleError: missing length columns or a trace column in no wire form (named, sample
+            ``"batch"``).
+    """
+    tokens = 0
+    for name in ("prompt_lengths", "response_lengths"):
+        if name not in columns:
+            raise SampleError("batch", name, "missing column")
+        tokens += int(np.asarray(columns[name], dtype=np.int64).sum())
+    if tokens <= 0:
+        return {}
+    out: dict[str, float] = {}
+    total = 0
+    for row in trace_table.TRACES:
+        column = columns.get(row.name)
+        if column is None:
+            continue
+        try:
+            nbytes = trace_storage.wire_nbytes(column)
+        except ValueError as exc:
+            raise SampleError("batch", row.name, str(exc)) from None
+        out[f"{row.name}_bytes_per_token"] = nbytes / tokens
+        total += nbytes
+    return {"trace_bytes_per_token": total / tokens, **out}
+
+
 def samples_from_columns(columns: Mapping[str, Any], decode_threads: int = 1) -> list[Sample]:
     """Rebuild the samples of :func:`samples_to_columns` (e.g. a decoded message).
 

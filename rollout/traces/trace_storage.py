@@ -35,9 +35,17 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from replayrl.transport.trace_codec import TraceCodecError, decode_ids, decode_sets, encode_ids, encode_sets
+from replayrl.transport.trace_codec import (
+    TraceCodecError,
+    decode_ids,
+    decode_sets,
+    encode_ids,
+    encode_sets,
+    encoded_nbytes,
+)
 
-__all__ = ["CHUNK_SLOTS", "encode_column", "decode_column", "row_positions", "entry_stride"]
+__all__ = ["CHUNK_SLOTS", "encode_column", "decode_column", "row_positions", "entry_stride",
+           "wire_nbytes"]
 
 CHUNK_SLOTS = 1 << 22
 """A ``"sets"`` column of more slots than this is encoded in chunks of whole rows of at most
@@ -126,6 +134,29 @@ def encode_column(row: Any, column: Any, counts: Sequence[int]) -> Any:
         parts.append(part if encoded is None else encoded)
     return {"codec": "chunks", "rows": [len(p) if isinstance(p, np.ndarray) else p["shape"][0]
                                         for p in parts], "parts": parts}
+
+
+def wire_nbytes(column: Any) -> int:
+    """Bytes of the arrays a trace column's wire form holds (an :func:`encode_column` result,
+    as sent or as received): an encoded mapping's arrays (each chunk's, for ``"chunks"``), a
+    plain array's ``nbytes``, a per-item list's arrays summed, 0 for ``None``. The few msgpack
+    bytes of keys, shapes and strides are not counted
+    (``replayrl.transport.trace_codec.encoded_nbytes``).
+
+    Raises:
+        TraceCodecError: a column that is none of these forms (the message names its type).
+    """
+    if column is None:
+        return 0
+    if isinstance(column, np.ndarray):
+        return int(column.nbytes)
+    if isinstance(column, Mapping):
+        if column.get("codec") == "chunks":
+            return sum(wire_nbytes(part) for part in column.get("parts", ()))
+        return encoded_nbytes(column)
+    if isinstance(column, (list, tuple)):
+        return sum(wire_nbytes(item) for item in column)
+    raise TraceCodecError(f"a trace column of type {type(column).__name__} is no wire form")
 
 
 def decode_column(row: Any, column: Any, counts: Sequence[int], threads: int = 1) -> Any:

@@ -379,7 +379,9 @@ class MetricsRecorder:
 
     def summary(self, wall_seconds: float | None = None) -> str:
         """One line: first / last 10 % reward means, their ratio, the support entropy of the
-        last 10 % of steps (nats; ``n/a`` when the rows lack it), steps (and how many were
+        last 10 % of steps (nats; ``n/a`` when the rows lack it), the traces' wire bytes per
+        trajectory token averaged over the steps (``trace_bytes_per_token``; ``n/a`` when the
+        rows lack it), steps (and how many were
         skipped, when any), the seconds of the steps and, given ``wall_seconds``, those of the
         whole run with its start-up (actor processes, initial checkpoint): a short run's steps
         take a fraction of the time a user waits."""
@@ -388,6 +390,8 @@ class MetricsRecorder:
         entropies = [r["support_entropy_mean"] for r in self.rows
                      if r.get("support_entropy_mean") is not None]
         entropy = f"{edge_means(entropies)[1]:.3f}" if entropies else "n/a"
+        wire = [r["trace_bytes_per_token"] for r in self.rows if r.get("trace_bytes_per_token") is not None]
+        trace_bytes = f"{sum(wire) / len(wire):.1f}" if wire else "n/a"
         seconds = sum(r["step_seconds"] for r in self.rows)
         skipped = sum(1 for r in self.rows if r.get("skipped"))
         steps = f"{len(self.rows)} steps" + (f" ({skipped} skipped)" if skipped else "")
@@ -395,4 +399,5 @@ class MetricsRecorder:
                                          if wall_seconds is not None else "")
         return (f"replayrl: {steps} in {took}  reward first10%={first:.3f} "
                 f"last10%={last:.3f} ratio={ratio}  entropy last10%={entropy}  "
+                f"trace B/token={trace_bytes}  "
                 f"{episode_summary(self.rows)}metrics={self.path}")

@@ -46,7 +46,7 @@ import torch
 from replayrl.actors import Actor
 from replayrl.actors.errors import PeerLost
 from replayrl.actors.proxy import ActorProxy
-from replayrl.rollout.sample import Sample, samples_from_columns, samples_to_columns
+from replayrl.rollout.sample import Sample, samples_from_columns, samples_to_columns, trace_bytes_per_token
 from replayrl.rollout.weight_sync import resolve_weight_sync
 from replayrl.rollout.weight_sync.base import Delivery, Packed, WeightSync
 from replayrl.trainer.backends import resolve_backend
@@ -436,6 +436,7 @@ class TrainerActor(Actor):
         raw = await self.proxy(self.manager_name, cfg.rpc_timeout_s).take_batch(rollout_id)
         samples = samples_from_columns(raw, decode_threads=cfg.trace_decode_threads)
         transport_seconds = time.perf_counter() - start  # the batch's RPC, decode and checks
+        wire = trace_bytes_per_token(raw)  # the traces' bytes as they came, still encoded
         trainer_version = await clock.check_samples([s.sample_id for s in samples],
                                                     [s.policy_version for s in samples])
         if trainer_version != self.version:
@@ -473,7 +474,7 @@ class TrainerActor(Actor):
                        staleness_mean=float(np.mean([trainer_version - s.policy_version for s in admitted])),
                        staleness_max=int(max(trainer_version - s.policy_version for s in admitted)),
                        train_seconds=seconds, transport_seconds=transport_seconds,
-                       effective_tokens_per_second=metrics["accepted_tokens"] / seconds)
+                       effective_tokens_per_second=metrics["accepted_tokens"] / seconds, **wire)
         entropies = self.local.take_entropies()
         if entropies.numel():
             # the policy's entropy over the sampled support (docs/design/trainer-math.md#trainer-math),

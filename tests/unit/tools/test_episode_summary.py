@@ -21,7 +21,7 @@ def test_the_summary_line_shows_the_episode_figures(tmp_path):
     with MetricsRecorder(tmp_path, num_steps=10, show_progress=False) as recorder:
         for row in ROWS:
             recorder.record(row)
-    assert "entropy last10%=n/a  turns last10%=1.90  " in recorder.summary()
+    assert "entropy last10%=n/a  trace B/token=n/a  turns last10%=1.90  " in recorder.summary()
     assert recorder.summary().endswith(f"accuracy first10%=0.000 last10%=0.900  metrics={recorder.path}")
     assert recorder.plot().is_file()
 

@@ -52,6 +52,16 @@ def test_summary_shows_the_steps_seconds_and_the_run_with_its_start_up(tmp_path)
     assert recorder.summary(9.96).startswith("replayrl: 3 steps in 0.4 s (10 s with start-up)")
 
 
+def test_summary_averages_the_traces_bytes_per_token_over_the_steps_that_have_them(tmp_path):
+    from replayrl.tools.run.metrics import MetricsRecorder
+
+    with MetricsRecorder(tmp_path, num_steps=3, show_progress=False) as recorder:
+        for step, wire in enumerate((10.0, None, 20.6)):  # a step without the figure: left out
+            recorder.record({"step": step, "reward_mean": 0.5, "step_seconds": 0.1,
+                             "trace_bytes_per_token": wire})
+    assert "  trace B/token=15.3  " in recorder.summary()  # (10 + 20.6) / 2
+
+
 async def test_nothing_is_pushed_after_a_skipped_step():
     from replayrl.tools.run.train_loop import NO_PUSH, push_after
     from tests.fakes import FakeProxy

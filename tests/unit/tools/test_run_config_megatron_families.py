@@ -27,6 +27,13 @@ def test_mla_families_are_accepted(tmp_path, family, overrides):
     assert config.policy_config.family == family
 
 
+@pytest.mark.parametrize("flags", [{"pp-size": 2}, {"cp-size": 2}])
+def test_mla_families_train_over_pipeline_stages_and_context_parallel_ranks(tmp_path, flags):
+    # PP 2 and CP 2 give the one-rank values (tests/system/test_megatron_backend.py)
+    config = _config(tmp_path, "glm4_moe_lite", flags, num_hidden_layers=4)
+    assert config.trainer.rank_count == 2
+
+
 @pytest.mark.parametrize("overrides,flags,message", [
     ({"rope_interleave": False}, {}, "rope_interleave false"),
     ({"norm_topk_prob": False}, {}, "norm_topk_prob false"),
@@ -34,6 +41,7 @@ def test_mla_families_are_accepted(tmp_path, family, overrides):
      r"num_experts_per_tok / topk_group = 2 / 2 != 2"),
     ({}, {"ep-size": 16, "dp-size": 16}, r"n_routed_experts=8 is not a multiple of --ep-size 16"),
     ({}, {"tp-size": 3}, r"config.json vocab_size=97 is not a multiple of --tp-size 3"),
+    ({}, {"pp-size": 2}, r"--pp-size 2 must divide the policy's 3 layers"),
 ])
 def test_what_the_mapping_does_not_compute_is_refused(tmp_path, overrides, flags, message):
     with pytest.raises(ConfigError, match=message):

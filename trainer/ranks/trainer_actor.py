@@ -312,6 +312,9 @@ class TrainerActor(Actor):
 
         Returns:
             ``{"version", "bytes", "seconds"}`` as :meth:`push_weights`.
+        A push still in flight is finished first (and its error raised here): its load may
+        reach the new process, and must be recorded before this newer version.
+
         Raises:
             ValueError: ``engine`` is not one of the run's engines.
             replayrl.actors.ActorTimeout: the engine not reachable within ``--rpc-timeout-seconds``.
@@ -320,6 +323,11 @@ class TrainerActor(Actor):
         if engine not in self.engines:
             raise ValueError(f"unknown engine {engine!r}; the run's engines: {self.engines}")
         start = time.perf_counter()
+        # a push still in flight (push_weights(wait=False)) may have sent its load to this
+        # engine's endpoint before the loss was seen, and the new process answers it: recorded
+        # after this newer version, the clock would see the engine move backwards (a chaos
+        # soak's VersionRegression). Finishing it first keeps the loads and records in order.
+        await self.wait_for_push()
         sync = self.sync
         if sync.collective:  # a new process: no member of the group its predecessor was in
             sync.close()

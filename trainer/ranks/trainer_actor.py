@@ -310,11 +310,11 @@ class TrainerActor(Actor):
         the trainer's current version, which the clock admits for any batch generated from now
         on (docs/design/engine-faults.md#engine-faults).
 
-        Returns:
-            ``{"version", "bytes", "seconds"}`` as :meth:`push_weights`.
         A push still in flight is finished first (and its error raised here): its load may
         reach the new process, and must be recorded before this newer version.
 
+        Returns:
+            ``{"version", "bytes", "seconds"}`` as :meth:`push_weights`.
         Raises:
             ValueError: ``engine`` is not one of the run's engines.
             replayrl.actors.ActorTimeout: the engine not reachable within ``--rpc-timeout-seconds``.

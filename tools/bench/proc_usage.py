@@ -95,14 +95,19 @@ def is_flat(start_rss: int, end_rss: int, start_fds: int, end_fds: int) -> bool:
 
 
 def _series(samples: Iterable[dict]) -> dict[str, list[tuple[int, dict]]]:
-    """``{name: [(step, proc entry), ...]}`` in sample order; a name held by several live pids
-    in one sample (helpers of one ``comm``) is split as ``name``, ``name#2``, ... by pid order."""
+    """``{name: [(step, proc entry), ...]}`` in sample order. A pid is named by its last sample
+    (a process sampled before it set its ``comm``, a new engine still ``python3.11``, belongs to
+    its actor); a name held by several live pids in one sample (helpers of one ``comm``) is
+    split as ``name``, ``name#2``, ... by pid order."""
+    samples = list(samples)
+    final = {p["pid"]: p["name"] for sample in samples for p in sample["procs"]}
     out: dict[str, list[tuple[int, dict]]] = {}
     for sample in samples:
         seen: dict[str, int] = {}
         for entry in sorted(sample["procs"], key=lambda p: p["pid"]):
-            seen[entry["name"]] = seen.get(entry["name"], 0) + 1
-            key = entry["name"] if seen[entry["name"]] == 1 else f"{entry['name']}#{seen[entry['name']]}"
+            name = final[entry["pid"]]
+            seen[name] = seen.get(name, 0) + 1
+            key = name if seen[name] == 1 else f"{name}#{seen[name]}"
             out.setdefault(key, []).append((sample["step"], entry))
     return out
 
@@ -128,44 +133,59 @@ def _slope(points: Sequence[tuple[int, dict]]) -> float | None:
     return fit.slope * 1000
 
 
+WINDOW = 5
+"""Samples of one pid whose median is a start or end figure (fewer for a short series: a
+quarter of the pid's samples, at least one): an engine restarting beside a process adds
+sockets and pipes to it for a sample or two, which one sample would read as growth."""
+
+
+def _window(points: Sequence[tuple[int, dict]], pid: int, first: bool) -> dict:
+    """``{"steps": (first, last step), "pid", "rss", "fds"}``: the medians (the lower middle
+    value) over the first (or last) window of ``pid``'s ``points`` (:data:`WINDOW`)."""
+    own = [p for p in points if p[1]["pid"] == pid]
+    size = max(1, min(WINDOW, len(own) // 4))
+    chosen = own[:size] if first else own[-size:]
+    return {"steps": (chosen[0][0], chosen[-1][0]), "pid": pid,
+            "rss": statistics.median_low(p["rss"] for _, p in chosen),
+            "fds": statistics.median_low(p["fds"] for _, p in chosen)}
+
+
 def flat_rows(samples: Sequence[dict], warmup_step: int) -> list[dict]:
     """One row per process name over ``samples`` (:func:`sample_tree`'s, in step order).
 
-    Each pid's first sample is left out (:func:`_settled`; all are kept for a name whose every
-    pid was sampled once). Each row: ``name``; ``start`` and ``end`` (``{"step", "pid", "rss",
-    "fds"}`` of the first kept sample at or after ``warmup_step`` holding the name — or its first
-    kept sample, when the name appears only later — and of its last kept sample); ``peak_hwm``
-    (bytes, the largest ``VmHWM`` over every sample and pid of the name); ``pids`` (distinct
-    pids seen under the name: more than one is a process replaced, e.g. an engine restarted
-    after a kill); ``replaced_at`` (the first step the end pid was sampled, when it is not the
-    start pid, else ``None``); ``slope`` (MiB per 1,000 steps, least squares over the end pid's
-    samples from the start step on, or ``None``);
-    ``flat`` (:func:`is_flat` of start against end).
+    Each pid's first sample is left out (:func:`_settled`), so a name whose every pid was
+    sampled once (a process killed while it started) has no row. The start pid is the one of the
+    first kept sample at or after ``warmup_step`` (or the first kept sample, for a name that
+    appears only later), the end pid the one of the last. Each row: ``name``; ``start`` and
+    ``end`` (:func:`_window`: medians over the start pid's first and the end pid's last
+    :data:`WINDOW` kept samples, from the warm-up on); ``peak_hwm`` (bytes, the largest
+    ``VmHWM`` over every sample and pid of the name); ``pids`` (distinct pids seen under the
+    name: more than one is a process replaced, e.g. an engine restarted after a kill);
+    ``replaced_at`` (the first step the end pid was sampled, when it is not the start pid, else
+    ``None``); ``slope`` (MiB per 1,000 steps, least squares over the end pid's kept samples
+    from the warm-up on, or ``None``); ``flat`` (:func:`is_flat` of start against end).
 
     Raises:
-        ValueError: no sample, or a sample without ``step`` / ``procs``.
+        ValueError: no sample.
     """
     if not samples:
         raise ValueError("no usage samples: the run ended before its first sample")
     rows = []
     for name, points in _series(samples).items():
-        settled = _settled(points) or points
-        later = [p for p in settled if p[0] >= warmup_step]
-        first = (later or settled)[0]
-        last = settled[-1]
-        end_pid = last[1]["pid"]
-        own = [p for p in settled if p[1]["pid"] == end_pid and p[0] >= first[0]]
-        replaced_at = None if end_pid == first[1]["pid"] else own[0][0]
+        settled = _settled(points)
+        if not settled:  # every pid of it sampled once: started and gone between two samples
+            continue
+        kept = [p for p in settled if p[0] >= warmup_step] or settled
+        start_pid, end_pid = kept[0][1]["pid"], kept[-1][1]["pid"]
+        start, end = _window(kept, start_pid, True), _window(kept, end_pid, False)
         rows.append({
-            "name": name,
-            "start": {"step": first[0], "pid": first[1]["pid"], "rss": first[1]["rss"],
-                      "fds": first[1]["fds"]},
-            "end": {"step": last[0], "pid": end_pid, "rss": last[1]["rss"], "fds": last[1]["fds"]},
+            "name": name, "start": start, "end": end,
             "peak_hwm": max(p["hwm"] for _, p in points),
             "pids": len({p["pid"] for _, p in points}),
-            "replaced_at": replaced_at,
-            "slope": _slope(own),
-            "flat": is_flat(first[1]["rss"], last[1]["rss"], first[1]["fds"], last[1]["fds"]),
+            "replaced_at": None if end_pid == start_pid else next(
+                s for s, p in points if p["pid"] == end_pid),
+            "slope": _slope([p for p in kept if p[1]["pid"] == end_pid]),
+            "flat": is_flat(start["rss"], end["rss"], start["fds"], end["fds"]),
         })
     return sorted(rows, key=lambda r: (r["name"] != LAUNCHER, r["name"]))
 
@@ -186,13 +206,15 @@ def flat_table(samples: Sequence[dict], warmup_step: int) -> str:
             name += f" ({r['pids']} pids over the run; start and end: pid {r['end']['pid']})"
         slope = "—" if r["slope"] is None else f"{r['slope']:+.2f}"
         lines.append(
-            f"| {name} | {r['start']['step']} - {r['end']['step']} | {r['start']['rss'] / MIB:.0f} / "
+            f"| {name} | {r['start']['steps'][0]} - {r['end']['steps'][1]} | "
+            f"{r['start']['rss'] / MIB:.0f} / "
             f"{r['end']['rss'] / MIB:.0f} / {r['peak_hwm'] / MIB:.0f} | {r['start']['fds']} / "
             f"{r['end']['fds']} | {slope} | {'flat' if r['flat'] else 'GROWS'} |")
-    lines.append(f"\nflat: end RSS <= start x {1 + RSS_SLACK_FRACTION:.2f} + "
+    lines.append(f"\nstart / end: medians over the first / last {WINDOW} samples of the start / "
+                 f"end pid from the warm-up on; flat: end RSS <= start x {1 + RSS_SLACK_FRACTION:.2f} + "
                  f"{RSS_SLACK_BYTES // MIB} MiB and end fds - start fds <= {FD_SLACK}; peak: "
                  "largest VmHWM of any pid of the name; each pid's first sample is left out (it may be "
-                 "starting).")
+                 "starting), and a process sampled only once has no row.")
     return "\n".join(lines)
 
 

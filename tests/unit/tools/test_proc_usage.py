@@ -43,16 +43,17 @@ def test_rows_start_after_warmup_end_last_and_name_a_replaced_engine():
     rows = {r["name"]: r for r in flat_rows(SAMPLES, warmup_step=100)}
     assert list(rows) == [LAUNCHER, "rrl:engine_0", "rrl:trainer"]  # the launcher first
     trainer = rows["rrl:trainer"]
-    assert trainer["start"] == {"step": 100, "pid": 2, "rss": 100 * MIB, "fds": 30}
-    assert trainer["end"] == {"step": 300, "pid": 2, "rss": 120 * MIB, "fds": 40}
+    # three kept samples: windows of one (a quarter of three, at least one)
+    assert trainer["start"] == {"steps": (100, 100), "pid": 2, "rss": 100 * MIB, "fds": 30}
+    assert trainer["end"] == {"steps": (300, 300), "pid": 2, "rss": 120 * MIB, "fds": 40}
     # 10 MiB per 100 steps over steps 100..300
     assert trainer["slope"] == pytest.approx(100.0)
     assert trainer["flat"] is False and trainer["replaced_at"] is None and trainer["pids"] == 1
     engine = rows["rrl:engine_0"]
     # each pid's first sample (pid 3 at step 0, pid 9 at step 200) is left out
-    assert (engine["start"]["pid"], engine["start"]["step"]) == (3, 100)
-    assert engine["end"] == {"step": 300, "pid": 9, "rss": 250 * MIB, "fds": 24}
-    assert engine["replaced_at"] == 300 and engine["pids"] == 2
+    assert engine["start"] == {"steps": (100, 100), "pid": 3, "rss": 240 * MIB, "fds": 23}
+    assert engine["end"] == {"steps": (300, 300), "pid": 9, "rss": 250 * MIB, "fds": 24}
+    assert engine["replaced_at"] == 200 and engine["pids"] == 2
     assert engine["peak_hwm"] == 300 * MIB and engine["flat"] is True
     assert rows[LAUNCHER]["flat"] is True and rows[LAUNCHER]["slope"] == pytest.approx(10.0)
 
@@ -65,6 +66,31 @@ def test_the_table_says_which_process_grows_and_which_was_replaced():
     assert "replacement pid 9" in engine and engine.endswith("| 240 / 250 / 300 | 23 / 24 | — | flat |")
     with pytest.raises(ValueError, match="no usage samples"):
         flat_rows([], warmup_step=50)
+
+
+def _steady(fds: list[int]) -> list[dict]:
+    """Samples at steps 0, 10, ... of one process with these fds (RSS constant)."""
+    return [{"step": 10 * i, "procs": [_proc(5, "rrl:trainer", 100, n)]} for i, n in enumerate(fds)]
+
+
+def test_a_one_sample_spike_is_no_growth_but_a_steady_climb_is():
+    # 21 samples, 20 kept (the first is left out): windows of 5 at each end
+    spike = flat_rows(_steady([50] * 20 + [60]), warmup_step=0)[0]
+    assert (spike["start"]["fds"], spike["end"]["fds"], spike["flat"]) == (50, 50, True)
+    assert spike["start"]["steps"] == (10, 50) and spike["end"]["steps"] == (160, 200)
+    climb = flat_rows(_steady(list(range(50, 71))), warmup_step=0)[0]
+    # kept fds 51..70: first five 51..55 (median 53), last five 66..70 (median 68)
+    assert (climb["start"]["fds"], climb["end"]["fds"], climb["flat"]) == (53, 68, False)
+
+
+def test_a_process_sampled_before_it_named_itself_counts_under_its_actor():
+    samples = [{"step": 0, "procs": [_proc(7, "python3.11", 30, 4), _proc(8, "python3.11", 20, 4)]},
+               {"step": 10, "procs": [_proc(7, "rrl:engine_1", 250, 23)]},
+               {"step": 20, "procs": [_proc(7, "rrl:engine_1", 251, 23)]}]
+    rows = flat_rows(samples, warmup_step=0)
+    # pid 8 was sampled once (killed while starting): no row; pid 7's first sample is its start-up
+    assert [r["name"] for r in rows] == ["rrl:engine_1"]
+    assert rows[0]["start"]["rss"] == 250 * MIB and rows[0]["pids"] == 1
 
 
 def _fake_proc(root: Path, pid: int, ppid: int, comm: str, rss_kib: int | None, fds=()):

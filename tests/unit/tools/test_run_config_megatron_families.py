@@ -65,3 +65,13 @@ def test_the_indexer_loss_flag_needs_the_megatron_trainer(tmp_path):
     assert config.trainer.dsa_indexer_loss_coeff == 0.5
     with pytest.raises(ConfigError, match=r"--dsa-indexer-loss-coeff needs --train-backend megatron"):
         _config(tmp_path, "glm_moe_dsa", {"dsa-indexer-loss-coeff": 0.5, "train-backend": "torch"})
+
+
+def test_a_pipeline_stage_may_not_start_on_a_shared_dsa_layer(tmp_path):
+    kinds = ["full", "full", "shared", "full"]  # stage 2 would start on layer 2: shared
+    with pytest.raises(ConfigError, match=r"--pp-size 2: layer 2 starts a pipeline stage but has "
+                                          r"no indexer"):
+        _config(tmp_path, "glm_moe_dsa", {"pp-size": 2}, num_hidden_layers=4, indexer_types=kinds)
+    config = _config(tmp_path / "ok", "glm_moe_dsa", {"pp-size": 2}, num_hidden_layers=4,
+                     indexer_types=["full", "shared", "full", "shared"])
+    assert config.trainer.pp_size == 2

@@ -234,6 +234,18 @@ def dsa_classes(config, replay: DSAReplay):
             for p in self.indexer.k_norm.parameters():
                 p.sequence_parallel = False  # applied to the gathered sequence, as the linears
 
+        def forward(self, *args, **kwargs):
+            """megatron's forward; at loss coefficient 0 (the frozen indexer) without the
+            indexer loss, which megatron computes in every training forward (a dense
+            ``[B, heads, S, S]`` attention per layer) and scales by 0."""
+            if getattr(self.config, "dsa_indexer_loss_coeff", None):
+                return super().forward(*args, **kwargs)
+            training, self.training = self.training, False  # the loss's only switch here
+            try:
+                return super().forward(*args, **kwargs)
+            finally:
+                self.training = training
+
     class SharedAttention(MegatronModule):
         """A "shared" layer's sparse attention: megatron's ``unfused_dsa_fn`` over the keys of
         the previous indexed layer; no indexer, no indexer loss."""

@@ -1,7 +1,8 @@
 """The embedded model's DSA-style indexer inside megatron-core's self-attention, with replay.
 
-megatron-core 0.16.1's own DSA indexer needs TransformerEngine and multi-latent attention (it
-cannot be built on CPU) and has no replay injection point. The embedded policy's indexer
+megatron-core 0.16.1's own DSA indexer builds on CPU without TransformerEngine but serves
+multi-latent attention only (the MLA families', :mod:`replayrl.trainer.backends.megatron_dsa`),
+not the embedded model's grouped-query attention. The embedded policy's indexer
 (:mod:`replayrl.rollout.model.indexer`: a lightning-indexer scorer whose top-k keys restrict the layer's
 attention) is therefore placed in front of megatron's local ``SelfAttention``:
 ``IndexedSelfAttention`` (built by :func:`indexed_attention_class`) scores the layer's attention

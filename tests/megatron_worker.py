@@ -1,14 +1,17 @@
 """Test helper run under torchrun (gloo): one MegatronBackend per rank on the tests' checkpoint.
 
 Usage: torchrun --nproc-per-node N tests/megatron_worker.py CHECKPOINT OUT --case main|r3|pp|ckpt
-[--tp N] [--ep N] [--pp N] [--cp N] [--split-data] [--perturb-last-stage] [--family DIR]...
+[--tp N] [--ep N] [--pp N] [--cp N] [--split-data] [--perturb-last-stage]
+[--family DIR]... [--family-layouts one/pp2/cp2]
 
 ``main``: preflight logprobs and routing (support replay + R3 trace, and full vocabulary without
 replay), the gathered weights, one optimizer step (``forward_backward``; grad norm, weights
 after); also the routers' own recorded choice replayed (``self_*``: the choice used, the own
 choice and the logprobs of that forward). With ``--family DIR`` (a family room checkpoint,
-repeatable) the ``main`` values of each family checkpoint in the same layout follow under
-``<DIR's name>/``, with the replayed trace as ``<DIR's name>/trace``.
+repeatable) the ``main`` values of each family checkpoint follow, in each of
+``--family-layouts`` (``one``: one rank's layout, ``ppN`` / ``cpN``: N pipeline stages /
+context-parallel ranks; the parallel groups are rebuilt in the same processes), under
+``<DIR's name>/<layout>/``, with the replayed trace as ``<DIR's name>/trace``.
 ``r3``: record the routing, perturb the routers (only the last pipeline stage's with
 ``--perturb-last-stage``), forward without and with replay of the recorded routing.
 ``pp``: the routing replay targets each pipeline stage feeds its routers, the indexer trace
@@ -41,6 +44,7 @@ def main() -> None:
     ap.add_argument("--split-data", action="store_true")
     ap.add_argument("--perturb-last-stage", action="store_true")
     ap.add_argument("--family", action="append", default=[])
+    ap.add_argument("--family-layouts", default="one")
     args = ap.parse_args()
 
     import numpy as np
@@ -99,7 +103,7 @@ def main() -> None:
             result.update({f"w0/{k}": v for k, v in backend.weights().items()})
             result.update(_step_values(backend, replayed))
             for family in map(Path, args.family):
-                values = _family_values(family, cfg, parallel)
+                values = _family_values(family, cfg, args.family_layouts.split("/"))
                 result.update({f"{family.name}/{k}": v for k, v in values.items()})
         elif args.case == "ckpt":
             backend.zero_grad()
@@ -198,19 +202,25 @@ def _step_values(backend, replayed) -> dict:
     return out
 
 
-def _family_values(checkpoint: Path, cfg, parallel) -> dict:
-    """The ``main`` values of a family room checkpoint under ``parallel``, on samples whose
-    routing the checkpoint's transformers model (routers perturbed) chose."""
+def _family_values(checkpoint: Path, cfg, layouts: list[str]) -> dict:
+    """The ``main`` values of a family room checkpoint in each of ``layouts`` (``one``,
+    ``pp<N>``, ``cp<N>``; keys prefixed ``<layout>/``), on samples whose routing the
+    checkpoint's transformers model (routers perturbed) chose."""
     from replayrl.trainer.backends.megatron_backend import MegatronBackend
+    from replayrl.trainer.backends.megatron_model import MegatronParallel
     from replayrl.trainer.batching.batch import collate
     from tests import megatron_cases as cases
 
     samples = cases.samples(cases.perturbed(checkpoint))
     replayed = collate(samples, routing=True, indexer=False, support=True)
     plain = collate(samples, routing=False, indexer=False, support=False)
-    backend = MegatronBackend(str(checkpoint), cfg, [], parallel=parallel)
-    return {"trace": replayed.routed_experts.numpy(), **_main_values(backend, replayed, plain),
-            **_step_values(backend, replayed)}
+    out = {"trace": replayed.routed_experts.numpy()}
+    for layout in layouts:
+        size = {layout[:2]: int(layout[2:])} if layout != "one" else {}
+        backend = MegatronBackend(str(checkpoint), cfg, [], parallel=MegatronParallel(**size))
+        values = {**_main_values(backend, replayed, plain), **_step_values(backend, replayed)}
+        out.update({f"{layout}/{k}": v for k, v in values.items()})
+    return out
 
 
 if __name__ == "__main__":

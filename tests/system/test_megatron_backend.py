@@ -62,16 +62,21 @@ def checkpoint(tmp_path_factory):
 
 
 FAMILIES = ("deepseek_v3", "glm4_moe_lite")
-FAMILY_LAYOUTS = {("--pp", "2"): "deepseek_v3", ("--cp", "2"): "glm4_moe_lite"}
-"""The layouts whose torchrun also runs a family checkpoint (no process start of its own; one
-family each: the two share megatron's MLA code path, a family's config only its sizes)."""
+FAMILY_RUN = ("--pp", "2")
+"""The layout whose two-rank torchrun also runs the family checkpoints at PP=2 and at CP=2 (the
+parallel groups rebuilt in its processes: no process start of their own)."""
+
+
+def _family_flags(family_checkpoints: dict, layouts: str) -> list[str]:
+    return [*(a for c in family_checkpoints.values() for a in ("--family", str(c))),
+            "--family-layouts", layouts]
 
 
 @pytest.fixture(scope="module")
 def one_rank(checkpoint, family_checkpoints, tmp_path_factory):
-    """The ``main`` case on one rank, with each family checkpoint's values (``<family>/``)."""
+    """The ``main`` case on one rank, with each family checkpoint's (``<family>/one/``)."""
     return _run(checkpoint, tmp_path_factory.mktemp("tp1"), 1, "--case", "main",
-                *(a for c in family_checkpoints.values() for a in ("--family", str(c))))
+                *_family_flags(family_checkpoints, "one"))
 
 
 @pytest.fixture(scope="module")
@@ -90,14 +95,14 @@ def family_checkpoints(tmp_path_factory):
 @pytest.fixture(scope="module")
 def layout_run(checkpoint, family_checkpoints, tmp_path_factory):
     """``layout_run(nproc, layout)``: the ``main`` case's values under ``layout`` (one torchrun
-    per layout in the module, shared by the tests that read it); the PP=2 and CP=2 runs also
-    compute a family checkpoint's values (``<family>/``, tests/megatron_worker.py)."""
+    per layout in the module, shared by the tests that read it); the :data:`FAMILY_RUN` one
+    also computes the family checkpoints' values at PP=2 and CP=2 (``<family>/pp2/``,
+    ``<family>/cp2/``, tests/megatron_worker.py)."""
     runs = {}
 
     def run(nproc: int, layout: tuple[str, ...]) -> dict[str, np.ndarray]:
         if (nproc, layout) not in runs:
-            family = FAMILY_LAYOUTS.get(layout)
-            families = ["--family", str(family_checkpoints[family])] if family else []
+            families = _family_flags(family_checkpoints, "pp2/cp2") if layout == FAMILY_RUN else []
             runs[nproc, layout] = _run(checkpoint, tmp_path_factory.mktemp("layout"), nproc,
                                        "--case", "main", *layout, *families)
         return runs[nproc, layout]
@@ -189,18 +194,19 @@ def test_parallel_layouts_give_the_one_rank_values(layout_run, one_rank, nproc, 
         np.testing.assert_allclose(got[k], one_rank[k], atol=STEP_ATOL, err_msg=k)
 
 
-@pytest.mark.parametrize("layout,family", list(FAMILY_LAYOUTS.items()),
-                         ids=["pp2_deepseek_v3", "cp2_glm4_moe_lite"])
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("layout", ["pp2", "cp2"])
 def test_family_checkpoints_give_their_tp1_values_at_pp2_and_cp2(layout_run, one_rank, layout, family):
     # a family checkpoint as megatron-core's MLA GPTModel (docs/design/megatron.md#megatron-families):
     # PP=2 (stage 0: dense layer 0 and MoE layer 1; stage 1: MoE layers 2-3) and CP=2 (the MLA
     # keys and values gathered over CP) give the one-rank logprobs, routing and step, with R3
     # on: the engine's routes (its routers perturbed) are the ones used, flips 0
-    tp1, f = ({k[len(family) + 1:]: v for k, v in run.items() if k.startswith(f"{family}/")}
-              for run in (one_rank, layout_run(2, layout)))
-    trace = f["trace"]
+    got = layout_run(2, FAMILY_RUN)  # the family's PP=2 and CP=2 values are in this run
+    tp1, f = ({k[len(prefix):]: v for k, v in run.items() if k.startswith(prefix)}
+              for run, prefix in ((one_rank, f"{family}/one/"), (got, f"{family}/{layout}/")))
+    trace = got[f"{family}/trace"]
+    assert np.array_equal(trace, one_rank[f"{family}/trace"]) and trace.shape[2] == 3  # MoE 1-3
     real = trace >= 0
-    assert trace.shape[2] == 3 and np.array_equal(trace, tp1["trace"])  # MoE layers 1-3
     assert (tp1["own"][real] != trace[real]).any(), "replay must force something"
     for run in (tp1, f):
         assert np.array_equal(run["used"][real], trace[real])  # flips 0

@@ -9,7 +9,8 @@ answer copied from it. The tool call is the assistant's content in the Hermes / 
 an ``--env`` rollout and the environment parses, so a template that renders content verbatim
 (examples/environments/make_checkpoint.py's, Qwen's) trains the policy on the very text RL
 samples. Each row carries the environment's tool schema (``tools``), which the template renders
-as ``replayrl train`` renders it into every prompt.
+as ``replayrl train`` renders it into every prompt. The no-tool baseline's rows
+(:func:`direct_answer`) are the question and its answer alone.
 """
 from __future__ import annotations
 
@@ -41,6 +42,13 @@ def demonstration(question: str, call: str, observation: str, answer: str, tools
                          {"role": "tool", "content": observation},
                          {"role": "assistant", "content": answer}],
             "tools": [json.loads(json.dumps(t)) for t in tools]}
+
+
+def direct_answer(question: str, answer: str) -> dict:
+    """One SFT row of the no-tool baseline: the question, then the answer at once (no tool
+    call, no tool schema)."""
+    return {"messages": [{"role": "user", "content": question},
+                         {"role": "assistant", "content": answer}]}
 
 
 def write(out: Path, sft: list[dict], rl: list[dict]) -> None:

@@ -6,6 +6,8 @@ the calculator tool (examples/environments/python_calculator.py, ``--env python_
 Writes ``sft.jsonl`` (demonstrations: call ``calculate`` with the product, copy its answer;
 the answer is the calculator's own ``evaluate``) and ``rl.jsonl`` (``{"prompt", "label"}``
 with the product as the label, for ``--rm-type exact``). No pair of factors is in both files.
+``--no-tool`` writes the baseline's demonstrations instead: the product answered at once, no
+tool call and no tool schema; ``rl.jsonl`` is the same as without it (same ``--seed``).
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import argparse
 import random
 from pathlib import Path
 
-from common import demonstration, load_environment_module, tool_call, write
+from common import demonstration, direct_answer, load_environment_module, tool_call, write
 
 QUESTION = "Use the calculate tool, then answer with the number only: {a} * {b}"
 
@@ -34,6 +36,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--sft", type=int, default=256, help="demonstrations (default 256)")
     parser.add_argument("--rl", type=int, default=64, help="RL prompts (default 64)")
+    parser.add_argument("--no-tool", action="store_true",
+                        help="demonstrations that answer without the tool (the baseline)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     calculator = load_environment_module("python_calculator")
@@ -42,6 +46,9 @@ def main(argv: list[str] | None = None) -> None:
     for a, b in both[:args.sft]:
         expression = f"{a} * {b}"
         value = calculator.evaluate(expression)
+        if args.no_tool:
+            sft.append(direct_answer(QUESTION.format(a=a, b=b), value))
+            continue
         sft.append(demonstration(QUESTION.format(a=a, b=b),
                                  tool_call("calculate", {"expression": expression}),
                                  value, value, calculator.TOOLS))

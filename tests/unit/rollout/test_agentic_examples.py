@@ -37,17 +37,16 @@ def _rows(path):
 
 def _place(question: str) -> str:
     """The invented place a question asks about."""
-    found = re.search(r"capital of (\w+)\?|year was (\w+) founded", question)
-    return found.group(1) or found.group(2)
+    return re.search(r"(?:capital|founding year) of (\w+)\?", question).group(1)
 
 
-def _trains(tok, rows):
+def _trains(tok, rows, turns=2):
     for row in rows:
-        c = render_conversation(tok, row["messages"], max_length=1024, tools=row["tools"])
-        # two assistant runs (the call, the answer), each closed by the end-of-turn id
+        c = render_conversation(tok, row["messages"], max_length=1024, tools=row.get("tools"))
+        # an assistant run per assistant turn (the call, the answer), each closed by the end-of-turn id
         ends = [i for i in range(len(c.loss_mask)) if c.loss_mask[i]
                 and (i + 1 == len(c.loss_mask) or not c.loss_mask[i + 1])]
-        assert [int(c.response_ids[i]) for i in ends] == [tok.eos_token_id] * 2
+        assert [int(c.response_ids[i]) for i in ends] == [tok.eos_token_id] * turns
 
 
 def test_arithmetic_demonstrations_copy_the_product_and_miss_every_rl_question(tmp_path, tok, monkeypatch):
@@ -68,22 +67,47 @@ def test_arithmetic_demonstrations_copy_the_product_and_miss_every_rl_question(t
     _trains(tok, sft)
 
 
-def test_retrieval_demonstrations_answer_from_the_corpus_and_hold_out_the_rl_places(tmp_path, tok, monkeypatch):
+@pytest.mark.parametrize("names", ["letters", "syllables"])
+def test_retrieval_demonstrations_answer_from_the_corpus_and_hold_out_the_rl_places(tmp_path, tok, monkeypatch, names):
     monkeypatch.syspath_prepend(str(AGENTIC))
-    _module(AGENTIC / "make_retrieval.py").main([str(tmp_path), "--places", "8", "--sft", "10"])
+    _module(AGENTIC / "make_retrieval.py").main([str(tmp_path), "--places", "8", "--sft", "10",
+                                                 "--names", names])
     corpus = (tmp_path / "corpus.txt").read_text().splitlines()
     sft, rl = _rows(tmp_path / "sft.jsonl"), _rows(tmp_path / "rl.jsonl")
     assert len(corpus) == 16 and len(sft) == 10 and len(rl) == 2 * 2  # a quarter of 8 places
     held = {_place(r["prompt"]) for r in rl}
+    if names == "letters":  # four distinct capitals, each a token of its own
+        assert all(len(set(p)) == 4 and p.isupper() for p in held)
     for row in sft:
         question, answer = row["messages"][0]["content"], row["messages"][3]["content"]
         assert _place(question) not in held
         fact = (f"The capital of {_place(question)} is {answer}." if "capital" in question
-                else f"{_place(question)} was founded in {answer}.")
+                else f"The founding year of {_place(question)} is {answer}.")
         assert fact in corpus and fact in row["messages"][2]["content"]  # the tool found it
+        assert not set(re.findall(r"\w+", row["messages"][2]["content"])) & held  # nor leaked
+        query = json.loads(re.search(r"<tool_call>(.*)</tool_call>", row["messages"][1]["content"])[1])
+        assert query["arguments"]["query"] in question  # the question's own words
     for row in rl:
         assert row["metadata"]["corpus"] == str((tmp_path / "corpus.txt").resolve())
     _trains(tok, sft)
+
+
+@pytest.mark.parametrize("script", ["make_arithmetic.py", "make_retrieval.py"])
+def test_the_no_tool_baseline_answers_at_once_on_the_same_rl_prompts(tmp_path, tok, monkeypatch, script):
+    monkeypatch.syspath_prepend(str(AGENTIC))
+    main = _module(AGENTIC / script).main
+    main([str(tmp_path / "tool"), "--sft", "10"])
+    main([str(tmp_path / "none"), "--sft", "10", "--no-tool"])
+    tool, none = _rows(tmp_path / "tool" / "sft.jsonl"), _rows(tmp_path / "none" / "sft.jsonl")
+    assert len(none) == 10
+    for row in none:  # the question, then the tool's answer to it, no call, no schema
+        assert [m["role"] for m in row["messages"]] == ["user", "assistant"] and "tools" not in row
+        assert "<tool_call>" not in row["messages"][1]["content"]
+    assert ([(r["messages"][0]["content"], r["messages"][1]["content"]) for r in none]
+            == [(r["messages"][0]["content"], r["messages"][3]["content"]) for r in tool])
+    _trains(tok, none, turns=1)
+    rl_tool = (tmp_path / "tool" / "rl.jsonl").read_text().replace(str(tmp_path / "tool"), "")
+    assert rl_tool == (tmp_path / "none" / "rl.jsonl").read_text().replace(str(tmp_path / "none"), "")
 
 
 async def test_the_corpus_environment_searches_the_corpus_its_prompt_names(tmp_path, monkeypatch):

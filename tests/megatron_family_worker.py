@@ -1,6 +1,7 @@
 """Test helper run under torchrun (gloo): a family room checkpoint (deepseek_v3 / glm4_moe_lite /
 deepseek_v32 / glm_moe_dsa) as megatron-core's MLA GPTModel in several layouts of one world, against
-transformers.
+transformers; a Hugging Face qwen3_moe checkpoint as the embedded model's GPTModel (its reference
+is the embedded model, and rank 0 also writes transformers' own logits, ``transformers_logits``).
 
 Usage: torchrun --nproc-per-node N tests/megatron_family_worker.py OUT LAYOUTS CHECKPOINT...
 with LAYOUTS ``tp,ep`` pairs joined by ``/`` (e.g. ``1,1/2,1/1,2``); a CHECKPOINT written
@@ -84,13 +85,20 @@ def _compare(checkpoint: Path, layouts: list[str]) -> dict:
     # indexer is frozen in both models)
     probe = torch.randn(*tokens.shape, cfg.vocab_size, generator=gen)
     (engine(tokens, positions).logits * probe).sum().backward()
-    grads = {k: p.grad.clone() for k, p in engine.hf.named_parameters() if p.grad is not None}
+    params = engine.hf.named_parameters() if hasattr(engine, "hf") else engine.named_parameters()
+    grads = {k: p.grad.clone() for k, p in params if p.grad is not None}
     engine.zero_grad(set_to_none=True)
     index = None
     with torch.no_grad():
         ref = engine(tokens, positions, capture=True)
         trace = ref.routed_experts  # int32 [B, S, L_moe, K]: the engine's choice
         result["hf_logits"] = ref.logits.numpy()
+        if not hasattr(engine, "hf"):  # a qwen3_moe checkpoint loads as the embedded model
+            from transformers import AutoModelForCausalLM
+
+            tf = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="eager",
+                                                      dtype=torch.float32).eval()
+            result["transformers_logits"] = tf(tokens).logits.numpy()
         result["trace"] = trace.numpy()
         if cfg.indexed_layers:  # int32 [B, S, L_idx, K], -1 = no key
             index = ref.indexer_topk.clone()

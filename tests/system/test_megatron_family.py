@@ -9,7 +9,9 @@ transformers' within 1e-5 in each, the gathered Hugging Face weights equal the c
 exactly (the conversion table both ways, with the shards of every layout), and R3 replays the
 engine's routing: with every router perturbed megatron's own choice differs from the engine's
 trace, replaying the trace uses exactly the engine's experts and gives transformers' logits for
-the same perturbed routers replaying the same trace. On the DSA families the indexer's key slots
+the same perturbed routers replaying the same trace. A Hugging Face ``qwen3_moe`` checkpoint
+(the embedded model's path, megatron_model.py) is checked the same way, its TP 1 logits also
+against transformers' own Qwen3-MoE. On the DSA families the indexer's key slots
 likewise: with the indexers perturbed too their own choice differs from the engine's, replaying
 the engine's slots (-1 slots selecting nothing) uses exactly them, a row of only -1 keeps the
 indexer's choice (transformers' on the same weights), and the logits are transformers' replayed
@@ -51,8 +53,12 @@ def _checkpoint(directory: Path, family: str) -> Path:
     extra = {"num_nextn_predict_layers": 0} if family == "deepseek_v3" else {}
     if family == "glm_moe_dsa":
         extra = {"indexer_types": ["full", "shared", "full"]}
-    cfg = tiny_hf_config(family, n_routed_experts=16, num_experts_per_tok=4, n_group=4,
-                         topk_group=2, vocab_size=96, **extra)
+    if family == "qwen3_moe":  # two MoE layers, 16 experts top-4, renormalised as Qwen3-30B-A3B
+        cfg = tiny_hf_config(family, num_experts=16, num_experts_per_tok=4, vocab_size=96,
+                             norm_topk_prob=True)
+    else:
+        cfg = tiny_hf_config(family, n_routed_experts=16, num_experts_per_tok=4, n_group=4,
+                             topk_group=2, vocab_size=96, **extra)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg)
     with torch.no_grad():
@@ -67,7 +73,8 @@ def _checkpoint(directory: Path, family: str) -> Path:
 
 
 DSA_FAMILIES = ("deepseek_v32", "glm_moe_dsa")
-FAMILIES = ("deepseek_v3", "glm4_moe_lite", *DSA_FAMILIES)
+FAMILIES = ("deepseek_v3", "glm4_moe_lite", *DSA_FAMILIES, "qwen3_moe")
+"""``qwen3_moe`` loads as the embedded model and trains on its GPTModel (megatron_model.py)."""
 
 
 def test_megatron_mla_model_equals_transformers_in_every_layout(tmp_path):
@@ -83,7 +90,11 @@ def test_megatron_mla_model_equals_transformers_in_every_layout(tmp_path):
     for i, family in enumerate(FAMILIES):
         r = {k[len(f"c{i}_"):]: v for k, v in result.items() if k.startswith(f"c{i}_")}
         trace = r["trace"]
-        assert trace.shape == (2, 12, 2, 4), family  # layers 1, 2 are MoE; layer 0 dense
+        # layers 1, 2 are MoE, layer 0 dense (qwen3_moe: its two layers)
+        assert trace.shape == (2, 12, 2, 4), family
+        if family == "qwen3_moe":  # transformers' own model, not only the embedded one
+            np.testing.assert_allclose(r["tp1_ep1_logits"], r["transformers_logits"], atol=1e-5,
+                                       rtol=0, err_msg=family)
         for layout in ("tp1_ep1", "tp2_ep1") + (() if family in DSA_FAMILIES else ("tp1_ep2",)):
             np.testing.assert_allclose(r[f"{layout}_logits"], r["hf_logits"], atol=1e-5, rtol=0,
                                        err_msg=f"{family} {layout}")

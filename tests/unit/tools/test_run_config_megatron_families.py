@@ -54,6 +54,22 @@ def test_other_families_are_refused_naming_what_is_not_built(tmp_path):
         _config(tmp_path, "gpt_oss")
 
 
+def test_a_qwen3_moe_checkpoint_is_accepted_as_the_embedded_model(tmp_path):
+    # transformers' own qwen3_moe checkpoint: its megatron logits equal transformers'
+    # (tests/system/test_megatron_family.py)
+    config = _config(tmp_path, "qwen3_moe", {"tp-size": 2}, vocab_size=96)
+    assert not hasattr(config.policy_config, "family")
+    assert config.trainer.rank_count == 2
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_5_moe_text"])
+def test_gated_deltanet_families_are_refused_naming_what_fails(tmp_path, family):
+    with pytest.raises(ConfigError, match=rf"cannot train the '{family}' family .* yet: its gated "
+                                          r"DeltaNet layers \(megatron-core's GatedDeltaNet raises "
+                                          r"ImportError .* flash-linear-attention"):
+        _config(tmp_path, family)
+
+
 def test_dsa_under_context_parallelism_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"--cp-size 2: context parallelism is not offered for "
                                           r"the 'deepseek_v32' family \(megatron-core's DSAttention"):

@@ -15,7 +15,8 @@ the same for its key slots: the indexer's weights are perturbed too, and the ind
 replayed with the last query of row 0 set to all -1 in every indexed layer (it keeps the
 indexer's own choice). Rank 0 also runs transformers (the reference, eager attention): the
 logits, the traces, and its logits replaying the traces on the same perturbed weights. Rank 0
-writes OUT/result.npz, the keys of checkpoint ``i`` prefixed ``c<i>_``.
+writes OUT/result.npz, the keys of checkpoint ``i`` prefixed ``c<i>_``, and ``gdn_*``: one
+megatron-core gated DeltaNet layer against transformers' (:func:`_gated_deltanet`).
 """
 from __future__ import annotations
 
@@ -54,6 +55,7 @@ def main() -> None:
         path, _, own = checkpoint.partition("@")
         for k, v in _compare(Path(path), own.split("/") if own else layouts).items():
             result[f"c{i}_{k}"] = v
+    result.update(_gated_deltanet())
     if dist.get_rank() == 0:
         out.mkdir(parents=True, exist_ok=True)
         np.savez(out / "result.npz", **result)
@@ -164,6 +166,80 @@ def _compare(checkpoint: Path, layouts: list[str]) -> dict:
                 result[f"{name}_index_used"], result[f"{name}_index_replay_own"] = used.numpy(), own.numpy()
                 indexer.end()
     return result
+
+
+def _gated_deltanet() -> dict:
+    """megatron-core's ``GatedDeltaNet`` (Qwen3.5-MoE's linear attention; the model is not built
+    on megatron, docs/design/megatron.md#megatron-families) on CPU at TP 1 against transformers'
+    ``Qwen3_5MoeGatedDeltaNet`` of the tiny Qwen3.5-MoE text config, with the same random weights
+    (std 0.2; decay ``A`` in [1, 16], transformers' range; gated norm weight near 1):
+    ``gdn_out`` / ``gdn_hf_out`` ``[B, S, H]`` and the input gradients of ``sum(out * probe)``,
+    ``gdn_grad`` / ``gdn_hf_grad``.
+
+    Without flash-linear-attention (``fla``) megatron's constructor raises ImportError and its
+    forward calls fla's ``l2norm`` and ``chunk_gated_delta_rule``: bound here to a torch
+    ``l2norm`` (FLA's definition, epsilon 1e-6 under the root) and megatron's own
+    ``torch_chunk_gated_delta_rule``. transformers' four input projections stack as megatron's
+    ``in_proj`` [qkv; z; b; a]; the gated norm's weight is ``out_norm``'s."""
+    import torch
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.ssm import gated_delta_net as gdn
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeGatedDeltaNet
+
+    from replayrl.trainer.backends.megatron_cpu_compat import cpu_device_scope
+    from replayrl.trainer.backends.megatron_model import MegatronParallel, init_parallel
+    from tests.family_checkpoints import tiny_hf_config
+
+    if not gdn.HAVE_FLA:
+        gdn.HAVE_FLA = True
+        gdn.l2norm = lambda x: x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
+        gdn.chunk_gated_delta_rule = gdn.torch_chunk_gated_delta_rule
+    init_parallel(MegatronParallel(), seed=1)
+    c = tiny_hf_config("qwen3_5_moe_text")
+    gen = torch.Generator().manual_seed(0)
+    ref = Qwen3_5MoeGatedDeltaNet(c, 0)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+        ref.A_log.copy_(torch.log(1 + 15 * torch.rand(ref.A_log.shape, generator=gen)))
+        ref.norm.weight.add_(1.0)
+    x = torch.randn(2, 12, c.hidden_size, generator=gen)
+    probe = torch.randn(x.shape, generator=gen)
+    out = {}
+    xr = x.clone().requires_grad_(True)
+    y = ref(xr)
+    (y * probe).sum().backward()
+    out["gdn_hf_out"], out["gdn_hf_grad"] = y.detach().numpy(), xr.grad.numpy()
+    config = TransformerConfig(
+        num_layers=1, hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
+        normalization="RMSNorm", layernorm_epsilon=c.rms_norm_eps, add_bias_linear=False,
+        activation_func=torch.nn.functional.silu, use_cpu_initialization=True,
+        params_dtype=torch.float32, gradient_accumulation_fusion=False, persist_layer_norm=False,
+        linear_conv_kernel_dim=c.linear_conv_kernel_dim, linear_key_head_dim=c.linear_key_head_dim,
+        linear_value_head_dim=c.linear_value_head_dim, linear_num_key_heads=c.linear_num_key_heads,
+        linear_num_value_heads=c.linear_num_value_heads)
+    local = LocalSpecProvider()
+    sub = gdn.GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear,
+                                      out_norm=local.layer_norm(rms_norm=True),
+                                      out_proj=local.row_parallel_linear())
+    w = dict(ref.named_parameters())
+    weights = {"in_proj.weight": torch.cat([w[f"in_proj_{p}.weight"] for p in ("qkv", "z", "b", "a")]),
+               "out_norm.weight": w["norm.weight"]}
+    with cpu_device_scope():
+        layer = gdn.GatedDeltaNet(config, sub, layer_number=1,
+                                  pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+        with torch.no_grad():
+            for name, p in layer.named_parameters():
+                p.copy_(weights.get(name, w.get(name)))
+        xm = x.transpose(0, 1).contiguous().requires_grad_(True)  # [S, B, H]
+        y, _ = layer(xm, None)
+        (y.transpose(0, 1) * probe).sum().backward()
+    out["gdn_out"] = y.transpose(0, 1).detach().numpy()
+    out["gdn_grad"] = xm.grad.transpose(0, 1).numpy()
+    return out
 
 
 def _grad_difference(model, cfg, tokens, positions, probe, grads: dict, tp: int):

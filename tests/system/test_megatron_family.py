@@ -17,6 +17,10 @@ the engine's slots (-1 slots selecting nothing) uses exactly them, a row of only
 indexer's choice (transformers' on the same weights), and the logits are transformers' replayed
 ones; GLM-5's checkpoint has a "shared" layer (the previous indexed layer's keys).
 
+The same torchrun checks one megatron-core gated DeltaNet layer (Qwen3.5-MoE's linear attention)
+against transformers' on CPU, with torch code bound in place of flash-linear-attention's; the
+Qwen3.5-MoE model on megatron is not built (refused, megatron_families.py).
+
 megatron-core runs in torchrun worker processes (tests/megatron_family_worker.py), never in the
 pytest process: its CPU compatibility layer is process-wide."""
 from __future__ import annotations
@@ -111,6 +115,14 @@ def test_megatron_mla_model_equals_transformers_in_every_layout(tmp_path):
         assert np.abs(r["hf_replay_logits"] - r["hf_logits"]).max() > 1e-3, family
         if "index_trace" in r:
             _check_indexer_replay(r, family)
+    # Qwen3.5-MoE's linear attention: megatron-core's GatedDeltaNet on CPU (the torch chunked
+    # rule in place of flash-linear-attention) equals transformers' layer, output and input
+    # gradient within 1e-5 of the largest entry
+    for key in ("out", "grad"):
+        ref = result[f"gdn_hf_{key}"]
+        assert np.abs(ref).max() > 1.0, key  # the layer computes something
+        np.testing.assert_allclose(result[f"gdn_{key}"], ref, atol=1e-5 * np.abs(ref).max(),
+                                   rtol=0, err_msg=key)
 
 
 def _check_indexer_replay(r: dict, family: str) -> None:

@@ -13,7 +13,7 @@ fact of an RL place, is in a demonstration.
 
 The names are made up, so no policy knows them. ``--names letters`` (default) spells each with
 four distinct capital letters (``QVEK``), which the example checkpoint's character-level
-tokenizer makes four tokens found nowhere else in the prompt, so copying the name is a plain
+tokenizer makes four tokens the rest of the prompt hardly uses, so copying the name is a
 look-up of the next character; ``--names syllables`` joins two or three syllables (``Torvekmir``),
 whose letters recur across the prompt and within the name.
 

@@ -35,6 +35,8 @@ def test_a_lost_duplicated_or_stale_step_fails_the_run(bad, key, value):
     (["--chaos", "5", "--", "--bogus-flag"], "the run's flags (after --): unrecognized arguments: --bogus-flag"),
     (["--chaos", "5", "--", "--n-samples-per-prompt", "1"], "--n-samples-per-prompt must be >= 2"),
     (["--", "--dp-size", "2"], "replayrl train flags are for --chaos only"),
+    (["--chaos", "5", "--usage-every", "-1"], "--usage-every and --warmup-step must be >= 0"),
+    (["--chaos", "5", "--time-budget-s", "0"], "--time-budget-s must be > 0, got 0.0"),
 ])
 def test_a_bad_run_flag_is_one_line_before_anything_starts(argv, says, capsys):
     from replayrl.tools.bench import faults

@@ -167,8 +167,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --chaos: stop the run after SECONDS and report the steps it "
                              "trained (default: run every --steps)")
     parser.add_argument("--run-dir", type=Path, default=None, metavar="DIR",
-                        help="with --chaos: the run's --output-dir, kept (with usage.jsonl, the "
-                             "samples); default: a temporary directory")
+                        help="with --chaos: the run's --output-dir, kept with usage.jsonl (the "
+                             "samples) (default: a temporary directory, removed)")
     parser.add_argument("train_flags", nargs=argparse.REMAINDER,
                         help="with --chaos: the run's replayrl train flags, after -- (default: none)")
     args = parser.parse_args(argv)

@@ -256,7 +256,7 @@ def test_shell_blocks_reads_commands_as_a_shell_would():
 def test_the_commands_are_found():
     # what the reader of own-data.md and README.md copies, as this test reads it
     assert ["replayrl", "train"] in [w for w, _, _ in COMMANDS.values()]
-    env = [(w, s) for w, s, _ in COMMANDS.values() if "--env" in w]
+    env = [(w, s) for w, s, _ in COMMANDS.values() if "--env" in w and w[:2] == ["replayrl", "train"]]
     assert env and env[0][1] == [["python", "examples/environments/make_checkpoint.py",
                                   "/tmp/env_ckpt"]]
     assert len(COMMANDS) >= 15

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from replayrl.tools.bench.tree_memory import PROC, _comm, _kib_field, descendants, parent_map
+from replayrl.transport import strict_json
 
 MIB = 1 << 20
 RSS_SLACK_FRACTION = 0.10
@@ -226,4 +227,4 @@ def read_samples(path: Path) -> list[dict]:
 def append_sample(path: Path, sample: dict) -> None:
     """Append ``sample`` as one json line to ``path``."""
     with path.open("a") as f:
-        f.write(json.dumps(sample) + "\n")
+        f.write(strict_json.dumps(sample) + "\n")

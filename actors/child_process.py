@@ -85,6 +85,12 @@ class ChildProcess:
         if self.exitcode is None:
             self._popen.kill()
 
+    def send_signal(self, sig: int) -> None:
+        """Send signal ``sig``, unless it has exited: once reaped, its pid may already belong to
+        an unrelated process, which a bare ``os.kill(pid, sig)`` would hit."""
+        if self.exitcode is None:
+            self._popen.send_signal(sig)
+
     def close(self) -> None:
         """Close the sentinel (after the exit was seen; the object then only answers
         ``exitcode``)."""

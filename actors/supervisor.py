@@ -257,7 +257,7 @@ class Supervisor:
         prints its threads' stacks first (:func:`actor_process_main` registers SIGUSR1)."""
         proc = self.processes[name]
         try:
-            os.kill(proc.pid, signal.SIGUSR1)
+            proc.send_signal(signal.SIGUSR1)
             proc.join(STACK_DUMP_WAIT_S)  # the dump is written by the process itself
         except ProcessLookupError:
             pass

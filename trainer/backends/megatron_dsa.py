@@ -37,7 +37,7 @@ import contextlib
 
 import torch
 
-from replayrl.rollout.model.indexer import resolve_replay
+from replayrl.trainer.backends.megatron_indexer import IndexerReplayState
 
 __all__ = ["INDEXER_NORM_EPS", "DSAReplay", "dsa_classes", "indexer_column_order",
            "indexer_kinds", "train_indexer"]
@@ -74,9 +74,11 @@ def indexer_column_order(config) -> torch.Tensor:
     return torch.cat([torch.arange(r, d), rope])
 
 
-class DSAReplay:
+class DSAReplay(IndexerReplayState):
     """One forward's indexer inputs and outputs, shared by the DSA layers of a model part
-    (the interface of :class:`replayrl.trainer.backends.megatron_indexer.IndexerReplay`).
+    (the state and interface of :class:`replayrl.trainer.backends.megatron_indexer.IndexerReplay`,
+    whose :attr:`layers` are the local indexed ("full") layers), and the keys each layer
+    attended, for the "shared" layers above it.
 
     Args:
         config: the ``FamilyConfig`` (``indexed_layers`` name the trace columns).
@@ -84,20 +86,9 @@ class DSAReplay:
     """
 
     def __init__(self, config, layers) -> None:
-        from replayrl.trainer.parallel.replay_registry import ReplayRegistry
-
+        super().__init__(config, layers)
         self.k = int(config.index_topk)
-        self.registry = ReplayRegistry.for_indexer(config)
-        self.registry.register(layers)
-        self._inputs = None
         self.fed: dict[int, torch.Tensor] = {}  # layer -> the keys it attended (for "shared")
-        self.used: dict[int, torch.Tensor] = {}
-        self.own: dict[int, torch.Tensor] = {}
-
-    @property
-    def layers(self) -> tuple[int, ...]:
-        """Global ids of the local indexed ("full") layers, increasing (the ``L_local`` axis)."""
-        return self.registry.layers
 
     def begin(self, key_padding_mask: torch.Tensor, trace: torch.Tensor | None) -> None:
         """Arm one forward of right-padded rows.
@@ -110,8 +101,8 @@ class DSAReplay:
         s = key_padding_mask.shape[1]
         causal = torch.ones(s, s, dtype=torch.bool).tril()
         real = key_padding_mask.bool()
+        self.end()
         self._inputs = (causal[None] & real[:, None, :] & real[:, :, None], trace)
-        self.fed, self.used, self.own = {}, {}, {}
 
     def select(self, layer: int, raw: torch.Tensor) -> torch.Tensor:
         """The keys global ``layer`` attends: int64 ``[B, S, max(K, k')]`` for ``DSAttention``'s
@@ -130,15 +121,14 @@ class DSAReplay:
         allowed, trace = self._inputs
         allowed = allowed.to(raw.device)
         own = _pad(torch.where(allowed.gather(-1, raw), raw, -1), self.k)
-        replay = self.registry.stream(trace, layer) if trace is not None else None
-        used = resolve_replay(own, replay, allowed, layer)
+        used = self._replay(layer, own, allowed, trace)
         # a -1 slot selects nothing: it repeats the row's first slot; a row without any slot
         # (a padding query) attends as the indexer chose (its logits are not read)
         picked = used >= 0
         first = used.gather(-1, picked.long().argmax(-1, keepdim=True))
         feed = torch.where(picked, used, first)
         feed = torch.where(picked.any(-1, keepdim=True), feed, _pad(raw, self.k, raw[..., :1]))
-        self.fed[layer], self.used[layer], self.own[layer] = feed, used, own
+        self.fed[layer] = feed
         return feed
 
     def shared(self, layer: int) -> torch.Tensor:
@@ -153,17 +143,10 @@ class DSAReplay:
                                f"but none ran before it in this forward")
         return self.fed[max(below)]
 
-    def collect(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(used, own)`` int32 ``[B, S, L_local, K]`` of the last forward, or None when this
-        part has no indexed layer."""
-        if not self.layers:
-            return None
-        return (torch.stack([self.used[i] for i in self.layers], 2).to(torch.int32),
-                torch.stack([self.own[i] for i in self.layers], 2).to(torch.int32))
-
     def end(self) -> None:
-        """Drop the forward's inputs and outputs."""
-        self._inputs, self.fed, self.used, self.own = None, {}, {}, {}
+        """Drop the forward's inputs and outputs, the attended keys included."""
+        super().end()
+        self.fed = {}
 
 
 def _pad(x: torch.Tensor, k: int, fill: torch.Tensor | None = None) -> torch.Tensor:

@@ -21,7 +21,10 @@ embedded model.
 
 :class:`IndexerReplay` carries one forward's inputs (the padding layout and the replayed trace,
 read per global layer through :class:`replayrl.trainer.parallel.replay_registry.ReplayRegistry`) to the
-indexed layers and collects the slots they used and their own choices.
+indexed layers and collects the slots they used and their own choices. Its state (the registry,
+the armed inputs, the slots used and own per layer, the replay of one layer's top-k) is
+:class:`IndexerReplayState`, which the MLA families' ``DSAReplay`` shares
+(:mod:`replayrl.trainer.backends.megatron_dsa`).
 """
 from __future__ import annotations
 
@@ -32,18 +35,23 @@ from replayrl.rollout.model.config import ModelConfig
 from replayrl.rollout.model.indexer import Indexer, resolve_replay, select_topk, slots_to_mask
 from replayrl.trainer.parallel.replay_registry import ReplayRegistry
 
-__all__ = ["IndexerReplay", "indexed_attention_class"]
+__all__ = ["IndexerReplay", "IndexerReplayState", "indexed_attention_class"]
 
 
-class IndexerReplay:
-    """One forward's indexer inputs and outputs, shared by the indexed layers of a model part.
+class IndexerReplayState:
+    """One forward's indexer replay state on a model part: the trace columns it owns, the armed
+    inputs and, per indexed layer, the key slots used and the indexer's own. Shared by the
+    embedded model's indexer (:class:`IndexerReplay`) and megatron-core's DSA indexer
+    (:class:`replayrl.trainer.backends.megatron_dsa.DSAReplay`); each arms ``_inputs`` in its
+    own ``begin``.
 
     Args:
         config: the model config (``indexed_layers`` name the trace columns).
-        layers: global ids of the indexed layers built on this pipeline stage.
+        layers: global ids of the layers built on this pipeline stage (those without an
+            indexer replay nothing).
     """
 
-    def __init__(self, config: ModelConfig, layers) -> None:
+    def __init__(self, config, layers) -> None:
         self.registry = ReplayRegistry.for_indexer(config)
         self.registry.register(layers)
         self._inputs = None
@@ -54,6 +62,42 @@ class IndexerReplay:
     def layers(self) -> tuple[int, ...]:
         """Global ids of the local indexed layers, increasing (the ``L_local`` axis)."""
         return self.registry.layers
+
+    def _replay(self, layer: int, own: torch.Tensor, allowed: torch.Tensor,
+                trace: torch.Tensor | None) -> torch.Tensor:
+        """The slots global ``layer`` uses, ``[B, S, K]`` (-1 = none): its column of ``trace``
+        (int ``[B, S, L_idx, K]``, or None: no replay) in place of the indexer's own ``own``
+        ``[B, S, K]`` (:func:`~replayrl.rollout.model.indexer.resolve_replay`; ``allowed``:
+        bool ``[B, S, S]``, the keys each query may attend); records both for :meth:`collect`.
+
+        Raises:
+            replayrl.rollout.model.ModelInputError: a replayed slot that is padding or in the future.
+        """
+        replay = self.registry.stream(trace, layer) if trace is not None else None
+        used = resolve_replay(own, replay, allowed, layer)
+        self.used[layer], self.own[layer] = used, own
+        return used
+
+    def collect(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(used, own)`` int32 ``[B, S, L_local, K]`` of the last forward, or None when this
+        part has no indexed layer."""
+        if not self.layers:
+            return None
+        return (torch.stack([self.used[i] for i in self.layers], 2).to(torch.int32),
+                torch.stack([self.own[i] for i in self.layers], 2).to(torch.int32))
+
+    def end(self) -> None:
+        """Drop the forward's inputs and outputs."""
+        self._inputs, self.used, self.own = None, {}, {}
+
+
+class IndexerReplay(IndexerReplayState):
+    """One forward's indexer inputs and outputs, shared by the indexed layers of a model part.
+
+    Args:
+        config: the model config (``indexed_layers`` name the trace columns).
+        layers: global ids of the indexed layers built on this pipeline stage.
+    """
 
     def begin(self, key_padding_mask: torch.Tensor, trace: torch.Tensor | None) -> None:
         """Arm one forward of right-padded rows.
@@ -68,8 +112,8 @@ class IndexerReplay:
         causal = slot[None, :] <= slot[:, None]
         own_slot = (slot[None, :] == slot[:, None])[None]
         allowed = causal[None] & key_padding_mask[:, None, :]
+        self.end()
         self._inputs = (allowed, allowed & key_padding_mask[:, :, None], own_slot, trace)
-        self.used, self.own = {}, {}
 
     def mask(self, layer: int, x: torch.Tensor, indexer: Indexer) -> torch.Tensor:
         """Megatron attention mask ``[B, 1, S, S]`` (True = masked out) of global ``layer``
@@ -83,24 +127,9 @@ class IndexerReplay:
             raise RuntimeError("IndexerReplay.mask called outside begin() / end()")
         allowed, candidates, own_slot, trace = self._inputs
         own = select_topk(indexer.scores(x, indexer.keys(x)), candidates, indexer.topk)
-        replay = self.registry.stream(trace, layer) if trace is not None else None
-        slots = resolve_replay(own, replay, allowed, layer)
-        keep = slots_to_mask(slots, x.shape[1])
+        keep = slots_to_mask(self._replay(layer, own, allowed, trace), x.shape[1])
         keep = keep | (own_slot & ~keep.any(-1, keepdim=True))  # a padding query sees itself
-        self.used[layer], self.own[layer] = slots, own
         return ~keep[:, None]
-
-    def collect(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(used, own)`` int32 ``[B, S, L_local, K]`` of the last forward, or None when this
-        part has no indexed layer."""
-        if not self.layers:
-            return None
-        return (torch.stack([self.used[i] for i in self.layers], 2).to(torch.int32),
-                torch.stack([self.own[i] for i in self.layers], 2).to(torch.int32))
-
-    def end(self) -> None:
-        """Drop the forward's inputs and outputs."""
-        self._inputs, self.used, self.own = None, {}, {}
 
 
 def indexed_attention_class(config: ModelConfig, replay: IndexerReplay):

@@ -130,8 +130,8 @@ def _compare(checkpoint: Path, layouts: list[str]) -> dict:
             model.eval()
             load_hf_weights(model, state, cfg)
             if ep == 1:  # under EP the data-parallel ranks' tokens meet in the experts
-                result[f"{name}_grad_diff"] = _grad_difference(model, cfg, tokens, positions,
-                                                               probe, grads, tp)
+                result[f"{name}_grad_diff"] = _grad_difference(
+                    _hf_gradients(model, cfg, tokens, positions, probe, tp), grads)
             if ep == 1 and indexer is not None:
                 diff, indexer_grads = _indexer_loss_grads(model, cfg, tokens, positions, probe,
                                                           grads, tp)
@@ -242,13 +242,13 @@ def _gated_deltanet() -> dict:
     return out
 
 
-def _grad_difference(model, cfg, tokens, positions, probe, grads: dict, tp: int):
-    """Largest difference of megatron's gradients of ``sum(logits * probe)`` from
-    transformers' ``grads`` (HF names), relative to the largest gradient entry. Each TP rank
-    takes its vocabulary shard of the probe; the gradients of sequence-parallel weights (norms,
-    routers: each rank saw its slice of the tokens) are summed over TP, as
-    ``finalize_model_grads`` does; then the shards are gathered like weights."""
-    import numpy as np
+def _hf_gradients(model, cfg, tokens, positions, probe, tp: int) -> dict:
+    """megatron's gradients of ``sum(logits * probe)`` under HF names, whole (numpy or torch
+    arrays by HF weight name, as ``gather_hf_weights`` returns). Each TP rank takes its
+    vocabulary shard of the probe; the gradients of sequence-parallel weights (norms, routers:
+    each rank saw its slice of the tokens) are summed over TP, as ``finalize_model_grads``
+    does; then the shards are gathered like weights. The parameters are restored and their
+    gradients dropped."""
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -270,6 +270,16 @@ def _grad_difference(model, cfg, tokens, positions, probe, grads: dict, tp: int)
     for name, p in model.named_parameters():
         p.data = saved[name]
         p.grad = None
+    return got
+
+
+def _grad_difference(got: dict, grads: dict):
+    """Largest difference of megatron's gradients ``got`` (:func:`_hf_gradients`) from
+    transformers' ``grads`` (HF names, torch), relative to the largest entry of ``grads``:
+    a float64 numpy scalar."""
+    import numpy as np
+    import torch
+
     scale = max(float(g.abs().max()) for g in grads.values())
     return np.array(max(float((torch.as_tensor(got[k]) - g).abs().max()) for k, g in grads.items())
                     / scale)
@@ -281,35 +291,16 @@ def _indexer_loss_grads(model, cfg, tokens, positions, probe, grads: dict, tp: i
     transformers' frozen-indexer ``grads`` (relative, as :func:`_grad_difference`) and the
     indexer weights' gradients under HF names (the loss reaches only them)."""
     import numpy as np
-    import torch
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
 
     from replayrl.trainer.backends.megatron_dsa import train_indexer
-    from replayrl.trainer.backends.megatron_weights import gather_hf_weights
 
     train_indexer(model, 1.0)
     model.train()
-    local = model(tokens, positions, attention_mask=None)
-    rank = ps.get_tensor_model_parallel_rank()
-    (local * probe.chunk(tp, dim=-1)[rank]).sum().backward()
-    saved = {}
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            g = p.grad if p.grad is not None else torch.zeros_like(p)
-            if tp > 1 and getattr(p, "sequence_parallel", False):
-                dist.all_reduce(g, group=ps.get_tensor_model_parallel_group())
-            saved[name] = p.data
-            p.data = g
-    got = gather_hf_weights(model, cfg)
+    got = _hf_gradients(model, cfg, tokens, positions, probe, tp)
     for name, p in model.named_parameters():
-        p.data = saved[name]
-        p.grad = None
         if ".indexer." in name:
-            p.requires_grad_(False)
-    scale = max(float(g.abs().max()) for g in grads.values())
-    diff = max(float((torch.as_tensor(got[k]) - g).abs().max()) for k, g in grads.items()) / scale
-    return np.array(diff), {k: np.asarray(v) for k, v in got.items() if ".indexer." in k}
+            p.requires_grad_(False)  # frozen again, as built
+    return _grad_difference(got, grads), {k: np.asarray(v) for k, v in got.items() if ".indexer." in k}
 
 
 if __name__ == "__main__":

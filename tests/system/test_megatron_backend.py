@@ -133,6 +133,19 @@ def reference(checkpoint):
     return out
 
 
+def _assert_same_values(got: dict, ref: dict, close: tuple = (), exact: tuple = ()) -> None:
+    """``got`` is the run ``ref``: its ``close`` arrays within 1e-5, its ``exact`` arrays equal,
+    and the same clipped Adam step (gradient norm within 1e-5 relative, the stepped weights
+    ``w1/*`` within :data:`STEP_ATOL`)."""
+    for key in close:
+        np.testing.assert_allclose(got[key], ref[key], atol=1e-5, err_msg=key)
+    for key in exact:
+        assert np.array_equal(got[key], ref[key]), key
+    assert float(got["grad_norm"]) == pytest.approx(float(ref["grad_norm"]), rel=1e-5)
+    for k in (k for k in ref if k.startswith("w1/")):
+        np.testing.assert_allclose(got[k], ref[k], atol=STEP_ATOL, err_msg=k)
+
+
 def test_registry_resolves_megatron_lazily():
     cls = resolve_backend("megatron")
     assert cls.__name__ == "MegatronBackend"
@@ -171,9 +184,7 @@ def test_megatron_backend_matches_the_torch_trainer(one_rank, reference):
     for k in (k for k in ref if k.startswith("w0/")):
         assert np.array_equal(got[k], ref[k]), k
     # one clipped Adam step: same norm and weights (megatron's Adam vs torch AdamW, fp32)
-    assert float(got["grad_norm"]) == pytest.approx(float(ref["grad_norm"]), rel=1e-5)
-    for k in (k for k in ref if k.startswith("w1/")):
-        np.testing.assert_allclose(got[k], ref[k], atol=STEP_ATOL, err_msg=k)
+    _assert_same_values(got, ref)
 
 
 @pytest.mark.parametrize("nproc,layout", [
@@ -185,13 +196,8 @@ def test_parallel_layouts_give_the_one_rank_values(layout_run, one_rank, nproc, 
     # padded to 16) and attends to all keys; its logprobs, the routing it replays and records
     # and the indexer's choices over all keys come back in the one-rank order
     got = layout_run(nproc, layout)
-    for key in ("logp_replay", "logp_plain"):
-        np.testing.assert_allclose(got[key], one_rank[key], atol=1e-5, err_msg=key)
-    for key in ("used", "own", "index_used", "index_own"):
-        assert np.array_equal(got[key], one_rank[key]), key
-    assert float(got["grad_norm"]) == pytest.approx(float(one_rank["grad_norm"]), rel=1e-5)
-    for k in (k for k in one_rank if k.startswith("w1/")):
-        np.testing.assert_allclose(got[k], one_rank[k], atol=STEP_ATOL, err_msg=k)
+    _assert_same_values(got, one_rank, close=("logp_replay", "logp_plain"),
+                        exact=("used", "own", "index_used", "index_own"))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -210,13 +216,8 @@ def test_family_checkpoints_give_their_tp1_values_at_pp2_and_cp2(layout_run, one
     assert (tp1["own"][real] != trace[real]).any(), "replay must force something"
     for run in (tp1, f):
         assert np.array_equal(run["used"][real], trace[real])  # flips 0
-    for key in ("logp_replay", "logp_plain", "self_logp"):
-        np.testing.assert_allclose(f[key], tp1[key], atol=1e-5, err_msg=key)
-    for key in ("used", "own", "plain_used", "self_used"):
-        assert np.array_equal(f[key], tp1[key]), key
-    assert float(f["grad_norm"]) == pytest.approx(float(tp1["grad_norm"]), rel=1e-5)
-    for k in (k for k in tp1 if k.startswith("w1/")):
-        np.testing.assert_allclose(f[k], tp1[k], atol=STEP_ATOL, err_msg=k)
+    _assert_same_values(f, tp1, close=("logp_replay", "logp_plain", "self_logp"),
+                        exact=("used", "own", "plain_used", "self_used"))
 
 
 @pytest.mark.parametrize("nproc,layout", [(1, None), (2, ("--tp", "2")), (4, ("--tp", "2", "--cp", "2"))],

@@ -46,6 +46,7 @@ class _Connection:
         self.codec = codec
         self.shm = shm  # the process's reader for an ipc peer's shared-memory arrays
         self.pending: dict[int, tuple[asyncio.Future, str, str]] = {}
+        self.numbers: dict[int, int] = {}  # call id -> the request's number on the socket
         self.interface: asyncio.Future | None = None  # the peer's ActorInterface, fetched once
         self.slots = asyncio.Semaphore(max_in_flight)
         self._log = RateLimitedLog(log)
@@ -74,6 +75,9 @@ class _Connection:
             self._log.log(logging.ERROR, f"dropping malformed reply from {self.endpoint}: "
                                          f"{type(exc).__name__}: {clip(str(exc))}")
             return
+        number = self.numbers.get(call_id) if type(call_id) is int else None
+        if number is not None:  # the peer read the request: earlier unread slots are free
+            self.socket.peer_read(number)
         entry = self.pending.pop(call_id, None)
         if entry is None:  # late reply to a call that already timed out
             return
@@ -306,7 +310,7 @@ class ActorRef:
                 raise PeerLost(f"{self.name}.{method}: {conn.socket.lost}")
             future = asyncio.get_running_loop().create_future()
             conn.pending[call_id] = (future, self.name, method)
-            conn.socket.send(list(message.frames))
+            conn.numbers[call_id] = conn.socket.send(list(message.frames))
             try:
                 if timeout is None:
                     return await future
@@ -315,6 +319,7 @@ class ActorRef:
                 raise ActorTimeout(f"{self.name}.{method} gave no reply within {timeout} s") from None
             finally:
                 conn.pending.pop(call_id, None)
+                conn.numbers.pop(call_id, None)
 
     async def reachable(self, timeout: float) -> None:
         """Return once the actor answers ``__ping__`` from this process.

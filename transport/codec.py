@@ -789,29 +789,68 @@ class Codec:
                 f"exceeds max_message_bytes={self.config.max_message_bytes}"
             )
         state = _DecodeState(self.config, views, shm, total)
-        # The cyclic GC runs again and again while a large header allocates lists, doubling
-        # the cost of a refused one; nothing decoded can be cyclic, so pause it (msgpack's own
-        # advice for large messages). Global state, restored in every case.
-        pause_gc = views[0].nbytes >= _GC_PAUSE_BYTES and gc.isenabled()
-        if pause_gc:
-            gc.disable()
         try:
-            obj = state.unpackb(views[0])
+            return _decode_with(state, views)
         except DecodeError:
+            if shm is not None:  # refused: its slots go back to the sender now
+                _release_handles(views[0], shm, self.config.max_container_len)
             raise
-        except RecursionError as exc:
-            raise DecodeError("malformed header: nesting too deep") from exc
-        except Exception as exc:  # msgpack raises ValueError subclasses, TypeError, UnicodeDecodeError...
-            raise DecodeError(f"malformed msgpack header (frame 0): {type(exc).__name__}: {_clip(str(exc))}") from exc
-        finally:
-            if pause_gc:
-                gc.enable()
-        if len(state.used) != len(views) - 1:
-            unused = sorted(set(range(1, len(views))) - state.used)
-            shown = f"{unused[:8]}" if len(unused) <= 8 else f"{str(unused[:8])[:-1]}, ...] ({len(unused)} in all)"
-            raise DecodeError(f"message has {len(views)} frames but frames {shown} are referenced by no array")
-        _check_decoded(obj)
-        return obj
+
+
+def _decode_with(state: _DecodeState, views: list[memoryview]) -> Any:
+    """:meth:`Codec.decode` once the frames passed the size checks."""
+    # The cyclic GC runs again and again while a large header allocates lists, doubling
+    # the cost of a refused one; nothing decoded can be cyclic, so pause it (msgpack's own
+    # advice for large messages). Global state, restored in every case.
+    pause_gc = views[0].nbytes >= _GC_PAUSE_BYTES and gc.isenabled()
+    if pause_gc:
+        gc.disable()
+    try:
+        obj = state.unpackb(views[0])
+    except DecodeError:
+        raise
+    except RecursionError as exc:
+        raise DecodeError("malformed header: nesting too deep") from exc
+    except Exception as exc:  # msgpack raises ValueError subclasses, TypeError, UnicodeDecodeError...
+        raise DecodeError(f"malformed msgpack header (frame 0): {type(exc).__name__}: {_clip(str(exc))}") from exc
+    finally:
+        if pause_gc:
+            gc.enable()
+    if len(state.used) != len(views) - 1:
+        unused = sorted(set(range(1, len(views))) - state.used)
+        shown = f"{unused[:8]}" if len(unused) <= 8 else f"{str(unused[:8])[:-1]}, ...] ({len(unused)} in all)"
+        raise DecodeError(f"message has {len(views)} frames but frames {shown} are referenced by no array")
+    _check_decoded(obj)
+    return obj
+
+
+def _release_handles(header: memoryview, shm: ShmReader, max_len: int) -> None:
+    """Release every shared-memory slot a refused message's header names, as far as its msgpack
+    can be read (a slot it names after a corrupt byte stays with its sender's other rules,
+    docs/design/transport.md#shm-transport). Arrays the refused decode built are gone by now
+    and released themselves; :meth:`ShmReader.release` leaves any slot still viewed alone."""
+    handles: list = []
+
+    def collect(code: int, data: bytes) -> None:
+        if code == _EXT_NDARRAY or code == _EXT_TENSOR:
+            try:
+                payload = msgpack.unpackb(data, raw=False, use_list=True, max_array_len=_MAX_NDIM + 1,
+                                          max_map_len=0)
+            except Exception:
+                return None
+            if type(payload) is list and len(payload) == 3 and type(payload[2]) is list:
+                handles.append(payload[2])
+        return None
+
+    limit = min(max_len, len(header))
+    try:
+        msgpack.unpackb(header, ext_hook=collect, raw=False, strict_map_key=False, use_list=True,
+                        max_array_len=limit, max_map_len=limit, max_str_len=len(header),
+                        max_bin_len=len(header))
+    except Exception:  # noqa: S110 - a malformed header: the handles before the fault were seen
+        pass
+    for handle in handles:
+        shm.release(handle)
 
 
 _DEFAULT_CODEC = Codec()

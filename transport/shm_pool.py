@@ -75,6 +75,7 @@ import os
 import secrets
 import stat
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -82,7 +83,8 @@ import numpy as np
 from replayrl.transport.errors import DecodeError, TransportError
 
 __all__ = ["ShmPool", "ShmReader", "ShmHeader", "DEFAULT_SHM_POOL_BYTES", "DEFAULT_SHM_MIN_ARRAY_BYTES",
-           "mark_sent", "buffer_in_use", "renew_buffer", "read_once"]
+           "IDLE_SLOT_SECONDS", "mark_sent", "release_unread", "buffer_in_use", "renew_buffer", "read_once",
+           "process_start", "reader_word", "reader_gone"]
 
 DEFAULT_SHM_POOL_BYTES = 1 << 30
 """Most bytes of slots one process keeps (its sends; receivers map, never allocate); unit: bytes."""
@@ -91,11 +93,18 @@ DEFAULT_SHM_MIN_ARRAY_BYTES = 64 << 10
 """Arrays of at least this many bytes go through the pool to an ipc peer; smaller ones travel in
 the ZeroMQ message (inline below the codec's 16 KiB threshold, else a frame); unit: bytes."""
 
+IDLE_SLOT_SECONDS = 60.0
+"""A free slot left unused this long is closed when another slot of its size is filled, so a pool
+shrinks back after a burst of busy slots (a receiver that held messages, one that died); unit:
+seconds."""
+
 _HEADER = 4096  # one page: the data stays page aligned
 _MIN_SLOT = 64 << 10
-_TOKEN, _CAPACITY, _GENERATION, _RELEASED = range(4)
+_TOKEN, _CAPACITY, _GENERATION, _RELEASED, _READER = range(5)
+_WORDS = 5  # header words mapped (the rest of the header page is unused)
 _MEMFD_NAME = "replayrl-shm"  # /proc/<pid>/fd/<fd> of a slot reads "/memfd:replayrl-shm (deleted)"
-_MAX_PID = (1 << 22)  # Linux's pid_max ceiling
+_PID_BITS = 22
+_MAX_PID = 1 << _PID_BITS  # Linux's pid_max ceiling: a reader word is start_time << 22 | pid
 _MAX_FD = 1 << 20
 
 
@@ -118,7 +127,7 @@ def _slot_capacity(nbytes: int) -> int:
 class _Slot:
     """One memfd of the sender's pool, mapped and pre-faulted."""
 
-    __slots__ = ("fd", "token", "capacity", "mm", "data", "words", "generation", "held", "handed")
+    __slots__ = ("fd", "token", "capacity", "mm", "data", "words", "generation", "held", "handed", "filled_at")
 
     def __init__(self, capacity: int) -> None:
         self.fd = os.memfd_create(_MEMFD_NAME, os.MFD_CLOEXEC)
@@ -130,13 +139,14 @@ class _Slot:
             raise
         whole = np.frombuffer(self.mm, dtype=np.uint8)
         whole.fill(0)  # fault every page in now, once, not on the first message
-        self.words = whole[:32].view("<u8")
+        self.words = whole[:8 * _WORDS].view("<u8")
         self.data = whole[_HEADER:]
         self.token = secrets.randbits(62) + 1
         self.capacity = capacity
         self.generation = 0
         self.held = False  # a send buffer (ShmPool.buffer) over this slot is alive
         self.handed = False  # this generation's handle went into a message
+        self.filled_at = time.monotonic()  # when its last message was written: idle slots close
         self.words[_TOKEN] = self.token
         self.words[_CAPACITY] = capacity
 
@@ -177,6 +187,76 @@ def mark_sent(frames: list) -> None:
             f.sent = True
 
 
+def release_unread(slots: list) -> int:
+    """Release the slots of a sent message that no process can receive any more (the peer
+    answered a later message on the same ordered connection: module docstring, "Lifetime") and
+    that no reader stamped, i.e. nobody decoded; a stamped slot is left to its reader.
+
+    Args:
+        slots: a :class:`ShmHeader`'s ``slots``, ``[(slot, generation), ...]``.
+    Returns:
+        how many slots were released here.
+    """
+    count = 0
+    for slot, generation in slots:
+        words = slot.words
+        if (words is not None and slot.generation == generation and int(words[_RELEASED]) != generation
+                and int(words[_READER]) == 0):
+            words[_RELEASED] = generation
+            count += 1
+    return count
+
+
+def process_start(pid: int) -> int | None:
+    """The start time of live process ``pid`` (clock ticks after boot: ``/proc/<pid>/stat``
+    field 22), or None when it has exited (no entry, or a zombie, whose mappings are gone).
+
+    Raises:
+        OSError: ``/proc/<pid>/stat`` exists but cannot be read.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = data[data.rindex(b")") + 2:].split()  # the name (field 2) may hold spaces and ')'
+    if fields[0] in (b"Z", b"X"):
+        return None
+    return int(fields[19])
+
+
+def reader_word(pid: int, start: int) -> int:
+    """The header word a reader writes when it decodes a slot's message: ``start << 22 | pid``
+    (``start`` as :func:`process_start` gives it), so that a recycled pid is told apart."""
+    return start << _PID_BITS | pid
+
+
+def reader_gone(word: int) -> bool:
+    """Whether the reader that wrote ``word`` (:func:`reader_word`) has exited: its pid names no
+    live process, or one started at another time (the pid was reused). A process whose state
+    cannot be read counts as alive."""
+    pid, start = word & (_MAX_PID - 1), word >> _PID_BITS
+    try:
+        now = process_start(pid)
+    except (OSError, ValueError, IndexError):
+        return False
+    return now is None or now != start
+
+
+def _release_if_reader_gone(slot: _Slot) -> bool:
+    """Release a busy slot whose message was decoded by a process that has exited since: the
+    kernel unmapped it with the process, so no view of it is left (module docstring,
+    "Lifetime"). True when released here."""
+    generation, words = slot.generation, slot.words
+    if words is None or int(words[_RELEASED]) == generation:
+        return False
+    word = int(words[_READER])  # reset before this generation was written: this message's reader
+    if word == 0 or not reader_gone(word):
+        return False
+    words[_RELEASED] = generation
+    return True
+
+
 class _Hold:
     """The base object of a send buffer (:meth:`ShmPool.buffer`) and of every view of it; when
     the last one is dropped the slot is no longer held, and a slot whose handle was never sent
@@ -209,7 +289,7 @@ def buffer_in_use(buffer: np.ndarray) -> bool:
         return False
     slot = hold.slot
     return (slot.handed and slot.words is not None and slot.generation == hold.generation
-            and int(slot.words[_RELEASED]) != slot.generation)
+            and int(slot.words[_RELEASED]) != slot.generation and not _release_if_reader_gone(slot))
 
 
 def renew_buffer(buffer: np.ndarray) -> None:
@@ -227,6 +307,7 @@ def renew_buffer(buffer: np.ndarray) -> None:
     if buffer_in_use(buffer):
         raise TransportError("renew_buffer: a receiver may still read the send buffer")
     slot = hold.slot
+    slot.words[_READER] = 0
     slot.generation += 1
     slot.words[_GENERATION] = slot.generation
     slot.handed = False
@@ -332,6 +413,11 @@ class ShmPool:
             if slot.free:
                 slots.append(slots.pop(i))
                 return self._fill(slot)
+        for i in range(len(slots) - 1, -1, -1):  # none free: a busy one whose reader has exited
+            slot = slots[i]
+            if _release_if_reader_gone(slot) and slot.free:
+                slots.append(slots.pop(i))
+                return self._fill(slot)
         if capacity > self.max_bytes:
             return None
         while self._bytes + capacity > self.max_bytes:
@@ -357,10 +443,17 @@ class ShmPool:
                     return True
         return False
 
-    @staticmethod
-    def _fill(slot: _Slot) -> _Slot:
+    def _fill(self, slot: _Slot) -> _Slot:
+        slot.words[_READER] = 0  # before the new generation: a stamp seen later is its reader's
         slot.generation += 1
         slot.words[_GENERATION] = slot.generation
+        slot.filled_at = now = time.monotonic()
+        slots = self._slots[slot.capacity]
+        for i in range(len(slots) - 2, -1, -1):  # least recently used first, never the new one
+            idle = slots[i]
+            if idle.free and now - idle.filled_at > IDLE_SLOT_SECONDS:
+                slots.pop(i).close()
+                self._bytes -= idle.capacity
         return slot
 
     def close(self) -> None:
@@ -389,9 +482,11 @@ class _Mapping:
     """A receiver's mapping of one sender slot, kept while any lease uses it; pre-faulted
     below ``_UNMAP_PAGES_FROM`` data bytes, mapped on read above it (``on_read``)."""
 
-    __slots__ = ("mm", "words", "address", "token", "capacity", "on_read")
+    __slots__ = ("mm", "words", "address", "token", "capacity", "on_read", "leases", "sender_start", "inode")
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, sender_start: int | None) -> None:
+        self.leases = 0  # live leases over this mapping (ShmReader.release refuses while any)
+        self.sender_start = sender_start  # the sender's process_start when mapped
         try:
             target = os.readlink(path)
             if not target.startswith(f"/memfd:{_MEMFD_NAME}"):
@@ -401,6 +496,7 @@ class _Mapping:
             raise DecodeError(f"shared-memory handle {path} cannot be opened: {exc.strerror}") from None
         try:
             info = os.fstat(fd)
+            self.inode = info.st_ino  # the slot's memfd: the sender's fd may later name another
             if not stat.S_ISREG(info.st_mode) or info.st_size < _HEADER + _MIN_SLOT:
                 raise DecodeError(f"shared-memory handle {path}: not a pool slot ({info.st_size} bytes)")
             self.on_read = info.st_size - _HEADER >= _UNMAP_PAGES_FROM
@@ -411,7 +507,7 @@ class _Mapping:
         finally:
             os.close(fd)
         whole = np.frombuffer(self.mm, dtype=np.uint8)
-        self.words = whole[:32].view("<u8")
+        self.words = whole[:8 * _WORDS].view("<u8")
         self.address = whole.ctypes.data
         self.token = int(self.words[_TOKEN])
         self.capacity = int(self.words[_CAPACITY])
@@ -479,6 +575,7 @@ class _Lease:
     def __del__(self, _released: int = _RELEASED,
                 _dontneed: int = mmap.MADV_DONTNEED) -> None:  # bound now: also runs at exit
         mapping = self.mapping
+        mapping.leases -= 1
         if mapping.on_read:  # before the release: the next message's pages are then never
             mapping.advise(_dontneed, 0, mapping.capacity)  # dropped under it
         mapping.words[_released] = self.generation
@@ -492,26 +589,35 @@ class ShmReader:
 
     def __init__(self) -> None:
         self._maps: dict[tuple[int, int], _Mapping] = {}
+        self._stamp = (0, 0)  # (pid, reader word) of this process; recomputed in a forked child
+
+    def _reader_word(self) -> int:
+        pid = os.getpid()
+        if self._stamp[0] != pid:
+            self._stamp = (pid, reader_word(pid, process_start(pid) or 0))
+        return self._stamp[1]
 
     def array(self, handle: Any, typestr: str, shape: tuple[int, ...], nbytes: int,
               writable: bool) -> np.ndarray:
         """A numpy array of ``shape`` / ``typestr`` (numpy's ``'<f4'`` form) over the slot named by
-        ``handle``, read-only unless ``writable``; the slot is released when it is dropped.
+        ``handle``, read-only unless ``writable``; the slot is released when it is dropped. The
+        slot's reader word is set to this process (module docstring, "Lifetime").
 
         Raises:
             DecodeError: ``handle`` is not ``[pid, fd, token, generation]`` of ints, names no
                 replayrl slot this process may open, a slot with another token or generation
                 (stale or forged), or one smaller than ``nbytes``.
         """
-        if (type(handle) is not list or len(handle) != 4 or any(type(v) is not int for v in handle)
-                or not 0 < handle[0] < _MAX_PID or not 0 <= handle[1] < _MAX_FD):
-            raise DecodeError(f"shared-memory handle must be [pid, fd, token, generation] ints, "
-                              f"got {str(handle)[:200]}")
-        pid, fd, token, generation = handle
+        pid, fd, token, generation = _check_handle(handle)
         key = (pid, fd)
         mapping = self._maps.get(key)
         if mapping is None or mapping.token != token:
-            mapping = _Mapping(f"/proc/{pid}/fd/{fd}")
+            self._forget_closed()
+            try:
+                sender_start = process_start(pid)
+            except (OSError, ValueError, IndexError):
+                sender_start = None
+            mapping = _Mapping(f"/proc/{pid}/fd/{fd}", sender_start)
             self._maps[key] = mapping  # a replaced mapping lives on in its leases only
         if mapping.token != token:
             raise DecodeError(f"shared-memory handle of pid {pid} fd {fd}: token {token} does not "
@@ -522,9 +628,88 @@ class ShmReader:
         if nbytes > mapping.capacity:
             raise DecodeError(f"shared-memory array of {nbytes} bytes does not fit its slot of "
                               f"{mapping.capacity} bytes")
+        mapping.words[_READER] = self._reader_word()  # before the lease can release the slot
         lease = _Lease()
         lease.mapping = mapping
         lease.generation = generation
         lease.__array_interface__ = {"data": (mapping.address + _HEADER, not writable), "shape": shape,
                                      "typestr": typestr, "version": 3}
+        mapping.leases += 1
         return np.asarray(lease)
+
+    def release(self, handle: Any) -> bool:
+        """Give the slot named by ``handle`` back to its sender without reading it: its message is
+        dropped undecoded (malformed, refused). Nothing is mapped for it: the header's words are
+        read and written through ``/proc/<pid>/fd/<fd>`` unless this process maps the slot
+        already. Leaves the slot alone when it holds another token or generation, is released
+        already, or a view of it lives here.
+
+        Returns:
+            True when this call released the slot; False otherwise, including for a handle that
+            is malformed or names nothing this process can open.
+        """
+        try:
+            pid, fd, token, generation = _check_handle(handle)
+        except DecodeError:
+            return False
+        mapping = self._maps.get((pid, fd))
+        if mapping is not None and mapping.token == token:
+            words = mapping.words
+            if (mapping.leases or int(words[_GENERATION]) != generation
+                    or int(words[_RELEASED]) == generation):
+                return False
+            words[_RELEASED] = generation
+            return True
+        path = f"/proc/{pid}/fd/{fd}"
+        try:
+            if not os.readlink(path).startswith(f"/memfd:{_MEMFD_NAME}"):
+                return False
+            slot_fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except OSError:
+            return False
+        try:
+            words = np.frombuffer(os.pread(slot_fd, 8 * _WORDS, 0), "<u8")
+            if (len(words) != _WORDS or int(words[_TOKEN]) != token
+                    or int(words[_GENERATION]) != generation or int(words[_RELEASED]) == generation):
+                return False
+            os.pwrite(slot_fd, int(generation).to_bytes(8, "little"), 8 * _RELEASED)
+            return True
+        except OSError:
+            return False
+        finally:
+            os.close(slot_fd)
+
+    def _forget_closed(self) -> None:
+        """Drop cached mappings that no lease uses and whose slot its sender no longer has (the
+        sender exited, or closed the slot): each keeps the slot's memory and a descriptor."""
+        starts: dict[int, int | None] = {}
+        for key in [k for k, m in self._maps.items() if not m.leases]:
+            pid, fd = key
+            mapping = self._maps[key]
+            if pid not in starts:
+                try:
+                    starts[pid] = process_start(pid)
+                except (OSError, ValueError, IndexError):
+                    starts[pid] = mapping.sender_start  # unreadable: kept
+            keep = starts[pid] is not None and starts[pid] == mapping.sender_start
+            if keep:
+                try:
+                    keep = os.stat(f"/proc/{pid}/fd/{fd}").st_ino == mapping.inode
+                except OSError:  # the sender closed that fd
+                    keep = False
+            if not keep:
+                del self._maps[key]
+
+
+def _check_handle(handle: Any) -> tuple[int, int, int, int]:
+    """``handle`` as ``(pid, fd, token, generation)``.
+
+    Raises:
+        DecodeError: it is not a list of four ints with a plausible pid and fd.
+    """
+    if (type(handle) is not list or len(handle) != 4 or any(type(v) is not int for v in handle)
+            or not 0 < handle[0] < _MAX_PID or not 0 <= handle[1] < _MAX_FD):
+        raise DecodeError(f"shared-memory handle must be [pid, fd, token, generation] ints, "
+                          f"got {str(handle)[:200]}")
+    pid, fd, token, generation = handle
+    return pid, fd, token, generation

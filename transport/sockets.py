@@ -59,6 +59,7 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
+from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -85,7 +86,7 @@ from replayrl.transport.endpoints import (
     tcp_loopback_endpoint,
 )
 from replayrl.transport.errors import DecodeError, PeerUnreachable, TransportError
-from replayrl.transport.shm_pool import mark_sent
+from replayrl.transport.shm_pool import ShmHeader, mark_sent, release_unread
 
 __all__ = ["RouterSocket", "DealerSocket", "ipc_endpoint", "tcp_loopback_endpoint", "owned_frames",
            "MAX_MESSAGES_PER_WAKEUP", "DEFAULT_HEARTBEAT_MS"]
@@ -499,6 +500,9 @@ class DealerSocket(_LoopSocket):
         self._monitor: zmq.Socket | None = None
         self._monitor_fd: int | None = None
         self._lost: str | None = None
+        self._sent = 0  # messages given to send(), in order: the next one's number
+        # (number, slots) of sent messages with shared-memory slots, until peer_read passes them
+        self._unread: deque[tuple[int, list]] = deque()
 
     @property
     def lost(self) -> str | None:
@@ -572,7 +576,7 @@ class DealerSocket(_LoopSocket):
             self._loop.call_exception_handler(
                 {"message": f"DealerSocket {what} callback failed", "exception": exc, "socket": self})
 
-    def send(self, frames: list) -> None:
+    def send(self, frames: list) -> int:
         """Queue one message to the peer. Returns at once; ZeroMQ sends from its I/O thread, the
         first message of a loop iteration at once, later ones in one batch at its end.
 
@@ -581,12 +585,34 @@ class DealerSocket(_LoopSocket):
                 but ``bytes`` is copied before this returns (:func:`owned_frames`), so the caller
                 may modify or reuse its buffers at once.
 
+        Returns:
+            the message's number on this socket (0, 1, 2, ... in send order), for
+            :meth:`peer_read`.
+
         Raises:
             TransportError: socket not connected or closed, or no frames.
         """
         if not frames:
             raise TransportError(f"message to {self._endpoint!r} has no frames")
         self._send(frames, None, self._endpoint)
+        number = self._sent
+        self._sent += 1
+        header = frames[0]
+        if type(header) is ShmHeader and header.slots:
+            self._unread.append((number, header.slots))
+        return number
+
+    def peer_read(self, number: int) -> None:
+        """The peer answered message ``number`` (:meth:`send`'s return value): so every message
+        sent before it was read by that process, or went with a connection that is gone and
+        will never reach anyone (a DEALER keeps one ordered pipe per endpoint across
+        reconnects: what was still queued goes to the peer's next process, before later
+        messages). Their shared-memory slots that no reader decoded are released
+        (:func:`replayrl.transport.shm_pool.release_unread`; docs/design/transport.md#shm-transport).
+        """
+        unread = self._unread
+        while unread and unread[0][0] < number:
+            release_unread(unread.popleft()[1])
 
     def _deliver(self, peer: bytes | None, views: list[memoryview]) -> None:
         self._on_message(views)
@@ -600,6 +626,7 @@ class DealerSocket(_LoopSocket):
             self._sock.disable_monitor()
             self._monitor.close(linger=0)
         self._close_socket()
+        self._unread.clear()  # unknown from now on: those slots stay busy (module docstring of shm_pool)
 
 
 def _alone(owned: list[bytes]) -> list[bytes]:

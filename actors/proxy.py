@@ -83,7 +83,11 @@ class RemoteMethod:
 
     async def _checked(self, message: Message, args: tuple, kwargs: dict) -> Any:
         proxy = self.proxy
-        (await proxy.interface()).check_call(self.method, args, kwargs)
+        try:
+            (await proxy.interface()).check_call(self.method, args, kwargs)
+        except BaseException:  # never sent: its shared-memory slots go back now
+            message.discard()
+            raise
         return await proxy.ref.send(message, proxy.timeout)
 
     def __repr__(self) -> str:

@@ -21,7 +21,13 @@ from replayrl.actors.log_limit import RateLimitedLog, clip
 from replayrl.transport import Codec, DealerSocket, owned_frames
 from replayrl.transport.curve import CurveKeys
 from replayrl.transport.endpoints import shares_memory
-from replayrl.transport.shm_pool import DEFAULT_SHM_MIN_ARRAY_BYTES, DEFAULT_SHM_POOL_BYTES, ShmPool, ShmReader
+from replayrl.transport.shm_pool import (
+    DEFAULT_SHM_MIN_ARRAY_BYTES,
+    DEFAULT_SHM_POOL_BYTES,
+    ShmHeader,
+    ShmPool,
+    ShmReader,
+)
 from replayrl.transport.sockets import DEFAULT_HEARTBEAT_MS
 
 log = logging.getLogger(__name__)
@@ -158,6 +164,15 @@ class Message:
     method: str
     frames: tuple[bytes, ...]
     error: Exception | None = None
+
+    def discard(self) -> None:
+        """Release now the shared-memory slots of a message that will not be sent (its call
+        failed or was cancelled first): an exception's traceback may keep the message alive
+        until the cyclic garbage collector runs (``ShmHeader.discard``). Not for a message
+        that was given to a socket."""
+        for frame in self.frames[:1]:
+            if type(frame) is ShmHeader:
+                frame.discard()
 
     @classmethod
     def of(cls, kind: str, method: str, args: tuple, kwargs: dict, endpoint: str = "",
@@ -305,12 +320,23 @@ class ActorRef:
             raise message.error
         conn = POOL.get(self.endpoint)
         call_id, method = message.call_id, message.method
-        async with conn.slots:  # backpressure: at most max_in_flight calls at the peer
+        try:
+            await conn.slots.acquire()  # backpressure: at most max_in_flight calls at the peer
             if conn.socket.lost is not None:  # would wait for a reply no process will send
+                conn.slots.release()
                 raise PeerLost(f"{self.name}.{method}: {conn.socket.lost}")
+        except BaseException:  # never sent (lost peer, cancelled): its slots go back now
+            message.discard()
+            raise
+        try:
             future = asyncio.get_running_loop().create_future()
             conn.pending[call_id] = (future, self.name, method)
-            conn.numbers[call_id] = conn.socket.send(list(message.frames))
+            try:
+                conn.numbers[call_id] = conn.socket.send(list(message.frames))
+            except BaseException:
+                conn.pending.pop(call_id, None)
+                message.discard()
+                raise
             try:
                 if timeout is None:
                     return await future
@@ -320,6 +346,8 @@ class ActorRef:
             finally:
                 conn.pending.pop(call_id, None)
                 conn.numbers.pop(call_id, None)
+        finally:
+            conn.slots.release()
 
     async def reachable(self, timeout: float) -> None:
         """Return once the actor answers ``__ping__`` from this process.

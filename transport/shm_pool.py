@@ -169,7 +169,18 @@ class ShmHeader(bytes):
         self = super().__new__(cls, header)
         self.slots = slots  # [(slot, generation), ...]
         self.sent = False
+        self.discarded = False
         return self
+
+    def discard(self) -> None:
+        """Release now the slots of a message that will never be sent (its call failed or was
+        cancelled before it reached a socket), not when this object is collected: an exception's
+        traceback can keep it alive until the cyclic garbage collector runs, and a weight push
+        with it. A socket refuses to send it afterwards. No effect once sent; idempotent."""
+        if not self.sent and not self.discarded:
+            self.discarded = True
+            self.__del__()
+            self.slots = []
 
     def __del__(self, _released: int = _RELEASED) -> None:  # bound now: also runs at exit
         if not self.sent:

@@ -256,6 +256,9 @@ class _LoopSocket:
         if self._sock is None or self._closed:
             state = "closed" if self._closed else "not bound/connected yet"
             raise TransportError(f"{type(self).__name__} for {self._endpoint!r} is {state}")
+        if type(frames[0]) is ShmHeader and frames[0].discarded:
+            raise TransportError(f"message to {peer_text} was discarded: its shared-memory slots "
+                                 "were released and may hold another message now")
         # owned bytes: the caller may reuse its buffers as soon as we return
         owned = owned_frames(frames)
         if self._outbox or self._flush_scheduled:

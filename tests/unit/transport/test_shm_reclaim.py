@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import zmq
 
-from replayrl.transport import Codec, DealerSocket, DecodeError
+from replayrl.transport import Codec, DealerSocket, DecodeError, TransportError
 from replayrl.transport.shm_pool import ShmPool, ShmReader, mark_sent, reader_gone, release_unread
 
 MiB = 1 << 20
@@ -138,10 +138,7 @@ async def test_a_message_proven_unread_by_a_later_answer_is_released_and_a_decod
                 await asyncio.sleep(0.01)
             assert first.poll(0, zmq.POLLIN)
             first.close(linger=0)  # gone with the message in its queue
-            for _ in range(500):  # libzmq removes its socket file later, from its I/O thread
-                if not os.path.exists(f"{tmp}/peer"):
-                    break
-                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.2)  # libzmq's I/O thread ends its endpoint (and file) later
             second = ctx.socket(zmq.ROUTER)  # the replacement at the same endpoint
             second.bind(endpoint)
             m2 = codec.encode(np.full(MiB // 4, 2.0, np.float32), pool)
@@ -193,3 +190,23 @@ def test_a_receiver_forgets_the_mapping_of_a_slot_its_sender_closed():
     view = codec.decode(new_frames, reader)
     assert list(reader._maps) == [(os.getpid(), _handle_of(new_frames)[1])] != [old_key]
     assert float(view.sum()) == MiB // 4
+
+
+async def test_a_discarded_message_is_released_at_once_and_never_sent(tmp_path):
+    pool = ShmPool(64 * MiB, 64 << 10)
+    frames = Codec().encode(np.ones(MiB // 4, np.float32), pool)
+    handle = _handle_of(frames)
+    keep = frames[0]  # alive: only discard() can release it before it is collected
+    keep.discard()
+    assert _words(handle)[RELEASED] == _words(handle)[GENERATION] == 1 and pool.busy() == 0
+    dealer = DealerSocket(f"ipc://{tmp_path}/nobody", lambda frames: None)
+    dealer.connect()
+    try:
+        with pytest.raises(TransportError, match="discarded"):
+            dealer.send(frames)
+    finally:
+        dealer.close()
+    sent = Codec().encode(np.ones(MiB // 4, np.float32), pool)
+    mark_sent(sent)
+    sent[0].discard()  # given to a socket already: the receiver's to release
+    assert pool.busy() == 1

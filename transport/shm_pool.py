@@ -13,13 +13,17 @@ Slots
 -----
 A slot is one ``memfd`` (``memfd_create``: anonymous shared memory, freed by the kernel when
 the last process closes or unmaps it, so nothing is left behind by a killed process, unlike a
-``/dev/shm`` file). Its first page is a header of four little-endian uint64 words: ``token``
+``/dev/shm`` file). Its first page is a header of five little-endian uint64 words: ``token``
 (random, identifies the slot), ``capacity`` (data bytes), ``generation`` (written by the
-sender each time it fills the slot) and ``released`` (written by the one receiver of that
-message when it is done, or by the sender for a message that was never sent). The data starts
-at byte 4096. A slot is free when ``released == generation``; each word has one writer at a
-time, so no lock or atomic read-modify-write is needed (aligned 8-byte stores are atomic on
-x86-64 and aarch64, and the receiver's release is written long after its reads of the slot).
+sender each time it fills the slot), ``released`` (written by the one receiver of that
+message when it is done, or by the sender for a message nobody can read: "Lifetime") and
+``reader`` (``start << 22 | pid`` of the process that decoded this generation, 0 until one
+did; reset by the sender before it writes a new generation). The data starts at byte 4096. A
+slot is free when ``released == generation``; each word has one writer at a time, so no lock
+or atomic read-modify-write is needed (aligned 8-byte stores are atomic on x86-64 and aarch64,
+and the receiver's release is written long after its reads of the slot). Both sides of a run
+are the same replayrl (one install; every process starts from it), so the header changes only
+together; a reader that never wrote ``reader`` would only lose the "reader gone" rule.
 
 The receiver opens a slot as ``/proc/<pid>/fd/<fd>``: only a process of the same user in the
 same pid namespace can, which is why the pool is used for ``ipc://`` peers only (ipc sockets
@@ -32,9 +36,35 @@ every array built from it (``__array_interface__``, so numpy's base-collapsing k
 when the last view of it is dropped, ``_Lease.__del__`` writes ``released``. A receiver that
 keeps an array keeps the slot; the sender then makes another slot, up to ``max_bytes``, and
 past that sends arrays as ordinary ZeroMQ frames. So a slot is never rewritten while any
-view of it exists, and holding arrays costs only the pool's growth. A message that is decoded
-by nobody (its receiver died, or refused it before reading its arrays) leaves its slot busy
-for the life of the sender: bounded by ``max_bytes``, after which sends fall back to frames.
+view of it exists, and holding arrays costs only the pool's growth. A slot also comes back
+once nobody can ever read its message:
+
+* never sent: a message dropped before a socket took it releases its slots when collected
+  (:class:`ShmHeader`), or at once through :meth:`ShmHeader.discard` when its call failed or
+  was cancelled first (a kept exception's traceback would hold it until the cyclic collector).
+* refused: a message whose decode fails releases every slot its header names, as far as its
+  msgpack reads (:meth:`ShmReader.release`: the header words through ``/proc/<pid>/fd/<fd>``,
+  nothing mapped; a slot this process still views is left alone).
+* reader gone: the receiver writes ``reader`` (its pid and start time, ``/proc/<pid>/stat``
+  field 22) when it builds an array over the slot. A sender that needs a slot and has none
+  free takes back a busy one whose reader no longer exists: no such pid, a zombie, or that
+  pid with another start time (reused). The kernel unmapped its views with it. (A child the
+  reader forked while holding a view would be missed; no replayrl process does.)
+* never delivered: a :class:`replayrl.transport.sockets.DealerSocket` numbers its messages and
+  its owner reports the reply to message ``n`` (``peer_read``); every earlier one whose slots
+  no reader stamped is released (:func:`release_unread`). A DEALER has one ordered pipe per
+  endpoint, which libzmq keeps across reconnects: a message still queued when the peer died
+  goes to the peer's next process before any later one, and one that had left the pipe went
+  down with the dead connection. So once a later message was answered, an earlier one was
+  decoded (stamped: the rule above) or will never be. A lost or closed connection proves
+  nothing (its pipe may still deliver), so it releases nothing.
+
+What stays busy: a reply (an actor's ROUTER sends it) whose caller died before reading it,
+until the actor exits; an actor's callers in a run are the launcher and the trainer, whose
+loss ends the run. A free slot unused for :data:`IDLE_SLOT_SECONDS` is closed when another of
+its size is filled, so the pool shrinks after a burst; a receiver, when it maps a new slot,
+forgets cached mappings no lease uses whose sender exited or closed that slot (each holds the
+slot's memory and a descriptor: ``mmap`` keeps a duplicate of the fd).
 
 Receiver pages
 --------------

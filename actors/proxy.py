@@ -87,7 +87,11 @@ class RemoteMethod:
             (await proxy.interface()).check_call(self.method, args, kwargs)
         except BaseException:  # never sent: its shared-memory slots go back now
             message.discard()
+            del args, kwargs  # nor may a kept error's traceback hold them (below)
             raise
+        # the message owns its bytes: a kept error's traceback must not hold the arguments (a
+        # weight push's send buffer would stay held until the cyclic collector ran)
+        del args, kwargs
         return await proxy.ref.send(message, proxy.timeout)
 
     def __repr__(self) -> str:

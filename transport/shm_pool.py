@@ -492,7 +492,11 @@ class ShmPool:
         slots = self._slots[slot.capacity]
         for i in range(len(slots) - 2, -1, -1):  # least recently used first, never the new one
             idle = slots[i]
-            if idle.free and now - idle.filled_at > IDLE_SLOT_SECONDS:
+            if now - idle.filled_at <= IDLE_SLOT_SECONDS:
+                continue
+            if not idle.free:  # busy that long: its reader may have exited since
+                _release_if_reader_gone(idle)
+            if idle.free:
                 slots.pop(i).close()
                 self._bytes -= idle.capacity
         return slot

@@ -12,7 +12,7 @@ import pytest
 from replayrl.actors import Actor, Directory
 from replayrl.actors.actor import ActorServer
 from replayrl.actors.errors import ActorTimeout, PeerLost
-from replayrl.actors.ref import POOL, shared_memory_pool
+from replayrl.actors.ref import POOL, send_buffer, shared_memory_pool
 
 BIG = np.ones(1 << 18, np.float32)  # 1 MiB: travels in a slot to an ipc peer
 
@@ -76,3 +76,25 @@ async def test_a_reply_nobody_awaits_any_more_releases_its_slot(slow):
     assert _busy() == before
     back = await ref.call("late_array", 0.0)  # the slot is reused for the next reply
     assert float(back[0]) == 2.0 and shared_memory_pool().busy() == before + 1
+
+
+async def test_a_kept_error_of_a_proxy_call_does_not_hold_its_arguments(slow):
+    # a weight push's send buffer, passed to a lost engine: once the caller drops it, its slot
+    # is free although the call's PeerLost (with its traceback) is kept
+    proxy = slow.proxy("slow")
+    assert await proxy.total(BIG) == float(BIG.size)
+    before = _busy()
+    buffer = send_buffer(BIG.size)
+    buffer[:] = 1.0
+    assert shared_memory_pool().busy() == before + 1  # held by its owner
+    conn = POOL.connections[(id(asyncio.get_running_loop()), slow.endpoint("slow"))]
+    conn.socket._lost = "connection lost (simulated)"
+    with pytest.raises(PeerLost) as info:
+        await proxy.total(buffer)
+    kept = info.value
+    del buffer
+    gc.disable()
+    try:
+        assert kept.__traceback__ is not None and shared_memory_pool().busy() == before
+    finally:
+        gc.enable()

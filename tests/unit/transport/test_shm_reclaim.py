@@ -210,3 +210,27 @@ async def test_a_discarded_message_is_released_at_once_and_never_sent(tmp_path):
     mark_sent(sent)
     sent[0].discard()  # given to a socket already: the receiver's to release
     assert pool.busy() == 1
+
+
+def test_idle_free_slots_close_and_a_long_busy_one_of_an_exited_reader_is_released_first(monkeypatch):
+    pool = ShmPool(64 * MiB, 64 << 10)
+    a, _ = pool.put(np.zeros(MiB, np.uint8))  # busy: decoded by a process that exited since
+    b, _ = pool.put(np.zeros(MiB, np.uint8))
+    assert pool.slot_bytes == 2 * MiB and pool.busy() == 2
+    pid_max = int(open("/proc/sys/kernel/pid_max").read())
+    gone_pid = next(p for p in range(min(pid_max, 1 << 22) - 1, 1, -1) if not os.path.exists(f"/proc/{p}"))
+    _write_reader(a, (1 << 22) | gone_pid)
+
+    def release_b(generation: int) -> None:  # b's reader is done with it
+        fd = os.open(f"/proc/{b[0]}/fd/{b[1]}", os.O_RDWR)
+        os.pwrite(fd, generation.to_bytes(8, "little"), 8 * RELEASED)
+        os.close(fd)
+
+    release_b(1)
+    again, _ = pool.put(np.zeros(MiB, np.uint8))  # b again; a is not idle yet: it stays
+    assert again[1] == b[1] and pool.slot_bytes == 2 * MiB and _words(a)[RELEASED] == 0
+    release_b(2)
+    monkeypatch.setattr("replayrl.transport.shm_pool.IDLE_SLOT_SECONDS", 0.0)
+    _, (slot, _) = pool.put(np.zeros(MiB, np.uint8))
+    assert pool.slot_bytes == MiB and pool.busy() == 1  # only the slot just filled is left
+    assert slot.fd == b[1]

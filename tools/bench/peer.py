@@ -642,7 +642,7 @@ def report(pairs: list[tuple[SideRun, SideRun, dict]], threshold: float | None, 
                        per_step / b.completions_per_second, ".3f"),
                   _row("total step seconds", sum(ours.step_seconds), sum(theirs.step_seconds), ".1f"),
                   *(_row(f"reward, steps {k}", a.reward_windows[k], b.reward_windows[k], ".3f")
-                    for k in a.reward_windows)]
+                    for k in shared_windows(a, b))]
     if len(pairs) > 1:
         lines += ["", f"over {len(pairs)} seeds: min - max (mean)", "",
                   "| figure | replayrl | TRL | ratio of means | ranges overlap |",
@@ -650,11 +650,18 @@ def report(pairs: list[tuple[SideRun, SideRun, dict]], threshold: float | None, 
         keys = [("completions/s", lambda s: s.completions_per_second, ".1f"),
                 (f"step seconds to reward >= {target}", lambda s: s.seconds_to_threshold, ".1f"),
                 *((f"reward, steps {k}", (lambda s, k=k: s.reward_windows[k]), ".3f")
-                  for k in summaries[0][0].reward_windows)]
+                  for k in shared_windows(*summaries[0]))]
         for name, get, spec in keys:
             lines.append(_spread_row(name, [get(a) for a, _ in summaries],
                                      [get(b) for _, b in summaries], spec))
     return "\n".join(lines)
+
+
+def shared_windows(ours: SideSummary, theirs: SideSummary) -> list[str]:
+    """The reward windows (``"first-last"`` step ranges) both summaries hold, in ``ours``'s
+    order: with ``--replayrl-steps`` replayrl runs more steps than TRL, and a window past TRL's
+    last step has nothing to compare (the time-to-quality rows compare the rest)."""
+    return [k for k in ours.reward_windows if k in theirs.reward_windows]
 
 
 def _row(name: str, ours: float | None, theirs: float | None, spec: str) -> str:

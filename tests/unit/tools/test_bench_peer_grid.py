@@ -224,3 +224,20 @@ def test_replayrl_steps_lengthen_only_replayrls_run_over_the_same_prompt_stream(
     long = [p.index for p in peer.prompt_stream(seen["replayrl"])]
     b = seen["trl"].rollout.rollout_batch_size
     assert len(short) == 3 * b and len(long) == 7 * b and long[:3 * b] == short
+
+
+def test_a_report_of_more_replayrl_steps_compares_only_the_windows_both_sides_ran(tmp_path):
+    # --replayrl-steps 20 against TRL's 10: replayrl's windows are 1-10, 6-15 (25 / 50 % ends:
+    # 5 -> 10, 10), 11-20 (75 %: 15 -> 6-15; 100 %: 20); TRL's only 1-10. The per-seed and the
+    # spread tables keep 1-10 (its means worked out by hand), never a window TRL did not run.
+    from replayrl.tools.bench.peer import report, run_config
+
+    config = run_config(20, 1, str(tmp_path))
+    per_step = config.rollout.rollout_batch_size * config.rollout.n_samples_per_prompt
+    ours = SideRun("replayrl", 1, (1.0,) * 20, tuple(0.1 * (i % 2) for i in range(20)), (per_step,) * 20)
+    theirs = SideRun("TRL", 1, (2.0,) * 10, (0.3,) * 10, (per_step,) * 10)
+    facts = {"order": ["replayrl", "TRL"], "config": config}
+    text = report([(ours, theirs, facts), (ours, theirs, facts)], None, 10)
+    assert "| reward, steps 1-10 | 0.050 | 0.300 | 0.17 |" in text
+    assert "| reward, steps 1-10 | 0.050 - 0.050 (0.050) | 0.300 - 0.300 (0.300) | 0.17 | no |" in text
+    assert "steps 11-20" not in text and "steps 6-15" not in text

@@ -9,11 +9,13 @@ import pytest
 def assert_same_step_metrics(row: dict, reference_row: dict) -> None:
     """The same batch, split over the ranks: the metrics ``row`` has the one-rank
     ``reference_row``'s token and group counts exactly, its gradient norm within rel 1e-5 (the
-    order of the float sums) and its logprob / TIS / support-entropy means within rel 1e-4."""
+    order of the float sums) and its logprob / TIS / support-entropy / surprisal means within rel
+    1e-4."""
     for key in ("loss_tokens", "accepted_tokens", "sampled_tokens", "trained_groups"):
         assert row[key] == reference_row[key]
     assert row["grad_norm"] == pytest.approx(reference_row["grad_norm"], rel=1e-5)
-    for key in ("train_rollout_logprob_abs_diff", "tis_weight_mean", "support_entropy_mean"):
+    for key in ("train_rollout_logprob_abs_diff", "tis_weight_mean", "support_entropy_mean",
+                "surprisal_mean"):
         assert row[key] == pytest.approx(reference_row[key], rel=1e-4, abs=1e-6)
 
 

@@ -37,7 +37,11 @@ class TrainerConfig:
         eps_clip, eps_clip_high: PPO clip range ``[1 - eps_clip, 1 + eps_clip_high]``.
         tis_cap: TIS weight cap ``C`` (``--tis-cap``); ``None`` disables TIS.
         entropy_coef: the entropy bonus ``beta`` of :func:`replayrl.trainer.loss.losses.policy_loss`
-            (``--entropy-coef``; docs/design/trainer-math.md#entropy-collapse).
+            (``--entropy-coef``; docs/design/trainer-math.md#entropy-collapse); with
+            ``entropy_target`` the ceiling of the adaptive coefficient.
+        entropy_target, entropy_coef_step: adaptive entropy control
+            (:class:`replayrl.trainer.loss.entropy_control.EntropyControl`; ``--entropy-target``
+            0 = the fixed ``entropy_coef``).
         normalize_advantage_std: GRPO divides by the group std (``--grpo-std-normalization``).
         micro_batch_size: samples per forward/backward (gradient accumulation).
         temperature: the rollout temperature (logprobs are of ``logits / temperature``).
@@ -136,7 +140,14 @@ class TrainerConfig:
                                     Range(low=0, closed="()", also=(None,)))
     entropy_coef: float = setting(0.05, "entropy-coef", "entropy bonus beta: each token's "
                                   "advantage gains -beta x its logprob (score-function "
-                                  "entropy gradient; 0 = off)", Range(low=0))
+                                  "entropy gradient; 0 = off; with --entropy-target the "
+                                  "largest coefficient)", Range(low=0))
+    entropy_target: float = setting(0.0, "entropy-target", "adaptive entropy control: the bonus "
+                                    "only while the support entropy is below this many nats, "
+                                    "its coefficient moved by --entropy-coef-step per step "
+                                    "(Skywork-OR1; 0 = a fixed --entropy-coef)", Range(low=0))
+    entropy_coef_step: float = setting(0.005, "entropy-coef-step", "adaptive entropy control: "
+                                       "the coefficient's change per optimizer step", POSITIVE)
     normalize_advantage_std: bool = setting(False, "grpo-std-normalization",
                                             "divide GRPO advantages by the group std")
     micro_batch_size: int = setting(128, "micro-batch-size", "samples per forward/backward",

@@ -29,10 +29,11 @@ from replayrl.trainer.replay.checks import batch_flip_rate, check_replay
 
 __all__ = ["RankStep", "UPDATE_SUMS"]
 
-UPDATE_SUMS = ("abs_logprob_diff", "clipfrac", "clipfrac_low", "clipfrac_high", "tis_weight_mean")
+UPDATE_SUMS = ("abs_logprob_diff", "clipfrac", "clipfrac_low", "clipfrac_high", "tis_weight_mean",
+               "surprisal")
 """Token sums one rank's update returns, added over ranks (then divided by the step's token
 counts): ``|logp_prox - logp_rollout|`` over sampled tokens, the clip fraction times loss
-tokens, the TIS weight mean times sampled tokens."""
+tokens, the TIS weight mean times sampled tokens, ``-logp_prox`` over sampled tokens."""
 
 
 class RankStep:
@@ -140,7 +141,8 @@ class RankStep:
 
     def update(self, samples: list[Sample], advantages: torch.Tensor,
                token_accept: dict[int, torch.Tensor], loss_accept: dict[int, torch.Tensor],
-               denominator: float, *, fused: bool, grad_scale: float = 1.0) -> dict:
+               denominator: float, *, fused: bool, grad_scale: float = 1.0,
+               entropy_coef: float | None = None) -> dict:
         """This rank's share of the update: per microbatch the backend's
         ``forward_backward`` with this step's PPO/TIS loss; then clip and optimizer step
         (collectives of the backend: every rank of the group calls this once per step, with
@@ -158,6 +160,9 @@ class RankStep:
             grad_scale: the loss is multiplied by it before backward; the data-parallel size
                 when the backend averages gradients over ranks (DDP, megatron), so that the
                 average is the gradient of the whole step's loss.
+            entropy_coef: this step's entropy bonus ``beta`` (the leader's
+                :class:`replayrl.trainer.loss.entropy_control.EntropyControl`, the same on every
+                rank); None: the configured ``entropy_coef``.
         Returns:
             the :data:`UPDATE_SUMS` token sums, ``max_prox_drift``, ``rates`` (flip / drift
             rates per microbatch, fused only), ``forward_seconds``, ``backward_seconds``,
@@ -170,13 +175,15 @@ class RankStep:
         """
         with self.heap.watch():  # a large step keeps its freed blocks for the next (actors/heap.py)
             return self._update(samples, advantages, token_accept, loss_accept, denominator,
-                                fused=fused, grad_scale=grad_scale)
+                                fused=fused, grad_scale=grad_scale, entropy_coef=entropy_coef)
 
     def _update(self, samples: list[Sample], advantages: torch.Tensor,
                 token_accept: dict[int, torch.Tensor], loss_accept: dict[int, torch.Tensor],
-                denominator: float, *, fused: bool, grad_scale: float = 1.0) -> dict:
+                denominator: float, *, fused: bool, grad_scale: float = 1.0,
+                entropy_coef: float | None = None) -> dict:
         """:meth:`update`'s body."""
         cfg = self.config
+        beta = cfg.entropy_coef if entropy_coef is None else entropy_coef
         if not fused:
             self.cache.check_bijection([s.sample_id for s in samples])
         self.backend.zero_grad()
@@ -198,7 +205,7 @@ class RankStep:
                 logp, prox, batch.rollout_logprobs, adv_tok, batch.loss_mask, eps_low=cfg.eps_clip,
                 eps_high=cfg.eps_clip_high, tis_cap=cfg.tis_cap, token_accept=trained,
                 sampled_mask=batch.sampled_mask, denominator=cfg.rs_denominator,
-                entropy_coef=cfg.entropy_coef)
+                entropy_coef=beta)
             seen: dict = {}
 
             def loss_fn(logp: torch.Tensor) -> torch.Tensor:
@@ -246,6 +253,7 @@ class RankStep:
             sums["clipfrac_low"] += m["clip_fraction_low"] * float(mask.sum())
             sums["clipfrac_high"] += m["clip_fraction_high"] * float(mask.sum())
             sums["tis_weight_mean"] += m["tis_weight_mean"] * float(sampled.sum())
+            sums["surprisal"] -= float(prox[sampled].sum())
         t0 = time.perf_counter()
         grad_norm = self.backend.clip_and_step(cfg.clip_grad)
         return {**sums, "rates": rates, "forward_seconds": seconds["forward"],

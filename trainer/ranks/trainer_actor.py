@@ -36,6 +36,7 @@ each engine's new version with the clock. The loop that orders these calls lives
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import time
 from pathlib import Path
@@ -55,6 +56,7 @@ from replayrl.trainer.batching.batch import token_counts
 from replayrl.trainer.config import TrainerConfig
 from replayrl.trainer.errors import EmptyStep, TrainerConfigError, TrainStepError
 from replayrl.trainer.loss.advantages import baseline_groups, grpo_advantages
+from replayrl.trainer.loss.entropy_control import EntropyControl
 from replayrl.trainer.ranks.rank_group import RankGroup, follower_names, shard
 from replayrl.trainer.ranks.rank_step import UPDATE_SUMS, RankStep
 from replayrl.trainer.rejection.refill import RefillCoordinator, gate_metrics
@@ -62,6 +64,9 @@ from replayrl.trainer.replay.checks import mean_rates
 
 __all__ = [ "SKIP_REASONS", "TrainerActor"]
 
+
+ENTROPY_CONTROL_FILE = "entropy_control.json"
+"""The adaptive entropy controller's state in a checkpoint directory (written by rank 0)."""
 
 SKIP_REASONS = ("no_loss_tokens", "no_accepted_tokens", "no_group_baseline")
 """``skip_reason`` of a skipped step: the batch has no loss token; the RS gate kept none; every
@@ -150,6 +155,8 @@ class TrainerActor(Actor):
         self.engines, self.manager_name, self.clock_name = list(engines), manager, clock
         self.engine_failure = engine_failure  # whether a push survives a lost engine
         self.version = 0
+        cfg = self.config
+        self.entropy = EntropyControl(cfg.entropy_coef, cfg.entropy_target, cfg.entropy_coef_step)
         self._push: asyncio.Future | None = None  # the weight push still in flight, if any
         self._pushed_base = False  # LoRA: whether the engines hold the base weights (first push)
         self.weight_sync = dict(weight_sync or {"name": "shm"})
@@ -489,6 +496,10 @@ class TrainerActor(Actor):
             # mean over the sampled tokens of every sample this step forwarded at the
             # step's starting weights (with a preflight: refill candidates included)
             metrics["support_entropy_mean"] = float(entropies.mean())
+        if not metrics["skipped"] and metrics["sampled_tokens"]:
+            # the next step's bonus follows this step's entropy, estimated by the sampled
+            # tokens' mean surprisal (support_entropy_mean is not measured on every path)
+            self.entropy.observe(metrics["surprisal_mean"])
         return metrics
 
     async def _refill(self, samples: list[Sample], preflight) -> tuple[list[Sample], dict, dict]:
@@ -571,7 +582,7 @@ class TrainerActor(Actor):
                                              denominator, fused)
         else:
             parts = [self.local.update(samples, adv, token_accept, loss_accept, denominator,
-                                       fused=fused)]
+                                       fused=fused, entropy_coef=self.entropy.bonus)]
         grad_norm = parts[0]["grad_norm"]
         if not math.isfinite(grad_norm):
             raise TrainStepError(f"non-finite gradient norm {grad_norm}; step skipped, weights untouched")
@@ -580,7 +591,7 @@ class TrainerActor(Actor):
         for p in parts:
             for name, values in p["rates"].items():
                 rates.setdefault(name, []).extend(values)
-        return {"skipped": 0, **groups, **mean_rates(rates),
+        return {"skipped": 0, **groups, **mean_rates(rates), "entropy_coef": self.entropy.bonus,
                 "loss_forward_seconds": max(p["forward_seconds"] for p in parts),
                 "loss_backward_seconds": max(p["backward_seconds"] for p in parts),
                 "optimizer_seconds": max(p["optimizer_seconds"] for p in parts),
@@ -590,6 +601,8 @@ class TrainerActor(Actor):
                 "clipfrac_low": sums["clipfrac_low"] / loss_tokens,
                 "clipfrac_high": sums["clipfrac_high"] / loss_tokens, **signal,
                 "tis_weight_mean": sums["tis_weight_mean"] / max(sampled_tokens, 1.0),
+                # E[-log p(a)] over sampled a is the entropy: an estimate every backend has
+                "surprisal_mean": sums["surprisal"] / max(sampled_tokens, 1.0),
                 "max_prox_drift": max(p["max_prox_drift"] for p in parts),
                 "proximal_cache_peak_bytes": self.cache.peak_bytes,
                 "proximal_cache_transferred_bytes": self.cache.transferred_bytes,
@@ -622,10 +635,10 @@ class TrainerActor(Actor):
             calls.append(self._rank(name).train(
                 samples_to_columns(shares[d]), adv[starts[d]:starts[d + 1]].numpy(),
                 mask(token_accept, shares[d]), mask(loss_accept, shares[d]), denominator,
-                fused, prox.get(d), float(dp_size)))
+                fused, prox.get(d), float(dp_size), self.entropy.bonus))
         mine, theirs = await self._on_ranks(lambda: self.local.update(
             shares[d0], adv[starts[d0]:starts[d0 + 1]], token_accept, loss_accept, denominator,
-            fused=fused, grad_scale=float(dp_size)), calls)
+            fused=fused, grad_scale=float(dp_size), entropy_coef=self.entropy.bonus), calls)
         for i, part in enumerate(theirs, start=1):
             if len(part["entropy"]) and i in firsts:
                 self.local.entropies.append(torch.from_numpy(np.array(part["entropy"], np.float32)))
@@ -643,6 +656,7 @@ class TrainerActor(Actor):
                                   for f in self.followers])
         else:  # every rank holds the same weights and optimizer state: rank 0 writes them
             self.backend.save_checkpoint(out, self.version)
+        (out / ENTROPY_CONTROL_FILE).write_text(json.dumps(self.entropy.state_dict()))
         return str(out)
 
     async def save_hf(self, directory: str) -> str:
@@ -677,6 +691,9 @@ class TrainerActor(Actor):
             raise TrainStepError(f"{directory}: the trainer ranks restored versions "
                                  f"{[version, *theirs]}")
         self.version = version
+        saved = path / ENTROPY_CONTROL_FILE  # absent in a checkpoint written before the controller
+        if saved.exists():
+            self.entropy.load_state_dict(json.loads(saved.read_text()))
         # one update per version: the --indexer-drift-interval phase continues as uninterrupted
         self.local.updates = version
         self._pushed_base = False  # LoRA: the checkpoint's base goes with the next push

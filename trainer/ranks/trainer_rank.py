@@ -73,14 +73,15 @@ class TrainerRank(Actor):
 
     async def train(self, columns: dict, advantages: np.ndarray, token_accept: np.ndarray,
                     loss_accept: np.ndarray, denominator: float, fused: bool,
-                    proximal: np.ndarray | None, grad_scale: float) -> dict:
+                    proximal: np.ndarray | None, grad_scale: float,
+                    entropy_coef: float | None = None) -> dict:
         """This rank's share of the update (:meth:`replayrl.trainer.ranks.rank_step.RankStep.update`).
 
         Args:
             columns: the share's samples (``samples_to_columns``).
             advantages: float32 [B_share]; token_accept, loss_accept: bool [sum R], the masks
                 of the samples in order.
-            denominator, fused, grad_scale: as ``RankStep.update``.
+            denominator, fused, grad_scale, entropy_coef: as ``RankStep.update``.
             proximal: float32 [sum R], the share's proximal logprobs (None when ``fused``);
                 they fill this rank's cache for the update.
         Returns:
@@ -108,7 +109,7 @@ class TrainerRank(Actor):
                     self.step.cache.put(sample_id, logprobs)
             out = self.step.update(samples, torch.from_numpy(np.array(advantages, np.float32)),
                                    masks["token_accept"], masks["loss_accept"], denominator,
-                                   fused=fused, grad_scale=grad_scale)
+                                   fused=fused, grad_scale=grad_scale, entropy_coef=entropy_coef)
         finally:
             self.step.cache.clear()
         return {**out, "entropy": self.step.take_entropies().numpy()}

@@ -8,8 +8,8 @@ import asyncio
 import numpy as np
 import pytest
 
-from replayrl.actors import Actor, ActorProxy, Directory
-from replayrl.actors.actor import ActorServer
+from replayrl.actors import Actor, ActorProxy
+from tests.in_process_actor import serving
 
 N = 16 * 1024 * 1024  # 64 MiB of float32: ZeroMQ's I/O thread is still reading when we write
 
@@ -36,15 +36,8 @@ class Keeper(Actor):
 
 @pytest.fixture
 async def keeper(tmp_path):
-    directory = Directory.for_run(tmp_path, ["keeper"])
-    actor = Keeper()
-    actor.name, actor.directory = "keeper", directory
-    server = ActorServer(actor, directory.endpoint("keeper"))
-    server.start()
-    try:
+    with serving(Keeper(), "keeper", tmp_path) as (directory, _):
         yield directory.ref("keeper")
-    finally:
-        server.close()
 
 
 async def test_a_write_after_tell_does_not_reach_the_message(keeper):

@@ -9,10 +9,10 @@ import gc
 import numpy as np
 import pytest
 
-from replayrl.actors import Actor, Directory
-from replayrl.actors.actor import ActorServer
+from replayrl.actors import Actor
 from replayrl.actors.errors import ActorTimeout, PeerLost
 from replayrl.actors.ref import POOL, send_buffer, shared_memory_pool
+from tests.in_process_actor import serving
 
 BIG = np.ones(1 << 18, np.float32)  # 1 MiB: travels in a slot to an ipc peer
 
@@ -30,15 +30,8 @@ class Slow(Actor):
 
 @pytest.fixture
 async def slow(tmp_path):
-    directory = Directory.for_run(tmp_path, ["slow"])
-    actor = Slow()
-    actor.name, actor.directory = "slow", directory
-    server = ActorServer(actor, directory.endpoint("slow"))
-    server.start()
-    try:
+    with serving(Slow(), "slow", tmp_path) as (directory, _):
         yield directory
-    finally:
-        server.close()
 
 
 def _busy() -> int:

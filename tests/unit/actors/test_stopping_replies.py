@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from replayrl.actors import Actor, Directory
-from replayrl.actors.actor import ActorServer
+from replayrl.actors import Actor
+from tests.in_process_actor import serving
 
 
 class Stopper(Actor):
@@ -25,15 +25,12 @@ class Stopper(Actor):
 
 
 async def test_a_call_that_fails_after_close_ends_the_worker_without_an_error(tmp_path):
-    directory = Directory.for_run(tmp_path, ["stopper"])
     actor = Stopper()
-    actor.name, actor.directory = "stopper", directory
-    server = ActorServer(actor, directory.endpoint("stopper"))
-    server.start()
-    pending = asyncio.ensure_future(directory.ref("stopper").call("work"))
-    await asyncio.wait_for(actor.running.wait(), 10)
-    worker = server._worker
-    server.close()  # as the actor process does on SIGTERM
-    await asyncio.wait([worker], timeout=10)
-    assert worker.done() and not worker.cancelled() and worker.exception() is None
-    pending.cancel()
+    with serving(actor, "stopper", tmp_path) as (directory, server):
+        pending = asyncio.ensure_future(directory.ref("stopper").call("work"))
+        await asyncio.wait_for(actor.running.wait(), 10)
+        worker = server._worker
+        server.close()  # as the actor process does on SIGTERM
+        await asyncio.wait([worker], timeout=10)
+        assert worker.done() and not worker.cancelled() and worker.exception() is None
+        pending.cancel()

@@ -287,6 +287,9 @@ class TrainerConfig:
              f"has no LoRA: megatron-core's modules are not peft's)"),
             (self.rs_mode != "none" or (self.rs_lower, self.rs_upper) == (0.0, float("inf")),
              "--rs-lower / --rs-upper need --rs-mode token|sequence|geometric"),
+            (not self.entropy_target or self.entropy_coef > 0,
+             "--entropy-target needs --entropy-coef > 0 (the adaptive coefficient's ceiling; "
+             "at 0 it would never apply a bonus)"),
             (self.logprobs_chunk_size == 0 or self.use_support_replay,
              "--logprobs-chunk-size needs --use-support-replay (the fused path projects the support)"),
             (not self.rs_batch_refill or self.rs_mode != "none",

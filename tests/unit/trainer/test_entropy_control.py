@@ -64,6 +64,13 @@ def test_bad_settings_are_refused(field, value):
         EntropyControl(**settings)
 
 
+def test_a_target_without_a_ceiling_is_refused_before_any_process_starts():
+    from replayrl.trainer.config import TrainerConfig
+
+    with pytest.raises(TrainerConfigError, match="--entropy-target needs --entropy-coef > 0"):
+        TrainerConfig(entropy_target=0.5, entropy_coef=0.0)
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     return initial_checkpoint(tmp_path_factory.mktemp("ckpt"), 2, 2)

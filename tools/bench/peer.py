@@ -147,8 +147,10 @@ class SideSummary:
     reward_windows: dict
 
 
-def summarize(run: SideRun, threshold: float, window: int) -> SideSummary:
-    """The figures the table prints for one run.
+def summarize(run: SideRun, threshold: float, window: int, steps: int | None = None) -> SideSummary:
+    """The figures the table prints for one run; the reward windows
+    (:func:`report_windows`) are placed over its first ``steps`` steps (None: all of them), so
+    two runs of different lengths report the same windows.
 
     Raises:
         PeerBenchError: the run's steps trained different numbers of completions.
@@ -160,7 +162,7 @@ def summarize(run: SideRun, threshold: float, window: int) -> SideSummary:
         run.side, run.seed, completions_per_second(run.step_seconds, run.completions[0]),
         seconds_to_threshold(run.rewards, run.step_seconds, threshold, window),
         {f"{a}-{b}": window_mean(run.rewards, a, b)
-         for a, b in report_windows(len(run.rewards), window)})
+         for a, b in report_windows(len(run.rewards) if steps is None else steps, window)})
 
 
 # ---------------------------------------------------------------- settings and inputs
@@ -628,7 +630,9 @@ def report(pairs: list[tuple[SideRun, SideRun, dict]], threshold: float | None, 
         q = time_to_quality(ours.rewards, ours.step_seconds, theirs.rewards, theirs.step_seconds,
                             window)
         thr = q.threshold if threshold is None else threshold
-        a, b = summarize(ours, thr, window), summarize(theirs, thr, window)
+        # with --replayrl-steps one side ran longer: both report windows over the steps both ran
+        both = min(len(ours.rewards), len(theirs.rewards))
+        a, b = summarize(ours, thr, window, both), summarize(theirs, thr, window, both)
         summaries.append((a, b))
         lines += ["", f"seed {ours.seed} (ran {' then '.join(facts['order'])}; completions per "
                       f"step: replayrl {ours.completions[0]}, TRL {theirs.completions[0]})", "",
@@ -642,7 +646,7 @@ def report(pairs: list[tuple[SideRun, SideRun, dict]], threshold: float | None, 
                        per_step / b.completions_per_second, ".3f"),
                   _row("total step seconds", sum(ours.step_seconds), sum(theirs.step_seconds), ".1f"),
                   *(_row(f"reward, steps {k}", a.reward_windows[k], b.reward_windows[k], ".3f")
-                    for k in shared_windows(a, b))]
+                    for k in a.reward_windows)]
     if len(pairs) > 1:
         lines += ["", f"over {len(pairs)} seeds: min - max (mean)", "",
                   "| figure | replayrl | TRL | ratio of means | ranges overlap |",
@@ -650,18 +654,11 @@ def report(pairs: list[tuple[SideRun, SideRun, dict]], threshold: float | None, 
         keys = [("completions/s", lambda s: s.completions_per_second, ".1f"),
                 (f"step seconds to reward >= {target}", lambda s: s.seconds_to_threshold, ".1f"),
                 *((f"reward, steps {k}", (lambda s, k=k: s.reward_windows[k]), ".3f")
-                  for k in shared_windows(*summaries[0]))]
+                  for k in summaries[0][0].reward_windows)]
         for name, get, spec in keys:
             lines.append(_spread_row(name, [get(a) for a, _ in summaries],
                                      [get(b) for _, b in summaries], spec))
     return "\n".join(lines)
-
-
-def shared_windows(ours: SideSummary, theirs: SideSummary) -> list[str]:
-    """The reward windows (``"first-last"`` step ranges) both summaries hold, in ``ours``'s
-    order: with ``--replayrl-steps`` replayrl runs more steps than TRL, and a window past TRL's
-    last step has nothing to compare (the time-to-quality rows compare the rest)."""
-    return [k for k in ours.reward_windows if k in theirs.reward_windows]
 
 
 def _row(name: str, ours: float | None, theirs: float | None, spec: str) -> str:

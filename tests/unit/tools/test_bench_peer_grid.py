@@ -241,3 +241,20 @@ def test_a_report_of_more_replayrl_steps_compares_only_the_windows_both_sides_ra
     assert "| reward, steps 1-10 | 0.050 | 0.300 | 0.17 |" in text
     assert "| reward, steps 1-10 | 0.050 - 0.050 (0.050) | 0.300 - 0.300 (0.300) | 0.17 | no |" in text
     assert "steps 11-20" not in text and "steps 6-15" not in text
+
+
+def test_a_longer_replayrl_run_reports_the_windows_over_the_steps_both_ran(tmp_path):
+    # TRL 40 steps, replayrl 80: both report the windows of a 40-step run, 1-10 / 11-20 /
+    # 21-30 / 31-40 (ends 10, 10, 20, 30, 40), replayrl's means over its own first 40 steps
+    from replayrl.tools.bench.peer import report, run_config
+
+    config = run_config(80, 1, str(tmp_path))
+    per_step = config.rollout.rollout_batch_size * config.rollout.n_samples_per_prompt
+    ours = SideRun("replayrl", 1, (1.0,) * 80, tuple(i / 100 for i in range(80)), (per_step,) * 80)
+    theirs = SideRun("TRL", 1, (2.0,) * 40, (0.5,) * 40, (per_step,) * 40)
+    facts = {"order": ["replayrl", "TRL"], "config": config}
+    text = report([(ours, theirs, facts), (ours, theirs, facts)], None, 10)
+    # steps 31-40 of replayrl: rewards 0.30 .. 0.39, mean 0.345; TRL 0.5; ratio 0.69
+    assert "| reward, steps 31-40 | 0.345 | 0.500 | 0.69 |" in text
+    assert "| reward, steps 11-20 | 0.145 - 0.145 (0.145) | 0.500 - 0.500 (0.500) | 0.29 | no |" in text
+    assert "steps 71-80" not in text and "steps 41-50" not in text

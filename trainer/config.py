@@ -143,9 +143,10 @@ class TrainerConfig:
                                   "entropy gradient; 0 = off; with --entropy-target the "
                                   "largest coefficient)", Range(low=0))
     entropy_target: float = setting(0.0, "entropy-target", "adaptive entropy control: the bonus "
-                                    "only while the support entropy is below this many nats, "
-                                    "its coefficient moved by --entropy-coef-step per step "
-                                    "(Skywork-OR1; 0 = a fixed --entropy-coef)", Range(low=0))
+                                    "only while the entropy (metric surprisal_mean) is below "
+                                    "this many nats, its coefficient moved by "
+                                    "--entropy-coef-step per step (Skywork-OR1; 0 = a fixed "
+                                    "--entropy-coef)", Range(low=0))
     entropy_coef_step: float = setting(0.005, "entropy-coef-step", "adaptive entropy control: "
                                        "the coefficient's change per optimizer step", POSITIVE)
     normalize_advantage_std: bool = setting(False, "grpo-std-normalization",

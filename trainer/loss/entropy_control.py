@@ -21,8 +21,9 @@ class EntropyControl:
     """The coefficient ``beta`` of the entropy bonus for the next optimizer step.
 
     With ``target`` 0 the coefficient is ``ceiling`` at every step (the fixed bonus). Otherwise
-    it starts at 0 and after each step with a measured entropy ``H`` (nats, mean over the
-    step's sampled tokens of the policy's entropy over the sampler's support):
+    it starts at 0 and after each step with a measured entropy ``H`` (nats; the trainer passes
+    the step's ``surprisal_mean``, the mean ``-logp_prox`` of its sampled tokens, whose
+    expectation is the entropy over the sampler's support):
     ``c <- clip(c + step if H < target else c - step, 0, ceiling)``, and the next step's bonus
     is ``c`` while ``H < target`` and 0 otherwise (the bonus never raises an entropy that is
     already above the target).

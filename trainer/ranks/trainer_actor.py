@@ -36,7 +36,6 @@ each engine's new version with the clock. The loop that orders these calls lives
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import time
 from pathlib import Path
@@ -61,12 +60,14 @@ from replayrl.trainer.ranks.rank_group import RankGroup, follower_names, shard
 from replayrl.trainer.ranks.rank_step import UPDATE_SUMS, RankStep
 from replayrl.trainer.rejection.refill import RefillCoordinator, gate_metrics
 from replayrl.trainer.replay.checks import mean_rates
+from replayrl.transport import strict_json
 
 __all__ = [ "SKIP_REASONS", "TrainerActor"]
 
 
 ENTROPY_CONTROL_FILE = "entropy_control.json"
-"""The adaptive entropy controller's state in a checkpoint directory (written by rank 0)."""
+"""The adaptive entropy controller's state in a checkpoint directory (written by rank 0, only
+with ``--entropy-target``: a fixed coefficient has no state)."""
 
 SKIP_REASONS = ("no_loss_tokens", "no_accepted_tokens", "no_group_baseline")
 """``skip_reason`` of a skipped step: the batch has no loss token; the RS gate kept none; every
@@ -656,7 +657,8 @@ class TrainerActor(Actor):
                                   for f in self.followers])
         else:  # every rank holds the same weights and optimizer state: rank 0 writes them
             self.backend.save_checkpoint(out, self.version)
-        (out / ENTROPY_CONTROL_FILE).write_text(json.dumps(self.entropy.state_dict()))
+        if self.entropy.target:
+            (out / ENTROPY_CONTROL_FILE).write_text(strict_json.dumps(self.entropy.state_dict()))
         return str(out)
 
     async def save_hf(self, directory: str) -> str:
@@ -691,9 +693,9 @@ class TrainerActor(Actor):
             raise TrainStepError(f"{directory}: the trainer ranks restored versions "
                                  f"{[version, *theirs]}")
         self.version = version
-        saved = path / ENTROPY_CONTROL_FILE  # absent in a checkpoint written before the controller
+        saved = path / ENTROPY_CONTROL_FILE  # absent without --entropy-target: fresh state
         if saved.exists():
-            self.entropy.load_state_dict(json.loads(saved.read_text()))
+            self.entropy.load_state_dict(strict_json.loads(saved.read_text()))
         # one update per version: the --indexer-drift-interval phase continues as uninterrupted
         self.local.updates = version
         self._pushed_base = False  # LoRA: the checkpoint's base goes with the next push

@@ -226,18 +226,25 @@ def test_replayrl_steps_lengthen_only_replayrls_run_over_the_same_prompt_stream(
     assert len(short) == 3 * b and len(long) == 7 * b and long[:3 * b] == short
 
 
-def test_a_report_of_more_replayrl_steps_compares_only_the_windows_both_sides_ran(tmp_path):
-    # --replayrl-steps 20 against TRL's 10: replayrl's windows are 1-10, 6-15 (25 / 50 % ends:
-    # 5 -> 10, 10), 11-20 (75 %: 15 -> 6-15; 100 %: 20); TRL's only 1-10. The per-seed and the
-    # spread tables keep 1-10 (its means worked out by hand), never a window TRL did not run.
+def _two_seed_report(tmp_path, ours_rewards: tuple, trl_rewards: tuple) -> str:
+    """bench peer's printed report of two identical seeds: replayrl's run with
+    ``ours_rewards`` (1 s steps) against TRL's with ``trl_rewards`` (2 s steps), full batches."""
     from replayrl.tools.bench.peer import report, run_config
 
-    config = run_config(20, 1, str(tmp_path))
+    config = run_config(len(ours_rewards), 1, str(tmp_path))
     per_step = config.rollout.rollout_batch_size * config.rollout.n_samples_per_prompt
-    ours = SideRun("replayrl", 1, (1.0,) * 20, tuple(0.1 * (i % 2) for i in range(20)), (per_step,) * 20)
-    theirs = SideRun("TRL", 1, (2.0,) * 10, (0.3,) * 10, (per_step,) * 10)
+    ours = SideRun("replayrl", 1, (1.0,) * len(ours_rewards), ours_rewards,
+                   (per_step,) * len(ours_rewards))
+    theirs = SideRun("TRL", 1, (2.0,) * len(trl_rewards), trl_rewards, (per_step,) * len(trl_rewards))
     facts = {"order": ["replayrl", "TRL"], "config": config}
-    text = report([(ours, theirs, facts), (ours, theirs, facts)], None, 10)
+    return report([(ours, theirs, facts), (ours, theirs, facts)], None, 10)
+
+
+def test_a_report_of_more_replayrl_steps_compares_only_the_windows_both_sides_ran(tmp_path):
+    # --replayrl-steps 20 against TRL's 10: both sides' windows are placed over the 10 steps
+    # both ran, which is the one window 1-10. The per-seed and the spread tables keep it (its
+    # means worked out by hand), never a window TRL did not run.
+    text = _two_seed_report(tmp_path, tuple(0.1 * (i % 2) for i in range(20)), (0.3,) * 10)
     assert "| reward, steps 1-10 | 0.050 | 0.300 | 0.17 |" in text
     assert "| reward, steps 1-10 | 0.050 - 0.050 (0.050) | 0.300 - 0.300 (0.300) | 0.17 | no |" in text
     assert "steps 11-20" not in text and "steps 6-15" not in text
@@ -246,14 +253,7 @@ def test_a_report_of_more_replayrl_steps_compares_only_the_windows_both_sides_ra
 def test_a_longer_replayrl_run_reports_the_windows_over_the_steps_both_ran(tmp_path):
     # TRL 40 steps, replayrl 80: both report the windows of a 40-step run, 1-10 / 11-20 /
     # 21-30 / 31-40 (ends 10, 10, 20, 30, 40), replayrl's means over its own first 40 steps
-    from replayrl.tools.bench.peer import report, run_config
-
-    config = run_config(80, 1, str(tmp_path))
-    per_step = config.rollout.rollout_batch_size * config.rollout.n_samples_per_prompt
-    ours = SideRun("replayrl", 1, (1.0,) * 80, tuple(i / 100 for i in range(80)), (per_step,) * 80)
-    theirs = SideRun("TRL", 1, (2.0,) * 40, (0.5,) * 40, (per_step,) * 40)
-    facts = {"order": ["replayrl", "TRL"], "config": config}
-    text = report([(ours, theirs, facts), (ours, theirs, facts)], None, 10)
+    text = _two_seed_report(tmp_path, tuple(i / 100 for i in range(80)), (0.5,) * 40)
     # steps 31-40 of replayrl: rewards 0.30 .. 0.39, mean 0.345; TRL 0.5; ratio 0.69
     assert "| reward, steps 31-40 | 0.345 | 0.500 | 0.69 |" in text
     assert "| reward, steps 11-20 | 0.145 - 0.145 (0.145) | 0.500 - 0.500 (0.500) | 0.29 | no |" in text

@@ -49,9 +49,10 @@ from replayrl.rollout.dispatch.prefetched import FILE_NAME as PREFETCHED_FILE
 from replayrl.rollout.dispatch.prefetched import read_prefetched, write_prefetched
 from replayrl.rollout.engines.base import generations_from_columns
 from replayrl.rollout.episodes.env_sessions import EnvSessions
+from replayrl.rollout.episodes.single_turns import single_turn_columns
 from replayrl.rollout.episodes.turn_loop import Episode, assemble, run_episodes
 from replayrl.rollout.errors import RolloutError, TrajectoryError
-from replayrl.rollout.sample import Sample, samples_to_columns
+from replayrl.rollout.sample import Sample, samples_from_columns, samples_to_columns, unpack_rows
 from replayrl.rollout.scoring.evaluation import eval_metrics
 from replayrl.rollout.scoring.rewards import RewardGuard, load_math_verify
 from replayrl.rollout.tasks import load_environment_class, make_task
@@ -66,6 +67,14 @@ MIXED_VERSION_RERUNS = 2
 """How many times a multi-turn episode batch whose turns still came from two weight versions
 (a lapsed version pin) is generated again before the trajectory's ``MixedVersionError`` ends
 the rollout."""
+
+
+def _status(finish_reason: str) -> str:
+    """A trajectory's status from its episode's finish reason: ``"completed"`` when the engine
+    stopped it (``"stop"``), ``"aborted"`` when an ``--env`` environment ended it
+    (``"env_error"``), else ``"truncated"`` (length, turn or position limit)."""
+    return ("completed" if finish_reason == "stop"
+            else "aborted" if finish_reason == "env_error" else "truncated")
 
 
 def observation_segments(loss_mask: np.ndarray) -> int:
@@ -294,24 +303,87 @@ class RolloutManager(Actor):
         # sample ids in the order the engines' chunks come back, as before (engine 0's groups
         # first): a resumed or repeated run numbers its samples the same way
         order = [g for i in range(len(self.engines)) for g in range(i, len(prompts), len(self.engines))]
-        unscored = [(self._assemble(e, prompts[g], group_ids[g], rollout_id), prompts[g], e)
-                    for g in order for e in episodes[g]]
-        failures = [e.failure for _, _, e in unscored if e.failure]
+        ordered = [(g, e) for g in order for e in episodes[g]]
+        columns = self._single_turn_columns([e for _, e in ordered])
+        if columns is None:
+            samples, verified = await self._assemble_each(ordered, prompts, group_ids, rollout_id)
+        else:
+            samples, verified = await self._assemble_columns(columns, ordered, prompts, group_ids,
+                                                             rollout_id)
+        failures = [e.failure for _, e in ordered if e.failure]
         for message in failures:
             log.warning("%s; the trajectory ends there (status aborted)", message)
+        per_episode = (episode_metrics([e for _, e in ordered], verified,
+                                       env=self.env_class is not None)
+                       if cfg.max_turns > 1 and ordered else {})
+        samples.sort(key=lambda s: (s.group_id, s.sample_id))  # groups contiguous for GRPO
+        if samples:
+            self.latest_sample = samples[-1]
+        return samples, regenerated, mixed, failures, per_episode
+
+    def _single_turn_columns(self, episodes: list[Episode]) -> dict | None:
+        """The batch as checked columns (:func:`replayrl.rollout.episodes.single_turns.single_turn_columns`),
+        or ``None`` where each episode must be assembled on its own: a multi-turn or unusual
+        batch, a failed check (whose error :meth:`_assemble` then gives), or a trajectory that
+        gets a synthetic EOS."""
+        columns = single_turn_columns(episodes, self.require_traces)
+        if columns is not None and self.config.append_eos_on_truncation:
+            last = columns["response_ids"][np.cumsum(columns["response_lengths"]) - 1]
+            capped = np.array([e.finish_reason == "length" for e in episodes])
+            if (capped & (last != self.tokenizer.eos_token_id)).any():
+                return None
+        return columns
+
+    async def _assemble_each(self, ordered: list[tuple[int, Episode]], prompts: list[Prompt],
+                             group_ids: list[int], rollout_id: int
+                             ) -> tuple[list[Sample], list[float | None]]:
+        """Assemble (:meth:`_assemble`), score and build each trajectory on its own; returns
+        the samples in ``ordered``'s order and each one's verifier reward (``None`` where no
+        verifier scores). Raises what :meth:`_assemble`, :meth:`_episode_reward` and
+        :class:`replayrl.rollout.sample.Sample` raise, for the first bad trajectory."""
+        unscored = [(self._assemble(e, prompts[g], group_ids[g], rollout_id), prompts[g], e)
+                    for g, e in ordered]
         # each Sample is built (and its contract checked) once, with its reward
         samples, verified = [], []
         for kw, p, e in unscored:
             reward, checked = await self._episode_reward(kw, p, e)
             samples.append(Sample(**kw, reward=reward))
             verified.append(checked)
-        per_episode = (episode_metrics([e for _, _, e in unscored], verified,
-                                       env=self.env_class is not None)
-                       if cfg.max_turns > 1 and unscored else {})
-        samples.sort(key=lambda s: (s.group_id, s.sample_id))  # groups contiguous for GRPO
-        if samples:
-            self.latest_sample = samples[-1]
-        return samples, regenerated, mixed, failures, per_episode
+        return samples, verified
+
+    async def _assemble_columns(self, columns: dict, ordered: list[tuple[int, Episode]],
+                                prompts: list[Prompt], group_ids: list[int], rollout_id: int
+                                ) -> tuple[list[Sample], list[float | None]]:
+        """:meth:`_assemble_each` for a batch :meth:`_single_turn_columns` took whole: the same
+        samples (ids, arrays, rewards) from its columns, scored one by one and built with one
+        contract check for the batch (:func:`replayrl.rollout.sample.samples_from_columns`).
+
+        Raises:
+            replayrl.rollout.errors.SampleError: a sample breaking the contract (e.g. a loss-bearing
+                row without support, a non-finite reward), named as its own construction names it.
+            replayrl.rollout.scoring.rewards.RewardFailure: as :meth:`_reward`.
+        """
+        n = len(ordered)
+        sample_ids = list(range(self.next_sample_id, self.next_sample_id + n))
+        self.next_sample_id += n
+        P, R = columns["prompt_lengths"], columns["response_lengths"]
+        prompt_rows = unpack_rows(columns["prompt_ids"], P)
+        response_rows = unpack_rows(columns["response_ids"], R)
+        mask_rows = unpack_rows(columns["loss_mask"], R)
+        rewards, verified = [], []
+        for i, (g, e) in enumerate(ordered):
+            fields = {"sample_id": sample_ids[i], "prompt_ids": prompt_rows[i],
+                      "response_ids": response_rows[i], "loss_mask": mask_rows[i]}
+            reward, checked = await self._episode_reward(fields, prompts[g], e)
+            rewards.append(reward)
+            verified.append(checked)
+        samples = samples_from_columns({
+            **columns, "sample_id": np.array(sample_ids, dtype=np.int64),
+            "group_id": np.array([group_ids[g] for g, _ in ordered], dtype=np.int64),
+            "rollout_id": np.full(n, rollout_id, dtype=np.int64),
+            "reward": np.array(rewards, dtype=np.float64), "synthetic_eos": np.zeros(n, dtype=bool),
+            "status": [_status(e.finish_reason) for _, e in ordered]})
+        return samples, verified
 
     async def _episode_reward(self, fields: dict, prompt: Prompt,
                               episode: Episode) -> tuple[float, float | None]:
@@ -517,8 +589,7 @@ class RolloutManager(Actor):
         if episode.prompt_ids != tuple(int(t) for t in prompt_ids):  # an --env opening observation
             prompt_ids = np.asarray(episode.prompt_ids, dtype=np.int32)
             prompt_ids.flags.writeable = False
-        status = ("completed" if episode.finish_reason == "stop"
-                  else "aborted" if episode.finish_reason == "env_error" else "truncated")
+        status = _status(episode.finish_reason)
         eos = self.tokenizer.eos_token_id
         if (self.config.append_eos_on_truncation and episode.finish_reason == "length"
                 and int(fields["response_ids"][-1]) != eos):

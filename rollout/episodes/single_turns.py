@@ -1,0 +1,127 @@
+"""A batch of single-turn episodes assembled as columns, checked once for the whole batch.
+
+:func:`replayrl.rollout.traces.trajectory.merge_turns` assembles and checks one trajectory at a
+time, about a hundred microseconds each; for a batch of single-turn episodes (every run without
+``--rollout-max-turns``) that per-trajectory cost was a third of a small model's step on the
+launcher's event loop. Here the same checks run as array operations over the batch's
+concatenated rows, and the result is the column form of
+:func:`replayrl.rollout.sample.samples_to_columns`, which
+:func:`replayrl.rollout.sample.samples_from_columns` turns into samples with one contract check.
+
+Nothing here raises on bad input: a batch it cannot take whole (a multi-turn episode, traces of
+different shapes, a ``route_start``) or one that fails any check gives ``None``, and the caller
+assembles each episode with :func:`replayrl.rollout.episodes.turn_loop.assemble`, whose error
+names the first bad sample and field. So the two paths agree on every batch: the same arrays
+when it is good, the same error when it is not (tests/unit/rollout/test_single_turns.py).
+"""
+from __future__ import annotations
+
+from typing import Any, Collection, Sequence
+
+import numpy as np
+
+from replayrl.rollout.engines.base import Generation
+from replayrl.rollout.episodes.turn_loop import Episode
+from replayrl.rollout.traces import trace_table
+
+__all__ = ["single_turn_columns"]
+
+_INT32_MAX = np.iinfo(np.int32).max
+
+
+def single_turn_columns(episodes: Sequence[Episode], require: Collection[str]
+                        ) -> dict[str, Any] | None:
+    """The per-token columns of ``N`` single-turn episodes, in order, or ``None``.
+
+    Args:
+        episodes: ``N >= 1`` :class:`replayrl.rollout.episodes.turn_loop.Episode` records.
+        require: trace fields every trajectory must carry (as ``merge_turns``'s ``require``).
+
+    Returns:
+        ``None`` unless every episode has exactly one turn (a :class:`Generation`, rows from
+        position 0), every trace is carried by all episodes or by none with one trailing shape,
+        and every check ``merge_turns`` makes passes. Otherwise a dict of read-only arrays:
+        ``prompt_lengths`` / ``response_lengths`` int64 ``[N]``; ``prompt_ids`` int32
+        ``[sum P]``; ``response_ids`` int32, ``loss_mask`` uint8 (all 1), ``rollout_logprobs``
+        float32, each ``[sum R]``; one entry per trace of ``trace_table.TRACES``: int32
+        ``[sum rows, ...]`` rows concatenated (``sum R`` response rows, ``sum (P + R - 1)``
+        position rows) or ``None``; ``policy_version`` int64 ``[N]``. Equal, trajectory by
+        trajectory, to what ``merge_turns`` returns. (A sample's status comes from the episode's
+        ``finish_reason``, which the caller reads.)
+    """
+    if not episodes or set(require) - {row.name for row in trace_table.TRACES}:
+        return None
+    turns = []
+    for e in episodes:
+        if len(e.turns) != 1 or e.observations or len(e.versions) != 1:
+            return None
+        turn = e.turns[0]
+        if type(turn) is not Generation or getattr(turn, "route_start", 0) != 0 \
+                or not isinstance(turn.finish_reason, str):
+            return None
+        turns.append(turn)
+    prompts = [np.asarray(e.prompt_ids) for e in episodes]
+    responses = [np.asarray(t.response_ids) for t in turns]
+    if not (_integer_rows(prompts) and _integer_rows(responses)):
+        return None
+    P = np.array([len(p) for p in prompts], dtype=np.int64)
+    R = np.array([len(r) for r in responses], dtype=np.int64)
+    if (P < 1).any() or (R < 1).any():
+        return None
+    prompt_ids, response_ids = np.concatenate(prompts), np.concatenate(responses)
+    if prompt_ids.min() < 0 or response_ids.min() < 0:
+        return None
+    logprobs = [np.asarray(t.rollout_logprobs) for t in turns]
+    if any(lp.shape != (n,) for lp, n in zip(logprobs, R.tolist())):
+        return None
+    rollout_logprobs = np.concatenate(logprobs).astype(np.float64)  # as merge_turns reads them
+    if not np.isfinite(rollout_logprobs).all():
+        return None
+    columns: dict[str, Any] = {
+        "prompt_lengths": P, "response_lengths": R,
+        "prompt_ids": prompt_ids.astype(np.int32), "response_ids": response_ids.astype(np.int32),
+        "loss_mask": np.ones(len(response_ids), np.uint8),
+        "rollout_logprobs": rollout_logprobs.astype(np.float32),
+        "policy_version": np.array([e.versions[0] for e in episodes], dtype=np.int64),
+    }
+    for row in trace_table.TRACES:
+        column = _trace_column(row, [getattr(t, row.name) for t in turns],
+                               trace_table.rows_in(row, P, R), row.name in require)
+        if column is False:
+            return None
+        columns[row.name] = column
+    support = columns.get("sample_support")
+    if support is not None and (support[:, 0] != columns["response_ids"]).any():
+        return None  # column 0 must be the sampled ids
+    for value in columns.values():
+        if value is not None:
+            value.flags.writeable = False
+    return columns
+
+
+def _integer_rows(arrays: list[np.ndarray]) -> bool:
+    """Every array 1-d with an integer dtype (an empty one may have any dtype)."""
+    return all(a.ndim == 1 and (a.dtype.kind in "iu" or not a.size) for a in arrays)
+
+
+def _trace_column(row: trace_table.TraceSpec, values: list[Any], rows: np.ndarray,
+                  required: bool) -> np.ndarray | None | bool:
+    """One trace's column: ``None`` when no turn carries it (and it is not ``required``),
+    the rows concatenated as int32 when every turn carries it with ``rows`` rows, one trailing
+    shape and values in ``[-1, 2**31)``; ``False`` for anything else (the batch goes back to
+    ``merge_turns``)."""
+    present = [v is not None for v in values]
+    if not any(present):
+        return None if not required else False
+    if not all(present):
+        return False
+    arrays = [np.asarray(v) for v in values]
+    if any(a.ndim != row.ndim or a.dtype.kind not in "iu" for a in arrays):
+        return False
+    if len({a.shape[1:] for a in arrays}) != 1 or any(
+            len(a) != n for a, n in zip(arrays, rows.tolist())):
+        return False
+    column = np.concatenate(arrays)
+    if column.size and (column.min() < -1 or column.max() > _INT32_MAX):
+        return False
+    return column.astype(np.int32)

@@ -742,8 +742,9 @@ def main(argv: list[str] | None = None, grid=None) -> int:
     parser.add_argument("--grid", nargs="?", const="quick", default=None, metavar="GRID",
                         help="model size x answer length grid (tools/bench/peer_grid.py): quick "
                              "(1m x {2, 64}, the default of a bare --grid), full ({1m, 10m, 50m} "
-                             "x {2, 64, 256}) or SIZES:LENGTHS such as 1m,10m:2,64; first seed only "
-                             "(default: no grid, one comparison)")
+                             "x {2, 64, 256}) or SIZES:LENGTHS such as 1m,10m:2,64; every point at every "
+                             "--seeds seed, time to quality per seed and over seeds (rates and "
+                             "plots: the first seed) (default: no grid, one comparison)")
     from replayrl.rollout.model.config import MODEL_SIZES
 
     parser.add_argument("--model-size", default=None, choices=MODEL_SIZES,

@@ -24,6 +24,10 @@ seconds minus its seconds inside ``model.generate``), each the median over the s
 steps (:func:`replayrl.tools.bench.peer.warmup_steps`); peak summed RSS and PSS of the side's
 process tree; the mean reward of the last ``--window`` steps; and the ratios replayrl / TRL. A
 plot of the ratios over the grid goes to ``--output-dir/peer_grid.png``.
+
+With several ``--seeds`` every point runs once per seed: the time to quality is printed per seed
+and over seeds (each seed's ratio and the ratio of the mean seconds, :func:`seeds_table`); the
+rates, memory and plots are the first seed's.
 """
 from __future__ import annotations
 
@@ -165,8 +169,8 @@ FIGURES = (("completions/s", "completions_per_second", ".0f"),
 
 @dataclass(frozen=True)
 class PointResult:
-    """Both sides' figures at one point, the order they ran in and the load average around it;
-    the time to quality (TRL the reference) and each side's per-step ``(rewards, step
+    """Both sides' figures at one point and seed, the order they ran in and the load average
+    around it; the time to quality (TRL the reference) and each side's per-step ``(rewards, step
     seconds)`` for the reward-against-seconds plot."""
 
     point: GridPoint
@@ -177,6 +181,7 @@ class PointResult:
     parameters: int
     quality: TimeToQuality | None = None
     curves: tuple[tuple[tuple[float, ...], tuple[float, ...]], ...] = ()
+    seed: int = 1
 
 
 def _value(figures: SideFigures, field: str) -> float | None:
@@ -192,6 +197,10 @@ def ratios(result: PointResult) -> dict[str, float | None]:
 
 def _cell(x: float | None, spec: str) -> str:
     return "n/a" if x is None else format(x, spec)
+
+
+def _cells(values: Sequence[float | None], spec: str) -> str:
+    return " / ".join(_cell(v, spec) for v in values)
 
 
 def grid_table(results: Sequence[PointResult]) -> str:
@@ -219,16 +228,38 @@ def quality_table(results: Sequence[PointResult]) -> str:
     """Markdown table of the time to quality per point (:mod:`replayrl.tools.bench.time_to_quality`):
     the threshold, each side's seconds to it and their ratio, and the reward both hold after
     the same seconds."""
-    lines = [f"| model | answer tokens | threshold ({QUALITY_SHARE} x TRL's final) | seconds r | T | r/T "
-             "| equal seconds | reward r | T |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [f"| model | answer tokens | seed | threshold ({QUALITY_SHARE} x TRL's final) | seconds r "
+             "| T | r/T | equal seconds | reward r | T |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for res in results:
         q, p = res.quality, res.point
         if q is None:
             continue
-        lines.append(f"| {p.model_size} | {p.answer_tokens} | {q.threshold:.3f} | "
+        lines.append(f"| {p.model_size} | {p.answer_tokens} | {res.seed} | {q.threshold:.3f} | "
                      f"{_cell(q.seconds_ours, '.1f')} | {_cell(q.seconds_theirs, '.1f')} | "
                      f"{_cell(q.seconds_ratio, '.2f')} | {q.equal_seconds:.1f} | "
                      f"{_cell(q.reward_ours, '.3f')} | {_cell(q.reward_theirs, '.3f')} |")
+    return "\n".join(lines)
+
+
+def seeds_table(results: Sequence[PointResult]) -> str:
+    """Markdown table of the time to quality over seeds, one row per point: each side's seconds
+    to its seed's threshold and their ratio, seed by seed (``n/a``: not reached), and the ratio
+    of the two sides' mean seconds (``n/a`` unless every seed reached it on both sides)."""
+    points = list(dict.fromkeys(r.point for r in results))
+    lines = ["| model | answer tokens | seeds | seconds r | T | r/T per seed | of the means |",
+             "|---|---:|---|---|---|---|---:|"]
+    for point in points:
+        runs = [r for r in results if r.point == point and r.quality is not None]
+        ours = [r.quality.seconds_ours for r in runs]
+        theirs = [r.quality.seconds_theirs for r in runs]
+
+        means = (None if not runs or None in ours or None in theirs
+                 else ratio(sum(ours) / len(ours), sum(theirs) / len(theirs)))
+        lines.append(f"| {point.model_size} | {point.answer_tokens} | "
+                     f"{' / '.join(str(r.seed) for r in runs)} | {_cells(ours, '.1f')} | "
+                     f"{_cells(theirs, '.1f')} | {_cells([r.quality.seconds_ratio for r in runs], '.2f')} | "
+                     f"{_cell(means, '.2f')} |")
     return "\n".join(lines)
 
 
@@ -324,18 +355,24 @@ def run_point(point: GridPoint, steps: int, seed: int, window: int, work: Path, 
     return PointResult(point, side_figures(ours_run, window), side_figures(theirs_run, window),
                        tuple(runs), (before, os.getloadavg()[0]), parameters, quality,
                        ((ours_run.rewards, ours_run.step_seconds),
-                        (theirs_run.rewards, theirs_run.step_seconds))), config
+                        (theirs_run.rewards, theirs_run.step_seconds)), seed), config
 
 
 def grid_report(results: Sequence[PointResult], configs: Sequence, steps: int, window: int,
                 plot: Path, replayrl_steps: int | None = None) -> str:
     """The printed report: what varies per point, the settings of both sides (of the first
-    point; only model size, new tokens and task change), the table and where the plot is."""
+    point; only model size, new tokens and task change), the time to quality per seed and (more
+    than one seed) over seeds, the rates table of the first seed and where the plots are.
+    ``results`` / ``configs``: one per point and seed, in the order they ran."""
     per_side = (f"{steps} steps per side" if replayrl_steps in (None, steps)
                 else f"{replayrl_steps} replayrl / {steps} TRL steps")
+    seeds = list(dict.fromkeys(r.seed for r in results))
+    first = [r for r in results if r.seed == seeds[0]]
     lines = [f"bench peer --grid: replayrl vs TRL GRPOTrainer, {per_side} and point, "
-             f"seed {configs[0].rollout.seed}", ""]
+             f"seed{'s' if len(seeds) > 1 else ''} {' '.join(map(str, seeds))}", ""]
     for res, config in zip(results, configs):
+        if res.seed != seeds[0]:
+            continue
         p = res.point
         dense = ("the indexer keeps every key here: both compute the same function"
                  if indexer_is_dense(config) else
@@ -350,6 +387,8 @@ def grid_report(results: Sequence[PointResult], configs: Sequence, steps: int, w
                   f"reward reaches {QUALITY_SHARE} x TRL's mean over its last {window} steps "
                   "(n/a: not within the run); reward r / T: each side's trailing mean after the "
                   "shorter side's total seconds.", "", quality_table(results), "",
+              *([f"Over seeds {' / '.join(map(str, seeds))}:", "", seeds_table(results), ""]
+                if len(seeds) > 1 else []),
               "Settings (first point; per point only the model size, the new tokens, past 2 "
                   "tokens the task (--task sort --answer-tokens N-1) and the backward threads "
                   "listed above change):", "",
@@ -361,7 +400,8 @@ def grid_report(results: Sequence[PointResult], configs: Sequence, steps: int, w
               "the summed RSS / PSS of each side's process tree, sampled every 0.25 s from /proc "
               "(RSS counts shared pages once per process). reward: mean of the last "
               f"{min(window, steps)} steps. load avg: 1-minute load average before and after the "
-              "point. r = replayrl, T = TRL.", "", grid_table(results), "",
+              "point. r = replayrl, T = TRL" + (f"; seed {seeds[0]}" if len(seeds) > 1 else "") + ".",
+              "", grid_table(first), "",
               f"plots: {plot} (ratios), {plot.with_name('peer_grid_reward.png')} (reward against "
               "seconds)"]
     return "\n".join(lines)
@@ -393,30 +433,35 @@ def check_points(points: Sequence[GridPoint], overrides: dict, size_overrides: d
             raise BenchError(f"{point.model_size} x {point.answer_tokens}: {exc}") from None
 
 
-def run_grid(points: Sequence[GridPoint], steps: int, seed: int, window: int, output_dir: Path,
-             overrides: dict | None = None, size_overrides: dict | None = None,
+def run_grid(points: Sequence[GridPoint], steps: int, seeds: Sequence[int], window: int,
+             output_dir: Path, overrides: dict | None = None, size_overrides: dict | None = None,
              replayrl_steps: int | None = None) -> str:
-    """Run every point (alternating which side goes first), write the plot, return the report.
+    """Run every point at every seed (point by point; which side goes first alternates from
+    run to run), write the plots (the first seed's), return the report.
 
     ``overrides``: replayrl settings (flag name -> value) of every point; ``size_overrides``:
     ``{model size: settings}`` added at that size's points; ``replayrl_steps``: replayrl's
     steps per point when not ``steps`` (:func:`run_point`)."""
     results, configs = [], []
     with tempfile.TemporaryDirectory(prefix="rrl-peer-grid-") as tmp:
-        for i, point in enumerate(points):
-            work = Path(tmp) / f"{point.model_size}-{point.answer_tokens}"
-            work.mkdir()
-            res, config = run_point(point, steps, seed, window, work, bool(i % 2),
-                                    size_settings(point, overrides, size_overrides), replayrl_steps)
-            results.append(res)
-            configs.append(config)
-            # the point's row as soon as it is measured: a grid stopped early keeps its points
-            print(f"[grid] {point.model_size} x {point.answer_tokens} done:\n"
-                  f"{grid_table([res]).splitlines()[-1]}", file=sys.stderr, flush=True)
-    plot = plot_ratios(results, Path(output_dir) / "peer_grid.png")
+        for point in points:
+            for seed in seeds:
+                work = Path(tmp) / f"{point.model_size}-{point.answer_tokens}-seed{seed}"
+                work.mkdir()
+                res, config = run_point(point, steps, seed, window, work, bool(len(results) % 2),
+                                        size_settings(point, overrides, size_overrides),
+                                        replayrl_steps)
+                results.append(res)
+                configs.append(config)
+                # the row as soon as it is measured: a grid stopped early keeps its points
+                print(f"[grid] {point.model_size} x {point.answer_tokens}, seed {seed} done:\n"
+                      f"{quality_table([res]).splitlines()[-1]}\n"
+                      f"{grid_table([res]).splitlines()[-1]}", file=sys.stderr, flush=True)
+    first = [r for r in results if r.seed == seeds[0]]
+    plot = plot_ratios(first, Path(output_dir) / "peer_grid.png")
     plot_reward_curves([(f"{r.point.model_size} x {r.point.answer_tokens}",
                          {"replayrl": r.curves[0], "TRL": r.curves[1]}, r.quality.threshold)
-                        for r in results if r.quality is not None],
+                        for r in first if r.quality is not None],
                        plot.with_name("peer_grid_reward.png"), window)
     return grid_report(results, configs, steps, window, plot, replayrl_steps)
 
@@ -431,7 +476,7 @@ def _grid(args, overrides: dict, parser) -> str:
         check_points(points, overrides, args.size_overrides)
     except BenchError as exc:
         parser.error(str(exc))
-    return run_grid(points, args.steps, args.seeds[0], args.window, Path(args.output_dir), overrides,
+    return run_grid(points, args.steps, args.seeds, args.window, Path(args.output_dir), overrides,
                     args.size_overrides, args.replayrl_steps)
 
 

@@ -131,7 +131,7 @@ def test_each_point_runs_with_its_model_sizes_settings(tmp_path, monkeypatch):
     monkeypatch.setattr(pg, "run_point", fake_point)
     for size in ("1m", "10m"):
         with pytest.raises(KeyboardInterrupt):
-            pg.run_grid([pg.GridPoint(size, 2)], 2, 1, 2, tmp_path, {"colocate": True},
+            pg.run_grid([pg.GridPoint(size, 2)], 2, [1], 2, tmp_path, {"colocate": True},
                         {"10m": {"trainer-backward-threads": 2}})
     assert seen == {("1m", 2): {"colocate": True},
                     ("10m", 2): {"colocate": True, "trainer-backward-threads": 2}}
@@ -197,13 +197,60 @@ def test_grid_report_leads_with_time_to_quality_and_writes_both_plots(tmp_path, 
                 run_config(steps, seed, str(work), overrides))
 
     monkeypatch.setattr(pg, "run_point", fake_point)
-    text = pg.run_grid([pg.GridPoint("1m", 2)], 4, 1, 2, tmp_path)
+    text = pg.run_grid([pg.GridPoint("1m", 2)], 4, [1], 2, tmp_path)
     # threshold 0.9 x (0.8 + 1.0) / 2 = 0.81; ours first reaches a 2-step mean of 0.9 after 4 s
     # (steps 3-4), theirs after 8 s; equal seconds 4: ours 0.9, theirs (0.1 + 0.3) / 2 = 0.2
-    assert "| 1m | 2 | 0.810 | 4.0 | 8.0 | 0.50 | 4.0 | 0.900 | 0.200 |" in text
+    assert "| 1m | 2 | 1 | 0.810 | 4.0 | 8.0 | 0.50 | 4.0 | 0.900 | 0.200 |" in text
+    assert "Over seeds" not in text  # one seed: no spread table
     assert text.index("Time to quality") < text.index("Settings (first point")
     assert (tmp_path / "peer_grid.png").stat().st_size > 0
     assert (tmp_path / "peer_grid_reward.png").stat().st_size > 0
+
+
+def test_grid_runs_every_point_at_every_seed_and_prints_the_ratio_of_mean_seconds(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from replayrl.tools.bench.peer import run_config
+    from replayrl.tools.bench.time_to_quality import time_to_quality
+
+    # TRL reaches 1.0 at its last step; the threshold is 0.9 x 1.0 on every seed (window 1)
+    theirs = ((0.0, 0.0, 1.0), (2.0, 2.0, 2.0))
+    ours = {1: ((0.0, 1.0, 1.0), (1.0, 1.0, 1.0)),  # 2 s against 6: 0.33
+            2: ((0.0, 0.0, 1.0), (1.0, 1.0, 1.0))}  # 3 s against 6: 0.50
+    figures = pg.SideFigures(100.0, 200.0, 300.0, 2.0, None, None, 0.9)
+    ran = []
+
+    def fake_point(point, steps, seed, window, work, trl_first, overrides, replayrl_steps=None):
+        ran.append((point.answer_tokens, seed, trl_first))
+        quality = time_to_quality(*ours[seed], *theirs, window)
+        return (pg.PointResult(point, figures, figures, ("replayrl", "TRL"), (1.0, 1.0), 1000,
+                               quality, (ours[seed], theirs), seed),
+                run_config(steps, seed, str(work), overrides))
+
+    monkeypatch.setattr(pg, "run_point", fake_point)
+    text = pg.run_grid([pg.GridPoint("1m", 2), pg.GridPoint("1m", 64)], 3, [1, 2], 1, tmp_path)
+    # point by point, each at both seeds; the side that goes first alternates run to run
+    assert ran == [(2, 1, False), (2, 2, True), (64, 1, False), (64, 2, True)]
+    assert "seeds 1 2" in text.splitlines()[0]
+    assert "| 1m | 2 | 2 | 0.900 | 3.0 | 6.0 | 0.50 |" in text  # seed 2's own row
+    # mean seconds (2 + 3) / 2 = 2.5 against 6: 0.42
+    assert "| 1m | 2 | 1 / 2 | 2.0 / 3.0 | 6.0 / 6.0 | 0.33 / 0.50 | 0.42 |" in text
+    assert "| 1m | 64 | 1 / 2 | 2.0 / 3.0 | 6.0 / 6.0 | 0.33 / 0.50 | 0.42 |" in text
+    rates = [line for line in text.splitlines() if line.startswith("| 1m (")]
+    assert len(rates) == 2  # the rates table: one row per point, the first seed's
+
+
+def test_a_seed_that_never_reaches_the_threshold_leaves_the_mean_ratio_open():
+    from replayrl.tools.bench.time_to_quality import time_to_quality
+
+    figures = pg.SideFigures(1.0, 1.0, 1.0, 2.0, None, None, 0.5)
+    theirs = ((0.0, 1.0), (1.0, 1.0))
+    never = time_to_quality((0.0, 0.0), (1.0, 1.0), *theirs, 1)
+    reached = time_to_quality((1.0, 1.0), (1.0, 1.0), *theirs, 1)
+    point = pg.GridPoint("1m", 2)
+    rows = [pg.PointResult(point, figures, figures, ("TRL", "replayrl"), (0.0, 0.0), 1, q, (), seed)
+            for seed, q in ((1, reached), (2, never))]
+    assert pg.seeds_table(rows).splitlines()[-1] == \
+        "| 1m | 2 | 1 / 2 | 1.0 / n/a | 2.0 / 2.0 | 0.50 / n/a | n/a |"
 
 
 def test_replayrl_steps_lengthen_only_replayrls_run_over_the_same_prompt_stream(tmp_path, monkeypatch):

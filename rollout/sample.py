@@ -549,8 +549,9 @@ def samples_from_columns(columns: Mapping[str, Any], decode_threads: int = 1) ->
             split[name] = unpack_rows(columns[name], counts)
         except ValueError as exc:
             raise SampleError("batch", name, str(exc)) from None
-    per_sample = [{**{name: scalars[name][i] for name in _SCALARS}, "status": columns["status"][i],
-                   **{name: split[name][i] for name in rows}} for i in range(n)]
+    names = [*_SCALARS, "status", *rows]
+    per_sample = [dict(zip(names, values)) for values in zip(
+        *(scalars[name] for name in _SCALARS), columns["status"], *(split[name] for name in rows))]
     if not _columns_are_frozen_views(columns, traces):
         # arrays to convert or copy: each sample converts its own (and checks the contract)
         return [Sample(**kw) for kw in per_sample]
@@ -583,6 +584,5 @@ def _columns_are_frozen_views(columns: Mapping[str, Any], traces: Sequence[Any])
 def _checked_sample(**fields: Any) -> Sample:
     """A Sample whose fields passed :func:`check_contract` as frozen views (no second check)."""
     sample = object.__new__(Sample)
-    for name, value in fields.items():
-        object.__setattr__(sample, name, value)
+    sample.__dict__.update(fields)  # a frozen dataclass's fields live in its __dict__
     return sample

@@ -25,6 +25,7 @@ DIGITS = tuple(str(d) for d in range(10))
 # rarely produces a well-formed answer and the reward starts near zero.
 FILLER = tuple(chr(c) for c in range(ord("a"), ord("z") + 1))
 VOCABULARY = SPECIAL_TOKENS + DIGITS + OPERATORS + ("=",) + FILLER
+_TOKEN_ID = {t: i for i, t in enumerate(VOCABULARY)}  # built once: reward() runs per sample
 
 
 @dataclass(frozen=True)
@@ -54,8 +55,8 @@ class DigitTask:
 
     @property
     def token_id(self) -> dict[str, int]:
-        """Token string -> id."""
-        return {t: i for i, t in enumerate(VOCABULARY)}
+        """Token string -> id (a new dict: the caller may change it)."""
+        return dict(_TOKEN_ID)
 
     @property
     def pad_id(self) -> int:
@@ -90,7 +91,7 @@ class DigitTask:
         unless the response stops right after it with ``<eos>``; 0.0 when it is not a digit
         (also a token beyond the task's vocabulary). Raises TaskError for a negative id.
         """
-        ids = self.token_id
+        ids = _TOKEN_ID
         if len(response_ids) and int(response_ids[0]) < 0:
             raise TaskError(f"token id {int(response_ids[0])} is negative")
         # a policy from --hf-checkpoint may have a larger vocabulary than the task: a token

@@ -767,6 +767,8 @@ def main(argv: list[str] | None = None, grid=None) -> int:
         args.steps = 100 if args.grid is None else {"quick": 20}.get(args.grid, 30)
     if args.steps < 1 or args.window < 1 or (args.replayrl_steps is not None and args.replayrl_steps < 1):
         parser.error("--steps, --replayrl-steps and --window must be >= 1")
+    if len(set(args.seeds)) != len(args.seeds):  # refused now, not after the first seed's runs
+        parser.error(f"--seeds names a seed twice: {' '.join(map(str, args.seeds))}")
     try:
         backward = parse_backward_threads(args.trainer_backward_threads)
     except ValueError as exc:

@@ -437,18 +437,20 @@ def run_grid(points: Sequence[GridPoint], steps: int, seeds: Sequence[int], wind
              output_dir: Path, overrides: dict | None = None, size_overrides: dict | None = None,
              replayrl_steps: int | None = None) -> str:
     """Run every point at every seed (point by point; which side goes first alternates from
-    run to run), write the plots (the first seed's), return the report.
+    point to point and from seed to seed), write the plots (the first seed's), return the report.
 
     ``overrides``: replayrl settings (flag name -> value) of every point; ``size_overrides``:
     ``{model size: settings}`` added at that size's points; ``replayrl_steps``: replayrl's
     steps per point when not ``steps`` (:func:`run_point`)."""
     results, configs = [], []
     with tempfile.TemporaryDirectory(prefix="rrl-peer-grid-") as tmp:
-        for point in points:
-            for seed in seeds:
+        for i, point in enumerate(points):
+            for j, seed in enumerate(seeds):
                 work = Path(tmp) / f"{point.model_size}-{point.answer_tokens}-seed{seed}"
                 work.mkdir()
-                res, config = run_point(point, steps, seed, window, work, bool(len(results) % 2),
+                # who goes first alternates from point to point (each seed's rates table) and
+                # from seed to seed within a point
+                res, config = run_point(point, steps, seed, window, work, bool((i + j) % 2),
                                         size_settings(point, overrides, size_overrides),
                                         replayrl_steps)
                 results.append(res)

@@ -228,8 +228,9 @@ def test_grid_runs_every_point_at_every_seed_and_prints_the_ratio_of_mean_second
 
     monkeypatch.setattr(pg, "run_point", fake_point)
     text = pg.run_grid([pg.GridPoint("1m", 2), pg.GridPoint("1m", 64)], 3, [1, 2], 1, tmp_path)
-    # point by point, each at both seeds; the side that goes first alternates run to run
-    assert ran == [(2, 1, False), (2, 2, True), (64, 1, False), (64, 2, True)]
+    # point by point, each at both seeds; the side that goes first alternates from point to
+    # point (the first seed's rates table) and from seed to seed
+    assert ran == [(2, 1, False), (2, 2, True), (64, 1, True), (64, 2, False)]
     assert "seeds 1 2" in text.splitlines()[0]
     assert "| 1m | 2 | 2 | 0.900 | 3.0 | 6.0 | 0.50 |" in text  # seed 2's own row
     # mean seconds (2 + 3) / 2 = 2.5 against 6: 0.42
@@ -237,6 +238,15 @@ def test_grid_runs_every_point_at_every_seed_and_prints_the_ratio_of_mean_second
     assert "| 1m | 64 | 1 / 2 | 2.0 / 3.0 | 6.0 / 6.0 | 0.33 / 0.50 | 0.42 |" in text
     rates = [line for line in text.splitlines() if line.startswith("| 1m (")]
     assert len(rates) == 2  # the rates table: one row per point, the first seed's
+
+
+def test_a_repeated_seed_is_refused_before_anything_runs(capsys):
+    from replayrl.tools.bench.peer import main
+
+    for argv in (["--seeds", "1", "2", "1"], ["--grid", "1m:2", "--seeds", "3", "3"]):
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        assert info.value.code == 2 and "--seeds names a seed twice" in capsys.readouterr().err
 
 
 def test_a_seed_that_never_reaches_the_threshold_leaves_the_mean_ratio_open():

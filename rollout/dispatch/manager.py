@@ -35,6 +35,7 @@ import asyncio
 import itertools
 import json
 import logging
+import math
 import time
 from pathlib import Path
 
@@ -51,8 +52,8 @@ from replayrl.rollout.engines.base import generations_from_columns
 from replayrl.rollout.episodes.env_sessions import EnvSessions
 from replayrl.rollout.episodes.single_turns import single_turn_columns
 from replayrl.rollout.episodes.turn_loop import Episode, assemble, run_episodes
-from replayrl.rollout.errors import RolloutError, TrajectoryError
-from replayrl.rollout.sample import Sample, samples_from_columns, samples_to_columns, unpack_rows
+from replayrl.rollout.errors import RolloutError, SampleError, TrajectoryError
+from replayrl.rollout.sample import Sample, check_contract, samples_from_columns, samples_to_columns, unpack_rows
 from replayrl.rollout.scoring.evaluation import eval_metrics
 from replayrl.rollout.scoring.rewards import RewardGuard, load_math_verify
 from replayrl.rollout.tasks import load_environment_class, make_task
@@ -324,14 +325,26 @@ class RolloutManager(Actor):
     def _single_turn_columns(self, episodes: list[Episode]) -> dict | None:
         """The batch as checked columns (:func:`replayrl.rollout.episodes.single_turns.single_turn_columns`),
         or ``None`` where each episode must be assembled on its own: a multi-turn or unusual
-        batch, a failed check (whose error :meth:`_assemble` then gives), or a trajectory that
-        gets a synthetic EOS."""
+        batch, a trajectory that gets a synthetic EOS, or a failed check, the sample contract's
+        included (:meth:`_assemble_each` then raises the error, in the order it always has:
+        the first bad trajectory's, before any later trajectory is scored)."""
         columns = single_turn_columns(episodes, self.require_traces)
-        if columns is not None and self.config.append_eos_on_truncation:
+        if columns is None:
+            return None
+        if self.config.append_eos_on_truncation:
             last = columns["response_ids"][np.cumsum(columns["response_lengths"]) - 1]
             capped = np.array([e.finish_reason == "length" for e in episodes])
             if (capped & (last != self.tokenizer.eos_token_id)).any():
                 return None
+        n = len(episodes)
+        try:  # the contract before any reward runs: a break is reported as Sample reports it
+            check_contract(list(range(self.next_sample_id, self.next_sample_id + n)),
+                           columns["prompt_lengths"], columns["response_lengths"],
+                           columns["loss_mask"], columns["rollout_logprobs"],
+                           [_status(e.finish_reason) for e in episodes], [0.0] * n,
+                           np.zeros(n, dtype=bool), columns["sample_support"])
+        except SampleError:
+            return None
         return columns
 
     async def _assemble_each(self, ordered: list[tuple[int, Episode]], prompts: list[Prompt],
@@ -359,8 +372,9 @@ class RolloutManager(Actor):
         contract check for the batch (:func:`replayrl.rollout.sample.samples_from_columns`).
 
         Raises:
-            replayrl.rollout.errors.SampleError: a sample breaking the contract (e.g. a loss-bearing
-                row without support, a non-finite reward), named as its own construction names it.
+            replayrl.rollout.errors.SampleError: a non-finite reward (an ``--env`` environment's),
+                named as the sample's own construction names it, before the next is scored (the
+                rest of the contract was checked by :meth:`_single_turn_columns`).
             replayrl.rollout.scoring.rewards.RewardFailure: as :meth:`_reward`.
         """
         n = len(ordered)
@@ -375,6 +389,10 @@ class RolloutManager(Actor):
             fields = {"sample_id": sample_ids[i], "prompt_ids": prompt_rows[i],
                       "response_ids": response_rows[i], "loss_mask": mask_rows[i]}
             reward, checked = await self._episode_reward(fields, prompts[g], e)
+            if not math.isfinite(reward):  # named now, as Sample would, before the next is scored
+                check_contract([sample_ids[i]], P[i:i + 1], R[i:i + 1], mask_rows[i],
+                               np.zeros(len(mask_rows[i]), np.float32), [_status(e.finish_reason)],
+                               [reward], np.zeros(1, dtype=bool), None)
             rewards.append(reward)
             verified.append(checked)
         samples = samples_from_columns({

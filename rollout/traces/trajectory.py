@@ -56,6 +56,7 @@ __all__ = [
 # docs/design/rejection-sampling.md#rejection-sampling), so its value never matters.
 OBSERVATION_LOGPROB = 0.0
 SYNTHETIC_EOS_LOGPROB = 0.0
+_INT32_MAX = int(np.iinfo(np.int32).max)
 
 
 def _copy_rows(arr: np.ndarray | None, n: int) -> np.ndarray | None:
@@ -213,6 +214,8 @@ def _ids(sid: Any, field: str, value: Any) -> np.ndarray:
         raise TrajectoryError(sid, field, f"expected 1-d integer token ids, got {arr.dtype} {arr.shape}")
     if arr.size and int(arr.min()) < 0:
         raise TrajectoryError(sid, field, f"negative token id {int(arr.min())}")
+    if arr.size and int(arr.max()) > _INT32_MAX:  # int32 would wrap it into another token
+        raise TrajectoryError(sid, field, f"token id {int(arr.max())} does not fit int32")
     return arr.astype(np.int32)
 
 
@@ -280,8 +283,9 @@ def merge_turns(
 
     Raises:
         TrajectoryError: no turn; ``len(observations) != len(turns) - 1``; an empty turn; a
-            row count or length mismatch (names the field and the turn); a turn with a trace
-            turn 0 lacks; a ``route_start`` past the rows still needed.
+            token id negative or past int32; a row count or length mismatch (names the field
+            and the turn); a turn with a trace turn 0 lacks; a ``route_start`` past the rows
+            still needed.
         replayrl.rollout.errors.MissingTraceError: a field of ``require`` missing from turn 0.
         TraceGapError: a later turn lacks a trace, with ``on_trace_gap="raise"``.
         replayrl.rollout.traces.capture.CaptureError: a non-finite sampled logprob, an invalid route offset.
@@ -410,7 +414,10 @@ def _turn_response(sid: Any, k: int, turn: Any, *, first_row: int
     R_k = len(ids)
     if R_k == 0:
         raise TrajectoryError(sid, "response_ids", f"turn {k} generated no token")
-    lp = np.asarray(_get(turn, "rollout_logprobs"), dtype=np.float64)
+    try:
+        lp = np.asarray(_get(turn, "rollout_logprobs"), dtype=np.float64)
+    except (TypeError, ValueError) as exc:  # ragged, or not numbers
+        raise TrajectoryError(sid, "rollout_logprobs", f"turn {k}: not a float array: {exc}") from None
     if lp.shape != (R_k,):
         raise TrajectoryError(sid, "rollout_logprobs",
                               f"turn {k}: shape {lp.shape} != response length ({R_k},)")
@@ -425,9 +432,9 @@ def _turn_response(sid: Any, k: int, turn: Any, *, first_row: int
         if arr.ndim != row.ndim or arr.shape[0] != R_k:
             raise TrajectoryError(sid, row.name, f"turn {k}: shape {arr.shape}, expected "
                                                  f"({R_k}, {', '.join(row.shape)})")
-        if row.name == "sample_support" and (arr[:, 0] != ids).any():
+        if row.name == "sample_support" and (arr.shape[1] < 1 or (arr[:, 0] != ids).any()):
             raise TrajectoryError(sid, row.name,
-                                  f"turn {k}: column 0 differs from the sampled response_ids")
+                                  f"turn {k}: column 0 (the sampled ids) missing or not response_ids")
         chunk[row.name] = arr
     return ids, lp.astype(np.float32), chunk
 

@@ -217,21 +217,104 @@ def test_a_trajectory_owed_a_synthetic_eos_goes_back_to_its_own_assembly(manager
     assert manager(append_eos_on_truncation=True)._single_turn_columns(ending) is not None
 
 
-async def test_a_sample_breaking_the_contract_is_named_as_its_own_construction_names_it(manager):
-    """A support row with no candidate left passes the assembly checks; the batch's one
-    contract check names the sample and the field with the message ``Sample`` gives."""
+def _big_id(e):
+    ids = np.array(e.turns[0].response_ids, dtype=np.int64)
+    ids[0] = 2 ** 31  # int32 would wrap it into another token
+    return _with_turn(e, response_ids=ids)
+
+
+def _uint64_id(e):
+    # numpy concatenates uint64 with int32 as float64; merge_turns refuses the id past int32
+    return _with_turn(e, response_ids=np.array([2 ** 32 + 5], np.uint64),
+                      rollout_logprobs=np.array([-0.5]), sample_support=None, routed_experts=None,
+                      indexer_topk=None)
+
+
+def _big_prompt_id(e):
+    return dataclasses.replace(e, prompt_ids=(*e.prompt_ids[:-1], 2 ** 31))
+
+
+def _ragged_logprobs(e):
+    return _with_turn(e, rollout_logprobs=[[-0.5], [-0.5, -0.1]])
+
+
+def _empty_support(e):
+    return _with_turn(e, sample_support=np.zeros((len(e.turns[0].response_ids), 0), np.int32))
+
+
+ODD = [(_big_id, TrajectoryError), (_big_prompt_id, TrajectoryError),
+       (_ragged_logprobs, TrajectoryError), (_empty_support, TrajectoryError)]
+
+
+@pytest.mark.parametrize("mutate, error", ODD, ids=[m.__name__ for m, _ in ODD])
+def test_odd_arrays_give_no_columns_and_their_own_assembly_a_typed_error(mutate, error):
+    episodes = _batch(7)
+    episodes[3] = mutate(episodes[3])
+    assert single_turn_columns(episodes, ()) is None
+    with pytest.raises(error):
+        assemble(episodes[3], sample_id=3, require=())
+
+
+def test_mixed_dtypes_a_version_or_route_start_that_is_not_an_int_give_no_columns():
+    episodes = _batch(8, traces=False)
+    mixed = list(episodes)
+    mixed[1] = _uint64_id(mixed[1])
+    assert single_turn_columns(mixed, ()) is None
+    with pytest.raises(TrajectoryError, match="does not fit int32"):
+        assemble(mixed[1], sample_id=1, require=())
+    # int64 next to int32 ids: concatenated exactly
+    wide = [_with_turn(e, response_ids=e.turns[0].response_ids.astype(np.int64)) if k % 2 else e
+            for k, e in enumerate(episodes)]
+    columns = single_turn_columns(wide, ())
+    assert columns["response_ids"].dtype == np.int32
+    assert columns["response_ids"].tolist() == [int(t) for e in episodes for t in e.turns[0].response_ids]
+    for odd in (dataclasses.replace(episodes[0], versions=(3.0,)),
+                dataclasses.replace(episodes[0], versions=(True,))):
+        assert single_turn_columns([odd, *episodes[1:]], ()) is None
+    turn = episodes[0].turns[0]
+    object.__setattr__(turn, "route_start", 0.0)  # a float 0 is not the int merge_turns takes
+    assert single_turn_columns(episodes, ()) is None
+
+
+async def test_a_contract_break_goes_back_before_any_reward_runs(manager):
+    """A support row with no candidate left passes the assembly checks but not the contract:
+    the batch is assembled episode by episode, which names the sample before scoring any later
+    trajectory (a later reward that raises never runs)."""
     rng = np.random.default_rng(6)
     episodes = [_episode(rng) for _ in range(4)]
     support = np.array(episodes[2].turns[0].sample_support)
     support[0, 1:] = -1
     episodes[2] = _with_turn(episodes[2], sample_support=support)
-    columns = single_turn_columns(episodes, ())
-    assert columns is not None
+    assert single_turn_columns(episodes, ()) is not None
+    m = manager()
+    assert m._single_turn_columns(episodes) is None
+    scored = []
+
+    async def reward(fields, prompt, episode):
+        scored.append(fields["sample_id"])
+        return 0.5, 0.5
+
+    m._episode_reward = reward
     prompts = [Prompt(i, np.array(e.prompt_ids, np.int32), 4) for i, e in enumerate(episodes)]
-    ordered = list(enumerate(episodes))
-    with pytest.raises(SampleError) as fast:
-        await manager()._assemble_columns(columns, ordered, prompts, [0, 1, 2, 3], 0)
-    with pytest.raises(SampleError) as slow:
-        await manager()._assemble_each(ordered, prompts, [0, 1, 2, 3], 0)
-    assert (fast.value.sample_id, fast.value.field) == (2, "sample_support")
-    assert str(fast.value) == str(slow.value)
+    with pytest.raises(SampleError) as raised:
+        await m._assemble_each(list(enumerate(episodes)), prompts, [0, 1, 2, 3], 0)
+    assert (raised.value.sample_id, raised.value.field) == (2, "sample_support")
+    assert scored == [0, 1, 2]
+
+
+async def test_a_non_finite_reward_is_named_before_the_next_trajectory_is_scored(manager):
+    ordered, prompts = _digit_batch(9, 6)
+    m = manager()
+    columns = m._single_turn_columns([e for _, e in ordered])
+    scored = []
+
+    async def reward(fields, prompt, episode):
+        scored.append(fields["sample_id"])
+        return (float("nan") if len(scored) == 2 else 0.5), None
+
+    m._episode_reward = reward
+    with pytest.raises(SampleError) as raised:
+        await m._assemble_columns(columns, ordered, prompts, [0, 1, 2], 0)
+    assert (raised.value.sample_id, raised.value.field) == (1, "reward")
+    assert str(raised.value).endswith("not finite: nan")
+    assert scored == [0, 1]

@@ -111,10 +111,37 @@ def _float_response(e):
     return _with_turn(e, response_ids=e.turns[0].response_ids.astype(np.float32))
 
 
+def _big_id(e):
+    ids = np.array(e.turns[0].response_ids, dtype=np.int64)
+    ids[0] = 2 ** 31  # int32 would wrap it into another token
+    return _with_turn(e, response_ids=ids)
+
+
+def _uint64_id(e):
+    # numpy concatenates uint64 with int32 as float64; merge_turns refuses the id past int32
+    return _with_turn(e, response_ids=np.array([2 ** 32 + 5], np.uint64),
+                      rollout_logprobs=np.array([-0.5]), sample_support=None, routed_experts=None,
+                      indexer_topk=None)
+
+
+def _big_prompt_id(e):
+    return dataclasses.replace(e, prompt_ids=(*e.prompt_ids[:-1], 2 ** 31))
+
+
+def _ragged_logprobs(e):
+    return _with_turn(e, rollout_logprobs=[[-0.5], [-0.5, -0.1]])
+
+
+def _empty_support(e):
+    return _with_turn(e, sample_support=np.zeros((len(e.turns[0].response_ids), 0), np.int32))
+
+
 # (mutation of the batch's fifth episode, the error merge_turns raises for it)
 BAD = [(_negative_id, TrajectoryError), (_nan_logprob, CaptureError),
        (_support_column_zero, TrajectoryError), (_trace_below_minus_one, TraceSchemaError),
-       (_routing_row_short, TrajectoryError), (_float_response, TrajectoryError)]
+       (_routing_row_short, TrajectoryError), (_float_response, TrajectoryError),
+       (_big_id, TrajectoryError), (_big_prompt_id, TrajectoryError),
+       (_ragged_logprobs, TrajectoryError), (_empty_support, TrajectoryError)]
 
 
 @pytest.mark.parametrize("mutate, error", BAD, ids=[m.__name__ for m, _ in BAD])
@@ -215,44 +242,6 @@ def test_a_trajectory_owed_a_synthetic_eos_goes_back_to_its_own_assembly(manager
     ending = [_with_turn(e, response_ids=np.append(e.turns[0].response_ids[:-1], eos).astype(np.int32))
               for e in episodes]
     assert manager(append_eos_on_truncation=True)._single_turn_columns(ending) is not None
-
-
-def _big_id(e):
-    ids = np.array(e.turns[0].response_ids, dtype=np.int64)
-    ids[0] = 2 ** 31  # int32 would wrap it into another token
-    return _with_turn(e, response_ids=ids)
-
-
-def _uint64_id(e):
-    # numpy concatenates uint64 with int32 as float64; merge_turns refuses the id past int32
-    return _with_turn(e, response_ids=np.array([2 ** 32 + 5], np.uint64),
-                      rollout_logprobs=np.array([-0.5]), sample_support=None, routed_experts=None,
-                      indexer_topk=None)
-
-
-def _big_prompt_id(e):
-    return dataclasses.replace(e, prompt_ids=(*e.prompt_ids[:-1], 2 ** 31))
-
-
-def _ragged_logprobs(e):
-    return _with_turn(e, rollout_logprobs=[[-0.5], [-0.5, -0.1]])
-
-
-def _empty_support(e):
-    return _with_turn(e, sample_support=np.zeros((len(e.turns[0].response_ids), 0), np.int32))
-
-
-ODD = [(_big_id, TrajectoryError), (_big_prompt_id, TrajectoryError),
-       (_ragged_logprobs, TrajectoryError), (_empty_support, TrajectoryError)]
-
-
-@pytest.mark.parametrize("mutate, error", ODD, ids=[m.__name__ for m, _ in ODD])
-def test_odd_arrays_give_no_columns_and_their_own_assembly_a_typed_error(mutate, error):
-    episodes = _batch(7)
-    episodes[3] = mutate(episodes[3])
-    assert single_turn_columns(episodes, ()) is None
-    with pytest.raises(error):
-        assemble(episodes[3], sample_id=3, require=())
 
 
 def test_mixed_dtypes_a_version_or_route_start_that_is_not_an_int_give_no_columns():

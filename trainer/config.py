@@ -39,6 +39,9 @@ class TrainerConfig:
         entropy_coef: the entropy bonus ``beta`` of :func:`replayrl.trainer.loss.losses.policy_loss`
             (``--entropy-coef``; docs/design/trainer-math.md#entropy-collapse); with
             ``entropy_target`` the ceiling of the adaptive coefficient.
+        entropy_baseline: the bonus's reward is centred on the step's mean surprisal
+            (:func:`replayrl.trainer.loss.entropy_baseline.mean_surprisal`, ``--entropy-baseline``;
+            docs/design/trainer-math.md#entropy-baseline).
         entropy_target, entropy_coef_step: adaptive entropy control
             (:class:`replayrl.trainer.loss.entropy_control.EntropyControl`; ``--entropy-target``
             0 = the fixed ``entropy_coef``).
@@ -141,7 +144,10 @@ class TrainerConfig:
     entropy_coef: float = setting(0.05, "entropy-coef", "entropy bonus beta: each token's "
                                   "advantage gains -beta x its logprob (score-function "
                                   "entropy gradient; 0 = off; with --entropy-target the "
-                                  "largest coefficient)", Range(low=0))
+                                  "largest coefficient; see --entropy-baseline)", Range(low=0))
+    entropy_baseline: bool = setting(True, "entropy-baseline", "subtract the step's mean "
+                                     "surprisal from each token's entropy reward (a REINFORCE "
+                                     "baseline: the same expected gradient, less noise)")
     entropy_target: float = setting(0.0, "entropy-target", "adaptive entropy control: the bonus "
                                     "only while the entropy (metric surprisal_mean) is below "
                                     "this many nats, its coefficient moved by "

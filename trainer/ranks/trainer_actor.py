@@ -55,6 +55,7 @@ from replayrl.trainer.batching.batch import token_counts
 from replayrl.trainer.config import TrainerConfig
 from replayrl.trainer.errors import EmptyStep, TrainerConfigError, TrainStepError
 from replayrl.trainer.loss.advantages import baseline_groups, grpo_advantages
+from replayrl.trainer.loss.entropy_baseline import mean_surprisal
 from replayrl.trainer.loss.entropy_control import EntropyControl
 from replayrl.trainer.ranks.rank_group import RankGroup, follower_names, shard
 from replayrl.trainer.ranks.rank_step import UPDATE_SUMS, RankStep
@@ -578,6 +579,14 @@ class TrainerActor(Actor):
         signal = {"zero_advantage_group_fraction":
                   float((spread.amax(dim=1) == spread.amin(dim=1)).float().mean()),
                   "advantage_abs_mean": float(adv.abs().mean())}
+        if self.entropy.bonus and cfg.entropy_baseline:
+            # the bonus's per-token reward -beta log pi(a) centred on the step's mean surprisal:
+            # a constant per step, so it folds into every sample's advantage
+            # (trainer/loss/entropy_baseline.py)
+            surprisal = mean_surprisal([s.rollout_logprobs for s in samples], [
+                loss_accept[s.sample_id].numpy() & (np.asarray(s.sampled_mask) > 0) for s in samples])
+            adv = adv - self.entropy.bonus * surprisal
+            signal["entropy_baseline"] = surprisal
         if self.followers:
             parts = await self._update_ranks(samples, adv, token_accept, loss_accept,
                                              denominator, fused)

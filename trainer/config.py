@@ -39,7 +39,7 @@ class TrainerConfig:
         entropy_coef: the entropy bonus ``beta`` of :func:`replayrl.trainer.loss.losses.policy_loss`
             (``--entropy-coef``; docs/design/trainer-math.md#entropy-collapse); with
             ``entropy_target`` the ceiling of the adaptive coefficient.
-        entropy_baseline: the bonus's reward is centred on the step's mean surprisal
+        entropy_baseline: the bonus's reward is centred on the step's mean surprisal (opt-in)
             (:func:`replayrl.trainer.loss.entropy_baseline.mean_surprisal`, ``--entropy-baseline``;
             docs/design/trainer-math.md#entropy-baseline).
         entropy_target, entropy_coef_step: adaptive entropy control
@@ -145,9 +145,10 @@ class TrainerConfig:
                                   "advantage gains -beta x its logprob (score-function "
                                   "entropy gradient; 0 = off; with --entropy-target the "
                                   "largest coefficient; see --entropy-baseline)", Range(low=0))
-    entropy_baseline: bool = setting(True, "entropy-baseline", "subtract the step's mean "
+    entropy_baseline: bool = setting(False, "entropy-baseline", "subtract the step's mean "
                                      "surprisal from each token's entropy reward (a REINFORCE "
-                                     "baseline: the same expected gradient, less noise)")
+                                     "baseline: learns faster early, but stalled a 50m run on "
+                                     "the EOS plateau)")
     entropy_target: float = setting(0.0, "entropy-target", "adaptive entropy control: the bonus "
                                     "only while the entropy (metric surprisal_mean) is below "
                                     "this many nats, its coefficient moved by "

@@ -94,6 +94,17 @@ def test_prompt_stream_is_the_managers_and_indexer_keeps_every_key():
     assert not bp.indexer_is_dense(bp.run_config(3, 2, "unused", {"num-digits": 6}))
 
 
+def test_the_entropy_baseline_reaches_replayrls_side_and_its_settings_row(capsys):
+    config = bp.run_config(7, 3, "unused", {"entropy-baseline": True})
+    assert config.trainer.entropy_baseline and not bp.run_config(7, 3, "unused").trainer.entropy_baseline
+    assert "centred on the step's mean surprisal" in bp.settings_table(config)
+    assert "centred" not in bp.settings_table(bp.run_config(7, 3, "unused"))
+    # with TRL's objective there is no bonus to centre: refused before anything runs
+    with pytest.raises(SystemExit):
+        bp.main(["--same-objective", "--entropy-baseline", "--steps", "1"])
+    assert "--same-objective turns off" in capsys.readouterr().err
+
+
 def test_missing_trl_names_the_extra(monkeypatch, capsys):
     import importlib.util
 

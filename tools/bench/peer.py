@@ -755,6 +755,9 @@ def main(argv: list[str] | None = None, grid=None) -> int:
     parser.add_argument("--same-objective", action="store_true",
                         help="run replayrl with TRL's loss exactly (--entropy-coef 0) "
                              "(default: off, replayrl's own recipe, entropy bonus on)")
+    parser.add_argument("--entropy-baseline", action="store_true",
+                        help="run replayrl with its entropy bonus centred on the step's mean "
+                             "surprisal (--entropy-baseline: docs/design/trainer-math.md#entropy-baseline)")
     parser.add_argument("--colocate", action="store_true",
                         help="run replayrl's side with --colocate (clock, manager, engine and "
                              "trainer in one process: docs/design/actors.md#colocate)")
@@ -765,6 +768,8 @@ def main(argv: list[str] | None = None, grid=None) -> int:
     parser.add_argument("--output-dir", default="runs/peer-grid",
                         help="where --grid writes its plots peer_grid.png and peer_grid_reward.png")
     args = parser.parse_args(argv)
+    if args.same_objective and args.entropy_baseline:
+        parser.error("--entropy-baseline centres the entropy bonus that --same-objective turns off")
     if args.steps is None:
         args.steps = 100 if args.grid is None else {"quick": 20}.get(args.grid, 30)
     if args.steps < 1 or args.window < 1 or (args.replayrl_steps is not None and args.replayrl_steps < 1):
@@ -781,7 +786,8 @@ def main(argv: list[str] | None = None, grid=None) -> int:
         parser.error("--trainer-backward-threads SIZE=N needs --grid (one model size otherwise)")
     args.size_overrides = ({size: {"trainer-backward-threads": n} for size, n in backward.items()}
                            if isinstance(backward, dict) else {})
-    overrides = {**(SAME_OBJECTIVE if args.same_objective else {})}
+    overrides = {**(SAME_OBJECTIVE if args.same_objective else {}),
+                 **({"entropy-baseline": True} if args.entropy_baseline else {})}
     overrides.update({k: v for k, v in (("model-size", args.model_size),
                                         ("rollout-batch-size", args.rollout_batch_size),
                                         ("n-samples-per-prompt", args.n_samples_per_prompt),

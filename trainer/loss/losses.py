@@ -111,9 +111,10 @@ def policy_loss(
             score-function estimate of the gradient of ``beta`` times the policy's entropy
             (Williams & Peng 1991), so a token the policy rarely samples is pushed up even in a
             group whose rewards are all equal. Per token, so microbatches and data-parallel
-            shares do not change it. 0 = off (the loss is exactly the one above). The trainer
-            centres this reward by subtracting ``beta * S`` from ``advantages``
-            (:mod:`replayrl.trainer.loss.entropy_baseline`); this function adds no baseline.
+            shares do not change it. 0 = off (the loss is exactly the one above). With
+            ``--entropy-baseline`` the trainer centres this reward by subtracting ``beta * S``
+            from ``advantages`` (:mod:`replayrl.trainer.loss.entropy_baseline`); this function
+            adds no baseline.
 
     Returns:
         ``(loss, metrics)``: ``loss`` a 0-dim tensor (float32, or float64 for float64 ``logp``);

@@ -61,9 +61,9 @@ def _advantages_sent(actor) -> list[torch.Tensor]:
     return seen
 
 
-@pytest.mark.parametrize("settings, beta", [({"entropy_coef": 0.3}, 0.3),
-                                            ({"entropy_coef": 0.3, "entropy_baseline": False}, 0.0),
-                                            ({"entropy_coef": 0.0}, 0.0)])
+@pytest.mark.parametrize("settings, beta", [({"entropy_coef": 0.3, "entropy_baseline": True}, 0.3),
+                                            ({"entropy_coef": 0.3}, 0.0),  # opt-in: off by default
+                                            ({"entropy_coef": 0.0, "entropy_baseline": True}, 0.0)])
 def test_the_trainer_subtracts_beta_times_the_mean_surprisal(checkpoint, settings, beta):
     actor = trainer_actor(checkpoint, 2, 2, micro_batch_size=2, **settings)
     samples = two_groups_of_two(actor, 4, 3)

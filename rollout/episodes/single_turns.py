@@ -24,10 +24,9 @@ import numpy as np
 from replayrl.rollout.engines.base import Generation
 from replayrl.rollout.episodes.turn_loop import Episode
 from replayrl.rollout.traces import trace_table
+from replayrl.rollout.traces.trace import INT32_MAX
 
 __all__ = ["single_turn_columns"]
-
-_INT32_MAX = np.iinfo(np.int32).max
 
 
 def single_turn_columns(episodes: Sequence[Episode], require: Collection[str]
@@ -121,7 +120,7 @@ def _token_ids(arrays: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray] | None
     if any(a.ndim != 1 or not len(a) for a in arrays):
         return None
     ids = _exact_ints(arrays)
-    if ids is None or ids.min() < 0 or ids.max() > _INT32_MAX:
+    if ids is None or ids.min() < 0 or ids.max() > INT32_MAX:
         return None
     return ids.astype(np.int32), np.array([len(a) for a in arrays], dtype=np.int64)
 
@@ -144,6 +143,6 @@ def _trace_column(row: trace_table.TraceSpec, values: list[Any], rows: np.ndarra
             len(a) != n for a, n in zip(arrays, rows.tolist())):
         return False
     column = _exact_ints(arrays)
-    if column is None or (column.size and (column.min() < -1 or column.max() > _INT32_MAX)):
+    if column is None or (column.size and (column.min() < -1 or column.max() > INT32_MAX)):
         return False
     return column.astype(np.int32)

@@ -30,10 +30,13 @@ import numpy as np
 from replayrl.rollout.errors import SampleError, TraceFinalizedError, TraceRowsError, TraceSchemaError
 
 __all__ = [
+    "INT32_MAX",
     "TokenMetadataTrace",
 ]
 
-_INT32 = np.iinfo(np.int32)
+INT32_MAX = int(np.iinfo(np.int32).max)
+"""The largest value an int32 trace, token id or route index can hold (every room checks
+against this one bound)."""
 
 
 class TokenMetadataTrace:
@@ -99,9 +102,9 @@ class TokenMetadataTrace:
             lo, hi = int(arr.min()), int(arr.max())
             # -1 is the only negative value a trace may hold ("nothing here"); anything below
             # is a corrupted capture, and values past int32 would wrap when cast.
-            if lo < -1 or hi > _INT32.max:
+            if lo < -1 or hi > INT32_MAX:
                 raise self._fail(TraceSchemaError, name,
-                                 f"values must lie in [-1, {_INT32.max}], got [{lo}, {hi}]")
+                                 f"values must lie in [-1, {INT32_MAX}], got [{lo}, {hi}]")
         return arr.astype(np.int32)  # always a fresh array: the caller keeps no mutable handle
 
     def append(self, chunk: Mapping[str, Any], *, rows: int | None = None) -> None:

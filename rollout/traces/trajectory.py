@@ -34,7 +34,7 @@ from replayrl.rollout.errors import MissingTraceError, TraceGapError, Trajectory
 from replayrl.rollout.sample import Sample
 from replayrl.rollout.traces import trace_table
 from replayrl.rollout.traces.capture import check_route_offset, check_sampled_logprob
-from replayrl.rollout.traces.trace import TokenMetadataTrace
+from replayrl.rollout.traces.trace import INT32_MAX, TokenMetadataTrace
 from replayrl.rollout.traces.trace_table import trace_fields
 
 __all__ = [
@@ -56,7 +56,6 @@ __all__ = [
 # docs/design/rejection-sampling.md#rejection-sampling), so its value never matters.
 OBSERVATION_LOGPROB = 0.0
 SYNTHETIC_EOS_LOGPROB = 0.0
-_INT32_MAX = int(np.iinfo(np.int32).max)
 
 
 def _copy_rows(arr: np.ndarray | None, n: int) -> np.ndarray | None:
@@ -214,7 +213,7 @@ def _ids(sid: Any, field: str, value: Any) -> np.ndarray:
         raise TrajectoryError(sid, field, f"expected 1-d integer token ids, got {arr.dtype} {arr.shape}")
     if arr.size and int(arr.min()) < 0:
         raise TrajectoryError(sid, field, f"negative token id {int(arr.min())}")
-    if arr.size and int(arr.max()) > _INT32_MAX:  # int32 would wrap it into another token
+    if arr.size and int(arr.max()) > INT32_MAX:  # int32 would wrap it into another token
         raise TrajectoryError(sid, field, f"token id {int(arr.max())} does not fit int32")
     return arr.astype(np.int32)
 

@@ -145,8 +145,8 @@ class TrainerConfig:
                                   "advantage gains -beta x its logprob (score-function "
                                   "entropy gradient; 0 = off; with --entropy-target the "
                                   "largest coefficient; see --entropy-baseline)", Range(low=0))
-    entropy_baseline: bool = setting(False, "entropy-baseline", "subtract the step's mean "
-                                     "surprisal from each token's entropy reward (a REINFORCE "
+    entropy_baseline: bool = setting(False, "entropy-baseline", "subtract beta x the step's "
+                                     "mean surprisal from each token's entropy reward (a REINFORCE "
                                      "baseline: learns faster early, but stalled a 50m run on "
                                      "the EOS plateau)")
     entropy_target: float = setting(0.0, "entropy-target", "adaptive entropy control: the bonus "

@@ -37,6 +37,7 @@ from replayrl.rollout.episodes.env_worker import EnvWorker, check_stranded
 from replayrl.rollout.errors import CallExited, EnvironmentFailure, ToolCallParseFailed, TurnLoopError
 from replayrl.rollout.tasks.environment import Environment, ObserveAdapter, Reset, ToolEnvironment, Turn, check_step
 from replayrl.rollout.text.data_source import Prompt
+from replayrl.rollout.traces.trace import INT32_MAX
 
 __all__ = ["Answer", "EnvSessions", "turn_text"]
 
@@ -411,8 +412,8 @@ class EnvSessions:
         high = None if self.tokenizer is None else self.tokenizer.vocab_size
         if arr.size and (int(arr.min()) < 0 or (high is not None and int(arr.max()) >= high)):
             return (f"observation ids span [{int(arr.min())}, {int(arr.max())}], outside the "
-                    f"tokenizer's [0, {high if high is not None else 2 ** 31 - 1})")
-        if arr.size and int(arr.max()) > np.iinfo(np.int32).max:
+                    f"tokenizer's [0, {high if high is not None else INT32_MAX + 1})")
+        if arr.size and int(arr.max()) > INT32_MAX:
             return f"observation id {int(arr.max())} does not fit int32"
         return ""
 

@@ -249,10 +249,10 @@ def settings_table(config) -> str:
         ("PPO clip", f"[1 - {t.eps_clip}, 1 + {t.eps_clip_high}]",
          f"epsilon={k['epsilon']}, epsilon_high={k['epsilon_high']}"),
         ("KL / entropy / advantage", f"no KL; entropy bonus {t.entropy_coef}"
-                                     + (", centred on the step's mean surprisal"
-                                        if t.entropy_coef and t.entropy_baseline else "")
                                      + (" (replayrl's default recipe; TRL has none: "
                                         "--same-objective turns it off)" if t.entropy_coef else "")
+                                     + (", centred on the step's mean surprisal (--entropy-baseline)"
+                                        if t.entropy_coef and t.entropy_baseline else "")
                                      + "; reward - group mean"
                                      + (" / group std" if t.normalize_advantage_std else " (no std)"),
          f"beta=0.0; scale_rewards={k['scale_rewards']!r}"),

@@ -13,7 +13,8 @@ the REINFORCE baseline). The one here is a constant per optimizer step, computed
 leader from the behaviour logprobs the engine recorded, so it is the same on every
 data-parallel rank and microbatch and needs no forward: with ``--entropy-baseline`` the
 trainer subtracts ``beta * S`` from every sample's advantage, which turns the token's reward
-into ``-beta (log pi(a_t) + S)``. It is opt-in: it learns faster early but left a 50m run on
+into ``-beta (log pi(a_t) + S)``. ``S`` includes each token's own surprisal, a ``1/N`` share: the
+estimate is unbiased up to that. It is opt-in: it learns faster early but left a 50m run on
 the EOS plateau for 400 steps (the measurements are on that design page).
 """
 from __future__ import annotations

@@ -574,8 +574,8 @@ class TrainerActor(Actor):
         adv = grpo_advantages(rewards, self.n, normalize_std=cfg.normalize_advantage_std,
                               accepted=baseline)
         spread = rewards.reshape(-1, self.n)
-        # prompt groups whose samples all scored the same: advantage 0, no gradient
-        # (docs/design/trainer-math.md#entropy-collapse)
+        # prompt groups whose samples all scored the same: advantage 0, no reward gradient (the
+        # entropy bonus still moves them; docs/design/trainer-math.md#entropy-collapse)
         signal = {"zero_advantage_group_fraction":
                   float((spread.amax(dim=1) == spread.amin(dim=1)).float().mean()),
                   "advantage_abs_mean": float(adv.abs().mean())}

@@ -82,3 +82,31 @@ def test_the_trainer_subtracts_beta_times_the_mean_surprisal(checkpoint, setting
         assert metrics["entropy_baseline"] == pytest.approx(surprisal, abs=1e-5)
     else:
         assert "entropy_baseline" not in metrics
+
+
+def test_rejected_tokens_groups_without_a_baseline_and_observations_are_left_out(checkpoint):
+    # the RS token gate rejects sample 0's middle token (behaviour ratio e^5) and all of sample
+    # 2, so group 1 has one sample left and no baseline: S is over sample 0's tokens 0 and 2
+    # and all of sample 1
+    actor = trainer_actor(checkpoint, 2, 2, micro_batch_size=2, entropy_coef=0.3,
+                          entropy_baseline=True, rs_mode="token", rs_lower=0.5, rs_upper=2.0)
+    samples = two_groups_of_two(actor, 4, 3)
+    shifted = samples[0].rollout_logprobs.copy()
+    shifted[1] -= 5.0
+    samples[0] = dataclasses.replace(samples[0], rollout_logprobs=shifted)
+    samples[2] = dataclasses.replace(samples[2], rollout_logprobs=samples[2].rollout_logprobs - 5.0)
+    metrics, _ = asyncio.run(train_on(actor, samples))
+    assert metrics["rs_degenerate_groups"] == 1
+    picked = np.concatenate([samples[0].rollout_logprobs[[0, 2]], samples[1].rollout_logprobs])
+    assert metrics["entropy_baseline"] == pytest.approx(-float(picked.astype(np.float64).mean()), abs=1e-5)
+
+    # an observation token (loss mask 0) is no sampled loss token: its logprob is left out
+    actor = trainer_actor(checkpoint, 2, 2, micro_batch_size=2, entropy_coef=0.3, entropy_baseline=True)
+    samples = two_groups_of_two(actor, 4, 3)
+    mask, logprobs = samples[1].loss_mask.copy(), samples[1].rollout_logprobs.copy()
+    mask[1], logprobs[1] = 0, 0.0
+    samples[1] = dataclasses.replace(samples[1], loss_mask=mask, rollout_logprobs=logprobs)
+    metrics, _ = asyncio.run(train_on(actor, samples))
+    picked = np.concatenate([samples[0].rollout_logprobs, samples[1].rollout_logprobs[[0, 2]],
+                             samples[2].rollout_logprobs, samples[3].rollout_logprobs])
+    assert metrics["entropy_baseline"] == pytest.approx(-float(picked.astype(np.float64).mean()), abs=1e-5)

@@ -76,12 +76,14 @@ def held_reward(prompt_ids, response_ids, loss_mask, answer_id, config) -> float
 
 def _wait_for_release(suffix: str = "") -> None:
     """Block until ``$REPLAYRL_TEST_HOLD_FILE`` + ``suffix`` exists (at most 120 s, then
-    TimeoutError)."""
+    TimeoutError), after creating that name + ``.waiting``: a test that must act while the run
+    is held (not before it gets there) waits for that file."""
     import os
     import time
     from pathlib import Path
 
     release = Path(os.environ[HOLD_ENV] + suffix)
+    Path(os.environ[HOLD_ENV] + suffix + ".waiting").touch()
     deadline = time.monotonic() + 120.0
     while not release.exists():
         if time.monotonic() > deadline:

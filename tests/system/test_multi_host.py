@@ -96,11 +96,16 @@ def test_a_run_trains_across_two_namespace_hosts(two_hosts, tmp_path, curve_keys
     card = None
     try:
         deadline = time.monotonic() + 300  # bounded wait for the run to serve, not a timing test
-        while card is None and node_a.poll() is None and time.monotonic() < deadline:
+        # and to be held in the first reward (both engines loaded by then): the console's CLOCK
+        # line reads the engines' versions, empty before the first weight load
+        held = tmp_path / "release.waiting"  # tests/hook_fixtures.py's marker
+        while (card is None or not held.exists()) and node_a.poll() is None \
+                and time.monotonic() < deadline:
             try:
-                card = json.loads((out_a / "attach.json").read_text())
+                card = card or json.loads((out_a / "attach.json").read_text())
             except (OSError, ValueError):
-                time.sleep(0.2)
+                pass
+            time.sleep(0.2)
         console = subprocess.run(
             ["ip", "netns", "exec", ns_b, sys.executable, "-m", "replayrl.tools.cli", "repl", "--attach",
              f"tcp://{addr_a}:29501", "--curve-keys", curve_keys_dir],

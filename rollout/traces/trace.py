@@ -35,8 +35,9 @@ __all__ = [
 ]
 
 INT32_MAX = int(np.iinfo(np.int32).max)
-"""The largest value an int32 trace, token id or route index can hold (every room checks
-against this one bound)."""
+"""The largest value an int32 trace, token id or route index can hold: the rollout side's
+checks of traces (here), trajectories, single-turn batches and environment observations all
+compare against this one bound."""
 
 
 class TokenMetadataTrace:

@@ -162,6 +162,9 @@ class RolloutManager(Actor):
         self.replacement_calls = 0
         self.data_state_before: dict[int, dict] = {}
         self.batches: dict[int, list[Sample]] = {}
+        # each stored batch already as take_batch sends it: encoded while the trainer still
+        # trains on the step before, not on its path when it asks
+        self.batch_columns: dict[int, dict] = {}
         self.summaries: dict[int, dict] = {}  # generate's result of each stored batch
         self.restored: set[int] = set()  # stored batches a checkpoint gave back (load_state)
         self.next_sample_id = 0
@@ -477,6 +480,7 @@ class RolloutManager(Actor):
         samples, regenerated, mixed, env_failures, per_episode = await self._generate_groups(
             prompts, rollout_id, [rollout_id], min_version)
         self.batches[rollout_id] = samples
+        self.batch_columns[rollout_id] = samples_to_columns(samples)
         rewards = np.array([s.reward for s in samples])
         summary = {"rollout_id": rollout_id, "samples": len(samples),
                    "reward_mean": float(rewards.mean()), "reward_max": float(rewards.max()),
@@ -700,7 +704,8 @@ class RolloutManager(Actor):
             samples = self.batches.pop(rollout_id)
         except KeyError:
             raise RolloutError(f"rollout {rollout_id} is not stored; have {sorted(self.batches)}") from None
-        return samples_to_columns(samples)
+        columns = self.batch_columns.pop(rollout_id, None)  # none for a checkpoint's batch
+        return samples_to_columns(samples) if columns is None else columns
 
     async def state(self, next_rollout_id: int | None = None, directory: str | None = None) -> dict:
         """Checkpointable state.
@@ -771,6 +776,7 @@ class RolloutManager(Actor):
         self.next_sample_id = int(state["next_sample_id"])
         self.next_group_id = int(state["next_group_id"])
         self.batches.clear()
+        self.batch_columns.clear()
         self.summaries.clear()
         self.data_state_before.clear()
         self.restored.clear()

@@ -81,6 +81,21 @@ async def _no_preflight(samples: list[Sample]) -> dict[str, list[float]]:
     return {}
 
 
+def _clock_arguments(columns: object) -> tuple[list[int], list[int]] | None:
+    """``(sample ids, policy versions)`` of a batch still in columns, for the clock's
+    ``check_samples`` while the batch decodes; ``None`` when the two columns are not int
+    arrays ``[N]`` of one length (the decode then names the fault, and the clock is asked
+    after it, with the samples)."""
+    try:
+        ids, versions = np.asarray(columns["sample_id"]), np.asarray(columns["policy_version"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    if ids.ndim != 1 or ids.shape != versions.shape or not (ids.dtype.kind in "iu"
+                                                             and versions.dtype.kind in "iu"):
+        return None
+    return ids.tolist(), versions.tolist()
+
+
 async def _lost_during(delivery: Delivery) -> set[str]:
     """Wait until a group push completed, or until an engine of it is lost; the engines whose
     call failed with :class:`PeerLost` (empty once everything finished without a loss). Calls
@@ -451,11 +466,20 @@ class TrainerActor(Actor):
         clock = self.proxy(self.clock_name, cfg.rpc_timeout_s)
         start = time.perf_counter()
         raw = await self.proxy(self.manager_name, cfg.rpc_timeout_s).take_batch(rollout_id)
-        samples = samples_from_columns(raw, decode_threads=cfg.trace_decode_threads)
+        # the clock's staleness check travels while the batch decodes (it needs only the ids
+        # and versions); a batch that does not decode raises its own error first, as before
+        early = _clock_arguments(raw)
+        check = asyncio.ensure_future(clock.check_samples(*early)) if early else None
+        try:
+            samples = samples_from_columns(raw, decode_threads=cfg.trace_decode_threads)
+        except Exception:
+            if check is not None:
+                await asyncio.gather(check, return_exceptions=True)
+            raise
         transport_seconds = time.perf_counter() - start  # the batch's RPC, decode and checks
         wire = trace_bytes_per_token(raw)  # the traces' bytes as they came, still encoded
-        trainer_version = await clock.check_samples([s.sample_id for s in samples],
-                                                    [s.policy_version for s in samples])
+        trainer_version = await (check if check is not None else clock.check_samples(
+            [s.sample_id for s in samples], [s.policy_version for s in samples]))
         if trainer_version != self.version:
             raise TrainStepError(f"clock says trainer version {trainer_version}, trainer holds "
                                  f"{self.version}")

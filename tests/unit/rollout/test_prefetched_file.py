@@ -102,6 +102,7 @@ async def test_a_checkpoint_of_a_prefetched_rollout_gives_that_batch_back_or_its
     run = await _manager(tmp_path, engine)
     await run.generate(0, min_version=0)
     await run.take_batch(0)  # step 0 trained
+    assert run.batches == {} and run.batch_columns == {}  # its columns left with it
     prefetched = await run.generate(1, min_version=0)  # generated while step 0 trained
     saved = tmp_path / "step-1"
     saved.mkdir()

@@ -479,8 +479,8 @@ class RolloutManager(Actor):
         prompts = self.data.next_batch(self.config.rollout_batch_size)  # before any await
         samples, regenerated, mixed, env_failures, per_episode = await self._generate_groups(
             prompts, rollout_id, [rollout_id], min_version)
-        self.batches[rollout_id] = samples
         self.batch_columns[rollout_id] = samples_to_columns(samples)
+        self.batches[rollout_id] = samples
         rewards = np.array([s.reward for s in samples])
         summary = {"rollout_id": rollout_id, "samples": len(samples),
                    "reward_mean": float(rewards.mean()), "reward_max": float(rewards.max()),

@@ -467,17 +467,20 @@ class TrainerActor(Actor):
         start = time.perf_counter()
         raw = await self.proxy(self.manager_name, cfg.rpc_timeout_s).take_batch(rollout_id)
         # the clock's staleness check travels while the batch decodes (it needs only the ids
-        # and versions); a batch that does not decode raises its own error first, as before
+        # and versions); a batch that does not decode raises its own error, the check dropped
         early = _clock_arguments(raw)
         check = asyncio.ensure_future(clock.check_samples(*early)) if early else None
         try:
-            samples = samples_from_columns(raw, decode_threads=cfg.trace_decode_threads)
-        except Exception:
             if check is not None:
+                await asyncio.sleep(0)  # the task sends the call now, not after the decode
+            samples = samples_from_columns(raw, decode_threads=cfg.trace_decode_threads)
+            transport_seconds = time.perf_counter() - start  # the batch's RPC, decode and checks
+            wire = trace_bytes_per_token(raw)  # the traces' bytes as they came, still encoded
+        except BaseException:
+            if check is not None:  # its reply, when it comes, is dropped
+                check.cancel()
                 await asyncio.gather(check, return_exceptions=True)
             raise
-        transport_seconds = time.perf_counter() - start  # the batch's RPC, decode and checks
-        wire = trace_bytes_per_token(raw)  # the traces' bytes as they came, still encoded
         trainer_version = await (check if check is not None else clock.check_samples(
             [s.sample_id for s in samples], [s.policy_version for s in samples]))
         if trainer_version != self.version:

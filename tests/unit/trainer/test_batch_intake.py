@@ -14,6 +14,7 @@ import pytest
 from replayrl.actors.errors import StaleSample
 from replayrl.rollout.errors import SampleError
 from replayrl.rollout.sample import samples_to_columns
+from replayrl.trainer.ranks import trainer_actor as trainer_actor_module
 from tests.fakes import FakeProxy
 from tests.trainer_on_samples import (
     float_params,
@@ -80,8 +81,47 @@ async def test_a_batch_that_does_not_decode_is_named_before_the_clocks_verdict(c
     asked = _connect(actor, columns, verdict=StaleSample("stale as well"))
     with pytest.raises(SampleError, match="loss_mask"):
         await actor.train(0)
-    # the check sent beside the decode was answered, and its error retrieved, before the
-    # decode's error left the step: nothing of the step is left running
+    # the check sent beside the decode was dropped, its error retrieved, before the decode's
+    # error left the step: nothing of the step is left running
     assert asked == [([0, 1, 2, 3], [0, 0, 0, 0])]
+    assert [t for t in asyncio.all_tasks() if t is not asyncio.current_task()] == []
+    assert actor.version == 0
+
+
+async def test_the_check_is_sent_before_the_decode_ends(checkpoint, monkeypatch):
+    actor = trainer_actor(checkpoint, 2, 2, micro_batch_size=4)
+    events: list[str] = []
+    decode = trainer_actor_module.samples_from_columns
+
+    def traced_decode(*args, **kwargs):
+        events.append("decode start")
+        out = decode(*args, **kwargs)
+        events.append("decode end")
+        return out
+
+    monkeypatch.setattr(trainer_actor_module, "samples_from_columns", traced_decode)
+    asked = _connect(actor, samples_to_columns(two_groups_of_two(actor, 3, 2)))
+    clock = actor.proxy("version_clock")
+    check = clock._methods["check_samples"]
+
+    async def traced_check(ids, versions):
+        events.append("check sent")
+        return await check(ids, versions)
+
+    clock._methods["check_samples"] = traced_check
+    await actor.train(0)
+    assert events == ["check sent", "decode start", "decode end"] and len(asked) == 1
+
+
+async def test_a_batch_that_fails_after_its_decode_leaves_no_check_running(checkpoint):
+    actor = trainer_actor(checkpoint, 2, 2, micro_batch_size=4)
+    samples = two_groups_of_two(actor, 3, 2)
+    columns = samples_to_columns(samples)
+    # per-sample nested lists: Sample converts them, but they have no wire form to measure
+    columns["sample_support"] = [np.zeros((len(s.response_ids), 2), np.int32).tolist()
+                                 for s in samples]
+    _connect(actor, columns, verdict=StaleSample("stale as well"))
+    with pytest.raises(SampleError, match="sample_support"):
+        await actor.train(0)
     assert [t for t in asyncio.all_tasks() if t is not asyncio.current_task()] == []
     assert actor.version == 0

@@ -257,9 +257,10 @@ class Sample:
     ``None``, keyword-only), placed before ``synthetic_eos``.
 
     Raises:
-        SampleError: at construction, naming the sample and field, when a dtype, rank or length
-            disagrees with the contract, a loss-bearing logprob is not finite, or ``status`` is
-            unknown (:func:`check_contract`).
+        SampleError: at construction, naming the sample and field, when an id or the policy
+            version is not an int (a numpy integer becomes one; a float or bool is refused), a
+            dtype, rank or length disagrees with the contract, a loss-bearing logprob is not
+            finite, or ``status`` is unknown (:func:`check_contract`).
     """
 
     sample_id: int
@@ -277,6 +278,11 @@ class Sample:
     def __post_init__(self) -> None:
         sid = self.sample_id
         put = object.__setattr__
+        for name in _INT_SCALARS:
+            value = getattr(self, name)
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+                raise SampleError(sid, name, f"expected an int, got {type(value).__name__} {value!r}")
+            put(self, name, int(value))
         for name, dtype in _TOKEN_ARRAYS.items():
             put(self, name, _frozen_array(sid, name, getattr(self, name), dtype, 1))
         P, R = len(self.prompt_ids), len(self.response_ids)
@@ -363,6 +369,8 @@ class Sample:
 # -- a batch of samples on the wire -----------------------------------------------------------
 _SCALARS = {"sample_id": np.int64, "group_id": np.int64, "rollout_id": np.int64,
             "policy_version": np.int64, "reward": np.float64, "synthetic_eos": np.bool_}
+_INT_SCALARS = ("sample_id", "group_id", "rollout_id", "policy_version")
+"""The identity and version fields: ints, never a float or bool that would compare equal."""
 
 
 def pack_rows(values: Sequence[np.ndarray | None]) -> np.ndarray | list | None:
@@ -497,7 +505,7 @@ def samples_from_columns(columns: Mapping[str, Any], decode_threads: int = 1) ->
 
     Raises:
         SampleError: ``decode_threads`` not an int >= 1 (field ``decode_threads``), a missing or
-            unknown column, a column whose length disagrees with the lengths (named by the
+            unknown column, an id or version column that is not integers, a column whose length disagrees with the lengths (named by the
             column; the sample is ``"batch"`` when no single sample is at fault), or a sample
             violating the contract (named by its ``sample_id``).
     """
@@ -540,6 +548,8 @@ def samples_from_columns(columns: Mapping[str, Any], decode_threads: int = 1) ->
         arr = np.asarray(columns[name])
         if arr.shape != (n,):
             raise SampleError("batch", name, f"shape {arr.shape}, expected ({n},)")
+        if name in _INT_SCALARS and n and arr.dtype.kind not in "iu":
+            raise SampleError("batch", name, f"expected integers, got {arr.dtype}")
         scalars[name] = arr.tolist()
     rows = {"prompt_ids": P, **{name: R for name in _TOKEN_ARRAYS if name != "prompt_ids"},
             **{row.name: trace_table.rows_in(row, P, R) for row in traces}}

@@ -176,6 +176,24 @@ def test_float_token_ids_are_rejected_not_truncated(field, value):
     expect_error(field, **{field: value})
 
 
+@pytest.mark.parametrize("field,value", [
+    ("group_id", 1.0), ("rollout_id", True), ("policy_version", "3"), ("policy_version", np.float64(2.0)),
+])
+def test_an_identity_or_version_field_must_be_an_int(field, value):
+    assert "expected an int" in str(expect_error(field, **{field: value}))
+
+
+def test_a_float_sample_id_is_refused_as_given():
+    with pytest.raises(SampleError, match="sample 0.5: field 'sample_id': expected an int, got float"):
+        make(sample_id=0.5)
+
+
+def test_numpy_ints_in_identity_fields_become_python_ints():
+    s = make(group_id=np.int64(4), policy_version=np.int32(2))
+    assert (s.group_id, s.policy_version) == (4, 2)
+    assert type(s.group_id) is int and type(s.policy_version) is int
+
+
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
 @pytest.mark.parametrize("position", [0, 2])
 def test_non_finite_logprob_at_loss_bearing_position(bad, position):

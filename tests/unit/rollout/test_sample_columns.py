@@ -74,6 +74,8 @@ def test_empty_batch():
     ("response_lengths", np.array([1, -2]), "non-negative"),
     ("reward", np.zeros(3), r"shape \(3,\), expected \(2,\)"),
     ("status", ["completed"], "status.*1 entries for 2 samples"),
+    ("sample_id", np.array([0.0, 1.0]), "sample_id.*expected integers, got float64"),
+    ("policy_version", np.array([True, True]), "policy_version.*expected integers, got bool"),
 ])
 def test_a_malformed_column_is_named(column, value, match):
     cols = samples_to_columns([_sample(0, 3, 1), _sample(1, 2, 2)])

@@ -505,9 +505,10 @@ def samples_from_columns(columns: Mapping[str, Any], decode_threads: int = 1) ->
 
     Raises:
         SampleError: ``decode_threads`` not an int >= 1 (field ``decode_threads``), a missing or
-            unknown column, an id or version column that is not integers, a column whose length disagrees with the lengths (named by the
-            column; the sample is ``"batch"`` when no single sample is at fault), or a sample
-            violating the contract (named by its ``sample_id``).
+            unknown column, an id or version column that is not integers, a column whose length
+            disagrees with the lengths (named by the column; the sample is ``"batch"`` when no
+            single sample is at fault), or a sample violating the contract (named by its
+            ``sample_id``).
     """
     if not isinstance(columns, Mapping):
         raise SampleError("batch", "<message>", f"expected a mapping of columns, got "

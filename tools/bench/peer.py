@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import sys
 import tempfile
@@ -254,8 +255,15 @@ def settings_table(config) -> str:
                                      + (", centred on the step's mean surprisal (--entropy-baseline)"
                                         if t.entropy_coef and t.entropy_baseline else "")
                                      + "; reward - group mean"
-                                     + (" / group std" if t.normalize_advantage_std else " (no std)"),
-         f"beta=0.0; scale_rewards={k['scale_rewards']!r}"),
+                                     + (" / (group std + 1e-6), the population std (divides by n)"
+                                        if t.normalize_advantage_std else " (no std)"),
+         f"beta=0.0; scale_rewards={k['scale_rewards']!r}"
+         # trl.trainer.utils.nanstd applies Bessel's correction; grpo_trainer adds 1e-4
+         + (f" (group std with Bessel's correction, + 1e-4: its advantages are "
+            f"{math.sqrt((r.n_samples_per_prompt - 1) / r.n_samples_per_prompt):.3f}x replayrl's "
+            f"at {r.n_samples_per_prompt} samples: AdamW's update is blind to a constant factor, "
+            f"the entropy bonus beside it is not)"
+            if t.normalize_advantage_std and r.n_samples_per_prompt > 1 else "")),
         ("loss", "PPO clipped token loss / loss tokens of the step, TIS cap "
                  f"{t.tis_cap} on the one-step-stale behaviour ratio",
          f"loss_type={k['loss_type']!r} (token sum / active tokens of the step), "

@@ -158,16 +158,21 @@ def test_grid_settings_are_checked_before_any_point_runs():
         pg.check_points(points, {"colocate": True}, {"10m": {"trainer-backward-threads": 2}})
 
 
-@pytest.mark.parametrize("task, std, scale", [({}, " (no std)", "'none'"),
-                                              ({"task": "sort"}, " / group std", "'group'")])
+@pytest.mark.parametrize("task, std, scale", [
+    ({}, " (no std)", "'none' |"),
+    # 8 samples: TRL's Bessel-corrected std is sqrt(8 / 7) of the population std, so its
+    # advantages are sqrt(7 / 8) = 0.935 of replayrl's
+    ({"task": "sort"}, " / (group std + 1e-6), the population std (divides by n)",
+     "'group' (group std with Bessel's correction, + 1e-4: its advantages are 0.935x replayrl's at 8 samples"),
+])
 def test_printed_advantage_follows_the_task_on_both_sides(task, std, scale):
     # the sort task turns GRPO's std normalisation on (rollout/tasks/sort.py): both sides of the
-    # printed settings say so, as both sides train with it
+    # printed settings say so, as both sides train with it, each with its own std
     from replayrl.tools.bench.peer import settings_table, trl_settings
     from replayrl.tools.run.from_flags import build_config
 
     config = build_config(task)
-    assert trl_settings(config)["scale_rewards"] == scale.strip("'")
+    assert trl_settings(config)["scale_rewards"] == scale.split("'")[1]
     row = next(line for line in settings_table(config).splitlines() if "KL / entropy" in line)
     assert f"reward - group mean{std} |" in row and f"scale_rewards={scale}" in row
 
@@ -315,3 +320,19 @@ def test_a_longer_replayrl_run_reports_the_windows_over_the_steps_both_ran(tmp_p
     assert "| reward, steps 31-40 | 0.345 | 0.500 | 0.69 |" in text
     assert "| reward, steps 11-20 | 0.145 - 0.145 (0.145) | 0.500 - 0.500 (0.500) | 0.29 | no |" in text
     assert "steps 71-80" not in text and "steps 41-50" not in text
+
+
+def test_the_printed_advantage_ratio_is_trls_own_std_against_ours():
+    # one group of 8 hand rewards through TRL's std (trl.trainer.utils.nanstd, + 1e-4 as its
+    # GRPOTrainer adds) and through replayrl's grpo_advantages: the factor the table prints
+    import torch
+
+    pytest.importorskip("trl")
+    from trl.trainer.utils import nanstd
+
+    from replayrl.trainer.loss.advantages import grpo_advantages
+
+    rewards = torch.tensor([0.0, 1.0, 0.6, 0.25, 1.0, 0.0, 0.75, 0.3])  # none at the mean
+    theirs = (rewards - rewards.mean()) / (nanstd(rewards.view(1, 8), dim=1) + 1e-4)
+    ours = grpo_advantages(rewards, 8, normalize_std=True)
+    assert torch.allclose(theirs / ours, torch.full((8,), 0.935), atol=5e-4)

@@ -105,6 +105,20 @@ def test_the_entropy_baseline_reaches_replayrls_side_and_its_settings_row(capsys
     assert "--same-objective turns off" in capsys.readouterr().err
 
 
+def test_the_dense_model_puts_replayrl_on_the_function_trls_model_computes(capsys):
+    # 64 new tokens of the sort task: 65 prompt tokens + 63 = 128 keys for the last trained
+    # logit, far above the embedded indexer's 8, so by default the two sides differ
+    long = {"task": "sort", "answer-tokens": 63, "rollout-max-response-len": 64}
+    sparse = bp.run_config(3, 2, "unused", long)
+    assert sparse.policy_config.index_topk == 8 and not bp.indexer_is_dense(sparse)
+    dense = bp.run_config(3, 2, "unused", {**long, **bp.DENSE_MODEL})
+    assert dense.policy_config.index_topk == 0 and bp.indexer_is_dense(dense)
+    # the flag is one of the bench's: parsed, then the repeated seed is what stops it
+    with pytest.raises(SystemExit):
+        bp.main(["--dense-model", "--seeds", "1", "1"])
+    assert "names a seed twice" in capsys.readouterr().err
+
+
 def test_missing_trl_names_the_extra(monkeypatch, capsys):
     import importlib.util
 

@@ -180,6 +180,9 @@ def _engine_dtype(name: str) -> str:
 
 
 SAME_OBJECTIVE = {"entropy-coef": 0.0}
+DENSE_MODEL = {"model-indexer": False}
+"""``--dense-model``: replayrl's side on the indexer-free model, the dense-attention function
+transformers' Qwen3-MoE (TRL's side) computes also where answers outgrow the indexer's top-k."""
 """replayrl settings under which its loss is TRL's ``GRPOTrainer`` loss exactly (``bench peer
 --same-objective``): TRL's GRPO loss has no entropy bonus. On one batch the two updates are then
 equal (tests/unit/trainer/test_trl_update_agreement.py)."""
@@ -366,11 +369,13 @@ def prompt_tokens(config) -> int:
 
 
 def indexer_is_dense(config) -> bool:
-    """True when the DSA indexer keeps every key of every query that produces a trained logit
-    (prompt length + new tokens - 1 <= index_topk), so transformers' dense attention, which
-    ignores the indexer weights, computes the same function as replayrl's model."""
+    """True when replayrl's model computes transformers' dense attention, which ignores the
+    indexer weights: it has no indexer (``--no-model-indexer``, :data:`DENSE_MODEL`), or the
+    indexer keeps every key of every query that produces a trained logit (prompt length + new
+    tokens - 1 <= index_topk)."""
+    top = config.policy_config.index_topk
     positions = prompt_tokens(config) + config.rollout.max_response_len - 1
-    return positions <= config.policy_config.index_topk
+    return top == 0 or positions <= top
 
 
 def _sha256(path: Path) -> str:
@@ -620,7 +625,9 @@ def report(pairs: list[tuple[SideRun, SideRun, dict]], threshold: float | None, 
         "Both load the same checkpoint-init (Hugging Face Qwen3-MoE directory; sha256 of "
         "model.safetensors checked equal). transformers' Qwen3MoeForCausalLM ignores the DSA "
         "indexer weights (dense attention); "
-        + ("here every query that produces a trained logit sees at most index_topk keys, so the "
+        + ("here replayrl's model has no indexer (--dense-model): both compute the same function."
+           if config.policy_config.index_topk == 0 else
+           "here every query that produces a trained logit sees at most index_topk keys, so the "
            "indexer keeps all of them and both models compute the same function."
            if indexer_is_dense(config) else
            "prompts here are longer than index_topk, so TRL trains a dense-attention model, "
@@ -766,6 +773,12 @@ def main(argv: list[str] | None = None, grid=None) -> int:
     parser.add_argument("--entropy-baseline", action="store_true",
                         help="run replayrl with its entropy bonus centred on the step's mean "
                              "surprisal (--entropy-baseline: docs/design/trainer-math.md#entropy-baseline)")
+    parser.add_argument("--dense-model", action="store_true",
+                        help="run replayrl's side on the indexer-free model (--no-model-indexer): "
+                             "the dense attention TRL's transformers model computes, also where "
+                             "prompt + answer outgrow the indexer's top-k (default: off, the "
+                             "embedded model's DSA indexer; there the two sides train different "
+                             "functions, as the report says)")
     parser.add_argument("--colocate", action="store_true",
                         help="run replayrl's side with --colocate (clock, manager, engine and "
                              "trainer in one process: docs/design/actors.md#colocate)")
@@ -795,7 +808,8 @@ def main(argv: list[str] | None = None, grid=None) -> int:
     args.size_overrides = ({size: {"trainer-backward-threads": n} for size, n in backward.items()}
                            if isinstance(backward, dict) else {})
     overrides = {**(SAME_OBJECTIVE if args.same_objective else {}),
-                 **({"entropy-baseline": True} if args.entropy_baseline else {})}
+                 **({"entropy-baseline": True} if args.entropy_baseline else {}),
+                 **(DENSE_MODEL if args.dense_model else {})}
     overrides.update({k: v for k, v in (("model-size", args.model_size),
                                         ("rollout-batch-size", args.rollout_batch_size),
                                         ("n-samples-per-prompt", args.n_samples_per_prompt),

@@ -374,7 +374,9 @@ def grid_report(results: Sequence[PointResult], configs: Sequence, steps: int, w
         if res.seed != seeds[0]:
             continue
         p = res.point
-        dense = ("the indexer keeps every key here: both compute the same function"
+        dense = ("replayrl's model without the indexer (--dense-model): both compute the same "
+                 "function" if config.policy_config.index_topk == 0 else
+                 "the indexer keeps every key here: both compute the same function"
                  if indexer_is_dense(config) else
                  "answers longer than the indexer's top-k: TRL (transformers, no indexer) trains "
                  "the dense-attention model, replayrl the sparse one")

@@ -113,6 +113,9 @@ def test_the_dense_model_puts_replayrl_on_the_function_trls_model_computes(capsy
     assert sparse.policy_config.index_topk == 8 and not bp.indexer_is_dense(sparse)
     dense = bp.run_config(3, 2, "unused", {**long, **bp.DENSE_MODEL})
     assert dense.policy_config.index_topk == 0 and bp.indexer_is_dense(dense)
+    rows = {c: next(line for line in bp.settings_table(c).splitlines() if "policy / logprobs" in line)
+            for c in (sparse, dense)}
+    assert "routing / indexer replay" in rows[sparse] and "no indexer: --dense-model" in rows[dense]
     # the flag is one of the bench's: parsed, then the repeated seed is what stops it
     with pytest.raises(SystemExit):
         bp.main(["--dense-model", "--seeds", "1", "1"])

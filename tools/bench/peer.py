@@ -273,7 +273,9 @@ def settings_table(config) -> str:
          f"mask_truncated_completions={k['mask_truncated_completions']}; on-policy (ratio 1)"),
         ("policy / logprobs", f"trainer fp32, engine {_engine_dtype(config.engine_dtype)} "
                               f"(--engine-dtype {config.engine_dtype}); logprobs over the "
-                              "sampler's top-k support with routing / indexer replay",
+                              "sampler's top-k support with "
+                              + ("routing / indexer replay" if config.policy_config.index_topk
+                                 else "routing replay (no indexer: --dense-model)"),
          "fp32 (bf16=False) for both generation and training; logprobs over the full vocabulary"),
         ("staleness", "one step (generation of k+1 overlaps training on k)" if not config.colocate
          else "one step (generation of k+1 and training on k take turns in one process)",

@@ -235,6 +235,7 @@ def settings_table(config) -> str:
     k = trl_settings(config)
     batch = r.rollout_batch_size * r.n_samples_per_prompt
     from replayrl.tools.run.launcher import IDLE_SPIN_COUNT, idle_thread_env  # the launcher's rule
+    from replayrl.trainer.loss.advantages import STD_EPS  # the trainer's, as it trains
     short_spin = idle_thread_env(config)
     rows = [
         ("prompts x samples per optimizer step",
@@ -258,7 +259,8 @@ def settings_table(config) -> str:
                                      + (", centred on the step's mean surprisal (--entropy-baseline)"
                                         if t.entropy_coef and t.entropy_baseline else "")
                                      + "; reward - group mean"
-                                     + (" / (group std + 1e-6), the population std (divides by n)"
+                                     + (f" / (group std + {STD_EPS:.0e}), the population std "
+                                        "(divides by n)".replace("e-0", "e-")
                                         if t.normalize_advantage_std else " (no std)"),
          f"beta=0.0; scale_rewards={k['scale_rewards']!r}"
          # trl.trainer.utils.nanstd applies Bessel's correction; grpo_trainer adds 1e-4

@@ -55,11 +55,15 @@ def baseline_groups(accepted: Tensor, n_samples_per_prompt: int) -> Tensor:
     return acc.reshape(-1, n_samples_per_prompt).sum(dim=1) >= 2
 
 
+STD_EPS = 1e-6
+"""What :func:`grpo_advantages` adds to a group's std before dividing (the trainer's value)."""
+
+
 def grpo_advantages(
     rewards: Tensor,
     n_samples_per_prompt: int,
     normalize_std: bool,
-    eps: float = 1e-6,
+    eps: float = STD_EPS,
     accepted: Tensor | None = None,
 ) -> Tensor:
     """Group-relative advantage of each sample (one value per sample, not per token).

@@ -115,11 +115,30 @@ def test_the_dense_model_puts_replayrl_on_the_function_trls_model_computes(capsy
     assert dense.policy_config.index_topk == 0 and bp.indexer_is_dense(dense)
     rows = {c: next(line for line in bp.settings_table(c).splitlines() if "policy / logprobs" in line)
             for c in (sparse, dense)}
-    assert "routing / indexer replay" in rows[sparse] and "no indexer: --dense-model" in rows[dense]
-    # the flag is one of the bench's: parsed, then the repeated seed is what stops it
+    assert "routing / indexer replay" in rows[sparse] and "no indexer: --no-model-indexer" in rows[dense]
+    # the flags are the bench's: parsed, then the repeated seed is what stops them
+    for flag in ("--dense-model", "--sparse-model"):
+        with pytest.raises(SystemExit):
+            bp.main([flag, "--seeds", "1", "1"])
+        assert "names a seed twice" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        bp.main(["--dense-model", "--seeds", "1", "1"])
-    assert "names a seed twice" in capsys.readouterr().err
+        bp.main(["--dense-model", "--sparse-model"])
+    assert "not allowed with" in capsys.readouterr().err
+
+
+def test_by_default_the_sides_train_one_function_at_every_length():
+    # 2 new tokens: 7 + 2 - 1 = 8 keys, the indexer keeps them all: the model stays as it is
+    assert bp.same_function(3, 2, {}) == {}
+    # 64 new tokens: 128 keys against 8: replayrl's side drops the indexer
+    long = {"task": "sort", "answer-tokens": 63, "rollout-max-response-len": 64}
+    resolved = bp.same_function(3, 2, long)
+    assert resolved == {**long, "model-indexer": False}
+    assert bp.run_config(3, 2, "unused", resolved).policy_config.index_topk == 0
+    # --dense-model / --sparse-model are kept as given, at either length
+    for given in (bp.DENSE_MODEL, bp.SPARSE_MODEL):
+        assert bp.same_function(3, 2, {**long, **given}) == {**long, **given}
+        assert bp.same_function(3, 2, given) == given
+    assert bp.run_config(3, 2, "unused", {**long, **bp.SPARSE_MODEL}).policy_config.index_topk == 8
 
 
 def test_missing_trl_names_the_extra(monkeypatch, capsys):

@@ -16,7 +16,9 @@ is read back; TRL runs in a child process that records each step's wall time wit
 ``TrainerCallback`` and each batch's rewards in the reward function.
 
 replayrl runs its own recipe (the entropy bonus of its defaults on; TRL's GRPO loss has none);
-``--same-objective`` trains TRL's loss exactly (:data:`SAME_OBJECTIVE`).
+``--same-objective`` trains TRL's loss exactly (:data:`SAME_OBJECTIVE`). Both sides train the same
+function: where prompt + answer outgrow the DSA indexer's top-k, replayrl's side runs the
+indexer-free model (:func:`same_function`; ``--sparse-model`` keeps the indexer).
 
 Per seed the two sides run one after the other, alternating which goes first, so load on the
 machine hits both. Printed: both sides' settings, then per seed and side the time to quality
@@ -180,12 +182,36 @@ def _engine_dtype(name: str) -> str:
 
 
 SAME_OBJECTIVE = {"entropy-coef": 0.0}
-DENSE_MODEL = {"model-indexer": False}
-"""``--dense-model``: replayrl's side on the indexer-free model, the dense-attention function
-transformers' Qwen3-MoE (TRL's side) computes also where answers outgrow the indexer's top-k."""
 """replayrl settings under which its loss is TRL's ``GRPOTrainer`` loss exactly (``bench peer
 --same-objective``): TRL's GRPO loss has no entropy bonus. On one batch the two updates are then
 equal (tests/unit/trainer/test_trl_update_agreement.py)."""
+
+
+DENSE_MODEL = {"model-indexer": False}
+"""replayrl's side on the indexer-free model (``--no-model-indexer``): the dense-attention function
+transformers' Qwen3-MoE (TRL's side) computes also where answers outgrow the indexer's top-k.
+``bench peer --dense-model`` sets it at every point; by default :func:`same_function` sets it
+where the indexer would make replayrl's model sparse."""
+SPARSE_MODEL = {"model-indexer": True}
+"""``bench peer --sparse-model``: replayrl's side keeps the embedded model's DSA indexer at every
+point, so where prompt + answer outgrow ``index_topk`` it trains a sparse-attention model against
+TRL's dense one (the report says so)."""
+
+
+def same_function(steps: int, seed: int, overrides: dict | None = None) -> dict:
+    """``overrides`` (flag name -> value) with :data:`DENSE_MODEL` added where replayrl's model
+    would otherwise compute a function TRL's does not: no ``model-indexer`` setting given and
+    the indexer would keep fewer keys than a trained query sees (:func:`indexer_is_dense` False).
+    An explicit ``model-indexer`` (``--dense-model`` / ``--sparse-model``) is kept as given.
+
+    Raises:
+        replayrl.tools.run.config.ConfigError: ``overrides`` make no valid run.
+    """
+    overrides = dict(overrides or {})
+    if "model-indexer" in overrides:
+        return overrides
+    config = run_config(steps, seed, "unused", overrides)
+    return overrides if indexer_is_dense(config) else {**overrides, **DENSE_MODEL}
 
 
 def run_config(steps: int, seed: int, output_dir: str, overrides: dict | None = None):
@@ -277,7 +303,7 @@ def settings_table(config) -> str:
                               f"(--engine-dtype {config.engine_dtype}); logprobs over the "
                               "sampler's top-k support with "
                               + ("routing / indexer replay" if config.policy_config.index_topk
-                                 else "routing replay (no indexer: --dense-model)"),
+                                 else "routing replay (no indexer: --no-model-indexer)"),
          "fp32 (bf16=False) for both generation and training; logprobs over the full vocabulary"),
         ("staleness", "one step (generation of k+1 overlaps training on k)" if not config.colocate
          else "one step (generation of k+1 and training on k take turns in one process)",
@@ -596,6 +622,7 @@ def run_seed(steps: int, seed: int, work: Path, trl_first: bool,
     """
     from replayrl.tools.run.launcher import write_initial_checkpoint
 
+    overrides = same_function(steps, seed, overrides)
     config = run_config(replayrl_steps or steps, seed, str(work / "replayrl"), overrides)
     trl_config = run_config(steps, seed, str(work / "replayrl"), overrides)
     checkpoint = write_initial_checkpoint(config, work / "checkpoint-init")
@@ -629,13 +656,13 @@ def report(pairs: list[tuple[SideRun, SideRun, dict]], threshold: float | None, 
         "Both load the same checkpoint-init (Hugging Face Qwen3-MoE directory; sha256 of "
         "model.safetensors checked equal). transformers' Qwen3MoeForCausalLM ignores the DSA "
         "indexer weights (dense attention); "
-        + ("here replayrl's model has no indexer (--dense-model): both compute the same function."
+        + ("here replayrl's model has no indexer (--no-model-indexer): both compute the same function."
            if config.policy_config.index_topk == 0 else
            "here every query that produces a trained logit sees at most index_topk keys, so the "
            "indexer keeps all of them and both models compute the same function."
            if indexer_is_dense(config) else
            "prompts here are longer than index_topk, so TRL trains a dense-attention model, "
-           "replayrl a sparse one."),
+           "replayrl a sparse one (--sparse-model)."),
         "Same prompt token ids in the same order (checked on both sides), same verifier "
         "(replayrl.rollout.tasks.calculator.DigitToolEnv.reward on the completion ids).",
         "",
@@ -777,12 +804,16 @@ def main(argv: list[str] | None = None, grid=None) -> int:
     parser.add_argument("--entropy-baseline", action="store_true",
                         help="run replayrl with its entropy bonus centred on the step's mean "
                              "surprisal (--entropy-baseline: docs/design/trainer-math.md#entropy-baseline)")
-    parser.add_argument("--dense-model", action="store_true",
-                        help="run replayrl's side on the indexer-free model (--no-model-indexer): "
-                             "the dense attention TRL's transformers model computes, also where "
-                             "prompt + answer outgrow the indexer's top-k (default: off, the "
-                             "embedded model's DSA indexer; there the two sides train different "
-                             "functions, as the report says)")
+    indexer = parser.add_mutually_exclusive_group()
+    indexer.add_argument("--dense-model", action="store_true",
+                         help="run replayrl's side on the indexer-free model (--no-model-indexer) "
+                              "at every point (default: only where prompt + answer outgrow the "
+                              "indexer's top-k, so that both sides train the dense-attention "
+                              "function TRL's transformers model computes)")
+    indexer.add_argument("--sparse-model", action="store_true",
+                         help="keep the embedded model's DSA indexer at every point: where prompt "
+                              "+ answer outgrow its top-k replayrl then trains a sparse-attention "
+                              "model against TRL's dense one, as the report says (default: off)")
     parser.add_argument("--colocate", action="store_true",
                         help="run replayrl's side with --colocate (clock, manager, engine and "
                              "trainer in one process: docs/design/actors.md#colocate)")
@@ -813,7 +844,7 @@ def main(argv: list[str] | None = None, grid=None) -> int:
                            if isinstance(backward, dict) else {})
     overrides = {**(SAME_OBJECTIVE if args.same_objective else {}),
                  **({"entropy-baseline": True} if args.entropy_baseline else {}),
-                 **(DENSE_MODEL if args.dense_model else {})}
+                 **(DENSE_MODEL if args.dense_model else SPARSE_MODEL if args.sparse_model else {})}
     overrides.update({k: v for k, v in (("model-size", args.model_size),
                                         ("rollout-batch-size", args.rollout_batch_size),
                                         ("n-samples-per-prompt", args.n_samples_per_prompt),

@@ -49,6 +49,7 @@ from replayrl.tools.bench.peer import (
     run_config,
     run_replayrl,
     run_trl,
+    same_function,
     settings_table,
     warmup_steps,
 )
@@ -333,7 +334,7 @@ def run_point(point: GridPoint, steps: int, seed: int, window: int, work: Path, 
     """
     from replayrl.tools.run.launcher import write_initial_checkpoint
 
-    values = {**overrides, **point.overrides()}
+    values = same_function(steps, seed, {**overrides, **point.overrides()})
     ours_steps = replayrl_steps or steps
     config = run_config(ours_steps, seed, str(work / "replayrl"), values)
     trl_config = run_config(steps, seed, str(work / "replayrl"), values)
@@ -374,12 +375,12 @@ def grid_report(results: Sequence[PointResult], configs: Sequence, steps: int, w
         if res.seed != seeds[0]:
             continue
         p = res.point
-        dense = ("replayrl's model without the indexer (--dense-model): both compute the same "
+        dense = ("replayrl's model without the indexer (--no-model-indexer): both compute the same "
                  "function" if config.policy_config.index_topk == 0 else
                  "the indexer keeps every key here: both compute the same function"
                  if indexer_is_dense(config) else
                  "answers longer than the indexer's top-k: TRL (transformers, no indexer) trains "
-                 "the dense-attention model, replayrl the sparse one")
+                 "the dense-attention model, replayrl the sparse one (--sparse-model)")
         threads = config.trainer.backward_switch_threads
         backward = (f"; replayrl's trainer backward on {threads} threads (--trainer-backward-threads)"
                     if threads else "")

@@ -139,6 +139,11 @@ def test_by_default_the_sides_train_one_function_at_every_length():
         assert bp.same_function(3, 2, {**long, **given}) == {**long, **given}
         assert bp.same_function(3, 2, given) == given
     assert bp.run_config(3, 2, "unused", {**long, **bp.SPARSE_MODEL}).policy_config.index_topk == 8
+    # and the reports say which of the three cases a run is
+    phrases = [bp.function_compared(bp.run_config(3, 2, "unused", o))
+               for o in ({}, resolved, {**long, **bp.SPARSE_MODEL})]
+    assert "keeps all of them" in phrases[0] and "has no indexer" in phrases[1]
+    assert "the sparse one (--sparse-model)" in phrases[2]
 
 
 def test_missing_trl_names_the_extra(monkeypatch, capsys):

@@ -408,6 +408,18 @@ def indexer_is_dense(config) -> bool:
     return top == 0 or positions <= top
 
 
+def function_compared(config) -> str:
+    """One phrase for the reports: whether replayrl's model under ``config`` computes the function
+    TRL's transformers model does (dense attention; :func:`indexer_is_dense`), and why."""
+    if config.policy_config.index_topk == 0:
+        return "replayrl's model has no indexer (--no-model-indexer): both compute the same function"
+    if indexer_is_dense(config):
+        return ("every query that produces a trained logit sees at most index_topk keys, so the "
+                "indexer keeps all of them: both compute the same function")
+    return ("prompt + answer outgrow index_topk: TRL trains the dense-attention model, replayrl "
+            "the sparse one (--sparse-model)")
+
+
 def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -656,13 +668,7 @@ def report(pairs: list[tuple[SideRun, SideRun, dict]], threshold: float | None, 
         "Both load the same checkpoint-init (Hugging Face Qwen3-MoE directory; sha256 of "
         "model.safetensors checked equal). transformers' Qwen3MoeForCausalLM ignores the DSA "
         "indexer weights (dense attention); "
-        + ("here replayrl's model has no indexer (--no-model-indexer): both compute the same function."
-           if config.policy_config.index_topk == 0 else
-           "here every query that produces a trained logit sees at most index_topk keys, so the "
-           "indexer keeps all of them and both models compute the same function."
-           if indexer_is_dense(config) else
-           "prompts here are longer than index_topk, so TRL trains a dense-attention model, "
-           "replayrl a sparse one (--sparse-model)."),
+        + function_compared(config) + ".",
         "Same prompt token ids in the same order (checked on both sides), same verifier "
         "(replayrl.rollout.tasks.calculator.DigitToolEnv.reward on the completion ids).",
         "",

@@ -43,7 +43,7 @@ from replayrl.rollout.model.config import MODEL_SIZES
 from replayrl.tools.bench.peer import (
     SideRun,
     _sha256,
-    indexer_is_dense,
+    function_compared,
     median,
     ratio,
     run_config,
@@ -375,17 +375,11 @@ def grid_report(results: Sequence[PointResult], configs: Sequence, steps: int, w
         if res.seed != seeds[0]:
             continue
         p = res.point
-        dense = ("replayrl's model without the indexer (--no-model-indexer): both compute the same "
-                 "function" if config.policy_config.index_topk == 0 else
-                 "the indexer keeps every key here: both compute the same function"
-                 if indexer_is_dense(config) else
-                 "answers longer than the indexer's top-k: TRL (transformers, no indexer) trains "
-                 "the dense-attention model, replayrl the sparse one (--sparse-model)")
         threads = config.trainer.backward_switch_threads
         backward = (f"; replayrl's trainer backward on {threads} threads (--trainer-backward-threads)"
                     if threads else "")
         lines.append(f"- {p.model_size} x {p.answer_tokens}: {res.parameters:,} parameters without "
-                     f"the indexer; ran {' then '.join(res.order)}; {dense}{backward}")
+                     f"the indexer; ran {' then '.join(res.order)}; {function_compared(config)}{backward}")
     lines += ["", f"Time to quality: summed step seconds until the trailing {window}-step mean "
                   f"reward reaches {QUALITY_SHARE} x TRL's mean over its last {window} steps "
                   "(n/a: not within the run); reward r / T: each side's trailing mean after the "

@@ -319,10 +319,11 @@ def settings_table(config) -> str:
                     "process)", f"torch.set_num_threads({TRL_THREADS}), one process; "
                                 f"GOMP_SPINCOUNT {os.environ.get('GOMP_SPINCOUNT', 'unset')}, "
                                 f"OMP_WAIT_POLICY {os.environ.get('OMP_WAIT_POLICY', 'unset')}"),
-        ("other", f"--no-progress; indexer_drift_rate every {t.indexer_drift_interval} steps "
-                  "(--indexer-drift-interval)", "use_cpu=True, gradient_checkpointing=False, "
-                                   "router_aux_loss_coef=0.0, shuffle_dataset=False, "
-                                   "logging_steps=1, save_strategy='no', report_to='none'"),
+        ("other", "--no-progress" + (f"; indexer_drift_rate every {t.indexer_drift_interval} steps "
+                                     "(--indexer-drift-interval)"
+                                     if config.policy_config.index_topk else ""),
+         "use_cpu=True, gradient_checkpointing=False, router_aux_loss_coef=0.0, "
+         "shuffle_dataset=False, logging_steps=1, save_strategy='no', report_to='none'"),
     ]
     return "\n".join(["| setting | replayrl | TRL GRPOTrainer |", "|---|---|---|",
                       *(f"| {a} | {b} | {c} |" for a, b, c in rows)])

@@ -116,6 +116,8 @@ def test_the_dense_model_puts_replayrl_on_the_function_trls_model_computes(capsy
     rows = {c: next(line for line in bp.settings_table(c).splitlines() if "policy / logprobs" in line)
             for c in (sparse, dense)}
     assert "routing / indexer replay" in rows[sparse] and "no indexer: --no-model-indexer" in rows[dense]
+    # the std normalisation of the sort task, with the trainer's epsilon as it prints
+    assert "reward - group mean / (group std + 1e-6), the population std" in bp.settings_table(sparse)
     # no indexer, no indexer drift to measure
     assert "indexer_drift_rate" in bp.settings_table(sparse)
     assert "indexer_drift_rate" not in bp.settings_table(dense)

@@ -262,6 +262,7 @@ def settings_table(config) -> str:
     batch = r.rollout_batch_size * r.n_samples_per_prompt
     from replayrl.tools.run.launcher import IDLE_SPIN_COUNT, idle_thread_env  # the launcher's rule
     from replayrl.trainer.loss.advantages import STD_EPS  # the trainer's, as it trains
+    std_eps = f"{STD_EPS:.0e}".replace("e-0", "e-")  # 1e-06 -> 1e-6
     short_spin = idle_thread_env(config)
     rows = [
         ("prompts x samples per optimizer step",
@@ -285,8 +286,7 @@ def settings_table(config) -> str:
                                      + (", centred on the step's mean surprisal (--entropy-baseline)"
                                         if t.entropy_coef and t.entropy_baseline else "")
                                      + "; reward - group mean"
-                                     + (f" / (group std + {STD_EPS:.0e}), the population std "
-                                        "(divides by n)".replace("e-0", "e-")
+                                     + (f" / (group std + {std_eps}), the population std (divides by n)"
                                         if t.normalize_advantage_std else " (no std)"),
          f"beta=0.0; scale_rewards={k['scale_rewards']!r}"
          # trl.trainer.utils.nanstd applies Bessel's correction; grpo_trainer adds 1e-4

@@ -45,6 +45,8 @@ class TrainerConfig:
         entropy_target, entropy_coef_step: adaptive entropy control
             (:class:`replayrl.trainer.loss.entropy_control.EntropyControl`; ``--entropy-target``
             0 = the fixed ``entropy_coef``).
+        entropy_coef_warmup_steps: the bonus's linear warmup in trained steps
+            (``--entropy-coef-warmup-steps``; docs/design/trainer-math.md#entropy-warmup).
         normalize_advantage_std: GRPO divides by the group std (``--grpo-std-normalization``).
         micro_batch_size: samples per forward/backward (gradient accumulation).
         temperature: the rollout temperature (logprobs are of ``logits / temperature``).
@@ -156,6 +158,10 @@ class TrainerConfig:
                                     "--entropy-coef)", Range(low=0))
     entropy_coef_step: float = setting(0.005, "entropy-coef-step", "adaptive entropy control: "
                                        "the coefficient's change per optimizer step", POSITIVE)
+    entropy_coef_warmup_steps: int = setting(0, "entropy-coef-warmup-steps", "the entropy "
+                                             "bonus's coefficient rises linearly over this many "
+                                             "trained steps, beta x k / N at the k-th (0 = the "
+                                             "whole bonus from the first step)", Range(low=0))
     normalize_advantage_std: bool = setting(False, "grpo-std-normalization",
                                             "divide GRPO advantages by the group std")
     micro_batch_size: int = setting(128, "micro-batch-size", "samples per forward/backward",

@@ -105,6 +105,16 @@ def test_the_entropy_baseline_reaches_replayrls_side_and_its_settings_row(capsys
     assert "--same-objective turns off" in capsys.readouterr().err
 
 
+def test_the_entropy_warmup_reaches_replayrls_side_and_its_settings_row(capsys):
+    config = bp.run_config(7, 3, "unused", {"entropy-coef-warmup-steps": 10})
+    assert config.trainer.entropy_coef_warmup_steps == 10
+    assert "rising linearly over the first 10 steps" in bp.settings_table(config)
+    assert "rising" not in bp.settings_table(bp.run_config(7, 3, "unused"))
+    with pytest.raises(SystemExit):
+        bp.main(["--same-objective", "--entropy-coef-warmup-steps", "10", "--steps", "1"])
+    assert "--same-objective turns off" in capsys.readouterr().err
+
+
 def test_the_dense_model_puts_replayrl_on_the_function_trls_model_computes(capsys):
     # 64 new tokens of the sort task: 65 prompt tokens + 63 = 128 keys for the last trained
     # logit, far above the embedded indexer's 8, so by default the two sides differ

@@ -285,6 +285,9 @@ def settings_table(config) -> str:
                                         "--same-objective turns it off)" if t.entropy_coef else "")
                                      + (", centred on the step's mean surprisal (--entropy-baseline)"
                                         if t.entropy_coef and t.entropy_baseline else "")
+                                     + (f", rising linearly over the first {t.entropy_coef_warmup_steps} "
+                                        "steps (--entropy-coef-warmup-steps)"
+                                        if t.entropy_coef and t.entropy_coef_warmup_steps else "")
                                      + "; reward - group mean"
                                      + (f" / (group std + {std_eps}), the population std (divides by n)"
                                         if t.normalize_advantage_std else " (no std)"),
@@ -811,6 +814,10 @@ def main(argv: list[str] | None = None, grid=None) -> int:
     parser.add_argument("--entropy-baseline", action="store_true",
                         help="run replayrl with its entropy bonus centred on the step's mean "
                              "surprisal (--entropy-baseline: docs/design/trainer-math.md#entropy-baseline)")
+    parser.add_argument("--entropy-coef-warmup-steps", type=int, default=None, metavar="N",
+                        help="run replayrl with its entropy bonus rising linearly over its first N "
+                             "steps (docs/design/trainer-math.md#entropy-warmup) (default: "
+                             "replayrl's)")
     indexer = parser.add_mutually_exclusive_group()
     indexer.add_argument("--dense-model", action="store_true",
                          help="run replayrl's side on the indexer-free model (--no-model-indexer) "
@@ -833,6 +840,8 @@ def main(argv: list[str] | None = None, grid=None) -> int:
     args = parser.parse_args(argv)
     if args.same_objective and args.entropy_baseline:
         parser.error("--entropy-baseline centres the entropy bonus that --same-objective turns off")
+    if args.same_objective and args.entropy_coef_warmup_steps:
+        parser.error("--entropy-coef-warmup-steps ramps the entropy bonus that --same-objective turns off")
     if args.steps is None:
         args.steps = 100 if args.grid is None else {"quick": 20}.get(args.grid, 30)
     if args.steps < 1 or args.window < 1 or (args.replayrl_steps is not None and args.replayrl_steps < 1):
@@ -856,6 +865,7 @@ def main(argv: list[str] | None = None, grid=None) -> int:
                                         ("rollout-batch-size", args.rollout_batch_size),
                                         ("n-samples-per-prompt", args.n_samples_per_prompt),
                                         ("colocate", args.colocate or None),
+                                        ("entropy-coef-warmup-steps", args.entropy_coef_warmup_steps),
                                         ("trainer-backward-threads",
                                          backward if isinstance(backward, int) else None))
                       if v is not None})

@@ -1,4 +1,5 @@
-"""Adaptive entropy control: the entropy bonus only when the policy's entropy runs low.
+"""The entropy bonus's coefficient per optimizer step: a fixed one, a linear warmup, or
+adaptive entropy control (the bonus only when the policy's entropy runs low).
 
 A fixed bonus (``--entropy-coef``) keeps a run from collapsing onto a confident wrong answer,
 but it also pulls against learning while the policy is still far from confident. The
@@ -7,6 +8,13 @@ Reasoner 1 Technical Report", section "Adaptive Entropy Control"): one coefficie
 fixed step after every optimizer step, up while the measured entropy is below a target and
 down while it is above, kept within ``[0, ceiling]``; the bonus is applied only while the
 entropy is below the target. docs/design/trainer-math.md#entropy-collapse has the measurements.
+
+The warmup (``--entropy-coef-warmup-steps N``) scales either coefficient by ``k / N`` at the
+``k``-th trained step, up to 1 from step ``N`` on: a near-uniform early policy needs no push
+towards entropy, and the bonus's per-token reward (about ``beta log K`` on a support of ``K``
+tokens) is then as large as the early GRPO advantages it would drown
+(docs/design/trainer-math.md#entropy-warmup). A linear ramp, the shape of a learning-rate
+warmup (Goyal et al. 2017, "Accurate, Large Minibatch SGD").
 """
 from __future__ import annotations
 
@@ -19,6 +27,9 @@ from replayrl.trainer.errors import TrainerConfigError
 @dataclass
 class EntropyControl:
     """The coefficient ``beta`` of the entropy bonus for the next optimizer step.
+
+    With ``warmup`` ``N > 0`` the coefficient below is multiplied by ``min(1, k / N)`` at the
+    ``k``-th trained step (``k = trained + 1``): ``ceiling / N`` at the first.
 
     With ``target`` 0 the coefficient is ``ceiling`` at every step (the fixed bonus). Otherwise
     it starts at 0 and after each step with a measured entropy ``H`` (nats; the trainer passes
@@ -34,9 +45,12 @@ class EntropyControl:
         step: the change of the coefficient per optimizer step (``--entropy-coef-step``), ``> 0``.
         coef: the controller's coefficient ``c`` (state: saved with a checkpoint).
         below: whether the last measured entropy was below the target (state).
+        warmup: the warmup's length in trained steps (``--entropy-coef-warmup-steps``); 0 = none.
+        trained: the steps observed so far (state; a skipped step does not count).
 
     Raises:
-        TrainerConfigError: a negative or non-finite ceiling or target, or a step ``<= 0``.
+        TrainerConfigError: a negative or non-finite ceiling or target, a step ``<= 0``, or a
+            negative warmup.
     """
 
     ceiling: float
@@ -44,6 +58,8 @@ class EntropyControl:
     step: float = 0.005
     coef: float = 0.0
     below: bool = False
+    warmup: int = 0
+    trained: int = 0
 
     def __post_init__(self) -> None:
         for name in ("ceiling", "target"):
@@ -53,28 +69,41 @@ class EntropyControl:
                                          f"got {value!r}")
         if not (math.isfinite(self.step) and self.step > 0):
             raise TrainerConfigError(f"entropy control: step must be finite and > 0, got {self.step!r}")
+        if self.warmup < 0:
+            raise TrainerConfigError(f"entropy control: warmup must be >= 0 steps, got {self.warmup!r}")
+
+    @property
+    def stateful(self) -> bool:
+        """Whether the coefficient depends on earlier steps (a target or a warmup): a checkpoint
+        then keeps :meth:`state_dict`."""
+        return bool(self.target or self.warmup)
 
     @property
     def bonus(self) -> float:
         """``beta`` for the next step's loss (float, >= 0)."""
+        ramp = min(1.0, (self.trained + 1) / self.warmup) if self.warmup else 1.0
         if not self.target:
-            return self.ceiling
-        return self.coef if self.below else 0.0
+            return self.ceiling * ramp
+        return (self.coef if self.below else 0.0) * ramp
 
     def observe(self, entropy: float | None) -> None:
         """Move the coefficient after a step whose mean support entropy was ``entropy`` nats
         (None: the step measured none, e.g. it was skipped; nothing changes)."""
-        if not self.target or entropy is None or not math.isfinite(entropy):
+        if entropy is None or not math.isfinite(entropy):
+            return
+        self.trained += 1
+        if not self.target:
             return
         self.below = entropy < self.target
         moved = self.coef + (self.step if self.below else -self.step)
         self.coef = min(max(moved, 0.0), self.ceiling)
 
     def state_dict(self) -> dict:
-        """The controller's state (``coef``, ``below``), for a checkpoint."""
-        return {"coef": self.coef, "below": self.below}
+        """The controller's state (``coef``, ``below``, ``trained``), for a checkpoint."""
+        return {"coef": self.coef, "below": self.below, "trained": self.trained}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` output (a missing key keeps the fresh value)."""
         self.coef = float(state.get("coef", self.coef))
         self.below = bool(state.get("below", self.below))
+        self.trained = int(state.get("trained", self.trained))

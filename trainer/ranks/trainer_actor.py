@@ -67,8 +67,8 @@ __all__ = [ "SKIP_REASONS", "TrainerActor"]
 
 
 ENTROPY_CONTROL_FILE = "entropy_control.json"
-"""The adaptive entropy controller's state in a checkpoint directory (written by rank 0, only
-with ``--entropy-target``: a fixed coefficient has no state)."""
+"""The entropy coefficient's state in a checkpoint directory (written by rank 0, only with
+``--entropy-target`` or ``--entropy-coef-warmup-steps``: a fixed coefficient has no state)."""
 
 SKIP_REASONS = ("no_loss_tokens", "no_accepted_tokens", "no_group_baseline")
 """``skip_reason`` of a skipped step: the batch has no loss token; the RS gate kept none; every
@@ -173,7 +173,8 @@ class TrainerActor(Actor):
         self.engine_failure = engine_failure  # whether a push survives a lost engine
         self.version = 0
         cfg = self.config
-        self.entropy = EntropyControl(cfg.entropy_coef, cfg.entropy_target, cfg.entropy_coef_step)
+        self.entropy = EntropyControl(cfg.entropy_coef, cfg.entropy_target, cfg.entropy_coef_step,
+                                      warmup=cfg.entropy_coef_warmup_steps)
         self._push: asyncio.Future | None = None  # the weight push still in flight, if any
         self._pushed_base = False  # LoRA: whether the engines hold the base weights (first push)
         self.weight_sync = dict(weight_sync or {"name": "shm"})
@@ -693,7 +694,7 @@ class TrainerActor(Actor):
                                   for f in self.followers])
         else:  # every rank holds the same weights and optimizer state: rank 0 writes them
             self.backend.save_checkpoint(out, self.version)
-        if self.entropy.target:
+        if self.entropy.stateful:
             (out / ENTROPY_CONTROL_FILE).write_text(strict_json.dumps(self.entropy.state_dict()))
         return str(out)
 
@@ -729,7 +730,7 @@ class TrainerActor(Actor):
             raise TrainStepError(f"{directory}: the trainer ranks restored versions "
                                  f"{[version, *theirs]}")
         self.version = version
-        saved = path / ENTROPY_CONTROL_FILE  # absent without --entropy-target: fresh state
+        saved = path / ENTROPY_CONTROL_FILE  # absent without a target or warmup: fresh state
         if saved.exists():
             self.entropy.load_state_dict(strict_json.loads(saved.read_text()))
         # one update per version: the --indexer-drift-interval phase continues as uninterrupted

@@ -1,6 +1,7 @@
-"""Adaptive entropy control (``--entropy-target``): the coefficient's walk computed by hand,
-the bonus reaching the loss exactly as a fixed ``--entropy-coef`` of the same value does, and
-the controller's state surviving a checkpoint.
+"""The entropy coefficient per step: adaptive entropy control (``--entropy-target``) and the
+linear warmup (``--entropy-coef-warmup-steps``), their coefficients computed by hand, the bonus
+reaching the loss exactly as a fixed ``--entropy-coef`` of the same value does, and the state
+surviving a checkpoint.
 
 The trainer tests drive a real in-process TrainerActor with a fake manager and clock
 (tests/trainer_on_samples.py); the reference for "the bonus reached the loss" is the
@@ -47,6 +48,27 @@ def test_the_coefficient_walks_by_its_step_within_zero_and_the_ceiling():
         assert control.bonus == pytest.approx(bonus, abs=1e-12), entropy
 
 
+def test_the_warmup_ramps_the_fixed_coefficient_over_trained_steps():
+    control = EntropyControl(ceiling=0.05, warmup=4)
+    # the k-th trained step's coefficient is 0.05 x k / 4, by hand; a skipped step (None)
+    # does not count
+    seen = [control.bonus]
+    for entropy in (2.0, None, 1.0, 0.5, 0.1):
+        control.observe(entropy)
+        seen.append(control.bonus)
+    assert seen == pytest.approx([0.0125, 0.025, 0.025, 0.0375, 0.05, 0.05], abs=1e-12)
+
+
+def test_the_warmup_scales_the_adaptive_coefficient():
+    control = EntropyControl(ceiling=0.04, target=0.5, step=0.02, warmup=4)
+    # below the target every step: the walk gives 0.02, 0.04, 0.04; the ramp 2/4, 3/4, 4/4
+    seen = []
+    for _ in range(3):
+        control.observe(0.1)
+        seen.append(control.bonus)
+    assert seen == pytest.approx([0.01, 0.03, 0.04], abs=1e-12)
+
+
 def test_state_round_trip():
     control = EntropyControl(ceiling=0.1, target=1.0, step=0.02)
     for _ in range(3):
@@ -57,7 +79,7 @@ def test_state_round_trip():
 
 
 @pytest.mark.parametrize("field, value", [("ceiling", -0.1), ("target", float("inf")),
-                                          ("step", 0.0), ("step", float("nan"))])
+                                          ("step", 0.0), ("step", float("nan")), ("warmup", -1)])
 def test_bad_settings_are_refused(field, value):
     settings = {"ceiling": 0.05, "target": 0.5, "step": 0.01, field: value}
     with pytest.raises(TrainerConfigError, match=field):
@@ -112,3 +134,22 @@ def test_the_bonus_reaches_the_loss_and_survives_a_checkpoint(checkpoint, tmp_pa
     np.testing.assert_array_equal(
         np.concatenate(list(float_params(resumed.backend.digest()).values())),
         np.concatenate(list(after.values())))
+
+
+def test_the_warmup_reaches_the_loss_and_survives_a_checkpoint(checkpoint, tmp_path):
+    # --entropy-coef 0.4 over 2 steps: step 1 trains as a fixed 0.2 does, bit for bit; a
+    # checkpoint after it resumes at the full 0.4, not at the ramp's start
+    warm = _actor(checkpoint, entropy_coef=0.4, entropy_coef_warmup_steps=2)
+    half = _actor(checkpoint, entropy_coef=0.2)
+    samples = two_groups_of_two(warm, 4, 3)
+    first, _ = asyncio.run(train_on(warm, samples))
+    asyncio.run(train_on(half, samples))
+    assert first["entropy_coef"] == pytest.approx(0.2)
+    assert max_diff(float_params(warm.backend.digest()), float_params(half.backend.digest())) == 0.0
+    asyncio.run(warm.save_checkpoint(str(tmp_path / "warm")))
+
+    resumed = _actor(checkpoint, entropy_coef=0.4, entropy_coef_warmup_steps=2)
+    asyncio.run(resumed.load_checkpoint(str(tmp_path / "warm")))
+    assert resumed.entropy.trained == 1 and resumed.entropy.bonus == pytest.approx(0.4)
+    second, _ = asyncio.run(train_on(resumed, samples))
+    assert second["entropy_coef"] == pytest.approx(0.4)

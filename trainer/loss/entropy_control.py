@@ -10,10 +10,10 @@ down while it is above, kept within ``[0, ceiling]``; the bonus is applied only 
 entropy is below the target. docs/design/trainer-math.md#entropy-collapse has the measurements.
 
 The warmup (``--entropy-coef-warmup-steps N``) scales either coefficient by ``k / N`` at the
-``k``-th trained step, up to 1 from step ``N`` on: a near-uniform early policy needs no push
-towards entropy, and the bonus's per-token reward (about ``beta log K`` on a support of ``K``
-tokens) is then as large as the early GRPO advantages it would drown
-(docs/design/trainer-math.md#entropy-warmup). A linear ramp, the shape of a learning-rate
+``k``-th trained step (the step that makes policy version ``k``), up to 1 from step ``N`` on:
+a near-uniform early policy needs no push towards entropy, and the bonus's per-token reward
+(about ``beta log K`` on a support of ``K`` tokens) is then as large as the early GRPO
+advantages it would drown (docs/design/trainer-math.md#entropy-warmup). A linear ramp, the shape of a learning-rate
 warmup (Goyal et al. 2017, "Accurate, Large Minibatch SGD").
 """
 from __future__ import annotations
@@ -27,9 +27,6 @@ from replayrl.trainer.errors import TrainerConfigError
 @dataclass
 class EntropyControl:
     """The coefficient ``beta`` of the entropy bonus for the next optimizer step.
-
-    With ``warmup`` ``N > 0`` the coefficient below is multiplied by ``min(1, k / N)`` at the
-    ``k``-th trained step (``k = trained + 1``): ``ceiling / N`` at the first.
 
     With ``target`` 0 the coefficient is ``ceiling`` at every step (the fixed bonus). Otherwise
     it starts at 0 and after each step with a measured entropy ``H`` (nats; the trainer passes
@@ -45,8 +42,8 @@ class EntropyControl:
         step: the change of the coefficient per optimizer step (``--entropy-coef-step``), ``> 0``.
         coef: the controller's coefficient ``c`` (state: saved with a checkpoint).
         below: whether the last measured entropy was below the target (state).
-        warmup: the warmup's length in trained steps (``--entropy-coef-warmup-steps``); 0 = none.
-        trained: the steps observed so far (state; a skipped step does not count).
+        warmup: the warmup's length in trained steps (``--entropy-coef-warmup-steps``); 0 = none
+            (applied by :meth:`at`, from the trainer's policy version: no state of its own).
 
     Raises:
         TrainerConfigError: a negative or non-finite ceiling or target, a step ``<= 0``, or a
@@ -59,7 +56,6 @@ class EntropyControl:
     coef: float = 0.0
     below: bool = False
     warmup: int = 0
-    trained: int = 0
 
     def __post_init__(self) -> None:
         for name in ("ceiling", "target"):
@@ -73,37 +69,35 @@ class EntropyControl:
             raise TrainerConfigError(f"entropy control: warmup must be >= 0 steps, got {self.warmup!r}")
 
     @property
-    def stateful(self) -> bool:
-        """Whether the coefficient depends on earlier steps (a target or a warmup): a checkpoint
-        then keeps :meth:`state_dict`."""
-        return bool(self.target or self.warmup)
-
-    @property
     def bonus(self) -> float:
-        """``beta`` for the next step's loss (float, >= 0)."""
-        ramp = min(1.0, (self.trained + 1) / self.warmup) if self.warmup else 1.0
+        """The fixed or adaptive coefficient for the next step, before the warmup (float, >= 0)."""
         if not self.target:
-            return self.ceiling * ramp
-        return (self.coef if self.below else 0.0) * ramp
+            return self.ceiling
+        return self.coef if self.below else 0.0
+
+    def at(self, version: int) -> float:
+        """``beta`` for the next step's loss when the trainer holds policy version ``version``
+        (its count of applied optimizer steps: a skipped step leaves it, a checkpoint restores
+        it): :attr:`bonus` x ``min(1, (version + 1) / warmup)``, ``ceiling / warmup`` at the
+        first step (float, >= 0)."""
+        if not self.warmup:
+            return self.bonus
+        return self.bonus * min(1.0, (version + 1) / self.warmup)
 
     def observe(self, entropy: float | None) -> None:
         """Move the coefficient after a step whose mean support entropy was ``entropy`` nats
         (None: the step measured none, e.g. it was skipped; nothing changes)."""
-        if entropy is None or not math.isfinite(entropy):
-            return
-        self.trained += 1
-        if not self.target:
+        if not self.target or entropy is None or not math.isfinite(entropy):
             return
         self.below = entropy < self.target
         moved = self.coef + (self.step if self.below else -self.step)
         self.coef = min(max(moved, 0.0), self.ceiling)
 
     def state_dict(self) -> dict:
-        """The controller's state (``coef``, ``below``, ``trained``), for a checkpoint."""
-        return {"coef": self.coef, "below": self.below, "trained": self.trained}
+        """The controller's state (``coef``, ``below``), for a checkpoint."""
+        return {"coef": self.coef, "below": self.below}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` output (a missing key keeps the fresh value)."""
         self.coef = float(state.get("coef", self.coef))
         self.below = bool(state.get("below", self.below))
-        self.trained = int(state.get("trained", self.trained))

@@ -67,8 +67,9 @@ __all__ = [ "SKIP_REASONS", "TrainerActor"]
 
 
 ENTROPY_CONTROL_FILE = "entropy_control.json"
-"""The entropy coefficient's state in a checkpoint directory (written by rank 0, only with
-``--entropy-target`` or ``--entropy-coef-warmup-steps``: a fixed coefficient has no state)."""
+"""The adaptive entropy controller's state in a checkpoint directory (written by rank 0, only
+with ``--entropy-target``: a fixed coefficient has no state, and the warmup follows the
+restored policy version)."""
 
 SKIP_REASONS = ("no_loss_tokens", "no_accepted_tokens", "no_group_baseline")
 """``skip_reason`` of a skipped step: the batch has no loss token; the RS gate kept none; every
@@ -607,20 +608,21 @@ class TrainerActor(Actor):
         signal = {"zero_advantage_group_fraction":
                   float((spread.amax(dim=1) == spread.amin(dim=1)).float().mean()),
                   "advantage_abs_mean": float(adv.abs().mean())}
-        if self.entropy.bonus and cfg.entropy_baseline:
+        beta = self.entropy.at(self.version)  # this step's bonus, the same on every rank
+        if beta and cfg.entropy_baseline:
             # the bonus's per-token reward -beta log pi(a) centred on the step's mean surprisal:
             # a constant per step, so it folds into every sample's advantage
             # (trainer/loss/entropy_baseline.py)
             surprisal = mean_surprisal([s.rollout_logprobs for s in samples], [
                 loss_accept[s.sample_id].numpy() & (np.asarray(s.sampled_mask) > 0) for s in samples])
-            adv = adv - self.entropy.bonus * surprisal
+            adv = adv - beta * surprisal
             signal["entropy_baseline"] = surprisal
         if self.followers:
             parts = await self._update_ranks(samples, adv, token_accept, loss_accept,
-                                             denominator, fused)
+                                             denominator, fused, beta)
         else:
             parts = [self.local.update(samples, adv, token_accept, loss_accept, denominator,
-                                       fused=fused, entropy_coef=self.entropy.bonus)]
+                                       fused=fused, entropy_coef=beta)]
         grad_norm = parts[0]["grad_norm"]
         if not math.isfinite(grad_norm):
             raise TrainStepError(f"non-finite gradient norm {grad_norm}; step skipped, weights untouched")
@@ -629,7 +631,7 @@ class TrainerActor(Actor):
         for p in parts:
             for name, values in p["rates"].items():
                 rates.setdefault(name, []).extend(values)
-        return {"skipped": 0, **groups, **mean_rates(rates), "entropy_coef": self.entropy.bonus,
+        return {"skipped": 0, **groups, **mean_rates(rates), "entropy_coef": beta,
                 "loss_forward_seconds": max(p["forward_seconds"] for p in parts),
                 "loss_backward_seconds": max(p["backward_seconds"] for p in parts),
                 "optimizer_seconds": max(p["optimizer_seconds"] for p in parts),
@@ -649,12 +651,12 @@ class TrainerActor(Actor):
     async def _update_ranks(self, samples: list[Sample], adv: torch.Tensor,
                             token_accept: dict[int, torch.Tensor],
                             loss_accept: dict[int, torch.Tensor], denominator: float,
-                            fused: bool) -> list[dict]:
+                            fused: bool, beta: float) -> list[dict]:
         """:meth:`_update`'s work over the trainer ranks: every data-parallel rank trains its
         equal, contiguous share (the loss scaled by the data-parallel size: the backends
         average gradients over ranks); returns one result per data-parallel rank, rank 0's
         first (its ``grad_norm`` is every rank's: the gradients are the same after the
-        reduction)."""
+        reduction). ``beta``: the step's entropy coefficient."""
         shares, dp_ranks, firsts = await self._shares(samples, exact=True)
         dp_size = len(shares)
         starts = np.cumsum([0, *(len(s) for s in shares)])
@@ -673,10 +675,10 @@ class TrainerActor(Actor):
             calls.append(self._rank(name).train(
                 samples_to_columns(shares[d]), adv[starts[d]:starts[d + 1]].numpy(),
                 mask(token_accept, shares[d]), mask(loss_accept, shares[d]), denominator,
-                fused, prox.get(d), float(dp_size), self.entropy.bonus))
+                fused, prox.get(d), float(dp_size), beta))
         mine, theirs = await self._on_ranks(lambda: self.local.update(
             shares[d0], adv[starts[d0]:starts[d0 + 1]], token_accept, loss_accept, denominator,
-            fused=fused, grad_scale=float(dp_size), entropy_coef=self.entropy.bonus), calls)
+            fused=fused, grad_scale=float(dp_size), entropy_coef=beta), calls)
         for i, part in enumerate(theirs, start=1):
             if len(part["entropy"]) and i in firsts:
                 self.local.entropies.append(torch.from_numpy(np.array(part["entropy"], np.float32)))
@@ -694,7 +696,7 @@ class TrainerActor(Actor):
                                   for f in self.followers])
         else:  # every rank holds the same weights and optimizer state: rank 0 writes them
             self.backend.save_checkpoint(out, self.version)
-        if self.entropy.stateful:
+        if self.entropy.target:
             (out / ENTROPY_CONTROL_FILE).write_text(strict_json.dumps(self.entropy.state_dict()))
         return str(out)
 
@@ -730,7 +732,7 @@ class TrainerActor(Actor):
             raise TrainStepError(f"{directory}: the trainer ranks restored versions "
                                  f"{[version, *theirs]}")
         self.version = version
-        saved = path / ENTROPY_CONTROL_FILE  # absent without a target or warmup: fresh state
+        saved = path / ENTROPY_CONTROL_FILE  # absent without --entropy-target: fresh state
         if saved.exists():
             self.entropy.load_state_dict(strict_json.loads(saved.read_text()))
         # one update per version: the --indexer-drift-interval phase continues as uninterrupted

@@ -50,22 +50,20 @@ def test_the_coefficient_walks_by_its_step_within_zero_and_the_ceiling():
 
 def test_the_warmup_ramps_the_fixed_coefficient_over_trained_steps():
     control = EntropyControl(ceiling=0.05, warmup=4)
-    # the k-th trained step's coefficient is 0.05 x k / 4, by hand; a skipped step (None)
-    # does not count
-    seen = [control.bonus]
-    for entropy in (2.0, None, 1.0, 0.5, 0.1):
-        control.observe(entropy)
-        seen.append(control.bonus)
+    # the k-th trained step (from policy version k - 1) has 0.05 x k / 4, by hand; a skipped
+    # step leaves the version, so it does not count
+    seen = [control.at(version) for version in (0, 1, 1, 2, 3, 4)]
     assert seen == pytest.approx([0.0125, 0.025, 0.025, 0.0375, 0.05, 0.05], abs=1e-12)
+    assert EntropyControl(ceiling=0.05).at(0) == 0.05  # no warmup: the whole bonus at once
 
 
 def test_the_warmup_scales_the_adaptive_coefficient():
     control = EntropyControl(ceiling=0.04, target=0.5, step=0.02, warmup=4)
     # below the target every step: the walk gives 0.02, 0.04, 0.04; the ramp 2/4, 3/4, 4/4
     seen = []
-    for _ in range(3):
+    for version in (1, 2, 3):
         control.observe(0.1)
-        seen.append(control.bonus)
+        seen.append(control.at(version))
     assert seen == pytest.approx([0.01, 0.03, 0.04], abs=1e-12)
 
 
@@ -144,12 +142,12 @@ def test_the_warmup_reaches_the_loss_and_survives_a_checkpoint(checkpoint, tmp_p
     samples = two_groups_of_two(warm, 4, 3)
     first, _ = asyncio.run(train_on(warm, samples))
     asyncio.run(train_on(half, samples))
-    assert first["entropy_coef"] == pytest.approx(0.2)
+    assert first["entropy_coef"] == pytest.approx(0.2) and warm.version == 1
     assert max_diff(float_params(warm.backend.digest()), float_params(half.backend.digest())) == 0.0
     asyncio.run(warm.save_checkpoint(str(tmp_path / "warm")))
 
     resumed = _actor(checkpoint, entropy_coef=0.4, entropy_coef_warmup_steps=2)
     asyncio.run(resumed.load_checkpoint(str(tmp_path / "warm")))
-    assert resumed.entropy.trained == 1 and resumed.entropy.bonus == pytest.approx(0.4)
+    assert resumed.version == 1 and resumed.entropy.at(resumed.version) == pytest.approx(0.4)
     second, _ = asyncio.run(train_on(resumed, samples))
     assert second["entropy_coef"] == pytest.approx(0.4)

@@ -13,8 +13,8 @@ The warmup (``--entropy-coef-warmup-steps N``) scales either coefficient by ``k 
 ``k``-th trained step (the step that makes policy version ``k``), up to 1 from step ``N`` on:
 a near-uniform early policy needs no push towards entropy, and the bonus's per-token reward
 (about ``beta log K`` on a support of ``K`` tokens) is then as large as the early GRPO
-advantages it would drown (docs/design/trainer-math.md#entropy-warmup). A linear ramp, the shape of a learning-rate
-warmup (Goyal et al. 2017, "Accurate, Large Minibatch SGD").
+advantages it would drown (docs/design/trainer-math.md#entropy-warmup). A linear ramp, the
+shape of a learning-rate warmup (Goyal et al. 2017, "Accurate, Large Minibatch SGD").
 """
 from __future__ import annotations
 
@@ -78,8 +78,8 @@ class EntropyControl:
     def at(self, version: int) -> float:
         """``beta`` for the next step's loss when the trainer holds policy version ``version``
         (its count of applied optimizer steps: a skipped step leaves it, a checkpoint restores
-        it): :attr:`bonus` x ``min(1, (version + 1) / warmup)``, ``ceiling / warmup`` at the
-        first step (float, >= 0)."""
+        it): :attr:`bonus` x ``min(1, (version + 1) / warmup)``, ``bonus / warmup`` at the first
+        step (float, >= 0)."""
         if not self.warmup:
             return self.bonus
         return self.bonus * min(1.0, (version + 1) / self.warmup)

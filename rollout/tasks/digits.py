@@ -1,7 +1,8 @@
 """The built-in digit task (``--task digits``, the default without ``--prompt-data``).
 
-* Prompts: the digit puzzle's (``rollout/tasks/digit_puzzle.py``) ``--dataset-size`` prompts
-  drawn from ``--seed``, as text rows tokenised by the run's tokenizer like any prompt file.
+* Prompts: the digit puzzle's (``rollout/tasks/digit_puzzle.py``) ``dataset_size`` prompts
+  (a rollout setting without a flag) drawn from ``--seed``, as text rows tokenised by the
+  run's tokenizer like any prompt file.
   For the default settings (:data:`BUILTIN_SETTINGS`) they ship as ``rollout/data/digits.jsonl``
   (:data:`BUILTIN_FILE`, rows ``{"prompt": "<bos> max 3 1 4 2 =", "label": "4"}``); other
   settings draw them from the generator. Refill prompts are the dataset of ``seed + 7919``.

@@ -1,8 +1,8 @@
 """The built-in sort task (``--task sort``): long verifiable answers, trainable on CPU.
 
 * Prompts: ``<bos> d1 d2 ... dN =``, N = ``--answer-tokens`` digits drawn uniformly from
-  ``0 .. --num-values - 1``; ``--dataset-size`` of them drawn from ``--seed``
-  (:func:`sort_rows`), as text rows tokenised by the run's tokenizer like any prompt file (the
+  ``0 .. --num-values - 1``; ``dataset_size`` of them (a rollout setting without a flag) drawn
+  from ``--seed`` (:func:`sort_rows`), as text rows tokenised by the run's tokenizer like any prompt file (the
   embedded tokenizer's words: one digit = one token). Refill prompts are the dataset of
   ``seed + 7919`` (:data:`replayrl.rollout.tasks.digits.REPLACEMENT_SEED_OFFSET`).
 * Answer: the prompt's N digits in ascending order, then EOS: N + 1 new tokens. The row's label
@@ -56,7 +56,7 @@ def sort_rows(seed: int, answer_tokens: int, num_values: int, dataset_size: int)
 
     Raises:
         TaskConfigError: ``answer_tokens < 1``, ``num_values`` outside ``[2, 10]`` or
-            ``dataset_size < 1`` (names the flag).
+            ``dataset_size < 1`` (names the setting).
     """
     if answer_tokens < 1:
         raise TaskConfigError(f"--answer-tokens must be >= 1, got {answer_tokens}")

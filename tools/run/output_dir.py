@@ -31,12 +31,22 @@ def _inside(path: Path, folder: Path) -> bool:
     return path.resolve().is_relative_to(folder.resolve())
 
 
+def _has_rows(metrics: Path) -> bool:
+    """Whether ``metrics`` exists and holds a row: a run stopped before its first step (a
+    Ctrl-C during start-up, a refused ``--load``) leaves it empty, and trained nothing."""
+    try:
+        with metrics.open("rb") as f:
+            return any(line.strip() for line in f)
+    except FileNotFoundError:
+        return False
+
+
 def earlier_run(config: RunConfig) -> list[str]:
-    """What of an earlier run ``--output-dir`` holds: ``metrics.jsonl`` and / or the
-    checkpoints under ``--save`` (default ``<output-dir>/checkpoints``), as names for a message;
-    empty when it holds none."""
+    """What of an earlier run ``--output-dir`` holds: a ``metrics.jsonl`` with at least one row
+    and / or the checkpoints under ``--save`` (default ``<output-dir>/checkpoints``), as names
+    for a message; empty when it holds none."""
     found = []
-    if (Path(config.output_dir) / "metrics.jsonl").exists():
+    if _has_rows(Path(config.output_dir) / "metrics.jsonl"):
         found.append("metrics.jsonl")
     if checkpoints := _checkpoints(Path(config.save_dir)):
         found.append(f"{len(checkpoints)} checkpoint(s) in {config.save_dir}")

@@ -48,12 +48,23 @@ def test_a_directory_with_a_run_is_refused_saying_what_to_add(tmp_path):
 
 def test_metrics_alone_or_checkpoints_alone_make_a_run(tmp_path):
     (tmp_path / "metrics").mkdir()
-    (tmp_path / "metrics" / "metrics.jsonl").write_text("")
+    (tmp_path / "metrics" / "metrics.jsonl").write_text('{"step": 0}\n')
     with pytest.raises(ConfigError, match=r"\(metrics.jsonl\); add --overwrite to replace it"):
         check_output_dir(_config(tmp_path / "metrics"))
     (tmp_path / "ckpt" / "checkpoints" / "step-1.partial").mkdir(parents=True)
     with pytest.raises(ConfigError, match=r"1 checkpoint\(s\)"):  # killed while saving
         check_output_dir(_config(tmp_path / "ckpt"))
+
+
+def test_a_run_stopped_before_its_first_step_is_no_run(tmp_path):
+    """Ctrl-C during start-up leaves an empty metrics.jsonl (and checkpoint-init, config.json):
+    the same command again is taken, not refused."""
+    out = tmp_path / "stopped"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("\n")
+    (out / "config.json").write_text("{}")
+    (out / "checkpoint-init").mkdir()
+    check_output_dir(_config(out))
 
 
 def test_resuming_one_of_its_checkpoints_or_overwriting_is_allowed(tmp_path):

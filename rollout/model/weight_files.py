@@ -39,6 +39,24 @@ def check_weight_files(directory: str | Path) -> int:
     return count
 
 
+def weight_shapes(directory: str | Path) -> dict[str, tuple[int, ...]]:
+    """Every tensor's name -> shape in a checkpoint directory, from its safetensors headers
+    alone (no tensor is read; no torch).
+
+    Raises:
+        CheckpointError: as :func:`check_weight_files`.
+    """
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path, _ in _weight_files(Path(directory)):
+        try:
+            with safe_open(str(path), framework="numpy") as f:
+                for name in f.keys():
+                    shapes[name] = tuple(int(d) for d in f.get_slice(name).get_shape())
+        except (OSError, SafetensorError) as exc:
+            raise CheckpointError(f"cannot read {path}: {exc}") from exc
+    return shapes
+
+
 def _weight_files(src: Path) -> list[tuple[Path, list[str] | None]]:
     """(shard path, names the index assigns to it, or None = every tensor of a single file)."""
     index = src / INDEX_NAME

@@ -109,7 +109,8 @@ async def test_a_real_run_and_its_resume_write_strict_json_that_reads_back(tmp_p
     assert record["max_staleness"] == 3 and record["trainer"]["lr"] == 1e-3
 
 
-@pytest.mark.parametrize("damage", ["none", "truncated-model", "truncated-state", "clock"])
+@pytest.mark.parametrize("damage", ["none", "truncated-model", "truncated-state", "clock",
+                                    "model-size", "no-indexer"])
 async def test_load_is_checked_before_any_actor_starts(tmp_path, _restore_threads, damage):
     from replayrl.actors.child_process import live_children
     from replayrl.tools.errors import ConfigError
@@ -133,11 +134,21 @@ async def test_load_is_checked_before_any_actor_starts(tmp_path, _restore_thread
         (ckpt / "run_state.json").write_text(strict_json.dumps(
             {"next_step": 1, "data_settings": base.data_settings(), "manager": {},
              "clock": {**clock, "engine_versions": {"engine_0": -5}}}))
-    config = build_config({**SMALL, "num-steps": 3, "output-dir": str(tmp_path / "out"), "load": str(ckpt)})
+    # another run's model: the saved 1m policy (with its indexer) against a 10m one, or one
+    # without the indexer (its three indexer tensors in the first indexed layer unexpected)
+    model_flags = {"model-size": {"model-size": "10m"}, "no-indexer": {"model-indexer": False}}
+    config = build_config({**SMALL, "num-steps": 3, "output-dir": str(tmp_path / "out"), "load": str(ckpt),
+                           **model_flags.get(damage, {})})
     if damage == "none":
         assert check_load(config) == 1
         return
-    with pytest.raises(ConfigError, match=f"--load {ckpt}"):
+    with pytest.raises(ConfigError, match=f"--load {ckpt}") as info:
         await launch(config)
+    if damage == "model-size":
+        # the 1m preset has layers 0-3; 10m's first tensor beyond them, in name order
+        assert "it lacks 'model.layers.4.input_layernorm.weight'" in str(info.value)
+    if damage == "no-indexer":
+        assert "this run's policy has not" in str(info.value)
+        assert ".self_attn.indexer." in str(info.value)
     assert live_children() == []  # refused before any actor process started
     assert not (tmp_path / "out" / "checkpoint-init").exists()

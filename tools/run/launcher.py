@@ -37,7 +37,7 @@ from replayrl.rollout.engines.sglang_protocol import parse_urls
 from replayrl.rollout.errors import PromptDataError, RewardError, RolloutConfigError, RolloutError, TokenizerError
 from replayrl.rollout.model.config import default_config
 from replayrl.rollout.model.errors import ModelError
-from replayrl.rollout.model.weight_files import check_weight_files
+from replayrl.rollout.model.weight_files import check_weight_files, weight_shapes
 from replayrl.rollout.model.word_tokenizer import save_word_tokenizer
 from replayrl.rollout.sample import required_traces
 from replayrl.rollout.scoring.rewards import load_math_verify
@@ -121,7 +121,48 @@ def check_load(config: RunConfig) -> int:
     if clock.trainer_version != version:
         raise ConfigError(f"--load {path}: the clock is at version {clock.trainer_version}, the "
                           f"trainer state at {version}; the checkpoint is inconsistent")
+    if not config.hf_checkpoint:
+        check_load_fits_policy(path, config)
     return version
+
+
+def check_load_fits_policy(path: Path, config: RunConfig) -> None:
+    """Refuse a ``--load`` checkpoint whose weights (``path/model``, safetensors headers only)
+    are not the embedded policy this run's flags build (its tensors' names and shapes, built on
+    torch's meta device: no memory, no initialisation): a checkpoint of another
+    ``--model-size``, or saved with the other ``--model-indexer`` setting, fails here rather
+    than in the trainer once every actor has started. An ``--hf-checkpoint`` run's policy is
+    checked by the trainer's load (the saved names may differ from the checkpoint's own: tied
+    or converted weights), and so is a checkpoint whose backend saved no safetensors model.
+
+    Raises:
+        ConfigError: names ``--load``, the first missing, unexpected or reshaped tensor, and
+            the flags to resume with.
+    """
+    import torch
+
+    from replayrl.rollout.model.qwen3_moe import Qwen3MoeForCausalLM
+
+    try:
+        saved = weight_shapes(path / "model")
+    except ModelError:  # no safetensors model in this backend's checkpoint: the trainer checks it
+        return
+    with torch.device("meta"):
+        policy = {name: tuple(t.shape) for name, t in
+                  Qwen3MoeForCausalLM(config.policy_config).state_dict().items()}
+    missing, unexpected = sorted(set(policy) - set(saved)), sorted(set(saved) - set(policy))
+    reshaped = [name for name in sorted(set(policy) & set(saved)) if policy[name] != saved[name]]
+    if missing:
+        what = f"it lacks {missing[0]!r} ({len(missing)} tensor(s) of this run's policy)"
+    elif unexpected:
+        what = f"it holds {unexpected[0]!r} ({len(unexpected)} tensor(s) this run's policy has not)"
+    elif reshaped:
+        what = f"{reshaped[0]!r} is {list(saved[reshaped[0]])}, this run's {list(policy[reshaped[0]])}"
+    else:
+        return
+    raise ConfigError(f"--load {path}: the checkpoint's model is not this run's policy: {what}; "
+                      f"resume with the model flags of the run that saved it (--model-size, "
+                      f"--model-indexer / --no-model-indexer; its config.json records them)")
 
 
 def write_run_config(config: RunConfig, output: Path) -> Path:
@@ -395,13 +436,21 @@ def check_prompt_data(config: RunConfig, checkpoint_dir: Path, tokenizer_class: 
     process starts.
 
     Raises:
-        ConfigError: the tokenizer cannot be loaded or has more ids than the policy's
-            vocabulary, a prompt row is bad (names file, line and key), ``--rm-type math``
+        ConfigError: ``--rollout-max-response-len`` or ``--eval-max-response-len`` at or past
+            the policy's positions, the tokenizer cannot be loaded or has more ids than the
+            policy's vocabulary, a prompt row is bad (names file, line and key), ``--rm-type math``
             without math-verify, or ``--num-steps`` x ``--rollout-batch-size`` needs more
             prompts than ``--num-epoch`` passes hold.
     """
     r = config.rollout
     model = config.policy_config
+    positions = model.max_position_embeddings
+    for flag, length in (("--rollout-max-response-len", r.max_response_len),
+                         ("--eval-max-response-len", r.eval_max_response_len)):
+        if length >= positions:  # every prompt would be refused, as if the file were at fault
+            raise ConfigError(f"{flag} {length} leaves no room for a prompt in the policy's "
+                              f"{positions} positions (max_position_embeddings); give at most "
+                              f"{positions - 1}, less each prompt's length")
     try:
         tokenizer = load_tokenizer(tokenizer_dir(config, checkpoint_dir),
                                    apply_chat_template=r.apply_chat_template,

@@ -104,3 +104,19 @@ def test_text_prompts_on_the_embedded_tokenizer_name_the_flag_to_give(tmp_path):
         f"model's tokenizer knows (the digit task's); for text prompts give --hf-checkpoint DIR, a "
         f"policy with its own tokenizer (or --tokenizer DIR whose ids fit the policy's vocabulary "
         f"of {vocab})")
+
+
+def test_a_response_length_that_fills_the_positions_names_its_flag_not_the_prompts(tmp_path):
+    """The embedded policy has 256 positions (its preset, built for the built-in task): a
+    256-token eval answer leaves no room for any prompt, which the flag is told, rather than
+    every prompt row being refused as too long by a negative margin."""
+    rows = tmp_path / "eval.jsonl"
+    rows.write_text('{"prompt": "<bos> max 3 1 4 2 =", "label": "4"}\n')
+    config = build_config({"eval-prompt-data": ["test", str(rows)], "eval-interval": 10,
+                           "eval-max-response-len": 256, "output-dir": str(tmp_path / "out")})
+    assert config.policy_config.max_position_embeddings == 256
+    with pytest.raises(ConfigError) as info:
+        check_prompt_data(config, write_embedded_tokenizer(tmp_path / "ckpt"))
+    assert str(info.value) == ("--eval-max-response-len 256 leaves no room for a prompt in the "
+                               "policy's 256 positions (max_position_embeddings); give at most "
+                               "255, less each prompt's length")

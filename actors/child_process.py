@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import traceback
@@ -195,6 +196,7 @@ def run_in_child(fn: Callable[..., T], *args: Any,
         replayrl.actors.errors.RemoteError: its exception (or result) does not pickle (its
             type, message and traceback text);
         replayrl.actors.errors.ActorDied: the child died without answering (its exit code).
+        KeyboardInterrupt: the child died of SIGINT without answering (Ctrl-C while it started).
     """
     result_r, result_w = os.pipe()
     try:
@@ -216,6 +218,12 @@ def run_in_child(fn: Callable[..., T], *args: Any,
     finally:
         child.close()
     if not data:
+        if child.exitcode == -signal.SIGINT:
+            # Ctrl-C reaches the whole process group: a child still starting (importing,
+            # before it can answer) dies of it, and the parent's own interrupt, which the
+            # event loop only turns into a cancellation at its next await, would otherwise
+            # end the run as this child's death (exit 1) instead of an interrupt (130)
+            raise KeyboardInterrupt(f"child process of {fn.__qualname__} interrupted")
         raise ActorDied(f"child process of {fn.__qualname__}", child.exitcode,
                         "exited without an answer")
     ok, value, *text = pickle.loads(data)

@@ -61,6 +61,20 @@ def test_a_child_that_dies_without_answering_is_named_with_its_code():
     assert died.value.exitcode == 3
 
 
+def _die_of_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # no KeyboardInterrupt to answer with: death
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(30)
+
+
+def test_a_child_killed_by_ctrl_c_before_it_answers_is_an_interrupt_here():
+    """Ctrl-C reaches the process group: a child still importing dies of SIGINT (exit code -2)
+    without answering, which the launcher must report as the interrupt it is (exit 130), not as
+    a dead actor (exit 1)."""
+    with pytest.raises(KeyboardInterrupt, match="child process of _die_of_sigint interrupted"):
+        run_in_child(_die_of_sigint)
+
+
 def test_an_exception_that_does_not_pickle_comes_back_as_its_text():
     with pytest.raises(RemoteError, match="_Unpicklable: holds a lock") as raised:
         run_in_child(_raise_unpicklable)

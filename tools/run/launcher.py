@@ -755,9 +755,11 @@ async def launch(config: RunConfig, log_level: int = logging.WARNING,
             except ModelError as exc:
                 raise ConfigError(f"--hf-checkpoint {config.hf_checkpoint}: {exc}") from None
         if not config.policy_config.indexed_layers:
+            source = (f"the policy from --hf-checkpoint {config.hf_checkpoint} has"
+                      if config.hf_checkpoint else "--no-model-indexer: the embedded policy has")
             logging.getLogger(__name__).warning(
-                "indexer replay: not applicable (the policy from --hf-checkpoint %s has no "
-                "indexer block); indexer metrics are n/a", config.hf_checkpoint)
+                "indexer replay: not applicable (%s no indexer block); indexer metrics are n/a",
+                source)
         checkpoint, resolved = _checked_initial_checkpoint(config, output, engine)
     except BaseException:
         if created:  # a configuration error leaves no new output directory behind

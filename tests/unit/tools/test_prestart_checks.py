@@ -120,3 +120,13 @@ def test_a_response_length_that_fills_the_positions_names_its_flag_not_the_promp
     assert str(info.value) == ("--eval-max-response-len 256 leaves no room for a prompt in the "
                                "policy's 256 positions (max_position_embeddings); give at most "
                                "255, less each prompt's length")
+
+
+def test_serve_without_its_extra_names_the_extra_with_exit_code_2(monkeypatch, capsys):
+    from replayrl.tools import cli
+
+    monkeypatch.setitem(sys.modules, "aiohttp", None)  # not importable: find_spec finds nothing
+    assert cli.main(["serve", "--port", "0"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "replayrl: configuration error: replayrl serve needs the aiohttp package: "
+        "pip install 'replayrl[serve]'"]

@@ -86,9 +86,15 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _keys(args: argparse.Namespace) -> int:
     def run() -> int:
+        from replayrl.tools.errors import ConfigError
         from replayrl.transport.curve import create_keys
+        from replayrl.transport.errors import TransportError
 
-        print(f"CURVE key pair written: {create_keys(args.directory)} (pass --curve-keys "
+        try:
+            written = create_keys(args.directory)
+        except TransportError as exc:  # keys already there, or an unwritable directory: the user's
+            raise ConfigError(f"replayrl keys {args.directory}: {exc}") from None
+        print(f"CURVE key pair written: {written} (pass --curve-keys "
               f"{args.directory} to every process of the run)")
         return 0
 

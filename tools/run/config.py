@@ -471,7 +471,7 @@ class RunConfig:
             next_step = int(state["next_step"])
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ConfigError(f"--load {self.load}: not a readable replayrl checkpoint "
-                              f"({path}: {type(exc).__name__}: {exc})") from None
+                              f"({path}: {type(exc).__name__}: {exc}){_load_hint(Path(self.load))}") from None
         if next_step >= self.num_steps:
             raise ConfigError(f"--load {self.load} already completed {next_step} steps; "
                               f"--num-steps {self.num_steps} leaves nothing to do")
@@ -518,3 +518,16 @@ class RunConfig:
             record["save_dir"] = ""
         record["overwrite"] = False  # an instruction to this start, not a setting to repeat
         return strict_json.dumps(absent_as_null(record), indent=1) + "\n"
+
+
+def _load_hint(directory: Path) -> str:
+    """What a ``--load`` that is no replayrl checkpoint may have meant: a Hugging Face model
+    directory (``--hf-checkpoint``), or the ``--save`` folder above its ``step-N`` checkpoints;
+    empty when neither fits."""
+    if (directory / "config.json").is_file() and not (directory / "trainer_state.pt").exists():
+        return "; a Hugging Face model directory starts a run with --hf-checkpoint"
+    steps = sorted((p for p in directory.glob("step-*") if (p / "run_state.json").is_file()),
+                   key=lambda p: int(p.name[5:]) if p.name[5:].isdigit() else -1) if directory.is_dir() else []
+    if steps:
+        return f"; its checkpoints are the step-N folders inside, e.g. --load {steps[-1]}"
+    return ""

@@ -130,3 +130,17 @@ def test_serve_without_its_extra_names_the_extra_with_exit_code_2(monkeypatch, c
     assert capsys.readouterr().err.splitlines() == [
         "replayrl: configuration error: replayrl serve needs the aiohttp package: "
         "pip install 'replayrl[serve]'"]
+
+
+def test_keys_into_a_directory_that_holds_a_pair_is_refused_with_exit_code_2(tmp_path, capsys):
+    from replayrl.tools import cli
+
+    assert cli.main(["keys", str(tmp_path / "k")]) == 0
+    written = sorted(p.name for p in (tmp_path / "k").iterdir())
+    capsys.readouterr()
+    assert cli.main(["keys", str(tmp_path / "k")]) == 2  # never overwritten: peers would split
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"replayrl: configuration error: replayrl keys "
+                                               f"{tmp_path / 'k'}: ")
+    assert "refusing to overwrite" in err[0]
+    assert sorted(p.name for p in (tmp_path / "k").iterdir()) == written

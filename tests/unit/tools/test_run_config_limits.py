@@ -72,6 +72,22 @@ def test_checkpoints_that_cannot_resume_are_rejected(tmp_path):
     assert build_config({"load": str(done), "num-steps": 5}).load == str(done)
 
 
+def test_a_load_of_a_model_directory_or_of_the_save_folder_says_what_was_meant(tmp_path):
+    model = tmp_path / "checkpoint-init"  # what a run writes: an HF directory, no run state
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"run_state.json.*; a Hugging Face model directory "
+                                          r"starts a run with --hf-checkpoint$"):
+        build_config({"load": str(model)})
+    save = tmp_path / "checkpoints"
+    for n in (2, 10):  # step-10 is the latest by number, though "step-2" sorts after it as text
+        (save / f"step-{n}").mkdir(parents=True)
+        (save / f"step-{n}" / "run_state.json").write_text(json.dumps({"next_step": n}))
+    with pytest.raises(ConfigError, match=r"; its checkpoints are the step-N folders inside, "
+                                          r"e\.g\. --load .*step-10$"):
+        build_config({"load": str(save)})
+
+
 @pytest.mark.parametrize("name, text, match", [
     ("dup.json", json.dumps({"num_steps": 3, "num-steps": 4}), "given twice"),
     ("run.yaml", "num-steps: 3\n", "use a .toml or .json"),

@@ -37,7 +37,7 @@ def _has_rows(metrics: Path) -> bool:
     try:
         with metrics.open("rb") as f:
             return any(line.strip() for line in f)
-    except FileNotFoundError:
+    except OSError:  # none, or --output-dir is no directory (its writability check says so)
         return False
 
 

@@ -76,7 +76,10 @@ async def _run(tokdir, env_cls, *, timeout=0.3, failure="abort", tok=None):
 
 
 async def test_a_blocking_step_is_timed_out_while_the_loop_and_the_others_go_on(tokdir):
+    sleeper = []
+
     def sleeps():
+        sleeper.append(threading.current_thread())
         time.sleep(3.0)  # the mistake: blocking code in an async step
         return Step(observation="late")
 
@@ -100,6 +103,9 @@ async def test_a_blocking_step_is_timed_out_while_the_loop_and_the_others_go_on(
     # here), and the loop kept ticking (gaps of 0.03 s here; a blocked loop shows 3 s)
     assert elapsed < 2.5
     assert max(np.diff(ticks)) < 1.0
+    # its stranded thread returns within this test, not during a later one that counts them
+    await asyncio.to_thread(sleeper[0].join, 10)
+    assert not sleeper[0].is_alive()
 
 
 class Unprintable(Exception):

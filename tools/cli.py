@@ -71,12 +71,9 @@ def _repl(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     def run() -> int:
-        import importlib.util
+        from replayrl.tools.run.extras_check import require_extra
 
-        from replayrl.tools.errors import ConfigError
-
-        if importlib.util.find_spec("aiohttp") is None:  # an extra, as --lora-rank's peft
-            raise ConfigError("replayrl serve needs the aiohttp package: pip install 'replayrl[serve]'")
+        require_extra("replayrl serve", "aiohttp", "serve")  # an extra, as --lora-rank's peft
         from replayrl.tools.serve import main as serve_main
 
         return serve_main(args)

@@ -14,8 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from replayrl.actors import ActorDied
+from replayrl.tools.run.checkpoint_layout import latest_checkpoint
 from replayrl.tools.run.config import RunConfig
-from replayrl.tools.run.train_loop import latest_checkpoint
 
 
 def explain_colocated_loss(config: RunConfig, exc: ActorDied,

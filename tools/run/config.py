@@ -47,6 +47,7 @@ from replayrl.rollout.tasks.sort import prompt_tokens
 from replayrl.rollout.weight_sync import WEIGHT_SYNC_CHOICES
 from replayrl.rollout.weight_sync.run_check import check_run as check_weight_sync_run
 from replayrl.tools.errors import ConfigError
+from replayrl.tools.run.checkpoint_layout import RUN_STATE_FILE, latest_checkpoint
 from replayrl.trainer.backends.run_checks import check_run as check_backend_run
 from replayrl.trainer.config import TrainerConfig
 from replayrl.trainer.errors import TrainerConfigError
@@ -465,7 +466,7 @@ class RunConfig:
             raise ConfigError(f"--curve-keys {self.curve_keys}: {exc}") from None
 
     def _check_checkpoint(self) -> None:
-        path = Path(self.load) / "run_state.json"
+        path = Path(self.load) / RUN_STATE_FILE
         try:
             state = strict_json.loads(path.read_text())
             next_step = int(state["next_step"])
@@ -526,8 +527,7 @@ def _load_hint(directory: Path) -> str:
     empty when neither fits."""
     if (directory / "config.json").is_file() and not (directory / "trainer_state.pt").exists():
         return "; a Hugging Face model directory starts a run with --hf-checkpoint"
-    steps = sorted((p for p in directory.glob("step-*") if (p / "run_state.json").is_file()),
-                   key=lambda p: int(p.name[5:]) if p.name[5:].isdigit() else -1) if directory.is_dir() else []
-    if steps:
-        return f"; its checkpoints are the step-N folders inside, e.g. --load {steps[-1]}"
+    latest = latest_checkpoint(directory)
+    if latest is not None:
+        return f"; its checkpoints are the step-N folders inside, e.g. --load {latest}"
     return ""

@@ -27,8 +27,15 @@ WANDB_HOST = "https://api.wandb.ai"
 """The W&B server when ``WANDB_BASE_URL`` does not name another."""
 
 
-def _missing(package: str) -> bool:
-    return importlib.util.find_spec(package) is None
+def require_extra(wanted_by: str, package: str, extra: str) -> None:
+    """Refuse ``wanted_by`` (a flag or a command) when ``package`` is not installed, without
+    importing it.
+
+    Raises:
+        ConfigError: ``"<wanted_by> needs the <package> package: pip install 'replayrl[<extra>]'"``.
+    """
+    if importlib.util.find_spec(package) is None:
+        raise ConfigError(f"{wanted_by} needs the {package} package: pip install 'replayrl[{extra}]'")
 
 
 def check_extras(config: RunConfig, environ: Mapping[str, str] | None = None) -> None:
@@ -45,8 +52,8 @@ def check_extras(config: RunConfig, environ: Mapping[str, str] | None = None) ->
              (config.use_tensorboard, "--use-tensorboard", "tensorboard", "tensorboard"),
              (config.use_wandb, "--use-wandb", "wandb", "wandb")]
     for wanted, flag, package, extra in needs:
-        if wanted and _missing(package):
-            raise ConfigError(f"{flag} needs the {package} package: pip install 'replayrl[{extra}]'")
+        if wanted:
+            require_extra(flag, package, extra)
     if config.use_wandb and (problem := wandb_login_problem(os.environ if environ is None else environ)):
         raise ConfigError(f"--use-wandb: {problem}")
 

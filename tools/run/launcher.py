@@ -52,6 +52,7 @@ from replayrl.rollout.weight_sync.run_check import resolve as resolve_sync
 from replayrl.rollout.weight_sync.run_check import trainer_spec as weight_sync_spec
 from replayrl.tools.errors import ConfigError
 from replayrl.tools.run.attach_card import remove_attach_card, write_attach_card
+from replayrl.tools.run.checkpoint_layout import RUN_STATE_FILE
 from replayrl.tools.run.colocated_loss import explain_colocated_loss
 from replayrl.tools.run.config import RunConfig
 from replayrl.tools.run.extras_check import check_extras
@@ -111,7 +112,7 @@ def check_load(config: RunConfig) -> int:
     path = Path(config.load)
     try:
         version = resolve_backend(config.trainer.train_backend).check_checkpoint(path, config.trainer)
-        state = strict_json.loads((path / "run_state.json").read_text())
+        state = strict_json.loads((path / RUN_STATE_FILE).read_text())
         clock = VersionRules.from_state_dict(state["clock"])
         prefetched = state["manager"].get("prefetched")
         if prefetched and config.max_staleness > 0:  # the resumed run trains it as it was

@@ -11,8 +11,8 @@ import shutil
 from pathlib import Path
 
 from replayrl.tools.errors import ConfigError
+from replayrl.tools.run.checkpoint_layout import latest_checkpoint
 from replayrl.tools.run.config import RunConfig
-from replayrl.tools.run.train_loop import latest_checkpoint
 
 RUN_FILES = ("metrics.jsonl", "reward.png", "attach.json")
 """Files of a run in its ``--output-dir`` that ``--overwrite`` removes (the new run writes

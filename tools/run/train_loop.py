@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Callable
 
 from replayrl.actors import Directory
+from replayrl.tools.run.checkpoint_layout import RUN_STATE_FILE
 from replayrl.tools.run.config import RunConfig
 from replayrl.transport import strict_json
 
@@ -123,7 +124,7 @@ async def save_checkpoint(directory: Directory, path: Path, next_step: int,
     Everything is written into ``<path>.partial`` first and renamed to ``path`` once complete,
     so an actor that dies while saving (or a run killed then) leaves the earlier checkpoints
     intact and no directory named like a checkpoint that is not one
-    (:func:`latest_checkpoint`). The rollout manager writes the prefetched rollout
+    (:func:`replayrl.tools.run.checkpoint_layout.latest_checkpoint`). The rollout manager writes the prefetched rollout
     ``next_step`` there, when the loop already generated it.
     """
     partial = path.with_name(path.name + ".partial")
@@ -133,7 +134,7 @@ async def save_checkpoint(directory: Directory, path: Path, next_step: int,
     state = {"next_step": next_step, "data_settings": config.data_settings(),
              "clock": await directory.proxy("version_clock").state(),
              "manager": await directory.proxy("rollout_manager").state(next_step, str(partial))}
-    (partial / "run_state.json").write_text(strict_json.dumps(state, indent=1))
+    (partial / RUN_STATE_FILE).write_text(strict_json.dumps(state, indent=1))
     if path.exists():  # a rerun into the same --save directory replaces its checkpoint
         shutil.rmtree(path)
     os.replace(partial, path)
@@ -145,19 +146,7 @@ def checkpoint_next_step(path: Path) -> int:
     Raises:
         FileNotFoundError: ``path`` is not a replayrl checkpoint.
     """
-    return int(strict_json.loads((path / "run_state.json").read_text())["next_step"])
-
-
-def latest_checkpoint(save_dir: Path) -> Path | None:
-    """The complete checkpoint of the most steps under ``save_dir`` (``step-N`` directories
-    holding a ``run_state.json``; a ``.partial`` one, killed while written, never), or ``None``
-    when there is none (or no such directory)."""
-    found = []
-    for child in Path(save_dir).glob("step-*"):
-        number = child.name.removeprefix("step-")
-        if number.isdigit() and (child / "run_state.json").is_file():
-            found.append((int(number), child))
-    return max(found)[1] if found else None
+    return int(strict_json.loads((path / RUN_STATE_FILE).read_text())["next_step"])
 
 
 async def load_checkpoint(directory: Directory, path: Path, prefetched: bool = True) -> int:
@@ -169,7 +158,7 @@ async def load_checkpoint(directory: Directory, path: Path, prefetched: bool = T
     Raises:
         FileNotFoundError: ``path`` is not a replayrl checkpoint.
     """
-    state = strict_json.loads((path / "run_state.json").read_text())
+    state = strict_json.loads((path / RUN_STATE_FILE).read_text())
     await directory.proxy("trainer").load_checkpoint(str(path))
     await directory.proxy("version_clock").load_state(state["clock"])
     await directory.proxy("rollout_manager").load_state(state["manager"], str(path), prefetched)

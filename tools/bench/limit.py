@@ -196,7 +196,7 @@ def table(rows: Sequence[LimitRow]) -> str:
     """Markdown table: the four medians, both ratios to their limits, the core bound and the
     asynchronous step against the larger of the three, and the rest."""
     head = ("| point | generation alone | training alone | async step | / max (target <= 1.15) "
-            "| sync step | / sum (target <= 1.10) | CPU s alone, gen + train / cores | core bound "
+            "| sync step | / sum (target <= 1.10) | CPU s alone: (gen + train) / cores | core bound "
             "| async / max(gen, train, core bound) | "
             + " | ".join(k.removesuffix("_seconds") for k in REST_KEYS) + " |")
     lines = [head, "|---" + "|---:" * (head.count("|") - 2) + "|"]
@@ -204,7 +204,7 @@ def table(rows: Sequence[LimitRow]) -> str:
         lines.append(f"| {r.point.model_size} x {r.point.answer_tokens} | {r.generate:.3f} | "
                      f"{r.train:.3f} | {r.async_step:.3f} | {r.async_ratio:.2f} | "
                      f"{r.sync_step:.3f} | {r.sync_ratio:.2f} | "
-                     f"{r.generate_cpu:.3f} + {r.train_cpu:.3f} / {r.cores} | {r.core_bound:.3f} | "
+                     f"({r.generate_cpu:.3f} + {r.train_cpu:.3f}) / {r.cores} | {r.core_bound:.3f} | "
                      f"{r.bound_ratio:.2f} | "
                      + " | ".join(f"{r.rest[k]:.3f}" for k in REST_KEYS) + " |")
     return "\n".join(lines)

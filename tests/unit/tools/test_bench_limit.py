@@ -27,7 +27,7 @@ def test_ratios_to_the_two_limits_and_the_table():
     assert row.bound_ratio == pytest.approx(0.6 / 0.55)  # the core bound is the larger here
     line = limit.table([row]).splitlines()[-1]
     assert line.startswith("| 1m x 2 | 0.200 | 0.500 | 0.600 | 1.20 | 0.770 | 1.10 | "
-                           "0.200 + 0.900 / 2 | 0.550 | 1.09 | 0.010 |")
+                           "(0.200 + 0.900) / 2 | 0.550 | 1.09 | 0.010 |")
     cores_to_spare = limit.LimitRow(GridPoint("1m", 2), generate=0.2, train=0.5, async_step=0.6,
                                     sync_step=0.77, rest=rest, generate_cpu=0.2, train_cpu=0.5,
                                     cores=16)

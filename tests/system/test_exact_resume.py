@@ -16,7 +16,7 @@ import pytest
 from replayrl.rollout.dispatch.prefetched import FILE_NAME
 from replayrl.tools.bench.resume import argv_of
 from replayrl.tools.errors import ConfigError
-from replayrl.tools.run.checkpoint_layout import latest_checkpoint
+from replayrl.tools.run.checkpoint_dirs import latest_checkpoint
 from replayrl.tools.run.from_flags import build_config
 from replayrl.tools.run.launcher import check_load, launch
 from tests.child_env import PYTHONPATH

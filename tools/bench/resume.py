@@ -11,7 +11,7 @@ command (``--save-interval 1``) runs three times, each as its own process group:
    and the run state and the rename are still to come (deterministic, no poll).
 
 Each killed run is then resumed with the same command plus ``--load`` of its last complete
-checkpoint (``replayrl.tools.run.checkpoint_layout.latest_checkpoint``; a ``.partial`` one is never
+checkpoint (``replayrl.tools.run.checkpoint_dirs.latest_checkpoint``; a ``.partial`` one is never
 taken) into the same output directory, and its ``metrics.jsonl`` is compared with the
 uninterrupted run's, row by row, on every key but the timings (names with ``second``): equal,
 or the first differing step and key. The prompts of the rows (``prompt_indices``) are counted
@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 from replayrl.tools.bench.usage import bench_parser
-from replayrl.tools.run.checkpoint_layout import latest_checkpoint
+from replayrl.tools.run.checkpoint_dirs import latest_checkpoint
 from replayrl.transport import strict_json
 
 BASE = {"rollout-batch-size": 4, "n-samples-per-prompt": 4, "save-interval": 1, "seed": 1}

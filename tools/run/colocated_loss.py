@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from replayrl.actors import ActorDied
-from replayrl.tools.run.checkpoint_layout import latest_checkpoint
+from replayrl.tools.run.checkpoint_dirs import latest_checkpoint
 from replayrl.tools.run.config import RunConfig
 
 

@@ -47,7 +47,7 @@ from replayrl.rollout.tasks.sort import prompt_tokens
 from replayrl.rollout.weight_sync import WEIGHT_SYNC_CHOICES
 from replayrl.rollout.weight_sync.run_check import check_run as check_weight_sync_run
 from replayrl.tools.errors import ConfigError
-from replayrl.tools.run.checkpoint_layout import RUN_STATE_FILE, latest_checkpoint
+from replayrl.tools.run.checkpoint_dirs import RUN_STATE_FILE, latest_checkpoint
 from replayrl.trainer.backends.run_checks import check_run as check_backend_run
 from replayrl.trainer.config import TrainerConfig
 from replayrl.trainer.errors import TrainerConfigError

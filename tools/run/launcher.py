@@ -52,7 +52,7 @@ from replayrl.rollout.weight_sync.run_check import resolve as resolve_sync
 from replayrl.rollout.weight_sync.run_check import trainer_spec as weight_sync_spec
 from replayrl.tools.errors import ConfigError
 from replayrl.tools.run.attach_card import remove_attach_card, write_attach_card
-from replayrl.tools.run.checkpoint_layout import RUN_STATE_FILE
+from replayrl.tools.run.checkpoint_dirs import RUN_STATE_FILE
 from replayrl.tools.run.colocated_loss import explain_colocated_loss
 from replayrl.tools.run.config import RunConfig
 from replayrl.tools.run.extras_check import check_extras

@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 
 from replayrl.tools.errors import ConfigError
-from replayrl.tools.run.checkpoint_layout import latest_checkpoint
+from replayrl.tools.run.checkpoint_dirs import latest_checkpoint
 from replayrl.tools.run.config import RunConfig
 
 RUN_FILES = ("metrics.jsonl", "reward.png", "attach.json")

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Callable
 
 from replayrl.actors import Directory
-from replayrl.tools.run.checkpoint_layout import RUN_STATE_FILE
+from replayrl.tools.run.checkpoint_dirs import RUN_STATE_FILE
 from replayrl.tools.run.config import RunConfig
 from replayrl.transport import strict_json
 
@@ -124,7 +124,7 @@ async def save_checkpoint(directory: Directory, path: Path, next_step: int,
     Everything is written into ``<path>.partial`` first and renamed to ``path`` once complete,
     so an actor that dies while saving (or a run killed then) leaves the earlier checkpoints
     intact and no directory named like a checkpoint that is not one
-    (:func:`replayrl.tools.run.checkpoint_layout.latest_checkpoint`). The rollout manager writes the prefetched rollout
+    (:func:`replayrl.tools.run.checkpoint_dirs.latest_checkpoint`). The rollout manager writes the prefetched rollout
     ``next_step`` there, when the loop already generated it.
     """
     partial = path.with_name(path.name + ".partial")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from replayrl.tools.run.checkpoint_layout import latest_checkpoint
+from replayrl.tools.run.checkpoint_dirs import latest_checkpoint
 from replayrl.tools.run.metrics import earlier_rows
 from replayrl.tools.run.train_loop import checkpoint_next_step, save_checkpoint
 

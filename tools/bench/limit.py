@@ -60,9 +60,9 @@ class LimitRow:
     async_step: float
     sync_step: float
     rest: dict
-    generate_cpu: float = 0.0
-    train_cpu: float = 0.0
-    cores: int = 1
+    generate_cpu: float
+    train_cpu: float
+    cores: int
 
     @property
     def core_bound(self) -> float:

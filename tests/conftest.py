@@ -102,6 +102,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.skip(reason=f"needs a CUDA device: {absent}"))
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _matplotlib_font_cache() -> None:
+    """matplotlib builds its font cache on first use by running ``fc-list``: on a machine without
+    the cache, whichever plotting unit test came first failed the process guard below. Build it
+    once per test process, before any test's guard."""
+    if importlib.util.find_spec("matplotlib") is not None:
+        import matplotlib.font_manager  # noqa: F401 -- importing it loads or builds the cache
+
+
 @pytest.fixture(autouse=True)
 def _unit_tests_start_no_process(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
     """A test outside ``tests/system/`` that starts a process fails, naming it: the fast subset
